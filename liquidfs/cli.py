@@ -1,0 +1,187 @@
+"""The ``liquidfs`` command: argument parsing and user-facing messages for every subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import __version__
+
+log = logging.getLogger(__name__)
+
+EPILOG = """\
+typical use:
+  liquidfs prepare /data/cityscapes --store /nvme/liquid --ratio 0.7
+  liquidfs mount /data/cityscapes /mnt/cityscapes --store /nvme/liquid
+  python train.py --data /mnt/cityscapes
+  liquidfs umount /mnt/cityscapes
+"""
+
+
+def _setup_logging(level: str, log_file: str | None) -> None:
+    handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _store_for(source: str, store: str | None) -> Path:
+    from .catalog import default_store_dir
+
+    return Path(store).absolute() if store else default_store_dir(source)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=os.environ.get("LIQUIDFS_LOG_LEVEL", "warning"),
+                   choices=["debug", "info", "warning", "error"], help="logging verbosity (default: warning)")
+    p.add_argument("--log-file", help="log to this file instead of stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="liquidfs", description="A read-only FUSE filesystem that serves image datasets as a lossless "
+        "mix of original and pre-expanded raw (BMP) images, for unmodified data loaders.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"liquidfs {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("mount", help="mount a dataset (daemonizes; returns once the mount answers)",
+                       description="Mount SOURCE read-only on MOUNTPOINT. The tree is answered from a catalog "
+                       "(built on first mount, reused while the source is unchanged). Without --foreground the "
+                       "daemon detaches and this command returns once the mount answers. A stale mount left "
+                       "by a killed daemon ('Transport endpoint is not connected') is cleaned up automatically.")
+    m.add_argument("source", help="the dataset directory")
+    m.add_argument("mountpoint", help="an empty directory to mount on")
+    m.add_argument("--store", help="directory holding the catalog and the raw objects "
+                   "(default: ~/.cache/liquidfs/<hash of SOURCE>)")
+    m.add_argument("--foreground", "-f", action="store_true",
+                   help="stay in the foreground (containers, debugging); Ctrl-C or SIGTERM unmounts")
+    m.add_argument("--allow-other", action="store_true",
+                   help="let other users read the mount (file modes are enforced); needs user_allow_other "
+                   "in /etc/fuse.conf when not root")
+    m.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT]",
+                   help="extra FUSE mount options")
+    m.add_argument("--threads", type=int, default=4, help="storage reads in flight at once (default 4)")
+    m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    _add_common(m)
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to exit",
+                       description="Unmount MOUNTPOINT and wait until its daemon has exited. A busy mount is "
+                       "refused with the list of processes holding it, unless --lazy.")
+    u.add_argument("mountpoint")
+    u.add_argument("--lazy", "-z", action="store_true", help="detach now, finish when the last user lets go")
+    u.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
+    _add_common(u)
+
+    s = sub.add_parser("stats", help="show a running mount's statistics",
+                       description="Print the statistics of the liquidfs mount at MOUNTPOINT (read from its "
+                       "hidden control file).")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+                   help="repeat every SECONDS (default 2) until Ctrl-C")
+    s.add_argument("--probe", action="store_true",
+                   help="print nothing; exit 0 only if the mount answers (for readiness probes)")
+    _add_common(s)
+
+    from . import prepare as prepare_mod
+    prepare_mod.add_arguments(sub, _add_common)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level, args.log_file)
+    from .mount import MountError
+    from .catalog import CatalogError
+
+    try:
+        return int(args.func(args)) if hasattr(args, "func") else _COMMANDS[args.command](args)
+    except (MountError, CatalogError, FileNotFoundError, NotADirectoryError) as exc:
+        print(f"liquidfs {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"liquidfs {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from .catalog import open_or_build
+    from .mount import MountConfig, check_mountpoint, serve, spawn_daemon
+
+    source = Path(args.source).absolute()
+    if not source.is_dir():
+        raise NotADirectoryError(f"source {source} is not a directory")
+    mountpoint = Path(args.mountpoint).absolute()
+    store = _store_for(args.source, args.store)
+    check_mountpoint(mountpoint)
+    if not args.foreground:
+        started = time.monotonic()
+        open_or_build(source, store, rescan=args.rescan).close()
+        log_file = Path(args.log_file) if args.log_file else store / "mount.log"
+        argv = ["mount", str(source), str(mountpoint), "--store", str(store),
+                "--log-level", args.log_level if args.log_level != "warning" else "info",
+                "--log-file", str(log_file), "--threads", str(args.threads)]
+        if args.allow_other:
+            argv.append("--allow-other")
+        for opt in args.options:
+            argv += ["-o", opt]
+        spawn_daemon(argv, log_file)
+        print(f"liquidfs: {source} mounted on {mountpoint} ({time.monotonic() - started:.1f} s; log {log_file})")
+        return 0
+    if args.ready_fd is None:
+        open_or_build(source, store, rescan=args.rescan).close()
+    options = [o for opts in args.options for o in opts.split(",") if o]
+    config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
+                         fuse_options=options, threads=args.threads)
+    return serve(config, ready_fd=args.ready_fd)
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    from .mount import unmount
+
+    unmount(Path(args.mountpoint), lazy=args.lazy, timeout=args.timeout)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .mount import read_control
+
+    mountpoint = Path(args.mountpoint)
+    if args.probe:
+        try:
+            read_control(mountpoint)
+        except (OSError, ValueError):
+            return 1
+        return 0
+    while True:
+        try:
+            values = read_control(mountpoint)
+        except FileNotFoundError:
+            print(f"liquidfs stats: {mountpoint} is not a liquidfs mount", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"liquidfs stats: cannot read {mountpoint}: {exc.strerror}", file=sys.stderr)
+            return 1
+        if args.json:
+            print(json.dumps(values, indent=1, sort_keys=True))
+        else:
+            width = max(len(k) for k in values)
+            for key in sorted(values):
+                print(f"{key:<{width}}  {values[key]}")
+        if not args.watch:
+            return 0
+        sys.stdout.flush()
+        time.sleep(args.watch)
+        print()
+
+
+_COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats}

@@ -1,0 +1,292 @@
+"""The FUSE layer: translates kernel requests into catalog queries and reads, and nothing else.
+
+Only ``FUSEError`` may leave a handler: any other exception would end pyfuse3's main loop and leave a dead mount,
+so every handler goes through ``_handler``, which turns ``OSError`` into its errno and anything else into EIO
+(logged with its traceback once per kind of failure).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from .catalog import KIND_DIR, KIND_SYMLINK, ROOT_ID, Catalog, Node
+from .reader import Content, StoreReader
+from .stats import MountStats
+
+log = logging.getLogger(__name__)
+
+#: A hidden entry at the root: found by lookup, never listed by readdir, so `ls -a` shows the tree unchanged.
+CONTROL_NAME = b".__liquidfs__"
+CONTROL_ID = 1 << 62
+#: The tree never changes under a mount, so the kernel may keep names and attributes for long.
+ATTR_TIMEOUT = 300.0
+_BLOCK = 512
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _handler(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+    @functools.wraps(func)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await func(*args, **kwargs)
+        except FUSEError:
+            raise
+        except OSError as exc:
+            self = args[0]
+            self.stats.errors += 1  # type: ignore[attr-defined]
+            code = exc.errno or errno.EIO
+            log.warning("%s: %s", func.__name__, exc)
+            raise FUSEError(code) from None
+        except Exception:
+            self = args[0]
+            self.stats.errors += 1  # type: ignore[attr-defined]
+            log.exception("unexpected error in %s; answering EIO", func.__name__)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class Operations(pyfuse3.Operations):
+    """A read-only view of a catalog; file bytes come from a ``StoreReader``."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
+                 *, thread_limiter: trio.CapacityLimiter | None = None) -> None:
+        super().__init__()
+        self.catalog = catalog
+        self.reader = reader
+        self.stats = stats
+        self.lookups: dict[int, int] = {}
+        self.open_files: dict[int, Content] = {}
+        self._next_fh = 1
+        # Sizes that differ from the catalog's (a fallback to the original, a source changed in place).
+        self.size_overrides: dict[int, int] = {}
+        # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
+        self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        files, served, _ = catalog.totals()
+        self.stats.files = files
+        self.stats.dataset_bytes = served
+        self.control_extra: Callable[[], dict[str, Any]] | None = None
+
+    # -- attributes ----------------------------------------------------------------------------------
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = node.id
+        entry.generation = 0
+        entry.entry_timeout = ATTR_TIMEOUT
+        entry.attr_timeout = ATTR_TIMEOUT
+        mode = node.mode
+        # Read-only: no write bits, whatever the source says.
+        entry.st_mode = mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+        entry.st_nlink = node.nlink
+        entry.st_uid = self.uid
+        entry.st_gid = self.gid
+        size = self.size_overrides.get(node.id, node.size_served)
+        entry.st_size = size
+        entry.st_blksize = 1 << 20
+        entry.st_blocks = -(-size // _BLOCK)
+        entry.st_atime_ns = node.mtime_ns
+        entry.st_mtime_ns = node.mtime_ns
+        entry.st_ctime_ns = node.mtime_ns
+        return entry
+
+    def _control_attrs(self) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = CONTROL_ID
+        entry.st_mode = stat.S_IFREG | 0o444
+        entry.st_nlink = 1
+        entry.st_uid = self.uid
+        entry.st_gid = self.gid
+        entry.st_size = 0  # served with direct_io: readers read until EOF, not to st_size
+        entry.entry_timeout = 0
+        entry.attr_timeout = 0
+        return entry
+
+    def _node(self, inode: int) -> Node:
+        node = self.catalog.get(inode)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        return node
+
+    # -- lookups -------------------------------------------------------------------------------------
+
+    @_handler
+    async def lookup(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if parent_inode == ROOT_ID and name == CONTROL_NAME:
+            return self._control_attrs()
+        if name == b".":
+            node = self._node(parent_inode)
+        elif name == b"..":
+            node = self._node(self._node(parent_inode).parent)
+        else:
+            found = self.catalog.lookup(parent_inode, name)
+            if found is None:
+                raise FUSEError(errno.ENOENT)
+            node = found
+        self.lookups[node.id] = self.lookups.get(node.id, 0) + 1
+        return self._attrs(node)
+
+    async def forget(self, inode_list: list[tuple[pyfuse3.InodeT, int]]) -> None:
+        for inode, count in inode_list:
+            left = self.lookups.get(inode, 0) - count
+            if left > 0:
+                self.lookups[inode] = left
+            else:
+                self.lookups.pop(inode, None)
+                self.size_overrides.pop(inode, None)
+
+    @_handler
+    async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if inode == CONTROL_ID:
+            return self._control_attrs()
+        return self._attrs(self._node(inode))
+
+    @_handler
+    async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileNameT:
+        node = self._node(inode)
+        if node.kind != KIND_SYMLINK or node.target is None:
+            raise FUSEError(errno.EINVAL)
+        return pyfuse3.FileNameT(node.target)
+
+    @_handler
+    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
+        if self._node(inode).kind != KIND_DIR:
+            raise FUSEError(errno.ENOTDIR)
+        return pyfuse3.FileHandleT(inode)
+
+    @_handler
+    async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # The offset handed to the kernel is the entry's id: stable across calls, so a listing interrupted
+        # by a full reply buffer resumes exactly after the last entry the kernel accepted.
+        after = start_id
+        while True:
+            page = self.catalog.children(fh, after_id=after)
+            if not page:
+                return
+            for node in page:
+                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), self._attrs(node), node.id):
+                    return
+                # readdirplus: every accepted entry counts as a lookup the kernel will forget.
+                self.lookups[node.id] = self.lookups.get(node.id, 0) + 1
+                after = node.id
+
+    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
+        return None
+
+    @_handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = _BLOCK
+        out.f_frsize = _BLOCK
+        out.f_blocks = -(-self.stats.dataset_bytes // _BLOCK)
+        out.f_bfree = 0
+        out.f_bavail = 0
+        out.f_files = self.stats.files
+        out.f_ffree = 0
+        out.f_favail = 0
+        out.f_namemax = 255
+        return out
+
+    # -- file contents -------------------------------------------------------------------------------
+
+    @_handler
+    async def open(self, inode: pyfuse3.InodeT, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
+            raise FUSEError(errno.EROFS)
+        if inode == CONTROL_ID:
+            content = Content(size=0, raw=False, data=memoryview(self._control_bytes()))
+            return self._new_handle(content, direct_io=True)
+        node = self._node(inode)
+        if node.kind == KIND_DIR:
+            raise FUSEError(errno.EISDIR)
+        content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+        self.stats.opens += 1
+        self.stats.opens_raw += content.raw
+        self.stats.bytes_from_storage += content.size if content.data is not None else 0
+        if content.fallback:
+            self.stats.fallbacks += 1
+        if content.size != self.size_overrides.get(inode, node.size_served):
+            # The kernel was told another size (fallback, or a source changed in place): correct it.
+            self.size_overrides[inode] = content.size
+            _notify_in_background(pyfuse3.invalidate_inode, inode, True)
+        return self._new_handle(content, direct_io=False)
+
+    def _new_handle(self, content: Content, *, direct_io: bool) -> pyfuse3.FileInfo:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.open_files[fh] = content
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=direct_io, keep_cache=False,
+                                nonseekable=False)
+
+    @_handler
+    async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
+        content = self.open_files[fh]
+        if content.data is None:
+            data = await trio.to_thread.run_sync(content.read, off, size, limiter=self.thread_limiter)
+        else:
+            data = content.read(off, size)
+        self.stats.bytes_read += len(data)
+        return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
+
+    async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        content = self.open_files.pop(fh, None)
+        if content is not None:
+            content.close()
+
+    def _control_bytes(self) -> bytes:
+        values = self.stats.to_dict()
+        values["open_files"] = len(self.open_files)
+        values["known_inodes"] = len(self.lookups)
+        if self.control_extra is not None:
+            values.update(self.control_extra())
+        return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()
+
+    # -- everything that would write -----------------------------------------------------------------
+
+    async def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise FUSEError(errno.EROFS)
+
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
+    write = create = setxattr = removexattr = fsync = fsyncdir = _read_only
+
+    async def getxattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT,
+                       ctx: pyfuse3.RequestContext) -> bytes:
+        raise FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return []
+
+    async def flush(self, fh: pyfuse3.FileHandleT) -> None:
+        return None
+
+
+def _notify_in_background(func: Callable[..., Any], *args: Any) -> None:
+    """Kernel notifications must not run inside the request they concern (libfuse: may deadlock)."""
+    import threading
+
+    def run() -> None:
+        try:
+            func(*args)
+        except OSError as exc:  # the kernel forgot the inode already: nothing to correct
+            log.debug("%s%r: %s", func.__name__, args, exc)
+
+    threading.Thread(target=run, daemon=True).start()

@@ -1,0 +1,245 @@
+"""Mount lifecycle: checks of the mount point, daemonizing, readiness, signals, clean unmount.
+
+``liquidfs mount`` (no ``--foreground``) prepares the catalog in the calling process, so errors and progress reach
+the user's terminal, then starts the daemon as a detached child and returns once the child says the mount answers.
+"""
+
+from __future__ import annotations
+
+import errno
+import faulthandler
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from .catalog import Catalog
+from .fs import CONTROL_NAME, Operations
+from .reader import StoreReader
+from .stats import MountStats
+
+log = logging.getLogger(__name__)
+
+
+class MountError(Exception):
+    """A mount that cannot be made; the message is for the user."""
+
+
+@dataclass
+class MountConfig:
+    source: Path
+    mountpoint: Path
+    store: Path
+    allow_other: bool = False
+    fuse_options: list[str] = field(default_factory=list)
+    threads: int = 4
+    metrics_port: int | None = None
+
+
+def is_stale(mountpoint: Path) -> bool:
+    """A FUSE mount whose daemon is gone: every access that reaches it fails with ENOTCONN."""
+    try:
+        # statfs always reaches the daemon; a stat of the root may be answered from cached attributes.
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        # ENOTCONN, or ECONNABORTED for the first access after the daemon died (newer kernels)
+        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
+
+
+def clean_stale(mountpoint: Path) -> None:
+    log.warning("%s is a stale mount (its daemon died); unmounting it lazily", mountpoint)
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
+
+
+def check_mountpoint(mountpoint: Path) -> None:
+    """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount."""
+    if is_stale(mountpoint):
+        clean_stale(mountpoint)
+    if not mountpoint.exists():
+        raise MountError(f"mount point {mountpoint} does not exist (mkdir it first)")
+    if not mountpoint.is_dir():
+        raise MountError(f"mount point {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise MountError(f"{mountpoint} is already mounted; run `liquidfs umount {mountpoint}` first")
+    if any(os.scandir(mountpoint)):
+        raise MountError(f"mount point {mountpoint} is not empty")
+
+
+def fuse_options(config: MountConfig) -> set[str]:
+    options = set(pyfuse3.default_options)  # default_permissions: the kernel enforces file modes
+    options |= {"ro", "fsname=liquidfs", "subtype=liquidfs", "noatime"}
+    if config.allow_other:
+        options.add("allow_other")
+    options.update(config.fuse_options)
+    return options
+
+
+def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
+    """Mount and serve in this process until unmounted or signalled; returns the exit status."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    catalog = Catalog.open(config.store, readonly=True)
+    stats = MountStats(source=str(config.source), store=str(config.store))
+    reader = StoreReader(catalog.source, config.store)
+    ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads))
+    try:
+        pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
+    except RuntimeError as exc:
+        raise MountError(f"cannot mount {config.mountpoint}: {exc}") from exc
+    log.info("mounted %s on %s (pid %d)", config.source, config.mountpoint, os.getpid())
+    unmount = True
+    try:
+        trio.run(_main, config, ready_fd)
+    except BaseException:
+        log.exception("the filesystem loop failed; unmounting")
+        raise
+    finally:
+        pyfuse3.close(unmount=unmount)
+        catalog.close()
+        log.info("unmounted %s", config.mountpoint)
+    return 0
+
+
+async def _main(config: MountConfig, ready_fd: int | None) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        nursery.start_soon(_signal_ready, config.mountpoint, ready_fd)
+        await pyfuse3.main()
+        # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
+        nursery.cancel_scope.cancel()
+
+
+async def _stop_on_signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return
+
+
+async def _signal_ready(mountpoint: Path, ready_fd: int | None) -> None:
+    # A stat of the control entry goes through the kernel to this very loop: once it answers, so does the mount.
+    await trio.to_thread.run_sync(os.stat, mountpoint / os.fsdecode(CONTROL_NAME))
+    log.info("mount answers")
+    if ready_fd is not None:
+        os.write(ready_fd, b"ready\n")
+        os.close(ready_fd)
+
+
+def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> None:
+    """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    read_end, write_end = os.pipe()
+    with open(log_file, "ab") as log_out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "liquidfs", *argv, "--foreground", "--ready-fd", str(write_end)],
+            stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
+            pass_fds=(write_end,), start_new_session=True,
+        )
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    with os.fdopen(read_end, "rb") as ready:
+        # EOF without "ready" means the daemon died before the mount answered.
+        import select
+
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([ready], [], [], 0.5)
+            if readable:
+                line = ready.readline()
+                if line.startswith(b"ready"):
+                    return
+                break
+            if proc.poll() is not None:
+                break
+    proc.poll()
+    tail = log_file.read_text(errors="replace").splitlines()[-15:]
+    if proc.returncode is None:
+        proc.kill()
+        raise MountError(f"the daemon did not answer within {timeout:.0f} s; log {log_file}:\n" + "\n".join(tail))
+    raise MountError(f"the daemon exited with status {proc.returncode}; log {log_file}:\n" + "\n".join(tail))
+
+
+# -- unmount -------------------------------------------------------------------------------------------
+
+
+def read_control(mountpoint: Path) -> dict[str, object]:
+    with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
+        return json.loads(f.read())
+
+
+def holders(mountpoint: Path) -> list[str]:
+    """Processes with a file, cwd or root inside ``mountpoint`` (what fuser -m would show)."""
+    prefix = str(mountpoint.resolve())
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        paths = []
+        for link in ("cwd", "root"):
+            try:
+                paths.append(os.readlink(f"/proc/{pid}/{link}"))
+            except OSError:
+                pass
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+        if any(p == prefix or p.startswith(prefix + "/") for p in paths):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                cmd = "?"
+            found.append(f"{pid} {cmd.strip()}")
+    return found
+
+
+def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> None:
+    mountpoint = mountpoint.absolute()
+    if is_stale(mountpoint):
+        clean_stale(mountpoint)
+        return
+    if not os.path.ismount(mountpoint):
+        raise MountError(f"{mountpoint} is not mounted")
+    pid = None
+    try:
+        pid = int(read_control(mountpoint)["pid"])  # type: ignore[arg-type]
+    except (OSError, ValueError, KeyError):
+        log.warning("%s does not look like a liquidfs mount; unmounting anyway", mountpoint)
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        msg = done.stderr.strip()
+        if "busy" in msg.lower():
+            who = holders(mountpoint)
+            raise MountError(
+                f"{mountpoint} is busy; held by:\n  " + "\n  ".join(who or ["(unknown)"])
+                + "\nclose those, or use `liquidfs umount --lazy` to detach it now and finish when they let go"
+            )
+        raise MountError(f"fusermount3 failed: {msg}")
+    if pid is not None and not lazy:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.05)
+        raise MountError(f"unmounted, but the daemon (pid {pid}) is still running after {timeout:.0f} s")
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (a container's PID 1 may never reap the detached daemon)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -1,0 +1,479 @@
+"""``liquidfs prepare`` and ``liquidfs verify``: expand a seeded share of the images to raw BMP objects.
+
+Which images are served raw is a reproducible random choice: candidates are ranked by a hash of (seed, path) and
+the first ``round(ratio * eligible)`` that expand losslessly are chosen. Raising the ratio extends that prefix and
+lowering it shortens it, so changing the ratio reuses every expansion that is still wanted.
+
+Crash safety: objects are written to a temporary name, fsynced and renamed, so an object under its final name is
+always complete; what prepare learnt is committed to the catalog as it goes; the served selection changes in one
+transaction at the end, and surplus objects are deleted only after that commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import errno
+import logging
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from . import formats
+from .catalog import Catalog, CatalogError, Node, open_or_build
+from .reader import checksum
+
+log = logging.getLogger(__name__)
+
+#: Files considered for expansion; their real format is then detected from their content.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
+OBJECTS = "objects"
+
+
+class PrepareError(Exception):
+    """Prepare stopped; the message says why and what to do. The store is consistent."""
+
+
+def parse_ratio(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"ratio must be a number in [0, 1], a percentage or 'auto', not {text!r}")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"ratio must be within [0, 1], got {text}")
+    return value
+
+
+def rank(seed: int, path: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(path, seed=seed)
+
+
+def object_name(node: Node) -> str:
+    """Objects are named by the path and identity of their source: a changed source gets a new object."""
+    digest = xxhash.xxh3_128_hexdigest(b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns))
+    return f"{OBJECTS}/{digest[:2]}/{digest}.bmp"
+
+
+# -- the worker side ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    path: bytes
+    src_size: int
+    src_mtime_ns: int
+    format: str | None
+    object: str | None
+    raw_size: int | None
+    checksum: str | None
+    reason: str | None
+    reused: bool = False
+    fatal: str | None = None  # stops the whole run (out of disk space)
+
+
+def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int) -> Outcome:
+    """Runs in a worker process: expand one image into the store, or say why not. Never raises."""
+    final = os.path.join(store, obj)
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
+    try:
+        st = os.fstat(fd)
+        if (st.st_size, st.st_mtime_ns) != (want_size, want_mtime):
+            return Outcome(rel, st.st_size, st.st_mtime_ns, None, None, None, None, "changed-during-prepare")
+        if os.path.exists(final):
+            # Renamed into place only once complete and verified: a previous run (maybe killed) finished it.
+            with open(final, "rb") as f:
+                data = f.read()
+            return Outcome(rel, want_size, want_mtime, formats.sniff(os.pread(fd, 16, 0)), obj, len(data),
+                           checksum(data), None, reused=True)
+        try:
+            source = _read_all(fd, st.st_size)
+        except OSError as exc:
+            return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
+    finally:
+        os.close(fd)
+    try:
+        result = formats.expand(source)
+    except MemoryError:
+        return Outcome(rel, want_size, want_mtime, None, None, None, None, "too-large")
+    if result.data is None:
+        return Outcome(rel, want_size, want_mtime, result.source_format, None, None, None, result.reason)
+    tmp = f"{final}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(result.data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        fatal = "out of disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write {tmp}: {exc}"
+        return Outcome(rel, want_size, want_mtime, result.source_format, None, None, None, "write-failed",
+                       fatal=fatal)
+    return Outcome(rel, want_size, want_mtime, result.source_format, obj, len(result.data),
+                   checksum(result.data), None)
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    chunks = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        offset += len(chunk)
+
+
+# -- the coordinating side ------------------------------------------------------------------------------
+
+
+@dataclass
+class PrepareReport:
+    candidates: int = 0
+    target: int = 0
+    expanded: int = 0
+    reused: int = 0
+    raw_served: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    deleted: int = 0
+    bytes_objects: int = 0
+    bytes_source: int = 0
+    bytes_served: int = 0
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        share = self.raw_served / max(1, self.candidates - sum(self.skipped.values()))
+        out = [
+            f"images considered  {self.candidates}",
+            f"served raw         {self.raw_served} ({share:.1%} of eligible; {self.expanded} expanded now, "
+            f"{self.reused} reused)",
+            f"skipped            {sum(self.skipped.values())}"
+            + (" (" + ", ".join(f"{k}: {v}" for k, v in self.skipped.most_common()) + ")" if self.skipped else ""),
+            f"surplus deleted    {self.deleted}",
+            f"raw objects        {self.bytes_objects / 1e6:.1f} MB on disk",
+            f"dataset served     {self.bytes_served / 1e6:.1f} MB (source {self.bytes_source / 1e6:.1f} MB, "
+            f"x{self.bytes_served / max(1, self.bytes_source):.2f})",
+            f"time               {self.seconds:.1f} s"
+            + (f" ({self.expanded / self.seconds:.1f} images/s expanded)" if self.expanded and self.seconds else ""),
+        ]
+        return out
+
+
+def _candidates(catalog: Catalog, seed: int) -> list[Node]:
+    nodes = [n for n in catalog.files() if n.name.lower().endswith(tuple(s.encode() for s in IMAGE_SUFFIXES))]
+    nodes.sort(key=lambda n: rank(seed, n.path))
+    return nodes
+
+
+def _known(catalog: Catalog) -> dict[bytes, tuple]:
+    rows = catalog.db.execute(
+        "SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason FROM expansions"
+    ).fetchall()
+    return {row[0]: row[1:] for row in rows}
+
+
+def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio: float, *, seed: int = 0,
+            jobs: int | None = None, progress: bool = True) -> PrepareReport:
+    started = time.monotonic()
+    store_dir = Path(store).absolute()
+    open_or_build(source, store_dir).close()
+    catalog = Catalog.open(store_dir)
+    try:
+        return _prepare(catalog, store_dir, ratio, seed, jobs or os.cpu_count() or 1, progress, started)
+    finally:
+        catalog.close()
+
+
+def _prepare(catalog: Catalog, store_dir: Path, ratio: float, seed: int, jobs: int, progress: bool,
+             started: float) -> PrepareReport:
+    report = PrepareReport()
+    nodes = _candidates(catalog, seed)
+    known = _known(catalog)
+    report.candidates = len(nodes)
+    chosen: list[Outcome] = []
+    refused = 0
+
+    def target() -> int:
+        return round(ratio * (len(nodes) - refused))
+
+    pending: list[Outcome] = []
+    fatal: str | None = None
+    src_root = catalog.source
+    ctx = multiprocessing.get_context("forkserver")
+    bar = _progress(progress, round(ratio * len(nodes)))
+    queue = iter(nodes)
+    in_flight: dict[cf.Future[Outcome], Node] = {}
+    last_commit = time.monotonic()
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        while True:
+            # Keep enough work in flight to reach the target, in rank order.
+            while fatal is None and len(chosen) + len(in_flight) < target() and len(in_flight) < 2 * jobs:
+                node = next(queue, None)
+                if node is None:
+                    break
+                prior = known.get(node.path)
+                if prior is not None and prior[:2] == (node.size, node.mtime_ns):
+                    if prior[3] is None and prior[6] is not None:  # refused before, for a lasting reason
+                        refused += 1
+                        report.skipped[_reason_key(prior[6])] += 1
+                        continue
+                    if prior[3] and (store_dir / prior[3]).exists():
+                        chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior[2], prior[3], prior[4],
+                                              prior[5], None, reused=True))
+                        report.reused += 1
+                        bar(1)
+                        continue
+                future = pool.submit(expand_one, os.path.join(src_root, node.path), node.path, str(store_dir),
+                                     object_name(node), node.size, node.mtime_ns)
+                in_flight[future] = node
+            if not in_flight:
+                break
+            done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                in_flight.pop(future)
+                outcome = future.result()
+                if outcome.fatal:
+                    fatal = fatal or outcome.fatal
+                    continue
+                pending.append(outcome)
+                if outcome.object is not None:
+                    chosen.append(outcome)
+                    report.expanded += not outcome.reused
+                    report.reused += outcome.reused
+                    bar(1)
+                else:
+                    refused += 1
+                    report.skipped[_reason_key(outcome.reason)] += 1
+            if pending and (time.monotonic() - last_commit > 1.0 or not in_flight):
+                _record(catalog, pending)
+                pending.clear()
+                last_commit = time.monotonic()
+    _record(catalog, pending)
+    bar(0, close=True)
+    if fatal:
+        raise PrepareError(
+            f"{fatal} in {store_dir} after {report.expanded} new expansions; the store is consistent and still "
+            "serves the previous selection. Free some space (or lower --ratio) and run prepare again: finished "
+            "work is kept."
+        )
+    # Completion order is not rank order: keep the best-ranked, so a given seed always picks the same files.
+    chosen.sort(key=lambda o: rank(seed, o.path))
+    chosen = chosen[: target()]
+    _apply_selection(catalog, chosen, ratio)
+    report.deleted = _delete_surplus(catalog, store_dir)
+    report.raw_served = len(chosen)
+    report.target = target()
+    _, report.bytes_served, report.bytes_source = catalog.totals()
+    report.bytes_objects = catalog.db.execute(
+        "SELECT coalesce(sum(raw_size), 0) FROM expansions WHERE object IS NOT NULL").fetchone()[0]
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _reason_key(reason: str | None) -> str:
+    return (reason or "unknown").split(":")[0]
+
+
+def _progress(enabled: bool, total: int) -> Callable[..., None]:
+    if not enabled:
+        return lambda n, close=False: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="img", desc="expanding", dynamic_ncols=True, file=sys.stderr)
+
+    def update(n: int, close: bool = False) -> None:
+        bar.update(n)
+        if close:
+            bar.close()
+
+    return update
+
+
+def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:
+    if not outcomes:
+        return
+    with _transaction(catalog):
+        catalog.db.executemany(
+            "INSERT OR REPLACE INTO expansions(path, src_size, src_mtime_ns, format, object, raw_size, checksum, "
+            "reason) VALUES (?,?,?,?,?,?,?,?)",
+            [(o.path, o.src_size, o.src_mtime_ns, o.format, o.object, o.raw_size, o.checksum,
+              None if o.object else o.reason) for o in outcomes
+             if o.reason != "changed-during-prepare"],
+        )
+
+
+class _transaction:
+    def __init__(self, catalog: Catalog) -> None:
+        self.db = catalog.db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _apply_selection(catalog: Catalog, chosen: list[Outcome], ratio: float) -> None:
+    with _transaction(catalog):
+        catalog.db.execute("UPDATE nodes SET repr=0, served_size=NULL, object=NULL, checksum=NULL WHERE repr=1")
+        catalog.db.executemany(
+            "UPDATE nodes SET repr=1, served_size=?, object=?, checksum=? WHERE path=? AND kind=0",
+            [(o.raw_size, o.object, o.checksum, o.path) for o in chosen],
+        )
+        catalog.set_meta("ratio", repr(ratio))
+
+
+def _delete_surplus(catalog: Catalog, store_dir: Path) -> int:
+    """Objects no node points at any more, and leftovers of killed runs; only after the selection commits."""
+    surplus = catalog.db.execute(
+        "SELECT path, object FROM expansions WHERE object IS NOT NULL "
+        "AND object NOT IN (SELECT object FROM nodes WHERE repr=1)"
+    ).fetchall()
+    for _, obj in surplus:
+        (store_dir / obj).unlink(missing_ok=True)
+    with _transaction(catalog):
+        catalog.db.executemany("DELETE FROM expansions WHERE path=?", [(p,) for p, _ in surplus])
+    kept = {row[0] for row in catalog.db.execute("SELECT object FROM expansions WHERE object IS NOT NULL")}
+    objects = store_dir / OBJECTS
+    if objects.is_dir():
+        for sub in objects.iterdir():
+            for f in sub.iterdir():
+                if f"{OBJECTS}/{sub.name}/{f.name}" not in kept:
+                    f.unlink(missing_ok=True)
+    return len(surplus)
+
+
+# -- verify ---------------------------------------------------------------------------------------------
+
+
+def verify_one(src: bytes, obj: str, want_checksum: str, want_size: int, want_mtime: int) -> str | None:
+    """None when the raw object is sound and decodes to the source's pixels; else what is wrong."""
+    try:
+        st = os.stat(src)
+        if (st.st_size, st.st_mtime_ns) != (want_size, want_mtime):
+            return "source changed since prepare (it is served as the original)"
+        with open(obj, "rb") as f:
+            raw = f.read()
+        with open(src, "rb") as f:
+            original = f.read()
+    except OSError as exc:
+        return f"cannot read: {exc}"
+    if checksum(raw) != want_checksum:
+        return "checksum mismatch"
+    try:
+        a, b = formats.decode(original), formats.decode(raw)
+    except Exception as exc:  # a decoder failure is a verdict here, not a crash
+        return f"cannot decode: {exc}"
+    if a.shape != b.shape or a.dtype != b.dtype or not (a == b).all():
+        return "pixels differ"
+    return None
+
+
+def verify(store: str | os.PathLike[str], *, sample: int | None = None, jobs: int | None = None,
+           progress: bool = True) -> list[tuple[str, str]]:
+    """Every (or ``sample`` random) raw object checked against its source: the list of failures."""
+    store_dir = Path(store).absolute()
+    catalog = Catalog.open(store_dir, readonly=True)
+    try:
+        nodes = [n for n in catalog.files() if n.repr == 1]
+        root = catalog.source
+    finally:
+        catalog.close()
+    if sample is not None and sample < len(nodes):
+        nodes = random.Random().sample(nodes, sample)
+    failures: list[tuple[str, str]] = []
+    bar = _progress(progress, len(nodes))
+    ctx = multiprocessing.get_context("forkserver")
+    with cf.ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1, mp_context=ctx) as pool:
+        futures = {
+            pool.submit(verify_one, os.path.join(root, n.path), str(store_dir / str(n.object)), str(n.checksum),
+                        n.size, n.mtime_ns): n
+            for n in nodes
+        }
+        for future in cf.as_completed(futures):
+            problem = future.result()
+            if problem:
+                failures.append((os.fsdecode(futures[future].path), problem))
+            bar(1)
+    bar(0, close=True)
+    return failures
+
+
+# -- command line ---------------------------------------------------------------------------------------
+
+
+def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser(
+        "prepare", help="expand a share of the images to raw BMP in a store",
+        description="Choose a seeded random share (--ratio) of the PNG/JPEG images under SOURCE, expand each to "
+        "a BMP that decodes to exactly the same pixels (checked before it is accepted), and record the choice "
+        "in the store's catalog. Resumable and idempotent; changing --ratio reuses existing expansions. The "
+        "source is never written.")
+    p.add_argument("source")
+    p.add_argument("--store", required=True, help="directory for the catalog and the raw objects")
+    p.add_argument("--ratio", type=parse_ratio, required=True,
+                   help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
+    p.add_argument("--jobs", "-j", type=int, default=os.cpu_count(), help="worker processes (default: all cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common(p)
+    p.set_defaults(func=_cmd_prepare)
+
+    v = sub.add_parser(
+        "verify", help="check every raw object against its source",
+        description="Re-decode every raw object of the store and its source and compare pixels and checksums. "
+        "Exit status 0 only when all hold.")
+    v.add_argument("--store", required=True)
+    v.add_argument("--sample", type=int, help="check only N random objects")
+    v.add_argument("--jobs", "-j", type=int, default=os.cpu_count())
+    v.add_argument("--no-progress", action="store_true")
+    add_common(v)
+    v.set_defaults(func=_cmd_verify)
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    ratio = args.ratio
+    if ratio == "auto":
+        from .profile import auto_ratio
+
+        ratio = auto_ratio(args.source, args.store)
+        print(f"profile chose ratio {ratio:.1f}")
+    try:
+        report = prepare(args.source, args.store, ratio, seed=args.seed, jobs=args.jobs,
+                         progress=not args.no_progress)
+    except PrepareError as exc:
+        print(f"liquidfs prepare: {exc}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    try:
+        failures = verify(args.store, sample=args.sample, jobs=args.jobs, progress=not args.no_progress)
+    except CatalogError as exc:
+        print(f"liquidfs verify: {exc}", file=sys.stderr)
+        return 2
+    for path, problem in failures:
+        print(f"FAIL {path}: {problem}")
+    print("verify: " + ("all raw objects sound" if not failures else f"{len(failures)} problems"))
+    return 1 if failures else 0
+

@@ -1,0 +1,157 @@
+"""Reading what the mount serves: the representation check at open, and whole-file reads from storage.
+
+Everything here is blocking and runs off the trio thread. A dataset image is read whole at open: one large read
+per file instead of dozens of 128 KiB FUSE-sized ones, which is what lets the checksum of a raw object be verified
+before its first byte is served. Reads bypass the page cache (O_DIRECT, or drop-behind where the filesystem
+refuses O_DIRECT) so the backing files never take a second copy of the dataset in memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from .catalog import REPR_RAW, Node
+
+log = logging.getLogger(__name__)
+
+#: Files up to this size are read whole at open; larger ones (a tarball beside the images) are streamed.
+WHOLE_FILE_LIMIT = 64 * 1024 * 1024
+_ALIGN = 4096
+
+
+def checksum(data: bytes | memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass(slots=True)
+class Content:
+    """What one open file serves: its bytes in memory, or a descriptor to stream a large file from."""
+
+    size: int
+    raw: bool
+    data: memoryview | None = None
+    fd: int | None = None
+    fallback: str | None = None  # why the raw object was not served, when it should have been
+
+    def read(self, offset: int, length: int) -> bytes | memoryview:
+        if self.data is not None:
+            return self.data[offset:offset + length]
+        assert self.fd is not None
+        return os.pread(self.fd, length, offset)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.data = None
+
+
+def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
+    """The whole file, read without leaving it in the page cache.
+
+    O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. Filesystems without O_DIRECT (tmpfs,
+    some FUSE and network filesystems) answer EINVAL; they are read buffered and their pages dropped after.
+    """
+    fd = -1
+    if direct:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    if fd >= 0:
+        try:
+            size = os.fstat(fd).st_size
+            buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN))
+            view = memoryview(buf)
+            done = 0
+            while done < size:
+                got = os.preadv(fd, [view[done:]], done)
+                if got == 0:
+                    break
+                done += got
+                if done % _ALIGN:
+                    break  # a short, unaligned read is the end of the file
+            return view[:done]
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+        finally:
+            os.close(fd)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        chunks = []
+        offset = 0
+        while True:
+            chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            offset += len(chunk)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+class StoreReader:
+    """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
+
+    def __init__(self, source_root: bytes, store_dir: Path) -> None:
+        self.source_root = source_root
+        self.store_dir = store_dir
+        self._warned: set[int] = set()
+
+    def source_path(self, node: Node) -> bytes:
+        return os.path.join(self.source_root, node.path)
+
+    def object_path(self, node: Node) -> Path:
+        assert node.object is not None
+        return self.store_dir / node.object
+
+    def open(self, node: Node) -> Content:
+        src = self.source_path(node)
+        st = os.stat(src, follow_symlinks=False)
+        changed = (st.st_size, st.st_mtime_ns) != (node.size, node.mtime_ns)
+        fallback = None
+        if node.repr == REPR_RAW:
+            if changed:
+                fallback = "source changed since prepare"
+            else:
+                fallback, data = self._open_raw(node)
+                if data is not None:
+                    return Content(size=len(data), raw=True, data=data)
+            self._warn_once(node, fallback)
+        elif changed:
+            self._warn_once(node, "source changed since the catalog was built")
+        if st.st_size > WHOLE_FILE_LIMIT:
+            fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+            return Content(size=os.fstat(fd).st_size, raw=False, fd=fd, fallback=fallback)
+        data = read_whole(src)
+        return Content(size=len(data), raw=False, data=data, fallback=fallback)
+
+    def _open_raw(self, node: Node) -> tuple[str | None, memoryview | None]:
+        try:
+            data = read_whole(self.object_path(node))
+        except FileNotFoundError:
+            return "raw object missing", None
+        except OSError as exc:
+            return f"raw object unreadable ({exc.strerror})", None
+        if len(data) != node.served_size:
+            return f"raw object has {len(data)} bytes, expected {node.served_size}", None
+        if checksum(data) != node.checksum:
+            return "raw object fails its checksum", None
+        return None, data
+
+    def _warn_once(self, node: Node, why: str | None) -> None:
+        if node.id not in self._warned:
+            self._warned.add(node.id)
+            log.warning("%s: %s; serving the original", os.fsdecode(node.path), why)

@@ -1,0 +1,37 @@
+"""Counters of a running mount, readable through the control file, ``liquidfs stats`` and Prometheus."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class MountStats:
+    pid: int = field(default_factory=os.getpid)
+    started_at: float = field(default_factory=time.time)
+    source: str = ""
+    store: str = ""
+    files: int = 0
+    dataset_bytes: int = 0        # bytes of every file as served
+    opens: int = 0
+    opens_raw: int = 0
+    bytes_read: int = 0           # bytes the daemon answered read requests with
+    bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
+    fallbacks: int = 0            # raw objects not served (missing, corrupt, stale source)
+    errors: int = 0               # requests answered with an error other than ENOENT
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def prometheus_text(values: dict[str, object], prefix: str = "liquidfs_") -> str:
+    """The numeric values in Prometheus' text exposition format (what ``--metrics-port`` serves)."""
+    lines = []
+    for key, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        lines.append(f"# TYPE {prefix}{key} gauge")
+        lines.append(f"{prefix}{key} {value}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,121 @@
+"""Helpers for tests that mount real FUSE filesystems (after pyfuse3's test/util.py and s3ql's tests)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FUSERMOUNT = "fusermount3"
+
+
+@functools.cache
+def fuse_available() -> str | None:
+    """None when real mounts can be made here, else why not."""
+    if shutil.which(FUSERMOUNT) is None:
+        return f"{FUSERMOUNT} not installed (apt-get install fuse3)"
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as exc:
+        return f"cannot open /dev/fuse: {exc.strerror}"
+    os.close(fd)
+    return None
+
+
+def is_mounted(path: Path) -> bool:
+    target = os.fsencode(os.path.abspath(path))
+    with open("/proc/mounts", "rb") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 1 and fields[1].replace(b"\\040", b" ") == target:
+                return True
+    return False
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
+
+
+def daemon_pid(mountpoint: Path) -> int:
+    import json
+
+    with open(mountpoint / ".__liquidfs__", "rb") as f:
+        return int(json.loads(f.read())["pid"])
+
+
+class Mount:
+    """Starts ``liquidfs mount`` like a user does; tears every mount down whatever happened."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.mountpoints: list[Path] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._n = 0
+
+    def mountpoint(self) -> Path:
+        self._n += 1
+        mnt = self.tmp / f"mnt{self._n}"
+        mnt.mkdir()
+        return mnt
+
+    def mount(self, source: Path, *args: str, mountpoint: Path | None = None, store: Path | None = None) -> Path:
+        mnt = mountpoint or self.mountpoint()
+        store = store or self.tmp / "store"
+        cmd = [sys.executable, "-m", "liquidfs", "mount", str(source), str(mnt), "--store", str(store),
+               "--log-level", "info", *args]
+        self.mountpoints.append(mnt)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        if done.returncode != 0:
+            raise AssertionError(f"mount failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        assert is_mounted(mnt), f"{mnt} not in /proc/mounts after liquidfs mount returned"
+        return mnt
+
+    def mount_foreground(self, source: Path, *args: str, store: Path | None = None) -> tuple[Path, subprocess.Popen[bytes]]:
+        mnt = self.mountpoint()
+        store = store or self.tmp / "store"
+        cmd = [sys.executable, "-m", "liquidfs", "mount", str(source), str(mnt), "--store", str(store),
+               "--foreground", "--log-level", "info", *args]
+        with open(self.tmp / f"fg{self._n}.log", "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        self.mountpoints.append(mnt)
+        self.procs.append(proc)
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {proc.returncode}: "
+                                     + (self.tmp / f"fg{self._n}.log").read_text())
+            try:
+                os.stat(mnt / ".__liquidfs__")
+                return True
+            except OSError:
+                return False
+
+        wait_for(ready, 120, what=f"mount on {mnt}")
+        return mnt, proc
+
+    def umount(self, mnt: Path) -> None:
+        subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True, capture_output=True,
+                       timeout=60)
+
+    def cleanup(self) -> None:
+        for mnt in self.mountpoints:
+            if is_mounted(mnt):
+                subprocess.run([FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True)
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
