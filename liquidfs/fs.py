@@ -76,6 +76,7 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         # Sizes that differ from the catalog's (a fallback to the original, a source changed in place).
         self.size_overrides: dict[int, int] = {}
+        self.fell_back: set[int] = set()  # files whose raw object was not served, counted once each
         # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
         self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
         self.uid = os.getuid()
@@ -222,8 +223,9 @@ class Operations(pyfuse3.Operations):
         self.stats.opens += 1
         self.stats.opens_raw += content.raw
         self.stats.bytes_from_storage += content.size if content.data is not None else 0
-        if content.fallback:
-            self.stats.fallbacks += 1
+        if content.fallback and inode not in self.fell_back:
+            self.fell_back.add(inode)
+            self.stats.fallbacks = len(self.fell_back)
         if content.size != self.size_overrides.get(inode, node.size_served):
             # The kernel was told another size (fallback, or a source changed in place): correct it.
             self.size_overrides[inode] = content.size

@@ -19,7 +19,7 @@ class MountStats:
     opens_raw: int = 0
     bytes_read: int = 0           # bytes the daemon answered read requests with
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
-    fallbacks: int = 0            # raw objects not served (missing, corrupt, stale source)
+    fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT
 
     def to_dict(self) -> dict[str, object]:
