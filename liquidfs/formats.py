@@ -28,8 +28,8 @@ source     BMP written
 =========  ==============================================================
 
 Refused (reason in brackets): 16-bit PNG [unsupported-mode:<mode>;16] since
-Pillow silently truncates 16-bit colour to 8 bits while other decoders do
-not; gray+alpha [unsupported-mode:LA] since no BMP decodes to 2 channels;
+Pillow reduces 16-bit samples to 8 bits while OpenCV IMREAD_UNCHANGED keeps
+16; gray+alpha [unsupported-mode:LA] since no BMP decodes to 2 channels;
 any tRNS chunk [transparency] (BMP cannot carry a colour key or palette
 alpha; OpenCV UNCHANGED gives 4 channels for the PNG); APNG [animated]; MPO
 / Ultra HDR JPEG [multi-picture]; CMYK/YCCK JPEG [unsupported-mode:CMYK];
@@ -160,7 +160,8 @@ def expand(data: bytes, *, max_pixels: int = 100_000_000) -> Expansion:
     """
     if not data:
         return Expansion(None, None, "empty")
-    fmt = sniff(bytes(data[:32]))
+    data = bytes(data)  # a bytearray/memoryview would trip the parsers into 'corrupt'; no copy for bytes
+    fmt = sniff(data[:32])
     if fmt not in EXPANDABLE:
         return Expansion(None, None, "not-an-image" if fmt is None else f"not-expandable:{fmt}")
     if ImageFile.LOAD_TRUNCATED_IMAGES:
@@ -203,6 +204,9 @@ _SRGB_CHRM: Final = (31270, 32900, 64000, 33000, 30000, 60000, 15000, 6000)
 _SRGB_GAMMA: Final = 45455  # 1/2.2 in gAMA units
 _XMP_ORIENTATION: Final = re.compile(rb'tiff:Orientation(="|>)([0-9])')
 _EXIF_TEXT_KEYS: Final = (b"Raw profile type exif", b"Raw profile type APP1")
+_TEXT_CHUNKS: Final = frozenset({b"tEXt", b"zTXt", b"iTXt"})
+# Chunks whose content the policy reads; of all others only presence counts.
+_POLICY_CHUNKS: Final = frozenset({b"IHDR", b"gAMA", b"cHRM", b"eXIf"})
 
 
 def _png_header_size(data: bytes) -> tuple[int, int]:
@@ -236,10 +240,11 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
             raise _Refuse("truncated", f"{name!r} past end of file")
         if zlib.crc32(view[pos + 4 : end - 4]) != struct.unpack_from(">I", data, end - 4)[0]:
             raise _Refuse("corrupt", f"CRC mismatch in {name!r}")
-        if name != b"IDAT":
-            chunks.setdefault(name, []).append(bytes(view[pos + 8 : end - 4]))
-        elif b"IDAT" not in chunks:
-            chunks[b"IDAT"] = []
+        bodies = chunks.setdefault(name, [])
+        if name in _TEXT_CHUNKS:
+            bodies.append(bytes(view[pos + 8 : min(end - 4, pos + 8 + 80)]))  # keyword only
+        elif name in _POLICY_CHUNKS:
+            bodies.append(bytes(view[pos + 8 : end - 4]))
         if name == b"IEND":
             break
         if name[:1].isupper() and name not in (b"IHDR", b"PLTE", b"IDAT"):
@@ -249,7 +254,8 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
     if b"IDAT" not in chunks or len(chunks[b"IHDR"]) != 1:
         raise _Refuse("corrupt", "no IDAT or repeated IHDR")
     # libpng: PLTE is required for palette images and forbidden for gray ones.
-    if (ctype == 3) != (b"PLTE" in chunks) and ctype != 2 and ctype != 6:
+    has_plte = b"PLTE" in chunks
+    if (ctype == 3 and not has_plte) or (ctype in (0, 4) and has_plte):
         raise _Refuse("corrupt", "PLTE missing or not allowed")
     return w, h, depth, ctype, chunks
 
@@ -278,8 +284,10 @@ def _check_png_policy(depth: int, ctype: int, chunks: dict[bytes, list[bytes]]) 
         if len(c) != 32 or any(abs(v - s) > 1000 for v, s in zip(struct.unpack(">8I", c), _SRGB_CHRM)):
             raise _Refuse("chromaticity")
     for e in chunks.get(b"eXIf", []):
-        _check_exif(e)
-    for name in (b"tEXt", b"zTXt", b"iTXt"):
+        # Some writers wrongly keep the JPEG "Exif\0\0" prefix; lenient
+        # readers skip it, so look past it too.
+        _check_exif(e[6:] if e.startswith(b"Exif\0\0") else e)
+    for name in _TEXT_CHUNKS:
         for t in chunks.get(name, []):
             key = t.split(b"\0", 1)[0]
             if key in _EXIF_TEXT_KEYS:
@@ -315,9 +323,10 @@ def _scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
     pos = 2
     sof: tuple[int, int, int] | None = None
     while True:
-        while pos < n and data[pos] != 0xFF:
-            pos += 1
-        while pos < n and data[pos] == 0xFF:
+        pos = data.find(b"\xff", pos)  # skip junk (C speed: junk may be long)
+        if pos < 0:
+            raise _Refuse("truncated", "no SOS")
+        while pos < n and data[pos] == 0xFF:  # fill bytes
             pos += 1
         if pos >= n:
             raise _Refuse("truncated", "no SOS")
@@ -422,17 +431,20 @@ _BW_PALETTE: Final = np.array([[0, 0, 0], [255, 255, 255]], np.uint8)
 _SENTINEL: Final = np.array([[255, 0, 0]], np.uint8)  # any non-gray colour
 
 
-def _write_bmp(pixels: np.ndarray, mode: str, palette: np.ndarray | None = None) -> bytes:
-    """Complete BMP file for Pillow-style pixels of the given mode.
+def _write_bmp(raw: bytes, mode: str, size: tuple[int, int], palette: np.ndarray | None = None) -> bytes:
+    """Complete BMP file for an image given as Pillow's packed samples.
 
-    pixels: (h, w) bool for '1', (h, w) uint8 for L/P, (h, w, 3|4) uint8 RGB(A).
-    palette: (n, 3) uint8 RGB entries for P.  Rows are stored bottom-up and
-    padded to 4 bytes, the form every BMP reader supports.
+    raw: ``im.tobytes()`` of a mode 1/L/P/RGB/RGBA image: rows top-down,
+    1 bit per pixel MSB-first with byte-padded rows for '1', else 1/3/4
+    bytes per pixel in R, G, B(, A) order.  palette: (n, 3) uint8 RGB entries
+    for P.  BMP rows are stored bottom-up and padded to 4 bytes, the form
+    every BMP reader supports.
     """
-    h, w = pixels.shape[:2]
+    w, h = size
     bpp = {"1": 1, "L": 8, "P": 8, "RGB": 24, "RGBA": 32}[mode]
-    row_bytes = (w * bpp + 7) // 8
+    row_bytes = (w * bpp + 7) // 8  # for '1' also Pillow's packed row length
     stride = (row_bytes + 3) & ~3
+    pixels = np.frombuffer(raw, np.uint8).reshape(h, row_bytes)
     pal = {"1": _BW_PALETTE, "L": _GRAY_PALETTE, "P": palette}.get(mode)
     pal_bytes = b""
     if pal is not None:
@@ -467,12 +479,11 @@ def _write_bmp(pixels: np.ndarray, mode: str, palette: np.ndarray | None = None)
     if stride != row_bytes:
         rows[:, row_bytes:] = 0
     dst = rows[::-1, :row_bytes]  # BMP row 0 is the bottom image row
-    if mode == "1":
-        dst[...] = np.packbits(pixels, axis=1)  # MSB = leftmost pixel, as BMP wants
-    elif bpp == 8:
-        dst[...] = pixels
+    if bpp <= 8:
+        dst[...] = pixels  # Pillow's 1-bit packing (MSB = leftmost) is BMP's
     else:
         ch = bpp // 8
+        pixels = pixels.reshape(h, w, ch)
         # An explicit strided view (never a silent copy): pixel (y, x, c).
         px = np.ndarray(
             (h, w, ch),
@@ -507,14 +518,16 @@ def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> bytes:
         raise _Refuse("exif-orientation", f"Pillow sees orientation {orientation}")
     if im.info.get("transparency") is not None:
         raise _Refuse("transparency")
-    pixels = np.asarray(im)
+    # Pillow's packed samples: what np.asarray(im) would wrap, without the
+    # extra copies (a 6 MB buffer costs ms here), and a cheap memcmp later.
+    raw = im.tobytes()
     palette = None
     if mode == "P":
         flat = im.getpalette()
         if not flat:
             raise _Refuse("corrupt", "P image without palette")
         palette = np.asarray(flat, np.uint8).reshape(-1, 3)
-        if int(pixels.max()) >= len(palette):
+        if int(np.frombuffer(raw, np.uint8).max()) >= len(palette):
             raise _Refuse("corrupt", "palette index out of range")
         if (palette == palette[:, :1]).all():
             # All-gray palette: Pillow would read an identity one as L, and
@@ -522,16 +535,19 @@ def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> bytes:
             if len(palette) >= 256:
                 raise _Refuse("gray-palette")
             palette = np.concatenate([palette, _SENTINEL])
-    bmp = _write_bmp(pixels, mode, palette)
+    bmp = _write_bmp(raw, mode, size, palette)
     check = BmpImagePlugin.BmpImageFile(io.BytesIO(bmp))
     check.load()
-    if not _same_image(im, check, pixels):
+    if not _same_image(im, check, raw):
         log.warning("BMP round trip differs for a %s %dx%d image", mode, *size)
         raise _Refuse("round-trip-mismatch")
     return bmp
 
 
-def _same_image(a: Image.Image, b: Image.Image, a_pixels: np.ndarray | None = None) -> bool:
+def _same_image(a: Image.Image, b: Image.Image, a_raw: bytes | None = None) -> bool:
+    """Same mode, size, transparency info, palette colours and samples.
+    Comparing Pillow's packed bytes of two same-mode images is the same as
+    comparing np.asarray() of them."""
     if a.mode != b.mode or a.size != b.size:
         return False
     if a.info.get("transparency") != b.info.get("transparency"):
@@ -542,4 +558,4 @@ def _same_image(a: Image.Image, b: Image.Image, a_pixels: np.ndarray | None = No
         # every index used by a must map to the same colour in b.
         if len(pb) < len(pa) or pb[: len(pa)] != pa:
             return False
-    return np.array_equal(np.asarray(a) if a_pixels is None else a_pixels, np.asarray(b))
+    return (a.tobytes() if a_raw is None else a_raw) == b.tobytes()

@@ -226,11 +226,14 @@ class Operations(pyfuse3.Operations):
         if content.fallback and inode not in self.fell_back:
             self.fell_back.add(inode)
             self.stats.fallbacks = len(self.fell_back)
+        direct_io = False
         if content.size != self.size_overrides.get(inode, node.size_served):
-            # The kernel was told another size (fallback, or a source changed in place): correct it.
+            # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
+            # to that size, so this handle bypasses the page cache, and the attributes are corrected for later.
             self.size_overrides[inode] = content.size
             _notify_in_background(pyfuse3.invalidate_inode, inode, True)
-        return self._new_handle(content, direct_io=False)
+            direct_io = True
+        return self._new_handle(content, direct_io=direct_io)
 
     def _new_handle(self, content: Content, *, direct_io: bool) -> pyfuse3.FileInfo:
         fh = self._next_fh

@@ -260,7 +260,7 @@ def test_fallbacks_never_serve_stale_or_broken_objects(tmp_path: Path, mounter: 
         rel = os.fsdecode(node.path)
         data = (mnt / rel).read_bytes()
         assert data == (src / rel).read_bytes(), rel
-        assert os.stat(mnt / rel).st_size == len(data), "size corrected to what is served"
+        wait_for(lambda: os.stat(mnt / rel).st_size == len(data), 10, what="size corrected to what is served")
         assert np.array_equal(_pixels(mnt / rel), _pixels(src / rel))
     assert np.array_equal(_pixels(mnt / os.fsdecode(changed.path)), np.asarray(new))
     stats = json.loads((mnt / ".__liquidfs__").read_bytes())

@@ -1,0 +1,173 @@
+"""The next-epoch policy simulated over many epochs of random permutations (no mount, fast)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import pytest
+
+from liquidfs.cache import WINDOW, NextEpochCache, parse_size
+
+
+def _dataset(n: int, rng: random.Random, spread: float = 0.3) -> dict[int, int]:
+    # sizes like a PNG/BMP mix: 2.9 MB and 6.3 MB files, with spread
+    return {i + 2: int(rng.choice([2.9e6, 6.3e6]) * rng.uniform(1 - spread, 1 + spread)) for i in range(n)}
+
+
+def _run_epochs(cache: NextEpochCache, sizes: dict[int, int], epochs: int, rng: random.Random,
+                max_held: list[int] | None = None) -> list[list[tuple[bool, int]]]:
+    out = []
+    files = list(sizes)
+    for _ in range(epochs):
+        rng.shuffle(files)
+        events = []
+        for f in files:
+            d = cache.read(f, sizes[f])
+            if d.reread:  # the first read of an epoch may be taken for a retry (rarely): the next one opens it
+                continue
+            events.append((d.hit, sizes[f]))
+            if max_held is not None:
+                max_held.append(cache.held_bytes)
+        out.append(events)
+    return out
+
+
+@pytest.mark.parametrize("share", [0.1, 0.3, 0.5])
+def test_constant_hit_ratio_and_budget(share: float) -> None:
+    rng = random.Random(int(share * 100))
+    sizes = _dataset(2000, rng)
+    total = sum(sizes.values())
+    budget = int(share * total)
+    cache = NextEpochCache(budget, total, len(sizes), max_id=max(sizes))
+    held: list[int] = []
+    epochs = _run_epochs(cache, sizes, 6, rng, held)
+    assert max(held) <= budget
+    assert cache.stats.rereads <= 2
+    assert all(not hit for hit, _ in epochs[0])
+    bound = 1.25 * math.sqrt(share * (1 - share) / WINDOW)
+    pooled: list[float] = []
+    firsts: list[float] = []
+    lasts: list[float] = []
+    for events in epochs[1:]:
+        byte_ratio = sum(s for h, s in events if h) / sum(s for _, s in events)
+        assert abs(byte_ratio - share) <= 0.03, byte_ratio
+        windows = [sum(h for h, _ in events[i:i + WINDOW]) / WINDOW
+                   for i in range(0, len(events) - WINDOW + 1, WINDOW)]
+        pooled += windows
+        # one epoch has ~30 windows: its sd estimate alone is noisy; the bound is checked on all of them below
+        assert statistics.pstdev(windows) <= 1.6 * bound, (statistics.pstdev(windows), bound)
+        tenth = len(events) // 10
+        firsts.append(sum(s for h, s in events[:tenth] if h) / sum(s for _, s in events[:tenth]))
+        lasts.append(sum(s for h, s in events[-tenth:] if h) / sum(s for _, s in events[-tenth:]))
+    # no drift within an epoch: first and last tenths agree (pooled over epochs: one tenth is 200 reads, whose
+    # own sampling noise is ~0.035 at 50 %)
+    assert abs(statistics.fmean(firsts) - statistics.fmean(lasts)) <= 0.05, (firsts, lasts)
+    assert statistics.pstdev(pooled) <= bound, (statistics.pstdev(pooled), bound)
+    summary = cache.summary()
+    assert summary["window_hit_ratio_sd"] <= bound
+    assert abs(summary["window_hit_ratio_mean"] - share) <= 0.03
+
+
+def test_budget_larger_than_dataset_holds_everything() -> None:
+    rng = random.Random(1)
+    sizes = _dataset(300, rng)
+    total = sum(sizes.values())
+    cache = NextEpochCache(total * 2, total, len(sizes), max_id=max(sizes))
+    epochs = _run_epochs(cache, sizes, 3, rng)
+    assert all(hit for hit, _ in epochs[1]) and all(hit for hit, _ in epochs[2])
+
+
+def test_zero_budget_holds_nothing() -> None:
+    rng = random.Random(2)
+    sizes = _dataset(200, rng)
+    cache = NextEpochCache(0, sum(sizes.values()), len(sizes), max_id=max(sizes))
+    epochs = _run_epochs(cache, sizes, 3, rng)
+    assert not any(hit for e in epochs for hit, _ in e) and cache.held_bytes == 0
+
+
+def test_rereads_and_partial_reads_do_not_break_epochs() -> None:
+    rng = random.Random(3)
+    sizes = _dataset(1000, rng)
+    total = sum(sizes.values())
+    cache = NextEpochCache(int(0.3 * total), total, len(sizes), max_id=max(sizes))
+    files = list(sizes)
+    for epoch in range(1, 5):
+        rng.shuffle(files)
+        for i, f in enumerate(files):
+            d = cache.read(f, sizes[f])
+            if i == 0 and d.reread:
+                continue
+            assert d.epoch == epoch and not d.reread
+            if i % 10 == 0:  # a header probe followed by the real read, or a retry
+                again = cache.read(f, sizes[f])
+                assert again.reread and again.epoch == 0
+    assert cache.newest_epoch == 4
+    byte_ratio = cache.summary()["epochs"]["4"]["byte_hit_ratio"]
+    assert abs(byte_ratio - 0.3) <= 0.03
+
+
+def test_next_epoch_may_start_before_the_last_drains() -> None:
+    """Two reader processes: one still finishing epoch e while the other starts e+1."""
+    rng = random.Random(4)
+    sizes = _dataset(1000, rng)
+    total = sum(sizes.values())
+    share = 0.3
+    budget = int(share * total)
+    cache = NextEpochCache(budget, total, len(sizes), max_id=max(sizes))
+    files = list(sizes)
+    orders = []
+    for _ in range(6):
+        rng.shuffle(files)
+        orders.append(files[:])
+    # interleave: the last 5 % of epoch e are read mixed with the first 5 % of epoch e+1
+    stream: list[int] = []
+    tail = int(0.05 * len(files))
+    carry: list[int] = []
+    for order in orders:
+        head, body = order[:tail], order[tail:-tail]
+        mixed = [x for pair in zip(carry, head) for x in pair] if carry else head
+        stream += mixed + body
+        carry = order[-tail:]
+    stream += carry
+    held = []
+    hits_by_epoch: dict[int, list[bool]] = {}
+    for f in stream:
+        d = cache.read(f, sizes[f])
+        if d.reread:
+            continue
+        hits_by_epoch.setdefault(d.epoch, []).append(d.hit)
+        held.append(cache.held_bytes)
+    assert max(held) <= budget
+    assert sorted(hits_by_epoch) == [1, 2, 3, 4, 5, 6]
+    assert cache.stats.rereads <= 3
+    for e in range(2, 7):
+        assert len(hits_by_epoch[e]) >= len(files) - 3
+        ratio = sum(hits_by_epoch[e]) / len(files)
+        assert abs(ratio - share) <= 0.05, (e, ratio)
+
+
+def test_warmup_fills_the_budget_for_epoch_one() -> None:
+    rng = random.Random(5)
+    sizes = _dataset(1000, rng)
+    total = sum(sizes.values())
+    cache = NextEpochCache(int(0.3 * total), total, len(sizes), max_id=max(sizes))
+    for f in cache.warmup_choice(list(sizes.items())):
+        assert cache.hold(f, sizes[f])
+    assert 0.27 * total <= cache.held_bytes <= 0.3 * total
+    epochs = _run_epochs(cache, sizes, 2, rng)
+    for events in epochs:
+        ratio = sum(s for h, s in events if h) / sum(s for _, s in events)
+        assert abs(ratio - 0.3) <= 0.03
+
+
+def test_parse_size() -> None:
+    assert parse_size("30%", 1000) == 300
+    assert parse_size("24G", 0) == 24 << 30
+    assert parse_size("512M", 0) == 512 << 20
+    assert parse_size("1.5GiB", 0) == int(1.5 * (1 << 30))
+    assert parse_size("4096", 0) == 4096
+    for bad in ["abc", "-5%", "12X", ""]:
+        with pytest.raises(ValueError):
+            parse_size(bad, 100)
