@@ -201,6 +201,15 @@ class Catalog:
         total_nodes = self.db.execute("SELECT count(*) FROM nodes").fetchone()[0]
         return total_nodes, row[1], row[2]
 
+    def file_totals(self) -> tuple[int, int, int]:
+        """(regular files, bytes served over them, highest id in the catalog)."""
+        files, served = self.db.execute(
+            "SELECT count(*), coalesce(sum(CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size "
+            "ELSE size END), 0) FROM nodes WHERE kind=0"
+        ).fetchone()
+        max_id = self.db.execute("SELECT coalesce(max(id), 1) FROM nodes").fetchone()[0]
+        return files, served, max_id
+
     def files(self) -> Iterator[Node]:
         """Every regular file, in id order (streamed, not loaded at once)."""
         cursor = self.db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE kind=0 ORDER BY id")

@@ -69,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT]",
                    help="extra FUSE mount options")
     m.add_argument("--threads", type=int, default=4, help="storage reads in flight at once (default 4)")
+    m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
+                   help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
+                   "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
+                   "Default: no cache (and the page cache keeps no copy of served files)")
+    m.add_argument("--warmup", action="store_true",
+                   help="fill the cache before the mount is reported ready, so the first epoch hits too")
+    m.add_argument("--metrics-port", type=int, metavar="PORT",
+                   help="serve Prometheus metrics on this TCP port (all interfaces; off by default)")
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     _add_common(m)
@@ -115,13 +123,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from .catalog import open_or_build
-    from .mount import MountConfig, check_mountpoint, serve, spawn_daemon
+    from .mount import MountConfig, MountError, check_mountpoint, serve, spawn_daemon
 
     source = Path(args.source).absolute()
     if not source.is_dir():
         raise NotADirectoryError(f"source {source} is not a directory")
     mountpoint = Path(args.mountpoint).absolute()
     store = _store_for(args.source, args.store)
+    if args.cache_size:
+        from .cache import parse_size
+
+        try:
+            parse_size(args.cache_size, 1)
+        except ValueError as exc:
+            raise MountError(str(exc)) from exc
     check_mountpoint(mountpoint)
     if not args.foreground:
         started = time.monotonic()
@@ -132,6 +147,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
                 "--log-file", str(log_file), "--threads", str(args.threads)]
         if args.allow_other:
             argv.append("--allow-other")
+        if args.cache_size:
+            argv += ["--cache-size", args.cache_size]
+        if args.warmup:
+            argv.append("--warmup")
+        if args.metrics_port is not None:
+            argv += ["--metrics-port", str(args.metrics_port)]
         for opt in args.options:
             argv += ["-o", opt]
         spawn_daemon(argv, log_file)
@@ -141,7 +162,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         open_or_build(source, store, rescan=args.rescan).close()
     options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
-                         fuse_options=options, threads=args.threads)
+                         fuse_options=options, threads=args.threads, cache_size=args.cache_size,
+                         warmup=args.warmup, metrics_port=args.metrics_port)
     return serve(config, ready_fd=args.ready_fd)
 
 

@@ -12,15 +12,19 @@ import functools
 import json
 import logging
 import os
+import queue
 import stat
+import threading
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .catalog import KIND_DIR, KIND_SYMLINK, ROOT_ID, Catalog, Node
+from .cache import Decision, NextEpochCache
+from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
 from .reader import Content, StoreReader
 from .stats import MountStats
 
@@ -66,13 +70,18 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
 
     def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
-                 *, thread_limiter: trio.CapacityLimiter | None = None) -> None:
+                 *, thread_limiter: trio.CapacityLimiter | None = None,
+                 cache: NextEpochCache | None = None) -> None:
         super().__init__()
         self.catalog = catalog
         self.reader = reader
         self.stats = stats
+        self.cache = cache
+        self.notifier = Notifier()
+        # Bytes of the files the cache policy holds: the daemon's own memory, safe from page-cache reclaim.
+        self.held_data: dict[int, memoryview] = {}
         self.lookups: dict[int, int] = {}
-        self.open_files: dict[int, Content] = {}
+        self.open_files: dict[int, Handle] = {}
         self._next_fh = 1
         # Sizes that differ from the catalog's (a fallback to the original, a source changed in place).
         self.size_overrides: dict[int, int] = {}
@@ -81,7 +90,7 @@ class Operations(pyfuse3.Operations):
         self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
         self.uid = os.getuid()
         self.gid = os.getgid()
-        files, served, _ = catalog.totals()
+        files, served, _ = catalog.file_totals()
         self.stats.files = files
         self.stats.dataset_bytes = served
         self.control_extra: Callable[[], dict[str, Any]] | None = None
@@ -215,14 +224,21 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EROFS)
         if inode == CONTROL_ID:
             content = Content(size=0, raw=False, data=memoryview(self._control_bytes()))
-            return self._new_handle(content, direct_io=True)
+            return self._new_handle(Handle(content), direct_io=True, keep_cache=False)
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
-        content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+        decision = self._decide(node)
+        held = self.held_data.get(inode) if decision.hit else None
+        if held is not None:
+            content = await self._open_held(node, held)
+        else:
+            content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+            self.stats.bytes_from_storage += content.size if content.data is not None else 0
+            if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
+                self._lost_hit(decision, content.size)
         self.stats.opens += 1
         self.stats.opens_raw += content.raw
-        self.stats.bytes_from_storage += content.size if content.data is not None else 0
         if content.fallback and inode not in self.fell_back:
             self.fell_back.add(inode)
             self.stats.fallbacks = len(self.fell_back)
@@ -231,20 +247,88 @@ class Operations(pyfuse3.Operations):
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
             # to that size, so this handle bypasses the page cache, and the attributes are corrected for later.
             self.size_overrides[inode] = content.size
-            _notify_in_background(pyfuse3.invalidate_inode, inode, True)
+            self.notifier.invalidate(inode, attr_only=True)
             direct_io = True
-        return self._new_handle(content, direct_io=direct_io)
+        self._hold_or_drop(node, decision, content)
+        # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
+        # daemon. Its pages are kept only while it is held (release drops the rest), and the kernel may
+        # reclaim them at any time: the daemon's copy is the one the budget counts.
+        keep_cache = held is not None and not direct_io
+        return self._new_handle(Handle(content, node, decision), direct_io=direct_io, keep_cache=keep_cache)
 
-    def _new_handle(self, content: Content, *, direct_io: bool) -> pyfuse3.FileInfo:
+    async def _open_held(self, node: Node, data: memoryview) -> Content:
+        changed = await trio.to_thread.run_sync(self.reader.check_source, node, limiter=self.thread_limiter)
+        if changed is None:
+            self.stats.bytes_from_memory += len(data)
+            return Content(size=len(data), raw=node.repr == REPR_RAW, data=data)
+        # The source changed after the bytes were taken: they are stale. Serve what the source says now.
+        self.held_data.pop(node.id, None)
+        assert self.cache is not None
+        self.cache.drop(node.id)
+        content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+        self.stats.bytes_from_storage += content.size if content.data is not None else 0
+        return content
+
+    def _lost_hit(self, decision: Decision, size: int) -> None:
+        self.stats.reclaimed += 1
+        if self.cache is not None and decision.epoch:
+            self.cache.correct_miss(decision.epoch, size)
+
+    def _decide(self, node: Node) -> Decision:
+        if self.cache is None:
+            return NO_CACHE
+        decision = self.cache.read(node.id, self.size_overrides.get(node.id, node.size_served))
+        for file in decision.evicted:
+            self.held_data.pop(file, None)
+            self.notifier.invalidate(file)
+        return decision
+
+    def _hold_or_drop(self, node: Node, decision: Decision, content: Content) -> None:
+        if self.cache is None:
+            return
+        if decision.keep and content.data is not None and not content.fallback \
+                and content.size == node.size_served:
+            self.held_data[node.id] = content.data
+        else:
+            self.held_data.pop(node.id, None)
+            if decision.keep:  # the policy counted it, but these bytes cannot be held (streamed, fallback)
+                self.cache.drop(node.id)
+
+    async def warm_up(self) -> tuple[int, int]:
+        """Load a random budget's worth of files before the first epoch, so that epoch hits too.
+
+        Storage reads go to worker threads; the policy and the held bytes change only on the trio thread.
+        """
+        assert self.cache is not None
+        nodes = {n.id: n for n in self.catalog.files()}
+        files = 0
+        total = 0
+        for node_id in self.cache.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
+            node = nodes[node_id]
+            try:
+                content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+            except OSError as exc:
+                log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
+                continue
+            self.stats.bytes_from_storage += content.size if content.data is not None else 0
+            if content.data is None or content.fallback or not self.cache.hold(node_id, content.size):
+                content.close()
+                continue
+            self.held_data[node_id] = content.data
+            files += 1
+            total += content.size
+        return files, total
+
+    def _new_handle(self, handle: Handle, *, direct_io: bool, keep_cache: bool) -> pyfuse3.FileInfo:
         fh = self._next_fh
         self._next_fh += 1
-        self.open_files[fh] = content
-        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=direct_io, keep_cache=False,
+        self.open_files[fh] = handle
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=direct_io, keep_cache=keep_cache,
                                 nonseekable=False)
 
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
-        content = self.open_files[fh]
+        content = self.open_files[fh].content
         if content.data is None:
             data = await trio.to_thread.run_sync(content.read, off, size, limiter=self.thread_limiter)
         else:
@@ -253,14 +337,22 @@ class Operations(pyfuse3.Operations):
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
 
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
-        content = self.open_files.pop(fh, None)
-        if content is not None:
-            content.close()
+        handle = self.open_files.pop(fh, None)
+        if handle is None:
+            return
+        handle.content.close()
+        node = handle.node
+        # Only what the daemon holds may stay in the page cache: everything else is dropped once served, so
+        # the kernel never keeps a second, unplanned copy of the dataset.
+        if node is not None and node.id not in self.held_data:
+            self.notifier.invalidate(node.id)
 
     def _control_bytes(self) -> bytes:
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = len(self.lookups)
+        if self.cache is not None:
+            values.update(self.cache.summary())
         if self.control_extra is not None:
             values.update(self.control_extra())
         return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()
@@ -284,14 +376,46 @@ class Operations(pyfuse3.Operations):
         return None
 
 
-def _notify_in_background(func: Callable[..., Any], *args: Any) -> None:
-    """Kernel notifications must not run inside the request they concern (libfuse: may deadlock)."""
-    import threading
+@dataclass(slots=True)
+class Handle:
+    content: Content
+    node: Node | None = None
+    decision: Decision = field(default_factory=lambda: NO_CACHE)
 
-    def run() -> None:
-        try:
-            func(*args)
-        except OSError as exc:  # the kernel forgot the inode already: nothing to correct
-            log.debug("%s%r: %s", func.__name__, args, exc)
 
-    threading.Thread(target=run, daemon=True).start()
+NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+
+
+class Notifier:
+    """Sends kernel notifications from one worker thread, in order.
+
+    libfuse: a notification must not be sent from inside the request it concerns (it may deadlock on the inode
+    the request holds), and each one blocks until the kernel has processed it. A queue keeps handlers fast.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, bool] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+
+    def invalidate(self, inode: int, attr_only: bool = False) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="liquidfs-notify", daemon=True)
+            self._thread.start()
+        self._queue.put((inode, attr_only))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            inode, attr_only = item
+            try:
+                pyfuse3.invalidate_inode(pyfuse3.InodeT(inode), attr_only)
+                self.sent += 1
+            except OSError as exc:  # the kernel forgot the inode already: nothing to drop
+                log.debug("invalidate_inode(%d): %s", inode, exc)
+            except Exception:  # never let the notifier die: later drops would be lost
+                log.exception("invalidate_inode(%d) failed", inode)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(5)

@@ -21,8 +21,10 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
 from .fs import CONTROL_NAME, Operations
+from .metrics import serve_metrics
 from .reader import StoreReader
 from .stats import MountStats
 
@@ -42,6 +44,8 @@ class MountConfig:
     fuse_options: list[str] = field(default_factory=list)
     threads: int = 4
     metrics_port: int | None = None
+    cache_size: str | None = None
+    warmup: bool = False
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -68,10 +72,28 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mount point {mountpoint} does not exist (mkdir it first)")
     if not mountpoint.is_dir():
         raise MountError(f"mount point {mountpoint} is not a directory")
-    if os.path.ismount(mountpoint):
+    if _fuse_mounted(mountpoint):
         raise MountError(f"{mountpoint} is already mounted; run `liquidfs umount {mountpoint}` first")
     if any(os.scandir(mountpoint)):
         raise MountError(f"mount point {mountpoint} is not empty")
+
+
+def _fuse_mounted(mountpoint: Path) -> bool:
+    """A FUSE filesystem is mounted on ``mountpoint`` (the topmost mount there).
+
+    Any other mount is fine to mount over: in a container the mount point is itself a volume (a bind mount or
+    an emptyDir) shared back to the host.
+    """
+    target = os.fsencode(os.path.abspath(mountpoint))
+    fstype = None
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index(b"-")
+            point = fields[4].replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
+            if point == target:
+                fstype = fields[sep + 1]  # later lines are mounted on top of earlier ones
+    return fstype is not None and fstype.startswith(b"fuse")
 
 
 def fuse_options(config: MountConfig) -> set[str]:
@@ -89,7 +111,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     catalog = Catalog.open(config.store, readonly=True)
     stats = MountStats(source=str(config.source), store=str(config.store))
     reader = StoreReader(catalog.source, config.store)
-    ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads))
+    cache = make_cache(catalog, config.cache_size)
+    ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache)
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:
@@ -97,21 +120,36 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     log.info("mounted %s on %s (pid %d)", config.source, config.mountpoint, os.getpid())
     unmount = True
     try:
-        trio.run(_main, config, ready_fd)
+        trio.run(_main, config, ops, ready_fd)
     except BaseException:
         log.exception("the filesystem loop failed; unmounting")
         raise
     finally:
+        ops.notifier.stop()
         pyfuse3.close(unmount=unmount)
         catalog.close()
         log.info("unmounted %s", config.mountpoint)
     return 0
 
 
-async def _main(config: MountConfig, ready_fd: int | None) -> None:
+def make_cache(catalog: Catalog, cache_size: str | None) -> NextEpochCache | None:
+    if not cache_size:
+        return None
+    files, served, max_id = catalog.file_totals()
+    try:
+        budget = parse_size(cache_size, served)
+    except ValueError as exc:
+        raise MountError(str(exc)) from exc
+    log.info("cache budget %d bytes (%.1f %% of %d served bytes)", budget, 100 * budget / max(1, served), served)
+    return NextEpochCache(budget, served, files, max_id=max_id)
+
+
+async def _main(config: MountConfig, ops: Operations, ready_fd: int | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
-        nursery.start_soon(_signal_ready, config.mountpoint, ready_fd)
+        if config.metrics_port is not None:
+            await nursery.start(serve_metrics, config.metrics_port, lambda: json.loads(ops._control_bytes()))
+        nursery.start_soon(_signal_ready, config, ops, ready_fd)
         await pyfuse3.main()
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
         nursery.cancel_scope.cancel()
@@ -125,9 +163,13 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
             return
 
 
-async def _signal_ready(mountpoint: Path, ready_fd: int | None) -> None:
+async def _signal_ready(config: MountConfig, ops: Operations, ready_fd: int | None) -> None:
     # A stat of the control entry goes through the kernel to this very loop: once it answers, so does the mount.
-    await trio.to_thread.run_sync(os.stat, mountpoint / os.fsdecode(CONTROL_NAME))
+    await trio.to_thread.run_sync(os.stat, config.mountpoint / os.fsdecode(CONTROL_NAME))
+    if config.warmup and ops.cache is not None:
+        started = time.monotonic()
+        files, total = await ops.warm_up()
+        log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
     log.info("mount answers")
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")

@@ -69,7 +69,9 @@ def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
     if fd >= 0:
         try:
             size = os.fstat(fd).st_size
-            buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN))
+            # private: a shared anonymous map would be shmem, counted (and reclaimable) as page cache
+            buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN),
+                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             view = memoryview(buf)
             done = 0
             while done < size:
@@ -118,25 +120,32 @@ class StoreReader:
         return self.store_dir / node.object
 
     def open(self, node: Node) -> Content:
+        """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""
         src = self.source_path(node)
         st = os.stat(src, follow_symlinks=False)
-        changed = (st.st_size, st.st_mtime_ns) != (node.size, node.mtime_ns)
-        fallback = None
+        fallback = self.check_source(node, st)
         if node.repr == REPR_RAW:
-            if changed:
-                fallback = "source changed since prepare"
-            else:
+            if fallback is None:
                 fallback, data = self._open_raw(node)
                 if data is not None:
                     return Content(size=len(data), raw=True, data=data)
             self._warn_once(node, fallback)
-        elif changed:
-            self._warn_once(node, "source changed since the catalog was built")
+        elif fallback:
+            self._warn_once(node, fallback)
+            fallback = None  # an original is served either way: not a fallback
         if st.st_size > WHOLE_FILE_LIMIT:
             fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
             return Content(size=os.fstat(fd).st_size, raw=False, fd=fd, fallback=fallback)
         data = read_whole(src)
         return Content(size=len(data), raw=False, data=data, fallback=fallback)
+
+    def check_source(self, node: Node, st: os.stat_result | None = None) -> str | None:
+        """None while the source is the file the catalog describes; else what changed."""
+        if st is None:
+            st = os.stat(self.source_path(node), follow_symlinks=False)
+        if (st.st_size, st.st_mtime_ns) != (node.size, node.mtime_ns):
+            return "source changed since prepare" if node.repr == REPR_RAW else "source changed since the scan"
+        return None
 
     def _open_raw(self, node: Node) -> tuple[str | None, memoryview | None]:
         try:

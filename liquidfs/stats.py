@@ -19,6 +19,8 @@ class MountStats:
     opens_raw: int = 0
     bytes_read: int = 0           # bytes the daemon answered read requests with
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
+    bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
+    reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT
 
