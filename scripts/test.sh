@@ -3,6 +3,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LIQUIDFS_EXTRAS="test,torch" bash scripts/install.sh
+# Tools the deployment tests drive for real (container build and run, shell lint, unit verification).
+tools=()
+for t in podman:podman debootstrap:debootstrap runc:runc tini:tini shellcheck:shellcheck \
+         systemd-analyze:systemd fincore:util-linux; do
+    command -v "${t%%:*}" >/dev/null || tools+=("${t#*:}")
+done
+if [ ${#tools[@]} -gt 0 ]; then
+    echo "installing ${tools[*]} with apt (test tools)" >&2
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${tools[@]}" >/dev/null
+fi
 set +e
 .venv/bin/python -m pytest -rs "$@"
 status=$?

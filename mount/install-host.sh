@@ -1,0 +1,78 @@
+#!/bin/sh
+# Install liquidfs's host integration: the mount(8) helper (fstab / mount -t fuse.liquidfs) and the
+# systemd template unit liquidfs@.service.  liquidfs itself must already be installed (pip install).
+#
+#   sudo mount/install-host.sh                         # liquidfs found on PATH
+#   sudo LIQUIDFS_BIN=/opt/liquidfs/bin/liquidfs mount/install-host.sh
+#   DESTDIR=/tmp/pkgroot LIQUIDFS_BIN=/usr/bin/liquidfs mount/install-host.sh     # staging, no root
+#
+# Variables: DESTDIR (staging root, default none), SBINDIR (/sbin: where mount(8) looks for
+# mount.<type> helpers), UNITDIR (/etc/systemd/system), CONFDIR (/etc/liquidfs), LIQUIDFS_BIN (the
+# liquidfs command baked into the helper and the unit; default: `command -v liquidfs`),
+# and FUSERMOUNT (default: `command -v fusermount3`, else /usr/bin/fusermount3; only checked).
+set -eu
+
+here=$(cd "$(dirname "$0")" && pwd)
+DESTDIR=${DESTDIR:-}
+SBINDIR=${SBINDIR:-/sbin}
+UNITDIR=${UNITDIR:-/etc/systemd/system}
+CONFDIR=${CONFDIR:-/etc/liquidfs}
+
+die() {
+    printf 'install-host.sh: %s\n' "$*" >&2
+    exit 1
+}
+
+if [ -z "${LIQUIDFS_BIN:-}" ]; then
+    LIQUIDFS_BIN=$(command -v liquidfs) || die "liquidfs not found on PATH; pip install it first or set LIQUIDFS_BIN"
+fi
+case $LIQUIDFS_BIN in
+    /*) ;;
+    *) die "LIQUIDFS_BIN must be an absolute path (systemd and mount(8) do not use your PATH): $LIQUIDFS_BIN" ;;
+esac
+case $LIQUIDFS_BIN in
+    *[\'\\\&\|]*) die "LIQUIDFS_BIN may not contain ' \\ & or |: $LIQUIDFS_BIN" ;;
+esac
+if [ -z "${FUSERMOUNT:-}" ]; then
+    FUSERMOUNT=$(command -v fusermount3) || FUSERMOUNT=/usr/bin/fusermount3
+fi
+if [ -z "$DESTDIR" ] && [ ! -x "$FUSERMOUNT" ]; then
+    echo "install-host.sh: warning: $FUSERMOUNT not found; install the fuse3 package" >&2
+fi
+
+helper=$DESTDIR$SBINDIR/mount.fuse.liquidfs
+unit=$DESTDIR$UNITDIR/liquidfs@.service
+conf=$DESTDIR$CONFDIR
+
+mkdir -p "$DESTDIR$SBINDIR" "$DESTDIR$UNITDIR" "$conf"
+
+tmp=$(mktemp)
+trap 'rm -f "$tmp"' EXIT
+
+sed "s|^LIQUIDFS_DEFAULT=.*|LIQUIDFS_DEFAULT='$LIQUIDFS_BIN'|" "$here/mount.fuse.liquidfs" > "$tmp"
+grep -q "^LIQUIDFS_DEFAULT='$LIQUIDFS_BIN'\$" "$tmp" || die "could not set the liquidfs command in the helper"
+install -m 0755 "$tmp" "$helper"
+
+sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" \
+    "$here/systemd/liquidfs@.service" > "$tmp"
+grep -q "^ExecStart=$LIQUIDFS_BIN mount --foreground " "$tmp" || die "could not set the liquidfs command in the unit"
+install -m 0644 "$tmp" "$unit"
+
+# An example configuration; never overwrite a real one.
+if [ ! -e "$conf/example.env" ]; then
+    install -m 0644 "$here/systemd/example.env" "$conf/example.env"
+fi
+
+echo "installed $helper"
+echo "installed $unit"
+echo "example config in $conf/example.env"
+
+if [ -z "$DESTDIR" ] && [ -d /run/systemd/system ] && command -v systemctl > /dev/null; then
+    systemctl daemon-reload
+fi
+cat << EOF
+
+next steps:
+  fstab:   SOURCE MOUNTPOINT fuse.liquidfs store=DIR,cache_size=30%,allow_other,nofail,_netdev 0 0
+  systemd: cp $CONFDIR/example.env $CONFDIR/NAME.env; edit it; systemctl enable --now liquidfs@NAME
+EOF
