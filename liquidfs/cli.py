@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "Default: no cache (and the page cache keeps no copy of served files)")
     m.add_argument("--warmup", action="store_true",
                    help="fill the cache before the mount is reported ready, so the first epoch hits too")
+    m.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
+                   help="readahead of the mount, so the kernel sends larger reads (default 1024; 0 leaves the "
+                   "kernel's default; needs root)")
     m.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this TCP port (all interfaces; off by default)")
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
@@ -101,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
 
     from . import prepare as prepare_mod
+    from . import profile as profile_mod
+
     prepare_mod.add_arguments(sub, _add_common)
+    profile_mod.add_arguments(sub, _add_common)
     return parser
 
 
@@ -153,6 +159,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             argv.append("--warmup")
         if args.metrics_port is not None:
             argv += ["--metrics-port", str(args.metrics_port)]
+        argv += ["--readahead-kb", str(args.readahead_kb)]
         for opt in args.options:
             argv += ["-o", opt]
         spawn_daemon(argv, log_file)
@@ -163,7 +170,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
-                         warmup=args.warmup, metrics_port=args.metrics_port)
+                         warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb)
     return serve(config, ready_fd=args.ready_fd)
 
 

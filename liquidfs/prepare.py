@@ -453,7 +453,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         from .profile import auto_ratio
 
         ratio = auto_ratio(args.source, args.store)
-        print(f"profile chose ratio {ratio:.1f}")
+        print(f"profile chose ratio {ratio:.2f}")
     try:
         report = prepare(args.source, args.store, ratio, seed=args.seed, jobs=args.jobs,
                          progress=not args.no_progress)
