@@ -62,7 +62,8 @@ class CacheStats:
     hit_bytes: int = 0
     miss_bytes: int = 0
     epochs: dict[int, EpochStats] = field(default_factory=dict)
-    window_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    window_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # hits per file
+    window_byte_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # hit bytes per byte
     window_epochs: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
 
@@ -108,7 +109,7 @@ class NextEpochCache:
         self.kept_for: dict[int, int] = {}  # epoch -> bytes held for it
         self.newest_epoch = 1
         self.stats = CacheStats()
-        self._window: list[bool] = []
+        self._window: list[tuple[bool, int]] = []
         self._window_epoch = 1
 
     # -- the policy ----------------------------------------------------------------------------------
@@ -229,9 +230,10 @@ class NextEpochCache:
         if epoch != self._window_epoch:
             self._window = []
             self._window_epoch = epoch
-        self._window.append(hit)
+        self._window.append((hit, size))
         if len(self._window) == WINDOW:
-            st.window_ratios.append(sum(self._window) / WINDOW)
+            st.window_ratios.append(sum(h for h, _ in self._window) / WINDOW)
+            st.window_byte_ratios.append(sum(s for h, s in self._window if h) / sum(s for _, s in self._window))
             st.window_epochs.append(epoch)
             self._window = []
 
@@ -271,6 +273,7 @@ class NextEpochCache:
             "epochs": epochs,
             "window_size": WINDOW,
             "window_hit_ratios": [round(r, 4) for r in list(st.window_ratios)[-256:]],
+            "window_byte_hit_ratios": [round(r, 4) for r in list(st.window_byte_ratios)[-256:]],
             "window_hit_ratio_mean": round(statistics.fmean(windows), 4) if windows else None,
             "window_hit_ratio_sd": round(statistics.pstdev(windows), 4) if len(windows) > 1 else None,
             "window_sd_bound": round(1.25 * math.sqrt(self.share * (1 - self.share) / WINDOW), 4),

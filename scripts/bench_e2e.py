@@ -1,0 +1,363 @@
+"""End-to-end benchmark: an unmodified DALI CPU pipeline reading the sample dataset directly and through liquidfs.
+
+    python scripts/bench_e2e.py e2e   [--images 48] [--ratios 0,0.5,1,auto] [--caps 0,200] [--repeats 3]
+    python scripts/bench_e2e.py sweep [--caps 0,200,100]     # all 11 ratios + the profiler's choice, cold
+    python scripts/bench_e2e.py cache [--cap 200] [--epochs 3] [--cache-size 30%]
+
+Every configuration runs in its own loader process (scripts/dali_epoch.py: fn.readers.file with random shuffle +
+fn.decoders.image, batch 16, threads = cores), repeated; medians are reported with ratios to the all-PNG direct
+read of the same state. "cold": page cache dropped before each run and liquidfs without a memory cache, so every
+byte comes from storage; "warm": the page cache pre-filled for direct reads, and for liquidfs every file held in
+its memory cache (--cache-size 100% --warmup, plus one pass so the kernel keeps the held files' pages).
+Storage caps use a cgroup v1 blkio throttle on the loader (direct) or on the daemon (liquidfs).
+Results: a markdown table on stdout, JSON and a PNG chart under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from liquidfs import _throttle  # noqa: E402
+from liquidfs.catalog import Catalog  # noqa: E402
+from liquidfs.prepare import prepare  # noqa: E402
+from liquidfs.sample import make_sample  # noqa: E402
+
+DALI_EPOCH = REPO / "scripts" / "dali_epoch.py"
+SUBDIR = Path("leftImg8bit") / "train"
+
+
+def sh(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def liquidfs(*args: str) -> str:
+    return sh(sys.executable, "-m", "liquidfs", *args)
+
+
+def drop_caches() -> None:
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
+def read_all(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(1 << 22):
+                    pass
+
+
+def tree_bytes(root: Path) -> tuple[int, int]:
+    files = [p for p in root.rglob("*") if p.is_file()]
+    return len(files), sum(p.stat().st_size for p in files)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def control(mnt: Path) -> dict:
+    return json.loads((mnt / ".__liquidfs__").read_bytes())
+
+
+# -- dataset and stores ---------------------------------------------------------------------------------
+
+
+def dataset(work: Path, images: int, width: int, height: int) -> Path:
+    src = work / "data"
+    marker = src / "meta.json"
+    if marker.exists() and json.loads(marker.read_text()).get("count") == images:
+        return src
+    shutil.rmtree(src, ignore_errors=True)
+    print(f"generating {images} {width}x{height} images in {src}", file=sys.stderr)
+    make_sample(src, count=images, width=width, height=height, seed=42)
+    return src
+
+
+def store_for(work: Path, src: Path, ratio: float) -> Path:
+    store = work / f"store-{ratio:.2f}"
+    prepare(src, store, ratio, progress=False)
+    return store
+
+
+def bmp_copy(work: Path, src: Path) -> Path:
+    """The all-BMP baseline: the same tree with every image's raw bytes under its original name."""
+    out = work / "bmp"
+    if (out / ".done").exists():
+        return out
+    store = store_for(work, src, 1.0)
+    catalog = Catalog.open(store)
+    for node in catalog.files():
+        dest = out / os.fsdecode(node.path)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if node.repr == 1:
+            shutil.copyfile(store / str(node.object), dest)
+        else:
+            shutil.copyfile(src / os.fsdecode(node.path), dest)
+    catalog.close()
+    (out / ".done").write_text("")
+    return out
+
+
+def auto_ratio(work: Path, src: Path, cache_share: float = 0.0, cap_mb: int = 0) -> float:
+    args = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(work / "store-profile"),
+            "--json", str(work / "profile.json"), "--cache-size", f"{cache_share * 100:.0f}%"]
+    if cap_mb:
+        with _throttle.throttled(src, cap_mb * 1_000_000) as group:
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                    preexec_fn=lambda: group.add(os.getpid()))
+            proc.communicate()
+    else:
+        subprocess.run(args, check=True, capture_output=True)
+    return float(json.loads((work / "profile.json").read_text())["chosen"])
+
+
+# -- one measured run -----------------------------------------------------------------------------------
+
+
+def run_loader(root: Path, images: int, seed: int, group: _throttle.ReadThrottle | None,
+               threads: int, batch: int) -> dict:
+    cmd = [sys.executable, str(DALI_EPOCH), str(root / SUBDIR), "--images", str(images), "--seed", str(seed),
+           "--threads", str(threads), "--batch", str(batch)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=(lambda: group.add(os.getpid())) if group else None)
+    out, err = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loader failed: {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class Mounted:
+    def __init__(self, src: Path, store: Path, mnt: Path, *extra: str) -> None:
+        self.mnt = mnt
+        mnt.mkdir(parents=True, exist_ok=True)
+        liquidfs("mount", str(src), str(mnt), "--store", str(store), *extra)
+        self.pid = int(control(mnt)["pid"])
+
+    def close(self) -> None:
+        liquidfs("umount", str(self.mnt))
+
+
+def measure(name: str, root: Path, *, state: str, cap: int, repeats: int, images: int, args: argparse.Namespace,
+            daemon: Mounted | None = None) -> dict:
+    group = _throttle.ReadThrottle(root if daemon is None else args.work, cap * 1_000_000) if cap else None
+    if group and daemon:
+        group.add(daemon.pid)
+    runs = []
+    try:
+        for rep in range(repeats):
+            if state == "cold":
+                drop_caches()
+            elif daemon is None:
+                read_all(root / SUBDIR)
+            before = (cpu_seconds(daemon.pid), control(daemon.mnt)) if daemon else None
+            # the first batch is the loader's warm-up: the rest of one epoch is measured, each file read once
+            result = run_loader(root, images - args.batch, seed=rep, group=None if daemon else group,
+                                threads=args.threads,
+                                batch=args.batch)
+            if daemon and before:
+                after = control(daemon.mnt)
+                result["daemon_cpu_s"] = cpu_seconds(daemon.pid) - before[0]
+                result["daemon_bytes_read"] = after["bytes_read"] - before[1]["bytes_read"]
+                result["served_bytes"] = (after["bytes_from_storage"] + after["bytes_from_memory"]
+                                          - before[1]["bytes_from_storage"] - before[1]["bytes_from_memory"])
+            runs.append(result)
+    finally:
+        if group:
+            group.close()
+    n_files, n_bytes = tree_bytes(root / SUBDIR)
+    ips = statistics.median(r["images_per_s"] for r in runs)
+    row = {"config": name, "state": state, "cap_mb_s": cap, "images_per_s": ips,
+           "runs": [round(r["images_per_s"], 2) for r in runs],
+           "mb_per_s": ips * n_bytes / n_files / 1e6,
+           "loader_cpu_ms_per_image": 1000 * statistics.median(r["loader_cpu_s"] / r["images"] for r in runs)}
+    if daemon:
+        served = [r["served_bytes"] for r in runs if r.get("served_bytes")]
+        row["daemon_cpu_s_per_gb"] = statistics.median(
+            r["daemon_cpu_s"] / (r["served_bytes"] / 1e9) for r in runs if r.get("served_bytes")) if served else None
+        row["bytes_reaching_daemon_share"] = statistics.median(
+            r["daemon_bytes_read"] / r["served_bytes"] for r in runs if r.get("served_bytes")) if served else None
+    print(f"  {name:<22} {state:<5} cap {cap or '-':>4}  {ips:7.1f} img/s  runs {row['runs']}", file=sys.stderr)
+    return row
+
+
+# -- modes ----------------------------------------------------------------------------------------------
+
+
+def mode_e2e(args: argparse.Namespace) -> list[dict]:
+    src = dataset(args.work, args.images, args.width, args.height)
+    bmp = bmp_copy(args.work, src)
+    rows = []
+    for cap in args.caps:
+        ratios = []
+        for r in args.ratios:
+            ratios.append(auto_ratio(args.work, src, cap_mb=cap) if r == "auto" else float(r))
+        for state in ("cold", "warm"):
+            rows.append(measure("direct all-PNG", src, state=state, cap=cap, repeats=args.repeats,
+                                images=args.images, args=args))
+            rows.append(measure("direct all-BMP", bmp, state=state, cap=cap, repeats=args.repeats,
+                                images=args.images, args=args))
+            for label, r in zip(args.ratios, ratios):
+                store = store_for(args.work, src, r)
+                extra = ["--cache-size", "100%", "--warmup"] if state == "warm" else []
+                m = Mounted(src, store, args.work / "mnt", *extra)
+                try:
+                    if state == "warm":
+                        read_all(m.mnt / SUBDIR)  # one pass: the kernel keeps the held files' pages
+                    name = f"liquidfs r={r:.2f}" + (" (auto)" if label == "auto" else "")
+                    rows.append(measure(name, m.mnt, state=state, cap=cap, repeats=args.repeats,
+                                        images=args.images, args=args, daemon=m))
+                finally:
+                    m.close()
+    return rows
+
+
+def mode_sweep(args: argparse.Namespace) -> list[dict]:
+    src = dataset(args.work, args.images, args.width, args.height)
+    rows = []
+    for cap in args.caps:
+        chosen = auto_ratio(args.work, src, cap_mb=cap)
+        for r, profiled in [(i / 10, False) for i in range(11)] + [(chosen, True)]:
+            store = store_for(args.work, src, r)
+            m = Mounted(src, store, args.work / "mnt")
+            try:
+                name = f"liquidfs r={r:.2f}" + (" (profile)" if profiled else "")
+                row = measure(name, m.mnt, state="cold", cap=cap, repeats=args.repeats, images=args.images,
+                              args=args, daemon=m)
+                row["ratio"] = r
+                row["profiled"] = profiled
+                rows.append(row)
+            finally:
+                m.close()
+    return rows
+
+
+def mode_cache(args: argparse.Namespace) -> list[dict]:
+    src = dataset(args.work, args.images, args.width, args.height)
+    ratio = auto_ratio(args.work, src, cache_share=float(args.cache_size.rstrip("%")) / 100, cap_mb=args.cap)
+    store = store_for(args.work, src, ratio)
+    rows = []
+    for label, extra in (("cache off", []), (f"cache {args.cache_size}", ["--cache-size", args.cache_size])):
+        m = Mounted(src, store, args.work / "mnt", *extra)
+        group = _throttle.ReadThrottle(args.work, args.cap * 1_000_000) if args.cap else None
+        if group:
+            group.add(m.pid)
+        try:
+            drop_caches()
+            for epoch in range(1, args.epochs + 1):
+                result = run_loader(m.mnt, args.images, seed=epoch, group=None, threads=args.threads,
+                                    batch=args.batch)
+                st = control(m.mnt)
+                rows.append({"config": f"liquidfs r={ratio:.2f}, {label}", "epoch": epoch, "cap_mb_s": args.cap,
+                             "images_per_s": result["images_per_s"],
+                             "byte_hit_ratio": st.get("epochs", {}).get(str(epoch), {}).get("byte_hit_ratio")})
+                print(f"  {rows[-1]}", file=sys.stderr)
+        finally:
+            if group:
+                group.close()
+            m.close()
+    return rows
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def markdown(rows: list[dict]) -> str:
+    keys = [k for k in rows[0] if k not in ("runs",)]
+    for r in rows:
+        for k in r:
+            if k not in keys and k != "runs":
+                keys.append(k)
+    base = {(r["state"], r["cap_mb_s"]): r["images_per_s"] for r in rows
+            if r.get("config") == "direct all-PNG" and "state" in r}
+    lines = ["| " + " | ".join(keys + (["x all-PNG direct"] if base else [])) + " |",
+             "|" + "---|" * (len(keys) + (1 if base else 0))]
+    for r in rows:
+        cells = []
+        for k in keys:
+            v = r.get(k)
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v if v is not None else ""))
+        if base:
+            b = base.get((r.get("state"), r.get("cap_mb_s")))
+            cells.append(f"{r['images_per_s'] / b:.2f}" if b else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    from PIL import Image, ImageDraw
+
+    bar_h, left, width = 18, 330, 900
+    img = Image.new("RGB", (width, 40 + bar_h * len(rows)), "white")
+    draw = ImageDraw.Draw(img)
+    top = max(r["images_per_s"] for r in rows)
+    draw.text((10, 10), "DALI CPU pipeline, images/s (median)", fill="black")
+    for i, r in enumerate(rows):
+        y = 30 + i * bar_h
+        label = f"{r['config']} {r.get('state', '')} cap {r.get('cap_mb_s') or '-'}" + (
+            f" ep{r['epoch']}" if "epoch" in r else "")
+        draw.text((10, y + 3), label[:48], fill="black")
+        w = int((width - left - 80) * r["images_per_s"] / top)
+        draw.rectangle((left, y + 2, left + w, y + bar_h - 2), fill="steelblue")
+        draw.text((left + w + 5, y + 3), f"{r['images_per_s']:.1f}", fill="black")
+    img.save(path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["e2e", "sweep", "cache"])
+    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench")
+    parser.add_argument("--images", type=int, default=64)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--ratios", default="0,0.5,1,auto")
+    parser.add_argument("--caps", default="0,200", help="storage caps in MB/s (0: uncapped)")
+    parser.add_argument("--cap", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--cache-size", default="30%")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--batch", type=int, default=16)
+    args = parser.parse_args()
+    args.work = args.work.absolute()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.ratios = args.ratios.split(",")
+    args.caps = [int(c) for c in args.caps.split(",")]
+    problem = _throttle.available()
+    if problem and any(args.caps):
+        raise SystemExit(f"storage caps need cgroup v1 blkio: {problem}")
+    started = time.time()
+    rows = {"e2e": mode_e2e, "sweep": mode_sweep, "cache": mode_cache}[args.mode](args)
+    out = args.work / f"{args.mode}.json"
+    meta = {"mode": args.mode, "argv": sys.argv, "started": started, "seconds": time.time() - started,
+            "images": args.images, "size": f"{args.width}x{args.height}", "threads": args.threads,
+            "batch": args.batch, "repeats": args.repeats}
+    if args.mode == "sweep":
+        for cap in args.caps:
+            these = [r for r in rows if r["cap_mb_s"] == cap]
+            best = max(r["images_per_s"] for r in these if not r["profiled"])
+            chosen = next(r for r in these if r["profiled"])
+            meta[f"choice_vs_best_cap{cap}"] = chosen["images_per_s"] / best
+            print(f"cap {cap or 'none'}: profile chose {chosen['ratio']:.2f}: "
+                  f"{chosen['images_per_s'] / best:.3f} of the best of the 11 mixes", file=sys.stderr)
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    chart(rows, args.work / f"{args.mode}.png")
+    print(markdown(rows))
+    print(f"\n(JSON {out}, chart {args.work / f'{args.mode}.png'}, {time.time() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
