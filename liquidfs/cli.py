@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
                    help="readahead of the mount, so the kernel sends larger reads (default 1024; 0 leaves the "
                    "kernel's default; needs root)")
+    m.add_argument("--io-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="a read of the store or the source that takes longer answers EIO to the reader, and the "
+                   "mount goes on serving other files (hung network storage, failing disks; default 60)")
     m.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this TCP port (all interfaces; off by default)")
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
@@ -143,6 +146,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
             parse_size(args.cache_size, 1)
         except ValueError as exc:
             raise MountError(str(exc)) from exc
+    if not args.io_timeout > 0:
+        raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
     check_mountpoint(mountpoint)
     if not args.foreground:
         started = time.monotonic()
@@ -150,7 +155,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         log_file = Path(args.log_file) if args.log_file else store / "mount.log"
         argv = ["mount", str(source), str(mountpoint), "--store", str(store),
                 "--log-level", args.log_level if args.log_level != "warning" else "info",
-                "--log-file", str(log_file), "--threads", str(args.threads)]
+                "--log-file", str(log_file), "--threads", str(args.threads),
+                "--io-timeout", str(args.io_timeout)]
         if args.allow_other:
             argv.append("--allow-other")
         if args.cache_size:
@@ -170,7 +176,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
-                         warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb)
+                         warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
+                         io_timeout=args.io_timeout)
     return serve(config, ready_fd=args.ready_fd)
 
 

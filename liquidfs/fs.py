@@ -11,6 +11,7 @@ import errno
 import functools
 import json
 import logging
+import math
 import os
 import queue
 import stat
@@ -36,6 +37,13 @@ CONTROL_ID = 1 << 62
 #: The tree never changes under a mount, so the kernel may keep names and attributes for long.
 ATTR_TIMEOUT = 300.0
 _BLOCK = 512
+#: Seconds a storage read may take before the reader gets EIO (``mount --io-timeout``).
+IO_TIMEOUT = 60.0
+#: Storage reads left stuck past their timeout before every new read fails at once: the storage is not answering,
+#: and each further try would only park one more thread in the kernel.
+MAX_STUCK = 64
+#: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
+_MAX_LOGGED = 10_000
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -52,7 +60,8 @@ def _handler(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
             self = args[0]
             self.stats.errors += 1  # type: ignore[attr-defined]
             code = exc.errno or errno.EIO
-            log.warning("%s: %s", func.__name__, exc)
+            first = self.first_error((func.__name__, code, exc.filename, exc.strerror))  # type: ignore[attr-defined]
+            log.log(logging.WARNING if first else logging.DEBUG, "%s: %s", func.__name__, exc)
             raise FUSEError(code) from None
         except Exception:
             self = args[0]
@@ -71,7 +80,7 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
                  *, thread_limiter: trio.CapacityLimiter | None = None,
-                 cache: NextEpochCache | None = None) -> None:
+                 cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT) -> None:
         super().__init__()
         self.catalog = catalog
         self.reader = reader
@@ -88,6 +97,12 @@ class Operations(pyfuse3.Operations):
         self.fell_back: set[int] = set()  # files whose raw object was not served, counted once each
         # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
         self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
+        self.io_timeout = io_timeout
+        # Threads of reads that ran past io_timeout; they give their slot back, so they run outside the limiter.
+        self._stuck: set[_Call] = set()
+        self._stuck_lock = threading.Lock()
+        self._unlimited = trio.CapacityLimiter(math.inf)
+        self._logged: set[tuple[object, ...]] = set()
         self.uid = os.getuid()
         self.gid = os.getgid()
         files, served, _ = catalog.file_totals()
@@ -233,7 +248,7 @@ class Operations(pyfuse3.Operations):
         if held is not None:
             content = await self._open_held(node, held)
         else:
-            content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+            content = await self._blocking(node, self.reader.open, node)
             self.stats.bytes_from_storage += content.size if content.data is not None else 0
             if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
                 self._lost_hit(decision, content.size)
@@ -257,7 +272,7 @@ class Operations(pyfuse3.Operations):
         return self._new_handle(Handle(content, node, decision), direct_io=direct_io, keep_cache=keep_cache)
 
     async def _open_held(self, node: Node, data: memoryview) -> Content:
-        changed = await trio.to_thread.run_sync(self.reader.check_source, node, limiter=self.thread_limiter)
+        changed = await self._blocking(node, self.reader.check_source, node)
         if changed is None:
             self.stats.bytes_from_memory += len(data)
             return Content(size=len(data), raw=node.repr == REPR_RAW, data=data)
@@ -265,7 +280,7 @@ class Operations(pyfuse3.Operations):
         self.held_data.pop(node.id, None)
         assert self.cache is not None
         self.cache.drop(node.id)
-        content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+        content = await self._blocking(node, self.reader.open, node)
         self.stats.bytes_from_storage += content.size if content.data is not None else 0
         return content
 
@@ -306,7 +321,7 @@ class Operations(pyfuse3.Operations):
         for node_id in self.cache.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
             node = nodes[node_id]
             try:
-                content = await trio.to_thread.run_sync(self.reader.open, node, limiter=self.thread_limiter)
+                content = await self._blocking(node, self.reader.open, node)
             except OSError as exc:
                 log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
                 continue
@@ -319,6 +334,53 @@ class Operations(pyfuse3.Operations):
             total += content.size
         return files, total
 
+    async def _blocking(self, node: Node, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)``, a blocking read of ``node``'s storage, in a worker thread; EIO past ``io_timeout``.
+
+        A read stuck in the kernel (a hung NFS server, a failing disk) cannot be interrupted: its thread is
+        abandoned and gives its slot back, so the other files keep their full number of threads. A file whose
+        earlier read is still stuck fails at once rather than parking another thread, and so does every read
+        once MAX_STUCK are stuck. Only the read itself is timed, not the wait for a slot: a busy mount is slow,
+        not broken.
+        """
+        with self._stuck_lock:
+            stuck = [call.node for call in self._stuck]
+        where = os.fsdecode(node.path)
+        if node.id in stuck:
+            raise OSError(errno.EIO, "an earlier storage read of this file is still stuck", where)
+        if len(stuck) >= MAX_STUCK:
+            raise OSError(errno.EIO, f"{len(stuck)} storage reads are stuck: the storage does not answer", where)
+        call = _Call(node.id)
+
+        def run() -> R:
+            try:
+                return fn(*args)
+            finally:
+                with self._stuck_lock:
+                    call.done = True
+                    self._stuck.discard(call)
+
+        async with self.thread_limiter:
+            with trio.move_on_after(self.io_timeout):
+                try:
+                    return await trio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=self._unlimited)
+                except OSError as exc:
+                    if exc.filename is None:  # a failed read names no file: name it, for the log and its dedup
+                        raise OSError(exc.errno, exc.strerror, where) from exc
+                    raise
+        with self._stuck_lock:
+            if not call.done:
+                self._stuck.add(call)
+        raise OSError(errno.EIO, f"storage did not answer within {self.io_timeout:g} s", where)
+
+    def first_error(self, key: tuple[object, ...]) -> bool:
+        """True the first time an error is seen: a reader retrying a broken file must not flood the log."""
+        if key in self._logged:
+            return False
+        if len(self._logged) < _MAX_LOGGED:
+            self._logged.add(key)
+        return True
+
     def _new_handle(self, handle: Handle, *, direct_io: bool, keep_cache: bool) -> pyfuse3.FileInfo:
         fh = self._next_fh
         self._next_fh += 1
@@ -328,9 +390,11 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
-        content = self.open_files[fh].content
+        handle = self.open_files[fh]
+        content = handle.content
         if content.data is None:
-            data = await trio.to_thread.run_sync(content.read, off, size, limiter=self.thread_limiter)
+            assert handle.node is not None  # only files are streamed
+            data = await self._blocking(handle.node, content.read, off, size)
         else:
             data = content.read(off, size)
         self.stats.bytes_read += len(data)
@@ -351,6 +415,7 @@ class Operations(pyfuse3.Operations):
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = len(self.lookups)
+        values["stuck_reads"] = len(self._stuck)
         if self.cache is not None:
             values.update(self.cache.summary())
         if self.control_extra is not None:
@@ -384,6 +449,14 @@ class Handle:
 
 
 NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One storage read in a worker thread; kept in ``Operations._stuck`` (by identity) while it overruns."""
+
+    node: int
+    done: bool = False
 
 
 class Notifier:

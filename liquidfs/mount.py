@@ -23,7 +23,7 @@ import trio
 
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
-from .fs import CONTROL_NAME, Operations
+from .fs import CONTROL_NAME, IO_TIMEOUT, Operations
 from .metrics import serve_metrics
 from .reader import StoreReader
 from .stats import MountStats
@@ -47,6 +47,7 @@ class MountConfig:
     cache_size: str | None = None
     warmup: bool = False
     readahead_kb: int = 1024
+    io_timeout: float = IO_TIMEOUT
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -113,7 +114,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     stats = MountStats(source=str(config.source), store=str(config.store))
     reader = StoreReader(catalog.source, config.store)
     cache = make_cache(catalog, config.cache_size)
-    ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache)
+    ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
+                     io_timeout=config.io_timeout)
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:

@@ -9,9 +9,11 @@ refuses O_DIRECT) so the backing files never take a second copy of the dataset i
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,21 +56,23 @@ class Content:
 
 
 def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
-    """The whole file, read without leaving it in the page cache.
+    """The whole file at ``path``, read without leaving it in the page cache (see ``read_fd``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_fd(fd, direct=direct)
+    finally:
+        os.close(fd)
+
+
+def read_fd(fd: int, *, direct: bool = True) -> memoryview:
+    """The whole file open at ``fd``, read without leaving it in the page cache.
 
     O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. Filesystems without O_DIRECT (tmpfs,
-    some FUSE and network filesystems) answer EINVAL; they are read buffered and their pages dropped after.
+    some FUSE and network filesystems) refuse it with EINVAL; they are read buffered and their pages dropped after.
     """
-    fd = -1
-    if direct:
+    size = os.fstat(fd).st_size
+    if direct and _set_direct(fd, True):
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    if fd >= 0:
-        try:
-            size = os.fstat(fd).st_size
             # private: a shared anonymous map would be shmem, counted (and reclaimable) as page cache
             buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN),
                             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -85,23 +89,57 @@ def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-        finally:
-            os.close(fd)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        _set_direct(fd, False)
+    chunks = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        offset += len(chunk)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for an open file; False where the filesystem does not do direct I/O."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
     try:
-        size = os.fstat(fd).st_size
-        chunks = []
-        offset = 0
-        while True:
-            chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            offset += len(chunk)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        return False
+    return True
+
+
+def open_beneath(root: bytes, rel: bytes) -> int:
+    """Open the regular file ``rel`` below ``root`` for reading without following any symlink on the way.
+
+    The catalog shows symlinks as symlinks; a path that has become one since the scan (a file or a directory
+    swapped for a link to /etc/shadow, in a source writable by others) is refused (ELOOP, or ENOTDIR for a
+    directory on the way), never read through.
+    O_NONBLOCK keeps an entry swapped for a FIFO from blocking the open; anything but a regular file is refused.
+    """
+    path = os.fsdecode(os.path.join(root, rel))
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        *dirs, name = rel.split(b"/")
+        for part in dirs:
+            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError as exc:  # name the whole path, not the component os.open was given
+        raise OSError(exc.errno, exc.strerror, path) from None
     finally:
         os.close(fd)
-    return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+    if not stat.S_ISREG(os.fstat(file).st_mode):
+        os.close(file)
+        raise OSError(errno.EIO, "no longer a regular file", path)
+    fcntl.fcntl(file, fcntl.F_SETFL, fcntl.fcntl(file, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return file
 
 
 class StoreReader:
@@ -121,23 +159,27 @@ class StoreReader:
 
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""
-        src = self.source_path(node)
-        st = os.stat(src, follow_symlinks=False)
-        fallback = self.check_source(node, st)
-        if node.repr == REPR_RAW:
-            if fallback is None:
-                fallback, data = self._open_raw(node)
-                if data is not None:
-                    return Content(size=len(data), raw=True, data=data)
-            self._warn_once(node, fallback)
-        elif fallback:
-            self._warn_once(node, fallback)
-            fallback = None  # an original is served either way: not a fallback
-        if st.st_size > WHOLE_FILE_LIMIT:
-            fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
-            return Content(size=os.fstat(fd).st_size, raw=False, fd=fd, fallback=fallback)
-        data = read_whole(src)
-        return Content(size=len(data), raw=False, data=data, fallback=fallback)
+        fd = open_beneath(self.source_root, node.path)
+        try:
+            st = os.fstat(fd)
+            fallback = self.check_source(node, st)
+            if node.repr == REPR_RAW:
+                if fallback is None:
+                    fallback, data = self._open_raw(node)
+                    if data is not None:
+                        return Content(size=len(data), raw=True, data=data)
+                self._warn_once(node, fallback)
+            elif fallback:
+                self._warn_once(node, fallback)
+                fallback = None  # an original is served either way: not a fallback
+            if st.st_size > WHOLE_FILE_LIMIT:
+                streamed, fd = fd, -1  # the content owns it now
+                return Content(size=st.st_size, raw=False, fd=streamed, fallback=fallback)
+            data = read_fd(fd)
+            return Content(size=len(data), raw=False, data=data, fallback=fallback)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def check_source(self, node: Node, st: os.stat_result | None = None) -> str | None:
         """None while the source is the file the catalog describes; else what changed."""

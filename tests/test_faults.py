@@ -1,0 +1,393 @@
+"""Faults: concurrent readers, broken and hung storage, a killed daemon, hostile trees, other users.
+
+Storage faults come from tests/faultfs.py, a FUSE passthrough under the source and the raw objects that answers
+reads with EIO or never answers them, so liquidfs meets them through the kernel as it would meet a failing disk or
+a hung NFS server.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from fusehelpers import FUSERMOUNT, Mount, daemon_pid, is_mounted, wait_for
+from liquidfs.catalog import REPR_RAW, Catalog, Node
+from liquidfs.prepare import prepare
+from liquidfs.sample import make_sample
+from test_scale import load_script
+
+pytestmark = pytest.mark.fuse
+
+soak = load_script("soak")
+FAULTFS = Path(__file__).parent / "faultfs.py"
+
+
+def stats(mnt: Path) -> dict[str, object]:
+    return json.loads((mnt / ".__liquidfs__").read_bytes())
+
+
+def nodes(store: Path) -> tuple[list[Node], list[Node]]:
+    """(files served raw, images served as originals) of a prepared store."""
+    catalog = Catalog.open(store, readonly=True)
+    try:
+        files = [n for n in catalog.files() if n.path.endswith((b".png", b".jpg"))]
+    finally:
+        catalog.close()
+    return [n for n in files if n.repr == REPR_RAW], [n for n in files if n.repr != REPR_RAW]
+
+
+def log_lines(store: Path, *words: str) -> list[str]:
+    return [line for line in (store / "mount.log").read_text(errors="replace").splitlines()
+            if all(w in line for w in words)]
+
+
+# -- many readers --------------------------------------------------------------------------------------------
+
+
+def test_sixteen_readers_and_one_killed(tmp_path: Path, mounter: Mount) -> None:
+    src = make_sample(tmp_path / "data", count=32, width=256, height=128, seed=11, jpeg_share=0.25)
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(soak.build_manifest(store)))
+    mnt = mounter.mount(src, store=store)
+    pid = daemon_pid(mnt)
+    summary = soak.soak(mnt, manifest, readers=16, seconds=10)
+    assert summary["finished"] == 15, summary  # all but the one killed
+    assert summary["mismatches"] == [] and summary["errors"] == [] and summary["disconnected"] == []
+    assert summary["raw_reads"] > 0 and summary["decodes"] > 0
+    assert summary["reads"] > summary["raw_reads"]  # originals were read too
+    # the daemon kept serving: same process, nothing left open (the killed reader's files were released)
+    assert daemon_pid(mnt) == pid
+    wait_for(lambda: stats(mnt)["open_files"] == 0, 20, what="the killed reader's files to be released")
+    assert stats(mnt)["errors"] == 0
+    readme = (src / "README.txt").read_bytes()
+    assert (mnt / "README.txt").read_bytes() == readme
+    print(f"\nsoak: {summary['reads']} reads ({summary['raw_reads']} raw, {summary['decodes']} decodes), "
+          f"{summary['bytes'] / 1e6:.0f} MB by 16 readers in 10 s")
+
+
+# -- storage faults ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Faulty:
+    real: Path   # what faultfs serves
+    mnt: Path    # where it serves it
+    rules: Path
+
+    def set(self, **rules: object) -> None:
+        tmp = self.rules.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rules))
+        tmp.replace(self.rules)
+
+
+@pytest.fixture
+def faulty(tmp_path: Path) -> Iterator[Faulty]:
+    real = tmp_path / "real"
+    real.mkdir()
+    mnt = tmp_path / "faulty"
+    mnt.mkdir()
+    fault = Faulty(real, mnt, tmp_path / "rules.json")
+    fault.set()
+    with open(tmp_path / "faultfs.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(FAULTFS), str(real), str(mnt), str(fault.rules)],
+                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: is_mounted(mnt) or proc.poll() is not None, 30, what="faultfs to mount")
+        assert proc.poll() is None, (tmp_path / "faultfs.log").read_text()
+        yield fault
+    finally:
+        fault.set()  # hung reads finish
+        subprocess.run([FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True)
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@dataclass
+class Served:
+    src: Path        # the source as liquidfs sees it (through faultfs)
+    real_src: Path   # the same files, directly
+    store: Path
+    objects: Path    # the raw objects, directly
+    mnt: Path
+    raw: list[Node]
+    originals: list[Node]
+
+    def expected(self, node: Node) -> tuple[bytes, bytes | None]:
+        """(the original's bytes, the raw object's bytes or None)."""
+        original = (self.real_src / os.fsdecode(node.path)).read_bytes()
+        raw = (self.objects.parent / str(node.object)).read_bytes() if node.repr == REPR_RAW else None
+        return original, raw
+
+
+def serve_through(faulty: Faulty, tmp_path: Path, mounter: Mount, *args: str) -> Served:
+    """A prepared sample whose source and raw objects are both read through faultfs."""
+    make_sample(faulty.real / "data", count=10, width=256, height=128, seed=5)
+    src = faulty.mnt / "data"
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    (store / "objects").rename(faulty.real / "objects")
+    (store / "objects").symlink_to(faulty.mnt / "objects")
+    raw, originals = nodes(store)
+    assert len(raw) >= 3 and len(originals) >= 3
+    mnt = mounter.mount(src, "--io-timeout", "1", "--threads", "2", *args, store=store)
+    return Served(src, faulty.real / "data", store, faulty.real / "objects", mnt, raw, originals)
+
+
+def test_raw_object_eio_midway_serves_the_original(faulty: Faulty, tmp_path: Path, mounter: Mount) -> None:
+    s = serve_through(faulty, tmp_path, mounter)
+    pid = daemon_pid(s.mnt)
+    broken, fine = s.raw[0], s.raw[1]
+    original, raw = s.expected(broken)
+    assert raw is not None and len(raw) > 64 * 1024
+    # the object's first 32 KiB read fine, the rest fails: the checksum never sees a whole object
+    faulty.set(eio=[os.fsdecode(broken.object)], eio_after=32 * 1024)
+    rel = os.fsdecode(broken.path)
+    for _ in range(3):
+        assert (s.mnt / rel).read_bytes() == original
+    assert (s.mnt / os.fsdecode(fine.path)).read_bytes() == s.expected(fine)[1]
+    values = stats(s.mnt)
+    assert values["fallbacks"] == 1 and values["errors"] == 0 and values["pid"] == pid
+    assert len(log_lines(s.store, rel, "raw object unreadable", "serving the original")) == 1
+    # the storage heals: the raw object is served again
+    faulty.set()
+    assert (s.mnt / rel).read_bytes() == raw
+
+
+def test_raw_object_vanishes_or_shrinks_after_being_served(faulty: Faulty, tmp_path: Path,
+                                                           mounter: Mount) -> None:
+    s = serve_through(faulty, tmp_path, mounter)
+    gone, shrunk = s.raw[0], s.raw[1]
+    for node in (gone, shrunk):
+        assert (s.mnt / os.fsdecode(node.path)).read_bytes() == s.expected(node)[1]
+    originals = {n.id: s.expected(n)[0] for n in (gone, shrunk)}
+    (s.objects.parent / str(gone.object)).unlink()
+    obj = s.objects.parent / str(shrunk.object)
+    os.truncate(obj, obj.stat().st_size // 2)
+    for _ in range(2):
+        for node in (gone, shrunk):
+            rel = os.fsdecode(node.path)
+            assert (s.mnt / rel).read_bytes() == originals[node.id], rel
+            wait_for(lambda: os.stat(s.mnt / rel).st_size == len(originals[node.id]), 10,
+                     what="the size to follow what is served")
+    values = stats(s.mnt)
+    assert values["fallbacks"] == 2 and values["errors"] == 0
+    assert len(log_lines(s.store, os.fsdecode(gone.path), "raw object missing")) == 1
+    assert len(log_lines(s.store, os.fsdecode(shrunk.path), "serving the original")) == 1
+
+
+def test_source_eio_or_deleted_fails_that_file_only(faulty: Faulty, tmp_path: Path, mounter: Mount) -> None:
+    s = serve_through(faulty, tmp_path, mounter)
+    pid = daemon_pid(s.mnt)
+    bad, deleted = s.originals[0], s.raw[0]
+    faulty.set(eio=[os.fsdecode(bad.path)], eio_after=16 * 1024)
+    (s.real_src / os.fsdecode(deleted.path)).unlink()
+    for _ in range(2):
+        with pytest.raises(OSError) as info:
+            (s.mnt / os.fsdecode(bad.path)).read_bytes()
+        assert info.value.errno == errno.EIO
+        with pytest.raises(OSError) as info:
+            (s.mnt / os.fsdecode(deleted.path)).read_bytes()
+        assert info.value.errno in (errno.ENOENT, errno.EIO)
+    for node in s.raw[1:] + s.originals[1:]:
+        original, raw = s.expected(node)
+        assert (s.mnt / os.fsdecode(node.path)).read_bytes() == (raw if raw is not None else original)
+    values = stats(s.mnt)
+    assert values["errors"] == 4 and values["pid"] == pid
+    assert len(log_lines(s.store, os.fsdecode(bad.path), "Input/output error")) == 1
+    assert len(log_lines(s.store, os.fsdecode(deleted.path), "No such file")) == 1
+
+
+def test_hung_storage_answers_eio_and_the_mount_goes_on(faulty: Faulty, tmp_path: Path, mounter: Mount) -> None:
+    s = serve_through(faulty, tmp_path, mounter)  # --io-timeout 1 --threads 2
+    hung = s.raw[:3]
+    faulty.set(hang=[os.fsdecode(n.object) for n in hung])
+    # three hung files, more than the two threads: each gives its thread back when it times out
+    for node in hung:
+        with pytest.raises(OSError) as info:
+            (s.mnt / os.fsdecode(node.path)).read_bytes()
+        assert info.value.errno == errno.EIO
+    assert stats(s.mnt)["stuck_reads"] == 3
+    for node in s.originals + s.raw[3:]:
+        original, raw = s.expected(node)
+        assert (s.mnt / os.fsdecode(node.path)).read_bytes() == (raw if raw is not None else original)
+    # a retry of a file whose read is still stuck fails at once instead of parking another thread
+    with pytest.raises(OSError) as info:
+        (s.mnt / os.fsdecode(hung[0].path)).read_bytes()
+    assert info.value.errno == errno.EIO
+    assert len(log_lines(s.store, os.fsdecode(hung[0].path), "did not answer within 1 s")) == 1
+    # the storage answers again: the stuck threads finish and the files are served
+    faulty.set()
+    wait_for(lambda: stats(s.mnt)["stuck_reads"] == 0, 20, what="the stuck reads to finish")
+    for node in hung:
+        assert (s.mnt / os.fsdecode(node.path)).read_bytes() == s.expected(node)[1]
+    assert stats(s.mnt)["errors"] == 4
+
+
+# -- the daemon killed during reads --------------------------------------------------------------------------
+
+
+def test_daemon_killed_during_reads(tmp_path: Path, mounter: Mount) -> None:
+    src = make_sample(tmp_path / "data", count=12, width=256, height=128, seed=2)
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(soak.build_manifest(store)))
+    mnt = mounter.mount(src, store=store)
+    pid = daemon_pid(mnt)
+    # a process that only holds a file open on the mount, as a stuck loader worker would
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
+                               "print('open', flush=True); time.sleep(120)", str(mnt / "README.txt")],
+                              stdout=subprocess.PIPE, text=True)
+    readers = soak.start_readers(mnt, manifest, 4, seconds=120)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+        wait_for(lambda: stats(mnt)["opens"] >= 50, 60, what="the readers to be reading")
+        os.kill(pid, signal.SIGKILL)
+        # every reader stops with ENOTCONN / ECONNABORTED: none hangs, none reads wrong bytes
+        results = soak.collect(readers, timeout=60)
+    finally:
+        for proc in readers + [holder]:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for r in results:
+        assert r is not None and r["disconnected"] in soak.DISCONNECTED, r
+        assert r["mismatches"] == [] and r["errors"] == [], r
+    assert sum(r["reads"] for r in results if r) >= 40
+    # mounting again recovers the mount point, though a process still held a file on the dead mount
+    mounter.mount(src, mountpoint=mnt, store=store)
+    assert daemon_pid(mnt) != pid
+    assert (mnt / "README.txt").read_bytes() == (src / "README.txt").read_bytes()
+
+
+# -- hostile trees -------------------------------------------------------------------------------------------
+
+
+HOSTILE = [b"..foo", b"...", b".. ", b"\xff\xfe.png", b"ctl\x01\x1b[31m\x7f.txt", b"tab\there", b"nl\nname",
+           b"\xc3\x28 bad-utf8", b" leading space", b"-rf", b"*?[x]"]
+
+
+def test_hostile_names_and_symlinks(tmp_path: Path, mounter: Mount) -> None:
+    src = tmp_path / "data"
+    src.mkdir()
+    root = os.fsencode(src)
+    for i, name in enumerate(HOSTILE):
+        fd = os.open(os.path.join(root, name), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"%d:" % i + name * 50)
+        os.close(fd)
+    odd_dir = os.path.join(root, b"dir\xff\x01")
+    os.mkdir(odd_dir)
+    with open(os.path.join(odd_dir, b"..."), "wb") as f:
+        f.write(b"inside an odd directory\n")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("never through liquidfs\n")
+    os.symlink(outside / "secret.txt", src / "abs-out")
+    os.symlink("../outside/secret.txt", src / "rel-out")
+    os.symlink("../outside", src / "dir-out")
+    (src / "swap-me.txt").write_text("a plain file at scan time\n")
+    (src / "swap-dir").mkdir()
+    (src / "swap-dir" / "secret.txt").write_text("a plain file at scan time too\n")
+
+    mnt = mounter.mount(src)
+    mroot = os.fsencode(mnt)
+    assert sorted(os.listdir(mroot)) == sorted(os.listdir(root))
+    for name in HOSTILE + [b"dir\xff\x01/..."]:
+        ours, theirs = os.path.join(mroot, name), os.path.join(root, name)
+        st = os.stat(ours)
+        assert (st.st_size, st.st_mtime_ns) == (os.stat(theirs).st_size, os.stat(theirs).st_mtime_ns), name
+        with open(ours, "rb") as a, open(theirs, "rb") as b:
+            assert a.read() == b.read(), name
+    # a real client on the odd names too: find lists them all, exactly
+    listing = subprocess.run(["find", ".", "-print0"], cwd=mnt, capture_output=True, check=True).stdout
+    expected = subprocess.run(["find", ".", "-print0"], cwd=src, capture_output=True, check=True).stdout
+    assert sorted(listing.split(b"\0")) == sorted(expected.split(b"\0"))
+    # symlinks out of the tree are shown as symlinks, with their targets verbatim
+    for link in ("abs-out", "rel-out", "dir-out"):
+        assert (mnt / link).is_symlink() and os.readlink(mnt / link) == os.readlink(src / link)
+    assert not any(p.name == "secret.txt" for p in Path(mnt).rglob("*") if "swap-dir" not in str(p))
+    # a file, and a directory, swapped for symlinks out of the tree after the scan: liquidfs never follows them
+    (src / "swap-me.txt").unlink()
+    os.symlink(outside / "secret.txt", src / "swap-me.txt")
+    shutil.rmtree(src / "swap-dir")
+    os.symlink(outside, src / "swap-dir")
+    for rel in ("swap-me.txt", "swap-dir/secret.txt"):
+        with pytest.raises(OSError) as info:
+            (mnt / rel).read_bytes()
+        assert info.value.errno in (errno.ELOOP, errno.ENOTDIR, errno.ENOENT, errno.EIO), rel
+    assert stats(mnt)["pid"] == daemon_pid(mnt)
+
+
+# -- other users ---------------------------------------------------------------------------------------------
+
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory other users can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="liquidfs-perm-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for child in path.iterdir():
+            if is_mounted(child):
+                subprocess.run([FUSERMOUNT, "-u", "-z", str(child)], capture_output=True)
+        shutil.rmtree(path)
+
+
+def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, timeout=30)
+
+
+def test_other_users(public_dir: Path, tmp_path: Path, mounter: Mount) -> None:
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        if os.environ.get("CI"):
+            pytest.fail("the other-user test needs root and setpriv (util-linux)")
+        pytest.skip("needs root and setpriv")
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "public.txt").write_text("for everyone\n")
+    (src / "private.txt").write_text("for the owner only\n")
+    src.chmod(0o755)
+    (src / "public.txt").chmod(0o644)
+    (src / "private.txt").chmod(0o600)
+    assert as_nobody("stat", str(public_dir)).returncode == 0  # the path to the mount points is open to nobody
+
+    private_mount = public_dir / "private"
+    private_mount.mkdir()
+    mounter.mount(src, mountpoint=private_mount)
+    denied = as_nobody("cat", str(private_mount / "public.txt"))
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    assert (private_mount / "public.txt").read_text() == "for everyone\n"  # the owner (root) reads
+
+    shared = public_dir / "shared"
+    shared.mkdir()
+    mounter.mount(src, "--allow-other", mountpoint=shared)
+    ok = as_nobody("cat", str(shared / "public.txt"))
+    assert ok.returncode == 0 and ok.stdout == "for everyone\n", ok
+    private = as_nobody("cat", str(shared / "private.txt"))
+    assert private.returncode != 0 and "Permission denied" in private.stderr, private
+    listing = as_nobody("ls", str(shared))
+    assert listing.returncode == 0 and listing.stdout.split() == ["private.txt", "public.txt"]
+    assert run_cli("stats", str(shared), "--probe").returncode == 0
