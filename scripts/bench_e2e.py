@@ -163,8 +163,7 @@ def measure(name: str, root: Path, *, state: str, cap: int, repeats: int, images
             elif daemon is None:
                 read_all(root / SUBDIR)
             before = (cpu_seconds(daemon.pid), control(daemon.mnt)) if daemon else None
-            # the first batch is the loader's warm-up: the rest of one epoch is measured, each file read once
-            result = run_loader(root, images - args.batch, seed=rep, group=None if daemon else group,
+            result = run_loader(root, images, seed=rep, group=None if daemon else group,
                                 threads=args.threads,
                                 batch=args.batch)
             if daemon and before:

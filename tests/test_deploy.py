@@ -410,6 +410,7 @@ def test_helper_is_executable_posix_sh():
      ["--cache-size", "24G", "--metrics-port", "9180", "--log-level", "debug", "--log-file", "/var/log/liquidfs.log"]),
     (["-o", "store=/a,fsname=imagenet,noatime", "-o", "allow_other,default_permissions"],  # -o given twice
      ["--store", "/a", "--allow-other", "-o", "fsname=imagenet,noatime,default_permissions"]),
+    (["-o", "io_timeout=30,threads=8,warmup"], ["--io-timeout", "30", "--threads", "8", "--warmup"]),
     (["-ostore=/with space/x,,ro"], ["--store", "/with space/x"]),                       # attached -oOPTS
     (["-s", "-n", "-t", "fuse.liquidfs", "-o", "allow_other"], ["--allow-other"]),        # flags mount(8) passes
     (["-sn", "-tfuse.liquidfs"], []),
