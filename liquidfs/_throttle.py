@@ -47,8 +47,12 @@ class ReadThrottle:
         (self.group / "cgroup.procs").write_text(f"{pid}\n")
 
     def close(self) -> None:
-        # Move anything left back to the root group, then remove ours.
-        procs = (self.group / "cgroup.procs").read_text().split()
+        # Move anything left back to the root group, then remove ours. The host may already have removed an
+        # empty group (a release agent): nothing is left to do then.
+        try:
+            procs = (self.group / "cgroup.procs").read_text().split()
+        except FileNotFoundError:
+            return
         for pid in procs:
             with contextlib.suppress(OSError):
                 (BLKIO / "cgroup.procs").write_text(f"{pid}\n")

@@ -398,6 +398,7 @@ class Operations(pyfuse3.Operations):
         else:
             data = content.read(off, size)
         self.stats.bytes_read += len(data)
+        self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
 
     async def release(self, fh: pyfuse3.FileHandleT) -> None:

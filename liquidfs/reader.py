@@ -8,6 +8,7 @@ refuses O_DIRECT) so the backing files never take a second copy of the dataset i
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 #: Files up to this size are read whole at open; larger ones (a tarball beside the images) are streamed.
 WHOLE_FILE_LIMIT = 64 * 1024 * 1024
 _ALIGN = 4096
+_HUGE = 2 << 20
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -73,10 +75,7 @@ def read_fd(fd: int, *, direct: bool = True) -> memoryview:
     size = os.fstat(fd).st_size
     if direct and _set_direct(fd, True):
         try:
-            # private: a shared anonymous map would be shmem, counted (and reclaimable) as page cache
-            buf = mmap.mmap(-1, max(_ALIGN, -(-size // _ALIGN) * _ALIGN),
-                            flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            view = memoryview(buf)
+            view = _aligned_buffer(max(_ALIGN, -(-size // _ALIGN) * _ALIGN))
             done = 0
             while done < size:
                 got = os.preadv(fd, [view[done:]], done)
@@ -100,6 +99,26 @@ def read_fd(fd: int, *, direct: bool = True) -> memoryview:
         offset += len(chunk)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+
+
+def _aligned_buffer(capacity: int) -> memoryview:
+    """A fresh buffer for one file, backed by transparent huge pages where they fit.
+
+    Faulting in and zeroing fresh 4 KiB pages cost ~0.5 CPU-s per GB read here, as much as everything else the
+    daemon does; 2 MiB pages cut that to ~0.15. The map is private (a shared anonymous map would be shmem,
+    counted and reclaimed as page cache); the view starts on a 2 MiB boundary so whole huge pages fit, and the
+    tail that fills no whole huge page stays on small pages so no file holds up to 2 MiB it does not use.
+    """
+    buf = mmap.mmap(-1, capacity + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _HUGE
+    whole = capacity // _HUGE * _HUGE
+    try:
+        if whole:
+            buf.madvise(mmap.MADV_HUGEPAGE, offset, whole)
+        buf.madvise(mmap.MADV_NOHUGEPAGE, offset + whole, len(buf) - offset - whole)
+    except (OSError, AttributeError):  # no THP here: small pages work, just slower
+        pass
+    return memoryview(buf)[offset:offset + capacity]
 
 
 def _set_direct(fd: int, on: bool) -> bool:

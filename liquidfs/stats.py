@@ -18,6 +18,7 @@ class MountStats:
     opens: int = 0
     opens_raw: int = 0
     bytes_read: int = 0           # bytes the daemon answered read requests with
+    read_requests: int = 0        # read requests that reached the daemon
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
     bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read

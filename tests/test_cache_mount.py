@@ -103,6 +103,7 @@ def _meminfo_cached() -> int:
 def test_page_cache_holds_no_second_copy(dataset: Path, mounter: Mount, cache: str | None) -> None:
     files = _files(dataset)
     total = sum((dataset / f).stat().st_size for f in files)
+    os.sync()  # dirty pages of the freshly written dataset would survive drop_caches
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     mnt = mounter.mount(dataset, *(["--cache-size", cache] if cache else []))
     before = _meminfo_cached()
