@@ -153,3 +153,27 @@ def test_stats_watch_and_text(dataset: Path, mounter: Mount) -> None:
     proc.terminate()
     text, _ = proc.communicate(10)
     assert text.count("cache_budget") >= 2
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+#: The daemon's memory without held data (interpreter, pyfuse3, trio, SQLite page cache), stated in README.
+RSS_BASE = 150 * 2**20
+
+
+def test_rss_stays_within_the_budget(dataset: Path, mounter: Mount) -> None:
+    files = _files(dataset)
+    mnt = mounter.mount(dataset, "--cache-size", "50%")
+    pid = int(_stats(mnt)["pid"])
+    peak = 0
+    for epoch in range(3):
+        _epoch(mnt, files, seed=10 + epoch)
+        peak = max(peak, _rss(pid))
+    st = _stats(mnt)
+    assert st["cache_held_bytes"] >= 0.45 * st["dataset_bytes"], "the cache really holds its budget"
+    assert peak <= 1.1 * st["cache_budget"] + RSS_BASE, (peak, st["cache_budget"])
