@@ -56,13 +56,19 @@ def log_lines(store: Path, *words: str) -> list[str]:
 # -- many readers --------------------------------------------------------------------------------------------
 
 
-def test_sixteen_readers_and_one_killed(tmp_path: Path, mounter: Mount) -> None:
-    src = make_sample(tmp_path / "data", count=32, width=256, height=128, seed=11, jpeg_share=0.25)
+def _prepared_mount(tmp_path: Path, mounter: Mount, count: int, seed: int,
+                    jpeg_share: float = 0.0) -> tuple[Path, Path, Path, Path]:
+    """A sample prepared at 0.5, mounted; (source, store, manifest of expected bytes, mount point)."""
+    src = make_sample(tmp_path / "data", count=count, width=256, height=128, seed=seed, jpeg_share=jpeg_share)
     store = tmp_path / "store"
     prepare(src, store, 0.5, progress=False)
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(soak.build_manifest(store)))
-    mnt = mounter.mount(src, store=store)
+    return src, store, manifest, mounter.mount(src, store=store)
+
+
+def test_sixteen_readers_and_one_killed(tmp_path: Path, mounter: Mount) -> None:
+    _, _, manifest, mnt = _prepared_mount(tmp_path, mounter, count=32, seed=11, jpeg_share=0.25)
     pid = daemon_pid(mnt)
     summary = soak.soak(mnt, manifest, readers=16, seconds=10)
     assert summary["finished"] == 15, summary  # all but the one killed
@@ -245,12 +251,7 @@ def test_hung_storage_answers_eio_and_the_mount_goes_on(faulty: Faulty, tmp_path
 
 
 def test_daemon_killed_during_reads(tmp_path: Path, mounter: Mount) -> None:
-    src = make_sample(tmp_path / "data", count=12, width=256, height=128, seed=2)
-    store = tmp_path / "store"
-    prepare(src, store, 0.5, progress=False)
-    manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps(soak.build_manifest(store)))
-    mnt = mounter.mount(src, store=store)
+    src, store, manifest, mnt = _prepared_mount(tmp_path, mounter, count=12, seed=2)
     pid = daemon_pid(mnt)
     # a process that only holds a file open on the mount, as a stuck loader worker would
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
