@@ -68,7 +68,7 @@ def _prepared_mount(tmp_path: Path, mounter: Mount, count: int, seed: int,
 
 
 def test_sixteen_readers_and_one_killed(tmp_path: Path, mounter: Mount) -> None:
-    _, _, manifest, mnt = _prepared_mount(tmp_path, mounter, count=32, seed=11, jpeg_share=0.25)
+    src, _, manifest, mnt = _prepared_mount(tmp_path, mounter, count=32, seed=11, jpeg_share=0.25)
     pid = daemon_pid(mnt)
     summary = soak.soak(mnt, manifest, readers=16, seconds=10)
     assert summary["finished"] == 15, summary  # all but the one killed
