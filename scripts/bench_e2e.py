@@ -3,6 +3,7 @@
     python scripts/bench_e2e.py e2e   [--images 48] [--ratios 0,0.5,1,auto] [--caps 0,200] [--repeats 3]
     python scripts/bench_e2e.py sweep [--caps 0,200,100]     # all 11 ratios + the profiler's choice, cold
     python scripts/bench_e2e.py cache [--cap 200] [--epochs 3] [--cache-size 30%]
+    ... --loader torch     # torchvision ImageFolder + DataLoader (workers = cores) instead of DALI
 
 Every configuration runs in its own loader process (scripts/dali_epoch.py: fn.readers.file with random shuffle +
 fn.decoders.image, batch 16, threads = cores), repeated; medians are reported with ratios to the all-PNG direct
@@ -34,6 +35,8 @@ from liquidfs.prepare import prepare  # noqa: E402
 from liquidfs.sample import make_sample  # noqa: E402
 
 DALI_EPOCH = REPO / "scripts" / "dali_epoch.py"
+TORCH_EPOCH = REPO / "scripts" / "torch_epoch.py"
+LOADER = {"name": "dali"}  # set from --loader
 SUBDIR = Path("leftImg8bit") / "train"
 
 
@@ -129,8 +132,12 @@ def auto_ratio(work: Path, src: Path, cache_share: float = 0.0, cap_mb: int = 0)
 
 def run_loader(root: Path, images: int, seed: int, group: _throttle.ReadThrottle | None,
                threads: int, batch: int) -> dict:
-    cmd = [sys.executable, str(DALI_EPOCH), str(root / SUBDIR), "--images", str(images), "--seed", str(seed),
-           "--threads", str(threads), "--batch", str(batch)]
+    if LOADER["name"] == "torch":
+        cmd = [sys.executable, str(TORCH_EPOCH), str(root / SUBDIR), "--images", str(images), "--seed", str(seed),
+               "--workers", str(threads), "--batch", str(batch)]
+    else:
+        cmd = [sys.executable, str(DALI_EPOCH), str(root / SUBDIR), "--images", str(images), "--seed",
+               str(seed), "--threads", str(threads), "--batch", str(batch)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=(lambda: group.add(os.getpid())) if group else None)
     out, err = proc.communicate(timeout=900)
@@ -329,7 +336,11 @@ def main() -> int:
     parser.add_argument("--cache-size", default="30%")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--loader", choices=["dali", "torch"], default="dali",
+                        help="DALI CPU pipeline (threads = cores) or torchvision ImageFolder + DataLoader "
+                        "(workers = cores)")
     args = parser.parse_args()
+    LOADER["name"] = args.loader
     args.work = args.work.absolute()
     args.work.mkdir(parents=True, exist_ok=True)
     args.ratios = args.ratios.split(",")
@@ -339,8 +350,9 @@ def main() -> int:
         raise SystemExit(f"storage caps need cgroup v1 blkio: {problem}")
     started = time.time()
     rows = {"e2e": mode_e2e, "sweep": mode_sweep, "cache": mode_cache}[args.mode](args)
-    out = args.work / f"{args.mode}.json"
-    meta = {"mode": args.mode, "argv": sys.argv, "started": started, "seconds": time.time() - started,
+    tag = args.mode if args.loader == "dali" else f"{args.mode}-{args.loader}"
+    out = args.work / f"{tag}.json"
+    meta = {"mode": args.mode, "loader": args.loader, "argv": sys.argv, "started": started, "seconds": time.time() - started,
             "images": args.images, "size": f"{args.width}x{args.height}", "threads": args.threads,
             "batch": args.batch, "repeats": args.repeats}
     if args.mode == "sweep":
@@ -352,9 +364,9 @@ def main() -> int:
             print(f"cap {cap or 'none'}: profile chose {chosen['ratio']:.2f}: "
                   f"{chosen['images_per_s'] / best:.3f} of the best of the 11 mixes", file=sys.stderr)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    chart(rows, args.work / f"{args.mode}.png")
+    chart(rows, args.work / f"{tag}.png")
     print(markdown(rows))
-    print(f"\n(JSON {out}, chart {args.work / f'{args.mode}.png'}, {time.time() - started:.0f} s)")
+    print(f"\n(JSON {out}, chart {args.work / f'{tag}.png'}, {time.time() - started:.0f} s)")
     return 0
 
 
