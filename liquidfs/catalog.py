@@ -192,23 +192,14 @@ class Catalog:
         ).fetchall()
         return [Node(*row) for row in rows]
 
-    def totals(self) -> tuple[int, int, int]:
-        """(number of entries, bytes served, bytes of the source) over all regular files."""
-        row = self.db.execute(
+    def file_totals(self) -> tuple[int, int, int, int]:
+        """(regular files, bytes served over them, bytes of their sources, highest id in the catalog)."""
+        files, served, source = self.db.execute(
             "SELECT count(*), coalesce(sum(CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size "
             "ELSE size END), 0), coalesce(sum(size), 0) FROM nodes WHERE kind=0"
         ).fetchone()
-        total_nodes = self.db.execute("SELECT count(*) FROM nodes").fetchone()[0]
-        return total_nodes, row[1], row[2]
-
-    def file_totals(self) -> tuple[int, int, int]:
-        """(regular files, bytes served over them, highest id in the catalog)."""
-        files, served = self.db.execute(
-            "SELECT count(*), coalesce(sum(CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size "
-            "ELSE size END), 0) FROM nodes WHERE kind=0"
-        ).fetchone()
         max_id = self.db.execute("SELECT coalesce(max(id), 1) FROM nodes").fetchone()[0]
-        return files, served, max_id
+        return files, served, source, max_id
 
     def files(self) -> Iterator[Node]:
         """Every regular file, in id order (streamed, not loaded at once)."""

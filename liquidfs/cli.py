@@ -86,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     _add_common(m)
+    m.set_defaults(func=cmd_mount)
 
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit",
                        description="Unmount MOUNTPOINT and wait until its daemon has exited. A busy mount is "
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--lazy", "-z", action="store_true", help="detach now, finish when the last user lets go")
     u.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon (default 30)")
     _add_common(u)
+    u.set_defaults(func=cmd_umount)
 
     s = sub.add_parser("stats", help="show a running mount's statistics",
                        description="Print the statistics of the liquidfs mount at MOUNTPOINT (read from its "
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--probe", action="store_true",
                    help="print nothing; exit 0 only if the mount answers (for readiness probes)")
     _add_common(s)
+    s.set_defaults(func=cmd_stats)
 
     from . import prepare as prepare_mod
     from . import profile as profile_mod
@@ -121,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .catalog import CatalogError
 
     try:
-        return int(args.func(args)) if hasattr(args, "func") else _COMMANDS[args.command](args)
+        return int(args.func(args))
     except (MountError, CatalogError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"liquidfs {args.command}: {exc}", file=sys.stderr)
         return 1
@@ -219,5 +222,3 @@ def cmd_stats(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
         print()
 
-
-_COMMANDS = {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats}

@@ -105,7 +105,7 @@ class Operations(pyfuse3.Operations):
         self._logged: set[tuple[object, ...]] = set()
         self.uid = os.getuid()
         self.gid = os.getgid()
-        files, served, _ = catalog.file_totals()
+        files, served, _, _ = catalog.file_totals()
         self.stats.files = files
         self.stats.dataset_bytes = served
         self.control_extra: Callable[[], dict[str, Any]] | None = None
@@ -248,8 +248,7 @@ class Operations(pyfuse3.Operations):
         if held is not None:
             content = await self._open_held(node, held)
         else:
-            content = await self._blocking(node, self.reader.open, node)
-            self.stats.bytes_from_storage += content.size if content.data is not None else 0
+            content = await self._open_from_storage(node)
             if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
                 self._lost_hit(decision, content.size)
         self.stats.opens += 1
@@ -280,8 +279,7 @@ class Operations(pyfuse3.Operations):
         self.held_data.pop(node.id, None)
         assert self.cache is not None
         self.cache.drop(node.id)
-        content = await self._blocking(node, self.reader.open, node)
-        self.stats.bytes_from_storage += content.size if content.data is not None else 0
+        content = await self._open_from_storage(node)
         return content
 
     def _lost_hit(self, decision: Decision, size: int) -> None:
@@ -321,11 +319,10 @@ class Operations(pyfuse3.Operations):
         for node_id in self.cache.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
             node = nodes[node_id]
             try:
-                content = await self._blocking(node, self.reader.open, node)
+                content = await self._open_from_storage(node)
             except OSError as exc:
                 log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
                 continue
-            self.stats.bytes_from_storage += content.size if content.data is not None else 0
             if content.data is None or content.fallback or not self.cache.hold(node_id, content.size):
                 content.close()
                 continue
@@ -333,6 +330,12 @@ class Operations(pyfuse3.Operations):
             files += 1
             total += content.size
         return files, total
+
+    async def _open_from_storage(self, node: Node) -> Content:
+        content = await self._blocking(node, self.reader.open, node)
+        if content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
+            self.stats.bytes_from_storage += content.size
+        return content
 
     async def _blocking(self, node: Node, fn: Callable[..., R], *args: Any) -> R:
         """``fn(*args)``, a blocking read of ``node``'s storage, in a worker thread; EIO past ``io_timeout``.

@@ -138,7 +138,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
 def make_cache(catalog: Catalog, cache_size: str | None) -> NextEpochCache | None:
     if not cache_size:
         return None
-    files, served, max_id = catalog.file_totals()
+    files, served, _, max_id = catalog.file_totals()
     try:
         budget = parse_size(cache_size, served)
     except ValueError as exc:

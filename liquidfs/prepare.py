@@ -29,7 +29,7 @@ import xxhash
 
 from . import formats
 from .catalog import Catalog, CatalogError, Node, open_or_build
-from .reader import checksum
+from .reader import checksum, read_fd
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
             return Outcome(rel, want_size, want_mtime, formats.sniff(os.pread(fd, 16, 0)), obj, len(data),
                            checksum(data), None, reused=True)
         try:
-            source = _read_all(fd, st.st_size)
+            source = bytes(read_fd(fd))  # O_DIRECT: prepare does not fill the page cache with the source
         except OSError as exc:
             return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
     finally:
@@ -128,17 +128,6 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
                        fatal=fatal)
     return Outcome(rel, want_size, want_mtime, result.source_format, obj, len(result.data),
                    checksum(result.data), None)
-
-
-def _read_all(fd: int, size: int) -> bytes:
-    chunks = []
-    offset = 0
-    while True:
-        chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        offset += len(chunk)
 
 
 # -- the coordinating side ------------------------------------------------------------------------------
@@ -280,7 +269,7 @@ def _prepare(catalog: Catalog, store_dir: Path, ratio: float, seed: int, jobs: i
     report.deleted = _delete_surplus(catalog, store_dir)
     report.raw_served = len(chosen)
     report.target = target()
-    _, report.bytes_served, report.bytes_source = catalog.totals()
+    _, report.bytes_served, report.bytes_source, _ = catalog.file_totals()
     report.bytes_objects = catalog.db.execute(
         "SELECT coalesce(sum(raw_size), 0) FROM expansions WHERE object IS NOT NULL").fetchone()[0]
     report.seconds = time.monotonic() - started
