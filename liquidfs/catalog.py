@@ -15,14 +15,14 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the schema changes; a catalog of another version is refused, never guessed at.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 CATALOG_NAME = "catalog.sqlite"
 ROOT_ID = 1  # pyfuse3.ROOT_INODE
 
@@ -49,7 +49,8 @@ CREATE TABLE nodes (
     repr INTEGER NOT NULL DEFAULT 0,
     served_size INTEGER,         -- size served when repr is raw
     object TEXT,                 -- store-relative name of the raw object
-    checksum TEXT                -- xxh3-64 hex digest of the raw object
+    checksum TEXT,               -- xxh3-64 hex digest of the raw object
+    etag TEXT                    -- the source object's ETag (object-store sources), NULL for local files
 );
 CREATE UNIQUE INDEX nodes_parent_name ON nodes(parent, name);
 CREATE INDEX nodes_parent ON nodes(parent);
@@ -62,7 +63,8 @@ CREATE TABLE expansions (
     object TEXT,                 -- NULL when the image was refused
     raw_size INTEGER,
     checksum TEXT,
-    reason TEXT                  -- why it was refused, NULL when expanded
+    reason TEXT,                 -- why it was refused, NULL when expanded
+    src_etag TEXT                -- the source object's ETag (object-store sources)
 );
 """
 
@@ -87,6 +89,7 @@ class Node:
     served_size: int | None
     object: str | None
     checksum: str | None
+    etag: str | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -104,7 +107,9 @@ class Node:
         return self.size
 
 
-_NODE_COLUMNS = "id, parent, name, path, kind, mode, size, mtime_ns, nsubdirs, target, repr, served_size, object, checksum"
+_NODE_COLUMNS = (
+    "id, parent, name, path, kind, mode, size, mtime_ns, nsubdirs, target, repr, served_size, object, checksum, etag"
+)
 
 
 def default_store_dir(source: str | os.PathLike[str]) -> Path:
@@ -126,6 +131,23 @@ def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     return db
 
 
+def _migrate_v1(path: Path) -> None:
+    """Version 2 added the ETags of object-store sources: a local catalog of version 1 gains empty columns."""
+    log.info("upgrading catalog %s to schema version %d", path, SCHEMA_VERSION)
+    db = sqlite3.connect(path, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        if db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "1":
+            db.execute("ALTER TABLE nodes ADD COLUMN etag TEXT")
+            db.execute("ALTER TABLE expansions ADD COLUMN src_etag TEXT")
+            db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+        db.execute("COMMIT")
+    except sqlite3.DatabaseError as exc:
+        raise CatalogError(f"cannot upgrade {path}: {exc}; remove it and run prepare/mount again") from exc
+    finally:
+        db.close()
+
+
 class Catalog:
     """Read and write access to one catalog file."""
 
@@ -145,6 +167,10 @@ class Catalog:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
+        if row is not None and int(row[0]) == 1:
+            db.close()
+            _migrate_v1(path)
+            return cls.open(store_dir, readonly=readonly)
         if row is None or int(row[0]) != SCHEMA_VERSION:
             found = row[0] if row else "none"
             db.close()
@@ -240,6 +266,47 @@ class ScanReport:
     seconds: float = 0.0
 
 
+_INSERT = f"INSERT INTO nodes({_NODE_COLUMNS}) VALUES ({','.join('?' * 15)})"
+
+
+class _Writer:
+    """A new catalog being written next to the current one; ``finish`` swaps it in atomically."""
+
+    def __init__(self, store_dir: str | os.PathLike[str]) -> None:
+        self.store = Path(store_dir)
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.final = self.store / CATALOG_NAME
+        self.tmp = self.store / f"{CATALOG_NAME}.new-{os.getpid()}"
+        for leftover in (self.tmp, Path(f"{self.tmp}-wal"), Path(f"{self.tmp}-shm")):
+            leftover.unlink(missing_ok=True)
+        self.db = sqlite3.connect(self.tmp, isolation_level=None)
+        self.db.execute("PRAGMA journal_mode=OFF")
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.db.executescript(_SCHEMA)
+        self.db.execute("BEGIN")
+        self.rows: list[tuple[object, ...]] = []
+
+    def add(self, row: tuple[object, ...]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= 10_000:
+            self.flush()
+
+    def flush(self) -> None:
+        self.db.executemany(_INSERT, self.rows)
+        self.rows.clear()
+
+    def finish(self, meta: dict[str, str], previous: Path | None = None) -> None:
+        """Commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced), swap."""
+        self.flush()
+        meta = {"schema_version": str(SCHEMA_VERSION), "scanned_at": str(time.time()), **meta}
+        self.db.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", list(meta.items()))
+        self.db.execute("COMMIT")
+        _carry_over_expansions(self.db, previous or self.final)
+        self.db.close()
+        # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
+        os.replace(self.tmp, self.final)
+
+
 def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> ScanReport:
     """Scan ``source`` into a new catalog in ``store_dir``, replacing any previous one atomically.
 
@@ -248,30 +315,12 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
     shown: a dataset has no use for them and serving them through FUSE is unsafe.
     """
     started = time.monotonic()
-    store = Path(store_dir)
-    store.mkdir(parents=True, exist_ok=True)
-    final = store / CATALOG_NAME
-    tmp = store / (CATALOG_NAME + ".new")
-    for leftover in (tmp, Path(str(tmp) + "-wal"), Path(str(tmp) + "-shm")):
-        leftover.unlink(missing_ok=True)
     root = os.fsencode(os.path.abspath(source))
     root_st = os.stat(root)
     if not stat.S_ISDIR(root_st.st_mode):
         raise NotADirectoryError(f"{source} is not a directory")
-
-    db = sqlite3.connect(tmp, isolation_level=None)
-    db.execute("PRAGMA journal_mode=OFF")
-    db.execute("PRAGMA synchronous=OFF")
-    db.executescript(_SCHEMA)
-    db.execute("BEGIN")
+    writer = _Writer(store_dir)
     report = ScanReport()
-    rows: list[tuple] = []
-    insert = f"INSERT INTO nodes({_NODE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
-
-    def flush() -> None:
-        db.executemany(insert, rows)
-        rows.clear()
-
     next_id = ROOT_ID + 1
     # Each stack item: (directory id, absolute path, relative path); subdir counts are patched after.
     nsubdirs: dict[int, int] = {}
@@ -306,43 +355,103 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
                 stack.append((node_id, entry.path, rel))
             elif stat.S_ISREG(mode):
                 report.files += 1
-                rows.append((node_id, dir_id, name, rel, KIND_FILE, mode, st.st_size, st.st_mtime_ns, 0,
-                             None, REPR_ORIGINAL, None, None, None))
+                writer.add((node_id, dir_id, name, rel, KIND_FILE, mode, st.st_size, st.st_mtime_ns, 0,
+                            None, REPR_ORIGINAL, None, None, None, None))
             elif stat.S_ISLNK(mode):
                 report.symlinks += 1
                 target = os.readlink(entry.path)
-                rows.append((node_id, dir_id, name, rel, KIND_SYMLINK, mode, len(target), st.st_mtime_ns, 0,
-                             target, REPR_ORIGINAL, None, None, None))
+                writer.add((node_id, dir_id, name, rel, KIND_SYMLINK, mode, len(target), st.st_mtime_ns, 0,
+                            target, REPR_ORIGINAL, None, None, None, None))
             else:
                 report.ignored += 1
                 next_id -= 1
                 continue
-            if len(rows) >= 10_000:
-                flush()
         nsubdirs[dir_id] = subdirs
-    flush()
-    db.executemany(
-        insert,
-        [(*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None) for r in dir_rows.values()],
-    )
-    db.executemany(
-        "INSERT INTO meta(key, value) VALUES (?, ?)",
-        [
-            ("schema_version", str(SCHEMA_VERSION)),
-            ("source", os.fsdecode(root)),
-            ("scanned_at", str(time.time())),
-        ],
-    )
-    db.execute("COMMIT")
-    _carry_over_expansions(db, final)
-    db.close()
-    # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
-    os.replace(tmp, final)
+    for r in dir_rows.values():
+        writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
+    writer.finish({"source": os.fsdecode(root)})
     report.seconds = time.monotonic() - started
     log.info(
         "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
         os.fsdecode(root), report.files, report.directories, report.symlinks, report.seconds,
     )
+    return report
+
+
+#: Files and directories of an object-store tree: read-only, as the mount shows them.
+OBJECT_FILE_MODE = stat.S_IFREG | 0o444
+OBJECT_DIR_MODE = stat.S_IFDIR | 0o555
+
+
+def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: str | os.PathLike[str],
+                       source: str, *, previous: Path | None = None) -> ScanReport:
+    """A catalog of an object-store tree from its listing: ``(relative key, size, etag, mtime_ns)`` items.
+
+    Directories are the ``/``-separated prefixes of the keys (an object store has no directories of its own);
+    a directory's mtime is its newest object's. Keys a filesystem cannot show (empty, ``.`` or ``..``
+    components, a name that is also a directory, over 255 bytes) are left out with a warning, never renamed.
+    """
+    started = time.monotonic()
+    writer = _Writer(store_dir)
+    report = ScanReport()
+    # path -> [id, parent id, newest mtime, subdirectory count]
+    dirs: dict[bytes, list[int]] = {b"": [ROOT_ID, ROOT_ID, 0, 0]}
+    files: dict[bytes, tuple[object, ...]] = {}
+    next_id = ROOT_ID + 1
+
+    def directory(path: bytes) -> list[int] | None:
+        nonlocal next_id
+        found = dirs.get(path)
+        if found is not None:
+            return found
+        if path in files:
+            return None
+        parent_path, _, _ = path.rpartition(b"/")
+        parent = directory(parent_path)
+        if parent is None:
+            return None
+        parent[3] += 1
+        dirs[path] = [next_id, parent[0], 0, 0]
+        next_id += 1
+        report.directories += 1
+        return dirs[path]
+
+    for rel, size, etag, mtime_ns in objects:
+        path = rel.encode("utf-8", "surrogateescape")
+        parts = path.split(b"/")
+        if path.endswith(b"/") and size == 0 and all(p not in (b"", b".", b"..") for p in parts[:-1]):
+            directory(path[:-1])  # a "folder" marker object made by consoles and s3fs: an empty directory
+            continue
+        parent_path, _, name = path.rpartition(b"/")
+        if any(p in (b"", b".", b"..") or len(p) > 255 for p in parts) or path in dirs:
+            log.warning("object %r cannot be shown as a file; left out", rel)
+            report.ignored += 1
+            continue
+        parent = directory(parent_path)
+        if parent is None:
+            log.warning("object %r lies below a file of the same name; left out", rel)
+            report.ignored += 1
+            continue
+        files[path] = (next_id, parent[0], name, path, KIND_FILE, OBJECT_FILE_MODE, size, mtime_ns, 0,
+                       None, REPR_ORIGINAL, None, None, None, etag)
+        next_id += 1
+        report.files += 1
+        walk = parent_path
+        while True:  # a directory is as new as its newest object, like a directory's mtime after a write
+            entry = dirs[walk]
+            entry[2] = max(entry[2], mtime_ns)
+            if not walk:
+                break
+            walk = walk.rpartition(b"/")[0]
+    for row in files.values():
+        writer.add(row)
+    for path, (node_id, parent_id, mtime_ns, subdirs) in dirs.items():
+        writer.add((node_id, parent_id, path.rpartition(b"/")[2], path, KIND_DIR, OBJECT_DIR_MODE, 0, mtime_ns,
+                    subdirs, None, REPR_ORIGINAL, None, None, None, None))
+    writer.finish({"source": source, "source_kind": "s3"}, previous)
+    report.seconds = time.monotonic() - started
+    log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,
+             report.seconds)
     return report
 
 
@@ -357,10 +466,15 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
     try:
         db.execute("BEGIN")
         version = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
-        if version is None or int(version[0]) != SCHEMA_VERSION:
+        if version is None or int(version[0]) not in (1, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             return
-        db.execute("INSERT INTO expansions SELECT * FROM old.expansions")
+        etag = "src_etag" if int(version[0]) >= 2 else "NULL"
+        db.execute(
+            "INSERT INTO expansions(path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, "
+            f"src_etag) SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, {etag} "
+            "FROM old.expansions"
+        )
         for key in ("ratio", "seed"):
             row = db.execute("SELECT value FROM old.meta WHERE key=?", (key,)).fetchone()
             if row:
@@ -368,11 +482,11 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
         # A file keeps its raw representation only if it is still the file that was expanded.
         db.execute(
             """UPDATE nodes SET repr=1, served_size=e.raw_size, object=e.object, checksum=e.checksum
-               FROM (SELECT o.path, x.raw_size, x.object, x.checksum, x.src_size, x.src_mtime_ns
+               FROM (SELECT o.path, x.raw_size, x.object, x.checksum, x.src_size, x.src_mtime_ns, x.src_etag
                      FROM old.nodes o JOIN expansions x ON x.path=o.path
                      WHERE o.repr=1 AND x.object=o.object) AS e
                WHERE nodes.path=e.path AND nodes.kind=0
-                 AND nodes.size=e.src_size AND nodes.mtime_ns=e.src_mtime_ns"""
+                 AND nodes.size=e.src_size AND nodes.mtime_ns=e.src_mtime_ns AND nodes.etag IS e.src_etag"""
         )
         db.execute("COMMIT")
     except sqlite3.DatabaseError as exc:

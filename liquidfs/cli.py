@@ -57,10 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "(built on first mount, reused while the source is unchanged). Without --foreground the "
                        "daemon detaches and this command returns once the mount answers. A stale mount left "
                        "by a killed daemon ('Transport endpoint is not connected') is cleaned up automatically.")
-    m.add_argument("source", help="the dataset directory")
+    m.add_argument("source", help="the dataset directory, or s3://BUCKET/PREFIX (then --store s3://... too)")
     m.add_argument("mountpoint", help="an empty directory to mount on")
     m.add_argument("--store", help="directory holding the catalog and the raw objects "
-                   "(default: ~/.cache/liquidfs/<hash of SOURCE>)")
+                   "(default: ~/.cache/liquidfs/<hash of SOURCE>); for an s3:// source the s3:// prefix "
+                   "prepare wrote to (read only by mounts)")
     m.add_argument("--foreground", "-f", action="store_true",
                    help="stay in the foreground (containers, debugging); Ctrl-C or SIGTERM unmounts")
     m.add_argument("--allow-other", action="store_true",
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this TCP port (all interfaces; off by default)")
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
+    m.add_argument("--refresh", action="store_true",
+                   help="s3:// sources: list the source bucket again on this node instead of using the store's "
+                   "catalog as is (new or changed objects; prepared images stay raw while unchanged)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     _add_common(m)
     m.set_defaults(func=cmd_mount)
@@ -131,17 +135,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"liquidfs {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        # The object store's client errors (no credentials, endpoint unreachable, access denied) are the
+        # user's to fix: one line that says which, not a traceback.
+        if type(exc).__module__.startswith(("botocore", "boto3", "s3transfer")):
+            print(f"liquidfs {args.command}: object store: {exc}", file=sys.stderr)
+            return 1
+        raise
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from .catalog import open_or_build
     from .mount import MountConfig, MountError, check_mountpoint, serve, spawn_daemon
 
-    source = Path(args.source).absolute()
-    if not source.is_dir():
-        raise NotADirectoryError(f"source {source} is not a directory")
+    from .s3 import is_url
+
+    buckets = None
+    source: Path | str
+    if is_url(args.source) or is_url(args.store or ""):
+        from .s3store import bucket_pair
+
+        source_url, store_url = map(str, bucket_pair(args.source, args.store))
+        buckets = (source_url, store_url)
+        source = source_url
+    else:
+        source = Path(args.source).absolute()
+        if not source.is_dir():
+            raise NotADirectoryError(f"source {source} is not a directory")
     mountpoint = Path(args.mountpoint).absolute()
-    store = _store_for(args.source, args.store)
+
+    def local_catalog() -> Path:
+        """The catalog on this node (built, refreshed or downloaded as needed) and the directory holding it."""
+        if buckets is None:
+            store = _store_for(args.source, args.store)
+            open_or_build(source, store, rescan=args.rescan).close()
+            return store
+        from .s3store import local_catalog as fetch
+
+        return fetch(buckets[0], buckets[1], refresh=args.refresh or args.rescan)
+
     if args.cache_size:
         from .cache import parse_size
 
@@ -154,9 +186,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     check_mountpoint(mountpoint)
     if not args.foreground:
         started = time.monotonic()
-        open_or_build(source, store, rescan=args.rescan).close()
+        store = local_catalog()
         log_file = Path(args.log_file) if args.log_file else store / "mount.log"
-        argv = ["mount", str(source), str(mountpoint), "--store", str(store),
+        argv = ["mount", str(source), str(mountpoint), "--store", buckets[1] if buckets else str(store),
                 "--log-level", args.log_level if args.log_level != "warning" else "info",
                 "--log-file", str(log_file), "--threads", str(args.threads),
                 "--io-timeout", str(args.io_timeout)]
@@ -175,12 +207,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
         print(f"liquidfs: {source} mounted on {mountpoint} ({time.monotonic() - started:.1f} s; log {log_file})")
         return 0
     if args.ready_fd is None:
-        open_or_build(source, store, rescan=args.rescan).close()
+        store = local_catalog()
+    elif buckets is None:
+        store = _store_for(args.source, args.store)
+    else:  # started by a mount that has just fetched the catalog: only find it
+        from .s3 import S3Url, make_client, endpoint_of, work_dir
+
+        store = work_dir(S3Url.parse(buckets[1]), endpoint_of(make_client()))
     options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
-                         io_timeout=args.io_timeout)
+                         io_timeout=args.io_timeout, buckets=buckets)
     return serve(config, ready_fd=args.ready_fd)
 
 

@@ -26,6 +26,7 @@ from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, Operations
 from .metrics import serve_metrics
 from .reader import StoreReader
+from .s3reader import S3Reader
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class MountError(Exception):
 
 @dataclass
 class MountConfig:
-    source: Path
+    source: Path | str  # a directory, or an s3:// URL
     mountpoint: Path
     store: Path
     allow_other: bool = False
@@ -48,6 +49,8 @@ class MountConfig:
     warmup: bool = False
     readahead_kb: int = 1024
     io_timeout: float = IO_TIMEOUT
+    #: Source and store URLs when the dataset lives in an object store (``store`` is then the local work dir).
+    buckets: tuple[str, str] | None = None
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -112,7 +115,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     catalog = Catalog.open(config.store, readonly=True)
     stats = MountStats(source=str(config.source), store=str(config.store))
-    reader = StoreReader(catalog.source, config.store)
+    reader = make_reader(catalog, config)
     cache = make_cache(catalog, config.cache_size)
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
                      io_timeout=config.io_timeout)
@@ -133,6 +136,17 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         catalog.close()
         log.info("unmounted %s", config.mountpoint)
     return 0
+
+
+def make_reader(catalog: Catalog, config: MountConfig) -> StoreReader | S3Reader:
+    if config.buckets is None:
+        return StoreReader(catalog.source, config.store)
+    from .s3 import READ_TIMEOUT, S3Url, make_client
+
+    # One connection per storage read in flight (--threads), and no single HTTP wait longer than --io-timeout.
+    client = make_client(config.threads + 2, read_timeout=min(READ_TIMEOUT, config.io_timeout))
+    source, store = config.buckets
+    return S3Reader(client, S3Url.parse(source), S3Url.parse(store))
 
 
 def make_cache(catalog: Catalog, cache_size: str | None) -> NextEpochCache | None:

@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 from pathlib import Path
 
 import xxhash
@@ -30,6 +31,7 @@ import xxhash
 from . import formats
 from .catalog import Catalog, CatalogError, Node, open_or_build
 from .reader import checksum, read_fd
+from .s3 import is_url
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,10 @@ def rank(seed: int, path: bytes) -> int:
 
 def object_name(node: Node) -> str:
     """Objects are named by the path and identity of their source: a changed source gets a new object."""
-    digest = xxhash.xxh3_128_hexdigest(b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns))
+    identity = b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns)
+    if node.etag is not None:
+        identity += b"\0" + node.etag.encode()
+    digest = xxhash.xxh3_128_hexdigest(identity)
     return f"{OBJECTS}/{digest[:2]}/{digest}.bmp"
 
 
@@ -79,6 +84,20 @@ class Outcome:
     reason: str | None
     reused: bool = False
     fatal: str | None = None  # stops the whole run (out of disk space)
+    src_etag: str | None = None
+
+
+def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
+                 etag: str | None = None) -> tuple[Outcome | None, bytes | None]:
+    """Expand one image held in memory: (None, raw bytes), or (the refusal, None). Never raises."""
+    try:
+        result = formats.expand(source)
+    except MemoryError:
+        return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None
+    if result.data is None:
+        return Outcome(rel, size, mtime_ns, result.source_format, None, None, None, result.reason,
+                       src_etag=etag), None
+    return None, result.data
 
 
 def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int) -> Outcome:
@@ -104,17 +123,14 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
             return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
     finally:
         os.close(fd)
-    try:
-        result = formats.expand(source)
-    except MemoryError:
-        return Outcome(rel, want_size, want_mtime, None, None, None, None, "too-large")
-    if result.data is None:
-        return Outcome(rel, want_size, want_mtime, result.source_format, None, None, None, result.reason)
+    refused, raw = expand_bytes(rel, want_size, want_mtime, source)
+    if raw is None:
+        return refused  # type: ignore[return-value]
     tmp = f"{final}.tmp-{os.getpid()}"
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
         with open(tmp, "wb") as f:
-            f.write(result.data)
+            f.write(raw)
             f.flush()
             os.fsync(f.fileno())
         os.rename(tmp, final)
@@ -124,10 +140,9 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
         except OSError:
             pass
         fatal = "out of disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write {tmp}: {exc}"
-        return Outcome(rel, want_size, want_mtime, result.source_format, None, None, None, "write-failed",
+        return Outcome(rel, want_size, want_mtime, formats.sniff(source[:16]), None, None, None, "write-failed",
                        fatal=fatal)
-    return Outcome(rel, want_size, want_mtime, result.source_format, obj, len(result.data),
-                   checksum(result.data), None)
+    return Outcome(rel, want_size, want_mtime, formats.sniff(source[:16]), obj, len(raw), checksum(raw), None)
 
 
 # -- the coordinating side ------------------------------------------------------------------------------
@@ -173,25 +188,70 @@ def _candidates(catalog: Catalog, seed: int) -> list[Node]:
 
 def _known(catalog: Catalog) -> dict[bytes, tuple]:
     rows = catalog.db.execute(
-        "SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason FROM expansions"
+        "SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag FROM expansions"
     ).fetchall()
     return {row[0]: row[1:] for row in rows}
 
 
+class Target(Protocol):
+    """Where prepare puts raw objects: a local directory, or a prefix in a bucket (``s3store.BucketTarget``)."""
+
+    label: str
+
+    def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
+        """The worker function and arguments that expand ``node`` into ``obj`` (run in a worker process)."""
+
+    def exists(self, obj: str) -> bool: ...
+
+    def delete(self, objs: list[str]) -> None: ...
+
+    def stray(self, kept: set[str]) -> list[str]:
+        """Objects under OBJECTS/ that ``kept`` does not name: leftovers of killed runs."""
+
+
+class LocalTarget:
+    def __init__(self, store_dir: Path) -> None:
+        self.store_dir = store_dir
+        self.label = str(store_dir)
+
+    def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
+        return expand_one, (os.path.join(source_root, node.path), node.path, str(self.store_dir), obj, node.size,
+                            node.mtime_ns)
+
+    def exists(self, obj: str) -> bool:
+        return (self.store_dir / obj).exists()
+
+    def delete(self, objs: list[str]) -> None:
+        for obj in objs:
+            (self.store_dir / obj).unlink(missing_ok=True)
+
+    def stray(self, kept: set[str]) -> list[str]:
+        objects = self.store_dir / OBJECTS
+        if not objects.is_dir():
+            return []
+        return [name for sub in objects.iterdir() for f in sub.iterdir()
+                if (name := f"{OBJECTS}/{sub.name}/{f.name}") not in kept]
+
+
 def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio: float, *, seed: int = 0,
             jobs: int | None = None, progress: bool = True) -> PrepareReport:
+    if is_url(str(source)) or is_url(str(store)):
+        from .s3store import prepare_in_bucket
+
+        return prepare_in_bucket(str(source), str(store), ratio, seed=seed, jobs=jobs, progress=progress)
     started = time.monotonic()
     store_dir = Path(store).absolute()
     open_or_build(source, store_dir).close()
     catalog = Catalog.open(store_dir)
     try:
-        return _prepare(catalog, store_dir, ratio, seed, jobs or os.cpu_count() or 1, progress, started)
+        return run(catalog, LocalTarget(store_dir), ratio, seed, jobs or os.cpu_count() or 1, progress, started)
     finally:
         catalog.close()
 
 
-def _prepare(catalog: Catalog, store_dir: Path, ratio: float, seed: int, jobs: int, progress: bool,
-             started: float) -> PrepareReport:
+def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int, progress: bool,
+        started: float) -> PrepareReport:
+    """Expand the seeded share of ``catalog``'s images into ``target`` and commit the selection."""
     report = PrepareReport()
     nodes = _candidates(catalog, seed)
     known = _known(catalog)
@@ -199,7 +259,7 @@ def _prepare(catalog: Catalog, store_dir: Path, ratio: float, seed: int, jobs: i
     chosen: list[Outcome] = []
     refused = 0
 
-    def target() -> int:
+    def wanted() -> int:
         return round(ratio * (len(nodes) - refused))
 
     pending: list[Outcome] = []
@@ -213,24 +273,24 @@ def _prepare(catalog: Catalog, store_dir: Path, ratio: float, seed: int, jobs: i
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
         while True:
             # Keep enough work in flight to reach the target, in rank order.
-            while fatal is None and len(chosen) + len(in_flight) < target() and len(in_flight) < 2 * jobs:
+            while fatal is None and len(chosen) + len(in_flight) < wanted() and len(in_flight) < 2 * jobs:
                 node = next(queue, None)
                 if node is None:
                     break
                 prior = known.get(node.path)
-                if prior is not None and prior[:2] == (node.size, node.mtime_ns):
+                if prior is not None and prior[:2] == (node.size, node.mtime_ns) and prior[7] == node.etag:
                     if prior[3] is None and prior[6] is not None:  # refused before, for a lasting reason
                         refused += 1
                         report.skipped[_reason_key(prior[6])] += 1
                         continue
-                    if prior[3] and (store_dir / prior[3]).exists():
+                    if prior[3] and target.exists(prior[3]):
                         chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior[2], prior[3], prior[4],
-                                              prior[5], None, reused=True))
+                                              prior[5], None, reused=True, src_etag=node.etag))
                         report.reused += 1
                         bar(1)
                         continue
-                future = pool.submit(expand_one, os.path.join(src_root, node.path), node.path, str(store_dir),
-                                     object_name(node), node.size, node.mtime_ns)
+                func, job_args = target.job(src_root, node, object_name(node))
+                future = pool.submit(func, *job_args)
                 in_flight[future] = node
             if not in_flight:
                 break
@@ -258,22 +318,27 @@ def _prepare(catalog: Catalog, store_dir: Path, ratio: float, seed: int, jobs: i
     bar(0, close=True)
     if fatal:
         raise PrepareError(
-            f"{fatal} in {store_dir} after {report.expanded} new expansions; the store is consistent and still "
+            f"{fatal} in {target.label} after {report.expanded} new expansions; the store is consistent and still "
             "serves the previous selection. Free some space (or lower --ratio) and run prepare again: finished "
             "work is kept."
         )
     # Completion order is not rank order: keep the best-ranked, so a given seed always picks the same files.
     chosen.sort(key=lambda o: rank(seed, o.path))
-    chosen = chosen[: target()]
+    chosen = chosen[: wanted()]
     _apply_selection(catalog, chosen, ratio)
-    report.deleted = _delete_surplus(catalog, store_dir)
+    report.deleted = _delete_surplus(catalog, target)
     report.raw_served = len(chosen)
-    report.target = target()
+    report.target = wanted()
     _, report.bytes_served, report.bytes_source, _ = catalog.file_totals()
     report.bytes_objects = catalog.db.execute(
         "SELECT coalesce(sum(raw_size), 0) FROM expansions WHERE object IS NOT NULL").fetchone()[0]
     report.seconds = time.monotonic() - started
     return report
+
+
+def _transient(reason: str | None) -> bool:
+    """A refusal not worth remembering: the next run tries the image again."""
+    return reason is not None and (reason == "changed-during-prepare" or reason.startswith("unreadable"))
 
 
 def _reason_key(reason: str | None) -> str:
@@ -301,10 +366,10 @@ def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:
     with _transaction(catalog):
         catalog.db.executemany(
             "INSERT OR REPLACE INTO expansions(path, src_size, src_mtime_ns, format, object, raw_size, checksum, "
-            "reason) VALUES (?,?,?,?,?,?,?,?)",
+            "reason, src_etag) VALUES (?,?,?,?,?,?,?,?,?)",
             [(o.path, o.src_size, o.src_mtime_ns, o.format, o.object, o.raw_size, o.checksum,
-              None if o.object else o.reason) for o in outcomes
-             if o.reason != "changed-during-prepare"],
+              None if o.object else o.reason, o.src_etag) for o in outcomes
+             if not _transient(o.reason)],
         )
 
 
@@ -329,23 +394,17 @@ def _apply_selection(catalog: Catalog, chosen: list[Outcome], ratio: float) -> N
         catalog.set_meta("ratio", repr(ratio))
 
 
-def _delete_surplus(catalog: Catalog, store_dir: Path) -> int:
+def _delete_surplus(catalog: Catalog, target: Target) -> int:
     """Objects no node points at any more, and leftovers of killed runs; only after the selection commits."""
     surplus = catalog.db.execute(
         "SELECT path, object FROM expansions WHERE object IS NOT NULL "
         "AND object NOT IN (SELECT object FROM nodes WHERE repr=1)"
     ).fetchall()
-    for _, obj in surplus:
-        (store_dir / obj).unlink(missing_ok=True)
+    target.delete([obj for _, obj in surplus])
     with _transaction(catalog):
         catalog.db.executemany("DELETE FROM expansions WHERE path=?", [(p,) for p, _ in surplus])
     kept = {row[0] for row in catalog.db.execute("SELECT object FROM expansions WHERE object IS NOT NULL")}
-    objects = store_dir / OBJECTS
-    if objects.is_dir():
-        for sub in objects.iterdir():
-            for f in sub.iterdir():
-                if f"{OBJECTS}/{sub.name}/{f.name}" not in kept:
-                    f.unlink(missing_ok=True)
+    target.delete(target.stray(kept))
     return len(surplus)
 
 
@@ -414,8 +473,10 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
         "a BMP that decodes to exactly the same pixels (checked before it is accepted), and record the choice "
         "in the store's catalog. Resumable and idempotent; changing --ratio reuses existing expansions. The "
         "source is never written.")
-    p.add_argument("source")
-    p.add_argument("--store", required=True, help="directory for the catalog and the raw objects")
+    p.add_argument("source", help="the dataset directory, or s3://BUCKET/PREFIX")
+    p.add_argument("--store", required=True,
+                   help="directory for the catalog and the raw objects; s3://BUCKET/PREFIX for an s3:// source "
+                   "(the catalog is uploaded there at the end, for every node's mounts)")
     p.add_argument("--ratio", type=parse_ratio, required=True,
                    help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")

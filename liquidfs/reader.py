@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,10 +44,13 @@ class Content:
     data: memoryview | None = None
     fd: int | None = None
     fallback: str | None = None  # why the raw object was not served, when it should have been
+    fetch: Callable[[int, int], bytes] | None = None  # a ranged read of a large object in a bucket
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         if self.data is not None:
             return self.data[offset:offset + length]
+        if self.fetch is not None:
+            return self.fetch(offset, min(length, self.size - offset)) if offset < self.size else b""
         assert self.fd is not None
         return os.pread(self.fd, length, offset)
 
@@ -161,6 +165,15 @@ def open_beneath(root: bytes, rel: bytes) -> int:
     return file
 
 
+def check_raw(node: Node, data: bytes | memoryview) -> str | None:
+    """None when ``data`` is the raw object prepare recorded for ``node`` (size and checksum); else why not."""
+    if len(data) != node.served_size:
+        return f"raw object has {len(data)} bytes, expected {node.served_size}"
+    if checksum(data) != node.checksum:
+        return "raw object fails its checksum"
+    return None
+
+
 class StoreReader:
     """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
 
@@ -215,11 +228,8 @@ class StoreReader:
             return "raw object missing", None
         except OSError as exc:
             return f"raw object unreadable ({exc.strerror})", None
-        if len(data) != node.served_size:
-            return f"raw object has {len(data)} bytes, expected {node.served_size}", None
-        if checksum(data) != node.checksum:
-            return "raw object fails its checksum", None
-        return None, data
+        problem = check_raw(node, data)
+        return problem, None if problem else data
 
     def _warn_once(self, node: Node, why: str | None) -> None:
         if node.id not in self._warned:

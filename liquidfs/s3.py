@@ -1,0 +1,181 @@
+"""Talking to an S3-compatible object store (AWS S3, Ceph RGW, MinIO, Swift's s3api): URLs, clients, listings.
+
+Credentials, endpoint, region and profiles come from the AWS SDK's own chain (``AWS_ENDPOINT_URL``,
+``AWS_ACCESS_KEY_ID``, ``AWS_PROFILE``, ``~/.aws/config`` and ``credentials``, instance roles...): liquidfs never
+takes a secret on its command line, so none shows in ``ps``, and never logs one.
+
+Retries are botocore's "standard" mode: 5xx answers, throttling and connection errors or timeouts are retried
+with exponential backoff and jitter, up to ``max_attempts``; each attempt has its own connect and read timeout.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SCHEME = "s3://"
+#: Attempts per request (the first try included) before a read fails with EIO.
+MAX_ATTEMPTS = 5
+CONNECT_TIMEOUT = 10.0
+READ_TIMEOUT = 30.0
+#: Objects above this are uploaded in parts (S3's single PUT takes up to 5 GB, but parts retry cheaply).
+MULTIPART_THRESHOLD = 16 * 1024 * 1024
+
+
+def is_url(text: str | os.PathLike[str]) -> bool:
+    return isinstance(text, str) and text.startswith(SCHEME)
+
+
+@dataclass(frozen=True, slots=True)
+class S3Url:
+    """``s3://bucket/prefix``: a bucket and a key prefix (no leading or trailing slash; '' for the whole bucket)."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, text: str) -> S3Url:
+        if not is_url(text):
+            raise ValueError(f"not an s3:// URL: {text!r}")
+        bucket, _, prefix = text[len(SCHEME):].partition("/")
+        if not bucket:
+            raise ValueError(f"no bucket in {text!r} (expected s3://BUCKET/PREFIX)")
+        return cls(bucket, prefix.strip("/"))
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.bucket}/{self.prefix}" if self.prefix else f"{SCHEME}{self.bucket}"
+
+    def key(self, rel: str | bytes) -> str:
+        """The key of ``rel`` below this prefix."""
+        name = rel.decode("utf-8", "surrogateescape") if isinstance(rel, bytes) else rel
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def rel(self, key: str) -> str:
+        return key[len(self.prefix) + 1:] if self.prefix else key
+
+    def __contains__(self, other: object) -> bool:
+        """True when ``other`` (an S3Url) lies inside this prefix: a store inside its own source is refused."""
+        if not isinstance(other, S3Url) or other.bucket != self.bucket:
+            return False
+        return not self.prefix or other.prefix == self.prefix or other.prefix.startswith(self.prefix + "/")
+
+
+def make_client(max_connections: int = 10, *, max_attempts: int = MAX_ATTEMPTS,
+                connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT) -> Any:
+    """An S3 client configured from the standard AWS chain, with bounded retries and per-attempt timeouts."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:  # pragma: no cover - boto3 is a dependency; a broken install says so clearly
+        raise RuntimeError("s3:// sources need boto3 (pip install boto3)") from exc
+    config = Config(
+        retries={"max_attempts": max_attempts, "mode": "standard"},
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        max_pool_connections=max_connections,
+        user_agent_extra="liquidfs",
+    )
+    return boto3.session.Session().client("s3", config=config)
+
+
+def endpoint_of(client: Any) -> str:
+    return str(client.meta.endpoint_url)
+
+
+def work_dir(store: S3Url, endpoint: str) -> Path:
+    """This node's local directory for a store in a bucket: the downloaded catalog and the mount's log.
+
+    Keyed by endpoint and store, so two stores never share one; several mounts of one store on a node do (the
+    catalog is replaced atomically and only read by mounts).
+    """
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "liquidfs"
+    key = hashlib.sha256(f"{endpoint}\0{store}".encode()).hexdigest()[:16]
+    return base / f"s3-{key}"
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str
+    mtime_ns: int
+
+
+def list_objects(client: Any, url: S3Url) -> Iterator[ObjectInfo]:
+    """Every object below ``url``, from paginated ListObjectsV2 (1,000 keys a page), in key order."""
+    paginator = client.get_paginator("list_objects_v2")
+    prefix = f"{url.prefix}/" if url.prefix else ""
+    for page in paginator.paginate(Bucket=url.bucket, Prefix=prefix):
+        for item in page.get("Contents", ()):
+            modified = item["LastModified"]
+            yield ObjectInfo(item["Key"], int(item["Size"]), item["ETag"],
+                             int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000)
+
+
+def error_code(exc: BaseException) -> str:
+    response = getattr(exc, "response", None) or {}
+    return str(response.get("Error", {}).get("Code", "")) or str(
+        response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+
+
+def as_oserror(exc: BaseException, where: str) -> OSError:
+    """A botocore failure as the errno a reader of the mount gets."""
+    code = error_code(exc)
+    if code in ("NoSuchKey", "404", "NotFound"):
+        return FileNotFoundError(errno.ENOENT, "no such object", where)
+    if code in ("AccessDenied", "403"):
+        return PermissionError(errno.EACCES, "access denied by the object store", where)
+    if code in ("PreconditionFailed", "412"):
+        return OSError(errno.EIO, "object changed since the catalog was made (ETag differs)", where)
+    return OSError(errno.EIO, f"object store: {type(exc).__name__}: {code or exc}", where)
+
+
+def get(client: Any, bucket: str, key: str, *, if_match: str | None = None,
+        start: int | None = None, length: int | None = None) -> bytes:
+    """An object's bytes (or ``length`` bytes from ``start``); ``if_match`` makes a changed object fail (412)."""
+    args: dict[str, Any] = {"Bucket": bucket, "Key": key}
+    if if_match:
+        args["IfMatch"] = if_match
+    if start is not None:
+        end = "" if length is None else str(start + length - 1)
+        args["Range"] = f"bytes={start}-{end}"
+    body = client.get_object(**args)["Body"]
+    try:
+        return body.read()
+    finally:
+        body.close()
+
+
+def head(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
+    """The object's headers, or None if it does not exist."""
+    try:
+        return client.head_object(Bucket=bucket, Key=key)  # type: ignore[no-any-return]
+    except Exception as exc:
+        if error_code(exc) in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+
+
+def put(client: Any, bucket: str, key: str, data: bytes | memoryview, metadata: dict[str, str] | None = None) -> None:
+    """Upload ``data`` as one object; in parts above MULTIPART_THRESHOLD (boto3's transfer manager)."""
+    from boto3.s3.transfer import TransferConfig
+
+    config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD,
+                            max_concurrency=4, use_threads=True)
+    client.upload_fileobj(io.BytesIO(data), bucket, key, ExtraArgs={"Metadata": metadata or {}}, Config=config)
+
+
+def upload_file(client: Any, path: Path, bucket: str, key: str, metadata: dict[str, str] | None = None) -> None:
+    from boto3.s3.transfer import TransferConfig
+
+    config = TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_THRESHOLD)
+    client.upload_file(str(path), bucket, key, ExtraArgs={"Metadata": metadata or {}}, Config=config)

@@ -1,0 +1,97 @@
+"""What the mount serves from an object store: the raw object when sound, else the original, never mixed bytes.
+
+The interface is ``reader.StoreReader``'s (``open`` and ``check_source``), so the FUSE layer, the cache and the
+timeouts are the same for both kinds of storage. Every call blocks (HTTP) and runs in the mount's worker threads,
+so ``mount --threads`` bounds the requests in flight; botocore retries 5xx, throttling and timeouts with
+backoff (``s3.make_client``), and a read that still fails is EIO for that file only.
+
+Identity: the catalog records each source object's ETag. An original is fetched with ``If-Match`` on it, so a
+changed object fails (412 -> EIO) instead of serving bytes the catalog does not describe. A raw object is served
+only while its source still has the recorded ETag (one HEAD) and the object has the recorded size and xxh3
+checksum; otherwise the original is served, or EIO when the original changed too.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+from typing import Any
+
+from .catalog import REPR_RAW, Node
+from .reader import WHOLE_FILE_LIMIT, Content, check_raw
+from .s3 import S3Url, as_oserror, error_code, get, head
+
+log = logging.getLogger(__name__)
+
+
+class S3Reader:
+    def __init__(self, client: Any, source: S3Url, store: S3Url) -> None:
+        self.client = client
+        self.source = source
+        self.store = store
+        self._warned: set[int] = set()
+
+    def _where(self, node: Node) -> str:
+        return f"{self.source}/{node.path.decode('utf-8', 'surrogateescape')}"
+
+    def open(self, node: Node) -> Content:
+        """What ``node`` serves, read whole (or, above WHOLE_FILE_LIMIT, in ranges as the reader asks)."""
+        fallback = None
+        if node.repr == REPR_RAW:
+            fallback = self._source_changed(node)
+            if fallback is None:
+                fallback, data = self._open_raw(node)
+                if data is not None:
+                    return Content(size=len(data), raw=True, data=memoryview(data))
+            self._warn_once(node, fallback)
+        key = self.source.key(node.path)
+        if node.size > WHOLE_FILE_LIMIT:
+            fetch = functools.partial(self._range, key, node.etag, self._where(node))
+            return Content(size=node.size, raw=False, fetch=fetch, fallback=fallback)
+        try:
+            data = get(self.client, self.source.bucket, key, if_match=node.etag)
+        except Exception as exc:
+            raise as_oserror(exc, self._where(node)) from exc
+        if len(data) != node.size:
+            raise OSError(errno.EIO, f"object has {len(data)} bytes, the catalog says {node.size}", self._where(node))
+        return Content(size=len(data), raw=False, data=memoryview(data), fallback=fallback)
+
+    def check_source(self, node: Node, st: object = None) -> str | None:
+        """Bytes held in memory were checked when they were read; an object store is not asked again per hit
+        (a request per hit would cost more than the hit saves). A changed object is caught at the next miss."""
+        return None
+
+    def _source_changed(self, node: Node) -> str | None:
+        try:
+            found = head(self.client, self.source.bucket, self.source.key(node.path))
+        except Exception as exc:
+            raise as_oserror(exc, self._where(node)) from exc
+        if found is None:
+            raise FileNotFoundError(errno.ENOENT, "source object deleted", self._where(node))
+        if found.get("ETag") != node.etag or int(found.get("ContentLength", -1)) != node.size:
+            return "source object changed since prepare"
+        return None
+
+    def _open_raw(self, node: Node) -> tuple[str | None, bytes | None]:
+        assert node.object is not None
+        try:
+            data = get(self.client, self.store.bucket, self.store.key(node.object))
+        except Exception as exc:
+            code = error_code(exc)
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return "raw object missing", None
+            return f"raw object unreadable ({code or type(exc).__name__})", None
+        problem = check_raw(node, data)
+        return problem, None if problem else data
+
+    def _range(self, key: str, etag: str | None, where: str, offset: int, length: int) -> bytes:
+        try:
+            return get(self.client, self.source.bucket, key, if_match=etag, start=offset, length=length)
+        except Exception as exc:
+            raise as_oserror(exc, where) from exc
+
+    def _warn_once(self, node: Node, why: str | None) -> None:
+        if node.id not in self._warned:
+            self._warned.add(node.id)
+            log.warning("%s: %s; serving the original", self._where(node), why)

@@ -1,0 +1,235 @@
+"""A dataset in an object store: its catalog built from listings and kept in the store, prepare into the bucket.
+
+Layout of a store ``s3://bucket/name.liquid``::
+
+    name.liquid/catalog.sqlite          the catalog every node mounts from (uploaded by prepare)
+    name.liquid/objects/ab/<hash>.bmp   raw objects, with the source's ETag and their checksum as metadata
+
+Only ``prepare`` writes to the store. A node's ``mount`` downloads the catalog into a local work directory
+(``s3.work_dir``) when the store's copy changed (its ETag), and lists the source bucket itself only when asked
+(``--refresh``) or when the store has no catalog yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from .catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
+from .prepare import OBJECTS, Outcome, PrepareReport, expand_bytes, run
+from .reader import checksum
+from .s3 import S3Url, endpoint_of, error_code, get, head, is_url, list_objects, make_client, put, upload_file, \
+    work_dir
+
+log = logging.getLogger(__name__)
+
+#: The file in the work directory that names the ETag of the store's catalog the local copy came from.
+CATALOG_ETAG = "catalog.etag"
+_META_ETAG = "liquidfs-source-etag"
+_META_CHECKSUM = "liquidfs-checksum"
+_META_FORMAT = "liquidfs-format"
+
+
+def bucket_pair(source: str, store: str | None) -> tuple[S3Url, S3Url]:
+    """The source and store URLs of a dataset in an object store, or a message saying what is wrong."""
+    if not is_url(source):
+        raise CatalogError(f"a store in an object store needs its source there too, not {source}")
+    if not store or not is_url(store):
+        raise CatalogError(f"an s3:// source needs --store s3://BUCKET/PREFIX for its catalog and raw objects "
+                           f"(got {store or 'none'})")
+    src, dst = S3Url.parse(source), S3Url.parse(store)
+    if dst in src or src in dst:
+        raise CatalogError(f"the store {dst} and the source {src} must not contain each other "
+                           "(a store's objects would show in the source's listing)")
+    return src, dst
+
+
+def _listing(client: Any, source: S3Url, progress: bool) -> Iterator[tuple[str, int, str, int]]:
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(unit=" objects", desc=f"listing {source}", dynamic_ncols=True, file=sys.stderr)
+    for info in list_objects(client, source):
+        if bar is not None:
+            bar.update(1)
+        yield source.rel(info.key), info.size, info.etag, info.mtime_ns
+    if bar is not None:
+        bar.close()
+
+
+def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
+    """The store's catalog into ``dest`` (atomically); its ETag, or None when the store has none yet."""
+    found = head(client, store.bucket, store.key(CATALOG_NAME))
+    if found is None:
+        return None
+    tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    client.download_file(store.bucket, store.key(CATALOG_NAME), str(tmp))
+    os.replace(tmp, dest)
+    return str(found["ETag"])
+
+
+def local_catalog(source: str, store: str | None, *, refresh: bool = False, progress: bool = True) -> Path:
+    """This node's copy of the catalog for a mount: the store's (downloaded when it changed), or built from a
+    listing of the source when asked (``refresh``) or when the store has none. Never writes to the store."""
+    src, dst = bucket_pair(source, store)
+    client = make_client()
+    local = work_dir(dst, endpoint_of(client))
+    local.mkdir(parents=True, exist_ok=True)
+    have = (local / CATALOG_ETAG).read_text().strip() if (local / CATALOG_ETAG).exists() else None
+    found = head(client, dst.bucket, dst.key(CATALOG_NAME))
+    current = str(found["ETag"]) if found else "none"
+    if refresh or current != have or not (local / CATALOG_NAME).exists():
+        if found is not None:
+            log.info("downloading the catalog of %s", dst)
+            download_catalog(client, dst, local / CATALOG_NAME)
+        if refresh or found is None:
+            if found is None:
+                log.warning("%s has no catalog (prepare has not run): every image is served as stored", dst)
+            build_from_objects(_listing(client, src, progress), local, str(src),
+                               previous=local / CATALOG_NAME if found is not None else None)
+        (local / CATALOG_ETAG).write_text(current + "\n")
+    catalog = Catalog.open(local, readonly=True)
+    try:
+        if catalog.meta("source") != str(src):
+            raise CatalogError(f"the catalog in {dst} describes {catalog.meta('source')}, not {src}")
+    finally:
+        catalog.close()
+    return local
+
+
+def publish_catalog(client: Any, store: S3Url, local: Path) -> None:
+    """Upload the local catalog as the store's: the moment every node's next mount sees the new selection."""
+    upload_file(client, local / CATALOG_NAME, store.bucket, store.key(CATALOG_NAME))
+    found = head(client, store.bucket, store.key(CATALOG_NAME))
+    (local / CATALOG_ETAG).write_text(f"{found['ETag'] if found else 'none'}\n")
+
+
+# -- prepare into a bucket ---------------------------------------------------------------------------------
+
+_worker_client: Any = None
+
+
+def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns: int, etag: str,
+                  store_bucket: str, store_key: str, obj: str) -> Outcome:
+    """Runs in a worker process: expand one source object into the store, or say why not. Never raises.
+
+    An object already in the store with this source ETag and a checksum is reused without downloading the
+    source (a previous run, maybe on another node, finished it): prepare resumes anywhere.
+    """
+    global _worker_client
+    if _worker_client is None:
+        _worker_client = make_client(4)
+    client = _worker_client
+
+    def refused(reason: str, fmt: str | None = None) -> Outcome:
+        return Outcome(rel, size, mtime_ns, fmt, None, None, None, reason, src_etag=etag)
+
+    try:
+        found = head(client, store_bucket, store_key)
+        meta = (found or {}).get("Metadata", {})
+        if found and meta.get(_META_ETAG) == etag.strip('"') and meta.get(_META_CHECKSUM):
+            return Outcome(rel, size, mtime_ns, meta.get(_META_FORMAT), obj, int(found["ContentLength"]),
+                           meta[_META_CHECKSUM], None, reused=True, src_etag=etag)
+        source = get(client, src_bucket, src_key, if_match=etag)
+    except Exception as exc:
+        code = error_code(exc)
+        if code in ("PreconditionFailed", "412"):
+            return refused("changed-during-prepare")
+        return refused(f"unreadable: {code or exc}")
+    if len(source) != size:
+        return refused("changed-during-prepare")
+    refusal, raw = expand_bytes(rel, size, mtime_ns, source, etag)
+    if raw is None:
+        assert refusal is not None
+        return refusal
+    digest = checksum(raw)
+    fmt = "png" if source.startswith(b"\x89PNG") else "jpeg"
+    try:
+        put(client, store_bucket, store_key, raw,
+            {_META_ETAG: etag.strip('"'), _META_CHECKSUM: digest, _META_FORMAT: fmt})
+    except Exception as exc:
+        return Outcome(rel, size, mtime_ns, fmt, None, None, None, "write-failed",
+                       fatal=f"cannot upload {store_key}: {error_code(exc) or exc}", src_etag=etag)
+    return Outcome(rel, size, mtime_ns, fmt, obj, len(raw), digest, None, src_etag=etag)
+
+
+class BucketTarget:
+    """Raw objects under ``STORE/objects/`` in a bucket (``prepare.Target``)."""
+
+    def __init__(self, client: Any, source: S3Url, store: S3Url) -> None:
+        self.client = client
+        self.source = source
+        self.store = store
+        self.label = str(store)
+        self._listed: set[str] | None = None
+
+    def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
+        assert node.etag is not None
+        return expand_one_s3, (self.source.bucket, self.source.key(node.path), node.path, node.size,
+                               node.mtime_ns, node.etag, self.store.bucket, self.store.key(obj), obj)
+
+    def _objects(self) -> set[str]:
+        """Names of the raw objects in the store, listed once per run (one request per 1,000, not one each)."""
+        if self._listed is None:
+            objects = S3Url(self.store.bucket, self.store.key(OBJECTS))
+            self._listed = {f"{OBJECTS}/{objects.rel(info.key)}" for info in list_objects(self.client, objects)}
+        return self._listed
+
+    def exists(self, obj: str) -> bool:
+        return obj in self._objects()
+
+    def delete(self, objs: list[str]) -> None:
+        for start in range(0, len(objs), 1000):
+            batch = objs[start:start + 1000]
+            self.client.delete_objects(Bucket=self.store.bucket, Delete={
+                "Objects": [{"Key": self.store.key(obj)} for obj in batch], "Quiet": True})
+        if self._listed is not None:
+            self._listed.difference_update(objs)
+
+    def stray(self, kept: set[str]) -> list[str]:
+        self._listed = None  # objects written by this run are in the store now
+        self._abort_uploads()
+        return sorted(self._objects() - kept)
+
+    def _abort_uploads(self) -> None:
+        """Multipart uploads a killed run left open hold storage until aborted."""
+        prefix = self.store.key(OBJECTS) + "/"
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.store.bucket,
+                                                                                  Prefix=prefix)
+            for page in pages:
+                for upload in page.get("Uploads", ()):
+                    self.client.abort_multipart_upload(Bucket=self.store.bucket, Key=upload["Key"],
+                                                       UploadId=upload["UploadId"])
+        except Exception as exc:  # a store without the call: the leftovers cost space, not correctness
+            log.info("cannot list unfinished uploads in %s: %s", self.store, error_code(exc) or exc)
+
+
+def prepare_in_bucket(source: str, store: str, ratio: float, *, seed: int = 0, jobs: int | None = None,
+                      progress: bool = True) -> PrepareReport:
+    """``prepare`` for a source in an object store: list, expand into the store, publish the catalog."""
+    started = time.monotonic()
+    src, dst = bucket_pair(source, store)
+    client = make_client()
+    local = work_dir(dst, endpoint_of(client))
+    local.mkdir(parents=True, exist_ok=True)
+    stored = local / f"store-{CATALOG_NAME}"
+    previous = stored if download_catalog(client, dst, stored) else None
+    build_from_objects(_listing(client, src, progress), local, str(src), previous=previous)
+    stored.unlink(missing_ok=True)
+    catalog = Catalog.open(local)
+    try:
+        report = run(catalog, BucketTarget(client, src, dst), ratio, seed, jobs or os.cpu_count() or 1, progress,
+                     started)
+    finally:
+        catalog.close()
+    publish_catalog(client, dst, local)
+    report.seconds = time.monotonic() - started
+    return report
