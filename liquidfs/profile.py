@@ -32,11 +32,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 from pathlib import Path
 
 from . import formats
 from .catalog import Catalog, open_or_build
 from .prepare import IMAGE_SUFFIXES
+from .s3 import is_url
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +126,13 @@ def choose_for_target(costs: Costs, target: float) -> float | None:
 
 @dataclass
 class Sample:
-    originals: list[Path]
-    raws: list[Path]
+    originals: list[Any]  # what ``load`` reads: local paths, or (bucket, key) of objects
+    raws: list[Any]
     scratch: Path
+    load: Callable[[Sequence[Any], float], tuple[float, float]] = field(default=lambda items, s: measure_load(items, s))
+    cleanup: Callable[[], None] = lambda: None
+    original_data: list[bytes] = field(default_factory=list)
+    raw_data: list[bytes] = field(default_factory=list)
 
 
 def make_sample(catalog: Catalog, store: Path, count: int, seed: int = 0) -> Sample:
@@ -155,7 +161,79 @@ def make_sample(catalog: Catalog, store: Path, count: int, seed: int = 0) -> Sam
         raws.append(out)
     if not raws:
         raise SystemExit("profile: none of the sampled images can be expanded losslessly")
-    return Sample(originals, raws, scratch)
+    return Sample(originals, raws, scratch, cleanup=lambda: shutil.rmtree(scratch, ignore_errors=True),
+                  original_data=[p.read_bytes() for p in originals], raw_data=[p.read_bytes() for p in raws])
+
+
+def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int = 0) -> Sample:
+    """The sample of an s3:// dataset: ``count`` random images, expanded and put under STORE/profile-sample/
+    (deleted after), so storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
+    from .s3 import endpoint_of, get, list_objects, make_client, put, work_dir
+    from .s3store import bucket_pair
+
+    src, dst = bucket_pair(source, store)
+    client = make_client(jobs + 2)
+    keys = [o.key for o in list_objects(client, src) if o.key.lower().endswith(IMAGE_SUFFIXES)]
+    if not keys:
+        raise SystemExit("profile: no PNG/JPEG images in the source")
+    random.Random(seed).shuffle(keys)
+    sample = Sample([], [], work_dir(dst, endpoint_of(client)),
+                    load=lambda items, seconds: measure_get(client, items, seconds, jobs))
+    written: list[str] = []
+
+    def cleanup() -> None:
+        for start in range(0, len(written), 1000):
+            client.delete_objects(Bucket=dst.bucket, Delete={"Objects": [{"Key": k} for k in written[start:start + 1000]],
+                                                             "Quiet": True})
+
+    sample.cleanup = cleanup
+    for key in keys:
+        if len(sample.raws) >= count:
+            break
+        data = get(client, src.bucket, key)
+        result = formats.expand(data)
+        if result.data is None:
+            continue
+        raw_key = dst.key(f"profile-sample/{len(written)}.bmp")
+        put(client, dst.bucket, raw_key, result.data)
+        written.append(raw_key)
+        sample.originals.append((src.bucket, key))
+        sample.raws.append((dst.bucket, raw_key))
+        sample.original_data.append(data)
+        sample.raw_data.append(result.data)
+    if not sample.raws:
+        cleanup()
+        raise SystemExit("profile: none of the sampled images can be expanded losslessly")
+    return sample
+
+
+def measure_get(client: Any, objects: Sequence[tuple[str, str]], seconds: float, jobs: int) -> tuple[float, float]:
+    """(bytes/s, CPU seconds per byte) of whole-object GETs in random order, ``jobs`` in flight."""
+    from .s3 import get
+
+    rng = random.Random(1)
+    order = list(objects)
+    deadline = time.monotonic() + seconds
+    usage0 = resource.getrusage(resource.RUSAGE_SELF)
+    started = time.monotonic()
+
+    def worker(items: list[tuple[str, str]]) -> int:
+        done = 0
+        for bucket, key in items:
+            done += len(get(client, bucket, key))
+            if time.monotonic() > deadline:
+                break
+        return done
+
+    total = 0
+    with cf.ThreadPoolExecutor(jobs) as pool:
+        while time.monotonic() < deadline or total == 0:
+            rng.shuffle(order)
+            total += sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
+    elapsed = time.monotonic() - started
+    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+    return total / elapsed, cpu / max(1, total)
 
 
 def _read_direct(path: Path, buf: mmap.mmap) -> int:
@@ -297,23 +375,27 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
                 quick: bool = False, target_rate: float | None = None, seconds: float | None = None,
                 progress: Callable[[str], None] = lambda s: None) -> Profile:
     started = time.monotonic()
-    store_dir = Path(store).absolute()
     threads = threads or os.cpu_count() or 1
     decoder = decoder or ("dali" if dali_available() else "pil")
     step = seconds if seconds is not None else (0.6 if quick else 2.5)
-    open_or_build(source, store_dir).close()
-    catalog = Catalog.open(store_dir)
+    count = sample or (8 if quick else 24)
+    progress("expanding a sample")
+    if is_url(str(source)):
+        smp = make_bucket_sample(str(source), str(store), count, jobs=4)
+    else:
+        store_dir = Path(store).absolute()
+        open_or_build(source, store_dir).close()
+        catalog = Catalog.open(store_dir)
+        try:
+            smp = make_sample(catalog, store_dir, count)
+        finally:
+            catalog.close()
     try:
-        progress("expanding a sample")
-        smp = make_sample(catalog, store_dir, sample or (8 if quick else 24))
-    finally:
-        catalog.close()
-    try:
-        originals = [p.read_bytes() for p in smp.originals]
-        raws = [p.read_bytes() for p in smp.raws]
+        originals = smp.original_data
+        raws = smp.raw_data
         progress("measuring storage")
-        load_o, cpu_o = measure_load(smp.originals, step)
-        load_r, cpu_r = measure_load(smp.raws, step)
+        load_o, cpu_o = smp.load(smp.originals, step)
+        load_r, cpu_r = smp.load(smp.raws, step)
         progress(f"measuring {decoder} decoding on {threads} threads")
         dec_o = measure_decode(originals, decoder, threads, step)
         dec_r = measure_decode(raws, decoder, threads, step)
@@ -329,7 +411,7 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
             k = round(r * len(raws))
             paths = smp.raws[:k] + smp.originals[k:]
             data = raws[:k] + originals[k:]
-            bps, _ = measure_load(paths, step / 2)
+            bps, _ = smp.load(paths, step / 2)
             mean = statistics.fmean(map(len, data))
             load_rate = bps / mean / max(1e-9, 1 - cache_share)
             return load_rate, measure_decode(data, decoder, threads, step / 2)
@@ -337,7 +419,7 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
         progress("binary search over the 11 mixes")
         search_r, steps = paper_search(measure_mix)
     finally:
-        shutil.rmtree(smp.scratch, ignore_errors=True)
+        smp.cleanup()
     table = [{"ratio": r, "load_images_per_s": 1 / costs.load_time(r) if costs.load_time(r) else math.inf,
               "decode_images_per_s": 1 / costs.cpu_time(r), "predicted_images_per_s": costs.throughput(r)}
              for r in RATIOS]

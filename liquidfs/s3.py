@@ -69,16 +69,22 @@ class S3Url:
         return not self.prefix or other.prefix == self.prefix or other.prefix.startswith(self.prefix + "/")
 
 
-def make_client(max_connections: int = 10, *, max_attempts: int = MAX_ATTEMPTS,
-                connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT) -> Any:
-    """An S3 client configured from the standard AWS chain, with bounded retries and per-attempt timeouts."""
+def make_client(max_connections: int = 10, *, connect_timeout: float = CONNECT_TIMEOUT,
+                read_timeout: float = READ_TIMEOUT) -> Any:
+    """An S3 client configured from the standard AWS chain, with bounded retries and per-attempt timeouts.
+
+    ``AWS_MAX_ATTEMPTS`` and ``AWS_RETRY_MODE`` are honoured as the SDKs do (a value given in code would
+    otherwise override them); liquidfs's defaults are the standard mode with MAX_ATTEMPTS.
+    """
+    max_attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS)
+    mode = os.environ.get("AWS_RETRY_MODE") or "standard"
     try:
         import boto3
         from botocore.config import Config
     except ImportError as exc:  # pragma: no cover - boto3 is a dependency; a broken install says so clearly
         raise RuntimeError("s3:// sources need boto3 (pip install boto3)") from exc
     config = Config(
-        retries={"max_attempts": max_attempts, "mode": "standard"},
+        retries={"max_attempts": max_attempts, "mode": mode},
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         max_pool_connections=max_connections,
