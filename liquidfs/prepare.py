@@ -50,7 +50,7 @@ def parse_ratio(text: str) -> float | str:
     try:
         value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"ratio must be a number in [0, 1], a percentage or 'auto', not {text!r}")
+        raise argparse.ArgumentTypeError(f"ratio must be a number in [0, 1], a percentage or 'auto', not {text!r}") from None
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"ratio must be within [0, 1], got {text}")
     return value
@@ -481,6 +481,8 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
                    help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
     p.add_argument("--jobs", "-j", type=int, default=os.cpu_count(), help="worker processes (default: all cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="with --ratio auto: a quick profile (a smaller sample, shorter measurements)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_common(p)
     p.set_defaults(func=_cmd_prepare)
@@ -502,7 +504,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
     if ratio == "auto":
         from .profile import auto_ratio
 
-        ratio = auto_ratio(args.source, args.store)
+        ratio = auto_ratio(args.source, args.store, quick=args.quick)
         print(f"profile chose ratio {ratio:.2f}")
     try:
         report = prepare(args.source, args.store, ratio, seed=args.seed, jobs=args.jobs,

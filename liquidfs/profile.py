@@ -169,7 +169,7 @@ def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int
     """The sample of an s3:// dataset: ``count`` random images, expanded and put under STORE/profile-sample/
     (deleted after), so storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
     from .s3 import endpoint_of, get, list_objects, make_client, put, work_dir
-    from .s3store import bucket_pair
+    from .s3store import bucket_pair, delete_keys
 
     src, dst = bucket_pair(source, store)
     client = make_client(jobs + 2)
@@ -182,9 +182,7 @@ def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int
     written: list[str] = []
 
     def cleanup() -> None:
-        for start in range(0, len(written), 1000):
-            client.delete_objects(Bucket=dst.bucket, Delete={"Objects": [{"Key": k} for k in written[start:start + 1000]],
-                                                             "Quiet": True})
+        delete_keys(client, dst.bucket, written)
 
     sample.cleanup = cleanup
     for key in keys:
@@ -510,8 +508,9 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
     img.save(path, format="PNG")
 
 
-def auto_ratio(source: str, store: str) -> float:
-    profile = run_profile(source, store, progress=lambda s: print(f"profile: {s}", file=sys.stderr))
+def auto_ratio(source: str, store: str, *, quick: bool = False) -> float:
+    profile = run_profile(source, store, quick=quick,
+                          progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     return profile.chosen
 

@@ -160,6 +160,21 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
     return Outcome(rel, size, mtime_ns, fmt, obj, len(raw), digest, None, src_etag=etag)
 
 
+def delete_keys(client: Any, bucket: str, keys: list[str]) -> None:
+    """Delete ``keys``: 1,000 per DeleteObjects request, or one by one where the store refuses that call
+    (Swift's s3api wants a Content-MD5 header that newer SDKs replace with a CRC checksum)."""
+    for start in range(0, len(keys), 1000):
+        batch = keys[start:start + 1000]
+        try:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+        except Exception as exc:
+            if error_code(exc) not in ("InvalidRequest", "NotImplemented", "MissingContentMD5", "InvalidDigest"):
+                raise
+            log.debug("DeleteObjects refused (%s): deleting one by one", error_code(exc))
+            for key in batch:
+                client.delete_object(Bucket=bucket, Key=key)
+
+
 class BucketTarget:
     """Raw objects under ``STORE/objects/`` in a bucket (``prepare.Target``)."""
 
@@ -186,10 +201,7 @@ class BucketTarget:
         return obj in self._objects()
 
     def delete(self, objs: list[str]) -> None:
-        for start in range(0, len(objs), 1000):
-            batch = objs[start:start + 1000]
-            self.client.delete_objects(Bucket=self.store.bucket, Delete={
-                "Objects": [{"Key": self.store.key(obj)} for obj in batch], "Quiet": True})
+        delete_keys(self.client, self.store.bucket, [self.store.key(obj) for obj in objs])
         if self._listed is not None:
             self._listed.difference_update(objs)
 

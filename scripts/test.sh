@@ -6,7 +6,10 @@ LIQUIDFS_EXTRAS="test,torch" bash scripts/install.sh
 # Tools the deployment tests drive for real (container build and run, shell lint, unit verification).
 tools=()
 for t in podman:podman debootstrap:debootstrap runc:runc tini:tini shellcheck:shellcheck \
-         systemd-analyze:systemd fincore:util-linux; do
+         systemd-analyze:systemd fincore:util-linux \
+         swift-proxy-server:swift-proxy swift-account-server:swift-account \
+         swift-container-server:swift-container swift-object-server:swift-object \
+         swift-ring-builder:swift s3fs:s3fs rclone:rclone; do
     command -v "${t%%:*}" >/dev/null || tools+=("${t#*:}")
 done
 if [ ${#tools[@]} -gt 0 ]; then

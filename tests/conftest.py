@@ -13,6 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from fusehelpers import Mount, fuse_available  # noqa: E402
+from s3server import s3_server  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,8 @@ def dali_decode_all(file_root: Path, batch_size: int = 4, threads: int = 2) -> d
     while len(out) < total:
         images, infos = p.run()
         for i in range(len(images)):
-            name = os.path.relpath(bytes(infos.at(i)).decode(), file_root)
+            info = bytes(infos.at(i)).decode()
+            # DALI reports the path as it listed it: relative to file_root in some versions, absolute in others
+            name = os.path.relpath(info, file_root) if os.path.isabs(info) else os.path.normpath(info)
             out.setdefault(name, np.array(images.at(i)))
     return out
