@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
                    "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
                    "Default: no cache (and the page cache keeps no copy of served files)")
+    m.add_argument("--disk-cache", metavar="DIR",
+                   help="a second cache level on local disk (NVMe in front of an object store): the same "
+                   "next-epoch policy for what memory misses; files go to a directory of this mount's own "
+                   "in DIR, removed at unmount. Needs --disk-cache-size")
+    m.add_argument("--disk-cache-size", metavar="SIZE",
+                   help="budget of --disk-cache: a percentage of the dataset as served or bytes (200G)")
     m.add_argument("--warmup", action="store_true",
                    help="fill the cache before the mount is reported ready, so the first epoch hits too")
     m.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
@@ -181,6 +187,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
             parse_size(args.cache_size, 1)
         except ValueError as exc:
             raise MountError(str(exc)) from exc
+    if bool(args.disk_cache) != bool(args.disk_cache_size):
+        raise MountError("--disk-cache and --disk-cache-size go together")
+    if args.disk_cache_size:
+        from .cache import parse_size
+
+        try:
+            parse_size(args.disk_cache_size, 1)
+        except ValueError as exc:
+            raise MountError(f"--disk-cache-size: {exc}") from exc
     if not args.io_timeout > 0:
         raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
     check_mountpoint(mountpoint)
@@ -198,6 +213,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
             argv += ["--cache-size", args.cache_size]
         if args.warmup:
             argv.append("--warmup")
+        if args.disk_cache:
+            argv += ["--disk-cache", str(Path(args.disk_cache).absolute()), "--disk-cache-size", args.disk_cache_size]
         if args.metrics_port is not None:
             argv += ["--metrics-port", str(args.metrics_port)]
         argv += ["--readahead-kb", str(args.readahead_kb)]
@@ -218,7 +235,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
-                         io_timeout=args.io_timeout, buckets=buckets)
+                         io_timeout=args.io_timeout, buckets=buckets,
+                         disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
+                         disk_cache_size=args.disk_cache_size)
     return serve(config, ready_fd=args.ready_fd)
 
 

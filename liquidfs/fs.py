@@ -333,7 +333,9 @@ class Operations(pyfuse3.Operations):
 
     async def _open_from_storage(self, node: Node) -> Content:
         content = await self._blocking(node, self.reader.open, node)
-        if content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
+        if content.tier == "disk":
+            self.stats.bytes_from_disk += content.size
+        elif content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
             self.stats.bytes_from_storage += content.size
         return content
 

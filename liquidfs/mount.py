@@ -25,6 +25,7 @@ from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, Operations
 from .metrics import serve_metrics
+from .disktier import DiskTier
 from .reader import StoreReader
 from .s3reader import S3Reader
 from .stats import MountStats
@@ -51,6 +52,8 @@ class MountConfig:
     io_timeout: float = IO_TIMEOUT
     #: Source and store URLs when the dataset lives in an object store (``store`` is then the local work dir).
     buckets: tuple[str, str] | None = None
+    disk_cache: Path | None = None
+    disk_cache_size: str | None = None
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -117,8 +120,14 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     stats = MountStats(source=str(config.source), store=str(config.store))
     reader = make_reader(catalog, config)
     cache = make_cache(catalog, config.cache_size)
+    disk = None
+    if config.disk_cache is not None:
+        disk = make_disk_tier(catalog, config, reader, cache)
+        reader = disk
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
                      io_timeout=config.io_timeout)
+    if disk is not None:
+        ops.control_extra = disk.summary
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:
@@ -134,6 +143,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         ops.notifier.stop()
         pyfuse3.close(unmount=unmount)
         catalog.close()
+        if disk is not None:
+            disk.close()
         log.info("unmounted %s", config.mountpoint)
     return 0
 
@@ -147,6 +158,22 @@ def make_reader(catalog: Catalog, config: MountConfig) -> StoreReader | S3Reader
     client = make_client(config.threads + 2, read_timeout=min(READ_TIMEOUT, config.io_timeout))
     source, store = config.buckets
     return S3Reader(client, S3Url.parse(source), S3Url.parse(store))
+
+
+def make_disk_tier(catalog: Catalog, config: MountConfig, reader: StoreReader | S3Reader,
+                   cache: NextEpochCache | None) -> DiskTier:
+    """The disk level sees what the memory level misses: its quota is of the dataset minus the memory budget."""
+    assert config.disk_cache is not None and config.disk_cache_size
+    files, served, _, max_id = catalog.file_totals()
+    try:
+        budget = parse_size(config.disk_cache_size, served)
+    except ValueError as exc:
+        raise MountError(f"--disk-cache-size: {exc}") from exc
+    reaching = max(1, served - (cache.budget if cache is not None else 0))
+    log.info("disk cache budget %d bytes in %s", budget, config.disk_cache)
+    policy = NextEpochCache(budget, reaching, files, max_id=max_id)
+    held = (lambda node_id: node_id in cache.held) if cache is not None else (lambda node_id: False)
+    return DiskTier(reader, config.disk_cache, policy, memory_holds=held)
 
 
 def make_cache(catalog: Catalog, cache_size: str | None) -> NextEpochCache | None:

@@ -45,6 +45,7 @@ class Content:
     fd: int | None = None
     fallback: str | None = None  # why the raw object was not served, when it should have been
     fetch: Callable[[int, int], bytes] | None = None  # a ranged read of a large object in a bucket
+    tier: str = "storage"  # where the bytes came from: "storage", or "disk" for the local disk cache level
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         if self.data is not None:

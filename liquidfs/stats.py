@@ -21,6 +21,7 @@ class MountStats:
     read_requests: int = 0        # read requests that reached the daemon
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
     bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
+    bytes_from_disk: int = 0      # bytes served from the local disk cache level (--disk-cache)
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT

@@ -294,3 +294,29 @@ def test_ratio_auto_profiles_against_the_store(dataset: Any, nodes: Any) -> None
     raw = [k for k in _snapshot(client, bucket) if "/objects/" in k]
     assert len(raw) == round(chosen * 10)
     assert not [k for k in _snapshot(client, bucket) if "profile-sample" in k], "the profile's sample is deleted"
+
+
+def test_disk_cache_level_serves_what_memory_misses(dataset: Any, nodes: Any, tmp_path: Path) -> None:
+    root, source, store, _ = dataset
+    node = nodes("n")
+    node.cli("prepare", source, "--store", store, "--ratio", "0.5", "--no-progress")
+    disk = tmp_path / "nvme"
+    mnt = node.mount(source, store, "--cache-size", "20%", "--disk-cache", str(disk), "--disk-cache-size", "40%")
+    (own,) = disk.iterdir()  # this mount's own directory
+    images = sorted(p.relative_to(root) for p in (root / "leftImg8bit").rglob("*") if p.is_file())
+    rng = random.Random(7)
+    for _ in range(3):
+        rng.shuffle(images)
+        for rel in images:
+            assert np.array_equal(_pixels(mnt / rel), _pixels(root / rel)), rel
+    stats = _stats(node, mnt)
+    assert stats["disk_hits"] >= 1 and stats["bytes_from_disk"] == stats["disk_hit_bytes"] > 0
+    assert stats["cache_hits"] >= 1
+    assert 0 < stats["disk_held_bytes"] <= stats["disk_budget"]
+    assert sum(f.stat().st_size for f in own.iterdir()) == stats["disk_held_bytes"]
+    # Memory and disk hold disjoint sets: about 20 % + 40 % of epochs 2 and 3 is served locally.
+    served = sum(v["bytes"] for e, v in stats["epochs"].items() if e != "1")
+    local = (stats["bytes_from_disk"] + stats["bytes_from_memory"]) / served
+    assert local >= 0.45, local
+    node.cli("umount", str(mnt))
+    assert not own.exists()
