@@ -117,7 +117,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     """Mount and serve in this process until unmounted or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     catalog = Catalog.open(config.store, readonly=True)
-    stats = MountStats(source=str(config.source), store=str(config.store))
+    stats = MountStats(source=str(config.source), store=config.buckets[1] if config.buckets else str(config.store))
     reader = make_reader(catalog, config)
     cache = make_cache(catalog, config.cache_size)
     disk = None

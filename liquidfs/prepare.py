@@ -423,6 +423,11 @@ def verify_one(src: bytes, obj: str, want_checksum: str, want_size: int, want_mt
             original = f.read()
     except OSError as exc:
         return f"cannot read: {exc}"
+    return judge(original, raw, want_checksum)
+
+
+def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
+    """None when ``raw`` is the recorded object and decodes to the pixels of ``original``; else what is wrong."""
     if checksum(raw) != want_checksum:
         return "checksum mismatch"
     try:
@@ -436,24 +441,29 @@ def verify_one(src: bytes, obj: str, want_checksum: str, want_size: int, want_mt
 def verify(store: str | os.PathLike[str], *, sample: int | None = None, jobs: int | None = None,
            progress: bool = True) -> list[tuple[str, str]]:
     """Every (or ``sample`` random) raw object checked against its source: the list of failures."""
-    store_dir = Path(store).absolute()
-    catalog = Catalog.open(store_dir, readonly=True)
-    try:
-        nodes = [n for n in catalog.files() if n.repr == 1]
-        root = catalog.source
-    finally:
-        catalog.close()
+    if is_url(str(store)):
+        from .s3store import verify_jobs
+
+        nodes, job = verify_jobs(str(store))
+    else:
+        store_dir = Path(store).absolute()
+        catalog = Catalog.open(store_dir, readonly=True)
+        try:
+            nodes = [n for n in catalog.files() if n.repr == 1]
+            root = catalog.source
+        finally:
+            catalog.close()
+
+        def job(n: Node) -> tuple[Callable[..., str | None], tuple[object, ...]]:
+            return verify_one, (os.path.join(root, n.path), str(store_dir / str(n.object)), str(n.checksum),
+                                n.size, n.mtime_ns)
     if sample is not None and sample < len(nodes):
         nodes = random.Random().sample(nodes, sample)
     failures: list[tuple[str, str]] = []
     bar = _progress(progress, len(nodes))
     ctx = multiprocessing.get_context("forkserver")
     with cf.ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1, mp_context=ctx) as pool:
-        futures = {
-            pool.submit(verify_one, os.path.join(root, n.path), str(store_dir / str(n.object)), str(n.checksum),
-                        n.size, n.mtime_ns): n
-            for n in nodes
-        }
+        futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
         for future in cf.as_completed(futures):
             problem = future.result()
             if problem:
@@ -491,7 +501,7 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
         "verify", help="check every raw object against its source",
         description="Re-decode every raw object of the store and its source and compare pixels and checksums. "
         "Exit status 0 only when all hold.")
-    v.add_argument("--store", required=True)
+    v.add_argument("--store", required=True, help="the store directory, or the s3:// store prepare wrote to")
     v.add_argument("--sample", type=int, help="check only N random objects")
     v.add_argument("--jobs", "-j", type=int, default=os.cpu_count())
     v.add_argument("--no-progress", action="store_true")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
-from .prepare import OBJECTS, Outcome, PrepareReport, expand_bytes, run
+from .prepare import OBJECTS, Outcome, PrepareReport, expand_bytes, judge, run
 from .reader import checksum
 from .s3 import S3Url, endpoint_of, error_code, get, head, is_url, list_objects, make_client, put, upload_file, \
     work_dir
@@ -245,3 +245,48 @@ def prepare_in_bucket(source: str, store: str, ratio: float, *, seed: int = 0, j
     publish_catalog(client, dst, local)
     report.seconds = time.monotonic() - started
     return report
+
+
+# -- verify ------------------------------------------------------------------------------------------------
+
+
+def verify_one_s3(src_bucket: str, src_key: str, etag: str, store_bucket: str, store_key: str,
+                  want_checksum: str) -> str | None:
+    """Runs in a worker process: None when the raw object is sound and decodes to its source's pixels."""
+    global _worker_client
+    if _worker_client is None:
+        _worker_client = make_client(4)
+    try:
+        original = get(_worker_client, src_bucket, src_key, if_match=etag)
+        raw = get(_worker_client, store_bucket, store_key)
+    except Exception as exc:
+        if error_code(exc) in ("PreconditionFailed", "412"):
+            return "source changed since prepare (a mount fails it with EIO until prepare runs again)"
+        return f"cannot read: {error_code(exc) or exc}"
+    return judge(original, raw, want_checksum)
+
+
+def verify_jobs(store: str) -> tuple[list[Node], Callable[[Node], tuple[Callable[..., str | None], tuple[object, ...]]]]:
+    """The raw files of the store's catalog and, per file, the worker call that checks it."""
+    dst = S3Url.parse(store)
+    client = make_client()
+    local = work_dir(dst, endpoint_of(client))
+    local.mkdir(parents=True, exist_ok=True)
+    copy = local / f"verify-{CATALOG_NAME}"
+    if download_catalog(client, dst, copy) is None:
+        raise CatalogError(f"{dst} has no catalog: run prepare first")
+    verify_dir = local / "verify"
+    verify_dir.mkdir(exist_ok=True)
+    os.replace(copy, verify_dir / CATALOG_NAME)
+    catalog = Catalog.open(verify_dir, readonly=True)
+    try:
+        nodes = [n for n in catalog.files() if n.repr == 1]
+        src = S3Url.parse(str(catalog.meta("source")))
+    finally:
+        catalog.close()
+
+    def job(n: Node) -> tuple[Callable[..., str | None], tuple[object, ...]]:
+        return verify_one_s3, (src.bucket, src.key(n.path), str(n.etag), dst.bucket, dst.key(str(n.object)),
+                               str(n.checksum))
+
+    return nodes, job

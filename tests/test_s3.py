@@ -173,6 +173,7 @@ def test_doubt_falls_back_to_the_original_and_a_changed_source_is_eio(dataset: A
     bucket = source.split("/")[2]
     node = nodes("n")
     node.cli("prepare", source, "--store", store, "--ratio", "1", "--no-progress")
+    assert "all raw objects sound" in node.cli("verify", "--store", store, "--no-progress").stdout
     import sqlite3
 
     cache = next((node.tmp / "cache" / "liquidfs").glob("s3-*"))
@@ -190,6 +191,10 @@ def test_doubt_falls_back_to_the_original_and_a_changed_source_is_eio(dataset: A
     client.put_object(Bucket=bucket, Key=f"cs/{changed}", Body=changed_local.read_bytes())
     client.put_object(Bucket=bucket, Key="cs/notes/blob.bin", Body=b"rewritten")  # an original that changed
 
+    done = node.cli("verify", "--store", store, "--no-progress", check=False)
+    assert done.returncode == 1 and "3 problems" in done.stdout, done.stdout + done.stderr
+    for name, why in ((missing, "NoSuchKey"), (corrupt, "checksum mismatch"), (changed, "source changed")):
+        assert f"FAIL {name}: " in done.stdout and why in done.stdout.split(f"FAIL {name}: ")[1].split("\n")[0]
     mnt = node.mount(source, store)
     for name in (missing, corrupt):
         assert np.array_equal(_pixels(mnt / name), _pixels(root / name)), name
@@ -240,6 +245,14 @@ def test_refresh_lists_again_and_keeps_prepared_images(dataset: Any, nodes: Any)
     mnt = node.mount(source, store)
     assert not (mnt / "notes/new.txt").exists()  # the store's catalog is used as it is
     node.cli("umount", str(mnt))
+    # Another prepare (here: ratio 0 from another node) replaces the store's catalog: the next mount uses it.
+    nodes("other").cli("prepare", source, "--store", store, "--ratio", "0", "--no-progress")
+    mnt = node.mount(source, store)
+    assert (mnt / "README.txt").read_bytes() and _stats(node, mnt)["opens_raw"] == 0
+    _pixels(mnt / next(p for p in (root / "leftImg8bit").rglob("*.png")).relative_to(root))
+    assert _stats(node, mnt)["opens_raw"] == 0
+    node.cli("umount", str(mnt))
+    nodes("again").cli("prepare", source, "--store", store, "--ratio", "1", "--no-progress")
     mnt = node.mount(source, store, "--refresh")
     assert (mnt / "notes/new.txt").read_bytes() == b"new object\n"
     images = [p for p in (root / "leftImg8bit").rglob("*") if p.is_file()]
