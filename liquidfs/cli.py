@@ -30,6 +30,9 @@ def _setup_logging(level: str, log_file: str | None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # The AWS SDK's debug output carries request headers (the access key id, signatures): kept out of the log.
+    for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
 
 
 def _store_for(source: str, store: str | None) -> Path:
