@@ -72,7 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "in /etc/fuse.conf when not root")
     m.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT]",
                    help="extra FUSE mount options")
-    m.add_argument("--threads", type=int, default=4, help="storage reads in flight at once (default 4)")
+    m.add_argument("--threads", type=int,
+                   help="storage reads in flight at once (default 4 for a local store, 16 for an object store: "
+                   "each request waits on the network more than on the disk)")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
                    help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
                    "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
@@ -172,6 +174,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if not source.is_dir():
             raise NotADirectoryError(f"source {source} is not a directory")
     mountpoint = Path(args.mountpoint).absolute()
+    if args.threads is None:
+        args.threads = 16 if buckets else 4
+    if args.threads < 1:
+        raise MountError(f"--threads must be at least 1, not {args.threads}")
 
     def local_catalog() -> Path:
         """The catalog on this node (built, refreshed or downloaded as needed) and the directory holding it."""
