@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
                    "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
                    "Default: no cache (and the page cache keeps no copy of served files)")
+    m.add_argument("--page-cache", choices=["drop", "keep", "direct"], default="drop",
+                   help="what the kernel's page cache keeps of served files the daemon's cache does not hold: "
+                   "drop their pages when closed (default: no second copy of the dataset in memory), keep them "
+                   "(less daemon CPU; the kernel reclaims them under pressure), or direct (direct_io: no pages; "
+                   "see BENCHMARKS.md for what each costs)")
     m.add_argument("--disk-cache", metavar="DIR",
                    help="a second cache level on local disk (NVMe in front of an object store): the same "
                    "next-epoch policy for what memory misses; files go to a directory of this mount's own "
@@ -222,6 +227,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             argv += ["--cache-size", args.cache_size]
         if args.warmup:
             argv.append("--warmup")
+        argv += ["--page-cache", args.page_cache]
         if args.disk_cache:
             argv += ["--disk-cache", str(Path(args.disk_cache).absolute()), "--disk-cache-size", args.disk_cache_size]
         if args.metrics_port is not None:
@@ -246,7 +252,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
                          io_timeout=args.io_timeout, buckets=buckets,
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
-                         disk_cache_size=args.disk_cache_size)
+                         disk_cache_size=args.disk_cache_size, page_cache=args.page_cache)
     return serve(config, ready_fd=args.ready_fd)
 
 

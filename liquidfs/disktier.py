@@ -113,7 +113,7 @@ class DiskTier:
         with self._lock:
             self.hits += 1
             self.hit_bytes += len(data)
-        return Content(size=len(data), raw=entry.raw, data=data, tier="disk")
+        return Content(size=len(data), raw=entry.raw, data=data, tier="disk", pooled=True)
 
     def _write(self, node: Node, content: Content) -> bool:
         assert content.data is not None

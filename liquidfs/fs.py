@@ -26,7 +26,7 @@ from pyfuse3 import FUSEError
 
 from .cache import Decision, NextEpochCache
 from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
-from .reader import Content, StoreReader
+from .reader import POOL, Content, StoreReader, checksum
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,14 @@ IO_TIMEOUT = 60.0
 #: Storage reads left stuck past their timeout before every new read fails at once: the storage is not answering,
 #: and each further try would only park one more thread in the kernel.
 MAX_STUCK = 64
+#: Bytes that open files may keep in the daemon beyond the cache's budget (files read whole at open, not yet
+#: served to the end); past it the oldest let go of theirs and read them again if asked (``Operations._loan``).
+MAX_OPEN_BYTES = 1 << 30
+#: ``mount --page-cache``: "drop" the pages of a file the daemon does not hold when it is closed (no second
+#: copy of the dataset in memory; the kernel's work of dropping them is charged to the daemon), "keep" them
+#: like any file's (the kernel reclaims them under pressure), or serve such files "direct" (direct_io: no pages
+#: at all, every read reaches the daemon).
+PAGE_CACHE_MODES = ("drop", "keep", "direct")
 #: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
 _MAX_LOGGED = 10_000
 
@@ -80,8 +88,13 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
                  *, thread_limiter: trio.CapacityLimiter | None = None,
-                 cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT) -> None:
+                 cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT,
+                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES) -> None:
         super().__init__()
+        if page_cache not in PAGE_CACHE_MODES:
+            raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, not {page_cache!r}")
+        # What the kernel's page cache keeps of files the daemon does not hold (``mount --page-cache``).
+        self.page_cache = page_cache
         self.catalog = catalog
         self.reader = reader
         self.stats = stats
@@ -98,6 +111,10 @@ class Operations(pyfuse3.Operations):
         # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
         self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
         self.io_timeout = io_timeout
+        # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_loan``.
+        self.max_open_bytes = max_open_bytes
+        self._loaned: dict[int, int] = {}
+        self._loaned_bytes = 0
         # Threads of reads that ran past io_timeout; they give their slot back, so they run outside the limiter.
         self._stuck: set[_Call] = set()
         self._stuck_lock = threading.Lock()
@@ -256,7 +273,7 @@ class Operations(pyfuse3.Operations):
         if content.fallback and inode not in self.fell_back:
             self.fell_back.add(inode)
             self.stats.fallbacks = len(self.fell_back)
-        direct_io = False
+        direct_io = self.page_cache == "direct" and held is None
         if content.size != self.size_overrides.get(inode, node.size_served):
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
             # to that size, so this handle bypasses the page cache, and the attributes are corrected for later.
@@ -268,7 +285,8 @@ class Operations(pyfuse3.Operations):
         # daemon. Its pages are kept only while it is held (release drops the rest), and the kernel may
         # reclaim them at any time: the daemon's copy is the one the budget counts.
         keep_cache = held is not None and not direct_io
-        return self._new_handle(Handle(content, node, decision), direct_io=direct_io, keep_cache=keep_cache)
+        return self._new_handle(Handle(content, node, decision, direct_io=direct_io), direct_io=direct_io,
+                                keep_cache=keep_cache)
 
     async def _open_held(self, node: Node, data: memoryview) -> Content:
         changed = await self._blocking(node, self.reader.check_source, node)
@@ -301,11 +319,20 @@ class Operations(pyfuse3.Operations):
             return
         if decision.keep and content.data is not None and not content.fallback \
                 and content.size == node.size_served:
-            self.held_data[node.id] = content.data
+            self._hold(node.id, content)
         else:
             self.held_data.pop(node.id, None)
             if decision.keep:  # the policy counted it, but these bytes cannot be held (streamed, fallback)
                 self.cache.drop(node.id)
+
+    def _hold(self, node_id: int, content: Content) -> None:
+        """Keep ``content``'s bytes for later opens: from now on other handles share its buffer, so it must
+        never go back to the buffer pool."""
+        assert content.data is not None
+        if content.pooled:
+            content.pooled = False
+            POOL.forget(content.data)
+        self.held_data[node_id] = content.data
 
     async def warm_up(self) -> tuple[int, int]:
         """Load a random budget's worth of files before the first epoch, so that epoch hits too.
@@ -326,7 +353,7 @@ class Operations(pyfuse3.Operations):
             if content.data is None or content.fallback or not self.cache.hold(node_id, content.size):
                 content.close()
                 continue
-            self.held_data[node_id] = content.data
+            self._hold(node_id, content)
             files += 1
             total += content.size
         return files, total
@@ -390,31 +417,116 @@ class Operations(pyfuse3.Operations):
         fh = self._next_fh
         self._next_fh += 1
         self.open_files[fh] = handle
+        self._loan(fh, handle)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=direct_io, keep_cache=keep_cache,
                                 nonseekable=False)
 
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         handle = self.open_files[fh]
+        if handle.digest is not None:
+            await self._reread_once(handle)
+            if fh not in self._loaned and fh in self.open_files:
+                self._loan(fh, handle)
         content = handle.content
         if content.data is None:
             assert handle.node is not None  # only files are streamed
             data = await self._blocking(handle.node, content.read, off, size)
         else:
             data = content.read(off, size)
+            if handle.node is not None and not handle.direct_io and data:
+                if handle.note_served(off, off + len(data)) >= content.size:
+                    data = bytes(data)  # the buffer may serve another file before this reply is copied out
+                    self._unloan(fh)
+                    self._drop_served(handle)
         self.stats.bytes_read += len(data)
         self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
+
+    def _loan(self, fh: int, handle: Handle) -> None:
+        """Count the bytes an open file keeps in memory outside the cache's budget, and keep the total under
+        ``max_open_bytes`` by letting go of the bytes of the files opened longest ago (read again if asked).
+
+        DALI opens and maps the 1,024 files of its shuffle buffer long before it reads them, and each file is
+        read whole at open: without a bound, 1,024 raw Cityscapes images would sit in the daemon (6.4 GB).
+        """
+        content = handle.content
+        if handle.node is None or handle.direct_io or content.data is None:
+            return
+        if self.held_data.get(handle.node.id) is content.data:
+            return  # the cache's budget counts these bytes
+        self._loaned[fh] = content.size
+        self._loaned_bytes += content.size
+        while self._loaned_bytes > self.max_open_bytes and len(self._loaned) > 1:
+            oldest = next(iter(self._loaned))
+            victim = self.open_files[oldest]
+            self._unloan(oldest)
+            self._drop_served(victim)
+            self.stats.let_go += 1
+
+    def _unloan(self, fh: int) -> None:
+        size = self._loaned.pop(fh, None)
+        if size is not None:
+            self._loaned_bytes -= size
+
+    def _drop_served(self, handle: Handle) -> None:
+        """The file was read to its end: its bytes now live in the reader's page cache (or its own buffers).
+
+        Loaders keep files open long after reading them (DALI maps every file of its 1,024-sample shuffle
+        buffer), so holding each open file's bytes until release would grow the daemon by gigabytes. They are
+        let go here; should the kernel ask again (its pages reclaimed), the file is read again and must have the
+        same digest, or the reader gets EIO: never bytes that differ from what it already has.
+        """
+        content = handle.content
+        if content.data is None or handle.node is None or handle.digest is not None:
+            return
+        if self.held_data.get(handle.node.id) is content.data:
+            return  # the cache holds these very bytes (and counts them in its budget): nothing to let go
+        handle.digest = handle.node.checksum if content.raw and handle.node.checksum else checksum(content.data)
+        content.close()  # back to the buffer pool when only this handle had it
+
+    async def _reread_once(self, handle: Handle) -> None:
+        """The kernel may send several reads of one handle at once: one reads the file again, the rest wait."""
+        if handle.rereading is not None:
+            await handle.rereading.wait()
+            if handle.digest is not None:
+                raise OSError(errno.EIO, "could not read the file again", os.fsdecode(handle.node.path))  # type: ignore[union-attr]
+            return
+        handle.rereading = trio.Event()
+        try:
+            await self._reread(handle)
+        finally:
+            handle.rereading.set()
+            handle.rereading = None
+
+    async def _reread(self, handle: Handle) -> None:
+        node = handle.node
+        assert node is not None and handle.digest is not None
+        held = self.held_data.get(node.id)
+        if held is not None and len(held) == handle.content.size:
+            data: memoryview | None = held
+            content = Content(size=len(held), raw=handle.content.raw, data=held)
+        else:
+            content = await self._open_from_storage(node)
+            data = content.data
+        if data is None or len(data) != handle.content.size or checksum(data) != handle.digest:
+            content.close()
+            raise OSError(errno.EIO, "changed since this open read it: reopen the file", os.fsdecode(node.path))
+        self.stats.rereads += 1
+        handle.content = content
+        handle.digest = None
+        handle.served.clear()
 
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
         handle = self.open_files.pop(fh, None)
         if handle is None:
             return
+        self._unloan(fh)
         handle.content.close()
         node = handle.node
         # Only what the daemon holds may stay in the page cache: everything else is dropped once served, so
         # the kernel never keeps a second, unplanned copy of the dataset.
-        if node is not None and node.id not in self.held_data:
+        if node is not None and node.id not in self.held_data and self.page_cache == "drop":
             self.notifier.invalidate(node.id)
 
     def _control_bytes(self) -> bytes:
@@ -422,6 +534,9 @@ class Operations(pyfuse3.Operations):
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = len(self.lookups)
         values["stuck_reads"] = len(self._stuck)
+        values["open_bytes"] = self._loaned_bytes
+        values["buffers_reused"] = POOL.reused
+        values["buffers_idle_bytes"] = POOL.idle
         if self.cache is not None:
             values.update(self.cache.summary())
         if self.control_extra is not None:
@@ -452,6 +567,29 @@ class Handle:
     content: Content
     node: Node | None = None
     decision: Decision = field(default_factory=lambda: NO_CACHE)
+    direct_io: bool = False      # every read reaches the daemon: the bytes are kept until release
+    served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
+    digest: str | None = None    # set once the bytes were let go after a whole read (``_drop_served``)
+    rereading: trio.Event | None = None  # set while one read of this handle reads the file again
+
+
+    def note_served(self, start: int, end: int) -> int:
+        """Record a served range; returns how far from offset 0 the served ranges reach without a gap.
+
+        The kernel's reads of one file may arrive out of order (readahead windows, page faults of a mapping),
+        so the ranges are merged rather than assumed sequential; a file gets only a handful of reads.
+        """
+        ranges = self.served
+        ranges.append([start, end])
+        ranges.sort()
+        merged = [ranges[0]]
+        for lo, hi in ranges[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.served = merged
+        return merged[0][1] if merged[0][0] == 0 else 0
 
 
 NO_CACHE = Decision(hit=False, keep=False, epoch=0)

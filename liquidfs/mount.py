@@ -50,6 +50,7 @@ class MountConfig:
     warmup: bool = False
     readahead_kb: int = 1024
     io_timeout: float = IO_TIMEOUT
+    page_cache: str = "drop"
     #: Source and store URLs when the dataset lives in an object store (``store`` is then the local work dir).
     buckets: tuple[str, str] | None = None
     disk_cache: Path | None = None
@@ -125,7 +126,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         disk = make_disk_tier(catalog, config, reader, cache)
         reader = disk
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
-                     io_timeout=config.io_timeout)
+                     io_timeout=config.io_timeout, page_cache=config.page_cache)
     if disk is not None:
         ops.control_extra = disk.summary
     try:

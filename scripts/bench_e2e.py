@@ -3,6 +3,7 @@
     python scripts/bench_e2e.py e2e   [--images 48] [--ratios 0,0.5,1,auto] [--caps 0,200] [--repeats 3]
     python scripts/bench_e2e.py sweep [--caps 0,200,100]     # all 11 ratios + the profiler's choice, cold
     python scripts/bench_e2e.py cache [--cap 200] [--epochs 3] [--cache-size 30%]
+    python scripts/bench_e2e.py pagecache --ratios 0,1 --repeats 5   # mount --page-cache drop/keep/direct, cold
     ... --loader torch     # torchvision ImageFolder + DataLoader (workers = cores) instead of DALI
 
 Every configuration runs in its own loader process (scripts/dali_epoch.py: fn.readers.file with random shuffle +
@@ -277,6 +278,55 @@ def mode_cache(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def mode_pagecache(args: argparse.Namespace) -> list[dict]:
+    """The --page-cache lever, cold: drop vs keep vs direct at each ratio, interleaved repeat by repeat (the
+    machine drifts; an A/B run as blocks would measure the drift), plus direct all-BMP/all-PNG as the bar."""
+    src = dataset(args.work, args.images, args.width, args.height)
+    bmp = bmp_copy(args.work, src)
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeats):
+        for r in map(float, args.ratios):
+            store = store_for(args.work, src, r)
+            for mode in ("drop", "keep", "direct"):
+                m = Mounted(src, store, args.work / "mnt", "--page-cache", mode)
+                try:
+                    drop_caches()
+                    cpu0, st0 = cpu_seconds(m.pid), control(m.mnt)
+                    result = run_loader(m.mnt, args.images, seed=rep, group=None, threads=args.threads,
+                                        batch=args.batch)
+                    st1 = control(m.mnt)
+                    served = st1["bytes_from_storage"] - st0["bytes_from_storage"]
+                    result["daemon_cpu_s_per_gb"] = (cpu_seconds(m.pid) - cpu0) / (served / 1e9)
+                    result["cached_mb_after"] = _meminfo_cached_mb()
+                finally:
+                    m.close()
+                runs.setdefault(f"liquidfs r={r:.2f} --page-cache {mode}", []).append(result)
+                print(f"  rep {rep} r={r:.2f} {mode:<6} {result['images_per_s']:6.1f} img/s "
+                      f"daemon {result['daemon_cpu_s_per_gb']:.2f} CPU-s/GB", file=sys.stderr)
+        for name, root in (("direct all-PNG", src), ("direct all-BMP", bmp)):
+            drop_caches()
+            runs.setdefault(name, []).append(run_loader(root, args.images, seed=rep, group=None,
+                                                        threads=args.threads, batch=args.batch))
+    rows = []
+    for name, results in runs.items():
+        row = {"config": name, "state": "cold", "cap_mb_s": 0,
+               "images_per_s": statistics.median(r["images_per_s"] for r in results),
+               "runs": [round(r["images_per_s"], 2) for r in results],
+               "loader_cpu_ms_per_image": 1000 * statistics.median(r["loader_cpu_s"] / r["images"] for r in results)}
+        if "daemon_cpu_s_per_gb" in results[0]:
+            row["daemon_cpu_s_per_gb"] = statistics.median(r["daemon_cpu_s_per_gb"] for r in results)
+            row["page_cache_mb_after"] = statistics.median(r["cached_mb_after"] for r in results)
+        rows.append(row)
+    return rows
+
+
+def _meminfo_cached_mb() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Cached:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 # -- output ---------------------------------------------------------------------------------------------
 
 
@@ -323,7 +373,7 @@ def chart(rows: list[dict], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["e2e", "sweep", "cache"])
+    parser.add_argument("mode", choices=["e2e", "sweep", "cache", "pagecache"])
     parser.add_argument("--work", type=Path, default=REPO / "out" / "bench")
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048)
@@ -349,7 +399,7 @@ def main() -> int:
     if problem and any(args.caps):
         raise SystemExit(f"storage caps need cgroup v1 blkio: {problem}")
     started = time.time()
-    rows = {"e2e": mode_e2e, "sweep": mode_sweep, "cache": mode_cache}[args.mode](args)
+    rows = {"e2e": mode_e2e, "sweep": mode_sweep, "cache": mode_cache, "pagecache": mode_pagecache}[args.mode](args)
     tag = args.mode if args.loader == "dali" else f"{args.mode}-{args.loader}"
     out = args.work / f"{tag}.json"
     meta = {"mode": args.mode, "loader": args.loader, "argv": sys.argv, "started": started, "seconds": time.time() - started,

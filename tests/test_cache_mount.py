@@ -177,3 +177,30 @@ def test_rss_stays_within_the_budget(dataset: Path, mounter: Mount) -> None:
     st = _stats(mnt)
     assert st["cache_held_bytes"] >= 0.45 * st["dataset_bytes"], "the cache really holds its budget"
     assert peak <= 1.1 * st["cache_budget"] + RSS_BASE, (peak, st["cache_budget"])
+
+
+def test_files_kept_open_after_a_whole_read_hold_no_daemon_memory(tmp_path: Path, mounter: Mount) -> None:
+    """DALI keeps every file of its shuffle buffer mapped long after reading it: the daemon must not keep
+    their bytes for as long (80 MB of open files here; the daemon may grow by a bounded buffer pool only)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    blobs = {f"f{i:02d}.bin": os.urandom(2_000_000) for i in range(40)}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    mnt = mounter.mount(src)
+    pid = int(json.loads((mnt / ".__liquidfs__").read_bytes())["pid"])
+    before = _rss(pid)
+    held = []
+    try:
+        for name, data in blobs.items():
+            f = open(mnt / name, "rb")
+            held.append(f)
+            assert f.read() == data
+        grown = _rss(pid) - before
+        assert grown < 40e6, f"daemon grew by {grown / 1e6:.0f} MB with 80 MB of files open"
+        for f, data in zip(held, blobs.values()):  # and the open files still read right
+            f.seek(0)
+            assert f.read() == data
+    finally:
+        for f in held:
+            f.close()

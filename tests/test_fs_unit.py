@@ -109,3 +109,121 @@ def test_control_entry(ops: Operations) -> None:
     assert values["pid"] == os.getpid() and "cache_budget" in values
     vfs = run(ops.statfs, CTX)
     assert vfs.f_files == 2
+
+
+def _ops_over(tmp_path: Path, files: dict[str, bytes], cache_share: float | None) -> Operations:
+    src = tmp_path / "src"
+    src.mkdir(parents=True)
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    store = tmp_path / "store"
+    build(src, store)
+    catalog = Catalog.open(store, readonly=True)
+    total = sum(map(len, files.values()))
+    cache = NextEpochCache(int(cache_share * total), total, len(files), max_id=10) if cache_share else None
+    return Operations(catalog, StoreReader(catalog.source, store), MountStats(), cache=cache)
+
+
+def _read_whole(ops: Operations, name: bytes) -> bytes:
+    ino = run(ops.lookup, ROOT_ID, name, CTX).st_ino
+    fi = run(ops.open, ino, os.O_RDONLY, CTX)
+    try:
+        return bytes(run(ops.read, fi.fh, 0, 1 << 20))
+    finally:
+        run(ops.release, fi.fh)
+
+
+FILES = {f"x{i}": bytes([i]) * 300_000 for i in range(1, 5)}
+
+
+def test_closed_files_lend_their_buffers_to_the_next(tmp_path: Path) -> None:
+    from liquidfs.reader import POOL
+
+    ops = _ops_over(tmp_path, FILES, None)
+    before = POOL.reused
+    for _ in range(2):
+        for name, data in FILES.items():
+            assert _read_whole(ops, name.encode()) == data
+    assert POOL.reused - before >= 7  # every open after the first found a buffer to reuse
+
+
+def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
+    from liquidfs.reader import POOL
+
+    ops = _ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
+    for name, data in FILES.items():
+        assert _read_whole(ops, name.encode()) == data
+    assert len(ops.held_data) == 4
+    held = {id(view.obj) for view in ops.held_data.values()}
+    assert not held & {id(buf) for _, buf, _ in POOL._free}
+    # Other files opened and closed now borrow every free buffer there is; the held bytes must not change.
+    others = {f"y{i}": bytes([100 + i]) * 300_000 for i in range(6)}
+    lender = _ops_over(tmp_path / "other", others, None)
+    before = POOL.reused
+    for name, data in others.items():
+        assert _read_whole(lender, name.encode()) == data
+    assert POOL.reused > before
+    for name, data in FILES.items():  # hits: the held bytes are intact
+        assert _read_whole(ops, name.encode()) == data
+    assert ops.stats.bytes_from_memory == sum(map(len, FILES.values()))
+
+
+def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> None:
+    data = os.urandom(3_000_000)
+    ops = _ops_over(tmp_path, {"a": data, "b": os.urandom(10)}, None)
+    ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
+    fi = run(ops.open, ino, os.O_RDONLY, CTX)
+    handle = ops.open_files[fi.fh]
+    served = b"".join(bytes(run(ops.read, fi.fh, off, 1 << 20)) for off in range(0, len(data), 1 << 20))
+    assert served == data and handle.content.data is None  # the open file holds no bytes any more
+
+    async def two_reads_at_once() -> list[bytes]:
+        out: list[bytes] = [b"", b""]
+
+        async def one(i: int, off: int) -> None:
+            out[i] = bytes(await ops.read(fi.fh, off, 1 << 20))
+
+        async with trio.open_nursery() as nursery:  # the kernel's readahead sends reads concurrently
+            nursery.start_soon(one, 0, 0)
+            nursery.start_soon(one, 1, 1 << 20)
+        return out
+
+    assert trio.run(two_reads_at_once) == [data[: 1 << 20], data[1 << 20: 2 << 20]]
+    assert ops.stats.rereads == 1
+    run(ops.release, fi.fh)
+
+
+def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -> None:
+    data = os.urandom(500_000)
+    ops = _ops_over(tmp_path, {"a": data}, None)
+    ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
+    fi = run(ops.open, ino, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == data
+    changed = bytearray(data)
+    changed[1000] ^= 1
+    path = tmp_path / "src" / "a"
+    st = path.stat()
+    path.write_bytes(changed)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: only the bytes tell
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fi.fh, 0, 4096)
+    assert info.value.errno == errno.EIO
+
+
+def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
+    """Like DALI's shuffle buffer: many files opened (each read whole at open) long before they are read."""
+    ops = _ops_over(tmp_path, FILES, None)
+    ops.max_open_bytes = 700_000  # room for two of the four 300 kB files
+    handles = {}
+    for name in FILES:
+        ino = run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino
+        handles[name] = run(ops.open, ino, os.O_RDONLY, CTX).fh
+    held = [h for h in ops.open_files.values() if h.content.data is not None]
+    assert len(held) == 2 and ops.stats.let_go == 2 and ops._loaned_bytes == 600_000
+    for name, data in FILES.items():  # every file still reads right; those let go are read again
+        assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
+        assert ops._loaned_bytes <= ops.max_open_bytes
+    assert ops.stats.rereads >= 2
+    for fh in handles.values():
+        run(ops.release, fh)
+    assert ops._loaned_bytes == 0 and not ops._loaned
