@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "drop their pages when closed (default: no second copy of the dataset in memory), keep them "
                    "(less daemon CPU; the kernel reclaims them under pressure), or direct (direct_io: no pages; "
                    "see BENCHMARKS.md for what each costs)")
+    m.add_argument("--open-bytes", default="1G", metavar="SIZE",
+                   help="memory for files opened and not yet read to their end, outside the cache's budget "
+                   "(default 1G). Loaders that open many files ahead (DALI maps its whole shuffle buffer) get "
+                   "the files past it read at their first read instead of at open")
     m.add_argument("--disk-cache", metavar="DIR",
                    help="a second cache level on local disk (NVMe in front of an object store): the same "
                    "next-epoch policy for what memory misses; files go to a directory of this mount's own "
@@ -201,6 +205,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
             parse_size(args.cache_size, 1)
         except ValueError as exc:
             raise MountError(str(exc)) from exc
+    from .cache import parse_size as _size
+
+    try:
+        open_bytes = _size(args.open_bytes, 1)
+    except ValueError as exc:
+        raise MountError(f"--open-bytes: {exc}") from exc
+    if args.open_bytes.strip().endswith("%"):
+        raise MountError("--open-bytes takes bytes (512M, 2G), not a percentage")
     if bool(args.disk_cache) != bool(args.disk_cache_size):
         raise MountError("--disk-cache and --disk-cache-size go together")
     if args.disk_cache_size:
@@ -227,7 +239,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
             argv += ["--cache-size", args.cache_size]
         if args.warmup:
             argv.append("--warmup")
-        argv += ["--page-cache", args.page_cache]
+        argv += ["--page-cache", args.page_cache, "--open-bytes", args.open_bytes]
         if args.disk_cache:
             argv += ["--disk-cache", str(Path(args.disk_cache).absolute()), "--disk-cache-size", args.disk_cache_size]
         if args.metrics_port is not None:
@@ -252,7 +264,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
                          io_timeout=args.io_timeout, buckets=buckets,
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
-                         disk_cache_size=args.disk_cache_size, page_cache=args.page_cache)
+                         disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
+                         open_bytes=open_bytes)
     return serve(config, ready_fd=args.ready_fd)
 
 

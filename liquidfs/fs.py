@@ -26,7 +26,7 @@ from pyfuse3 import FUSEError
 
 from .cache import Decision, NextEpochCache
 from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
-from .reader import POOL, Content, StoreReader, checksum
+from .reader import POOL, WHOLE_FILE_LIMIT, Content, StoreReader, checksum
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -264,6 +264,8 @@ class Operations(pyfuse3.Operations):
         held = self.held_data.get(inode) if decision.hit else None
         if held is not None:
             content = await self._open_held(node, held)
+        elif not decision.keep and self._no_room(node):
+            content = await self._open_later(node)
         else:
             content = await self._open_from_storage(node)
             if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
@@ -287,6 +289,22 @@ class Operations(pyfuse3.Operations):
         keep_cache = held is not None and not direct_io
         return self._new_handle(Handle(content, node, decision, direct_io=direct_io), direct_io=direct_io,
                                 keep_cache=keep_cache)
+
+    def _no_room(self, node: Node) -> bool:
+        size = self.size_overrides.get(node.id, node.size_served)
+        return self._loaned_bytes + size > self.max_open_bytes and size <= WHOLE_FILE_LIMIT
+
+    async def _open_later(self, node: Node) -> Content:
+        """Open files already keep max_open_bytes: this one is read whole at its first read instead of now.
+
+        Only when the source is unchanged (what it serves, and so its size, is then known without reading it);
+        the first read must find the representation and size promised here, or the reader gets EIO.
+        """
+        if await self._blocking(node, self.reader.check_source, node) is not None:
+            return await self._open_from_storage(node)
+        self.stats.deferred += 1
+        return Content(size=self.size_overrides.get(node.id, node.size_served), raw=node.repr == REPR_RAW,
+                       deferred=True)
 
     async def _open_held(self, node: Node, data: memoryview) -> Content:
         changed = await self._blocking(node, self.reader.check_source, node)
@@ -424,10 +442,10 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         handle = self.open_files[fh]
-        if handle.digest is not None:
+        if handle.digest is not None or handle.content.deferred:
             await self._reread_once(handle)
             if fh not in self._loaned and fh in self.open_files:
-                self._loan(fh, handle)
+                self._loan(fh, handle, evict=False)  # being read now: let go once served to its end
         content = handle.content
         if content.data is None:
             assert handle.node is not None  # only files are streamed
@@ -443,12 +461,14 @@ class Operations(pyfuse3.Operations):
         self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
 
-    def _loan(self, fh: int, handle: Handle) -> None:
+    def _loan(self, fh: int, handle: Handle, *, evict: bool = True) -> None:
         """Count the bytes an open file keeps in memory outside the cache's budget, and keep the total under
         ``max_open_bytes`` by letting go of the bytes of the files opened longest ago (read again if asked).
 
         DALI opens and maps the 1,024 files of its shuffle buffer long before it reads them, and each file is
         read whole at open: without a bound, 1,024 raw Cityscapes images would sit in the daemon (6.4 GB).
+        Opens past the bound are deferred (``_open_later``), so letting go here is for what else exceeds it
+        (files the cache decided to keep, sizes changed at open).
         """
         content = handle.content
         if handle.node is None or handle.direct_io or content.data is None:
@@ -457,7 +477,7 @@ class Operations(pyfuse3.Operations):
             return  # the cache's budget counts these bytes
         self._loaned[fh] = content.size
         self._loaned_bytes += content.size
-        while self._loaned_bytes > self.max_open_bytes and len(self._loaned) > 1:
+        while evict and self._loaned_bytes > self.max_open_bytes and len(self._loaned) > 1:
             oldest = next(iter(self._loaned))
             victim = self.open_files[oldest]
             self._unloan(oldest)
@@ -489,7 +509,7 @@ class Operations(pyfuse3.Operations):
         """The kernel may send several reads of one handle at once: one reads the file again, the rest wait."""
         if handle.rereading is not None:
             await handle.rereading.wait()
-            if handle.digest is not None:
+            if handle.digest is not None or handle.content.deferred:
                 raise OSError(errno.EIO, "could not read the file again", os.fsdecode(handle.node.path))  # type: ignore[union-attr]
             return
         handle.rereading = trio.Event()
@@ -501,7 +521,16 @@ class Operations(pyfuse3.Operations):
 
     async def _reread(self, handle: Handle) -> None:
         node = handle.node
-        assert node is not None and handle.digest is not None
+        assert node is not None
+        if handle.content.deferred:
+            content = await self._open_from_storage(node)
+            if content.size != handle.content.size or content.raw != handle.content.raw:
+                content.close()
+                raise OSError(errno.EIO, "changed between open and first read: reopen the file",
+                              os.fsdecode(node.path))
+            handle.content = content
+            return
+        assert handle.digest is not None
         held = self.held_data.get(node.id)
         if held is not None and len(held) == handle.content.size:
             data: memoryview | None = held

@@ -23,7 +23,7 @@ import trio
 
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
-from .fs import CONTROL_NAME, IO_TIMEOUT, Operations
+from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
 from .metrics import serve_metrics
 from .disktier import DiskTier
 from .reader import StoreReader
@@ -51,6 +51,7 @@ class MountConfig:
     readahead_kb: int = 1024
     io_timeout: float = IO_TIMEOUT
     page_cache: str = "drop"
+    open_bytes: int = MAX_OPEN_BYTES
     #: Source and store URLs when the dataset lives in an object store (``store`` is then the local work dir).
     buckets: tuple[str, str] | None = None
     disk_cache: Path | None = None
@@ -126,7 +127,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         disk = make_disk_tier(catalog, config, reader, cache)
         reader = disk
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
-                     io_timeout=config.io_timeout, page_cache=config.page_cache)
+                     io_timeout=config.io_timeout, page_cache=config.page_cache,
+                     max_open_bytes=config.open_bytes)
     if disk is not None:
         ops.control_extra = disk.summary
     try:

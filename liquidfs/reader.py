@@ -50,6 +50,8 @@ class Content:
     #: ``data`` is a pool buffer only this content reads: given back to the pool when the file is closed.
     #: Cleared the moment anything else may keep a view of it (the cache holds it).
     pooled: bool = False
+    #: Not read yet: read whole at the first read (``fs.Operations._open_later``).
+    deferred: bool = False
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         if self.data is not None:

@@ -8,13 +8,15 @@ from pathlib import Path
 import numpy as np
 
 
-def dali_decode_all(file_root: Path, batch_size: int = 4, threads: int = 2) -> dict[str, np.ndarray]:
+def dali_decode_all(file_root: Path, batch_size: int = 4, threads: int = 2,
+                    shuffle: bool = False) -> dict[str, np.ndarray]:
     """Decode every image under ``file_root`` (class sub-directories) with fn.readers.file + fn.decoders.image."""
     from nvidia.dali import fn, pipeline_def
 
     @pipeline_def(batch_size=batch_size, num_threads=threads, device_id=None)
     def pipe():
-        encoded, _ = fn.readers.file(file_root=str(file_root), name="reader")
+        # random_shuffle: the reader fills a shuffle buffer first (opening and mapping up to 1,024 files)
+        encoded, _ = fn.readers.file(file_root=str(file_root), name="reader", random_shuffle=shuffle)
         images = fn.decoders.image(encoded, device="cpu")
         return images, fn.get_property(encoded, key="source_info")
 

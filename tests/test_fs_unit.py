@@ -211,19 +211,33 @@ def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -
 
 
 def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
-    """Like DALI's shuffle buffer: many files opened (each read whole at open) long before they are read."""
+    """Like DALI's shuffle buffer: many files opened long before they are read. Past the bound, files are read
+    at their first read instead of at open; nothing is read twice."""
     ops = _ops_over(tmp_path, FILES, None)
     ops.max_open_bytes = 700_000  # room for two of the four 300 kB files
     handles = {}
     for name in FILES:
         ino = run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino
         handles[name] = run(ops.open, ino, os.O_RDONLY, CTX).fh
-    held = [h for h in ops.open_files.values() if h.content.data is not None]
-    assert len(held) == 2 and ops.stats.let_go == 2 and ops._loaned_bytes == 600_000
-    for name, data in FILES.items():  # every file still reads right; those let go are read again
+    loaded = [h for h in ops.open_files.values() if h.content.data is not None]
+    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops._loaned_bytes == 600_000
+    for name, data in reversed(FILES.items()):  # deferred ones first
         assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
         assert ops._loaned_bytes <= ops.max_open_bytes
-    assert ops.stats.rereads >= 2
+    assert ops.stats.rereads == 0 and ops.stats.let_go == 0
+    assert ops.stats.bytes_from_storage == sum(map(len, FILES.values()))  # each file read once
     for fh in handles.values():
         run(ops.release, fh)
     assert ops._loaned_bytes == 0 and not ops._loaned
+
+
+def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: Path) -> None:
+    ops = _ops_over(tmp_path, FILES, None)
+    ops.max_open_bytes = 0
+    ino = run(ops.lookup, ROOT_ID, b"x1", CTX).st_ino
+    fh = run(ops.open, ino, os.O_RDONLY, CTX).fh
+    assert ops.open_files[fh].content.deferred
+    (tmp_path / "src" / "x1").write_bytes(b"shorter")
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fh, 0, 4096)
+    assert info.value.errno == errno.EIO
