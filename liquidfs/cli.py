@@ -84,10 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "drop their pages when closed (default: no second copy of the dataset in memory), keep them "
                    "(less daemon CPU; the kernel reclaims them under pressure), or direct (direct_io: no pages; "
                    "see BENCHMARKS.md for what each costs)")
-    m.add_argument("--open-bytes", default="1G", metavar="SIZE",
+    m.add_argument("--open-bytes", default="64M", metavar="SIZE",
                    help="memory for files opened and not yet read to their end, outside the cache's budget "
-                   "(default 1G). Loaders that open many files ahead (DALI maps its whole shuffle buffer) get "
-                   "the files past it read at their first read instead of at open")
+                   "(default 64M). Files opened past it are read at their first read instead of at open: "
+                   "loaders that open many files ahead (DALI maps its whole shuffle buffer) then do not wait "
+                   "for each file at open")
     m.add_argument("--disk-cache", metavar="DIR",
                    help="a second cache level on local disk (NVMe in front of an object store): the same "
                    "next-epoch policy for what memory misses; files go to a directory of this mount's own "

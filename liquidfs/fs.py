@@ -44,7 +44,7 @@ IO_TIMEOUT = 60.0
 MAX_STUCK = 64
 #: Bytes that open files may keep in the daemon beyond the cache's budget (files read whole at open, not yet
 #: served to the end); past it the oldest let go of theirs and read them again if asked (``Operations._loan``).
-MAX_OPEN_BYTES = 1 << 30
+MAX_OPEN_BYTES = 64 << 20
 #: ``mount --page-cache``: "drop" the pages of a file the daemon does not hold when it is closed (no second
 #: copy of the dataset in memory; the kernel's work of dropping them is charged to the daemon), "keep" them
 #: like any file's (the kernel reclaims them under pressure), or serve such files "direct" (direct_io: no pages
