@@ -22,7 +22,7 @@ class MountStats:
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
     bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
     bytes_from_disk: int = 0      # bytes served from the local disk cache level (--disk-cache)
-    deferred: int = 0             # opens read at their first read instead (open files already kept 1 GiB)
+    deferred: int = 0             # opens read at their first read instead (open files already kept --open-bytes)
     let_go: int = 0               # open files whose bytes were let go to keep open_bytes under its bound
     rereads: int = 0              # files read again from storage after their bytes were let go (pages reclaimed)
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
