@@ -26,7 +26,7 @@ from typing import Protocol
 
 from .cache import NextEpochCache
 from .catalog import Node
-from .reader import Content, checksum, read_whole
+from .reader import Content, checksum, digest_of, read_whole
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class DiskTier:
         except OSError:
             pass
         with self._lock:
-            self._entries[node.id] = _Entry(checksum(content.data), content.raw, content.size)
+            self._entries[node.id] = _Entry(digest_of(node, content), content.raw, content.size)
         return True
 
     def _forget(self, node_id: int) -> None:

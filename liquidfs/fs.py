@@ -26,7 +26,7 @@ from pyfuse3 import FUSEError
 
 from .cache import Decision, NextEpochCache
 from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
-from .reader import POOL, WHOLE_FILE_LIMIT, Content, StoreReader, checksum
+from .reader import POOL, WHOLE_FILE_LIMIT, Content, StoreReader, checksum, digest_of
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -470,11 +470,9 @@ class Operations(pyfuse3.Operations):
         Opens past the bound are deferred (``_open_later``), so letting go here is for what else exceeds it
         (files the cache decided to keep, sizes changed at open).
         """
+        if handle.node is None or handle.direct_io or handle.content.data is None or self._holds(handle):
+            return  # nothing in memory, or the cache's budget counts these very bytes
         content = handle.content
-        if handle.node is None or handle.direct_io or content.data is None:
-            return
-        if self.held_data.get(handle.node.id) is content.data:
-            return  # the cache's budget counts these bytes
         self._loaned[fh] = content.size
         self._loaned_bytes += content.size
         while evict and self._loaned_bytes > self.max_open_bytes and len(self._loaned) > 1:
@@ -498,12 +496,15 @@ class Operations(pyfuse3.Operations):
         same digest, or the reader gets EIO: never bytes that differ from what it already has.
         """
         content = handle.content
-        if content.data is None or handle.node is None or handle.digest is not None:
-            return
-        if self.held_data.get(handle.node.id) is content.data:
-            return  # the cache holds these very bytes (and counts them in its budget): nothing to let go
-        handle.digest = handle.node.checksum if content.raw and handle.node.checksum else checksum(content.data)
+        if content.data is None or handle.node is None or handle.digest is not None or self._holds(handle):
+            return  # nothing to let go, or the cache holds these very bytes (and counts them in its budget)
+        handle.digest = digest_of(handle.node, content)
         content.close()  # back to the buffer pool when only this handle had it
+
+    def _holds(self, handle: Handle) -> bool:
+        """The cache holds the very bytes ``handle`` serves (they are shared, and counted in its budget)."""
+        assert handle.node is not None
+        return self.held_data.get(handle.node.id) is handle.content.data
 
     async def _reread_once(self, handle: Handle) -> None:
         """The kernel may send several reads of one handle at once: one reads the file again, the rest wait."""
@@ -600,7 +601,6 @@ class Handle:
     served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
     digest: str | None = None    # set once the bytes were let go after a whole read (``_drop_served``)
     rereading: trio.Event | None = None  # set while one read of this handle reads the file again
-
 
     def note_served(self, start: int, end: int) -> int:
         """Record a served range; returns how far from offset 0 the served ranges reach without a gap.

@@ -88,8 +88,8 @@ def read_fd(fd: int, *, direct: bool = True) -> memoryview:
     """
     size = os.fstat(fd).st_size
     if direct and _set_direct(fd, True):
+        view = POOL.take(max(_ALIGN, -(-size // _ALIGN) * _ALIGN))
         try:
-            view = _aligned_buffer(max(_ALIGN, -(-size // _ALIGN) * _ALIGN))
             done = 0
             while done < size:
                 got = os.preadv(fd, [view[done:]], done)
@@ -100,6 +100,7 @@ def read_fd(fd: int, *, direct: bool = True) -> memoryview:
                     break  # a short, unaligned read is the end of the file
             return view[:done]
         except OSError as exc:
+            POOL.give(view)  # nothing was served from it
             if exc.errno != errno.EINVAL:
                 raise
         _set_direct(fd, False)
@@ -174,10 +175,6 @@ class BufferPool:
 POOL = BufferPool()
 
 
-def _aligned_buffer(capacity: int) -> memoryview:
-    return POOL.take(capacity)
-
-
 def _new_buffer(capacity: int) -> tuple[mmap.mmap, int]:
     """A fresh buffer for one file, backed by transparent huge pages where they fit.
 
@@ -236,6 +233,13 @@ def open_beneath(root: bytes, rel: bytes) -> int:
         raise OSError(errno.EIO, "no longer a regular file", path)
     fcntl.fcntl(file, fcntl.F_SETFL, fcntl.fcntl(file, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return file
+
+
+def digest_of(node: Node, content: Content) -> str:
+    """The xxh3 digest of what ``content`` serves: prepare's recorded one for a raw object (checked when it was
+    read), else computed."""
+    assert content.data is not None
+    return node.checksum if content.raw and node.checksum else checksum(content.data)
 
 
 def check_raw(node: Node, data: bytes | memoryview) -> str | None:
@@ -302,7 +306,10 @@ class StoreReader:
         except OSError as exc:
             return f"raw object unreadable ({exc.strerror})", None
         problem = check_raw(node, data)
-        return problem, None if problem else data
+        if problem:
+            POOL.give(data)  # never served: the buffer may take the next file
+            return problem, None
+        return None, data
 
     def _warn_once(self, node: Node, why: str | None) -> None:
         if node.id not in self._warned:
