@@ -112,13 +112,17 @@ _NODE_COLUMNS = (
 )
 
 
+def cache_home() -> Path:
+    """This user's directory for liquidfs's local state (``$XDG_CACHE_HOME/liquidfs``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "liquidfs"
+
+
 def default_store_dir(source: str | os.PathLike[str]) -> Path:
     """Where the catalog of a source lives when no ``--store`` is given: outside the source, per source path."""
     import hashlib
 
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "liquidfs"
     key = hashlib.sha256(os.fsencode(os.path.abspath(source))).hexdigest()[:16]
-    return base / key
+    return cache_home() / key
 
 
 def _connect(path: Path, readonly: bool) -> sqlite3.Connection:

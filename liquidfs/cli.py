@@ -200,29 +200,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return fetch(buckets[0], buckets[1], refresh=args.refresh or args.rescan)
 
     if args.cache_size:
-        from .cache import parse_size
-
-        try:
-            parse_size(args.cache_size, 1)
-        except ValueError as exc:
-            raise MountError(str(exc)) from exc
-    from .cache import parse_size as _size
-
-    try:
-        open_bytes = _size(args.open_bytes, 1)
-    except ValueError as exc:
-        raise MountError(f"--open-bytes: {exc}") from exc
-    if args.open_bytes.strip().endswith("%"):
-        raise MountError("--open-bytes takes bytes (512M, 2G), not a percentage")
+        _size_option(args.cache_size, "--cache-size")
+    open_bytes = _size_option(args.open_bytes, "--open-bytes", percent=False)
     if bool(args.disk_cache) != bool(args.disk_cache_size):
         raise MountError("--disk-cache and --disk-cache-size go together")
     if args.disk_cache_size:
-        from .cache import parse_size
-
-        try:
-            parse_size(args.disk_cache_size, 1)
-        except ValueError as exc:
-            raise MountError(f"--disk-cache-size: {exc}") from exc
+        _size_option(args.disk_cache_size, "--disk-cache-size")
     if not args.io_timeout > 0:
         raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
     check_mountpoint(mountpoint)
@@ -256,9 +239,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
     elif buckets is None:
         store = _store_for(args.source, args.store)
     else:  # started by a mount that has just fetched the catalog: only find it
-        from .s3 import S3Url, make_client, endpoint_of, work_dir
+        from .s3 import S3Url, make_client, work_dir
 
-        store = work_dir(S3Url.parse(buckets[1]), endpoint_of(make_client()))
+        store = work_dir(S3Url.parse(buckets[1]), make_client())
     options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
@@ -268,6 +251,20 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
                          open_bytes=open_bytes)
     return serve(config, ready_fd=args.ready_fd)
+
+
+def _size_option(text: str, flag: str, *, percent: bool = True) -> int:
+    """Bytes of a size option, checked before anything is mounted (a percentage is of the dataset, which only
+    the catalog knows: it is checked here and converted by the daemon)."""
+    from .cache import parse_size
+    from .mount import MountError
+
+    if not percent and text.strip().endswith("%"):
+        raise MountError(f"{flag} takes bytes (512M, 2G), not a percentage")
+    try:
+        return parse_size(text, 1)
+    except ValueError as exc:
+        raise MountError(f"{flag}: {exc}") from exc
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

@@ -121,10 +121,11 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     catalog = Catalog.open(config.store, readonly=True)
     stats = MountStats(source=str(config.source), store=config.buckets[1] if config.buckets else str(config.store))
     reader = make_reader(catalog, config)
-    cache = make_cache(catalog, config.cache_size)
+    totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
+    cache = make_cache(totals, config.cache_size)
     disk = None
     if config.disk_cache is not None:
-        disk = make_disk_tier(catalog, config, reader, cache)
+        disk = make_disk_tier(totals, config, reader, cache)
         reader = disk
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
                      io_timeout=config.io_timeout, page_cache=config.page_cache,
@@ -163,11 +164,11 @@ def make_reader(catalog: Catalog, config: MountConfig) -> StoreReader | S3Reader
     return S3Reader(client, S3Url.parse(source), S3Url.parse(store))
 
 
-def make_disk_tier(catalog: Catalog, config: MountConfig, reader: StoreReader | S3Reader,
+def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: StoreReader | S3Reader,
                    cache: NextEpochCache | None) -> DiskTier:
     """The disk level sees what the memory level misses: its quota is of the dataset minus the memory budget."""
     assert config.disk_cache is not None and config.disk_cache_size
-    files, served, _, max_id = catalog.file_totals()
+    files, served, _, max_id = totals
     try:
         budget = parse_size(config.disk_cache_size, served)
     except ValueError as exc:
@@ -179,10 +180,11 @@ def make_disk_tier(catalog: Catalog, config: MountConfig, reader: StoreReader | 
     return DiskTier(reader, config.disk_cache, policy, memory_holds=held)
 
 
-def make_cache(catalog: Catalog, cache_size: str | None) -> NextEpochCache | None:
+def make_cache(totals: tuple[int, int, int, int], cache_size: str | None) -> NextEpochCache | None:
+    """The memory level; ``totals`` are ``Catalog.file_totals()``."""
     if not cache_size:
         return None
-    files, served, _, max_id = catalog.file_totals()
+    files, served, _, max_id = totals
     try:
         budget = parse_size(cache_size, served)
     except ValueError as exc:

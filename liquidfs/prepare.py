@@ -88,16 +88,17 @@ class Outcome:
 
 
 def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
-                 etag: str | None = None) -> tuple[Outcome | None, bytes | None]:
-    """Expand one image held in memory: (None, raw bytes), or (the refusal, None). Never raises."""
+                 etag: str | None = None) -> tuple[Outcome | None, bytes | None, str | None]:
+    """Expand one image held in memory: (None, raw bytes, source format), or (the refusal, None, format).
+    Never raises."""
     try:
         result = formats.expand(source)
     except MemoryError:
-        return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None
+        return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None, None
     if result.data is None:
         return Outcome(rel, size, mtime_ns, result.source_format, None, None, None, result.reason,
-                       src_etag=etag), None
-    return None, result.data
+                       src_etag=etag), None, result.source_format
+    return None, result.data, result.source_format
 
 
 def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int) -> Outcome:
@@ -123,7 +124,7 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
             return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
     finally:
         os.close(fd)
-    refused, raw = expand_bytes(rel, want_size, want_mtime, source)
+    refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source)
     if raw is None:
         return refused  # type: ignore[return-value]
     tmp = f"{final}.tmp-{os.getpid()}"
@@ -140,9 +141,9 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
         except OSError:
             pass
         fatal = "out of disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write {tmp}: {exc}"
-        return Outcome(rel, want_size, want_mtime, formats.sniff(source[:16]), None, None, None, "write-failed",
+        return Outcome(rel, want_size, want_mtime, fmt, None, None, None, "write-failed",
                        fatal=fatal)
-    return Outcome(rel, want_size, want_mtime, formats.sniff(source[:16]), obj, len(raw), checksum(raw), None)
+    return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None)
 
 
 # -- the coordinating side ------------------------------------------------------------------------------

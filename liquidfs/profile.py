@@ -168,7 +168,7 @@ def make_sample(catalog: Catalog, store: Path, count: int, seed: int = 0) -> Sam
 def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int = 0) -> Sample:
     """The sample of an s3:// dataset: ``count`` random images, expanded and put under STORE/profile-sample/
     (deleted after), so storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
-    from .s3 import endpoint_of, get, list_objects, make_client, put, work_dir
+    from .s3 import get, list_objects, make_client, put, work_dir
     from .s3store import bucket_pair, delete_keys
 
     src, dst = bucket_pair(source, store)
@@ -177,7 +177,7 @@ def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int
     if not keys:
         raise SystemExit("profile: no PNG/JPEG images in the source")
     random.Random(seed).shuffle(keys)
-    sample = Sample([], [], work_dir(dst, endpoint_of(client)),
+    sample = Sample([], [], work_dir(dst, client),
                     load=lambda items, seconds: measure_get(client, items, seconds, jobs))
     written: list[str] = []
 
@@ -205,35 +205,6 @@ def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int
     return sample
 
 
-def measure_get(client: Any, objects: Sequence[tuple[str, str]], seconds: float, jobs: int) -> tuple[float, float]:
-    """(bytes/s, CPU seconds per byte) of whole-object GETs in random order, ``jobs`` in flight."""
-    from .s3 import get
-
-    rng = random.Random(1)
-    order = list(objects)
-    deadline = time.monotonic() + seconds
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
-    started = time.monotonic()
-
-    def worker(items: list[tuple[str, str]]) -> int:
-        done = 0
-        for bucket, key in items:
-            done += len(get(client, bucket, key))
-            if time.monotonic() > deadline:
-                break
-        return done
-
-    total = 0
-    with cf.ThreadPoolExecutor(jobs) as pool:
-        while time.monotonic() < deadline or total == 0:
-            rng.shuffle(order)
-            total += sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
-    elapsed = time.monotonic() - started
-    usage1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    return total / elapsed, cpu / max(1, total)
-
-
 def _read_direct(path: Path, buf: mmap.mmap) -> int:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -258,23 +229,40 @@ def _read_direct(path: Path, buf: mmap.mmap) -> int:
 
 def measure_load(paths: Sequence[Path], seconds: float, jobs: int = 4) -> tuple[float, float]:
     """(bytes/s, CPU seconds per byte) of whole-file reads in random order with the page cache bypassed."""
+    local = threading.local()
+
+    def read_one(path: Path) -> int:
+        # one aligned buffer per thread, allocated once: faulting in fresh pages per file would be measured
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return _read_direct(path, buf)
+
+    return _timed_reads(read_one, paths, seconds, jobs)
+
+
+def measure_get(client: Any, objects: Sequence[tuple[str, str]], seconds: float, jobs: int) -> tuple[float, float]:
+    """(bytes/s, CPU seconds per byte) of whole-object GETs in random order, ``jobs`` in flight."""
+    from .s3 import get
+
+    return _timed_reads(lambda obj: len(get(client, *obj)), objects, seconds, jobs)
+
+
+def _timed_reads(read_one: Callable[[Any], int], items: Sequence[Any], seconds: float,
+                 jobs: int) -> tuple[float, float]:
+    """Read every item (``read_one`` returns its bytes), ``jobs`` at a time in a fresh random order per round,
+    rounds repeated for ``seconds`` (at least one): (bytes/s, this process's CPU seconds per byte)."""
     rng = random.Random(1)
-    order = list(paths)
+    order = list(items)
     deadline = time.monotonic() + seconds
     total = 0
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     started = time.monotonic()
 
-    local = threading.local()
-
-    def worker(items: list[Path]) -> int:
-        # one aligned buffer per thread, allocated once: faulting in fresh pages per file would be measured
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    def worker(share: list[Any]) -> int:
         done = 0
-        for p in items:
-            done += _read_direct(p, buf)
+        for item in share:
+            done += read_one(item)
             if time.monotonic() > deadline:
                 break
         return done
@@ -282,8 +270,7 @@ def measure_load(paths: Sequence[Path], seconds: float, jobs: int = 4) -> tuple[
     with cf.ThreadPoolExecutor(jobs) as pool:
         while time.monotonic() < deadline or total == 0:
             rng.shuffle(order)
-            chunks = [order[i::jobs] for i in range(jobs)]
-            total += sum(pool.map(worker, chunks))
+            total += sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
     elapsed = time.monotonic() - started
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)

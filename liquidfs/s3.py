@@ -93,19 +93,19 @@ def make_client(max_connections: int = 10, *, connect_timeout: float = CONNECT_T
     return boto3.session.Session().client("s3", config=config)
 
 
-def endpoint_of(client: Any) -> str:
-    return str(client.meta.endpoint_url)
+def work_dir(store: S3Url, client: Any) -> Path:
+    """This node's local directory for a store in a bucket (made if missing): the downloaded catalog and the
+    mount's log.
 
-
-def work_dir(store: S3Url, endpoint: str) -> Path:
-    """This node's local directory for a store in a bucket: the downloaded catalog and the mount's log.
-
-    Keyed by endpoint and store, so two stores never share one; several mounts of one store on a node do (the
-    catalog is replaced atomically and only read by mounts).
+    Keyed by the client's endpoint and the store, so two stores never share one; several mounts of one store on a
+    node do (the catalog is replaced atomically and only read by mounts).
     """
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "liquidfs"
-    key = hashlib.sha256(f"{endpoint}\0{store}".encode()).hexdigest()[:16]
-    return base / f"s3-{key}"
+    from .catalog import cache_home
+
+    key = hashlib.sha256(f"{client.meta.endpoint_url}\0{store}".encode()).hexdigest()[:16]
+    path = cache_home() / f"s3-{key}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 from .catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
 from .prepare import OBJECTS, Outcome, PrepareReport, expand_bytes, judge, run
 from .reader import checksum
-from .s3 import S3Url, endpoint_of, error_code, get, head, is_url, list_objects, make_client, put, upload_file, \
+from .s3 import S3Url, error_code, get, head, is_url, list_objects, make_client, put, upload_file, \
     work_dir
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,15 @@ def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
     found = head(client, store.bucket, store.key(CATALOG_NAME))
     if found is None:
         return None
+    _fetch_catalog(client, store, dest)
+    return str(found["ETag"])
+
+
+def _fetch_catalog(client: Any, store: S3Url, dest: Path) -> None:
     tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     client.download_file(store.bucket, store.key(CATALOG_NAME), str(tmp))
     os.replace(tmp, dest)
-    return str(found["ETag"])
 
 
 def local_catalog(source: str, store: str | None, *, refresh: bool = False, progress: bool = True) -> Path:
@@ -80,15 +84,14 @@ def local_catalog(source: str, store: str | None, *, refresh: bool = False, prog
     listing of the source when asked (``refresh``) or when the store has none. Never writes to the store."""
     src, dst = bucket_pair(source, store)
     client = make_client()
-    local = work_dir(dst, endpoint_of(client))
-    local.mkdir(parents=True, exist_ok=True)
+    local = work_dir(dst, client)
     have = (local / CATALOG_ETAG).read_text().strip() if (local / CATALOG_ETAG).exists() else None
     found = head(client, dst.bucket, dst.key(CATALOG_NAME))
     current = str(found["ETag"]) if found else "none"
     if refresh or current != have or not (local / CATALOG_NAME).exists():
         if found is not None:
             log.info("downloading the catalog of %s", dst)
-            download_catalog(client, dst, local / CATALOG_NAME)
+            _fetch_catalog(client, dst, local / CATALOG_NAME)  # its ETag is ``current``, from the HEAD above
         if refresh or found is None:
             if found is None:
                 log.warning("%s has no catalog (prepare has not run): every image is served as stored", dst)
@@ -116,6 +119,14 @@ def publish_catalog(client: Any, store: S3Url, local: Path) -> None:
 _worker_client: Any = None
 
 
+def _worker() -> Any:
+    """The S3 client of this worker process, made on its first job (a client cannot cross a fork)."""
+    global _worker_client
+    if _worker_client is None:
+        _worker_client = make_client(4)
+    return _worker_client
+
+
 def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns: int, etag: str,
                   store_bucket: str, store_key: str, obj: str) -> Outcome:
     """Runs in a worker process: expand one source object into the store, or say why not. Never raises.
@@ -123,13 +134,10 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
     An object already in the store with this source ETag and a checksum is reused without downloading the
     source (a previous run, maybe on another node, finished it): prepare resumes anywhere.
     """
-    global _worker_client
-    if _worker_client is None:
-        _worker_client = make_client(4)
-    client = _worker_client
+    client = _worker()
 
-    def refused(reason: str, fmt: str | None = None) -> Outcome:
-        return Outcome(rel, size, mtime_ns, fmt, None, None, None, reason, src_etag=etag)
+    def refused(reason: str) -> Outcome:
+        return Outcome(rel, size, mtime_ns, None, None, None, None, reason, src_etag=etag)
 
     try:
         found = head(client, store_bucket, store_key)
@@ -145,15 +153,14 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
         return refused(f"unreadable: {code or exc}")
     if len(source) != size:
         return refused("changed-during-prepare")
-    refusal, raw = expand_bytes(rel, size, mtime_ns, source, etag)
+    refusal, raw, fmt = expand_bytes(rel, size, mtime_ns, source, etag)
     if raw is None:
         assert refusal is not None
         return refusal
     digest = checksum(raw)
-    fmt = "png" if source.startswith(b"\x89PNG") else "jpeg"
     try:
         put(client, store_bucket, store_key, raw,
-            {_META_ETAG: etag.strip('"'), _META_CHECKSUM: digest, _META_FORMAT: fmt})
+            {_META_ETAG: etag.strip('"'), _META_CHECKSUM: digest, _META_FORMAT: str(fmt)})
     except Exception as exc:
         return Outcome(rel, size, mtime_ns, fmt, None, None, None, "write-failed",
                        fatal=f"cannot upload {store_key}: {error_code(exc) or exc}", src_etag=etag)
@@ -230,8 +237,7 @@ def prepare_in_bucket(source: str, store: str, ratio: float, *, seed: int = 0, j
     started = time.monotonic()
     src, dst = bucket_pair(source, store)
     client = make_client()
-    local = work_dir(dst, endpoint_of(client))
-    local.mkdir(parents=True, exist_ok=True)
+    local = work_dir(dst, client)
     stored = local / f"store-{CATALOG_NAME}"
     previous = stored if download_catalog(client, dst, stored) else None
     build_from_objects(_listing(client, src, progress), local, str(src), previous=previous)
@@ -253,12 +259,10 @@ def prepare_in_bucket(source: str, store: str, ratio: float, *, seed: int = 0, j
 def verify_one_s3(src_bucket: str, src_key: str, etag: str, store_bucket: str, store_key: str,
                   want_checksum: str) -> str | None:
     """Runs in a worker process: None when the raw object is sound and decodes to its source's pixels."""
-    global _worker_client
-    if _worker_client is None:
-        _worker_client = make_client(4)
+    client = _worker()
     try:
-        original = get(_worker_client, src_bucket, src_key, if_match=etag)
-        raw = get(_worker_client, store_bucket, store_key)
+        original = get(client, src_bucket, src_key, if_match=etag)
+        raw = get(client, store_bucket, store_key)
     except Exception as exc:
         if error_code(exc) in ("PreconditionFailed", "412"):
             return "source changed since prepare (a mount fails it with EIO until prepare runs again)"
@@ -270,8 +274,7 @@ def verify_jobs(store: str) -> tuple[list[Node], Callable[[Node], tuple[Callable
     """The raw files of the store's catalog and, per file, the worker call that checks it."""
     dst = S3Url.parse(store)
     client = make_client()
-    local = work_dir(dst, endpoint_of(client))
-    local.mkdir(parents=True, exist_ok=True)
+    local = work_dir(dst, client)
     copy = local / f"verify-{CATALOG_NAME}"
     if download_catalog(client, dst, copy) is None:
         raise CatalogError(f"{dst} has no catalog: run prepare first")
