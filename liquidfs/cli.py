@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 64M). Files opened past it are read at their first read instead of at open: "
                    "loaders that open many files ahead (DALI maps its whole shuffle buffer) then do not wait "
                    "for each file at open")
+    m.add_argument("--push-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="at a file's first read, hand the rest of it to the kernel's page cache at once instead "
+                   "of waiting for each read (default on: the daemon's buffer is free for the next file at "
+                   "once; see BENCHMARKS.md)")
     m.add_argument("--disk-cache", metavar="DIR",
                    help="a second cache level on local disk (NVMe in front of an object store): the same "
                    "next-epoch policy for what memory misses; files go to a directory of this mount's own "
@@ -224,6 +228,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if args.warmup:
             argv.append("--warmup")
         argv += ["--page-cache", args.page_cache, "--open-bytes", args.open_bytes]
+        if not args.push_pages:
+            argv.append("--no-push-pages")
         if args.disk_cache:
             argv += ["--disk-cache", str(Path(args.disk_cache).absolute()), "--disk-cache-size", args.disk_cache_size]
         if args.metrics_port is not None:
@@ -249,7 +255,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          io_timeout=args.io_timeout, buckets=buckets,
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
-                         open_bytes=open_bytes)
+                         open_bytes=open_bytes, push_pages=args.push_pages)
     return serve(config, ready_fd=args.ready_fd)
 
 

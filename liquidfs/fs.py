@@ -50,6 +50,8 @@ MAX_OPEN_BYTES = 64 << 20
 #: like any file's (the kernel reclaims them under pressure), or serve such files "direct" (direct_io: no pages
 #: at all, every read reaches the daemon).
 PAGE_CACHE_MODES = ("drop", "keep", "direct")
+#: The kernel marks a page it is handed (``notify_store``) up to date only when the page is whole.
+_PAGE = 4096
 #: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
 _MAX_LOGGED = 10_000
 
@@ -89,7 +91,7 @@ class Operations(pyfuse3.Operations):
     def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
                  *, thread_limiter: trio.CapacityLimiter | None = None,
                  cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT,
-                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES) -> None:
+                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True) -> None:
         super().__init__()
         if page_cache not in PAGE_CACHE_MODES:
             raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, not {page_cache!r}")
@@ -111,6 +113,8 @@ class Operations(pyfuse3.Operations):
         # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
         self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
         self.io_timeout = io_timeout
+        # Hand the rest of a file to the kernel's page cache at its first read (``_push_rest``).
+        self.push_pages = push_pages
         # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_loan``.
         self.max_open_bytes = max_open_bytes
         self._loaned: dict[int, int] = {}
@@ -453,13 +457,52 @@ class Operations(pyfuse3.Operations):
         else:
             data = content.read(off, size)
             if handle.node is not None and not handle.direct_io and data:
-                if handle.note_served(off, off + len(data)) >= content.size:
+                reach = handle.note_served(off, off + len(data))
+                if reach >= content.size:
                     data = bytes(data)  # the buffer may serve another file before this reply is copied out
                     self._unloan(fh)
                     self._drop_served(handle)
+                elif self.push_pages and not handle.pushing and not self._holds(handle):
+                    self._push_rest(fh, handle, reach)
         self.stats.bytes_read += len(data)
         self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
+
+    def _push_rest(self, fh: int, handle: Handle, reach: int) -> None:
+        """Give the kernel the rest of the file now (``notify_store``), and its buffer back to the pool.
+
+        DALI's reader touches the first page of every file it opens (the kernel then asks for the first MiB),
+        long before a decoder reads the rest: the whole file was read at that first read (so that a raw
+        object's checksum is checked before any byte is served), and its buffer stayed with the open file
+        until the decoder got to it, so no buffer ever came back for the next file to reuse. Stored pages are
+        the kernel's (reclaimable, and dropped at release like any served page); if it asks again, the file
+        is read again and must match its digest (``_drop_served``). Sent from the notifier thread after this
+        reply: the pages the current read holds locked would block a store sent from inside it.
+        """
+        content = handle.content
+        node = handle.node
+        assert node is not None and content.data is not None
+        view, pooled = content.data, content.pooled
+        start = reach // _PAGE * _PAGE
+        content.pooled = False  # the buffer goes back to the pool only once the kernel has copied it
+        handle.pushing = True
+
+        def done(ok: bool) -> None:
+            handle.pushing = False
+            if ok:
+                self.stats.bytes_pushed += len(view) - start
+            if content.data is view:
+                if ok:
+                    handle.note_served(start, content.size)
+                    self._unloan(fh)
+                    self._drop_served(handle)
+                if content.data is view:  # still served from memory, as without a push: to the pool at close
+                    content.pooled = pooled
+                    return
+            if pooled:
+                POOL.give(view)
+
+        self.notifier.store(node.id, start, view[start:], done)
 
     def _loan(self, fh: int, handle: Handle, *, evict: bool = True) -> None:
         """Count the bytes an open file keeps in memory outside the cache's budget, and keep the total under
@@ -601,6 +644,7 @@ class Handle:
     served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
     digest: str | None = None    # set once the bytes were let go after a whole read (``_drop_served``)
     rereading: trio.Event | None = None  # set while one read of this handle reads the file again
+    pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
 
     def note_served(self, start: int, end: int) -> int:
         """Record a served range; returns how far from offset 0 the served ranges reach without a gap.
@@ -636,32 +680,65 @@ class Notifier:
     """Sends kernel notifications from one worker thread, in order.
 
     libfuse: a notification must not be sent from inside the request it concerns (it may deadlock on the inode
-    the request holds), and each one blocks until the kernel has processed it. A queue keeps handlers fast.
+    or the pages the request holds), and each one blocks until the kernel has processed it. A queue keeps
+    handlers fast, and keeps a file's pages stored (``store``) before its release drops them (``invalidate``).
     """
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[int, bool] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Invalidate | _Store | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.sent = 0
 
     def invalidate(self, inode: int, attr_only: bool = False) -> None:
+        self._put(_Invalidate(inode, attr_only))
+
+    def store(self, inode: int, offset: int, data: memoryview, done: Callable[[bool], None]) -> None:
+        """Put ``data`` in the kernel's page cache of ``inode`` at ``offset``; then ``done(ok)`` runs on this
+        trio thread. ``data`` must stay unchanged until then."""
+        self._put(_Store(inode, offset, data, done, trio.lowlevel.current_trio_token()))
+
+    def _put(self, item: _Invalidate | _Store) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="liquidfs-notify", daemon=True)
             self._thread.start()
-        self._queue.put((inode, attr_only))
+        self._queue.put(item)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            inode, attr_only = item
+            ok = False
             try:
-                pyfuse3.invalidate_inode(pyfuse3.InodeT(inode), attr_only)
+                if isinstance(item, _Store):
+                    pyfuse3.notify_store(pyfuse3.InodeT(item.inode), item.offset, item.data)
+                else:
+                    pyfuse3.invalidate_inode(pyfuse3.InodeT(item.inode), item.attr_only)
                 self.sent += 1
-            except OSError as exc:  # the kernel forgot the inode already: nothing to drop
-                log.debug("invalidate_inode(%d): %s", inode, exc)
+                ok = True
+            except OSError as exc:  # the kernel forgot the inode already: nothing to drop, or to store into
+                log.debug("%s(%d): %s", type(item).__name__, item.inode, exc)
             except Exception:  # never let the notifier die: later drops would be lost
-                log.exception("invalidate_inode(%d) failed", inode)
+                log.exception("%s(%d) failed", type(item).__name__, item.inode)
+            if isinstance(item, _Store):
+                try:
+                    item.token.run_sync_soon(item.done, ok)
+                except trio.RunFinishedError:  # unmounted meanwhile
+                    pass
 
     def stop(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(5)
+
+
+@dataclass(frozen=True, slots=True)
+class _Invalidate:
+    inode: int
+    attr_only: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Store:
+    inode: int
+    offset: int
+    data: memoryview
+    done: Callable[[bool], None]
+    token: trio.lowlevel.TrioToken

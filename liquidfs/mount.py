@@ -52,6 +52,7 @@ class MountConfig:
     io_timeout: float = IO_TIMEOUT
     page_cache: str = "drop"
     open_bytes: int = MAX_OPEN_BYTES
+    push_pages: bool = True
     #: Source and store URLs when the dataset lives in an object store (``store`` is then the local work dir).
     buckets: tuple[str, str] | None = None
     disk_cache: Path | None = None
@@ -129,7 +130,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         reader = disk
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
                      io_timeout=config.io_timeout, page_cache=config.page_cache,
-                     max_open_bytes=config.open_bytes)
+                     max_open_bytes=config.open_bytes, push_pages=config.push_pages)
     if disk is not None:
         ops.control_extra = disk.summary
     try:

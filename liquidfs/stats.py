@@ -24,6 +24,7 @@ class MountStats:
     bytes_from_disk: int = 0      # bytes served from the local disk cache level (--disk-cache)
     deferred: int = 0             # opens read at their first read instead (open files already kept --open-bytes)
     let_go: int = 0               # open files whose bytes were let go to keep open_bytes under its bound
+    bytes_pushed: int = 0         # bytes handed to the kernel's page cache ahead of its reads (notify_store)
     rereads: int = 0              # files read again from storage after their bytes were let go (pages reclaimed)
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)

@@ -206,9 +206,14 @@ def test_files_kept_open_after_a_whole_read_hold_no_daemon_memory(tmp_path: Path
             f.close()
 
 
-def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: Path, mounter: Mount) -> None:
-    """DALI maps its whole shuffle buffer before reading; with room for a few files only, the rest are read at
-    their first read: same pixels, every file read from storage once, the daemon's open bytes bounded."""
+@pytest.mark.parametrize("push", ["--push-pages", "--no-push-pages"])
+def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: Path, mounter: Mount,
+                                                                     push: str) -> None:
+    """DALI maps its whole shuffle buffer and touches each file's first page long before it decodes it; with
+    room for one file only, every file is still read from storage once, with the same pixels. Without
+    --push-pages the files past the bound are read at their first read; with it (the default) the rest of a
+    file goes to the kernel at that first read and its buffer serves the next file, so few reads reach the
+    daemon at all."""
     from dali_helpers import dali_decode_all
     from liquidfs.prepare import prepare
     from liquidfs.sample import make_sample
@@ -217,12 +222,18 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
     src = make_sample(tmp_path / "src", count=8, width=2048, height=1024, seed=4)
     store = tmp_path / "store"
     prepare(src, store, 0.5, progress=False)
-    mnt = mounter.mount(src, "--open-bytes", "8M", store=store)  # room for one 6.3 MB raw image
+    mnt = mounter.mount(src, "--open-bytes", "8M", push, store=store)  # room for one 6.3 MB raw image
     root = Path("leftImg8bit/train")
     ours = dali_decode_all(mnt / root, shuffle=True)
     theirs = dali_decode_all(src / root)
     assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in theirs)
     stats = json.loads((mnt / ".__liquidfs__").read_bytes())
-    assert stats["deferred"] >= 5 and stats["rereads"] == 0 and stats["opens_raw"] >= 4
+    assert stats["rereads"] == 0 and stats["opens_raw"] >= 4
+    if push == "--push-pages":
+        assert stats["bytes_pushed"] > 0 and stats["buffers_reused"] >= 2
+        assert stats["bytes_pushed"] + stats["bytes_read"] == stats["bytes_from_storage"]  # each byte sent once
+        assert stats["read_requests"] <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
+    else:
+        assert stats["deferred"] >= 5 and stats["bytes_pushed"] == 0
     assert stats["bytes_from_storage"] == stats["dataset_bytes"] - sum(  # each image read once
         p.stat().st_size for p in src.iterdir() if p.is_file())

@@ -241,3 +241,94 @@ def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: 
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.read, fh, 0, 4096)
     assert info.value.errno == errno.EIO
+
+
+class _Kernel:
+    """Stands in for the kernel's side of ``notify_store``: stores wait in ``pending`` until the test lets the
+    kernel take them (``deliver``), as they wait in the notifier thread in a mount."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[int, int, bytes, object]] = []
+        self.views: list[memoryview] = []
+        self.pages: dict[int, bytes] = {}
+
+    def store(self, inode: int, offset: int, data: memoryview, done) -> None:
+        self.pending.append((inode, offset, bytes(data), done))
+        self.views.append(data)
+
+    def invalidate(self, inode: int, attr_only: bool = False) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def deliver(self, ok: bool = True) -> None:
+        for inode, offset, data, done in self.pending:
+            if ok:
+                self.pages[inode] = data
+            done(ok)  # type: ignore[operator]
+        self.pending.clear()
+
+
+def _push_ops(tmp_path: Path, files: dict[str, bytes]) -> tuple[Operations, _Kernel]:
+    ops = _ops_over(tmp_path, files, None)
+    kernel = _Kernel()
+    ops.notifier = kernel  # type: ignore[assignment]
+    return ops, kernel
+
+
+def _open(ops: Operations, name: bytes) -> int:
+    return run(ops.open, run(ops.lookup, ROOT_ID, name, CTX).st_ino, os.O_RDONLY, CTX).fh
+
+
+def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path) -> None:
+    from liquidfs.reader import POOL
+
+    data = os.urandom(3_000_000)
+    ops, kernel = _push_ops(tmp_path, {"a": data, "b": os.urandom(3_000_000)})
+    fh = _open(ops, b"a")
+    handle = ops.open_files[fh]
+    assert bytes(run(ops.read, fh, 0, 1 << 20)) == data[: 1 << 20]
+    [(_, offset, pushed, _)] = kernel.pending
+    assert offset == 1 << 20 and pushed == data[1 << 20:]  # whole pages, exactly the file's bytes
+    assert handle.content.data is not None  # kept until the kernel has copied them
+    kernel.deliver()
+    assert handle.content.data is None and handle.digest is not None
+    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops._loaned_bytes == 0
+    before = POOL.reused
+    fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
+    assert POOL.reused == before + 1
+    run(ops.release, fh_b)
+    # Should the kernel lose the pages and ask again, the file is read again and checked against its digest.
+    assert bytes(run(ops.read, fh, 2 << 20, 1 << 20)) == data[2 << 20: 3 << 20]
+    assert ops.stats.rereads == 1
+    run(ops.release, fh)
+
+
+def test_a_buffer_is_not_lent_before_the_kernel_has_copied_it(tmp_path: Path) -> None:
+    from liquidfs.reader import POOL
+
+    data = os.urandom(3_000_000)
+    ops, kernel = _push_ops(tmp_path, {"a": data, "b": os.urandom(3_000_000)})
+    fh = _open(ops, b"a")
+    run(ops.read, fh, 0, 1 << 20)
+    run(ops.release, fh)  # closed while the store is still queued
+    pushing = kernel.views[0].obj
+    assert all(buf is not pushing for _, buf, _ in POOL._free)
+    fh_b = _open(ops, b"b")
+    assert ops.open_files[fh_b].content.data.obj is not pushing  # type: ignore[union-attr]
+    run(ops.release, fh_b)
+    kernel.deliver()
+    assert kernel.pages and kernel.pages[next(iter(kernel.pages))] == data[1 << 20:]
+    assert any(buf is pushing for _, buf, _ in POOL._free)  # back only now
+
+
+def test_a_failed_push_keeps_serving_from_memory(tmp_path: Path) -> None:
+    data = os.urandom(3_000_000)
+    ops, kernel = _push_ops(tmp_path, {"a": data})
+    fh = _open(ops, b"a")
+    run(ops.read, fh, 0, 1 << 20)
+    kernel.deliver(ok=False)  # e.g. the kernel forgot the inode
+    served = b"".join(bytes(run(ops.read, fh, off, 1 << 20)) for off in range(1 << 20, len(data), 1 << 20))
+    assert served == data[1 << 20:] and ops.stats.rereads == 0 and ops.stats.bytes_pushed == 0
+    run(ops.release, fh)
