@@ -362,14 +362,15 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def chart(rows: list[dict], path: Path) -> None:
+def chart(rows: list[dict], path: Path, loader: str = "dali") -> None:
     from PIL import Image, ImageDraw
 
     bar_h, left, width = 18, 330, 900
     img = Image.new("RGB", (width, 40 + bar_h * len(rows)), "white")
     draw = ImageDraw.Draw(img)
     top = max(r["images_per_s"] for r in rows)
-    draw.text((10, 10), "DALI CPU pipeline, images/s (median)", fill="black")
+    title = "DALI CPU pipeline" if loader == "dali" else "torchvision ImageFolder + DataLoader"
+    draw.text((10, 10), f"{title}, images/s (median)", fill="black")
     for i, r in enumerate(rows):
         y = 30 + i * bar_h
         label = f"{r['config']} {r.get('state', '')} cap {r.get('cap_mb_s') or '-'}" + (
@@ -424,7 +425,7 @@ def main() -> int:
             print(f"cap {cap or 'none'}: profile chose {chosen['ratio']:.2f}: "
                   f"{chosen['images_per_s'] / best:.3f} of the best of the 11 mixes", file=sys.stderr)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    chart(rows, args.work / f"{tag}.png")
+    chart(rows, args.work / f"{tag}.png", args.loader)
     print(markdown(rows))
     print(f"\n(JSON {out}, chart {args.work / f'{tag}.png'}, {time.time() - started:.0f} s)")
     return 0
