@@ -115,6 +115,7 @@ class Operations(pyfuse3.Operations):
         self.io_timeout = io_timeout
         # Hand the rest of a file to the kernel's page cache at its first read (``_push_rest``).
         self.push_pages = push_pages
+        self._pushes: dict[int, _Pushes] = {}  # inode -> pushes not yet taken by the kernel
         # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_loan``.
         self.max_open_bytes = max_open_bytes
         self._loaned: dict[int, int] = {}
@@ -264,6 +265,11 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
+        pushes = self._pushes.get(inode)
+        if pushes is not None:
+            # The kernel drops the file's pages when this open is answered (no keep_cache): a store still
+            # queued from an earlier open must land before that, or it could outlive a change of the source.
+            await pushes.done.wait()
         decision = self._decide(node)
         held = self.held_data.get(inode) if decision.hit else None
         if held is not None:
@@ -486,9 +492,15 @@ class Operations(pyfuse3.Operations):
         start = reach // _PAGE * _PAGE
         content.pooled = False  # the buffer goes back to the pool only once the kernel has copied it
         handle.pushing = True
+        pushes = self._pushes.setdefault(node.id, _Pushes())
+        pushes.count += 1
 
         def done(ok: bool) -> None:
             handle.pushing = False
+            pushes.count -= 1
+            if not pushes.count:
+                del self._pushes[node.id]
+                pushes.done.set()
             if ok:
                 self.stats.bytes_pushed += len(view) - start
             if content.data is view:
@@ -666,6 +678,14 @@ class Handle:
 
 
 NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+
+
+@dataclass(eq=False, slots=True)
+class _Pushes:
+    """Stores of one inode's pages queued for the kernel (``Operations._push_rest``)."""
+
+    count: int = 0
+    done: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass(eq=False, slots=True)

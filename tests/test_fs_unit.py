@@ -10,6 +10,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from liquidfs.cache import NextEpochCache
 from liquidfs.catalog import ROOT_ID, Catalog, build
@@ -332,3 +333,32 @@ def test_a_failed_push_keeps_serving_from_memory(tmp_path: Path) -> None:
     served = b"".join(bytes(run(ops.read, fh, off, 1 << 20)) for off in range(1 << 20, len(data), 1 << 20))
     assert served == data[1 << 20:] and ops.stats.rereads == 0 and ops.stats.bytes_pushed == 0
     run(ops.release, fh)
+
+
+def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) -> None:
+    """The kernel drops a file's pages when an open without keep_cache is answered; a store from an earlier
+    open that landed after that could leave bytes of a source that has changed since."""
+    data = os.urandom(3_000_000)
+    ops, kernel = _push_ops(tmp_path, {"a": data})
+    ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
+    opened: list[int] = []
+
+    async def scenario() -> None:
+        fh = (await ops.open(ino, os.O_RDONLY, CTX)).fh
+        await ops.read(fh, 0, 1 << 20)
+        assert kernel.pending
+
+        async def second_open() -> None:
+            opened.append((await ops.open(ino, os.O_RDONLY, CTX)).fh)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second_open)
+            await trio.testing.wait_all_tasks_blocked()
+            # still waiting for the kernel to take the first open's store
+            assert not opened and ops._pushes[ino].done.statistics().tasks_waiting == 1
+            kernel.deliver()
+        assert opened
+        await ops.release(fh)
+        await ops.release(opened[0])
+
+    trio.run(scenario)
