@@ -201,6 +201,7 @@ def measure(name: str, root: Path, *, state: str, cap: int, repeats: int, images
         served = [r["served_bytes"] for r in runs if r.get("served_bytes")]
         row["daemon_cpu_s_per_gb"] = statistics.median(
             r["daemon_cpu_s"] / (r["served_bytes"] / 1e9) for r in runs if r.get("served_bytes")) if served else None
+        row["daemon_cpu_ms_per_image"] = 1000 * statistics.median(r["daemon_cpu_s"] / r["images"] for r in runs)
         row["bytes_reaching_daemon_share"] = statistics.median(
             r["daemon_bytes_read"] / r["served_bytes"] for r in runs if r.get("served_bytes")) if served else None
     print(f"  {name:<22} {state:<5} cap {cap or '-':>4}  {ips:7.1f} img/s  runs {row['runs']}", file=sys.stderr)
