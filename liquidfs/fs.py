@@ -739,7 +739,7 @@ class Notifier:
                 log.exception("%s(%d) failed", type(item).__name__, item.inode)
             if isinstance(item, _Store):
                 try:
-                    item.token.run_sync_soon(item.done, ok)
+                    item.token.run_sync_soon(_guarded, item.done, ok)
                 except trio.RunFinishedError:  # unmounted meanwhile
                     pass
 
@@ -747,6 +747,14 @@ class Notifier:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(5)
+
+
+def _guarded(done: Callable[[bool], None], ok: bool) -> None:
+    """Runs a store's completion on the trio thread: an exception there would end trio.run, and the mount."""
+    try:
+        done(ok)
+    except Exception:
+        log.exception("completing a page store failed")
 
 
 @dataclass(frozen=True, slots=True)
