@@ -38,6 +38,9 @@ class Reader(Protocol):
 
     def check_source(self, node: Node, st: object = None) -> str | None: ...
 
+    @property
+    def inline_check(self) -> bool: ...
+
 
 @dataclass(slots=True)
 class _Entry:
@@ -66,6 +69,10 @@ class DiskTier:
 
     def check_source(self, node: Node, st: object = None) -> str | None:
         return self.inner.check_source(node, st)
+
+    @property
+    def inline_check(self) -> bool:
+        return self.inner.inline_check
 
     def open(self, node: Node) -> Content:
         with self._lock:

@@ -310,14 +310,14 @@ class Operations(pyfuse3.Operations):
         Only when the source is unchanged (what it serves, and so its size, is then known without reading it);
         the first read must find the representation and size promised here, or the reader gets EIO.
         """
-        if await self._blocking(node, self.reader.check_source, node) is not None:
+        if await self._source_changed(node) is not None:
             return await self._open_from_storage(node)
         self.stats.deferred += 1
         return Content(size=self.size_overrides.get(node.id, node.size_served), raw=node.repr == REPR_RAW,
                        deferred=True)
 
     async def _open_held(self, node: Node, data: memoryview) -> Content:
-        changed = await self._blocking(node, self.reader.check_source, node)
+        changed = await self._source_changed(node)
         if changed is None:
             self.stats.bytes_from_memory += len(data)
             return Content(size=len(data), raw=node.repr == REPR_RAW, data=data)
@@ -327,6 +327,11 @@ class Operations(pyfuse3.Operations):
         self.cache.drop(node.id)
         content = await self._open_from_storage(node)
         return content
+
+    async def _source_changed(self, node: Node) -> str | None:
+        if self.reader.inline_check:
+            return self.reader.check_source(node)
+        return await self._blocking(node, self.reader.check_source, node)
 
     def _lost_hit(self, decision: Decision, size: int) -> None:
         self.stats.reclaimed += 1

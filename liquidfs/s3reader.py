@@ -31,6 +31,7 @@ class S3Reader:
         self.source = source
         self.store = store
         self._warned: set[int] = set()
+        self.inline_check = True  # check_source asks nothing of the store
 
     def _where(self, node: Node) -> str:
         return f"{self.source}/{node.path.decode('utf-8', 'surrogateescape')}"

@@ -15,6 +15,8 @@ FILES = 100
 
 
 class FakeStore:
+    inline_check = True
+
     def __init__(self) -> None:
         self.opens = 0
 

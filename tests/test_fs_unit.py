@@ -387,3 +387,42 @@ def test_a_failing_store_completion_does_not_end_the_loop() -> None:
     trio.run(scenario)
     notifier.stop()
     assert seen == [False]
+
+
+MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
+30 22 0:40 / /data rw - nfs srv:/x rw
+31 30 0:41 / /data/my\\040set rw - fuse.sshfs a rw
+32 22 0:42 / /data2 rw - tmpfs t rw
+33 32 0:43 / /data2 rw - nfs4 s:/y rw
+"""
+
+
+def test_the_filesystem_under_a_source_decides_where_it_is_checked() -> None:
+    from liquidfs.reader import LOCAL_FILESYSTEMS, filesystem_type
+
+    found = {p: filesystem_type(p, MOUNTINFO) for p in ("/", "/data/a", "/data/my set/b", "/data/my", "/data2/x")}
+    assert found == {"/": "ext4", "/data/a": "nfs", "/data/my set/b": "fuse.sshfs", "/data/my": "nfs",
+                     "/data2/x": "nfs4"}  # the innermost mount, the last one mounted over the same point
+    assert {t for t in found.values() if t in LOCAL_FILESYSTEMS} == {"ext4"}
+
+
+def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) -> None:
+    ops = _ops_over(tmp_path, FILES, 1.0)
+    for name, data in FILES.items():  # the cache now holds every file
+        assert _read_whole(ops, name.encode()) == data
+    hops: list[int] = []
+    real_blocking = ops._blocking
+
+    async def counting(node, fn, *args):  # type: ignore[no-untyped-def]
+        hops.append(node.id)
+        return await real_blocking(node, fn, *args)
+
+    ops._blocking = counting  # type: ignore[method-assign]
+    ops.reader.inline_check = True  # type: ignore[union-attr]
+    assert _read_whole(ops, b"x1") == FILES["x1"] and hops == []
+    ops.reader.inline_check = False  # type: ignore[union-attr]  # NFS, FUSE: a stat may hang
+    assert _read_whole(ops, b"x1") == FILES["x1"] and len(hops) == 1
+    os.utime(tmp_path / "src" / "x1", ns=(1, 1))  # a changed source is caught inline too
+    ops.reader.inline_check = True  # type: ignore[union-attr]
+    from_memory = ops.stats.bytes_from_memory
+    assert _read_whole(ops, b"x1") == FILES["x1"] and ops.stats.bytes_from_memory == from_memory  # read anew
