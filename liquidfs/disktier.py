@@ -36,6 +36,8 @@ _PREFIX = "liquidfs-"
 class Reader(Protocol):
     def open(self, node: Node) -> Content: ...
 
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview: ...
+
     def check_source(self, node: Node, st: object = None) -> str | None: ...
 
     @property
@@ -73,6 +75,10 @@ class DiskTier:
     @property
     def inline_check(self) -> bool:
         return self.inner.inline_check
+
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
+        # Part of a file this level may no longer have: the store has it, checked by the caller.
+        return self.inner.read_span(node, raw, start, end)
 
     def open(self, node: Node) -> Content:
         with self._lock:

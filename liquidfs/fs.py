@@ -26,7 +26,7 @@ from pyfuse3 import FUSEError
 
 from .cache import Decision, NextEpochCache
 from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
-from .reader import POOL, WHOLE_FILE_LIMIT, Content, StoreReader, checksum, digest_of
+from .reader import CHUNK, POOL, WHOLE_FILE_LIMIT, Content, StoreReader, chunk_digests, chunk_span
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ MAX_OPEN_BYTES = 64 << 20
 PAGE_CACHE_MODES = ("drop", "keep", "direct")
 #: The kernel marks a page it is handed (``notify_store``) up to date only when the page is whole.
 _PAGE = 4096
+#: Pieces of files read again (``Operations._read_again``) kept for the reads of neighbouring pages that follow.
+MAX_PIECES = 16
 #: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
 _MAX_LOGGED = 10_000
 
@@ -120,6 +122,7 @@ class Operations(pyfuse3.Operations):
         self.max_open_bytes = max_open_bytes
         self._loaned: dict[int, int] = {}
         self._loaned_bytes = 0
+        self._pieces: dict[int, _Piece] = {}  # fh -> the last piece its file was read again in, oldest first
         # Threads of reads that ran past io_timeout; they give their slot back, so they run outside the limiter.
         self._stuck: set[_Call] = set()
         self._stuck_lock = threading.Lock()
@@ -457,12 +460,16 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         handle = self.open_files[fh]
-        if handle.digest is not None or handle.content.deferred:
-            await self._reread_once(handle)
+        if handle.content.deferred:
+            await self._first_read_once(handle)
             if fh not in self._loaned and fh in self.open_files:
                 self._loan(fh, handle, evict=False)  # being read now: let go once served to its end
         content = handle.content
-        if content.data is None:
+        if handle.chunks is not None:
+            data = await self._read_again(fh, handle, off, size)
+            self.stats.reads_again += 1
+            self.stats.bytes_read_again += len(data)
+        elif content.data is None:
             assert handle.node is not None  # only files are streamed
             data = await self._blocking(handle.node, content.read, off, size)
         else:
@@ -552,13 +559,14 @@ class Operations(pyfuse3.Operations):
 
         Loaders keep files open long after reading them (DALI maps every file of its 1,024-sample shuffle
         buffer), so holding each open file's bytes until release would grow the daemon by gigabytes. They are
-        let go here; should the kernel ask again (its pages reclaimed), the file is read again and must have the
-        same digest, or the reader gets EIO: never bytes that differ from what it already has.
+        let go here, and the digest of each CHUNK kept instead; should the kernel ask again for some pages (its
+        page cache lost them), the chunks around them are read again and must match (``_read_again``), or the
+        reader gets EIO: never bytes that differ from what it already has.
         """
         content = handle.content
-        if content.data is None or handle.node is None or handle.digest is not None or self._holds(handle):
+        if content.data is None or handle.node is None or handle.chunks is not None or self._holds(handle):
             return  # nothing to let go, or the cache holds these very bytes (and counts them in its budget)
-        handle.digest = digest_of(handle.node, content)
+        handle.chunks = chunk_digests(content.data)
         content.close()  # back to the buffer pool when only this handle had it
 
     def _holds(self, handle: Handle) -> bool:
@@ -566,52 +574,91 @@ class Operations(pyfuse3.Operations):
         assert handle.node is not None
         return self.held_data.get(handle.node.id) is handle.content.data
 
-    async def _reread_once(self, handle: Handle) -> None:
-        """The kernel may send several reads of one handle at once: one reads the file again, the rest wait."""
+    async def _read_again(self, fh: int, handle: Handle, off: int, size: int) -> bytes:
+        """Serve part of a file whose bytes were let go: the CHUNKs around it, from the cache when it holds the
+        file now, else from storage, each checked against the digest of what this handle served.
+
+        This VM class reclaims page-cache pages that no process maps within seconds, and DALI maps a file long
+        before it decodes it: the pages its first read filled are often gone by then, a few here and there, and
+        the kernel asks for just those.
+        """
+        node = handle.node
+        assert node is not None and handle.chunks is not None
+        total = handle.content.size
+        if off >= total:
+            return b""
+        end = min(off + size, total)
+        piece = self._pieces.get(fh)
+        if piece is None or not piece.start <= off < end <= piece.start + len(piece.data):
+            if handle.rereading is not None:  # the kernel sent several reads at once: one reads, the rest wait
+                await handle.rereading.wait()
+                return await self._read_again(fh, handle, off, size) if fh in self.open_files else b""
+            handle.rereading = trio.Event()
+            try:
+                piece = await self._read_piece(handle, *chunk_span(off, end - off, total))
+            finally:
+                handle.rereading.set()
+                handle.rereading = None
+            self._keep_piece(fh, piece)
+        return bytes(piece.data[off - piece.start:end - piece.start])
+
+    async def _read_piece(self, handle: Handle, start: int, stop: int) -> _Piece:
+        node = handle.node
+        assert node is not None and handle.chunks is not None
+        held = self.held_data.get(node.id)
+        if held is not None and len(held) == handle.content.size:
+            piece = _Piece(start, held[start:stop], pooled=False)
+        else:
+            data = await self._blocking(node, self.reader.read_span, node, handle.content.raw, start, stop)
+            piece = _Piece(start, data, pooled=True)
+            self.stats.rereads += 1
+            self.stats.bytes_reread += len(data)
+        if len(piece.data) != stop - start or \
+                chunk_digests(piece.data) != handle.chunks[start // CHUNK:-(-stop // CHUNK)]:
+            piece.close()
+            raise OSError(errno.EIO, "changed since this open read it: reopen the file", os.fsdecode(node.path))
+        return piece
+
+    def _keep_piece(self, fh: int, piece: _Piece) -> None:
+        """The kernel asks for the lost pages of a file one run at a time: the next asks are likely in the same
+        chunk. A few pieces are kept, the oldest dropped."""
+        old = self._pieces.pop(fh, None)
+        if old is not None:
+            old.close()
+        self._pieces[fh] = piece
+        while len(self._pieces) > MAX_PIECES:
+            self._pieces.pop(next(iter(self._pieces))).close()
+
+    async def _first_read_once(self, handle: Handle) -> None:
+        """A file opened without being read (``_open_later``) is read whole at its first read; the kernel may
+        send several reads of it at once: one reads, the rest wait."""
         if handle.rereading is not None:
             await handle.rereading.wait()
-            if handle.digest is not None or handle.content.deferred:
-                raise OSError(errno.EIO, "could not read the file again", os.fsdecode(handle.node.path))  # type: ignore[union-attr]
+            if handle.content.deferred:
+                raise OSError(errno.EIO, "could not read the file", os.fsdecode(handle.node.path))  # type: ignore[union-attr]
             return
         handle.rereading = trio.Event()
         try:
-            await self._reread(handle)
-        finally:
-            handle.rereading.set()
-            handle.rereading = None
-
-    async def _reread(self, handle: Handle) -> None:
-        node = handle.node
-        assert node is not None
-        if handle.content.deferred:
+            node = handle.node
+            assert node is not None
             content = await self._open_from_storage(node)
             if content.size != handle.content.size or content.raw != handle.content.raw:
                 content.close()
                 raise OSError(errno.EIO, "changed between open and first read: reopen the file",
                               os.fsdecode(node.path))
             handle.content = content
-            return
-        assert handle.digest is not None
-        held = self.held_data.get(node.id)
-        if held is not None and len(held) == handle.content.size:
-            data: memoryview | None = held
-            content = Content(size=len(held), raw=handle.content.raw, data=held)
-        else:
-            content = await self._open_from_storage(node)
-            data = content.data
-        if data is None or len(data) != handle.content.size or checksum(data) != handle.digest:
-            content.close()
-            raise OSError(errno.EIO, "changed since this open read it: reopen the file", os.fsdecode(node.path))
-        self.stats.rereads += 1
-        handle.content = content
-        handle.digest = None
-        handle.served.clear()
+        finally:
+            handle.rereading.set()
+            handle.rereading = None
 
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
         handle = self.open_files.pop(fh, None)
         if handle is None:
             return
         self._unloan(fh)
+        piece = self._pieces.pop(fh, None)
+        if piece is not None:
+            piece.close()
         handle.content.close()
         node = handle.node
         # Only what the daemon holds may stay in the page cache: everything else is dropped once served, so
@@ -659,8 +706,9 @@ class Handle:
     decision: Decision = field(default_factory=lambda: NO_CACHE)
     direct_io: bool = False      # every read reaches the daemon: the bytes are kept until release
     served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
-    digest: str | None = None    # set once the bytes were let go after a whole read (``_drop_served``)
-    rereading: trio.Event | None = None  # set while one read of this handle reads the file again
+    #: The digest of each CHUNK served, set once the bytes were let go after a whole read (``_drop_served``).
+    chunks: tuple[int, ...] | None = None
+    rereading: trio.Event | None = None  # set while one read of this handle reads from storage for the others
     pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
 
     def note_served(self, start: int, end: int) -> int:
@@ -683,6 +731,20 @@ class Handle:
 
 
 NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+
+
+@dataclass(eq=False, slots=True)
+class _Piece:
+    """CHUNKs of a file read again (``Operations._read_again``), from ``start``."""
+
+    start: int
+    data: memoryview
+    pooled: bool  # a pool buffer of its own, given back when dropped (not a slice of bytes the cache holds)
+
+    def close(self) -> None:
+        if self.pooled:
+            POOL.give(self.data)
+            self.pooled = False
 
 
 @dataclass(eq=False, slots=True)

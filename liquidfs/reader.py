@@ -63,6 +63,24 @@ def checksum(data: bytes | memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+#: What a file is read again in, once the daemon has let go of its bytes: the kernel asks again for a few pages
+#: its page cache lost (this VM class reclaims page-cache pages no process maps within seconds), and reading
+#: the whole file again for them cost up to a whole file of storage bandwidth per lost page.
+CHUNK = 1 << 20
+
+
+def chunk_digests(data: bytes | memoryview) -> tuple[int, ...]:
+    """The xxh3 digest of each CHUNK of ``data``: what a later read of part of the file must match."""
+    view = memoryview(data)
+    return tuple(xxhash.xxh3_64_intdigest(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK))
+
+
+def chunk_span(offset: int, length: int, size: int) -> tuple[int, int]:
+    """The CHUNK-aligned ``(start, end)`` of the file that covers ``length`` bytes at ``offset``."""
+    start = offset // CHUNK * CHUNK
+    return start, min(size, -(-(offset + max(length, 1)) // CHUNK) * CHUNK)
+
+
 @dataclass(slots=True)
 class Content:
     """What one open file serves: its bytes in memory, or a descriptor to stream a large file from."""
@@ -108,38 +126,41 @@ def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
 
 
 def read_fd(fd: int, *, direct: bool = True) -> memoryview:
-    """The whole file open at ``fd``, read without leaving it in the page cache.
+    """The whole file open at ``fd``, read without leaving it in the page cache (``read_span``)."""
+    return read_span(fd, 0, os.fstat(fd).st_size, direct=direct)
 
-    O_DIRECT needs an aligned buffer: an anonymous mmap is page-aligned. Filesystems without O_DIRECT (tmpfs,
-    some FUSE and network filesystems) refuse it with EINVAL; they are read buffered and their pages dropped after.
+
+def read_span(fd: int, start: int, end: int, *, direct: bool = True) -> memoryview:
+    """Bytes ``[start, end)`` of the file open at ``fd`` (``start`` page-aligned; fewer at the end of the file),
+    read without leaving them in the page cache.
+
+    O_DIRECT, into a page-aligned pool buffer. Filesystems without O_DIRECT (tmpfs, some FUSE and network
+    filesystems) refuse it with EINVAL; they are read buffered and their pages dropped after.
     """
-    size = os.fstat(fd).st_size
     if direct and _set_direct(fd, True):
-        view = POOL.take(max(_ALIGN, -(-size // _ALIGN) * _ALIGN))
+        view = POOL.take(max(_ALIGN, -(-(end - start) // _ALIGN) * _ALIGN))
         try:
             done = 0
-            while done < size:
-                got = os.preadv(fd, [view[done:]], done)
-                if got == 0:
-                    break
+            while start + done < end:
+                got = os.preadv(fd, [view[done:]], start + done)
                 done += got
-                if done % _ALIGN:
+                if got == 0 or done % _ALIGN:
                     break  # a short, unaligned read is the end of the file
-            return view[:done]
+            return view[:min(done, end - start)]
         except OSError as exc:
             POOL.give(view)  # nothing was served from it
             if exc.errno != errno.EINVAL:
                 raise
         _set_direct(fd, False)
     chunks = []
-    offset = 0
-    while True:
-        chunk = os.pread(fd, max(size - offset, 1 << 20), offset)
+    offset = start
+    while offset < end:
+        chunk = os.pread(fd, end - offset, offset)
         if not chunk:
             break
         chunks.append(chunk)
         offset += len(chunk)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
     return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
 
 
@@ -341,6 +362,18 @@ class StoreReader:
             POOL.give(data)  # never served: the buffer may take the next file
             return problem, None
         return None, data
+
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of what ``node`` served (its raw object, or its source), for a read of part of
+        a file whose bytes were let go; the caller checks them against the digests of what was served."""
+        if raw:
+            fd = os.open(self.object_path(node), os.O_RDONLY | os.O_CLOEXEC)
+        else:
+            fd = open_beneath(self.source_root, node.path)
+        try:
+            return read_span(fd, start, end)
+        finally:
+            os.close(fd)
 
     def _warn_once(self, node: Node, why: str | None) -> None:
         if node.id not in self._warned:

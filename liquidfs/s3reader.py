@@ -86,6 +86,19 @@ class S3Reader:
         problem = check_raw(node, data)
         return problem, None if problem else data
 
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` of what ``node`` served (its raw object, or its source object), for a read of
+        part of a file whose bytes were let go; the caller checks them against the digests of what was served."""
+        if raw:
+            assert node.object is not None
+            bucket, key, etag, where = self.store.bucket, self.store.key(node.object), None, str(node.object)
+        else:
+            bucket, key, etag, where = self.source.bucket, self.source.key(node.path), node.etag, self._where(node)
+        try:
+            return memoryview(get(self.client, bucket, key, if_match=etag, start=start, length=end - start))
+        except Exception as exc:
+            raise as_oserror(exc, where) from exc
+
     def _range(self, key: str, etag: str | None, where: str, offset: int, length: int) -> bytes:
         try:
             return get(self.client, self.source.bucket, key, if_match=etag, start=offset, length=length)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -216,6 +217,7 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
     daemon at all."""
     from dali_helpers import dali_decode_all
     from liquidfs.prepare import prepare
+    from liquidfs.reader import CHUNK
     from liquidfs.sample import make_sample
 
     # DALI maps (rather than reads) files over a few MB: full-size images, as in Cityscapes
@@ -228,12 +230,63 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
     theirs = dali_decode_all(src / root)
     assert ours.keys() == theirs.keys() and all((ours[k] == theirs[k]).all() for k in theirs)
     stats = json.loads((mnt / ".__liquidfs__").read_bytes())
-    assert stats["rereads"] == 0 and stats["opens_raw"] >= 4
+    assert stats["opens_raw"] >= 4
+    # This VM class reclaims page-cache pages no process maps within seconds: some of what DALI asked for at
+    # open may be gone by the time it decodes, and the kernel asks again. Those reads are counted apart; they
+    # take the chunks around them from storage, never the whole file again (bytes_from_storage, below).
+    assert stats["bytes_reread"] <= stats["rereads"] * 2 * CHUNK
+    first_reads = stats["read_requests"] - stats["reads_again"]
     if push == "--push-pages":
         assert stats["bytes_pushed"] > 0 and stats["buffers_reused"] >= 2
-        assert stats["bytes_pushed"] + stats["bytes_read"] == stats["bytes_from_storage"]  # each byte sent once
-        assert stats["read_requests"] <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
+        # each byte sent once
+        assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_read_again"] == stats["bytes_from_storage"]
+        assert first_reads <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
     else:
         assert stats["deferred"] >= 5 and stats["bytes_pushed"] == 0
     assert stats["bytes_from_storage"] == stats["dataset_bytes"] - sum(  # each image read once
         p.stat().st_size for p in src.iterdir() if p.is_file())
+
+
+def test_pages_the_kernel_lost_are_read_again_chunk_by_chunk(tmp_path: Path, mounter: Mount) -> None:
+    """A file read whole is let go by the daemon; should the kernel lose some of its pages (this VM class
+    reclaims page-cache pages no process maps within seconds; fadvise DONTNEED does it here on purpose), only
+    the CHUNKs around the pages asked for are read again, checked against what was served: a raw object and an
+    original alike, and a file changed meanwhile fails with EIO rather than mixing bytes."""
+    from liquidfs.prepare import prepare
+    from liquidfs.reader import CHUNK
+    from liquidfs.sample import make_sample
+
+    src = make_sample(tmp_path / "src", count=2, width=2048, height=1024, seed=6)  # PNG ~2.5 MB, raw 6.3 MB
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    mnt = mounter.mount(src, store=store)
+    names = sorted(p.relative_to(src) for p in src.rglob("*.png"))
+    for name in names:
+        with open(mnt / name, "rb", buffering=0) as f:
+            whole = f.read()
+            before = _stats(mnt)
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            offset = len(whole) - 5000
+            assert os.pread(f.fileno(), 4096, offset) == whole[offset:offset + 4096]
+            after = _stats(mnt)
+            assert after["rereads"] > before["rereads"]
+            reread = after["bytes_reread"] - before["bytes_reread"]
+            assert 0 < reread <= len(whole) - CHUNK, (reread, len(whole))  # the last chunk, not the file
+            assert after["bytes_from_storage"] == before["bytes_from_storage"]  # no whole read again
+    raw = [n for n in names if (mnt / n).read_bytes()[:2] == b"BM"]
+    assert len(raw) == 1  # one of each kind was read again above
+    # the original changes in place, same size and mtime: what the open file already served must not mix
+    original = next(n for n in names if n not in raw)
+    with open(mnt / original, "rb", buffering=0) as f:
+        whole = f.read()
+        path = src / original
+        st = path.stat()
+        changed = bytearray(path.read_bytes())
+        changed[100] ^= 0xFF
+        path.write_bytes(changed)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        with pytest.raises(OSError) as info:
+            os.pread(f.fileno(), 4096, 0)
+        assert info.value.errno == errno.EIO
+        assert os.pread(f.fileno(), 4096, len(whole) - 4096) == whole[-4096:]  # an unchanged chunk still reads

@@ -190,8 +190,16 @@ def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> 
         return out
 
     assert trio.run(two_reads_at_once) == [data[: 1 << 20], data[1 << 20: 2 << 20]]
-    assert ops.stats.rereads == 1
+    # only the chunks asked for are read again, each once, not the whole file for each read
+    assert ops.stats.rereads == 2 and ops.stats.bytes_reread == 2 << 20
+    # the kernel asks for the next lost pages of the same chunk: served from the piece just read
+    assert bytes(run(ops.read, fi.fh, 2 << 20, 4096)) == data[2 << 20: (2 << 20) + 4096]
+    assert ops.stats.rereads == 3 and ops.stats.bytes_reread == len(data)  # the last chunk is short
+    assert bytes(run(ops.read, fi.fh, (2 << 20) + 8192, 1 << 20)) == data[(2 << 20) + 8192:]
+    assert ops.stats.rereads == 3
+    assert run(ops.read, fi.fh, len(data), 4096) == b""
     run(ops.release, fi.fh)
+    assert not ops._pieces
 
 
 def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -> None:
@@ -209,6 +217,31 @@ def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.read, fi.fh, 0, 4096)
     assert info.value.errno == errno.EIO
+
+
+def test_only_the_chunks_asked_for_are_checked_again(tmp_path: Path) -> None:
+    """A change in one chunk fails the reads of that chunk only: the others still match what was served."""
+    from liquidfs.reader import CHUNK
+
+    data = os.urandom(3 * CHUNK - 10)
+    ops = _ops_over(tmp_path, {"a": data}, None)
+    ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
+    fh = run(ops.open, ino, os.O_RDONLY, CTX).fh
+    assert b"".join(bytes(run(ops.read, fh, off, CHUNK)) for off in range(0, len(data), CHUNK)) == data
+    path = tmp_path / "src" / "a"
+    st = path.stat()
+    changed = bytearray(data)
+    changed[2 * CHUNK + 5] ^= 1
+    path.write_bytes(changed)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert bytes(run(ops.read, fh, 100, 4096)) == data[100:4196]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fh, 2 * CHUNK, 4096)
+    assert info.value.errno == errno.EIO
+    with pytest.raises(pyfuse3.FUSEError):  # a read across the changed chunk fails as a whole
+        run(ops.read, fh, 2 * CHUNK - 4096, 8192)
+    assert bytes(run(ops.read, fh, CHUNK, 4096)) == data[CHUNK:CHUNK + 4096]
+    run(ops.release, fh)
 
 
 def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
@@ -294,7 +327,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert offset == 1 << 20 and pushed == data[1 << 20:]  # whole pages, exactly the file's bytes
     assert handle.content.data is not None  # kept until the kernel has copied them
     kernel.deliver()
-    assert handle.content.data is None and handle.digest is not None
+    assert handle.content.data is None and handle.chunks is not None
     assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops._loaned_bytes == 0
     before = POOL.reused
     fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
