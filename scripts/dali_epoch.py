@@ -19,13 +19,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shuffle-buffer", type=int, default=1024,
+                        help="DALI's initial_fill: how many files the reader opens ahead and picks from at random")
     args = parser.parse_args()
 
     from nvidia.dali import fn, pipeline_def
 
     @pipeline_def(batch_size=args.batch, num_threads=args.threads, device_id=None, seed=args.seed)
     def pipe():
-        encoded, labels = fn.readers.file(file_root=args.file_root, random_shuffle=True, name="reader")
+        encoded, labels = fn.readers.file(file_root=args.file_root, random_shuffle=True,
+                                          initial_fill=args.shuffle_buffer, name="reader")
         return fn.decoders.image(encoded, device="cpu"), labels
 
     p = pipe()
