@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 #: Bumped whenever the schema changes; a catalog of another version is refused, never guessed at.
 SCHEMA_VERSION = 2
 CATALOG_NAME = "catalog.sqlite"
+#: Meta key: when prepare last finished writing raw objects (``Catalog.sealed_ns``).
+SEALED = "objects_sealed_ns"
 ROOT_ID = 1  # pyfuse3.ROOT_INODE
 
 KIND_FILE = 0
@@ -195,6 +197,12 @@ class Catalog:
 
     def set_meta(self, key: str, value: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    @property
+    def sealed_ns(self) -> int | None:
+        """When prepare last finished writing raw objects (``time.time_ns()``), if it recorded it."""
+        value = self.meta(SEALED)
+        return int(value) if value else None
 
     @property
     def source(self) -> bytes:
@@ -479,7 +487,7 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
             f"src_etag) SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, {etag} "
             "FROM old.expansions"
         )
-        for key in ("ratio", "seed"):
+        for key in ("ratio", "seed", SEALED):
             row = db.execute("SELECT value FROM old.meta WHERE key=?", (key,)).fetchone()
             if row:
                 db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, row[0]))

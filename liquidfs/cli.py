@@ -86,9 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "see BENCHMARKS.md for what each costs)")
     m.add_argument("--open-bytes", default="64M", metavar="SIZE",
                    help="memory for files opened and not yet read to their end, outside the cache's budget "
-                   "(default 64M). Files opened past it are read at their first read instead of at open: "
-                   "loaders that open many files ahead (DALI maps its whole shuffle buffer) then do not wait "
-                   "for each file at open")
+                   "(default 64M). Files whose content is known without reading them (a local source "
+                   "unchanged, a raw object as prepare left it) are always read at their first read; others "
+                   "(object stores, objects touched since prepare) are read at open, unless opened past this "
+                   "bound: loaders that open many files ahead (DALI maps its whole shuffle buffer) then do "
+                   "not wait for each file at open")
     m.add_argument("--push-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="at a file's first read, hand the rest of it to the kernel's page cache at once instead "
                    "of waiting for each read (default on: the daemon's buffer is free for the next file at "

@@ -38,6 +38,8 @@ class Reader(Protocol):
 
     def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview: ...
 
+    def vouch(self, node: Node) -> bool | None: ...
+
     def check_source(self, node: Node, st: object = None) -> str | None: ...
 
     @property
@@ -75,6 +77,9 @@ class DiskTier:
     @property
     def inline_check(self) -> bool:
         return self.inner.inline_check
+
+    def vouch(self, node: Node) -> bool | None:
+        return self.inner.vouch(node)
 
     def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
         # Part of a file this level may no longer have: the store has it, checked by the caller.

@@ -156,7 +156,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
 
 def make_reader(catalog: Catalog, config: MountConfig) -> StoreReader | S3Reader:
     if config.buckets is None:
-        return StoreReader(catalog.source, config.store)
+        return StoreReader(catalog.source, config.store, catalog.sealed_ns)
     from .s3 import READ_TIMEOUT, S3Url, make_client
 
     # One connection per storage read in flight (--threads), and no single HTTP wait longer than --io-timeout.

@@ -29,7 +29,7 @@ from pathlib import Path
 import xxhash
 
 from . import formats
-from .catalog import Catalog, CatalogError, Node, open_or_build
+from .catalog import SEALED, Catalog, CatalogError, Node, open_or_build
 from .reader import checksum, read_fd
 from .s3 import is_url
 
@@ -393,6 +393,9 @@ def _apply_selection(catalog: Catalog, chosen: list[Outcome], ratio: float) -> N
             [(o.raw_size, o.object, o.checksum, o.path) for o in chosen],
         )
         catalog.set_meta("ratio", repr(ratio))
+        # Every object the selection names is in place (written, fsynced, renamed): a mount may trust one whose
+        # inode has not changed since (``StoreReader.vouch``).
+        catalog.set_meta(SEALED, str(time.time_ns()))
 
 
 def _delete_surplus(catalog: Catalog, target: Target) -> int:

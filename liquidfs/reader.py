@@ -1,8 +1,9 @@
 """Reading what the mount serves: the representation check at open, and whole-file reads from storage.
 
-Everything here is blocking and runs off the trio thread. A dataset image is read whole at open: one large read
-per file instead of dozens of 128 KiB FUSE-sized ones, which is what lets the checksum of a raw object be verified
-before its first byte is served. Reads bypass the page cache (O_DIRECT, or drop-behind where the filesystem
+Everything here is blocking and runs off the trio thread (but ``vouch`` and ``check_source``, a stat or two, on a
+local filesystem). A dataset image is read whole, at open or at its first read: one large read per file instead of
+dozens of 128 KiB FUSE-sized ones, which is what lets the checksum of a raw object be verified before its first
+byte is served. Reads bypass the page cache (O_DIRECT, or drop-behind where the filesystem
 refuses O_DIRECT) so the backing files never take a second copy of the dataset in memory.
 """
 
@@ -95,7 +96,7 @@ class Content:
     #: ``data`` is a pool buffer only this content reads: given back to the pool when the file is closed.
     #: Cleared the moment anything else may keep a view of it (the cache holds it).
     pooled: bool = False
-    #: Not read yet: read whole at the first read (``fs.Operations._open_later``).
+    #: Not read yet: read whole at the first read (``fs.Operations._read_later``).
     deferred: bool = False
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
@@ -299,12 +300,21 @@ def check_raw(node: Node, data: bytes | memoryview) -> str | None:
     return None
 
 
+#: Timestamps of files come from a clock that ticks once a jiffy (up to 10 ms) and may lag the one prepare seals
+#: the store with: an object changed within this long before the seal is not vouched for (``StoreReader.vouch``).
+SEAL_MARGIN_NS = 50_000_000
+
+
 class StoreReader:
     """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
 
-    def __init__(self, source_root: bytes, store_dir: Path) -> None:
+    def __init__(self, source_root: bytes, store_dir: Path, sealed_ns: int | None = None) -> None:
         self.source_root = source_root
         self.store_dir = store_dir
+        # When prepare last finished (``Catalog.sealed_ns``): a raw object whose inode changed before then is the
+        # one prepare wrote and checked. Trusted only where a stat is the inode's own, not attributes a network
+        # or FUSE filesystem may have cached for seconds.
+        self.sealed_ns = sealed_ns if filesystem_type(store_dir / "objects") in LOCAL_FILESYSTEMS else None
         self._warned: set[int] = set()
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
@@ -341,6 +351,24 @@ class StoreReader:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def vouch(self, node: Node) -> bool:
+        """True when what ``node`` serves is known without reading it, so it may be read at its first read:
+        the source unchanged (a stat), and a raw object present, of its size, its inode unchanged since prepare
+        finished (ctime: any write, truncation or rename since, even one that restores the mtime, makes it
+        later). Its checksum is still checked when it is read; a mismatch then fails that read with EIO (the
+        original could not be served at the size promised) and the next open serves the original."""
+        if self.check_source(node) is not None:
+            return False
+        if node.repr != REPR_RAW:
+            return True
+        if self.sealed_ns is None:
+            return False  # a store prepared before the seal was recorded: read at open, as ever
+        try:
+            st = os.stat(self.object_path(node))
+        except OSError:
+            return False
+        return st.st_size == node.served_size and st.st_ctime_ns <= self.sealed_ns - SEAL_MARGIN_NS
 
     def check_source(self, node: Node, st: os.stat_result | None = None) -> str | None:
         """None while the source is the file the catalog describes; else what changed."""

@@ -58,6 +58,11 @@ class S3Reader:
             raise OSError(errno.EIO, f"object has {len(data)} bytes, the catalog says {node.size}", self._where(node))
         return Content(size=len(data), raw=False, data=memoryview(data), fallback=fallback)
 
+    def vouch(self, node: Node) -> bool | None:
+        """None: what a node serves is not known without a request (a HEAD of the source, a GET of the raw
+        object), which is the read itself."""
+        return None
+
     def check_source(self, node: Node, st: object = None) -> str | None:
         """Bytes held in memory were checked when they were read; an object store is not asked again per hit
         (a request per hit would cost more than the hit saves). A changed object is caught at the next miss."""

@@ -290,3 +290,44 @@ def test_pages_the_kernel_lost_are_read_again_chunk_by_chunk(tmp_path: Path, mou
             os.pread(f.fileno(), 4096, 0)
         assert info.value.errno == errno.EIO
         assert os.pread(f.fileno(), 4096, len(whole) - 4096) == whole[-4096:]  # an unchanged chunk still reads
+
+
+def test_opens_do_not_wait_for_storage(tmp_path: Path, mounter: Mount) -> None:
+    """Files whose content is known without reading them are read at their first read, not at open (DALI's
+    reader thread opens one file after another); an object touched since prepare is read (and checked) at open,
+    and its original served."""
+    from liquidfs.prepare import prepare
+    from liquidfs.sample import make_sample
+
+    src = make_sample(tmp_path / "src", count=6, width=256, height=128, seed=12)
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    time.sleep(0.1)
+    prepare(src, store, 0.5, progress=False)  # reuses every object: the seal is now after all of them
+    touched = next((store / "objects").rglob("*.bmp"))
+    os.utime(touched)  # a new ctime: no longer as prepare left it
+    mnt = mounter.mount(src, store=store)
+    names = sorted(p.relative_to(src) for p in src.rglob("*") if p.is_file())
+    files = [open(mnt / name, "rb") for name in names]
+    try:
+        st = _stats(mnt)
+        assert st["opens"] == len(names) and st["deferred"] == len(names) - 1
+        assert st["bytes_from_storage"] == touched.stat().st_size  # only the touched object, at open
+        served = {name: f.read() for name, f in zip(names, files)}
+    finally:
+        for f in files:
+            f.close()
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    raw = {name for name, data in served.items() if data[:2] == b"BM"}
+    assert len(raw) == 3  # half the images; the touched object too, being sound
+    for name, data in served.items():
+        if name in raw:
+            with Image.open(io.BytesIO(data)) as ours, Image.open(src / name) as theirs:
+                assert np.array_equal(np.asarray(ours), np.asarray(theirs)), name
+        else:
+            assert data == (src / name).read_bytes()
+    assert _stats(mnt)["fallbacks"] == 0

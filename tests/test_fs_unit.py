@@ -74,9 +74,14 @@ def test_unexpected_exceptions_become_eio(ops: Operations) -> None:
 
     ops.reader.open = broken  # type: ignore[method-assign]
     b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    fh = run(ops.open, b.st_ino, os.O_RDONLY, CTX).fh  # read at its first read (``_read_later``)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fh, 0, 4096)
+    assert info.value.errno == errno.EIO and ops.stats.errors == 1
+    ops.reader.vouch = broken  # type: ignore[method-assign]
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.open, b.st_ino, os.O_RDONLY, CTX)
-    assert info.value.errno == errno.EIO and ops.stats.errors == 1
+    assert info.value.errno == errno.EIO and ops.stats.errors == 2
 
 
 def test_source_deleted_is_enoent(ops: Operations, tmp_path: Path) -> None:
@@ -99,6 +104,24 @@ def test_cache_holds_bytes_for_the_next_epoch(ops: Operations) -> None:
     assert set(ops.held_data) == {a.st_ino, b.st_ino}
     assert ops.stats.bytes_from_memory == 2 * 5006 and ops.stats.bytes_from_storage == 5006
     assert ops.cache is not None and ops.cache.stats.hits == 4
+
+
+def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
+    """Files are read at their first read: the cache holds a file it decided to keep once its bytes are there,
+    and lets the decision go if the file is closed unread (its budget must not count bytes it does not have)."""
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert ops.open_files[fi.fh].decision.keep and ops.open_files[fi.fh].content.deferred
+    assert ops.cache is not None and b.st_ino in ops.cache.held
+    run(ops.release, fi.fh)
+    assert b.st_ino not in ops.held_data and b.st_ino not in ops.cache.held
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    assert a.st_ino not in ops.held_data  # not yet read
+    assert bytes(run(ops.read, fi.fh, 0, 4096)) == b"A" * 4096
+    run(ops.release, fi.fh)
+    assert bytes(ops.held_data[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
 
 
 def test_control_entry(ops: Operations) -> None:
@@ -248,6 +271,7 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
     """Like DALI's shuffle buffer: many files opened long before they are read. Past the bound, files are read
     at their first read instead of at open; nothing is read twice."""
     ops = _ops_over(tmp_path, FILES, None)
+    ops.reader.vouch = lambda node: None  # type: ignore[method-assign]  # like an object store's
     ops.max_open_bytes = 700_000  # room for two of the four 300 kB files
     handles = {}
     for name in FILES:
@@ -267,7 +291,6 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
 
 def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: Path) -> None:
     ops = _ops_over(tmp_path, FILES, None)
-    ops.max_open_bytes = 0
     ino = run(ops.lookup, ROOT_ID, b"x1", CTX).st_ino
     fh = run(ops.open, ino, os.O_RDONLY, CTX).fh
     assert ops.open_files[fh].content.deferred
@@ -331,6 +354,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops._loaned_bytes == 0
     before = POOL.reused
     fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
+    run(ops.read, fh_b, 0, 4096)
     assert POOL.reused == before + 1
     run(ops.release, fh_b)
     # Should the kernel lose the pages and ask again, the file is read again and checked against its digest.
@@ -350,6 +374,7 @@ def test_a_buffer_is_not_lent_before_the_kernel_has_copied_it(tmp_path: Path) ->
     pushing = kernel.views[0].obj
     assert all(buf is not pushing for _, buf, _ in POOL._free)
     fh_b = _open(ops, b"b")
+    run(ops.read, fh_b, 0, 4096)
     assert ops.open_files[fh_b].content.data.obj is not pushing  # type: ignore[union-attr]
     run(ops.release, fh_b)
     kernel.deliver()
@@ -459,3 +484,89 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
     ops.reader.inline_check = True  # type: ignore[union-attr]
     from_memory = ops.stats.bytes_from_memory
     assert _read_whole(ops, b"x1") == FILES["x1"] and ops.stats.bytes_from_memory == from_memory  # read anew
+
+
+# -- files opened now and read at their first read -----------------------------------------------------------
+
+
+def _raw_ops(tmp_path: Path, sealed_later: int = 0) -> tuple[Operations, list, Path]:
+    """Every image of a small sample served raw; prepare run twice, so its seal is well after every object."""
+    import time
+
+    from liquidfs.catalog import REPR_RAW
+    from liquidfs.prepare import prepare
+    from liquidfs.sample import make_sample
+
+    src = make_sample(tmp_path / "src", count=3, width=256, height=128, seed=8)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    time.sleep(0.1)
+    prepare(src, store, 1.0, progress=False)  # reuses every object, seals again
+    catalog = Catalog.open(store, readonly=True)
+    raw = [n for n in catalog.files() if n.repr == REPR_RAW]
+    sealed = catalog.sealed_ns
+    assert len(raw) == 3 and sealed is not None
+    reader = StoreReader(catalog.source, store, sealed + sealed_later)
+    return Operations(catalog, reader, MountStats()), raw, store
+
+
+def _open_node(ops: Operations, node) -> int:
+    return run(ops.open, node.id, os.O_RDONLY, CTX).fh
+
+
+def test_raw_objects_as_prepare_left_them_are_read_at_their_first_read(tmp_path: Path) -> None:
+    ops, raw, store = _raw_ops(tmp_path)
+    handles = [_open_node(ops, n) for n in raw]
+    assert ops.stats.deferred == 3 and ops.stats.bytes_from_storage == 0  # the opens read nothing
+    for node, fh in zip(raw, handles):
+        assert bytes(run(ops.read, fh, 0, 1 << 20)) == (store / str(node.object)).read_bytes()
+        run(ops.release, fh)
+    assert ops.stats.fallbacks == 0 and ops.stats.opens_raw == 3
+
+
+def test_an_object_changed_after_prepare_is_checked_at_open_and_the_original_served(tmp_path: Path) -> None:
+    ops, raw, store = _raw_ops(tmp_path)
+    node = raw[0]
+    obj = store / str(node.object)
+    st = obj.stat()
+    changed = bytearray(obj.read_bytes())
+    changed[-10] ^= 0xFF
+    obj.write_bytes(changed)
+    os.utime(obj, ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime put back; the ctime still tells
+    fh = _open_node(ops, node)
+    original = (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()
+    assert ops.stats.deferred == 0 and ops.stats.fallbacks == 1
+    assert bytes(run(ops.read, fh, 0, 1 << 22)) == original
+    for other in raw[1:]:  # the others are still read later, raw
+        assert ops.open_files[_open_node(ops, other)].content.deferred
+
+
+def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_the_original(
+        tmp_path: Path) -> None:
+    """Damage no stat shows (a bad disk sector): as if it had happened before prepare sealed the store."""
+    ops, raw, store = _raw_ops(tmp_path, sealed_later=60 * 10**9)
+    node = raw[0]
+    obj = store / str(node.object)
+    changed = bytearray(obj.read_bytes())
+    changed[-10] ^= 0xFF
+    obj.write_bytes(changed)
+    fh = _open_node(ops, node)
+    assert ops.open_files[fh].content.deferred
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fh, 0, 4096)
+    assert info.value.errno == errno.EIO  # never a byte of the broken object, nor an original of another size
+    assert ops.stats.fallbacks == 1 and ops.stats.errors == 1
+    read = ops.stats.bytes_from_storage
+    with pytest.raises(pyfuse3.FUSEError):  # the kernel retries page by page: failed at once, not read again
+        run(ops.read, fh, 4096, 4096)
+    assert ops.stats.bytes_from_storage == read and ops.stats.errors == 1
+    fh = _open_node(ops, node)
+    assert not ops.open_files[fh].content.deferred
+    assert bytes(run(ops.read, fh, 0, 1 << 22)) == (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()
+
+
+def test_a_store_without_a_seal_is_read_at_open(tmp_path: Path) -> None:
+    ops, raw, store = _raw_ops(tmp_path)
+    ops.reader.sealed_ns = None  # prepared by an older liquidfs
+    fh = _open_node(ops, raw[0])
+    assert not ops.open_files[fh].content.deferred and ops.stats.bytes_from_storage > 0
