@@ -21,6 +21,7 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from . import guard
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
@@ -95,16 +96,8 @@ def _fuse_mounted(mountpoint: Path) -> bool:
     Any other mount is fine to mount over: in a container the mount point is itself a volume (a bind mount or
     an emptyDir) shared back to the host.
     """
-    target = os.fsencode(os.path.abspath(mountpoint))
-    fstype = None
-    with open("/proc/self/mountinfo", "rb") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index(b"-")
-            point = fields[4].replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
-            if point == target:
-                fstype = fields[sep + 1]  # later lines are mounted on top of earlier ones
-    return fstype is not None and fstype.startswith(b"fuse")
+    found = guard.topmost_mount(mountpoint)
+    return found is not None and found[0].startswith(b"fuse")
 
 
 def fuse_options(config: MountConfig) -> set[str]:
@@ -138,6 +131,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     except RuntimeError as exc:
         raise MountError(f"cannot mount {config.mountpoint}: {exc}") from exc
     log.info("mounted %s on %s (pid %d)", config.source, config.mountpoint, os.getpid())
+    watchdog = guard.start(os.getpid(), config.mountpoint)
     unmount = True
     try:
         trio.run(_main, config, ops, ready_fd)
@@ -145,6 +139,9 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         log.exception("the filesystem loop failed; unmounting")
         raise
     finally:
+        if watchdog is not None:
+            watchdog.terminate()
+            watchdog.wait()
         ops.notifier.stop()
         pyfuse3.close(unmount=unmount)
         catalog.close()

@@ -279,6 +279,75 @@ def test_daemon_killed_during_reads(tmp_path: Path, mounter: Mount) -> None:
     assert (mnt / "README.txt").read_bytes() == (src / "README.txt").read_bytes()
 
 
+def _watchdogs(pid: int) -> list[int]:
+    found = []
+    for proc in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{proc}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"liquidfs.guard" in cmd and cmd[cmd.index(b"liquidfs.guard") + 1] == str(pid).encode():
+            found.append(int(proc))
+    return found
+
+
+def test_a_dying_daemon_is_recognised() -> None:
+    from liquidfs.guard import dying
+
+    alive = "Name:\tpython\nState:\tS (sleeping)\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\n"
+    killed = alive.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000000100")  # SIGKILL is bit 9
+    thread_killed = alive.replace("SigPnd:\t0000000000000000", "SigPnd:\t0000000000000100")
+    leader_gone = alive.replace("S (sleeping)", "Z (zombie)")
+    assert not dying([alive, alive])
+    assert dying([killed, alive]) and dying([alive, thread_killed]) and dying([leader_gone, alive])
+    assert not dying([alive, leader_gone])  # only the main thread's state says the process is exiting
+    assert not dying([alive.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000004000")])  # SIGTERM
+
+
+def test_the_watchdog_aborts_the_connection_and_leaves_with_the_daemon(tmp_path: Path, mounter: Mount) -> None:
+    """A killed daemon with a thread stuck in the kernel never closes /dev/fuse (readers would hang): a watchdog
+    process beside it aborts the connection. Its abort on a live mount shows what readers then get; it leaves
+    when the daemon does."""
+    from liquidfs.guard import abort, connection_of
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(os.urandom(100_000))
+    mnt = mounter.mount(src)
+    pid = daemon_pid(mnt)
+    wait_for(lambda: len(_watchdogs(pid)) == 1, 10, what="the watchdog to start")
+    [watchdog] = _watchdogs(pid)
+    assert Path(f"/proc/{watchdog}/cwd").resolve() == Path("/")  # it keeps nothing of the mount busy
+    connection = connection_of(mnt)
+    assert connection is not None and connection == os.stat(mnt).st_dev
+    fd = os.open(mnt / "a.bin", os.O_RDONLY)
+    try:
+        assert abort(connection)
+        with pytest.raises(OSError) as info:
+            os.read(fd, 4096)
+        assert info.value.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    finally:
+        try:
+            os.close(fd)
+        except OSError:  # its flush fails the same way
+            pass
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or _state(pid) == "Z", 10, what="the daemon to exit")
+    wait_for(lambda: not _watchdogs(pid), 10, what="the watchdog to leave with it")
+    mounter.mount(src, mountpoint=mnt)  # the mount point is recovered
+    assert (mnt / "a.bin").read_bytes() == (src / "a.bin").read_bytes()
+    new = daemon_pid(mnt)
+    wait_for(lambda: len(_watchdogs(new)) == 1, 10, what="the new daemon's watchdog")
+    run_cli("umount", str(mnt))
+    wait_for(lambda: not _watchdogs(new), 10, what="the watchdog to leave at unmount")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 # -- hostile trees -------------------------------------------------------------------------------------------
 
 
