@@ -474,7 +474,7 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         handle = self.open_files[fh]
-        if handle.content.deferred or handle.failed is not None:
+        if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
             if fh not in self._loaned and fh in self.open_files:
                 self._loan(fh, handle, evict=False)  # being read now: let go once served to its end
