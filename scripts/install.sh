@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # Install everything liquidfs needs on a fresh Debian machine: fuse3 and the build deps of pyfuse3 (apt, only
-# if missing), a virtualenv in .venv, and the package with the extras named in $LIQUIDFS_EXTRAS.
+# if missing), a virtualenv in .venv, and the package with the extras named in $LIQUIDFS_EXTRAS.  Then
+# pyfuse3 is rebuilt with FUSE passthrough (scripts/passthrough/build.sh: libfuse 3.17.2 in .venv/libfuse)
+# unless LIQUIDFS_PASSTHROUGH=0; if that fails, the stock pyfuse3 stays and liquidfs serves reads itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${LIQUIDFS_EXTRAS:-dali,sample}"
+passthrough="${LIQUIDFS_PASSTHROUGH:-1}"
+PY="${PYTHON:-python3}"
 
 need=()
 command -v fusermount3 >/dev/null || need+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need+=(libfuse3-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v gcc >/dev/null || need+=(gcc)
+[ -e "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || need+=(python3-dev)
+if [ "$passthrough" != 0 ]; then
+    command -v patch >/dev/null || need+=(patch)
+fi
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing ${need[*]} with apt" >&2
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
@@ -17,10 +25,20 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
-PY="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import liquidfs, pyfuse3" || { echo "install failed" >&2; exit 1; }
+
+if [ "$passthrough" != 0 ]; then
+    log=.venv/passthrough-build.log
+    if bash scripts/passthrough/build.sh .venv > "$log" 2>&1; then
+        tail -n 1 "$log" >&2
+    else
+        echo "liquidfs: FUSE passthrough unavailable: $(grep -v '^[[:space:]]*$' "$log" | tail -n 1 | sed 's/^passthrough build failed: //')" \
+             "(stock pyfuse3 kept, reads go through the daemon; full log: $log)" >&2
+        .venv/bin/python -c "import pyfuse3" || { echo "install failed: pyfuse3 broken" >&2; exit 1; }
+    fi
+fi
