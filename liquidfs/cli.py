@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "mount goes on serving other files (hung network storage, failing disks; default 60)")
     m.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this TCP port (all interfaces; off by default)")
+    m.add_argument("--data-path", choices=["auto", "passthrough", "daemon"], default="auto",
+                   help="who serves the bytes: passthrough (the kernel reads each open file from a backing file "
+                   "the daemon picked and checked at open; needs Linux >= 6.9, the pyfuse3 scripts/install.sh "
+                   "builds, and CAP_SYS_ADMIN), daemon (every read answered by this process), or auto (default: "
+                   "passthrough where available; the log and `liquidfs stats` say which, and why)")
+    m.add_argument("--verify-reads", action="store_true",
+                   help="passthrough: read every file whole and check it (a raw object against its checksum) "
+                   "before the open answers, instead of trusting a raw object that is as prepare left it "
+                   "(size and inode unchanged since). Costs a copy in memory per open file")
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
     m.add_argument("--refresh", action="store_true",
                    help="s3:// sources: list the source bucket again on this node instead of using the store's "
@@ -139,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print nothing; exit 0 only if the mount answers (for readiness probes)")
     _add_common(s)
     s.set_defaults(func=cmd_stats)
+
+    d = sub.add_parser("doctor", help="say whether this machine can serve through FUSE passthrough, and why not",
+                       description="Check each ingredient of the passthrough data path (kernel, its config, the "
+                       "libfuse pyfuse3 is linked to, the pyfuse3 patch, CAP_SYS_ADMIN, the store's filesystem) "
+                       "without mounting. A mount decides for itself at start and logs which path it took.")
+    d.add_argument("--store", help="also check the filesystem of this store directory")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    _add_common(d)
+    d.set_defaults(func=cmd_doctor)
 
     from . import prepare as prepare_mod
     from . import profile as profile_mod
@@ -229,7 +247,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
             argv += ["--cache-size", args.cache_size]
         if args.warmup:
             argv.append("--warmup")
-        argv += ["--page-cache", args.page_cache, "--open-bytes", args.open_bytes]
+        argv += ["--page-cache", args.page_cache, "--open-bytes", args.open_bytes, "--data-path", args.data_path]
+        if args.verify_reads:
+            argv.append("--verify-reads")
         if not args.push_pages:
             argv.append("--no-push-pages")
         if args.disk_cache:
@@ -257,7 +277,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          io_timeout=args.io_timeout, buckets=buckets,
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
-                         open_bytes=open_bytes, push_pages=args.push_pages)
+                         open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
+                         verify_reads=args.verify_reads)
     return serve(config, ready_fd=args.ready_fd)
 
 
@@ -273,6 +294,23 @@ def _size_option(text: str, flag: str, *, percent: bool = True) -> int:
         return parse_size(text, 1)
     except ValueError as exc:
         raise MountError(f"{flag}: {exc}") from exc
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from .doctor import checks, verdict
+
+    found = checks(Path(args.store) if args.store else None)
+    if args.json:
+        print(json.dumps({"checks": [asdict(c) for c in found], "verdict": verdict(found)}, indent=1))
+        return 0
+    width = max(len(c.name) for c in found)
+    for c in found:
+        mark = {True: "ok", False: "NO", None: "?"}[c.ok]
+        print(f"{mark:<3} {c.name:<{width}}  {c.found}" + (f"  (needs {c.needed})" if c.ok is False else ""))
+    print(verdict(found))
+    return 0
 
 
 def cmd_umount(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ so every handler goes through ``_handler``, which turns ``OSError`` into its err
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import json
@@ -25,6 +26,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from .cache import Decision, NextEpochCache
+from .passthrough import PassthroughPath
 from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
 from .reader import CHUNK, POOL, WHOLE_FILE_LIMIT, Content, StoreReader, chunk_digests, chunk_span
 from .stats import MountStats
@@ -134,6 +136,19 @@ class Operations(pyfuse3.Operations):
         self.stats.files = files
         self.stats.dataset_bytes = served
         self.control_extra: Callable[[], dict[str, Any]] | None = None
+        # Set once the connection's INIT granted passthrough (``engage_passthrough``): every open of a file
+        # is then answered with a backing descriptor, and the kernel serves its reads and maps itself.
+        self.passthrough: PassthroughPath | None = None
+        # Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
+        self.enable_passthrough = False
+
+    def engage_passthrough(self, path: PassthroughPath) -> None:
+        """From now on files are opened on the passthrough path; the next-epoch cache moves there too (its
+        policy decides per open, its bytes live in memfds), so this layer's own cache stays empty."""
+        self.passthrough = path
+        self.cache = None
+        self.stats.data_path = "passthrough"
+        self.stats.data_path_why = ""
 
     # -- attributes ----------------------------------------------------------------------------------
 
@@ -268,6 +283,10 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
+        if self.passthrough is not None:
+            answer = await self._open_passthrough(node)
+            if answer is not None:
+                return answer
         pushes = self._pushes.get(inode)
         if pushes is not None:
             # The kernel drops the file's pages when this open is answered (no keep_cache): a store still
@@ -305,6 +324,29 @@ class Operations(pyfuse3.Operations):
         keep_cache = held is not None and not direct_io
         return self._new_handle(Handle(content, node, decision, direct_io=direct_io), direct_io=direct_io,
                                 keep_cache=keep_cache)
+
+    async def _open_passthrough(self, node: Node) -> pyfuse3.FileInfo | None:
+        """An open answered with the inode's backing id; None for a file without one (served below)."""
+        assert self.passthrough is not None
+        told = self.size_overrides.get(node.id, node.size_served)
+        opened = await self.passthrough.open(node, told)
+        if opened is None:
+            return None
+        self.stats.opens += 1
+        self.stats.opens_raw += opened.raw
+        if opened.fallback:
+            self._fell_back(node.id)
+        if opened.size != told:
+            # A fallback, or a source changed in place: the kernel reads the backing file to its own end, but
+            # stat must say the new size too (DALI maps as many bytes as stat says).
+            self.size_overrides[node.id] = opened.size
+            self.notifier.invalidate(node.id, attr_only=True)
+        fh = self._next_fh
+        self._next_fh += 1
+        self.open_files[fh] = Handle(Content(size=opened.size, raw=opened.raw), node, passthrough=True)
+        info = pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=False, keep_cache=False, nonseekable=False)
+        info.backing_id = opened.backing_id  # type: ignore[attr-defined]  # the patched pyfuse3
+        return info
 
     async def _read_later(self, node: Node, decision: Decision) -> bool:
         """Whether ``node`` is opened without reading it, and read whole at its first read instead.
@@ -474,6 +516,13 @@ class Operations(pyfuse3.Operations):
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         handle = self.open_files[fh]
+        if handle.passthrough:
+            assert self.passthrough is not None and handle.node is not None
+            fd = self.passthrough.backing_fd(handle.node.id)
+            data = await self._blocking(handle.node, os.pread, fd, size, off)
+            self.stats.bytes_read += len(data)
+            self.stats.read_requests += 1
+            return data
         if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
             if fh not in self._loaned and fh in self.open_files:
@@ -496,8 +545,9 @@ class Operations(pyfuse3.Operations):
                     self._drop_served(handle)
                 elif self.push_pages and not handle.pushing and not self._holds(handle):
                     self._push_rest(fh, handle, reach)
-        self.stats.bytes_read += len(data)
-        self.stats.read_requests += 1
+        if handle.node is not None:  # the control file's reads are not the dataset's
+            self.stats.bytes_read += len(data)
+            self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
 
     def _push_rest(self, fh: int, handle: Handle, reach: int) -> None:
@@ -680,9 +730,14 @@ class Operations(pyfuse3.Operations):
             handle.reading.set()
             handle.reading = None
 
+    @_handler
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
         handle = self.open_files.pop(fh, None)
         if handle is None:
+            return
+        if handle.passthrough:
+            assert self.passthrough is not None and handle.node is not None
+            await self.passthrough.release(handle.node.id)
             return
         self._unloan(fh)
         if handle.content.deferred and handle.decision.keep:  # never read: the policy cannot keep it
@@ -708,6 +763,11 @@ class Operations(pyfuse3.Operations):
         values["buffers_idle_bytes"] = POOL.idle
         if self.cache is not None:
             values.update(self.cache.summary())
+        if self.passthrough is not None:
+            values["passthrough_open_inodes"] = self.passthrough.open_inodes()
+            if self.passthrough.memory is not None:
+                values.update(self.passthrough.memory.policy.summary())
+                values.update(dataclasses.asdict(self.passthrough.memory.statistics()))
         if self.control_extra is not None:
             values.update(self.control_extra())
         return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()
@@ -743,6 +803,7 @@ class Handle:
     reading: trio.Event | None = None  # set while one read of this handle reads storage for the others
     pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
     failed: int | None = None    # the errno its first read failed with (``_first_read_once``)
+    passthrough: bool = False    # served by the kernel from the inode's backing (``PassthroughPath``)
 
     def note_served(self, start: int, end: int) -> int:
         """Record a served range; returns how far from offset 0 the served ranges reach without a gap.

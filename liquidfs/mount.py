@@ -21,7 +21,8 @@ from pathlib import Path
 import pyfuse3
 import trio
 
-from . import guard
+from . import guard, passthrough
+from .memtier import MemoryTier
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
@@ -58,6 +59,14 @@ class MountConfig:
     buckets: tuple[str, str] | None = None
     disk_cache: Path | None = None
     disk_cache_size: str | None = None
+    #: ``mount --data-path``: "auto" (passthrough where available, else the daemon), "passthrough" (or fail),
+    #: "daemon" (every byte served by this process, as before passthrough existed).
+    data_path: str = "auto"
+    #: ``mount --verify-reads``: every file read whole and checked before its first byte is served.
+    verify_reads: bool = False
+
+
+DATA_PATHS = ("auto", "passthrough", "daemon")
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -126,6 +135,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
                      max_open_bytes=config.open_bytes, push_pages=config.push_pages)
     if disk is not None:
         ops.control_extra = disk.summary
+    ops.enable_passthrough = config.data_path != "daemon" and passthrough.built_in() is None
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:
@@ -213,9 +223,16 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
 async def _signal_ready(config: MountConfig, ops: Operations, ready_fd: int | None) -> None:
     # A stat of the control entry goes through the kernel to this very loop: once it answers, so does the mount.
     await trio.to_thread.run_sync(os.stat, config.mountpoint / os.fsdecode(CONTROL_NAME))
-    if config.readahead_kb:
+    if not choose_data_path(config, ops):
+        pyfuse3.terminate()
+        return
+    if config.readahead_kb and ops.passthrough is None:
         set_readahead(config.mountpoint, config.readahead_kb)
-    if config.warmup and ops.cache is not None:
+    if config.warmup and ops.passthrough is not None and ops.passthrough.memory is not None:
+        started = time.monotonic()
+        files, total = await ops.passthrough.warm_up(list(ops.catalog.files()))
+        log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
+    elif config.warmup and ops.cache is not None:
         started = time.monotonic()
         files, total = await ops.warm_up()
         log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
@@ -223,6 +240,33 @@ async def _signal_ready(config: MountConfig, ops: Operations, ready_fd: int | No
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
+
+
+def choose_data_path(config: MountConfig, ops: Operations) -> bool:
+    """After INIT: serve through passthrough where it works, else the daemon path; say which, and why, in one
+    line of the log and in ``stats``. False when ``--data-path passthrough`` cannot be had (the mount stops)."""
+    if config.data_path == "daemon":
+        why: str | None = "--data-path daemon"
+    elif config.page_cache == "direct":
+        why = "--page-cache direct: every read is served by the daemon"
+    else:
+        why = passthrough.engaged()
+    if why is not None:
+        ops.stats.data_path_why = why
+        if config.data_path == "passthrough":
+            log.error("--data-path passthrough: not available: %s", why)
+            return False
+        log.info("data path: daemon (%s)", why)
+        return True
+    memory = MemoryTier(ops.cache) if ops.cache is not None else None
+    path = passthrough.PassthroughPath(
+        passthrough.FuseKernel(), ops.reader, ops.stats, ops._blocking, memory=memory,
+        verify_reads=config.verify_reads, drop_served_pages=config.page_cache == "drop",
+        source_changed=ops._source_changed)
+    ops.engage_passthrough(path)
+    log.info("data path: passthrough (the kernel serves reads from backing files%s)",
+             "; each file checked whole before it is served" if config.verify_reads else "")
+    return True
 
 
 def set_readahead(mountpoint: Path, kb: int) -> None:

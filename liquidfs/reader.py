@@ -339,9 +339,9 @@ class StoreReader:
                     fallback, data = self._open_raw(node)
                     if data is not None:
                         return Content(size=len(data), raw=True, data=data, pooled=True)
-                self._warn_once(node, fallback)
+                self.warn_once(node, fallback)
             elif fallback:
-                self._warn_once(node, fallback)
+                self.warn_once(node, fallback)
                 fallback = None  # an original is served either way: not a fallback
             if st.st_size > WHOLE_FILE_LIMIT:
                 streamed, fd = fd, -1  # the content owns it now
@@ -403,7 +403,7 @@ class StoreReader:
         finally:
             os.close(fd)
 
-    def _warn_once(self, node: Node, why: str | None) -> None:
+    def warn_once(self, node: Node, why: str | None) -> None:
         if node.id not in self._warned:
             self._warned.add(node.id)
             log.warning("%s: %s; serving the original", os.fsdecode(node.path), why)

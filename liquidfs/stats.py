@@ -32,6 +32,13 @@ class MountStats:
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT
+    data_path: str = "daemon"     # "passthrough": the kernel serves reads from backing files; "daemon": we do
+    data_path_why: str = ""       # why the daemon path serves, when it does
+    passthrough_opens: int = 0    # opens answered with a backing file (no read of them reaches the daemon)
+    backing_source: int = 0       # first opens served from the source file itself
+    backing_object: int = 0       # ... from the raw object of a local store
+    backing_memfd: int = 0        # ... from a memfd (a cache hit, an object-store download, a checked read)
+    backing_disk: int = 0         # ... from the local disk cache level (copied into a memfd, checked)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -56,8 +56,10 @@ def daemon_pid(mountpoint: Path) -> int:
 class Mount:
     """Starts ``liquidfs mount`` like a user does; tears every mount down whatever happened."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, data_path: str | None = None) -> None:
         self.tmp = tmp
+        #: ``--data-path`` given to every mount (None: the default, auto)
+        self.data_path = data_path
         self.mountpoints: list[Path] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         self._n = 0
@@ -72,7 +74,7 @@ class Mount:
         mnt = mountpoint or self.mountpoint()
         store = store or self.tmp / "store"
         cmd = [sys.executable, "-m", "liquidfs", "mount", str(source), str(mnt), "--store", str(store),
-               "--log-level", "info", *args]
+               "--log-level", "info", *self._data_path_args(args), *args]
         self.mountpoints.append(mnt)
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
         if done.returncode != 0:
@@ -84,7 +86,7 @@ class Mount:
         mnt = self.mountpoint()
         store = store or self.tmp / "store"
         cmd = [sys.executable, "-m", "liquidfs", "mount", str(source), str(mnt), "--store", str(store),
-               "--foreground", "--log-level", "info", *args]
+               "--foreground", "--log-level", "info", *self._data_path_args(args), *args]
         with open(self.tmp / f"fg{self._n}.log", "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         self.mountpoints.append(mnt)
@@ -102,6 +104,9 @@ class Mount:
 
         wait_for(ready, 120, what=f"mount on {mnt}")
         return mnt, proc
+
+    def _data_path_args(self, args: tuple[str, ...]) -> list[str]:
+        return ["--data-path", self.data_path] if self.data_path and "--data-path" not in args else []
 
     def umount(self, mnt: Path) -> None:
         subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True, capture_output=True,

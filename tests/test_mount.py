@@ -23,6 +23,17 @@ from trees import dataset_tree
 pytestmark = pytest.mark.fuse
 
 
+@pytest.fixture(params=["passthrough", "daemon"])
+def mounter(request: pytest.FixtureRequest, tmp_path: Path):
+    """Every test here runs on both data paths; ``--data-path passthrough`` fails the mount where it is not
+    available, so the passthrough runs cannot quietly fall back to the daemon."""
+    m = Mount(tmp_path, data_path=request.param)
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dataset_tree(tmp_path_factory.mktemp("src") / "data", big_dir=5000)

@@ -1,0 +1,167 @@
+"""Which file descriptor serves an open, and the checks that make it safe to hand to the kernel.
+
+With FUSE passthrough the kernel reads an open file's bytes straight from a descriptor the daemon hands it at
+open: every check must therefore happen before the open is answered. Four kinds of backing exist:
+
+* ``source``: the original file, opened below the source root without following links, its identity (size and
+  mtime) checked on the open descriptor against the catalog;
+* ``object``: the raw object of a local store, served only as ``prepare`` left it (regular file, its size, its
+  inode unchanged since the store was sealed: any write, truncation or rename since makes its ctime later);
+* ``memfd``: bytes read whole and checked before any is served (a raw object that cannot be vouched for by a
+  stat, an object-store download, ``mount --verify-reads``, a next-epoch cache hit), sealed against change;
+* ``disk``: a file of the local disk cache level, read whole and checked against its digest like a memfd.
+
+Everything here blocks and runs in a worker thread (``fs.Operations._blocking``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from typing import Protocol
+
+from .catalog import REPR_RAW, Node
+from .reader import SEAL_MARGIN_NS, Content, StoreReader, open_beneath
+
+log = logging.getLogger(__name__)
+
+KINDS = ("source", "object", "memfd", "disk")
+_SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+
+
+class ContentReader(Protocol):
+    """What every reader (local store, object store, disk tier) offers: the content of a node, read whole."""
+
+    def open(self, node: Node) -> Content: ...
+
+
+@dataclass(slots=True)
+class Backing:
+    """An open descriptor holding exactly the bytes one file serves; owned by whoever holds this object."""
+
+    fd: int
+    size: int
+    raw: bool
+    kind: str
+    fallback: str | None = None  # why the raw object was not served, when it should have been
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False) -> Backing | None:
+    """The backing of ``node``, or None where none can be made (a file too large to be read whole from an
+    object store: such a file is served by the daemon, in ranges, as before).
+
+    A local store answers with the source or the object descriptor itself when a stat vouches for it; anything
+    else (and everything with ``verify_reads``) is read whole by the reader, checked there (a raw object's
+    checksum, an object store's ETag and size), and copied into a sealed memfd.
+    """
+    if isinstance(reader, StoreReader) and not verify_reads:
+        found = _vouched(reader, node)
+        if found is not None:
+            return found
+    content = reader.open(node)
+    try:
+        if content.data is not None:
+            fd = memfd_with(content.data, node.path)
+            kind = "disk" if content.tier == "disk" else "memfd"
+            return Backing(fd, content.size, content.raw, kind, content.fallback)
+        if content.fd is not None:  # a local file too large to read whole: the source itself
+            fd, content.fd = content.fd, None
+            return Backing(fd, content.size, content.raw, "source", content.fallback)
+        return None
+    finally:
+        content.close()
+
+
+def _vouched(reader: StoreReader, node: Node) -> Backing | None:
+    """The source or raw object descriptor of a local store, when a stat of it shows what the catalog says."""
+    source = open_beneath(reader.source_root, node.path)
+    try:
+        changed = reader.check_source(node, os.fstat(source))
+        if node.repr != REPR_RAW:
+            # An original is served either way; its size may differ from the catalog's (the caller corrects it).
+            found = Backing(source, os.fstat(source).st_size, raw=False, kind="source")
+            source = -1
+            return found
+        if changed is not None:
+            reader.warn_once(node, changed)
+            found = Backing(source, os.fstat(source).st_size, raw=False, kind="source", fallback=changed)
+            source = -1
+            return found
+        if reader.sealed_ns is None:
+            return None  # not sealed (or not a local filesystem): read and checked whole
+        obj = _open_object(reader, node)
+        if obj is None:
+            return None
+        st = os.fstat(obj)
+        if st.st_size == node.served_size and st.st_ctime_ns <= reader.sealed_ns - SEAL_MARGIN_NS:
+            return Backing(obj, st.st_size, raw=True, kind="object")
+        os.close(obj)
+        return None  # touched since prepare: read whole, checksum checked (or the original served)
+    finally:
+        if source >= 0:
+            os.close(source)
+
+
+def _open_object(reader: StoreReader, node: Node) -> int | None:
+    """The raw object's descriptor, or None if it is not a regular file of the store (missing, a link...)."""
+    try:
+        fd = os.open(reader.object_path(node), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # the reader's whole read says why, and serves the original
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return fd
+
+
+def memfd_with(data: bytes | memoryview, name: bytes | str = b"liquidfs") -> int:
+    """A sealed memfd holding ``data``: nobody, the daemon included, can change what it serves afterwards."""
+    label = os.path.basename(os.fsdecode(name))[:200] or "liquidfs"
+    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def memfd_copy(fd: int, size: int, name: bytes | str = b"liquidfs") -> int:
+    """A sealed memfd holding the first ``size`` bytes of ``fd``, copied by the kernel (``sendfile``): no byte
+    passes through Python. The caller has just served these bytes, so their pages are usually still cached."""
+    label = os.path.basename(os.fsdecode(name))[:200] or "liquidfs"
+    out = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        done = 0
+        while done < size:
+            sent = os.sendfile(out, fd, done, size - done)
+            if sent == 0:
+                raise OSError(errno.EIO, f"short copy: {done} of {size} bytes")
+            done += sent
+        fcntl.fcntl(out, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(out)
+        raise
+    return out
+
+
+def drop_pages(fd: int) -> None:
+    """Drop the page-cache pages of a served file, so the kernel keeps no second, unplanned copy of the dataset."""
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as exc:
+        log.debug("fadvise(DONTNEED): %s", exc)

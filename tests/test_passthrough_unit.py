@@ -1,0 +1,270 @@
+"""The passthrough data path driven in-process: backings chosen and checked, shared per inode, kept in memfds.
+
+The kernel is a fake that records registrations; the mount suite shows the real one (``test_passthrough.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from liquidfs.backing import memfd_copy, memfd_with, resolve
+from liquidfs.cache import NextEpochCache
+from liquidfs.catalog import ROOT_ID, Catalog
+from liquidfs.fs import Operations
+from liquidfs.memtier import MemoryTier
+from liquidfs.passthrough import PassthroughPath
+from liquidfs.prepare import prepare
+from liquidfs.reader import StoreReader
+from liquidfs.sample import make_sample
+from liquidfs.stats import MountStats
+
+CTX = pyfuse3.RequestContext()
+
+
+class FakeKernel:
+    def __init__(self) -> None:
+        self.next_id = 1
+        self.files: dict[int, int] = {}  # backing id -> (a dup of) the registered fd
+        self.registered = 0
+
+    def register(self, fd: int) -> int:
+        backing_id = self.next_id
+        self.next_id += 1
+        self.files[backing_id] = os.dup(fd)
+        self.registered += 1
+        return backing_id
+
+    def unregister(self, backing_id: int) -> None:
+        os.close(self.files.pop(backing_id))
+
+    def read(self, backing_id: int) -> bytes:
+        fd = self.files[backing_id]
+        return os.pread(fd, os.fstat(fd).st_size + 1, 0)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("pt")
+    src = root / "data"
+    make_sample(src, count=6, width=64, height=48, seed=3)
+    store = root / "store"
+    prepare(src, store, 0.5, progress=False)
+    time.sleep(0.1)  # objects written within a clock tick of the seal are not vouched for by a stat
+    prepare(src, store, 0.5, progress=False)
+    return src, store
+
+
+def _ops(store: Path, *, cache: bool = False, verify: bool = False) -> tuple[Operations, FakeKernel]:
+    catalog = Catalog.open(store, readonly=True)
+    reader = StoreReader(catalog.source, store, catalog.sealed_ns)
+    files, served, _, max_id = catalog.file_totals()
+    policy = NextEpochCache(served, served, files, max_id=max_id) if cache else None
+    ops = Operations(catalog, reader, MountStats(), cache=policy)
+    kernel = FakeKernel()
+    memory = MemoryTier(policy) if policy is not None else None
+    ops.engage_passthrough(PassthroughPath(kernel, reader, ops.stats, ops._blocking, memory=memory,
+                                           verify_reads=verify, source_changed=ops._source_changed))
+    return ops, kernel
+
+
+def _images(ops: Operations) -> list:
+    return [n for n in ops.catalog.files() if n.path.endswith((b".png", b".bmp", b".jpg"))]
+
+
+def _expected(src: Path, store: Path, node) -> bytes:
+    return (store / node.object).read_bytes() if node.object else (src / os.fsdecode(node.path)).read_bytes()
+
+
+def test_every_open_is_answered_with_a_backing_holding_the_served_bytes(prepared) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store)
+
+    async def main() -> None:
+        for node in _images(ops):
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            assert info.backing_id > 0 and not info.direct_io
+            assert kernel.read(info.backing_id) == _expected(src, store, node)
+            await ops.release(info.fh)
+        assert not kernel.files  # every backing closed at its last release
+
+    trio.run(main)
+    assert ops.stats.backing_object >= 1 and ops.stats.backing_source >= 1
+    assert ops.stats.read_requests == 0 and ops.stats.data_path == "passthrough"
+
+
+def test_concurrent_opens_share_one_backing_closed_at_the_last_release(prepared) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store)
+    node = next(n for n in _images(ops) if n.object)
+
+    async def main() -> None:
+        infos = []
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                async def one() -> None:
+                    infos.append(await ops.open(node.id, os.O_RDONLY, CTX))
+                nursery.start_soon(one)
+        assert len({i.backing_id for i in infos}) == 1 and kernel.registered == 1
+        await ops.release(infos[0].fh)
+        await ops.release(infos[1].fh)
+        assert len(kernel.files) == 1
+        # a READ that still reaches the daemon is answered from the same backing
+        assert await ops.read(infos[2].fh, 0, 16) == _expected(src, store, node)[:16]
+        await ops.release(infos[2].fh)
+        assert not kernel.files
+
+    trio.run(main)
+
+
+def test_a_touched_or_damaged_object_is_never_passed_through(prepared, tmp_path: Path) -> None:
+    src, store = prepared
+    import shutil
+    store2 = tmp_path / "store"
+    shutil.copytree(store, store2)  # copies: every object's ctime is now after the seal
+    ops, kernel = _ops(store2)
+    node = next(n for n in _images(ops) if n.object)
+    obj = store2 / node.object
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 0xFF
+    obj.write_bytes(bytes(data))
+
+    async def main() -> bytes:
+        info = await ops.open(node.id, os.O_RDONLY, CTX)
+        try:
+            return kernel.read(info.backing_id)
+        finally:
+            await ops.release(info.fh)
+
+    served = trio.run(main)
+    assert served == (src / os.fsdecode(node.path)).read_bytes()  # the original, not the damaged object
+    assert ops.stats.fallbacks == 1 and ops.stats.backing_memfd == 1
+
+
+def test_a_changed_source_serves_the_original_at_its_new_size(prepared, tmp_path: Path) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store)
+    node = next(n for n in _images(ops) if n.object)
+    path = src / os.fsdecode(node.path)
+    before = path.read_bytes()
+    st = path.stat()
+    try:
+        path.write_bytes(before + b"x")
+
+        async def main() -> tuple[bytes, int]:
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            try:
+                return kernel.read(info.backing_id), (await ops.getattr(node.id, CTX)).st_size
+            finally:
+                await ops.release(info.fh)
+
+        served, size = trio.run(main)
+        assert served == before + b"x" and size == len(before) + 1
+    finally:
+        path.write_bytes(before)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_verify_reads_serves_checked_memfds(prepared) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store, verify=True)
+
+    async def main() -> None:
+        for node in _images(ops):
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            fd = kernel.files[info.backing_id]
+            assert Path(f"/proc/self/fd/{fd}").readlink().name.startswith("memfd:")
+            assert kernel.read(info.backing_id) == _expected(src, store, node)
+            await ops.release(info.fh)
+
+    trio.run(main)
+    assert ops.stats.backing_memfd == len(_images(ops))
+
+
+def test_next_epoch_cache_keeps_memfds_and_hits_serve_them(prepared) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)  # a budget of the whole dataset: everything is kept
+    nodes = _images(ops)
+    memory = ops.passthrough.memory
+
+    async def epoch() -> None:
+        for node in nodes:
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            assert kernel.read(info.backing_id) == _expected(src, store, node)
+            await ops.release(info.fh)
+
+    trio.run(epoch)
+    held = memory.statistics()
+    assert held.memfd_files == len(nodes) and held.memfd_bytes == sum(n.size_served for n in nodes)
+    assert held.memfd_bytes <= memory.budget
+    for _ in range(2):
+        trio.run(epoch)  # epochs 2 and 3 read every file through the memfds
+    assert ops.stats.bytes_from_memory == 2 * held.memfd_bytes
+    assert memory.policy.stats.hits == 2 * len(nodes)
+
+
+def test_memfds_are_sealed_copies(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"0123456789" * 1000)
+    with open(path, "rb") as f:
+        fd = memfd_copy(f.fileno(), 10_000)
+    try:
+        assert os.pread(fd, 20_000, 0) == path.read_bytes()
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 1)
+    finally:
+        os.close(fd)
+    fd = memfd_with(b"abc")
+    assert os.pread(fd, 10, 0) == b"abc" and stat.S_ISREG(os.fstat(fd).st_mode)
+    os.close(fd)
+
+
+def test_first_open_failing_fails_its_waiters_and_leaves_no_entry(prepared, tmp_path: Path) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store)
+
+    def refuse(fd: int) -> int:
+        raise OSError(errno.EPERM, "no")
+
+    kernel.register = refuse  # type: ignore[method-assign]
+    node = _images(ops)[0]
+
+    async def main() -> None:
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            await ops.open(node.id, os.O_RDONLY, CTX)
+        assert info.value.errno == errno.EPERM
+        assert ops.passthrough.open_inodes() == 0
+
+    trio.run(main)
+
+
+def test_resolve_refuses_an_object_swapped_for_a_link(prepared, tmp_path: Path) -> None:
+    src, store = prepared
+    import shutil
+    store2 = tmp_path / "store"
+    shutil.copytree(store, store2)
+    catalog = Catalog.open(store2, readonly=True)
+    node = next(n for n in catalog.files() if n.object)
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"not yours" * 100)
+    obj = store2 / node.object
+    obj.unlink()
+    obj.symlink_to(secret)
+    reader = StoreReader(catalog.source, store2, catalog.sealed_ns)
+    backing = resolve(reader, node)
+    assert backing is not None
+    try:
+        assert os.pread(backing.fd, 1 << 20, 0) == (src / os.fsdecode(node.path)).read_bytes()
+        assert backing.fallback
+    finally:
+        backing.close()
+    assert ROOT_ID == 1
