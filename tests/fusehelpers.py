@@ -53,6 +53,19 @@ def daemon_pid(mountpoint: Path) -> int:
         return int(json.loads(f.read())["pid"])
 
 
+def memfd_bytes(pid: int) -> int:
+    """Bytes in the memfds a daemon holds open (the passthrough path's cache): its own objects, not a
+    machine-wide counter that any other process moves."""
+    total = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                total += os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
 class Mount:
     """Starts ``liquidfs mount`` like a user does; tears every mount down whatever happened."""
 

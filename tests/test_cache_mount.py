@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from fusehelpers import Mount
+from fusehelpers import Mount, memfd_bytes
 
 pytestmark = pytest.mark.fuse
 
@@ -102,18 +102,6 @@ def _resident(paths: list[str]) -> int:
     done = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *paths],
                           capture_output=True, text=True, check=True)
     return sum(int(x) for x in done.stdout.split())
-
-
-def memfd_bytes(pid: int) -> int:
-    """Bytes in the memfds the daemon holds open (the passthrough path's cache)."""
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
-                total += os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
-        except OSError:
-            pass
-    return total
 
 
 @pytest.mark.parametrize("cache", [None, "30%"])

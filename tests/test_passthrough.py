@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from fusehelpers import Mount, daemon_pid
+from fusehelpers import Mount, daemon_pid, memfd_bytes
 from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare
 from trees import dataset_tree
@@ -213,18 +213,6 @@ def test_verify_reads_checks_every_file_before_serving_it(prepared, tmp_path: Pa
     assert values["fallbacks"] == 1 and values["backing_memfd"] >= 1 and values["backing_object"] == 0
 
 
-def _memfd_bytes(pid: int) -> int:
-    """Bytes in the memfds the daemon holds open (its own objects: not a machine-wide counter)."""
-    total = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
-                total += os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
-        except OSError:
-            pass
-    return total
-
-
 READER = textwrap.dedent(r"""
     import sys
     for f in sys.argv[1:]:
@@ -253,7 +241,7 @@ def test_next_epoch_cache_in_memfds(tmp_path: Path, mounter: Mount) -> None:
         paths = [str(mnt / f) for f in order]
         for part in range(0, len(paths), 64):
             subprocess.run([sys.executable, "-c", READER, *paths[part:part + 64]], check=True, timeout=120)
-            peak = max(peak, _memfd_bytes(pid))
+            peak = max(peak, memfd_bytes(pid))
     values = stats(mnt)
     assert values["memfd_bytes"] <= budget and peak <= budget * 1.02 + (1 << 20)
     assert values["memfd_files"] > 0 and values["cache_held_bytes"] <= budget

@@ -9,7 +9,8 @@
 #
 # Needs a C compiler, pkg-config, patch, the Python headers, apt (only without a system libfuse
 # >= 3.17) and PyPI. Idempotent: exits at once when VENV's pyfuse3 already has passthrough_open.
-# On failure the last line on stderr says why, and VENV's previous pyfuse3 is left installed.
+# On failure the last line on stderr says why. The patched pyfuse3 is built as a wheel and its link
+# checked with ldd (libfuse3 from VENV/libfuse/lib) before it replaces VENV's previous pyfuse3.
 set -euo pipefail
 
 LIBFUSE_VERSION=3.17.2
@@ -110,6 +111,23 @@ else
     fi
 fi
 
+# Where EXT (pyfuse3's extension module) loads libfuse3 from, checked with ldd before anything imports
+# it, so a wrong link is reported as such rather than as an ImportError (an undefined
+# fuse_session_new_versioned: 3.17 headers, an older library).
+check_linkage() {
+    local ext=$1 soname path
+    read -r soname path < <(ldd "$ext" | awk '$1 ~ /^libfuse3\.so/ { print $1, $3; exit }') || true
+    [ -n "${soname:-}" ] || die "$ext does not link libfuse3 at all"
+    if [ "$path" = "not" ] || [ ! -e "$path" ]; then
+        die "$ext needs $soname, which the loader cannot find (no rpath to it?)"
+    fi
+    if [ -n "$prefix" ] && [ "$(dirname "$path")" != "$prefix/lib" ]; then
+        die "$ext was linked against $(readlink -f "$path") ($soname) instead of $prefix/lib/libfuse3.so" \
+            "(libfuse $LIBFUSE_VERSION): the linker found another libfuse3.so first on its -L path"
+    fi
+    libfuse=$(readlink -f "$path")
+}
+
 echo "building pyfuse3 $PYFUSE3_VERSION with $(basename "$here")/pyfuse3-passthrough.patch"
 pip_quiet download -q --no-deps --no-binary :all: -d "$tmp/sdist" "pyfuse3==$PYFUSE3_VERSION" \
     || die "pip download pyfuse3==$PYFUSE3_VERSION failed"
@@ -121,17 +139,28 @@ rm -f "$pysrc/src/pyfuse3/__init__.c"  # generated from the unpatched .pyx: make
 (
     if [ -n "$prefix" ]; then
         export PKG_CONFIG_PATH="$prefix/lib/pkgconfig${PKG_CONFIG_PATH:+:$PKG_CONFIG_PATH}"
-        export LDFLAGS="-Wl,-rpath,$prefix/lib${LDFLAGS:+ $LDFLAGS}"
+        # -L here too, not only in pkg-config's --libs: pyfuse3's build backend passes those as
+        # extra_link_args, which end the link line, while setuptools puts Python's LIBDIR on the
+        # library path before them when Python is built with --enable-shared -- on Debian's python3
+        # that is /usr/lib/x86_64-linux-gnu, whose libfuse3.so (libfuse3-dev, 3.14) ld would then take
+        # for -lfuse3.  LDFLAGS come right after the linker command, ahead of every other -L.
+        export LDFLAGS="-L$prefix/lib -Wl,-rpath,$prefix/lib${LDFLAGS:+ $LDFLAGS}"
     fi
     # A local version label, so `pip show pyfuse3` tells this build from the stock one.
     export SETUPTOOLS_SCM_PRETEND_VERSION="$PYFUSE3_VERSION+passthrough"
-    pip_quiet install -q --no-deps --force-reinstall --no-cache-dir "$pysrc"
+    # A wheel first (never from or into pip's cache), checked below before it replaces anything.
+    pip_quiet wheel -q --no-deps --no-cache-dir -w "$tmp/wheel" "$pysrc"
 ) || die "building the patched pyfuse3 failed"
+wheels=("$tmp"/wheel/pyfuse3-*.whl)
+[ -f "${wheels[0]}" ] || die "pip wheel left no pyfuse3 wheel in $tmp/wheel"
+"$py" -m zipfile -e "${wheels[0]}" "$tmp/unpacked" || die "cannot unpack ${wheels[0]}"
+exts=("$tmp"/unpacked/pyfuse3/__init__*.so)
+[ -f "${exts[0]}" ] || die "the pyfuse3 wheel has no extension module"
+check_linkage "${exts[0]}"
 
+pip_quiet install -q --no-deps --force-reinstall --no-cache-dir "${wheels[0]}" \
+    || die "installing the patched pyfuse3 wheel failed"
+ext=$("$py" -c 'import importlib.util; print(importlib.util.find_spec("pyfuse3").origin)')
+check_linkage "$ext"
 "$py" -c 'import pyfuse3; pyfuse3.passthrough_open' || die "the installed pyfuse3 has no passthrough_open"
-ext=$("$py" -c 'import pyfuse3; print(pyfuse3.__file__)')
-lib=$(ldd "$ext" | awk '$1 ~ /^libfuse3\.so/ { print $3 }')
-if [ -n "$prefix" ] && [ "$(dirname "$lib")" != "$prefix/lib" ]; then
-    die "$ext loads ${lib:-no libfuse3} instead of $prefix/lib's"
-fi
-echo "pyfuse3 $PYFUSE3_VERSION+passthrough installed in $venv (libfuse: $(readlink -f "$lib")) in $((SECONDS - start))s"
+echo "pyfuse3 $PYFUSE3_VERSION+passthrough installed in $venv (libfuse: $libfuse) in $((SECONDS - start))s"
