@@ -11,7 +11,7 @@ open: every check must therefore happen before the open is answered. Four kinds 
   stat, an object-store download, ``mount --verify-reads``, a next-epoch cache hit), sealed against change;
 * ``disk``: a file of the local disk cache level, read whole and checked against its digest like a memfd.
 
-Everything here blocks and runs in a worker thread (``fs.Operations._blocking``).
+Everything here blocks and runs in a worker thread (``storage.StorageCalls.run``).
 """
 
 from __future__ import annotations

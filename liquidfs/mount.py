@@ -234,7 +234,7 @@ async def _signal_ready(config: MountConfig, ops: Operations, ready_fd: int | No
         log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
     elif config.warmup and ops.cache is not None:
         started = time.monotonic()
-        files, total = await ops.warm_up()
+        files, total = await ops.daemon.warm_up(list(ops.catalog.files()))
         log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
     log.info("mount answers")
     if ready_fd is not None:
@@ -260,9 +260,9 @@ def choose_data_path(config: MountConfig, ops: Operations) -> bool:
         return True
     memory = MemoryTier(ops.cache) if ops.cache is not None else None
     path = passthrough.PassthroughPath(
-        passthrough.FuseKernel(), ops.reader, ops.stats, ops._blocking, memory=memory,
+        passthrough.FuseKernel(), ops.reader, ops.stats, ops.storage.run, memory=memory,
         verify_reads=config.verify_reads, drop_served_pages=config.page_cache == "drop",
-        source_changed=ops._source_changed)
+        source_changed=ops.storage.source_changed)
     ops.engage_passthrough(path)
     log.info("data path: passthrough (the kernel serves reads from backing files%s)",
              "; each file checked whole before it is served" if config.verify_reads else "")

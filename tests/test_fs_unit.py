@@ -101,7 +101,7 @@ def test_cache_holds_bytes_for_the_next_epoch(ops: Operations) -> None:
             fi = run(ops.open, inode, os.O_RDONLY, CTX)
             run(ops.read, fi.fh, 0, 1 << 20)
             run(ops.release, fi.fh)
-    assert set(ops.held_data) == {a.st_ino, b.st_ino}
+    assert set(ops.daemon.held_data) == {a.st_ino, b.st_ino}
     assert ops.stats.bytes_from_memory == 2 * 5006 and ops.stats.bytes_from_storage == 5006
     assert ops.cache is not None and ops.cache.stats.hits == 4
 
@@ -114,14 +114,14 @@ def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
     assert ops.open_files[fi.fh].decision.keep and ops.open_files[fi.fh].content.deferred
     assert ops.cache is not None and b.st_ino in ops.cache.held
     run(ops.release, fi.fh)
-    assert b.st_ino not in ops.held_data and b.st_ino not in ops.cache.held
+    assert b.st_ino not in ops.daemon.held_data and b.st_ino not in ops.cache.held
     d = run(ops.lookup, ROOT_ID, b"d", CTX)
     a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
     fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
-    assert a.st_ino not in ops.held_data  # not yet read
+    assert a.st_ino not in ops.daemon.held_data  # not yet read
     assert bytes(run(ops.read, fi.fh, 0, 4096)) == b"A" * 4096
     run(ops.release, fi.fh)
-    assert bytes(ops.held_data[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
+    assert bytes(ops.daemon.held_data[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
 
 
 def test_control_entry(ops: Operations) -> None:
@@ -177,8 +177,8 @@ def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
     ops = _ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
     for name, data in FILES.items():
         assert _read_whole(ops, name.encode()) == data
-    assert len(ops.held_data) == 4
-    held = {id(view.obj) for view in ops.held_data.values()}
+    assert len(ops.daemon.held_data) == 4
+    held = {id(view.obj) for view in ops.daemon.held_data.values()}
     assert not held & {id(buf) for _, buf, _ in POOL._free}
     # Other files opened and closed now borrow every free buffer there is; the held bytes must not change.
     others = {f"y{i}": bytes([100 + i]) * 300_000 for i in range(6)}
@@ -222,7 +222,7 @@ def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> 
     assert ops.stats.rereads == 3
     assert run(ops.read, fi.fh, len(data), 4096) == b""
     run(ops.release, fi.fh)
-    assert not ops._pieces
+    assert not ops.daemon._pieces
 
 
 def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -> None:
@@ -272,21 +272,21 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
     at their first read instead of at open; nothing is read twice."""
     ops = _ops_over(tmp_path, FILES, None)
     ops.reader.vouch = lambda node: None  # type: ignore[method-assign]  # like an object store's
-    ops.max_open_bytes = 700_000  # room for two of the four 300 kB files
+    ops.daemon.max_open_bytes = 700_000  # room for two of the four 300 kB files
     handles = {}
     for name in FILES:
         ino = run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino
         handles[name] = run(ops.open, ino, os.O_RDONLY, CTX).fh
     loaded = [h for h in ops.open_files.values() if h.content.data is not None]
-    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops._loaned_bytes == 600_000
+    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.daemon._loaned_bytes == 600_000
     for name, data in reversed(FILES.items()):  # deferred ones first
         assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
-        assert ops._loaned_bytes <= ops.max_open_bytes
+        assert ops.daemon._loaned_bytes <= ops.daemon.max_open_bytes
     assert ops.stats.rereads == 0 and ops.stats.let_go == 0
     assert ops.stats.bytes_from_storage == sum(map(len, FILES.values()))  # each file read once
     for fh in handles.values():
         run(ops.release, fh)
-    assert ops._loaned_bytes == 0 and not ops._loaned
+    assert ops.daemon._loaned_bytes == 0 and not ops.daemon._loaned
 
 
 def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: Path) -> None:
@@ -330,7 +330,7 @@ class _Kernel:
 def _push_ops(tmp_path: Path, files: dict[str, bytes]) -> tuple[Operations, _Kernel]:
     ops = _ops_over(tmp_path, files, None)
     kernel = _Kernel()
-    ops.notifier = kernel  # type: ignore[assignment]
+    ops.notifier = ops.daemon.notifier = kernel  # type: ignore[assignment]
     return ops, kernel
 
 
@@ -351,7 +351,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert handle.content.data is not None  # kept until the kernel has copied them
     kernel.deliver()
     assert handle.content.data is None and handle.chunks is not None
-    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops._loaned_bytes == 0
+    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.daemon._loaned_bytes == 0
     before = POOL.reused
     fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
     run(ops.read, fh_b, 0, 4096)
@@ -413,7 +413,7 @@ def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) 
             nursery.start_soon(second_open)
             await trio.testing.wait_all_tasks_blocked()
             # still waiting for the kernel to take the first open's store
-            assert not opened and ops._pushes[ino].done.statistics().tasks_waiting == 1
+            assert not opened and ops.daemon._pushes[ino].done.statistics().tasks_waiting == 1
             kernel.deliver()
         assert opened
         await ops.release(fh)
@@ -425,7 +425,7 @@ def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) 
 def test_a_failing_store_completion_does_not_end_the_loop() -> None:
     """Completions run on the trio thread through run_sync_soon: an exception there would end trio.run and with
     it the mount. (Without a mount the store itself fails too, with EINVAL: its completion still runs.)"""
-    from liquidfs.fs import Notifier
+    from liquidfs.notifier import Notifier
 
     notifier = Notifier()
     seen: list[bool] = []
@@ -469,13 +469,13 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
     for name, data in FILES.items():  # the cache now holds every file
         assert _read_whole(ops, name.encode()) == data
     hops: list[int] = []
-    real_blocking = ops._blocking
+    real_blocking = ops.storage.run
 
     async def counting(node, fn, *args):  # type: ignore[no-untyped-def]
         hops.append(node.id)
         return await real_blocking(node, fn, *args)
 
-    ops._blocking = counting  # type: ignore[method-assign]
+    ops.storage.run = counting  # type: ignore[method-assign]
     ops.reader.inline_check = True  # type: ignore[union-attr]
     assert _read_whole(ops, b"x1") == FILES["x1"] and hops == []
     ops.reader.inline_check = False  # type: ignore[union-attr]  # NFS, FUSE: a stat may hang

@@ -70,8 +70,8 @@ def _ops(store: Path, *, cache: bool = False, verify: bool = False) -> tuple[Ope
     ops = Operations(catalog, reader, MountStats(), cache=policy)
     kernel = FakeKernel()
     memory = MemoryTier(policy) if policy is not None else None
-    ops.engage_passthrough(PassthroughPath(kernel, reader, ops.stats, ops._blocking, memory=memory,
-                                           verify_reads=verify, source_changed=ops._source_changed))
+    ops.engage_passthrough(PassthroughPath(kernel, reader, ops.stats, ops.storage.run, memory=memory,
+                                           verify_reads=verify, source_changed=ops.storage.source_changed))
     return ops, kernel
 
 

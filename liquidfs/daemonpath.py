@@ -1,0 +1,508 @@
+"""The daemon data path: every read of a file is answered by this process (where passthrough is not available).
+
+Files are read whole from storage (O_DIRECT, into pooled buffers), at open or at their first read, so a raw
+object's checksum is checked before its first byte is served; the next-epoch cache holds its files' bytes in
+this process; bytes served to the end are let go and read again chunk by chunk, checked, if the kernel asks
+again. ``fs.Operations`` translates requests and hands file opens, reads and releases here.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from pyfuse3 import FUSEError
+
+from .cache import Decision, NextEpochCache
+from .catalog import REPR_RAW, Node
+from .notifier import Notifier
+from .reader import CHUNK, POOL, WHOLE_FILE_LIMIT, Content, chunk_digests, chunk_span
+from .stats import MountStats
+from .storage import StorageCalls
+
+log = logging.getLogger(__name__)
+
+#: Bytes that open files may keep in the daemon beyond the cache's budget (files read whole at open, not yet
+#: served to the end); past it the oldest let go of theirs and read them again if asked (``DaemonPath._loan``).
+MAX_OPEN_BYTES = 64 << 20
+#: ``mount --page-cache``: "drop" the pages of a file the daemon does not hold when it is closed (no second
+#: copy of the dataset in memory; the kernel's work of dropping them is charged to the daemon), "keep" them
+#: like any file's (the kernel reclaims them under pressure), or serve such files "direct" (direct_io: no pages
+#: at all, every read reaches the daemon).
+PAGE_CACHE_MODES = ("drop", "keep", "direct")
+#: The kernel marks a page it is handed (``notify_store``) up to date only when the page is whole.
+_PAGE = 4096
+#: Pieces of files read again (``DaemonPath._read_again``) kept for the reads of neighbouring pages that follow.
+MAX_PIECES = 16
+
+
+class DaemonPath:
+    """Opens, reads and releases of files whose bytes this process serves."""
+
+    def __init__(self, reader: Any, stats: MountStats, storage: StorageCalls, notifier: Notifier,
+                 open_files: dict[int, Handle], size_overrides: dict[int, int], fell_back: set[int],
+                 on_fallback: Callable[[int], None], *, cache: NextEpochCache | None = None,
+                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True) -> None:
+        if page_cache not in PAGE_CACHE_MODES:
+            raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, not {page_cache!r}")
+        self.reader = reader
+        self.stats = stats
+        self.storage = storage
+        self.notifier = notifier
+        self.on_fallback = on_fallback
+        # Shared with the FUSE layer: its open handles, and the sizes the kernel was told that differ from
+        # the catalog's (a fallback to the original, a source changed in place).
+        self.open_files = open_files
+        self.size_overrides = size_overrides
+        self.fell_back = fell_back  # files whose raw object was not served: read at open from now on
+        # What the kernel's page cache keeps of files the daemon does not hold (``mount --page-cache``).
+        self.page_cache = page_cache
+        self.cache = cache
+        # Bytes of the files the cache policy holds: the daemon's own memory, safe from page-cache reclaim.
+        self.held_data: dict[int, memoryview] = {}
+        # Hand the rest of a file to the kernel's page cache at its first read (``_push_rest``).
+        self.push_pages = push_pages
+        self._pushes: dict[int, _Pushes] = {}  # inode -> pushes not yet taken by the kernel
+        # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_loan``.
+        self.max_open_bytes = max_open_bytes
+        self._loaned: dict[int, int] = {}
+        self._loaned_bytes = 0
+        self._pieces: dict[int, _Piece] = {}  # fh -> the last piece its file was read again in, oldest first
+
+    async def open(self, node: Node) -> Handle:
+        """A new open of ``node`` (a file); the caller registers the handle and then calls ``opened``."""
+        inode = node.id
+        pushes = self._pushes.get(inode)
+        if pushes is not None:
+            # The kernel drops the file's pages when this open is answered (no keep_cache): a store still
+            # queued from an earlier open must land before that, or it could outlive a change of the source.
+            await pushes.done.wait()
+        decision = self._decide(node)
+        held = self.held_data.get(inode) if decision.hit else None
+        if held is not None:
+            content = await self._open_held(node, held)
+        else:
+            if await self._read_later(node, decision):
+                self.stats.deferred += 1
+                content = Content(size=self.size_overrides.get(node.id, node.size_served),
+                                  raw=node.repr == REPR_RAW, deferred=True)
+            else:
+                content = await self._open_from_storage(node)
+            if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
+                self._lost_hit(decision, content.size)
+        self.stats.opens += 1
+        self.stats.opens_raw += content.raw
+        if content.fallback:
+            self.on_fallback(inode)
+        direct_io = self.page_cache == "direct" and held is None
+        if content.size != self.size_overrides.get(inode, node.size_served):
+            # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
+            # to that size, so this handle bypasses the page cache, and the attributes are corrected for later.
+            self.size_overrides[inode] = content.size
+            self.notifier.invalidate(inode, attr_only=True)
+            direct_io = True
+        if not (content.deferred and decision.keep):  # else at its first read, once the bytes are there
+            self._hold_or_drop(node, decision, content)
+        # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
+        # daemon. Its pages are kept only while it is held (release drops the rest), and the kernel may
+        # reclaim them at any time: the daemon's copy is the one the budget counts.
+        keep_cache = held is not None and not direct_io
+        return Handle(content, node, decision, direct_io=direct_io, keep_cache=keep_cache)
+
+    def opened(self, fh: int, handle: Handle) -> None:
+        """``handle`` was registered as ``fh``: count the bytes it keeps in memory."""
+        self._loan(fh, handle)
+
+    async def read(self, fh: int, handle: Handle, off: int, size: int) -> bytes | memoryview:
+        if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
+            await self._first_read_once(handle)
+            if fh not in self._loaned and fh in self.open_files:
+                self._loan(fh, handle, evict=False)  # being read now: let go once served to its end
+        content = handle.content
+        if handle.chunks is not None:
+            data = await self._read_again(fh, handle, off, size)
+            self.stats.reads_again += 1
+            self.stats.bytes_read_again += len(data)
+        elif content.data is None:
+            assert handle.node is not None  # only files are streamed
+            data = await self.storage.run(handle.node, content.read, off, size)
+        else:
+            data = content.read(off, size)
+            if handle.node is not None and not handle.direct_io and data:
+                reach = handle.note_served(off, off + len(data))
+                if reach >= content.size:
+                    data = bytes(data)  # the buffer may serve another file before this reply is copied out
+                    self._unloan(fh)
+                    self._drop_served(handle)
+                elif self.push_pages and not handle.pushing and not self._holds(handle):
+                    self._push_rest(fh, handle, reach)
+        return data
+
+    def release(self, fh: int, handle: Handle) -> None:
+        self._unloan(fh)
+        if handle.content.deferred and handle.decision.keep:  # never read: the policy cannot keep it
+            assert handle.node is not None
+            self._hold_or_drop(handle.node, handle.decision, handle.content)
+        piece = self._pieces.pop(fh, None)
+        if piece is not None:
+            piece.close()
+        handle.content.close()
+        node = handle.node
+        # Only what the daemon holds may stay in the page cache: everything else is dropped once served, so
+        # the kernel never keeps a second, unplanned copy of the dataset.
+        if node is not None and node.id not in self.held_data and self.page_cache == "drop":
+            self.notifier.invalidate(node.id)
+
+
+    def statistics(self) -> dict[str, object]:
+        values: dict[str, object] = {"open_bytes": self._loaned_bytes, "buffers_reused": POOL.reused,
+                                     "buffers_idle_bytes": POOL.idle}
+        if self.cache is not None:
+            values.update(self.cache.summary())
+        return values
+
+    async def _read_later(self, node: Node, decision: Decision) -> bool:
+        """Whether ``node`` is opened without reading it, and read whole at its first read instead.
+
+        DALI's reader thread opens each file of its shuffle buffer, maps it and asks for all of it
+        (MADV_WILLNEED, which does not wait), one file after another: an open that read the file first made
+        that thread wait for storage once per file (cold, all raw, 128 images: 44-93 -> 89-105 images/s). A
+        file is read later only when what it serves, and so its size, is known without reading it: the
+        reader vouches for it (a local source unchanged, its raw object as prepare left it), or, for a reader
+        that cannot tell without a request (an object store), open files already keep ``max_open_bytes`` and
+        the source is unchanged. The first read must find what was promised here, or the reader gets EIO.
+        """
+        size = self.size_overrides.get(node.id, node.size_served)
+        if size > WHOLE_FILE_LIMIT or node.id in self.fell_back:
+            return False  # streamed; or its raw object failed before: read now, so the original can be served
+        if self.reader.inline_check:
+            vouched = self.reader.vouch(node)
+        else:
+            vouched = await self.storage.run(node, self.reader.vouch, node)
+        if vouched is not None:
+            return vouched
+        no_room = self._loaned_bytes + size > self.max_open_bytes
+        return not decision.keep and no_room and await self.storage.source_changed(node) is None
+
+    async def _open_held(self, node: Node, data: memoryview) -> Content:
+        changed = await self.storage.source_changed(node)
+        if changed is None:
+            self.stats.bytes_from_memory += len(data)
+            return Content(size=len(data), raw=node.repr == REPR_RAW, data=data)
+        # The source changed after the bytes were taken: they are stale. Serve what the source says now.
+        self.held_data.pop(node.id, None)
+        assert self.cache is not None
+        self.cache.drop(node.id)
+        content = await self._open_from_storage(node)
+        return content
+
+    def _lost_hit(self, decision: Decision, size: int) -> None:
+        self.stats.reclaimed += 1
+        if self.cache is not None and decision.epoch:
+            self.cache.correct_miss(decision.epoch, size)
+
+    def _decide(self, node: Node) -> Decision:
+        if self.cache is None:
+            return NO_CACHE
+        decision = self.cache.read(node.id, self.size_overrides.get(node.id, node.size_served))
+        for file in decision.evicted:
+            self.held_data.pop(file, None)
+            self.notifier.invalidate(file)
+        return decision
+
+    def _hold_or_drop(self, node: Node, decision: Decision, content: Content) -> None:
+        if self.cache is None:
+            return
+        if decision.keep and content.data is not None and not content.fallback \
+                and content.size == node.size_served:
+            self._hold(node.id, content)
+        else:
+            self.held_data.pop(node.id, None)
+            if decision.keep:  # the policy counted it, but these bytes cannot be held (streamed, fallback)
+                self.cache.drop(node.id)
+
+    def _hold(self, node_id: int, content: Content) -> None:
+        """Keep ``content``'s bytes for later opens: from now on other handles share its buffer, so it must
+        never go back to the buffer pool."""
+        assert content.data is not None
+        if content.pooled:
+            content.pooled = False
+            POOL.forget(content.data)
+        self.held_data[node_id] = content.data
+
+    async def warm_up(self, files: list[Node]) -> tuple[int, int]:
+        """Load a random budget's worth of files before the first epoch, so that epoch hits too.
+
+        Storage reads go to worker threads; the policy and the held bytes change only on the trio thread.
+        """
+        assert self.cache is not None
+        nodes = {n.id: n for n in files}
+        files = 0
+        total = 0
+        for node_id in self.cache.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
+            node = nodes[node_id]
+            try:
+                content = await self._open_from_storage(node)
+            except OSError as exc:
+                log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
+                continue
+            if content.data is None or content.fallback or not self.cache.hold(node_id, content.size):
+                content.close()
+                continue
+            self._hold(node_id, content)
+            files += 1
+            total += content.size
+        return files, total
+
+    async def _open_from_storage(self, node: Node) -> Content:
+        content = await self.storage.run(node, self.reader.open, node)
+        if content.tier == "disk":
+            self.stats.bytes_from_disk += content.size
+        elif content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
+            self.stats.bytes_from_storage += content.size
+        return content
+
+    def _push_rest(self, fh: int, handle: Handle, reach: int) -> None:
+        """Give the kernel the rest of the file now (``notify_store``), and its buffer back to the pool.
+
+        DALI's reader touches the first page of every file it opens (the kernel then asks for the first MiB),
+        long before a decoder reads the rest: the whole file was read at that first read (so that a raw
+        object's checksum is checked before any byte is served), and its buffer stayed with the open file
+        until the decoder got to it, so no buffer ever came back for the next file to reuse. Stored pages are
+        the kernel's (reclaimable, and dropped at release like any served page); if it asks again, the file
+        is read again and must match its digest (``_drop_served``). Sent from the notifier thread after this
+        reply: the pages the current read holds locked would block a store sent from inside it.
+        """
+        content = handle.content
+        node = handle.node
+        assert node is not None and content.data is not None
+        view, pooled = content.data, content.pooled
+        start = reach // _PAGE * _PAGE
+        content.pooled = False  # the buffer goes back to the pool only once the kernel has copied it
+        handle.pushing = True
+        pushes = self._pushes.setdefault(node.id, _Pushes())
+        pushes.count += 1
+
+        def done(ok: bool) -> None:
+            handle.pushing = False
+            pushes.count -= 1
+            if not pushes.count:
+                del self._pushes[node.id]
+                pushes.done.set()
+            if ok:
+                self.stats.bytes_pushed += len(view) - start
+            if content.data is view:
+                if ok:
+                    handle.note_served(start, content.size)
+                    self._unloan(fh)
+                    self._drop_served(handle)
+                if content.data is view:  # still served from memory, as without a push: to the pool at close
+                    content.pooled = pooled
+                    return
+            if pooled:
+                POOL.give(view)
+
+        self.notifier.store(node.id, start, view[start:], done)
+
+    def _loan(self, fh: int, handle: Handle, *, evict: bool = True) -> None:
+        """Count the bytes an open file keeps in memory outside the cache's budget, and keep the total under
+        ``max_open_bytes`` by letting go of the bytes of the files opened longest ago (read again if asked).
+
+        DALI opens and maps the 1,024 files of its shuffle buffer long before it reads them, and each file is
+        read whole at open: without a bound, 1,024 raw Cityscapes images would sit in the daemon (6.4 GB).
+        Opens past the bound are deferred (``_read_later``), so letting go here is for what else exceeds it
+        (files the cache decided to keep, sizes changed at open).
+        """
+        if handle.node is None or handle.direct_io or handle.content.data is None or self._holds(handle):
+            return  # nothing in memory, or the cache's budget counts these very bytes
+        content = handle.content
+        self._loaned[fh] = content.size
+        self._loaned_bytes += content.size
+        while evict and self._loaned_bytes > self.max_open_bytes and len(self._loaned) > 1:
+            oldest = next(iter(self._loaned))
+            victim = self.open_files[oldest]
+            self._unloan(oldest)
+            self._drop_served(victim)
+            self.stats.let_go += 1
+
+    def _unloan(self, fh: int) -> None:
+        size = self._loaned.pop(fh, None)
+        if size is not None:
+            self._loaned_bytes -= size
+
+    def _drop_served(self, handle: Handle) -> None:
+        """The file was read to its end: its bytes now live in the reader's page cache (or its own buffers).
+
+        Loaders keep files open long after reading them (DALI maps every file of its 1,024-sample shuffle
+        buffer), so holding each open file's bytes until release would grow the daemon by gigabytes. They are
+        let go here, and the digest of each CHUNK kept instead; should the kernel ask again for some pages (its
+        page cache lost them), the chunks around them are read again and must match (``_read_again``), or the
+        reader gets EIO: never bytes that differ from what it already has.
+        """
+        content = handle.content
+        if content.data is None or handle.node is None or handle.chunks is not None or self._holds(handle):
+            return  # nothing to let go, or the cache holds these very bytes (and counts them in its budget)
+        handle.chunks = chunk_digests(content.data)
+        content.close()  # back to the buffer pool when only this handle had it
+
+    def _holds(self, handle: Handle) -> bool:
+        """The cache holds the very bytes ``handle`` serves (they are shared, and counted in its budget)."""
+        assert handle.node is not None
+        return self.held_data.get(handle.node.id) is handle.content.data
+
+    async def _read_again(self, fh: int, handle: Handle, off: int, size: int) -> bytes:
+        """Serve part of a file whose bytes were let go: the CHUNKs around it, from the cache when it holds the
+        file now, else from storage, each checked against the digest of what this handle served.
+
+        This VM class reclaims page-cache pages that no process maps within seconds, and DALI maps a file long
+        before it decodes it: the pages its first read filled are often gone by then, a few here and there, and
+        the kernel asks for just those.
+        """
+        node = handle.node
+        assert node is not None and handle.chunks is not None
+        total = handle.content.size
+        if off >= total:
+            return b""
+        end = min(off + size, total)
+        piece = self._pieces.get(fh)
+        if piece is None or not piece.start <= off < end <= piece.start + len(piece.data):
+            if handle.reading is not None:  # the kernel sent several reads at once: one reads, the rest wait
+                await handle.reading.wait()
+                return await self._read_again(fh, handle, off, size) if fh in self.open_files else b""
+            handle.reading = trio.Event()
+            try:
+                piece = await self._read_piece(handle, *chunk_span(off, end - off, total))
+            finally:
+                handle.reading.set()
+                handle.reading = None
+            data = bytes(piece.data[off - piece.start:end - piece.start])
+            if fh in self.open_files:
+                self._keep_piece(fh, piece)
+            else:  # released meanwhile
+                piece.close()
+            return data
+        return bytes(piece.data[off - piece.start:end - piece.start])
+
+    async def _read_piece(self, handle: Handle, start: int, stop: int) -> _Piece:
+        node = handle.node
+        assert node is not None and handle.chunks is not None
+        held = self.held_data.get(node.id)
+        if held is not None and len(held) == handle.content.size:
+            piece = _Piece(start, held[start:stop], pooled=False)
+        else:
+            data = await self.storage.run(node, self.reader.read_span, node, handle.content.raw, start, stop)
+            piece = _Piece(start, data, pooled=True)
+            self.stats.rereads += 1
+            self.stats.bytes_reread += len(data)
+        if len(piece.data) != stop - start or \
+                chunk_digests(piece.data) != handle.chunks[start // CHUNK:-(-stop // CHUNK)]:
+            piece.close()
+            raise OSError(errno.EIO, "changed since this open read it: reopen the file", os.fsdecode(node.path))
+        return piece
+
+    def _keep_piece(self, fh: int, piece: _Piece) -> None:
+        """The kernel asks for the lost pages of a file one run at a time: the next asks are likely in the same
+        chunk. A few pieces are kept, the oldest dropped."""
+        old = self._pieces.pop(fh, None)
+        if old is not None:
+            old.close()
+        self._pieces[fh] = piece
+        while len(self._pieces) > MAX_PIECES:
+            self._pieces.pop(next(iter(self._pieces))).close()
+
+    async def _first_read_once(self, handle: Handle) -> None:
+        """A file opened without being read (``_read_later``) is read whole at its first read; the kernel may
+        send several reads of it at once: one reads, the rest wait. If that read fails, so does every later
+        read of this open, at once (the kernel retries a failed readahead page by page; each retry would wait
+        for the storage again, and count and log the same failure again): reopen the file to try again."""
+        if handle.failed is None and handle.reading is not None:
+            await handle.reading.wait()
+        if handle.failed is not None:
+            raise FUSEError(handle.failed)
+        if not handle.content.deferred:
+            return
+        handle.reading = trio.Event()
+        try:
+            node = handle.node
+            assert node is not None
+            content = await self._open_from_storage(node)
+            if content.size != handle.content.size or content.raw != handle.content.raw:
+                content.close()
+                if content.fallback:  # the next open reads it at once and serves the original
+                    self.on_fallback(node.id)
+                raise OSError(errno.EIO, "changed between open and first read: reopen the file",
+                              os.fsdecode(node.path))
+            handle.content = content
+            if handle.decision.keep:
+                self._hold_or_drop(node, handle.decision, content)
+        except OSError as exc:
+            handle.failed = exc.errno or errno.EIO
+            raise
+        finally:
+            handle.reading.set()
+            handle.reading = None
+
+
+
+@dataclass(slots=True)
+class Handle:
+    content: Content
+    node: Node | None = None
+    decision: Decision = field(default_factory=lambda: NO_CACHE)
+    direct_io: bool = False      # every read reaches the daemon: the bytes are kept until release
+    keep_cache: bool = False     # the kernel may keep the pages of this open (a file the daemon holds)
+    served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
+    #: The digest of each CHUNK served, set once the bytes were let go after a whole read (``_drop_served``).
+    chunks: tuple[int, ...] | None = None
+    reading: trio.Event | None = None  # set while one read of this handle reads storage for the others
+    pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
+    failed: int | None = None    # the errno its first read failed with (``_first_read_once``)
+    passthrough: bool = False    # served by the kernel from the inode's backing (``PassthroughPath``)
+
+    def note_served(self, start: int, end: int) -> int:
+        """Record a served range; returns how far from offset 0 the served ranges reach without a gap.
+
+        The kernel's reads of one file may arrive out of order (readahead windows, page faults of a mapping),
+        so the ranges are merged rather than assumed sequential; a file gets only a handful of reads.
+        """
+        ranges = self.served
+        ranges.append([start, end])
+        ranges.sort()
+        merged = [ranges[0]]
+        for lo, hi in ranges[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        self.served = merged
+        return merged[0][1] if merged[0][0] == 0 else 0
+
+
+NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+
+
+@dataclass(eq=False, slots=True)
+class _Piece:
+    """CHUNKs of a file read again (``Operations._read_again``), from ``start``."""
+
+    start: int
+    data: memoryview
+    pooled: bool  # a pool buffer of its own, given back when dropped (not a slice of bytes the cache holds)
+
+    def close(self) -> None:
+        if self.pooled:
+            POOL.give(self.data)
+            self.pooled = False
+
+
+@dataclass(eq=False, slots=True)
+class _Pushes:
+    """Stores of one inode's pages queued for the kernel (``Operations._push_rest``)."""
+
+    count: int = 0
+    done: trio.Event = field(default_factory=trio.Event)

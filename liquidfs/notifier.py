@@ -1,0 +1,90 @@
+"""Kernel notifications (drop an inode's pages or attributes, store pages) sent from one worker thread."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+log = logging.getLogger(__name__)
+
+
+class Notifier:
+    """Sends kernel notifications from one worker thread, in order.
+
+    libfuse: a notification must not be sent from inside the request it concerns (it may deadlock on the inode
+    or the pages the request holds), and each one blocks until the kernel has processed it. A queue keeps
+    handlers fast, and keeps a file's pages stored (``store``) before its release drops them (``invalidate``).
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[_Invalidate | _Store | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+
+    def invalidate(self, inode: int, attr_only: bool = False) -> None:
+        self._put(_Invalidate(inode, attr_only))
+
+    def store(self, inode: int, offset: int, data: memoryview, done: Callable[[bool], None]) -> None:
+        """Put ``data`` in the kernel's page cache of ``inode`` at ``offset``; then ``done(ok)`` runs on this
+        trio thread. ``data`` must stay unchanged until then."""
+        self._put(_Store(inode, offset, data, done, trio.lowlevel.current_trio_token()))
+
+    def _put(self, item: _Invalidate | _Store) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="liquidfs-notify", daemon=True)
+            self._thread.start()
+        self._queue.put(item)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            ok = False
+            try:
+                if isinstance(item, _Store):
+                    pyfuse3.notify_store(pyfuse3.InodeT(item.inode), item.offset, item.data)
+                else:
+                    pyfuse3.invalidate_inode(pyfuse3.InodeT(item.inode), item.attr_only)
+                self.sent += 1
+                ok = True
+            except OSError as exc:  # the kernel forgot the inode already: nothing to drop, or to store into
+                log.debug("%s(%d): %s", type(item).__name__, item.inode, exc)
+            except Exception:  # never let the notifier die: later drops would be lost
+                log.exception("%s(%d) failed", type(item).__name__, item.inode)
+            if isinstance(item, _Store):
+                try:
+                    item.token.run_sync_soon(_guarded, item.done, ok)
+                except trio.RunFinishedError:  # unmounted meanwhile
+                    pass
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(5)
+
+
+def _guarded(done: Callable[[bool], None], ok: bool) -> None:
+    """Runs a store's completion on the trio thread: an exception there would end trio.run, and the mount."""
+    try:
+        done(ok)
+    except Exception:
+        log.exception("completing a page store failed")
+
+
+@dataclass(frozen=True, slots=True)
+class _Invalidate:
+    inode: int
+    attr_only: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Store:
+    inode: int
+    offset: int
+    data: memoryview
+    done: Callable[[bool], None]
+    token: trio.lowlevel.TrioToken
