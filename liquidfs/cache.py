@@ -233,7 +233,9 @@ class NextEpochCache:
         self._window.append((hit, size))
         if len(self._window) == WINDOW:
             st.window_ratios.append(sum(h for h, _ in self._window) / WINDOW)
-            st.window_byte_ratios.append(sum(s for h, s in self._window if h) / sum(s for _, s in self._window))
+            window_bytes = sum(s for _, s in self._window)  # 0 for a window of empty files
+            st.window_byte_ratios.append(sum(s for h, s in self._window if h) / window_bytes if window_bytes
+                                         else st.window_ratios[-1])
             st.window_epochs.append(epoch)
             self._window = []
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+import urllib.parse
 import stat
 import time
 from collections.abc import Iterable, Iterator
@@ -129,10 +130,14 @@ def default_store_dir(source: str | os.PathLike[str]) -> Path:
 
 def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     if readonly:
-        uri = f"file:{path}?mode=ro"
+        # The path is quoted into the URI: a '#', '?' or '%' in --store would otherwise name another file.
+        uri = f"file:{urllib.parse.quote(os.fsdecode(os.path.abspath(path)))}?mode=ro"
         db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
     else:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    # A catalog is written by whoever can write the store: its schema must not run functions (views,
+    # triggers, defaults) as the root daemon that reads it.
+    db.execute("PRAGMA trusted_schema=OFF")
     db.execute("PRAGMA cache_size=-16000")  # 16 MB page cache: lookups of hot directories stay in memory
     return db
 

@@ -151,7 +151,8 @@ class Operations(pyfuse3.Operations):
     def _control_attrs(self) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
         entry.st_ino = CONTROL_ID
-        entry.st_mode = stat.S_IFREG | 0o444
+        # The owner's only: with --allow-other, other users would read the daemon's pid, source and store.
+        entry.st_mode = stat.S_IFREG | 0o400
         entry.st_nlink = 1
         entry.st_uid = self.uid
         entry.st_gid = self.gid

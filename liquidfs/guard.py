@@ -135,7 +135,7 @@ def start(pid: int, mountpoint: Path) -> subprocess.Popen[bytes] | None:
     log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
                     None)
     _, connection, mount_id = found
-    return subprocess.Popen([sys.executable, "-m", "liquidfs.guard", str(pid), str(connection), str(mount_id),
+    return subprocess.Popen([sys.executable, "-I", "-m", "liquidfs.guard", str(pid), str(connection), str(mount_id),
                              *([log_file] if log_file else [])],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             cwd="/", start_new_session=True, close_fds=True)

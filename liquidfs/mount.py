@@ -287,9 +287,11 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
     log_file.parent.mkdir(parents=True, exist_ok=True)
     read_end, write_end = os.pipe()
     with open(log_file, "ab") as log_out:
+        # Isolated (-I: no cwd, no PYTHON* variables on sys.path) and in /: a root mount started from a
+        # directory someone else can write must not import code from it.
         proc = subprocess.Popen(
-            [sys.executable, "-m", "liquidfs", *argv, "--foreground", "--ready-fd", str(write_end)],
-            stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out,
+            [sys.executable, "-I", "-m", "liquidfs", *argv, "--foreground", "--ready-fd", str(write_end)],
+            stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out, cwd="/",
             pass_fds=(write_end,), start_new_session=True,
         )
     os.close(write_end)
