@@ -19,7 +19,8 @@ from typing import Any, Protocol
 import pyfuse3
 import trio
 
-from .backing import Backing, ContentReader, drop_pages, memfd_copy, memfd_with, resolve
+from .backing import Backing, ContentReader, drop_pages, memfd_copy, memfd_with, resolve, vouched
+from .reader import StoreReader
 from .cache import Decision
 from .catalog import Node
 from .memtier import MemoryTier
@@ -121,6 +122,8 @@ class PassthroughPath:
         self.drop_served_pages = drop_served_pages
         self.source_changed = source_changed
         self._inodes: dict[int, _Inode] = {}
+        # A local store's vouched backings are opened on the loop itself (see ``_backing``).
+        self.inline = isinstance(reader, StoreReader) and reader.inline_check and not verify_reads
 
     async def open(self, node: Node, size: int) -> Opened | None:
         """The backing of one more open of ``node`` (``size`` bytes as the kernel was told); None when it has
@@ -185,7 +188,13 @@ class PassthroughPath:
                 self.stats.reclaimed += 1
                 if decision.epoch:
                     self.memory.policy.correct_miss(decision.epoch, node.size_served)
-        backing = await self.blocking(node, self._resolve, node)
+        backing = None
+        if self.inline:
+            # A few syscalls on a local filesystem, answered from the kernel's caches: cheaper here than the
+            # hop to a worker thread (the daemon path checks its sources inline for the same reason).
+            backing = vouched(self.reader, node)  # type: ignore[arg-type]
+        if backing is None:
+            backing = await self.blocking(node, self._resolve, node, not self.inline)
         if backing is not None:
             if backing.kind == "disk":
                 self.stats.bytes_from_disk += backing.size
@@ -193,8 +202,8 @@ class PassthroughPath:
                 self.stats.bytes_from_storage += backing.size
         return backing
 
-    def _resolve(self, node: Node) -> Backing | None:
-        return resolve(self.reader, node, verify_reads=self.verify_reads)
+    def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
+        return resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch)
 
     def _release_entry(self, inode: int, entry: _Inode) -> None:
         entry.opens -= 1
