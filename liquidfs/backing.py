@@ -20,12 +20,11 @@ import errno
 import fcntl
 import logging
 import os
-import stat
 from dataclasses import dataclass
 from typing import Protocol
 
 from .catalog import REPR_RAW, Node
-from .reader import SEAL_MARGIN_NS, Content, StoreReader, open_beneath
+from .reader import SEAL_MARGIN_NS, Content, StoreReader
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
 
 def vouched(reader: StoreReader, node: Node) -> Backing | None:
     """The source or raw object descriptor of a local store, when a stat of it shows what the catalog says."""
-    source = open_beneath(reader.source_root, node.path)
+    source = reader.open_source(node)
     try:
         changed = reader.check_source(node, os.fstat(source))
         if node.repr != REPR_RAW:
@@ -115,14 +114,9 @@ def vouched(reader: StoreReader, node: Node) -> Backing | None:
 def _open_object(reader: StoreReader, node: Node) -> int | None:
     """The raw object's descriptor, or None if it is not a regular file of the store (missing, a link...)."""
     try:
-        fd = os.open(reader.object_path(node), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return reader.open_object(node)
     except OSError:
         return None  # the reader's whole read says why, and serves the original
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return fd
 
 
 def memfd_with(data: bytes | memoryview, name: bytes | str = b"liquidfs") -> int:

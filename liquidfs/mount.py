@@ -124,6 +124,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     catalog = Catalog.open(config.store, readonly=True)
     stats = MountStats(source=str(config.source), store=config.buckets[1] if config.buckets else str(config.store))
     reader = make_reader(catalog, config)
+    base_reader = reader
     totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
     cache = make_cache(totals, config.cache_size)
     disk = None
@@ -157,6 +158,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         catalog.close()
         if disk is not None:
             disk.close()
+        if isinstance(base_reader, StoreReader):
+            base_reader.close()
         log.info("unmounted %s", config.mountpoint)
     return 0
 

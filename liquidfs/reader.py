@@ -256,32 +256,63 @@ def _set_direct(fd: int, on: bool) -> bool:
     return True
 
 
-def open_beneath(root: bytes, rel: bytes) -> int:
-    """Open the regular file ``rel`` below ``root`` for reading without following any symlink on the way.
+#: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
+OBJECT_NAME = re.compile(r"objects/[0-9a-f]{2}/[0-9a-f]{32}\.bmp")
+
+
+def catalog_parts(rel: bytes) -> list[bytes]:
+    """The components of a path read from a catalog, which whoever writes the store controls: refused (EIO)
+    unless every component names an entry below its directory (no '..', '.', empty or absolute component)."""
+    parts = rel.split(b"/")
+    if not rel or any(part in (b"", b".", b"..") for part in parts):
+        raise OSError(errno.EIO, "a catalog path that leaves its root: refused", os.fsdecode(rel))
+    return parts
+
+
+def open_dir(path: bytes | str | os.PathLike[str]) -> int:
+    """A directory held open (O_PATH) for opening paths below it, resolved once."""
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:
+    """Open the regular file ``rel`` below the directory held at ``dir_fd`` for reading, without following any
+    symlink on the way and without leaving it (``catalog_parts``).
 
     The catalog shows symlinks as symlinks; a path that has become one since the scan (a file or a directory
     swapped for a link to /etc/shadow, in a source writable by others) is refused (ELOOP, or ENOTDIR for a
-    directory on the way), never read through.
+    directory on the way), never read through. Resolving below a descriptor held from mount time also means a
+    source root renamed or swapped for a link while the mount runs changes nothing.
     O_NONBLOCK keeps an entry swapped for a FIFO from blocking the open; anything but a regular file is refused.
     """
-    path = os.fsdecode(os.path.join(root, rel))
-    fd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    path = os.fsdecode(os.path.join(where, rel)) if where else os.fsdecode(rel)
+    *dirs, name = catalog_parts(rel)
+    fd = dir_fd
     try:
-        *dirs, name = rel.split(b"/")
         for part in dirs:
             inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
+            if fd != dir_fd:
+                os.close(fd)
             fd = inner
         file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
     except OSError as exc:  # name the whole path, not the component os.open was given
         raise OSError(exc.errno, exc.strerror, path) from None
     finally:
-        os.close(fd)
+        if fd != dir_fd:
+            os.close(fd)
     if not stat.S_ISREG(os.fstat(file).st_mode):
         os.close(file)
         raise OSError(errno.EIO, "no longer a regular file", path)
     fcntl.fcntl(file, fcntl.F_SETFL, fcntl.fcntl(file, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return file
+
+
+def open_beneath(root: bytes, rel: bytes) -> int:
+    """``open_below`` a root given by its path (resolved now): for one-off opens outside a mount."""
+    root_fd = open_dir(root)
+    try:
+        return open_below(root_fd, rel, root)
+    finally:
+        os.close(root_fd)
 
 
 def digest_of(node: Node, content: Content) -> str:
@@ -311,6 +342,10 @@ class StoreReader:
     def __init__(self, source_root: bytes, store_dir: Path, sealed_ns: int | None = None) -> None:
         self.source_root = source_root
         self.store_dir = store_dir
+        # Held from mount time: every path of the catalog is resolved below these, never through the paths
+        # again (a root renamed or swapped for a link while the mount runs serves nothing else).
+        self.root_fd = open_dir(source_root)
+        self.store_fd = open_dir(store_dir)
         # When prepare last finished (``Catalog.sealed_ns``): a raw object whose inode changed before then is the
         # one prepare wrote and checked. Trusted only where a stat is the inode's own, not attributes a network
         # or FUSE filesystem may have cached for seconds.
@@ -328,9 +363,24 @@ class StoreReader:
         assert node.object is not None
         return self.store_dir / node.object
 
+    def open_source(self, node: Node) -> int:
+        return open_below(self.root_fd, node.path, self.source_root)
+
+    def open_object(self, node: Node) -> int:
+        """The raw object's descriptor: a name prepare gives, a regular file below the store, no link."""
+        assert node.object is not None
+        if not OBJECT_NAME.fullmatch(node.object):
+            raise OSError(errno.EIO, "not an object name prepare gives: refused", node.object)
+        return open_below(self.store_fd, os.fsencode(node.object), os.fsencode(self.store_dir))
+
+    def close(self) -> None:
+        for fd in (self.root_fd, self.store_fd):
+            os.close(fd)
+        self.root_fd = self.store_fd = -1
+
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""
-        fd = open_beneath(self.source_root, node.path)
+        fd = self.open_source(node)
         try:
             st = os.fstat(fd)
             fallback = self.check_source(node, st)
@@ -365,22 +415,31 @@ class StoreReader:
         if self.sealed_ns is None:
             return False  # a store prepared before the seal was recorded: read at open, as ever
         try:
-            st = os.stat(self.object_path(node))
+            fd = self.open_object(node)
         except OSError:
             return False
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
         return st.st_size == node.served_size and st.st_ctime_ns <= self.sealed_ns - SEAL_MARGIN_NS
 
     def check_source(self, node: Node, st: os.stat_result | None = None) -> str | None:
         """None while the source is the file the catalog describes; else what changed."""
         if st is None:
-            st = os.stat(self.source_path(node), follow_symlinks=False)
+            catalog_parts(node.path)
+            st = os.stat(node.path, dir_fd=self.root_fd, follow_symlinks=False)
         if (st.st_size, st.st_mtime_ns) != (node.size, node.mtime_ns):
             return "source changed since prepare" if node.repr == REPR_RAW else "source changed since the scan"
         return None
 
     def _open_raw(self, node: Node) -> tuple[str | None, memoryview | None]:
         try:
-            data = read_whole(self.object_path(node))
+            fd = self.open_object(node)
+            try:
+                data = read_fd(fd)
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             return "raw object missing", None
         except OSError as exc:
@@ -394,10 +453,7 @@ class StoreReader:
     def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of what ``node`` served (its raw object, or its source), for a read of part of
         a file whose bytes were let go; the caller checks them against the digests of what was served."""
-        if raw:
-            fd = os.open(self.object_path(node), os.O_RDONLY | os.O_CLOEXEC)
-        else:
-            fd = open_beneath(self.source_root, node.path)
+        fd = self.open_object(node) if raw else self.open_source(node)
         try:
             return read_span(fd, start, end)
         finally:

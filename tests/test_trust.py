@@ -93,3 +93,60 @@ def test_a_window_of_empty_files_does_not_divide_by_zero() -> None:
         cache.read(file, 0)  # 64 empty files in a row: a window of zero bytes
     summary = cache.summary()
     assert len(summary["window_byte_hit_ratios"]) == 2
+
+
+def test_catalog_rows_that_leave_the_root_or_the_store_are_refused(tmp_path: Path) -> None:
+    """Whoever writes the store writes the catalog: a node path with '..' or an object name pointing anywhere
+    must not make the root daemon open (or serve) files outside the source and the store."""
+    import dataclasses
+    import errno
+
+    from liquidfs.backing import resolve
+    from liquidfs.reader import StoreReader
+
+    src = make_sample(tmp_path / "src", count=2, width=32, height=16, seed=5)
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(b"not for the mount")
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    node = next(n for n in catalog.files() if n.object)
+    reader = StoreReader(catalog.source, store, catalog.sealed_ns)
+    outside = dataclasses.replace(node, path=b"../secret.png", object=None, repr=0)
+    with pytest.raises(OSError) as info:
+        reader.open(outside)
+    assert info.value.errno == errno.EIO
+    with pytest.raises(OSError):
+        resolve(reader, outside)
+    for evil in ("../secret.png", "/etc/hostname", "objects/../../secret.png"):
+        bad_object = dataclasses.replace(node, object=evil)
+        with pytest.raises(OSError):
+            reader.open_object(bad_object)
+        content = reader.open(bad_object)  # the original is served, never the named file
+        try:
+            assert bytes(content.data) == (src / os.fsdecode(node.path)).read_bytes() and content.fallback
+        finally:
+            content.close()
+    reader.close()
+    catalog.close()
+
+
+@pytest.mark.fuse
+def test_a_source_root_swapped_for_a_link_while_mounted_serves_nothing_else(tmp_path: Path,
+                                                                          mounter: Mount) -> None:
+    """The root is held open from mount time: renaming the dataset directory and putting a link to another
+    tree in its place (where a file has the same name, size and mtime) changes nothing the mount serves."""
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"A" * 4096)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "a.bin").write_bytes(b"V" * 4096)
+    st = (src / "a.bin").stat()
+    os.utime(victim / "a.bin", ns=(st.st_atime_ns, st.st_mtime_ns))
+    mnt = mounter.mount(src, "--data-path", "daemon")
+    pt = mounter.mount(src, "--data-path", "passthrough")
+    src.rename(tmp_path / "data.old")
+    src.symlink_to(victim)
+    for m in (mnt, pt):
+        assert (m / "a.bin").read_bytes() == b"A" * 4096
