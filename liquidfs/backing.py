@@ -81,9 +81,10 @@ def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
         content.close()
 
 
-def vouched(reader: StoreReader, node: Node) -> Backing | None:
-    """The source or raw object descriptor of a local store, when a stat of it shows what the catalog says."""
-    source = reader.open_source(node)
+def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Backing | None:
+    """The source or raw object descriptor of a local store, when a stat of it shows what the catalog says;
+    None when it must be read whole. ``cached_only``: BlockingIOError where that would wait for the disk."""
+    source = reader.open_source(node, cached_only=cached_only)
     try:
         changed = reader.check_source(node, os.fstat(source))
         if node.repr != REPR_RAW:
@@ -98,7 +99,7 @@ def vouched(reader: StoreReader, node: Node) -> Backing | None:
             return found
         if reader.sealed_ns is None:
             return None  # not sealed (or not a local filesystem): read and checked whole
-        obj = _open_object(reader, node)
+        obj = _open_object(reader, node, cached_only)
         if obj is None:
             return None
         st = os.fstat(obj)
@@ -111,10 +112,12 @@ def vouched(reader: StoreReader, node: Node) -> Backing | None:
             os.close(source)
 
 
-def _open_object(reader: StoreReader, node: Node) -> int | None:
+def _open_object(reader: StoreReader, node: Node, cached_only: bool) -> int | None:
     """The raw object's descriptor, or None if it is not a regular file of the store (missing, a link...)."""
     try:
-        return reader.open_object(node)
+        return reader.open_object(node, cached_only=cached_only)
+    except BlockingIOError:
+        raise
     except OSError:
         return None  # the reader's whole read says why, and serves the original
 

@@ -189,12 +189,18 @@ class PassthroughPath:
                 if decision.epoch:
                     self.memory.policy.correct_miss(decision.epoch, node.size_served)
         backing = None
+        vouch = True
         if self.inline:
-            # A few syscalls on a local filesystem, answered from the kernel's caches: cheaper here than the
-            # hop to a worker thread (the daemon path checks its sources inline for the same reason).
-            backing = vouched(self.reader, node)  # type: ignore[arg-type]
+            # Two opens and a stat answered from the kernel's caches: cheaper here than the hop to a worker
+            # thread. Where a dentry or inode is not in memory the open says so (EAGAIN) instead of waiting for
+            # the disk on this thread, and goes to a worker thread, where cold opens proceed in parallel.
+            try:
+                backing = vouched(self.reader, node, cached_only=True)  # type: ignore[arg-type]
+                vouch = False  # not vouched for by a stat: read whole below
+            except BlockingIOError:
+                self.stats.cold_opens += 1
         if backing is None:
-            backing = await self.blocking(node, self._resolve, node, not self.inline)
+            backing = await self.blocking(node, self._resolve, node, vouch)
         if backing is not None:
             if backing.kind == "disk":
                 self.stats.bytes_from_disk += backing.size

@@ -257,7 +257,7 @@ def _set_direct(fd: int, on: bool) -> bool:
 
 
 #: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
-OBJECT_NAME = re.compile(r"objects/[0-9a-f]{2}/[0-9a-f]{32}\.bmp")
+OBJECT_NAME = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.bmp)")
 
 
 def catalog_parts(rel: bytes) -> list[bytes]:
@@ -269,12 +269,47 @@ def catalog_parts(rel: bytes) -> list[bytes]:
     return parts
 
 
+# openat2(2) (Linux >= 5.6): the whole no-link, stay-below walk in one syscall, and (RESOLVE_CACHED, 5.12) an
+# EAGAIN instead of a wait when a dentry or inode on the way is not in memory. Not in the os module (3.11).
+_SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH, _RESOLVE_CACHED = 0x02, 0x04, 0x08, 0x20
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _openat2(dir_fd: int, rel: bytes, flags: int, resolve: int) -> int:
+    how = _OpenHow(flags, 0, resolve)
+    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(rel), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(fd)
+
+
+def _has_openat2() -> bool:
+    try:
+        os.close(_openat2(-100, b".", os.O_PATH | os.O_CLOEXEC, _RESOLVE_CACHED))  # AT_FDCWD
+    except OSError as exc:
+        return exc.errno == errno.EAGAIN  # known, but "." was not cached
+    return True
+
+
+HAS_OPENAT2 = _has_openat2()
+
+
 def open_dir(path: bytes | str | os.PathLike[str]) -> int:
     """A directory held open (O_PATH) for opening paths below it, resolved once."""
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
 
 
-def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:
+def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> int:
     """Open the regular file ``rel`` below the directory held at ``dir_fd`` for reading, without following any
     symlink on the way and without leaving it (``catalog_parts``).
 
@@ -283,9 +318,23 @@ def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:
     directory on the way), never read through. Resolving below a descriptor held from mount time also means a
     source root renamed or swapped for a link while the mount runs changes nothing.
     O_NONBLOCK keeps an entry swapped for a FIFO from blocking the open; anything but a regular file is refused.
+    ``cached_only``: BlockingIOError (EAGAIN) rather than waiting for the disk, where a dentry or an inode on the
+    way is not in memory (for opens on the trio thread; the caller retries in a worker thread).
     """
     path = os.fsdecode(os.path.join(where, rel)) if where else os.fsdecode(rel)
     *dirs, name = catalog_parts(rel)
+    if HAS_OPENAT2:
+        resolve = _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
+        try:
+            file = _openat2(dir_fd, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                            resolve | (_RESOLVE_CACHED if cached_only else 0))
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", path) from None
+            raise OSError(exc.errno, exc.strerror, path) from None
+        return _regular(file, path)
+    if cached_only:
+        raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", path)
     fd = dir_fd
     try:
         for part in dirs:
@@ -299,6 +348,11 @@ def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:
     finally:
         if fd != dir_fd:
             os.close(fd)
+    return _regular(file, path)
+
+
+def _regular(file: int, path: str) -> int:
+    """``file`` if it is a regular file (no longer non-blocking); else closed and EIO."""
     if not stat.S_ISREG(os.fstat(file).st_mode):
         os.close(file)
         raise OSError(errno.EIO, "no longer a regular file", path)
@@ -345,7 +399,12 @@ class StoreReader:
         # Held from mount time: every path of the catalog is resolved below these, never through the paths
         # again (a root renamed or swapped for a link while the mount runs serves nothing else).
         self.root_fd = open_dir(source_root)
-        self.store_fd = open_dir(store_dir)
+        # The objects directory as the store's owner set it up at mount time (it may be a link to another
+        # disk); names below it are resolved without links.
+        try:
+            self.objects_fd = open_dir(store_dir / "objects")
+        except FileNotFoundError:  # nothing prepared raw
+            self.objects_fd = -1
         # When prepare last finished (``Catalog.sealed_ns``): a raw object whose inode changed before then is the
         # one prepare wrote and checked. Trusted only where a stat is the inode's own, not attributes a network
         # or FUSE filesystem may have cached for seconds.
@@ -363,20 +422,25 @@ class StoreReader:
         assert node.object is not None
         return self.store_dir / node.object
 
-    def open_source(self, node: Node) -> int:
-        return open_below(self.root_fd, node.path, self.source_root)
+    def open_source(self, node: Node, *, cached_only: bool = False) -> int:
+        return open_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)
 
-    def open_object(self, node: Node) -> int:
+    def open_object(self, node: Node, *, cached_only: bool = False) -> int:
         """The raw object's descriptor: a name prepare gives, a regular file below the store, no link."""
         assert node.object is not None
-        if not OBJECT_NAME.fullmatch(node.object):
+        name = OBJECT_NAME.fullmatch(node.object)
+        if name is None:
             raise OSError(errno.EIO, "not an object name prepare gives: refused", node.object)
-        return open_below(self.store_fd, os.fsencode(node.object), os.fsencode(self.store_dir))
+        if self.objects_fd < 0:
+            raise FileNotFoundError(errno.ENOENT, "the store had no objects directory at mount", node.object)
+        return open_below(self.objects_fd, os.fsencode(name.group(1)), os.fsencode(self.store_dir / "objects"),
+                          cached_only=cached_only)
 
     def close(self) -> None:
-        for fd in (self.root_fd, self.store_fd):
-            os.close(fd)
-        self.root_fd = self.store_fd = -1
+        for fd in (self.root_fd, self.objects_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.root_fd = self.objects_fd = -1
 
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""

@@ -39,6 +39,7 @@ class MountStats:
     backing_object: int = 0       # ... from the raw object of a local store
     backing_memfd: int = 0        # ... from a memfd (a cache hit, an object-store download, a checked read)
     backing_disk: int = 0         # ... from the local disk cache level (copied into a memfd, checked)
+    cold_opens: int = 0           # passthrough opens whose inodes were not in memory (opened in a worker thread)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -184,7 +184,7 @@ def test_object_deleted_or_damaged_after_prepare_serves_the_original(prepared, t
         rel = os.fsdecode(node.path)
         served = (mnt / rel).read_bytes()
         assert served == (src / rel).read_bytes(), rel
-        assert os.stat(mnt / rel).st_size == len(served)
+        wait_for(lambda: os.stat(mnt / rel).st_size == len(served), 10, what="the size to follow what is served")
     values = stats(mnt)
     assert values["fallbacks"] == 2 and values["errors"] == 0
 
