@@ -10,6 +10,9 @@ directly"). Page cache dropped before every cold run. Parts:
   r=1 through each data path against the all-BMP copy read directly; r=0 against all-PNG read directly. The
   daemon's CPU seconds per GB served and per open come from /proc/<daemon>/stat.
 * cat: N parallel readers of disjoint file sets (1 MiB reads), cold, MB/s through each path and directly.
+* daemon-ab: the daemon path of this tree against the daemon of ``--baseline-rev`` (a git revision before
+  passthrough existed, checked out in a temporary worktree), DALI r=1 cold, interleaved A/B, medians: the
+  fallback path must not have become slower.
 * cache: --cache-size 30 %, 3 epochs of DALI through each path (the first cold); per-epoch images/s and the
   per-window hit ratios of epochs 2-3; and direct reads of the all-BMP copy in a memory cgroup of the same size
   (the page cache as the cache: the paper's baseline).
@@ -199,6 +202,37 @@ def part_cache(args: argparse.Namespace, src: Path, stores: dict[float, Path], b
     return rows
 
 
+def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp: Path) -> list[dict]:
+    import tempfile
+
+    tree = Path(tempfile.mkdtemp(prefix="liquidfs-baseline-")) / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), args.baseline_rev],
+                   check=True, capture_output=True)
+    runs: dict[str, list[dict]] = {"baseline": [], "this": []}
+    mnt = args.work / "mnt"
+    mnt.mkdir(exist_ok=True)
+    try:
+        for rep in range(args.repeats):
+            for name in ("baseline", "this"):
+                if name == "baseline":  # its liquidfs imported from the worktree (it starts its daemon in its cwd)
+                    subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(src), str(mnt), "--store",
+                                    str(stores[1.0])], cwd=tree, check=True, capture_output=True)
+                    m = Mounted.__new__(Mounted)
+                    m.mnt, m.pid = mnt, int(control(mnt)["pid"])
+                else:
+                    m = mount(src, stores[1.0], args.work, "daemon")
+                try:
+                    drop_caches()
+                    runs[name].append(dali_epoch(m.mnt, args.images, rep, m))
+                finally:
+                    subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True,
+                                   capture_output=True)
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+    base = summarize(f"r=1 daemon path of {args.baseline_rev}, cold", runs["baseline"])
+    return [base, summarize("r=1 daemon path of this tree, cold", runs["this"], base["images_per_s"])]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "out" / "bench-pt")
@@ -209,7 +243,10 @@ def main() -> int:
     parser.add_argument("--cat-files", type=int, default=300, help="files read by the parallel readers")
     parser.add_argument("--loader-memory", type=int, default=1_500_000_000,
                         help="bytes the cgroup baseline allows the loader itself, on top of 30 %% of the data")
-    parser.add_argument("--parts", default="dali,cat,cache")
+    parser.add_argument("--parts", default="dali,cat,cache", help="any of dali,cat,cache,daemon-ab")
+    parser.add_argument("--baseline-rev", default="b820bfa",
+                        help="daemon-ab: the revision whose daemon path is the baseline (default: the last before "
+                        "passthrough)")
     args = parser.parse_args()
     args.work = args.work.absolute()
     src = dataset(args.work, args.images, 2048, 1024)
@@ -218,13 +255,16 @@ def main() -> int:
     results: dict = {"argv": sys.argv, "images": args.images, "kernel": os.uname().release}
     for part in args.parts.split(","):
         print(f"{part}:", file=sys.stderr, flush=True)
-        results[part] = {"dali": part_dali, "cat": part_cat, "cache": part_cache}[part](args, src, stores, bmp)
+        results[part] = {"dali": part_dali, "cat": part_cat, "cache": part_cache,
+                         "daemon-ab": part_daemon_ab}[part](args, src, stores, bmp)
         out = args.out or args.work / "passthrough.json"
         out.write_text(json.dumps(results, indent=1))
-    if "dali" in results:
+    for part in ("dali", "daemon-ab"):
+        if part not in results:
+            continue
         print("| configuration | images/s (median) | x baseline | daemon CPU-s/GB | daemon ms/open | runs |")
         print("|---|---|---|---|---|---|")
-        for r in results["dali"]:
+        for r in results[part]:
             ratio = f"{r['ratio']:.3f}" if r["ratio"] else ""
             cpu = f"{r['daemon_cpu_s_per_gb']:.3f}" if "daemon_cpu_s_per_gb" in r else ""
             ms = f"{r['daemon_ms_per_open']:.2f}" if "daemon_ms_per_open" in r else ""
