@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import urllib.parse
 import stat
 import time
+import urllib.parse
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from .locks import HeldLock, abandoned, unique
 
 log = logging.getLogger(__name__)
 
@@ -293,9 +295,11 @@ class _Writer:
         self.store = Path(store_dir)
         self.store.mkdir(parents=True, exist_ok=True)
         self.final = self.store / CATALOG_NAME
-        self.tmp = self.store / f"{CATALOG_NAME}.new-{os.getpid()}"
-        for leftover in (self.tmp, Path(f"{self.tmp}-wal"), Path(f"{self.tmp}-shm")):
-            leftover.unlink(missing_ok=True)
+        _remove_abandoned(self.store)
+        # A name of its own and a lock held while it is written: two prepares (or a prepare and a mount's
+        # rescan) on one store, even in other PID namespaces, never touch each other's catalog in the making.
+        self.tmp = self.store / unique(f"{CATALOG_NAME}.new-")
+        self.lock = HeldLock(Path(f"{self.tmp}.lock"))
         self.db = sqlite3.connect(self.tmp, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
@@ -322,6 +326,16 @@ class _Writer:
         self.db.close()
         # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
         os.replace(self.tmp, self.final)
+        self.lock.release()
+
+
+def _remove_abandoned(store: Path) -> None:
+    """Catalogs in the making whose writer died (their lock is free), with SQLite's side files."""
+    for lock in store.glob(f"{CATALOG_NAME}.new-*.lock"):
+        if abandoned(lock):
+            tmp = Path(str(lock)[:-len(".lock")])
+            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm"), Path(f"{tmp}-journal"), lock):
+                leftover.unlink(missing_ok=True)
 
 
 def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> ScanReport:

@@ -110,7 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a read of the store or the source that takes longer answers EIO to the reader, and the "
                    "mount goes on serving other files (hung network storage, failing disks; default 60)")
     m.add_argument("--metrics-port", type=int, metavar="PORT",
-                   help="serve Prometheus metrics on this TCP port (all interfaces; off by default)")
+                   help="serve Prometheus metrics on this TCP port (off by default)")
+    m.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
+                   help="address the metrics port listens on (default 127.0.0.1: this host only; 0.0.0.0 for a "
+                   "Prometheus that scrapes a pod's IP, behind a NetworkPolicy)")
     m.add_argument("--data-path", choices=["auto", "passthrough", "daemon"], default="auto",
                    help="who serves the bytes: passthrough (the kernel reads each open file from a backing file "
                    "the daemon picked and checked at open; needs Linux >= 6.9, the pyfuse3 scripts/install.sh "
@@ -255,7 +258,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         if args.disk_cache:
             argv += ["--disk-cache", str(Path(args.disk_cache).absolute()), "--disk-cache-size", args.disk_cache_size]
         if args.metrics_port is not None:
-            argv += ["--metrics-port", str(args.metrics_port)]
+            argv += ["--metrics-port", str(args.metrics_port), "--metrics-address", args.metrics_address]
         argv += ["--readahead-kb", str(args.readahead_kb)]
         for opt in args.options:
             argv += ["-o", opt]
@@ -274,6 +277,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
+                         metrics_address=args.metrics_address,
                          io_timeout=args.io_timeout, buckets=buckets,
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,

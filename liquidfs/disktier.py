@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .cache import NextEpochCache
+from .locks import HeldLock, abandoned, unique
 from .catalog import Node
 from .reader import Content, checksum, digest_of, read_whole
 
@@ -59,9 +60,11 @@ class DiskTier:
         self.inner = inner
         self.policy = policy
         self.memory_holds = memory_holds
-        self.dir = root / f"{_PREFIX}{os.getpid()}"
         _remove_stale(root)
-        self.dir.mkdir(parents=True, exist_ok=False)
+        self.dir = root / unique(_PREFIX)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+        # held while this mount lives: another mount's _remove_stale leaves the directory alone
+        self._alive = HeldLock(root / f"{self.dir.name}.lock")
         self._lock = threading.Lock()
         self._entries: dict[int, _Entry] = {}
         self.hits = 0
@@ -170,6 +173,7 @@ class DiskTier:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+        self._alive.release()
 
     def summary(self) -> dict[str, object]:
         with self._lock:
@@ -187,10 +191,12 @@ class DiskTier:
 
 
 def _remove_stale(root: Path) -> None:
-    """Directories of mounts that died without unmounting (their pid is gone)."""
+    """Directories of mounts that died without unmounting: nobody holds their lock any more."""
     if not root.is_dir():
         return
     for entry in root.iterdir():
-        if entry.name.startswith(_PREFIX) and entry.name[len(_PREFIX):].isdigit():
-            if not Path(f"/proc/{entry.name[len(_PREFIX):]}").exists():
+        if entry.name.startswith(_PREFIX) and entry.is_dir() and not entry.is_symlink():
+            lock = root / f"{entry.name}.lock"
+            if abandoned(lock):
                 shutil.rmtree(entry, ignore_errors=True)
+                lock.unlink(missing_ok=True)

@@ -16,7 +16,7 @@ from .stats import prometheus_text
 log = logging.getLogger(__name__)
 
 
-async def serve_metrics(port: int, values: Callable[[], dict[str, object]], host: str = "0.0.0.0",
+async def serve_metrics(port: int, values: Callable[[], dict[str, object]], host: str = "127.0.0.1",
                         *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     async def answer(stream: trio.SocketStream) -> None:
         try:

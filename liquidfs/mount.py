@@ -48,6 +48,8 @@ class MountConfig:
     fuse_options: list[str] = field(default_factory=list)
     threads: int = 4
     metrics_port: int | None = None
+    #: Where the metrics endpoint listens: this host only unless the deployment says otherwise (a pod's IP).
+    metrics_address: str = "127.0.0.1"
     cache_size: str | None = None
     warmup: bool = False
     readahead_kb: int = 1024
@@ -208,7 +210,8 @@ async def _main(config: MountConfig, ops: Operations, ready_fd: int | None) -> N
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         if config.metrics_port is not None:
-            await nursery.start(serve_metrics, config.metrics_port, lambda: json.loads(ops._control_bytes()))
+            await nursery.start(serve_metrics, config.metrics_port, lambda: json.loads(ops._control_bytes()),
+                                config.metrics_address)
         nursery.start_soon(_signal_ready, config, ops, ready_fd)
         await pyfuse3.main()
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().

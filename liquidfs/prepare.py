@@ -30,6 +30,7 @@ import xxhash
 
 from . import formats
 from .catalog import SEALED, Catalog, CatalogError, Node, open_or_build
+from .locks import unique
 from .reader import checksum, read_fd
 from .s3 import is_url
 
@@ -127,7 +128,7 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
     refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source)
     if raw is None:
         return refused  # type: ignore[return-value]
-    tmp = f"{final}.tmp-{os.getpid()}"
+    tmp = f"{final}.{unique('tmp-')}"  # never a PID: prepares in two PID namespaces may share a store
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
         with open(tmp, "wb") as f:

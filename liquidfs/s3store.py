@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
+from .locks import unique
 from .prepare import OBJECTS, Outcome, PrepareReport, expand_bytes, judge, run
 from .reader import checksum
 from .s3 import S3Url, error_code, get, head, is_url, list_objects, make_client, put, upload_file, \
@@ -73,7 +74,7 @@ def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
 
 
 def _fetch_catalog(client: Any, store: S3Url, dest: Path) -> None:
-    tmp = dest.with_name(f"{dest.name}.part-{os.getpid()}")
+    tmp = dest.with_name(f"{dest.name}.{unique('part-')}")
     dest.parent.mkdir(parents=True, exist_ok=True)
     client.download_file(store.bucket, store.key(CATALOG_NAME), str(tmp))
     os.replace(tmp, dest)

@@ -150,3 +150,79 @@ def test_a_source_root_swapped_for_a_link_while_mounted_serves_nothing_else(tmp_
     src.symlink_to(victim)
     for m in (mnt, pt):
         assert (m / "a.bin").read_bytes() == b"A" * 4096
+
+
+def test_two_catalog_writers_on_one_store_in_one_pid_never_swap_each_others_work(tmp_path: Path) -> None:
+    """Two prepares in different PID namespaces can have the same PID: their catalogs in the making used to be
+    one file (``catalog.sqlite.new-<pid>``), so the second deleted the first's and the first renamed the
+    second's half-written catalog into place."""
+    from liquidfs.catalog import _Writer
+
+    store = tmp_path / "store"
+    first, second = _Writer(store), _Writer(store)
+    assert first.tmp != second.tmp
+    first.finish({"writer": "first"})
+    assert Catalog.open(store, readonly=True).meta("writer") == "first"
+    second.finish({"writer": "second"})
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.meta("writer") == "second"
+    catalog.close()
+    assert sorted(p.name for p in store.iterdir()) == ["catalog.sqlite"]  # no lock or work file left
+
+
+def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_path: Path) -> None:
+    from liquidfs.catalog import _Writer
+
+    store = tmp_path / "store"
+    alive = _Writer(store)
+    dead = _Writer(store)
+    dead.db.close()
+    dead.lock.release(remove=False)  # as if its process died: the lock file stays, nobody holds it
+    _Writer(store).finish({})
+    names = {p.name for p in store.iterdir()}
+    assert alive.tmp.name in names and dead.tmp.name not in names
+    alive.finish({})
+
+
+def test_disk_cache_directories_of_two_mounts_with_one_pid_coexist(tmp_path: Path) -> None:
+    """A restarted sidecar is PID 2 again: its disk cache directory used to be the dead one's name (mkdir
+    failed: a crash loop), and a live mount in another PID namespace could be taken for dead."""
+    from liquidfs.disktier import DiskTier
+
+    policy = NextEpochCache(1000, 1000, 10, max_id=10)
+    first = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
+    second = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
+    assert first.dir != second.dir and first.dir.is_dir() and second.dir.is_dir()
+    assert first.dir.stat().st_mode & 0o077 == 0
+    second._alive.release(remove=False)  # it dies without unmounting
+    third = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
+    assert first.dir.is_dir() and not second.dir.exists() and third.dir.is_dir()
+    first.close()
+    third.close()
+
+
+@pytest.mark.fuse
+def test_metrics_listen_on_this_host_only_by_default(tmp_path: Path, mounter: Mount) -> None:
+    import socket
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mnt = mounter.mount(src, "--metrics-port", str(port))
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # LISTEN
+                listening.append(local.rsplit(":", 1)[0])
+    assert listening == ["0100007F"], listening  # 127.0.0.1, and nothing on other addresses
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+        assert b"liquidfs_opens" in answer
+    assert mnt.exists()

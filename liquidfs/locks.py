@@ -1,0 +1,58 @@
+"""Names that cannot collide and locks that say whether their owner is alive, for files on shared volumes.
+
+PIDs are no identity on a volume that several PID namespaces share (two init containers are both PID 1; a
+restarted sidecar is PID 2 again under tini): a file named after a PID is another process's file as often as not.
+Work files get a random name and an exclusive ``flock`` on a lock file beside them for as long as their owner
+lives; the kernel drops the lock when the owner dies, however it dies, so a leftover is one whose lock can be
+taken.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+from pathlib import Path
+
+
+def unique(prefix: str) -> str:
+    """``prefix`` and 16 random hex digits."""
+    return f"{prefix}{secrets.token_hex(8)}"
+
+
+class HeldLock:
+    """An exclusive flock on ``path`` (created 0600), held until ``release`` or the process's end."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def release(self, *, remove: bool = True) -> None:
+        if self.fd < 0:
+            return
+        if remove:
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = -1
+
+
+def abandoned(lock_path: Path) -> bool:
+    """True when nobody holds ``lock_path`` (its owner died or finished): what it guards may be removed."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
