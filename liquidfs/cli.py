@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Everything liquidfs writes (catalogs, raw objects, the disk cache, logs) is its owner's only: a raw object
+    # of a 0600 image, or the names of a 0700 directory, must not become readable by every local user.
+    os.umask(0o077)
     args = build_parser().parse_args(argv)
     _setup_logging(args.log_level, args.log_file)
     from .mount import MountError

@@ -226,3 +226,16 @@ def test_metrics_listen_on_this_host_only_by_default(tmp_path: Path, mounter: Mo
             answer += chunk
         assert b"liquidfs_opens" in answer
     assert mnt.exists()
+
+
+def test_what_prepare_and_mount_write_is_their_owners_only(tmp_path: Path) -> None:
+    src = make_sample(tmp_path / "src", count=3, width=32, height=16, seed=6)
+    (src / "leftImg8bit").chmod(0o700)
+    store = tmp_path / "store"
+    done = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(src), "--store", str(store),
+                           "--ratio", "1", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    written = [store, *store.rglob("*")]
+    assert any(p.suffix == ".bmp" for p in written)
+    loose = [f"{p} {oct(p.stat().st_mode)}" for p in written if not p.is_symlink() and p.stat().st_mode & 0o077]
+    assert not loose, loose
