@@ -163,6 +163,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         if isinstance(base_reader, StoreReader):
             base_reader.close()
         log.info("unmounted %s", config.mountpoint)
+    if config.data_path == "passthrough" and ops.stats.data_path != "passthrough":
+        return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
 
 

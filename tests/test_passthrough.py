@@ -301,6 +301,11 @@ def test_data_path_passthrough_refuses_to_mount_when_it_cannot(prepared, tmp_pat
                            "bash", "-c", script], capture_output=True, text=True, timeout=180)
     assert done.returncode != 0
     assert "CAP_SYS_ADMIN" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    # in the foreground too: the daemon says why and exits non-zero
+    fg = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
+                         sys.executable, "-m", "liquidfs", "mount", str(src), str(mnt), "--store", str(store),
+                         "--data-path", "passthrough", "--foreground"], capture_output=True, text=True, timeout=180)
+    assert fg.returncode == 1 and "CAP_SYS_ADMIN" in fg.stderr and "Traceback" not in fg.stderr, fg.stderr
 
 
 def test_many_readers_of_the_same_files_at_once(prepared, mounter: Mount) -> None:
