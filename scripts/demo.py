@@ -81,8 +81,13 @@ def main() -> int:
               f"through the mount (ratio {args.ratio}), {m / secs_direct:.1f} img/s from the all-PNG source "
               f"directly ({n / secs / (m / secs_direct):.2f}x)")
         stats = json.loads(liquidfs("stats", str(mnt), "--json"))
-        print(f"6. liquidfs stats: {stats['opens']} opens ({stats['opens_raw']} raw), "
-              f"{stats['bytes_read'] / 1e6:.0f} MB served, {stats['fallbacks']} fallbacks, {stats['errors']} errors")
+        served = (stats["bytes_from_storage"] + stats["bytes_from_memory"]) / 1e6
+        how = ("passthrough: the kernel served every read from the backing files, "
+               f"{stats['read_requests']} reads reached the daemon" if stats["data_path"] == "passthrough"
+               else f"daemon path ({stats['data_path_why']})")
+        print(f"6. liquidfs stats: {stats['opens']} opens ({stats['opens_raw']} raw), {served:.0f} MB opened "
+              f"({stats['bytes_from_memory'] / 1e6:.0f} MB from the cache), {stats['fallbacks']} fallbacks, "
+              f"{stats['errors']} errors; data path {how}")
         if not same:
             return 1
     finally:
