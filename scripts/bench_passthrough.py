@@ -13,6 +13,9 @@ directly"). Page cache dropped before every cold run. Parts:
 * daemon-ab: the daemon path of this tree against the daemon of ``--baseline-rev`` (a git revision before
   passthrough existed, checked out in a temporary worktree), DALI r=1 cold, interleaved A/B, medians: the
   fallback path must not have become slower.
+* mix: the ratio ``liquidfs profile`` chooses on this machine (DALI decoder, all cores), prepared, through
+  passthrough against direct all-PNG: cold, and warm (direct: the page cache filled; liquidfs: every file in
+  its memfds, --cache-size 100% --warmup).
 * cache: --cache-size 30 %, 3 epochs of DALI through each path (the first cold); per-epoch images/s and the
   per-window hit ratios of epochs 2-3; and direct reads of the all-BMP copy in a memory cgroup of the same size
   (the page cache as the cache: the paper's baseline).
@@ -233,6 +236,39 @@ def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path
     return [base, summarize("r=1 daemon path of this tree, cold", runs["this"], base["images_per_s"])]
 
 
+def part_mix(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp: Path) -> list[dict]:
+    from bench_e2e import auto_ratio, read_all
+
+    ratio = auto_ratio(args.work, src)
+    print(f"  profiled ratio {ratio:g}", file=sys.stderr, flush=True)
+    store = store_for(args.work, src, ratio)
+    rows = []
+    for state in ("cold", "warm"):
+        runs = []
+        for rep in range(args.repeats):
+            if state == "cold":
+                drop_caches()
+            else:
+                read_all(src / SUBDIR)
+            runs.append(dali_epoch(src, args.images, rep, None))
+        base = summarize(f"direct all-PNG, {state}", runs)
+        rows.append(base)
+        extra = ("--cache-size", "100%", "--warmup") if state == "warm" else ()
+        m = mount(src, store, args.work, "passthrough", *extra)
+        try:
+            runs = []
+            if state == "warm":
+                dali_epoch(m.mnt, args.images, 99, m)  # one pass: every file has been opened once
+            for rep in range(args.repeats):
+                if state == "cold":
+                    drop_caches()
+                runs.append(dali_epoch(m.mnt, args.images, rep, m))
+        finally:
+            m.close()
+        rows.append(summarize(f"liquidfs passthrough, profiled r={ratio:g}, {state}", runs, base["images_per_s"]))
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=REPO / "out" / "bench-pt")
@@ -243,7 +279,7 @@ def main() -> int:
     parser.add_argument("--cat-files", type=int, default=300, help="files read by the parallel readers")
     parser.add_argument("--loader-memory", type=int, default=1_500_000_000,
                         help="bytes the cgroup baseline allows the loader itself, on top of 30 %% of the data")
-    parser.add_argument("--parts", default="dali,cat,cache", help="any of dali,cat,cache,daemon-ab")
+    parser.add_argument("--parts", default="dali,cat,cache", help="any of dali,cat,cache,daemon-ab,mix")
     parser.add_argument("--baseline-rev", default="b820bfa",
                         help="daemon-ab: the revision whose daemon path is the baseline (default: the last before "
                         "passthrough)")
@@ -256,10 +292,10 @@ def main() -> int:
     for part in args.parts.split(","):
         print(f"{part}:", file=sys.stderr, flush=True)
         results[part] = {"dali": part_dali, "cat": part_cat, "cache": part_cache,
-                         "daemon-ab": part_daemon_ab}[part](args, src, stores, bmp)
+                         "daemon-ab": part_daemon_ab, "mix": part_mix}[part](args, src, stores, bmp)
         out = args.out or args.work / "passthrough.json"
         out.write_text(json.dumps(results, indent=1))
-    for part in ("dali", "daemon-ab"):
+    for part in ("dali", "daemon-ab", "mix"):
         if part not in results:
             continue
         print("| configuration | images/s (median) | x baseline | daemon CPU-s/GB | daemon ms/open | runs |")
