@@ -235,7 +235,8 @@ class DaemonPath:
             POOL.forget(content.data)
         self.held_data[node_id] = content.data
 
-    async def warm_up(self, files: list[Node]) -> tuple[int, int]:
+    async def warm_up(self, files: list[Node],
+                      progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:
         """Load a random budget's worth of files before the first epoch, so that epoch hits too.
 
         Storage reads go to worker threads; the policy and the held bytes change only on the trio thread.
@@ -257,6 +258,7 @@ class DaemonPath:
             self._hold(node_id, content)
             files += 1
             total += content.size
+            progress(files, total)
         return files, total
 
     async def _open_from_storage(self, node: Node) -> Content:

@@ -236,18 +236,32 @@ async def _signal_ready(config: MountConfig, ops: Operations, ready_fd: int | No
         return
     if config.readahead_kb and ops.passthrough is None:
         set_readahead(config.mountpoint, config.readahead_kb)
-    if config.warmup and ops.passthrough is not None and ops.passthrough.memory is not None:
-        started = time.monotonic()
-        files, total = await ops.passthrough.warm_up(list(ops.catalog.files()))
-        log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
-    elif config.warmup and ops.cache is not None:
-        started = time.monotonic()
-        files, total = await ops.daemon.warm_up(list(ops.catalog.files()))
-        log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
     log.info("mount answers")
     if ready_fd is not None:
         os.write(ready_fd, b"ready\n")
         os.close(ready_fd)
+    # After ready, not before: a dataset that takes longer to warm than the mount command waits (or a probe
+    # allows) must not make a dead mount. Its progress is in stats (warmup, warmup_files, warmup_bytes).
+    if config.warmup and ops.cache is not None:
+        await warm_up(ops)
+
+
+async def warm_up(ops: Operations) -> None:
+    stats = ops.stats
+    stats.warmup = "running"
+
+    def progress(files: int, total: int) -> None:
+        stats.warmup_files, stats.warmup_bytes = files, total
+
+    started = time.monotonic()
+    nodes = list(ops.catalog.files())
+    if ops.passthrough is not None:
+        files, total = await ops.passthrough.warm_up(nodes, progress)
+    else:
+        files, total = await ops.daemon.warm_up(nodes, progress)
+    progress(files, total)
+    stats.warmup = "done"
+    log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
 
 
 def choose_data_path(config: MountConfig, ops: Operations) -> bool:

@@ -260,7 +260,8 @@ class PassthroughPath:
     async def blocking_copy(self, backing: Backing) -> int:
         return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size)
 
-    async def warm_up(self, files: list[Node]) -> tuple[int, int]:
+    async def warm_up(self, files: list[Node],
+                      progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:
         """Fill the memory tier with a random budget's worth of files before the first epoch."""
         assert self.memory is not None
         nodes = {n.id: n for n in files}
@@ -285,6 +286,7 @@ class PassthroughPath:
                     continue
                 held += 1
                 total += backing.size
+                progress(held, total)
             finally:
                 backing.close()
         return held, total

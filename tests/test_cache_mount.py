@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from fusehelpers import Mount, memfd_bytes
+from fusehelpers import Mount, memfd_bytes, wait_for
 
 pytestmark = pytest.mark.fuse
 
@@ -90,7 +90,9 @@ def test_three_epochs_two_readers(dataset: Path, mounter: Mount, size: str) -> N
 def test_warmup_makes_epoch_one_hit(dataset: Path, mounter: Mount) -> None:
     files = _files(dataset)
     mnt = mounter.mount(dataset, "--cache-size", "50%", "--warmup")
+    wait_for(lambda: _stats(mnt)["warmup"] == "done", 120, what="the warm-up (after the mount answers)")
     st = _stats(mnt)
+    assert st["warmup_files"] > 0 and st["warmup_bytes"] == st["cache_held_bytes"]
     assert st["cache_held_bytes"] >= 0.45 * st["dataset_bytes"]
     _epoch(mnt, files, seed=5)
     st = _stats(mnt)

@@ -466,3 +466,19 @@ def test_other_users(public_dir: Path, tmp_path: Path, mounter: Mount) -> None:
     listing = as_nobody("ls", str(shared))
     assert listing.returncode == 0 and listing.stdout.split() == ["private.txt", "public.txt"]
     assert run_cli("stats", str(shared), "--probe").returncode == 0
+
+
+def test_warmup_runs_after_the_mount_answers(faulty: Faulty, tmp_path: Path, mounter: Mount) -> None:
+    """--warmup used to run before the mount reported ready, and `liquidfs mount` gives up on a daemon after
+    120 s: a dataset slow to warm made a dead mount. The warm-up now starts once the mount answers, with its
+    progress in stats; here it meets hung storage (each read waits --io-timeout) and the mount answers anyway."""
+    s = serve_through(faulty, tmp_path, mounter)
+    faulty.set(hang=[os.fsdecode(n.object) for n in s.raw])
+    mnt = mounter.mount(s.src, "--cache-size", "100%", "--warmup", "--io-timeout", "2", "--threads", "2",
+                        store=s.store)
+    assert stats(mnt)["warmup"] == "running"  # answered while the warm-up waits for the storage
+    node = s.originals[0]
+    assert (mnt / os.fsdecode(node.path)).read_bytes() == s.expected(node)[0]
+    faulty.set()
+    wait_for(lambda: stats(mnt)["warmup"] == "done", 120, what="the warm-up to finish")
+    assert stats(mnt)["warmup_files"] >= len(s.originals) - 1
