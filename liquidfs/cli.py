@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--disk-cache-size", metavar="SIZE",
                    help="budget of --disk-cache: a percentage of the dataset as served or bytes (200G)")
     m.add_argument("--warmup", action="store_true",
-                   help="fill the cache before the mount is reported ready, so the first epoch hits too")
+                   help="fill the cache right after the mount is ready, in the background, so the first epoch hits "
+                   "too (progress: `liquidfs stats`, warmup)")
     m.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
                    help="readahead of the mount, so the kernel sends larger reads (default 1024; 0 leaves the "
                    "kernel's default; needs root)")
