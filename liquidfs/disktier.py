@@ -96,6 +96,15 @@ class DiskTier:
         for file, gone in evicted:
             if gone is not None:
                 self._path(file).unlink(missing_ok=True)
+        if entry is not None and self.inner.check_source(node) is not None:
+            # the source changed after this level stored its bytes: they are stale, never served
+            log.info("disk cache: %s changed since it was stored; reading it again", os.fsdecode(node.path))
+            self._forget(node.id)
+            entry = None
+            with self._lock:
+                self.lost += 1
+                if decision.epoch:
+                    self.policy.correct_miss(decision.epoch, node.size_served)
         if entry is not None:
             content = self._read(node, entry)
             if content is not None:

@@ -100,3 +100,17 @@ def test_parts_of_files_read_again_come_from_the_store(tmp_path: Path) -> None:
     tier, store = _tier(tmp_path, 0.0)
     assert bytes(tier.read_span(_node(9), False, 100, 300)) == bytes([9]) * 200
     tier.close()
+
+
+def test_a_hit_whose_source_changed_is_never_served(tmp_path: Path) -> None:
+    """Hits used to skip the source check: a file changed after the disk level stored it was served stale."""
+    tier, store = _tier(tmp_path, 1.0)
+    changed: set[int] = set()
+    store.check_source = lambda node, st=None: "changed" if node.id in changed else None  # type: ignore[method-assign]
+    rng = random.Random(3)
+    _epoch(tier, rng)
+    opens = store.opens
+    changed.add(5)
+    _epoch(tier, rng)  # every file is a hit but the changed one, which is read from the store again
+    assert store.opens == opens + 1 and tier.lost == 1 and tier.hits == FILES - 1
+
