@@ -249,9 +249,10 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
     assert stats["bytes_reread"] <= stats["rereads"] * 2 * CHUNK
     first_reads = stats["read_requests"] - stats["reads_again"]
     if push == "--push-pages":
-        # how many buffers come back before the next file needs one depends on DALI's timing (a fresh-clone CI
-        # run saw 1 where quiet runs see more): one reuse shows a pushed file's buffer served the next
-        assert stats["bytes_pushed"] > 0 and stats["buffers_reused"] >= 1
+        # Whether a pushed file's buffer is back before DALI's next file needs one depends on DALI's timing
+        # (fresh-clone CI runs saw 0, 1 and more): buffer reuse after a push is tested deterministically in
+        # test_fs_unit.py (test_a_buffer_is_not_lent_before_the_kernel_has_copied_it and the test before it).
+        assert stats["bytes_pushed"] > 0
         # each byte sent once
         assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_read_again"] == stats["bytes_from_storage"]
         assert first_reads <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
