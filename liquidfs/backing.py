@@ -20,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,7 +29,6 @@ from .reader import SEAL_MARGIN_NS, Content, StoreReader
 
 log = logging.getLogger(__name__)
 
-KINDS = ("source", "object", "memfd", "disk")
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 
 
@@ -86,15 +86,14 @@ def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Ba
     None when it must be read whole. ``cached_only``: BlockingIOError where that would wait for the disk."""
     source = reader.open_source(node, cached_only=cached_only)
     try:
-        changed = reader.check_source(node, os.fstat(source))
-        if node.repr != REPR_RAW:
+        st = os.fstat(source)
+        changed = reader.check_source(node, st)
+        if node.repr != REPR_RAW or changed is not None:
             # An original is served either way; its size may differ from the catalog's (the caller corrects it).
-            found = Backing(source, os.fstat(source).st_size, raw=False, kind="source")
-            source = -1
-            return found
-        if changed is not None:
-            reader.warn_once(node, changed)
-            found = Backing(source, os.fstat(source).st_size, raw=False, kind="source", fallback=changed)
+            if node.repr == REPR_RAW:
+                reader.warn_once(node, changed)
+            found = Backing(source, st.st_size, raw=False, kind="source",
+                            fallback=changed if node.repr == REPR_RAW else None)
             source = -1
             return found
         if reader.sealed_ns is None:
@@ -122,15 +121,13 @@ def _open_object(reader: StoreReader, node: Node, cached_only: bool) -> int | No
         return None  # the reader's whole read says why, and serves the original
 
 
-def memfd_with(data: bytes | memoryview, name: bytes | str = b"liquidfs") -> int:
-    """A sealed memfd holding ``data``: nobody, the daemon included, can change what it serves afterwards."""
+def _sealed_memfd(name: bytes | str, fill: Callable[[int], None]) -> int:
+    """A memfd named after ``name``, filled by ``fill(fd)``, then sealed: nobody, the daemon included, can change
+    what it serves afterwards."""
     label = os.path.basename(os.fsdecode(name))[:200] or "liquidfs"
     fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
+        fill(fd)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
     except BaseException:
         os.close(fd)
@@ -138,23 +135,29 @@ def memfd_with(data: bytes | memoryview, name: bytes | str = b"liquidfs") -> int
     return fd
 
 
+def memfd_with(data: bytes | memoryview, name: bytes | str = b"liquidfs") -> int:
+    """A sealed memfd holding ``data``."""
+    def fill(fd: int) -> None:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+
+    return _sealed_memfd(name, fill)
+
+
 def memfd_copy(fd: int, size: int, name: bytes | str = b"liquidfs") -> int:
     """A sealed memfd holding the first ``size`` bytes of ``fd``, copied by the kernel (``sendfile``): no byte
     passes through Python. The caller has just served these bytes, so their pages are usually still cached."""
-    label = os.path.basename(os.fsdecode(name))[:200] or "liquidfs"
-    out = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
+    def fill(out: int) -> None:
         done = 0
         while done < size:
             sent = os.sendfile(out, fd, done, size - done)
             if sent == 0:
                 raise OSError(errno.EIO, f"short copy: {done} of {size} bytes")
             done += sent
-        fcntl.fcntl(out, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(out)
-        raise
-    return out
+
+    return _sealed_memfd(name, fill)
 
 
 def drop_pages(fd: int) -> None:

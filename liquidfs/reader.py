@@ -360,15 +360,6 @@ def _regular(file: int, path: str) -> int:
     return file
 
 
-def open_beneath(root: bytes, rel: bytes) -> int:
-    """``open_below`` a root given by its path (resolved now): for one-off opens outside a mount."""
-    root_fd = open_dir(root)
-    try:
-        return open_below(root_fd, rel, root)
-    finally:
-        os.close(root_fd)
-
-
 def digest_of(node: Node, content: Content) -> str:
     """The xxh3 digest of what ``content`` serves: prepare's recorded one for a raw object (checked when it was
     read), else computed."""
@@ -414,13 +405,6 @@ class StoreReader:
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
         # hit's CPU). Anything else (NFS, FUSE) is checked in a worker thread, under --io-timeout.
         self.inline_check = filesystem_type(source_root) in LOCAL_FILESYSTEMS
-
-    def source_path(self, node: Node) -> bytes:
-        return os.path.join(self.source_root, node.path)
-
-    def object_path(self, node: Node) -> Path:
-        assert node.object is not None
-        return self.store_dir / node.object
 
     def open_source(self, node: Node, *, cached_only: bool = False) -> int:
         return open_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)
