@@ -28,9 +28,27 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q -e ".[${extras}]" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import liquidfs, pyfuse3" || { echo "install failed" >&2; exit 1; }
+# pip's own failures must stop the install: a half-installed venv (CI once ran with boto3 missing) fails later
+# and far from the cause.  One retry covers a registry hiccup; the log says what went wrong.
+pip_log=.venv/pip-install.log
+pip_install() {
+    local try
+    for try in 1 2; do
+        if .venv/bin/python -m pip install -q --no-cache-dir "$@" > "$pip_log" 2>&1; then
+            return 0
+        fi
+        echo "pip install $* failed (try $try of 2):" >&2
+        grep -v "^WARNING: Location" "$pip_log" | tail -n 15 >&2
+    done
+    echo "install failed: pip could not install $* (full log: $pip_log; free disk: $(df -h --output=avail . | tail -n 1))" >&2
+    exit 1
+}
+pip_install --upgrade pip
+pip_install -e ".[${extras}]"
+# From outside the checkout, so the source tree next to us cannot stand in for the installed package.
+.venv/bin/python -m pip check >&2 || { echo "install failed: broken requirements in .venv" >&2; exit 1; }
+(cd / && "$OLDPWD/.venv/bin/python" -c "import liquidfs, liquidfs.cli, pyfuse3, trio, PIL, numpy, tqdm, xxhash, boto3") \
+    || { echo "install failed: liquidfs or a dependency does not import" >&2; exit 1; }
 
 if [ "$passthrough" != 0 ]; then
     log=.venv/passthrough-build.log
