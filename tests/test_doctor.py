@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from conftest import run_cli
-from liquidfs.doctor import capability_check, checks, kernel_check, verdict
+from liquidfs.doctor import capability_check, checks, kernel_check, kernel_config_check, verdict, verity_check
 
 ROOT_STATUS = "Name:\tx\nCapEff:\t000001ffffffffff\n"
 NO_ADMIN = "Name:\tx\nCapEff:\t0000000000000000\n"
@@ -17,6 +17,13 @@ def test_kernel_versions() -> None:
     assert kernel_check("6.9.0").ok
     assert not kernel_check("6.8.12-generic").ok
     assert not kernel_check("5.15.0").ok
+
+
+def test_kernel_config_lines() -> None:
+    assert kernel_config_check("CONFIG_FUSE_FS=y\nCONFIG_FUSE_PASSTHROUGH=y\n").ok
+    assert kernel_config_check("CONFIG_FUSE_FS=y\n# CONFIG_FUSE_PASSTHROUGH is not set\n").ok is False
+    assert "without CONFIG_FS_VERITY" in verity_check("# CONFIG_FS_VERITY is not set\n").found
+    assert "has CONFIG_FS_VERITY" in verity_check("CONFIG_FS_VERITY=y\n").found
 
 
 def test_cap_sys_admin_in_the_initial_user_namespace_only() -> None:
