@@ -25,7 +25,11 @@ from .locks import HeldLock, abandoned, unique
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the schema changes; a catalog of another version is refused, never guessed at.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+#: Meta key: how local files were identified when the catalog was scanned (``file_version``).  A catalog whose
+#: files lack it (older than schema version 3) is rescanned before it is used.
+FILE_IDENTITY = "file_identity"
+_IDENTITY_INO_CTIME = "size,mtime,ino,ctime"
 CATALOG_NAME = "catalog.sqlite"
 #: Meta key: when prepare last finished writing raw objects (``Catalog.sealed_ns``).
 SEALED = "objects_sealed_ns"
@@ -55,7 +59,7 @@ CREATE TABLE nodes (
     served_size INTEGER,         -- size served when repr is raw
     object TEXT,                 -- store-relative name of the raw object
     checksum TEXT,               -- xxh3-64 hex digest of the raw object
-    etag TEXT                    -- the source object's ETag (object-store sources), NULL for local files
+    etag TEXT                    -- the source's version: an object's ETag, or a local file's (file_version)
 );
 CREATE UNIQUE INDEX nodes_parent_name ON nodes(parent, name);
 CREATE INDEX nodes_parent ON nodes(parent);
@@ -69,7 +73,7 @@ CREATE TABLE expansions (
     raw_size INTEGER,
     checksum TEXT,
     reason TEXT,                 -- why it was refused, NULL when expanded
-    src_etag TEXT                -- the source object's ETag (object-store sources)
+    src_etag TEXT                -- the source's version when it was expanded (as nodes.etag)
 );
 """
 
@@ -144,15 +148,30 @@ def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
     return db
 
 
-def _migrate_v1(path: Path) -> None:
-    """Version 2 added the ETags of object-store sources: a local catalog of version 1 gains empty columns."""
-    log.info("upgrading catalog %s to schema version %d", path, SCHEMA_VERSION)
+def file_version(st: os.stat_result) -> str:
+    """What, besides size and mtime, tells a local file apart from any other content at the same path.
+
+    Size and mtime alone can be put back (``touch -d``, ``cp -p``, ``rsync -t``): a file rewritten that way would
+    keep a stale raw object in service.  The inode number changes with a replaced file and the ctime with any
+    write, truncation, rename or mode change, and neither can be set back by an unprivileged user.
+    """
+    return f"ino:{st.st_ino}:ctime:{st.st_ctime_ns}"
+
+
+def _migrate(path: Path, found: int) -> None:
+    """Version 2 added the ETags of object-store sources; version 3 records local files' versions there too.
+
+    A local catalog of an older version gains empty columns and no ``file_identity``: ``is_fresh`` then says it
+    must be rescanned, and prepare re-expands its images (their old identity cannot be trusted)."""
+    log.info("upgrading catalog %s from schema version %d to %d", path, found, SCHEMA_VERSION)
     db = sqlite3.connect(path, isolation_level=None)
     try:
         db.execute("BEGIN IMMEDIATE")
-        if db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "1":
+        version = int(db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+        if version == 1:
             db.execute("ALTER TABLE nodes ADD COLUMN etag TEXT")
             db.execute("ALTER TABLE expansions ADD COLUMN src_etag TEXT")
+        if version < SCHEMA_VERSION:
             db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
         db.execute("COMMIT")
     except sqlite3.DatabaseError as exc:
@@ -180,9 +199,9 @@ class Catalog:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
-        if row is not None and int(row[0]) == 1:
+        if row is not None and row[0] in ("1", "2"):
             db.close()
-            _migrate_v1(path)
+            _migrate(path, int(row[0]))
             return cls.open(store_dir, readonly=readonly)
         if row is None or int(row[0]) != SCHEMA_VERSION:
             found = row[0] if row else "none"
@@ -262,6 +281,8 @@ class Catalog:
         Adding, removing or renaming an entry changes its directory's mtime, so stat-ing the directories (not
         listing them) is enough; a file whose content changed in place is caught per file at open.
         """
+        if self.meta(FILE_IDENTITY) != _IDENTITY_INO_CTIME:
+            return False  # scanned by an older liquidfs: its files' identities are too weak to reuse
         root = self.source
         for rel, mtime_ns in self.directories():
             try:
@@ -387,7 +408,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
             elif stat.S_ISREG(mode):
                 report.files += 1
                 writer.add((node_id, dir_id, name, rel, KIND_FILE, mode, st.st_size, st.st_mtime_ns, 0,
-                            None, REPR_ORIGINAL, None, None, None, None))
+                            None, REPR_ORIGINAL, None, None, None, file_version(st)))
             elif stat.S_ISLNK(mode):
                 report.symlinks += 1
                 target = os.readlink(entry.path)
@@ -400,7 +421,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
         nsubdirs[dir_id] = subdirs
     for r in dir_rows.values():
         writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
-    writer.finish({"source": os.fsdecode(root)})
+    writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: _IDENTITY_INO_CTIME})
     report.seconds = time.monotonic() - started
     log.info(
         "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
@@ -497,7 +518,7 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
     try:
         db.execute("BEGIN")
         version = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
-        if version is None or int(version[0]) not in (1, SCHEMA_VERSION):
+        if version is None or int(version[0]) not in (1, 2, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             return
         etag = "src_etag" if int(version[0]) >= 2 else "NULL"

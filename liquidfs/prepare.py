@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import os
 import random
+import stat
 import sys
 import time
 from collections import Counter
@@ -29,9 +30,9 @@ from pathlib import Path
 import xxhash
 
 from . import formats
-from .catalog import SEALED, Catalog, CatalogError, Node, open_or_build
+from .catalog import SEALED, Catalog, CatalogError, Node, file_version, open_or_build
 from .locks import unique
-from .reader import checksum, read_fd
+from .reader import checksum, open_below, open_dir, read_fd
 from .s3 import is_url
 
 log = logging.getLogger(__name__)
@@ -102,32 +103,54 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
     return None, result.data, result.source_format
 
 
-def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int) -> Outcome:
-    """Runs in a worker process: expand one image into the store, or say why not. Never raises."""
+def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
+               want_version: str | None) -> Outcome:
+    """Runs in a worker process: expand one image into the store, or say why not. Never raises.
+
+    The source is opened below its root without following any link (as the mount opens it) and must be the
+    file the catalog recorded, before and after it is read: root reads it, and another user may be able to
+    swap it for a link to a file of theirs or of nobody's, or write it while it is read.
+    """
     final = os.path.join(store, obj)
+
+    def outcome(reason: str | None, fmt: str | None = None, raw: bytes | None = None, *,
+                reused: bool = False, fatal: str | None = None) -> Outcome:
+        if raw is None:
+            return Outcome(rel, want_size, want_mtime, fmt, None, None, None, reason, fatal=fatal,
+                           src_etag=want_version)
+        return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None, reused=reused,
+                       src_etag=want_version)
+
+    def unchanged(st: os.stat_result) -> bool:
+        return ((st.st_size, st.st_mtime_ns) == (want_size, want_mtime)
+                and (want_version is None or file_version(st) == want_version))
+
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+        root_fd = open_dir(root)
+        try:
+            fd = open_below(root_fd, rel, root)
+        finally:
+            os.close(root_fd)
     except OSError as exc:
-        return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
+        return outcome(f"unreadable: {exc.strerror}")
     try:
-        st = os.fstat(fd)
-        if (st.st_size, st.st_mtime_ns) != (want_size, want_mtime):
-            return Outcome(rel, st.st_size, st.st_mtime_ns, None, None, None, None, "changed-during-prepare")
-        if os.path.exists(final):
-            # Renamed into place only once complete and verified: a previous run (maybe killed) finished it.
-            with open(final, "rb") as f:
-                data = f.read()
-            return Outcome(rel, want_size, want_mtime, formats.sniff(os.pread(fd, 16, 0)), obj, len(data),
-                           checksum(data), None, reused=True)
+        if not unchanged(os.fstat(fd)):
+            return outcome("changed-during-prepare")
         try:
             source = bytes(read_fd(fd))  # O_DIRECT: prepare does not fill the page cache with the source
         except OSError as exc:
-            return Outcome(rel, want_size, want_mtime, None, None, None, None, f"unreadable: {exc.strerror}")
+            return outcome(f"unreadable: {exc.strerror}")
+        if not unchanged(os.fstat(fd)):
+            return outcome("changed-during-prepare")  # written while read: the bytes may be torn
     finally:
         os.close(fd)
-    refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source)
+    refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source, want_version)
     if raw is None:
         return refused  # type: ignore[return-value]
+    if _holds(final, raw):
+        # A previous run (maybe killed before it recorded it) left exactly these bytes: nothing to write.  An
+        # object is adopted only byte for byte, never on its name alone (a damaged one is rewritten).
+        return outcome(None, fmt, raw, reused=True)
     tmp = f"{final}.{unique('tmp-')}"  # never a PID: prepares in two PID namespaces may share a store
     try:
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -142,9 +165,25 @@ def expand_one(src: bytes, rel: bytes, store: str, obj: str, want_size: int, wan
         except OSError:
             pass
         fatal = "out of disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write {tmp}: {exc}"
-        return Outcome(rel, want_size, want_mtime, fmt, None, None, None, "write-failed",
-                       fatal=fatal)
-    return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None)
+        return outcome("write-failed", fmt, fatal=fatal)
+    return outcome(None, fmt, raw)
+
+
+def _holds(path: str, data: bytes) -> bool:
+    """True when ``path`` is a regular file holding exactly ``data`` (never following a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(len(data) + 1) == data
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 # -- the coordinating side ------------------------------------------------------------------------------
@@ -217,8 +256,7 @@ class LocalTarget:
         self.label = str(store_dir)
 
     def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
-        return expand_one, (os.path.join(source_root, node.path), node.path, str(self.store_dir), obj, node.size,
-                            node.mtime_ns)
+        return expand_one, (source_root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag)
 
     def exists(self, obj: str) -> bool:
         return (self.store_dir / obj).exists()
@@ -416,16 +454,30 @@ def _delete_surplus(catalog: Catalog, target: Target) -> int:
 # -- verify ---------------------------------------------------------------------------------------------
 
 
-def verify_one(src: bytes, obj: str, want_checksum: str, want_size: int, want_mtime: int) -> str | None:
-    """None when the raw object is sound and decodes to the source's pixels; else what is wrong."""
+def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size: int, want_mtime: int,
+               want_version: str | None = None) -> str | None:
+    """None when the raw object is sound and decodes to the source's pixels; else what is wrong.  The source
+    is read as the mount reads it (below its root, no link followed) and must be the file that was expanded."""
     try:
-        st = os.stat(src)
-        if (st.st_size, st.st_mtime_ns) != (want_size, want_mtime):
-            return "source changed since prepare (it is served as the original)"
-        with open(obj, "rb") as f:
+        root_fd = open_dir(root)
+        try:
+            fd = open_below(root_fd, rel, root)
+        finally:
+            os.close(root_fd)
+        try:
+            st = os.fstat(fd)
+            if (st.st_size, st.st_mtime_ns) != (want_size, want_mtime) or (
+                    want_version is not None and file_version(st) != want_version):
+                return "source changed since prepare (it is served as the original)"
+            with open(fd, "rb", closefd=False) as f:
+                original = f.read()
+        finally:
+            os.close(fd)
+        obj_fd = os.open(obj, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(obj_fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return "raw object is not a regular file"
             raw = f.read()
-        with open(src, "rb") as f:
-            original = f.read()
     except OSError as exc:
         return f"cannot read: {exc}"
     return judge(original, raw, want_checksum)
@@ -460,8 +512,8 @@ def verify(store: str | os.PathLike[str], *, sample: int | None = None, jobs: in
             catalog.close()
 
         def job(n: Node) -> tuple[Callable[..., str | None], tuple[object, ...]]:
-            return verify_one, (os.path.join(root, n.path), str(store_dir / str(n.object)), str(n.checksum),
-                                n.size, n.mtime_ns)
+            return verify_one, (root, n.path, str(store_dir / str(n.object)), str(n.checksum), n.size, n.mtime_ns,
+                                n.etag)
     if sample is not None and sample < len(nodes):
         nodes = random.Random().sample(nodes, sample)
     failures: list[tuple[str, str]] = []

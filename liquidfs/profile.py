@@ -28,6 +28,7 @@ import resource
 import shutil
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +38,9 @@ from pathlib import Path
 
 from . import formats
 from .catalog import Catalog, open_or_build
+from .locks import unique
 from .prepare import IMAGE_SUFFIXES
+from .reader import open_below, open_dir, same_file
 from .s3 import is_url
 
 log = logging.getLogger(__name__)
@@ -136,37 +139,60 @@ class Sample:
 
 
 def make_sample(catalog: Catalog, store: Path, count: int, seed: int = 0) -> Sample:
-    """Pick ``count`` images at random and expand them into ``store/profile-sample`` (reusing objects)."""
+    """Pick ``count`` images at random and expand them into a ``store/profile-sample-*`` directory of this run's own."""
     root = catalog.source
     nodes = [n for n in catalog.files() if n.name.lower().endswith(tuple(s.encode() for s in IMAGE_SUFFIXES))]
     if not nodes:
         raise SystemExit("profile: no PNG/JPEG images in the source")
     rng = random.Random(seed)
     rng.shuffle(nodes)
-    scratch = store / "profile-sample"
-    scratch.mkdir(parents=True, exist_ok=True)
-    originals, raws = [], []
-    for node in nodes:
-        if len(raws) >= count:
-            break
-        src = Path(os.fsdecode(os.path.join(root, node.path)))
-        out = scratch / f"{node.id}.bmp"
-        if not out.exists():
-            data = src.read_bytes()
+    # A directory of this run's own: profiles run at once on one store (a Job's pods) must not share or delete
+    # each other's sample.
+    store.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="profile-sample-", dir=store))
+    originals: list[Path] = []
+    raws: list[Path] = []
+    original_data: list[bytes] = []
+    raw_data: list[bytes] = []
+    root_fd = open_dir(root)
+    try:
+        for node in nodes:
+            if len(raws) >= count:
+                break
+            try:  # read as the mount reads: below the root, no link followed, the file the catalog recorded
+                fd = open_below(root_fd, node.path, root)
+                try:
+                    if not same_file(node, os.fstat(fd)):
+                        continue
+                    with open(fd, "rb", closefd=False) as f:
+                        data = f.read()
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                log.warning("profile: skipping %r: %s", node.path, exc)
+                continue
             result = formats.expand(data)
             if result.data is None:
                 continue
+            out = scratch / f"{node.id}.bmp"
             out.write_bytes(result.data)
-        originals.append(src)
-        raws.append(out)
+            # Timed where the mount will read it.  The timing reads discard what they read, so a path swapped
+            # for a link since cannot carry anyone's bytes anywhere.
+            originals.append(Path(os.fsdecode(os.path.join(root, node.path))))
+            raws.append(out)
+            original_data.append(data)
+            raw_data.append(result.data)
+    finally:
+        os.close(root_fd)
     if not raws:
+        shutil.rmtree(scratch, ignore_errors=True)
         raise SystemExit("profile: none of the sampled images can be expanded losslessly")
     return Sample(originals, raws, scratch, cleanup=lambda: shutil.rmtree(scratch, ignore_errors=True),
-                  original_data=[p.read_bytes() for p in originals], raw_data=[p.read_bytes() for p in raws])
+                  original_data=original_data, raw_data=raw_data)
 
 
 def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int = 0) -> Sample:
-    """The sample of an s3:// dataset: ``count`` random images, expanded and put under STORE/profile-sample/
+    """The sample of an s3:// dataset: ``count`` random images, expanded and put under STORE/profile-sample-<unique>/
     (deleted after), so storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
     from .s3 import get, list_objects, make_client, put, work_dir
     from .s3store import bucket_pair, delete_keys
@@ -180,6 +206,7 @@ def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int
     sample = Sample([], [], work_dir(dst, client),
                     load=lambda items, seconds: measure_get(client, items, seconds, jobs))
     written: list[str] = []
+    prefix = unique("profile-sample-")  # profiles run at once on one store (a Job's pods) keep apart
 
     def cleanup() -> None:
         delete_keys(client, dst.bucket, written)
@@ -192,7 +219,7 @@ def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int
         result = formats.expand(data)
         if result.data is None:
             continue
-        raw_key = dst.key(f"profile-sample/{len(written)}.bmp")
+        raw_key = dst.key(f"{prefix}/{len(written)}.bmp")
         put(client, dst.bucket, raw_key, result.data)
         written.append(raw_key)
         sample.originals.append((src.bucket, key))

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import xxhash
 
-from .catalog import REPR_RAW, Node
+from .catalog import REPR_RAW, Node, file_version
 
 log = logging.getLogger(__name__)
 
@@ -304,6 +304,13 @@ def _has_openat2() -> bool:
 HAS_OPENAT2 = _has_openat2()
 
 
+def same_file(node: Node, st: os.stat_result) -> bool:
+    """True while the local file behind ``st`` is the one the catalog recorded: size, mtime and, for catalogs
+    that recorded it, inode and ctime (``catalog.file_version``)."""
+    return ((st.st_size, st.st_mtime_ns) == (node.size, node.mtime_ns)
+            and (node.etag is None or node.etag == file_version(st)))
+
+
 def open_dir(path: bytes | str | os.PathLike[str]) -> int:
     """A directory held open (O_PATH) for opening paths below it, resolved once."""
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -477,7 +484,7 @@ class StoreReader:
         if st is None:
             catalog_parts(node.path)
             st = os.stat(node.path, dir_fd=self.root_fd, follow_symlinks=False)
-        if (st.st_size, st.st_mtime_ns) != (node.size, node.mtime_ns):
+        if not same_file(node, st):
             return "source changed since prepare" if node.repr == REPR_RAW else "source changed since the scan"
         return None
 

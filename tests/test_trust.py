@@ -239,3 +239,97 @@ def test_what_prepare_and_mount_write_is_their_owners_only(tmp_path: Path) -> No
     assert any(p.suffix == ".bmp" for p in written)
     loose = [f"{p} {oct(p.stat().st_mode)}" for p in written if not p.is_symlink() and p.stat().st_mode & 0o077]
     assert not loose, loose
+
+
+def _two_images_of_one_size(a: Path, b: Path) -> None:
+    """Two PNGs with different pixels and exactly the same length (the shorter padded after IEND, which decoders
+    ignore): what an attacker needs to pass a size check."""
+    from PIL import Image
+
+    Image.new("RGB", (64, 32), (200, 10, 10)).save(a)
+    Image.new("RGB", (64, 32), (10, 10, 200)).save(b)
+    short, long_ = sorted((a, b), key=lambda p: p.stat().st_size)
+    short.write_bytes(short.read_bytes() + b"\0" * (long_.stat().st_size - short.stat().st_size))
+
+
+def _pixels(data: bytes) -> bytes:
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        return im.convert("RGB").tobytes()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+def test_a_source_rewritten_with_its_size_and_mtime_put_back_is_served_as_it_is_now(
+        tmp_path: Path, mounter: Mount, data_path: str) -> None:
+    """``cp -p``, ``rsync -t`` or ``touch -d`` put back size and mtime: the stale raw object of the old content
+    was served. The identity now includes the inode and its ctime, which nobody can set back."""
+    src = tmp_path / "src"
+    src.mkdir()
+    _two_images_of_one_size(src / "a.png", tmp_path / "new.png")
+    store = tmp_path / "store"
+    prepare(src, store, ratio=1.0, progress=False)
+    st = (src / "a.png").stat()
+    shutil.copyfile(tmp_path / "new.png", src / "a.png")  # rewritten in place, same size
+    os.utime(src / "a.png", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (src / "a.png").stat().st_size == st.st_size
+    mnt = mounter.mount(src, "--data-path", data_path, store=store)
+    served = (mnt / "a.png").read_bytes()
+    assert _pixels(served) == _pixels((tmp_path / "new.png").read_bytes()), "the old image's raw object was served"
+
+
+def test_prepare_reads_no_source_swapped_for_a_link_after_the_scan(tmp_path: Path) -> None:
+    """Between the scan and the expansion a user who owns the dataset swaps an image for a link to a file of the
+    same size and mtime that only root may read, and puts the directory's mtime back so the catalog is reused:
+    prepare (root) used to follow the link and put that file's pixels in an object the mount serves."""
+    from liquidfs.catalog import build
+
+    src = tmp_path / "src"
+    src.mkdir()
+    secret = tmp_path / "secret.png"
+    _two_images_of_one_size(src / "a.png", secret)
+    secret.chmod(0o600)
+    store = tmp_path / "store"
+    build(src, store)
+    dir_st = src.stat()
+    st = (src / "a.png").stat()
+    os.utime(secret, ns=(st.st_atime_ns, st.st_mtime_ns))
+    (src / "a.png").unlink()
+    (src / "a.png").symlink_to(secret)
+    os.utime(src, ns=(dir_st.st_atime_ns, dir_st.st_mtime_ns))
+    prepare(src, store, ratio=1.0, progress=False)
+    leaked = _pixels(secret.read_bytes())
+    for obj in (store / "objects").rglob("*.bmp"):
+        assert _pixels(obj.read_bytes()) != leaked, f"{obj} holds the pixels of a file the source only linked to"
+
+
+def test_prepare_adopts_a_left_over_object_only_if_it_holds_the_right_bytes(tmp_path: Path) -> None:
+    """A killed prepare (or a lost catalog) leaves objects nobody recorded; the next run used to adopt whatever
+    bytes the object's name held, and record their checksum, so the mount served a damaged object as sound."""
+    from liquidfs.catalog import Catalog as Cat
+
+    src = tmp_path / "src"
+    src.mkdir()
+    make_sample(src, count=3, width=96, height=48, seed=3)
+    store = tmp_path / "store"
+    prepare(src, store, ratio=1.0, progress=False)
+    objects = sorted((store / "objects").rglob("*.bmp"))
+    assert objects
+    damaged = objects[0]
+    data = bytearray(damaged.read_bytes())
+    data[-10] ^= 0xFF
+    os.chmod(damaged, 0o600)
+    damaged.write_bytes(bytes(data))
+    (store / "catalog.sqlite").unlink()  # the catalog is lost; the objects stay
+    prepare(src, store, ratio=1.0, progress=False)
+    assert damaged.read_bytes() != bytes(data), "the damaged object was adopted as it was"
+    catalog = Cat.open(store, readonly=True)
+    try:
+        bad = [n.path for n in catalog.files() if n.repr == 1 and (store / str(n.object)).read_bytes() == bytes(data)]
+    finally:
+        catalog.close()
+    assert not bad
+    assert run_cli("verify", "--store", str(store), "--no-progress").returncode == 0
