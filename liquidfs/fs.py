@@ -106,6 +106,8 @@ class Operations(pyfuse3.Operations):
         self.stats.files = files
         self.stats.dataset_bytes = served
         self.control_extra: Callable[[], dict[str, Any]] | None = None
+        #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
+        self.may_read: Callable[[Node, int, int], bool] | None = None
         # Set once the connection's INIT granted passthrough (``engage_passthrough``): every open of a file
         # is then answered with a backing descriptor, and the kernel serves its reads and maps itself.
         self.passthrough: PassthroughPath | None = None
@@ -259,6 +261,10 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
+        if self.may_read is not None and ctx.uid not in (0, self.uid):
+            # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
+            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid):
+                raise FUSEError(errno.EACCES)
         if self.passthrough is not None:
             answer = await self._open_passthrough(node)
             if answer is not None:

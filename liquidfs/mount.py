@@ -138,6 +138,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
                      max_open_bytes=config.open_bytes, push_pages=config.push_pages)
     if disk is not None:
         ops.control_extra = disk.summary
+    if config.allow_other and isinstance(base_reader, StoreReader):
+        ops.may_read = base_reader.may_read
     ops.enable_passthrough = config.data_path != "daemon" and passthrough.built_in() is None
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))

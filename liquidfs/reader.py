@@ -304,6 +304,36 @@ def _has_openat2() -> bool:
 HAS_OPENAT2 = _has_openat2()
 
 
+#: How often a source written while it is read is read again before the open fails (EIO).
+SETTLE_TRIES = 3
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def read_settled(fd: int, st: os.stat_result, name: str = "") -> memoryview:
+    """The whole file at ``fd``, read while nobody wrote it: a write during the read changes its mtime and
+    ctime, and the mix of old and new bytes such a read returns (a torn image) is never served.  Read again
+    while the file keeps changing, then EIO."""
+    for _ in range(SETTLE_TRIES):
+        data = read_fd(fd)
+        after = os.fstat(fd)
+        if _stamp(after) == _stamp(st):
+            return data
+        POOL.give(data)
+        st = after
+    raise OSError(errno.EIO, "source kept changing while it was read", name)
+
+
+def _permits(st: os.stat_result, uid: int, gid: int, bit: int) -> bool:
+    """The owner, group or other permission ``bit`` (4 read, 1 search) of ``st`` that applies to uid/gid."""
+    if uid == 0:
+        return True
+    shift = 6 if uid == st.st_uid else 3 if gid == st.st_gid else 0
+    return bool(st.st_mode >> shift & bit)
+
+
 def same_file(node: Node, st: os.stat_result) -> bool:
     """True while the local file behind ``st`` is the one the catalog recorded: size, mtime and, for catalogs
     that recorded it, inode and ctime (``catalog.file_version``)."""
@@ -433,6 +463,22 @@ class StoreReader:
                 os.close(fd)
         self.root_fd = self.objects_fd = -1
 
+    def may_read(self, node: Node, uid: int, gid: int) -> bool:
+        """Whether the source as it is now lets ``uid``/``gid`` read ``node``: every directory on the way
+        searchable, the file readable, by the owner, group or other bits that apply (as the kernel decides;
+        supplementary groups and ACLs are not known here, so they grant nothing).  The catalog's modes are those
+        of the scan: a ``chmod 600`` since then must take effect for other users of an --allow-other mount."""
+        parts = catalog_parts(node.path)
+        try:
+            chain = [os.fstat(self.root_fd)]
+            for i in range(1, len(parts) + 1):
+                chain.append(os.stat(b"/".join(parts[:i]), dir_fd=self.root_fd, follow_symlinks=False))
+        except OSError:
+            return False
+        *dirs, file = chain
+        return (all(stat.S_ISDIR(st.st_mode) and _permits(st, uid, gid, 1) for st in dirs)
+                and _permits(file, uid, gid, 4))
+
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""
         fd = self.open_source(node)
@@ -451,7 +497,7 @@ class StoreReader:
             if st.st_size > WHOLE_FILE_LIMIT:
                 streamed, fd = fd, -1  # the content owns it now
                 return Content(size=st.st_size, raw=False, fd=streamed, fallback=fallback)
-            data = read_fd(fd)
+            data = read_settled(fd, st, os.fsdecode(node.path))
             return Content(size=len(data), raw=False, data=data, fallback=fallback, pooled=True)
         finally:
             if fd >= 0:

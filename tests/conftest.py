@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fusehelpers import Mount, fuse_available  # noqa: E402
+from fusehelpers import FUSERMOUNT, Mount, fuse_available, is_mounted  # noqa: E402
 from s3server import s3_server  # noqa: E402,F401
 
 
@@ -37,6 +39,25 @@ def mounter(tmp_path: Path) -> Iterator[Mount]:
         yield m
     finally:
         m.cleanup()
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory other users can reach (pytest's tmp_path is private to root); needs root and setpriv to
+    act as another user (``fusehelpers.as_nobody``): a failure in CI, a skip elsewhere."""
+    if os.getuid() != 0 or shutil.which("setpriv") is None:
+        if os.environ.get("CI"):
+            pytest.fail("the other-user tests need root and setpriv (util-linux)")
+        pytest.skip("needs root and setpriv")
+    path = Path(tempfile.mkdtemp(prefix="liquidfs-perm-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        for child in path.iterdir():
+            if is_mounted(child):
+                subprocess.run([FUSERMOUNT, "-u", "-z", str(child)], capture_output=True)
+        shutil.rmtree(path)
 
 
 @pytest.fixture(scope="session")

@@ -137,3 +137,11 @@ class Mount:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+#: Run a command as nobody (uid/gid 65534, no supplementary groups): the other user of --allow-other tests.
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
+def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, timeout=30)

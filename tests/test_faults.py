@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from fusehelpers import FUSERMOUNT, Mount, daemon_pid, is_mounted, wait_for
+from fusehelpers import FUSERMOUNT, Mount, as_nobody, daemon_pid, is_mounted, wait_for
 from liquidfs.catalog import REPR_RAW, Catalog, Node
 from liquidfs.prepare import prepare
 from liquidfs.sample import make_sample
@@ -414,32 +414,7 @@ def test_hostile_names_and_symlinks(tmp_path: Path, mounter: Mount) -> None:
 # -- other users ---------------------------------------------------------------------------------------------
 
 
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-
-
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory other users can reach (pytest's tmp_path is private to root)."""
-    path = Path(tempfile.mkdtemp(prefix="liquidfs-perm-", dir="/tmp"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        for child in path.iterdir():
-            if is_mounted(child):
-                subprocess.run([FUSERMOUNT, "-u", "-z", str(child)], capture_output=True)
-        shutil.rmtree(path)
-
-
-def as_nobody(*cmd: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, timeout=30)
-
-
 def test_other_users(public_dir: Path, tmp_path: Path, mounter: Mount) -> None:
-    if os.getuid() != 0 or shutil.which("setpriv") is None:
-        if os.environ.get("CI"):
-            pytest.fail("the other-user test needs root and setpriv (util-linux)")
-        pytest.skip("needs root and setpriv")
     src = tmp_path / "data"
     src.mkdir()
     (src / "public.txt").write_text("for everyone\n")

@@ -333,3 +333,68 @@ def test_prepare_adopts_a_left_over_object_only_if_it_holds_the_right_bytes(tmp_
         catalog.close()
     assert not bad
     assert run_cli("verify", "--store", str(store), "--no-progress").returncode == 0
+
+
+def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, monkeypatch) -> None:
+    """The daemon path reads an original whole: a writer finishing during that read left half old, half new
+    bytes in what was served. A change of the file during the read is now seen (fstat after) and it is read
+    again."""
+    from liquidfs import reader as reader_mod
+    from liquidfs.catalog import ROOT_ID, open_or_build
+
+    src = tmp_path / "src"
+    src.mkdir()
+    old, new = b"O" * 8192, b"N" * 8192
+    (src / "a.bin").write_bytes(old)
+    catalog = open_or_build(src, tmp_path / "store")
+    node = catalog.lookup(ROOT_ID, b"a.bin")
+    assert node is not None
+    real_read = reader_mod.read_fd
+    calls = []
+
+    def read_while_written(fd: int, **kw: object) -> memoryview:
+        calls.append(fd)
+        if len(calls) == 1:  # the writer rewrites the file while the first read is half done
+            first = bytes(real_read(fd))[:4096]
+            with open(src / "a.bin", "r+b") as f:
+                f.write(new)
+            return memoryview(first + bytes(real_read(fd))[4096:])
+        return real_read(fd)
+
+    monkeypatch.setattr(reader_mod, "read_fd", read_while_written)
+    reader = reader_mod.StoreReader(catalog.source, tmp_path / "store", None)
+    try:
+        content = reader.open(node)
+        assert content.data is not None and bytes(content.data) in (old, new), "a torn mix was served"
+        content.close()
+    finally:
+        reader.close()
+        catalog.close()
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+def test_a_chmod_of_the_source_after_the_scan_binds_other_users(public_dir: Path, tmp_path: Path,
+                                                                mounter: Mount, data_path: str) -> None:
+    """The catalog keeps the modes of the scan: a ``chmod 600`` of a source file (or 700 of its directory)
+    while an --allow-other mount runs left it readable by every user. The source's own modes decide at open."""
+    from fusehelpers import as_nobody
+
+    src = tmp_path / "data"
+    (src / "sub").mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "sub/c.txt"):
+        (src / name).write_text(f"{name}\n")
+        (src / name).chmod(0o644)
+    src.chmod(0o755)
+    mnt = public_dir / "shared"
+    mnt.mkdir()
+    mounter.mount(src, "--allow-other", "--data-path", data_path, mountpoint=mnt)
+    assert as_nobody("cat", str(mnt / "a.txt")).stdout == "a.txt\n"
+    (src / "a.txt").chmod(0o600)
+    (src / "sub").chmod(0o700)
+    denied = as_nobody("cat", str(mnt / "a.txt"))
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    denied = as_nobody("cat", str(mnt / "sub" / "c.txt"))
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr, denied
+    assert as_nobody("cat", str(mnt / "b.txt")).stdout == "b.txt\n"
+    assert (mnt / "a.txt").read_text() == "a.txt\n"  # the mount's owner still reads it
