@@ -86,6 +86,10 @@ class DaemonPath:
         held = self.held_data.get(inode) if decision.hit else None
         if held is not None:
             content = await self._open_held(node, held)
+            if content.data is not held:
+                # The source changed since the bytes were held: the kernel must not keep the pages of the old
+                # bytes (keep_cache) beside the new ones it reads from this open on.
+                held = None
         else:
             if await self._read_later(node, decision):
                 self.stats.deferred += 1

@@ -570,3 +570,25 @@ def test_a_store_without_a_seal_is_read_at_open(tmp_path: Path) -> None:
     ops.reader.sealed_ns = None  # prepared by an older liquidfs
     fh = _open_node(ops, raw[0])
     assert not ops.open_files[fh].content.deferred and ops.stats.bytes_from_storage > 0
+
+
+def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Operations, tmp_path: Path) -> None:
+    """A hit whose source changed is read again from storage; its open used to still say keep_cache (from the
+    stale held bytes), so the kernel kept the old pages beside the new ones."""
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    for _ in range(3):  # held by the next-epoch cache
+        fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+        run(ops.read, fi.fh, 0, 1 << 20)
+        run(ops.release, fi.fh)
+    assert b.st_ino in ops.daemon.held_data
+    fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert fi.keep_cache  # an unchanged hit keeps its pages
+    run(ops.release, fi.fh)
+    source = tmp_path / "src" / "b.txt"
+    st = source.stat()
+    source.write_bytes(b"HELLO\n")  # same size, mtime put back: the ctime and content differ
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert not fi.keep_cache
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == b"HELLO\n"
+    run(ops.release, fi.fh)
