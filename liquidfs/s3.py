@@ -15,6 +15,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,28 @@ def list_objects(client: Any, url: S3Url) -> Iterator[ObjectInfo]:
                              int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000)
 
 
+class AnswerMismatch(Exception):
+    """An object store's answer to a GET that is not what was asked for: another ETag than the one ``If-Match``
+    named (a proxy or cache that drops the header serves a changed object), another range or total size, or
+    another number of bytes. Its bytes are never returned.
+
+    It carries a botocore-like ``response``, so ``error_code`` and every caller treat it like the store's own
+    refusal: a different object as a 412 (``PreconditionFailed``: the object changed), a wrong range or length as
+    ``AnswerMismatch``; a read of the mount gets EIO for either (``as_oserror``).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.response = {"Error": {"Code": code, "Message": message}}
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _bare(etag: object) -> str:
+    return str(etag).strip().strip('"')
+
+
 def error_code(exc: BaseException) -> str:
     response = getattr(exc, "response", None) or {}
     return str(response.get("Error", {}).get("Code", "")) or str(
@@ -135,6 +158,8 @@ def error_code(exc: BaseException) -> str:
 
 def as_oserror(exc: BaseException, where: str) -> OSError:
     """A botocore failure as the errno a reader of the mount gets."""
+    if isinstance(exc, AnswerMismatch):
+        return OSError(errno.EIO, str(exc), where)
     code = error_code(exc)
     if code in ("NoSuchKey", "404", "NotFound"):
         return FileNotFoundError(errno.ENOENT, "no such object", where)
@@ -146,19 +171,52 @@ def as_oserror(exc: BaseException, where: str) -> OSError:
 
 
 def get(client: Any, bucket: str, key: str, *, if_match: str | None = None,
-        start: int | None = None, length: int | None = None) -> bytes:
-    """An object's bytes (or ``length`` bytes from ``start``); ``if_match`` makes a changed object fail (412)."""
+        start: int | None = None, length: int | None = None, size: int | None = None) -> bytes:
+    """An object's bytes (or ``length`` bytes from ``start``); ``if_match`` makes a changed object fail (412).
+
+    Every GET of liquidfs goes through here, and its answer is checked against the question before any byte is
+    returned: the ETag against ``if_match``, the Content-Range against the range asked for and against ``size``
+    (the object's size, when the caller knows it), and the body's length; ``AnswerMismatch`` otherwise.
+    """
     args: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if if_match:
         args["IfMatch"] = if_match
     if start is not None:
         end = "" if length is None else str(start + length - 1)
         args["Range"] = f"bytes={start}-{end}"
-    body = client.get_object(**args)["Body"]
+    answer = client.get_object(**args)
+    body = answer["Body"]
     try:
-        return body.read()
+        data: bytes = body.read()
     finally:
         body.close()
+    if if_match and _bare(answer.get("ETag", "")) != _bare(if_match):
+        raise AnswerMismatch("PreconditionFailed", "the object store answered with ETag "
+                             f"{answer.get('ETag')}, not the {if_match} asked for (If-Match ignored on the way?)")
+    if start is None:  # S3 sends no Content-Range for a whole GET; if anything does, it must be the whole
+        first, last, total = (_content_range(answer["ContentRange"], size) if answer.get("ContentRange")
+                              else (0, len(data) - 1, len(data)))
+        asked = (0, (size if size is not None else total or 0) - 1)
+    else:
+        first, last, total = _content_range(answer.get("ContentRange"), size)
+        asked = (start, start + length - 1 if length is not None else (total or 0) - 1)
+    if (first, last) != asked or len(data) != last - first + 1:
+        raise AnswerMismatch("AnswerMismatch", f"the object store answered {len(data)} bytes as bytes {first}-{last}/"
+                             f"{'*' if total is None else total}, asked for bytes {asked[0]}-{asked[1]}")
+    return data
+
+
+def _content_range(text: object, size: int | None) -> tuple[int, int, int | None]:
+    """``(first, last, total)`` of a Content-Range; the total must be ``size`` when the caller knows it."""
+    found = _CONTENT_RANGE.fullmatch(str(text or "").strip())
+    if found is None:
+        raise AnswerMismatch("AnswerMismatch", f"the object store answered Content-Range {text!r}")
+    total = None if found[3] == "*" else int(found[3])
+    if size is not None and total != size:
+        # The object has another size than the one asked about: it is not that object any more.
+        raise AnswerMismatch("PreconditionFailed", f"the object store answered an object of {found[3]} "
+                             f"bytes, not of {size}")
+    return int(found[1]), int(found[2]), total
 
 
 def head(client: Any, bucket: str, key: str) -> dict[str, Any] | None:

@@ -6,9 +6,11 @@ so ``mount --threads`` bounds the requests in flight; botocore retries 5xx, thro
 backoff (``s3.make_client``), and a read that still fails is EIO for that file only.
 
 Identity: the catalog records each source object's ETag. An original is fetched with ``If-Match`` on it, so a
-changed object fails (412 -> EIO) instead of serving bytes the catalog does not describe. A raw object is served
-only while its source still has the recorded ETag (one HEAD) and the object has the recorded size and xxh3
-checksum; otherwise the original is served, or EIO when the original changed too.
+changed object fails (412 -> EIO) instead of serving bytes the catalog does not describe; an answer with another
+ETag, range, size or length than asked for (a proxy that drops ``If-Match``) fails the same way (``s3.get``
+checks every answer). A raw object is served only while its source still has the recorded ETag (one HEAD) and the
+object has the recorded size and xxh3 checksum; otherwise the original is served, or EIO when the original changed
+too.
 """
 
 from __future__ import annotations
@@ -48,14 +50,12 @@ class S3Reader:
             self._warn_once(node, fallback)
         key = self.source.key(node.path)
         if node.size > WHOLE_FILE_LIMIT:
-            fetch = functools.partial(self._range, key, node.etag, self._where(node))
+            fetch = functools.partial(self._range, key, node.etag, node.size, self._where(node))
             return Content(size=node.size, raw=False, fetch=fetch, fallback=fallback)
         try:
-            data = get(self.client, self.source.bucket, key, if_match=node.etag)
+            data = get(self.client, self.source.bucket, key, if_match=node.etag, size=node.size)
         except Exception as exc:
             raise as_oserror(exc, self._where(node)) from exc
-        if len(data) != node.size:
-            raise OSError(errno.EIO, f"object has {len(data)} bytes, the catalog says {node.size}", self._where(node))
         return Content(size=len(data), raw=False, data=memoryview(data), fallback=fallback)
 
     def vouch(self, node: Node) -> bool | None:
@@ -82,7 +82,7 @@ class S3Reader:
     def _open_raw(self, node: Node) -> tuple[str | None, bytes | None]:
         assert node.object is not None
         try:
-            data = get(self.client, self.store.bucket, self.store.key(node.object))
+            data = get(self.client, self.store.bucket, self.store.key(node.object))  # check_raw: its size
         except Exception as exc:
             code = error_code(exc)
             if code in ("NoSuchKey", "404", "NotFound"):
@@ -96,17 +96,20 @@ class S3Reader:
         part of a file whose bytes were let go; the caller checks them against the digests of what was served."""
         if raw:
             assert node.object is not None
-            bucket, key, etag, where = self.store.bucket, self.store.key(node.object), None, str(node.object)
+            bucket, key, etag, size = self.store.bucket, self.store.key(node.object), None, node.served_size
+            where = str(node.object)
         else:
-            bucket, key, etag, where = self.source.bucket, self.source.key(node.path), node.etag, self._where(node)
+            bucket, key, etag, size = self.source.bucket, self.source.key(node.path), node.etag, node.size
+            where = self._where(node)
         try:
-            return memoryview(get(self.client, bucket, key, if_match=etag, start=start, length=end - start))
+            return memoryview(get(self.client, bucket, key, if_match=etag, start=start, length=end - start,
+                                  size=size))
         except Exception as exc:
             raise as_oserror(exc, where) from exc
 
-    def _range(self, key: str, etag: str | None, where: str, offset: int, length: int) -> bytes:
+    def _range(self, key: str, etag: str | None, size: int, where: str, offset: int, length: int) -> bytes:
         try:
-            return get(self.client, self.source.bucket, key, if_match=etag, start=offset, length=length)
+            return get(self.client, self.source.bucket, key, if_match=etag, start=offset, length=length, size=size)
         except Exception as exc:
             raise as_oserror(exc, where) from exc
 

@@ -1,8 +1,11 @@
-"""A test-only HTTP proxy in front of the S3 server that injects faults: error answers and hangs, per key.
+"""A test-only HTTP proxy in front of the S3 server that injects faults: error answers, hangs and wrong answers,
+per key.
 
 The mount under test talks to the proxy (``AWS_ENDPOINT_URL`` pointed at it); the proxy forwards every request
 unchanged (the Host header too, so SigV4 signatures still verify) and, for requests whose path contains a
-rule's text, answers with an error status or stalls first. Only what a mount sends is supported (GET, HEAD).
+rule's text, answers with an error status, stalls first, or rewrites the server's answer to a GET (a proxy or
+cache that ignores ``If-Match`` or ``Range``, or cuts a body short). Only what a mount sends is supported (GET,
+HEAD).
 """
 
 from __future__ import annotations
@@ -10,9 +13,13 @@ from __future__ import annotations
 import http.client
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
+
+#: (status, headers, body) of the server's answer -> the answer the client gets instead.
+Rewrite = Callable[[int, list[tuple[str, str]], bytes], tuple[int, list[tuple[str, str]], bytes]]
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 
@@ -24,6 +31,7 @@ class Rule:
     times: int = 1 << 30
     delay: float = 0.0   # seconds to stall before answering
     hits: int = 0
+    rewrite: Rewrite | None = None  # with status 0: what a GET's answer becomes (Content-Length follows the body)
 
 
 class FaultProxy:
@@ -72,8 +80,12 @@ class FaultProxy:
                     data = answer.read()
                 finally:
                     conn.close()
-                self.send_response(answer.status, answer.reason)
-                for name, value in answer.getheaders():
+                status, reason, headers = answer.status, answer.reason, answer.getheaders()
+                if rule is not None and rule.rewrite is not None and self.command == "GET":
+                    status, headers, data = rule.rewrite(status, headers, data)
+                    reason = None
+                self.send_response(status, reason)
+                for name, value in headers:
                     if name.lower() not in _HOP and name.lower() != "content-length":
                         self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data) if self.command != "HEAD"

@@ -254,6 +254,34 @@ def test_retries_timeouts_and_errors_stay_per_file(dataset: Any, nodes: Any) -> 
         assert (mnt / "meta.json").read_bytes() == (root / "meta.json").read_bytes()  # recovered
 
 
+def test_a_proxy_that_ignores_if_match_never_serves_a_changed_object(dataset: Any, nodes: Any) -> None:
+    """Between the mount and the store, a proxy (or cache) that drops If-Match serves an object as it is now: the
+    answer's ETag, not the catalog's, says so, and the read fails with EIO as for a changed object."""
+    root, source, store, client = dataset
+    bucket = source.split("/")[2]
+    node = nodes("prep")
+    node.cli("prepare", source, "--store", store, "--ratio", "0", "--no-progress")  # every file its original
+    original = (root / "notes/blob.bin").read_bytes()
+    changed = bytes(b ^ 0xFF for b in original)  # the same size: only the ETag tells
+    etag = client.put_object(Bucket=bucket, Key="cs/notes/blob.bin", Body=changed)["ETag"]
+
+    def ignore_if_match(status: int, headers: list[tuple[str, str]], body: bytes) -> tuple[int, Any, bytes]:
+        if status != 412:
+            return status, headers, body
+        return 200, [("ETag", etag), ("Content-Type", "application/octet-stream")], changed  # as if unasked
+
+    with FaultProxy(node.env["AWS_ENDPOINT_URL"]) as proxy:
+        rule = proxy.add(Rule("notes/blob.bin", status=0, rewrite=ignore_if_match))
+        reader = nodes("r", AWS_ENDPOINT_URL=proxy.endpoint)
+        mnt = reader.mount(source, store)
+        with pytest.raises(OSError) as err:
+            (mnt / "notes/blob.bin").read_bytes()
+        assert err.value.errno == 5 and rule.hits >= 1
+        assert (mnt / "README.txt").read_bytes() == (root / "README.txt").read_bytes()  # the rest is served
+        log = next((reader.tmp / "cache" / "liquidfs").glob("s3-*/mount.log")).read_text()
+        assert f"ETag {etag}" in log, log[-2000:]
+
+
 def test_refresh_lists_again_and_keeps_prepared_images(dataset: Any, nodes: Any) -> None:
     root, source, store, client = dataset
     bucket = source.split("/")[2]

@@ -1,0 +1,276 @@
+"""Every answer to a GET is checked against the question (``s3.get``): its ETag against the ``If-Match`` sent, its
+Content-Range against the range asked for and the object's size, its body's length. A proxy or cache on the way
+that ignores ``If-Match`` or ``Range``, or cuts a body short, makes the read fail as a changed object does (EIO in
+a mount, a refusal in prepare and verify): its bytes are never returned.
+
+A fake client that answers as S3 does, with hooks that spoil its answers the way a misbehaving proxy would;
+tests/test_s3.py has the same through a real mount, a real server and a real proxy.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from botocore.exceptions import ClientError
+from PIL import Image
+
+from liquidfs import s3reader, s3store
+from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
+from liquidfs.reader import checksum
+from liquidfs.s3 import AnswerMismatch, S3Url, as_oserror, error_code, get
+
+BUCKET = "b"
+Answer = dict[str, Any]
+
+
+def _etag(data: bytes) -> str:
+    return f'"{hashlib.md5(data).hexdigest()}"'
+
+
+def _error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "GetObject")
+
+
+class FakeS3:
+    """GET and HEAD as S3 answers them (If-Match, clipped ranges, Content-Range); ``ignore_if_match`` and
+    ``spoil`` make it a proxy that misbehaves. Uploads are recorded, not stored."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.ignore_if_match = False
+        self.spoil: Callable[[Answer, bytes, int], Answer] | None = None  # (answer, object, first byte)
+        self.uploads: list[str] = []
+
+    def get_object(self, *, Bucket: str, Key: str, IfMatch: str | None = None, Range: str | None = None) -> Answer:
+        if Key not in self.objects:
+            raise _error("NoSuchKey", 404)
+        data = self.objects[Key]
+        if IfMatch is not None and IfMatch.strip('"') != _etag(data).strip('"') and not self.ignore_if_match:
+            raise _error("PreconditionFailed", 412)
+        answer: Answer = {"ETag": _etag(data)}
+        first = 0
+        if Range is not None:
+            first_text, _, last_text = Range.removeprefix("bytes=").partition("-")
+            first, last = int(first_text), min(int(last_text or len(data) - 1), len(data) - 1)
+            if first >= len(data):
+                raise _error("InvalidRange", 416)
+            answer["ContentRange"] = f"bytes {first}-{last}/{len(data)}"
+            data = data[first:last + 1]
+        answer["Body"], answer["ContentLength"] = io.BytesIO(data), len(data)
+        return self.spoil(answer, self.objects[Key], first) if self.spoil else answer
+
+    def head_object(self, *, Bucket: str, Key: str) -> Answer:
+        if Key not in self.objects:
+            raise _error("404", 404)
+        data = self.objects[Key]
+        return {"ETag": _etag(data), "ContentLength": len(data), "Metadata": {}}
+
+    def upload_fileobj(self, fileobj: Any, bucket: str, key: str, **kwargs: Any) -> None:
+        self.uploads.append(key)
+
+
+def _body(answer: Answer, data: bytes) -> Answer:
+    answer["Body"], answer["ContentLength"] = io.BytesIO(data), len(data)
+    return answer
+
+
+# What a misbehaving proxy makes of an answer: each must fail the GET, whatever was asked.
+
+def _shifted(answer: Answer, whole: bytes, first: int) -> Answer:
+    """The range one byte further on (an off-by-one proxy): as long as asked, but other bytes."""
+    last = first + answer["ContentLength"]
+    answer["ContentRange"] = f"bytes {first + 1}-{last}/{len(whole)}"
+    return _body(answer, whole[first + 1:last + 1])
+
+
+def _other_total(answer: Answer, whole: bytes, first: int) -> Answer:
+    """The range asked for, of an object of another size (a stale cache of an older version)."""
+    first_text, _, rest = answer["ContentRange"].partition("/")
+    answer["ContentRange"] = f"{first_text}/{len(whole) + 100}"
+    return answer
+
+
+def _whole_object(answer: Answer, whole: bytes, first: int) -> Answer:
+    """200 with the whole object to a ranged GET (a proxy that drops Range)."""
+    del answer["ContentRange"]
+    return _body(answer, whole)
+
+
+def _short(answer: Answer, whole: bytes, first: int) -> Answer:
+    """The body cut short, with a Content-Length that agrees (a proxy that re-frames a truncated answer)."""
+    data = answer["Body"].read()
+    return _body(answer, data[:-1])
+
+
+RANGE_SPOILERS = [_shifted, _other_total, _whole_object, _short]
+
+
+@pytest.fixture
+def s3() -> FakeS3:
+    fake = FakeS3()
+    fake.objects["k"] = bytes(range(256)) * 8
+    return fake
+
+
+def test_honest_answers_are_returned(s3: FakeS3) -> None:
+    data = s3.objects["k"]
+    assert get(s3, BUCKET, "k") == data
+    assert get(s3, BUCKET, "k", if_match=_etag(data), size=len(data)) == data
+    assert get(s3, BUCKET, "k", if_match=_etag(data).strip('"'), start=100, length=200, size=len(data)) == \
+        data[100:300]
+    assert get(s3, BUCKET, "k", start=len(data) - 5, length=5) == data[-5:]
+    assert get(s3, BUCKET, "k", start=10) == data[10:]
+    s3.objects["empty"] = b""
+    assert get(s3, BUCKET, "empty", if_match=_etag(b""), size=0) == b""
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+def test_a_changed_object_served_despite_if_match_is_refused(s3: FakeS3, ranged: bool) -> None:
+    """A proxy that drops If-Match serves the object as it is now, of the same size: only the ETag tells."""
+    old = s3.objects["k"]
+    s3.objects["k"] = bytes(reversed(old))
+    s3.ignore_if_match = True
+    span: dict[str, int] = {"start": 8, "length": 16} if ranged else {}
+    with pytest.raises(AnswerMismatch) as err:
+        get(s3, BUCKET, "k", if_match=_etag(old), size=len(old), **span)
+    assert error_code(err.value) == "PreconditionFailed"  # what S3's own 412 says: every caller treats it so
+    assert as_oserror(err.value, "s3://b/k").errno == errno.EIO
+
+
+def test_an_answer_without_an_etag_is_refused_when_one_was_asked_for(s3: FakeS3) -> None:
+    def no_etag(answer: Answer, whole: bytes, first: int) -> Answer:
+        del answer["ETag"]
+        return answer
+
+    s3.spoil = no_etag
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(s3.objects["k"]))
+
+
+@pytest.mark.parametrize("spoil", RANGE_SPOILERS, ids=lambda f: f.__name__.strip("_"))
+def test_a_wrong_range_or_length_is_refused(s3: FakeS3, spoil: Callable[[Answer, bytes, int], Answer]) -> None:
+    data = s3.objects["k"]
+    s3.spoil = spoil
+    with pytest.raises(AnswerMismatch) as err:
+        get(s3, BUCKET, "k", if_match=_etag(data), start=100, length=200, size=len(data))
+    assert as_oserror(err.value, "s3://b/k").errno == errno.EIO
+
+
+@pytest.mark.parametrize("text", [None, "", "bytes 100-299", "bytes */2048", "items 100-299/2048"])
+def test_a_ranged_answer_needs_a_content_range_it_can_read(s3: FakeS3, text: str | None) -> None:
+    def garbled(answer: Answer, whole: bytes, first: int) -> Answer:
+        answer["ContentRange"] = text
+        return answer
+
+    s3.spoil = garbled
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", start=100, length=200)
+
+
+def test_a_whole_object_cut_short_or_partial_is_refused(s3: FakeS3) -> None:
+    data = s3.objects["k"]
+    s3.spoil = lambda answer, whole, first: _body(answer, whole[:-1])
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(data), size=len(data))
+
+    def partial(answer: Answer, whole: bytes, first: int) -> Answer:  # 206 with a part, to a GET of the whole
+        answer["ContentRange"] = f"bytes 0-99/{len(whole)}"
+        return _body(answer, whole[:100])
+
+    s3.spoil = partial
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(data))
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(data), size=len(data))
+
+
+# -- through the mount's reader: EIO, as for a changed object, never the bytes ----------------------------
+
+SOURCE, STORE = S3Url(BUCKET, "src"), S3Url(BUCKET, "store")
+
+
+def _node(rel: bytes, data: bytes, *, raw: bytes | None = None) -> Node:
+    return Node(id=7, parent=1, name=rel, path=rel, kind=KIND_FILE, mode=0o100444, size=len(data), mtime_ns=1,
+                nsubdirs=0, target=None, repr=REPR_RAW if raw is not None else REPR_ORIGINAL,
+                served_size=len(raw) if raw is not None else None, object="objects/ab/x.bmp" if raw else None,
+                checksum=checksum(raw) if raw is not None else None, etag=_etag(data))
+
+
+def _reader(s3: FakeS3, data: bytes, raw: bytes | None = None) -> tuple[s3reader.S3Reader, Node]:
+    s3.objects[SOURCE.key("f.bin")] = data
+    if raw is not None:
+        s3.objects[STORE.key("objects/ab/x.bmp")] = raw
+    return s3reader.S3Reader(s3, SOURCE, STORE), _node(b"f.bin", data, raw=raw)
+
+
+def test_reader_open_of_a_changed_object_is_eio(s3: FakeS3) -> None:
+    data = b"0123456789" * 50
+    reader, node = _reader(s3, data)
+    assert bytes(reader.open(node).data) == data  # type: ignore[arg-type]
+    s3.objects[SOURCE.key("f.bin")] = data.upper().replace(b"0", b"o")  # same size, other bytes
+    s3.ignore_if_match = True
+    with pytest.raises(OSError) as err:
+        reader.open(node)
+    assert err.value.errno == errno.EIO and "ETag" in str(err.value)
+
+
+@pytest.mark.parametrize("spoil", [None, *RANGE_SPOILERS], ids=lambda f: f.__name__.strip("_") if f else "changed")
+def test_reader_ranges_of_a_large_object_are_eio(s3: FakeS3, monkeypatch: pytest.MonkeyPatch,
+                                                  spoil: Callable[[Answer, bytes, int], Answer] | None) -> None:
+    """A large object is read in ranges as the reader asks (``Content.fetch``): each answer is checked too."""
+    monkeypatch.setattr(s3reader, "WHOLE_FILE_LIMIT", 100)
+    data = bytes(range(256)) * 4
+    reader, node = _reader(s3, data)
+    content = reader.open(node)
+    assert content.fetch is not None and bytes(content.read(300, 50)) == data[300:350]
+    if spoil is None:
+        s3.objects[SOURCE.key("f.bin")] = bytes(reversed(data))
+        s3.ignore_if_match = True
+    s3.spoil = spoil
+    with pytest.raises(OSError) as err:
+        content.read(300, 50)
+    assert err.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("spoil", RANGE_SPOILERS, ids=lambda f: f.__name__.strip("_"))
+def test_reader_read_span_is_eio(s3: FakeS3, spoil: Callable[[Answer, bytes, int], Answer], raw: bool) -> None:
+    """Pages read again after the kernel let them go (``read_span``), of the original or of the raw object."""
+    data = bytes(range(256)) * 4
+    reader, node = _reader(s3, data, raw=data[::-1] + b"!" if raw else None)
+    whole = s3.objects[STORE.key("objects/ab/x.bmp")] if raw else data
+    assert bytes(reader.read_span(node, raw, 256, 512)) == whole[256:512]
+    s3.spoil = spoil
+    with pytest.raises(OSError) as err:
+        reader.read_span(node, raw, 256, 512)
+    assert err.value.errno == errno.EIO
+
+
+# -- prepare and verify: a refusal, as for a changed object ------------------------------------------------
+
+def _png(colour: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 16), colour).save(out, "PNG", compress_level=0)  # stored: the size follows the pixels
+    return out.getvalue()
+
+
+def test_prepare_and_verify_refuse_a_changed_object_served_despite_if_match(
+        s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    before, after = _png((1, 2, 3)), _png((200, 100, 50))
+    assert len(before) == len(after) and before != after
+    s3.objects["src/a.png"] = after  # changed since the listing, which recorded ``before``'s ETag
+    s3.ignore_if_match = True
+    monkeypatch.setattr(s3store, "_worker_client", s3)
+    outcome = s3store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(before), 1, _etag(before), BUCKET,
+                                    "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    assert outcome.reason == "changed-during-prepare" and outcome.object is None and s3.uploads == []
+    s3.objects["store/objects/ab/a.bmp"] = b"raw"
+    verdict = s3store.verify_one_s3(BUCKET, "src/a.png", _etag(before), len(before), BUCKET,
+                                    "store/objects/ab/a.bmp", checksum(b"raw"))
+    assert verdict is not None and verdict.startswith("source changed since prepare")
