@@ -191,7 +191,10 @@ class Catalog:
 
     @classmethod
     def open(cls, store_dir: str | os.PathLike[str], *, readonly: bool = False) -> Catalog:
-        path = Path(store_dir) / CATALOG_NAME
+        return cls.open_path(Path(store_dir) / CATALOG_NAME, readonly=readonly)
+
+    @classmethod
+    def open_path(cls, path: Path, *, readonly: bool = False) -> Catalog:
         if not path.exists():
             raise CatalogError(f"no catalog at {path}")
         try:
@@ -202,7 +205,7 @@ class Catalog:
         if row is not None and row[0] in ("1", "2"):
             db.close()
             _migrate(path, int(row[0]))
-            return cls.open(store_dir, readonly=readonly)
+            return cls.open_path(path, readonly=readonly)
         if row is None or int(row[0]) != SCHEMA_VERSION:
             found = row[0] if row else "none"
             db.close()
@@ -347,6 +350,44 @@ class _Writer:
         self.db.close()
         # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
         os.replace(self.tmp, self.final)
+        self.lock.release()
+
+
+class WorkingCopy:
+    """A private copy of a store's catalog that ``publish`` puts in its place with one rename.
+
+    A running mount reads the catalog file it opened at start: a change made in place (a new selection, rows
+    half-updated) would show it a store that never existed as a whole. Changes are made here and become the
+    store's catalog atomically; mounts already running keep reading the old file, a consistent snapshot.
+    """
+
+    def __init__(self, store_dir: Path) -> None:
+        self.final = store_dir / CATALOG_NAME
+        self.path = store_dir / unique(f"{CATALOG_NAME}.new-")
+        self.lock = HeldLock(Path(f"{self.path}.lock"))
+        try:
+            source = sqlite3.connect(f"file:{urllib.parse.quote(os.fsdecode(self.final))}?mode=ro", uri=True)
+            try:
+                copy = sqlite3.connect(self.path)
+                with copy:
+                    source.backup(copy)
+                copy.close()
+            finally:
+                source.close()
+            self.catalog = Catalog.open_path(self.path)
+        except BaseException:
+            self.discard()
+            raise
+
+    def publish(self) -> None:
+        self.catalog.close()
+        os.replace(self.path, self.final)
+        self.lock.release()
+
+    def discard(self) -> None:
+        if hasattr(self, "catalog"):
+            self.catalog.close()
+        self.path.unlink(missing_ok=True)
         self.lock.release()
 
 

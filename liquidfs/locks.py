@@ -56,3 +56,39 @@ def abandoned(lock_path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+#: In a store: held shared by every mount of it for its whole life, exclusive by prepare while it deletes
+#: objects (objects a running mount's catalog names are never deleted under it).
+MOUNTS_LOCK = "mounts.lock"
+#: In a store: held exclusive by a prepare for its whole run, so prepares of one store run one after another.
+PREPARE_LOCK = "prepare.lock"
+
+
+def shared_lock(path: Path) -> int:
+    """A shared flock on ``path`` (created 0600 if it can be), waiting for an exclusive holder; the descriptor
+    holds it. A read-only volume that lacks the file raises OSError."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # flock needs no write access
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def exclusive_lock(path: Path, *, wait: bool = True) -> int | None:
+    """An exclusive flock on ``path`` (created 0600); None when ``wait`` is false and someone holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

@@ -28,6 +28,7 @@ from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
 from .metrics import serve_metrics
 from .disktier import DiskTier
+from .locks import MOUNTS_LOCK, shared_lock
 from .reader import StoreReader
 from .s3reader import S3Reader
 from .stats import MountStats
@@ -123,6 +124,15 @@ def fuse_options(config: MountConfig) -> set[str]:
 def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     """Mount and serve in this process until unmounted or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if config.buckets is None:
+        # Held until this process ends: prepare deletes no object while any mount of the store runs, so every
+        # object the catalog opened below names stays (a new selection replaces the catalog file; this mount
+        # keeps reading the one it opened).
+        try:
+            shared_lock(Path(config.store) / MOUNTS_LOCK)
+        except OSError as exc:
+            log.warning("cannot lock %s (%s): a prepare of this store may delete objects this mount serves",
+                        Path(config.store) / MOUNTS_LOCK, exc.strerror)
     catalog = Catalog.open(config.store, readonly=True)
     stats = MountStats(source=str(config.source), store=config.buckets[1] if config.buckets else str(config.store))
     reader = make_reader(catalog, config)

@@ -22,7 +22,8 @@ import stat
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 from pathlib import Path
@@ -30,8 +31,8 @@ from pathlib import Path
 import xxhash
 
 from . import formats
-from .catalog import SEALED, Catalog, CatalogError, Node, file_version, open_or_build
-from .locks import unique
+from .catalog import SEALED, Catalog, CatalogError, Node, WorkingCopy, file_version, open_or_build
+from .locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, unique
 from .reader import checksum, open_below, open_dir, read_fd
 from .s3 import is_url
 
@@ -198,6 +199,7 @@ class PrepareReport:
     raw_served: int = 0
     skipped: Counter[str] = field(default_factory=Counter)
     deleted: int = 0
+    kept_for_mounts: int = 0  # surplus objects not deleted: a running mount's catalog may name them
     bytes_objects: int = 0
     bytes_source: int = 0
     bytes_served: int = 0
@@ -211,7 +213,9 @@ class PrepareReport:
             f"{self.reused} reused)",
             f"skipped            {sum(self.skipped.values())}"
             + (" (" + ", ".join(f"{k}: {v}" for k, v in self.skipped.most_common()) + ")" if self.skipped else ""),
-            f"surplus deleted    {self.deleted}",
+            f"surplus deleted    {self.deleted}" + (
+                f" ({self.kept_for_mounts} kept while a mount of the store runs; the next prepare deletes them)"
+                if self.kept_for_mounts else ""),
             f"raw objects        {self.bytes_objects / 1e6:.1f} MB on disk",
             f"dataset served     {self.bytes_served / 1e6:.1f} MB (source {self.bytes_source / 1e6:.1f} MB, "
             f"x{self.bytes_served / max(1, self.bytes_source):.2f})",
@@ -249,6 +253,11 @@ class Target(Protocol):
     def stray(self, kept: set[str]) -> list[str]:
         """Objects under OBJECTS/ that ``kept`` does not name: leftovers of killed runs."""
 
+    def deleting(self) -> AbstractContextManager[bool]:
+        """Held while the surplus is deleted and the new selection published: True when objects may be deleted
+        (no running mount's catalog can name them), False when they must be kept for now."""
+
+
 
 class LocalTarget:
     def __init__(self, store_dir: Path) -> None:
@@ -264,6 +273,19 @@ class LocalTarget:
     def delete(self, objs: list[str]) -> None:
         for obj in objs:
             (self.store_dir / obj).unlink(missing_ok=True)
+
+    @contextmanager
+    def deleting(self) -> Iterator[bool]:
+        # Every mount of this store holds MOUNTS_LOCK shared from before it opens the catalog until it ends:
+        # taken here, no mount runs, and none can start until the new catalog is in place.
+        held = exclusive_lock(self.store_dir / MOUNTS_LOCK, wait=False)
+        if held is None:
+            log.info("a mount of %s is running: surplus objects are kept for it", self.store_dir)
+        try:
+            yield held is not None
+        finally:
+            if held is not None:
+                os.close(held)
 
     def stray(self, kept: set[str]) -> list[str]:
         objects = self.store_dir / OBJECTS
@@ -281,17 +303,31 @@ def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio
         return prepare_in_bucket(str(source), str(store), ratio, seed=seed, jobs=jobs, progress=progress)
     started = time.monotonic()
     store_dir = Path(store).absolute()
-    open_or_build(source, store_dir).close()
-    catalog = Catalog.open(store_dir)
+    store_dir.mkdir(parents=True, exist_ok=True)
+    held = exclusive_lock(store_dir / PREPARE_LOCK, wait=False)
+    if held is None:  # prepares of one store run one after another: the next reuses what the first did
+        log.warning("another prepare of %s is running: waiting for it", store_dir)
+        held = exclusive_lock(store_dir / PREPARE_LOCK)
     try:
-        return run(catalog, LocalTarget(store_dir), ratio, seed, jobs or os.cpu_count() or 1, progress, started)
+        open_or_build(source, store_dir).close()
+        work = WorkingCopy(store_dir)
+        try:
+            return run(work.catalog, LocalTarget(store_dir), ratio, seed, jobs or os.cpu_count() or 1, progress,
+                       started, publish=work.publish)
+        except PrepareError:
+            work.publish()  # the selection is unchanged; what was expanded before the failure is kept
+            raise
+        finally:
+            work.discard()  # after a publish: nothing left to do
     finally:
-        catalog.close()
+        assert held is not None
+        os.close(held)
 
 
 def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int, progress: bool,
-        started: float) -> PrepareReport:
-    """Expand the seeded share of ``catalog``'s images into ``target`` and commit the selection."""
+        started: float, publish: Callable[[], None] = lambda: None) -> PrepareReport:
+    """Expand the seeded share of ``catalog``'s images into ``target``, commit the selection, ``publish`` it,
+    and delete what no catalog in use names any more (``target.deleting``)."""
     report = PrepareReport()
     nodes = _candidates(catalog, seed)
     known = _known(catalog)
@@ -366,12 +402,17 @@ def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int, pr
     chosen.sort(key=lambda o: rank(seed, o.path))
     chosen = chosen[: wanted()]
     _apply_selection(catalog, chosen, ratio)
-    report.deleted = _delete_surplus(catalog, target)
-    report.raw_served = len(chosen)
-    report.target = wanted()
-    _, report.bytes_served, report.bytes_source, _ = catalog.file_totals()
-    report.bytes_objects = catalog.db.execute(
-        "SELECT coalesce(sum(raw_size), 0) FROM expansions WHERE object IS NOT NULL").fetchone()[0]
+    with target.deleting() as allowed:
+        if allowed:
+            report.deleted = _delete_surplus(catalog, target)
+        else:
+            report.kept_for_mounts = _surplus_count(catalog)
+        report.raw_served = len(chosen)
+        report.target = wanted()
+        _, report.bytes_served, report.bytes_source, _ = catalog.file_totals()
+        report.bytes_objects = catalog.db.execute(
+            "SELECT coalesce(sum(raw_size), 0) FROM expansions WHERE object IS NOT NULL").fetchone()[0]
+        publish()
     report.seconds = time.monotonic() - started
     return report
 
@@ -437,12 +478,17 @@ def _apply_selection(catalog: Catalog, chosen: list[Outcome], ratio: float) -> N
         catalog.set_meta(SEALED, str(time.time_ns()))
 
 
+_SURPLUS = ("SELECT path, object FROM expansions WHERE object IS NOT NULL "
+            "AND object NOT IN (SELECT object FROM nodes WHERE repr=1)")
+
+
+def _surplus_count(catalog: Catalog) -> int:
+    return len(catalog.db.execute(_SURPLUS).fetchall())
+
+
 def _delete_surplus(catalog: Catalog, target: Target) -> int:
     """Objects no node points at any more, and leftovers of killed runs; only after the selection commits."""
-    surplus = catalog.db.execute(
-        "SELECT path, object FROM expansions WHERE object IS NOT NULL "
-        "AND object NOT IN (SELECT object FROM nodes WHERE repr=1)"
-    ).fetchall()
+    surplus = catalog.db.execute(_SURPLUS).fetchall()
     target.delete([obj for _, obj in surplus])
     with _transaction(catalog):
         catalog.db.executemany("DELETE FROM expansions WHERE path=?", [(p,) for p, _ in surplus])

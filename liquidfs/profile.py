@@ -397,7 +397,7 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
     else:
         store_dir = Path(store).absolute()
         open_or_build(source, store_dir).close()
-        catalog = Catalog.open(store_dir)
+        catalog = Catalog.open(store_dir, readonly=True)
         try:
             smp = make_sample(catalog, store_dir, count)
         finally:
