@@ -126,7 +126,9 @@ class DaemonPath:
         if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
             if fh not in self._loaned and fh in self.open_files:
-                self._loan(fh, handle, evict=False)  # being read now: let go once served to its end
+                # Being read now: let go once served to its end; a direct_io open is never seen to reach
+                # its end, so it makes room now by letting go of the files opened longest ago.
+                self._loan(fh, handle, evict=handle.direct_io)
         content = handle.content
         if handle.chunks is not None:
             data = await self._read_again(fh, handle, off, size)
@@ -324,8 +326,9 @@ class DaemonPath:
         Opens past the bound are deferred (``_read_later``), so letting go here is for what else exceeds it
         (files the cache decided to keep, sizes changed at open).
         """
-        if handle.node is None or handle.direct_io or handle.content.data is None or self._holds(handle):
+        if handle.node is None or handle.content.data is None or self._holds(handle):
             return  # nothing in memory, or the cache's budget counts these very bytes
+        # direct_io opens (--page-cache direct, sizes changed at open) count too: nothing else bounds them.
         content = handle.content
         self._loaned[fh] = content.size
         self._loaned_bytes += content.size

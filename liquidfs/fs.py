@@ -74,6 +74,10 @@ def _handler(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
 
 
 
+#: Open files at once when the mount does not say (``mount.descriptor_budget`` sizes it from RLIMIT_NOFILE).
+MAX_OPEN_FILES = 16384
+
+
 class Operations(pyfuse3.Operations):
     """A read-only view of a catalog; file bytes are served by a data path."""
 
@@ -83,7 +87,8 @@ class Operations(pyfuse3.Operations):
     def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
                  *, thread_limiter: trio.CapacityLimiter | None = None,
                  cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT,
-                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True) -> None:
+                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True,
+                 max_open_files: int = MAX_OPEN_FILES) -> None:
         super().__init__()
         self.catalog = catalog
         self.reader = reader
@@ -106,6 +111,8 @@ class Operations(pyfuse3.Operations):
         self.stats.files = files
         self.stats.dataset_bytes = served
         self.control_extra: Callable[[], dict[str, Any]] | None = None
+        #: Open files at once (``descriptor_budget``): past it an open fails with ENFILE.
+        self.max_open_files = max_open_files
         #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
         self.may_read: Callable[[Node, int, int], bool] | None = None
         # Set once the connection's INIT granted passthrough (``engage_passthrough``): every open of a file
@@ -261,6 +268,13 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
+        if len(self.open_files) >= self.max_open_files:
+            # Each open file may hold a descriptor (its backing, or a large file's source) and some memory:
+            # past the bound an open fails cleanly rather than the daemon running out of either.
+            if self.first_error(("open files",)):
+                log.warning("%d files open: further opens fail with ENFILE until some are closed",
+                            len(self.open_files))
+            raise FUSEError(errno.ENFILE)
         if self.may_read is not None and ctx.uid not in (0, self.uid):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
             if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid):

@@ -121,6 +121,31 @@ def fuse_options(config: MountConfig) -> set[str]:
     return options
 
 
+#: Descriptors kept for everything but open files: the catalog, sockets, worker threads' files, the guard.
+_RESERVED_FDS = 1024
+
+
+def descriptor_budget(ceiling: int = 1 << 20) -> int:
+    """How many files may be open through the mount at once: RLIMIT_NOFILE raised as far as this process may
+    (a loader such as DALI keeps its whole shuffle buffer open, and every open file may hold a descriptor),
+    less a reserve for everything else."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    except (OSError, ValueError):
+        nr_open = hard
+    for limit in (min(max(hard, ceiling), nr_open), hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            soft = limit
+            break
+        except (OSError, ValueError):
+            continue  # raising the hard limit needs CAP_SYS_RESOURCE: the soft one still goes up to it
+    return max(64, soft - _RESERVED_FDS)
+
+
 def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     """Mount and serve in this process until unmounted or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -145,7 +170,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         reader = disk
     ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
                      io_timeout=config.io_timeout, page_cache=config.page_cache,
-                     max_open_bytes=config.open_bytes, push_pages=config.push_pages)
+                     max_open_bytes=config.open_bytes, push_pages=config.push_pages,
+                     max_open_files=descriptor_budget())
     if disk is not None:
         ops.control_extra = disk.summary
     if config.allow_other and isinstance(base_reader, StoreReader):

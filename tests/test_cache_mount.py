@@ -253,8 +253,10 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
         # (fresh-clone CI runs saw 0, 1 and more): buffer reuse after a push is tested deterministically in
         # test_fs_unit.py (test_a_buffer_is_not_lent_before_the_kernel_has_copied_it and the test before it).
         assert stats["bytes_pushed"] > 0
-        # each byte sent once
-        assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_read_again"] == stats["bytes_from_storage"]
+        # every byte taken from storage reached the kernel; a page the kernel asks for while the push still
+        # carries it is answered from memory as well (timing: once in ~10 fresh runs, 0.5 MB of 35 MB), which
+        # costs no storage read (the last assertion holds each image to one read from storage)
+        assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_read_again"] >= stats["bytes_from_storage"]
         assert first_reads <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
     else:
         assert stats["deferred"] >= 5 and stats["bytes_pushed"] == 0

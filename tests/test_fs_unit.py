@@ -592,3 +592,44 @@ def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Oper
     assert not fi.keep_cache
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == b"HELLO\n"
     run(ops.release, fi.fh)
+
+
+def test_open_files_are_bounded_and_past_the_bound_an_open_fails_with_enfile(tmp_path: Path) -> None:
+    """Every open file may hold a descriptor and memory in the daemon: without a bound, a user opening files
+    without closing them exhausted either. Past ``max_open_files`` an open fails with ENFILE; a close makes room."""
+    files = {f"f{i}": bytes([i]) * 1000 for i in range(4)}
+    ops = _ops_over(tmp_path, files, None)
+    ops.max_open_files = 3
+    handles = [run(ops.open, run(ops.lookup, ROOT_ID, f"f{i}".encode(), CTX).st_ino, os.O_RDONLY, CTX)
+               for i in range(3)]
+    last = run(ops.lookup, ROOT_ID, b"f3", CTX).st_ino
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, last, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENFILE
+    run(ops.release, handles[0].fh)
+    fi = run(ops.open, last, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f3"]
+
+
+def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> None:
+    """--page-cache direct keeps each open file's bytes in the daemon (every read reaches it); those bytes were
+    outside the open-bytes bound, so open files could hold any amount of memory."""
+    files = {f"f{i}": bytes([i + 1]) * 300_000 for i in range(6)}
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    ops = Operations(catalog, StoreReader(catalog.source, tmp_path / "store"), MountStats(), page_cache="direct",
+                     max_open_bytes=700_000)
+    handles = []
+    for name in files:
+        fi = run(ops.open, run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino, os.O_RDONLY, CTX)
+        assert bytes(run(ops.read, fi.fh, 0, 4096)) == files[name][:4096]
+        handles.append(fi)
+    held = sum(h.content.size for h in ops.open_files.values() if h.content.data is not None)
+    assert held <= 700_000 + 300_000, f"{held} bytes held by open files"
+    for fi, name in zip(handles, files):  # bytes let go are read again, and still right
+        assert bytes(run(ops.read, fi.fh, 100_000, 50_000)) == files[name][100_000:150_000]
+        run(ops.release, fi.fh)

@@ -459,3 +459,14 @@ def test_prepares_of_one_store_at_once_run_one_after_another(tmp_path: Path) -> 
     finally:
         catalog.close()
     assert named and all((store / obj).is_file() for obj in named)
+
+
+def test_the_mount_raises_its_descriptor_limit_and_bounds_open_files_below_it() -> None:
+    import resource
+
+    from liquidfs.mount import descriptor_budget
+
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    budget = descriptor_budget()
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert soft >= before and 64 <= budget < soft
