@@ -5,8 +5,9 @@ Fast, static tests run everywhere.  Three tests touch the real system (run them 
 * ``test_fstab_mount_real`` (``fuse``): installs mount/mount.fuse.liquidfs as /sbin/mount.fuse.liquidfs
   for the duration of the test and mounts a temp dir with ``mount -t fuse.liquidfs``.
 * ``test_container_image`` (``slow``): debootstraps a bookworm base image (cached in podman as
-  localhost/liquidfs-base), builds mount/Dockerfile with podman, runs it privileged with /dev/fuse and a
-  mount point shared back to the host, reads through the mount, stops it with SIGTERM.  It may apt-get
+  localhost/liquidfs-base), builds mount/Dockerfile with podman, runs prepare in it without capabilities,
+  runs it privileged with /dev/fuse and a mount point shared back to the host (both with a read-only root,
+  as the manifests' readOnlyRootFilesystem), reads through the mount, stops it with SIGTERM.  It may apt-get
   install podman, debootstrap and runc only when CI or LIQUIDFS_TEST_CONTAINER=1 is set.
 
 With CI set, a FUSE test that cannot run fails instead of skipping.  The container test skips (with the
@@ -42,6 +43,10 @@ IN_CI = bool(os.environ.get("CI"))
 #: YAML files under mount/kubernetes that are not Kubernetes API objects (kustomize's own config).
 K8S_NOT_API_OBJECTS = {"kustomization.yaml"}
 K8S_WORKLOADS = {"pod-native-sidecar.yaml", "job-native-sidecar.yaml", "pod-classic-sidecar.yaml"}
+#: What kustomization.yaml lists beside the one workload it deploys.
+K8S_WITH_EVERY_WORKLOAD = {"networkpolicy.yaml"}
+#: The container that mounts FUSE: the only one that may be privileged.
+FUSE_CONTAINER = "liquidfs"
 MOUNTPOINT_IN_POD = "/mnt/dataset"
 METRICS_PORT = 9180
 
@@ -209,7 +214,8 @@ def test_k8s_validate_cli():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "WARN" not in out and "ERROR" not in out, out
-    assert out.count("passed") == len(k8s_manifests()) * len(_k8s_versions()), out
+    documents = sum(len(_load_yaml_all(p)) for p in k8s_manifests())
+    assert out.count("passed") == documents * len(_k8s_versions()), out
 
 
 def test_k8s_misspelled_field_fails(tmp_path: Path):
@@ -254,8 +260,9 @@ def _quantity_bytes(q: str) -> float:
 def test_kustomization_knobs():
     kz = _kustomization()
     assert kz["kind"] == "Kustomization"
-    for res in kz["resources"]:
-        assert res in K8S_WORKLOADS, f"kustomization lists {res}, not one of the workloads"
+    workloads = [res for res in kz["resources"] if res not in K8S_WITH_EVERY_WORKLOAD]
+    assert len(workloads) == 1 and workloads[0] in K8S_WORKLOADS, f"kustomization lists {workloads}, not one workload"
+    assert K8S_WITH_EVERY_WORKLOAD <= set(kz["resources"])
     knobs = _knobs()
     for key in ("LIQUIDFS_SOURCE", "LIQUIDFS_STORE", "LIQUIDFS_RATIO", "LIQUIDFS_CACHE_SIZE"):
         assert knobs.get(key), f"knob {key} missing from the configMapGenerator"
@@ -344,6 +351,126 @@ def test_k8s_workload_semantics(manifest: str):
             assert refs == ["liquidfs-config"], f"{c['name']} uses knobs without envFrom liquidfs-config"
 
 
+def _pod_documents() -> list[tuple[str, dict]]:
+    """(file name, document) of every Pod and Job under mount/kubernetes."""
+    return [(p.name, d) for p in k8s_manifests() for d in _load_yaml_all(p) if d["kind"] in ("Pod", "Job")]
+
+
+def _secrets_of(container: dict) -> set[str]:
+    names = {e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e}
+    names |= {e["valueFrom"]["secretKeyRef"]["name"] for e in container.get("env", [])
+              if "secretKeyRef" in e.get("valueFrom", {})}
+    return names
+
+
+@pytest.mark.parametrize("manifest", sorted({name for name, _ in _pod_documents()}))
+def test_k8s_container_hardening(manifest: str):
+    """Every image is mounted read-only, with a /tmp of its own to write to; every container but the FUSE server
+    also runs without privileges, capabilities or privilege escalation, under the runtime's seccomp profile."""
+    _, spec = _pod_spec(_load_yaml(K8S_DIR / manifest))
+    assert spec["automountServiceAccountToken"] is False, "nothing here talks to the Kubernetes API"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    tmp_volumes = []
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True, f"{c['name']}: image writable"
+        # liquidfs prepare's process pool does not start without a writable temporary directory
+        tmp = {vm["mountPath"]: vm for vm in c.get("volumeMounts", [])}.get("/tmp")
+        assert tmp and not tmp.get("readOnly") and "emptyDir" in volumes[tmp["name"]], f"{c['name']}: no /tmp"
+        tmp_volumes.append(tmp["name"])
+        if c["name"] == FUSE_CONTAINER:
+            # required for Bidirectional propagation; the API rejects allowPrivilegeEscalation: false beside it
+            assert sc["privileged"] is True and "allowPrivilegeEscalation" not in sc
+            continue
+        assert sc.get("privileged") is not True, f"{c['name']} is not the FUSE server"
+        assert sc["allowPrivilegeEscalation"] is False, c["name"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}, c["name"]
+        assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, c["name"]
+    assert len(set(tmp_volumes)) == len(tmp_volumes), "each container its own /tmp"
+
+
+def test_k8s_s3_separate_credentials():
+    """The prepare Job writes the store; the mounts get other credentials and another ServiceAccount, and
+    nothing in their pods can reach the writing key."""
+    _, prepare = _pod_spec(_load_yaml(K8S_DIR / "s3-prepare-job.yaml"))
+    _, train = _pod_spec(_load_yaml(K8S_DIR / "s3-train-job.yaml"))
+    accounts = {d["metadata"]["name"]: d for d in _load_yaml_all(K8S_DIR / "s3-serviceaccounts.yaml")}
+    for name, account in accounts.items():
+        assert account["kind"] == "ServiceAccount" and account["automountServiceAccountToken"] is False, name
+    assert {prepare["serviceAccountName"], train["serviceAccountName"]} <= set(accounts)
+    assert prepare["serviceAccountName"] != train["serviceAccountName"]
+
+    (writer,) = [_secrets_of(c) for c in prepare["containers"] if c["name"] == "prepare"]
+    train_containers = {c["name"]: c for c in train.get("initContainers", []) + train["containers"]}
+    reader = _secrets_of(train_containers[FUSE_CONTAINER])
+    assert len(writer) == 1 and len(reader) == 1 and writer != reader, (writer, reader)
+    assert _secrets_of(train_containers["trainer"]) == set(), "the trainer needs no object-store key"
+    for c in train_containers.values():
+        assert not _secrets_of(c) & writer, f"{c['name']} gets the writing key"
+    assert not any(v.get("secret", {}).get("secretName") in writer for v in train["volumes"])
+    assert not any(v.get("projected") for v in train["volumes"]), "no projected token or Secret"
+    # the instructions create both, and the README says what each may do
+    readme = (MOUNT_DIR / "README.md").read_text()
+    config = (K8S_DIR / "s3-config.yaml").read_text()
+    for name in writer | reader:
+        assert f"kubectl create secret generic {name}" in config and f"kubectl create secret generic {name}" in readme
+        assert readme.count(name) >= 2, f"README: what may {name} do?"
+
+
+def _rule_opens(rule: dict, port: int, protocol: str = "TCP") -> bool:
+    """Whether a NetworkPolicy ingress rule lets ``protocol`` traffic to ``port`` through (from its peers)."""
+    if not rule.get("ports"):
+        return True
+    for p in rule["ports"]:
+        if p.get("protocol", "TCP") != protocol:
+            continue
+        if "port" not in p:
+            return True
+        if isinstance(p["port"], str):  # a named port
+            if p["port"] == "metrics" and port == METRICS_PORT:
+                return True
+        elif p["port"] <= port <= p.get("endPort", p["port"]):
+            return True
+    return False
+
+
+def test_k8s_networkpolicy_guards_metrics():
+    """The sidecars serve metrics on 0.0.0.0: only the labelled scraper may reach that port, every pod serving
+    it is selected, and the trainer's own ports (distributed training) stay open."""
+    policies = [(p.name, d) for p in k8s_manifests() for d in _load_yaml_all(p) if d["kind"] == "NetworkPolicy"]
+    assert len(policies) == 1, policies
+    name, policy = policies[0]
+    assert name in _kustomization()["resources"]
+    spec = policy["spec"]
+    assert "Ingress" in spec["policyTypes"]
+    assert set(spec["podSelector"]) == {"matchLabels"}
+    selector = spec["podSelector"]["matchLabels"]
+    assert selector
+
+    serving = 0
+    for manifest, doc in _pod_documents():
+        meta, pod = _pod_spec(doc)
+        containers = pod.get("initContainers", []) + pod["containers"]
+        if any(port["containerPort"] == METRICS_PORT for c in containers for port in c.get("ports", [])):
+            serving += 1
+            assert selector.items() <= meta["labels"].items(), f"{manifest}: its pods are not selected"
+            (sidecar,) = [c for c in containers if c["name"] == FUSE_CONTAINER]
+            assert "0.0.0.0" in " ".join(sidecar.get("command", []) + sidecar.get("args", []))
+    assert serving == len(K8S_WORKLOADS) + 1, "every workload and s3-train-job.yaml serve metrics"
+
+    metrics_rules = [r for r in spec["ingress"] if _rule_opens(r, METRICS_PORT)]
+    assert metrics_rules
+    for rule in metrics_rules:
+        assert rule.get("from"), "a rule without `from` opens the metrics port to everybody"
+        for peer in rule["from"]:
+            assert set(peer) == {"namespaceSelector", "podSelector"}, f"the scraper's namespace AND pod: {peer}"
+            assert peer["namespaceSelector"].get("matchLabels") and peer["podSelector"].get("matchLabels"), peer
+    everybody = [r for r in spec["ingress"] if not r.get("from")]
+    for port in (1, 22, 9179, 9181, 29500, 65535):
+        assert any(_rule_opens(r, port) for r in everybody), f"TCP {port} closed: the trainer shares these pods"
+    assert any(_rule_opens(r, 29500, "UDP") for r in everybody)
+
+
 def test_kustomize_build(tmp_path: Path):
     """Optional: render with a real kustomize (standalone, or kubectl's built-in) when one is installed."""
     if shutil.which("kustomize"):
@@ -356,7 +483,7 @@ def test_kustomize_build(tmp_path: Path):
     out = tmp_path / "rendered.yaml"
     out.write_text(proc.stdout)
     docs = _load_yaml_all(out)
-    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Job"]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "Job", "NetworkPolicy"]
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
     (job,) = [d for d in docs if d["kind"] == "Job"]
     assert cm["data"] == _knobs()
@@ -512,6 +639,33 @@ def _unit_directives(text: str) -> dict[str, list[str]]:
     return directives
 
 
+#: Hardening in the unit: process flags and seccomp filters, none of which sets up a mount namespace.
+UNIT_HARDENING = {
+    "UMask": "0077",
+    "NoNewPrivileges": "yes",
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6 AF_NETLINK",
+    "RestrictNamespaces": "yes",
+    "LockPersonality": "yes",
+    "RestrictRealtime": "yes",
+    "RestrictSUIDSGID": "yes",
+    "SystemCallArchitectures": "native",
+    "MemoryDenyWriteExecute": "yes",
+}
+#: Settings that run the service in a mount namespace of its own (systemd.exec(5): "these settings will
+#: disconnect propagation of mounts from the unit's processes to the host"), where the FUSE mount would be
+#: invisible to everybody else.
+UNIT_MOUNT_NAMESPACE = (
+    "PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectSystem", "ProtectHome", "ProtectKernelTunables",
+    "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups", "ProtectProc", "ProcSubset",
+    "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "ExecPaths", "NoExecPaths", "TemporaryFileSystem",
+    "BindPaths", "BindReadOnlyPaths", "RootDirectory", "RootImage", "MountAPIVFS", "MountFlags", "LogNamespace",
+    "DynamicUser",
+)
+#: Settings that forbid mounting FUSE itself: no /dev/fuse (a DeviceAllow=, also implied by ProtectClock=, closes
+#: the device policy), no CAP_SYS_ADMIN (a user namespace).
+UNIT_NO_FUSE = ("DeviceAllow", "DevicePolicy", "ProtectClock", "PrivateUsers")
+
+
 def test_systemd_unit():
     d = _unit_directives(UNIT.read_text())
     assert d["Service.Type"] == ["simple"], "liquidfs does not sd_notify: Type=notify would hang"
@@ -519,9 +673,15 @@ def test_systemd_unit():
     assert d["Service.KillSignal"] == ["SIGTERM"]
     (exec_start,) = d["Service.ExecStart"]
     assert re.match(r"/\S+/liquidfs mount --foreground \$\{LIQUIDFS_SOURCE\} \$\{LIQUIDFS_MOUNTPOINT\}", exec_start)
-    for sandboxing in ("PrivateTmp", "ProtectSystem", "ProtectHome", "ReadOnlyPaths", "PrivateDevices",
-                       "PrivateMounts", "TemporaryFileSystem", "BindPaths", "InaccessiblePaths"):
+    for sandboxing in UNIT_MOUNT_NAMESPACE:
         assert f"Service.{sandboxing}" not in d, f"{sandboxing}= would hide the FUSE mount in a private namespace"
+    for setting in UNIT_NO_FUSE:
+        assert f"Service.{setting}" not in d, f"{setting}= would keep the service from mounting FUSE"
+    for setting, value in UNIT_HARDENING.items():
+        assert d.get(f"Service.{setting}") == [value], f"{setting}={value} missing"
+    assert "Service.User" not in d, "mounting for the whole machine needs root"
+    for caps in d.get("Service.CapabilityBoundingSet", []):
+        assert "CAP_SYS_ADMIN" in caps.split() and not caps.startswith("~"), "mounting needs CAP_SYS_ADMIN"
     assert d["Install.WantedBy"] == ["multi-user.target"]
     env = dict(line.split("=", 1) for line in EXAMPLE_ENV.read_text().splitlines()
                if line.strip() and not line.startswith("#"))
@@ -777,17 +937,31 @@ def test_container_image(tmp_path: Path, capsys):
                timeout=120)
     assert proc.returncode == 0 and proc.stdout == "", f"compilers in the final image or fuse3/tini missing: {proc}"
 
-    src = tmp_path / "src"
-    src.mkdir()
+    src, store, prepared = tmp_path / "src", tmp_path / "store", tmp_path / "prepared"
+    for d in (src, store, prepared):
+        d.mkdir()
     files = make_source_tree(src)
+    # As the manifests run the image (readOnlyRootFilesystem): nothing writable but the volumes and /tmp.
+    read_only = ["--read-only", "--read-only-tmpfs=false", "--tmpfs", "/tmp"]
+
+    # prepare as their init containers run it, also root without capabilities or privilege escalation
+    proc = run(["podman", "run", "--rm", "--network", "none", *opts, *read_only, "--cap-drop", "ALL",
+                "--security-opt", "no-new-privileges", "-v", f"{src}:/data:ro", "-v", f"{prepared}:/store",
+                "--entrypoint", "liquidfs", TEST_IMAGE, "prepare", "/data", "--store", "/store", "--ratio", "1",
+                "--no-progress"], timeout=300)
+    assert proc.returncode == 0, f"prepare in a read-only image failed:\n{proc.stdout}{proc.stderr}"
+    assert (prepared / "catalog.sqlite").is_file(), proc.stdout
+    assert any(f.is_file() for f in (prepared / "objects").rglob("*")), f"nothing expanded:\n{proc.stdout}"
+
     name = f"liquidfs-test-{uuid.uuid4().hex[:8]}"
     with _shared_mountpoint(tmp_path / "shared") as mnt:
         try:
             t0 = time.monotonic()
+            # the unprepared store: every file is served as its source bytes
             proc = run(["podman", "run", "-d", "--name", name, "--privileged", "--device", "/dev/fuse",
-                        "--network", "none", *opts,
-                        "-v", f"{src}:/data:ro", "-v", f"{mnt}:{MOUNTPOINT_IN_POD}:rshared",
-                        TEST_IMAGE, "/data", MOUNTPOINT_IN_POD], timeout=120)
+                        "--network", "none", *opts, *read_only,
+                        "-v", f"{src}:/data:ro", "-v", f"{store}:/store", "-v", f"{mnt}:{MOUNTPOINT_IN_POD}:rshared",
+                        TEST_IMAGE, "/data", MOUNTPOINT_IN_POD, "--store", "/store"], timeout=120)
             assert proc.returncode == 0, f"podman run failed: {proc.stderr}"
 
             def running() -> bool:
