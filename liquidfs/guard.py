@@ -123,11 +123,31 @@ def ensure_fusectl() -> bool:
     return any(FUSECTL.iterdir())
 
 
-def start(pid: int, mountpoint: Path) -> subprocess.Popen[bytes] | None:
-    """Start the watchdog of daemon ``pid`` serving ``mountpoint``; None where it could do nothing (not root,
-    no fusectl)."""
-    found = topmost_mount(mountpoint)
-    if found is None or os.geteuid() != 0 or not ensure_fusectl() or not (FUSECTL / str(found[1])).is_dir():
+def mount_ids() -> set[int]:
+    """The ids of the mounts this process sees: taken before mounting, for ``start``."""
+    return {m[0] for m in _mounts()}
+
+
+def new_mount(mountpoint: Path, before: set[int]) -> tuple[bytes, int, int] | None:
+    """(filesystem type, device, mount id) of the one FUSE mount at ``mountpoint`` that is not in ``before``.
+
+    Whatever is on top at the mount point is not necessarily ours: another mount may be stacked there a moment
+    later, and a watchdog that took its connection would abort a stranger's. Ours is the mount that appeared
+    while we mounted; if two did (another mount raced ours on the same point), neither is taken."""
+    target = os.fsencode(os.path.abspath(mountpoint))
+    found = [(fstype, device, mount_id) for mount_id, device, point, fstype in _mounts()
+             if point == target and mount_id not in before and fstype.startswith(b"fuse")]
+    return found[0] if len(found) == 1 else None
+
+
+def start(pid: int, mountpoint: Path, before: set[int]) -> subprocess.Popen[bytes] | None:
+    """Start the watchdog of daemon ``pid`` serving ``mountpoint`` (mounted after ``before`` was taken); None
+    where it could do nothing (not root, no fusectl) or cannot tell which connection is ours."""
+    found = new_mount(mountpoint, before)
+    if found is None:
+        log.warning("no watchdog for %s: cannot tell which mount there is ours (another raced it)", mountpoint)
+        return None
+    if os.geteuid() != 0 or not ensure_fusectl() or not (FUSECTL / str(found[1])).is_dir():
         log.info("no watchdog for %s: fusectl's abort needs root and %s", mountpoint, FUSECTL)
         return None
     # Its own session and cwd "/": nothing of it keeps the mount busy, and a signal to the daemon's group

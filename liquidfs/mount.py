@@ -177,12 +177,13 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     if config.allow_other and isinstance(base_reader, StoreReader):
         ops.may_read = base_reader.may_read
     ops.enable_passthrough = config.data_path != "daemon" and passthrough.built_in() is None
+    before = guard.mount_ids()
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:
         raise MountError(f"cannot mount {config.mountpoint}: {exc}") from exc
     log.info("mounted %s on %s (pid %d)", config.source, config.mountpoint, os.getpid())
-    watchdog = guard.start(os.getpid(), config.mountpoint)
+    watchdog = guard.start(os.getpid(), config.mountpoint, before)
     unmount = True
     try:
         trio.run(_main, config, ops, ready_fd)

@@ -470,3 +470,20 @@ def test_the_mount_raises_its_descriptor_limit_and_bounds_open_files_below_it() 
     budget = descriptor_budget()
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     assert soft >= before and 64 <= budget < soft
+
+
+def test_the_watchdog_takes_the_mount_that_appeared_while_it_mounted_not_the_one_on_top(monkeypatch) -> None:
+    """Two mounts stacked on one mount point: the watchdog took whatever was on top when it started, which may
+    be a mount stacked a moment later, and would abort that stranger's connection."""
+    from liquidfs import guard
+
+    mnt = b"/mnt/data"
+    before = {1, 2}
+    table = [(1, 10, b"/", b"ext4"), (2, 20, mnt, b"fuse.liquidfs")]  # an older mount under ours
+    ours = (3, 30, mnt, b"fuse.liquidfs")
+    stranger = (4, 40, mnt, b"fuse.sshfs")  # stacked on top after ours
+    monkeypatch.setattr(guard, "_mounts", lambda: [*table, ours])
+    assert guard.new_mount(Path(os.fsdecode(mnt)), before) == (b"fuse.liquidfs", 30, 3)
+    monkeypatch.setattr(guard, "_mounts", lambda: [*table, ours, stranger])
+    assert guard.topmost_mount(Path(os.fsdecode(mnt)))[1] == 40  # what the old code took
+    assert guard.new_mount(Path(os.fsdecode(mnt)), before) is None  # two appeared: neither is taken
