@@ -64,6 +64,7 @@ import io
 import logging
 import re
 import struct
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Final
@@ -77,14 +78,18 @@ __all__ = [
     "BMP_MAGIC",
     "EXPANDABLE",
     "Expansion",
+    "MAX_PIXELS",
     "decode",
     "expand",
+    "pixel_count",
     "same_pixels",
     "sniff",
 ]
 
 BMP_MAGIC: Final = b"BM"
 EXPANDABLE: Final = ("png", "jpeg")
+#: expand's default bound: larger images are refused from their header (too-large).
+MAX_PIXELS: Final = 100_000_000
 
 PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
 JPEG_SOI: Final = b"\xff\xd8\xff"
@@ -150,7 +155,7 @@ def same_pixels(a: bytes, b: bytes) -> bool:
         return _same_image(ia, ib)
 
 
-def expand(data: bytes, *, max_pixels: int = 100_000_000) -> Expansion:
+def expand(data: bytes, *, max_pixels: int = MAX_PIXELS) -> Expansion:
     """Decode the original (PNG or JPEG by content), write a BMP, decode that
     again and accept it only if bit-exact with the original's decode.
 
@@ -180,6 +185,22 @@ def expand(data: bytes, *, max_pixels: int = 100_000_000) -> Expansion:
         log.debug("not expanding %s: corrupt (%s: %s)", fmt, type(e).__name__, e)
         return Expansion(None, fmt, "corrupt")
     return Expansion(bmp, fmt, None)
+
+
+def pixel_count(data: bytes) -> int | None:
+    """Width x height as the header declares it, read as expand reads it, before any pixel is decoded: None
+    where expand would refuse the header itself (not a PNG/JPEG, truncated, a policy refusal before the frame)."""
+    fmt = sniff(data[:32])
+    try:
+        if fmt == "png":
+            w, h = _png_header_size(data)
+        elif fmt == "jpeg":
+            w, h, _ = _scan_jpeg(data, sys.maxsize)
+        else:
+            return None
+    except _Refuse:
+        return None
+    return w * h
 
 
 # --------------------------------------------------------------------- PNG

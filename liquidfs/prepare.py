@@ -30,7 +30,7 @@ from pathlib import Path
 
 import xxhash
 
-from . import formats
+from . import formats, resources
 from .catalog import SEALED, Catalog, CatalogError, Node, WorkingCopy, file_version, open_or_build
 from .locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, unique
 from .reader import checksum, open_below, open_dir, read_fd
@@ -90,10 +90,29 @@ class Outcome:
     src_etag: str | None = None
 
 
+#: In a worker: the bytes it may spend on one image (``resources.plan_workers``); None where not known.
+_budget: int | None = None
+
+
+def _set_budget(budget: int | None) -> None:
+    """The worker pool's initializer."""
+    global _budget
+    _budget = budget
+
+
+def _too_large_for_memory(pixels: int, source_size: int) -> bool:
+    return _budget is not None and resources.expansion_need(pixels, source_size) > _budget
+
+
 def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
                  etag: str | None = None) -> tuple[Outcome | None, bytes | None, str | None]:
     """Expand one image held in memory: (None, raw bytes, source format), or (the refusal, None, format).
     Never raises."""
+    pixels = formats.pixel_count(source)
+    if pixels is not None and pixels <= formats.MAX_PIXELS and _too_large_for_memory(pixels, len(source)):
+        # Refused from the header, before any pixel is decoded: decoding would get this worker OOM-killed.
+        fmt = formats.sniff(source[:32])
+        return Outcome(rel, size, mtime_ns, fmt, None, None, None, "no-memory", src_etag=etag), None, fmt
     try:
         result = formats.expand(source)
     except MemoryError:
@@ -126,6 +145,8 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
         return ((st.st_size, st.st_mtime_ns) == (want_size, want_mtime)
                 and (want_version is None or file_version(st) == want_version))
 
+    if _too_large_for_memory(0, want_size):
+        return outcome("no-memory")  # reading it alone would not fit
     try:
         root_fd = open_dir(root)
         try:
@@ -312,8 +333,8 @@ def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio
         open_or_build(source, store_dir).close()
         work = WorkingCopy(store_dir)
         try:
-            return run(work.catalog, LocalTarget(store_dir), ratio, seed, jobs or os.cpu_count() or 1, progress,
-                       started, publish=work.publish)
+            return run(work.catalog, LocalTarget(store_dir), ratio, seed, jobs, progress, started,
+                       publish=work.publish)
         except PrepareError:
             work.publish()  # the selection is unchanged; what was expanded before the failure is kept
             raise
@@ -324,12 +345,16 @@ def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio
         os.close(held)
 
 
-def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int, progress: bool,
+def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int | None, progress: bool,
         started: float, publish: Callable[[], None] = lambda: None) -> PrepareReport:
     """Expand the seeded share of ``catalog``'s images into ``target``, commit the selection, ``publish`` it,
-    and delete what no catalog in use names any more (``target.deleting``)."""
+    and delete what no catalog in use names any more (``target.deleting``). ``jobs`` is lowered to the workers
+    that fit in memory; None: as many as fit, up to the cores."""
     report = PrepareReport()
     nodes = _candidates(catalog, seed)
+    plan = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS,
+                                  largest_source=max((n.size for n in nodes), default=0))
+    jobs = plan.workers
     known = _known(catalog)
     report.candidates = len(nodes)
     chosen: list[Outcome] = []
@@ -346,7 +371,8 @@ def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int, pr
     queue = iter(nodes)
     in_flight: dict[cf.Future[Outcome], Node] = {}
     last_commit = time.monotonic()
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_set_budget,
+                                initargs=(plan.budget,)) as pool:
         while True:
             # Keep enough work in flight to reach the target, in rank order.
             while fatal is None and len(chosen) + len(in_flight) < wanted() and len(in_flight) < 2 * jobs:
@@ -418,8 +444,9 @@ def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int, pr
 
 
 def _transient(reason: str | None) -> bool:
-    """A refusal not worth remembering: the next run tries the image again."""
-    return reason is not None and (reason == "changed-during-prepare" or reason.startswith("unreadable"))
+    """A refusal not worth remembering: the next run tries the image again (no-memory: maybe with more)."""
+    return reason is not None and (reason in ("changed-during-prepare", "no-memory")
+                                   or reason.startswith("unreadable"))
 
 
 def _reason_key(reason: str | None) -> str:
@@ -565,7 +592,10 @@ def verify(store: str | os.PathLike[str], *, sample: int | None = None, jobs: in
     failures: list[tuple[str, str]] = []
     bar = _progress(progress, len(nodes))
     ctx = multiprocessing.get_context("forkserver")
-    with cf.ProcessPoolExecutor(max_workers=jobs or os.cpu_count() or 1, mp_context=ctx) as pool:
+    # A check decodes the original and the object: about what an expansion takes (resources).
+    workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False,
+                                     largest_source=max((n.size for n in nodes), default=0)).workers
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
         for future in cf.as_completed(futures):
             problem = future.result()
@@ -593,7 +623,10 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
     p.add_argument("--ratio", type=parse_ratio, required=True,
                    help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
-    p.add_argument("--jobs", "-j", type=int, default=os.cpu_count(), help="worker processes (default: all cores)")
+    p.add_argument("--jobs", "-j", type=int,
+                   help="worker processes (default: the cores this process may use, fewer where memory is short: "
+                   "each worker gets room for the largest image expanded, 100 Mpx, about 2.5 GB). A larger "
+                   "value is lowered to what fits in the memory left (cgroup limit, MemAvailable), with a warning")
     p.add_argument("--quick", action="store_true",
                    help="with --ratio auto: a quick profile (a smaller sample, shorter measurements)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -606,7 +639,8 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
         "Exit status 0 only when all hold.")
     v.add_argument("--store", required=True, help="the store directory, or the s3:// store prepare wrote to")
     v.add_argument("--sample", type=int, help="check only N random objects")
-    v.add_argument("--jobs", "-j", type=int, default=os.cpu_count())
+    v.add_argument("--jobs", "-j", type=int,
+                   help="worker processes (default: the cores, fewer where memory is short; lowered to what fits)")
     v.add_argument("--no-progress", action="store_true")
     add_common(v)
     v.set_defaults(func=_cmd_verify)

@@ -250,7 +250,7 @@ def prepare_in_bucket(source: str, store: str, ratio: float, *, seed: int = 0, j
     stored.unlink(missing_ok=True)
     catalog = Catalog.open(local)
     try:
-        report = run(catalog, BucketTarget(client, src, dst), ratio, seed, jobs or os.cpu_count() or 1, progress,
+        report = run(catalog, BucketTarget(client, src, dst), ratio, seed, jobs, progress,
                      started)
     finally:
         catalog.close()

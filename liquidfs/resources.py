@@ -1,0 +1,199 @@
+"""How much memory this process may still use, and how many prepare workers fit in it.
+
+The memory is the smaller of the host's MemAvailable and what this process's memory cgroup (v1 or v2, at every
+level from its own up to the top one that can be seen) still allows. A cgroup's usage counts page cache too,
+which the kernel reclaims before it kills anything: its inactive file pages are left out, as the kubelet does
+for a pod's working set. The parsers take the files' text, so tests feed them any machine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+from dataclasses import dataclass
+from typing import Final
+
+log = logging.getLogger(__name__)
+
+#: Peak bytes one expansion takes per pixel, on top of SOURCE_COPIES times the source's size. Measured as the
+#: peak RSS (VmHWM, reset before the call) of ``prepare.expand_one`` on noise PNGs and JPEGs of 1, 4 and 16 Mpx,
+#: less the RSS before it: 28 B/px for RGBA (4 of them the source), 23 for RGB PNG, 22 for JPEG, 7 for L and
+#: P, 20 for a flat RGB PNG of a few kB. RGBA is the worst mode expand accepts: Pillow's decode and the check's
+#: decode take 4 B/px each, and so do its four packed copies (tobytes, the BMP array, its bytes, the check's
+#: tobytes). 16-bit and CMYK images are refused from their header, before any of that.
+EXPAND_BYTES_PER_PIXEL: Final = 24
+#: The source is read into a buffer and copied into bytes (measured: 2.0 x the size of a 200 MB non-image).
+SOURCE_COPIES: Final = 2
+#: A worker process before its first image: ~37 MB RSS measured after importing prepare, Pillow and NumPy.
+WORKER_BASE_BYTES: Final = 64 << 20
+#: cgroup v1 says "no limit" with 2**63 - 1 rounded down to a page (9223372036854771712); no real limit is this
+#: large.
+UNLIMITED: Final = 1 << 60
+
+CGROUP_ROOT: Final = "/sys/fs/cgroup"
+
+
+# -- parsers: the text of one file in, a number out -------------------------------------------------------
+
+
+def parse_cgroup_paths(text: str) -> tuple[str | None, str | None]:
+    """From /proc/self/cgroup: (the cgroup v2 path, the cgroup v1 memory controller's path), None where absent."""
+    v2 = v1 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def parse_limit(text: str) -> int | None:
+    """memory.max (v2) or memory.limit_in_bytes (v1): bytes, or None for no limit ("max", or a huge v1 value)."""
+    text = text.strip()
+    if text == "max":
+        return None
+    value = int(text)
+    return None if value >= UNLIMITED else value
+
+
+def parse_stat(text: str, key: str) -> int:
+    """One counter of memory.stat (``inactive_file`` in v2, ``total_inactive_file`` in v1); 0 when absent."""
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def parse_meminfo(text: str) -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where the kernel does not give it (before 3.14)."""
+    for line in text.splitlines():
+        name, _, rest = line.partition(":")
+        if name == "MemAvailable":
+            value, *unit = rest.split()
+            return int(value) * (1024 if unit == ["kB"] else 1)
+    return None
+
+
+def headroom(limit_text: str, usage_text: str, stat_text: str = "", inactive_key: str = "inactive_file") -> int | None:
+    """Bytes a cgroup still allows: its limit less its usage without inactive page cache; None for no limit."""
+    limit = parse_limit(limit_text)
+    if limit is None:
+        return None
+    used = int(usage_text.strip()) - parse_stat(stat_text, inactive_key)
+    return max(0, limit - max(0, used))
+
+
+# -- this machine ---------------------------------------------------------------------------------------
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _levels(mount: str, path: str) -> list[str]:
+    """The directories of ``path`` and of each of its ancestors under ``mount``, deepest first. In a cgroup
+    namespace the path is "/" and the mount is the process's own cgroup; without one the path is the full one,
+    and a container may still see only its own part of the tree mounted: the levels that exist are the ones
+    that can be read."""
+    parts = [p for p in posixpath.normpath("/" + path).split("/") if p]
+    if ".." in parts:  # a cgroup outside this namespace: only the mount's root is known
+        parts = []
+    return [posixpath.join(mount, *parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _cgroup_headroom(mount: str, path: str, limit: str, usage: str, inactive_key: str) -> list[int]:
+    found = []
+    for level in _levels(mount, path):
+        limit_text = _read(posixpath.join(level, limit))
+        usage_text = _read(posixpath.join(level, usage))
+        if limit_text is None or usage_text is None:
+            continue
+        try:
+            room = headroom(limit_text, usage_text, _read(posixpath.join(level, "memory.stat")) or "", inactive_key)
+        except ValueError:
+            log.debug("unreadable memory limit in %s", level)
+            continue
+        if room is not None:
+            found.append(room)
+    return found
+
+
+def available_memory(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int | None:
+    """Bytes this process may still use: the least of MemAvailable and every limiting cgroup's headroom; None
+    when none of them can be read."""
+    found = []
+    meminfo = _read(posixpath.join(proc, "meminfo"))
+    if meminfo is not None and (free := parse_meminfo(meminfo)) is not None:
+        found.append(free)
+    v2, v1 = parse_cgroup_paths(_read(posixpath.join(proc, "self/cgroup")) or "")
+    if v2 is not None:
+        found += _cgroup_headroom(cgroup_root, v2, "memory.max", "memory.current", "inactive_file")
+    if v1 is not None:
+        found += _cgroup_headroom(posixpath.join(cgroup_root, "memory"), v1, "memory.limit_in_bytes",
+                                  "memory.usage_in_bytes", "total_inactive_file")
+    return min(found, default=None)
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask, which taskset and cpusets narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+# -- the worker count -----------------------------------------------------------------------------------
+
+
+def expansion_need(pixels: int, source_size: int) -> int:
+    """Peak bytes that expanding one image of ``pixels`` and ``source_size`` bytes takes in a worker."""
+    return SOURCE_COPIES * source_size + EXPAND_BYTES_PER_PIXEL * pixels
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    workers: int
+    #: Bytes one worker may spend on one image (``expansion_need``); None where no memory figure is known.
+    budget: int | None
+    available: int | None
+
+
+def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int, refusing: bool = True) -> WorkerPlan:
+    """How many workers to start, and the memory each may use for one image.
+
+    Each worker is given room for the largest image expand accepts (``max_pixels``, from a source as large as
+    the largest candidate): the size of an image is known only once its header is read, and the largest the
+    catalog holds may be any of them. So the default never refuses an image that one worker alone could expand.
+    ``requested`` (--jobs) is honoured up to what fits and lowered beyond, with a warning: more workers would
+    split the same memory into shares too small for the images they may meet. ``refusing``: the workers refuse
+    an image over their budget (prepare's do; verify's do not, so no warning about it).
+    """
+    available = available_memory()
+    cpus = cpu_count()
+    per_worker = WORKER_BASE_BYTES + expansion_need(max_pixels, largest_source)
+    fits = None if available is None else max(1, available // per_worker)
+    workers = max(1, requested or cpus)
+    if fits is not None and workers > fits:
+        (log.warning if requested else log.info)(
+            "%s: %d workers lowered to %d, as %.1f GB of memory is available (cgroup limit, MemAvailable) and "
+            "each worker may need %.1f GB for an image of %d Mpx", "--jobs" if requested else "the cores",
+            workers, fits, available / 1e9, per_worker / 1e9, max_pixels // 1_000_000)
+        workers = fits
+    budget = None if available is None else available // workers - WORKER_BASE_BYTES
+    if refusing and budget is not None and budget < expansion_need(max_pixels, largest_source):
+        log.warning("%.1f GB of memory is available: images of more than about %.0f Mpx are served as their "
+                    "originals (skipped as no-memory)", available / 1e9,
+                    max(0, budget - SOURCE_COPIES * largest_source) / EXPAND_BYTES_PER_PIXEL / 1e6)
+    log.info("%d workers, %s", workers,
+             "memory unknown" if available is None else f"{available / 1e9:.1f} GB of memory available")
+    return WorkerPlan(workers, budget, available)
