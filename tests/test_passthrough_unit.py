@@ -52,7 +52,11 @@ class FakeKernel:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("pt")
+    """Shared by the module's tests: none may change a source (its ctime would say so for good)."""
+    return _prepared(tmp_path_factory.mktemp("pt"))
+
+
+def _prepared(root: Path) -> tuple[Path, Path]:
     src = root / "data"
     make_sample(src, count=6, width=64, height=48, seed=3)
     store = root / "store"
@@ -148,28 +152,23 @@ def test_a_touched_or_damaged_object_is_never_passed_through(prepared, tmp_path:
     assert ops.stats.fallbacks == 1 and ops.stats.backing_memfd == 1
 
 
-def test_a_changed_source_serves_the_original_at_its_new_size(prepared, tmp_path: Path) -> None:
-    src, store = prepared
+def test_a_changed_source_serves_the_original_at_its_new_size(tmp_path: Path) -> None:
+    src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
     ops, kernel = _ops(store)
     node = next(n for n in _images(ops) if n.object)
     path = src / os.fsdecode(node.path)
     before = path.read_bytes()
-    st = path.stat()
-    try:
-        path.write_bytes(before + b"x")
+    path.write_bytes(before + b"x")
 
-        async def main() -> tuple[bytes, int]:
-            info = await ops.open(node.id, os.O_RDONLY, CTX)
-            try:
-                return kernel.read(info.backing_id), (await ops.getattr(node.id, CTX)).st_size
-            finally:
-                await ops.release(info.fh)
+    async def main() -> tuple[bytes, int]:
+        info = await ops.open(node.id, os.O_RDONLY, CTX)
+        try:
+            return kernel.read(info.backing_id), (await ops.getattr(node.id, CTX)).st_size
+        finally:
+            await ops.release(info.fh)
 
-        served, size = trio.run(main)
-        assert served == before + b"x" and size == len(before) + 1
-    finally:
-        path.write_bytes(before)
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    served, size = trio.run(main)
+    assert served == before + b"x" and size == len(before) + 1
 
 
 def test_verify_reads_serves_checked_memfds(prepared) -> None:
