@@ -1,15 +1,33 @@
 #!/usr/bin/env python3
-"""Soak: many reader processes read random files through one mount, every read checked, one reader killed -9.
+"""Soak: many reader processes read random files through one mount, every read checked.
 
-    python scripts/soak.py --seconds 60 --readers 16          # sample, prepare (half raw), mount, read, report
+    python scripts/soak.py --seconds 60                  # sample, prepare (half raw), mount, read, report
+    python scripts/soak.py --attacker --seconds 180 --json out/soak-attacker.json
 
-Each reader picks random files and reads each whole in one of several ways (one read(), small sequential reads
-of random sizes, preads in shuffled order, Pillow decode), and compares what it got with what must be served:
-the raw object's bytes for a file served raw, the source's bytes otherwise, and for a decode, the pixels Pillow
-decodes from the source. Midway one reader is killed with SIGKILL (its open files are released by the kernel).
-At the end the mount must still answer, with no errors counted and no open files left.
+Both run once per data path (``--data-path both``, the default: passthrough, then daemon), each on a new mount.
 
-Exit status 0 when every read matched and nothing failed. tests/test_faults.py runs the same for ~10 s.
+Without ``--attacker``, each reader picks random files and reads each whole in one of several ways (one read(),
+small sequential reads of random sizes, preads in shuffled order, Pillow decode), and compares what it got with
+what must be served: the raw object's bytes for a file served raw, the source's bytes otherwise, and for a
+decode, the pixels Pillow decodes from the source. Midway one reader is killed with SIGKILL (its open files are
+released by the kernel). At the end the mount must still answer, with no errors counted and no open files left.
+
+With ``--attacker``, a process changes the source and the store under the running mount while the readers read, and
+undoes each change 0.05-1.5 s later, at random: (1) an image swapped for a symlink to a "secret" PNG of the same
+byte size and mtime (0600), then renamed back, the directory's mtime put back; (2) an image rewritten in place (one
+write, not truncated first) with other pixels of the same size, mtime put back (cp -p), later the original put back
+the same way; (3) a raw object of the store with one byte flipped, or truncated, in place, later restored; (4)
+``liquidfs prepare`` at ratio 0, 0.5 or 1 on the mounted store; (5) the source root swapped for a symlink to a tree
+of secrets, and back. Readers read whole (read(), small reads, shuffled preads, mmap, and opens or maps held up to
+0.2 s before reading, as loaders do), decode with Pillow and compare the pixels with the two versions the file may
+legitimately hold (original, rewritten). An I/O error (EIO, ENOENT, EACCES, ELOOP...; EFAULT for a map whose pages
+could not be read, ENODEV for a map the mount refuses) is counted, not a failure; pixels of neither version,
+undecodable bytes, or any byte of a secret are WRONG. Afterwards every change is undone and each file is read once
+more (all must be right). The table and each wrong read explained (what it was served, which attacks touched that
+file around it) are printed and, with ``--json``, written with the path of the attacker's log.
+
+Exit status 0 when every read matched (and, without the attacker, nothing failed; with it, no unexpected errno).
+tests/test_faults.py runs the reader part for ~10 s.
 """
 
 from __future__ import annotations
@@ -24,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,29 +197,771 @@ def soak(mountpoint: Path, manifest_path: Path, readers: int, seconds: float,
     }
 
 
+# -- the attacker soak -----------------------------------------------------------------------------------
+#
+# Files of the work directory: data/ (the source, mounted), versions/{orig,alt,secret}/<i>.png (what each image
+# may legitimately hold, and what must never be served), evil/ (a copy of the tree whose every image is a
+# secret), stash/ (where the attacker parks what it swapped out), objects-<path>/ (copies of the raw objects the
+# mount's catalog names, to restore damaged ones and to diff what a reader got).
+
+MARKER = b"LIQUIDFS-SOAK-SECRET:"
+#: madvise(MADV_POPULATE_READ), Linux >= 5.14: faults the whole map in and answers EFAULT where touching a page
+#: would have raised SIGBUS (a read the daemon failed with EIO, or a file shrunk under the map).
+MADV_POPULATE_READ = 22
+#: Errors a reader may get while the attacker runs: the mount refusing what it cannot vouch for. ENODEV: mmap of
+#: a daemon-path open served direct_io (its size changed at open); EFAULT: a map whose pages could not be read.
+ALLOWED_ERRNOS = frozenset({errno.EIO, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
+                            errno.ESTALE, errno.EFAULT, errno.ENODEV})
+ATTACKS = ("symlink", "rewrite", "flip", "truncate", "prepare", "root")
+READ_WAYS = ("whole", "small", "shuffled", "mmap", "late-read", "late-mmap")
+
+
+def pixels_of(data: bytes) -> str:
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as im:
+        im.load()
+        return f"{im.mode}:{im.size}:{digest(im.tobytes())}"
+
+
+def png_bytes(image: Any, text: bytes | None = None) -> bytes:
+    import io
+
+    from PIL import PngImagePlugin
+
+    info = None
+    if text is not None:
+        info = PngImagePlugin.PngInfo()
+        info.add_text("secret", text.decode())
+    out = io.BytesIO()
+    image.save(out, "PNG", optimize=True, pnginfo=info)
+    return out.getvalue()
+
+
+def padded(png: bytes, size: int, filler: bytes) -> bytes:
+    """``png`` grown to exactly ``size`` bytes with ``filler`` after IEND (decoders stop at IEND)."""
+    if len(png) > size:
+        raise ValueError(f"{len(png)} bytes do not fit in {size}")
+    pad = size - len(png)
+    return png + (filler * (pad // len(filler) + 1))[:pad]
+
+
+def alternative(original: bytes) -> bytes:
+    """Other pixels in a PNG of the original's byte size: what a legitimate rewrite of the source puts there."""
+    import io
+
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(original)) as im:
+        img = im.convert("RGB")
+    for bits in (4, 3, 2, 1):
+        candidate = png_bytes(ImageOps.invert(ImageOps.posterize(img, bits)).transpose(Image.Transpose.ROTATE_180))
+        if len(candidate) <= len(original):
+            return padded(candidate, len(original), b"\0")
+    return padded(png_bytes(Image.new("RGB", img.size, (7, 77, 177))), len(original), b"\0")
+
+
+def secret(size: int, image_size: tuple[int, int]) -> bytes:
+    """A PNG of ``size`` bytes that no reader may ever see: decodable, MARKER in a text chunk and all its padding."""
+    from PIL import Image
+
+    img = Image.new("RGB", image_size, (255, 0, 255))
+    for x in range(0, image_size[0], 8):
+        img.putpixel((x, x % image_size[1]), (0, 255, 0))
+    return padded(png_bytes(img, MARKER + b"do not serve"), size, MARKER)
+
+
+def build_fixture(work: Path, source: Path) -> dict[str, Any]:
+    """The versions of every image, the secrets (0600, each with its original's mtime), the evil tree."""
+    images = sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() == ".png")
+    files = []
+    secret_px = None
+    for i, path in enumerate(images):
+        rel = path.relative_to(source)
+        original = path.read_bytes()
+        st = path.stat()
+        alt = alternative(original)
+        with_secret = secret(len(original), _size_of(original))
+        versions = {}
+        for kind, data in (("orig", original), ("alt", alt), ("secret", with_secret)):
+            dest = work / "versions" / kind / f"{i}.png"
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+            versions[kind] = str(dest)
+        os.chmod(versions["secret"], 0o600)
+        os.utime(versions["secret"], ns=(st.st_atime_ns, st.st_mtime_ns))
+        evil = work / "evil" / rel
+        evil.parent.mkdir(parents=True, exist_ok=True)
+        os.link(versions["secret"], evil)
+        secret_px = secret_px or pixels_of(with_secret)
+        assert len(alt) == len(with_secret) == len(original) == st.st_size
+        files.append({"path": str(rel), "versions": versions, "mtime_ns": st.st_mtime_ns,
+                      "px": [pixels_of(original), pixels_of(alt)], "png_digests": [digest(original), digest(alt)]})
+    for node in sorted(p for p in source.rglob("*") if p.is_dir()):  # the evil tree looks as old as the real one
+        st = node.stat()
+        os.utime(work / "evil" / node.relative_to(source), ns=(st.st_atime_ns, st.st_mtime_ns))
+    (work / "stash").mkdir()
+    return {"files": files, "secret_px": secret_px}
+
+
+def _size_of(png: bytes) -> tuple[int, int]:
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as im:
+        return im.size
+
+
+def with_objects(fixture: dict[str, Any], store: Path, work: Path, tag: str) -> dict[str, Any]:
+    """``fixture`` plus, for each image the store's catalog serves raw, its object and a copy of it."""
+    from liquidfs.catalog import REPR_RAW, Catalog
+
+    catalog = Catalog.open(store, readonly=True)
+    try:
+        objects = {os.fsdecode(n.path): n.object for n in catalog.files() if n.repr == REPR_RAW}
+    finally:
+        catalog.close()
+    files = []
+    for i, entry in enumerate(fixture["files"]):
+        entry = dict(entry, object=None, object_copy=None)
+        if entry["path"] in objects:
+            copy = work / f"objects-{tag}" / f"{i}.bmp"
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            copy.write_bytes((store / objects[entry["path"]]).read_bytes())
+            entry.update(object=objects[entry["path"]], object_copy=str(copy))
+        files.append(entry)
+    return dict(fixture, files=files)
+
+
+# -- an attacked reader process ------------------------------------------------------------------------------
+
+
+def read_attacked(path: str, how: str, rng: random.Random) -> bytes:
+    if how in ("whole", "small", "shuffled"):
+        got = read_one(path, how, rng)
+        assert isinstance(got, bytes)
+        return got
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if how.startswith("late"):  # a loader that opens (or maps) ahead and reads later, as DALI does
+            time.sleep(rng.uniform(0, 0.2))
+        if how.endswith("read"):
+            out = bytearray()
+            while chunk := os.read(fd, 1 << 20):
+                out += chunk
+            return bytes(out)
+        import mmap
+
+        for _ in range(3):
+            size = os.fstat(fd).st_size  # as DALI does: as many bytes as stat says
+            if size == 0:
+                return b""
+            try:
+                m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            except ValueError:  # mmap's own fstat saw another size: the attributes changed meanwhile
+                continue
+            with m:
+                if how == "late-mmap":
+                    time.sleep(rng.uniform(0, 0.2))
+                m.madvise(MADV_POPULATE_READ)
+                return bytes(m)
+        raise OSError(errno.EBUSY, "st_size kept changing while the file was mapped", path)
+    finally:
+        os.close(fd)
+
+
+def explain(got: bytes, entry: dict[str, Any], secret_px: str) -> dict[str, Any]:
+    """What a wrong read looks like next to what it might have been, to reduce it to its cause."""
+    out: dict[str, Any] = {"length": len(got), "head": got[:8].hex(), "secret_marker": MARKER in got}
+    for name in ("orig", "alt", "secret"):
+        out[f"same_as_{name}"] = digest(got) == digest(Path(entry["versions"][name]).read_bytes())
+    refs = {"orig": entry["versions"]["orig"], "alt": entry["versions"]["alt"], "object": entry["object_copy"]}
+    for name, ref in refs.items():
+        if ref is None:
+            continue
+        want = Path(ref).read_bytes()
+        n = min(len(want), len(got))
+        diff = [i for i in range(n) if want[i] != got[i]]
+        out[f"vs_{name}"] = {"length": len(want), "bytes_differing": len(diff) + abs(len(want) - len(got)),
+                             "first_difference": diff[0] if diff else (n if len(want) != len(got) else None)}
+    try:
+        px = pixels_of(got)
+        out["pixels"] = "secret" if px == secret_px else "neither"
+    except Exception as exc:
+        out["pixels"] = f"undecodable: {exc!r}"
+    out["kind"] = kind_of(got, out, refs)
+    return out
+
+
+def kind_of(got: bytes, out: dict[str, Any], refs: dict[str, str | None]) -> str:
+    """One line a table can count: which served thing a wrong read resembles."""
+    if out["secret_marker"] or out["same_as_secret"] or out["pixels"] == "secret":
+        return "secret"
+    if not got:
+        return "empty"
+    for name, ref in refs.items():
+        if ref is None:
+            continue
+        want = Path(ref).read_bytes()
+        what = "raw object" if name == "object" else f"{name} PNG"
+        if len(got) < len(want) and want.startswith(got):
+            return f"{what} cut short"
+        if len(got) == len(want) and out[f"vs_{name}"]["bytes_differing"] <= 16:
+            return f"{what} with bytes changed"
+    return "mix or other"
+
+
+def attacked_reader(spec: dict[str, Any], seconds: float, seed: int) -> None:
+    """Read random files through the mount until ``seconds`` pass; print JSON lines: each wrong read at once,
+    the running counts every second (so a reader that dies leaves its counts behind)."""
+    rng = random.Random(seed)
+    mount = Path(spec["mount"])
+    files = spec["files"]
+    deadline = time.monotonic() + seconds
+    counts: dict[str, Any] = {"reads": 0, "ok": 0, "raw": 0, "alt": 0, "errors": {}, "wrong": 0}
+    next_report = time.monotonic() + 1
+
+    def emit(line: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+
+    while time.monotonic() < deadline:
+        entry = rng.choice(files)
+        how = rng.choice(READ_WAYS)
+        started = time.time()
+        try:
+            got = read_attacked(str(mount / entry["path"]), how, rng)
+        except OSError as exc:
+            if exc.errno in DISCONNECTED:
+                emit({"t": "disconnected", "errno": exc.errno})
+                break
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            if exc.errno not in ALLOWED_ERRNOS:
+                name = f"unexpected {name}"
+                emit({"t": "unexpected", "path": entry["path"], "how": how, "error": repr(exc), "at": started})
+            counts["errors"][name] = counts["errors"].get(name, 0) + 1
+            continue
+        finally:
+            if time.monotonic() >= next_report:
+                emit(dict(counts, t="counts"))
+                next_report = time.monotonic() + 1
+        counts["reads"] += 1
+        verdict = None
+        if MARKER in got:
+            verdict = "secret bytes"
+        else:
+            try:
+                px = pixels_of(got)
+            except Exception as exc:  # the decoder refusing what was served: wrong bytes, not an I/O error
+                verdict = f"undecodable ({exc!r})"
+            else:
+                if px == spec["secret_px"]:
+                    verdict = "secret pixels"
+                elif px not in entry["px"]:
+                    verdict = "pixels of neither version"
+                else:
+                    counts["alt"] += px == entry["px"][1]
+        if verdict is None:
+            counts["ok"] += 1
+            counts["raw"] += got[:2] == b"BM"
+        else:
+            counts["wrong"] += 1
+            emit({"t": "wrong", "path": entry["path"], "how": how, "verdict": verdict, "started": started,
+                  "ended": time.time(), "raw_in_catalog": entry["object"] is not None,
+                  **explain(got, entry, spec["secret_px"])})
+    emit(dict(counts, t="counts"))
+
+
+class AttackedReaders:
+    """``count`` reader processes; one that dies (a signal) is replaced for the time left and the death noted."""
+
+    def __init__(self, spec_path: Path, count: int, seconds: float, seed: int) -> None:
+        import threading
+
+        self.spec_path = spec_path
+        self.deadline = time.monotonic() + seconds
+        self.seed = seed
+        self.lock = threading.Lock()
+        self.finished: list[dict[str, Any]] = []  # last counts of every reader process that ended
+        self.wrong: list[dict[str, Any]] = []
+        self.unexpected: list[dict[str, Any]] = []
+        self.deaths: list[int] = []
+        self.disconnected = 0
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, slot: int) -> None:
+        generation = 0
+        while (left := self.deadline - time.monotonic()) > 0.5:
+            proc = subprocess.Popen([sys.executable, __file__, "attacked-reader", str(self.spec_path), "--seconds",
+                                     f"{left:.1f}", "--seed", str(self.seed + 1000 * generation + slot)],
+                                    stdout=subprocess.PIPE, text=True)
+            last = None
+            assert proc.stdout is not None
+            for text in proc.stdout:
+                line = json.loads(text)
+                kind = line.pop("t")
+                with self.lock:
+                    if kind == "counts":
+                        last = line
+                    elif kind == "wrong":
+                        self.wrong.append(line)
+                    elif kind == "unexpected":
+                        self.unexpected.append(line)
+                    elif kind == "disconnected":
+                        self.disconnected += 1
+            proc.wait()
+            with self.lock:
+                if last is not None:
+                    self.finished.append(last)
+                if proc.returncode != 0:
+                    self.deaths.append(proc.returncode)
+            if self.disconnected or proc.returncode == 0:
+                return
+            generation += 1
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(max(0.1, self.deadline + timeout - time.monotonic()))
+            if t.is_alive():
+                raise RuntimeError(f"a reader still runs {timeout:.0f} s after the soak should have ended")
+
+    def summary(self) -> dict[str, Any]:
+        errors: dict[str, int] = {}
+        for r in self.finished:
+            for name, n in r["errors"].items():
+                errors[name] = errors.get(name, 0) + n
+        total = {k: sum(r[k] for r in self.finished) for k in ("reads", "ok", "raw", "alt")}
+        return {**total, "errors": dict(sorted(errors.items())), "wrong": len(self.wrong),
+                "wrong_reads": self.wrong, "unexpected": self.unexpected, "reader_deaths": self.deaths,
+                "disconnected": self.disconnected}
+
+
+# -- the attacker process ------------------------------------------------------------------------------------
+
+
+class Attacker:
+    """Changes the source and the store under the mount at random, and puts each change back a moment later.
+
+    Every attack on one image holds that image until it is undone; the source root is swapped by one attack at a
+    time. Paths inside the source are reached through a descriptor of the real root taken at start, so they keep
+    naming the real tree while its root is swapped for a link to the evil one.
+    """
+
+    def __init__(self, spec: dict[str, Any], seed: int, log_path: Path) -> None:
+        self.spec = spec
+        self.rng = random.Random(seed)
+        self.source = spec["source"]
+        self.root_fd = os.open(self.source, os.O_PATH | os.O_DIRECTORY)
+        self.real = f"/proc/self/fd/{self.root_fd}"
+        self.store = Path(spec["store"])
+        self.stash = Path(spec["work"]) / "stash"
+        self.log = open(log_path, "a")
+        self.busy: set[int] = set()
+        self.pending: list[tuple[float, str, Any]] = []  # (due, what, how to undo)
+        self.prepare: subprocess.Popen[bytes] | None = None
+        self.prepare_log = open(Path(spec["work"]) / "attacker-prepare.log", "ab")
+        self.root_swapped = False
+        self.counts = {name: 0 for name in ATTACKS} | {"prepare_failed": 0, "skipped": 0, "failed": 0}
+
+    def note(self, action: str, **what: Any) -> None:
+        self.log.write(json.dumps({"at": time.time(), "action": action, **what}) + "\n")
+
+    def run(self, seconds: float, stop: Callable[[], bool]) -> dict[str, Any]:
+        deadline = time.monotonic() + seconds
+        actions = {"symlink": self.swap_symlink, "rewrite": self.rewrite, "flip": self.damage_object,
+                   "truncate": self.damage_object, "prepare": self.run_prepare, "root": self.swap_root}
+        weights = (4, 4, 3, 2, 1, 1)
+        try:
+            while time.monotonic() < deadline and not stop():
+                self.undo_due(time.monotonic())
+                if self.prepare is not None and self.prepare.poll() is not None:
+                    self.counts["prepare_failed"] += self.prepare.returncode != 0
+                    self.note("prepare-done", rc=self.prepare.returncode)
+                    self.prepare = None
+                name = self.rng.choices(ATTACKS, weights)[0]
+                try:
+                    actions[name](name)
+                except OSError as exc:  # e.g. a path gone while the root is swapped: noted, not fatal
+                    self.counts["failed"] += 1
+                    self.note(f"{name}-failed", error=repr(exc))
+                time.sleep(self.rng.uniform(0.01, 0.1))
+        finally:
+            self.undo_due(float("inf"))
+            if self.prepare is not None:
+                self.prepare.wait()
+                self.counts["prepare_failed"] += self.prepare.returncode != 0
+            self.note("stopped")
+            self.log.close()
+        return self.counts
+
+    def later(self, what: str, undo: Callable[[], None], index: int | None = None) -> None:
+        self.pending.append((time.monotonic() + self.rng.uniform(0.05, 1.5), what, (undo, index)))
+
+    def undo_due(self, now: float) -> None:
+        due = [p for p in self.pending if p[0] <= now]
+        self.pending = [p for p in self.pending if p[0] > now]
+        for _, what, (undo, index) in due:
+            try:
+                undo()
+            except OSError as exc:  # left as it is: restore_source puts the source back after the run
+                self.counts["failed"] += 1
+                self.note(f"undo-{what}-failed", error=repr(exc))
+            self.note(f"undo-{what}", file=None if index is None else self.spec["files"][index]["path"])
+            if index is not None:
+                self.busy.discard(index)
+
+    def pick(self, raw_only: bool = False) -> int | None:
+        free = [i for i, f in enumerate(self.spec["files"])
+                if i not in self.busy and (f["object"] is not None or not raw_only)]
+        if not free:
+            self.counts["skipped"] += 1
+            return None
+        index = self.rng.choice(free)
+        self.busy.add(index)
+        return index
+
+    def real_path(self, index: int) -> str:
+        return os.path.join(self.real, self.spec["files"][index]["path"])
+
+    # 1. the image swapped for a link to a secret of its size and mtime, then the original renamed back
+    def swap_symlink(self, name: str) -> None:
+        index = self.pick()
+        if index is None:
+            return
+        entry = self.spec["files"][index]
+        path = self.real_path(index)
+        folder = os.path.dirname(path)
+        dir_st = os.stat(folder)
+        n = sum(self.counts.values())
+        link, kept = self.stash / f"link-{index}-{n}", self.stash / f"orig-{index}-{n}"
+        try:
+            os.symlink(entry["versions"]["secret"], link)
+            os.link(path, kept)
+            os.rename(link, path)
+        except OSError:
+            self.busy.discard(index)
+            raise
+        os.utime(folder, ns=(dir_st.st_atime_ns, dir_st.st_mtime_ns))  # the catalog would be reused as is
+
+        def undo() -> None:
+            os.rename(kept, path)
+            os.utime(folder, ns=(dir_st.st_atime_ns, dir_st.st_mtime_ns))
+
+        self.counts[name] += 1
+        self.note(name, file=entry["path"])
+        self.later(name, undo, index)
+
+    # 2. the image rewritten in place with other pixels of its size, its mtime put back (cp -p); later the
+    #    original put back the same way. Legitimate: readers may see either version, never a mix.
+    #    (``write_in_place``: one write, no truncation, so no empty or short state in between.)
+    def rewrite(self, name: str) -> None:
+        index = self.pick()
+        if index is None:
+            return
+        entry = self.spec["files"][index]
+        path = self.real_path(index)
+        write_in_place(path, Path(entry["versions"]["alt"]).read_bytes(), entry["mtime_ns"])
+        self.counts[name] += 1
+        self.note(name, file=entry["path"])
+        self.later(name, lambda: write_in_place(path, Path(entry["versions"]["orig"]).read_bytes(),
+                                                entry["mtime_ns"]), index)
+
+    # 3. a raw object with one byte flipped, or truncated, in place; later restored
+    def damage_object(self, name: str) -> None:
+        index = self.pick(raw_only=True)
+        if index is None:
+            return
+        entry = self.spec["files"][index]
+        path = self.store / entry["object"]
+        good = Path(entry["object_copy"]).read_bytes()
+        try:
+            st = os.stat(path)
+            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            self.busy.discard(index)
+            self.note(f"{name}-skipped", file=entry["path"], error=repr(exc))
+            return
+        try:
+            if name == "flip":
+                at = self.rng.randrange(len(good))
+                os.pwrite(fd, bytes([good[at] ^ 0xFF]), at)
+                detail = {"offset": at}
+            else:
+                at = self.rng.randrange(len(good))
+                os.ftruncate(fd, at)
+                detail = {"length": at}
+        finally:
+            os.close(fd)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        self.counts[name] += 1
+        self.note(name, file=entry["path"], object=entry["object"], **detail)
+        self.later(name, lambda: write_in_place(str(path), good, st.st_mtime_ns), index)
+
+    # 4. prepare with another ratio on the store of the running mount
+    def run_prepare(self, name: str) -> None:
+        if self.prepare is not None:
+            return
+        ratio = self.rng.choice((0.0, 0.5, 1.0))
+        self.prepare = subprocess.Popen(
+            [sys.executable, "-m", "liquidfs", "prepare", self.source, "--store", str(self.store), "--ratio",
+             str(ratio), "--no-progress", "--jobs", "1"], stdout=self.prepare_log, stderr=subprocess.STDOUT)
+        self.counts[name] += 1
+        self.note(name, ratio=ratio)
+
+    # 5. the source root swapped for a link to the evil tree, and back
+    def swap_root(self, name: str) -> None:
+        if self.root_swapped:
+            return
+        stashed = self.source + ".real"
+        os.rename(self.source, stashed)
+        os.symlink(self.spec["evil"], self.source)
+        self.root_swapped = True
+
+        def undo() -> None:
+            if os.path.islink(self.source):
+                os.unlink(self.source)
+            os.rename(stashed, self.source)
+            self.root_swapped = False
+
+        self.counts[name] += 1
+        self.note(name)
+        self.later(name, undo)
+
+
+def write_in_place(path: str, data: bytes, mtime_ns: int) -> None:
+    """Rewrite ``path`` in place (same inode) with one write of all of ``data``, then put its mtime back as
+    ``cp -p`` does. Not truncated first, unlike cp: a file truncated and then written is empty or short for a
+    moment, a state of the source that a mount may faithfully serve, and then neither version could be required."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(fd, data[done:], done)
+        os.ftruncate(fd, len(data))  # a no-op for a rewrite of the same size; undoes an attacker's truncation
+    finally:
+        os.close(fd)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def run_attacker(spec_path: Path, seconds: float, seed: int) -> int:
+    spec = json.loads(spec_path.read_text())
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    attacker = Attacker(spec, seed, Path(spec["work"]) / f"attacker-{spec['tag']}.jsonl")
+    print(json.dumps(attacker.run(seconds, lambda: bool(stopping))))
+    return 0
+
+
+def restore_source(source: Path, fixture: dict[str, Any]) -> list[str]:
+    """Put back whatever the attacker left changed (nothing, when it undid everything); what was put back."""
+    fixed = []
+    if source.is_symlink() or not source.exists():
+        if source.is_symlink():
+            source.unlink()
+        os.rename(str(source) + ".real", source)
+        fixed.append("source root")
+    for entry in fixture["files"]:
+        path = source / entry["path"]
+        want = Path(entry["versions"]["orig"]).read_bytes()
+        if path.is_symlink() or not path.is_file() or path.read_bytes() != want:
+            if path.is_symlink():
+                path.unlink()
+            if path.exists():
+                write_in_place(str(path), want, entry["mtime_ns"])
+            else:
+                path.write_bytes(want)
+                os.utime(path, ns=(entry["mtime_ns"], entry["mtime_ns"]))
+            fixed.append(entry["path"])
+    return fixed
+
+
+def final_pass(spec: dict[str, Any]) -> dict[str, Any]:
+    """Every file read once more after the attacker stopped and undid its changes: all must be right now."""
+    out: dict[str, Any] = {"ok": 0, "errors": {}, "wrong": []}
+    for entry in spec["files"]:
+        try:
+            with open(Path(spec["mount"]) / entry["path"], "rb") as f:
+                got = f.read()
+        except OSError as exc:
+            name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+            out["errors"][name] = out["errors"].get(name, 0) + 1
+            continue
+        try:
+            good = pixels_of(got) == entry["px"][0]
+        except Exception:
+            good = False
+        if good:
+            out["ok"] += 1
+        else:
+            out["wrong"].append(entry["path"])
+    return out
+
+
+def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path: str, args: argparse.Namespace,
+                    seed: int) -> dict[str, Any]:
+    """A fresh store at ``args.ratio``, one mount with ``data_path``, readers and the attacker for
+    ``args.seconds``; then everything undone, a last pass over every file, the mount's counters."""
+    import shutil
+
+    from liquidfs.prepare import prepare
+
+    store = work / f"store-{data_path}"
+    shutil.rmtree(store, ignore_errors=True)
+    prepare(source, store, args.ratio, progress=False)
+    mountpoint = work / f"mnt-{data_path}"
+    mountpoint.mkdir(exist_ok=True)
+    spec = with_objects(fixture, store, work, data_path)
+    spec.update(mount=str(mountpoint), source=str(source), store=str(store), work=str(work), tag=data_path,
+                evil=str(work / "evil"))
+    spec_path = work / f"spec-{data_path}.json"
+    spec_path.write_text(json.dumps(spec))
+    subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store", str(store),
+                    "--data-path", data_path, "--log-level", "info", "--log-file",
+                    str(work / f"mount-{data_path}.log")], check=True)
+    try:
+        with open(mountpoint / ".__liquidfs__", "rb") as f:
+            served_by = json.loads(f.read())["data_path"]
+        if served_by != data_path:
+            raise RuntimeError(f"asked for --data-path {data_path}, the mount serves through {served_by}")
+        readers = AttackedReaders(spec_path, args.readers, args.seconds, seed)
+        attacker = subprocess.Popen([sys.executable, __file__, "attacker", str(spec_path), "--seconds",
+                                     str(args.seconds), "--seed", str(seed)], stdout=subprocess.PIPE, text=True)
+        try:
+            readers.join(timeout=120)
+        finally:
+            if attacker.poll() is None:
+                attacker.send_signal(signal.SIGTERM)
+            out, _ = attacker.communicate(timeout=120)
+        attacks = json.loads(out) if attacker.returncode == 0 and out.strip() \
+            else {"attacker_failed": attacker.returncode}
+        put_back = restore_source(source, fixture)
+        summary = readers.summary()
+        summary.update(data_path=data_path, attacks=attacks, put_back_after=put_back, final=final_pass(spec))
+        with open(mountpoint / ".__liquidfs__", "rb") as f:
+            stats = json.loads(f.read())
+        summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
+                                                   "passthrough_opens", "backing_object", "backing_source",
+                                                   "backing_memfd")}
+    finally:
+        subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mountpoint)], check=False)
+    summary["attack_log"] = str(work / f"attacker-{data_path}.jsonl")
+    attach_nearby_attacks(summary, Path(summary["attack_log"]))
+    return summary
+
+
+def attach_nearby_attacks(summary: dict[str, Any], log_path: Path) -> None:
+    """Next to each wrong read, what the attacker did to that file (or the store, or the root) around it."""
+    events = [json.loads(line) for line in log_path.read_text().splitlines()] if log_path.exists() else []
+    for wrong in summary["wrong_reads"]:
+        wrong["attacks_around"] = [
+            e for e in events
+            if wrong["started"] - 3 <= e["at"] <= wrong["ended"] + 0.5
+            and (e.get("file") in (None, wrong["path"])) and e["action"] != "stopped"][-12:]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| data path | reads | ok | served raw | alt version seen | allowed errors (by errno) | wrong | "
+             "attacks: symlink / rewrite / flip / truncate / prepare / root | final pass ok / wrong / errors |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        errs = ", ".join(f"{k} {v:,}" for k, v in r["errors"].items()) or "0"
+        a = r["attacks"]
+        attacks = " / ".join(str(a.get(k, "?")) for k in ATTACKS)
+        final = r["final"]
+        lines.append(f"| {r['data_path']} | {r['reads']:,} | {r['ok']:,} | {r['raw']:,} | {r['alt']:,} | {errs} | "
+                     f"**{r['wrong']}** | {attacks} | {final['ok']} / {len(final['wrong'])} / "
+                     f"{sum(final['errors'].values())} |")
+    return "\n".join(lines)
+
+
+def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
+    from liquidfs.sample import make_sample
+
+    width, height = (int(v) for v in args.size.split("x"))
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        work = Path(tmp).resolve()
+        source = make_sample(work / "data", count=args.count, width=width, height=height, seed=11)
+        fixture = build_fixture(work, source)
+        for n, data_path in enumerate(data_paths):
+            rows.append(attack_one_path(work, source, fixture, data_path, args, seed=100 * n))
+            print(f"{data_path}: {rows[-1]['reads']:,} reads, {rows[-1]['wrong']} wrong", flush=True)
+    print(table(rows))
+    for r in rows:
+        kinds: dict[str, int] = {}
+        for w in r["wrong_reads"]:
+            key = f"{w['kind']} ({w['how']})"
+            kinds[key] = kinds.get(key, 0) + 1
+        if kinds:
+            print(f"  wrong on {r['data_path']}, by kind (read way): "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])))
+    for r in rows:
+        for w in r["wrong_reads"][:10]:
+            print(f"  WRONG {r['data_path']}: {json.dumps(w)}")
+        for u in r["unexpected"][:10]:
+            print(f"  UNEXPECTED ERROR {r['data_path']}: {json.dumps(u)}")
+        if r["reader_deaths"] or r["disconnected"] or r["put_back_after"] or r["final"]["wrong"] \
+                or r["final"]["errors"] or r["daemon"]["open_files"]:
+            print(f"  {r['data_path']}: reader deaths {r['reader_deaths']}, disconnected {r['disconnected']}, put "
+                  f"back after the attacker {r['put_back_after']}, final pass {r['final']}, daemon {r['daemon']}")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    failed = any(r["wrong"] or r["unexpected"] or r["disconnected"] or r["final"]["wrong"] for r in rows)
+    print("soak with attacker FAILED" if failed else "soak with attacker passed: 0 wrong reads")
+    return 1 if failed else 0
+
+
 # -- the whole soak ------------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
-    r = sub.add_parser("reader", help=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", help=argparse.SUPPRESS)  # what the soak starts, not for users
+    r = sub.add_parser("reader")
     r.add_argument("mountpoint")
     r.add_argument("manifest")
-    r.add_argument("--seconds", type=float, required=True)
-    r.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--seconds", type=float, default=60.0, help="how long the readers read (default 60)")
+    for name in ("attacked-reader", "attacker"):
+        a = sub.add_parser(name)
+        a.add_argument("spec")
+    for p in sub.choices.values():
+        p.add_argument("--seconds", type=float, required=True)
+        p.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seconds", type=float, default=60.0,
+                        help="how long the readers read, per data path (default 60)")
     parser.add_argument("--readers", type=int, default=16, help="reader processes (default 16)")
-    parser.add_argument("--count", type=int, default=64, help="images in the sample (default 64)")
+    parser.add_argument("--attacker", action="store_true",
+                        help="run the attacker beside the readers (default off: readers only, one killed -9)")
+    parser.add_argument("--data-path", choices=("both", "passthrough", "daemon", "auto"), default="both",
+                        help="mount --data-path of each run; both: one run with passthrough, then one with the "
+                             "daemon path (default both)")
+    parser.add_argument("--count", type=int, default=200, help="images in the sample (default 200)")
     parser.add_argument("--size", default="256x128", help="image size WxH (default 256x128)")
     parser.add_argument("--ratio", type=float, default=0.5, help="share served raw (default 0.5)")
+    parser.add_argument("--json", help="write the summary here (with --attacker: every wrong read, explained)")
     parser.add_argument("--dir", help="work directory (default: a new temporary one, removed after)")
     args = parser.parse_args(argv)
     if args.command == "reader":
         manifest = json.loads(Path(args.manifest).read_text())
         print(json.dumps(reader(Path(args.mountpoint), manifest, args.seconds, args.seed)))
         return 0
+    if args.command == "attacked-reader":
+        attacked_reader(json.loads(Path(args.spec).read_text()), args.seconds, args.seed)
+        return 0
+    if args.command == "attacker":
+        return run_attacker(Path(args.spec), args.seconds, args.seed)
+    data_paths = ["passthrough", "daemon"] if args.data_path == "both" else [args.data_path]
+    if args.attacker:
+        return soak_attacked(args, data_paths)
+    return 0 if all(soak_plain(args, data_path) for data_path in data_paths) else 1
 
+
+def soak_plain(args: argparse.Namespace, data_path: str) -> bool:
     from liquidfs.prepare import prepare
     from liquidfs.sample import make_sample
 
@@ -215,12 +976,13 @@ def main(argv: list[str] | None = None) -> int:
         mountpoint = work / "mnt"
         mountpoint.mkdir()
         subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store",
-                        str(store)], check=True)
+                        str(store), "--data-path", data_path], check=True)
         try:
             summary = soak(mountpoint, manifest_path, args.readers, args.seconds)
             with open(mountpoint / ".__liquidfs__", "rb") as f:
                 stats = json.loads(f.read())
-            summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files")}
+            summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
+                                                       "data_path")}
         finally:
             subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mountpoint)], check=False)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("mismatches", "errors")}, indent=1))
@@ -228,8 +990,11 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + line)
     ok = not summary["mismatches"] and not summary["errors"] and not summary["disconnected"] \
         and summary["daemon"]["errors"] == 0
-    print("soak passed" if ok else "soak FAILED")
-    return 0 if ok else 1
+    print(f"soak ({data_path}) passed" if ok else f"soak ({data_path}) FAILED")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    return ok
 
 
 if __name__ == "__main__":
