@@ -108,7 +108,7 @@ class DaemonPath:
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
             # to that size, so this handle bypasses the page cache, and the attributes are corrected for later.
             self.size_overrides[inode] = content.size
-            self.notifier.invalidate(inode, attr_only=True)
+            await self.notifier.new_size(inode)
             direct_io = True
         if not (content.deferred and decision.keep):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)

@@ -317,7 +317,7 @@ class Operations(pyfuse3.Operations):
             # A fallback, or a source changed in place: the kernel reads the backing file to its own end, but
             # stat must say the new size too (DALI maps as many bytes as stat says).
             self.size_overrides[node.id] = opened.size
-            self.notifier.invalidate(node.id, attr_only=True)
+            await self.notifier.new_size(node.id)
         fh = self._register(Handle(Content(size=opened.size, raw=opened.raw), node, passthrough=True))
         return self._file_info(fh, opened.backing_id)
 

@@ -30,6 +30,19 @@ class Notifier:
     def invalidate(self, inode: int, attr_only: bool = False) -> None:
         self._put(_Invalidate(inode, attr_only))
 
+    async def new_size(self, inode: int) -> None:
+        """Drop the kernel's cached attributes of ``inode`` before the open that serves another size is
+        answered: queued, they were dropped a moment after it, and a reader's ``fstat`` right after its open
+        could still see the old size (and read or map a file cut at it, or past its end).
+
+        Attributes only: the kernel takes no inode or page lock for that, so it cannot wait on the open being
+        answered. A worker thread, so the notifier's queue (stores that may wait on pages) cannot delay it."""
+        try:
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, pyfuse3.InodeT(inode), True)
+            self.sent += 1
+        except OSError as exc:  # the kernel does not know the inode (yet): it has no attributes to drop
+            log.debug("invalidate attributes (%d): %s", inode, exc)
+
     def store(self, inode: int, offset: int, data: memoryview, done: Callable[[bool], None]) -> None:
         """Put ``data`` in the kernel's page cache of ``inode`` at ``offset``; then ``done(ok)`` runs on this
         trio thread. ``data`` must stay unchanged until then."""
