@@ -47,6 +47,8 @@ class Backing:
     raw: bool
     kind: str
     fallback: str | None = None  # why the raw object was not served, when it should have been
+    #: ``stamp`` of a source or object descriptor when it was checked (``still_sound``); None for a memfd.
+    stamp: tuple[int, int, int, int] | None = None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -75,7 +77,7 @@ def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
             return Backing(fd, content.size, content.raw, kind, content.fallback)
         if content.fd is not None:  # a local file too large to read whole: the source itself
             fd, content.fd = content.fd, None
-            return Backing(fd, content.size, content.raw, "source", content.fallback)
+            return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(os.fstat(fd)))
         return None
     finally:
         content.close()
@@ -93,7 +95,7 @@ def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Ba
             if node.repr == REPR_RAW:
                 reader.warn_once(node, changed)
             found = Backing(source, st.st_size, raw=False, kind="source",
-                            fallback=changed if node.repr == REPR_RAW else None)
+                            fallback=changed if node.repr == REPR_RAW else None, stamp=stamp(st))
             source = -1
             return found
         if reader.sealed_ns is None:
@@ -103,12 +105,31 @@ def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Ba
             return None
         st = os.fstat(obj)
         if st.st_size == node.served_size and st.st_ctime_ns <= reader.sealed_ns - SEAL_MARGIN_NS:
-            return Backing(obj, st.st_size, raw=True, kind="object")
+            return Backing(obj, st.st_size, raw=True, kind="object", stamp=stamp(st))
         os.close(obj)
         return None  # touched since prepare: read whole, checksum checked (or the original served)
     finally:
         if source >= 0:
             os.close(source)
+
+
+def still_sound(backing: Backing) -> str | None:
+    """None while a backing shared by the opens of one inode still is the file its first open checked; else
+    what changed.  The kernel reads a source or object backing live: a later open must not be handed bytes
+    changed since (it gets EIO until every open of the file is closed and the next first open decides again).
+    Memfds are sealed and carry no stamp: nothing to re-check."""
+    if backing.stamp is None:
+        return None
+    try:
+        now = stamp(os.fstat(backing.fd))
+    except OSError as exc:
+        return f"backing unreadable ({exc.strerror})"
+    return None if now == backing.stamp else f"{'raw object' if backing.raw else 'source'} changed while open"
+
+
+def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What any change of a file changes: its inode, size, mtime and ctime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _open_object(reader: StoreReader, node: Node, cached_only: bool) -> int | None:

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import pyfuse3
 import trio
 
-from .backing import Backing, ContentReader, drop_pages, memfd_copy, memfd_with, resolve, vouched
+from .backing import Backing, ContentReader, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
 from .reader import StoreReader
 from .cache import Decision
 from .catalog import Node
@@ -137,6 +137,11 @@ class PassthroughPath:
                 if entry.failed is not None:
                     raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
                 return None
+            changed = still_sound(entry.backing)
+            if changed is not None:  # one backing per inode while it is open: no other can be given now
+                self._release_entry(node.id, entry)
+                raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",
+                              os.fsdecode(node.path))
             self.stats.passthrough_opens += 1
             return Opened(entry.backing_id, entry.backing.size, entry.backing.raw, entry.backing.fallback)
         entry = self._inodes[node.id] = _Inode()
