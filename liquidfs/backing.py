@@ -104,13 +104,25 @@ def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Ba
         if obj is None:
             return None
         st = os.fstat(obj)
-        if st.st_size == node.served_size and st.st_ctime_ns <= reader.sealed_ns - SEAL_MARGIN_NS:
+        if st.st_size == node.served_size and st.st_ctime_ns <= reader.sealed_ns - SEAL_MARGIN_NS \
+                and only_we_write(st):
             return Backing(obj, st.st_size, raw=True, kind="object", stamp=stamp(st))
         os.close(obj)
-        return None  # touched since prepare: read whole, checksum checked (or the original served)
+        return None  # touched since prepare, or writable by others: read whole, checksum checked
     finally:
         if source >= 0:
             os.close(source)
+
+
+def only_we_write(st: os.stat_result) -> bool:
+    """Whether nobody but this process's user (root, for a mount) can write the file in place.
+
+    The kernel reads a passed-through object live, for as long as it is open: a write to it after the open
+    checked it reaches readers already holding it. Objects that ``prepare`` wrote as the mount's own user, 0600
+    (its umask), can only be written by that user; renaming or deleting them, which a writer of the store's
+    directories can do, changes nothing behind a descriptor already open. Any other object is read whole into a
+    sealed memfd and its checksum checked."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
 def still_sound(backing: Backing) -> str | None:

@@ -267,3 +267,28 @@ def test_resolve_refuses_an_object_swapped_for_a_link(prepared, tmp_path: Path) 
     finally:
         backing.close()
     assert ROOT_ID == 1
+
+
+def test_an_object_another_user_can_write_is_copied_not_passed_through(tmp_path: Path) -> None:
+    """The kernel reads a passed-through object live while it is open: one its owner (not the mount's user) or
+    its group could write in place would reach readers already holding it. Such objects are read whole into a
+    sealed memfd (checksum checked); those only the mount's user can write are passed through."""
+    src, store = _prepared(tmp_path)
+    for obj in (store / "objects").rglob("*.bmp"):
+        os.chown(obj, 65534, 65534)
+    time.sleep(0.1)
+    prepare(src, store, 0.5, progress=False)  # sealed again after the chown: only the owner now differs
+    ops, kernel = _ops(store)
+
+    async def main() -> None:
+        for node in _images(ops):
+            if not node.object:
+                continue
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            fd = kernel.files[info.backing_id]
+            assert Path(f"/proc/self/fd/{fd}").readlink().name.startswith("memfd:"), node.path
+            assert kernel.read(info.backing_id) == _expected(src, store, node)
+            await ops.release(info.fh)
+
+    trio.run(main)
+    assert ops.stats.backing_object == 0 and ops.stats.backing_memfd > 0
