@@ -822,7 +822,7 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
     spec_path.write_text(json.dumps(spec))
     subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store", str(store),
                     "--data-path", data_path, "--log-level", "info", "--log-file",
-                    str(work / f"mount-{data_path}.log")], check=True)
+                    str(work / f"mount-{data_path}.log"), *args.mount_option], check=True)
     try:
         with open(mountpoint / ".__liquidfs__", "rb") as f:
             served_by = json.loads(f.read())["data_path"]
@@ -945,6 +945,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5, help="share served raw (default 0.5)")
     parser.add_argument("--json", help="write the summary here (with --attacker: every wrong read, explained)")
     parser.add_argument("--dir", help="work directory (default: a new temporary one, removed after)")
+    parser.add_argument("--mount-option", action="append", default=[], metavar="ARG",
+                        help="one more argument for `liquidfs mount` (repeat it: --mount-option=--verify-reads)")
     args = parser.parse_args(argv)
     if args.command == "reader":
         manifest = json.loads(Path(args.manifest).read_text())
@@ -976,7 +978,7 @@ def soak_plain(args: argparse.Namespace, data_path: str) -> bool:
         mountpoint = work / "mnt"
         mountpoint.mkdir()
         subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store",
-                        str(store), "--data-path", data_path], check=True)
+                        str(store), "--data-path", data_path, *args.mount_option], check=True)
         try:
             summary = soak(mountpoint, manifest_path, args.readers, args.seconds)
             with open(mountpoint / ".__liquidfs__", "rb") as f:
