@@ -1,0 +1,129 @@
+"""The controller of the adaptive mix (issue 16): which share of the images to serve raw, from what the node shows.
+
+Serving an image raw saves its PNG decode (CPU) and costs ~2.5x its bytes (storage). The best share is where
+neither side waits for the other, and it moves when the machine does (another job takes cores, storage slows
+down). The controller sees, every ``interval`` seconds, an ``Observation``: the images per second the mount
+served, the bytes per second it took from storage, and the kernel's pressure stall information for CPU and IO
+(the share of time some task waited for that resource: ``/proc/pressure/*`` or the cgroup's). It answers with a
+share within ``[low, high]`` (what ``prepare`` expanded), moving towards the side that does not bind:
+
+* CPU stalls clearly more than IO: decoding binds, serve more raw (less decode);
+* IO stalls clearly more than CPU: storage binds, serve fewer raw (fewer bytes);
+* otherwise (within ``deadband``) it holds: the balance is near.
+
+It does not oscillate: a move needs the same verdict ``patience`` times in a row (hysteresis), each move is at
+most ``step`` and halves each time the direction reverses (down to ``min_step``), and grows back only while
+moves keep the same direction. A move that made throughput fall by more than ``regret`` is undone once. Every
+decision carries its reason, for ``stats`` and the log.
+
+Plain Python without a clock or a mount: tests drive it with simulated machines.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    images_per_s: float
+    storage_bytes_per_s: float
+    cpu_pressure: float  # share of the interval some task waited for a CPU (0..1)
+    io_pressure: float   # share of the interval some task waited for IO (0..1)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    share: float
+    reason: str
+
+
+class MixController:
+    def __init__(self, low: float, high: float, start: float | None = None, *, step: float = 0.1,
+                 min_step: float = 0.0125, deadband: float = 0.1, patience: int = 2, regret: float = 0.1) -> None:
+        if not 0 <= low <= high <= 1:
+            raise ValueError(f"the range must be within [0, 1], got [{low}, {high}]")
+        self.low, self.high = low, high
+        self.share = min(high, max(low, start if start is not None else (low + high) / 2))
+        self.step = step
+        self.min_step = min_step
+        self.deadband = deadband
+        self.patience = patience
+        self.regret = regret
+        self._pending = 0          # the verdict seen last (+1 more raw, -1 fewer raw, 0 hold)
+        self._streak = 0           # how many times in a row
+        self._last_move = 0        # direction of the last move
+        self._before_move: tuple[float, float] | None = None  # (share, images/s) just before the last move
+        self.decisions: list[Decision] = []
+
+    def observe(self, seen: Observation) -> Decision:
+        """The share to serve from now on, given what the last interval showed."""
+        decision = self._undo_if_worse(seen) or self._follow_pressure(seen)
+        self.decisions.append(decision)
+        if decision.share != self.share:
+            log.info("mix: raw share %.3f -> %.3f (%s)", self.share, decision.share, decision.reason)
+        self.share = decision.share
+        return decision
+
+    def _undo_if_worse(self, seen: Observation) -> Decision | None:
+        if self._before_move is None:
+            return None
+        share, rate = self._before_move
+        self._before_move = None
+        if rate > 0 and seen.images_per_s < rate * (1 - self.regret):
+            self._reverse()
+            self._pending = self._streak = 0
+            return Decision(share, f"undone: {seen.images_per_s:.1f} img/s after the move, {rate:.1f} before")
+        return None
+
+    def _follow_pressure(self, seen: Observation) -> Decision:
+        gap = seen.cpu_pressure - seen.io_pressure
+        verdict = 0 if abs(gap) <= self.deadband else (1 if gap > 0 else -1)
+        self._streak = self._streak + 1 if verdict == self._pending else 1
+        self._pending = verdict
+        why = f"cpu pressure {seen.cpu_pressure:.2f}, io {seen.io_pressure:.2f}"
+        if verdict == 0:
+            return Decision(self.share, f"hold: balanced ({why})")
+        if self._streak < self.patience:
+            return Decision(self.share, f"hold: {'decode' if verdict > 0 else 'storage'} binds, waiting to be "
+                                        f"sure ({why})")
+        target = min(self.high, max(self.low, self.share + verdict * self.step))
+        if target == self.share:
+            return Decision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
+                                        f"range ({why})")
+        if self._last_move and verdict != self._last_move:
+            self._reverse()
+            target = min(self.high, max(self.low, self.share + verdict * self.step))
+        elif self._last_move == verdict:
+            self.step = min(self.step * 1.5, 0.2)  # still the same way: go faster, within a bound
+        self._last_move = verdict
+        self._before_move = (self.share, seen.images_per_s)
+        self._streak = 0
+        return Decision(round(target, 4), f"{'more' if verdict > 0 else 'fewer'} raw: "
+                                          f"{'decode' if verdict > 0 else 'storage'} binds ({why})")
+
+    def _reverse(self) -> None:
+        self.step = max(self.min_step, self.step / 2)
+        self._last_move = -self._last_move
+
+
+def read_pressure(text: str) -> float:
+    """The ``some avg10`` of a pressure file (``/proc/pressure/cpu``, a cgroup's ``cpu.pressure``), as 0..1."""
+    for line in text.splitlines():
+        if line.startswith("some "):
+            fields = dict(part.split("=", 1) for part in line.split()[1:])
+            return float(fields.get("avg10", 0.0)) / 100
+    raise ValueError("no 'some' line in a pressure file")
+
+
+def node_pressure(kind: str, root: Path = Path("/proc/pressure")) -> float | None:
+    """The node's pressure for ``kind`` (cpu, io), or None where the kernel has no PSI."""
+    try:
+        return read_pressure((root / kind).read_text())
+    except (OSError, ValueError) as exc:
+        log.debug("no %s pressure: %s", kind, exc)
+        return None
