@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .catalog import REPR_RAW, Node
-from .reader import SEAL_MARGIN_NS, Content, StoreReader
+from .reader import Content, StoreReader, stamp
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +104,7 @@ def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Ba
         if obj is None:
             return None
         st = os.fstat(obj)
-        if st.st_size == node.served_size and st.st_ctime_ns <= reader.sealed_ns - SEAL_MARGIN_NS \
-                and only_we_write(st):
+        if reader.object_sealed(node, st) and only_we_write(st):
             return Backing(obj, st.st_size, raw=True, kind="object", stamp=stamp(st))
         os.close(obj)
         return None  # touched since prepare, or writable by others: read whole, checksum checked
@@ -137,11 +136,6 @@ def still_sound(backing: Backing) -> str | None:
     except OSError as exc:
         return f"backing unreadable ({exc.strerror})"
     return None if now == backing.stamp else f"{'raw object' if backing.raw else 'source'} changed while open"
-
-
-def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
-    """What any change of a file changes: its inode, size, mtime and ctime."""
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _open_object(reader: StoreReader, node: Node, cached_only: bool) -> int | None:

@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import os
 import random
-import stat
 import sys
 import time
 from collections import Counter
@@ -31,9 +30,9 @@ from pathlib import Path
 import xxhash
 
 from . import formats, resources
-from .catalog import SEALED, Catalog, CatalogError, Node, WorkingCopy, file_version, open_or_build
+from .catalog import SEALED, Catalog, CatalogError, Node, WorkingCopy, open_or_build
 from .locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, unique
-from .reader import checksum, open_below, open_dir, read_fd
+from .reader import checksum, open_regular, open_under, read_fd, same_version
 from .s3 import is_url
 
 log = logging.getLogger(__name__)
@@ -141,18 +140,13 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
         return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None, reused=reused,
                        src_etag=want_version)
 
-    def unchanged(st: os.stat_result) -> bool:
-        return ((st.st_size, st.st_mtime_ns) == (want_size, want_mtime)
-                and (want_version is None or file_version(st) == want_version))
-
     if _too_large_for_memory(0, want_size):
         return outcome("no-memory")  # reading it alone would not fit
+    def unchanged(st: os.stat_result) -> bool:
+        return same_version(st, want_size, want_mtime, want_version)
+
     try:
-        root_fd = open_dir(root)
-        try:
-            fd = open_below(root_fd, rel, root)
-        finally:
-            os.close(root_fd)
+        fd = open_under(root, rel)
     except OSError as exc:
         return outcome(f"unreadable: {exc.strerror}")
     try:
@@ -194,18 +188,10 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
 def _holds(path: str, data: bytes) -> bool:
     """True when ``path`` is a regular file holding exactly ``data`` (never following a link)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        with open(fd, "rb", closefd=False) as f:
+        with open(open_regular(path), "rb") as f:
             return f.read(len(data) + 1) == data
     except OSError:
         return False
-    finally:
-        os.close(fd)
 
 
 # -- the coordinating side ------------------------------------------------------------------------------
@@ -532,24 +518,11 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
     """None when the raw object is sound and decodes to the source's pixels; else what is wrong.  The source
     is read as the mount reads it (below its root, no link followed) and must be the file that was expanded."""
     try:
-        root_fd = open_dir(root)
-        try:
-            fd = open_below(root_fd, rel, root)
-        finally:
-            os.close(root_fd)
-        try:
-            st = os.fstat(fd)
-            if (st.st_size, st.st_mtime_ns) != (want_size, want_mtime) or (
-                    want_version is not None and file_version(st) != want_version):
+        with open(open_under(root, rel), "rb") as f:
+            if not same_version(os.fstat(f.fileno()), want_size, want_mtime, want_version):
                 return "source changed since prepare (it is served as the original)"
-            with open(fd, "rb", closefd=False) as f:
-                original = f.read()
-        finally:
-            os.close(fd)
-        obj_fd = os.open(obj, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with open(obj_fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                return "raw object is not a regular file"
+            original = f.read()
+        with open(open_regular(obj), "rb") as f:  # EIO: not a regular file
             raw = f.read()
     except OSError as exc:
         return f"cannot read: {exc}"

@@ -308,7 +308,8 @@ HAS_OPENAT2 = _has_openat2()
 SETTLE_TRIES = 3
 
 
-def _stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What any change of a file changes: its inode, size, mtime and ctime."""
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
@@ -319,7 +320,7 @@ def read_settled(fd: int, st: os.stat_result, name: str = "") -> memoryview:
     for _ in range(SETTLE_TRIES):
         data = read_fd(fd)
         after = os.fstat(fd)
-        if _stamp(after) == _stamp(st):
+        if stamp(after) == stamp(st):
             return data
         POOL.give(data)
         st = after
@@ -334,11 +335,15 @@ def _permits(st: os.stat_result, uid: int, gid: int, bit: int) -> bool:
     return bool(st.st_mode >> shift & bit)
 
 
+def same_version(st: os.stat_result, size: int, mtime_ns: int, version: str | None) -> bool:
+    """True while the local file behind ``st`` has the recorded size, mtime and, where it was recorded, version
+    (inode and ctime: ``catalog.file_version``)."""
+    return (st.st_size, st.st_mtime_ns) == (size, mtime_ns) and (version is None or version == file_version(st))
+
+
 def same_file(node: Node, st: os.stat_result) -> bool:
-    """True while the local file behind ``st`` is the one the catalog recorded: size, mtime and, for catalogs
-    that recorded it, inode and ctime (``catalog.file_version``)."""
-    return ((st.st_size, st.st_mtime_ns) == (node.size, node.mtime_ns)
-            and (node.etag is None or node.etag == file_version(st)))
+    """True while the local file behind ``st`` is the one the catalog recorded (``same_version``)."""
+    return same_version(st, node.size, node.mtime_ns, node.etag)
 
 
 def open_dir(path: bytes | str | os.PathLike[str]) -> int:
@@ -386,6 +391,20 @@ def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
         if fd != dir_fd:
             os.close(fd)
     return _regular(file, path)
+
+
+def open_under(root: bytes, rel: bytes) -> int:
+    """``open_below`` a root given by path, resolved once for this one open (prepare's and verify's workers)."""
+    root_fd = open_dir(root)
+    try:
+        return open_below(root_fd, rel, root)
+    finally:
+        os.close(root_fd)
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """Open ``path`` for reading if it is a regular file, never through a link at its end (EIO otherwise)."""
+    return _regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), os.fsdecode(path))
 
 
 def _regular(file: int, path: str) -> int:
@@ -520,10 +539,15 @@ class StoreReader:
         except OSError:
             return False
         try:
-            st = os.fstat(fd)
+            return self.object_sealed(node, os.fstat(fd))
         finally:
             os.close(fd)
-        return st.st_size == node.served_size and st.st_ctime_ns <= self.sealed_ns - SEAL_MARGIN_NS
+
+    def object_sealed(self, node: Node, st: os.stat_result) -> bool:
+        """The raw object behind ``st`` is as prepare left it: its size, and its inode unchanged since the store
+        was sealed (any write, truncation or rename since makes its ctime later)."""
+        return (self.sealed_ns is not None and st.st_size == node.served_size
+                and st.st_ctime_ns <= self.sealed_ns - SEAL_MARGIN_NS)
 
     def check_source(self, node: Node, st: os.stat_result | None = None) -> str | None:
         """None while the source is the file the catalog describes; else what changed."""
