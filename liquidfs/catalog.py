@@ -320,10 +320,7 @@ class _Writer:
         self.store.mkdir(parents=True, exist_ok=True)
         self.final = self.store / CATALOG_NAME
         _remove_abandoned(self.store)
-        # A name of its own and a lock held while it is written: two prepares (or a prepare and a mount's
-        # rescan) on one store, even in other PID namespaces, never touch each other's catalog in the making.
-        self.tmp = self.store / unique(f"{CATALOG_NAME}.new-")
-        self.lock = HeldLock(Path(f"{self.tmp}.lock"))
+        self.tmp, self.lock = _in_the_making(self.store)
         self.db = sqlite3.connect(self.tmp, isolation_level=None)
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
@@ -363,10 +360,9 @@ class WorkingCopy:
 
     def __init__(self, store_dir: Path) -> None:
         self.final = store_dir / CATALOG_NAME
-        self.path = store_dir / unique(f"{CATALOG_NAME}.new-")
-        self.lock = HeldLock(Path(f"{self.path}.lock"))
+        self.path, self.lock = _in_the_making(store_dir)
         try:
-            source = sqlite3.connect(f"file:{urllib.parse.quote(os.fsdecode(self.final))}?mode=ro", uri=True)
+            source = _connect(self.final, readonly=True)
             try:
                 copy = sqlite3.connect(self.path)
                 with copy:
@@ -389,6 +385,14 @@ class WorkingCopy:
             self.catalog.close()
         self.path.unlink(missing_ok=True)
         self.lock.release()
+
+
+def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
+    """A name of its own for a catalog being written, and a lock held while it is: two writers on one store (two
+    prepares, a prepare and a mount's rescan), even in other PID namespaces, never touch each other's catalog in
+    the making, and one whose writer died is found by its free lock (``_remove_abandoned``)."""
+    path = store / unique(f"{CATALOG_NAME}.new-")
+    return path, HeldLock(Path(f"{path}.lock"))
 
 
 def _remove_abandoned(store: Path) -> None:
