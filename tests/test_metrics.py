@@ -73,17 +73,23 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def _idle_clients(port: int, count: int, into: list[socket.socket]) -> None:
+    """``count`` connections that connect (or wait in the listen queue) and send nothing, added to ``into`` as
+    they are made, so the caller closes every one even if a later one fails."""
+    for _ in range(count):
+        sock = socket.socket()
+        into.append(sock)
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+
+
 def test_a_flood_of_idle_connections_holds_at_most_max_connections() -> None:
     def client(server: MetricsServer) -> None:
         port = _stats(server).port
         before = _open_fds()
-        flood = []
+        flood: list[socket.socket] = []
         try:
-            for _ in range(200):
-                sock = socket.socket()
-                flood.append(sock)
-                sock.setblocking(False)
-                sock.connect_ex(("127.0.0.1", port))  # idle: connects (or waits in the queue) and sends nothing
+            _idle_clients(port, 200, flood)
             _wait_for(lambda: _stats(server).connections == 8)
             time.sleep(0.5)  # room for a server without a bound to accept more
             stats = _stats(server)
@@ -114,13 +120,9 @@ def test_an_idle_connection_is_closed_after_the_time_limit() -> None:
 def test_a_scrape_gets_through_while_idle_connections_come_and_go() -> None:
     def client(server: MetricsServer) -> None:
         port = _stats(server).port
-        idle = []
+        idle: list[socket.socket] = []
         try:
-            for _ in range(30):
-                sock = socket.socket()
-                idle.append(sock)
-                sock.setblocking(False)
-                sock.connect_ex(("127.0.0.1", port))
+            _idle_clients(port, 30, idle)
             _wait_for(lambda: _stats(server).connections == 4)
             head, body = _get(port, timeout=60)  # waits for a slot that a timed-out idle connection gives back
             assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in body
