@@ -16,7 +16,9 @@ With ``--attacker``, a process changes the source and the store under the runnin
 undoes each change 0.05-1.5 s later, at random: (1) an image swapped for a symlink to a "secret" PNG of the same
 byte size and mtime (0600), then renamed back, the directory's mtime put back; (2) an image rewritten in place (one
 write, not truncated first) with other pixels of the same size, mtime put back (cp -p), later the original put back
-the same way; (3) a raw object of the store with one byte flipped, or truncated, in place, later restored; (4)
+the same way; (3) a raw object of the store with one byte flipped, or truncated, later restored: by a store writer
+who is not the mount's user (a damaged file of its own renamed over the object; ``--object-writer root``: root
+damaging root's objects in place instead, which passthrough cannot check for a reader that already has it open); (4)
 ``liquidfs prepare`` at ratio 0, 0.5 or 1 on the mounted store; (5) the source root swapped for a symlink to a tree
 of secrets, and back. Readers read whole (read(), small reads, shuffled preads, mmap, and opens or maps held up to
 0.2 s before reading, as loaders do), decode with Pillow and compare the pixels with the two versions the file may
@@ -671,7 +673,10 @@ class Attacker:
         self.later(name, lambda: write_in_place(path, Path(entry["versions"]["orig"]).read_bytes(),
                                                 entry["mtime_ns"]), index)
 
-    # 3. a raw object with one byte flipped, or truncated, in place; later restored
+    # 3. a raw object with one byte flipped, or truncated; later restored. As a store writer who is not the
+    #    mount's user (the default): the damaged copy is a new file of that user's, renamed over the object (its
+    #    directory is writable, its 0600 root-owned files are not). As root (``--object-writer root``): the
+    #    object itself is damaged in place, which passthrough cannot see once a reader has it open.
     def damage_object(self, name: str) -> None:
         index = self.pick(raw_only=True)
         if index is None:
@@ -679,28 +684,26 @@ class Attacker:
         entry = self.spec["files"][index]
         path = self.store / entry["object"]
         good = Path(entry["object_copy"]).read_bytes()
+        at = self.rng.randrange(len(good))
+        if name == "flip":
+            bad, detail = good[:at] + bytes([good[at] ^ 0xFF]) + good[at + 1:], {"offset": at}
+        else:
+            bad, detail = good[:at], {"length": at}
         try:
             st = os.stat(path)
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+            if self.spec.get("object_writer", "store-writer") == "root":
+                damage_in_place(str(path), bad, st.st_mtime_ns)
+                restore = lambda: write_in_place(str(path), good, st.st_mtime_ns)  # noqa: E731
+            else:
+                replace_as(path, bad, st.st_mtime_ns, STORE_WRITER_UID)
+                restore = lambda: replace_as(path, good, st.st_mtime_ns, STORE_WRITER_UID)  # noqa: E731
         except OSError as exc:
             self.busy.discard(index)
             self.note(f"{name}-skipped", file=entry["path"], error=repr(exc))
             return
-        try:
-            if name == "flip":
-                at = self.rng.randrange(len(good))
-                os.pwrite(fd, bytes([good[at] ^ 0xFF]), at)
-                detail = {"offset": at}
-            else:
-                at = self.rng.randrange(len(good))
-                os.ftruncate(fd, at)
-                detail = {"length": at}
-        finally:
-            os.close(fd)
-        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         self.counts[name] += 1
         self.note(name, file=entry["path"], object=entry["object"], **detail)
-        self.later(name, lambda: write_in_place(str(path), good, st.st_mtime_ns), index)
+        self.later(name, restore, index)
 
     # 4. prepare with another ratio on the store of the running mount
     def run_prepare(self, name: str) -> None:
@@ -746,6 +749,34 @@ def write_in_place(path: str, data: bytes, mtime_ns: int) -> None:
     finally:
         os.close(fd)
     os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+#: Who the store-writer attacker is: not the mount's user (``nobody``), so the objects prepare wrote are not its own.
+STORE_WRITER_UID = 65534
+
+
+def damage_in_place(path: str, bad: bytes, mtime_ns: int) -> None:
+    """Write ``bad`` over the object in place (same inode; truncated where shorter), its mtime put back."""
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        os.pwrite(fd, bad, 0)
+        os.ftruncate(fd, len(bad))
+    finally:
+        os.close(fd)
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+
+
+def replace_as(path: Path, data: bytes, mtime_ns: int, uid: int) -> None:
+    """Put ``data`` at ``path`` as a store writer ``uid`` can: a new file of its own, renamed over the old one."""
+    tmp = path.with_name(f".{path.name}.attack-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+        os.fchown(fd, uid, uid)
+    finally:
+        os.close(fd)
+    os.utime(tmp, ns=(mtime_ns, mtime_ns))
+    os.rename(tmp, path)
 
 
 def run_attacker(spec_path: Path, seconds: float, seed: int) -> int:
@@ -817,7 +848,7 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
     mountpoint.mkdir(exist_ok=True)
     spec = with_objects(fixture, store, work, data_path)
     spec.update(mount=str(mountpoint), source=str(source), store=str(store), work=str(work), tag=data_path,
-                evil=str(work / "evil"))
+                evil=str(work / "evil"), object_writer=args.object_writer)
     spec_path = work / f"spec-{data_path}.json"
     spec_path.write_text(json.dumps(spec))
     subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store", str(store),
@@ -841,7 +872,9 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
             else {"attacker_failed": attacker.returncode}
         put_back = restore_source(source, fixture)
         summary = readers.summary()
-        summary.update(data_path=data_path, attacks=attacks, put_back_after=put_back, final=final_pass(spec))
+        summary.update(data_path=data_path, object_writer=args.object_writer,
+                       mount_options=args.mount_option, attacks=attacks, put_back_after=put_back,
+                       final=final_pass(spec))
         with open(mountpoint / ".__liquidfs__", "rb") as f:
             stats = json.loads(f.read())
         summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
@@ -873,7 +906,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         a = r["attacks"]
         attacks = " / ".join(str(a.get(k, "?")) for k in ATTACKS)
         final = r["final"]
-        lines.append(f"| {r['data_path']} | {r['reads']:,} | {r['ok']:,} | {r['raw']:,} | {r['alt']:,} | {errs} | "
+        label = " ".join([r["data_path"], *r.get("mount_options", [])])
+        label += f" (objects damaged by {r.get('object_writer', 'root')})"
+        lines.append(f"| {label} | {r['reads']:,} | {r['ok']:,} | {r['raw']:,} | {r['alt']:,} | {errs} | "
                      f"**{r['wrong']}** | {attacks} | {final['ok']} / {len(final['wrong'])} / "
                      f"{sum(final['errors'].values())} |")
     return "\n".join(lines)
@@ -945,6 +980,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ratio", type=float, default=0.5, help="share served raw (default 0.5)")
     parser.add_argument("--json", help="write the summary here (with --attacker: every wrong read, explained)")
     parser.add_argument("--dir", help="work directory (default: a new temporary one, removed after)")
+    parser.add_argument("--object-writer", choices=("store-writer", "root"), default="store-writer",
+                        help="who damages raw objects: a store writer who is not the mount's user and replaces "
+                             "them (default), or root writing root's own objects in place (what passthrough "
+                             "cannot check once a reader has the file open; see README, Data paths)")
     parser.add_argument("--mount-option", action="append", default=[], metavar="ARG",
                         help="one more argument for `liquidfs mount` (repeat it: --mount-option=--verify-reads)")
     args = parser.parse_args(argv)
