@@ -124,6 +124,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passthrough: read every file whole and check it (a raw object against its checksum) "
                    "before the open answers, instead of trusting a raw object that is as prepare left it "
                    "(size and inode unchanged since). Costs a copy in memory per open file")
+    m.add_argument("--mix", type=_mix_option, default="prepared", metavar="MODE",
+                   help="which images with a raw object are served raw: 'prepared' (all of them; default), a "
+                   "share in [0, 1] up to prepare's --ratio (the rest are served as their originals, chosen at "
+                   "random per image), or 'adaptive' (a share chosen while the mount runs, from the node's CPU "
+                   "and IO pressure: more raw when decoding binds, fewer when storage does; `liquidfs stats` "
+                   "shows the share and why)")
+    m.add_argument("--mix-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="--mix adaptive: seconds between two decisions (default 10, the span PSI averages over)")
+    m.add_argument("--pressure-dir", default="/proc/pressure", metavar="DIR",
+                   help="--mix adaptive: where the CPU and IO pressure are read: the node's (default "
+                   "/proc/pressure) or a cgroup v2 group's directory (its cpu.pressure and io.pressure)")
     m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
     m.add_argument("--refresh", action="store_true",
                    help="s3:// sources: list the source bucket again on this node instead of using the store's "
@@ -257,6 +268,9 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv += ["--page-cache", args.page_cache, "--open-bytes", args.open_bytes, "--data-path", args.data_path]
         if args.verify_reads:
             argv.append("--verify-reads")
+        if args.mix != "prepared":
+            argv += ["--mix", str(args.mix), "--mix-interval", str(args.mix_interval),
+                     "--pressure-dir", str(Path(args.pressure_dir).absolute())]
         if not args.push_pages:
             argv.append("--no-push-pages")
         if args.disk_cache:
@@ -286,8 +300,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
                          open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
-                         verify_reads=args.verify_reads)
+                         verify_reads=args.verify_reads, mix=args.mix, mix_interval=args.mix_interval,
+                         pressure_dir=Path(args.pressure_dir))
     return serve(config, ready_fd=args.ready_fd)
+
+
+def _mix_option(text: str) -> str | float:
+    from .mix import parse_mix
+
+    try:
+        return parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _size_option(text: str, flag: str, *, percent: bool = True) -> int:

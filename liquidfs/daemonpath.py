@@ -472,6 +472,7 @@ class Handle:
     pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
     failed: int | None = None    # the errno its first read failed with (``_first_read_once``)
     passthrough: bool = False    # served by the kernel from the inode's backing (``PassthroughPath``)
+    mixed: bool = False          # its representation was chosen by ``mount --mix`` (released there too)
 
     def note_served(self, start: int, end: int) -> int:
         """Record a served range; returns how far from offset 0 the served ranges reach without a gap.

@@ -23,8 +23,9 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .catalog import KIND_DIR, KIND_SYMLINK, ROOT_ID, Catalog, Node
+from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
 from .daemonpath import MAX_OPEN_BYTES, PAGE_CACHE_MODES, DaemonPath, Handle
+from .mix import Mix
 from .notifier import Notifier
 from .passthrough import PassthroughPath
 from .reader import Content, StoreReader
@@ -120,6 +121,8 @@ class Operations(pyfuse3.Operations):
         self.passthrough: PassthroughPath | None = None
         # Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
         self.enable_passthrough = False
+        #: ``mount --mix``: which images with a raw object each open serves raw (None: all of them).
+        self.mix: Mix | None = None
 
     @property
     def cache(self) -> NextEpochCache | None:
@@ -279,14 +282,43 @@ class Operations(pyfuse3.Operations):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
             if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid):
                 raise FUSEError(errno.EACCES)
-        if self.passthrough is not None:
-            answer = await self._open_passthrough(node)
-            if answer is not None:
-                return answer
-        handle = await self.daemon.open(node)
+        mixed = self.mix is not None and node.repr == REPR_RAW and node.id not in self.fell_back
+        if mixed:
+            node = await self._mixed(node)
+        try:
+            if self.passthrough is not None:
+                answer = await self._open_passthrough(node, mixed)
+                if answer is not None:
+                    return answer
+            handle = await self.daemon.open(node)
+        except BaseException:
+            if mixed:
+                assert self.mix is not None
+                self.mix.release(node.id)
+            raise
+        handle.mixed = mixed
         fh = self._register(handle)
         self.daemon.opened(fh, handle)
         return self._file_info(fh)
+
+    async def _mixed(self, node: Node) -> Node:
+        """``node`` as the mix serves this open (its raw object, or its original); where that is another size
+        than the kernel was told, the kernel's attributes of it are dropped before the open is answered."""
+        assert self.mix is not None
+        view = self.mix.view(node, self._held_raw(node))
+        told = self.size_overrides.get(node.id, node.size_served)
+        if view.size_served != told:
+            self.size_overrides[node.id] = view.size_served
+            await self.notifier.new_size(node.id)
+        return view
+
+    def _held_raw(self, node: Node) -> bool | None:
+        """Whether the next-epoch cache holds ``node`` raw (True), as its original (False), or not at all."""
+        if self.passthrough is not None:
+            held = self.passthrough.memory.held(node.id) if self.passthrough.memory is not None else None
+            return None if held is None else held.raw
+        data = self.daemon.held_data.get(node.id)
+        return None if data is None else len(data) == node.served_size
 
     def _register(self, handle: Handle) -> int:
         fh = self._next_fh
@@ -302,7 +334,7 @@ class Operations(pyfuse3.Operations):
             info.backing_id = backing_id
         return info
 
-    async def _open_passthrough(self, node: Node) -> pyfuse3.FileInfo | None:
+    async def _open_passthrough(self, node: Node, mixed: bool = False) -> pyfuse3.FileInfo | None:
         """An open answered with the inode's backing id; None for a file without one (served below)."""
         assert self.passthrough is not None
         told = self.size_overrides.get(node.id, node.size_served)
@@ -318,7 +350,7 @@ class Operations(pyfuse3.Operations):
             # stat must say the new size too (DALI maps as many bytes as stat says).
             self.size_overrides[node.id] = opened.size
             await self.notifier.new_size(node.id)
-        fh = self._register(Handle(Content(size=opened.size, raw=opened.raw), node, passthrough=True))
+        fh = self._register(Handle(Content(size=opened.size, raw=opened.raw), node, passthrough=True, mixed=mixed))
         return self._file_info(fh, opened.backing_id)
 
     def _fell_back(self, inode: int) -> None:
@@ -354,6 +386,9 @@ class Operations(pyfuse3.Operations):
         handle = self.open_files.pop(fh, None)
         if handle is None:
             return
+        if handle.mixed:
+            assert self.mix is not None and handle.node is not None
+            self.mix.release(handle.node.id)
         if handle.node is None:
             handle.content.close()
         elif handle.passthrough:
@@ -373,6 +408,8 @@ class Operations(pyfuse3.Operations):
             if self.passthrough.memory is not None:
                 values.update(self.passthrough.memory.policy.summary())
                 values.update(dataclasses.asdict(self.passthrough.memory.statistics()))
+        if self.mix is not None:
+            values["mix"] = dataclasses.asdict(self.mix.statistics())
         if self.control_extra is not None:
             values.update(self.control_extra())
         return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()

@@ -13,7 +13,8 @@ share within ``[low, high]`` (what ``prepare`` expanded), moving towards the sid
 
 It does not oscillate: a move needs the same verdict ``patience`` times in a row (hysteresis), each move is at
 most ``step`` and halves each time the direction reverses (down to ``min_step``), and grows back only while
-moves keep the same direction. A move that made throughput fall by more than ``regret`` is undone once. Every
+moves keep the same direction. A move that made throughput fall by more than ``regret`` is undone once: the
+next move the same way, if the pressure still asks for it, stands. Every
 decision carries its reason, for ``stats`` and the log.
 
 Plain Python without a clock or a mount: tests drive it with simulated machines.
@@ -58,6 +59,9 @@ class MixController:
         self._streak = 0           # how many times in a row
         self._last_move = 0        # direction of the last move
         self._before_move: tuple[float, float] | None = None  # (share, images/s) just before the last move
+        # The direction of the last move undone for regret: the next move that way, if the pressure still asks
+        # for it, is not undone again (a rate measured over one interval is noisy; the pressure is the signal).
+        self._regretted = 0
         self.decisions: list[Decision] = []
 
     def observe(self, seen: Observation) -> Decision:
@@ -74,7 +78,9 @@ class MixController:
             return None
         share, rate = self._before_move
         self._before_move = None
-        if rate > 0 and seen.images_per_s < rate * (1 - self.regret):
+        moved = self._last_move
+        if rate > 0 and seen.images_per_s < rate * (1 - self.regret) and moved != self._regretted:
+            self._regretted = moved
             self._reverse()
             self._pending = self._streak = 0
             return Decision(share, f"undone: {seen.images_per_s:.1f} img/s after the move, {rate:.1f} before")
@@ -95,6 +101,8 @@ class MixController:
         if target == self.share:
             return Decision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
                                         f"range ({why})")
+        if verdict != self._regretted:
+            self._regretted = 0  # a move the other way: a later regret may undo again
         if self._last_move and verdict != self._last_move:
             self._reverse()
             target = min(self.high, max(self.low, self.share + verdict * self.step))
@@ -121,9 +129,13 @@ def read_pressure(text: str) -> float:
 
 
 def node_pressure(kind: str, root: Path = Path("/proc/pressure")) -> float | None:
-    """The node's pressure for ``kind`` (cpu, io), or None where the kernel has no PSI."""
+    """The pressure for ``kind`` (cpu, io) in ``root``: the node's (``/proc/pressure/cpu``) or a cgroup v2
+    group's (``/sys/fs/cgroup/GROUP/cpu.pressure``); None where the kernel has no PSI."""
+    path = root / kind
+    if not path.exists():
+        path = root / f"{kind}.pressure"
     try:
-        return read_pressure((root / kind).read_text())
+        return read_pressure(path.read_text())
     except (OSError, ValueError) as exc:
-        log.debug("no %s pressure: %s", kind, exc)
+        log.debug("no %s pressure in %s: %s", kind, root, exc)
         return None

@@ -27,6 +27,8 @@ from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
 from .metrics import serve_metrics
+from .mix import PROFILE_NAME, STEER_INTERVAL, Mix, steer
+from .mixcontrol import MixController, node_pressure
 from .disktier import DiskTier
 from .locks import MOUNTS_LOCK, shared_lock
 from .reader import StoreReader
@@ -67,6 +69,11 @@ class MountConfig:
     data_path: str = "auto"
     #: ``mount --verify-reads``: every file read whole and checked before its first byte is served.
     verify_reads: bool = False
+    #: ``mount --mix``: "prepared", "adaptive" or a fixed raw share (``mix.parse_mix``).
+    mix: str | float = "prepared"
+    #: ``--mix adaptive``: seconds between decisions, and where the pressure stall information is read.
+    mix_interval: float = STEER_INTERVAL
+    pressure_dir: Path = Path("/proc/pressure")
 
 
 DATA_PATHS = ("auto", "passthrough", "daemon")
@@ -174,6 +181,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
                      max_open_files=descriptor_budget())
     if disk is not None:
         ops.control_extra = disk.summary
+    ops.mix = make_mix(catalog, config)
     if config.allow_other and isinstance(base_reader, StoreReader):
         ops.may_read = base_reader.may_read
     ops.enable_passthrough = config.data_path != "daemon" and passthrough.built_in() is None
@@ -205,6 +213,42 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     if config.data_path == "passthrough" and ops.stats.data_path != "passthrough":
         return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
+
+
+def make_mix(catalog: Catalog, config: MountConfig) -> Mix | None:
+    """``--mix``: None for "prepared" (every raw object served, nothing to decide per open)."""
+    if config.mix == "prepared":
+        return None
+    if not config.mix_interval > 0:
+        raise MountError(f"--mix-interval must be a positive number of seconds, not {config.mix_interval}")
+    try:
+        prepared = float(catalog.meta("ratio") or 0.0)
+        seed = int(catalog.meta("seed") or 0)
+    except ValueError as exc:
+        raise MountError(f"the store's catalog has an unreadable ratio or seed: {exc}") from exc
+    start = profiled_share(Path(config.store)) if config.mix == "adaptive" else None
+    try:
+        mix = Mix(config.mix, prepared, seed=seed, start=start)
+    except ValueError as exc:
+        raise MountError(str(exc)) from exc
+    log.info("mix: %s, raw share %.3f of the images (prepared %.3f): %s", mix.mode, mix.share, prepared, mix.reason)
+    return mix
+
+
+def profiled_share(store: Path) -> float | None:
+    """The raw share ``profile`` chose for this store (``prepare --ratio auto`` keeps it in the store), if any."""
+    path = store / PROFILE_NAME
+    try:
+        chosen = json.loads(path.read_text())["chosen"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("%s: unreadable (%s); the adaptive mix starts in the middle of the prepared range", path, exc)
+        return None
+    if not isinstance(chosen, (int, float)) or not 0 <= chosen <= 1:
+        log.warning("%s: 'chosen' is not a share in [0, 1]; ignored", path)
+        return None
+    return float(chosen)
 
 
 def make_reader(catalog: Catalog, config: MountConfig) -> StoreReader | S3Reader:
@@ -247,12 +291,23 @@ def make_cache(totals: tuple[int, int, int, int], cache_size: str | None) -> Nex
     return NextEpochCache(budget, served, files, max_id=max_id)
 
 
+async def _steer_mix(ops: Operations, config: MountConfig) -> None:
+    """``--mix adaptive``: the controller moves the raw share within what prepare expanded."""
+    mix = ops.mix
+    assert mix is not None
+    controller = MixController(0.0, mix.prepared, mix.share)
+    await steer(mix, controller, lambda: (ops.stats.opens, ops.stats.bytes_from_storage),
+                interval=config.mix_interval, pressure=lambda kind: node_pressure(kind, config.pressure_dir))
+
+
 async def _main(config: MountConfig, ops: Operations, ready_fd: int | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         if config.metrics_port is not None:
             await nursery.start(serve_metrics, config.metrics_port, lambda: json.loads(ops._control_bytes()),
                                 config.metrics_address)
+        if ops.mix is not None and ops.mix.mode == "adaptive":
+            nursery.start_soon(_steer_mix, ops, config)
         nursery.start_soon(_signal_ready, config, ops, ready_fd)
         await pyfuse3.main()
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().

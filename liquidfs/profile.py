@@ -523,9 +523,19 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
 
 
 def auto_ratio(source: str, store: str, *, quick: bool = False) -> float:
+    """``prepare --ratio auto``: profile, and keep the result in a local store (``mount --mix adaptive`` starts
+    at its choice)."""
     profile = run_profile(source, store, quick=quick,
                           progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
+    if "://" not in store:
+        from .mix import PROFILE_NAME
+
+        kept = Path(store) / PROFILE_NAME
+        try:
+            kept.write_text(json.dumps(to_json(profile), indent=1))
+        except OSError as exc:
+            print(f"profile: cannot keep the result in {kept}: {exc.strerror}", file=sys.stderr)
     return profile.chosen
 
 

@@ -9,7 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 FUSERMOUNT = "fusermount3"
 
@@ -137,6 +140,21 @@ class Mount:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+
+
+#: The data paths the mount suites run on (``--data-path``).
+DATA_PATHS = ["passthrough", "daemon"]
+
+
+def mounter_on_each_path(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Mount]:
+    """A ``Mount`` factory on the data path ``request.param``; a module makes it its ``mounter`` with
+    ``mounter = pytest.fixture(params=DATA_PATHS, name="mounter")(mounter_on_each_path)``. ``--data-path
+    passthrough`` fails the mount where it is not available, so those runs cannot quietly fall back to the daemon."""
+    m = Mount(tmp_path, data_path=request.param)
+    try:
+        yield m
+    finally:
+        m.cleanup()
 
 
 #: Run a command as nobody (uid/gid 65534, no supplementary groups): the other user of --allow-other tests.

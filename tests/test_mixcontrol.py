@@ -117,3 +117,17 @@ def test_pressure_files_are_read_as_shares() -> None:
     assert read_pressure(text) == 0.125
     with pytest.raises(ValueError):
         read_pressure("")
+
+
+def test_a_noisy_rate_does_not_stall_a_move_the_pressure_keeps_asking_for() -> None:
+    """Storage clearly binds, but the rate measured over one interval jumps around: a move is undone for regret
+    at most once per direction, so the share still walks down to where storage stops binding."""
+    controller = MixController(0.0, 1.0, start=1.0, step=0.1, patience=2)
+    rate = 240.0
+    for _ in range(80):
+        before = controller.share
+        controller.observe(Observation(rate, 0.0, cpu_pressure=0.02, io_pressure=0.8))
+        rate = 160.0 if controller.share != before else 240.0  # the worst noise: every move looks like a loss
+    undone = [d for d in controller.decisions if d.reason.startswith("undone")]
+    assert controller.share <= 0.3
+    assert len(undone) <= 2

@@ -17,21 +17,14 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from fusehelpers import Mount, daemon_pid, is_mounted, wait_for
+from fusehelpers import DATA_PATHS, Mount, daemon_pid, is_mounted, mounter_on_each_path, wait_for
 from trees import dataset_tree
 
 pytestmark = pytest.mark.fuse
 
 
-@pytest.fixture(params=["passthrough", "daemon"])
-def mounter(request: pytest.FixtureRequest, tmp_path: Path):
-    """Every test here runs on both data paths; ``--data-path passthrough`` fails the mount where it is not
-    available, so the passthrough runs cannot quietly fall back to the daemon."""
-    m = Mount(tmp_path, data_path=request.param)
-    try:
-        yield m
-    finally:
-        m.cleanup()
+# Every test here runs on both data paths.
+mounter = pytest.fixture(params=DATA_PATHS, name="mounter")(mounter_on_each_path)
 
 
 @pytest.fixture(scope="module")

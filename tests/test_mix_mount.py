@@ -1,0 +1,127 @@
+"""``mount --mix``: real mounts serving a share of the prepared images raw, read by real clients, while the share
+moves (the adaptive controller steered by pressure files the test writes: ``--pressure-dir``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fusehelpers import DATA_PATHS, Mount, mounter_on_each_path, wait_for
+from liquidfs.catalog import REPR_RAW, Catalog
+from liquidfs.prepare import prepare
+from liquidfs.sample import make_sample
+
+pytestmark = pytest.mark.fuse
+
+_PSI = "some avg10={:.2f} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+
+
+mounter = pytest.fixture(params=DATA_PATHS, name="mounter")(mounter_on_each_path)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Path]]:
+    """24 images, every one with a raw object (prepare --ratio 1). Not modified by any test."""
+    work = tmp_path_factory.mktemp("mix")
+    src = make_sample(work / "src", count=24, width=128, height=64, seed=5)
+    store = work / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    objects = {os.fsdecode(n.path): store / str(n.object) for n in catalog.files() if n.repr == REPR_RAW}
+    catalog.close()
+    assert len(objects) == 24
+    return src, store, objects
+
+
+def _control(mnt: Path) -> dict:
+    return json.loads((mnt / ".__liquidfs__").read_bytes())
+
+
+def _pressure(where: Path, cpu: float, io: float) -> None:
+    for kind, value in (("cpu", cpu), ("io", io)):
+        tmp = where / f".{kind}"
+        tmp.write_text(_PSI.format(100 * value))
+        tmp.rename(where / kind)
+
+
+def _read_checked(mnt: Path, rel: str, src: Path, raw_object: Path) -> bool:
+    """Read one file as a loader does (open, fstat, read to the size fstat said); its bytes must be the source's
+    or the raw object's, whole, and decode to the source's pixels. True when it was served raw."""
+    with open(mnt / rel, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = f.read(size + 1)
+    assert len(data) == size, f"{rel}: fstat said {size}, read {len(data)}"
+    original, raw = (src / rel).read_bytes(), raw_object.read_bytes()
+    assert data in (original, raw), f"{rel}: neither the source nor its raw object"
+    return data == raw
+
+
+def test_a_fixed_share_serves_the_rest_as_originals(prepared, mounter: Mount) -> None:
+    src, store, objects = prepared
+    mnt = mounter.mount(src, "--mix", "0.5", store=store)
+    served_raw = {rel: _read_checked(mnt, rel, src, obj) for rel, obj in objects.items()}
+    assert 4 <= sum(served_raw.values()) <= 20  # half of 24 in expectation, a seeded random choice
+    for rel, raw in served_raw.items():  # the size stat shows is the one served
+        assert (mnt / rel).stat().st_size == (objects[rel] if raw else src / rel).stat().st_size
+        with Image.open(mnt / rel) as im, Image.open(src / rel) as ref:
+            assert np.array_equal(np.asarray(im), np.asarray(ref))
+    mix = _control(mnt)["mix"]
+    assert mix["mode"] == "fixed" and mix["share"] == 0.5
+    assert mix["opens_raw"] >= sum(served_raw.values()) and mix["opens_original"] > 0
+
+
+def test_a_share_above_the_prepared_one_is_refused(tmp_path: Path, mounter: Mount) -> None:
+    src = make_sample(tmp_path / "src", count=4, width=64, height=32, seed=2)
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    with pytest.raises(AssertionError, match="more than the store holds raw"):
+        mounter.mount(src, "--mix", "0.9", store=store)
+
+
+def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, mounter: Mount, tmp_path: Path) -> None:
+    """Decoding binds (CPU pressure): the share rises to all raw; storage binds (IO pressure): it falls, files
+    switch to their originals at their next first open; a file open across a switch keeps its bytes and size."""
+    src, store, objects = prepared
+    psi = tmp_path / "psi"
+    psi.mkdir()
+    _pressure(psi, cpu=0.02, io=0.02)
+    mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi),
+                        store=store)
+    assert _control(mnt)["mix"]["share"] == 0.5  # no profile in the store: the middle of [0, 1]
+    rels = sorted(objects)
+
+    def read_all() -> int:
+        return sum(_read_checked(mnt, rel, src, objects[rel]) for rel in rels)
+
+    def share_becomes(test) -> None:
+        def moved() -> bool:
+            read_all()  # opens: the controller decides only while the mount is used
+            return test(_control(mnt)["mix"]["share"])
+        wait_for(moved, 60, interval=0.1, what="the mix to move")
+
+    _pressure(psi, cpu=0.8, io=0.02)
+    share_becomes(lambda share: share == 1.0)
+    assert read_all() == 24
+    assert "decode binds" in _control(mnt)["mix"]["reason"] or "top of the prepared" in _control(mnt)["mix"]["reason"]
+
+    held = open(mnt / rels[0], "rb")  # noqa: SIM115 - open across the switch on purpose
+    held_size = os.fstat(held.fileno()).st_size
+    assert held_size == objects[rels[0]].stat().st_size
+    _pressure(psi, cpu=0.02, io=0.8)
+    share_becomes(lambda share: share <= 0.3)
+    with open(mnt / rels[0], "rb") as again:  # a second open while the first is open: same bytes, same size
+        assert os.fstat(again.fileno()).st_size == held_size
+        assert again.read() == objects[rels[0]].read_bytes()
+    assert held.read() == objects[rels[0]].read_bytes()
+    held.close()
+    assert read_all() < 24
+    stats = _control(mnt)
+    assert stats["mix"]["switches"] > 0 and stats["mix"]["decisions"] > 2
+    assert "storage binds" in stats["mix"]["reason"] or "bottom of the prepared" in stats["mix"]["reason"]
+    log = (mnt.parent / "daemon.log")
+    assert stats["errors"] == 0, log
