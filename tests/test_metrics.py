@@ -1,4 +1,6 @@
-"""The metrics endpoint in-process: its bounds (connections, time per connection, snapshots a second) and its paths.
+"""The metrics endpoint in-process: its bounds (connections, time per connection, snapshots a second), its paths,
+and that it serves off the trio loop (accepting and answering while the loop is blocked; 503 when the loop does
+not compute a snapshot in time; its threads ended when its task is cancelled).
 
 Each test runs ``serve_metrics`` on a free port in a trio loop and the client beside it in a worker thread, with
 plain blocking sockets and generous timeouts that only keep a broken server from hanging the test.
@@ -7,14 +9,18 @@ plain blocking sockets and generous timeouts that only keep a broken server from
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import inspect
 import os
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import TypeVar
 
+import pytest
 import trio
 
 from liquidfs.metrics import MetricsServer, MetricsStatistics, serve_metrics
@@ -49,7 +55,36 @@ def _with_server(client: Callable[[MetricsServer], T], values: Callable[[], dict
 
 
 def _stats(server: MetricsServer) -> MetricsStatistics:
-    return trio.from_thread.run_sync(server.statistics)  # read on the server's loop, from the client's thread
+    return server.statistics()  # from any thread: the loop may be blocked (on purpose) meanwhile
+
+
+def _metrics_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("liquidfs-metrics")]
+
+
+class BlockedLoop:
+    """Blocks the trio loop of ``token`` (a sync call on it that waits) until ``release()``, from a thread of its
+    own; ``with`` it: blocked on entry, released on exit."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+        self._blocked = threading.Event()
+        self._released = threading.Event()
+        self._thread = threading.Thread(target=trio.from_thread.run_sync, args=(self._block,),
+                                        kwargs={"trio_token": token})
+
+    def _block(self) -> None:
+        self._blocked.set()
+        self._released.wait(60)
+
+    def __enter__(self) -> BlockedLoop:
+        self._thread.start()
+        assert self._blocked.wait(30)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._released.set()
+        self._thread.join(30)
 
 
 def _get(port: int, path: str = "/metrics", timeout: float = 30.0) -> tuple[bytes, bytes]:
@@ -89,6 +124,8 @@ def test_a_flood_of_idle_connections_holds_at_most_max_connections() -> None:
         before = _open_fds()
         flood: list[socket.socket] = []
         try:
+            threads = threading.active_count()
+            tasks = trio.from_thread.run_sync(trio.lowlevel.current_statistics).tasks_living
             _idle_clients(port, 200, flood)
             _wait_for(lambda: _stats(server).connections == 8)
             time.sleep(0.5)  # room for a server without a bound to accept more
@@ -96,6 +133,9 @@ def test_a_flood_of_idle_connections_holds_at_most_max_connections() -> None:
             assert stats.connections <= 8 and stats.peak_connections <= 8, stats
             # the process holds the 200 client sockets and at most 8 accepted ones, not one per connection
             assert _open_fds() - before <= 200 + 8 + 4, (_open_fds(), before)
+            # served by the threads it started with (none per connection), and no task on the loop for them
+            assert threading.active_count() <= threads  # (<=: an idle thread of trio's cache may end meanwhile)
+            assert trio.from_thread.run_sync(trio.lowlevel.current_statistics).tasks_living == tasks
         finally:
             for sock in flood:
                 sock.close()
@@ -197,3 +237,150 @@ def test_metrics_listen_on_this_host_only_by_default() -> None:
     assert inspect.signature(serve_metrics).parameters["host"].default == "127.0.0.1"
     defaults = {f.name: f.default for f in dataclasses.fields(MountConfig)}
     assert defaults["metrics_address"] == "127.0.0.1"
+
+
+def test_it_serves_while_the_loop_is_blocked_and_values_run_on_the_loop() -> None:
+    on_threads: list[int] = []
+
+    def values() -> dict[str, object]:
+        on_threads.append(threading.get_ident())
+        return {"opens": len(on_threads)}
+
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        loop_thread = trio.from_thread.run_sync(threading.get_ident)
+        head, body = _get(port)
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 1\n" in body
+        assert on_threads == [loop_thread]  # values() read the mount's state on its loop
+        assert all(t.ident != loop_thread for t in _metrics_threads()) and len(_metrics_threads()) == 4 + 2
+        with BlockedLoop(trio.from_thread.run_sync(trio.lowlevel.current_trio_token)):
+            # The loop runs nothing now: connections are still accepted, read, answered (the snapshot is fresh:
+            # max_age=60), and closed, all in the endpoint's threads.
+            head, body = _get(port)
+            assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 1\n" in body
+            assert _get(port, "/other")[0].startswith(b"HTTP/1.0 404")
+            flood: list[socket.socket] = []
+            try:
+                _idle_clients(port, 50, flood)
+                _wait_for(lambda: _stats(server).peak_connections == 4)
+            finally:
+                for sock in flood:
+                    sock.close()
+            _wait_for(lambda: _stats(server).connections == 0)  # the flood's connections, all closed
+            assert _stats(server).requests == 3
+        assert on_threads == [loop_thread]
+
+    _with_server(client, values, max_connections=4, max_age=60)
+
+
+def test_a_loop_that_does_not_compute_the_snapshot_in_time_answers_503() -> None:
+    entered, release = threading.Event(), threading.Event()
+    calls = [0]
+
+    def values() -> dict[str, object]:  # blocks the loop it runs on until the client lets it go
+        calls[0] += 1
+        entered.set()
+        release.wait(60)
+        return {"opens": 7}
+
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        try:
+            assert _get(port)[0].startswith(b"HTTP/1.0 503")  # no answer from the loop within the time limit
+            assert entered.is_set()
+            with ThreadPoolExecutor(4) as pool:  # scrapes meanwhile wait for the same snapshot, then 503 too
+                heads = [head for head, _ in pool.map(lambda _: _get(port), range(4))]
+            assert all(head.startswith(b"HTTP/1.0 503") for head in heads), heads
+            assert _get(port, "/other")[0].startswith(b"HTTP/1.0 404")  # other paths need no snapshot
+            assert calls[0] == 1 and _stats(server).snapshots == 1  # one snapshot asked for, never a second
+        finally:
+            release.set()
+        head, body = _get(port)  # the snapshot is done (or about to be: this scrape waits for it)
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 7\n" in body
+        assert calls[0] == 1 and _stats(server).requests == 7
+
+    _with_server(client, values, time_limit=0.3, max_age=60)
+
+
+def test_cancelling_serve_metrics_ends_its_threads_and_closes_its_sockets() -> None:
+    assert not _metrics_threads()
+    idle: list[socket.socket] = []
+
+    async def main() -> int:
+        async with trio.open_nursery() as nursery:
+            server = await nursery.start(functools.partial(serve_metrics, 0, CountingValues()))
+            port = server.statistics().port
+            assert len(_metrics_threads()) == 8 + 2  # accept, refresh, and one worker per slot
+            _idle_clients(port, 3, idle)
+            with trio.fail_after(30):
+                while server.statistics().connections < 3:
+                    await trio.sleep(0.02)
+            nursery.cancel_scope.cancel()
+        return port
+
+    try:
+        port = trio.run(main)
+        # joined before serve_metrics returned (its wait is bounded: a thread left would still be alive here)
+        assert not _metrics_threads()
+        for sock in idle:  # the open connections were shut, not left to their time limit
+            sock.setblocking(True)
+            sock.settimeout(30)
+            assert sock.recv(1) == b""
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=30).close()
+        except ConnectionRefusedError:
+            pass
+        else:
+            raise AssertionError("still listening")
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def _failing_accept(monkeypatch: pytest.MonkeyPatch, errnos: list[int]) -> None:
+    """The endpoint's accept() fails with ``errnos``, one after the other, then works."""
+    accept = socket.socket.accept
+
+    def failing(sock: socket.socket) -> tuple[socket.socket, object]:
+        if threading.current_thread().name == "liquidfs-metrics-accept" and errnos:
+            raise OSError(errnos.pop(0), "injected")
+        return accept(sock)
+
+    monkeypatch.setattr(socket.socket, "accept", failing)
+
+
+def test_accept_out_of_descriptors_is_waited_out(monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    errnos = [errno.EMFILE, errno.ECONNABORTED, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS]
+    _failing_accept(monkeypatch, errnos)
+
+    def client(server: MetricsServer) -> None:
+        head, body = _get(_stats(server).port)  # waits in the listen queue while accept fails
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 1\n" in body
+        assert not errnos and _stats(server).connections == 0 and _stats(server).peak_connections == 1
+
+    with caplog.at_level("WARNING", logger="liquidfs.metrics"):
+        _with_server(client, CountingValues())
+    # the four capacity errors waited out (100 ms each) with a warning; ECONNABORTED (that connection only) not
+    assert sum("accept failed" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_any_other_accept_error_ends_serve_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    _failing_accept(monkeypatch, [errno.EINVAL])
+    client = socket.socket()
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                server = await nursery.start(functools.partial(serve_metrics, 0, CountingValues()))
+                client.setblocking(False)
+                client.connect_ex(("127.0.0.1", server.statistics().port))
+                await trio.sleep_forever()
+
+    try:
+        with pytest.raises(ExceptionGroup) as info:  # as it ended the mount when it ran on the loop
+            trio.run(main)
+    finally:
+        client.close()
+    assert info.value.subgroup(lambda exc: isinstance(exc, OSError) and exc.errno == errno.EINVAL) is not None
+    assert not _metrics_threads()
