@@ -1,12 +1,16 @@
-"""Which file descriptor serves an open, and the checks that make it safe to hand to the kernel.
+"""The file descriptor that serves an open on the passthrough path, and the checks that make it safe to hand to
+the kernel.
 
 With FUSE passthrough the kernel reads an open file's bytes straight from a descriptor the daemon hands it at
-open: every check must therefore happen before the open is answered. Four kinds of backing exist:
+open: every check must therefore happen before the open is answered. Which bytes an open serves (the source, or
+the raw object) is decided for both data paths by ``StoreReader.choose``; this module turns that choice into one
+of four kinds of backing:
 
-* ``source``: the original file, opened below the source root without following links, its identity (size and
-  mtime) checked on the open descriptor against the catalog;
+* ``source``: the original file, opened below the source root without following links, its identity checked on
+  the open descriptor against the catalog;
 * ``object``: the raw object of a local store, served only as ``prepare`` left it (regular file, its size, its
-  inode unchanged since the store was sealed: any write, truncation or rename since makes its ctime later);
+  inode unchanged since the store was sealed: any write, truncation or rename since makes its ctime later) and
+  writable by nobody but the mount's user;
 * ``memfd``: bytes read whole and checked before any is served (a raw object that cannot be vouched for by a
   stat, an object-store download, ``mount --verify-reads``, a next-epoch cache hit), sealed against change;
 * ``disk``: a file of the local disk cache level, read whole and checked against its digest like a memfd.
@@ -24,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .catalog import REPR_RAW, Node
+from .catalog import Node
 from .reader import Content, StoreReader, stamp
 
 log = logging.getLogger(__name__)
@@ -84,33 +88,20 @@ def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
 
 
 def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Backing | None:
-    """The source or raw object descriptor of a local store, when a stat of it shows what the catalog says;
-    None when it must be read whole. ``cached_only``: BlockingIOError where that would wait for the disk."""
-    source = reader.open_source(node, cached_only=cached_only)
+    """The descriptor ``StoreReader.choose`` picked for ``node``, when it may be handed to the kernel as it is:
+    the source (as the catalog describes it, or changed: an original is served either way, the caller corrects
+    its size), or a raw object a stat vouches for that nobody else can write in place. None when the object must
+    be read whole and its checksum checked. ``cached_only``: BlockingIOError where that would wait for the disk."""
+    chosen = reader.choose(node, cached_only=cached_only)
     try:
-        st = os.fstat(source)
-        changed = reader.check_source(node, st)
-        if node.repr != REPR_RAW or changed is not None:
-            # An original is served either way; its size may differ from the catalog's (the caller corrects it).
-            if node.repr == REPR_RAW:
-                reader.warn_once(node, changed)
-            found = Backing(source, st.st_size, raw=False, kind="source",
-                            fallback=changed if node.repr == REPR_RAW else None, stamp=stamp(st))
-            source = -1
-            return found
-        if reader.sealed_ns is None:
-            return None  # not sealed (or not a local filesystem): read and checked whole
-        obj = _open_object(reader, node, cached_only)
-        if obj is None:
-            return None
-        st = os.fstat(obj)
-        if reader.object_sealed(node, st) and only_we_write(st):
-            return Backing(obj, st.st_size, raw=True, kind="object", stamp=stamp(st))
-        os.close(obj)
+        if not chosen.raw:
+            return Backing(chosen.take(), chosen.st.st_size, raw=False, kind="source", fallback=chosen.fallback,
+                           stamp=stamp(chosen.st))
+        if chosen.sealed and only_we_write(chosen.st):
+            return Backing(chosen.take(), chosen.st.st_size, raw=True, kind="object", stamp=stamp(chosen.st))
         return None  # touched since prepare, or writable by others: read whole, checksum checked
     finally:
-        if source >= 0:
-            os.close(source)
+        chosen.close()
 
 
 def only_we_write(st: os.stat_result) -> bool:
@@ -136,16 +127,6 @@ def still_sound(backing: Backing) -> str | None:
     except OSError as exc:
         return f"backing unreadable ({exc.strerror})"
     return None if now == backing.stamp else f"{'raw object' if backing.raw else 'source'} changed while open"
-
-
-def _open_object(reader: StoreReader, node: Node, cached_only: bool) -> int | None:
-    """The raw object's descriptor, or None if it is not a regular file of the store (missing, a link...)."""
-    try:
-        return reader.open_object(node, cached_only=cached_only)
-    except BlockingIOError:
-        raise
-    except OSError:
-        return None  # the reader's whole read says why, and serves the original
 
 
 def _sealed_memfd(name: bytes | str, fill: Callable[[int], None]) -> int:

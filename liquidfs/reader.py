@@ -437,6 +437,30 @@ def check_raw(node: Node, data: bytes | memoryview) -> str | None:
 SEAL_MARGIN_NS = 50_000_000
 
 
+@dataclass(slots=True)
+class Choice:
+    """What one open of a node serves (``StoreReader.choose``): an open descriptor of the source or of the raw
+    object, owned by whoever holds this until ``take`` or ``close``."""
+
+    fd: int
+    st: os.stat_result
+    raw: bool
+    #: A stat vouches for the bytes: the source as the catalog describes it, or the raw object as prepare left
+    #: it. Else they must be read whole and checked (a raw object's checksum) before any is served.
+    sealed: bool
+    fallback: str | None = None  # why a node with a raw object is served as its original
+
+    def take(self) -> int:
+        """The descriptor, now the caller's."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class StoreReader:
     """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
 
@@ -498,50 +522,75 @@ class StoreReader:
         return (all(stat.S_ISDIR(st.st_mode) and _permits(st, uid, gid, 1) for st in dirs)
                 and _permits(file, uid, gid, 4))
 
+    def choose(self, node: Node, *, cached_only: bool = False) -> Choice:
+        """What an open of ``node`` serves, and how far a stat vouches for it: the one decision both data paths
+        take (passthrough hands the chosen descriptor to the kernel, ``backing.vouched``; the daemon path reads
+        it, ``open``, or defers its read, ``vouch``).
+
+        The source is opened below the root without links and compared with the catalog (size, mtime, inode,
+        ctime). A node with a raw object is served raw while the source is unchanged and the object can be
+        opened (a name prepare gives, a regular file below the objects directory, no link); ``sealed`` says
+        whether a stat vouches for the object (its size, its inode unchanged since prepare sealed the store),
+        else its checksum must be checked before any byte is served. Otherwise the original is served, and for a
+        raw node ``fallback`` says why. ``cached_only``: BlockingIOError where an open would wait for the disk.
+        """
+        source = self.open_source(node, cached_only=cached_only)
+        try:
+            st = os.fstat(source)
+            changed = self.check_source(node, st)
+            why = changed
+            if node.repr == REPR_RAW and changed is None:
+                try:
+                    obj = self.open_object(node, cached_only=cached_only)
+                except BlockingIOError:
+                    raise
+                except FileNotFoundError:
+                    why = "raw object missing"
+                except OSError as exc:
+                    why = f"raw object unreadable ({exc.strerror})"
+                else:
+                    ost = os.fstat(obj)
+                    return Choice(obj, ost, raw=True, sealed=self.object_sealed(node, ost))
+            if why is not None:
+                self.warn_once(node, why)
+            # An original is served either way; its size may differ from the catalog's (the caller corrects it).
+            chosen = Choice(source, st, raw=False, sealed=changed is None,
+                            fallback=why if node.repr == REPR_RAW else None)
+            source = -1
+            return chosen
+        finally:
+            if source >= 0:
+                os.close(source)
+
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""
-        fd = self.open_source(node)
+        chosen = self.choose(node)
         try:
-            st = os.fstat(fd)
-            fallback = self.check_source(node, st)
-            if node.repr == REPR_RAW:
-                if fallback is None:
-                    fallback, data = self._open_raw(node)
-                    if data is not None:
-                        return Content(size=len(data), raw=True, data=data, pooled=True)
-                self.warn_once(node, fallback)
-            elif fallback:
-                self.warn_once(node, fallback)
-                fallback = None  # an original is served either way: not a fallback
-            if st.st_size > WHOLE_FILE_LIMIT:
-                streamed, fd = fd, -1  # the content owns it now
-                return Content(size=st.st_size, raw=False, fd=streamed, fallback=fallback)
-            data = read_settled(fd, st, os.fsdecode(node.path))
-            return Content(size=len(data), raw=False, data=data, fallback=fallback, pooled=True)
+            if chosen.raw:
+                problem, data = self._read_raw(node, chosen.fd)
+                if data is not None:
+                    return Content(size=len(data), raw=True, data=data, pooled=True)
+                self.warn_once(node, problem)
+                chosen.close()
+                chosen = self._original(node, problem)
+            if chosen.st.st_size > WHOLE_FILE_LIMIT:
+                streamed = chosen.take()  # the content owns it now
+                return Content(size=chosen.st.st_size, raw=False, fd=streamed, fallback=chosen.fallback)
+            data = read_settled(chosen.fd, chosen.st, os.fsdecode(node.path))
+            return Content(size=len(data), raw=False, data=data, fallback=chosen.fallback, pooled=True)
         finally:
-            if fd >= 0:
-                os.close(fd)
+            chosen.close()
 
     def vouch(self, node: Node) -> bool:
         """True when what ``node`` serves is known without reading it, so it may be read at its first read:
-        the source unchanged (a stat), and a raw object present, of its size, its inode unchanged since prepare
-        finished (ctime: any write, truncation or rename since, even one that restores the mtime, makes it
-        later). Its checksum is still checked when it is read; a mismatch then fails that read with EIO (the
-        original could not be served at the size promised) and the next open serves the original."""
-        if self.check_source(node) is not None:
-            return False
-        if node.repr != REPR_RAW:
-            return True
-        if self.sealed_ns is None:
-            return False  # a store prepared before the seal was recorded: read at open, as ever
+        the source unchanged, and a raw object as prepare left it (``choose``). Its checksum is still checked
+        when it is read; a mismatch then fails that read with EIO (the original could not be served at the size
+        promised) and the next open serves the original."""
+        chosen = self.choose(node)
         try:
-            fd = self.open_object(node)
-        except OSError:
-            return False
-        try:
-            return self.object_sealed(node, os.fstat(fd))
+            return chosen.sealed and chosen.fallback is None  # a fallback is read at open: its size may differ
         finally:
-            os.close(fd)
+            chosen.close()
 
     def object_sealed(self, node: Node, st: os.stat_result) -> bool:
         """The raw object behind ``st`` is as prepare left it: its size, and its inode unchanged since the store
@@ -558,15 +607,10 @@ class StoreReader:
             return "source changed since prepare" if node.repr == REPR_RAW else "source changed since the scan"
         return None
 
-    def _open_raw(self, node: Node) -> tuple[str | None, memoryview | None]:
+    def _read_raw(self, node: Node, fd: int) -> tuple[str | None, memoryview | None]:
+        """The raw object read whole and checked against its checksum; else why not."""
         try:
-            fd = self.open_object(node)
-            try:
-                data = read_fd(fd)
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            return "raw object missing", None
+            data = read_fd(fd)
         except OSError as exc:
             return f"raw object unreadable ({exc.strerror})", None
         problem = check_raw(node, data)
@@ -574,6 +618,15 @@ class StoreReader:
             POOL.give(data)  # never served: the buffer may take the next file
             return problem, None
         return None, data
+
+    def _original(self, node: Node, why: str | None) -> Choice:
+        """The source, for a raw node whose object turned out unsound when read."""
+        source = self.open_source(node)
+        try:
+            return Choice(source, os.fstat(source), raw=False, sealed=False, fallback=why)
+        except BaseException:
+            os.close(source)
+            raise
 
     def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of what ``node`` served (its raw object, or its source), for a read of part of

@@ -56,9 +56,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _prepared(tmp_path_factory.mktemp("pt"))
 
 
-def _prepared(root: Path) -> tuple[Path, Path]:
+def _prepared(root: Path, count: int = 6) -> tuple[Path, Path]:
     src = root / "data"
-    make_sample(src, count=6, width=64, height=48, seed=3)
+    make_sample(src, count=count, width=64, height=48, seed=3)
     store = root / "store"
     prepare(src, store, 0.5, progress=False)
     time.sleep(0.1)  # objects written within a clock tick of the seal are not vouched for by a stat
@@ -79,8 +79,9 @@ def _ops(store: Path, *, cache: bool = False, verify: bool = False) -> tuple[Ope
     return ops, kernel
 
 
-def _images(ops: Operations) -> list:
-    return [n for n in ops.catalog.files() if n.path.endswith((b".png", b".bmp", b".jpg"))]
+def _images(where: Operations | Catalog) -> list:
+    catalog = where.catalog if isinstance(where, Operations) else where
+    return [n for n in catalog.files() if n.path.endswith((b".png", b".bmp", b".jpg"))]
 
 
 def _expected(src: Path, store: Path, node) -> bytes:
@@ -292,3 +293,48 @@ def test_an_object_another_user_can_write_is_copied_not_passed_through(tmp_path:
 
     trio.run(main)
     assert ops.stats.backing_object == 0 and ops.stats.backing_memfd > 0
+
+
+def test_both_data_paths_serve_what_choose_decides(tmp_path: Path) -> None:
+    """One decision for both paths: the passthrough backing (``vouched``, else ``resolve``) and the daemon path's
+    whole read (``StoreReader.open``) and deferral (``vouch``) agree with ``StoreReader.choose`` for a sound
+    raw object, a missing one, one damaged after prepare, a changed source, and an original."""
+    from liquidfs.backing import vouched
+    from liquidfs.catalog import REPR_RAW
+
+    src, store = _prepared(tmp_path, count=10)
+    catalog = Catalog.open(store, readonly=True)
+    reader = StoreReader(catalog.source, store, catalog.sealed_ns)
+    raw = [n for n in catalog.files() if n.repr == REPR_RAW]
+    original = next(n for n in _images(catalog) if n.repr != REPR_RAW)
+    sound, missing, damaged, changed = raw[:4]
+    (store / str(missing.object)).unlink()
+    obj = store / str(damaged.object)
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 0xFF
+    obj.write_bytes(data)  # in place: a later ctime, the checksum no longer matches
+    source = src / os.fsdecode(changed.path)
+    source.write_bytes(source.read_bytes())  # same bytes, a new ctime: no longer the file prepare expanded
+    expected = {  # node -> (served raw, a stat vouches, fallback)
+        sound.id: (True, True, None), missing.id: (False, True, "raw object missing"),
+        damaged.id: (True, False, None), changed.id: (False, False, "source changed since prepare"),
+        original.id: (False, True, None)}
+    for node in (sound, missing, damaged, changed, original):
+        chosen = reader.choose(node)
+        assert (chosen.raw, chosen.sealed, chosen.fallback) == expected[node.id], node.path
+        chosen.close()
+        backing = vouched(reader, node) or resolve(reader, node, vouch=False)
+        content = reader.open(node)
+        try:
+            assert backing is not None and backing.raw == content.raw
+            if node is damaged:  # read whole, the checksum fails: the original on both paths
+                assert backing.kind == "memfd" and not content.raw and content.fallback == backing.fallback
+            else:
+                assert backing.kind == ("object" if chosen.raw else "source")
+                assert content.raw == chosen.raw and content.fallback == chosen.fallback == backing.fallback
+            assert reader.vouch(node) == (chosen.sealed and chosen.fallback is None)
+        finally:
+            backing.close()
+            content.close()
+    reader.close()
+    catalog.close()
