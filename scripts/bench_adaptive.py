@@ -546,6 +546,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--crop", type=int, default=512, help="random resized crop, pixels a side")
     parser.add_argument("--shuffle-buffer", type=int, default=1024, help="DALI's initial_fill (default DALI's own)")
+    parser.add_argument("--profiled-ratio", type=float,
+                        help="the profiled configuration's ratio, from an earlier profile (default: profile now)")
     parser.add_argument("--mix-interval", type=float, default=10.0,
                         help="adaptive: the mount's --mix-interval, seconds between decisions (default 10)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between control-file samples")
@@ -587,7 +589,9 @@ def preflight(args: argparse.Namespace) -> str | None:
 
 def ratios_for(args: argparse.Namespace, data_work: Path, src: Path) -> dict[str, float]:
     ratios = {"png": 0.0, "prepared": args.prepared_ratio, "adaptive": args.prepared_ratio}
-    if "profiled" in args.configs:
+    if "profiled" in args.configs and args.profiled_ratio is not None:
+        ratios["profiled"] = args.profiled_ratio  # what an earlier `liquidfs profile` of this dataset chose
+    elif "profiled" in args.configs:
         # on the unchanged machine, once: the static choice a user makes before training
         print("profiling (liquidfs profile) ...", file=sys.stderr)
         ratios["profiled"] = e2e.auto_ratio(data_work, src)
@@ -608,6 +612,7 @@ def main(argv: list[str]) -> int:
     # the cached 1,000-image dataset of a full one.
     data_work = args.work / f"{args.images}-{args.width}x{args.height}"
     data_work.mkdir(parents=True, exist_ok=True)
+    data_work = data_work.resolve()  # it may be a link to a dataset another benchmark made
     src = e2e.dataset(data_work, args.images, args.width, args.height)
     ratios = ratios_for(args, data_work, src)
     stores = {r: e2e.store_for(data_work, src, r) for r in sorted(set(ratios.values()))}
