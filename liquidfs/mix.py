@@ -28,7 +28,7 @@ import trio
 import xxhash
 
 from .catalog import REPR_ORIGINAL, REPR_RAW, Node
-from .mixcontrol import MixController, Observation, node_pressure
+from .mixcontrol import CpuBusy, MixController, Observation, node_pressure
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +156,12 @@ STEER_INTERVAL = 10.0
 
 async def steer(mix: Mix, controller: MixController, counters: Callable[[], tuple[int, int]], *,
                 interval: float = STEER_INTERVAL,
-                pressure: Callable[[str], float | None] = node_pressure) -> None:
+                pressure: Callable[[str], float | None] = node_pressure,
+                busy: Callable[[], float | None] | None = None) -> None:
     """Feed ``controller`` what the node showed every ``interval`` seconds and apply its decisions to ``mix``,
-    until cancelled. ``counters()``: the mount's opens and bytes read from storage so far."""
+    until cancelled. ``counters()``: the mount's opens and bytes read from storage so far; ``busy()``: the share
+    of CPU time busy since its previous call (default: the node's, ``CpuBusy``)."""
+    busy = busy if busy is not None else CpuBusy()
     opens_before, bytes_before = counters()
     before = trio.current_time()
     while True:
@@ -167,6 +170,7 @@ async def steer(mix: Mix, controller: MixController, counters: Callable[[], tupl
         now = trio.current_time()
         elapsed = max(now - before, 1e-9)
         cpu, io = pressure("cpu"), pressure("io")
+        cpu_busy = busy()
         if cpu is None or io is None:
             mix.set_share(mix.share, "hold: this kernel shows no pressure stall information (/proc/pressure)")
         elif opens == opens_before:
@@ -175,7 +179,7 @@ async def steer(mix: Mix, controller: MixController, counters: Callable[[], tupl
         else:
             seen = Observation(images_per_s=(opens - opens_before) / elapsed,
                                storage_bytes_per_s=(taken - bytes_before) / elapsed,
-                               cpu_pressure=cpu, io_pressure=io)
+                               cpu_pressure=cpu, io_pressure=io, cpu_busy=cpu_busy or 0.0)
             decision = controller.observe(seen)
             mix.set_share(decision.share, f"{decision.reason}; {seen.images_per_s:.1f} opens/s")
         log.info("mix: raw share %.3f: %s", mix.share, mix.reason)

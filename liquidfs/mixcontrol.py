@@ -23,6 +23,9 @@ Plain Python without a clock or a mount: tests drive it with simulated machines.
 from __future__ import annotations
 
 import logging
+import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +38,10 @@ class Observation:
     storage_bytes_per_s: float
     cpu_pressure: float  # share of the interval some task waited for a CPU (0..1)
     io_pressure: float   # share of the interval some task waited for IO (0..1)
+    #: Share of the CPU time that was busy (0..1). A decoder with as many threads as cores keeps every core busy
+    #: without any task waiting for one, so CPU pressure alone misses that decoding binds: a saturated CPU counts
+    #: as CPU pressure too (``cpu_signal``).
+    cpu_busy: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +94,13 @@ class MixController:
         return None
 
     def _follow_pressure(self, seen: Observation) -> Decision:
-        gap = seen.cpu_pressure - seen.io_pressure
+        cpu = cpu_signal(seen)
+        gap = cpu - seen.io_pressure
         verdict = 0 if abs(gap) <= self.deadband else (1 if gap > 0 else -1)
         self._streak = self._streak + 1 if verdict == self._pending else 1
         self._pending = verdict
-        why = f"cpu pressure {seen.cpu_pressure:.2f}, io {seen.io_pressure:.2f}"
+        why = (f"cpu pressure {seen.cpu_pressure:.2f}, busy {seen.cpu_busy:.2f} -> {cpu:.2f}; "
+               f"io {seen.io_pressure:.2f}")
         if verdict == 0:
             return Decision(self.share, f"hold: balanced ({why})")
         if self._streak < self.patience:
@@ -117,6 +126,50 @@ class MixController:
     def _reverse(self) -> None:
         self.step = max(self.min_step, self.step / 2)
         self._last_move = -self._last_move
+
+
+#: CPU busy above this share of the time counts as pressure, reaching 1 when every core is busy all the time.
+BUSY_FLOOR = 0.8
+
+
+def cpu_signal(seen: Observation) -> float:
+    """How much decoding binds (0..1): the CPU pressure, or the CPU's saturation if that says more."""
+    saturation = min(1.0, max(0.0, (seen.cpu_busy - BUSY_FLOOR) / (1 - BUSY_FLOOR)))
+    return max(seen.cpu_pressure, saturation)
+
+
+class CpuBusy:
+    """The share of CPU time that was busy since the previous call: a cgroup v2 group's (its ``cpu.stat``
+    ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's (``/proc/stat``; time
+    waiting for IO counts as idle). None where it cannot be read."""
+
+    def __init__(self, where: Path = Path("/proc/pressure"), proc_stat: Path = Path("/proc/stat"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.group_stat = where / "cpu.stat"
+        self.proc_stat = proc_stat
+        self.clock = clock
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float] | None:
+        """(busy seconds, total seconds) so far, as counters."""
+        try:
+            if self.group_stat.exists():
+                fields = dict(line.split() for line in self.group_stat.read_text().splitlines() if line.strip())
+                return int(fields["usage_usec"]) / 1e6, self.clock() * self.cores
+            ticks = [int(v) for v in self.proc_stat.read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError, KeyError) as exc:
+            log.debug("cpu busy: %s", exc)
+            return None
+        idle = ticks[3] + ticks[4]  # idle, iowait
+        return float(sum(ticks) - idle), float(sum(ticks))
+
+    def __call__(self) -> float | None:
+        now, last = self._sample(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        return min(1.0, max(0.0, (now[0] - last[0]) / (now[1] - last[1])))
 
 
 def read_pressure(text: str) -> float:

@@ -90,13 +90,23 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
     psi = tmp_path / "psi"
     psi.mkdir()
     _pressure(psi, cpu=0.02, io=0.02)
+    # As a cgroup v2 group's directory: its CPU use stays put (busy 0), so only the pressure files decide,
+    # whatever else this machine runs meanwhile.
+    (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
     mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi),
                         store=store)
     assert _control(mnt)["mix"]["share"] == 0.5  # no profile in the store: the middle of [0, 1]
     rels = sorted(objects)
+    last = dict.fromkeys(rels, True)  # what each file's last open served (the catalog's raw, before any)
+    switches = 0
 
     def read_all() -> int:
-        return sum(_read_checked(mnt, rel, src, objects[rel]) for rel in rels)
+        nonlocal switches
+        for rel in rels:
+            raw = _read_checked(mnt, rel, src, objects[rel])
+            switches += raw != last[rel]
+            last[rel] = raw
+        return sum(last.values())
 
     def share_becomes(test) -> None:
         def moved() -> bool:
@@ -120,8 +130,16 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
     assert held.read() == objects[rels[0]].read_bytes()
     held.close()
     assert read_all() < 24
+    assert _control(mnt)["mix"]["switches"] == switches > 0  # every open was the test's: the counts agree
+    # DALI (mmap, its default) over the mount after the switch: every image decodes to the source's pixels.
+    from dali_helpers import dali_decode_all
+
+    root = "leftImg8bit/train"
+    ours, theirs = dali_decode_all(mnt / root), dali_decode_all(src / root)
+    assert len(ours) == len(theirs) == 24
+    for name in theirs:
+        assert np.array_equal(ours[name], theirs[name]), name
     stats = _control(mnt)
-    assert stats["mix"]["switches"] > 0 and stats["mix"]["decisions"] > 2
+    assert stats["mix"]["decisions"] > 2
     assert "storage binds" in stats["mix"]["reason"] or "bottom of the prepared" in stats["mix"]["reason"]
-    log = (mnt.parent / "daemon.log")
-    assert stats["errors"] == 0, log
+    assert stats["errors"] == 0
