@@ -5,7 +5,7 @@ them raw and the rest as their originals, chosen per open (issue 16):
 
 * ``prepared``: every raw object is served (s = P; what the mount did before ``--mix``);
 * a number: that share, fixed;
-* ``adaptive``: a ``MixController`` moves the share within [0, P] while the mount runs (``MixLoop``).
+* ``adaptive``: a ``MixController`` moves the share within [0, P] while the mount runs (``steer``).
 
 Which images are raw at a share is a seeded random choice: each image has a fixed rank in [0, 1) (a hash of the
 store's seed and its path), and is served raw while its rank is below s / P. A loader that shuffles therefore
@@ -33,9 +33,9 @@ from .mixcontrol import CpuBusy, MixController, Observation, node_pressure
 log = logging.getLogger(__name__)
 
 MIX_MODES = ("prepared", "adaptive")
-_MIX_SALT = 0x6D6978  # "mix"
 #: The profile ``prepare --ratio auto`` ran, kept in the store: the adaptive mix starts at its choice.
 PROFILE_NAME = "profile.json"
+_MIX_SALT = 0x6D6978  # "mix"
 _SEED_MASK = (1 << 64) - 1
 
 

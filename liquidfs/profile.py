@@ -528,7 +528,7 @@ def auto_ratio(source: str, store: str, *, quick: bool = False) -> float:
     profile = run_profile(source, store, quick=quick,
                           progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
-    if "://" not in store:
+    if not is_url(store):
         from .mix import PROFILE_NAME
 
         kept = Path(store) / PROFILE_NAME

@@ -692,7 +692,7 @@ class Attacker:
         try:
             st = os.stat(path)
             if self.spec.get("object_writer", "store-writer") == "root":
-                damage_in_place(str(path), bad, st.st_mtime_ns)
+                write_in_place(str(path), bad, st.st_mtime_ns)  # same inode, cut where shorter
                 restore = lambda: write_in_place(str(path), good, st.st_mtime_ns)  # noqa: E731
             else:
                 replace_as(path, bad, st.st_mtime_ns, STORE_WRITER_UID)
@@ -753,17 +753,6 @@ def write_in_place(path: str, data: bytes, mtime_ns: int) -> None:
 
 #: Who the store-writer attacker is: not the mount's user (``nobody``), so the objects prepare wrote are not its own.
 STORE_WRITER_UID = 65534
-
-
-def damage_in_place(path: str, bad: bytes, mtime_ns: int) -> None:
-    """Write ``bad`` over the object in place (same inode; truncated where shorter), its mtime put back."""
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-    try:
-        os.pwrite(fd, bad, 0)
-        os.ftruncate(fd, len(bad))
-    finally:
-        os.close(fd)
-    os.utime(path, ns=(mtime_ns, mtime_ns))
 
 
 def replace_as(path: Path, data: bytes, mtime_ns: int, uid: int) -> None:
