@@ -72,55 +72,57 @@ def build_parser() -> argparse.ArgumentParser:
                    "in /etc/fuse.conf when not root")
     m.add_argument("-o", dest="options", action="append", default=[], metavar="OPT[,OPT]",
                    help="extra FUSE mount options")
-    m.add_argument("--threads", type=int,
+    # Flags that tune internals: the defaults suit a local store on one node (docs/commands.md, "Advanced").
+    tuning = m.add_argument_group("advanced", "tuning internals; the defaults suit a local store on one node")
+    tuning.add_argument("--threads", type=int,
                    help="storage reads in flight at once (default 4 for a local store, 16 for an object store: "
                    "each request waits on the network more than on the disk)")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
                    help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
                    "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
                    "Default: no cache (and the page cache keeps no copy of served files)")
-    m.add_argument("--page-cache", choices=["drop", "keep", "direct"], default="drop",
+    tuning.add_argument("--page-cache", choices=["drop", "keep", "direct"], default="drop",
                    help="what the kernel's page cache keeps of served files the daemon's cache does not hold: "
                    "drop their pages when closed (default: no second copy of the dataset in memory), keep them "
                    "(less daemon CPU; the kernel reclaims them under pressure), or direct (direct_io: no pages; "
                    "see BENCHMARKS.md for what each costs)")
-    m.add_argument("--open-bytes", default="64M", metavar="SIZE",
+    tuning.add_argument("--open-bytes", default="64M", metavar="SIZE",
                    help="memory for files opened and not yet read to their end, outside the cache's budget "
                    "(default 64M). Files whose content is known without reading them (a local source "
                    "unchanged, a raw object as prepare left it) are always read at their first read; others "
                    "(object stores, objects touched since prepare) are read at open, unless opened past this "
                    "bound: loaders that open many files ahead (DALI maps its whole shuffle buffer) then do "
                    "not wait for each file at open")
-    m.add_argument("--push-pages", action=argparse.BooleanOptionalAction, default=True,
+    tuning.add_argument("--push-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="at a file's first read, hand the rest of it to the kernel's page cache at once instead "
                    "of waiting for each read (default on: the daemon's buffer is free for the next file at "
                    "once; see BENCHMARKS.md)")
-    m.add_argument("--disk-cache", metavar="DIR",
+    tuning.add_argument("--disk-cache", metavar="DIR",
                    help="a second cache level on local disk (NVMe in front of an object store): the same "
                    "next-epoch policy for what memory misses; files go to a directory of this mount's own "
                    "in DIR, removed at unmount. Needs --disk-cache-size")
-    m.add_argument("--disk-cache-size", metavar="SIZE",
+    tuning.add_argument("--disk-cache-size", metavar="SIZE",
                    help="budget of --disk-cache: a percentage of the dataset as served or bytes (200G)")
     m.add_argument("--warmup", action="store_true",
                    help="fill the cache right after the mount is ready, in the background, so the first epoch hits "
                    "too (progress: `liquidfs stats`, warmup)")
-    m.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
+    tuning.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
                    help="readahead of the mount, so the kernel sends larger reads (default 1024; 0 leaves the "
                    "kernel's default; needs root)")
-    m.add_argument("--io-timeout", type=float, default=60.0, metavar="SECONDS",
+    tuning.add_argument("--io-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="a read of the store or the source that takes longer answers EIO to the reader, and the "
                    "mount goes on serving other files (hung network storage, failing disks; default 60)")
     m.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this TCP port (off by default)")
-    m.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
+    tuning.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
                    help="address the metrics port listens on (default 127.0.0.1: this host only; 0.0.0.0 for a "
                    "Prometheus that scrapes a pod's IP, behind a NetworkPolicy)")
-    m.add_argument("--data-path", choices=["auto", "passthrough", "daemon"], default="auto",
+    tuning.add_argument("--data-path", choices=["auto", "passthrough", "daemon"], default="auto",
                    help="who serves the bytes: passthrough (the kernel reads each open file from a backing file "
                    "the daemon picked and checked at open; needs Linux >= 6.9, the pyfuse3 scripts/install.sh "
                    "builds, and CAP_SYS_ADMIN), daemon (every read answered by this process), or auto (default: "
                    "passthrough where available; the log and `liquidfs stats` say which, and why)")
-    m.add_argument("--verify-reads", action="store_true",
+    tuning.add_argument("--verify-reads", action="store_true",
                    help="passthrough: read every file whole and check it (a raw object against its checksum) "
                    "before the open answers, instead of trusting a raw object that is as prepare left it "
                    "(size and inode unchanged since). Costs a copy in memory per open file")
@@ -130,13 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "random per image), or 'adaptive' (a share chosen while the mount runs, from the node's CPU "
                    "and IO pressure: more raw when decoding binds, fewer when storage does; `liquidfs stats` "
                    "shows the share and why)")
-    m.add_argument("--mix-interval", type=float, default=10.0, metavar="SECONDS",
+    tuning.add_argument("--mix-interval", type=float, default=10.0, metavar="SECONDS",
                    help="--mix adaptive: seconds between two decisions (default 10, the span PSI averages over)")
-    m.add_argument("--pressure-dir", default="/proc/pressure", metavar="DIR",
+    tuning.add_argument("--pressure-dir", default="/proc/pressure", metavar="DIR",
                    help="--mix adaptive: where the CPU and IO pressure are read: the node's (default "
                    "/proc/pressure) or a cgroup v2 group's directory (its cpu.pressure and io.pressure)")
-    m.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
-    m.add_argument("--refresh", action="store_true",
+    tuning.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
+    tuning.add_argument("--refresh", action="store_true",
                    help="s3:// sources: list the source bucket again on this node instead of using the store's "
                    "catalog as is (new or changed objects; prepared images stay raw while unchanged)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
