@@ -8,7 +8,7 @@
 (as root: drop_caches needs it; the project VM runs everything as root.)
 
 What it does:
-1. starts a real S3 server (OpenStack Swift + s3api on 127.0.0.1, tests/s3server.py) under the work directory,
+1. starts a real S3 server (OpenStack Swift + s3api on 127.0.0.1, tests/support/s3server.py) under the work directory,
    makes the sample dataset (liquidfs.sample.make_sample, 2048x1024 PNG mosaics of real photos, seed 42) or
    takes --dataset, and uploads it to s3://bench/cs/ (keys = relative paths);
 2. ``liquidfs prepare s3://bench/cs --store s3://bench/cs.liquid --ratio auto --quick`` (or --ratio R): the ratio
@@ -67,7 +67,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))  # s3server.py and its fusehelpers live with the tests
+sys.path.insert(0, str(REPO / "tests" / "support"))  # s3server.py and its fusehelpers live with the tests
 
 DALI_EPOCH = REPO / "scripts" / "dali_epoch.py"
 SUBDIR = Path("leftImg8bit") / "train"
@@ -707,7 +707,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "image_bytes": image_bytes, "dataset": str(src), "generated": not args.dataset, "repeats": args.repeats,
         "epochs_per_round": args.epochs, "batch": args.batch, "loader_threads": args.loader_threads,
         "requests_in_flight": args.threads, "cache_size": args.cache_size, "prepare": preps,
-        "server": "OpenStack Swift s3api on 127.0.0.1 (tests/s3server.py), same machine and cores as the loader",
+        "server": "OpenStack Swift s3api on 127.0.0.1 (tests/support/s3server.py), same machine and cores as the loader",
         "cold": "epoch 1 of each round: fresh mount, page cache dropped (sync; echo 3 > drop_caches), so Swift's "
                 "object files are cold on the server side too; later epochs: Swift's files in the page cache",
         "liquidfs": f"mount --cache-size {args.cache_size} --threads {args.threads}",

@@ -14,7 +14,7 @@ Generates (or reuses) a tree of empty files under --dir, then measures and print
     python scripts/bench_scale.py --files 100000 --json /tmp/scale.json
 
 Needs root for the drop of dentry caches (without it, lookups may be answered by the kernel's cache and the
-figures say so). Figures are printed, never asserted: tests/test_scale.py runs a small version for correctness.
+figures say so). Figures are printed, never asserted: tests/mount/test_scale.py runs a small version for correctness.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ more (all must be right). The table and each wrong read explained (what it was s
 file around it) are printed and, with ``--json``, written with the path of the attacker's log.
 
 Exit status 0 when every read matched (and, without the attacker, nothing failed; with it, no unexpected errno).
-tests/test_faults.py runs the reader part for ~10 s.
+tests/mount/test_faults.py runs the reader part for ~10 s.
 """
 
 from __future__ import annotations
@@ -972,7 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--object-writer", choices=("store-writer", "root"), default="store-writer",
                         help="who damages raw objects: a store writer who is not the mount's user and replaces "
                              "them (default), or root writing root's own objects in place (what passthrough "
-                             "cannot check once a reader has the file open; see README, Data paths)")
+                             "cannot check once a reader has the file open; see docs/how-it-works.md, Data paths)")
     parser.add_argument("--mount-option", action="append", default=[], metavar="ARG",
                         help="one more argument for `liquidfs mount` (repeat it: --mount-option=--verify-reads)")
     args = parser.parse_args(argv)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent))  # `from conftest import run_cli`
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # helpers: fusehelpers, s3server, trees, ...
 
 from fusehelpers import FUSERMOUNT, Mount, fuse_available, is_mounted  # noqa: E402
 from s3server import s3_server  # noqa: E402,F401

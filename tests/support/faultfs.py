@@ -1,6 +1,6 @@
 """A read-only FUSE passthrough that injects storage faults: the failing disk or hung NFS server of the tests.
 
-    python tests/faultfs.py ROOT MOUNTPOINT RULES.json
+    python tests/support/faultfs.py ROOT MOUNTPOINT RULES.json
 
 serves ROOT at MOUNTPOINT and, for every file whose path (relative to ROOT) contains one of the substrings of a
 rule, answers reads as broken storage would. RULES.json is read again whenever it changes, so a test switches

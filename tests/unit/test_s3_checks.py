@@ -4,7 +4,7 @@ that ignores ``If-Match`` or ``Range``, or cuts a body short, makes the read fai
 a mount, a refusal in prepare and verify): its bytes are never returned.
 
 A fake client that answers as S3 does, with hooks that spoil its answers the way a misbehaving proxy would;
-tests/test_s3.py has the same through a real mount, a real server and a real proxy.
+tests/system/test_s3.py has the same through a real mount, a real server and a real proxy.
 """
 
 from __future__ import annotations

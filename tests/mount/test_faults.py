@@ -1,6 +1,6 @@
 """Faults: concurrent readers, broken and hung storage, a killed daemon, hostile trees, other users.
 
-Storage faults come from tests/faultfs.py, a FUSE passthrough under the source and the raw objects that answers
+Storage faults come from tests/support/faultfs.py, a FUSE passthrough under the source and the raw objects that answers
 reads with EIO or never answers them, so liquidfs meets them through the kernel as it would meet a failing disk or
 a hung NFS server.
 """
@@ -31,7 +31,7 @@ from test_scale import load_script
 pytestmark = pytest.mark.fuse
 
 soak = load_script("soak")
-FAULTFS = Path(__file__).parent / "faultfs.py"
+FAULTFS = Path(__file__).parents[1] / "support" / "faultfs.py"
 
 
 def stats(mnt: Path) -> dict[str, object]:

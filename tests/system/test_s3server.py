@@ -1,4 +1,4 @@
-"""The S3 server the s3:// tests run against (tests/s3server.py) behaves like S3 for everything liquidfs uses."""
+"""The S3 server the s3:// tests run against (tests/support/s3server.py) behaves like S3 for everything liquidfs uses."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOUNT_DIR = REPO / "mount"
 K8S_DIR = MOUNT_DIR / "kubernetes"
 HELPER = MOUNT_DIR / "mount.fuse.liquidfs"

@@ -60,7 +60,7 @@ LOG_TAIL_LINES = 40
 # Run one Swift server against the swift.conf beside this file. Importable as module "launch" too (sys.path[0] is
 # its directory when run as a script), which is how the proxy's paste pipeline finds ``cache_filter_factory``.
 _LAUNCHER = '''\
-"""Run one Swift server with the swift.conf of this directory; see tests/s3server.py."""
+"""Run one Swift server with the swift.conf of this directory; see tests/support/s3server.py."""
 import copy
 import json
 import os

@@ -20,7 +20,7 @@ DIRS = 20
 
 
 def load_script(name: str) -> ModuleType:
-    path = Path(__file__).parent.parent / "scripts" / f"{name}.py"
+    path = Path(__file__).parents[2] / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
