@@ -8,6 +8,8 @@ Every configuration is a liquidfs mount of the same source (so each pays the sam
     png       a store prepared at ratio 0 (every image served as its PNG)
     profiled  a store prepared at the ratio `liquidfs profile` chose on the unchanged machine (measured once)
     prepared  a store prepared at --prepared-ratio, mounted without --mix (every prepared raw object served)
+    fixed     the same store mounted with --mix at the prepared share (what adaptive does at its top, with no
+              controller: the cost of the mix's own code path; not in the default list)
     adaptive  the same store mounted with --mix adaptive (the mount picks the raw share online, 0..prepared)
 A static share R equals a store prepared at R (prepare keeps a seeded prefix), so only `adaptive` needs --mix.
 
@@ -19,6 +21,7 @@ driver, which drops the page cache (cold storage) and applies the phase:
 Scenario `storage`: while changed, a cgroup v1 blkio group caps reads at --cap-mb MB/s; it holds both the liquidfs
 daemon and the loader, because with FUSE passthrough the kernel reads the backing files in the reader's context.
 Scenario `cpu`: while changed, --hogs busy-looping processes compete for the cores (the CPU they got is recorded).
+Scenario `none`: nothing changes (to compare configurations on the unchanged machine).
 
 Two DALI defaults blur the phase edges a little, the same for every configuration. The reader fills its shuffle
 buffer (--shuffle-buffer, initial_fill 1024) before the first batch, which epoch 1 pays; after that each sample
@@ -55,9 +58,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_e2e as e2e  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 from liquidfs import _throttle  # noqa: E402
 
-CONFIGS = ("png", "profiled", "prepared", "adaptive")
-STATIC = ("png", "profiled", "prepared")
-SCENARIOS = ("storage", "cpu")
+CONFIGS = ("png", "profiled", "prepared", "fixed", "adaptive")
+STATIC = ("png", "profiled", "prepared", "fixed")
+SCENARIOS = ("storage", "cpu", "none")
 PHASES = ("before", "changed", "after")
 GOAL = 0.95  # adaptive must reach this share of the best static configuration in every phase
 
@@ -265,8 +268,26 @@ class CpuHog:
         self.procs = []
 
 
+class NoChange:
+    """Scenario `none`: the machine stays as it is."""
+
+    def apply(self, on: bool, pids: Iterable[int]) -> None:
+        pass
+
+    def begin(self) -> None:
+        pass
+
+    def epoch_stats(self, seconds: float) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 def make_change(scenario: str, args: argparse.Namespace, data_work: Path) -> Change:
-    return StorageCap(data_work, args.cap_mb) if scenario == "storage" else CpuHog(args.hogs)
+    if scenario == "storage":
+        return StorageCap(data_work, args.cap_mb)
+    return CpuHog(args.hogs) if scenario == "cpu" else NoChange()
 
 
 def changed_epochs(args: argparse.Namespace) -> str:
@@ -339,10 +360,12 @@ class Run:
     error: str | None = None
 
 
-def mount_flags(config: str, mix_interval: float) -> list[str]:
+def mount_flags(config: str, ratio: float, mix_interval: float) -> list[str]:
     args = ["--data-path", "auto"]
     if config == "adaptive":
         args += ["--mix", "adaptive", "--mix-interval", str(mix_interval)]
+    elif config == "fixed":
+        args += ["--mix", f"{ratio:g}"]
     return args
 
 
@@ -509,7 +532,8 @@ def chart(runs: list[Run], args: argparse.Namespace, path: Path) -> bool:
                 for e in run.epochs:
                     if e["phase"] == "changed":
                         bottom.axvspan(e["start_s"], e["end_s"], color="0.9")
-        change = f"storage capped at {args.cap_mb} MB/s" if scenario == "storage" else f"{args.hogs} CPU hog(s)"
+        change = {"storage": f"storage capped at {args.cap_mb} MB/s", "cpu": f"{args.hogs} CPU hog(s)"}.get(
+            scenario, "no change")
         top.set(title=f"{scenario}: {change} in {changed_epochs(args)}", xlabel="epoch", ylabel="images/s")
         top.set_xticks(range(1, args.epochs + 1))
         top.set_ylim(bottom=0)
@@ -537,8 +561,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--change-from", type=int, default=2, help="first epoch of the changed phase")
     parser.add_argument("--lift-at", type=int, default=4, help="first epoch after it (the change lifted)")
-    parser.add_argument("--scenarios", default="storage,cpu")
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--scenarios", default="storage,cpu", help=f"of {', '.join(SCENARIOS)}")
+    parser.add_argument("--configs", default="png,profiled,prepared,adaptive", help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--prepared-ratio", type=float, default=1.0)
     parser.add_argument("--cap-mb", type=int, default=200, help="the storage scenario's read cap, MB/s")
     parser.add_argument("--hogs", type=int, default=1, help="busy-looping processes in the cpu scenario")
@@ -588,7 +612,8 @@ def preflight(args: argparse.Namespace) -> str | None:
 
 
 def ratios_for(args: argparse.Namespace, data_work: Path, src: Path) -> dict[str, float]:
-    ratios = {"png": 0.0, "prepared": args.prepared_ratio, "adaptive": args.prepared_ratio}
+    ratios = {"png": 0.0, "prepared": args.prepared_ratio, "fixed": args.prepared_ratio,
+              "adaptive": args.prepared_ratio}
     if "profiled" in args.configs and args.profiled_ratio is not None:
         ratios["profiled"] = args.profiled_ratio  # what an earlier `liquidfs profile` of this dataset chose
     elif "profiled" in args.configs:
@@ -627,7 +652,7 @@ def main(argv: list[str]) -> int:
     runs: list[Run] = []
     for scenario in args.scenarios:
         for config in args.configs:
-            run = Run(scenario, config, ratios[config], mount_flags(config, args.mix_interval))
+            run = Run(scenario, config, ratios[config], mount_flags(config, ratios[config], args.mix_interval))
             runs.append(run)
             try:
                 run_one(run, src, stores[ratios[config]], data_work, args)
