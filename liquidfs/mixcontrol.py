@@ -14,8 +14,12 @@ share within ``[low, high]`` (what ``prepare`` expanded), moving towards the sid
 It does not oscillate: a move needs the same verdict ``patience`` times in a row (hysteresis), each move is at
 most ``step`` and halves each time the direction reverses (down to ``min_step``), and grows back only while
 moves keep the same direction. A move that made throughput fall by more than ``regret`` is undone once: the
-next move the same way, if the pressure still asks for it, stands. Every
-decision carries its reason, for ``stats`` and the log.
+next move the same way, if the pressure still asks for it, stands. Throughput is judged as the mean over
+``patience`` intervals before the move against as many after it: a loader opens files in bursts (DALI's opens
+per 5 s swung from 7 to 35 in one steady phase of bench_adaptive), so one interval against one undid sound moves
+and halved the step each time; and a fall counts only past twice the noise the rate showed lately (its standard
+error over such a window), since with bursts that large even means of two intervals fall by 10 % half of the
+time. Every decision carries its reason, for ``stats`` and the log.
 
 Plain Python without a clock or a mount: tests drive it with simulated machines.
 """
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import logging
 import os
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +71,11 @@ class MixController:
         self._pending = 0          # the verdict seen last (+1 more raw, -1 fewer raw, 0 hold)
         self._streak = 0           # how many times in a row
         self._last_move = 0        # direction of the last move
-        self._before_move: tuple[float, float] | None = None  # (share, images/s) just before the last move
+        # (share, mean images/s, its noise) before the last move; noise None: too little seen to judge it
+        self._before_move: tuple[float, float, float | None] | None = None
+        self._rates: deque[float] = deque(maxlen=patience)  # images/s of the last intervals
+        self._since_move: list[float] = []                   # images/s of the intervals since the last move
+        self._history: deque[float] = deque(maxlen=4 * patience + 2)  # for the noise of the rate
         # The direction of the last move undone for regret: the next move that way, if the pressure still asks
         # for it, is not undone again (a rate measured over one interval is noisy; the pressure is the signal).
         self._regretted = 0
@@ -73,6 +83,8 @@ class MixController:
 
     def observe(self, seen: Observation) -> Decision:
         """The share to serve from now on, given what the last interval showed."""
+        self._rates.append(seen.images_per_s)
+        self._history.append(seen.images_per_s)
         decision = self._undo_if_worse(seen) or self._follow_pressure(seen)
         self.decisions.append(decision)
         if decision.share != self.share:
@@ -83,14 +95,21 @@ class MixController:
     def _undo_if_worse(self, seen: Observation) -> Decision | None:
         if self._before_move is None:
             return None
-        share, rate = self._before_move
+        self._since_move.append(seen.images_per_s)
+        if len(self._since_move) < self.patience:
+            return None  # judged over as many intervals as led to the move
+        share, rate, noise = self._before_move
+        after = statistics.fmean(self._since_move)
         self._before_move = None
         moved = self._last_move
-        if rate > 0 and seen.images_per_s < rate * (1 - self.regret) and moved != self._regretted:
+        if noise is None:
+            return None  # too little seen before the move to tell a loss from the noise: the pressure decides
+        margin = max(rate * self.regret, 2 * noise * (2 / self.patience) ** 0.5)  # the standard error of a difference
+        if rate > 0 and after < rate - margin and moved != self._regretted:
             self._regretted = moved
             self._reverse()
             self._pending = self._streak = 0
-            return Decision(share, f"undone: {seen.images_per_s:.1f} img/s after the move, {rate:.1f} before")
+            return Decision(share, f"undone: {after:.1f} img/s after the move, {rate:.1f} before")
         return None
 
     def _follow_pressure(self, seen: Observation) -> Decision:
@@ -118,7 +137,9 @@ class MixController:
         elif self._last_move == verdict:
             self.step = min(self.step * 1.5, 0.2)  # still the same way: go faster, within a bound
         self._last_move = verdict
-        self._before_move = (self.share, seen.images_per_s)
+        noise = statistics.stdev(self._history) if len(self._history) >= 3 else None
+        self._before_move = (self.share, statistics.fmean(self._rates), noise)
+        self._since_move = []
         self._streak = 0
         return Decision(round(target, 4), f"{'more' if verdict > 0 else 'fewer'} raw: "
                                           f"{'decode' if verdict > 0 else 'storage'} binds ({why})")
