@@ -1,4 +1,4 @@
-"""What each image format is, and how to expand PNG/JPEG losslessly to BMP.
+"""What each image format is, and how to expand PNG/JPEG losslessly to BMP (or to lossless JPEG 2000).
 
 liquidfs serves a BMP under the original file name, so an unmodified loader
 decodes it instead of the PNG/JPEG.  The promise is that it decodes *the same
@@ -10,7 +10,7 @@ machine-friendly reason and served as the original bytes.
 
 BMP layout per source mode (chosen by experiment so that Pillow, DALI
 ``fn.decoders.image`` (CPU) and OpenCV ``imdecode`` agree with the original;
-tests/test_formats.py re-checks all of it):
+tests/unit/test_formats.py re-checks all of it):
 
 =========  ==============================================================
 source     BMP written
@@ -70,7 +70,7 @@ from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
-from PIL import BmpImagePlugin, Image, ImageFile, JpegImagePlugin, PngImagePlugin
+from PIL import BmpImagePlugin, Image, ImageFile, Jpeg2KImagePlugin, JpegImagePlugin, PngImagePlugin
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,7 @@ __all__ = [
     "EXPANDABLE",
     "Expansion",
     "MAX_PIXELS",
+    "RAW_FORMATS",
     "decode",
     "expand",
     "pixel_count",
@@ -88,6 +89,17 @@ __all__ = [
 
 BMP_MAGIC: Final = b"BM"
 EXPANDABLE: Final = ("png", "jpeg")
+#: What an image may be expanded to: BMP (no decode work: for CPU decoders), or lossless JPEG 2000 (reversible
+#: 5/3 wavelet, JP2 file): small, but decoded on a GPU (DALI "mixed", nvJPEG2000); on a CPU it is slower than PNG.
+RAW_FORMATS: Final = ("bmp", "j2k")
+#: The loaders each raw format was shown to decode to the source's exact pixels (tests/unit/test_formats.py,
+#: tests/unit/test_j2k.py); "dali-mixed" for J2K is to be shown on a GPU (scripts/bench_train.py).
+SAFE_FOR: Final = {
+    "bmp": ("pillow", "torchvision (PIL loader)", "opencv", "dali-cpu", "dali-mixed"),
+    "j2k": ("pillow", "torchvision (PIL loader)"),
+}
+JP2_SIGNATURE: Final = b"\x00\x00\x00\x0cjP  \r\n\x87\n"
+J2K_CODESTREAM: Final = b"\xff\x4f\xff\x51"
 #: expand's default bound: larger images are refused from their header (too-large).
 MAX_PIXELS: Final = 100_000_000
 
@@ -108,9 +120,10 @@ class _Refuse(Exception):
 
 @dataclass(frozen=True)
 class Expansion:
-    data: bytes | None  # complete BMP file bytes when accepted, else None
+    data: bytes | None  # the complete raw file (BMP or JP2) when accepted, else None
     source_format: str | None  # 'png' / 'jpeg' / None
     reason: str | None  # None when accepted, else a short machine-friendly reason
+    raw_format: str = "bmp"  # what data holds (RAW_FORMATS)
 
     @property
     def accepted(self) -> bool:
@@ -118,9 +131,11 @@ class Expansion:
 
 
 def sniff(head: bytes) -> str | None:
-    """Real format from the first bytes: 'png', 'jpeg', 'bmp' or None. Never by extension."""
+    """Real format from the first bytes: 'png', 'jpeg', 'bmp', 'j2k' or None. Never by extension."""
     if head.startswith(PNG_SIGNATURE):
         return "png"
+    if head.startswith(JP2_SIGNATURE) or head.startswith(J2K_CODESTREAM):
+        return "j2k"
     if head.startswith(JPEG_SOI):
         return "jpeg"
     if head.startswith(BMP_MAGIC):
@@ -155,36 +170,39 @@ def same_pixels(a: bytes, b: bytes) -> bool:
         return _same_image(ia, ib)
 
 
-def expand(data: bytes, *, max_pixels: int = MAX_PIXELS) -> Expansion:
-    """Decode the original (PNG or JPEG by content), write a BMP, decode that
-    again and accept it only if bit-exact with the original's decode.
+def expand(data: bytes, *, max_pixels: int = MAX_PIXELS, to: str = "bmp") -> Expansion:
+    """Decode the original (PNG or JPEG by content), write a BMP (``to="j2k"``:
+    a lossless JPEG 2000), decode that again and accept it only if bit-exact
+    with the original's decode.
 
     Never raises for bad input: every problem becomes a reason.  Images whose
     header declares more than max_pixels are refused from the header alone,
     before any pixel is decoded.  Only MemoryError propagates.
     """
+    if to not in RAW_FORMATS:
+        raise ValueError(f"unknown raw format {to!r} (known: {', '.join(RAW_FORMATS)})")
     if not data:
-        return Expansion(None, None, "empty")
+        return Expansion(None, None, "empty", to)
     data = bytes(data)  # a bytearray/memoryview would trip the parsers into 'corrupt'; no copy for bytes
     fmt = sniff(data[:32])
     if fmt not in EXPANDABLE:
-        return Expansion(None, None, "not-an-image" if fmt is None else f"not-expandable:{fmt}")
+        return Expansion(None, None, "not-an-image" if fmt is None else f"not-expandable:{fmt}", to)
     if ImageFile.LOAD_TRUNCATED_IMAGES:
         # With this process-wide Pillow switch on, a damaged file decodes to
         # made-up pixels instead of failing, so our decode would not be what
         # a default Pillow (or libpng) gives for the original.
-        return Expansion(None, fmt, "truncated-images-allowed")
+        return Expansion(None, fmt, "truncated-images-allowed", to)
     try:
-        bmp = _expand_png(data, max_pixels) if fmt == "png" else _expand_jpeg(data, max_pixels)
+        raw = _expand_png(data, max_pixels, to) if fmt == "png" else _expand_jpeg(data, max_pixels, to)
     except MemoryError:
         raise
     except _Refuse as r:
         log.debug("not expanding %s: %s %s", fmt, r.reason, r.detail)
-        return Expansion(None, fmt, r.reason)
+        return Expansion(None, fmt, r.reason, to)
     except Exception as e:  # noqa: BLE001 - any decoder failure means "corrupt", never a crash
         log.debug("not expanding %s: corrupt (%s: %s)", fmt, type(e).__name__, e)
-        return Expansion(None, fmt, "corrupt")
-    return Expansion(bmp, fmt, None)
+        return Expansion(None, fmt, "corrupt", to)
+    return Expansion(raw, fmt, None, to)
 
 
 def pixel_count(data: bytes) -> int | None:
@@ -317,7 +335,7 @@ def _check_png_policy(depth: int, ctype: int, chunks: dict[bytes, list[bytes]]) 
     return _PNG_MODES[(ctype, depth)]
 
 
-def _expand_png(data: bytes, max_pixels: int) -> bytes:
+def _expand_png(data: bytes, max_pixels: int, to: str = "bmp") -> bytes:
     w, h = _png_header_size(data)
     if w * h > max_pixels:
         raise _Refuse("too-large", f"{w}x{h}")
@@ -327,7 +345,7 @@ def _expand_png(data: bytes, max_pixels: int) -> bytes:
     # replaces Pillow's process-wide MAX_IMAGE_PIXELS check, which would warn
     # (or raise) on legitimately large images.
     im = PngImagePlugin.PngImageFile(io.BytesIO(data))
-    return _to_bmp(im, mode, (w, h))
+    return _to_raw(im, mode, (w, h), to)
 
 
 # -------------------------------------------------------------------- JPEG
@@ -392,7 +410,7 @@ def _scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
         pos += length
 
 
-def _expand_jpeg(data: bytes, max_pixels: int) -> bytes:
+def _expand_jpeg(data: bytes, max_pixels: int, to: str = "bmp") -> bytes:
     width, height, precision = _scan_jpeg(data, max_pixels)
     if width == 0 or height == 0:
         raise _Refuse("corrupt", "zero size (DNL) frame")
@@ -401,7 +419,7 @@ def _expand_jpeg(data: bytes, max_pixels: int) -> bytes:
     im = JpegImagePlugin.JpegImageFile(io.BytesIO(data))  # see _expand_png for why not Image.open
     if im.mode not in ("L", "RGB"):
         raise _Refuse(f"unsupported-mode:{im.mode}")
-    return _to_bmp(im, im.mode, (width, height))
+    return _to_raw(im, im.mode, (width, height), to)
 
 
 # ------------------------------------------------------------ EXIF / XMP
@@ -525,8 +543,15 @@ def _write_bmp(raw: bytes, mode: str, size: tuple[int, int], palette: np.ndarray
 # ------------------------------------------------- decode, write, verify
 
 
-def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> bytes:
-    """Load the opened original, write its BMP, and prove the round trip."""
+def _to_raw(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], to: str) -> bytes:
+    """Load the opened original, write its raw file (``to``: bmp or j2k), and prove the round trip."""
+    raw, palette = _checked_samples(im, mode, size)
+    return _to_j2k(im, mode, size, raw) if to == "j2k" else _to_bmp(im, mode, size, raw, palette)
+
+
+def _checked_samples(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> tuple[bytes, np.ndarray | None]:
+    """Load the opened original and refuse what no raw file can carry: its packed samples and, for P, the
+    palette to write (with the gray sentinel where needed)."""
     if im.size != size:
         raise _Refuse("corrupt", f"Pillow size {im.size} != header {size}")
     im.load()
@@ -556,6 +581,11 @@ def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> bytes:
             if len(palette) >= 256:
                 raise _Refuse("gray-palette")
             palette = np.concatenate([palette, _SENTINEL])
+    return raw, palette
+
+
+def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: bytes,
+            palette: np.ndarray | None) -> bytes:
     bmp = _write_bmp(raw, mode, size, palette)
     check = BmpImagePlugin.BmpImageFile(io.BytesIO(bmp))
     check.load()
@@ -563,6 +593,30 @@ def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> bytes:
         log.warning("BMP round trip differs for a %s %dx%d image", mode, *size)
         raise _Refuse("round-trip-mismatch")
     return bmp
+
+
+#: Modes a lossless JPEG 2000 holds as the source decodes: one component per channel. A palette (P) or 1-bit
+#: image would come back as L or RGB, another mode than the original's under Pillow.
+_J2K_MODES: Final = frozenset({"L", "RGB", "RGBA"})
+
+
+def _to_j2k(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: bytes) -> bytes:
+    """A JP2 file, reversible 5/3 wavelet and no quality layers (lossless), the reversible colour transform for
+    colour images (smaller; nvJPEG2000 and OpenJPEG undo it exactly); accepted only if Pillow decodes it to the
+    same samples."""
+    if mode not in _J2K_MODES:
+        raise _Refuse(f"j2k-unsupported-mode:{mode}")
+    out = io.BytesIO()
+    # A copy detached from the source file: saving the opened plugin object would re-read the source
+    Image.frombytes(mode, size, raw).save(out, "JPEG2000", irreversible=False, mct=1 if mode != "L" else 0,
+                                          no_jp2=False)
+    j2k = out.getvalue()
+    check = Jpeg2KImagePlugin.Jpeg2KImageFile(io.BytesIO(j2k))
+    check.load()
+    if not _same_image(im, check, raw):
+        log.warning("JPEG 2000 round trip differs for a %s %dx%d image", mode, *size)
+        raise _Refuse("j2k-round-trip-mismatch")  # j2k-: a BMP may still hold it
+    return j2k
 
 
 def _same_image(a: Image.Image, b: Image.Image, a_raw: bytes | None = None) -> bool:

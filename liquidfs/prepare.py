@@ -1,4 +1,5 @@
-"""``liquidfs prepare`` and ``liquidfs verify``: expand a seeded share of the images to raw BMP objects.
+"""``liquidfs prepare`` and ``liquidfs verify``: expand a seeded share of the images to raw objects (BMP, or
+lossless JPEG 2000 with ``--formats``).
 
 Which images are served raw is a reproducible random choice: candidates are ranked by a hash of (seed, path) and
 the first ``round(ratio * eligible)`` that expand losslessly are chosen. Raising the ratio extends that prefix and
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 #: Files considered for expansion; their real format is then detected from their content.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
 OBJECTS = "objects"
+#: The file name suffix of a raw object of each raw format (``formats.RAW_FORMATS``).
+OBJECT_SUFFIXES = {"bmp": ".bmp", "j2k": ".jp2"}
+#: ``--formats`` names the originals may carry: they are always served for the images not expanded.
+ORIGINAL_FORMATS = ("png", "jpeg", "jpg")
 
 
 class PrepareError(Exception):
@@ -58,17 +63,43 @@ def parse_ratio(text: str) -> float | str:
     return value
 
 
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``--formats png,bmp,j2k``: the raw formats prepare may write, in the order it tries them (J2K first where
+    listed, then BMP for the images J2K cannot hold exactly); the original formats are accepted and implied."""
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [n for n in names if n not in formats.RAW_FORMATS and n not in ORIGINAL_FORMATS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown format {', '.join(unknown)}: --formats takes png and any of {', '.join(formats.RAW_FORMATS)}")
+    raw = tuple(f for f in ("j2k", "bmp") if f in names)
+    if not raw:
+        raise argparse.ArgumentTypeError("--formats needs a raw format to expand to: bmp, j2k or both")
+    return raw
+
+
+def raw_format_of(obj: str) -> str | None:
+    """The raw format a raw object's name says it holds."""
+    return next((fmt for fmt, suffix in OBJECT_SUFFIXES.items() if obj.endswith(suffix)), None)
+
+
 def rank(seed: int, path: bytes) -> int:
     return xxhash.xxh3_64_intdigest(path, seed=seed)
 
 
-def object_name(node: Node) -> str:
-    """Objects are named by the path and identity of their source: a changed source gets a new object."""
+def object_name(node: Node, raw_format: str = "bmp") -> str:
+    """Objects are named by the path and identity of their source (a changed source gets a new object), and
+    their suffix by what they hold."""
     identity = b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns)
     if node.etag is not None:
         identity += b"\0" + node.etag.encode()
     digest = xxhash.xxh3_128_hexdigest(identity)
-    return f"{OBJECTS}/{digest[:2]}/{digest}.bmp"
+    return f"{OBJECTS}/{digest[:2]}/{digest}{OBJECT_SUFFIXES[raw_format]}"
+
+
+def _named_as(obj: str, raw_format: str) -> str:
+    """``obj`` (an ``object_name``) for an object of ``raw_format``."""
+    stem = obj.rsplit(".", 1)[0]
+    return stem + OBJECT_SUFFIXES[raw_format]
 
 
 # -- the worker side ------------------------------------------------------------------------------------
@@ -103,9 +134,10 @@ def _too_large_for_memory(pixels: int, source_size: int) -> bool:
     return _budget is not None and resources.expansion_need(pixels, source_size) > _budget
 
 
-def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
-                 etag: str | None = None) -> tuple[Outcome | None, bytes | None, str | None]:
-    """Expand one image held in memory: (None, raw bytes, source format), or (the refusal, None, format).
+def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str | None = None,
+                 raw_formats: tuple[str, ...] = ("bmp",)) -> tuple[Outcome | None, bytes | None, str | None]:
+    """Expand one image held in memory to the first of ``raw_formats`` that holds it exactly: (None, raw bytes,
+    source format), or (the refusal, None, format). The raw bytes say what they are (``formats.sniff``).
     Never raises."""
     pixels = formats.pixel_count(source)
     if pixels is not None and pixels <= formats.MAX_PIXELS and _too_large_for_memory(pixels, len(source)):
@@ -113,7 +145,10 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
         fmt = formats.sniff(source[:32])
         return Outcome(rel, size, mtime_ns, fmt, None, None, None, "no-memory", src_etag=etag), None, fmt
     try:
-        result = formats.expand(source)
+        for raw_format in raw_formats:
+            result = formats.expand(source, to=raw_format)
+            if result.data is not None or not (result.reason or "").startswith(f"{raw_format}-"):
+                break  # accepted, or refused for a reason no other raw format would change
     except MemoryError:
         return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None, None
     if result.data is None:
@@ -123,15 +158,13 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes,
 
 
 def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
-               want_version: str | None) -> Outcome:
+               want_version: str | None, raw_formats: tuple[str, ...] = ("bmp",)) -> Outcome:
     """Runs in a worker process: expand one image into the store, or say why not. Never raises.
 
     The source is opened below its root without following any link (as the mount opens it) and must be the
     file the catalog recorded, before and after it is read: root reads it, and another user may be able to
     swap it for a link to a file of theirs or of nobody's, or write it while it is read.
     """
-    final = os.path.join(store, obj)
-
     def outcome(reason: str | None, fmt: str | None = None, raw: bytes | None = None, *,
                 reused: bool = False, fatal: str | None = None) -> Outcome:
         if raw is None:
@@ -160,9 +193,11 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
             return outcome("changed-during-prepare")  # written while read: the bytes may be torn
     finally:
         os.close(fd)
-    refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source, want_version)
+    refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source, want_version, raw_formats)
     if raw is None:
         return refused  # type: ignore[return-value]
+    obj = _named_as(obj, formats.sniff(raw[:32]) or "bmp")
+    final = os.path.join(store, obj)
     if _holds(final, raw):
         # A previous run (maybe killed before it recorded it) left exactly these bytes: nothing to write.  An
         # object is adopted only byte for byte, never on its name alone (a damaged one is rewritten).
@@ -267,12 +302,14 @@ class Target(Protocol):
 
 
 class LocalTarget:
-    def __init__(self, store_dir: Path) -> None:
+    def __init__(self, store_dir: Path, raw_formats: tuple[str, ...] = ("bmp",)) -> None:
         self.store_dir = store_dir
         self.label = str(store_dir)
+        self.raw_formats = raw_formats
 
     def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
-        return expand_one, (source_root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag)
+        return expand_one, (source_root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,
+                            self.raw_formats)
 
     def exists(self, obj: str) -> bool:
         return (self.store_dir / obj).exists()
@@ -303,8 +340,10 @@ class LocalTarget:
 
 
 def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio: float, *, seed: int = 0,
-            jobs: int | None = None, progress: bool = True) -> PrepareReport:
+            jobs: int | None = None, progress: bool = True, raw_formats: tuple[str, ...] = ("bmp",)) -> PrepareReport:
     if is_url(str(source)) or is_url(str(store)):
+        if raw_formats != ("bmp",):
+            raise PrepareError("--formats: stores in an object store hold BMP only for now (J2K: local stores)")
         from .s3store import prepare_in_bucket
 
         return prepare_in_bucket(str(source), str(store), ratio, seed=seed, jobs=jobs, progress=progress)
@@ -319,7 +358,7 @@ def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio
         open_or_build(source, store_dir).close()
         work = WorkingCopy(store_dir)
         try:
-            return run(work.catalog, LocalTarget(store_dir), ratio, seed, jobs, progress, started,
+            return run(work.catalog, LocalTarget(store_dir, raw_formats), ratio, seed, jobs, progress, started,
                        publish=work.publish)
         except PrepareError:
             work.publish()  # the selection is unchanged; what was expanded before the failure is kept
@@ -371,7 +410,10 @@ def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int | N
                         refused += 1
                         report.skipped[_reason_key(prior[6])] += 1
                         continue
-                    if prior[3] and target.exists(prior[3]):
+                    # Reused as is only in the format tried first: one of a later format is made again, as
+                    # the first may now hold it (the worker adopts the same bytes if not).
+                    if prior[3] and raw_format_of(prior[3]) == getattr(target, "raw_formats", ("bmp",))[0] \
+                            and target.exists(prior[3]):
                         chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior[2], prior[3], prior[4],
                                               prior[5], None, reused=True, src_etag=node.etag))
                         report.reused += 1
@@ -432,7 +474,7 @@ def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int | N
 def _transient(reason: str | None) -> bool:
     """A refusal not worth remembering: the next run tries the image again (no-memory: maybe with more)."""
     return reason is not None and (reason in ("changed-during-prepare", "no-memory")
-                                   or reason.startswith("unreadable"))
+                                   or reason.startswith(("unreadable", "j2k-")))  # j2k-: BMP may hold it
 
 
 def _reason_key(reason: str | None) -> str:
@@ -596,6 +638,11 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
     p.add_argument("--ratio", type=parse_ratio, required=True,
                    help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
+    p.add_argument("--formats", type=parse_formats, default=("bmp",), metavar="png,bmp[,j2k]",
+                   help="what the expanded images are stored as: bmp (default: no decode work, for CPU decoders), "
+                   "j2k (lossless JPEG 2000: about the PNG's size, decoded on a GPU by DALI's 'mixed' decoder; "
+                   "on a CPU slower than PNG), or both (J2K, and BMP where J2K cannot hold an image exactly). "
+                   "Every object is checked to decode to the source's pixels under Pillow")
     p.add_argument("--jobs", "-j", type=int,
                    help="worker processes (default: the cores this process may use, fewer where memory is short: "
                    "each worker gets room for the largest image expanded, 100 Mpx, about 2.5 GB). A larger "
@@ -621,6 +668,10 @@ def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argpars
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
     ratio = args.ratio
+    if ratio == "auto" and "j2k" in args.formats:
+        print("liquidfs prepare: --ratio auto cannot weigh J2K: profile measures CPU decoders, and J2K is decoded "
+              "on a GPU; give --ratio (see scripts/bench_train.py for measuring it end to end)", file=sys.stderr)
+        return 2
     if ratio == "auto":
         from .profile import auto_ratio
 
@@ -628,12 +679,14 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
         print(f"profile chose ratio {ratio:.2f}")
     try:
         report = prepare(args.source, args.store, ratio, seed=args.seed, jobs=args.jobs,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, raw_formats=args.formats)
     except PrepareError as exc:
         print(f"liquidfs prepare: {exc}", file=sys.stderr)
         return 1
     for line in report.lines():
         print(line)
+    for raw_format in args.formats:
+        print(f"{raw_format} objects decode to the source's pixels under: {', '.join(formats.SAFE_FOR[raw_format])}")
     return 0
 
 

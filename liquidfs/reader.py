@@ -257,7 +257,7 @@ def _set_direct(fd: int, on: bool) -> bool:
 
 
 #: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
-OBJECT_NAME = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.bmp)")
+OBJECT_NAME = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.(?:bmp|jp2))")
 
 
 def catalog_parts(rel: bytes) -> list[bytes]:

@@ -1,0 +1,103 @@
+"""The lossless JPEG 2000 representation (issue 18, ``prepare --formats``): what it holds exactly, what it
+refuses, and the ``--formats`` contract. A real mount serving J2K objects is in tests/mount/test_j2k_mount.py."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import random
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_cli
+from liquidfs import formats
+from liquidfs.prepare import parse_formats, raw_format_of
+from liquidfs.sample import _photos, mosaic
+
+
+def _photo(mode: str) -> Image.Image:
+    base = mosaic(160, 96, random.Random(3), _photos())
+    return base.quantize(64) if mode == "P" else base.convert(mode)
+
+
+def _encoded(im: Image.Image, fmt: str = "PNG", **options: object) -> bytes:
+    out = io.BytesIO()
+    im.save(out, fmt, **options)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "RGBA"])
+@pytest.mark.parametrize("source_format", ["PNG", "JPEG"])
+def test_j2k_holds_the_exact_pixels_of_png_and_jpeg(mode: str, source_format: str) -> None:
+    if source_format == "JPEG" and mode == "RGBA":
+        pytest.xfail("JPEG has no alpha")  # strict: fails the test if Pillow ever saves it
+    source = _encoded(_photo(mode), source_format)
+    result = formats.expand(source, to="j2k")
+    assert result.accepted and result.raw_format == "j2k", result.reason
+    assert result.data is not None and formats.sniff(result.data[:32]) == "j2k"
+    assert result.data.startswith(formats.JP2_SIGNATURE)  # a JP2 file: the colour space travels with it
+    assert formats.same_pixels(source, result.data)  # mode, size, samples under Pillow
+    with Image.open(io.BytesIO(result.data)) as im:
+        assert im.format == "JPEG2000" and im.mode == mode
+    # J2K is compressed: far smaller than the BMP of the same image (a 160x96 photo mosaic)
+    assert len(result.data) < 0.8 * len(formats.expand(source).data or b"")
+
+
+@pytest.mark.parametrize("mode", ["P", "1"])
+def test_modes_j2k_cannot_hold_are_refused_for_j2k_only(mode: str) -> None:
+    source = _encoded(_photo("RGB").convert(mode) if mode == "1" else _photo(mode))
+    assert formats.expand(source, to="j2k").reason == f"j2k-unsupported-mode:{mode}"
+    assert formats.expand(source, to="bmp").accepted  # the BMP holds it
+
+
+def test_sources_refused_for_every_format_stay_refused() -> None:
+    la = _encoded(_photo("RGB").convert("LA"))
+    assert formats.expand(la, to="j2k").reason == formats.expand(la, to="bmp").reason == "unsupported-mode:LA"
+    assert formats.expand(b"not an image", to="j2k").reason == "not-an-image"
+    with pytest.raises(ValueError, match="unknown raw format"):
+        formats.expand(la, to="webp")
+
+
+def test_dali_cpu_decodes_a_j2k_object_to_the_pngs_pixels() -> None:
+    from nvidia.dali import fn, pipeline_def, types
+
+    sources = [_encoded(_photo(mode)) for mode in ("RGB", "L")]
+    objects = [formats.expand(s, to="j2k").data for s in sources]
+
+    @pipeline_def(batch_size=len(sources) * 2, num_threads=1, device_id=None)
+    def pipe():  # type: ignore[no-untyped-def]
+        data = fn.external_source(source=lambda: [np.frombuffer(b, np.uint8) for b in (*sources, *objects)],
+                                  batch=True)
+        return fn.decoders.image(data, device="cpu", output_type=types.RGB)
+
+    p = pipe()
+    p.build()
+    (out,) = p.run()
+    decoded = [np.array(out.at(i)) for i in range(len(out))]
+    for png, j2k in zip(decoded[:len(sources)], decoded[len(sources):]):
+        assert png.shape == j2k.shape and np.array_equal(png, j2k)
+
+
+def test_formats_option() -> None:
+    assert parse_formats("png,bmp") == ("bmp",)
+    assert parse_formats("png,j2k") == ("j2k",)
+    assert parse_formats("png,bmp,j2k") == ("j2k", "bmp")  # J2K first, BMP for what J2K cannot hold
+    assert parse_formats("J2K, bmp") == ("j2k", "bmp")
+    for bad in ("png", "png,webp", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_formats(bad)
+    assert raw_format_of("objects/ab/" + "0" * 32 + ".jp2") == "j2k"
+    assert raw_format_of("objects/ab/" + "0" * 32 + ".bmp") == "bmp"
+    assert raw_format_of("objects/ab/x.png") is None
+
+
+def test_prepare_refuses_ratio_auto_with_j2k_and_bad_formats(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "data").mkdir()
+    auto = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "auto",
+                   "--formats", "png,j2k", check=False)
+    assert auto.returncode == 2 and "cannot weigh J2K" in auto.stderr and "Traceback" not in auto.stderr
+    bad = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "1",
+                  "--formats", "png,webp", check=False)
+    assert bad.returncode == 2 and "unknown format webp" in bad.stderr and "Traceback" not in bad.stderr
