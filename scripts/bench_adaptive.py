@@ -576,12 +576,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="adaptive: the mount's --mix-interval, seconds between decisions (default 10)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between control-file samples")
     parser.add_argument("--epoch-timeout", type=float, default=3600.0)
-    parser.add_argument("--out", type=Path, default=REPO / "out" / "adaptive")
-    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench-adaptive",
-                        help="dataset, stores and the mountpoint (the dataset is cached per count and size)")
-    parser.add_argument("--smoke", action="store_true",
-                        help="24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel crops, batch 4, "
-                        "shuffle buffer 8: for tests of the script, not a measurement")
+    e2e.add_run_arguments(parser, "adaptive", "24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel "
+                                              "crops, batch 4, shuffle buffer 8")
     args = parser.parse_args(argv)
     if args.smoke:
         args.images, args.size, args.epochs, args.change_from, args.lift_at = 24, "256x128", 3, 2, 3
@@ -589,11 +585,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         # batches and the reader's buffer would hold all 24 images, and epochs 2+ would time nothing
         args.crop, args.sample_s, args.batch, args.shuffle_buffer = 64, 1.0, 4, 8
     args.width, args.height = map(int, args.size.lower().split("x"))
-    args.scenarios = [s for s in args.scenarios.split(",") if s]
-    args.configs = [c for c in args.configs.split(",") if c]
-    for name, given, known in (("scenario", args.scenarios, SCENARIOS), ("config", args.configs, CONFIGS)):
-        if bad := [g for g in given if g not in known]:
-            parser.error(f"unknown {name} {', '.join(bad)} (known: {', '.join(known)})")
+    args.scenarios = e2e.split_choices(parser, args.scenarios, SCENARIOS, "scenario")
+    args.configs = e2e.split_choices(parser, args.configs, CONFIGS, "config")
     if not 1 < args.change_from <= args.lift_at:
         parser.error("need 1 < --change-from <= --lift-at (epoch 1 is the unchanged machine)")
     args.out, args.work = args.out.absolute(), args.work.absolute()

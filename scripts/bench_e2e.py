@@ -50,6 +50,22 @@ def liquidfs(*args: str) -> str:
     return sh(sys.executable, "-m", "liquidfs", *args)
 
 
+def add_run_arguments(parser: argparse.ArgumentParser, name: str, smoke: str) -> None:
+    """--out, --work and --smoke, as every benchmark that keeps a dataset under out/ takes them."""
+    parser.add_argument("--out", type=Path, default=REPO / "out" / name)
+    parser.add_argument("--work", type=Path, default=REPO / "out" / f"bench-{name}",
+                        help="dataset, stores and the mountpoint (the dataset is cached per count and size)")
+    parser.add_argument("--smoke", action="store_true", help=f"{smoke}: for tests of the script, not a measurement")
+
+
+def split_choices(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...], what: str) -> list[str]:
+    """A comma-separated option (--configs, --scenarios, ...) as a list, every item one of ``known``."""
+    given = [item for item in text.split(",") if item]
+    if bad := [item for item in given if item not in known]:
+        parser.error(f"unknown {what} {', '.join(bad)} (known: {', '.join(known)})")
+    return given
+
+
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")

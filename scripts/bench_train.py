@@ -1,0 +1,471 @@
+"""Training end to end (issue 18): an unmodified DALI -> PyTorch training loop reading PNGs directly, a BMP copy
+directly, and liquidfs at the profiled mix (with and without the next-epoch cache).
+
+    python scripts/bench_train.py [--images 1000] [--size 2048x1024] [--models mobilenet,deeplab] [--cores 8,4]
+        [--epochs 3] [--ratio auto] [--cache-size 30%] [--out out/train]
+    python scripts/bench_train.py --smoke      # 24 tiny images, CPU decode, a tiny model: that the script works
+
+The training script is what people write, untouched by liquidfs: ``fn.readers.file`` (random shuffle) ->
+``fn.decoders.image(device="mixed")`` -> random resized crop, flip and normalize on the GPU -> DALI's PyTorch
+iterator -> a torchvision model, randomly initialised (throughput, not accuracy, is measured), mixed precision,
+SGD. Two models: MobileNetV3-small (little compute per image: the loader binds) and DeepLabV3-ResNet50 (much:
+the GPU binds). Without a GPU (or with --device cpu) the same pipeline decodes with ``device="cpu"`` and trains
+a tiny convolutional model on the CPU: only so that the script can be tested anywhere, not a measurement.
+
+Configurations, each over the same images:
+    direct-png      the source tree read directly (all PNG)
+    direct-bmp      a plain copy with every image as its BMP (what a mount at ratio 1 serves), read directly
+    liquidfs        a mount of the store prepared at --ratio (default: what `liquidfs profile` chooses here)
+    liquidfs-cache  the same mount with --cache-size (the next-epoch cache)
+
+Each (configuration, model, core count) is one training process, pinned to the first N cores (a GPU node gives
+each GPU a few cores; the balance depends on it), the liquidfs daemon pinned to the same ones. The page cache is
+dropped before its epoch 1 (cold); epochs 2.. follow without a drop. Per epoch: training images/s, the trainer's
+CPU seconds (DALI's threads and PyTorch's), the daemon's, and the GPU utilisation (NVML, sampled by nvidia-smi).
+Output: a markdown table (epoch 1 and epochs 2.. separately, with liquidfs / direct-png), JSON and a PNG chart
+under --out. Needs root on Linux (drop_caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import bench_e2e as e2e  # noqa: E402
+from liquidfs.sample import CITIES, _photos, mosaic  # noqa: E402
+
+CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache")
+MODELS = ("mobilenet", "deeplab", "tiny")
+# ImageNet's mean and std, as the torchvision recipes normalize
+MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
+STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+
+
+# -- the training process ---------------------------------------------------------------------------------
+
+
+class GpuSampler(threading.Thread):
+    """GPU utilisation (%) sampled every half second with nvidia-smi (NVML underneath); empty without a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._proc: subprocess.Popen[str] | None = None
+
+    def run(self) -> None:
+        if shutil.which("nvidia-smi") is None:
+            return
+        self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                       "-lms", "500", "-i", "0"], stdout=subprocess.PIPE, text=True)
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if self._stop.is_set():
+                break
+            try:
+                self.samples.append(float(line.strip()))
+            except ValueError:
+                pass
+
+    def take(self) -> float | None:
+        """The mean since the last take, and start again."""
+        samples, self.samples = self.samples, []
+        return statistics.fmean(samples) if samples else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._proc is not None:
+            self._proc.terminate()
+
+
+def build_model(name: str, classes: int, device: str) -> Any:
+    import torch
+    import torchvision
+
+    if name == "mobilenet":
+        model = torchvision.models.mobilenet_v3_small(weights=None, num_classes=classes)
+    elif name == "deeplab":
+        model = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
+                                                                   num_classes=classes)
+    else:  # tiny: the CPU mode's stand-in, so a test of the script costs seconds
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=4), torch.nn.ReLU(),
+                                    torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, classes))
+    return model.to(device).train()
+
+
+def train_main(argv: list[str]) -> int:
+    """One configuration: train --epochs epochs over FILE_ROOT, a JSON line per epoch on stdout."""
+    parser = argparse.ArgumentParser(prog="bench_train.py train")
+    parser.add_argument("file_root")
+    parser.add_argument("--device", choices=["gpu", "cpu"], required=True)
+    parser.add_argument("--model", choices=MODELS, required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--crop", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import resource
+
+    import torch
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    gpu = args.device == "gpu"
+    classes = len([d for d in Path(args.file_root).iterdir() if d.is_dir()]) or 1
+
+    @pipeline_def(batch_size=args.batch, num_threads=args.threads, device_id=0 if gpu else None, seed=args.seed)
+    def pipe():  # type: ignore[no-untyped-def]
+        encoded, labels = fn.readers.file(file_root=args.file_root, random_shuffle=True, name="reader")
+        images = fn.decoders.image(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        images = fn.random_resized_crop(images, size=args.crop)
+        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN, std=STD,
+                                          mirror=fn.random.coin_flip())
+        return images, labels.gpu() if gpu else labels
+
+    device = "cuda" if gpu else "cpu"
+    torch.manual_seed(args.seed)
+    model = build_model(args.model, classes, device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda", enabled=gpu)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    sampler = GpuSampler()
+    sampler.start()
+    batches = None
+    for epoch in range(1, args.epochs + 1):
+        # The driver drops the page cache before epoch 1, then says go: epoch 1 is cold. The pipeline is built
+        # only then, since DALI's iterator starts reading (its prefetch) as soon as it exists.
+        sys.stdout.write(json.dumps({"ready": epoch}) + "\n")
+        sys.stdout.flush()
+        if sys.stdin.readline().strip() != "go":
+            return 1
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
+        sampler.take()
+        started = time.perf_counter()
+        if batches is None:
+            pipeline = pipe()
+            pipeline.build()
+            batches = DALIGenericIterator(pipeline, ["images", "labels"], reader_name="reader",
+                                          last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
+        images = 0
+        for batch in batches:
+            x = batch[0]["images"]
+            y = batch[0]["labels"].reshape(-1).long()
+            with torch.autocast(device_type=device, dtype=torch.float16, enabled=gpu):
+                out = model(x)
+                if isinstance(out, dict):  # segmentation: a per-pixel target (all of the image's label)
+                    out = out["out"]
+                    y = y.view(-1, 1, 1).expand(-1, out.shape[2], out.shape[3])
+                loss = loss_fn(out, y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            images += x.shape[0]
+        if gpu:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        usage1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+        sys.stdout.write(json.dumps({"epoch": epoch, "images": images, "seconds": seconds,
+                                     "images_per_s": images / seconds, "trainer_cpu_s": cpu,
+                                     "gpu_util": sampler.take(), "loss": float(loss)}) + "\n")
+        sys.stdout.flush()
+    sampler.stop()
+    return 0
+
+
+# -- the driver -------------------------------------------------------------------------------------------
+
+
+def _one_image(job: tuple[Path, int, int, int]) -> None:
+    import random
+
+    folder, index, width, height = job
+    city = CITIES[index % len(CITIES)]
+    (folder / city).mkdir(parents=True, exist_ok=True)
+    # A generator of its own per image: the same dataset whatever the number of processes
+    mosaic(width, height, random.Random(1_000_003 * 42 + index), _photos()).save(
+        folder / city / f"{city}_{index:06d}_000019_leftImg8bit.png")
+
+
+def dataset(work: Path, images: int, width: int, height: int) -> Path:
+    """``images`` Cityscapes-like PNG mosaics under ``work/data`` (kept for the next run), made by every core:
+    a GPU host's cores make 1,000 2048x1024 PNGs in minutes (bench_e2e's serial sample takes an hour on 2)."""
+    import concurrent.futures as cf
+
+    src = work / "data"
+    marker = src / "meta.json"
+    want = {"count": images, "width": width, "height": height, "generator": "bench_train"}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return src
+    shutil.rmtree(src, ignore_errors=True)
+    print(f"generating {images} {width}x{height} images in {src}", file=sys.stderr)
+    folder = src / e2e.SUBDIR
+    with cf.ProcessPoolExecutor() as pool:
+        list(pool.map(_one_image, [(folder, i, width, height) for i in range(images)], chunksize=4))
+    marker.write_text(json.dumps(want))
+    return src
+
+
+@dataclass
+class Run:
+    config: str
+    model: str
+    cores: int
+    ratio: float | None
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+    mount: dict[str, Any] | None = None   # the mount's statistics after the run (liquidfs configurations)
+    error: str | None = None
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of ``pid`` (a daemon started before it was pinned has several) onto ``cores``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except OSError:  # the thread ended meanwhile
+            pass
+
+
+def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemon: e2e.Mounted | None) -> None:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "train", str(root), "--device", args.device,
+           "--model", run.model, "--epochs", str(args.epochs), "--batch", str(args.batch),
+           "--threads", str(len(cores)), "--crop", str(args.crop)]
+    log = (args.out / f"train-{run.config}-{run.model}-{run.cores}.log").open("w")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                            preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    assert proc.stdin is not None and proc.stdout is not None
+    daemon_cpu = None
+    try:
+        for line in proc.stdout:
+            message = json.loads(line)
+            if "ready" in message:
+                if message["ready"] == 1 and args.drop_caches:
+                    e2e.drop_caches()
+                daemon_cpu = e2e.cpu_seconds(daemon.pid) if daemon else None
+                proc.stdin.write("go\n")
+                proc.stdin.flush()
+                continue
+            if daemon is not None and daemon_cpu is not None:
+                message["daemon_cpu_s"] = e2e.cpu_seconds(daemon.pid) - daemon_cpu
+            run.epochs.append(message)
+            print(f"  {run.config:<15} {run.model:<9} {run.cores:>2} cores  epoch {message['epoch']}  "
+                  f"{message['images_per_s']:8.1f} img/s  trainer CPU {message['trainer_cpu_s']:6.1f} s"
+                  + (f"  GPU {message['gpu_util']:.0f} %" if message.get("gpu_util") is not None else ""),
+                  file=sys.stderr)
+        if proc.wait(timeout=args.timeout) != 0:
+            raise RuntimeError(f"training failed (exit {proc.returncode}): {e2e_tail(log.name)}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def e2e_tail(path: str, chars: int = 2000) -> str:
+    return Path(path).read_text(errors="replace")[-chars:]
+
+
+def run_one(run: Run, roots: dict[str, Path], src: Path, store: Path | None, args: argparse.Namespace) -> None:
+    cores = set(sorted(os.sched_getaffinity(0))[:run.cores])
+    if not run.config.startswith("liquidfs"):
+        train(run, roots[run.config], args, cores, None)
+        return
+    assert store is not None
+    mnt = args.work / "mnt"
+    if os.path.ismount(mnt):
+        e2e.liquidfs("umount", str(mnt))
+    extra = ["--cache-size", args.cache_size] if run.config == "liquidfs-cache" else []
+    mount = e2e.Mounted(src, store, mnt, *extra)
+    try:
+        pin(mount.pid, cores)
+        train(run, mnt / e2e.SUBDIR, args, cores, mount)
+        stats = e2e.control(mnt)
+        run.mount = {key: stats.get(key) for key in ("data_path", "opens", "opens_raw", "bytes_from_storage",
+                                                      "bytes_from_memory", "fallbacks", "errors", "cache")}
+    finally:
+        mount.close()
+
+
+def summary(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per (model, cores): each configuration's epoch-1 and later-epochs images/s, and x direct-png."""
+    rows = []
+    for key in sorted({(r.model, r.cores) for r in runs}, key=lambda k: (k[0], -k[1])):
+        group = {r.config: r for r in runs if (r.model, r.cores) == key and r.epochs and not r.error}
+        row: dict[str, Any] = {"model": key[0], "cores": key[1], "configs": {}}
+        for config, run in group.items():
+            later = [e["images_per_s"] for e in run.epochs[1:]]
+            row["configs"][config] = {
+                "cold": run.epochs[0]["images_per_s"], "later": statistics.median(later) if later else None,
+                "trainer_cpu_s_per_image": sum(e["trainer_cpu_s"] for e in run.epochs)
+                / max(1, sum(e["images"] for e in run.epochs)),
+                "gpu_util": statistics.fmean([e["gpu_util"] for e in run.epochs if e.get("gpu_util") is not None])
+                if any(e.get("gpu_util") is not None for e in run.epochs) else None}
+        base = row["configs"].get("direct-png")
+        for values in row["configs"].values():
+            for when in ("cold", "later"):
+                if base and base[when] and values[when]:
+                    values[f"{when}_x_png"] = values[when] / base[when]
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model | cores | configuration | epoch 1 (cold) img/s | x png | epochs 2.. img/s | x png | "
+             "trainer CPU ms/img | GPU util % |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        for config in CONFIGS:
+            v = row["configs"].get(config)
+            if v is None:
+                continue
+
+            def num(x: float | None, fmt: str = ".1f") -> str:
+                return "" if x is None else format(x, fmt)
+
+            lines.append(f"| {row['model']} | {row['cores']} | {config} | {num(v['cold'])} | "
+                         f"{num(v.get('cold_x_png'), '.2f')} | {num(v['later'])} | {num(v.get('later_x_png'), '.2f')} | "
+                         f"{v['trainer_cpu_s_per_image'] * 1000:.1f} | {num(v['gpu_util'], '.0f')} |")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(rows)), 4))
+    width = 0.8 / len(CONFIGS)
+    for i, config in enumerate(CONFIGS):
+        xs, ys = [], []
+        for x, row in enumerate(rows):
+            v = row["configs"].get(config)
+            if v and v["later"]:
+                xs.append(x + (i - len(CONFIGS) / 2 + 0.5) * width)
+                ys.append(v["later"])
+        if xs:
+            ax.bar(xs, ys, width, label=config)
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['cores']} cores" for r in rows])
+    ax.set_ylabel("training images/s (epochs 2..)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def gpu_present() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=1000)
+    parser.add_argument("--size", default="2048x1024", help="WIDTHxHEIGHT of the generated images")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
+    parser.add_argument("--models", default="mobilenet,deeplab", help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--cores", default="8,4", help="core counts to pin each run to (capped at this machine's)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--crop", type=int, default=512, help="random resized crop, pixels a side")
+    parser.add_argument("--ratio", default="auto", help="the liquidfs store's raw share, or auto (liquidfs profile)")
+    parser.add_argument("--cache-size", default="30%", help="liquidfs-cache's --cache-size")
+    parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
+                        help="decode and train on the GPU (auto: when nvidia-smi sees one)")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a training run may take")
+    e2e.add_run_arguments(parser, "train", "24 images of 256x128, CPU decode, the tiny model, batch 4, 2 epochs, "
+                                           "ratio 0.5")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.images, args.size, args.models, args.device, args.batch = 24, "256x128", "tiny", "cpu", 4
+        args.epochs, args.crop, args.ratio = 2, 64, "0.5"
+    if args.device == "auto":
+        args.device = "gpu" if gpu_present() else "cpu"
+    args.width, args.height = map(int, args.size.lower().split("x"))
+    args.configs = e2e.split_choices(parser, args.configs, CONFIGS, "configuration")
+    args.models = e2e.split_choices(parser, args.models, MODELS, "model")
+    if args.device == "cpu" and "tiny" not in args.models:
+        print("bench_train: no GPU here; training the tiny model on the CPU (not a measurement)", file=sys.stderr)
+        args.models = ["tiny"]
+    available = len(os.sched_getaffinity(0))
+    args.cores = sorted({min(int(c), available) for c in args.cores.split(",") if c}, reverse=True)
+    args.drop_caches = os.geteuid() == 0 and Path("/proc/sys/vm/drop_caches").exists()
+    args.out, args.work = args.out.absolute(), args.work.absolute()
+    return args
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["train"]:
+        return train_main(argv[1:])
+    args = parse_args(argv)
+    if sys.platform != "linux":
+        print("bench_train: needs Linux", file=sys.stderr)
+        return 2
+    if not args.drop_caches:
+        print("bench_train: not root: epoch 1 is not cold (the page cache cannot be dropped)", file=sys.stderr)
+    started = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data_work = args.work / f"{args.images}-{args.width}x{args.height}"
+    data_work.mkdir(parents=True, exist_ok=True)
+    data_work = data_work.resolve()
+    src = dataset(data_work, args.images, args.width, args.height)
+    ratio = None
+    store = None
+    if any(c.startswith("liquidfs") for c in args.configs):
+        ratio = e2e.auto_ratio(data_work, src) if args.ratio == "auto" else float(args.ratio)
+        store = e2e.store_for(data_work, src, ratio)
+    roots = {"direct-png": src / e2e.SUBDIR}
+    if "direct-bmp" in args.configs:
+        roots["direct-bmp"] = e2e.bmp_copy(data_work, src) / e2e.SUBDIR
+    meta = {"argv": sys.argv, "started": started, "images": args.images, "size": args.size, "epochs": args.epochs,
+            "batch": args.batch, "crop": args.crop, "device": args.device, "ratio": ratio,
+            "cache_size": args.cache_size, "cores_available": len(os.sched_getaffinity(0)),
+            "gpu": subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
+            if args.device == "gpu" else None}
+    print(f"{args.images} images {args.size}, {args.device}, models {args.models}, cores {args.cores}, "
+          f"liquidfs ratio {ratio}", file=sys.stderr)
+    runs: list[Run] = []
+    out = args.out / "train.json"
+    for model in args.models:
+        for cores in args.cores:
+            for config in args.configs:
+                run = Run(config, model, cores, ratio if config.startswith("liquidfs") else None)
+                runs.append(run)
+                try:
+                    run_one(run, roots, src, store, args)
+                except (subprocess.CalledProcessError, RuntimeError, OSError, ValueError) as exc:
+                    run.error = str(exc)
+                    print(f"  {config} {model} {cores}: FAILED: {exc}", file=sys.stderr)
+                meta["seconds"] = time.time() - started
+                out.write_text(json.dumps({"meta": meta, "summary": summary(runs),
+                                           "runs": [asdict(r) for r in runs]}, indent=1))
+    rows = summary(runs)
+    drawn = chart(rows, args.out / "train.png")
+    print(markdown(rows))
+    print(f"\n(JSON {out}" + (f", chart {args.out / 'train.png'}" if drawn else ", no chart: matplotlib missing")
+          + f", {time.time() - started:.0f} s)")
+    return 1 if any(r.error for r in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
