@@ -73,9 +73,8 @@ class MixController:
         self._last_move = 0        # direction of the last move
         # (share, mean images/s, its noise) before the last move; noise None: too little seen to judge it
         self._before_move: tuple[float, float, float | None] | None = None
-        self._rates: deque[float] = deque(maxlen=patience)  # images/s of the last intervals
         self._since_move: list[float] = []                   # images/s of the intervals since the last move
-        self._history: deque[float] = deque(maxlen=4 * patience + 2)  # for the noise of the rate
+        self._history: deque[float] = deque(maxlen=4 * patience + 2)  # images/s of the last intervals
         # The direction of the last move undone for regret: the next move that way, if the pressure still asks
         # for it, is not undone again (a rate measured over one interval is noisy; the pressure is the signal).
         self._regretted = 0
@@ -83,7 +82,6 @@ class MixController:
 
     def observe(self, seen: Observation) -> Decision:
         """The share to serve from now on, given what the last interval showed."""
-        self._rates.append(seen.images_per_s)
         self._history.append(seen.images_per_s)
         decision = self._undo_if_worse(seen) or self._follow_pressure(seen)
         self.decisions.append(decision)
@@ -138,7 +136,9 @@ class MixController:
             self.step = min(self.step * 1.5, 0.2)  # still the same way: go faster, within a bound
         self._last_move = verdict
         noise = statistics.stdev(self._history) if len(self._history) >= 3 else None
-        self._before_move = (self.share, statistics.fmean(self._rates), noise)
+        # the rate of the intervals that led to the move (the last ``patience``)
+        recent = list(self._history)[-self.patience:]
+        self._before_move = (self.share, statistics.fmean(recent), noise)
         self._since_move = []
         self._streak = 0
         return Decision(round(target, 4), f"{'more' if verdict > 0 else 'fewer'} raw: "
