@@ -284,6 +284,7 @@ class Target(Protocol):
     """Where prepare puts raw objects: a local directory, or a prefix in a bucket (``s3store.BucketTarget``)."""
 
     label: str
+    raw_formats: tuple[str, ...]  # what it expands to, in the order tried (``parse_formats``)
 
     def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
         """The worker function and arguments that expand ``node`` into ``obj`` (run in a worker process)."""
@@ -412,8 +413,7 @@ def run(catalog: Catalog, target: Target, ratio: float, seed: int, jobs: int | N
                         continue
                     # Reused as is only in the format tried first: one of a later format is made again, as
                     # the first may now hold it (the worker adopts the same bytes if not).
-                    if prior[3] and raw_format_of(prior[3]) == getattr(target, "raw_formats", ("bmp",))[0] \
-                            and target.exists(prior[3]):
+                    if prior[3] and raw_format_of(prior[3]) == target.raw_formats[0] and target.exists(prior[3]):
                         chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior[2], prior[3], prior[4],
                                               prior[5], None, reused=True, src_etag=node.etag))
                         report.reused += 1

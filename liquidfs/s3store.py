@@ -190,6 +190,7 @@ class BucketTarget:
         self.source = source
         self.store = store
         self.label = str(store)
+        self.raw_formats = ("bmp",)  # J2K: local stores only for now (prepare refuses it for a bucket)
         self._listed: set[str] | None = None
 
     def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
