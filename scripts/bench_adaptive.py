@@ -175,7 +175,7 @@ class Loader:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 self.proc.wait(timeout=30)
-                raise RuntimeError(f"the loader exited ({self.proc.returncode}): {tail(self.log)}")
+                raise RuntimeError(f"the loader exited ({self.proc.returncode}): {e2e.tail(self.log)}")
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line
@@ -185,13 +185,6 @@ class Loader:
             self.proc.kill()
         self.proc.wait()
         self._stderr.close()
-
-
-def tail(path: Path, chars: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
 
 
 # -- what changes during the run ---------------------------------------------------------------------------

@@ -66,6 +66,14 @@ def split_choices(parser: argparse.ArgumentParser, text: str, known: tuple[str, 
     return given
 
 
+def tail(path: Path, chars: int = 2000) -> str:
+    """The end of a log, for an error message ("" where it cannot be read)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
 def drop_caches() -> None:
     os.sync()
     Path("/proc/sys/vm/drop_caches").write_text("3\n")

@@ -270,16 +270,12 @@ def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemo
                   + (f"  GPU {message['gpu_util']:.0f} %" if message.get("gpu_util") is not None else ""),
                   file=sys.stderr)
         if proc.wait(timeout=args.timeout) != 0:
-            raise RuntimeError(f"training failed (exit {proc.returncode}): {e2e_tail(log.name)}")
+            raise RuntimeError(f"training failed (exit {proc.returncode}): {e2e.tail(Path(log.name))}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         log.close()
-
-
-def e2e_tail(path: str, chars: int = 2000) -> str:
-    return Path(path).read_text(errors="replace")[-chars:]
 
 
 def run_one(run: Run, roots: dict[str, Path], src: Path, store: Path | None, args: argparse.Namespace) -> None:
@@ -326,6 +322,10 @@ def summary(runs: list[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "" if x is None else format(x, fmt)
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model | cores | configuration | epoch 1 (cold) img/s | x png | epochs 2.. img/s | x png | "
              "trainer CPU ms/img | GPU util % |", "|---|---|---|---|---|---|---|---|---|"]
@@ -334,13 +334,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             v = row["configs"].get(config)
             if v is None:
                 continue
-
-            def num(x: float | None, fmt: str = ".1f") -> str:
-                return "" if x is None else format(x, fmt)
-
-            lines.append(f"| {row['model']} | {row['cores']} | {config} | {num(v['cold'])} | "
-                         f"{num(v.get('cold_x_png'), '.2f')} | {num(v['later'])} | {num(v.get('later_x_png'), '.2f')} | "
-                         f"{v['trainer_cpu_s_per_image'] * 1000:.1f} | {num(v['gpu_util'], '.0f')} |")
+            lines.append(f"| {row['model']} | {row['cores']} | {config} | {_num(v['cold'])} | "
+                         f"{_num(v.get('cold_x_png'), '.2f')} | {_num(v['later'])} | "
+                         f"{_num(v.get('later_x_png'), '.2f')} | {v['trainer_cpu_s_per_image'] * 1000:.1f} | "
+                         f"{_num(v['gpu_util'], '.0f')} |")
     return "\n".join(lines)
 
 
@@ -372,10 +369,12 @@ def chart(rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def gpu_present() -> bool:
+def gpus() -> str | None:
+    """The GPUs nvidia-smi lists (one line each), or None where it sees none."""
     if shutil.which("nvidia-smi") is None:
-        return False
-    return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+        return None
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return (listed.stdout.strip() or None) if listed.returncode == 0 else None
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -399,8 +398,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.smoke:
         args.images, args.size, args.models, args.device, args.batch = 24, "256x128", "tiny", "cpu", 4
         args.epochs, args.crop, args.ratio = 2, 64, "0.5"
+    args.gpus = gpus() if args.device != "cpu" else None
     if args.device == "auto":
-        args.device = "gpu" if gpu_present() else "cpu"
+        args.device = "gpu" if args.gpus else "cpu"
     args.width, args.height = map(int, args.size.lower().split("x"))
     args.configs = e2e.split_choices(parser, args.configs, CONFIGS, "configuration")
     args.models = e2e.split_choices(parser, args.models, MODELS, "model")
@@ -440,8 +440,7 @@ def main(argv: list[str]) -> int:
     meta = {"argv": sys.argv, "started": started, "images": args.images, "size": args.size, "epochs": args.epochs,
             "batch": args.batch, "crop": args.crop, "device": args.device, "ratio": ratio,
             "cache_size": args.cache_size, "cores_available": len(os.sched_getaffinity(0)),
-            "gpu": subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip()
-            if args.device == "gpu" else None}
+            "gpu": args.gpus if args.device == "gpu" else None}
     print(f"{args.images} images {args.size}, {args.device}, models {args.models}, cores {args.cores}, "
           f"liquidfs ratio {ratio}", file=sys.stderr)
     runs: list[Run] = []
