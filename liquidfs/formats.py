@@ -96,7 +96,7 @@ RAW_FORMATS: Final = ("bmp", "j2k")
 #: tests/unit/test_j2k.py); "dali-mixed" for J2K is to be shown on a GPU (scripts/bench_train.py).
 SAFE_FOR: Final = {
     "bmp": ("pillow", "torchvision (PIL loader)", "opencv", "dali-cpu", "dali-mixed"),
-    "j2k": ("pillow", "torchvision (PIL loader)"),
+    "j2k": ("pillow", "torchvision (PIL loader)", "dali-cpu"),
 }
 JP2_SIGNATURE: Final = b"\x00\x00\x00\x0cjP  \r\n\x87\n"
 J2K_CODESTREAM: Final = b"\xff\x4f\xff\x51"
