@@ -42,7 +42,7 @@ class Decision:
     hit: bool            # the file's bytes are held: serve them from memory
     keep: bool           # hold the file after this read (for the next epoch)
     epoch: int           # the epoch this read belongs to (0 for a re-read)
-    reread: bool = False
+    same_epoch: bool = False  # a second read of the file in the epoch it was already read in (a retry)
     evicted: tuple[int, ...] = ()  # files that stopped being held: their pages must be dropped
 
 
@@ -58,7 +58,7 @@ class EpochStats:
 class CacheStats:
     hits: int = 0
     misses: int = 0
-    rereads: int = 0
+    same_epoch_reads: int = 0  # reads taken for a retry within an epoch (Decision.same_epoch)
     hit_bytes: int = 0
     miss_bytes: int = 0
     epochs: dict[int, EpochStats] = field(default_factory=dict)
@@ -122,9 +122,9 @@ class NextEpochCache:
         elif self.reads - int(self.read_at[file]) >= self._gap_needed(current):
             epoch = current + 1
         else:
-            self.stats.rereads += 1
+            self.stats.same_epoch_reads += 1
             held = file in self.held
-            return Decision(hit=held, keep=held, epoch=0, reread=True)
+            return Decision(hit=held, keep=held, epoch=0, same_epoch=True)
         evicted: tuple[int, ...] = ()
         if epoch > self.newest_epoch:
             self.newest_epoch = epoch
@@ -267,7 +267,7 @@ class NextEpochCache:
             "cache_held_files": len(self.held),
             "cache_hits": st.hits,
             "cache_misses": st.misses,
-            "cache_rereads": st.rereads,
+            "cache_same_epoch_reads": st.same_epoch_reads,
             "cache_hit_bytes": st.hit_bytes,
             "cache_miss_bytes": st.miss_bytes,
             "epoch": current,

@@ -17,7 +17,9 @@ import stat
 import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from .locks import HeldLock, abandoned, unique
@@ -94,15 +96,15 @@ class Node:
     mtime_ns: int
     nsubdirs: int
     target: bytes | None
-    repr: int
+    representation: int          # REPR_ORIGINAL or REPR_RAW: which bytes are served
     served_size: int | None
     object: str | None
     checksum: str | None
     etag: str | None = None
 
     @property
-    def is_dir(self) -> bool:
-        return self.kind == KIND_DIR
+    def served_raw(self) -> bool:
+        return self.representation == REPR_RAW
 
     @property
     def nlink(self) -> int:
@@ -111,14 +113,35 @@ class Node:
     @property
     def size_served(self) -> int:
         """The size a reader sees: the raw object's when it is served, else the source's."""
-        if self.repr == REPR_RAW and self.served_size is not None:
+        if self.served_raw and self.served_size is not None:
             return self.served_size
         return self.size
+
+
+class Expansion(NamedTuple):
+    """What prepare learnt of one image (a row of ``expansions``): the source version it saw, and the object it
+    wrote or why it refused."""
+
+    src_size: int
+    src_mtime_ns: int
+    format: str | None
+    object: str | None       # None when refused
+    raw_size: int | None
+    checksum: str | None
+    reason: str | None       # why it was refused; None when expanded
+    src_etag: str | None
+
+    def describes(self, node: Node) -> bool:
+        """Whether it was learnt of the version of the source ``node`` describes."""
+        return (self.src_size, self.src_mtime_ns, self.src_etag) == (node.size, node.mtime_ns, node.etag)
 
 
 _NODE_COLUMNS = (
     "id, parent, name, path, kind, mode, size, mtime_ns, nsubdirs, target, repr, served_size, object, checksum, etag"
 )
+
+
+_EXPANSION_COLUMNS = "src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag"
 
 
 def cache_home() -> Path:
@@ -278,6 +301,53 @@ class Catalog:
         """(path, mtime_ns) of every directory: few enough to hold even for ImageNet (1,000)."""
         return self.db.execute("SELECT path, mtime_ns FROM nodes WHERE kind=1").fetchall()
 
+    # -- what prepare learnt and chose ---------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def expansions(self) -> dict[bytes, Expansion]:
+        rows = self.db.execute(f"SELECT path, {_EXPANSION_COLUMNS} FROM expansions").fetchall()
+        return {row[0]: Expansion(*row[1:]) for row in rows}
+
+    def record_expansions(self, learnt: Iterable[tuple[bytes, Expansion]]) -> None:
+        with self.transaction():
+            self.db.executemany(f"INSERT OR REPLACE INTO expansions(path, {_EXPANSION_COLUMNS}) "
+                                "VALUES (?,?,?,?,?,?,?,?,?)", [(path, *row) for path, row in learnt])
+
+    def select_raw(self, chosen: Iterable[tuple[bytes, Expansion]], ratio: float) -> None:
+        """Serve exactly the ``chosen`` images raw, in one transaction, and seal the store: every object the
+        selection names is in place (written, fsynced, renamed), so a mount may trust one whose inode has not
+        changed since (``StoreReader.vouch``)."""
+        with self.transaction():
+            self.db.execute("UPDATE nodes SET repr=0, served_size=NULL, object=NULL, checksum=NULL WHERE repr=1")
+            self.db.executemany(
+                "UPDATE nodes SET repr=1, served_size=?, object=?, checksum=? WHERE path=? AND kind=0",
+                [(x.raw_size, x.object, x.checksum, path) for path, x in chosen])
+            self.set_meta("ratio", repr(ratio))
+            self.set_meta(SEALED, str(time.time_ns()))
+
+    def surplus_objects(self) -> list[tuple[bytes, str]]:
+        """(path, object) of the expansions no node serves any more."""
+        return self.db.execute("SELECT path, object FROM expansions WHERE object IS NOT NULL "
+                               "AND object NOT IN (SELECT object FROM nodes WHERE repr=1)").fetchall()
+
+    def forget_expansions(self, paths: Iterable[bytes]) -> None:
+        with self.transaction():
+            self.db.executemany("DELETE FROM expansions WHERE path=?", [(p,) for p in paths])
+
+    def expanded_objects(self) -> tuple[set[str], int]:
+        """The objects prepare wrote and still knows of, and their bytes."""
+        rows = self.db.execute("SELECT object, raw_size FROM expansions WHERE object IS NOT NULL").fetchall()
+        return {obj for obj, _ in rows}, sum(size or 0 for _, size in rows)
+
     def is_fresh(self) -> bool:
         """True when no directory of the source gained, lost or renamed an entry since the scan.
 
@@ -421,7 +491,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
     next_id = ROOT_ID + 1
     # Each stack item: (directory id, absolute path, relative path); subdir counts are patched after.
     nsubdirs: dict[int, int] = {}
-    dir_rows: dict[int, tuple] = {
+    dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int]] = {
         ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns)
     }
     stack: list[tuple[int, bytes, bytes]] = [(ROOT_ID, root, b"")]

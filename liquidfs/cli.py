@@ -8,10 +8,14 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .stores import Store
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +37,6 @@ def _setup_logging(level: str, log_file: str | None) -> None:
     # The AWS SDK's debug output carries request headers (the access key id, signatures): kept out of the log.
     for noisy in ("botocore", "boto3", "s3transfer", "urllib3"):
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
-
-
-def _store_for(source: str, store: str | None) -> Path:
-    from .catalog import default_store_dir
-
-    return Path(store).absolute() if store else default_store_dir(source)
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
@@ -175,11 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(d)
     d.set_defaults(func=cmd_doctor)
 
-    from . import prepare as prepare_mod
-    from . import profile as profile_mod
-
-    prepare_mod.add_arguments(sub, _add_common)
-    profile_mod.add_arguments(sub, _add_common)
+    _add_prepare_arguments(sub, _add_common)
+    _add_profile_arguments(sub, _add_common)
     return parser
 
 
@@ -191,10 +186,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(args.log_level, args.log_file)
     from .mount import MountError
     from .catalog import CatalogError
+    from .timedreads import ProfileError
 
     try:
         return int(args.func(args))
-    except (MountError, CatalogError, FileNotFoundError, NotADirectoryError) as exc:
+    except (MountError, CatalogError, ProfileError, FileNotFoundError, NotADirectoryError) as exc:
         print(f"liquidfs {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -210,38 +206,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .catalog import open_or_build
     from .mount import MountConfig, MountError, check_mountpoint, serve, spawn_daemon
+    from .stores import open_store
 
-    from .s3 import is_url
-
-    buckets = None
-    source: Path | str
-    if is_url(args.source) or is_url(args.store or ""):
-        from .s3store import bucket_pair
-
-        source_url, store_url = map(str, bucket_pair(args.source, args.store))
-        buckets = (source_url, store_url)
-        source = source_url
-    else:
-        source = Path(args.source).absolute()
-        if not source.is_dir():
-            raise NotADirectoryError(f"source {source} is not a directory")
+    storage = open_store(args.source, args.store)
+    source = storage.source_label
     mountpoint = Path(args.mountpoint).absolute()
     if args.threads is None:
-        args.threads = 16 if buckets else 4
+        args.threads = storage.default_threads
     if args.threads < 1:
         raise MountError(f"--threads must be at least 1, not {args.threads}")
 
     def local_catalog() -> Path:
         """The catalog on this node (built, refreshed or downloaded as needed) and the directory holding it."""
-        if buckets is None:
-            store = _store_for(args.source, args.store)
-            open_or_build(source, store, rescan=args.rescan).close()
-            return store
-        from .s3store import local_catalog as fetch
-
-        return fetch(buckets[0], buckets[1], refresh=args.refresh or args.rescan)
+        return storage.mount_catalog(rescan=args.rescan or args.refresh)
 
     if args.cache_size:
         _size_option(args.cache_size, "--cache-size")
@@ -257,54 +235,58 @@ def cmd_mount(args: argparse.Namespace) -> int:
         started = time.monotonic()
         store = local_catalog()
         log_file = Path(args.log_file) if args.log_file else store / "mount.log"
-        argv = ["mount", str(source), str(mountpoint), "--store", buckets[1] if buckets else str(store),
-                "--log-level", args.log_level if args.log_level != "warning" else "info",
-                "--log-file", str(log_file), "--threads", str(args.threads),
-                "--io-timeout", str(args.io_timeout)]
-        if args.allow_other:
-            argv.append("--allow-other")
-        if args.cache_size:
-            argv += ["--cache-size", args.cache_size]
-        if args.warmup:
-            argv.append("--warmup")
-        argv += ["--page-cache", args.page_cache, "--open-bytes", args.open_bytes, "--data-path", args.data_path]
-        if args.verify_reads:
-            argv.append("--verify-reads")
-        if args.mix != "prepared":
-            argv += ["--mix", str(args.mix), "--mix-interval", str(args.mix_interval),
-                     "--pressure-dir", str(Path(args.pressure_dir).absolute())]
-        if not args.push_pages:
-            argv.append("--no-push-pages")
-        if args.disk_cache:
-            argv += ["--disk-cache", str(Path(args.disk_cache).absolute()), "--disk-cache-size", args.disk_cache_size]
-        if args.metrics_port is not None:
-            argv += ["--metrics-port", str(args.metrics_port), "--metrics-address", args.metrics_address]
-        argv += ["--readahead-kb", str(args.readahead_kb)]
-        for opt in args.options:
-            argv += ["-o", opt]
+        # The daemon gets every option of this command as parsed (paths made absolute: it runs in /), so a new
+        # mount flag reaches it without being listed here.
+        daemon_args = argparse.Namespace(**{
+            **vars(args), "store": storage.label, "log_file": str(log_file), "threads": args.threads,
+            "log_level": args.log_level if args.log_level != "warning" else "info",
+            "pressure_dir": str(Path(args.pressure_dir).absolute()),
+            "disk_cache": str(Path(args.disk_cache).absolute()) if args.disk_cache else None})
+        argv = ["mount", source, str(mountpoint), *_as_options(_subparser("mount"), daemon_args,
+                                                               leave_out={"foreground", "rescan", "refresh"})]
         spawn_daemon(argv, log_file)
         print(f"liquidfs: {source} mounted on {mountpoint} ({time.monotonic() - started:.1f} s; log {log_file})")
         return 0
-    if args.ready_fd is None:
-        store = local_catalog()
-    elif buckets is None:
-        store = _store_for(args.source, args.store)
-    else:  # started by a mount that has just fetched the catalog: only find it
-        from .s3 import S3Url, make_client, work_dir
-
-        store = work_dir(S3Url.parse(buckets[1]), make_client())
+    # A daemon started by a mount that has just made the catalog ready only finds it.
+    store = local_catalog() if args.ready_fd is None else storage.found_catalog()
     options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
                          metrics_address=args.metrics_address,
-                         io_timeout=args.io_timeout, buckets=buckets,
+                         io_timeout=args.io_timeout, storage=storage,
                          disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
                          open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
                          verify_reads=args.verify_reads, mix=args.mix, mix_interval=args.mix_interval,
                          pressure_dir=Path(args.pressure_dir))
     return serve(config, ready_fd=args.ready_fd)
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser: argparse.ArgumentParser = sub.choices[name]
+    return parser
+
+
+def _as_options(parser: argparse.ArgumentParser, args: argparse.Namespace, *, leave_out: set[str]) -> list[str]:
+    """The command-line options that give ``parser`` the option values of ``args`` (positionals aside)."""
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in leave_out or action.help == argparse.SUPPRESS:
+            continue
+        value = getattr(args, action.dest, None)
+        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
+        if isinstance(action, argparse.BooleanOptionalAction):
+            argv.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction):
+            for item in value or ():
+                argv += [flag, str(item)]
+        elif value is not None and not isinstance(action, argparse._HelpAction):
+            argv += [flag, str(value)]
+    return argv
 
 
 def _mix_option(text: str) -> str | float:
@@ -385,3 +367,180 @@ def cmd_stats(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
         print()
 
+
+# -- prepare, verify, profile ---------------------------------------------------------------------------
+
+#: ``--formats`` names the originals may carry: they are always served for the images not expanded.
+ORIGINAL_FORMATS = ("png", "jpeg", "jpg")
+
+
+def parse_ratio(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"ratio must be a number in [0, 1], a percentage or 'auto', not {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"ratio must be within [0, 1], got {text}")
+    return value
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    """``--formats png,bmp,j2k``: the raw formats prepare may write, in the order it tries them (J2K first where
+    listed, then BMP for the images J2K cannot hold exactly); the original formats are accepted and implied."""
+    from . import formats
+
+    names = [name.strip().lower() for name in text.split(",") if name.strip()]
+    unknown = [n for n in names if n not in formats.RAW_FORMATS and n not in ORIGINAL_FORMATS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown format {', '.join(unknown)}: --formats takes png and any of {', '.join(formats.RAW_FORMATS)}")
+    raw = tuple(f for f in ("j2k", "bmp") if f in names)
+    if not raw:
+        raise argparse.ArgumentTypeError("--formats needs a raw format to expand to: bmp, j2k or both")
+    return raw
+
+
+
+def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                           add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser(
+        "prepare", help="expand a share of the images to raw BMP in a store",
+        description="Choose a seeded random share (--ratio) of the PNG/JPEG images under SOURCE, expand each to "
+        "a BMP that decodes to exactly the same pixels (checked before it is accepted), and record the choice "
+        "in the store's catalog. Resumable and idempotent; changing --ratio reuses existing expansions. The "
+        "source is never written.")
+    p.add_argument("source", help="the dataset directory, or s3://BUCKET/PREFIX")
+    p.add_argument("--store", required=True,
+                   help="directory for the catalog and the raw objects; s3://BUCKET/PREFIX for an s3:// source "
+                   "(the catalog is uploaded there at the end, for every node's mounts)")
+    p.add_argument("--ratio", type=parse_ratio, required=True,
+                   help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
+    p.add_argument("--formats", type=parse_formats, default=("bmp",), metavar="png,bmp[,j2k]",
+                   help="what the expanded images are stored as: bmp (default: no decode work, for CPU decoders), "
+                   "j2k (lossless JPEG 2000: about the PNG's size, decoded on a GPU by DALI's 'mixed' decoder; "
+                   "on a CPU slower than PNG), or both (J2K, and BMP where J2K cannot hold an image exactly). "
+                   "Every object is checked to decode to the source's pixels under Pillow")
+    p.add_argument("--jobs", "-j", type=int,
+                   help="worker processes (default: the cores this process may use, fewer where memory is short: "
+                   "each worker gets room for the largest image expanded, 100 Mpx, about 2.5 GB). A larger "
+                   "value is lowered to what fits in the memory left (cgroup limit, MemAvailable), with a warning")
+    p.add_argument("--quick", action="store_true",
+                   help="with --ratio auto: a quick profile (a smaller sample, shorter measurements)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_common(p)
+    p.set_defaults(func=cmd_prepare)
+
+    v = sub.add_parser(
+        "verify", help="check every raw object against its source",
+        description="Re-decode every raw object of the store and its source and compare pixels and checksums. "
+        "Exit status 0 only when all hold.")
+    v.add_argument("--store", required=True, help="the store directory, or the s3:// store prepare wrote to")
+    v.add_argument("--sample", type=int, help="check only N random objects")
+    v.add_argument("--jobs", "-j", type=int,
+                   help="worker processes (default: the cores, fewer where memory is short; lowered to what fits)")
+    v.add_argument("--no-progress", action="store_true")
+    add_common(v)
+    v.set_defaults(func=cmd_verify)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    ratio = args.ratio
+    if ratio == "auto" and "j2k" in args.formats:
+        print("liquidfs prepare: --ratio auto cannot weigh J2K: profile measures CPU decoders, and J2K is decoded "
+              "on a GPU; give --ratio (see scripts/bench_train.py for measuring it end to end)", file=sys.stderr)
+        return 2
+    from . import formats
+    from .prepare import PrepareError, prepare_store
+    from .stores import open_store
+
+    store = open_store(args.source, args.store)
+    if ratio == "auto":
+        ratio = _auto_ratio(store, quick=args.quick)
+        print(f"profile chose ratio {ratio:.2f}")
+    try:
+        report = prepare_store(store, ratio, seed=args.seed, jobs=args.jobs, progress=not args.no_progress,
+                               raw_formats=args.formats)
+    except PrepareError as exc:
+        print(f"liquidfs prepare: {exc}", file=sys.stderr)
+        return 1
+    for line in report.lines():
+        print(line)
+    for raw_format in args.formats:
+        print(f"{raw_format} objects decode to the source's pixels under: {', '.join(formats.SAFE_FOR[raw_format])}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .catalog import CatalogError
+    from .prepare import verify
+
+    try:
+        failures = verify(args.store, sample=args.sample, jobs=args.jobs, progress=not args.no_progress)
+    except CatalogError as exc:
+        print(f"liquidfs verify: {exc}", file=sys.stderr)
+        return 2
+    for path, problem in failures:
+        print(f"FAIL {path}: {problem}")
+    print("verify: " + ("all raw objects sound" if not failures else f"{len(failures)} problems"))
+    return 1 if failures else 0
+
+
+def _auto_ratio(store: Store, *, quick: bool = False) -> float:
+    """``prepare --ratio auto``: profile, and keep the result in the store (``mount --mix adaptive`` starts at
+    its choice)."""
+    from .profile import profile_store, render, to_json
+
+    profile = profile_store(store, quick=quick, progress=lambda s: print(f"profile: {s}", file=sys.stderr))
+    print(render(profile))
+    try:
+        store.keep_profile(json.dumps(to_json(profile), indent=1))
+    except OSError as exc:
+        print(f"profile: cannot keep the result in {store.label}: {exc.strerror}", file=sys.stderr)
+    return profile.chosen
+
+
+def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                           add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+    from .profile import __doc__ as profile_doc
+
+    p = sub.add_parser(
+        "profile", help="measure this machine and choose the share of images to serve raw",
+        description=profile_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source")
+    p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
+    p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="decoder threads (default: all cores)")
+    p.add_argument("--cache-size", default="0%", help="the mount's --cache-size, as a percentage (default 0%%)")
+    p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
+    p.add_argument("--quick", action="store_true", help="a smaller sample and shorter measurements (< 30 s)")
+    p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
+                   help="choose the smallest raw share that reaches this rate (saves disk space)")
+    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot of the curves")
+    add_common(p)
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    text = args.cache_size.strip()
+    if not text.endswith("%"):
+        print("liquidfs profile: --cache-size takes a percentage here (e.g. 30%)", file=sys.stderr)
+        return 2
+    share = float(text[:-1]) / 100
+    from .profile import plot, profile_store, render, to_json
+    from .stores import open_store
+
+    profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
+                          cache_share=min(1.0, share), sample=args.sample, quick=args.quick,
+                          target_rate=args.target_rate,
+                          progress=lambda s: print(f"profile: {s}", file=sys.stderr))
+    print(render(profile))
+    if args.json:
+        Path(args.json).write_text(json.dumps(to_json(profile), indent=1))
+    if args.plot:
+        plot(profile, args.plot)
+    return 0

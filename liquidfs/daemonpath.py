@@ -19,7 +19,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from .cache import Decision, NextEpochCache
-from .catalog import REPR_RAW, Node
+from .catalog import Node
 from .notifier import Notifier
 from .reader import CHUNK, POOL, WHOLE_FILE_LIMIT, Content, chunk_digests, chunk_span
 from .stats import MountStats
@@ -37,7 +37,7 @@ MAX_OPEN_BYTES = 64 << 20
 PAGE_CACHE_MODES = ("drop", "keep", "direct")
 #: The kernel marks a page it is handed (``notify_store``) up to date only when the page is whole.
 _PAGE = 4096
-#: Pieces of files read again (``DaemonPath._read_again``) kept for the reads of neighbouring pages that follow.
+#: Pieces of files read again (``DaemonPath._refetch``) kept for the reads of neighbouring pages that follow.
 MAX_PIECES = 16
 
 
@@ -94,7 +94,7 @@ class DaemonPath:
             if await self._read_later(node, decision):
                 self.stats.deferred += 1
                 content = Content(size=self.size_overrides.get(node.id, node.size_served),
-                                  raw=node.repr == REPR_RAW, deferred=True)
+                                  raw=node.served_raw, deferred=True)
             else:
                 content = await self._open_from_storage(node)
             if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
@@ -130,10 +130,11 @@ class DaemonPath:
                 # its end, so it makes room now by letting go of the files opened longest ago.
                 self._loan(fh, handle, evict=handle.direct_io)
         content = handle.content
+        data: bytes | memoryview
         if handle.chunks is not None:
-            data = await self._read_again(fh, handle, off, size)
-            self.stats.reads_again += 1
-            self.stats.bytes_read_again += len(data)
+            data = await self._refetch(fh, handle, off, size)
+            self.stats.lost_page_reads += 1
+            self.stats.bytes_of_lost_pages += len(data)
         elif content.data is None:
             assert handle.node is not None  # only files are streamed
             data = await self.storage.run(handle.node, content.read, off, size)
@@ -191,7 +192,7 @@ class DaemonPath:
         else:
             vouched = await self.storage.run(node, self.reader.vouch, node)
         if vouched is not None:
-            return vouched
+            return bool(vouched)
         no_room = self._loaned_bytes + size > self.max_open_bytes
         return not decision.keep and no_room and await self.storage.source_changed(node) is None
 
@@ -199,7 +200,7 @@ class DaemonPath:
         changed = await self.storage.source_changed(node)
         if changed is None:
             self.stats.bytes_from_memory += len(data)
-            return Content(size=len(data), raw=node.repr == REPR_RAW, data=data)
+            return Content(size=len(data), raw=node.served_raw, data=data)
         # The source changed after the bytes were taken: they are stale. Serve what the source says now.
         self.held_data.pop(node.id, None)
         assert self.cache is not None
@@ -249,7 +250,7 @@ class DaemonPath:
         """
         assert self.cache is not None
         nodes = {n.id: n for n in files}
-        files = 0
+        count = 0
         total = 0
         for node_id in self.cache.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
             node = nodes[node_id]
@@ -262,13 +263,13 @@ class DaemonPath:
                 content.close()
                 continue
             self._hold(node_id, content)
-            files += 1
+            count += 1
             total += content.size
-            progress(files, total)
-        return files, total
+            progress(count, total)
+        return count, total
 
     async def _open_from_storage(self, node: Node) -> Content:
-        content = await self.storage.run(node, self.reader.open, node)
+        content: Content = await self.storage.run(node, self.reader.open, node)
         if content.tier == "disk":
             self.stats.bytes_from_disk += content.size
         elif content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
@@ -350,7 +351,7 @@ class DaemonPath:
         Loaders keep files open long after reading them (DALI maps every file of its 1,024-sample shuffle
         buffer), so holding each open file's bytes until release would grow the daemon by gigabytes. They are
         let go here, and the digest of each CHUNK kept instead; should the kernel ask again for some pages (its
-        page cache lost them), the chunks around them are read again and must match (``_read_again``), or the
+        page cache lost them), the chunks around them are read again and must match (``_refetch``), or the
         reader gets EIO: never bytes that differ from what it already has.
         """
         content = handle.content
@@ -364,7 +365,7 @@ class DaemonPath:
         assert handle.node is not None
         return self.held_data.get(handle.node.id) is handle.content.data
 
-    async def _read_again(self, fh: int, handle: Handle, off: int, size: int) -> bytes:
+    async def _refetch(self, fh: int, handle: Handle, off: int, size: int) -> bytes:
         """Serve part of a file whose bytes were let go: the CHUNKs around it, from the cache when it holds the
         file now, else from storage, each checked against the digest of what this handle served.
 
@@ -382,7 +383,7 @@ class DaemonPath:
         if piece is None or not piece.start <= off < end <= piece.start + len(piece.data):
             if handle.reading is not None:  # the kernel sent several reads at once: one reads, the rest wait
                 await handle.reading.wait()
-                return await self._read_again(fh, handle, off, size) if fh in self.open_files else b""
+                return await self._refetch(fh, handle, off, size) if fh in self.open_files else b""
             handle.reading = trio.Event()
             try:
                 piece = await self._read_piece(handle, *chunk_span(off, end - off, total))
@@ -406,8 +407,8 @@ class DaemonPath:
         else:
             data = await self.storage.run(node, self.reader.read_span, node, handle.content.raw, start, stop)
             piece = _Piece(start, data, pooled=True)
-            self.stats.rereads += 1
-            self.stats.bytes_reread += len(data)
+            self.stats.refetches += 1
+            self.stats.bytes_refetched += len(data)
         if len(piece.data) != stop - start or \
                 chunk_digests(piece.data) != handle.chunks[start // CHUNK:-(-stop // CHUNK)]:
             piece.close()
@@ -493,12 +494,12 @@ class Handle:
         return merged[0][1] if merged[0][0] == 0 else 0
 
 
-NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+NO_CACHE: Decision = Decision(hit=False, keep=False, epoch=0)
 
 
 @dataclass(eq=False, slots=True)
 class _Piece:
-    """CHUNKs of a file read again (``Operations._read_again``), from ``start``."""
+    """CHUNKs of a file read again (``Operations._refetch``), from ``start``."""
 
     start: int
     data: memoryview

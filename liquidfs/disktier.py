@@ -22,29 +22,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from .cache import NextEpochCache
 from .locks import HeldLock, abandoned, unique
 from .catalog import Node
-from .reader import Content, checksum, digest_of, read_whole
+from .reader import Content, Reader, checksum, digest_of, read_whole
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "liquidfs-"
-
-
-class Reader(Protocol):
-    def open(self, node: Node) -> Content: ...
-
-    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview: ...
-
-    def vouch(self, node: Node) -> bool | None: ...
-
-    def check_source(self, node: Node, st: object = None) -> str | None: ...
-
-    @property
-    def inline_check(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -133,7 +119,7 @@ class DiskTier:
 
     def _read(self, node: Node, entry: _Entry) -> Content | None:
         try:
-            data = read_whole(self._path(node.id))
+            data = read_whole(str(self._path(node.id)))
         except OSError as exc:
             log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc)
             return None

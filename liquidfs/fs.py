@@ -16,19 +16,19 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .catalog import KIND_DIR, KIND_SYMLINK, REPR_RAW, ROOT_ID, Catalog, Node
+from .catalog import KIND_DIR, KIND_SYMLINK, ROOT_ID, Catalog, Node
 from .daemonpath import MAX_OPEN_BYTES, PAGE_CACHE_MODES, DaemonPath, Handle
 from .mix import Mix
 from .notifier import Notifier
 from .passthrough import PassthroughPath
-from .reader import Content, StoreReader
+from .reader import Content, Reader
 from .stats import MountStats
 from .storage import IO_TIMEOUT, StorageCalls
 
@@ -51,7 +51,7 @@ _MAX_LOGGED = 10_000
 P = ParamSpec("P")
 R = TypeVar("R")
 
-def _handler(func: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
+def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     @functools.wraps(func)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
@@ -85,7 +85,7 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, catalog: Catalog, reader: StoreReader, stats: MountStats,
+    def __init__(self, catalog: Catalog, reader: Reader, stats: MountStats,
                  *, thread_limiter: trio.CapacityLimiter | None = None,
                  cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT,
                  page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True,
@@ -198,7 +198,7 @@ class Operations(pyfuse3.Operations):
         self.lookups[node.id] = self.lookups.get(node.id, 0) + 1
         return self._attrs(node)
 
-    async def forget(self, inode_list: list[tuple[pyfuse3.InodeT, int]]) -> None:
+    async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         for inode, count in inode_list:
             left = self.lookups.get(inode, 0) - count
             if left > 0:
@@ -282,7 +282,7 @@ class Operations(pyfuse3.Operations):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
             if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid):
                 raise FUSEError(errno.EACCES)
-        mixed = self.mix is not None and node.repr == REPR_RAW and node.id not in self.fell_back
+        mixed = self.mix is not None and node.served_raw and node.id not in self.fell_back
         if mixed:
             node = await self._mixed(node)
         try:
@@ -397,7 +397,9 @@ class Operations(pyfuse3.Operations):
         else:
             self.daemon.release(fh, handle)
 
-    def _control_bytes(self) -> bytes:
+    def statistics(self) -> dict[str, Any]:
+        """Every counter of the mount, from each component's own snapshot: what ``liquidfs stats`` shows (the
+        control file) and ``/metrics`` exports."""
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = len(self.lookups)
@@ -412,7 +414,10 @@ class Operations(pyfuse3.Operations):
             values["mix"] = dataclasses.asdict(self.mix.statistics())
         if self.control_extra is not None:
             values.update(self.control_extra())
-        return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()
+        return values
+
+    def _control_bytes(self) -> bytes:
+        return (json.dumps(self.statistics(), indent=1, sort_keys=True) + "\n").encode()
 
     # -- everything that would write -----------------------------------------------------------------
 

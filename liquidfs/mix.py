@@ -112,7 +112,7 @@ class Mix:
         """What this open of ``node`` serves: ``node`` itself (its raw object, as the catalog says), or ``node``
         as its original. ``held_raw``: the representation a cache holds the file in (a hit costs neither decode
         nor storage, so it is served as held). Count the open; ``release`` must follow."""
-        if node.repr != REPR_RAW:
+        if node.representation != REPR_RAW:
             return node
         opened = self._open.get(node.id)
         if opened is not None:
@@ -146,7 +146,7 @@ class Mix:
 
 def as_original(node: Node) -> Node:
     """``node`` served as its source file: no raw object, the source's size."""
-    return dataclasses.replace(node, repr=REPR_ORIGINAL, served_size=None, object=None, checksum=None)
+    return dataclasses.replace(node, representation=REPR_ORIGINAL, served_size=None, object=None, checksum=None)
 
 
 #: Seconds between two decisions of the adaptive mix: PSI's ``avg10`` is a 10 s average, so sooner would judge

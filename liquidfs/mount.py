@@ -30,9 +30,8 @@ from .metrics import serve_metrics
 from .mix import PROFILE_NAME, STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, node_pressure
 from .disktier import DiskTier
-from .locks import MOUNTS_LOCK, shared_lock
-from .reader import StoreReader
-from .s3reader import S3Reader
+from .stores import Store
+from .reader import Reader, StoreReader
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -44,9 +43,10 @@ class MountError(Exception):
 
 @dataclass
 class MountConfig:
-    source: Path | str  # a directory, or an s3:// URL
+    source: Path | str  # a directory, or an s3:// URL: for messages
     mountpoint: Path
-    store: Path
+    store: Path  # the directory on this node holding the catalog served (``Store.mount_catalog``)
+    storage: Store  # where the originals and raw objects are read
     allow_other: bool = False
     fuse_options: list[str] = field(default_factory=list)
     threads: int = 4
@@ -60,8 +60,6 @@ class MountConfig:
     page_cache: str = "drop"
     open_bytes: int = MAX_OPEN_BYTES
     push_pages: bool = True
-    #: Source and store URLs when the dataset lives in an object store (``store`` is then the local work dir).
-    buckets: tuple[str, str] | None = None
     disk_cache: Path | None = None
     disk_cache_size: str | None = None
     #: ``mount --data-path``: "auto" (passthrough where available, else the daemon), "passthrough" (or fail),
@@ -156,19 +154,11 @@ def descriptor_budget(ceiling: int = 1 << 20) -> int:
 def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     """Mount and serve in this process until unmounted or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if config.buckets is None:
-        # Held until this process ends: prepare deletes no object while any mount of the store runs, so every
-        # object the catalog opened below names stays (a new selection replaces the catalog file; this mount
-        # keeps reading the one it opened).
-        try:
-            shared_lock(Path(config.store) / MOUNTS_LOCK)
-        except OSError as exc:
-            log.warning("cannot lock %s (%s): a prepare of this store may delete objects this mount serves",
-                        Path(config.store) / MOUNTS_LOCK, exc.strerror)
+    config.storage.hold_for_mount(Path(config.store))
     catalog = Catalog.open(config.store, readonly=True)
-    stats = MountStats(source=str(config.source), store=config.buckets[1] if config.buckets else str(config.store))
-    reader = make_reader(catalog, config)
-    base_reader = reader
+    stats = MountStats(source=str(config.source), store=config.storage.label)
+    base_reader = config.storage.reader(catalog, config.threads, config.io_timeout)
+    reader: Reader = base_reader
     totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
     cache = make_cache(totals, config.cache_size)
     disk = None
@@ -251,18 +241,7 @@ def profiled_share(store: Path) -> float | None:
     return float(chosen)
 
 
-def make_reader(catalog: Catalog, config: MountConfig) -> StoreReader | S3Reader:
-    if config.buckets is None:
-        return StoreReader(catalog.source, config.store, catalog.sealed_ns)
-    from .s3 import READ_TIMEOUT, S3Url, make_client
-
-    # One connection per storage read in flight (--threads), and no single HTTP wait longer than --io-timeout.
-    client = make_client(config.threads + 2, read_timeout=min(READ_TIMEOUT, config.io_timeout))
-    source, store = config.buckets
-    return S3Reader(client, S3Url.parse(source), S3Url.parse(store))
-
-
-def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: StoreReader | S3Reader,
+def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,
                    cache: NextEpochCache | None) -> DiskTier:
     """The disk level sees what the memory level misses: its quota is of the dataset minus the memory budget."""
     assert config.disk_cache is not None and config.disk_cache_size
@@ -305,7 +284,7 @@ async def _main(config: MountConfig, ops: Operations, ready_fd: int | None) -> N
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         if config.metrics_port is not None:
-            await nursery.start(serve_metrics, config.metrics_port, lambda: json.loads(ops._control_bytes()),
+            await nursery.start(serve_metrics, config.metrics_port, ops.statistics,
                                 config.metrics_address)
         if ops.mix is not None and ops.mix.mode == "adaptive":
             nursery.start_soon(_steer_mix, ops, config)
@@ -439,7 +418,10 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
 
 def read_control(mountpoint: Path) -> dict[str, object]:
     with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
-        return json.loads(f.read())
+        values = json.loads(f.read())
+    if not isinstance(values, dict):
+        raise ValueError(f"{mountpoint}: the control file holds no object")
+    return values
 
 
 def holders(mountpoint: Path) -> list[str]:
@@ -480,7 +462,7 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> N
         raise MountError(f"{mountpoint} is not mounted")
     pid = None
     try:
-        pid = int(read_control(mountpoint)["pid"])  # type: ignore[arg-type]
+        pid = int(str(read_control(mountpoint)["pid"]))
     except (OSError, ValueError, KeyError):
         log.warning("%s does not look like a liquidfs mount; unmounting anyway", mountpoint)
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]

@@ -16,32 +16,21 @@ reach storage: the load line is scaled by it.
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
-import json
 import logging
 import math
-import mmap
 import os
-import random
-import resource
-import shutil
 import statistics
-import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from typing import Any
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 
-from . import formats
-from .catalog import Catalog, open_or_build
-from .locks import unique
-from .prepare import IMAGE_SUFFIXES
-from .reader import open_below, open_dir, same_file
-from .s3 import is_url
+from .stores import Store, open_store
+from .timedreads import ProfileError
+
+__all__ = ["Costs", "Profile", "ProfileError", "choose_for_target", "model_choice", "paper_search", "profile_store",
+           "render", "run_profile", "to_json"]
 
 log = logging.getLogger(__name__)
 
@@ -124,184 +113,8 @@ def choose_for_target(costs: Costs, target: float) -> float | None:
     return None
 
 
-# -- measuring ------------------------------------------------------------------------------------------
 
-
-@dataclass
-class Sample:
-    originals: list[Any]  # what ``load`` reads: local paths, or (bucket, key) of objects
-    raws: list[Any]
-    scratch: Path
-    load: Callable[[Sequence[Any], float], tuple[float, float]] = field(default=lambda items, s: measure_load(items, s))
-    cleanup: Callable[[], None] = lambda: None
-    original_data: list[bytes] = field(default_factory=list)
-    raw_data: list[bytes] = field(default_factory=list)
-
-
-def make_sample(catalog: Catalog, store: Path, count: int, seed: int = 0) -> Sample:
-    """Pick ``count`` images at random and expand them into a ``store/profile-sample-*`` directory of this run's own."""
-    root = catalog.source
-    nodes = [n for n in catalog.files() if n.name.lower().endswith(tuple(s.encode() for s in IMAGE_SUFFIXES))]
-    if not nodes:
-        raise SystemExit("profile: no PNG/JPEG images in the source")
-    rng = random.Random(seed)
-    rng.shuffle(nodes)
-    # A directory of this run's own: profiles run at once on one store (a Job's pods) must not share or delete
-    # each other's sample.
-    store.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix="profile-sample-", dir=store))
-    originals: list[Path] = []
-    raws: list[Path] = []
-    original_data: list[bytes] = []
-    raw_data: list[bytes] = []
-    root_fd = open_dir(root)
-    try:
-        for node in nodes:
-            if len(raws) >= count:
-                break
-            try:  # read as the mount reads: below the root, no link followed, the file the catalog recorded
-                fd = open_below(root_fd, node.path, root)
-                try:
-                    if not same_file(node, os.fstat(fd)):
-                        continue
-                    with open(fd, "rb", closefd=False) as f:
-                        data = f.read()
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                log.warning("profile: skipping %r: %s", node.path, exc)
-                continue
-            result = formats.expand(data)
-            if result.data is None:
-                continue
-            out = scratch / f"{node.id}.bmp"
-            out.write_bytes(result.data)
-            # Timed where the mount will read it.  The timing reads discard what they read, so a path swapped
-            # for a link since cannot carry anyone's bytes anywhere.
-            originals.append(Path(os.fsdecode(os.path.join(root, node.path))))
-            raws.append(out)
-            original_data.append(data)
-            raw_data.append(result.data)
-    finally:
-        os.close(root_fd)
-    if not raws:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise SystemExit("profile: none of the sampled images can be expanded losslessly")
-    return Sample(originals, raws, scratch, cleanup=lambda: shutil.rmtree(scratch, ignore_errors=True),
-                  original_data=original_data, raw_data=raw_data)
-
-
-def make_bucket_sample(source: str, store: str, count: int, jobs: int, seed: int = 0) -> Sample:
-    """The sample of an s3:// dataset: ``count`` random images, expanded and put under STORE/profile-sample-<unique>/
-    (deleted after), so storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
-    from .s3 import get, list_objects, make_client, put, work_dir
-    from .s3store import bucket_pair, delete_keys
-
-    src, dst = bucket_pair(source, store)
-    client = make_client(jobs + 2)
-    keys = [o.key for o in list_objects(client, src) if o.key.lower().endswith(IMAGE_SUFFIXES)]
-    if not keys:
-        raise SystemExit("profile: no PNG/JPEG images in the source")
-    random.Random(seed).shuffle(keys)
-    sample = Sample([], [], work_dir(dst, client),
-                    load=lambda items, seconds: measure_get(client, items, seconds, jobs))
-    written: list[str] = []
-    prefix = unique("profile-sample-")  # profiles run at once on one store (a Job's pods) keep apart
-
-    def cleanup() -> None:
-        delete_keys(client, dst.bucket, written)
-
-    sample.cleanup = cleanup
-    for key in keys:
-        if len(sample.raws) >= count:
-            break
-        data = get(client, src.bucket, key)
-        result = formats.expand(data)
-        if result.data is None:
-            continue
-        raw_key = dst.key(f"{prefix}/{len(written)}.bmp")
-        put(client, dst.bucket, raw_key, result.data)
-        written.append(raw_key)
-        sample.originals.append((src.bucket, key))
-        sample.raws.append((dst.bucket, raw_key))
-        sample.original_data.append(data)
-        sample.raw_data.append(result.data)
-    if not sample.raws:
-        cleanup()
-        raise SystemExit("profile: none of the sampled images can be expanded losslessly")
-    return sample
-
-
-def _read_direct(path: Path, buf: mmap.mmap) -> int:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            n = len(os.pread(fd, 1 << 30, 0))
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            return n
-        finally:
-            os.close(fd)
-    try:
-        total = 0
-        while True:
-            got = os.preadv(fd, [memoryview(buf)], total)
-            total += got
-            if got < len(buf):
-                return total
-    finally:
-        os.close(fd)
-
-
-def measure_load(paths: Sequence[Path], seconds: float, jobs: int = 4) -> tuple[float, float]:
-    """(bytes/s, CPU seconds per byte) of whole-file reads in random order with the page cache bypassed."""
-    local = threading.local()
-
-    def read_one(path: Path) -> int:
-        # one aligned buffer per thread, allocated once: faulting in fresh pages per file would be measured
-        buf = getattr(local, "buf", None)
-        if buf is None:
-            buf = local.buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return _read_direct(path, buf)
-
-    return _timed_reads(read_one, paths, seconds, jobs)
-
-
-def measure_get(client: Any, objects: Sequence[tuple[str, str]], seconds: float, jobs: int) -> tuple[float, float]:
-    """(bytes/s, CPU seconds per byte) of whole-object GETs in random order, ``jobs`` in flight."""
-    from .s3 import get
-
-    return _timed_reads(lambda obj: len(get(client, *obj)), objects, seconds, jobs)
-
-
-def _timed_reads(read_one: Callable[[Any], int], items: Sequence[Any], seconds: float,
-                 jobs: int) -> tuple[float, float]:
-    """Read every item (``read_one`` returns its bytes), ``jobs`` at a time in a fresh random order per round,
-    rounds repeated for ``seconds`` (at least one): (bytes/s, this process's CPU seconds per byte)."""
-    rng = random.Random(1)
-    order = list(items)
-    deadline = time.monotonic() + seconds
-    total = 0
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
-    started = time.monotonic()
-
-    def worker(share: list[Any]) -> int:
-        done = 0
-        for item in share:
-            done += read_one(item)
-            if time.monotonic() > deadline:
-                break
-        return done
-
-    with cf.ThreadPoolExecutor(jobs) as pool:
-        while time.monotonic() < deadline or total == 0:
-            rng.shuffle(order)
-            total += sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
-    elapsed = time.monotonic() - started
-    usage1 = resource.getrusage(resource.RUSAGE_SELF)
-    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    return total / elapsed, cpu / max(1, total)
+# -- measuring decode -----------------------------------------------------------------------------------
 
 
 def dali_available() -> bool:
@@ -350,8 +163,8 @@ def _decode_dali(encoded: Sequence[bytes], threads: int, seconds: float) -> floa
         state["i"] += batch
         return out
 
-    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, prefetch_queue_depth=1)
-    def pipe():
+    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, prefetch_queue_depth=1)  # type: ignore[untyped-decorator]
+    def pipe() -> Any:
         data = fn.external_source(source=source, dtype=types.UINT8)
         return fn.decoders.image(data, device="cpu")
 
@@ -376,32 +189,26 @@ class Profile:
     search_steps: list[dict[str, float]]
     chosen: float
     chosen_by: str
-    verdict: str
     target_rate: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
-def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *, decoder: str | None = None,
-                threads: int | None = None, cache_share: float = 0.0, sample: int | None = None,
-                quick: bool = False, target_rate: float | None = None, seconds: float | None = None,
-                progress: Callable[[str], None] = lambda s: None) -> Profile:
+def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], **options: object) -> Profile:
+    """``profile_store`` of ``open_store(source, store)``."""
+    return profile_store(open_store(source, store), **options)  # type: ignore[arg-type]
+
+
+def profile_store(store: Store, *, decoder: str | None = None, threads: int | None = None, cache_share: float = 0.0,
+                  sample: int | None = None, quick: bool = False, target_rate: float | None = None,
+                  seconds: float | None = None, progress: Callable[[str], None] = lambda s: None) -> Profile:
     started = time.monotonic()
     threads = threads or os.cpu_count() or 1
     decoder = decoder or ("dali" if dali_available() else "pil")
     step = seconds if seconds is not None else (0.6 if quick else 2.5)
     count = sample or (8 if quick else 24)
     progress("expanding a sample")
-    if is_url(str(source)):
-        smp = make_bucket_sample(str(source), str(store), count, jobs=4)
-    else:
-        store_dir = Path(store).absolute()
-        open_or_build(source, store_dir).close()
-        catalog = Catalog.open(store_dir, readonly=True)
-        try:
-            smp = make_sample(catalog, store_dir, count)
-        finally:
-            catalog.close()
+    smp = store.profile_sample(count, jobs=4)
     try:
         originals = smp.original_data
         raws = smp.raw_data
@@ -452,7 +259,7 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
         else:
             chosen, chosen_by = smallest, f"smallest raw share predicted to reach {target_rate:g} img/s"
     return Profile(costs=costs, table=table, model_ratio=model_r, model_reason=reason, search_ratio=search_r,
-                   search_steps=steps, chosen=chosen, chosen_by=chosen_by, verdict=reason, target_rate=target_rate,
+                   search_steps=steps, chosen=chosen, chosen_by=chosen_by, target_rate=target_rate,
                    seconds=time.monotonic() - started, notes=notes)
 
 
@@ -501,8 +308,13 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
     left, right, top, bottom = 60, width - 20, 30, height - 50
     ymax = max(max(r["load_images_per_s"], r["decode_images_per_s"]) for r in profile.table
                if math.isfinite(r["load_images_per_s"])) * 1.1
-    x = lambda r: left + r * (right - left)  # noqa: E731
-    y = lambda v: bottom - min(v, ymax) / ymax * (bottom - top)  # noqa: E731
+
+    def x(r: float) -> float:
+        return left + r * (right - left)
+
+    def y(v: float) -> float:
+        return bottom - min(v, ymax) / ymax * (bottom - top)
+
     draw.rectangle((left, top, right, bottom), outline="black")
     for i in range(11):
         draw.line((x(i / 10), bottom, x(i / 10), bottom + 5), fill="black")
@@ -521,56 +333,3 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
     draw.text((left + (right - left) // 2 - 40, height - 22), "raw share", fill="black")
     img.save(path, format="PNG")
 
-
-def auto_ratio(source: str, store: str, *, quick: bool = False) -> float:
-    """``prepare --ratio auto``: profile, and keep the result in a local store (``mount --mix adaptive`` starts
-    at its choice)."""
-    profile = run_profile(source, store, quick=quick,
-                          progress=lambda s: print(f"profile: {s}", file=sys.stderr))
-    print(render(profile))
-    if not is_url(store):
-        from .mix import PROFILE_NAME
-
-        kept = Path(store) / PROFILE_NAME
-        try:
-            kept.write_text(json.dumps(to_json(profile), indent=1))
-        except OSError as exc:
-            print(f"profile: cannot keep the result in {kept}: {exc.strerror}", file=sys.stderr)
-    return profile.chosen
-
-
-def add_arguments(sub: argparse._SubParsersAction, add_common: Callable[[argparse.ArgumentParser], None]) -> None:
-    p = sub.add_parser(
-        "profile", help="measure this machine and choose the share of images to serve raw",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("source")
-    p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
-    p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="decoder threads (default: all cores)")
-    p.add_argument("--cache-size", default="0%", help="the mount's --cache-size, as a percentage (default 0%%)")
-    p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
-    p.add_argument("--quick", action="store_true", help="a smaller sample and shorter measurements (< 30 s)")
-    p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
-                   help="choose the smallest raw share that reaches this rate (saves disk space)")
-    p.add_argument("--json", metavar="PATH", help="write the result as JSON")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG plot of the curves")
-    add_common(p)
-    p.set_defaults(func=_cmd_profile)
-
-
-def _cmd_profile(args: argparse.Namespace) -> int:
-    text = args.cache_size.strip()
-    if not text.endswith("%"):
-        print("liquidfs profile: --cache-size takes a percentage here (e.g. 30%)", file=sys.stderr)
-        return 2
-    share = float(text[:-1]) / 100
-    profile = run_profile(args.source, args.store, decoder=args.decoder, threads=args.threads,
-                          cache_share=min(1.0, share), sample=args.sample, quick=args.quick,
-                          target_rate=args.target_rate,
-                          progress=lambda s: print(f"profile: {s}", file=sys.stderr))
-    print(render(profile))
-    if args.json:
-        Path(args.json).write_text(json.dumps(to_json(profile), indent=1))
-    if args.plot:
-        plot(profile, args.plot)
-    return 0

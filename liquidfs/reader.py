@@ -21,10 +21,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import xxhash
 
-from .catalog import REPR_RAW, Node, file_version
+from .catalog import Node, file_version
 
 log = logging.getLogger(__name__)
 
@@ -363,7 +364,7 @@ def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
     ``cached_only``: BlockingIOError (EAGAIN) rather than waiting for the disk, where a dentry or an inode on the
     way is not in memory (for opens on the trio thread; the caller retries in a worker thread).
     """
-    path = os.fsdecode(os.path.join(where, rel)) if where else os.fsdecode(rel)
+    path = os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
     *dirs, name = catalog_parts(rel)
     if HAS_OPENAT2:
         resolve = _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
@@ -461,6 +462,22 @@ class Choice:
             self.fd = -1
 
 
+class Reader(Protocol):
+    """What the mount reads through: a store's reader (``StoreReader``, ``s3reader.S3Reader``) or a cache level
+    in front of one (``disktier.DiskTier``)."""
+
+    def open(self, node: Node) -> Content: ...
+
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview: ...
+
+    def vouch(self, node: Node) -> bool | None: ...
+
+    def check_source(self, node: Node, st: Any = None) -> str | None: ...
+
+    @property
+    def inline_check(self) -> bool: ...
+
+
 class StoreReader:
     """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
 
@@ -479,7 +496,7 @@ class StoreReader:
         # When prepare last finished (``Catalog.sealed_ns``): a raw object whose inode changed before then is the
         # one prepare wrote and checked. Trusted only where a stat is the inode's own, not attributes a network
         # or FUSE filesystem may have cached for seconds.
-        self.sealed_ns = sealed_ns if filesystem_type(store_dir / "objects") in LOCAL_FILESYSTEMS else None
+        self.sealed_ns = sealed_ns if filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS else None
         self._warned: set[int] = set()
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
@@ -539,7 +556,7 @@ class StoreReader:
             st = os.fstat(source)
             changed = self.check_source(node, st)
             why = changed
-            if node.repr == REPR_RAW and changed is None:
+            if node.served_raw and changed is None:
                 try:
                     obj = self.open_object(node, cached_only=cached_only)
                 except BlockingIOError:
@@ -555,7 +572,7 @@ class StoreReader:
                 self.warn_once(node, why)
             # An original is served either way; its size may differ from the catalog's (the caller corrects it).
             chosen = Choice(source, st, raw=False, sealed=changed is None,
-                            fallback=why if node.repr == REPR_RAW else None)
+                            fallback=why if node.served_raw else None)
             source = -1
             return chosen
         finally:
@@ -604,7 +621,7 @@ class StoreReader:
             catalog_parts(node.path)
             st = os.stat(node.path, dir_fd=self.root_fd, follow_symlinks=False)
         if not same_file(node, st):
-            return "source changed since prepare" if node.repr == REPR_RAW else "source changed since the scan"
+            return "source changed since prepare" if node.served_raw else "source changed since the scan"
         return None
 
     def _read_raw(self, node: Node, fd: int) -> tuple[str | None, memoryview | None]:

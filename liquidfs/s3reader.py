@@ -20,7 +20,7 @@ import functools
 import logging
 from typing import Any
 
-from .catalog import REPR_RAW, Node
+from .catalog import Node
 from .reader import WHOLE_FILE_LIMIT, Content, check_raw
 from .s3 import S3Url, as_oserror, error_code, get, head
 
@@ -41,7 +41,7 @@ class S3Reader:
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole (or, above WHOLE_FILE_LIMIT, in ranges as the reader asks)."""
         fallback = None
-        if node.repr == REPR_RAW:
+        if node.served_raw:
             fallback = self._source_changed(node)
             if fallback is None:
                 fallback, data = self._open_raw(node)

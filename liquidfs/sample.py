@@ -14,7 +14,6 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 from PIL import Image
 
 log = logging.getLogger(__name__)
@@ -75,11 +74,6 @@ def make_sample(dest: str | os.PathLike[str], count: int = 24, width: int = 2048
     (root / "README.txt").write_text("liquidfs sample: mosaics of scikit-image's photos, Cityscapes layout\n")
     (root / "meta.json").write_text(json.dumps({"count": count, "width": width, "height": height, "seed": seed}))
     return root
-
-
-def image_array(path: str | os.PathLike[str]) -> np.ndarray:
-    with Image.open(path) as im:
-        return np.asarray(im)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,10 +25,10 @@ class MountStats:
     deferred: int = 0             # opens whose file was read at its first read instead of at open
     let_go: int = 0               # open files whose bytes were let go to keep open_bytes under its bound
     bytes_pushed: int = 0         # bytes handed to the kernel's page cache ahead of its reads (notify_store)
-    reads_again: int = 0          # read requests for pages the kernel lost after the daemon let their file go
-    bytes_read_again: int = 0     # bytes those requests were answered with
-    rereads: int = 0              # storage reads they took (of the CHUNKs around what was asked)
-    bytes_reread: int = 0         # bytes those storage reads took
+    lost_page_reads: int = 0          # read requests for pages the kernel lost after the daemon let their file go
+    bytes_of_lost_pages: int = 0     # bytes those requests were answered with
+    refetches: int = 0            # storage reads they took (of the CHUNKs around what was asked)
+    bytes_refetched: int = 0         # bytes those storage reads took
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT

@@ -68,7 +68,7 @@ def pixel_digest(path: str | Path) -> str:
 
 def build_manifest(store: Path) -> dict[str, Any]:
     """What the mount of ``store``'s catalog must serve, per file: digests of bytes and of decoded pixels."""
-    from liquidfs.catalog import REPR_RAW, Catalog
+    from liquidfs.catalog import Catalog
 
     catalog = Catalog.open(store, readonly=True)
     try:
@@ -76,7 +76,7 @@ def build_manifest(store: Path) -> dict[str, Any]:
         files = []
         for node in catalog.files():
             source = os.path.join(root, node.path)
-            raw = node.repr == REPR_RAW
+            raw = node.served_raw
             with open(store / str(node.object) if raw else source, "rb") as f:
                 expected = digest(f.read())
             pixels = pixel_digest(os.fsdecode(source)) if node.path.lower().endswith(IMAGE_SUFFIXES) else None
@@ -319,11 +319,11 @@ def _size_of(png: bytes) -> tuple[int, int]:
 
 def with_objects(fixture: dict[str, Any], store: Path, work: Path, tag: str) -> dict[str, Any]:
     """``fixture`` plus, for each image the store's catalog serves raw, its object and a copy of it."""
-    from liquidfs.catalog import REPR_RAW, Catalog
+    from liquidfs.catalog import Catalog
 
     catalog = Catalog.open(store, readonly=True)
     try:
-        objects = {os.fsdecode(n.path): n.object for n in catalog.files() if n.repr == REPR_RAW}
+        objects = {os.fsdecode(n.path): n.object for n in catalog.files() if n.served_raw}
     finally:
         catalog.close()
     files = []

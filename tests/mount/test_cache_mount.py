@@ -246,8 +246,8 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
     # This VM class reclaims page-cache pages no process maps within seconds: some of what DALI asked for at
     # open may be gone by the time it decodes, and the kernel asks again. Those reads are counted apart; they
     # take the chunks around them from storage, never the whole file again (bytes_from_storage, below).
-    assert stats["bytes_reread"] <= stats["rereads"] * 2 * CHUNK
-    first_reads = stats["read_requests"] - stats["reads_again"]
+    assert stats["bytes_refetched"] <= stats["refetches"] * 2 * CHUNK
+    first_reads = stats["read_requests"] - stats["lost_page_reads"]
     if push == "--push-pages":
         # Whether a pushed file's buffer is back before DALI's next file needs one depends on DALI's timing
         # (fresh-clone CI runs saw 0, 1 and more): buffer reuse after a push is tested deterministically in
@@ -256,7 +256,7 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
         # every byte taken from storage reached the kernel; a page the kernel asks for while the push still
         # carries it is answered from memory as well (timing: once in ~10 fresh runs, 0.5 MB of 35 MB), which
         # costs no storage read (the last assertion holds each image to one read from storage)
-        assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_read_again"] >= stats["bytes_from_storage"]
+        assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_of_lost_pages"] >= stats["bytes_from_storage"]
         assert first_reads <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
     else:
         assert stats["deferred"] >= 5 and stats["bytes_pushed"] == 0
@@ -287,8 +287,8 @@ def test_pages_the_kernel_lost_are_read_again_chunk_by_chunk(tmp_path: Path, mou
             offset = len(whole) - 5000
             assert os.pread(f.fileno(), 4096, offset) == whole[offset:offset + 4096]
             after = _stats(mnt)
-            assert after["rereads"] > before["rereads"]
-            reread = after["bytes_reread"] - before["bytes_reread"]
+            assert after["refetches"] > before["refetches"]
+            reread = after["bytes_refetched"] - before["bytes_refetched"]
             assert 0 < reread <= len(whole) - CHUNK, (reread, len(whole))  # the last chunk, not the file
             assert after["bytes_from_storage"] == before["bytes_from_storage"]  # no whole read again
     raw = [n for n in names if (mnt / n).read_bytes()[:2] == b"BM"]

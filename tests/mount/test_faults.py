@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ def nodes(store: Path) -> tuple[list[Node], list[Node]]:
         files = [n for n in catalog.files() if n.path.endswith((b".png", b".jpg"))]
     finally:
         catalog.close()
-    return [n for n in files if n.repr == REPR_RAW], [n for n in files if n.repr != REPR_RAW]
+    return [n for n in files if n.served_raw], [n for n in files if n.representation != REPR_RAW]
 
 
 def log_lines(store: Path, *words: str) -> list[str]:
@@ -139,7 +138,7 @@ class Served:
     def expected(self, node: Node) -> tuple[bytes, bytes | None]:
         """(the original's bytes, the raw object's bytes or None)."""
         original = (self.real_src / os.fsdecode(node.path)).read_bytes()
-        raw = (self.objects.parent / str(node.object)).read_bytes() if node.repr == REPR_RAW else None
+        raw = (self.objects.parent / str(node.object)).read_bytes() if node.served_raw else None
         return original, raw
 
 

@@ -36,7 +36,7 @@ def _tree(root: Path) -> Path:
 def _objects(store: Path) -> dict[str, str]:
     catalog = Catalog.open(store, readonly=True)
     try:
-        return {os.fsdecode(n.path): str(n.object) for n in catalog.files() if n.repr == 1}
+        return {os.fsdecode(n.path): str(n.object) for n in catalog.files() if n.served_raw}
     finally:
         catalog.close()
 

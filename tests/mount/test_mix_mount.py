@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from fusehelpers import DATA_PATHS, Mount, mounter_on_each_path, wait_for
-from liquidfs.catalog import REPR_RAW, Catalog
+from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare
 from liquidfs.sample import make_sample
 
@@ -32,7 +32,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict
     store = work / "store"
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store, readonly=True)
-    objects = {os.fsdecode(n.path): store / str(n.object) for n in catalog.files() if n.repr == REPR_RAW}
+    objects = {os.fsdecode(n.path): store / str(n.object) for n in catalog.files() if n.served_raw}
     catalog.close()
     assert len(objects) == 24
     return src, store, objects

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -15,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, PngImagePlugin
+from PIL import Image
 
 from conftest import run_cli
 from fusehelpers import Mount, wait_for
 from liquidfs.catalog import Catalog
-from liquidfs.prepare import prepare, rank, verify
+from liquidfs.expansion import rank
+from liquidfs.prepare import prepare, verify
 from liquidfs.sample import make_sample, mosaic, _photos
-from trees import dataset_tree
 
 import random
 
@@ -127,7 +126,7 @@ def test_served_share_matches_ratio(sample: Path, tmp_path: Path, ratio: float) 
     assert report.candidates == 40 and eligible == 40
     assert abs(report.raw_served / eligible - ratio) <= 1 / eligible
     catalog = Catalog.open(tmp_path / "store")
-    raw = [n for n in catalog.files() if n.repr == 1]
+    raw = [n for n in catalog.files() if n.served_raw]
     assert len(raw) == report.raw_served
     catalog.close()
 
@@ -170,7 +169,7 @@ def test_prepare_seals_the_store_and_a_rescan_keeps_the_seal(tmp_path: Path) -> 
 
 
 def _raw_paths_of(catalog: Catalog) -> set[bytes]:
-    return {n.path for n in catalog.files() if n.repr == 1}
+    return {n.path for n in catalog.files() if n.served_raw}
 
 
 def _raw_paths(store: Path) -> set[bytes]:
@@ -266,7 +265,7 @@ def test_fallbacks_never_serve_stale_or_broken_objects(tmp_path: Path, mounter: 
     store = tmp_path / "store"
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store)
-    nodes = [n for n in catalog.files() if n.repr == 1]
+    nodes = [n for n in catalog.files() if n.served_raw]
     catalog.close()
     changed, missing, corrupt, truncated = nodes[:4]
     # the source changed after prepare: new pixels must be served, not the stale expansion
@@ -335,7 +334,7 @@ def test_out_of_disk_space_is_clear_and_consistent(tmp_path: Path) -> None:
         assert "Traceback" not in out.stderr
         assert not list(store.rglob("*.tmp-*"))
         catalog = Catalog.open(store)
-        assert all(n.repr == 0 for n in catalog.files())  # previous selection (none) still served
+        assert all(n.representation == 0 for n in catalog.files())  # previous selection (none) still served
         catalog.close()
     finally:
         subprocess.run(["umount", str(store)], check=True)

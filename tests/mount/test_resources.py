@@ -15,9 +15,10 @@ import pytest
 from PIL import Image
 
 from fusehelpers import Mount
-from liquidfs import formats, prepare as prepare_mod, resources
+from liquidfs import expansion, formats, prepare as prepare_mod, resources
 from liquidfs.catalog import Catalog
-from liquidfs.prepare import expand_bytes, prepare
+from liquidfs.expansion import expand_bytes
+from liquidfs.prepare import prepare
 from liquidfs.resources import (WORKER_BASE_BYTES, available_memory, expansion_need, headroom, parse_cgroup_paths,
                                 parse_limit, parse_meminfo, parse_stat, plan_workers)
 from liquidfs.sample import _photos, mosaic
@@ -188,7 +189,7 @@ def test_an_image_over_the_budget_is_refused_before_it_is_decoded(monkeypatch: p
         raise AssertionError("decoded an image that does not fit")
 
     bomb = _bomb_png(50_000, 1_000)  # 50 Mpx: under max_pixels, 1.2 GB to expand
-    monkeypatch.setattr(prepare_mod, "_budget", 256 * MiB)
+    monkeypatch.setattr(expansion, "_budget", 256 * MiB)
     with monkeypatch.context() as m:
         m.setattr(formats, "expand", no_decoding)
         refusal, raw, fmt = expand_bytes(b"bomb.png", len(bomb), 0, bomb)
@@ -202,7 +203,7 @@ def test_an_image_over_the_budget_is_refused_before_it_is_decoded(monkeypatch: p
     refusal, raw, _ = expand_bytes(b"huge.png", len(huge), 0, huge)
     assert raw is None and refusal is not None and refusal.reason == "too-large"
     # no budget known: nothing is refused for memory, the image goes on to expand
-    monkeypatch.setattr(prepare_mod, "_budget", None)
+    monkeypatch.setattr(expansion, "_budget", None)
     monkeypatch.setattr(formats, "expand", lambda data, **kw: formats.Expansion(None, "png", "reached-expand"))
     refusal, raw, _ = expand_bytes(b"bomb.png", len(bomb), 0, bomb)
     assert raw is None and refusal is not None and refusal.reason == "reached-expand"
@@ -236,7 +237,7 @@ def test_prepare_under_a_small_limit_skips_what_does_not_fit(tmp_path: Path, mon
     assert any(line.startswith("skipped            1 (no-memory: 1)") for line in report.lines())
     catalog = Catalog.open(store)
     try:
-        served = {n.path: n.repr for n in catalog.files()}
+        served = {n.path: n.representation for n in catalog.files()}
         recorded = {row[0] for row in catalog.db.execute("SELECT path FROM expansions")}
     finally:
         catalog.close()

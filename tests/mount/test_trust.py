@@ -114,7 +114,7 @@ def test_catalog_rows_that_leave_the_root_or_the_store_are_refused(tmp_path: Pat
     catalog = Catalog.open(store, readonly=True)
     node = next(n for n in catalog.files() if n.object)
     reader = StoreReader(catalog.source, store, catalog.sealed_ns)
-    outside = dataclasses.replace(node, path=b"../secret.png", object=None, repr=0)
+    outside = dataclasses.replace(node, path=b"../secret.png", object=None, representation=0)
     with pytest.raises(OSError) as info:
         reader.open(outside)
     assert info.value.errno == errno.EIO
@@ -330,7 +330,7 @@ def test_prepare_adopts_a_left_over_object_only_if_it_holds_the_right_bytes(tmp_
     assert damaged.read_bytes() != bytes(data), "the damaged object was adopted as it was"
     catalog = Cat.open(store, readonly=True)
     try:
-        bad = [n.path for n in catalog.files() if n.repr == 1 and (store / str(n.object)).read_bytes() == bytes(data)]
+        bad = [n.path for n in catalog.files() if n.served_raw and (store / str(n.object)).read_bytes() == bytes(data)]
     finally:
         catalog.close()
     assert not bad
@@ -457,7 +457,7 @@ def test_prepares_of_one_store_at_once_run_one_after_another(tmp_path: Path) -> 
     assert run_cli("verify", "--store", str(store), "--no-progress").returncode == 0
     catalog = Catalog.open(store, readonly=True)
     try:
-        named = {str(n.object) for n in catalog.files() if n.repr == 1}
+        named = {str(n.object) for n in catalog.files() if n.served_raw}
     finally:
         catalog.close()
     assert named and all((store / obj).is_file() for obj in named)
@@ -499,14 +499,13 @@ def test_fstat_right_after_an_open_says_the_size_that_open_serves(tmp_path: Path
     restored: the raw again) corrected the kernel's attributes a moment after the open was answered, so an
     fstat right after the open could say the old size, and a reader read or mapped the file cut at it. Found
     by scripts/soak.py --attacker (98 of 200 such opens stale on passthrough)."""
-    from liquidfs.catalog import REPR_RAW
 
     src = tmp_path / "src"
     make_sample(src, count=2, width=256, height=128, seed=11)
     store = tmp_path / "store"
     prepare(src, store, ratio=1.0, progress=False)
     catalog = Catalog.open(store, readonly=True)
-    node = next(n for n in catalog.files() if n.repr == REPR_RAW)
+    node = next(n for n in catalog.files() if n.served_raw)
     catalog.close()
     rel, obj = os.fsdecode(node.path), store / str(node.object)
     good = obj.read_bytes()
@@ -536,7 +535,6 @@ def test_an_open_after_the_backing_changed_is_refused_not_served_the_change(tmp_
     open was handed as it was to every later open (the kernel reads it live). A later open now re-checks the
     shared backing (inode, size, mtime, ctime) and fails with EIO; once every open is closed the next one
     decides again and serves the original. Found by soak --attacker."""
-    from liquidfs.catalog import REPR_RAW
 
     src = tmp_path / "src"
     make_sample(src, count=2, width=256, height=128, seed=11)
@@ -545,7 +543,7 @@ def test_an_open_after_the_backing_changed_is_refused_not_served_the_change(tmp_
     time.sleep(0.1)  # objects written within a clock tick of the seal are not vouched for by a stat
     prepare(src, store, ratio=1.0, progress=False)  # seals again: now they are, and are passed through as is
     catalog = Catalog.open(store, readonly=True)
-    node = next(n for n in catalog.files() if n.repr == REPR_RAW)
+    node = next(n for n in catalog.files() if n.served_raw)
     catalog.close()
     rel, obj = os.fsdecode(node.path), store / str(node.object)
     good = obj.read_bytes()

@@ -162,9 +162,9 @@ def test_prepare_once_then_two_nodes_read_identical_pixels_with_dali(dataset: An
             assert os.pread(f.fileno(), 100, 60) == whole[60:160]
             st1 = _stats(node_b, mnt_b)
             if st1["data_path"] == "daemon":
-                assert st1["rereads"] == st0["rereads"] + 1
+                assert st1["refetches"] == st0["refetches"] + 1
             else:  # passthrough: the object was fetched whole into a checked memfd, which keeps its pages
-                assert st1["rereads"] == st0["rereads"] and st1["read_requests"] == 0
+                assert st1["refetches"] == st0["refetches"] and st1["read_requests"] == 0
     assert kinds == {True, False}
     assert _stats(node_b, mnt_b)["data_path"] == "passthrough"
     assert _stats(node_b, mnt_b)["backing_memfd"] >= 10

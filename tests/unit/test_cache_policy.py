@@ -25,7 +25,7 @@ def _run_epochs(cache: NextEpochCache, sizes: dict[int, int], epochs: int, rng: 
         events = []
         for f in files:
             d = cache.read(f, sizes[f])
-            if d.reread:  # the first read of an epoch may be taken for a retry (rarely): the next one opens it
+            if d.same_epoch:  # the first read of an epoch may be taken for a retry (rarely): the next one opens it
                 continue
             events.append((d.hit, sizes[f]))
             if max_held is not None:
@@ -44,7 +44,7 @@ def test_constant_hit_ratio_and_budget(share: float) -> None:
     held: list[int] = []
     epochs = _run_epochs(cache, sizes, 6, rng, held)
     assert max(held) <= budget
-    assert cache.stats.rereads <= 2
+    assert cache.stats.same_epoch_reads <= 2
     assert all(not hit for hit, _ in epochs[0])
     bound = 1.25 * math.sqrt(share * (1 - share) / WINDOW)
     pooled: list[float] = []
@@ -87,7 +87,7 @@ def test_zero_budget_holds_nothing() -> None:
     assert not any(hit for e in epochs for hit, _ in e) and cache.held_bytes == 0
 
 
-def test_rereads_and_partial_reads_do_not_break_epochs() -> None:
+def test_same_epoch_reads_and_partial_reads_do_not_break_epochs() -> None:
     rng = random.Random(3)
     sizes = _dataset(1000, rng)
     total = sum(sizes.values())
@@ -97,12 +97,12 @@ def test_rereads_and_partial_reads_do_not_break_epochs() -> None:
         rng.shuffle(files)
         for i, f in enumerate(files):
             d = cache.read(f, sizes[f])
-            if i == 0 and d.reread:
+            if i == 0 and d.same_epoch:
                 continue
-            assert d.epoch == epoch and not d.reread
+            assert d.epoch == epoch and not d.same_epoch
             if i % 10 == 0:  # a header probe followed by the real read, or a retry
                 again = cache.read(f, sizes[f])
-                assert again.reread and again.epoch == 0
+                assert again.same_epoch and again.epoch == 0
     assert cache.newest_epoch == 4
     byte_ratio = cache.summary()["epochs"]["4"]["byte_hit_ratio"]
     assert abs(byte_ratio - 0.3) <= 0.03
@@ -135,13 +135,13 @@ def test_next_epoch_may_start_before_the_last_drains() -> None:
     hits_by_epoch: dict[int, list[bool]] = {}
     for f in stream:
         d = cache.read(f, sizes[f])
-        if d.reread:
+        if d.same_epoch:
             continue
         hits_by_epoch.setdefault(d.epoch, []).append(d.hit)
         held.append(cache.held_bytes)
     assert max(held) <= budget
     assert sorted(hits_by_epoch) == [1, 2, 3, 4, 5, 6]
-    assert cache.stats.rereads <= 3
+    assert cache.stats.same_epoch_reads <= 3
     for e in range(2, 7):
         assert len(hits_by_epoch[e]) >= len(files) - 3
         ratio = sum(hits_by_epoch[e]) / len(files)

@@ -214,12 +214,12 @@ def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> 
 
     assert trio.run(two_reads_at_once) == [data[: 1 << 20], data[1 << 20: 2 << 20]]
     # only the chunks asked for are read again, each once, not the whole file for each read
-    assert ops.stats.rereads == 2 and ops.stats.bytes_reread == 2 << 20
+    assert ops.stats.refetches == 2 and ops.stats.bytes_refetched == 2 << 20
     # the kernel asks for the next lost pages of the same chunk: served from the piece just read
     assert bytes(run(ops.read, fi.fh, 2 << 20, 4096)) == data[2 << 20: (2 << 20) + 4096]
-    assert ops.stats.rereads == 3 and ops.stats.bytes_reread == len(data)  # the last chunk is short
+    assert ops.stats.refetches == 3 and ops.stats.bytes_refetched == len(data)  # the last chunk is short
     assert bytes(run(ops.read, fi.fh, (2 << 20) + 8192, 1 << 20)) == data[(2 << 20) + 8192:]
-    assert ops.stats.rereads == 3
+    assert ops.stats.refetches == 3
     assert run(ops.read, fi.fh, len(data), 4096) == b""
     run(ops.release, fi.fh)
     assert not ops.daemon._pieces
@@ -282,7 +282,7 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
     for name, data in reversed(FILES.items()):  # deferred ones first
         assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
         assert ops.daemon._loaned_bytes <= ops.daemon.max_open_bytes
-    assert ops.stats.rereads == 0 and ops.stats.let_go == 0
+    assert ops.stats.refetches == 0 and ops.stats.let_go == 0
     assert ops.stats.bytes_from_storage == sum(map(len, FILES.values()))  # each file read once
     for fh in handles.values():
         run(ops.release, fh)
@@ -359,7 +359,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     run(ops.release, fh_b)
     # Should the kernel lose the pages and ask again, the file is read again and checked against its digest.
     assert bytes(run(ops.read, fh, 2 << 20, 1 << 20)) == data[2 << 20: 3 << 20]
-    assert ops.stats.rereads == 1
+    assert ops.stats.refetches == 1
     run(ops.release, fh)
 
 
@@ -389,7 +389,7 @@ def test_a_failed_push_keeps_serving_from_memory(tmp_path: Path) -> None:
     run(ops.read, fh, 0, 1 << 20)
     kernel.deliver(ok=False)  # e.g. the kernel forgot the inode
     served = b"".join(bytes(run(ops.read, fh, off, 1 << 20)) for off in range(1 << 20, len(data), 1 << 20))
-    assert served == data[1 << 20:] and ops.stats.rereads == 0 and ops.stats.bytes_pushed == 0
+    assert served == data[1 << 20:] and ops.stats.refetches == 0 and ops.stats.bytes_pushed == 0
     run(ops.release, fh)
 
 
@@ -493,7 +493,6 @@ def _raw_ops(tmp_path: Path, sealed_later: int = 0) -> tuple[Operations, list, P
     """Every image of a small sample served raw; prepare run twice, so its seal is well after every object."""
     import time
 
-    from liquidfs.catalog import REPR_RAW
     from liquidfs.prepare import prepare
     from liquidfs.sample import make_sample
 
@@ -503,7 +502,7 @@ def _raw_ops(tmp_path: Path, sealed_later: int = 0) -> tuple[Operations, list, P
     time.sleep(0.1)
     prepare(src, store, 1.0, progress=False)  # reuses every object, seals again
     catalog = Catalog.open(store, readonly=True)
-    raw = [n for n in catalog.files() if n.repr == REPR_RAW]
+    raw = [n for n in catalog.files() if n.served_raw]
     sealed = catalog.sealed_ns
     assert len(raw) == 3 and sealed is not None
     reader = StoreReader(catalog.source, store, sealed + sealed_later)

@@ -13,7 +13,8 @@ from PIL import Image
 
 from conftest import run_cli
 from liquidfs import formats
-from liquidfs.prepare import parse_formats, raw_format_of
+from liquidfs.cli import parse_formats
+from liquidfs.expansion import raw_format_of
 from liquidfs.sample import _photos, mosaic
 
 

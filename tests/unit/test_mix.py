@@ -16,7 +16,7 @@ from liquidfs.mixcontrol import MixController, node_pressure
 
 def raw_node(i: int) -> Node:
     return Node(id=100 + i, parent=1, name=b"%d.png" % i, path=b"d/%d.png" % i, kind=0, mode=0o100644,
-                size=1000 + i, mtime_ns=0, nsubdirs=0, target=None, repr=REPR_RAW, served_size=3000 + i,
+                size=1000 + i, mtime_ns=0, nsubdirs=0, target=None, representation=REPR_RAW, served_size=3000 + i,
                 object="ab/%032x.bmp" % i, checksum="c")
 
 
@@ -38,10 +38,10 @@ def test_a_fixed_share_serves_that_share_of_the_prepared_images_raw() -> None:
     nodes = [raw_node(i) for i in range(4000)]
     mix = Mix(0.3, prepared=0.6, seed=7)
     views = [mix.view(n) for n in nodes]
-    raw = sum(v.repr == REPR_RAW for v in views)
+    raw = sum(v.served_raw for v in views)
     assert abs(raw / len(nodes) - 0.5) < 0.03  # 0.3 of all eligible = half of the 0.6 prepared
     for node, view in zip(nodes, views):
-        if view.repr == REPR_ORIGINAL:
+        if view.representation == REPR_ORIGINAL:
             assert view.size_served == node.size and view.object is None and view.checksum is None
         else:
             assert view is node
@@ -69,23 +69,23 @@ def test_a_higher_share_keeps_every_image_that_was_raw() -> None:
 def test_an_open_file_keeps_its_representation_until_its_last_release() -> None:
     node = raw_node(1)
     mix = Mix("adaptive", prepared=1.0, start=1.0)
-    assert mix.view(node).repr == REPR_RAW
+    assert mix.view(node).served_raw
     mix.set_share(0.0, "storage binds")
-    assert mix.view(node).repr == REPR_RAW  # a second open while the first is open: same bytes, same size
+    assert mix.view(node).served_raw  # a second open while the first is open: same bytes, same size
     mix.release(node.id)
-    assert mix.view(node).repr == REPR_RAW
+    assert mix.view(node).served_raw
     mix.release(node.id)
     mix.release(node.id)
-    assert mix.view(node).repr == REPR_ORIGINAL  # no open left: the next first open switches
+    assert mix.view(node).representation == REPR_ORIGINAL  # no open left: the next first open switches
     assert mix.statistics().switches == 1
 
 
 def test_a_cache_hit_is_served_as_held() -> None:
     node = raw_node(2)
     mix = Mix(0.0, prepared=1.0)
-    assert mix.view(node, held_raw=True).repr == REPR_RAW
+    assert mix.view(node, held_raw=True).served_raw
     mix.release(node.id)
-    assert mix.view(node, held_raw=False).repr == REPR_ORIGINAL
+    assert mix.view(node, held_raw=False).representation == REPR_ORIGINAL
 
 
 def test_originals_are_untouched() -> None:

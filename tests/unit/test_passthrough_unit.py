@@ -305,8 +305,8 @@ def test_both_data_paths_serve_what_choose_decides(tmp_path: Path) -> None:
     src, store = _prepared(tmp_path, count=10)
     catalog = Catalog.open(store, readonly=True)
     reader = StoreReader(catalog.source, store, catalog.sealed_ns)
-    raw = [n for n in catalog.files() if n.repr == REPR_RAW]
-    original = next(n for n in _images(catalog) if n.repr != REPR_RAW)
+    raw = [n for n in catalog.files() if n.served_raw]
+    original = next(n for n in _images(catalog) if n.representation != REPR_RAW)
     sound, missing, damaged, changed = raw[:4]
     (store / str(missing.object)).unlink()
     obj = store / str(damaged.object)

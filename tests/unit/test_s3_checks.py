@@ -19,7 +19,8 @@ import pytest
 from botocore.exceptions import ClientError
 from PIL import Image
 
-from liquidfs import s3reader, s3store
+from liquidfs import s3reader
+from liquidfs.stores import bucket as bucket_store
 from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.reader import checksum
 from liquidfs.s3 import AnswerMismatch, S3Url, as_oserror, error_code, get
@@ -197,7 +198,7 @@ SOURCE, STORE = S3Url(BUCKET, "src"), S3Url(BUCKET, "store")
 
 def _node(rel: bytes, data: bytes, *, raw: bytes | None = None) -> Node:
     return Node(id=7, parent=1, name=rel, path=rel, kind=KIND_FILE, mode=0o100444, size=len(data), mtime_ns=1,
-                nsubdirs=0, target=None, repr=REPR_RAW if raw is not None else REPR_ORIGINAL,
+                nsubdirs=0, target=None, representation=REPR_RAW if raw is not None else REPR_ORIGINAL,
                 served_size=len(raw) if raw is not None else None, object="objects/ab/x.bmp" if raw else None,
                 checksum=checksum(raw) if raw is not None else None, etag=_etag(data))
 
@@ -266,11 +267,11 @@ def test_prepare_and_verify_refuse_a_changed_object_served_despite_if_match(
     assert len(before) == len(after) and before != after
     s3.objects["src/a.png"] = after  # changed since the listing, which recorded ``before``'s ETag
     s3.ignore_if_match = True
-    monkeypatch.setattr(s3store, "_worker_client", s3)
-    outcome = s3store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(before), 1, _etag(before), BUCKET,
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+    outcome = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(before), 1, _etag(before), BUCKET,
                                     "store/objects/ab/a.bmp", "objects/ab/a.bmp")
     assert outcome.reason == "changed-during-prepare" and outcome.object is None and s3.uploads == []
     s3.objects["store/objects/ab/a.bmp"] = b"raw"
-    verdict = s3store.verify_one_s3(BUCKET, "src/a.png", _etag(before), len(before), BUCKET,
+    verdict = bucket_store.verify_one_s3(BUCKET, "src/a.png", _etag(before), len(before), BUCKET,
                                     "store/objects/ab/a.bmp", checksum(b"raw"))
     assert verdict is not None and verdict.startswith("source changed since prepare")

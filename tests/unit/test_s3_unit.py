@@ -10,7 +10,7 @@ import pytest
 from liquidfs import catalog as catalog_mod
 from liquidfs.catalog import KIND_DIR, KIND_FILE, ROOT_ID, Catalog, CatalogError, build_from_objects
 from liquidfs.s3 import S3Url
-from liquidfs.s3store import bucket_pair
+from liquidfs.stores.bucket import bucket_pair
 
 
 def test_urls_parse_and_join() -> None:

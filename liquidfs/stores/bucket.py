@@ -1,4 +1,5 @@
-"""A dataset in an object store: its catalog built from listings and kept in the store, prepare into the bucket.
+"""A dataset in an object store (``Store``): its catalog built from listings and kept in the store, raw objects
+put there by prepare's workers.
 
 Layout of a store ``s3://bucket/name.liquid``::
 
@@ -14,19 +15,23 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
-from .locks import unique
-from .prepare import OBJECTS, Outcome, PrepareReport, expand_bytes, judge, run
-from .reader import checksum
-from .s3 import S3Url, error_code, get, head, is_url, list_objects, make_client, put, upload_file, \
-    work_dir
+from .. import formats
+from ..catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
+from ..expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
+from ..locks import unique
+from ..reader import Reader, checksum
+from ..s3 import READ_TIMEOUT, S3Url, error_code, get, head, is_url, list_objects, make_client, put, \
+    upload_file, work_dir
+from ..s3reader import S3Reader
+from ..timedreads import ProfileError, Sample, measure_get
+from .base import Job, Preparation
 
 log = logging.getLogger(__name__)
 
@@ -182,19 +187,76 @@ def delete_keys(client: Any, bucket: str, keys: list[str]) -> None:
                 client.delete_object(Bucket=bucket, Key=key)
 
 
-class BucketTarget:
-    """Raw objects under ``STORE/objects/`` in a bucket (``prepare.Target``)."""
+class BucketStore:
+    """Raw objects under ``STORE/objects/`` in a bucket, the catalog at ``STORE/catalog.sqlite`` and a copy of it
+    in this node's work directory (``s3.work_dir``)."""
 
-    def __init__(self, client: Any, source: S3Url, store: S3Url) -> None:
-        self.client = client
+    default_threads = 16  # GETs wait on the network, not the CPU: more in flight
+    raw_formats: tuple[str, ...] = ("bmp",)  # J2K: local stores only for now
+
+    def __init__(self, source: S3Url, store: S3Url) -> None:
         self.source = source
         self.store = store
         self.label = str(store)
-        self.raw_formats = ("bmp",)  # J2K: local stores only for now (prepare refuses it for a bucket)
+        self._client: Any = None
         self._listed: set[str] | None = None
+        self._verify_dir: Path | None = None
 
-    def job(self, source_root: bytes, node: Node, obj: str) -> tuple[Callable[..., Outcome], tuple[object, ...]]:
-        assert node.etag is not None
+    @classmethod
+    def from_urls(cls, source: str, store: str | None) -> BucketStore:
+        return cls(*bucket_pair(source, store))
+
+    @classmethod
+    def prepared(cls, store: str) -> BucketStore:
+        """The store at ``store``, its source read from the catalog prepare left there."""
+        found = cls(S3Url.parse(store), S3Url.parse(store))
+        verify_dir = found._verify_copy()
+        catalog = Catalog.open(verify_dir, readonly=True)
+        try:
+            found.source = S3Url.parse(str(catalog.meta("source")))
+        finally:
+            catalog.close()
+        found._verify_dir = verify_dir
+        return found
+
+    @property
+    def source_label(self) -> str:
+        return str(self.source)
+
+    def __repr__(self) -> str:
+        return f"BucketStore({str(self.source)!r}, {str(self.store)!r})"
+
+    @property
+    def client(self) -> Any:
+        """This process's client, made on first use (no credentials are looked for before they are needed)."""
+        if self._client is None:
+            self._client = make_client()
+        return self._client
+
+    # -- prepare ---------------------------------------------------------------------------------------
+
+    @contextmanager
+    def preparing(self, progress: bool) -> Iterator[Preparation]:
+        """A catalog from a fresh listing, with what the store's catalog learnt; publishing uploads it, the
+        moment every node's next mount sees the new selection."""
+        local = work_dir(self.store, self.client)
+        stored = local / f"store-{CATALOG_NAME}"
+        previous = stored if download_catalog(self.client, self.store, stored) else None
+        build_from_objects(_listing(self.client, self.source, progress), local, str(self.source), previous=previous)
+        stored.unlink(missing_ok=True)
+        catalog = Catalog.open(local)
+
+        def publish() -> None:
+            catalog.close()
+            publish_catalog(self.client, self.store, local)
+
+        try:
+            yield Preparation(catalog, publish)
+        finally:
+            catalog.close()
+
+    def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
+        assert node.etag is not None and raw_formats == self.raw_formats
         return expand_one_s3, (self.source.bucket, self.source.key(node.path), node.path, node.size,
                                node.mtime_ns, node.etag, self.store.bucket, self.store.key(obj), obj)
 
@@ -237,28 +299,92 @@ class BucketTarget:
         except Exception as exc:  # a store without the call: the leftovers cost space, not correctness
             log.info("cannot list unfinished uploads in %s: %s", self.store, error_code(exc) or exc)
 
+    # -- verify ----------------------------------------------------------------------------------------
 
-def prepare_in_bucket(source: str, store: str, ratio: float, *, seed: int = 0, jobs: int | None = None,
-                      progress: bool = True) -> PrepareReport:
-    """``prepare`` for a source in an object store: list, expand into the store, publish the catalog."""
-    started = time.monotonic()
-    src, dst = bucket_pair(source, store)
-    client = make_client()
-    local = work_dir(dst, client)
-    stored = local / f"store-{CATALOG_NAME}"
-    previous = stored if download_catalog(client, dst, stored) else None
-    build_from_objects(_listing(client, src, progress), local, str(src), previous=previous)
-    stored.unlink(missing_ok=True)
-    catalog = Catalog.open(local)
-    try:
-        report = run(catalog, BucketTarget(client, src, dst), ratio, seed, jobs, progress,
-                     started)
-    finally:
-        catalog.close()
-    publish_catalog(client, dst, local)
-    report.seconds = time.monotonic() - started
-    return report
+    def _verify_copy(self) -> Path:
+        """A copy of the store's catalog for verify, apart from the one this node's mounts use."""
+        local = work_dir(self.store, self.client)
+        copy = local / f"verify-{CATALOG_NAME}"
+        if download_catalog(self.client, self.store, copy) is None:
+            raise CatalogError(f"{self.store} has no catalog: run prepare first")
+        verify_dir = local / "verify"
+        verify_dir.mkdir(exist_ok=True)
+        os.replace(copy, verify_dir / CATALOG_NAME)
+        return verify_dir
 
+    def verify_jobs(self) -> tuple[list[Node], Callable[[Node], Job]]:
+        catalog = Catalog.open(self._verify_dir or self._verify_copy(), readonly=True)
+        try:
+            nodes = [n for n in catalog.files() if n.served_raw]
+        finally:
+            catalog.close()
+        src, dst = self.source, self.store
+
+        def job(n: Node) -> Job:
+            return verify_one_s3, (src.bucket, src.key(n.path), str(n.etag), n.size, dst.bucket,
+                                   dst.key(str(n.object)), str(n.checksum))
+
+        return nodes, job
+
+    # -- profile ---------------------------------------------------------------------------------------
+
+    def profile_sample(self, count: int, jobs: int, seed: int = 0) -> Sample:
+        """``count`` random images, expanded and put under STORE/profile-sample-<unique>/ (deleted after), so
+        storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
+        src, dst = self.source, self.store
+        client = make_client(jobs + 2)
+        keys = [o.key for o in list_objects(client, src) if o.key.lower().endswith(IMAGE_SUFFIXES)]
+        if not keys:
+            raise ProfileError("no PNG/JPEG images in the source")
+        random.Random(seed).shuffle(keys)
+        sample = Sample([], [], work_dir(dst, client),
+                        load=lambda items, seconds: measure_get(lambda obj: get(client, *obj), items, seconds,
+                                                                jobs))
+        written: list[str] = []
+        prefix = unique("profile-sample-")  # profiles run at once on one store (a Job's pods) keep apart
+
+        def cleanup() -> None:
+            delete_keys(client, dst.bucket, written)
+
+        sample.cleanup = cleanup
+        for key in keys:
+            if len(sample.raws) >= count:
+                break
+            data = get(client, src.bucket, key)
+            result = formats.expand(data)
+            if result.data is None:
+                continue
+            raw_key = dst.key(f"{prefix}/{len(written)}.bmp")
+            put(client, dst.bucket, raw_key, result.data)
+            written.append(raw_key)
+            sample.originals.append((src.bucket, key))
+            sample.raws.append((dst.bucket, raw_key))
+            sample.original_data.append(data)
+            sample.raw_data.append(result.data)
+        if not sample.raws:
+            cleanup()
+            raise ProfileError("none of the sampled images can be expanded losslessly")
+        return sample
+
+    def keep_profile(self, text: str) -> None:
+        # The adaptive mix of a bucket store starts mid-range: a profile of one node is not every node's.
+        log.info("the profile is not kept in %s (a bucket store): --mix adaptive starts mid-range", self.store)
+
+    # -- mount -----------------------------------------------------------------------------------------
+
+    def mount_catalog(self, *, rescan: bool, progress: bool = True) -> Path:
+        return local_catalog(str(self.source), str(self.store), refresh=rescan, progress=progress)
+
+    def found_catalog(self) -> Path:
+        return work_dir(self.store, self.client)
+
+    def hold_for_mount(self, catalog_dir: Path) -> None:
+        pass  # no lock spans nodes: see ``deleting``
+
+    def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
+        # One connection per storage read in flight (--threads), and no single HTTP wait longer than --io-timeout.
+        client = make_client(threads + 2, read_timeout=min(READ_TIMEOUT, io_timeout))
+        return S3Reader(client, self.source, self.store)
 
 # -- verify ------------------------------------------------------------------------------------------------
 
@@ -275,28 +401,3 @@ def verify_one_s3(src_bucket: str, src_key: str, etag: str, size: int, store_buc
             return "source changed since prepare (a mount fails it with EIO until prepare runs again)"
         return f"cannot read: {error_code(exc) or exc}"
     return judge(original, raw, want_checksum)
-
-
-def verify_jobs(store: str) -> tuple[list[Node], Callable[[Node], tuple[Callable[..., str | None], tuple[object, ...]]]]:
-    """The raw files of the store's catalog and, per file, the worker call that checks it."""
-    dst = S3Url.parse(store)
-    client = make_client()
-    local = work_dir(dst, client)
-    copy = local / f"verify-{CATALOG_NAME}"
-    if download_catalog(client, dst, copy) is None:
-        raise CatalogError(f"{dst} has no catalog: run prepare first")
-    verify_dir = local / "verify"
-    verify_dir.mkdir(exist_ok=True)
-    os.replace(copy, verify_dir / CATALOG_NAME)
-    catalog = Catalog.open(verify_dir, readonly=True)
-    try:
-        nodes = [n for n in catalog.files() if n.repr == 1]
-        src = S3Url.parse(str(catalog.meta("source")))
-    finally:
-        catalog.close()
-
-    def job(n: Node) -> tuple[Callable[..., str | None], tuple[object, ...]]:
-        return verify_one_s3, (src.bucket, src.key(n.path), str(n.etag), n.size, dst.bucket, dst.key(str(n.object)),
-                               str(n.checksum))
-
-    return nodes, job

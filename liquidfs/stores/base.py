@@ -1,0 +1,92 @@
+"""The ``Store`` interface every kind of storage implements (``stores.local``, ``stores.bucket``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..catalog import Catalog, Node
+from ..timedreads import Sample
+
+if TYPE_CHECKING:
+    from ..reader import Reader
+
+#: What a worker process runs for one image: a picklable function and its arguments.
+Job = tuple[Callable[..., Any], tuple[object, ...]]
+
+
+@dataclass
+class Preparation:
+    """The catalog a prepare writes its selection into, and how the selection becomes the one mounts read."""
+
+    catalog: Catalog
+    publish: Callable[[], None]
+
+
+class Store(Protocol):
+    """A dataset's source and its store, of whatever kind."""
+
+    #: The store, as messages name it (a directory, or s3://bucket/prefix).
+    label: str
+    #: The raw formats this store can hold (``formats.RAW_FORMATS``).
+    raw_formats: tuple[str, ...]
+    #: Storage reads a mount keeps in flight by default (``mount --threads``).
+    default_threads: int
+
+    @property
+    def source_label(self) -> str:
+        """The source, as messages name it."""
+
+    # -- prepare ---------------------------------------------------------------------------------------
+
+    def preparing(self, progress: bool) -> AbstractContextManager[Preparation]:
+        """The catalog of the source as it is now, carrying what earlier prepares learnt, for one prepare of this
+        store at a time. Changes not published when the block ends are dropped, unless it ends in
+        ``PrepareError``: what was expanded before a failure is kept for the next run."""
+
+    def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
+        """The worker call that expands ``node`` into ``obj`` and returns its ``Outcome``."""
+
+    def exists(self, obj: str) -> bool: ...
+
+    def delete(self, objs: list[str]) -> None: ...
+
+    def stray(self, kept: set[str]) -> list[str]:
+        """Objects under ``OBJECTS/`` that ``kept`` does not name: leftovers of killed runs."""
+
+    def deleting(self) -> AbstractContextManager[bool]:
+        """Held while the surplus is deleted and the new selection published: True when objects may be deleted
+        (no running mount's catalog can name them), False when they must be kept for now."""
+
+    # -- verify ----------------------------------------------------------------------------------------
+
+    def verify_jobs(self) -> tuple[list[Node], Callable[[Node], Job]]:
+        """The raw files of the store's catalog and, per file, the worker call that checks it (None or what is
+        wrong)."""
+
+    # -- profile ---------------------------------------------------------------------------------------
+
+    def profile_sample(self, count: int, jobs: int, seed: int = 0) -> Sample:
+        """``count`` random images expanded where the mount will read them, with the function that times reads
+        of them; raises ``ProfileError`` when none can be."""
+
+    def keep_profile(self, text: str) -> None:
+        """Keep the profile's result (JSON) where ``mount --mix adaptive`` finds its starting point."""
+
+    # -- mount -----------------------------------------------------------------------------------------
+
+    def mount_catalog(self, *, rescan: bool, progress: bool = True) -> Path:
+        """The directory on this node holding the catalog a mount serves: built, refreshed or fetched as
+        needed (``rescan``: from a fresh scan or listing of the source)."""
+
+    def found_catalog(self) -> Path:
+        """The same directory, for a daemon whose parent ``mount`` has just made it ready: found, not fetched."""
+
+    def hold_for_mount(self, catalog_dir: Path) -> None:
+        """Called once by a mount before it opens the catalog: keeps prepare from deleting objects it names."""
+
+    def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
+        """The mount's reader of originals and objects (``reader.StoreReader`` or ``s3reader.S3Reader``)."""
