@@ -111,7 +111,7 @@ def capability_check(status: str | None = None, uid_map: str | None = None) -> C
 
 
 def store_check(store: Path) -> Check:
-    fstype = filesystem_type(store) or "unknown"
+    fstype = filesystem_type(str(store)) or "unknown"
     stacked = fstype in _STACKED
     return Check("store filesystem", fstype != "unknown", f"{fstype} ({store})" + (
         ", stacked: depth 1, allowed" if stacked else ""), "a local filesystem; stack depth <= 1")

@@ -493,10 +493,10 @@ def _write_bmp(raw: bytes, mode: str, size: tuple[int, int], palette: np.ndarray
     tail = _V4_TAIL if mode == "RGBA" else b""
     header_size = _INFO_HEADER.size + len(tail)
     offset = _FILE_HEADER.size + header_size + len(pal_bytes)
-    size = offset + stride * h
-    out = np.empty(size, np.uint8)
+    file_size = offset + stride * h
+    out = np.empty(file_size, np.uint8)
     out[:offset] = np.frombuffer(
-        _FILE_HEADER.pack(BMP_MAGIC, size, 0, 0, offset)
+        _FILE_HEADER.pack(BMP_MAGIC, file_size, 0, 0, offset)
         + _INFO_HEADER.pack(
             header_size,
             w,
@@ -522,7 +522,7 @@ def _write_bmp(raw: bytes, mode: str, size: tuple[int, int], palette: np.ndarray
         dst[...] = pixels  # Pillow's 1-bit packing (MSB = leftmost) is BMP's
     else:
         ch = bpp // 8
-        pixels = pixels.reshape(h, w, ch)
+        samples = pixels.reshape(h, w, ch)
         # An explicit strided view (never a silent copy): pixel (y, x, c).
         px = np.ndarray(
             (h, w, ch),
@@ -532,11 +532,11 @@ def _write_bmp(raw: bytes, mode: str, size: tuple[int, int], palette: np.ndarray
             strides=(-stride, ch, 1),
         )
         # Channel by channel is ~2x faster than one reversed-axis copy.
-        px[..., 0] = pixels[..., 2]
-        px[..., 1] = pixels[..., 1]
-        px[..., 2] = pixels[..., 0]
+        px[..., 0] = samples[..., 2]
+        px[..., 1] = samples[..., 1]
+        px[..., 2] = samples[..., 0]
         if ch == 4:
-            px[..., 3] = pixels[..., 3]
+            px[..., 3] = samples[..., 3]
     return out.tobytes()
 
 

@@ -217,7 +217,7 @@ class MetricsServer:
                     self._give_back_slot()
                     continue
                 with self._changed:
-                    if self._stopping:  # stop() has shut the open ones already: this one is never served
+                    if self._stopped():  # stop() has shut the open ones already: this one is never served
                         self._slots_taken -= 1
                         conn.close()
                         return
@@ -248,6 +248,10 @@ class MetricsServer:
                     raise
                 return conn
         return None
+
+    def _stopped(self) -> bool:
+        """``_stopping`` read anew (another thread sets it; a plain test would be narrowed by the check above)."""
+        return self._stopping
 
     def _give_back_slot(self) -> None:
         with self._changed:

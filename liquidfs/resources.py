@@ -183,14 +183,15 @@ def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int,
     per_worker = WORKER_BASE_BYTES + expansion_need(max_pixels, largest_source)
     fits = None if available is None else max(1, available // per_worker)
     workers = max(1, requested or cpus)
-    if fits is not None and workers > fits:
+    if available is not None and fits is not None and workers > fits:
         (log.warning if requested else log.info)(
             "%s: %d workers lowered to %d, as %.1f GB of memory is available (cgroup limit, MemAvailable) and "
             "each worker may need %.1f GB for an image of %d Mpx", "--jobs" if requested else "the cores",
             workers, fits, available / 1e9, per_worker / 1e9, max_pixels // 1_000_000)
         workers = fits
     budget = None if available is None else available // workers - WORKER_BASE_BYTES
-    if refusing and budget is not None and budget < expansion_need(max_pixels, largest_source):
+    if refusing and available is not None and budget is not None \
+            and budget < expansion_need(max_pixels, largest_source):
         log.warning("%.1f GB of memory is available: images of more than about %.0f Mpx are served as their "
                     "originals (skipped as no-memory)", available / 1e9,
                     max(0, budget - SOURCE_COPIES * largest_source) / EXPAND_BYTES_PER_PIXEL / 1e6)

@@ -25,7 +25,8 @@ MAX_STUCK = 64
 
 
 class SourceChecker(Protocol):
-    inline_check: bool
+    @property
+    def inline_check(self) -> bool: ...
 
     def check_source(self, node: Node, st: Any = None) -> str | None: ...
 
