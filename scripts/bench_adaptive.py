@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import bench_e2e as e2e  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
+import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 from liquidfs import _throttle  # noqa: E402
 from liquidfs.mix import PROFILE_NAME  # noqa: E402
 
@@ -131,7 +131,7 @@ class Loader:
     """The driver's handle on one loader process."""
 
     def __init__(self, root: Path, args: argparse.Namespace, log: Path) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "loader", str(root / e2e.SUBDIR),
+        cmd = [sys.executable, str(Path(__file__).resolve()), "loader", str(root / bench.SUBDIR),
                "--images", str(args.images), "--epochs", str(args.epochs), "--batch", str(args.batch),
                "--threads", str(args.threads), "--crop", str(args.crop), "--shuffle-buffer", str(args.shuffle_buffer)]
         self.log = log
@@ -176,7 +176,7 @@ class Loader:
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 self.proc.wait(timeout=30)
-                raise RuntimeError(f"the loader exited ({self.proc.returncode}): {e2e.tail(self.log)}")
+                raise RuntimeError(f"the loader exited ({self.proc.returncode}): {bench.tail(self.log)}")
             self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         return line
@@ -248,7 +248,7 @@ class CpuHog:
         self._cpu0 = self._cpu()
 
     def _cpu(self) -> float:
-        return sum(e2e.cpu_seconds(p.pid) for p in self.procs if p.poll() is None)
+        return sum(bench.cpu_seconds(p.pid) for p in self.procs if p.poll() is None)
 
     def epoch_stats(self, seconds: float) -> dict[str, Any]:
         if not self.procs:
@@ -315,7 +315,7 @@ class Sampler(threading.Thread):
 
     def sample(self) -> None:
         try:
-            st = e2e.control(self.mnt)
+            st = bench.control(self.mnt)
         except (OSError, ValueError):  # the mount is going away: the last samples are enough
             return
         row: dict[str, Any] = {"t": round(time.time() - self.t0, 2),
@@ -366,13 +366,13 @@ def mount_flags(config: str, ratio: float, mix_interval: float) -> list[str]:
 def run_one(run: Run, src: Path, store: Path, data_work: Path, args: argparse.Namespace) -> None:
     mnt = args.work / "mnt"
     if os.path.ismount(mnt):  # left by an interrupted run: its daemon would hold the mountpoint
-        e2e.liquidfs("umount", str(mnt))
+        bench.liquidfs("umount", str(mnt))
     t0 = time.time()
     change = make_change(run.scenario, args, data_work)
     mount = loader = sampler = None
     try:
-        mount = e2e.Mounted(src, store, mnt, *run.mount_args)
-        run.data_path = e2e.control(mnt).get("data_path")
+        mount = bench.Mounted(src, store, mnt, *run.mount_args)
+        run.data_path = bench.control(mnt).get("data_path")
         sampler = Sampler(mnt, args.sample_s, t0)
         sampler.start()
         loader = Loader(mnt, args, args.out / f"loader-{run.scenario}-{run.config}.log")
@@ -395,17 +395,17 @@ def run_one(run: Run, src: Path, store: Path, data_work: Path, args: argparse.Na
     run.per_minute = per_minute(run.epochs)
 
 
-def one_epoch(epoch: int, mount: e2e.Mounted, loader: Loader, change: Change, t0: float,
+def one_epoch(epoch: int, mount: bench.Mounted, loader: Loader, change: Change, t0: float,
               args: argparse.Namespace) -> dict[str, Any]:
     phase = phase_of(epoch, args)
     change.apply(phase == "changed", [mount.pid, loader.pid])
-    e2e.drop_caches()  # cold storage: every epoch's bytes come from the disk
+    bench.drop_caches()  # cold storage: every epoch's bytes come from the disk
     change.begin()
     # storage bytes: the daemon's and the loader's (passthrough reads are the loader's); epoch 1's also hold the
     # pages of the libraries DALI loads at its first batch (~60 MB here)
-    before = (time.time(), e2e.cpu_seconds(mount.pid), io_read_bytes(mount.pid) + io_read_bytes(loader.pid))
+    before = (time.time(), bench.cpu_seconds(mount.pid), io_read_bytes(mount.pid) + io_read_bytes(loader.pid))
     result = loader.epoch(args.epoch_timeout)
-    after = (time.time(), e2e.cpu_seconds(mount.pid), io_read_bytes(mount.pid) + io_read_bytes(loader.pid))
+    after = (time.time(), bench.cpu_seconds(mount.pid), io_read_bytes(mount.pid) + io_read_bytes(loader.pid))
     result.update(phase=phase, start_s=round(before[0] - t0, 2), end_s=round(after[0] - t0, 2),
                   daemon_cpu_s=after[1] - before[1], storage_mb_s=(after[2] - before[2]) / 1e6 / result["seconds"],
                   **change.epoch_stats(after[0] - before[0]))
@@ -418,7 +418,7 @@ def one_epoch(epoch: int, mount: e2e.Mounted, loader: Loader, change: Change, t0
 
 def control_mix(mnt: Path) -> dict[str, Any] | None:
     try:
-        return e2e.control(mnt).get("mix")
+        return bench.control(mnt).get("mix")
     except (OSError, ValueError):
         return None
 
@@ -570,7 +570,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="adaptive: the mount's --mix-interval, seconds between decisions (default 10)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between control-file samples")
     parser.add_argument("--epoch-timeout", type=float, default=3600.0)
-    e2e.add_run_arguments(parser, "adaptive", "24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel "
+    bench.add_run_arguments(parser, "adaptive", "24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel "
                                               "crops, batch 4, shuffle buffer 8")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -579,8 +579,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         # batches and the reader's buffer would hold all 24 images, and epochs 2+ would time nothing
         args.crop, args.sample_s, args.batch, args.shuffle_buffer = 64, 1.0, 4, 8
     args.width, args.height = map(int, args.size.lower().split("x"))
-    args.scenarios = e2e.split_choices(parser, args.scenarios, SCENARIOS, "scenario")
-    args.configs = e2e.split_choices(parser, args.configs, CONFIGS, "config")
+    args.scenarios = bench.split_choices(parser, args.scenarios, SCENARIOS, "scenario")
+    args.configs = bench.split_choices(parser, args.configs, CONFIGS, "config")
     if not 1 < args.change_from <= args.lift_at:
         parser.error("need 1 < --change-from <= --lift-at (epoch 1 is the unchanged machine)")
     args.out, args.work = args.out.absolute(), args.work.absolute()
@@ -606,7 +606,7 @@ def ratios_for(args: argparse.Namespace, data_work: Path, src: Path) -> dict[str
     elif "profiled" in args.configs:
         # on the unchanged machine, once: the static choice a user makes before training
         print("profiling (liquidfs profile) ...", file=sys.stderr)
-        ratios["profiled"] = e2e.auto_ratio(data_work, src)
+        ratios["profiled"] = bench.auto_ratio(data_work, src)
         print(f"profile chose ratio {ratios['profiled']:.2f}", file=sys.stderr)
     return {c: ratios[c] for c in args.configs}
 
@@ -637,9 +637,9 @@ def main(argv: list[str]) -> int:
     data_work = args.work / f"{args.images}-{args.width}x{args.height}"
     data_work.mkdir(parents=True, exist_ok=True)
     data_work = data_work.resolve()  # it may be a link to a dataset another benchmark made
-    src = e2e.dataset(data_work, args.images, args.width, args.height)
+    src = bench.dataset(data_work, args.images, args.width, args.height)
     ratios = ratios_for(args, data_work, src)
-    stores = {r: e2e.store_for(data_work, src, r) for r in sorted(set(ratios.values()))}
+    stores = {r: bench.store_for(data_work, src, r) for r in sorted(set(ratios.values()))}
     if "adaptive" in ratios and "profiled" in ratios:
         keep_profile(stores[ratios["adaptive"]], ratios["profiled"])
     meta = {"argv": sys.argv, "started": started, "images": args.images, "size": args.size, "epochs": args.epochs,

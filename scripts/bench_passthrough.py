@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_e2e import SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches, run_loader, served_copy, store_for  # noqa: E402,E501
+from _bench import SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches, run_loader, served_copy, store_for  # noqa: E402,E501
 
 PATHS = ("passthrough", "daemon")
 
@@ -237,7 +237,7 @@ def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path
 
 
 def part_mix(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp: Path) -> list[dict]:
-    from bench_e2e import auto_ratio, read_all
+    from _bench import auto_ratio, read_all
 
     ratio = auto_ratio(args.work, src)
     print(f"  profiled ratio {ratio:g}", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO))
 
-from bench_e2e import SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches, store_for  # noqa: E402
+from _bench import SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches, store_for  # noqa: E402
 
 
 def read_tree(root: Path) -> tuple[int, float]:

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-import bench_e2e as e2e  # noqa: E402
+import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 from liquidfs.sample import CITIES, _photos, mosaic  # noqa: E402
 
 CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache")
@@ -216,7 +216,7 @@ def dataset(work: Path, images: int, width: int, height: int) -> Path:
         return src
     shutil.rmtree(src, ignore_errors=True)
     print(f"generating {images} {width}x{height} images in {src}", file=sys.stderr)
-    folder = src / e2e.SUBDIR
+    folder = src / bench.SUBDIR
     with cf.ProcessPoolExecutor() as pool:
         list(pool.map(_one_image, [(folder, i, width, height) for i in range(images)], chunksize=4))
     marker.write_text(json.dumps(want))
@@ -243,7 +243,7 @@ def pin(pid: int, cores: set[int]) -> None:
             pass
 
 
-def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemon: e2e.Mounted | None) -> None:
+def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemon: bench.Mounted | None) -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "train", str(root), "--device", args.device,
            "--model", run.model, "--epochs", str(args.epochs), "--batch", str(args.batch),
            "--threads", str(len(cores)), "--crop", str(args.crop)]
@@ -257,20 +257,20 @@ def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemo
             message = json.loads(line)
             if "ready" in message:
                 if message["ready"] == 1 and args.drop_caches:
-                    e2e.drop_caches()
-                daemon_cpu = e2e.cpu_seconds(daemon.pid) if daemon else None
+                    bench.drop_caches()
+                daemon_cpu = bench.cpu_seconds(daemon.pid) if daemon else None
                 proc.stdin.write("go\n")
                 proc.stdin.flush()
                 continue
             if daemon is not None and daemon_cpu is not None:
-                message["daemon_cpu_s"] = e2e.cpu_seconds(daemon.pid) - daemon_cpu
+                message["daemon_cpu_s"] = bench.cpu_seconds(daemon.pid) - daemon_cpu
             run.epochs.append(message)
             print(f"  {run.config:<15} {run.model:<9} {run.cores:>2} cores  epoch {message['epoch']}  "
                   f"{message['images_per_s']:8.1f} img/s  trainer CPU {message['trainer_cpu_s']:6.1f} s"
                   + (f"  GPU {message['gpu_util']:.0f} %" if message.get("gpu_util") is not None else ""),
                   file=sys.stderr)
         if proc.wait(timeout=args.timeout) != 0:
-            raise RuntimeError(f"training failed (exit {proc.returncode}): {e2e.tail(Path(log.name))}")
+            raise RuntimeError(f"training failed (exit {proc.returncode}): {bench.tail(Path(log.name))}")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -286,13 +286,13 @@ def run_one(run: Run, roots: dict[str, Path], src: Path, store: Path | None, arg
     assert store is not None
     mnt = args.work / "mnt"
     if os.path.ismount(mnt):
-        e2e.liquidfs("umount", str(mnt))
+        bench.liquidfs("umount", str(mnt))
     extra = ["--cache-size", args.cache_size] if run.config == "liquidfs-cache" else []
-    mount = e2e.Mounted(src, store, mnt, *extra)
+    mount = bench.Mounted(src, store, mnt, *extra)
     try:
         pin(mount.pid, cores)
-        train(run, mnt / e2e.SUBDIR, args, cores, mount)
-        stats = e2e.control(mnt)
+        train(run, mnt / bench.SUBDIR, args, cores, mount)
+        stats = bench.control(mnt)
         run.mount = {key: stats.get(key) for key in ("data_path", "opens", "opens_raw", "bytes_from_storage",
                                                       "bytes_from_memory", "fallbacks", "errors", "cache")}
     finally:
@@ -392,7 +392,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                         help="decode and train on the GPU (auto: when nvidia-smi sees one)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a training run may take")
-    e2e.add_run_arguments(parser, "train", "24 images of 256x128, CPU decode, the tiny model, batch 4, 2 epochs, "
+    bench.add_run_arguments(parser, "train", "24 images of 256x128, CPU decode, the tiny model, batch 4, 2 epochs, "
                                            "ratio 0.5")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -402,8 +402,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "gpu" if args.gpus else "cpu"
     args.width, args.height = map(int, args.size.lower().split("x"))
-    args.configs = e2e.split_choices(parser, args.configs, CONFIGS, "configuration")
-    args.models = e2e.split_choices(parser, args.models, MODELS, "model")
+    args.configs = bench.split_choices(parser, args.configs, CONFIGS, "configuration")
+    args.models = bench.split_choices(parser, args.models, MODELS, "model")
     if args.device == "cpu" and "tiny" not in args.models:
         print("bench_train: no GPU here; training the tiny model on the CPU (not a measurement)", file=sys.stderr)
         args.models = ["tiny"]
@@ -432,11 +432,11 @@ def main(argv: list[str]) -> int:
     ratio = None
     store = None
     if any(c.startswith("liquidfs") for c in args.configs):
-        ratio = e2e.auto_ratio(data_work, src) if args.ratio == "auto" else float(args.ratio)
-        store = e2e.store_for(data_work, src, ratio)
-    roots = {"direct-png": src / e2e.SUBDIR}
+        ratio = bench.auto_ratio(data_work, src) if args.ratio == "auto" else float(args.ratio)
+        store = bench.store_for(data_work, src, ratio)
+    roots = {"direct-png": src / bench.SUBDIR}
     if "direct-bmp" in args.configs:
-        roots["direct-bmp"] = e2e.bmp_copy(data_work, src) / e2e.SUBDIR
+        roots["direct-bmp"] = bench.bmp_copy(data_work, src) / bench.SUBDIR
     meta = {"argv": sys.argv, "started": started, "images": args.images, "size": args.size, "epochs": args.epochs,
             "batch": args.batch, "crop": args.crop, "device": args.device, "ratio": ratio,
             "cache_size": args.cache_size, "cores_available": len(os.sched_getaffinity(0)),
