@@ -66,8 +66,8 @@ def checksum(data: bytes | memoryview) -> str:
 
 
 #: What a file is read again in, once the daemon has let go of its bytes: the kernel asks again for a few pages
-#: its page cache lost (this VM class reclaims page-cache pages no process maps within seconds), and reading
-#: the whole file again for them cost up to a whole file of storage bandwidth per lost page.
+#: its page cache lost (it may reclaim unmapped page-cache pages within seconds), and reading the whole file
+#: again for them would cost up to a whole file of storage bandwidth per lost page (BENCHMARKS.md).
 CHUNK = 1 << 20
 
 
@@ -169,9 +169,9 @@ def read_span(fd: int, start: int, end: int, *, direct: bool = True) -> memoryvi
 class BufferPool:
     """Buffers of files served and closed, kept for the next files instead of unmapped.
 
-    A fresh anonymous buffer costs the kernel a zeroed page for every page touched (on this VM, where the
-    host also backs each new guest page on first touch, ``clear_page`` was 72 % of the daemon's CPU when serving
-    raw images from storage: ~2.4 CPU-s per GB). A reused one is already faulted in. Only buffers that nothing
+    A fresh anonymous buffer costs the kernel a zeroed page for every page touched (on a VM the host may back
+    each new guest page on first touch too: BENCHMARKS.md has what it cost the daemon). A reused one is already
+    faulted in. Only buffers that nothing
     else can still read come back (``give``): a file's bytes that the cache holds, or that a second open
     shares, never do. Idle buffers are capped at ``limit`` bytes; past it they are unmapped as before.
     """
