@@ -21,7 +21,8 @@ from pyfuse3 import FUSEError
 from .cache import Decision, NextEpochCache
 from .catalog import Node
 from .notifier import Notifier
-from .reader import CHUNK, POOL, WHOLE_FILE_LIMIT, Content, chunk_digests, chunk_span
+from .directio import POOL
+from .reader import CHUNK, WHOLE_FILE_LIMIT, Content, chunk_digests, chunk_span
 from .stats import MountStats
 from .storage import StorageCalls
 

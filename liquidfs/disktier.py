@@ -26,7 +26,8 @@ from pathlib import Path
 from .cache import NextEpochCache
 from .locks import HeldLock, abandoned, unique
 from .catalog import Node
-from .reader import Content, Reader, checksum, digest_of, read_whole
+from .directio import read_whole
+from .reader import Content, Reader, checksum, digest_of
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import passthrough
-from .reader import filesystem_type
+from .paths import filesystem_type
 
 #: Linux gained FUSE passthrough (read, write, splice and mmap) in 6.9.
 MIN_KERNEL = (6, 9)

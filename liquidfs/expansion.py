@@ -16,7 +16,9 @@ import xxhash
 from . import formats, resources
 from .catalog import Expansion, Node
 from .locks import unique
-from .reader import checksum, open_regular, open_under, read_fd, same_version
+from .directio import read_fd
+from .paths import open_regular, open_under
+from .reader import checksum, same_version
 
 #: Files considered for expansion; their real format is then detected from their content.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")

@@ -4,20 +4,17 @@ Everything here is blocking and runs off the trio thread (but ``vouch`` and ``ch
 local filesystem). A dataset image is read whole, at open or at its first read: one large read per file instead of
 dozens of 128 KiB FUSE-sized ones, which is what lets the checksum of a raw object be verified before its first
 byte is served. Reads bypass the page cache (O_DIRECT, or drop-behind where the filesystem
-refuses O_DIRECT) so the backing files never take a second copy of the dataset in memory.
+refuses O_DIRECT: ``directio``) so the backing files never take a second copy of the dataset in memory; paths
+are opened below their root without following links (``paths``).
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
 import logging
-import mmap
 import os
 import re
 import stat
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,39 +23,15 @@ from typing import Any, Protocol
 import xxhash
 
 from .catalog import Node, file_version
+from .directio import POOL, read_fd, read_span
+from .paths import LOCAL_FILESYSTEMS, catalog_parts, filesystem_type, open_below, open_dir
 
 log = logging.getLogger(__name__)
 
 #: Files up to this size are read whole at open; larger ones (a tarball beside the images) are streamed.
 WHOLE_FILE_LIMIT = 64 * 1024 * 1024
-_ALIGN = 4096
-_HUGE = 2 << 20
 
 
-#: Filesystems on which a stat of a file looked up moments before is answered from the kernel's caches, never by a
-#: device or a server that may hang: a source on one of them is checked at open on the trio thread.
-LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs", "overlay"})
-
-
-def filesystem_type(path: bytes | str, mountinfo: str | None = None) -> str | None:
-    """The type of the filesystem ``path`` lives on (the longest mount point above it in /proc/self/mountinfo)."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return None
-    real = os.path.realpath(os.fsdecode(path))
-    best, found = -1, None
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is \040
-        fstype = fields[fields.index("-") + 1]
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= best:  # later lines are mounted over earlier ones at the same point
-            best, found = len(mount), fstype
-    return found
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -118,191 +91,12 @@ class Content:
         self.data = None
 
 
-def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
-    """The whole file at ``path``, read without leaving it in the page cache (see ``read_fd``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return read_fd(fd, direct=direct)
-    finally:
-        os.close(fd)
-
-
-def read_fd(fd: int, *, direct: bool = True) -> memoryview:
-    """The whole file open at ``fd``, read without leaving it in the page cache (``read_span``)."""
-    return read_span(fd, 0, os.fstat(fd).st_size, direct=direct)
-
-
-def read_span(fd: int, start: int, end: int, *, direct: bool = True) -> memoryview:
-    """Bytes ``[start, end)`` of the file open at ``fd`` (``start`` page-aligned; fewer at the end of the file),
-    read without leaving them in the page cache.
-
-    O_DIRECT, into a page-aligned pool buffer. Filesystems without O_DIRECT (tmpfs, some FUSE and network
-    filesystems) refuse it with EINVAL; they are read buffered and their pages dropped after.
-    """
-    if direct and _set_direct(fd, True):
-        view = POOL.take(max(_ALIGN, -(-(end - start) // _ALIGN) * _ALIGN))
-        try:
-            done = 0
-            while start + done < end:
-                got = os.preadv(fd, [view[done:]], start + done)
-                done += got
-                if got == 0 or done % _ALIGN:
-                    break  # a short, unaligned read is the end of the file
-            return view[:min(done, end - start)]
-        except OSError as exc:
-            POOL.give(view)  # nothing was served from it
-            if exc.errno != errno.EINVAL:
-                raise
-        _set_direct(fd, False)
-    chunks = []
-    offset = start
-    while offset < end:
-        chunk = os.pread(fd, end - offset, offset)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        offset += len(chunk)
-    os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-    return memoryview(chunks[0] if len(chunks) == 1 else b"".join(chunks))
-
-
-class BufferPool:
-    """Buffers of files served and closed, kept for the next files instead of unmapped.
-
-    A fresh anonymous buffer costs the kernel a zeroed page for every page touched (on a VM the host may back
-    each new guest page on first touch too: BENCHMARKS.md has what it cost the daemon). A reused one is already
-    faulted in. Only buffers that nothing
-    else can still read come back (``give``): a file's bytes that the cache holds, or that a second open
-    shares, never do. Idle buffers are capped at ``limit`` bytes; past it they are unmapped as before.
-    """
-
-    def __init__(self, limit: int = 64 << 20) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._free: list[tuple[int, mmap.mmap, int]] = []  # (capacity, map, offset of the aligned view)
-        self._idle = 0
-        self._maps: dict[int, tuple[int, int]] = {}  # id(map) -> (capacity, offset), for maps out on loan
-        self.reused = 0
-
-    def take(self, capacity: int) -> memoryview:
-        with self._lock:
-            # best fit, and no buffer more than 1.5x (+ one huge page) the need: a small file must not pin a big one
-            fits = [i for i, (cap, _, _) in enumerate(self._free) if capacity <= cap <= capacity * 3 // 2 + _HUGE]
-            if fits:
-                cap, buf, offset = self._free.pop(min(fits, key=lambda i: self._free[i][0]))
-                self._idle -= cap
-                self._maps[id(buf)] = (cap, offset)
-                self.reused += 1
-                return memoryview(buf)[offset:offset + capacity]
-        buf, offset = _new_buffer(capacity)
-        with self._lock:
-            self._maps[id(buf)] = (capacity, offset)
-        return memoryview(buf)[offset:offset + capacity]
-
-    def give(self, view: memoryview) -> None:
-        """``view`` (or a slice of it) will never be read again by anyone: its buffer may serve another file."""
-        buf = view.obj
-        with self._lock:
-            found = self._maps.pop(id(buf), None)
-            if found is None or not isinstance(buf, mmap.mmap):
-                return
-            capacity, offset = found
-            if self._idle + capacity > self.limit:
-                return  # unmapped once the last view goes
-            self._free.append((capacity, buf, offset))
-            self._idle += capacity
-
-    @property
-    def idle(self) -> int:
-        return self._idle
-
-    def forget(self, view: memoryview) -> None:
-        """``view``'s buffer is kept elsewhere for good (the cache holds it): stop tracking it."""
-        with self._lock:
-            self._maps.pop(id(view.obj), None)
-
-
-POOL = BufferPool()
-
-
-def _new_buffer(capacity: int) -> tuple[mmap.mmap, int]:
-    """A fresh buffer for one file, backed by transparent huge pages where they fit.
-
-    Faulting in and zeroing fresh 4 KiB pages cost ~0.5 CPU-s per GB read here, as much as everything else the
-    daemon does; 2 MiB pages cut that to ~0.15. The map is private (a shared anonymous map would be shmem,
-    counted and reclaimed as page cache); the view starts on a 2 MiB boundary so whole huge pages fit, and the
-    tail that fills no whole huge page stays on small pages so no file holds up to 2 MiB it does not use.
-    """
-    buf = mmap.mmap(-1, capacity + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = (-ctypes.addressof(ctypes.c_char.from_buffer(buf))) % _HUGE
-    whole = capacity // _HUGE * _HUGE
-    try:
-        if whole:
-            buf.madvise(mmap.MADV_HUGEPAGE, offset, whole)
-        buf.madvise(mmap.MADV_NOHUGEPAGE, offset + whole, len(buf) - offset - whole)
-    except (OSError, AttributeError):  # no THP here: small pages work, just slower
-        pass
-    return buf, offset
-
-
-def _set_direct(fd: int, on: bool) -> bool:
-    """Turn O_DIRECT on or off for an open file; False where the filesystem does not do direct I/O."""
-    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_DIRECT) if on else (flags & ~os.O_DIRECT))
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        return False
-    return True
 
 
 #: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
 OBJECT_NAME = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.(?:bmp|jp2))")
 
 
-def catalog_parts(rel: bytes) -> list[bytes]:
-    """The components of a path read from a catalog, which whoever writes the store controls: refused (EIO)
-    unless every component names an entry below its directory (no '..', '.', empty or absolute component)."""
-    parts = rel.split(b"/")
-    if not rel or any(part in (b"", b".", b"..") for part in parts):
-        raise OSError(errno.EIO, "a catalog path that leaves its root: refused", os.fsdecode(rel))
-    return parts
-
-
-# openat2(2) (Linux >= 5.6): the whole no-link, stay-below walk in one syscall, and (RESOLVE_CACHED, 5.12) an
-# EAGAIN instead of a wait when a dentry or inode on the way is not in memory. Not in the os module (3.11).
-_SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
-_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH, _RESOLVE_CACHED = 0x02, 0x04, 0x08, 0x20
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-def _openat2(dir_fd: int, rel: bytes, flags: int, resolve: int) -> int:
-    how = _OpenHow(flags, 0, resolve)
-    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(rel), ctypes.byref(how),
-                       ctypes.c_size_t(ctypes.sizeof(how)))
-    if fd < 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-    return int(fd)
-
-
-def _has_openat2() -> bool:
-    try:
-        os.close(_openat2(-100, b".", os.O_PATH | os.O_CLOEXEC, _RESOLVE_CACHED))  # AT_FDCWD
-    except OSError as exc:
-        return exc.errno == errno.EAGAIN  # known, but "." was not cached
-    return True
-
-
-HAS_OPENAT2 = _has_openat2()
 
 
 #: How often a source written while it is read is read again before the open fails (EIO).
@@ -347,74 +141,6 @@ def same_file(node: Node, st: os.stat_result) -> bool:
     return same_version(st, node.size, node.mtime_ns, node.etag)
 
 
-def open_dir(path: bytes | str | os.PathLike[str]) -> int:
-    """A directory held open (O_PATH) for opening paths below it, resolved once."""
-    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-
-
-def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> int:
-    """Open the regular file ``rel`` below the directory held at ``dir_fd`` for reading, without following any
-    symlink on the way and without leaving it (``catalog_parts``).
-
-    The catalog shows symlinks as symlinks; a path that has become one since the scan (a file or a directory
-    swapped for a link to /etc/shadow, in a source writable by others) is refused (ELOOP, or ENOTDIR for a
-    directory on the way), never read through. Resolving below a descriptor held from mount time also means a
-    source root renamed or swapped for a link while the mount runs changes nothing.
-    O_NONBLOCK keeps an entry swapped for a FIFO from blocking the open; anything but a regular file is refused.
-    ``cached_only``: BlockingIOError (EAGAIN) rather than waiting for the disk, where a dentry or an inode on the
-    way is not in memory (for opens on the trio thread; the caller retries in a worker thread).
-    """
-    path = os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
-    *dirs, name = catalog_parts(rel)
-    if HAS_OPENAT2:
-        resolve = _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
-        try:
-            file = _openat2(dir_fd, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                            resolve | (_RESOLVE_CACHED if cached_only else 0))
-        except OSError as exc:
-            if exc.errno == errno.EAGAIN:
-                raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", path) from None
-            raise OSError(exc.errno, exc.strerror, path) from None
-        return _regular(file, path)
-    if cached_only:
-        raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", path)
-    fd = dir_fd
-    try:
-        for part in dirs:
-            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            if fd != dir_fd:
-                os.close(fd)
-            fd = inner
-        file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
-    except OSError as exc:  # name the whole path, not the component os.open was given
-        raise OSError(exc.errno, exc.strerror, path) from None
-    finally:
-        if fd != dir_fd:
-            os.close(fd)
-    return _regular(file, path)
-
-
-def open_under(root: bytes, rel: bytes) -> int:
-    """``open_below`` a root given by path, resolved once for this one open (prepare's and verify's workers)."""
-    root_fd = open_dir(root)
-    try:
-        return open_below(root_fd, rel, root)
-    finally:
-        os.close(root_fd)
-
-
-def open_regular(path: str | os.PathLike[str]) -> int:
-    """Open ``path`` for reading if it is a regular file, never through a link at its end (EIO otherwise)."""
-    return _regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), os.fsdecode(path))
-
-
-def _regular(file: int, path: str) -> int:
-    """``file`` if it is a regular file (no longer non-blocking); else closed and EIO."""
-    if not stat.S_ISREG(os.fstat(file).st_mode):
-        os.close(file)
-        raise OSError(errno.EIO, "no longer a regular file", path)
-    fcntl.fcntl(file, fcntl.F_SETFL, fcntl.fcntl(file, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return file
 
 
 def digest_of(node: Node, content: Content) -> str:

@@ -24,7 +24,8 @@ from ..catalog import Catalog, Node, WorkingCopy, default_store_dir, open_or_bui
 from ..expansion import OBJECTS, expand_one, is_image, verify_one
 from ..locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
 from ..mix import PROFILE_NAME
-from ..reader import Reader, StoreReader, open_below, open_dir, same_file
+from ..paths import open_below, open_dir
+from ..reader import Reader, StoreReader, same_file
 from ..timedreads import ProfileError, Sample
 from .base import Job, Preparation
 

@@ -161,7 +161,7 @@ FILES = {f"x{i}": bytes([i]) * 300_000 for i in range(1, 5)}
 
 
 def test_closed_files_lend_their_buffers_to_the_next(tmp_path: Path) -> None:
-    from liquidfs.reader import POOL
+    from liquidfs.directio import POOL
 
     ops = _ops_over(tmp_path, FILES, None)
     before = POOL.reused
@@ -172,7 +172,7 @@ def test_closed_files_lend_their_buffers_to_the_next(tmp_path: Path) -> None:
 
 
 def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
-    from liquidfs.reader import POOL
+    from liquidfs.directio import POOL
 
     ops = _ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
     for name, data in FILES.items():
@@ -339,7 +339,7 @@ def _open(ops: Operations, name: bytes) -> int:
 
 
 def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path) -> None:
-    from liquidfs.reader import POOL
+    from liquidfs.directio import POOL
 
     data = os.urandom(3_000_000)
     ops, kernel = _push_ops(tmp_path, {"a": data, "b": os.urandom(3_000_000)})
@@ -364,7 +364,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
 
 
 def test_a_buffer_is_not_lent_before_the_kernel_has_copied_it(tmp_path: Path) -> None:
-    from liquidfs.reader import POOL
+    from liquidfs.directio import POOL
 
     data = os.urandom(3_000_000)
     ops, kernel = _push_ops(tmp_path, {"a": data, "b": os.urandom(3_000_000)})
@@ -456,7 +456,7 @@ MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
 
 
 def test_the_filesystem_under_a_source_decides_where_it_is_checked() -> None:
-    from liquidfs.reader import LOCAL_FILESYSTEMS, filesystem_type
+    from liquidfs.paths import LOCAL_FILESYSTEMS, filesystem_type
 
     found = {p: filesystem_type(p, MOUNTINFO) for p in ("/", "/data/a", "/data/my set/b", "/data/my", "/data2/x")}
     assert found == {"/": "ext4", "/data/a": "nfs", "/data/my set/b": "fuse.sshfs", "/data/my": "nfs",

@@ -1,0 +1,153 @@
+"""Opening what a catalog names, without following any link on the way and without leaving the root it is
+below (a store's catalog is written by whoever can write the store; the daemon that opens it runs as root), and
+which filesystem a path lives on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import stat
+from pathlib import Path
+
+#: Filesystems on which a stat of a file looked up moments before is answered from the kernel's caches, never by a
+#: device or a server that may hang: a source on one of them is checked at open on the trio thread.
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs", "overlay"})
+
+
+def filesystem_type(path: bytes | str, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem ``path`` lives on (the longest mount point above it in /proc/self/mountinfo)."""
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    real = os.path.realpath(os.fsdecode(path))
+    best, found = -1, None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is \040
+        fstype = fields[fields.index("-") + 1]
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= best:  # later lines are mounted over earlier ones at the same point
+            best, found = len(mount), fstype
+    return found
+
+
+def catalog_parts(rel: bytes) -> list[bytes]:
+    """The components of a path read from a catalog, which whoever writes the store controls: refused (EIO)
+    unless every component names an entry below its directory (no '..', '.', empty or absolute component)."""
+    parts = rel.split(b"/")
+    if not rel or any(part in (b"", b".", b"..") for part in parts):
+        raise OSError(errno.EIO, "a catalog path that leaves its root: refused", os.fsdecode(rel))
+    return parts
+
+
+# openat2(2) (Linux >= 5.6): the whole no-link, stay-below walk in one syscall, and (RESOLVE_CACHED, 5.12) an
+# EAGAIN instead of a wait when a dentry or inode on the way is not in memory. Not in the os module (3.11).
+_SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH, _RESOLVE_CACHED = 0x02, 0x04, 0x08, 0x20
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _openat2(dir_fd: int, rel: bytes, flags: int, resolve: int) -> int:
+    how = _OpenHow(flags, 0, resolve)
+    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(rel), ctypes.byref(how),
+                       ctypes.c_size_t(ctypes.sizeof(how)))
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return int(fd)
+
+
+def _has_openat2() -> bool:
+    try:
+        os.close(_openat2(-100, b".", os.O_PATH | os.O_CLOEXEC, _RESOLVE_CACHED))  # AT_FDCWD
+    except OSError as exc:
+        return exc.errno == errno.EAGAIN  # known, but "." was not cached
+    return True
+
+
+HAS_OPENAT2 = _has_openat2()
+
+
+def open_dir(path: bytes | str | os.PathLike[str]) -> int:
+    """A directory held open (O_PATH) for opening paths below it, resolved once."""
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> int:
+    """Open the regular file ``rel`` below the directory held at ``dir_fd`` for reading, without following any
+    symlink on the way and without leaving it (``catalog_parts``).
+
+    The catalog shows symlinks as symlinks; a path that has become one since the scan (a file or a directory
+    swapped for a link to /etc/shadow, in a source writable by others) is refused (ELOOP, or ENOTDIR for a
+    directory on the way), never read through. Resolving below a descriptor held from mount time also means a
+    source root renamed or swapped for a link while the mount runs changes nothing.
+    O_NONBLOCK keeps an entry swapped for a FIFO from blocking the open; anything but a regular file is refused.
+    ``cached_only``: BlockingIOError (EAGAIN) rather than waiting for the disk, where a dentry or an inode on the
+    way is not in memory (for opens on the trio thread; the caller retries in a worker thread).
+    """
+    path = os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
+    *dirs, name = catalog_parts(rel)
+    if HAS_OPENAT2:
+        resolve = _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
+        try:
+            file = _openat2(dir_fd, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                            resolve | (_RESOLVE_CACHED if cached_only else 0))
+        except OSError as exc:
+            if exc.errno == errno.EAGAIN:
+                raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", path) from None
+            raise OSError(exc.errno, exc.strerror, path) from None
+        return _regular(file, path)
+    if cached_only:
+        raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", path)
+    fd = dir_fd
+    try:
+        for part in dirs:
+            inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            if fd != dir_fd:
+                os.close(fd)
+            fd = inner
+        file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+    except OSError as exc:  # name the whole path, not the component os.open was given
+        raise OSError(exc.errno, exc.strerror, path) from None
+    finally:
+        if fd != dir_fd:
+            os.close(fd)
+    return _regular(file, path)
+
+
+def open_under(root: bytes, rel: bytes) -> int:
+    """``open_below`` a root given by path, resolved once for this one open (prepare's and verify's workers)."""
+    root_fd = open_dir(root)
+    try:
+        return open_below(root_fd, rel, root)
+    finally:
+        os.close(root_fd)
+
+
+def open_regular(path: str | os.PathLike[str]) -> int:
+    """Open ``path`` for reading if it is a regular file, never through a link at its end (EIO otherwise)."""
+    return _regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), os.fsdecode(path))
+
+
+def _regular(file: int, path: str) -> int:
+    """``file`` if it is a regular file (no longer non-blocking); else closed and EIO."""
+    if not stat.S_ISREG(os.fstat(file).st_mode):
+        os.close(file)
+        raise OSError(errno.EIO, "no longer a regular file", path)
+    fcntl.fcntl(file, fcntl.F_SETFL, fcntl.fcntl(file, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return file
