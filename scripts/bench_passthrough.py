@@ -10,9 +10,9 @@ directly"). Page cache dropped before every cold run. Parts:
   r=1 through each data path against the all-BMP copy read directly; r=0 against all-PNG read directly. The
   daemon's CPU seconds per GB served and per open come from /proc/<daemon>/stat.
 * cat: N parallel readers of disjoint file sets (1 MiB reads), cold, MB/s through each path and directly.
-* daemon-ab: the daemon path of this tree against the daemon of ``--baseline-rev`` (a git revision before
-  passthrough existed, checked out in a temporary worktree), DALI r=1 cold, interleaved A/B, medians: the
-  fallback path must not have become slower.
+* daemon-ab: a data path (``--ab-path``, default daemon) of this tree against the same of ``--baseline-rev``
+  (checked out in a temporary worktree; a revision before passthrough has only the daemon path), DALI r=1 cold,
+  interleaved A/B, medians: a change must not have made the path slower.
 * mix: the ratio ``liquidfs profile`` chooses on this machine (DALI decoder, all cores), prepared, through
   passthrough against direct all-PNG: cold, and warm (direct: the page cache filled; liquidfs: every file in
   its memfds, --cache-size 100% --warmup).
@@ -205,6 +205,32 @@ def part_cache(args: argparse.Namespace, src: Path, stores: dict[float, Path], b
     return rows
 
 
+def _baseline_mount(tree: Path, src: Path, store: Path, mnt: Path, path: str = "daemon") -> Mounted:
+    """A mount of the baseline, its code imported from ``tree``: in the foreground (a detached daemon is
+    started with ``python -I``, which would import the installed liquidfs, this tree's), with ``--data-path
+    path`` where the revision has data paths (before passthrough, every mount is the daemon path)."""
+    argv = [sys.executable, "-m", "liquidfs", "mount", str(src), str(mnt), "--store", str(store), "--foreground"]
+    if "--data-path" in subprocess.run([*argv[:3], "mount", "--help"], cwd=tree, capture_output=True,
+                                       text=True).stdout:
+        argv += ["--data-path", path]
+    elif path != "daemon":
+        raise RuntimeError(f"{tree} has no --data-path: only its daemon path can be measured")
+    proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            pid = int(control(mnt)["pid"])
+            break
+        except (OSError, ValueError, KeyError):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the baseline mount of {tree} did not answer") from None
+            time.sleep(0.2)
+    assert pid == proc.pid, "the control file answers for another mount"
+    m = Mounted.__new__(Mounted)
+    m.mnt, m.pid = mnt, pid
+    return m
+
+
 def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp: Path) -> list[dict]:
     import tempfile
 
@@ -217,13 +243,10 @@ def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path
     try:
         for rep in range(args.repeats):
             for name in ("baseline", "this"):
-                if name == "baseline":  # its liquidfs imported from the worktree (it starts its daemon in its cwd)
-                    subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(src), str(mnt), "--store",
-                                    str(stores[1.0])], cwd=tree, check=True, capture_output=True)
-                    m = Mounted.__new__(Mounted)
-                    m.mnt, m.pid = mnt, int(control(mnt)["pid"])
+                if name == "baseline":
+                    m = _baseline_mount(tree, src, stores[1.0], mnt, args.ab_path)
                 else:
-                    m = mount(src, stores[1.0], args.work, "daemon")
+                    m = mount(src, stores[1.0], args.work, args.ab_path)
                 try:
                     drop_caches()
                     runs[name].append(dali_epoch(m.mnt, args.images, rep, m))
@@ -232,8 +255,8 @@ def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path
                                    capture_output=True)
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
-    base = summarize(f"r=1 daemon path of {args.baseline_rev}, cold", runs["baseline"])
-    return [base, summarize("r=1 daemon path of this tree, cold", runs["this"], base["images_per_s"])]
+    base = summarize(f"r=1 {args.ab_path} path of {args.baseline_rev}, cold", runs["baseline"])
+    return [base, summarize(f"r=1 {args.ab_path} path of this tree, cold", runs["this"], base["images_per_s"])]
 
 
 def part_mix(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp: Path) -> list[dict]:
@@ -280,6 +303,8 @@ def main() -> int:
     parser.add_argument("--loader-memory", type=int, default=1_500_000_000,
                         help="bytes the cgroup baseline allows the loader itself, on top of 30 %% of the data")
     parser.add_argument("--parts", default="dali,cat,cache", help="any of dali,cat,cache,daemon-ab,mix")
+    parser.add_argument("--ab-path", choices=["daemon", "passthrough"], default="daemon",
+                        help="daemon-ab: the data path both sides are measured on (default daemon)")
     parser.add_argument("--baseline-rev", default="b820bfa",
                         help="daemon-ab: the revision whose daemon path is the baseline (default: the last before "
                         "passthrough)")
