@@ -40,7 +40,7 @@ WINDOW = 64
 @dataclass(frozen=True, slots=True)
 class Decision:
     hit: bool            # the file's bytes are held: serve them from memory
-    keep: bool           # hold the file after this read (for the next epoch)
+    hold: bool           # hold the file after this read (for the next epoch)
     epoch: int           # the epoch this read belongs to (0 for a re-read)
     same_epoch: bool = False  # a second read of the file in the epoch it was already read in (a retry)
     evicted: tuple[int, ...] = ()  # files that stopped being held: their pages must be dropped
@@ -124,7 +124,7 @@ class NextEpochCache:
         else:
             self.stats.same_epoch_reads += 1
             held = file in self.held
-            return Decision(hit=held, keep=held, epoch=0, same_epoch=True)
+            return Decision(hit=held, hold=held, epoch=0, same_epoch=True)
         evicted: tuple[int, ...] = ()
         if epoch > self.newest_epoch:
             self.newest_epoch = epoch
@@ -144,7 +144,7 @@ class NextEpochCache:
             self.held_bytes += size
             self.kept_for[epoch + 1] = self.kept_for.get(epoch + 1, 0) + size
         self._count(epoch, hit, size)
-        return Decision(hit=hit, keep=keep, epoch=epoch, evicted=evicted)
+        return Decision(hit=hit, hold=keep, epoch=epoch, evicted=evicted)
 
     def _gap_needed(self, epoch: int) -> int:
         # A retry or header probe comes within a few reads of the first (other workers' reads in between);

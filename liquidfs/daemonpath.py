@@ -29,7 +29,7 @@ from .storage import StorageCalls
 log = logging.getLogger(__name__)
 
 #: Bytes that open files may keep in the daemon beyond the cache's budget (files read whole at open, not yet
-#: served to the end); past it the oldest let go of theirs and read them again if asked (``DaemonPath._loan``).
+#: served to the end); past it the oldest let go of theirs and read them again if asked (``DaemonPath._count_open``).
 MAX_OPEN_BYTES = 64 << 20
 #: ``mount --page-cache``: "drop" the pages of a file the daemon does not hold when it is closed (no second
 #: copy of the dataset in memory; the kernel's work of dropping them is charged to the daemon), "keep" them
@@ -65,14 +65,14 @@ class DaemonPath:
         self.page_cache = page_cache
         self.cache = cache
         # Bytes of the files the cache policy holds: the daemon's own memory, safe from page-cache reclaim.
-        self.held_data: dict[int, memoryview] = {}
+        self.cached_data: dict[int, memoryview] = {}
         # Hand the rest of a file to the kernel's page cache at its first read (``_push_rest``).
         self.push_pages = push_pages
         self._pushes: dict[int, _Pushes] = {}  # inode -> pushes not yet taken by the kernel
-        # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_loan``.
+        # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_count_open``.
         self.max_open_bytes = max_open_bytes
-        self._loaned: dict[int, int] = {}
-        self._loaned_bytes = 0
+        self._open_bytes_of: dict[int, int] = {}
+        self._open_bytes = 0
         self._pieces: dict[int, _Piece] = {}  # fh -> the last piece its file was read again in, oldest first
 
     async def open(self, node: Node) -> Handle:
@@ -84,7 +84,7 @@ class DaemonPath:
             # queued from an earlier open must land before that, or it could outlive a change of the source.
             await pushes.done.wait()
         decision = self._decide(node)
-        held = self.held_data.get(inode) if decision.hit else None
+        held = self.cached_data.get(inode) if decision.hit else None
         if held is not None:
             content = await self._open_held(node, held)
             if content.data is not held:
@@ -111,7 +111,7 @@ class DaemonPath:
             self.size_overrides[inode] = content.size
             await self.notifier.new_size(inode)
             direct_io = True
-        if not (content.deferred and decision.keep):  # else at its first read, once the bytes are there
+        if not (content.deferred and decision.hold):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)
         # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
         # daemon. Its pages are kept only while it is held (release drops the rest), and the kernel may
@@ -121,15 +121,15 @@ class DaemonPath:
 
     def opened(self, fh: int, handle: Handle) -> None:
         """``handle`` was registered as ``fh``: count the bytes it keeps in memory."""
-        self._loan(fh, handle)
+        self._count_open(fh, handle)
 
     async def read(self, fh: int, handle: Handle, off: int, size: int) -> bytes | memoryview:
         if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
-            if fh not in self._loaned and fh in self.open_files:
+            if fh not in self._open_bytes_of and fh in self.open_files:
                 # Being read now: let go once served to its end; a direct_io open is never seen to reach
                 # its end, so it makes room now by letting go of the files opened longest ago.
-                self._loan(fh, handle, evict=handle.direct_io)
+                self._count_open(fh, handle, evict=handle.direct_io)
         content = handle.content
         data: bytes | memoryview
         if handle.chunks is not None:
@@ -145,15 +145,15 @@ class DaemonPath:
                 reach = handle.note_served(off, off + len(data))
                 if reach >= content.size:
                     data = bytes(data)  # the buffer may serve another file before this reply is copied out
-                    self._unloan(fh)
+                    self._uncount_open(fh)
                     self._drop_served(handle)
                 elif self.push_pages and not handle.pushing and not self._holds(handle):
                     self._push_rest(fh, handle, reach)
         return data
 
     def release(self, fh: int, handle: Handle) -> None:
-        self._unloan(fh)
-        if handle.content.deferred and handle.decision.keep:  # never read: the policy cannot keep it
+        self._uncount_open(fh)
+        if handle.content.deferred and handle.decision.hold:  # never read: the policy cannot keep it
             assert handle.node is not None
             self._hold_or_drop(handle.node, handle.decision, handle.content)
         piece = self._pieces.pop(fh, None)
@@ -163,12 +163,12 @@ class DaemonPath:
         node = handle.node
         # Only what the daemon holds may stay in the page cache: everything else is dropped once served, so
         # the kernel never keeps a second, unplanned copy of the dataset.
-        if node is not None and node.id not in self.held_data and self.page_cache == "drop":
+        if node is not None and node.id not in self.cached_data and self.page_cache == "drop":
             self.notifier.invalidate(node.id)
 
 
     def statistics(self) -> dict[str, object]:
-        values: dict[str, object] = {"open_bytes": self._loaned_bytes, "buffers_reused": POOL.reused,
+        values: dict[str, object] = {"open_bytes": self._open_bytes, "buffers_reused": POOL.reused,
                                      "buffers_idle_bytes": POOL.idle}
         if self.cache is not None:
             values.update(self.cache.summary())
@@ -194,8 +194,8 @@ class DaemonPath:
             vouched = await self.storage.run(node, self.reader.vouch, node)
         if vouched is not None:
             return bool(vouched)
-        no_room = self._loaned_bytes + size > self.max_open_bytes
-        return not decision.keep and no_room and await self.storage.source_changed(node) is None
+        no_room = self._open_bytes + size > self.max_open_bytes
+        return not decision.hold and no_room and await self.storage.source_changed(node) is None
 
     async def _open_held(self, node: Node, data: memoryview) -> Content:
         changed = await self.storage.source_changed(node)
@@ -203,7 +203,7 @@ class DaemonPath:
             self.stats.bytes_from_memory += len(data)
             return Content(size=len(data), raw=node.served_raw, data=data)
         # The source changed after the bytes were taken: they are stale. Serve what the source says now.
-        self.held_data.pop(node.id, None)
+        self.cached_data.pop(node.id, None)
         assert self.cache is not None
         self.cache.drop(node.id)
         content = await self._open_from_storage(node)
@@ -219,19 +219,19 @@ class DaemonPath:
             return NO_CACHE
         decision = self.cache.read(node.id, self.size_overrides.get(node.id, node.size_served))
         for file in decision.evicted:
-            self.held_data.pop(file, None)
+            self.cached_data.pop(file, None)
             self.notifier.invalidate(file)
         return decision
 
     def _hold_or_drop(self, node: Node, decision: Decision, content: Content) -> None:
         if self.cache is None:
             return
-        if decision.keep and content.data is not None and not content.fallback \
+        if decision.hold and content.data is not None and not content.fallback \
                 and content.size == node.size_served:
             self._hold(node.id, content)
         else:
-            self.held_data.pop(node.id, None)
-            if decision.keep:  # the policy counted it, but these bytes cannot be held (streamed, fallback)
+            self.cached_data.pop(node.id, None)
+            if decision.hold:  # the policy counted it, but these bytes cannot be held (streamed, fallback)
                 self.cache.drop(node.id)
 
     def _hold(self, node_id: int, content: Content) -> None:
@@ -241,7 +241,7 @@ class DaemonPath:
         if content.pooled:
             content.pooled = False
             POOL.forget(content.data)
-        self.held_data[node_id] = content.data
+        self.cached_data[node_id] = content.data
 
     async def warm_up(self, files: list[Node],
                       progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:
@@ -309,7 +309,7 @@ class DaemonPath:
             if content.data is view:
                 if ok:
                     handle.note_served(start, content.size)
-                    self._unloan(fh)
+                    self._uncount_open(fh)
                     self._drop_served(handle)
                 if content.data is view:  # still served from memory, as without a push: to the pool at close
                     content.pooled = pooled
@@ -319,7 +319,7 @@ class DaemonPath:
 
         self.notifier.store(node.id, start, view[start:], done)
 
-    def _loan(self, fh: int, handle: Handle, *, evict: bool = True) -> None:
+    def _count_open(self, fh: int, handle: Handle, *, evict: bool = True) -> None:
         """Count the bytes an open file keeps in memory outside the cache's budget, and keep the total under
         ``max_open_bytes`` by letting go of the bytes of the files opened longest ago (read again if asked).
 
@@ -332,19 +332,19 @@ class DaemonPath:
             return  # nothing in memory, or the cache's budget counts these very bytes
         # direct_io opens (--page-cache direct, sizes changed at open) count too: nothing else bounds them.
         content = handle.content
-        self._loaned[fh] = content.size
-        self._loaned_bytes += content.size
-        while evict and self._loaned_bytes > self.max_open_bytes and len(self._loaned) > 1:
-            oldest = next(iter(self._loaned))
+        self._open_bytes_of[fh] = content.size
+        self._open_bytes += content.size
+        while evict and self._open_bytes > self.max_open_bytes and len(self._open_bytes_of) > 1:
+            oldest = next(iter(self._open_bytes_of))
             victim = self.open_files[oldest]
-            self._unloan(oldest)
+            self._uncount_open(oldest)
             self._drop_served(victim)
-            self.stats.let_go += 1
+            self.stats.open_evictions += 1
 
-    def _unloan(self, fh: int) -> None:
-        size = self._loaned.pop(fh, None)
+    def _uncount_open(self, fh: int) -> None:
+        size = self._open_bytes_of.pop(fh, None)
         if size is not None:
-            self._loaned_bytes -= size
+            self._open_bytes -= size
 
     def _drop_served(self, handle: Handle) -> None:
         """The file was read to its end: its bytes now live in the reader's page cache (or its own buffers).
@@ -364,7 +364,7 @@ class DaemonPath:
     def _holds(self, handle: Handle) -> bool:
         """The cache holds the very bytes ``handle`` serves (they are shared, and counted in its budget)."""
         assert handle.node is not None
-        return self.held_data.get(handle.node.id) is handle.content.data
+        return self.cached_data.get(handle.node.id) is handle.content.data
 
     async def _refetch(self, fh: int, handle: Handle, off: int, size: int) -> bytes:
         """Serve part of a file whose bytes were let go: the CHUNKs around it, from the cache when it holds the
@@ -402,7 +402,7 @@ class DaemonPath:
     async def _read_piece(self, handle: Handle, start: int, stop: int) -> _Piece:
         node = handle.node
         assert node is not None and handle.chunks is not None
-        held = self.held_data.get(node.id)
+        held = self.cached_data.get(node.id)
         if held is not None and len(held) == handle.content.size:
             piece = _Piece(start, held[start:stop], pooled=False)
         else:
@@ -449,7 +449,7 @@ class DaemonPath:
                 raise OSError(errno.EIO, "changed between open and first read: reopen the file",
                               os.fsdecode(node.path))
             handle.content = content
-            if handle.decision.keep:
+            if handle.decision.hold:
                 self._hold_or_drop(node, handle.decision, content)
         except OSError as exc:
             handle.failed = exc.errno or errno.EIO
@@ -495,7 +495,7 @@ class Handle:
         return merged[0][1] if merged[0][0] == 0 else 0
 
 
-NO_CACHE: Decision = Decision(hit=False, keep=False, epoch=0)
+NO_CACHE: Decision = Decision(hit=False, hold=False, epoch=0)
 
 
 @dataclass(eq=False, slots=True)

@@ -95,7 +95,7 @@ class DiskTier:
         if entry is not None:
             content = self._read(node, entry)
             if content is not None:
-                if not decision.keep:
+                if not decision.hold:
                     self._forget(node.id)
                 return content
             with self._lock:
@@ -103,11 +103,11 @@ class DiskTier:
                 if decision.epoch:
                     self.policy.correct_miss(decision.epoch, node.size_served)
         content = self.inner.open(node)
-        wanted = decision.keep and not self.memory_holds(node.id)
+        wanted = decision.hold and not self.memory_holds(node.id)
         if wanted and content.data is not None and not content.fallback and content.size == node.size_served:
             if self._write(node, content):
                 return content
-        if decision.keep:
+        if decision.hold:
             with self._lock:
                 self.policy.drop(node.id)
         self._forget(node.id)

@@ -317,7 +317,7 @@ class Operations(pyfuse3.Operations):
         if self.passthrough is not None:
             held = self.passthrough.memory.held(node.id) if self.passthrough.memory is not None else None
             return None if held is None else held.raw
-        data = self.daemon.held_data.get(node.id)
+        data = self.daemon.cached_data.get(node.id)
         return None if data is None else len(data) == node.served_size
 
     def _register(self, handle: Handle) -> int:

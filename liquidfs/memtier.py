@@ -68,7 +68,7 @@ class MemoryTier:
         self._keep_failed += 1
         self.drop(file)
 
-    def let_go(self, file: int) -> None:
+    def release(self, file: int) -> None:
         """The policy stopped holding ``file`` (a hit not kept again): close the tier's memfd."""
         self._forget(file)
 

@@ -28,7 +28,7 @@ from .stats import MountStats
 
 log = logging.getLogger(__name__)
 
-NO_CACHE = Decision(hit=False, keep=False, epoch=0)
+NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 
 
 class Kernel(Protocol):
@@ -157,14 +157,14 @@ class PassthroughPath:
                     backing.close()
                     raise
             entry.backing = backing
-            entry.keep = decision.keep and backing is not None and backing.fallback is None \
+            entry.keep = decision.hold and backing is not None and backing.fallback is None \
                 and backing.size == node.size_served
-            if decision.keep and not entry.keep:
+            if decision.hold and not entry.keep:
                 assert self.memory is not None
                 self.memory.could_not_keep(node.id)
         except BaseException as exc:
             entry.failed = (exc.errno or errno.EIO) if isinstance(exc, OSError) else errno.EIO
-            if decision.keep and self.memory is not None:
+            if decision.hold and self.memory is not None:
                 self.memory.could_not_keep(node.id)
             self._release_entry(node.id, entry)
             raise
@@ -185,8 +185,8 @@ class PassthroughPath:
                 if await self.source_changed(node) is None:
                     self.stats.bytes_from_memory += held.size
                     served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
-                    if not decision.keep:  # the policy no longer holds it: its memfd lives as long as this open
-                        self.memory.let_go(node.id)
+                    if not decision.hold:  # the policy no longer holds it: its memfd lives as long as this open
+                        self.memory.release(node.id)
                     return served
                 self.memory.drop(node.id)  # stale: the source changed after the bytes were taken
             else:  # counted as a hit, but the bytes are gone (a copy that failed)

@@ -23,7 +23,7 @@ class MountStats:
     bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
     bytes_from_disk: int = 0      # bytes served from the local disk cache level (--disk-cache)
     deferred: int = 0             # opens whose file was read at its first read instead of at open
-    let_go: int = 0               # open files whose bytes were let go to keep open_bytes under its bound
+    open_evictions: int = 0       # open files whose bytes were let go to keep open_bytes under its bound
     bytes_pushed: int = 0         # bytes handed to the kernel's page cache ahead of its reads (notify_store)
     lost_page_reads: int = 0          # read requests for pages the kernel lost after the daemon let their file go
     bytes_of_lost_pages: int = 0     # bytes those requests were answered with

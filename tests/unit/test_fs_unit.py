@@ -101,7 +101,7 @@ def test_cache_holds_bytes_for_the_next_epoch(ops: Operations) -> None:
             fi = run(ops.open, inode, os.O_RDONLY, CTX)
             run(ops.read, fi.fh, 0, 1 << 20)
             run(ops.release, fi.fh)
-    assert set(ops.daemon.held_data) == {a.st_ino, b.st_ino}
+    assert set(ops.daemon.cached_data) == {a.st_ino, b.st_ino}
     assert ops.stats.bytes_from_memory == 2 * 5006 and ops.stats.bytes_from_storage == 5006
     assert ops.cache is not None and ops.cache.stats.hits == 4
 
@@ -111,17 +111,17 @@ def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
     and lets the decision go if the file is closed unread (its budget must not count bytes it does not have)."""
     b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
     fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
-    assert ops.open_files[fi.fh].decision.keep and ops.open_files[fi.fh].content.deferred
+    assert ops.open_files[fi.fh].decision.hold and ops.open_files[fi.fh].content.deferred
     assert ops.cache is not None and b.st_ino in ops.cache.held
     run(ops.release, fi.fh)
-    assert b.st_ino not in ops.daemon.held_data and b.st_ino not in ops.cache.held
+    assert b.st_ino not in ops.daemon.cached_data and b.st_ino not in ops.cache.held
     d = run(ops.lookup, ROOT_ID, b"d", CTX)
     a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
     fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
-    assert a.st_ino not in ops.daemon.held_data  # not yet read
+    assert a.st_ino not in ops.daemon.cached_data  # not yet read
     assert bytes(run(ops.read, fi.fh, 0, 4096)) == b"A" * 4096
     run(ops.release, fi.fh)
-    assert bytes(ops.daemon.held_data[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
+    assert bytes(ops.daemon.cached_data[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
 
 
 def test_control_entry(ops: Operations) -> None:
@@ -177,8 +177,8 @@ def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
     ops = _ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
     for name, data in FILES.items():
         assert _read_whole(ops, name.encode()) == data
-    assert len(ops.daemon.held_data) == 4
-    held = {id(view.obj) for view in ops.daemon.held_data.values()}
+    assert len(ops.daemon.cached_data) == 4
+    held = {id(view.obj) for view in ops.daemon.cached_data.values()}
     assert not held & {id(buf) for _, buf, _ in POOL._free}
     # Other files opened and closed now borrow every free buffer there is; the held bytes must not change.
     others = {f"y{i}": bytes([100 + i]) * 300_000 for i in range(6)}
@@ -278,15 +278,15 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
         ino = run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino
         handles[name] = run(ops.open, ino, os.O_RDONLY, CTX).fh
     loaded = [h for h in ops.open_files.values() if h.content.data is not None]
-    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.daemon._loaned_bytes == 600_000
+    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.daemon._open_bytes == 600_000
     for name, data in reversed(FILES.items()):  # deferred ones first
         assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
-        assert ops.daemon._loaned_bytes <= ops.daemon.max_open_bytes
-    assert ops.stats.refetches == 0 and ops.stats.let_go == 0
+        assert ops.daemon._open_bytes <= ops.daemon.max_open_bytes
+    assert ops.stats.refetches == 0 and ops.stats.open_evictions == 0
     assert ops.stats.bytes_from_storage == sum(map(len, FILES.values()))  # each file read once
     for fh in handles.values():
         run(ops.release, fh)
-    assert ops.daemon._loaned_bytes == 0 and not ops.daemon._loaned
+    assert ops.daemon._open_bytes == 0 and not ops.daemon._open_bytes_of
 
 
 def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: Path) -> None:
@@ -351,7 +351,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert handle.content.data is not None  # kept until the kernel has copied them
     kernel.deliver()
     assert handle.content.data is None and handle.chunks is not None
-    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.daemon._loaned_bytes == 0
+    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.daemon._open_bytes == 0
     before = POOL.reused
     fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
     run(ops.read, fh_b, 0, 4096)
@@ -579,7 +579,7 @@ def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Oper
         fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
         run(ops.read, fi.fh, 0, 1 << 20)
         run(ops.release, fi.fh)
-    assert b.st_ino in ops.daemon.held_data
+    assert b.st_ino in ops.daemon.cached_data
     fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
     assert fi.keep_cache  # an unchanged hit keeps its pages
     run(ops.release, fi.fh)
