@@ -33,8 +33,6 @@ from .mixcontrol import CpuBusy, MixController, Observation, node_pressure
 log = logging.getLogger(__name__)
 
 MIX_MODES = ("prepared", "adaptive")
-#: The profile ``prepare --ratio auto`` ran, kept in the store: the adaptive mix starts at its choice.
-PROFILE_NAME = "profile.json"
 _MIX_SALT = 0x6D6978  # "mix"
 _SEED_MASK = (1 << 64) - 1
 

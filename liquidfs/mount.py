@@ -27,7 +27,7 @@ from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
 from .metrics import serve_metrics
-from .mix import PROFILE_NAME, STEER_INTERVAL, Mix, steer
+from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, node_pressure
 from .disktier import DiskTier
 from .stores import Store
@@ -216,29 +216,13 @@ def make_mix(catalog: Catalog, config: MountConfig) -> Mix | None:
         seed = int(catalog.meta("seed") or 0)
     except ValueError as exc:
         raise MountError(f"the store's catalog has an unreadable ratio or seed: {exc}") from exc
-    start = profiled_share(Path(config.store)) if config.mix == "adaptive" else None
+    start = config.storage.profile_choice() if config.mix == "adaptive" else None
     try:
         mix = Mix(config.mix, prepared, seed=seed, start=start)
     except ValueError as exc:
         raise MountError(str(exc)) from exc
     log.info("mix: %s, raw share %.3f of the images (prepared %.3f): %s", mix.mode, mix.share, prepared, mix.reason)
     return mix
-
-
-def profiled_share(store: Path) -> float | None:
-    """The raw share ``profile`` chose for this store (``prepare --ratio auto`` keeps it in the store), if any."""
-    path = store / PROFILE_NAME
-    try:
-        chosen = json.loads(path.read_text())["chosen"]
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("%s: unreadable (%s); the adaptive mix starts in the middle of the prepared range", path, exc)
-        return None
-    if not isinstance(chosen, (int, float)) or not 0 <= chosen <= 1:
-        log.warning("%s: 'chosen' is not a share in [0, 1]; ignored", path)
-        return None
-    return float(chosen)
 
 
 def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,

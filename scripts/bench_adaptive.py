@@ -57,7 +57,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 from liquidfs import _throttle  # noqa: E402
-from liquidfs.mix import PROFILE_NAME  # noqa: E402
+from liquidfs.stores import open_store  # noqa: E402
 
 CONFIGS = ("png", "profiled", "prepared", "fixed", "adaptive")
 STATIC = ("png", "profiled", "prepared", "fixed")
@@ -611,18 +611,6 @@ def ratios_for(args: argparse.Namespace, data_work: Path, src: Path) -> dict[str
     return {c: ratios[c] for c in args.configs}
 
 
-def keep_profile(store: Path, chosen: float) -> None:
-    """Leave the profiled ratio in the adaptive configuration's store, as ``prepare --ratio auto`` does, so the
-    adaptive mix starts at the profile's choice (its documented starting point) rather than mid-range."""
-    path = store / PROFILE_NAME
-    try:
-        if json.loads(path.read_text()).get("chosen") == chosen:
-            return
-    except (OSError, ValueError, AttributeError):
-        pass
-    path.write_text(json.dumps({"chosen": chosen, "by": "bench_adaptive (--profiled-ratio or its own profile run)"}))
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["loader"]:
         return loader_main(argv[1:])
@@ -641,7 +629,9 @@ def main(argv: list[str]) -> int:
     ratios = ratios_for(args, data_work, src)
     stores = {r: bench.store_for(data_work, src, r) for r in sorted(set(ratios.values()))}
     if "adaptive" in ratios and "profiled" in ratios:
-        keep_profile(stores[ratios["adaptive"]], ratios["profiled"])
+        # As ``prepare --ratio auto`` does, so the adaptive mix starts at the profile's choice, not mid-range.
+        open_store(src, stores[ratios["adaptive"]]).keep_profile(json.dumps(
+            {"chosen": ratios["profiled"], "by": "bench_adaptive (--profiled-ratio or its own profile run)"}))
     meta = {"argv": sys.argv, "started": started, "images": args.images, "size": args.size, "epochs": args.epochs,
             "phases": {"changed_epochs": list(range(args.change_from, min(args.lift_at, args.epochs + 1)))},
             "cap_mb_s": args.cap_mb, "hogs": args.hogs, "threads": args.threads, "batch": args.batch,

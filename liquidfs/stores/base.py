@@ -74,7 +74,10 @@ class Store(Protocol):
         of them; raises ``ProfileError`` when none can be."""
 
     def keep_profile(self, text: str) -> None:
-        """Keep the profile's result (JSON) where ``mount --mix adaptive`` finds its starting point."""
+        """Keep the profile's result (JSON) where ``profile_choice`` finds it."""
+
+    def profile_choice(self) -> float | None:
+        """The raw share the kept profile chose (``mount --mix adaptive`` starts there), if one is kept."""
 
     # -- mount -----------------------------------------------------------------------------------------
 

@@ -370,6 +370,9 @@ class BucketStore:
         # The adaptive mix of a bucket store starts mid-range: a profile of one node is not every node's.
         log.info("the profile is not kept in %s (a bucket store): --mix adaptive starts mid-range", self.store)
 
+    def profile_choice(self) -> float | None:
+        return None  # none is kept (``keep_profile``)
+
     # -- mount -----------------------------------------------------------------------------------------
 
     def mount_catalog(self, *, rescan: bool, progress: bool = True) -> Path:

@@ -10,6 +10,7 @@ Layout of a store directory::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -23,13 +24,15 @@ from .. import formats
 from ..catalog import Catalog, Node, WorkingCopy, default_store_dir, open_or_build
 from ..expansion import OBJECTS, expand_one, is_image, verify_one
 from ..locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
-from ..mix import PROFILE_NAME
 from ..paths import open_below, open_dir
 from ..reader import Reader, StoreReader, same_file
 from ..timedreads import ProfileError, Sample
 from .base import Job, Preparation
 
 log = logging.getLogger(__name__)
+
+#: The profile ``prepare --ratio auto`` ran, kept in the store: the adaptive mix starts at its choice.
+PROFILE_NAME = "profile.json"
 
 
 class LocalStore:
@@ -179,6 +182,20 @@ class LocalStore:
 
     def keep_profile(self, text: str) -> None:
         (self.store_dir / PROFILE_NAME).write_text(text)
+
+    def profile_choice(self) -> float | None:
+        path = self.store_dir / PROFILE_NAME
+        try:
+            chosen = json.loads(path.read_text())["chosen"]
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("%s: unreadable (%s); the adaptive mix starts in the middle of the prepared range", path, exc)
+            return None
+        if not isinstance(chosen, (int, float)) or not 0 <= chosen <= 1:
+            log.warning("%s: 'chosen' is not a share in [0, 1]; ignored", path)
+            return None
+        return float(chosen)
 
     # -- mount -----------------------------------------------------------------------------------------
 

@@ -105,3 +105,15 @@ def test_the_package_has_no_import_cycle() -> None:
 
     for node in sorted(graph):
         visit(node)
+
+
+def test_the_adaptive_mix_starts_at_the_share_the_kept_profile_chose(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "data", tmp_path / "store")
+    (tmp_path / "store").mkdir()
+    assert store.profile_choice() is None  # none kept: the mix starts mid-range
+    store.keep_profile('{"chosen": 0.93, "table": []}')
+    assert store.profile_choice() == 0.93
+    for bad in ('{"chosen": 1.5}', '{"chosen": "0.9"}', '{"other": 1}', "not json"):
+        store.keep_profile(bad)
+        assert store.profile_choice() is None, bad
+    assert open_store("s3://src/data", "s3://dst/data.liquid").profile_choice() is None
