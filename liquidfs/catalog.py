@@ -318,9 +318,12 @@ class Catalog:
         return {row[0]: Expansion(*row[1:]) for row in rows}
 
     def record_expansions(self, learnt: Iterable[tuple[bytes, Expansion]]) -> None:
+        rows = [(path, *row) for path, row in learnt]
+        if not rows:
+            return  # no write transaction (and its lock) for nothing
         with self.transaction():
             self.db.executemany(f"INSERT OR REPLACE INTO expansions(path, {_EXPANSION_COLUMNS}) "
-                                "VALUES (?,?,?,?,?,?,?,?,?)", [(path, *row) for path, row in learnt])
+                                "VALUES (?,?,?,?,?,?,?,?,?)", rows)
 
     def select_raw(self, chosen: Iterable[tuple[bytes, Expansion]], ratio: float) -> None:
         """Serve exactly the ``chosen`` images raw, in one transaction, and seal the store: every object the

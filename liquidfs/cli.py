@@ -403,7 +403,6 @@ def parse_formats(text: str) -> tuple[str, ...]:
     return raw
 
 
-
 def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                            add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(

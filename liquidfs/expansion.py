@@ -189,7 +189,6 @@ def _holds(path: str, data: bytes) -> bool:
         return False
 
 
-
 def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size: int, want_mtime: int,
                want_version: str | None = None) -> str | None:
     """None when the raw object is sound and decodes to the source's pixels; else what is wrong.  The source

@@ -73,7 +73,6 @@ class PrepareReport:
         return out
 
 
-
 def _candidates(catalog: Catalog, seed: int) -> list[Node]:
     nodes = [n for n in catalog.files() if is_image(n.name)]
     nodes.sort(key=lambda n: rank(seed, n.path))
@@ -99,9 +98,8 @@ def prepare_store(store: Store, ratio: float, *, seed: int = 0, jobs: int | None
             report = run(prep.catalog, store, ratio, seed, jobs, progress, started, raw_formats=raw_formats,
                          publish=prep.publish)
         except PrepareError:
-            prep.publish()  # the selection is unchanged; what was expanded before the failure is kept
+            prep.keep_after_failure()
             raise
-    report.seconds = time.monotonic() - started
     return report
 
 
@@ -207,7 +205,6 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     return report
 
 
-
 def _transient(reason: str | None) -> bool:
     """A refusal not worth remembering: the next run tries the image again (no-memory: maybe with more)."""
     return reason is not None and (reason in ("changed-during-prepare", "no-memory")
@@ -231,7 +228,6 @@ def _progress(enabled: bool, total: int) -> Callable[..., None]:
             bar.close()
 
     return update
-
 
 
 def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:

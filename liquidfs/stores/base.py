@@ -20,10 +20,12 @@ Job = tuple[Callable[..., Any], tuple[object, ...]]
 
 @dataclass
 class Preparation:
-    """The catalog a prepare writes its selection into, and how the selection becomes the one mounts read."""
+    """The catalog a prepare writes its selection into, how the selection becomes the one mounts read, and what
+    becomes of what it learnt when it stops with ``PrepareError`` (the selection then unchanged)."""
 
     catalog: Catalog
     publish: Callable[[], None]
+    keep_after_failure: Callable[[], None]
 
 
 class Store(Protocol):
@@ -44,8 +46,8 @@ class Store(Protocol):
 
     def preparing(self, progress: bool) -> AbstractContextManager[Preparation]:
         """The catalog of the source as it is now, carrying what earlier prepares learnt, for one prepare of this
-        store at a time. Changes not published when the block ends are dropped, unless it ends in
-        ``PrepareError``: what was expanded before a failure is kept for the next run."""
+        store at a time. Changes not published when the block ends are dropped (after a ``PrepareError``, prepare
+        calls ``keep_after_failure`` first)."""
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         """The worker call that expands ``node`` into ``obj`` and returns its ``Outcome``."""

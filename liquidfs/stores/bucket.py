@@ -251,7 +251,10 @@ class BucketStore:
             publish_catalog(self.client, self.store, local)
 
         try:
-            yield Preparation(catalog, publish)
+            # After a failure nothing is uploaded (the store's catalog stays the last one published): the next run
+            # finds what this one put by the objects' metadata (``expand_one_s3``), and the upload that failed
+            # would be tried again in vain.
+            yield Preparation(catalog, publish, keep_after_failure=lambda: None)
         finally:
             catalog.close()
 

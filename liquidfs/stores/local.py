@@ -73,7 +73,9 @@ class LocalStore:
             open_or_build(self.source, self.store_dir).close()
             work = WorkingCopy(self.store_dir)
             try:
-                yield Preparation(work.catalog, work.publish)
+                # After a failure the catalog is published all the same: the selection is unchanged, and what was
+                # expanded is known to the next run.
+                yield Preparation(work.catalog, work.publish, keep_after_failure=work.publish)
             finally:
                 work.discard()  # after a publish: nothing left to do
         finally:
