@@ -13,12 +13,14 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from liquidfs import _throttle  # noqa: E402
 from liquidfs.catalog import Catalog  # noqa: E402
+from liquidfs.mount import read_control  # noqa: E402
 from liquidfs.prepare import prepare  # noqa: E402
 from liquidfs.sample import make_sample  # noqa: E402
 
@@ -83,8 +85,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def control(mnt: Path) -> dict:
-    return json.loads((mnt / ".__liquidfs__").read_bytes())
+def control(mnt: Path) -> dict[str, Any]:
+    return read_control(mnt)  # the mount's statistics, as `liquidfs stats` reads them
 
 
 # -- dataset and stores ---------------------------------------------------------------------------------
