@@ -118,7 +118,7 @@ class Node:
         return self.size
 
 
-class Expansion(NamedTuple):
+class ExpansionRow(NamedTuple):
     """What prepare learnt of one image (a row of ``expansions``): the source version it saw, and the object it
     wrote or why it refused."""
 
@@ -313,11 +313,11 @@ class Catalog:
             raise
         self.db.execute("COMMIT")
 
-    def expansions(self) -> dict[bytes, Expansion]:
+    def expansions(self) -> dict[bytes, ExpansionRow]:
         rows = self.db.execute(f"SELECT path, {_EXPANSION_COLUMNS} FROM expansions").fetchall()
-        return {row[0]: Expansion(*row[1:]) for row in rows}
+        return {row[0]: ExpansionRow(*row[1:]) for row in rows}
 
-    def record_expansions(self, learnt: Iterable[tuple[bytes, Expansion]]) -> None:
+    def record_expansions(self, learnt: Iterable[tuple[bytes, ExpansionRow]]) -> None:
         rows = [(path, *row) for path, row in learnt]
         if not rows:
             return  # no write transaction (and its lock) for nothing
@@ -325,7 +325,7 @@ class Catalog:
             self.db.executemany(f"INSERT OR REPLACE INTO expansions(path, {_EXPANSION_COLUMNS}) "
                                 "VALUES (?,?,?,?,?,?,?,?,?)", rows)
 
-    def select_raw(self, chosen: Iterable[tuple[bytes, Expansion]], ratio: float) -> None:
+    def select_raw(self, chosen: Iterable[tuple[bytes, ExpansionRow]], ratio: float) -> None:
         """Serve exactly the ``chosen`` images raw, in one transaction, and seal the store: every object the
         selection names is in place (written, fsynced, renamed), so a mount may trust one whose inode has not
         changed since (``StoreReader.vouch``)."""

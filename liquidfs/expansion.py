@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import xxhash
 
 from . import formats, resources
-from .catalog import Expansion, Node
+from .catalog import ExpansionRow, Node
 from .locks import unique
 from .directio import read_fd
 from .paths import open_regular, open_under
@@ -74,10 +74,10 @@ class Outcome:
     fatal: str | None = None  # stops the whole run (out of disk space)
     src_etag: str | None = None
 
-    def expansion(self) -> Expansion:
+    def row(self) -> ExpansionRow:
         """What the catalog keeps of it."""
-        return Expansion(self.src_size, self.src_mtime_ns, self.format, self.object, self.raw_size, self.checksum,
-                         None if self.object else self.reason, self.src_etag)
+        return ExpansionRow(self.src_size, self.src_mtime_ns, self.format, self.object, self.raw_size,
+                            self.checksum, None if self.object else self.reason, self.src_etag)
 
 
 #: In a worker: the bytes it may spend on one image (``resources.plan_workers``); None where not known.

@@ -190,7 +190,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     # Completion order is not rank order: keep the best-ranked, so a given seed always picks the same files.
     chosen.sort(key=lambda o: rank(seed, o.path))
     chosen = chosen[: wanted()]
-    catalog.select_raw(((o.path, o.expansion()) for o in chosen), ratio)
+    catalog.select_raw(((o.path, o.row()) for o in chosen), ratio)
     with store.deleting() as allowed:
         if allowed:
             report.deleted = _delete_surplus(catalog, store)
@@ -232,7 +232,7 @@ def _progress(enabled: bool, total: int) -> Callable[..., None]:
 
 def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:
     """What the outcomes taught, except refusals worth trying again."""
-    catalog.record_expansions((o.path, o.expansion()) for o in outcomes if not _transient(o.reason))
+    catalog.record_expansions((o.path, o.row()) for o in outcomes if not _transient(o.reason))
 
 
 def _delete_surplus(catalog: Catalog, store: Store) -> int:
