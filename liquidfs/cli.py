@@ -130,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "random per image), or 'adaptive' (a share chosen while the mount runs, from the node's CPU "
                    "and IO pressure: more raw when decoding binds, fewer when storage does; `liquidfs stats` "
                    "shows the share and why)")
-    tuning.add_argument("--mix-interval", type=float, default=10.0, metavar="SECONDS",
-                   help="--mix adaptive: seconds between two decisions (default 10, the span PSI averages over)")
+    tuning.add_argument("--mix-interval", type=float, default=5.0, metavar="SECONDS",
+                   help="--mix adaptive: seconds between two decisions, each from the pressure and rates seen "
+                   "over the last interval (default 5)")
     tuning.add_argument("--pressure-dir", default="/proc/pressure", metavar="DIR",
                    help="--mix adaptive: where the CPU and IO pressure are read: the node's (default "
                    "/proc/pressure) or a cgroup v2 group's directory (its cpu.pressure and io.pressure)")

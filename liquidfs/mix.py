@@ -28,7 +28,7 @@ import trio
 import xxhash
 
 from .catalog import REPR_ORIGINAL, REPR_RAW, Node
-from .mixcontrol import CpuBusy, MixController, Observation, node_pressure
+from .mixcontrol import CpuBusy, MixController, Observation, Stalls
 
 log = logging.getLogger(__name__)
 
@@ -147,19 +147,23 @@ def as_original(node: Node) -> Node:
     return dataclasses.replace(node, representation=REPR_ORIGINAL, served_size=None, object=None, checksum=None)
 
 
-#: Seconds between two decisions of the adaptive mix: PSI's ``avg10`` is a 10 s average, so sooner would judge
-#: the last move by what the machine did before it.
-STEER_INTERVAL = 10.0
+#: Seconds between two decisions of the adaptive mix. The pressure is measured over exactly that interval
+#: (``Stalls``), so it says what the last move did; fewer than 5 s would hold too few of a loader's bursts of opens
+#: (DALI's opens per 5 s already swing from 7 to 35 in a steady phase).
+STEER_INTERVAL = 5.0
 
 
 async def steer(mix: Mix, controller: MixController, counters: Callable[[], tuple[int, int]], *,
                 interval: float = STEER_INTERVAL,
-                pressure: Callable[[str], float | None] = node_pressure,
+                pressure: Callable[[str], float | None] | None = None,
                 busy: Callable[[], float | None] | None = None) -> None:
     """Feed ``controller`` what the node showed every ``interval`` seconds and apply its decisions to ``mix``,
-    until cancelled. ``counters()``: the mount's opens and bytes read from storage so far; ``busy()``: the share
-    of CPU time busy since its previous call (default: the node's, ``CpuBusy``)."""
+    until cancelled. ``counters()``: the mount's opens and bytes read from storage so far; ``pressure(kind)``
+    and ``busy()``: the CPU and IO pressure and the share of CPU time busy since their previous call (default:
+    the node's, ``Stalls`` and ``CpuBusy``)."""
+    pressure = pressure if pressure is not None else Stalls()
     busy = busy if busy is not None else CpuBusy()
+    pressure("cpu"), pressure("io")  # the counters' starting point, as ``busy``'s was taken when it was made
     opens_before, bytes_before = counters()
     before = trio.current_time()
     while True:

@@ -11,15 +11,25 @@ share within ``[low, high]`` (what ``prepare`` expanded), moving towards the sid
 * IO stalls clearly more than CPU: storage binds, serve fewer raw (fewer bytes);
 * otherwise (within ``deadband``) it holds: the balance is near.
 
-It does not oscillate: a move needs the same verdict ``patience`` times in a row (hysteresis), each move is at
-most ``step`` and halves each time the direction reverses (down to ``min_step``), and grows back only while
-moves keep the same direction. A move that made throughput fall by more than ``regret`` is undone once: the
-next move the same way, if the pressure still asks for it, stands. Throughput is judged as the mean over
-``patience`` intervals before the move against as many after it: a loader opens files in bursts (DALI's opens
-per 5 s swung from 7 to 35 in one steady phase of bench_adaptive), so one interval against one undid sound moves
-and halved the step each time; and a fall counts only past twice the noise the rate showed lately (its standard
-error over such a window), since with bursts that large even means of two intervals fall by 10 % half of the
-time. Every decision carries its reason, for ``stats`` and the log.
+It does not oscillate: a first move, and any move that reverses the last one, needs the same verdict ``patience``
+times in a row (hysteresis); a move on in the direction of the last one needs only one interval when the
+evidence is strong (the two sides' pressures more than ``strong`` apart), since going on where the machine
+clearly asks costs less than crawling. Each move is at most ``step``, which halves at each reversal (down to
+``min_step``) and grows back (up to ``max_step``) while moves keep one direction. After ``settle`` intervals
+without a move the share was right for the machine as it was: the next move starts afresh (the initial step, no
+direction), for what asks for it now is a changed machine, not the last oscillation (a step halved while
+settling made the share crawl for a whole phase of bench_adaptive after storage was capped). A move that made
+throughput fall by more than ``regret`` is undone once: the next move the same way, if the pressure still asks
+for it, stands. Throughput is judged as the mean over ``patience`` intervals before the move against as many
+after it: a loader opens files in bursts (DALI's opens per 5 s swung from 7 to 35 in one steady phase of
+bench_adaptive), so one interval against one undid sound moves and halved the step each time; a fall counts only
+past twice the noise the rate showed lately (its standard error over such a window), since with bursts that
+large even means of two intervals fall by 10 % half of the time; and the noise is known only after
+``2 * patience + 1`` intervals (three had undone a sound first move in bench_adaptive). Every decision carries its
+reason, for ``stats`` and the log.
+
+The pressure is what the kernel's stall counters grew by during the interval (``Stalls``), not its ``avg10``: a
+10 s running average still shows, five seconds after a move, most of what the machine did before it.
 
 Plain Python without a clock or a mount: tests drive it with simulated machines.
 """
@@ -27,6 +37,7 @@ Plain Python without a clock or a mount: tests drive it with simulated machines.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 import time
@@ -58,19 +69,24 @@ class Decision:
 
 class MixController:
     def __init__(self, low: float, high: float, start: float | None = None, *, step: float = 0.1,
-                 min_step: float = 0.0125, deadband: float = 0.1, patience: int = 2, regret: float = 0.1) -> None:
+                 min_step: float = 0.0125, max_step: float = 0.2, deadband: float = 0.1, strong: float = 0.3,
+                 patience: int = 2, settle: int | None = None, regret: float = 0.1) -> None:
         if not 0 <= low <= high <= 1:
             raise ValueError(f"the range must be within [0, 1], got [{low}, {high}]")
         self.low, self.high = low, high
         self.share = min(high, max(low, start if start is not None else (low + high) / 2))
-        self.step = step
+        self.initial_step = self.step = step
         self.min_step = min_step
+        self.max_step = max(max_step, step)
         self.deadband = deadband
+        self.strong = strong
         self.patience = patience
+        self.settle = settle if settle is not None else 4 * patience
         self.regret = regret
         self._pending = 0          # the verdict seen last (+1 more raw, -1 fewer raw, 0 hold)
         self._streak = 0           # how many times in a row
-        self._last_move = 0        # direction of the last move
+        self._last_move = 0        # direction of the last move (0: none, or started afresh)
+        self._quiet = 0            # intervals since the last move
         # (share, mean images/s, its noise) before the last move; noise None: too little seen to judge it
         self._before_move: tuple[float, float, float | None] | None = None
         self._since_move: list[float] = []                   # images/s of the intervals since the last move
@@ -83,10 +99,12 @@ class MixController:
     def observe(self, seen: Observation) -> Decision:
         """The share to serve from now on, given what the last interval showed."""
         self._history.append(seen.images_per_s)
+        self._quiet += 1
         decision = self._undo_if_worse(seen) or self._follow_pressure(seen)
         self.decisions.append(decision)
         if decision.share != self.share:
             log.info("mix: raw share %.3f -> %.3f (%s)", self.share, decision.share, decision.reason)
+            self._quiet = 0
         self.share = decision.share
         return decision
 
@@ -96,19 +114,33 @@ class MixController:
         self._since_move.append(seen.images_per_s)
         if len(self._since_move) < self.patience:
             return None  # judged over as many intervals as led to the move
-        share, rate, noise = self._before_move
-        after = statistics.fmean(self._since_move)
+        share, rate, _ = self._before_move
+        fell = self._fell_since_move()
         self._before_move = None
         moved = self._last_move
-        if noise is None:
-            return None  # too little seen before the move to tell a loss from the noise: the pressure decides
-        margin = max(rate * self.regret, 2 * noise * (2 / self.patience) ** 0.5)  # the standard error of a difference
-        if rate > 0 and after < rate - margin and moved != self._regretted:
+        if fell and moved != self._regretted:
             self._regretted = moved
-            self._reverse()
+            # Back where it was, the step as it was: a move the pressure asks for again that way is a reversal
+            # and halves it then; halving here too cut it by four for one undone move.
+            self._last_move = -moved
             self._pending = self._streak = 0
-            return Decision(share, f"undone: {after:.1f} img/s after the move, {rate:.1f} before")
+            return Decision(share, f"undone: {statistics.fmean(self._since_move):.1f} img/s after the move, "
+                                   f"{rate:.1f} before")
         return None
+
+    def _fell_since_move(self) -> bool:
+        """Whether the rate since the last move fell below the rate before it by more than ``regret`` and the
+        noise allow. False when there is nothing to judge, or too little was seen before the move to tell a loss
+        from the noise (then the pressure decides)."""
+        if self._before_move is None or not self._since_move:
+            return False
+        _, rate, noise = self._before_move
+        if noise is None or rate <= 0:
+            return False
+        after = statistics.fmean(self._since_move)
+        # twice the standard error of the difference of two means, over patience intervals and len(since) ones
+        margin = max(rate * self.regret, 2 * noise * math.sqrt(1 / self.patience + 1 / len(self._since_move)))
+        return after < rate - margin
 
     def _follow_pressure(self, seen: Observation) -> Decision:
         cpu = cpu_signal(seen)
@@ -120,9 +152,18 @@ class MixController:
                f"io {seen.io_pressure:.2f}")
         if verdict == 0:
             return Decision(self.share, f"hold: balanced ({why})")
-        if self._streak < self.patience:
+        strong = abs(gap) >= self.strong
+        # Settled a while, then a strong verdict: the machine changed (a weak one is the balance's own wobble).
+        fresh = strong and self._quiet > self.settle and self._last_move != 0
+        going_on = verdict == self._last_move and not fresh
+        # On the way the last move went, strongly asked, and the rate did not fall since: no need to wait.
+        needed = 1 if going_on and strong and not self._fell_since_move() else self.patience
+        if self._streak < needed:
             return Decision(self.share, f"hold: {'decode' if verdict > 0 else 'storage'} binds, waiting to be "
                                         f"sure ({why})")
+        if fresh:
+            # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step.
+            self.step, self._last_move = self.initial_step, 0
         target = min(self.high, max(self.low, self.share + verdict * self.step))
         if target == self.share:
             return Decision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
@@ -132,17 +173,22 @@ class MixController:
         if self._last_move and verdict != self._last_move:
             self._reverse()
             target = min(self.high, max(self.low, self.share + verdict * self.step))
-        elif self._last_move == verdict:
-            self.step = min(self.step * 1.5, 0.2)  # still the same way: go faster, within a bound
+        elif self._last_move == verdict and self._quiet <= self.patience:
+            # On the way, move after move: go faster, within a bound. (After a hold, the same way again is the
+            # balance's wobble, not a way to go.)
+            self.step = min(self.step * 1.5, self.max_step)
+            target = min(self.high, max(self.low, self.share + verdict * self.step))
         self._last_move = verdict
-        noise = statistics.stdev(self._history) if len(self._history) >= 3 else None
+        # the noise of the rate, once enough intervals were seen to tell it (fewer undid a sound first move)
+        noise = statistics.stdev(self._history) if len(self._history) > 2 * self.patience else None
         # the rate of the intervals that led to the move (the last ``patience``)
         recent = list(self._history)[-self.patience:]
         self._before_move = (self.share, statistics.fmean(recent), noise)
         self._since_move = []
         self._streak = 0
         return Decision(round(target, 4), f"{'more' if verdict > 0 else 'fewer'} raw: "
-                                          f"{'decode' if verdict > 0 else 'storage'} binds ({why})")
+                                          f"{'decode' if verdict > 0 else 'storage'} binds ({why})"
+                                          + ("; afresh after a settled while" if fresh else ""))
 
     def _reverse(self) -> None:
         self.step = max(self.min_step, self.step / 2)
@@ -195,21 +241,56 @@ class CpuBusy:
 
 def read_pressure(text: str) -> float:
     """The ``some avg10`` of a pressure file (``/proc/pressure/cpu``, a cgroup's ``cpu.pressure``), as 0..1."""
+    return _some_line(text)[0]
+
+
+def read_stall_total(text: str) -> int:
+    """The ``some total`` of a pressure file: microseconds some task stalled since boot (or the group's birth)."""
+    return _some_line(text)[1]
+
+
+def _some_line(text: str) -> tuple[float, int]:
     for line in text.splitlines():
         if line.startswith("some "):
             fields = dict(part.split("=", 1) for part in line.split()[1:])
-            return float(fields.get("avg10", 0.0)) / 100
+            return float(fields.get("avg10", 0.0)) / 100, int(fields.get("total", 0))
     raise ValueError("no 'some' line in a pressure file")
 
 
-def node_pressure(kind: str, root: Path = Path("/proc/pressure")) -> float | None:
-    """The pressure for ``kind`` (cpu, io) in ``root``: the node's (``/proc/pressure/cpu``) or a cgroup v2
-    group's (``/sys/fs/cgroup/GROUP/cpu.pressure``); None where the kernel has no PSI."""
+def _pressure_file(kind: str, root: Path) -> Path:
     path = root / kind
-    if not path.exists():
-        path = root / f"{kind}.pressure"
+    return path if path.exists() else root / f"{kind}.pressure"
+
+
+def node_pressure(kind: str, root: Path = Path("/proc/pressure")) -> float | None:
+    """The ``avg10`` pressure for ``kind`` (cpu, io) in ``root``: the node's (``/proc/pressure/cpu``) or a cgroup
+    v2 group's (``/sys/fs/cgroup/GROUP/cpu.pressure``); None where the kernel has no PSI."""
     try:
-        return read_pressure(path.read_text())
+        return read_pressure(_pressure_file(kind, root).read_text())
     except (OSError, ValueError) as exc:
         log.debug("no %s pressure in %s: %s", kind, root, exc)
         return None
+
+
+class Stalls:
+    """The pressure for a kind (cpu, io) over the time since the previous call for it: how much the pressure
+    file's ``some total`` grew, over the seconds that passed (0..1). The first call, with nothing to compare,
+    answers the kernel's ``avg10``; None where the kernel has no PSI."""
+
+    def __init__(self, root: Path = Path("/proc/pressure"), clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = root
+        self.clock = clock
+        self._last: dict[str, tuple[int, float]] = {}
+
+    def __call__(self, kind: str) -> float | None:
+        try:
+            avg10, total = _some_line(_pressure_file(kind, self.root).read_text())
+        except (OSError, ValueError) as exc:
+            log.debug("no %s pressure in %s: %s", kind, self.root, exc)
+            return None
+        now = self.clock()
+        last = self._last.get(kind)
+        self._last[kind] = (total, now)
+        if last is None or now <= last[1] or total < last[0]:
+            return avg10  # nothing to compare with (or a counter that went back: a new group)
+        return min(1.0, (total - last[0]) / 1e6 / (now - last[1]))

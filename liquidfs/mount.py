@@ -28,7 +28,7 @@ from .catalog import Catalog
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
-from .mixcontrol import CpuBusy, MixController, node_pressure
+from .mixcontrol import CpuBusy, MixController, Stalls
 from .disktier import DiskTier
 from .stores import Store
 from .reader import Reader, StoreReader
@@ -260,7 +260,7 @@ async def _steer_mix(ops: Operations, config: MountConfig) -> None:
     assert mix is not None
     controller = MixController(0.0, mix.prepared, mix.share)
     await steer(mix, controller, lambda: (ops.stats.opens, ops.stats.bytes_from_storage),
-                interval=config.mix_interval, pressure=lambda kind: node_pressure(kind, config.pressure_dir),
+                interval=config.mix_interval, pressure=Stalls(config.pressure_dir),
                 busy=CpuBusy(config.pressure_dir))
 
 

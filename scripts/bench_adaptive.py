@@ -566,8 +566,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shuffle-buffer", type=int, default=1024, help="DALI's initial_fill (default DALI's own)")
     parser.add_argument("--profiled-ratio", type=float,
                         help="the profiled configuration's ratio, from an earlier profile (default: profile now)")
-    parser.add_argument("--mix-interval", type=float, default=10.0,
-                        help="adaptive: the mount's --mix-interval, seconds between decisions (default 10)")
+    parser.add_argument("--mix-interval", type=float, default=5.0,
+                        help="adaptive: the mount's --mix-interval, seconds between decisions (default 5, as mount)")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between control-file samples")
     parser.add_argument("--epoch-timeout", type=float, default=3600.0)
     bench.add_run_arguments(parser, "adaptive", "24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel "

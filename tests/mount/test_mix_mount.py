@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ from liquidfs.sample import make_sample
 
 pytestmark = pytest.mark.fuse
 
-_PSI = "some avg10={:.2f} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+_PSI = "some avg10={:.2f} avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
 
 
 mounter = pytest.fixture(params=DATA_PATHS, name="mounter")(mounter_on_each_path)
@@ -42,11 +44,39 @@ def _control(mnt: Path) -> dict:
     return json.loads((mnt / ".__liquidfs__").read_bytes())
 
 
-def _pressure(where: Path, cpu: float, io: float) -> None:
-    for kind, value in (("cpu", cpu), ("io", io)):
-        tmp = where / f".{kind}"
-        tmp.write_text(_PSI.format(100 * value))
-        tmp.rename(where / kind)
+class _Pressure:
+    """Pressure files as the kernel keeps them: ``set`` says which share of the time stalls, and a thread grows
+    each file's ``total`` (microseconds stalled) at that rate, as the mount reads the growth per interval."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.shares = {"cpu": 0.02, "io": 0.02}
+        self.totals = dict.fromkeys(self.shares, 0.0)
+        self._stop = threading.Event()
+        self._write(0.0)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def set(self, cpu: float, io: float) -> None:
+        self.shares = {"cpu": cpu, "io": io}
+
+    def _write(self, seconds: float) -> None:
+        for kind, share in self.shares.items():
+            self.totals[kind] += share * seconds * 1e6
+            tmp = self.where / f".{kind}"
+            tmp.write_text(_PSI.format(100 * share, int(self.totals[kind])))
+            tmp.rename(self.where / kind)
+
+    def _run(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.05):
+            now = time.monotonic()
+            self._write(now - last)
+            last = now
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _read_checked(mnt: Path, rel: str, src: Path, raw_object: Path) -> bool:
@@ -83,13 +113,15 @@ def test_a_share_above_the_prepared_one_is_refused(tmp_path: Path, mounter: Moun
         mounter.mount(src, "--mix", "0.9", store=store)
 
 
-def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, mounter: Mount, tmp_path: Path) -> None:
+def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, mounter: Mount, tmp_path: Path,
+                                                                   request: pytest.FixtureRequest) -> None:
     """Decoding binds (CPU pressure): the share rises to all raw; storage binds (IO pressure): it falls, files
     switch to their originals at their next first open; a file open across a switch keeps its bytes and size."""
     src, store, objects = prepared
     psi = tmp_path / "psi"
     psi.mkdir()
-    _pressure(psi, cpu=0.02, io=0.02)
+    pressure = _Pressure(psi)
+    request.addfinalizer(pressure.stop)
     # As a cgroup v2 group's directory: its CPU use stays put (busy 0), so only the pressure files decide,
     # whatever else this machine runs meanwhile.
     (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
@@ -120,7 +152,7 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
         wait_for(moved, 60, interval=0.1, what="the mix to move")
         return seen["reason"]
 
-    _pressure(psi, cpu=0.8, io=0.02)
+    pressure.set(cpu=0.8, io=0.02)
     reason = share_becomes(lambda share: share == 1.0)
     assert read_all() == 24
     assert "decode binds" in reason or "top of the prepared" in reason
@@ -128,7 +160,7 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
     held = open(mnt / rels[0], "rb")  # noqa: SIM115 - open across the switch on purpose
     held_size = os.fstat(held.fileno()).st_size
     assert held_size == objects[rels[0]].stat().st_size
-    _pressure(psi, cpu=0.02, io=0.8)
+    pressure.set(cpu=0.02, io=0.8)
     reason = share_becomes(lambda share: share <= 0.3)
     assert "storage binds" in reason or "bottom of the prepared" in reason
     with open(mnt / rels[0], "rb") as again:  # a second open while the first is open: same bytes, same size
