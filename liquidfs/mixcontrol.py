@@ -15,7 +15,8 @@ It does not oscillate: a first move, and any move that reverses the last one, ne
 times in a row (hysteresis); a move on in the direction of the last one needs only one interval when the
 evidence is strong (the two sides' pressures more than ``strong`` apart), since going on where the machine
 clearly asks costs less than crawling. Each move is at most ``step``, which halves at each reversal (down to
-``min_step``) and grows back (up to ``max_step``) while moves keep one direction. After ``settle`` intervals
+``min_step``) and grows back (up to ``max_step``) while moves keep one direction; a strongly asked move is at
+least the initial step (halved steps are for settling near the balance, not for getting there). After ``settle`` intervals
 without a move the share was right for the machine as it was: the next move starts afresh (the initial step, no
 direction), for what asks for it now is a changed machine, not the last oscillation (a step halved while
 settling made the share crawl for a whole phase of bench_adaptive after storage was capped). A move that made
@@ -177,6 +178,10 @@ class MixController:
             # On the way, move after move: go faster, within a bound. (After a hold, the same way again is the
             # balance's wobble, not a way to go.)
             self.step = min(self.step * 1.5, self.max_step)
+            target = min(self.high, max(self.low, self.share + verdict * self.step))
+        if strong and self.step < self.initial_step:
+            # Far from the balance (the pressures far apart): steps halved to settle near it would crawl here.
+            self.step = self.initial_step
             target = min(self.high, max(self.low, self.share + verdict * self.step))
         self._last_move = verdict
         # the noise of the rate, once enough intervals were seen to tell it (fewer undid a sound first move)

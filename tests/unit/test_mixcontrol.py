@@ -230,3 +230,14 @@ def test_a_capped_storage_is_followed_down_and_back_up_within_a_minute(seed: int
         rates = [machine.rate(r) / best for r in shares]
         assert max(rates[:12]) >= 0.95, (io_bw, shares)
         assert statistics.fmean(rates[12:]) >= 0.95 and min(rates[12:]) >= 0.9, (io_bw, shares)
+
+
+def test_a_strong_verdict_moves_at_least_the_initial_step() -> None:
+    """A first bench run of this controller: storage capped, the share wobbled near 0.37 and halved its step to
+    0.0375; fifteen seconds later the cap was lifted, and with decoding clearly binding (busy 0.93, io 0.04) the
+    way back up began at 0.0375 a move. Far from the balance, halved steps are of no use."""
+    controller = MixController(0.0, 1.0, start=0.37, step=0.1, patience=2)
+    controller.step, controller._last_move = 0.0375, -1
+    for _ in range(2):
+        controller.observe(Observation(47, 0.0, cpu_pressure=0.1, io_pressure=0.04, cpu_busy=0.93))
+    assert controller.share == pytest.approx(0.47)
