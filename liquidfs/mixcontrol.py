@@ -12,22 +12,21 @@ share within ``[low, high]`` (what ``prepare`` expanded), moving towards the sid
 * otherwise (within ``deadband``) it holds: the balance is near.
 
 It does not oscillate: a first move, and any move that reverses the last one, needs the same verdict ``patience``
-times in a row (hysteresis); a move on in the direction of the last one needs only one interval when the
-evidence is strong (the two sides' pressures more than ``strong`` apart), since going on where the machine
-clearly asks costs less than crawling. Each move is at most ``step``, which halves at each reversal (down to
-``min_step``) and grows back (up to ``max_step``) while moves keep one direction; a strongly asked move is at
-least the initial step (halved steps are for settling near the balance, not for getting there). After ``settle`` intervals
-without a move the share was right for the machine as it was: the next move starts afresh (the initial step, no
-direction), for what asks for it now is a changed machine, not the last oscillation (a step halved while
-settling made the share crawl for a whole phase of bench_adaptive after storage was capped). A move that made
-throughput fall by more than ``regret`` is undone once: the next move the same way, if the pressure still asks
-for it, stands. Throughput is judged as the mean over ``patience`` intervals before the move against as many
-after it: a loader opens files in bursts (DALI's opens per 5 s swung from 7 to 35 in one steady phase of
-bench_adaptive), so one interval against one undid sound moves and halved the step each time; a fall counts only
-past twice the noise the rate showed lately (its standard error over such a window), since with bursts that
-large even means of two intervals fall by 10 % half of the time; and the noise is known only after
-``2 * patience + 1`` intervals (three had undone a sound first move in bench_adaptive). Every decision carries its
-reason, for ``stats`` and the log.
+times in a row (hysteresis); a move on in the direction of the last one needs only one interval when the evidence
+is strong (the two sides' pressures more than ``strong`` apart), since going on where the machine clearly asks
+costs less than crawling. Each move is at most ``step``, which halves at each reversal (down to ``min_step``) and
+grows back (up to ``max_step``) while moves keep one direction; a strongly asked move is at least the initial step
+(halved steps are for settling near the balance, not for getting there). After ``settle`` intervals without a move
+the share was right for the machine as it was: the next move starts afresh (the initial step, no direction), for
+what asks for it now is a changed machine, not the last oscillation (a step halved while settling made the share
+crawl for a whole phase of bench_adaptive after storage was capped). A move that made throughput fall by more than
+``regret`` is undone once: the next move the same way, if the pressure still asks for it, stands. Throughput is
+judged as the mean over ``patience`` intervals before the move against as many after it: a loader opens files in
+bursts (DALI's opens per 5 s swung from 7 to 35 in one steady phase of bench_adaptive), so one interval against
+one undid sound moves and halved the step each time; a fall counts only past twice the noise the rate showed
+lately (its standard error over such a window), since with bursts that large even means of two intervals fall by
+10 % half of the time; and the noise is known only after ``2 * patience + 1`` intervals (three had undone a sound
+first move in bench_adaptive). Every decision carries its reason, for ``stats`` and the log.
 
 The pressure is what the kernel's stall counters grew by during the interval (``Stalls``), not its ``avg10``: a
 10 s running average still shows, five seconds after a move, most of what the machine did before it.
