@@ -164,24 +164,22 @@ class MixController:
         if fresh:
             # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step.
             self.step, self._last_move = self.initial_step, 0
-        target = min(self.high, max(self.low, self.share + verdict * self.step))
-        if target == self.share:
+        at_the_bound = self.share >= self.high if verdict > 0 else self.share <= self.low
+        if at_the_bound:
             return Decision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
                                         f"range ({why})")
         if verdict != self._regretted:
             self._regretted = 0  # a move the other way: a later regret may undo again
         if self._last_move and verdict != self._last_move:
             self._reverse()
-            target = min(self.high, max(self.low, self.share + verdict * self.step))
         elif self._last_move == verdict and self._quiet <= self.patience:
             # On the way, move after move: go faster, within a bound. (After a hold, the same way again is the
             # balance's wobble, not a way to go.)
             self.step = min(self.step * 1.5, self.max_step)
-            target = min(self.high, max(self.low, self.share + verdict * self.step))
         if strong and self.step < self.initial_step:
             # Far from the balance (the pressures far apart): steps halved to settle near it would crawl here.
             self.step = self.initial_step
-            target = min(self.high, max(self.low, self.share + verdict * self.step))
+        target = min(self.high, max(self.low, self.share + verdict * self.step))
         self._last_move = verdict
         # the noise of the rate, once enough intervals were seen to tell it (fewer undid a sound first move)
         noise = statistics.stdev(self._history) if len(self._history) > 2 * self.patience else None
@@ -243,17 +241,9 @@ class CpuBusy:
         return min(1.0, max(0.0, (now[0] - last[0]) / (now[1] - last[1])))
 
 
-def read_pressure(text: str) -> float:
-    """The ``some avg10`` of a pressure file (``/proc/pressure/cpu``, a cgroup's ``cpu.pressure``), as 0..1."""
-    return _some_line(text)[0]
-
-
-def read_stall_total(text: str) -> int:
-    """The ``some total`` of a pressure file: microseconds some task stalled since boot (or the group's birth)."""
-    return _some_line(text)[1]
-
-
-def _some_line(text: str) -> tuple[float, int]:
+def read_pressure(text: str) -> tuple[float, int]:
+    """A pressure file's (``/proc/pressure/cpu``, a cgroup's ``cpu.pressure``) ``some`` line: its ``avg10`` as
+    0..1, and its ``total``, the microseconds some task stalled since boot (or the group's birth)."""
     for line in text.splitlines():
         if line.startswith("some "):
             fields = dict(part.split("=", 1) for part in line.split()[1:])
@@ -262,18 +252,9 @@ def _some_line(text: str) -> tuple[float, int]:
 
 
 def _pressure_file(kind: str, root: Path) -> Path:
+    """The node's ``/proc/pressure/cpu``, or a cgroup v2 group's ``/sys/fs/cgroup/GROUP/cpu.pressure``."""
     path = root / kind
     return path if path.exists() else root / f"{kind}.pressure"
-
-
-def node_pressure(kind: str, root: Path = Path("/proc/pressure")) -> float | None:
-    """The ``avg10`` pressure for ``kind`` (cpu, io) in ``root``: the node's (``/proc/pressure/cpu``) or a cgroup
-    v2 group's (``/sys/fs/cgroup/GROUP/cpu.pressure``); None where the kernel has no PSI."""
-    try:
-        return read_pressure(_pressure_file(kind, root).read_text())
-    except (OSError, ValueError) as exc:
-        log.debug("no %s pressure in %s: %s", kind, root, exc)
-        return None
 
 
 class Stalls:
@@ -288,7 +269,7 @@ class Stalls:
 
     def __call__(self, kind: str) -> float | None:
         try:
-            avg10, total = _some_line(_pressure_file(kind, self.root).read_text())
+            avg10, total = read_pressure(_pressure_file(kind, self.root).read_text())
         except (OSError, ValueError) as exc:
             log.debug("no %s pressure in %s: %s", kind, self.root, exc)
             return None

@@ -11,7 +11,7 @@ import trio.testing
 
 from liquidfs.catalog import REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.mix import Mix, as_original, parse_mix, steer
-from liquidfs.mixcontrol import MixController, node_pressure
+from liquidfs.mixcontrol import MixController, Stalls
 
 
 def raw_node(i: int) -> Node:
@@ -104,16 +104,15 @@ def test_pressure_files_of_the_node_and_of_a_cgroup(tmp_path: Path) -> None:
     line = "some avg10={} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
     (tmp_path / "cpu").write_text(line.format("42.00"))
     (tmp_path / "io.pressure").write_text(line.format("7.50"))
-    assert node_pressure("cpu", tmp_path) == pytest.approx(0.42)
-    assert node_pressure("io", tmp_path) == pytest.approx(0.075)
-    assert node_pressure("memory", tmp_path) is None
+    stalls = Stalls(tmp_path)  # first readings: the kernel's avg10
+    assert stalls("cpu") == pytest.approx(0.42)
+    assert stalls("io") == pytest.approx(0.075)
+    assert stalls("memory") is None
 
 
 def test_stalls_are_measured_over_the_interval_not_the_kernels_10_s_average(tmp_path: Path) -> None:
     """The share of the time since the last reading that the ``total`` stall counter grew by: five seconds after
     a move, ``avg10`` still holds most of what came before it."""
-    from liquidfs.mixcontrol import Stalls
-
     line = "some avg10={} avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
     now = [100.0]
     (tmp_path / "io").write_text(line.format("60.00", 10_000_000))

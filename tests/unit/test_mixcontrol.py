@@ -115,7 +115,7 @@ def test_every_decision_says_why() -> None:
 
 def test_pressure_files_are_read_as_shares() -> None:
     text = "some avg10=12.50 avg60=3.00 avg300=1.00 total=123\nfull avg10=1.00 avg60=0.00 avg300=0.00 total=4\n"
-    assert read_pressure(text) == 0.125
+    assert read_pressure(text) == (0.125, 123)
     with pytest.raises(ValueError):
         read_pressure("")
 
