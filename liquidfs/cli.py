@@ -448,28 +448,26 @@ def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    ratio = args.ratio
-    if ratio == "auto" and "j2k" in args.formats:
-        print("liquidfs prepare: --ratio auto cannot weigh J2K: profile measures CPU decoders, and J2K is decoded "
-              "on a GPU; give --ratio (see scripts/bench_train.py for measuring it end to end)", file=sys.stderr)
-        return 2
+    ratio, raw_formats = args.ratio, args.formats
     from . import formats
     from .prepare import PrepareError, prepare_store
     from .stores import open_store
 
     store = open_store(args.source, args.store)
     if ratio == "auto":
-        ratio = _auto_ratio(store, quick=args.quick)
-        print(f"profile chose ratio {ratio:.2f}")
+        ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats)
+        # J2K first where chosen (BMP, if listed, for the images J2K cannot hold); BMP alone where it was not.
+        raw_formats = tuple(f for f in raw_formats if f == chosen_format or chosen_format == "j2k")
+        print(f"profile chose ratio {ratio:.2f}, raw images as {chosen_format.upper()}")
     try:
         report = prepare_store(store, ratio, seed=args.seed, jobs=args.jobs, progress=not args.no_progress,
-                               raw_formats=args.formats)
+                               raw_formats=raw_formats)
     except PrepareError as exc:
         print(f"liquidfs prepare: {exc}", file=sys.stderr)
         return 1
     for line in report.lines():
         print(line)
-    for raw_format in args.formats:
+    for raw_format in raw_formats:
         print(f"{raw_format} objects decode to the source's pixels under: {', '.join(formats.SAFE_FOR[raw_format])}")
     return 0
 
@@ -489,18 +487,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _auto_ratio(store: Store, *, quick: bool = False) -> float:
-    """``prepare --ratio auto``: profile, and keep the result in the store (``mount --mix adaptive`` starts at
-    its choice)."""
+def _auto_ratio(store: Store, *, quick: bool = False, formats: tuple[str, ...] = ("bmp",)) -> tuple[float, str]:
+    """``prepare --ratio auto``: profile (weighing the raw ``formats``), and keep the result in the store
+    (``mount --mix adaptive`` starts at its choice). The share, and the raw format it is for."""
     from .profile import profile_store, render, to_json
 
-    profile = profile_store(store, quick=quick, progress=lambda s: print(f"profile: {s}", file=sys.stderr))
+    profile = profile_store(store, quick=quick, formats=formats,
+                            progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     try:
         store.keep_profile(json.dumps(to_json(profile), indent=1))
     except OSError as exc:
         print(f"profile: cannot keep the result in {store.label}: {exc.strerror}", file=sys.stderr)
-    return profile.chosen
+    return profile.chosen, profile.raw_format
 
 
 def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -517,6 +516,10 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--cache-size", default="0%", help="the mount's --cache-size, as a percentage (default 0%%)")
     p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
     p.add_argument("--quick", action="store_true", help="a smaller sample and shorter measurements (< 30 s)")
+    p.add_argument("--formats", type=parse_formats, default=("bmp",), metavar="png,bmp[,j2k]",
+                   help="the raw formats to weigh (as prepare's --formats): bmp (default), or with j2k also "
+                   "lossless JPEG 2000 decoded on the GPU by DALI's 'mixed' decoder; J2K is weighed only where "
+                   "the decoder is DALI and a CUDA device is visible, and chosen where predicted faster")
     p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
                    help="choose the smallest raw share that reaches this rate (saves disk space)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
@@ -536,7 +539,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
                           cache_share=min(1.0, share), sample=args.sample, quick=args.quick,
-                          target_rate=args.target_rate,
+                          target_rate=args.target_rate, formats=args.formats,
                           progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     if args.json:

@@ -6,26 +6,33 @@ expanded, into a scratch directory inside the store, on the store's device):
 * **model**: per-image costs measured per representation (bytes/s of storage for whole-file random reads with the
   page cache bypassed, decode images/s with the user's decoder and thread count, and the CPU that reading costs)
   give, for a raw share ``r``, load time ``L(r)`` and CPU time ``D(r)`` per image, both linear in ``r``. The
-  pipeline runs at ``1 / max(L, D)``: the best ``r`` is where the two lines cross (closed form), or an end.
+  pipeline runs at ``1 / max(L, D)``: the best ``r`` is where the two lines cross, or an end.
 * **search**: the published method: a binary search over the 11 mixes 0:10 ... 10:0 that measures load and
   decode throughput of a sample mixed at the midpoint and discards the half on the side of the slower stage.
 
 The cache (``--cache-size``) serves a constant share of every epoch from memory, so only ``1 - c`` of the bytes
 reach storage: the load line is scaled by it.
+
+With ``--formats png,bmp,j2k`` the raw images may also be lossless JPEG 2000, which DALI's ``mixed`` decoder
+decodes on the GPU (nvJPEG2000): a third stage, GPU time ``G(r)``, and the host's CPU pays only the feeding. It
+is weighed only where the loader's decoder is DALI and a CUDA device is visible (on a CPU, J2K decodes slower
+than PNG), by the model alone, and chosen where its best share is predicted faster than BMP's. The GPU's rate is
+measured alone: training shares the GPU, so the J2K prediction is an upper bound; ``scripts/bench_train.py``
+measures the whole.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
+from . import decoderates
+from .decoderates import GpuDecoder, dali_available, measure_decode
 from .stores import Store, open_store
 from .timedreads import ProfileError
 
@@ -47,11 +54,13 @@ class Costs:
     load_original: float       # bytes/s of storage, whole files, random order, page cache bypassed
     load_raw: float
     decode_original: float     # images/s with the user's decoder and threads
-    decode_raw: float
+    decode_raw: float          # on the CPU; with gpu_decode_raw: what the host pays per GPU-decoded image
     read_cpu_per_byte: float   # CPU seconds that reading a byte costs (kernel + copy), on the same cores
     threads: int
     decoder: str
     cache_share: float = 0.0
+    raw_format: str = "bmp"
+    gpu_decode_raw: float | None = None  # images/s of the raw format on the GPU (J2K), None: decoded on the CPU
 
     def load_time(self, r: float) -> float:
         """Seconds of storage time per image at raw share ``r``, after the cache's share."""
@@ -64,23 +73,44 @@ class Costs:
         read = ((1 - r) * self.original_bytes + r * self.raw_bytes) * self.read_cpu_per_byte / self.threads
         return decode + read
 
+    def gpu_time(self, r: float) -> float:
+        """Seconds of the GPU's decoder per image (0 when every image decodes on the CPU)."""
+        return r / self.gpu_decode_raw if self.gpu_decode_raw else 0.0
+
+    def stage_times(self, r: float) -> dict[str, float]:
+        """Per-image seconds of each stage the pipeline overlaps: the slowest sets the pace."""
+        times = {"storage": self.load_time(r), "CPU": self.cpu_time(r)}
+        if self.gpu_decode_raw:
+            times["GPU"] = self.gpu_time(r)
+        return times
+
     def throughput(self, r: float) -> float:
-        return 1 / max(self.load_time(r), self.cpu_time(r))
+        return 1 / max(self.stage_times(r).values())
 
 
 def model_choice(costs: Costs) -> tuple[float, str]:
-    """The closed-form best share, and which resource binds there."""
-    l0, l1 = costs.load_time(0), costs.load_time(1)
-    d0, d1 = costs.cpu_time(0), costs.cpu_time(1)
-    # L grows with r (raw images are larger) and D shrinks (they decode for almost nothing).
-    if l0 >= d0:
-        return 0.0, "storage-bound even with every image original: serve originals (ratio 0)"
-    if d1 >= l1:
-        return 1.0, "CPU-bound even with every image raw: serve all raw (ratio 1)"
-    # L(r) and D(r) are linear: they cross where (l1-l0 - d1+d0) r = d0 - l0
-    r = (d0 - l0) / ((l1 - l0) - (d1 - d0))
-    r = min(1.0, max(0.0, r))
-    return r, f"load and decode balance at {r:.2f} (CPU-bound below it, storage-bound above)"
+    """The best share and which stage binds there. Every stage's time per image is linear in ``r``, so the
+    pace, their maximum, is piecewise linear and convex: its minimum lies at an end or where two stages cross."""
+    ends = {name: (t0, costs.stage_times(1)[name]) for name, t0 in costs.stage_times(0).items()}
+    candidates = {0.0, 1.0}
+    for a, (a0, a1) in ends.items():
+        for b, (b0, b1) in ends.items():
+            if a < b and (a1 - a0) != (b1 - b0):
+                r = (b0 - a0) / ((a1 - a0) - (b1 - b0))  # where a0 + (a1-a0) r = b0 + (b1-b0) r
+                if 0 < r < 1:
+                    candidates.add(r)
+    # The fastest; among equals the smaller share (less disk for the same rate).
+    best = min(candidates, key=lambda r: (max(costs.stage_times(r).values()), r))
+    times = costs.stage_times(best)
+    pace = max(times.values())
+    binding = sorted((name for name, t in times.items() if t >= pace * (1 - 1e-9)),
+                     key=lambda name: ends[name][1] - ends[name][0])  # falling first: it binds below the point
+    if best == 0.0:
+        return 0.0, f"{binding[-1]}-bound even with every image original: serve originals (ratio 0)"
+    if best == 1.0:
+        return 1.0, f"{binding[0]}-bound even with every image raw: serve all raw (ratio 1)"
+    below, above = binding[0], binding[-1]
+    return best, f"{above} and {below} balance at {best:.2f} ({below}-bound below it, {above}-bound above)"
 
 
 def paper_search(measure: Callable[[float], tuple[float, float]]) -> tuple[float, list[dict[str, float]]]:
@@ -113,85 +143,21 @@ def choose_for_target(costs: Costs, target: float) -> float | None:
     return None
 
 
-
-# -- measuring decode -----------------------------------------------------------------------------------
-
-
-def dali_available() -> bool:
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def measure_decode(encoded: Sequence[bytes], decoder: str, threads: int, seconds: float) -> float:
-    """Images/s of ``decoder`` on ``threads`` threads over the encoded images, cycled for ``seconds``."""
-    if decoder == "dali":
-        return _decode_dali(encoded, threads, seconds)
-    return _decode_pil(encoded, threads, seconds)
-
-
-def _decode_pil(encoded: Sequence[bytes], threads: int, seconds: float) -> float:
-    import io
-
-    from PIL import Image
-
-    def one(data: bytes) -> None:
-        with Image.open(io.BytesIO(data)) as im:
-            im.load()
-
-    done = 0
-    started = time.monotonic()
-    with cf.ThreadPoolExecutor(threads) as pool:
-        while time.monotonic() - started < seconds or done == 0:
-            list(pool.map(one, encoded))
-            done += len(encoded)
-    return done / (time.monotonic() - started)
-
-
-def _decode_dali(encoded: Sequence[bytes], threads: int, seconds: float) -> float:
-    import numpy as np
-    from nvidia.dali import fn, pipeline_def, types
-
-    batch = max(2, min(len(encoded), 2 * threads))
-    arrays = [np.frombuffer(e, dtype=np.uint8) for e in encoded]
-    state = {"i": 0}
-
-    def source() -> list[np.ndarray]:
-        out = [arrays[(state["i"] + k) % len(arrays)] for k in range(batch)]
-        state["i"] += batch
-        return out
-
-    @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, prefetch_queue_depth=1)  # type: ignore[untyped-decorator]
-    def pipe() -> Any:
-        data = fn.external_source(source=source, dtype=types.UINT8)
-        return fn.decoders.image(data, device="cpu")
-
-    p = pipe()
-    p.build()
-    p.run()  # warm-up: allocations and thread start
-    done = 0
-    started = time.monotonic()
-    while time.monotonic() - started < seconds or done == 0:
-        p.run()
-        done += batch
-    return done / (time.monotonic() - started)
-
-
 @dataclass
 class Profile:
-    costs: Costs
+    costs: Costs  # of the chosen raw format
     table: list[dict[str, float]]
     model_ratio: float
     model_reason: str
-    search_ratio: float
+    search_ratio: float  # the published search runs over PNG:BMP mixes
     search_steps: list[dict[str, float]]
     chosen: float
     chosen_by: str
     target_rate: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    raw_format: str = "bmp"  # what the chosen share is stored as
+    weighed: list[dict[str, object]] = field(default_factory=list)  # per raw format weighed: its best share
 
 
 def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], **options: object) -> Profile:
@@ -201,12 +167,65 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
 
 def profile_store(store: Store, *, decoder: str | None = None, threads: int | None = None, cache_share: float = 0.0,
                   sample: int | None = None, quick: bool = False, target_rate: float | None = None,
-                  seconds: float | None = None, progress: Callable[[str], None] = lambda s: None) -> Profile:
+                  seconds: float | None = None, formats: Sequence[str] = ("bmp",),
+                  find_gpu: Callable[[], tuple[GpuDecoder | None, str]] | None = None,
+                  progress: Callable[[str], None] = lambda s: None) -> Profile:
+    """Measure, and choose the raw share, and with ``formats`` naming both BMP and J2K, which of them the
+    raw images are stored as. J2K is weighed only where a GPU decodes it for the loader (DALI 'mixed'; found by
+    ``find_gpu``, by default ``decoderates.find_gpu_decoder``)."""
     started = time.monotonic()
     threads = threads or os.cpu_count() or 1
     decoder = decoder or ("dali" if dali_available() else "pil")
     step = seconds if seconds is not None else (0.6 if quick else 2.5)
     count = sample or (8 if quick else 24)
+    notes: list[str] = []
+    find_gpu = find_gpu or decoderates.find_gpu_decoder  # looked up at the call: tests put a fake GPU there
+    measure_gpu, gpu_where = _j2k_decoder(store, decoder, find_gpu) if "j2k" in formats else (None, "")
+    if "bmp" not in formats and measure_gpu is None:
+        raise ProfileError(f"J2K cannot be weighed here: {gpu_where}; give --ratio, or add bmp to --formats")
+    # The BMP sample always: it measures the originals, and the published search runs over PNG:BMP mixes.
+    costs, search_r, steps = _measure_bmp(store, count, decoder, threads, step, cache_share, progress)
+    options: dict[str, tuple[Costs, float, str]] = {}
+    if "bmp" in formats:
+        options["bmp"] = _choose(costs, search_r)
+    if measure_gpu is not None:
+        j2k = _measure_j2k(store, costs, count, threads, step, measure_gpu, gpu_where, progress)
+        r, reason = model_choice(j2k)
+        options["j2k"] = (j2k, round(r, 2), f"model, J2K decoded on the GPU ({gpu_where}): {reason}")
+    elif "j2k" in formats:
+        notes.append(f"J2K not weighed: {gpu_where}")
+    # The format whose best share is predicted fastest; BMP on a tie (decoded wherever the loader runs).
+    raw_format = max(options, key=lambda f: (options[f][0].throughput(options[f][1]), f == "bmp"))
+    chosen_costs, chosen, chosen_by = options[raw_format]
+    weighed: list[dict[str, object]] = [
+        {"raw_format": f, "ratio": r, "predicted_images_per_s": c.throughput(r), "raw_bytes": c.raw_bytes}
+        for f, (c, r, _) in options.items()]
+    if target_rate is not None:
+        smallest = choose_for_target(chosen_costs, target_rate)
+        if smallest is None:
+            best = max(chosen_costs.throughput(i / 100) for i in range(101))
+            notes.append(f"no mix reaches {target_rate:g} img/s (best predicted {best:.1f}); keeping {chosen:.2f}")
+        else:
+            chosen, chosen_by = smallest, f"smallest raw share predicted to reach {target_rate:g} img/s"
+    model_r, reason = model_choice(chosen_costs)
+    table = [{"ratio": r, "load_images_per_s": _rate(chosen_costs.load_time(r)),
+              "decode_images_per_s": _rate(chosen_costs.cpu_time(r)),
+              **({"gpu_images_per_s": _rate(chosen_costs.gpu_time(r))} if chosen_costs.gpu_decode_raw else {}),
+              "predicted_images_per_s": chosen_costs.throughput(r)}
+             for r in RATIOS]
+    return Profile(costs=chosen_costs, table=table, model_ratio=round(model_r, 2), model_reason=reason,
+                   search_ratio=search_r, search_steps=steps, chosen=chosen, chosen_by=chosen_by,
+                   target_rate=target_rate, seconds=time.monotonic() - started, notes=notes, raw_format=raw_format,
+                   weighed=weighed)
+
+
+def _rate(seconds_per_image: float) -> float:
+    return 1 / seconds_per_image if seconds_per_image else math.inf
+
+
+def _measure_bmp(store: Store, count: int, decoder: str, threads: int, step: float, cache_share: float,
+                 progress: Callable[[str], None]) -> tuple[Costs, float, list[dict[str, float]]]:
+    """Costs of originals and their BMPs, and the published binary search over PNG:BMP mixes."""
     progress("expanding a sample")
     smp = store.profile_sample(count, jobs=4)
     try:
@@ -224,7 +243,6 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
             decode_original=dec_o, decode_raw=dec_r,
             read_cpu_per_byte=(cpu_o + cpu_r) / 2, threads=threads, decoder=decoder, cache_share=cache_share,
         )
-        model_r, reason = model_choice(costs)
 
         def measure_mix(r: float) -> tuple[float, float]:
             k = round(r * len(raws))
@@ -239,28 +257,52 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
         search_r, steps = paper_search(measure_mix)
     finally:
         smp.cleanup()
-    table = [{"ratio": r, "load_images_per_s": 1 / costs.load_time(r) if costs.load_time(r) else math.inf,
-              "decode_images_per_s": 1 / costs.cpu_time(r), "predicted_images_per_s": costs.throughput(r)}
-             for r in RATIOS]
+    return costs, search_r, steps
+
+
+def _choose(costs: Costs, search_r: float) -> tuple[Costs, float, str]:
+    """The model's share or the search's, whichever the model predicts faster."""
+    model_r, _ = model_choice(costs)
     model_r = round(model_r, 2)
     if costs.throughput(model_r) >= costs.throughput(search_r):
-        chosen, chosen_by = model_r, ("model: it uses every measurement and is not limited to the 11 mixes; "
-                                      f"predicted {costs.throughput(model_r):.1f} img/s vs "
-                                      f"{costs.throughput(search_r):.1f} at the search's {search_r:.1f}")
-    else:
-        chosen, chosen_by = search_r, ("search: its measured mix beats the model's prediction "
-                                       f"({costs.throughput(search_r):.1f} vs {costs.throughput(model_r):.1f} img/s)")
-    notes = []
-    if target_rate is not None:
-        smallest = choose_for_target(costs, target_rate)
-        if smallest is None:
-            notes.append(f"no mix reaches {target_rate:g} img/s (best predicted "
-                         f"{max(t['predicted_images_per_s'] for t in table):.1f}); keeping {chosen:.2f}")
-        else:
-            chosen, chosen_by = smallest, f"smallest raw share predicted to reach {target_rate:g} img/s"
-    return Profile(costs=costs, table=table, model_ratio=model_r, model_reason=reason, search_ratio=search_r,
-                   search_steps=steps, chosen=chosen, chosen_by=chosen_by, target_rate=target_rate,
-                   seconds=time.monotonic() - started, notes=notes)
+        return costs, model_r, ("model: it uses every measurement and is not limited to the 11 mixes; "
+                                f"predicted {costs.throughput(model_r):.1f} img/s vs "
+                                f"{costs.throughput(search_r):.1f} at the search's {search_r:.1f}")
+    return costs, search_r, ("search: its measured mix beats the model's prediction "
+                             f"({costs.throughput(search_r):.1f} vs {costs.throughput(model_r):.1f} img/s)")
+
+
+def _j2k_decoder(store: Store, decoder: str,
+                 find_gpu: Callable[[], tuple[GpuDecoder | None, str]]) -> tuple[GpuDecoder | None, str]:
+    """What decodes J2K for the loader on a GPU, and where; or None and why J2K cannot be weighed here."""
+    if "j2k" not in store.raw_formats:
+        return None, f"{store.label} holds only {', '.join(store.raw_formats)} objects"
+    if decoder != "dali":
+        # Pillow decodes J2K on the CPU (OpenJPEG), slower than the PNG it replaces: never worth it there.
+        return None, "the loader decodes with Pillow, on the CPU, where J2K decodes slower than PNG"
+    measure_gpu, where = find_gpu()
+    if measure_gpu is None:
+        return None, f"no GPU decodes it here ({where}); on the CPU J2K decodes slower than PNG"
+    return measure_gpu, where
+
+
+def _measure_j2k(store: Store, base: Costs, count: int, threads: int, step: float, measure_gpu: GpuDecoder,
+                 where: str, progress: Callable[[str], None]) -> Costs:
+    """``base`` with the raw images as lossless J2K, decoded on the GPU."""
+    progress("expanding the sample to J2K")
+    smp = store.profile_sample(count, jobs=4, raw_format="j2k")
+    try:
+        progress("measuring storage (J2K)")
+        load_j, _ = smp.load(smp.raws, step)
+        progress(f"measuring J2K decoding on the GPU ({where})")
+        rate = measure_gpu(smp.raw_data, threads, step)
+        mean = statistics.fmean(map(len, smp.raw_data))
+    finally:
+        smp.cleanup()
+    # The host's CPU seconds per GPU-decoded image, spread on the threads like the CPU decoders' work.
+    host = threads / max(rate.host_cpu_per_image, 1e-9)
+    return replace(base, raw_format="j2k", raw_bytes=mean, load_raw=load_j, decode_raw=host,
+                   gpu_decode_raw=rate.images_per_s)
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -268,25 +310,36 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
 
 def render(profile: Profile) -> str:
     c = profile.costs
+    raw = c.raw_format.upper()
+    gpu = c.gpu_decode_raw is not None
+    decode_raw = (f"{raw} {c.gpu_decode_raw:.1f} img/s on the GPU (host {c.decode_raw:.0f} img/s)" if gpu
+                  else f"raw {c.decode_raw:.1f} img/s")
     lines = [
-        f"sample: {c.images} images, original {c.original_bytes / 1e6:.2f} MB, raw {c.raw_bytes / 1e6:.2f} MB; "
+        f"sample: {c.images} images, original {c.original_bytes / 1e6:.2f} MB, {raw} {c.raw_bytes / 1e6:.2f} MB; "
         f"decoder {c.decoder} x{c.threads} threads; cache share {c.cache_share:.0%}",
-        f"storage: originals {c.load_original / 1e6:.0f} MB/s, raw {c.load_raw / 1e6:.0f} MB/s "
-        f"(page cache bypassed); decode: originals {c.decode_original:.1f} img/s, raw {c.decode_raw:.1f} img/s",
+        f"storage: originals {c.load_original / 1e6:.0f} MB/s, {raw} {c.load_raw / 1e6:.0f} MB/s "
+        f"(page cache bypassed); decode: originals {c.decode_original:.1f} img/s, {decode_raw}",
         "",
-        "ratio  load img/s  decode img/s  predicted img/s",
+        "ratio  load img/s  decode img/s" + ("  GPU img/s" if gpu else "") + "  predicted img/s",
     ]
     for row in profile.table:
         mark = "  <- chosen" if abs(row["ratio"] - profile.chosen) < 0.05 else ""
         lines.append(f"{row['ratio']:5.1f}  {row['load_images_per_s']:10.1f}  {row['decode_images_per_s']:12.1f}"
-                     f"  {row['predicted_images_per_s']:15.1f}{mark}")
+                     + (f"  {row['gpu_images_per_s']:9.1f}" if gpu else "")
+                     + f"  {row['predicted_images_per_s']:15.1f}{mark}")
     lines += [
         "",
-        "binary search (measured): " + ", ".join(
+        "binary search over PNG:BMP (measured): " + ", ".join(
             f"{s['ratio']:.1f}: load {s['load_images_per_s']:.0f} / decode {s['decode_images_per_s']:.0f}"
             for s in profile.search_steps) + f" -> {profile.search_ratio:.1f}",
         f"model: {profile.model_ratio:.2f} ({profile.model_reason})",
-        f"chosen ratio {profile.chosen:.2f} by the {profile.chosen_by}",
+    ]
+    if len(profile.weighed) > 1:
+        lines.append("weighed: " + "; ".join(
+            f"{str(w['raw_format']).upper()} at {w['ratio']:.2f}: {w['predicted_images_per_s']:.1f} img/s"
+            for w in profile.weighed))
+    lines += [
+        f"chosen ratio {profile.chosen:.2f}, raw images as {raw}, by the {profile.chosen_by}",
         *profile.notes,
         f"({profile.seconds:.1f} s)",
     ]
@@ -306,8 +359,8 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
     img = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(img)
     left, right, top, bottom = 60, width - 20, 30, height - 50
-    ymax = max(max(r["load_images_per_s"], r["decode_images_per_s"]) for r in profile.table
-               if math.isfinite(r["load_images_per_s"])) * 1.1
+    keys = [k for k in ("load_images_per_s", "decode_images_per_s", "gpu_images_per_s") if k in profile.table[0]]
+    ymax = max([r[k] for r in profile.table for k in keys if math.isfinite(r[k])] or [1.0]) * 1.1
 
     def x(r: float) -> float:
         return left + r * (right - left)
@@ -323,13 +376,16 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
         v = ymax * k / 4
         draw.text((5, y(v) - 6), f"{v:.0f}", fill="black")
     for key, colour in (("load_images_per_s", "blue"), ("decode_images_per_s", "red"),
-                        ("predicted_images_per_s", "green")):
-        pts = [(x(r["ratio"]), y(r[key])) for r in profile.table]
+                        ("gpu_images_per_s", "orange"), ("predicted_images_per_s", "green")):
+        pts = [(x(r["ratio"]), y(r[key])) for r in profile.table if key in r and math.isfinite(r[key])]
+        if len(pts) < 2:
+            continue
         draw.line(pts, fill=colour, width=3 if key == "predicted_images_per_s" else 2)
     cx, cy = x(profile.chosen), y(profile.costs.throughput(profile.chosen))
     draw.ellipse((cx - 6, cy - 6, cx + 6, cy + 6), outline="black", width=3)
-    draw.text((left + 5, 5), "images/s vs raw share: load (blue), decode (red), predicted (green), chosen (o)",
-              fill="black")
+    gpu = ", GPU decode (orange)" if "gpu_images_per_s" in keys else ""
+    draw.text((left + 5, 5), f"images/s vs {profile.raw_format.upper()} share: load (blue), decode (red){gpu}, "
+              "predicted (green), chosen (o)", fill="black")
     draw.text((left + (right - left) // 2 - 40, height - 22), "raw share", fill="black")
     img.save(path, format="PNG")
 

@@ -71,9 +71,9 @@ class Store(Protocol):
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0) -> Sample:
-        """``count`` random images expanded where the mount will read them, with the function that times reads
-        of them; raises ``ProfileError`` when none can be."""
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
+        """``count`` random images expanded (to ``raw_format``, one of ``raw_formats``) where the mount will read
+        them, with the function that times reads of them; raises ``ProfileError`` when none can be."""
 
     def keep_profile(self, text: str) -> None:
         """Keep the profile's result (JSON) where ``profile_choice`` finds it."""

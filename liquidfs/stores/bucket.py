@@ -331,9 +331,11 @@ class BucketStore:
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0) -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
         """``count`` random images, expanded and put under STORE/profile-sample-<unique>/ (deleted after), so
         storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
+        if raw_format not in self.raw_formats:
+            raise ProfileError(f"{self.label} holds only {', '.join(self.raw_formats)} objects")
         src, dst = self.source, self.store
         client = make_client(jobs + 2)
         keys = [o.key for o in list_objects(client, src) if o.key.lower().endswith(IMAGE_SUFFIXES)]

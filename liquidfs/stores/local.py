@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .. import formats
 from ..catalog import Catalog, Node, WorkingCopy, default_store_dir, open_or_build
-from ..expansion import OBJECTS, expand_one, is_image, verify_one
+from ..expansion import OBJECT_SUFFIXES, OBJECTS, expand_one, is_image, verify_one
 from ..locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
 from ..paths import open_below, open_dir
 from ..reader import Reader, StoreReader, same_file
@@ -130,7 +130,7 @@ class LocalStore:
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0) -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
         """Expanded into a ``profile-sample-*`` directory of this run's own inside the store, on its device."""
         self.store_dir.mkdir(parents=True, exist_ok=True)
         open_or_build(self.source, self.store_dir).close()
@@ -164,10 +164,10 @@ class LocalStore:
                 except OSError as exc:
                     log.warning("profile: skipping %r: %s", node.path, exc)
                     continue
-                result = formats.expand(data)
+                result = formats.expand(data, to=raw_format)
                 if result.data is None:
                     continue
-                out = scratch / f"{node.id}.bmp"
+                out = scratch / f"{node.id}{OBJECT_SUFFIXES[raw_format]}"
                 out.write_bytes(result.data)
                 # Timed where the mount will read it.  The timing reads discard what they read, so a path
                 # swapped for a link since cannot carry anyone's bytes anywhere.

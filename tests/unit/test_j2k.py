@@ -96,9 +96,12 @@ def test_formats_option() -> None:
 
 def test_prepare_refuses_ratio_auto_with_j2k_and_bad_formats(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "data").mkdir()
+    # J2K alone, and no GPU to weigh it on (CI has none): refused before anything is measured or written.
     auto = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "auto",
                    "--formats", "png,j2k", check=False)
-    assert auto.returncode == 2 and "cannot weigh J2K" in auto.stderr and "Traceback" not in auto.stderr
+    assert auto.returncode == 1 and "J2K cannot be weighed here: no GPU decodes it" in auto.stderr
+    assert "give --ratio, or add bmp to --formats" in auto.stderr and "Traceback" not in auto.stderr
+    assert not (tmp_path / "store" / "objects").exists()
     bad = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "1",
                   "--formats", "png,webp", check=False)
     assert bad.returncode == 2 and "unknown format webp" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,4 +1,5 @@
-"""profile: the search and the model on synthetic cost curves, and real profiles of a small dataset."""
+"""profile: the search and the model on synthetic cost curves, and real profiles of a small dataset; J2K weighed
+with a fake GPU decoder (the one fake here: no GPU is lent to CI) over a real store and real J2K files."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from liquidfs import _throttle
-from liquidfs.profile import Costs, choose_for_target, model_choice, paper_search
+from liquidfs import _throttle, cli, decoderates, formats
+from liquidfs.decoderates import DecodeRate
+from liquidfs.profile import Costs, ProfileError, choose_for_target, model_choice, paper_search, profile_store
 from liquidfs.sample import make_sample
+from liquidfs.stores import open_store
 
 
 def _costs(**kw: float) -> Costs:
@@ -44,6 +47,32 @@ def test_cache_share_moves_the_balance_towards_raw() -> None:
     c0 = _costs(load_original=300e6, load_raw=300e6)
     c3 = _costs(load_original=300e6, load_raw=300e6, cache_share=0.3)
     assert model_choice(c3)[0] > model_choice(c0)[0]
+
+
+def test_model_is_the_best_share_with_a_gpu_stage() -> None:
+    """With J2K decoded on the GPU the pace is the slowest of three stages; the model finds its best share
+    exactly (checked against a fine grid), whatever the machine."""
+    import random
+
+    rng = random.Random(18)
+    for _ in range(2000):
+        c = _costs(raw_format="j2k", original_bytes=rng.uniform(1e6, 5e6), raw_bytes=rng.uniform(1e6, 5e6),
+                   load_original=rng.uniform(5e7, 2e9), load_raw=rng.uniform(5e7, 2e9),
+                   decode_original=rng.uniform(5, 200), decode_raw=rng.uniform(100, 5000),
+                   gpu_decode_raw=rng.uniform(10, 2000), cache_share=rng.uniform(0, 0.5))
+        r, why = model_choice(c)
+        grid = max(c.throughput(i / 1000) for i in range(1001))
+        assert c.throughput(r) >= grid * (1 - 1e-9), (c, r, why)
+
+
+def test_model_names_the_gpu_where_it_binds() -> None:
+    fast_gpu = _costs(raw_format="j2k", load_original=50e9, load_raw=50e9, decode_raw=2000.0, gpu_decode_raw=5000.0)
+    assert model_choice(fast_gpu) == (1.0, "CPU-bound even with every image raw: serve all raw (ratio 1)")
+    slow_gpu = _costs(raw_format="j2k", load_original=50e9, load_raw=50e9, decode_raw=2000.0, gpu_decode_raw=20.0)
+    r, why = model_choice(slow_gpu)
+    assert 0 < r < 1 and why.startswith("GPU and CPU balance at"), why
+    assert slow_gpu.gpu_time(r) == pytest.approx(slow_gpu.cpu_time(r), rel=1e-9)
+    assert slow_gpu.throughput(r) > max(slow_gpu.throughput(0), slow_gpu.throughput(1))
 
 
 def _search_on(curve_load, curve_decode):
@@ -129,3 +158,67 @@ def test_prepare_ratio_auto(small: Path, tmp_path: Path) -> None:
                           "--ratio", "auto", "--no-progress"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "profile chose ratio" in out.stdout and "served raw" in out.stdout
+
+
+def _fake_gpu(rate: float, seen: list[bytes]):  # type: ignore[no-untyped-def]
+    def measure(encoded, threads: int, seconds: float) -> DecodeRate:  # type: ignore[no-untyped-def]
+        seen.extend(encoded)
+        return DecodeRate(rate, 1e-4)
+
+    return lambda: (measure, "a fake GPU")
+
+
+@pytest.mark.parametrize("gpu_rate, expect", [(5000.0, "j2k"), (0.5, "bmp")])
+def test_profile_weighs_j2k_where_a_gpu_decodes_it(small: Path, tmp_path: Path, gpu_rate: float,
+                                                  expect: str) -> None:
+    seen: list[bytes] = []
+    profile = profile_store(open_store(small, tmp_path / "store"), decoder="dali", threads=2, quick=True,
+                            formats=("j2k", "bmp"), find_gpu=_fake_gpu(gpu_rate, seen))
+    # The GPU was given the sample's real lossless J2K files, each the exact pixels of its PNG.
+    assert seen and all(formats.sniff(data[:32]) == "j2k" for data in seen)
+    assert [w["raw_format"] for w in profile.weighed] == ["bmp", "j2k"]
+    assert profile.raw_format == expect, profile.weighed
+    j2k = next(w for w in profile.weighed if w["raw_format"] == "j2k")
+    bmp = next(w for w in profile.weighed if w["raw_format"] == "bmp")
+    assert (j2k["predicted_images_per_s"] > bmp["predicted_images_per_s"]) == (expect == "j2k")
+    assert profile.costs.raw_format == expect and (profile.costs.gpu_decode_raw == gpu_rate) == (expect == "j2k")
+    assert not list((tmp_path / "store").glob("profile-sample*")), "both samples' scratch is removed"
+
+
+def test_profile_says_why_j2k_is_not_weighed(small: Path, tmp_path: Path) -> None:
+    store = open_store(small, tmp_path / "store")
+    no_gpu = profile_store(store, decoder="dali", threads=2, quick=True, formats=("j2k", "bmp"),
+                           find_gpu=lambda: (None, "no CUDA device is visible"))
+    assert no_gpu.raw_format == "bmp" and [w["raw_format"] for w in no_gpu.weighed] == ["bmp"]
+    assert any("J2K not weighed: no GPU decodes it here (no CUDA device is visible)" in n for n in no_gpu.notes)
+    pil = profile_store(store, decoder="pil", threads=2, quick=True, formats=("j2k", "bmp"),
+                        find_gpu=_fake_gpu(5000.0, []))
+    assert pil.raw_format == "bmp" and any("decodes with Pillow" in n for n in pil.notes)
+    with pytest.raises(ProfileError, match="J2K cannot be weighed here: no GPU"):
+        profile_store(store, decoder="dali", quick=True, formats=("j2k",), find_gpu=lambda: (None, "none"))
+
+
+def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``prepare --ratio auto --formats png,bmp,j2k``: J2K objects where the (fake) GPU makes them faster, BMP
+    where there is no GPU; the profile kept in the store says which. (DALI, the default decoder, is a test
+    dependency: without it the profile would weigh Pillow, and this test fails rather than skips.)"""
+    def prepare(store: Path) -> dict:
+        code = cli.main(["prepare", str(small), "--store", str(store), "--ratio", "auto", "--quick",
+                         "--formats", "png,bmp,j2k", "--no-progress"])
+        assert code == 0, capsys.readouterr().err
+        return json.loads((store / "profile.json").read_text())
+
+    monkeypatch.setattr(decoderates, "find_gpu_decoder", _fake_gpu(5000.0, []))
+    kept = prepare(tmp_path / "gpu")
+    assert kept["raw_format"] == "j2k" and "raw images as J2K" in capsys.readouterr().out
+    objects = [p for p in (tmp_path / "gpu" / "objects").rglob("*") if p.is_file()]
+    assert objects and all(p.suffix == ".jp2" for p in objects)
+
+    monkeypatch.setattr(decoderates, "find_gpu_decoder", lambda: (None, "no CUDA device is visible"))
+    kept = prepare(tmp_path / "cpu")
+    out = capsys.readouterr().out
+    assert kept["raw_format"] == "bmp" and "J2K not weighed" in out and "raw images as BMP" in out
+    objects = [p for p in (tmp_path / "cpu" / "objects").rglob("*") if p.is_file()]
+    assert objects and all(p.suffix == ".bmp" for p in objects)
