@@ -103,9 +103,10 @@ def dataset(work: Path, images: int, width: int, height: int) -> Path:
     return src
 
 
-def store_for(work: Path, src: Path, ratio: float) -> Path:
-    store = work / f"store-{ratio:.2f}"
-    prepare(src, store, ratio, progress=False)
+def store_for(work: Path, src: Path, ratio: float, raw_formats: tuple[str, ...] = ("bmp",)) -> Path:
+    """The store prepared at ``ratio`` (``raw_formats`` as prepare's --formats), kept for the next run."""
+    store = work / ("store-" + "".join(f"{f}-" for f in raw_formats if f != "bmp") + f"{ratio:.2f}")
+    prepare(src, store, ratio, progress=False, raw_formats=raw_formats)
     return store
 
 

@@ -17,6 +17,9 @@ Configurations, each over the same images:
     direct-bmp      a plain copy with every image as its BMP (what a mount at ratio 1 serves), read directly
     liquidfs        a mount of the store prepared at --ratio (default: what `liquidfs profile` chooses here)
     liquidfs-cache  the same mount with --cache-size (the next-epoch cache)
+    liquidfs-j2k    a mount of a store with every image as lossless JPEG 2000 (prepare --formats png,j2k,bmp
+                    --ratio 1; BMP for the few J2K cannot hold): on a GPU, nvJPEG2000 decodes them, the CPU only
+                    reads; without one, DALI's CPU decoder does (slowly: the smoke test only shows it works)
 
 Each (configuration, model, core count) is one training process, pinned to the first N cores (a GPU node gives
 each GPU a few cores; the balance depends on it), the liquidfs daemon pinned to the same ones. The page cache is
@@ -48,7 +51,8 @@ sys.path.insert(0, str(REPO / "scripts"))
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 from liquidfs.sample import CITIES, _photos, mosaic  # noqa: E402
 
-CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache")
+CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache", "liquidfs-j2k")
+J2K_FORMATS = ("j2k", "bmp")  # prepare --formats png,j2k,bmp: J2K first, BMP where J2K cannot hold an image
 MODELS = ("mobilenet", "deeplab", "tiny")
 # ImageNet's mean and std, as the torchvision recipes normalize
 MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
@@ -278,12 +282,12 @@ def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemo
         log.close()
 
 
-def run_one(run: Run, roots: dict[str, Path], src: Path, store: Path | None, args: argparse.Namespace) -> None:
+def run_one(run: Run, roots: dict[str, Path], src: Path, stores: dict[str, Path], args: argparse.Namespace) -> None:
     cores = set(sorted(os.sched_getaffinity(0))[:run.cores])
     if not run.config.startswith("liquidfs"):
         train(run, roots[run.config], args, cores, None)
         return
-    assert store is not None
+    store = stores[run.config]
     mnt = args.work / "mnt"
     if os.path.ismount(mnt):
         bench.liquidfs("umount", str(mnt))
@@ -430,10 +434,12 @@ def main(argv: list[str]) -> int:
     data_work = data_work.resolve()
     src = dataset(data_work, args.images, args.width, args.height)
     ratio = None
-    store = None
-    if any(c.startswith("liquidfs") for c in args.configs):
+    stores: dict[str, Path] = {}
+    if any(c in ("liquidfs", "liquidfs-cache") for c in args.configs):
         ratio = bench.auto_ratio(data_work, src) if args.ratio == "auto" else float(args.ratio)
-        store = bench.store_for(data_work, src, ratio)
+        stores["liquidfs"] = stores["liquidfs-cache"] = bench.store_for(data_work, src, ratio)
+    if "liquidfs-j2k" in args.configs:
+        stores["liquidfs-j2k"] = bench.store_for(data_work, src, 1.0, J2K_FORMATS)
     roots = {"direct-png": src / bench.SUBDIR}
     if "direct-bmp" in args.configs:
         roots["direct-bmp"] = bench.bmp_copy(data_work, src) / bench.SUBDIR
@@ -448,10 +454,11 @@ def main(argv: list[str]) -> int:
     for model in args.models:
         for cores in args.cores:
             for config in args.configs:
-                run = Run(config, model, cores, ratio if config.startswith("liquidfs") else None)
+                run = Run(config, model, cores, {"liquidfs": ratio, "liquidfs-cache": ratio,
+                                                 "liquidfs-j2k": 1.0}.get(config))
                 runs.append(run)
                 try:
-                    run_one(run, roots, src, store, args)
+                    run_one(run, roots, src, stores, args)
                 except (subprocess.CalledProcessError, RuntimeError, OSError, ValueError) as exc:
                     run.error = str(exc)
                     print(f"  {config} {model} {cores}: FAILED: {exc}", file=sys.stderr)
