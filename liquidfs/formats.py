@@ -93,7 +93,7 @@ EXPANDABLE: Final = ("png", "jpeg")
 #: 5/3 wavelet, JP2 file): small, but decoded on a GPU (DALI "mixed", nvJPEG2000); on a CPU it is slower than PNG.
 RAW_FORMATS: Final = ("bmp", "j2k")
 #: The loaders each raw format was shown to decode to the source's exact pixels (tests/unit/test_formats.py,
-#: tests/unit/test_j2k.py); "dali-mixed" for J2K is to be shown on a GPU (scripts/bench_train.py).
+#: tests/unit/test_j2k.py); "dali-mixed" for J2K is to be shown on a GPU (scripts/bench_j2k.py).
 SAFE_FOR: Final = {
     "bmp": ("pillow", "torchvision (PIL loader)", "opencv", "dali-cpu", "dali-mixed"),
     "j2k": ("pillow", "torchvision (PIL loader)", "dali-cpu"),
