@@ -305,7 +305,14 @@ class Operations(pyfuse3.Operations):
         """``node`` as the mix serves this open (its raw object, or its original); where that is another size
         than the kernel was told, the kernel's attributes of it are dropped before the open is answered."""
         assert self.mix is not None
-        view = self.mix.view(node, self._held_raw(node))
+        held_raw = self._held_raw(node)
+        if held_raw is False and self.mix.wants_raw(node) and not self.mix.is_open(node.id):
+            # Held as its original while the share has risen past it: a hit would still cost the loader a PNG
+            # decode, the very work the share rose to spare. Let the held bytes go (the cache keeps the file's
+            # place): this open reads the raw object, and the cache holds that in their stead.
+            self._let_go_of_held(node)
+            held_raw = None
+        view = self.mix.view(node, held_raw)
         told = self.size_overrides.get(node.id, node.size_served)
         if view.size_served != told:
             self.size_overrides[node.id] = view.size_served
@@ -319,6 +326,16 @@ class Operations(pyfuse3.Operations):
             return None if held is None else held.raw
         data = self.daemon.cached_data.get(node.id)
         return None if data is None else len(data) == node.served_size
+
+    def _let_go_of_held(self, node: Node) -> None:
+        """Drop the held bytes of ``node`` but not its place in the policy: its open counts a lost hit
+        (``reclaimed``), reads from storage, and is kept as served if the policy holds it again."""
+        self.stats.held_swapped += 1
+        if self.passthrough is not None:
+            if self.passthrough.memory is not None:
+                self.passthrough.memory.release(node.id)
+            return
+        self.daemon.cached_data.pop(node.id, None)
 
     def _register(self, handle: Handle) -> int:
         fh = self._next_fh

@@ -128,6 +128,10 @@ class Mix:
         self._opens_original += 1
         return as_original(node)
 
+    def is_open(self, inode: int) -> bool:
+        """Whether an open of ``inode`` is being served (a new open then gets the same representation)."""
+        return inode in self._open
+
     def release(self, inode: int) -> None:
         opened = self._open.get(inode)
         if opened is None:

@@ -181,3 +181,42 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
     stats = _control(mnt)
     assert stats["mix"]["decisions"] > 2
     assert stats["errors"] == 0
+
+
+def test_held_originals_are_served_raw_once_the_share_rises(prepared, mounter: Mount, tmp_path: Path,
+                                                            request: pytest.FixtureRequest) -> None:
+    """The next-epoch cache holds what it served. A file held as its original while the share was low would go
+    on being served as held, costing the loader its PNG decode at every hit however far the share rises; once
+    the mix wants it raw, the held original is let go and the raw object is read and held in its stead."""
+    src, store, objects = prepared
+    psi = tmp_path / "psi"
+    psi.mkdir()
+    pressure = _Pressure(psi)
+    request.addfinalizer(pressure.stop)
+    (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
+    # A cache of the whole dataset: every file read is held, in the representation it was served in.
+    mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi),
+                        "--cache-size", "100%", store=store)
+    rels = sorted(objects)
+
+    def read_all() -> int:
+        return sum(_read_checked(mnt, rel, src, objects[rel]) for rel in rels)
+
+    first = read_all()  # at the starting share, 0.5: some served, and now held, as originals
+    assert first < 24
+    pressure.set(cpu=0.8, io=0.02)  # decoding binds: the share rises to all raw
+
+    def risen() -> bool:
+        read_all()
+        return _control(mnt)["mix"]["share"] == 1.0
+    wait_for(risen, 60, interval=0.1, what="the share to reach 1.0")
+    assert read_all() == 24  # every file raw, the ones held as originals included
+    before = _control(mnt)
+    assert 0 < before["held_swapped"] <= 24 - first and before["reclaimed"] >= before["held_swapped"]
+    assert read_all() == 24  # ... and held raw now: an epoch of hits, nothing read from storage
+    after = _control(mnt)
+    assert after["bytes_from_storage"] == before["bytes_from_storage"]
+    assert after["held_swapped"] == before["held_swapped"] and after["errors"] == 0
+    for rel in rels[:4]:
+        with Image.open(mnt / rel) as im, Image.open(src / rel) as ref:
+            assert np.array_equal(np.asarray(im), np.asarray(ref))
