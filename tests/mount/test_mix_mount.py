@@ -79,6 +79,22 @@ class _Pressure:
         self._thread.join()
 
 
+def _adaptive_mount(prepared, mounter: Mount, tmp_path: Path, request: pytest.FixtureRequest,  # type: ignore[no-untyped-def]
+                    *extra: str) -> tuple[Path, _Pressure]:
+    """A ``--mix adaptive`` mount of the prepared store, steered every 0.3 s by pressure files the test sets."""
+    src, store, _ = prepared
+    psi = tmp_path / "psi"
+    psi.mkdir()
+    pressure = _Pressure(psi)
+    request.addfinalizer(pressure.stop)
+    # As a cgroup v2 group's directory: its CPU use stays put (busy 0), so only the pressure files decide,
+    # whatever else this machine runs meanwhile.
+    (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
+    mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi), *extra,
+                        store=store)
+    return mnt, pressure
+
+
 def _read_checked(mnt: Path, rel: str, src: Path, raw_object: Path) -> bool:
     """Read one file as a loader does (open, fstat, read to the size fstat said); its bytes must be the source's
     or the raw object's, whole, and decode to the source's pixels. True when it was served raw."""
@@ -118,15 +134,7 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
     """Decoding binds (CPU pressure): the share rises to all raw; storage binds (IO pressure): it falls, files
     switch to their originals at their next first open; a file open across a switch keeps its bytes and size."""
     src, store, objects = prepared
-    psi = tmp_path / "psi"
-    psi.mkdir()
-    pressure = _Pressure(psi)
-    request.addfinalizer(pressure.stop)
-    # As a cgroup v2 group's directory: its CPU use stays put (busy 0), so only the pressure files decide,
-    # whatever else this machine runs meanwhile.
-    (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
-    mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi),
-                        store=store)
+    mnt, pressure = _adaptive_mount(prepared, mounter, tmp_path, request)
     assert _control(mnt)["mix"]["share"] == 0.5  # no profile in the store: the middle of [0, 1]
     rels = sorted(objects)
     last = dict.fromkeys(rels, True)  # what each file's last open served (the catalog's raw, before any)
@@ -189,14 +197,8 @@ def test_held_originals_are_served_raw_once_the_share_rises(prepared, mounter: M
     on being served as held, costing the loader its PNG decode at every hit however far the share rises; once
     the mix wants it raw, the held original is let go and the raw object is read and held in its stead."""
     src, store, objects = prepared
-    psi = tmp_path / "psi"
-    psi.mkdir()
-    pressure = _Pressure(psi)
-    request.addfinalizer(pressure.stop)
-    (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
     # A cache of the whole dataset: every file read is held, in the representation it was served in.
-    mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi),
-                        "--cache-size", "100%", store=store)
+    mnt, pressure = _adaptive_mount(prepared, mounter, tmp_path, request, "--cache-size", "100%")
     rels = sorted(objects)
 
     def read_all() -> int:
