@@ -458,7 +458,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats)
         # J2K first where chosen (BMP, if listed, for the images J2K cannot hold); BMP alone where it was not.
         raw_formats = tuple(f for f in raw_formats if f == chosen_format or chosen_format == "j2k")
-        print(f"profile chose ratio {ratio:.2f}, raw images as {chosen_format.upper()}")
+        print(f"profile chose ratio {ratio:.2f} (raw images as {chosen_format.upper()})")
     try:
         report = prepare_store(store, ratio, seed=args.seed, jobs=args.jobs, progress=not args.no_progress,
                                raw_formats=raw_formats)

@@ -339,7 +339,7 @@ def render(profile: Profile) -> str:
             f"{str(w['raw_format']).upper()} at {w['ratio']:.2f}: {w['predicted_images_per_s']:.1f} img/s"
             for w in profile.weighed))
     lines += [
-        f"chosen ratio {profile.chosen:.2f}, raw images as {raw}, by the {profile.chosen_by}",
+        f"chosen ratio {profile.chosen:.2f} (raw images as {raw}) by the {profile.chosen_by}",
         *profile.notes,
         f"({profile.seconds:.1f} s)",
     ]
@@ -347,8 +347,10 @@ def render(profile: Profile) -> str:
 
 
 def to_json(profile: Profile) -> dict[str, object]:
+    """The profile as strict JSON: a rate without a bound (no GPU work at share 0) is null, not Infinity."""
     out = asdict(profile)
     out["costs"] = asdict(profile.costs)
+    out["table"] = [{k: v if math.isfinite(v) else None for k, v in row.items()} for row in profile.table]
     return out
 
 

@@ -14,7 +14,8 @@ from PIL import Image
 
 from liquidfs import _throttle, cli, decoderates, formats
 from liquidfs.decoderates import DecodeRate
-from liquidfs.profile import Costs, ProfileError, choose_for_target, model_choice, paper_search, profile_store
+from liquidfs.profile import Costs, ProfileError, choose_for_target, model_choice, paper_search, profile_store, \
+    render, to_json
 from liquidfs.sample import make_sample
 from liquidfs.stores import open_store
 
@@ -183,6 +184,11 @@ def test_profile_weighs_j2k_where_a_gpu_decodes_it(small: Path, tmp_path: Path, 
     assert (j2k["predicted_images_per_s"] > bmp["predicted_images_per_s"]) == (expect == "j2k")
     assert profile.costs.raw_format == expect and (profile.costs.gpu_decode_raw == gpu_rate) == (expect == "j2k")
     assert not list((tmp_path / "store").glob("profile-sample*")), "both samples' scratch is removed"
+    kept = json.loads(json.dumps(to_json(profile), allow_nan=False))  # strict JSON, whatever the GPU column
+    assert kept["raw_format"] == expect and len(kept["table"]) == 11
+    text = render(profile)
+    assert f"raw images as {expect.upper()}" in text and ("GPU img/s" in text) == (expect == "j2k")
+    assert "weighed: BMP at" in text and "J2K at" in text
 
 
 def test_profile_says_why_j2k_is_not_weighed(small: Path, tmp_path: Path) -> None:
