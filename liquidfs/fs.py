@@ -308,8 +308,8 @@ class Operations(pyfuse3.Operations):
         held_raw = self._held_raw(node)
         if held_raw is False and self.mix.wants_raw(node) and not self.mix.is_open(node.id):
             # Held as its original while the share has risen past it: a hit would still cost the loader a PNG
-            # decode, the very work the share rose to spare. Let the held bytes go (the cache keeps the file's
-            # place): this open reads the raw object, and the cache holds that in their stead.
+            # decode, the very work the share rose to spare. Let the held original go: this open reads the raw
+            # object, and the cache decides afresh, at the raw size, whether to hold that.
             self._let_go_of_held(node)
             held_raw = None
         view = self.mix.view(node, held_raw)
@@ -328,14 +328,16 @@ class Operations(pyfuse3.Operations):
         return None if data is None else len(data) == node.served_size
 
     def _let_go_of_held(self, node: Node) -> None:
-        """Drop the held bytes of ``node`` but not its place in the policy: its open counts a lost hit
-        (``reclaimed``), reads from storage, and is kept as served if the policy holds it again."""
+        """Drop the held bytes of ``node`` and its place in the policy (which counted the original's size): its
+        open is a miss, and the policy weighs the raw bytes against the budget like any other."""
         self.stats.held_swapped += 1
         if self.passthrough is not None:
             if self.passthrough.memory is not None:
-                self.passthrough.memory.release(node.id)
+                self.passthrough.memory.drop(node.id)
             return
         self.daemon.cached_data.pop(node.id, None)
+        if self.daemon.cache is not None:
+            self.daemon.cache.drop(node.id)
 
     def _register(self, handle: Handle) -> int:
         fh = self._next_fh

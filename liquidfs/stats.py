@@ -30,8 +30,8 @@ class MountStats:
     refetches: int = 0            # storage reads they took (of the CHUNKs around what was asked)
     bytes_refetched: int = 0         # bytes those storage reads took
     reclaimed: int = 0            # cache hits whose held bytes were lost (dropped after a fallback) and re-read
-    held_swapped: int = 0         # ... of them let go since the file was held as its original, and the mix now
-                                  # serves it raw (the share rose): read raw, and held raw from then on
+    held_swapped: int = 0         # held originals let go since the mix now serves their files raw (the share
+                                  # rose): the open reads raw, and the cache may hold that instead
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT
     data_path: str = "daemon"     # "passthrough": the kernel serves reads from backing files; "daemon": we do
