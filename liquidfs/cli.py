@@ -469,6 +469,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(line)
     for raw_format in raw_formats:
         print(f"{raw_format} objects decode to the source's pixels under: {', '.join(formats.SAFE_FOR[raw_format])}")
+    if "j2k" in raw_formats and "dali-mixed" not in formats.SAFE_FOR["j2k"]:
+        print("liquidfs prepare: J2K objects are for DALI's 'mixed' decoder (nvJPEG2000), which this project has not "
+              "yet shown exact on a GPU: check it on yours with `python scripts/bench_j2k.py` before training",
+              file=sys.stderr)
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import random
 
 import numpy as np
@@ -94,12 +95,13 @@ def test_formats_option() -> None:
     assert raw_format_of("objects/ab/x.png") is None
 
 
-def test_prepare_refuses_ratio_auto_with_j2k_and_bad_formats(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_prepare_refuses_j2k_alone_without_a_gpu_and_bad_formats(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "data").mkdir()
-    # J2K alone, and no GPU to weigh it on (CI has none): refused before anything is measured or written.
+    # J2K alone, and no GPU to weigh it on (none visible to CUDA, whatever this machine has): refused before
+    # anything is measured or written. DALI, the default decoder, is a test dependency.
     auto = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "auto",
-                   "--formats", "png,j2k", check=False)
-    assert auto.returncode == 1 and "J2K cannot be weighed here: no GPU decodes it" in auto.stderr
+                   "--formats", "png,j2k", check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert auto.returncode == 1 and "J2K cannot be weighed: no GPU to decode it" in auto.stderr
     assert "give --ratio, or add bmp to --formats" in auto.stderr and "Traceback" not in auto.stderr
     assert not (tmp_path / "store" / "objects").exists()
     bad = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "1",

@@ -196,11 +196,11 @@ def test_profile_says_why_j2k_is_not_weighed(small: Path, tmp_path: Path) -> Non
     no_gpu = profile_store(store, decoder="dali", threads=2, quick=True, formats=("j2k", "bmp"),
                            find_gpu=lambda: (None, "no CUDA device is visible"))
     assert no_gpu.raw_format == "bmp" and [w["raw_format"] for w in no_gpu.weighed] == ["bmp"]
-    assert any("J2K not weighed: no GPU decodes it here (no CUDA device is visible)" in n for n in no_gpu.notes)
+    assert any("J2K not weighed: no GPU to decode it (no CUDA device is visible)" in n for n in no_gpu.notes)
     pil = profile_store(store, decoder="pil", threads=2, quick=True, formats=("j2k", "bmp"),
                         find_gpu=_fake_gpu(5000.0, []))
     assert pil.raw_format == "bmp" and any("decodes with Pillow" in n for n in pil.notes)
-    with pytest.raises(ProfileError, match="J2K cannot be weighed here: no GPU"):
+    with pytest.raises(ProfileError, match="J2K cannot be weighed: no GPU"):
         profile_store(store, decoder="dali", quick=True, formats=("j2k",), find_gpu=lambda: (None, "none"))
 
 
@@ -218,7 +218,10 @@ def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path:
 
     monkeypatch.setattr(decoderates, "find_gpu_decoder", _fake_gpu(5000.0, []))
     kept = prepare(tmp_path / "gpu")
-    assert kept["raw_format"] == "j2k" and "raw images as J2K" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert kept["raw_format"] == "j2k" and "raw images as J2K" in said.out
+    assert "J2K chosen for a loader that decodes with DALI's 'mixed'" in said.out  # for whom it is
+    assert "not yet shown exact on a GPU" in said.err  # until bench_j2k shows dali-mixed exact
     objects = [p for p in (tmp_path / "gpu" / "objects").rglob("*") if p.is_file()]
     assert objects and all(p.suffix == ".jp2" for p in objects)
 
