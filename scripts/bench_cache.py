@@ -22,6 +22,10 @@ import uuid
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from liquidfs.mount import read_control  # noqa: E402
+
 WINDOW = 64
 MEMCG = Path("/sys/fs/cgroup/memory")
 BLKIO = Path("/sys/fs/cgroup/blkio")
@@ -78,7 +82,7 @@ def liquidfs_windows(root: Path, work: Path, share: float, epochs: int) -> dict[
         for epoch in range(1, epochs + 1):
             subprocess.run([sys.executable, "-c", READER, str(mnt), str(epoch), str(WINDOW), "-"], check=True,
                            capture_output=True)
-            st = json.loads((mnt / ".__liquidfs__").read_bytes())
+            st = read_control(mnt)
             windows = st["window_byte_hit_ratios"]  # by bytes, as the page cache side is measured
             out[epoch] = windows[seen:]
             seen = len(windows)

@@ -31,6 +31,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from liquidfs.mount import read_control  # noqa: E402
+
 GOALS = {"build_files_per_s": 20_000, "mount_ready_s": 3.0, "rss_after_find_mb": 300}
 MARKER = ".bench_scale.json"
 BIG_DIR_ENTRIES = 1300  # ImageNet's largest class directories hold 1,300 images
@@ -137,11 +142,6 @@ def umount(mountpoint: Path) -> None:
         subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
 
 
-def control(mountpoint: Path) -> dict[str, Any]:
-    with open(mountpoint / ".__liquidfs__", "rb") as f:
-        return json.loads(f.read())
-
-
 def memory_mb(pid: int) -> dict[str, float]:
     """VmRSS (now) and VmHWM (peak) of a process, in MB."""
     values = {}
@@ -226,13 +226,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["mount_ready_s"] = {"runs": ready, "median": statistics.median(ready)}
     print(f"mount ready: {', '.join(f'{s:.2f}' for s in ready)} s", flush=True)
     try:
-        pid = int(control(mountpoint)["pid"])
+        pid = int(read_control(mountpoint)["pid"])
         results["rss_after_mount"] = memory_mb(pid)
         drop_dentries()
         results["find"] = measure_find(mountpoint)
         results["find"]["expected"] = layout.files + layout.dirs + 2  # root and the marker file
         results["rss_after_find"] = memory_mb(pid)
-        results["known_inodes_after_find"] = control(mountpoint)["known_inodes"]
+        results["known_inodes_after_find"] = read_control(mountpoint)["known_inodes"]
         print(f"find: {results['find']['entries']:,} entries in {results['find']['seconds']:.1f} s; "
               f"RSS {results['rss_after_find']['rss_mb']:.0f} MB", flush=True)
         directory = measure_directory(mountpoint / layout.big_dir())
@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         directory.pop("stats")
         results["big_dir"] = directory
         results["rss_end"] = memory_mb(pid)
-        results["control"] = control(mountpoint)
+        results["control"] = read_control(mountpoint)
     finally:
         umount(mountpoint)
     return results

@@ -50,6 +50,10 @@ from typing import Any
 
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from liquidfs.mount import read_control  # noqa: E402
+
 IMAGE_SUFFIXES = (b".png", b".jpg", b".jpeg")
 DISCONNECTED = (errno.ENOTCONN, errno.ECONNABORTED)
 
@@ -844,8 +848,7 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
                     "--data-path", data_path, "--log-level", "info", "--log-file",
                     str(work / f"mount-{data_path}.log"), *args.mount_option], check=True)
     try:
-        with open(mountpoint / ".__liquidfs__", "rb") as f:
-            served_by = json.loads(f.read())["data_path"]
+        served_by = read_control(mountpoint)["data_path"]
         if served_by != data_path:
             raise RuntimeError(f"asked for --data-path {data_path}, the mount serves through {served_by}")
         readers = AttackedReaders(spec_path, args.readers, args.seconds, seed)
@@ -864,8 +867,7 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
         summary.update(data_path=data_path, object_writer=args.object_writer,
                        mount_options=args.mount_option, attacks=attacks, put_back_after=put_back,
                        final=final_pass(spec))
-        with open(mountpoint / ".__liquidfs__", "rb") as f:
-            stats = json.loads(f.read())
+        stats = read_control(mountpoint)
         summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
                                                    "passthrough_opens", "backing_object", "backing_source",
                                                    "backing_memfd")}
@@ -1009,8 +1011,7 @@ def soak_plain(args: argparse.Namespace, data_path: str) -> bool:
                         str(store), "--data-path", data_path, *args.mount_option], check=True)
         try:
             summary = soak(mountpoint, manifest_path, args.readers, args.seconds)
-            with open(mountpoint / ".__liquidfs__", "rb") as f:
-                stats = json.loads(f.read())
+            stats = read_control(mountpoint)
             summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
                                                        "data_path")}
         finally:
