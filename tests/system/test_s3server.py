@@ -33,7 +33,7 @@ def _status(exc: ClientError) -> int:
 
 def test_started(s3_server: SwiftS3Server) -> None:
     assert s3_server.endpoint.startswith("http://127.0.0.1:")
-    assert s3_server.startup_seconds is not None and s3_server.startup_seconds < 60
+    assert s3_server.startup_seconds is not None  # printed, not judged: the fixture fails a start that hangs
     print(f"Swift S3 server started in {s3_server.startup_seconds:.1f} s")
     assert isinstance(s3_server.client().list_buckets()["Buckets"], list)
     for name, proc in s3_server.procs.items():
