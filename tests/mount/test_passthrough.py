@@ -316,6 +316,8 @@ def test_many_readers_of_the_same_files_at_once(prepared, mounter: Mount) -> Non
     require_passthrough(mnt)
     rels = _images(src)[:4]
     expected = {rel: (mnt / rel).read_bytes() for rel in rels}
+    for rel in rels:  # the reference is right before it is repeated
+        assert np.array_equal(_pixels(expected[rel]), _pixels(src / rel)), rel
     wrong: list[str] = []
 
     def reader(seed: int) -> None:
@@ -330,6 +332,7 @@ def test_many_readers_of_the_same_files_at_once(prepared, mounter: Mount) -> Non
         t.start()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
     assert not wrong
     values = stats(mnt)
     assert values["errors"] == 0 and values["passthrough_open_inodes"] == 0

@@ -104,6 +104,8 @@ def test_every_mode_round_trips_through_the_mount(modes: Path, mounter: Mount, t
     try:
         import cv2
     except ImportError:
+        if os.environ.get("CI"):
+            raise  # the test extras install OpenCV: in CI its checks run
         return
     for rel in served_raw:
         if rel.startswith("jpeg/"):

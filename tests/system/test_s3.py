@@ -182,7 +182,9 @@ def test_prepare_once_then_two_nodes_read_identical_pixels_with_dali(dataset: An
             continue
         if b"liquidfs" in cmdline:
             assert secret.encode() not in cmdline
-    for log in (node_a.tmp / "cache").rglob("*.log"):
+    logs = list((node_a.tmp / "cache").rglob("*.log"))
+    assert logs, "the mount's log was not found where this test looks"
+    for log in logs:
         assert secret not in log.read_text()
 
 
