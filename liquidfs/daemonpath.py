@@ -203,11 +203,16 @@ class DaemonPath:
             self.stats.bytes_from_memory += len(data)
             return Content(size=len(data), raw=node.served_raw, data=data)
         # The source changed after the bytes were taken: they are stale. Serve what the source says now.
-        self.cached_data.pop(node.id, None)
-        assert self.cache is not None
-        self.cache.drop(node.id)
+        self.drop_held(node.id)
         content = await self._open_from_storage(node)
         return content
+
+    def drop_held(self, file: int) -> None:
+        """The held bytes of ``file`` are stale or no longer wanted: forget them and their place in the policy
+        (as ``MemoryTier.drop`` on the passthrough path)."""
+        self.cached_data.pop(file, None)
+        if self.cache is not None:
+            self.cache.drop(file)
 
     def _lost_hit(self, decision: Decision, size: int) -> None:
         self.stats.reclaimed += 1

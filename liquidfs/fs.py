@@ -331,13 +331,10 @@ class Operations(pyfuse3.Operations):
         """Drop the held bytes of ``node`` and its place in the policy (which counted the original's size): its
         open is a miss, and the policy weighs the raw bytes against the budget like any other."""
         self.stats.held_swapped += 1
-        if self.passthrough is not None:
-            if self.passthrough.memory is not None:
-                self.passthrough.memory.drop(node.id)
-            return
-        self.daemon.cached_data.pop(node.id, None)
-        if self.daemon.cache is not None:
-            self.daemon.cache.drop(node.id)
+        if self.passthrough is None:
+            self.daemon.drop_held(node.id)
+        elif self.passthrough.memory is not None:
+            self.passthrough.memory.drop(node.id)
 
     def _register(self, handle: Handle) -> int:
         fh = self._next_fh
