@@ -22,19 +22,19 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from pathlib import Path
 
+import xxhash
+
 from .locks import HeldLock, abandoned, unique
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the schema changes; a catalog of another version is refused, never guessed at.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: Meta key: how local files were identified when the catalog was scanned (``file_version``).  A catalog whose
 #: files lack it (older than schema version 3) is rescanned before it is used.
 FILE_IDENTITY = "file_identity"
 _IDENTITY_INO_CTIME = "size,mtime,ino,ctime"
 CATALOG_NAME = "catalog.sqlite"
-#: Meta key: when prepare last finished writing raw objects (``Catalog.sealed_ns``).
-SEALED = "objects_sealed_ns"
 ROOT_ID = 1  # pyfuse3.ROOT_INODE
 
 KIND_FILE = 0
@@ -61,7 +61,8 @@ CREATE TABLE nodes (
     served_size INTEGER,         -- size served when repr is raw
     object TEXT,                 -- store-relative name of the raw object
     checksum TEXT,               -- xxh3-64 hex digest of the raw object
-    etag TEXT                    -- the source's version: an object's ETag, or a local file's (file_version)
+    etag TEXT,                   -- the source's version: an object's ETag, or a local file's (file_version)
+    object_stamp TEXT            -- the raw object's identity when prepare wrote or checked it (object_stamp)
 );
 CREATE UNIQUE INDEX nodes_parent_name ON nodes(parent, name);
 CREATE INDEX nodes_parent ON nodes(parent);
@@ -75,7 +76,8 @@ CREATE TABLE expansions (
     raw_size INTEGER,
     checksum TEXT,
     reason TEXT,                 -- why it was refused, NULL when expanded
-    src_etag TEXT                -- the source's version when it was expanded (as nodes.etag)
+    src_etag TEXT,               -- the source's version when it was expanded (as nodes.etag)
+    object_stamp TEXT            -- the object's identity when it was written or its bytes last checked
 );
 """
 
@@ -101,6 +103,9 @@ class Node:
     object: str | None
     checksum: str | None
     etag: str | None = None
+    #: The raw object's identity (``object_stamp``) when prepare wrote it or last read it whole and checked it:
+    #: what lets a stat vouch for it. None: only its checksum can.
+    object_stamp: str | None = None
 
     @property
     def served_raw(self) -> bool:
@@ -130,18 +135,21 @@ class ExpansionRow(NamedTuple):
     checksum: str | None
     reason: str | None       # why it was refused; None when expanded
     src_etag: str | None
+    object_stamp: str | None = None  # the object's identity when written or last checked (``object_stamp``)
 
     def describes(self, node: Node) -> bool:
         """Whether it was learnt of the version of the source ``node`` describes."""
         return (self.src_size, self.src_mtime_ns, self.src_etag) == (node.size, node.mtime_ns, node.etag)
 
 
-_NODE_COLUMNS = (
+#: The columns a scan writes (``_INSERT``), and those a node is read from.
+_SCANNED_COLUMNS = (
     "id, parent, name, path, kind, mode, size, mtime_ns, nsubdirs, target, repr, served_size, object, checksum, etag"
 )
+_NODE_COLUMNS = _SCANNED_COLUMNS + ", object_stamp"
 
 
-_EXPANSION_COLUMNS = "src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag"
+_EXPANSION_COLUMNS = "src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag, object_stamp"
 
 
 def cache_home() -> Path:
@@ -181,19 +189,40 @@ def file_version(st: os.stat_result) -> str:
     return f"ino:{st.st_ino}:ctime:{st.st_ctime_ns}"
 
 
+def object_key(node: Node) -> str:
+    """The hex digest a raw object of ``node`` is named by (``expansion.object_name``): the path and identity of
+    its source, so a changed source gets a new object, and a catalog row can only name the object of its own
+    source (``reader.StoreReader.open_object``), never another image's."""
+    identity = b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns)
+    if node.etag is not None:
+        identity += b"\0" + node.etag.encode()
+    return xxhash.xxh3_128_hexdigest(identity)
+
+
+def object_stamp(st: os.stat_result) -> str:
+    """What tells a raw object apart from any other content under its name: its inode, ctime and size. Any write,
+    truncation, rename or replacement changes one of them, and none can be set back by anyone but root."""
+    return f"ino:{st.st_ino}:ctime:{st.st_ctime_ns}:size:{st.st_size}"
+
+
 def _migrate(path: Path, found: int) -> None:
-    """Version 2 added the ETags of object-store sources; version 3 records local files' versions there too.
+    """Version 2 added the ETags of object-store sources; version 3 records local files' versions there too;
+    version 4 each raw object's own identity (``object_stamp``) instead of a store-wide seal time.
 
     A local catalog of an older version gains empty columns and no ``file_identity``: ``is_fresh`` then says it
-    must be rescanned, and prepare re-expands its images (their old identity cannot be trusted)."""
+    must be rescanned, and prepare re-expands its images (their old identity cannot be trusted). Objects without a
+    stamp are served only once their checksum is checked, until a prepare has read them whole again."""
     log.info("upgrading catalog %s from schema version %d to %d", path, found, SCHEMA_VERSION)
     db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA trusted_schema=OFF")  # the catalog may be anyone's: its schema runs nothing here
     try:
         db.execute("BEGIN IMMEDIATE")
         version = int(db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
-        if version == 1:
-            db.execute("ALTER TABLE nodes ADD COLUMN etag TEXT")
-            db.execute("ALTER TABLE expansions ADD COLUMN src_etag TEXT")
+        for table, column in (("nodes", "etag"), ("expansions", "src_etag"),
+                              ("nodes", "object_stamp"), ("expansions", "object_stamp")):
+            have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:  # each version's columns, whichever of them this file lacks
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
         if version < SCHEMA_VERSION:
             db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
         db.execute("COMMIT")
@@ -225,7 +254,7 @@ class Catalog:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
-        if row is not None and row[0] in ("1", "2"):
+        if row is not None and row[0] in ("1", "2", "3"):
             db.close()
             _migrate(path, int(row[0]))
             return cls.open_path(path, readonly=readonly)
@@ -249,12 +278,6 @@ class Catalog:
 
     def set_meta(self, key: str, value: str) -> None:
         self.db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
-
-    @property
-    def sealed_ns(self) -> int | None:
-        """When prepare last finished writing raw objects (``time.time_ns()``), if it recorded it."""
-        value = self.meta(SEALED)
-        return int(value) if value else None
 
     @property
     def source(self) -> bytes:
@@ -323,19 +346,20 @@ class Catalog:
             return  # no write transaction (and its lock) for nothing
         with self.transaction():
             self.db.executemany(f"INSERT OR REPLACE INTO expansions(path, {_EXPANSION_COLUMNS}) "
-                                "VALUES (?,?,?,?,?,?,?,?,?)", rows)
+                                "VALUES (?,?,?,?,?,?,?,?,?,?)", rows)
 
     def select_raw(self, chosen: Iterable[tuple[bytes, ExpansionRow]], ratio: float) -> None:
-        """Serve exactly the ``chosen`` images raw, in one transaction, and seal the store: every object the
-        selection names is in place (written, fsynced, renamed), so a mount may trust one whose inode has not
-        changed since (``StoreReader.vouch``)."""
+        """Serve exactly the ``chosen`` images raw, in one transaction. Each carries its object's stamp as it was
+        recorded when the object was written or last checked: nothing here vouches for an object it did not read
+        (``StoreReader.object_sealed``)."""
         with self.transaction():
-            self.db.execute("UPDATE nodes SET repr=0, served_size=NULL, object=NULL, checksum=NULL WHERE repr=1")
+            self.db.execute("UPDATE nodes SET repr=0, served_size=NULL, object=NULL, checksum=NULL, "
+                            "object_stamp=NULL WHERE repr=1")
             self.db.executemany(
-                "UPDATE nodes SET repr=1, served_size=?, object=?, checksum=? WHERE path=? AND kind=0",
-                [(x.raw_size, x.object, x.checksum, path) for path, x in chosen])
+                "UPDATE nodes SET repr=1, served_size=?, object=?, checksum=?, object_stamp=? "
+                "WHERE path=? AND kind=0",
+                [(x.raw_size, x.object, x.checksum, x.object_stamp, path) for path, x in chosen])
             self.set_meta("ratio", repr(ratio))
-            self.set_meta(SEALED, str(time.time_ns()))
 
     def surplus_objects(self) -> list[tuple[bytes, str]]:
         """(path, object) of the expansions no node serves any more."""
@@ -382,7 +406,7 @@ class ScanReport:
     seconds: float = 0.0
 
 
-_INSERT = f"INSERT INTO nodes({_NODE_COLUMNS}) VALUES ({','.join('?' * 15)})"
+_INSERT = f"INSERT INTO nodes({_SCANNED_COLUMNS}) VALUES ({','.join('?' * 15)})"
 
 
 class _Writer:
@@ -395,6 +419,9 @@ class _Writer:
         _remove_abandoned(self.store)
         self.tmp, self.lock = _in_the_making(self.store)
         self.db = sqlite3.connect(self.tmp, isolation_level=None)
+        # The previous catalog is ATTACHed to carry over what prepare learnt: it may be anyone's, and its schema
+        # must run nothing here (as every catalog read, ``_connect``).
+        self.db.execute("PRAGMA trusted_schema=OFF")
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
         self.db.executescript(_SCHEMA)
@@ -636,23 +663,26 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
     try:
         db.execute("BEGIN")
         version = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
-        if version is None or int(version[0]) not in (1, 2, SCHEMA_VERSION):
+        if version is None or int(version[0]) not in (1, 2, 3, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             return
         etag = "src_etag" if int(version[0]) >= 2 else "NULL"
+        stamp = "object_stamp" if int(version[0]) >= 4 else "NULL"  # older objects: checked by their checksum
         db.execute(
             "INSERT INTO expansions(path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, "
-            f"src_etag) SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, {etag} "
-            "FROM old.expansions"
+            f"src_etag, object_stamp) SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, "
+            f"reason, {etag}, {stamp} FROM old.expansions"
         )
-        for key in ("ratio", "seed", SEALED):
+        for key in ("ratio", "seed"):
             row = db.execute("SELECT value FROM old.meta WHERE key=?", (key,)).fetchone()
             if row:
                 db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, row[0]))
         # A file keeps its raw representation only if it is still the file that was expanded.
         db.execute(
-            """UPDATE nodes SET repr=1, served_size=e.raw_size, object=e.object, checksum=e.checksum
-               FROM (SELECT o.path, x.raw_size, x.object, x.checksum, x.src_size, x.src_mtime_ns, x.src_etag
+            """UPDATE nodes SET repr=1, served_size=e.raw_size, object=e.object, checksum=e.checksum,
+                                object_stamp=e.object_stamp
+               FROM (SELECT o.path, x.raw_size, x.object, x.checksum, x.src_size, x.src_mtime_ns, x.src_etag,
+                            x.object_stamp
                      FROM old.nodes o JOIN expansions x ON x.path=o.path
                      WHERE o.repr=1 AND x.object=o.object) AS e
                WHERE nodes.path=e.path AND nodes.kind=0

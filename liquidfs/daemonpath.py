@@ -188,10 +188,7 @@ class DaemonPath:
         size = self.size_overrides.get(node.id, node.size_served)
         if size > WHOLE_FILE_LIMIT or node.id in self.fell_back:
             return False  # streamed; or its raw object failed before: read now, so the original can be served
-        if self.reader.inline_check:
-            vouched = self.reader.vouch(node)
-        else:
-            vouched = await self.storage.run(node, self.reader.vouch, node)
+        vouched = await self.storage.inline_or_run(node, self.reader.vouch, node)
         if vouched is not None:
             return bool(vouched)
         no_room = self._open_bytes + size > self.max_open_bytes

@@ -61,15 +61,15 @@ class DiskTier:
 
     # -- the reader interface ----------------------------------------------------------------------------
 
-    def check_source(self, node: Node, st: object = None) -> str | None:
-        return self.inner.check_source(node, st)
+    def check_source(self, node: Node, st: object = None, *, cached_only: bool = False) -> str | None:
+        return self.inner.check_source(node, st, cached_only=cached_only)
 
     @property
     def inline_check(self) -> bool:
         return self.inner.inline_check
 
-    def vouch(self, node: Node) -> bool | None:
-        return self.inner.vouch(node)
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
+        return self.inner.vouch(node, cached_only=cached_only)
 
     def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
         # Part of a file this level may no longer have: the store has it, checked by the caller.

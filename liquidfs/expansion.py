@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
 
 from . import formats, resources
-from .catalog import ExpansionRow, Node
+from .catalog import ExpansionRow, Node, object_key, object_stamp
 from .locks import unique
 from .directio import read_fd
-from .paths import open_regular, open_under
+from .paths import open_below, open_dir, open_regular, open_under
 from .reader import checksum, same_version
 
 #: Files considered for expansion; their real format is then detected from their content.
@@ -45,10 +46,7 @@ def rank(seed: int, path: bytes) -> int:
 def object_name(node: Node, raw_format: str = "bmp") -> str:
     """Objects are named by the path and identity of their source (a changed source gets a new object), and
     their suffix by what they hold."""
-    identity = b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns)
-    if node.etag is not None:
-        identity += b"\0" + node.etag.encode()
-    digest = xxhash.xxh3_128_hexdigest(identity)
+    digest = object_key(node)
     return f"{OBJECTS}/{digest[:2]}/{digest}{OBJECT_SUFFIXES[raw_format]}"
 
 
@@ -73,11 +71,13 @@ class Outcome:
     reused: bool = False
     fatal: str | None = None  # stops the whole run (out of disk space)
     src_etag: str | None = None
+    object_stamp: str | None = None  # the object's identity right after it was written or read and checked
 
     def row(self) -> ExpansionRow:
         """What the catalog keeps of it."""
         return ExpansionRow(self.src_size, self.src_mtime_ns, self.format, self.object, self.raw_size,
-                            self.checksum, None if self.object else self.reason, self.src_etag)
+                            self.checksum, None if self.object else self.reason, self.src_etag,
+                            self.object_stamp)
 
 
 #: In a worker: the bytes it may spend on one image (``resources.plan_workers``); None where not known.
@@ -90,8 +90,8 @@ def set_budget(budget: int | None) -> None:
     _budget = budget
 
 
-def _too_large_for_memory(pixels: int, source_size: int) -> bool:
-    return _budget is not None and resources.expansion_need(pixels, source_size) > _budget
+def _too_large_for_memory(pixels: int, source_size: int, raw_formats: tuple[str, ...] = ("bmp",)) -> bool:
+    return _budget is not None and resources.expansion_need(pixels, source_size, raw_formats) > _budget
 
 
 def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str | None = None,
@@ -100,10 +100,14 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
     source format), or (the refusal, None, format). The raw bytes say what they are (``formats.sniff``).
     Never raises."""
     pixels = formats.pixel_count(source)
-    if pixels is not None and pixels <= formats.MAX_PIXELS and _too_large_for_memory(pixels, len(source)):
-        # Refused from the header, before any pixel is decoded: decoding would get this worker OOM-killed.
-        fmt = formats.sniff(source[:32])
-        return Outcome(rel, size, mtime_ns, fmt, None, None, None, "no-memory", src_etag=etag), None, fmt
+    if pixels is not None and pixels <= formats.MAX_PIXELS:
+        # Each format at its own need (a J2K encode takes three times a BMP's): one that would not fit is not
+        # tried, so a later one (a BMP after a J2K) may still hold the image. None fits: refused from the header,
+        # before any pixel is decoded, as decoding would get this worker OOM-killed.
+        raw_formats = tuple(f for f in raw_formats if not _too_large_for_memory(pixels, len(source), (f,)))
+        if not raw_formats:
+            fmt = formats.sniff(source[:32])
+            return Outcome(rel, size, mtime_ns, fmt, None, None, None, "no-memory", src_etag=etag), None, fmt
     try:
         for raw_format in raw_formats:
             result = formats.expand(source, to=raw_format)
@@ -126,12 +130,12 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
     swap it for a link to a file of theirs or of nobody's, or write it while it is read.
     """
     def outcome(reason: str | None, fmt: str | None = None, raw: bytes | None = None, *,
-                reused: bool = False, fatal: str | None = None) -> Outcome:
+                reused: bool = False, fatal: str | None = None, stamp: str | None = None) -> Outcome:
         if raw is None:
             return Outcome(rel, want_size, want_mtime, fmt, None, None, None, reason, fatal=fatal,
                            src_etag=want_version)
         return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None, reused=reused,
-                       src_etag=want_version)
+                       src_etag=want_version, object_stamp=stamp)
 
     if _too_large_for_memory(0, want_size):
         return outcome("no-memory")  # reading it alone would not fit
@@ -157,36 +161,76 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
     if raw is None:
         return refused  # type: ignore[return-value]
     obj = _named_as(obj, formats.sniff(raw[:32]) or "bmp")
-    final = os.path.join(store, obj)
-    if _holds(final, raw):
-        # A previous run (maybe killed before it recorded it) left exactly these bytes: nothing to write.  An
-        # object is adopted only byte for byte, never on its name alone (a damaged one is rewritten).
-        return outcome(None, fmt, raw, reused=True)
-    tmp = f"{final}.{unique('tmp-')}"  # never a PID: prepares in two PID namespaces may share a store
     try:
-        os.makedirs(os.path.dirname(final), exist_ok=True)
-        with open(tmp, "wb") as f:
+        sub_fd = _object_dir(store, obj)
+    except OSError as exc:
+        return outcome("write-failed", fmt, fatal=f"cannot open the objects directory for {obj}: {exc}")
+    try:
+        return _write_object(sub_fd, os.path.basename(obj), raw, outcome, fmt)
+    finally:
+        os.close(sub_fd)
+
+
+def _object_dir(store: str, obj: str) -> int:
+    """The directory ``objects/<sub>`` of ``obj``, made if missing and held open, never through a link: a store
+    writer who turns ``objects/<sub>`` into a link to /etc must not have root prepare write (or adopt) there.
+    ``objects`` itself is taken as the store's owner set it up (it may be a link to another disk), as the
+    mount takes it."""
+    objects = os.path.join(store, OBJECTS)
+    os.makedirs(objects, exist_ok=True)
+    objects_fd = open_dir(objects)
+    try:
+        sub = obj.split("/")[1]
+        try:
+            os.mkdir(sub, 0o700, dir_fd=objects_fd)
+        except FileExistsError:
+            pass
+        return os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
+    finally:
+        os.close(objects_fd)
+
+
+def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Outcome], fmt: str | None) -> Outcome:
+    """``raw`` as the object ``name`` below ``sub_fd``: adopted if a previous run left exactly these bytes, else
+    written to a name of its own, fsynced and renamed into place, never through a link."""
+    held = _holds(sub_fd, name, raw)
+    if held is not None:
+        # A previous run (maybe killed before it recorded it) left exactly these bytes: nothing to write.  An
+        # object is adopted only byte for byte, never on its name alone (a damaged one is rewritten); the
+        # stamp of the object as it was read is what vouches for it from now on.
+        return outcome(None, fmt, raw, reused=True, stamp=held)
+    tmp = f"{name}.{unique('tmp-')}"  # never a PID: prepares in two PID namespaces may share a store
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=sub_fd)
+        with open(fd, "wb") as f:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, final)
+            os.rename(tmp, name, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
+            # Taken on the descriptor after the rename (which moves the ctime): the object as written, whatever
+            # is at its name by now.
+            written = object_stamp(os.fstat(f.fileno()))
     except OSError as exc:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=sub_fd)
         except OSError:
             pass
         fatal = "out of disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write {tmp}: {exc}"
         return outcome("write-failed", fmt, fatal=fatal)
-    return outcome(None, fmt, raw)
+    return outcome(None, fmt, raw, stamp=written)
 
 
-def _holds(path: str, data: bytes) -> bool:
-    """True when ``path`` is a regular file holding exactly ``data`` (never following a link)."""
+def _holds(sub_fd: int, name: str, data: bytes) -> str | None:
+    """The stamp (``catalog.object_stamp``) of the regular file ``name`` below ``sub_fd`` when it holds exactly
+    ``data`` (never following a link), taken around the read: a write during it gives another stamp, and None."""
     try:
-        with open(open_regular(path), "rb") as f:
-            return f.read(len(data) + 1) == data
+        with open(open_below(sub_fd, os.fsencode(name)), "rb") as f:
+            before = object_stamp(os.fstat(f.fileno()))
+            same = f.read(len(data) + 1) == data
+            return before if same and object_stamp(os.fstat(f.fileno())) == before else None
     except OSError:
-        return False
+        return None
 
 
 def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size: int, want_mtime: int,

@@ -51,7 +51,12 @@ def catalog_parts(rel: bytes) -> list[bytes]:
 # openat2(2) (Linux >= 5.6): the whole no-link, stay-below walk in one syscall, and (RESOLVE_CACHED, 5.12) an
 # EAGAIN instead of a wait when a dentry or inode on the way is not in memory. Not in the os module (3.11).
 _SYS_OPENAT2 = 437  # the same number on every architecture (the generic syscall table)
-_RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH, _RESOLVE_CACHED = 0x02, 0x04, 0x08, 0x20
+_RESOLVE_NO_XDEV, _RESOLVE_NO_MAGICLINKS, _RESOLVE_NO_SYMLINKS, _RESOLVE_BENEATH, _RESOLVE_CACHED = \
+    0x01, 0x02, 0x04, 0x08, 0x20
+#: Every walk below a root: no link of any kind, never above the root, never onto another filesystem. The last
+#: matters as much as the links: a walk that reaches the mount itself (a mount point inside its own source, or a
+#: directory bind-mounted there) waits for a LOOKUP that the daemon's loop, busy with this walk, never answers.
+_RESOLVE_BELOW = _RESOLVE_NO_XDEV | _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
 
 
 class _OpenHow(ctypes.Structure):
@@ -90,30 +95,51 @@ def open_dir(path: bytes | str | os.PathLike[str]) -> int:
 
 def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> int:
     """Open the regular file ``rel`` below the directory held at ``dir_fd`` for reading, without following any
-    symlink on the way and without leaving it (``catalog_parts``).
+    symlink on the way, without leaving it (``catalog_parts``) and without crossing into another filesystem.
 
     The catalog shows symlinks as symlinks; a path that has become one since the scan (a file or a directory
-    swapped for a link to /etc/shadow, in a source writable by others) is refused (ELOOP, or ENOTDIR for a
-    directory on the way), never read through. Resolving below a descriptor held from mount time also means a
-    source root renamed or swapped for a link while the mount runs changes nothing.
+    swapped for a link to /etc/shadow, or into the mount itself, in a source writable by others) is refused
+    (ELOOP, or ENOTDIR for a directory on the way), never read through. Resolving below a descriptor held from
+    mount time also means a source root renamed or swapped for a link while the mount runs changes nothing.
     O_NONBLOCK keeps an entry swapped for a FIFO from blocking the open; anything but a regular file is refused.
     ``cached_only``: BlockingIOError (EAGAIN) rather than waiting for the disk, where a dentry or an inode on the
     way is not in memory (for opens on the trio thread; the caller retries in a worker thread).
     """
-    path = os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
+    path = _named(where, rel)
+    file = _walk(dir_fd, rel, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, cached_only)
+    return _regular(file, path)
+
+
+def stat_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> os.stat_result:
+    """The stat of ``rel`` below ``dir_fd`` (a link at its end is stat-ed as the link), walked as ``open_below``
+    walks: no link on the way, never above the root or onto another filesystem. A path ``stat`` walks through
+    links in every component but the last; this one never does."""
+    path = _named(where, rel)
+    fd = _walk(dir_fd, rel, path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, cached_only)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+def _named(where: bytes | str, rel: bytes) -> str:
+    return os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
+
+
+def _walk(dir_fd: int, rel: bytes, path: str, flags: int, cached_only: bool) -> int:
+    """``rel`` below ``dir_fd`` opened with ``flags``: one openat2 where the kernel has it, else one component at a
+    time (O_NOFOLLOW, and the device compared with the root's at each step: no link, no other filesystem)."""
     *dirs, name = catalog_parts(rel)
     if HAS_OPENAT2:
-        resolve = _RESOLVE_NO_MAGICLINKS | _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH
         try:
-            file = _openat2(dir_fd, rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                            resolve | (_RESOLVE_CACHED if cached_only else 0))
+            return _openat2(dir_fd, rel, flags, _RESOLVE_BELOW | (_RESOLVE_CACHED if cached_only else 0))
         except OSError as exc:
             if exc.errno == errno.EAGAIN:
                 raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", path) from None
             raise OSError(exc.errno, exc.strerror, path) from None
-        return _regular(file, path)
     if cached_only:
         raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", path)
+    device = os.fstat(dir_fd).st_dev
     fd = dir_fd
     try:
         for part in dirs:
@@ -121,13 +147,18 @@ def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
             if fd != dir_fd:
                 os.close(fd)
             fd = inner
-        file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=fd)
+            if os.fstat(fd).st_dev != device:
+                raise OSError(errno.EXDEV, "crosses into another filesystem")
+        file = os.open(name, flags, dir_fd=fd)
+        if os.fstat(file).st_dev != device:
+            os.close(file)
+            raise OSError(errno.EXDEV, "crosses into another filesystem")
+        return file
     except OSError as exc:  # name the whole path, not the component os.open was given
         raise OSError(exc.errno, exc.strerror, path) from None
     finally:
         if fd != dir_fd:
             os.close(fd)
-    return _regular(file, path)
 
 
 def open_under(root: bytes, rel: bytes) -> int:

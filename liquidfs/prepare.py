@@ -111,7 +111,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     that fit in memory; None: as many as fit, up to the cores."""
     report = PrepareReport()
     nodes = _candidates(catalog, seed)
-    plan = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS,
+    plan = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, raw_formats=raw_formats,
                                   largest_source=max((n.size for n in nodes), default=0))
     jobs = plan.workers
     known = catalog.expansions()
@@ -145,12 +145,15 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                         report.skipped[_reason_key(prior.reason)] += 1
                         continue
                     # Reused as is only in the format tried first: one of a later format is made again, as
-                    # the first may now hold it (the worker adopts the same bytes if not).
+                    # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
+                    # object keeps the stamp it had: what vouches for it is evidence about it, never this
+                    # run's say-so. One without a stamp (an older store) is read and checked by a worker.
                     if (prior.object and raw_format_of(prior.object) == raw_formats[0]
+                            and (prior.object_stamp is not None or not store.stamps_objects)
                             and store.exists(prior.object)):
                         chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior.format, prior.object,
                                               prior.raw_size, prior.checksum, None, reused=True,
-                                              src_etag=node.etag))
+                                              src_etag=node.etag, object_stamp=prior.object_stamp))
                         report.reused += 1
                         bar(1)
                         continue

@@ -14,7 +14,7 @@ import errno
 import logging
 import os
 import re
-import stat
+
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +22,10 @@ from typing import Any, Protocol
 
 import xxhash
 
-from .catalog import Node, file_version
+from .catalog import Node, file_version, object_key, object_stamp
 from .directio import POOL, read_fd, read_span
-from .paths import LOCAL_FILESYSTEMS, catalog_parts, filesystem_type, open_below, open_dir
+from . import access
+from .paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_dir, stat_below
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class Content:
 
 
 #: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
-OBJECT_NAME = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.(?:bmp|jp2))")
+OBJECT_NAME = re.compile(r"objects/([0-9a-f]{2}/([0-9a-f]{32})\.(?:bmp|jp2))")
 
 
 
@@ -120,14 +121,6 @@ def read_settled(fd: int, st: os.stat_result, name: str = "") -> memoryview:
         POOL.give(data)
         st = after
     raise OSError(errno.EIO, "source kept changing while it was read", name)
-
-
-def _permits(st: os.stat_result, uid: int, gid: int, bit: int) -> bool:
-    """The owner, group or other permission ``bit`` (4 read, 1 search) of ``st`` that applies to uid/gid."""
-    if uid == 0:
-        return True
-    shift = 6 if uid == st.st_uid else 3 if gid == st.st_gid else 0
-    return bool(st.st_mode >> shift & bit)
 
 
 def same_version(st: os.stat_result, size: int, mtime_ns: int, version: str | None) -> bool:
@@ -157,11 +150,6 @@ def check_raw(node: Node, data: bytes | memoryview) -> str | None:
     if checksum(data) != node.checksum:
         return "raw object fails its checksum"
     return None
-
-
-#: Timestamps of files come from a clock that ticks once a jiffy (up to 10 ms) and may lag the one prepare seals
-#: the store with: an object changed within this long before the seal is not vouched for (``StoreReader.vouch``).
-SEAL_MARGIN_NS = 50_000_000
 
 
 @dataclass(slots=True)
@@ -196,9 +184,9 @@ class Reader(Protocol):
 
     def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview: ...
 
-    def vouch(self, node: Node) -> bool | None: ...
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None: ...
 
-    def check_source(self, node: Node, st: Any = None) -> str | None: ...
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None: ...
 
     @property
     def inline_check(self) -> bool: ...
@@ -207,7 +195,7 @@ class Reader(Protocol):
 class StoreReader:
     """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
 
-    def __init__(self, source_root: bytes, store_dir: Path, sealed_ns: int | None = None) -> None:
+    def __init__(self, source_root: bytes, store_dir: Path) -> None:
         self.source_root = source_root
         self.store_dir = store_dir
         # Held from mount time: every path of the catalog is resolved below these, never through the paths
@@ -219,10 +207,9 @@ class StoreReader:
             self.objects_fd = open_dir(store_dir / "objects")
         except FileNotFoundError:  # nothing prepared raw
             self.objects_fd = -1
-        # When prepare last finished (``Catalog.sealed_ns``): a raw object whose inode changed before then is the
-        # one prepare wrote and checked. Trusted only where a stat is the inode's own, not attributes a network
-        # or FUSE filesystem may have cached for seconds.
-        self.sealed_ns = sealed_ns if filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS else None
+        # An object's stamp (``catalog.object_stamp``) vouches for it only where a stat is the inode's own, not
+        # attributes a network or FUSE filesystem may have cached for seconds.
+        self.stamps_vouch = filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS
         self._warned: set[int] = set()
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
@@ -238,6 +225,10 @@ class StoreReader:
         name = OBJECT_NAME.fullmatch(node.object)
         if name is None:
             raise OSError(errno.EIO, "not an object name prepare gives: refused", node.object)
+        if name.group(2) != object_key(node):
+            # A catalog writer pointing this row at another image's object (its size and checksum copied along)
+            # would have it served as this file: only the object named after this file's source is opened.
+            raise OSError(errno.EIO, "not the object of this file's source: refused", node.object)
         if self.objects_fd < 0:
             raise FileNotFoundError(errno.ENOENT, "the store had no objects directory at mount", node.object)
         return open_below(self.objects_fd, os.fsencode(name.group(1)), os.fsencode(self.store_dir / "objects"),
@@ -249,21 +240,11 @@ class StoreReader:
                 os.close(fd)
         self.root_fd = self.objects_fd = -1
 
-    def may_read(self, node: Node, uid: int, gid: int) -> bool:
-        """Whether the source as it is now lets ``uid``/``gid`` read ``node``: every directory on the way
-        searchable, the file readable, by the owner, group or other bits that apply (as the kernel decides;
-        supplementary groups and ACLs are not known here, so they grant nothing).  The catalog's modes are those
-        of the scan: a ``chmod 600`` since then must take effect for other users of an --allow-other mount."""
-        parts = catalog_parts(node.path)
-        try:
-            chain = [os.fstat(self.root_fd)]
-            for i in range(1, len(parts) + 1):
-                chain.append(os.stat(b"/".join(parts[:i]), dir_fd=self.root_fd, follow_symlinks=False))
-        except OSError:
-            return False
-        *dirs, file = chain
-        return (all(stat.S_ISDIR(st.st_mode) and _permits(st, uid, gid, 1) for st in dirs)
-                and _permits(file, uid, gid, 4))
+    def may_read(self, node: Node, uid: int, gid: int, pid: int = 0) -> bool:
+        """Whether the caller (``uid``/``gid``, the groups of process ``pid``) may read ``node``'s source as it
+        is now, as the kernel would decide for them (``access.may_read``). The catalog's modes are those of the
+        scan: a ``chmod 600`` or a denying ACL since then must bind other users of an --allow-other mount."""
+        return access.may_read(self.root_fd, node.path, uid, gid, access.caller_groups(pid))
 
     def choose(self, node: Node, *, cached_only: bool = False) -> Choice:
         """What an open of ``node`` serves, and how far a stat vouches for it: the one decision both data paths
@@ -324,28 +305,32 @@ class StoreReader:
         finally:
             chosen.close()
 
-    def vouch(self, node: Node) -> bool:
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool:
         """True when what ``node`` serves is known without reading it, so it may be read at its first read:
         the source unchanged, and a raw object as prepare left it (``choose``). Its checksum is still checked
         when it is read; a mismatch then fails that read with EIO (the original could not be served at the size
-        promised) and the next open serves the original."""
-        chosen = self.choose(node)
+        promised) and the next open serves the original. ``cached_only``: as ``choose``."""
+        chosen = self.choose(node, cached_only=cached_only)
         try:
             return chosen.sealed and chosen.fallback is None  # a fallback is read at open: its size may differ
         finally:
             chosen.close()
 
     def object_sealed(self, node: Node, st: os.stat_result) -> bool:
-        """The raw object behind ``st`` is as prepare left it: its size, and its inode unchanged since the store
-        was sealed (any write, truncation or rename since makes its ctime later)."""
-        return (self.sealed_ns is not None and st.st_size == node.served_size
-                and st.st_ctime_ns <= self.sealed_ns - SEAL_MARGIN_NS)
+        """The raw object behind ``st`` is the one prepare wrote or last read whole and checked: its inode, ctime
+        and size are those recorded then (``catalog.object_stamp``; any write, truncation or replacement since
+        changes one), and the size served. Evidence about this object alone: no later run vouches for it
+        without reading it."""
+        return (self.stamps_vouch and node.object_stamp is not None and st.st_size == node.served_size
+                and object_stamp(st) == node.object_stamp)
 
-    def check_source(self, node: Node, st: os.stat_result | None = None) -> str | None:
-        """None while the source is the file the catalog describes; else what changed."""
+    def check_source(self, node: Node, st: os.stat_result | None = None, *, cached_only: bool = False) -> str | None:
+        """None while the source is the file the catalog describes; else what changed. The path is walked below
+        the held root as every open walks it (``paths.stat_below``: no link, no other filesystem), never by a
+        path ``stat``, which follows links on the way (a directory swapped for a link into the mount would make
+        the daemon wait for itself). ``cached_only``: BlockingIOError where the walk would wait for the disk."""
         if st is None:
-            catalog_parts(node.path)
-            st = os.stat(node.path, dir_fd=self.root_fd, follow_symlinks=False)
+            st = stat_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)
         if not same_file(node, st):
             return "source changed since prepare" if node.served_raw else "source changed since the scan"
         return None

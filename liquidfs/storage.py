@@ -28,7 +28,7 @@ class SourceChecker(Protocol):
     @property
     def inline_check(self) -> bool: ...
 
-    def check_source(self, node: Node, st: Any = None) -> str | None: ...
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None: ...
 
 
 class StorageCalls:
@@ -89,10 +89,22 @@ class StorageCalls:
         raise OSError(errno.EIO, f"storage did not answer within {self.io_timeout:g} s", where)
 
 
-    async def source_changed(self, node: Node) -> str | None:
+    async def inline_or_run(self, node: Node, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)`` on the loop itself where the reader's storage answers from the kernel's caches (a local
+        filesystem) and everything on the way is in them (``fn`` is called with ``cached_only=True`` and raises
+        BlockingIOError otherwise); else, and then, in a worker thread (``run``). A walk on the loop never
+        waits: a dentry that is not cached, or a path that would cross into another filesystem (the mount
+        itself, whose LOOKUP only this loop could answer), is not walked here."""
         if self.reader.inline_check:
-            return self.reader.check_source(node)
-        return await self.run(node, self.reader.check_source, node)
+            try:
+                return fn(*args, cached_only=True)
+            except BlockingIOError:
+                pass
+        return await self.run(node, fn, *args)
+
+    async def source_changed(self, node: Node) -> str | None:
+        """None while ``node``'s source is the file the catalog describes (``check_source``), else what changed."""
+        return await self.inline_or_run(node, self.reader.check_source, node)
 
 
 @dataclass(eq=False, slots=True)

@@ -37,6 +37,9 @@ class Store(Protocol):
     raw_formats: tuple[str, ...]
     #: Storage reads a mount keeps in flight by default (``mount --threads``).
     default_threads: int
+    #: Whether its objects carry a stamp that lets a stat vouch for them (``catalog.object_stamp``): an object
+    #: reused without one is read and checked again by its worker, so that it gains one.
+    stamps_objects: bool
 
     @property
     def source_label(self) -> str:

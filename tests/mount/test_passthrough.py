@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from PIL import Image
 
 from conftest import run_cli
 from fusehelpers import Mount, daemon_pid, memfd_bytes, wait_for
-from liquidfs.catalog import Catalog
+from liquidfs.catalog import Catalog, object_stamp
 from liquidfs.prepare import prepare
 from trees import dataset_tree
 
@@ -51,10 +50,9 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def reseal(src: Path, store: Path, ratio: float = 0.5) -> None:
-    """prepare, then prepare again a moment later: objects written within a clock tick of the seal are not
-    vouched for by a stat (``reader.SEAL_MARGIN_NS``), and a small sample is prepared within one."""
+    """prepare, then prepare again: the second reuses every object unread and must leave each one's stamp (what
+    lets a stat vouch for it) as the first took it."""
     prepare(src, store, ratio, progress=False)
-    time.sleep(0.1)
     prepare(src, store, ratio, progress=False)
 
 
@@ -190,8 +188,8 @@ def test_object_deleted_or_damaged_after_prepare_serves_the_original(prepared, t
 
 
 def test_verify_reads_checks_every_file_before_serving_it(prepared, tmp_path: Path, mounter: Mount) -> None:
-    """--verify-reads: a raw object damaged in a way no stat shows (its ctime put back before the seal is
-    impossible, so the seal is moved instead) is caught by its checksum: the original is served."""
+    """--verify-reads: a raw object damaged in a way no stat shows (its stamp rewritten to match, as only a
+    writer of the catalog could) is caught by its checksum: the original is served."""
     src0, store0 = prepared
     src, store = tmp_path / "data", tmp_path / "store"
     shutil.copytree(src0, src, symlinks=True)
@@ -201,9 +199,9 @@ def test_verify_reads_checks_every_file_before_serving_it(prepared, tmp_path: Pa
     data = bytearray(obj.read_bytes())
     data[-1] ^= 0x01
     obj.write_bytes(bytes(data))
-    # pretend prepare finished after the damage: only the checksum can tell now
+    # damage no stat shows (as if stamped after it): only the checksum can tell now
     catalog = Catalog.open(store)
-    catalog.set_meta("objects_sealed_ns", str(obj.stat().st_ctime_ns + 10**9))
+    catalog.db.execute("UPDATE nodes SET object_stamp=? WHERE id=?", (object_stamp(obj.stat()), node.id))
     catalog.close()
     rel = os.fsdecode(node.path)
     plain = mounter.mount(src, store=store)

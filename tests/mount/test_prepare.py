@@ -149,23 +149,23 @@ def test_selection_is_seeded_and_ratio_changes_reuse(sample: Path, tmp_path: Pat
     assert verify(store, progress=False) == []
 
 
-def test_prepare_seals_the_store_and_a_rescan_keeps_the_seal(tmp_path: Path) -> None:
-    """The seal says every object was in place by then (mounts trust objects whose inode is older)."""
-    from liquidfs.catalog import open_or_build
+def test_prepare_stamps_each_object_it_writes_and_a_rescan_keeps_the_stamps(tmp_path: Path) -> None:
+    """Each object's stamp (inode, ctime, size) is taken when it is written: mounts trust an object whose stamp
+    is unchanged. A rescan carries the stamps over with the selection."""
+    from liquidfs.catalog import object_stamp, open_or_build
 
     src = make_sample(tmp_path / "data", count=4, width=128, height=64, seed=3)
     store = tmp_path / "store"
-    before = time.time_ns()
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store)
-    sealed = catalog.sealed_ns
+    stamps = {n.path: n.object_stamp for n in catalog.files() if n.served_raw}
+    objects = {n.path: store / str(n.object) for n in catalog.files() if n.served_raw}
     catalog.close()
-    assert sealed is not None and before < sealed <= time.time_ns()
-    assert all(p.stat().st_ctime_ns <= sealed for p in (store / "objects").rglob("*.bmp"))
+    assert len(stamps) == 4 and all(stamps[p] == object_stamp(objects[p].stat()) for p in stamps)
     (src / "new.txt").write_text("a new file: the catalog is built again\n")
     catalog = open_or_build(src, store)
     try:
-        assert catalog.sealed_ns == sealed and len(_raw_paths_of(catalog)) == 4
+        assert {n.path: n.object_stamp for n in catalog.files() if n.served_raw} == stamps
     finally:
         catalog.close()
 

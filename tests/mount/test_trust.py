@@ -113,7 +113,7 @@ def test_catalog_rows_that_leave_the_root_or_the_store_are_refused(tmp_path: Pat
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store, readonly=True)
     node = next(n for n in catalog.files() if n.object)
-    reader = StoreReader(catalog.source, store, catalog.sealed_ns)
+    reader = StoreReader(catalog.source, store)
     outside = dataclasses.replace(node, path=b"../secret.png", object=None, representation=0)
     with pytest.raises(OSError) as info:
         reader.open(outside)
@@ -370,7 +370,7 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
         return real_read(fd)
 
     monkeypatch.setattr(reader_mod, "read_fd", read_while_written)
-    reader = reader_mod.StoreReader(catalog.source, tmp_path / "store", None)
+    reader = reader_mod.StoreReader(catalog.source, tmp_path / "store")
     try:
         content = reader.open(node)
         assert len(calls) >= 2, "the file was not read again after the write during its first read"

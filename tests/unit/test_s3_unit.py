@@ -77,8 +77,8 @@ def test_expansions_follow_the_etag(tmp_path: Path) -> None:
     """A rebuilt listing keeps an image raw only while its object has the ETag prepare expanded."""
     build_from_objects(iter([("a.png", 10, '"e1"', 1), ("b.png", 10, '"e2"', 1)]), tmp_path, "s3://b/x")
     cat = Catalog.open(tmp_path)
-    cat.db.execute("INSERT INTO expansions VALUES (?,?,?,?,?,?,?,?,?)", (b"a.png", 10, 1, "png", "o/a", 99, "c", None, '"e1"'))
-    cat.db.execute("INSERT INTO expansions VALUES (?,?,?,?,?,?,?,?,?)", (b"b.png", 10, 1, "png", "o/b", 99, "c", None, '"e2"'))
+    cat.db.execute("INSERT INTO expansions VALUES (?,?,?,?,?,?,?,?,?,?)", (b"a.png", 10, 1, "png", "o/a", 99, "c", None, '"e1"', None))
+    cat.db.execute("INSERT INTO expansions VALUES (?,?,?,?,?,?,?,?,?,?)", (b"b.png", 10, 1, "png", "o/b", 99, "c", None, '"e2"', None))
     cat.db.execute("UPDATE nodes SET repr=1, served_size=99, object='o/'||substr(name,1,1), checksum='c' WHERE kind=0")
     cat.close()
     # b.png was overwritten with content of the same size (and the same second): only its ETag tells.

@@ -1,0 +1,123 @@
+"""Whether the process behind a FUSE request may read a source file, decided by the kernel for that caller.
+
+An ``--allow-other`` mount is entered by other users, and the daemon that opens files for them runs as root. The
+catalog holds the modes of the scan; what decides now is the source as it is, judged as the kernel would judge a
+direct open by that caller: owner, group and other bits, supplementary groups and POSIX ACLs. Rather than
+re-implement that judgement (ACL masks, group lists, the filesystem's own rules), the check opens the file below
+the source root with the caller's filesystem credentials: ``setfsuid``/``setfsgid`` and ``setgroups`` change only
+the calling thread on Linux when made as raw system calls (glibc's ``setgroups`` would change every thread), and a
+non-zero fsuid drops the thread's file capabilities, so the kernel's own permission walk answers.
+
+Where the daemon cannot take another user's credentials (it does not run as root), the modes are compared
+instead: owner, group (the caller's primary and supplementary groups) or other bits; ACLs then grant nothing and
+deny nothing beyond the bits (``docs/guarantees.md``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import platform
+import stat
+
+from .paths import catalog_parts, open_below, stat_below
+
+log = logging.getLogger(__name__)
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.setfsuid.restype = ctypes.c_int
+_libc.setfsgid.restype = ctypes.c_int
+#: setgroups(2) as a raw system call: per thread. The number differs by architecture; elsewhere the modes decide.
+_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
+
+
+def caller_groups(pid: int) -> list[int] | None:
+    """The supplementary groups of process ``pid`` as /proc shows them; None where it cannot be read (a process
+    gone, or one the daemon's PID namespace does not see: the request then names pid 0)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return [int(g) for g in line.split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _setgroups(groups: list[int]) -> None:
+    assert _SYS_SETGROUPS is not None
+    array = (ctypes.c_uint * max(len(groups), 1))(*groups)
+    if _libc.syscall(ctypes.c_long(_SYS_SETGROUPS), ctypes.c_size_t(len(groups)), array) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+
+
+def can_switch() -> bool:
+    """Whether this process can take another user's filesystem credentials (root, or CAP_SETUID and CAP_SETGID)."""
+    return _SYS_SETGROUPS is not None and os.geteuid() == 0
+
+
+def may_read(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int] | None) -> bool:
+    """Whether ``uid``/``gid`` (with supplementary ``groups``, None where unknown: none) may open ``rel`` below
+    ``root_fd`` for reading now: every directory on the way searchable and the file readable, as the kernel
+    decides for that caller. Blocks: run it in a worker thread. Links and other filesystems are never crossed."""
+    if uid == 0:
+        return True
+    catalog_parts(rel)
+    if not can_switch():
+        return _modes_permit(root_fd, rel, uid, gid, groups or [])
+    return _open_as(root_fd, rel, uid, gid, groups or [])
+
+
+def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
+    saved_groups = os.getgroups()
+    _setgroups(groups)
+    try:
+        previous_gid = _libc.setfsgid(gid)
+        try:
+            previous_uid = _libc.setfsuid(uid)
+            try:
+                if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:  # -1: asks without changing
+                    log.warning("cannot take uid %d's credentials to check an open: refused", uid)
+                    return False
+                fd = open_below(root_fd, rel)
+            except OSError as exc:
+                if exc.errno not in (errno.EACCES, errno.EPERM):
+                    log.debug("permission check of %r for uid %d: %s", rel, uid, exc)
+                return False
+            else:
+                os.close(fd)
+                return True
+            finally:
+                _libc.setfsuid(previous_uid)
+        finally:
+            _libc.setfsgid(previous_gid)
+    finally:
+        _setgroups(saved_groups)
+        if _libc.setfsuid(-1) != os.geteuid() or _libc.setfsgid(-1) != os.getegid():
+            # Never seen; but a worker thread left with a user's credentials would serve others with them.
+            log.critical("a worker thread kept another user's credentials: stopping the daemon")
+            os.abort()
+
+
+def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
+    """The owner, group or other bits of every directory on the way (search) and of the file (read)."""
+    parts = catalog_parts(rel)
+    try:
+        chain = [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
+    except OSError:
+        return False
+    *dirs, file = chain
+    mine = {gid, *groups}
+
+    def permits(st: os.stat_result, bit: int) -> bool:
+        shift = 6 if uid == st.st_uid else 3 if st.st_gid in mine else 0
+        return bool(st.st_mode >> shift & bit)
+
+    return (all(stat.S_ISDIR(st.st_mode) and permits(st, 1) for st in dirs)
+            and stat.S_ISREG(file.st_mode) and permits(file, 4))
