@@ -34,6 +34,8 @@ from .reader import Content, StoreReader, stamp
 log = logging.getLogger(__name__)
 
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+#: memfd_create's limit on a name: NAME_MAX (255) less its "memfd:" prefix, in bytes; EINVAL beyond.
+_MEMFD_NAME_MAX = 249
 
 
 class ContentReader(Protocol):
@@ -132,8 +134,11 @@ def still_sound(backing: Backing) -> str | None:
 def _sealed_memfd(name: bytes | str, fill: Callable[[int], None]) -> int:
     """A memfd named after ``name``, filled by ``fill(fd)``, then sealed: nobody, the daemon included, can change
     what it serves afterwards."""
-    label = os.path.basename(os.fsdecode(name))[:200] or "liquidfs"
-    fd = os.memfd_create(label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    # Cut as bytes, the kernel's measure: a file name may have 255 bytes (of multi-byte characters, or of none),
+    # and a cut by characters left too many. The name is only a label in /proc/PID/fd: a character split at
+    # the cut, or bytes that are no UTF-8, cost nothing: fsdecode's surrogates give the kernel the same bytes.
+    label = os.path.basename(os.fsencode(name))[:_MEMFD_NAME_MAX] or b"liquidfs"
+    fd = os.memfd_create(os.fsdecode(label), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         fill(fd)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)

@@ -112,10 +112,16 @@ class Operations(pyfuse3.Operations):
         self.stats.files = files
         self.stats.dataset_bytes = served
         self.control_extra: Callable[[], dict[str, Any]] | None = None
-        #: Open files at once (``descriptor_budget``): past it an open fails with ENFILE.
+        #: Open files at once (``descriptor_budget``): past it an open fails with ENFILE, and so does one past
+        #: its user's share of it (``_take_slot``).
         self.max_open_files = max_open_files
+        # Slots of that budget taken by opens of files, in flight or open (the control file's aside): per uid,
+        # in all, and whose each open file's slot is.
+        self._slots: dict[int, int] = {}
+        self._slots_taken = 0
+        self._slot_of: dict[int, int] = {}
         #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
-        self.may_read: Callable[[Node, int, int], bool] | None = None
+        self.may_read: Callable[[Node, int, int, int], bool] | None = None
         # Set once the connection's INIT granted passthrough (``engage_passthrough``): every open of a file
         # is then answered with a backing descriptor, and the kernel serves its reads and maps itself.
         self.passthrough: PassthroughPath | None = None
@@ -271,16 +277,22 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
-        if len(self.open_files) >= self.max_open_files:
-            # Each open file may hold a descriptor (its backing, or a large file's source) and some memory:
-            # past the bound an open fails cleanly rather than the daemon running out of either.
-            if self.first_error(("open files",)):
-                log.warning("%d files open: further opens fail with ENFILE until some are closed",
-                            len(self.open_files))
-            raise FUSEError(errno.ENFILE)
+        # Taken before the first await and given back if the open fails: opens in flight count, so many at once
+        # cannot all pass a check of the files open so far.
+        self._take_slot(ctx.uid)
+        try:
+            info = await self._open_file(node, ctx)
+        except BaseException:
+            self._give_back_slot(ctx.uid)
+            raise
+        self._slot_of[info.fh] = ctx.uid
+        return info
+
+    async def _open_file(self, node: Node, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        """The open of a file, its slot of the budget taken."""
         if self.may_read is not None and ctx.uid not in (0, self.uid):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
-            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid):
+            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid):
                 raise FUSEError(errno.EACCES)
         mixed = self.mix is not None and node.served_raw and node.id not in self.fell_back
         if mixed:
@@ -335,6 +347,44 @@ class Operations(pyfuse3.Operations):
             self.daemon.drop_held(node.id)
         elif self.passthrough.memory is not None:
             self.passthrough.memory.drop(node.id)
+
+    def _take_slot(self, uid: int) -> None:
+        """Count an open by ``uid`` against the open-file budget, or refuse it with ENFILE.
+
+        Each open file may hold a descriptor (its backing, or a large file's source) and some memory: past the
+        budget an open fails cleanly rather than the daemon running out of either. With --allow-other, users who
+        do not trust each other share it, and one user opening one file 18,976 times left everyone else (root
+        included) with ENFILE. So a user other than root and the mount's own holds at most half of what is not
+        kept back: one greedy user leaves the other half to everyone else, and a node's one loader (the usual
+        user) still has most of the budget. The last eighth is kept back for root and the mount's user, who may
+        use all of it: they own the mount, and what they run on it must open files whatever the others hold.
+        """
+        budget = self.max_open_files
+        kept_back = budget // 8
+        privileged = uid in (0, self.uid)
+        room = budget if privileged else budget - kept_back
+        share = budget if privileged else max(1, (budget - kept_back) // 2)
+        mine = self._slots.get(uid, 0)
+        if self._slots_taken >= room:
+            if self.first_error(("open files",)):
+                log.warning("%d files open: further opens fail with ENFILE until some are closed (the last %d "
+                            "for root and the mount's user)", self._slots_taken, kept_back)
+            raise FUSEError(errno.ENFILE)
+        if mine >= share:
+            if self.first_error(("open files of", uid)):
+                log.warning("uid %d holds %d open files, its share of the %d of the mount: its further opens "
+                            "fail with ENFILE until it closes some", uid, mine, budget)
+            raise FUSEError(errno.ENFILE)
+        self._slots[uid] = mine + 1
+        self._slots_taken += 1
+
+    def _give_back_slot(self, uid: int) -> None:
+        left = self._slots[uid] - 1
+        if left:
+            self._slots[uid] = left
+        else:
+            del self._slots[uid]  # the uids holding files now, not every uid ever seen
+        self._slots_taken -= 1
 
     def _register(self, handle: Handle) -> int:
         fh = self._next_fh
@@ -402,6 +452,9 @@ class Operations(pyfuse3.Operations):
         handle = self.open_files.pop(fh, None)
         if handle is None:
             return
+        uid = self._slot_of.pop(fh, None)
+        if uid is not None:  # None: the control file, which takes no slot
+            self._give_back_slot(uid)
         if handle.mixed:
             assert self.mix is not None and handle.node is not None
             self.mix.release(handle.node.id)

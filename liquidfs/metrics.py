@@ -18,8 +18,13 @@ The threads share the GIL with the loop, so everything they may cost is still bo
 - at most ``max_connections`` connections are open at a time, served by as many worker threads (a fixed pool).
   The accept thread takes a slot *before* it accepts, so a flood waits in the kernel's listen queue (``backlog``
   long; the kernel drops the rest) instead of turning into threads and descriptors here;
-- each connection has ``time_limit`` seconds in all (reading, waiting for a snapshot, answering), so slow
-  clients give their slot back; a request is read up to 8 KiB;
+- each connection has ``time_limit`` seconds in all (reading, waiting for a snapshot, answering), and
+  ``request_timeout`` of them to send its request line and headers, so slow and idle clients give their slot
+  back soon; a request is read up to 8 KiB;
+- one peer (an IPv4 address, or an IPv6 /64: one host's) holds at most ``max_per_peer`` connections at once; its
+  next ones are closed as they are accepted, so a client that keeps connections open and idle cannot hold every
+  slot and make every scrape wait (on the default loopback address every local user is one peer: there the
+  request deadline is what bounds them);
 - accept failing for want of descriptors or memory (EMFILE, ENFILE, ENOMEM, ENOBUFS) is waited out (100 ms),
   not fatal.
 
@@ -31,6 +36,7 @@ promptly.
 from __future__ import annotations
 
 import errno
+import ipaddress
 import logging
 import queue
 import selectors
@@ -39,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -68,10 +75,27 @@ class MetricsStatistics:
     address: str            # where it listens (the first listener's address)
     port: int
     max_connections: int
+    max_per_peer: int
     connections: int        # open now
     peak_connections: int   # the most ever open at once
     requests: int           # requests answered (200, 404, 500 or 503)
     snapshots: int          # calls of values(): at most one per max_age
+    turned_away: int        # connections closed as accepted: their peer held max_per_peer already
+
+
+def _peer(address: Any) -> str:
+    """Whom a connection counts against (``max_per_peer``): its IPv4 address (an IPv4-mapped IPv6 one too), or
+    the /64 of an IPv6 address, since one host is given a whole /64 to pick addresses from."""
+    host = str(address[0] if isinstance(address, tuple) else address)
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class MetricsServer:
@@ -82,12 +106,19 @@ class MetricsServer:
     a slot is given back, a snapshot is wanted or done, and when the server stops."""
 
     def __init__(self, values: Callable[[], dict[str, object]], *, max_connections: int = 8,
-                 time_limit: float = 5.0, max_age: float = 1.0) -> None:
+                 time_limit: float = 5.0, max_age: float = 1.0, request_timeout: float = 2.0,
+                 max_per_peer: int | None = None) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self._values = values
         self._max_connections = max_connections
+        # Half the slots by default: one greedy client leaves the other half to everyone else, and a few scrapes
+        # at once from one address (all local clients are 127.0.0.1) are still served side by side.
+        self._max_per_peer = max(1, max_connections // 2 if max_per_peer is None else max_per_peer)
         self._time_limit = time_limit
+        # A scraper sends its request as soon as it is connected: a request head not in after this long is a
+        # client holding a slot for nothing (the whole time limit is for waiting on a snapshot, too).
+        self._request_timeout = request_timeout
         self._max_age = max_age
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
@@ -97,13 +128,16 @@ class MetricsServer:
         self._refreshing = False           # a snapshot is asked for and not done yet
         self._stopping = False
         self._open: set[socket.socket] = set()
+        self._per_peer: dict[str, int] = {}  # connections open now per peer (those with any)
+        self._turned_away = 0
         self._address: tuple[str, int] = ("", 0)
         self._connections = 0
         self._peak = 0
         self._requests = 0
         self._snapshots = 0
         self._listeners: list[socket.socket] = []
-        self._pending: queue.SimpleQueue[tuple[socket.socket, float] | None] = queue.SimpleQueue()
+        # Accepted connections for the workers: the socket, its peer, when it was accepted (time.monotonic()).
+        self._pending: queue.SimpleQueue[tuple[socket.socket, str, float] | None] = queue.SimpleQueue()
         self._accept_thread: threading.Thread | None = None
         self._workers: list[threading.Thread] = []
         self._refresher: threading.Thread | None = None
@@ -116,9 +150,10 @@ class MetricsServer:
         """The counters, from any thread."""
         with self._lock:
             return MetricsStatistics(address=self._address[0], port=self._address[1],
-                                     max_connections=self._max_connections, connections=self._connections,
-                                     peak_connections=self._peak, requests=self._requests,
-                                     snapshots=self._snapshots)
+                                     max_connections=self._max_connections, max_per_peer=self._max_per_peer,
+                                     connections=self._connections, peak_connections=self._peak,
+                                     requests=self._requests, snapshots=self._snapshots,
+                                     turned_away=self._turned_away)
 
     # -- starting and stopping (from the trio loop) ----------------------------------------------------------
 
@@ -139,7 +174,8 @@ class MetricsServer:
                                                daemon=True)
         for thread in (self._refresher, *self._workers, self._accept_thread):
             thread.start()
-        log.info("metrics on http://%s:%d/metrics (at most %d connections)", *self._address, self._max_connections)
+        log.info("metrics on http://%s:%d/metrics (at most %d connections, %d per peer)", *self._address,
+                 self._max_connections, self._max_per_peer)
 
     def stop(self, timeout: float = _STOP_TIMEOUT) -> None:
         """Stop serving and wait (``timeout`` seconds at most) for the threads to end. Blocking, and the refresh
@@ -201,7 +237,7 @@ class MetricsServer:
                         return
                     self._slots_taken += 1
                 try:
-                    conn = self._accept_one(selector)
+                    accepted = self._accept_one(selector)
                 except OSError as exc:
                     self._give_back_slot()
                     if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
@@ -213,18 +249,30 @@ class MetricsServer:
                 except BaseException:
                     self._give_back_slot()
                     raise
-                if conn is None:
+                if accepted is None:
                     self._give_back_slot()
                     continue
+                conn, peer = accepted
                 with self._changed:
                     if self._stopped():  # stop() has shut the open ones already: this one is never served
                         self._slots_taken -= 1
                         conn.close()
                         return
-                    self._open.add(conn)
-                    self._connections += 1
-                    self._peak = max(self._peak, self._connections)
-                self._pending.put((conn, time.monotonic() + self._time_limit))
+                    held = self._per_peer.get(peer, 0)
+                    if held >= self._max_per_peer:
+                        # Its peer has its share open: closed unread, the slot free for the next in the queue.
+                        self._slots_taken -= 1
+                        self._turned_away += 1
+                    else:
+                        self._per_peer[peer] = held + 1
+                        self._open.add(conn)
+                        self._connections += 1
+                        self._peak = max(self._peak, self._connections)
+                if held >= self._max_per_peer:
+                    log.debug("metrics: %s holds %d connections already; closed another", peer, held)
+                    conn.close()
+                    continue
+                self._pending.put((conn, peer, time.monotonic()))
         except BaseException as exc:
             if not self._stopping:
                 log.exception("metrics: the accept thread failed")
@@ -232,13 +280,14 @@ class MetricsServer:
         finally:
             selector.close()
 
-    def _accept_one(self, selector: selectors.BaseSelector) -> socket.socket | None:
-        """A connection, or None where there was none to accept after all (or the server stops)."""
+    def _accept_one(self, selector: selectors.BaseSelector) -> tuple[socket.socket, str] | None:
+        """A connection and its peer (``_peer``), or None where there was none to accept after all (or the
+        server stops)."""
         for key, _ in selector.select():
             listener = key.fileobj
             if isinstance(listener, socket.socket) and listener in self._listeners:
                 try:
-                    conn, _ = listener.accept()
+                    conn, address = listener.accept()
                 except BlockingIOError:
                     return None
                 except OSError as exc:
@@ -246,7 +295,7 @@ class MetricsServer:
                         log.debug("metrics: accept: %s", exc)
                         return None
                     raise
-                return conn
+                return conn, _peer(address)
         return None
 
     def _stopped(self) -> bool:
@@ -262,9 +311,9 @@ class MetricsServer:
 
     def _worker(self) -> None:
         while (item := self._pending.get()) is not None:
-            conn, deadline = item
+            conn, peer, accepted = item
             try:
-                self._serve(conn, deadline)
+                self._serve(conn, accepted + self._time_limit, accepted + self._request_timeout)
             except OSError as exc:  # a reset, or the time limit (socket.timeout is an OSError)
                 log.debug("metrics client: %s", exc)
             except Exception:  # never let a worker die: its slot's connections would go unanswered
@@ -276,15 +325,19 @@ class MetricsServer:
                     self._open.discard(conn)
                     conn.close()
                     self._connections -= 1
+                    if self._per_peer[peer] > 1:
+                        self._per_peer[peer] -= 1
+                    else:
+                        del self._per_peer[peer]  # the peers with connections now, not every one ever seen
                     self._slots_taken -= 1
                     self._changed.notify_all()
 
-    def _serve(self, conn: socket.socket, deadline: float) -> None:
+    def _serve(self, conn: socket.socket, deadline: float, request_deadline: float) -> None:
         request = b""
         while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
-            remaining = deadline - time.monotonic()
+            remaining = min(deadline, request_deadline) - time.monotonic()
             if remaining <= 0:
-                return  # the time limit: closed without an answer
+                return  # the request deadline (or the time limit): closed without an answer
             conn.settimeout(remaining)
             chunk = conn.recv(min(4096, _MAX_REQUEST - len(request)))
             if not chunk:
@@ -351,14 +404,15 @@ class MetricsServer:
 
 async def serve_metrics(port: int, values: Callable[[], dict[str, object]], host: str = "127.0.0.1", *,
                         max_connections: int = 8, time_limit: float = 5.0, max_age: float = 1.0,
-                        backlog: int = 16,
+                        request_timeout: float = 2.0, max_per_peer: int | None = None, backlog: int = 16,
                         task_status: trio.TaskStatus[MetricsServer] = trio.TASK_STATUS_IGNORED) -> None:
     """Listen on ``host:port`` (port 0: any free one) and serve, from threads of its own, until cancelled;
     ``nursery.start`` returns the ``MetricsServer``, once it listens, for its ``statistics()``.
 
     ``values()`` is called on this task's loop, at most once per ``max_age`` seconds; it must return a snapshot
     (a dict it does not change afterwards: it is rendered in another thread)."""
-    server = MetricsServer(values, max_connections=max_connections, time_limit=time_limit, max_age=max_age)
+    server = MetricsServer(values, max_connections=max_connections, time_limit=time_limit, max_age=max_age,
+                           request_timeout=request_timeout, max_per_peer=max_per_peer)
     listeners = await trio.open_tcp_listeners(port, host=host, backlog=backlog)
     sockets: list[socket.socket] = []
     try:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import stat
 import statistics
 import time
 from collections import deque
@@ -223,8 +224,10 @@ class CpuBusy:
     def _sample(self) -> tuple[float, float] | None:
         """(busy seconds, total seconds) so far, as counters."""
         try:
-            if self.group_stat.exists():
-                fields = dict(line.split() for line in self.group_stat.read_text().splitlines() if line.strip())
+            # Read as the pressure files are: only a regular file is the group's (--pressure-dir may be its user's).
+            group = _read_regular(self.group_stat)
+            if group is not None:
+                fields = dict(line.split() for line in group.splitlines() if line.strip())
                 return int(fields["usage_usec"]) / 1e6, self.clock() * self.cores
             ticks = [int(v) for v in self.proc_stat.read_text().split("\n", 1)[0].split()[1:9]]
         except (OSError, ValueError, KeyError) as exc:
@@ -251,10 +254,43 @@ def read_pressure(text: str) -> tuple[float, int]:
     raise ValueError("no 'some' line in a pressure file")
 
 
-def _pressure_file(kind: str, root: Path) -> Path:
-    """The node's ``/proc/pressure/cpu``, or a cgroup v2 group's ``/sys/fs/cgroup/GROUP/cpu.pressure``."""
-    path = root / kind
-    return path if path.exists() else root / f"{kind}.pressure"
+#: More than any pressure or cpu.stat file holds: a regular file planted in a delegated directory is read no further.
+_MAX_READ = 1 << 16
+
+
+def _read_regular(path: Path) -> str | None:
+    """The text of ``path`` when it is a regular file; None for anything else (missing, a directory, a FIFO, a
+    device, a symbolic link), at once. A delegated --pressure-dir (a cgroup) is its user's: a child group named
+    ``cpu`` is a directory there, and a FIFO's open would block the controller for good. O_NONBLOCK keeps that
+    open from waiting for a writer, O_NOFOLLOW keeps a link from leading anywhere, fstat judges what was opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        log.debug("%s: %s", path, exc)
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            log.debug("%s: not a regular file", path)
+            return None
+        data = b""
+        while len(data) < _MAX_READ and (chunk := os.read(fd, _MAX_READ - len(data))):
+            data += chunk
+        return data.decode("ascii", "replace")
+    except OSError as exc:
+        log.debug("%s: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pressure_text(kind: str, root: Path) -> str | None:
+    """The node's ``/proc/pressure/cpu``, or a cgroup v2 group's ``/sys/fs/cgroup/GROUP/cpu.pressure``: the first
+    of the two names that is a regular file (a group's child named ``cpu`` must not hide its ``cpu.pressure``)."""
+    for path in (root / kind, root / f"{kind}.pressure"):
+        text = _read_regular(path)
+        if text is not None:
+            return text
+    return None
 
 
 class Stalls:
@@ -268,9 +304,13 @@ class Stalls:
         self._last: dict[str, tuple[int, float]] = {}
 
     def __call__(self, kind: str) -> float | None:
+        text = _pressure_text(kind, self.root)
+        if text is None:
+            log.debug("no %s pressure file in %s", kind, self.root)
+            return None
         try:
-            avg10, total = read_pressure(_pressure_file(kind, self.root).read_text())
-        except (OSError, ValueError) as exc:
+            avg10, total = read_pressure(text)
+        except ValueError as exc:
             log.debug("no %s pressure in %s: %s", kind, self.root, exc)
             return None
         now = self.clock()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -23,6 +24,13 @@ log = logging.getLogger(__name__)
 #: decode take 4 B/px each, and so do its four packed copies (tobytes, the BMP array, its bytes, the check's
 #: tobytes). 16-bit and CMYK images are refused from their header, before any of that.
 EXPAND_BYTES_PER_PIXEL: Final = 24
+#: The same figure for each raw format. A lossless JPEG 2000 (``formats.expand(data, to="j2k")``: Pillow's
+#: OpenJPEG encode, then the check's decode) peaks far higher than a BMP, measured the same way (VmHWM reset
+#: before the call, less the RSS before it, the source already in memory) on noise PNGs of 1, 4 and 16 Mpx:
+#: 76, 75 and 70 B/px for RGBA, 57, 56 and 56 for RGB, 53-55 for JPEG, 45-50 for a flat RGB PNG, 19-20 for L.
+#: Budgeted at BMP's 24, a 4 GiB container was OOM-killed. Unknown formats fail here (KeyError): a new raw
+#: format must be measured before prepare can size its workers.
+BYTES_PER_PIXEL: Final[Mapping[str, int]] = {"bmp": EXPAND_BYTES_PER_PIXEL, "j2k": 76}
 #: The source is read into a buffer and copied into bytes (measured: 2.0 x the size of a 200 MB non-image).
 SOURCE_COPIES: Final = 2
 #: A worker process before its first image: ~37 MB RSS measured after importing prepare, Pillow and NumPy.
@@ -155,9 +163,15 @@ def cpu_count() -> int:
 # -- the worker count -----------------------------------------------------------------------------------
 
 
-def expansion_need(pixels: int, source_size: int) -> int:
-    """Peak bytes that expanding one image of ``pixels`` and ``source_size`` bytes takes in a worker."""
-    return SOURCE_COPIES * source_size + EXPAND_BYTES_PER_PIXEL * pixels
+def bytes_per_pixel(raw_formats: Iterable[str]) -> int:
+    """The most any of ``raw_formats`` takes per pixel: a worker tries them in turn, each after the last let go."""
+    return max(BYTES_PER_PIXEL[f] for f in raw_formats)
+
+
+def expansion_need(pixels: int, source_size: int, raw_formats: Iterable[str] = ("bmp",)) -> int:
+    """Peak bytes that expanding one image of ``pixels`` and ``source_size`` bytes to ``raw_formats`` takes in a
+    worker."""
+    return SOURCE_COPIES * source_size + bytes_per_pixel(raw_formats) * pixels
 
 
 @dataclass(frozen=True)
@@ -168,7 +182,8 @@ class WorkerPlan:
     available: int | None
 
 
-def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int, refusing: bool = True) -> WorkerPlan:
+def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int, refusing: bool = True,
+                 raw_formats: tuple[str, ...] = ("bmp",)) -> WorkerPlan:
     """How many workers to start, and the memory each may use for one image.
 
     Each worker is given room for the largest image expand accepts (``max_pixels``, from a source as large as
@@ -176,11 +191,12 @@ def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int,
     catalog holds may be any of them. So the default never refuses an image that one worker alone could expand.
     ``requested`` (--jobs) is honoured up to what fits and lowered beyond, with a warning: more workers would
     split the same memory into shares too small for the images they may meet. ``refusing``: the workers refuse
-    an image over their budget (prepare's do; verify's do not, so no warning about it).
+    an image over their budget (prepare's do; verify's do not, so no warning about it). ``raw_formats``: what
+    the workers make (``--formats``), each at its own need (``BYTES_PER_PIXEL``).
     """
     available = available_memory()
     cpus = cpu_count()
-    per_worker = WORKER_BASE_BYTES + expansion_need(max_pixels, largest_source)
+    per_worker = WORKER_BASE_BYTES + expansion_need(max_pixels, largest_source, raw_formats)
     fits = None if available is None else max(1, available // per_worker)
     workers = max(1, requested or cpus)
     if available is not None and fits is not None and workers > fits:
@@ -190,11 +206,13 @@ def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int,
             workers, fits, available / 1e9, per_worker / 1e9, max_pixels // 1_000_000)
         workers = fits
     budget = None if available is None else available // workers - WORKER_BASE_BYTES
+    # Refused only when not even the cheapest of the formats fits (a worker skips those that do not).
+    cheapest = min(raw_formats, key=BYTES_PER_PIXEL.__getitem__)
     if refusing and available is not None and budget is not None \
-            and budget < expansion_need(max_pixels, largest_source):
+            and budget < expansion_need(max_pixels, largest_source, (cheapest,)):
         log.warning("%.1f GB of memory is available: images of more than about %.0f Mpx are served as their "
                     "originals (skipped as no-memory)", available / 1e9,
-                    max(0, budget - SOURCE_COPIES * largest_source) / EXPAND_BYTES_PER_PIXEL / 1e6)
+                    max(0, budget - SOURCE_COPIES * largest_source) / BYTES_PER_PIXEL[cheapest] / 1e6)
     log.info("%d workers, %s", workers,
              "memory unknown" if available is None else f"{available / 1e9:.1f} GB of memory available")
     return WorkerPlan(workers, budget, available)

@@ -22,7 +22,7 @@ from typing import Any
 
 from .catalog import Node
 from .reader import WHOLE_FILE_LIMIT, Content, check_raw
-from .s3 import S3Url, as_oserror, error_code, get, head
+from .s3 import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +58,12 @@ class S3Reader:
             raise as_oserror(exc, self._where(node)) from exc
         return Content(size=len(data), raw=False, data=memoryview(data), fallback=fallback)
 
-    def vouch(self, node: Node) -> bool | None:
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
         """None: what a node serves is not known without a request (a HEAD of the source, a GET of the raw
         object), which is the read itself."""
         return None
 
-    def check_source(self, node: Node, st: object = None) -> str | None:
+    def check_source(self, node: Node, st: object = None, *, cached_only: bool = False) -> str | None:
         """Bytes held in memory were checked when they were read; an object store is not asked again per hit
         (a request per hit would cost more than the hit saves). A changed object is caught at the next miss."""
         return None
@@ -82,11 +82,15 @@ class S3Reader:
     def _open_raw(self, node: Node) -> tuple[str | None, bytes | None]:
         assert node.object is not None
         try:
-            data = get(self.client, self.store.bucket, self.store.key(node.object))  # check_raw: its size
+            # Its size as recorded: a longer body is refused before more than that is read (whoever writes the
+            # store chooses how long it is); check_raw then checks the bytes.
+            data = get(self.client, self.store.bucket, self.store.key(node.object), size=node.served_size)
         except Exception as exc:
             code = error_code(exc)
             if code in ("NoSuchKey", "404", "NotFound"):
                 return "raw object missing", None
+            if isinstance(exc, AnswerMismatch):
+                return f"raw object: {exc}", None
             return f"raw object unreadable ({code or type(exc).__name__})", None
         problem = check_raw(node, data)
         return problem, None if problem else data

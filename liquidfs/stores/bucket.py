@@ -193,6 +193,7 @@ class BucketStore:
 
     default_threads = 16  # GETs wait on the network, not the CPU: more in flight
     raw_formats: tuple[str, ...] = ("bmp",)  # J2K: local stores only for now
+    stamps_objects = False  # every GET is checked (ETag, size, checksum): no stat vouches for anything
 
     def __init__(self, source: S3Url, store: S3Url) -> None:
         self.source = source
@@ -325,7 +326,7 @@ class BucketStore:
 
         def job(n: Node) -> Job:
             return verify_one_s3, (src.bucket, src.key(n.path), str(n.etag), n.size, dst.bucket,
-                                   dst.key(str(n.object)), str(n.checksum))
+                                   dst.key(str(n.object)), str(n.checksum), n.served_size)
 
         return nodes, job
 
@@ -338,13 +339,16 @@ class BucketStore:
             raise ProfileError(f"{self.label} holds only {', '.join(self.raw_formats)} objects")
         src, dst = self.source, self.store
         client = make_client(jobs + 2)
-        keys = [o.key for o in list_objects(client, src) if o.key.lower().endswith(IMAGE_SUFFIXES)]
+        # Every GET is read no further than the size the listing (or the upload) gave: see ``s3.get``.
+        sizes = {(src.bucket, o.key): o.size for o in list_objects(client, src)
+                 if o.key.lower().endswith(IMAGE_SUFFIXES)}
+        keys = [key for _, key in sizes]
         if not keys:
             raise ProfileError("no PNG/JPEG images in the source")
         random.Random(seed).shuffle(keys)
         sample = Sample([], [], work_dir(dst, client),
-                        load=lambda items, seconds: measure_get(lambda obj: get(client, *obj), items, seconds,
-                                                                jobs))
+                        load=lambda items, seconds: measure_get(lambda obj: get(client, *obj, size=sizes[obj]),
+                                                                items, seconds, jobs))
         written: list[str] = []
         prefix = unique("profile-sample-")  # profiles run at once on one store (a Job's pods) keep apart
 
@@ -355,13 +359,14 @@ class BucketStore:
         for key in keys:
             if len(sample.raws) >= count:
                 break
-            data = get(client, src.bucket, key)
+            data = get(client, src.bucket, key, size=sizes[(src.bucket, key)])
             result = formats.expand(data)
             if result.data is None:
                 continue
             raw_key = dst.key(f"{prefix}/{len(written)}.bmp")
             put(client, dst.bucket, raw_key, result.data)
             written.append(raw_key)
+            sizes[(dst.bucket, raw_key)] = len(result.data)
             sample.originals.append((src.bucket, key))
             sample.raws.append((dst.bucket, raw_key))
             sample.original_data.append(data)
@@ -398,12 +403,13 @@ class BucketStore:
 
 
 def verify_one_s3(src_bucket: str, src_key: str, etag: str, size: int, store_bucket: str, store_key: str,
-                  want_checksum: str) -> str | None:
+                  want_checksum: str, raw_size: int | None = None) -> str | None:
     """Runs in a worker process: None when the raw object is sound and decodes to its source's pixels."""
     client = _worker()
     try:
         original = get(client, src_bucket, src_key, if_match=etag, size=size)
-        raw = get(client, store_bucket, store_key)  # judge: its size and checksum
+        # Read no further than its recorded size (a longer body is refused unread); judge: its checksum.
+        raw = get(client, store_bucket, store_key, size=raw_size)
     except Exception as exc:
         if error_code(exc) in ("PreconditionFailed", "412"):
             return "source changed since prepare (a mount fails it with EIO until prepare runs again)"

@@ -271,7 +271,7 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
     """Like DALI's shuffle buffer: many files opened long before they are read. Past the bound, files are read
     at their first read instead of at open; nothing is read twice."""
     ops = _ops_over(tmp_path, FILES, None)
-    ops.reader.vouch = lambda node: None  # type: ignore[method-assign]  # like an object store's
+    ops.reader.vouch = lambda node, cached_only=False: None  # type: ignore[method-assign]  # like an object store's
     ops.daemon.max_open_bytes = 700_000  # room for two of the four 300 kB files
     handles = {}
     for name in FILES:
@@ -489,24 +489,29 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
 # -- files opened now and read at their first read -----------------------------------------------------------
 
 
-def _raw_ops(tmp_path: Path, sealed_later: int = 0) -> tuple[Operations, list, Path]:
-    """Every image of a small sample served raw; prepare run twice, so its seal is well after every object."""
-    import time
-
+def _raw_ops(tmp_path: Path) -> tuple[Operations, list, Path]:
+    """Every image of a small sample served raw, each object stamped by the prepare that wrote it."""
     from liquidfs.prepare import prepare
     from liquidfs.sample import make_sample
 
     src = make_sample(tmp_path / "src", count=3, width=256, height=128, seed=8)
     store = tmp_path / "store"
     prepare(src, store, 1.0, progress=False)
-    time.sleep(0.1)
-    prepare(src, store, 1.0, progress=False)  # reuses every object, seals again
     catalog = Catalog.open(store, readonly=True)
     raw = [n for n in catalog.files() if n.served_raw]
-    sealed = catalog.sealed_ns
-    assert len(raw) == 3 and sealed is not None
-    reader = StoreReader(catalog.source, store, sealed + sealed_later)
+    assert len(raw) == 3 and all(n.object_stamp for n in raw)
+    reader = StoreReader(catalog.source, store)
     return Operations(catalog, reader, MountStats()), raw, store
+
+
+def _set_stamp(store: Path, node, stamp: str | None) -> None:
+    """Write ``stamp`` into ``node``'s catalog row, as a store writer (or an older liquidfs) could."""
+    import sqlite3
+
+    db = sqlite3.connect(store / "catalog.sqlite")
+    with db:
+        db.execute("UPDATE nodes SET object_stamp=? WHERE id=?", (stamp, node.id))
+    db.close()
 
 
 def _open_node(ops: Operations, node) -> int:
@@ -542,13 +547,16 @@ def test_an_object_changed_after_prepare_is_checked_at_open_and_the_original_ser
 
 def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_the_original(
         tmp_path: Path) -> None:
-    """Damage no stat shows (a bad disk sector): as if it had happened before prepare sealed the store."""
-    ops, raw, store = _raw_ops(tmp_path, sealed_later=60 * 10**9)
+    """Damage no stat shows (a bad disk sector): as if the object's stamp had been taken after it."""
+    from liquidfs.catalog import object_stamp
+
+    ops, raw, store = _raw_ops(tmp_path)
     node = raw[0]
     obj = store / str(node.object)
     changed = bytearray(obj.read_bytes())
     changed[-10] ^= 0xFF
     obj.write_bytes(changed)
+    _set_stamp(store, node, object_stamp(obj.stat()))
     fh = _open_node(ops, node)
     assert ops.open_files[fh].content.deferred
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -564,9 +572,9 @@ def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_t
     assert bytes(run(ops.read, fh, 0, 1 << 22)) == (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()
 
 
-def test_a_store_without_a_seal_is_read_at_open(tmp_path: Path) -> None:
+def test_an_object_without_a_stamp_is_read_at_open(tmp_path: Path) -> None:
     ops, raw, store = _raw_ops(tmp_path)
-    ops.reader.sealed_ns = None  # prepared by an older liquidfs
+    _set_stamp(store, raw[0], None)  # prepared by an older liquidfs
     fh = _open_node(ops, raw[0])
     assert not ops.open_files[fh].content.deferred and ops.stats.bytes_from_storage > 0
 
@@ -632,3 +640,50 @@ def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> N
     for fi, name in zip(handles, files):  # bytes let go are read again, and still right
         assert bytes(run(ops.read, fi.fh, 100_000, 50_000)) == files[name][100_000:150_000]
         run(ops.release, fi.fh)
+
+
+class _As:
+    """The request context of a FUSE request from ``uid`` (pyfuse3's own cannot be made with other ids)."""
+
+    def __init__(self, uid: int) -> None:
+        self.uid, self.gid, self.pid, self.umask = uid, uid, 4242, 0o022
+
+
+def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:
+    """Open ``ino`` as ``ctx`` until an open fails (``at_most`` times at most): the handles, and the errno."""
+    held: list[int] = []
+    for _ in range(at_most):
+        try:
+            held.append(run(ops.open, ino, os.O_RDONLY, ctx).fh)
+        except pyfuse3.FUSEError as exc:
+            return held, exc.errno
+    return held, 0
+
+
+def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
+    """The open-file budget was the mount's, whoever held it: one user opening one file 18,976 times left every
+    other user, root included, with ENFILE. A user other than root and the mount's own holds at most a share of
+    it (half of what is not kept back), and the last eighth stays for root and the mount's user, whoever else
+    opens what. A close gives the slot back to whoever it was; a refused or failed open takes none."""
+    ops = _ops_over(tmp_path, {"f": b"x" * 1000}, None)
+    ops.max_open_files = 16  # 2 kept back for root and the mount's user; 7 at most for any one other user
+    ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
+    greedy, held_errno = _open_until_refused(ops, ino, _As(1000), 16)
+    assert (len(greedy), held_errno) == (7, errno.ENFILE)
+    other, _ = _open_until_refused(ops, ino, _As(1001), 7)  # another user still opens, as many
+    assert len(other) == 7
+    assert _open_until_refused(ops, ino, _As(1002), 1) == ([], errno.ENFILE)  # only the part kept back is left
+    root, _ = _open_until_refused(ops, ino, CTX, 2)  # root (and the mount's user) still open
+    assert len(root) == 2 and _open_until_refused(ops, ino, CTX, 1) == ([], errno.ENFILE)  # the whole budget
+    for fh in (*root, greedy.pop()):
+        run(ops.release, fh)
+    assert _open_until_refused(ops, ino, _As(1001), 1) == ([], errno.ENFILE)  # its share: full
+    greedy += _open_until_refused(ops, ino, _As(1000), 1)[0]  # the slot given back is its owner's again
+    assert len(greedy) == 7
+    for fh in greedy + other:
+        run(ops.release, fh)
+    # An open that fails (the source is gone) gives its slot back too.
+    (tmp_path / "src" / "f").unlink()
+    for _ in range(10):
+        assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
+    assert ops._slots_taken == 0 and not ops._slots

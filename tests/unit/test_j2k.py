@@ -7,15 +7,17 @@ import argparse
 import io
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from conftest import run_cli
-from liquidfs import formats
+from liquidfs import formats, resources
 from liquidfs.cli import parse_formats
 from liquidfs.expansion import raw_format_of
+from liquidfs.prepare import prepare
 from liquidfs.sample import _photos, mosaic
 
 
@@ -111,3 +113,34 @@ def test_prepare_refuses_j2k_alone_without_a_gpu_and_bad_formats(tmp_path) -> No
     bad = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "1",
                   "--formats", "png,webp", check=False)
     assert bad.returncode == 2 and "unknown format webp" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_each_format_is_budgeted_at_what_its_expansion_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare --formats ...j2k`` gave each worker the memory of a BMP expansion (24 B/px) while a lossless J2K
+    encode peaks at 55-76 B/px: a container's limit OOM-killed the workers. Each format is budgeted at its own
+    measured need: fewer workers fit for J2K, and an image whose J2K would not fit is refused for memory before
+    any pixel is decoded, or made a BMP where --formats allows one."""
+    src = tmp_path / "data"
+    src.mkdir()
+    noise = np.random.default_rng(5).integers(0, 256, (256, 512, 3), dtype=np.uint8)
+    (src / "a.png").write_bytes(_encoded(Image.fromarray(noise, "RGB"), compress_level=1))
+    size, pixels = (src / "a.png").stat().st_size, 512 * 256
+    bmp, j2k = (resources.expansion_need(pixels, size, formats_) for formats_ in (("bmp",), ("j2k",)))
+    assert j2k - bmp >= (70 - resources.EXPAND_BYTES_PER_PIXEL) * pixels
+    assert resources.expansion_need(pixels, size, ("j2k", "bmp")) == j2k  # a worker may try both in turn
+    # A machine of 8 cores and 32 GiB: each J2K worker is given room for the largest image, so fewer fit.
+    monkeypatch.setattr(resources, "cpu_count", lambda: 8)
+    monkeypatch.setattr(resources, "available_memory", lambda *a, **k: 32 << 30)
+    plans = {f: resources.plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=size, raw_formats=(f,))
+             for f in ("bmp", "j2k")}
+    per_worker = resources.WORKER_BASE_BYTES + resources.expansion_need(formats.MAX_PIXELS, size, ("j2k",))
+    assert plans["j2k"].workers == (32 << 30) // per_worker < plans["bmp"].workers
+    assert plans["j2k"].budget is not None and plans["j2k"].budget >= per_worker - resources.WORKER_BASE_BYTES
+    # Room for this image's BMP, not for its J2K: refused from its header (J2K alone), or made a BMP.
+    budget = (bmp + j2k) // 2
+    monkeypatch.setattr(resources, "available_memory", lambda *a, **k: resources.WORKER_BASE_BYTES + budget)
+    report = prepare(src, tmp_path / "j2k", 1.0, progress=False, raw_formats=("j2k",))
+    assert report.skipped == {"no-memory": 1} and report.raw_served == 0, report.lines()
+    report = prepare(src, tmp_path / "both", 1.0, progress=False, raw_formats=("j2k", "bmp"))
+    assert report.raw_served == 1, report.lines()
+    assert [p.suffix for p in (tmp_path / "both" / "objects").rglob("*.*")] == [".bmp"]

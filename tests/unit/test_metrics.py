@@ -132,10 +132,12 @@ def _accepted_fds(port: int) -> list[int]:
 
 def _idle_clients(port: int, count: int, into: list[socket.socket]) -> None:
     """``count`` connections that connect (or wait in the listen queue) and send nothing, added to ``into`` as
-    they are made, so the caller closes every one even if a later one fails."""
-    for _ in range(count):
+    they are made, so the caller closes every one even if a later one fails. They come from four loopback
+    addresses in turn (all of 127/8 is this host), so they fill every slot before any peer meets its own bound."""
+    for i in range(count):
         sock = socket.socket()
         into.append(sock)
+        sock.bind((f"127.0.0.{1 + i % 4}", 0))
         sock.setblocking(False)
         sock.connect_ex(("127.0.0.1", port))
 
@@ -405,3 +407,60 @@ def test_any_other_accept_error_ends_serve_metrics(monkeypatch: pytest.MonkeyPat
         client.close()
     assert info.value.subgroup(lambda exc: isinstance(exc, OSError) and exc.errno == errno.EINVAL) is not None
     assert not _metrics_threads()
+
+
+def _idle_from(address: str, port: int, count: int, into: list[socket.socket]) -> None:
+    """``count`` connections from ``address`` (a loopback address: all of 127/8 is this host) that send nothing."""
+    for _ in range(count):
+        sock = socket.socket()
+        into.append(sock)
+        sock.bind((address, 0))
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port))
+
+
+def _get_from(address: str, port: int, timeout: float = 30.0) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout, source_address=(address, 0)) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return reply
+
+
+def test_one_peer_holding_idle_connections_cannot_starve_the_scrapes() -> None:
+    """A client that opened every slot's connection and sent nothing made every scrape wait for the time limit
+    (and time out): one peer (one address) holds at most half the slots at once; its connections past that are
+    closed as they are accepted, and a scrape from anywhere else gets a slot at once."""
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        idle: list[socket.socket] = []
+        try:
+            _idle_from("127.0.0.1", port, 4, idle)  # every slot of this server
+            for sock in idle[2:]:  # past its two connections at a time (half of 4): closed unanswered
+                assert sock.recv(1) == b""
+            assert _stats(server).turned_away == 2 and _stats(server).max_per_peer == 2
+            reply = _get_from("127.0.0.2", port, timeout=10)  # never waits for the idle one's time limit
+            assert reply.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in reply
+            assert _stats(server).peak_connections <= 3
+        finally:
+            for sock in idle:
+                sock.close()
+
+    _with_server(client, CountingValues(), max_connections=4, time_limit=60)
+
+
+def test_a_connection_that_does_not_send_its_request_in_time_is_dropped() -> None:
+    """The request line and headers have a deadline of their own, shorter than the connection's time limit:
+    idle connections, and ones that trickle a byte at a time, give their slot back at it."""
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as idle, \
+                socket.create_connection(("127.0.0.1", port), timeout=30) as trickle:
+            trickle.sendall(b"GET /metrics HTTP/1.1\r\n")  # a head never finished
+            assert idle.recv(1) == b"" and trickle.recv(1) == b""  # closed without an answer
+        _wait_for(lambda: _stats(server).connections == 0)
+        head, body = _get(port)
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in body
+
+    _with_server(client, CountingValues(), time_limit=60, request_timeout=0.3)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 from pathlib import Path
 
 import pyfuse3
@@ -61,14 +60,13 @@ def _prepared(root: Path, count: int = 6) -> tuple[Path, Path]:
     make_sample(src, count=count, width=64, height=48, seed=3)
     store = root / "store"
     prepare(src, store, 0.5, progress=False)
-    time.sleep(0.1)  # objects written within a clock tick of the seal are not vouched for by a stat
-    prepare(src, store, 0.5, progress=False)
+    prepare(src, store, 0.5, progress=False)  # reuses every object unread: their stamps stay as written
     return src, store
 
 
 def _ops(store: Path, *, cache: bool = False, verify: bool = False) -> tuple[Operations, FakeKernel]:
     catalog = Catalog.open(store, readonly=True)
-    reader = StoreReader(catalog.source, store, catalog.sealed_ns)
+    reader = StoreReader(catalog.source, store)
     files, served, _, max_id = catalog.file_totals()
     policy = NextEpochCache(served, served, files, max_id=max_id) if cache else None
     ops = Operations(catalog, reader, MountStats(), cache=policy)
@@ -133,7 +131,7 @@ def test_a_touched_or_damaged_object_is_never_passed_through(prepared, tmp_path:
     src, store = prepared
     import shutil
     store2 = tmp_path / "store"
-    shutil.copytree(store, store2)  # copies: every object's ctime is now after the seal
+    shutil.copytree(store, store2)  # copies: every object is another inode now, its stamp no longer matches
     ops, kernel = _ops(store2)
     node = next(n for n in _images(ops) if n.object)
     obj = store2 / node.object
@@ -228,6 +226,29 @@ def test_memfds_are_sealed_copies(tmp_path: Path) -> None:
     os.close(fd)
 
 
+@pytest.mark.parametrize("name", [
+    "é".encode() * 127 + b"x",     # 255 bytes of 2-byte UTF-8 characters (127 of them)
+    "漢".encode() * 85,            # 255 bytes of 3-byte characters: 85 characters, under any character cut
+    "é".encode() * 127 + b"\xff",  # no UTF-8: a character cut left its 255 bytes whole too
+    b"\xff\xfe" * 127 + b"\x80",   # no UTF-8 at all
+], ids=["2-byte", "3-byte", "undecodable", "no-utf8"])
+def test_memfds_take_any_legal_file_name(tmp_path: Path, name: bytes) -> None:
+    """A memfd is named after the file it serves; memfd_create takes 249 bytes of name, a file name may have 255:
+    a name cut by characters (200 of them) still had 255 bytes, and its memfd-backed opens failed with EINVAL."""
+    assert len(name) == 255
+    for path in (name, b"d/" + name):
+        fd = memfd_with(b"abc", path)
+        try:
+            assert os.pread(fd, 10, 0) == b"abc"
+            label = os.fsencode(os.readlink(f"/proc/self/fd/{fd}"))
+            assert label.startswith(b"/memfd:") and name.startswith(label[len(b"/memfd:"):].split(b" (deleted)")[0])
+        finally:
+            os.close(fd)
+    with open(__file__, "rb") as f:
+        fd = memfd_copy(f.fileno(), 3, name)
+    os.close(fd)
+
+
 def test_first_open_failing_fails_its_waiters_and_leaves_no_entry(prepared, tmp_path: Path) -> None:
     src, store = prepared
     ops, kernel = _ops(store)
@@ -259,7 +280,7 @@ def test_resolve_refuses_an_object_swapped_for_a_link(prepared, tmp_path: Path) 
     obj = store2 / node.object
     obj.unlink()
     obj.symlink_to(secret)
-    reader = StoreReader(catalog.source, store2, catalog.sealed_ns)
+    reader = StoreReader(catalog.source, store2)
     backing = resolve(reader, node)
     assert backing is not None
     try:
@@ -275,10 +296,18 @@ def test_an_object_another_user_can_write_is_copied_not_passed_through(tmp_path:
     its group could write in place would reach readers already holding it. Such objects are read whole into a
     sealed memfd (checksum checked); those only the mount's user can write are passed through."""
     src, store = _prepared(tmp_path)
-    for obj in (store / "objects").rglob("*.bmp"):
-        os.chown(obj, 65534, 65534)
-    time.sleep(0.1)
-    prepare(src, store, 0.5, progress=False)  # sealed again after the chown: only the owner now differs
+    import sqlite3
+
+    from liquidfs.catalog import object_stamp
+
+    db = sqlite3.connect(store / "catalog.sqlite")
+    with db:
+        for obj in (store / "objects").rglob("*.bmp"):
+            os.chown(obj, 65534, 65534)
+            # stamped again after the chown (which moves the ctime): only the owner now differs
+            db.execute("UPDATE nodes SET object_stamp=? WHERE object=?",
+                       (object_stamp(obj.stat()), str(obj.relative_to(store))))
+    db.close()
     ops, kernel = _ops(store)
 
     async def main() -> None:
@@ -304,7 +333,7 @@ def test_both_data_paths_serve_what_choose_decides(tmp_path: Path) -> None:
 
     src, store = _prepared(tmp_path, count=10)
     catalog = Catalog.open(store, readonly=True)
-    reader = StoreReader(catalog.source, store, catalog.sealed_ns)
+    reader = StoreReader(catalog.source, store)
     raw = [n for n in catalog.files() if n.served_raw]
     original = next(n for n in _images(catalog) if n.representation != REPR_RAW)
     sound, missing, damaged, changed = raw[:4]

@@ -253,6 +253,56 @@ def test_reader_read_span_is_eio(s3: FakeS3, spoil: Callable[[Answer, bytes, int
     assert err.value.errno == errno.EIO
 
 
+class EndlessBody:
+    """A body far larger than any object the catalog names (a store writer's, or a proxy's, answer), counting the
+    bytes taken from it: read whole, it is 64 MiB here, and any amount on a real connection."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+        self.closed = False
+
+    def read(self, amt: int | None = None) -> bytes:
+        n = 64 << 20 if amt is None else min(amt, 64 << 20)
+        self.taken += n
+        return b"\0" * n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-object", "original"])
+def test_a_body_larger_than_the_object_is_read_no_further_than_its_size(s3: FakeS3, raw: bool) -> None:
+    """A GET read the whole body before checking its length: whoever can write the store (or stands between it
+    and the nodes) made every node that opened the file hold as much as they sent. The body is read up to the
+    size the catalog records and one byte more: past it, the answer is refused as a wrong length is, and the
+    raw object falls back to its original (EIO for an original, as for a changed one)."""
+    data = bytes(range(256)) * 4
+    reader, node = _reader(s3, data, raw=data[::-1] + b"!" if raw else None)
+    expected = node.served_size if raw else node.size
+    assert expected is not None
+    bodies: list[EndlessBody] = []
+    target = STORE.key("objects/ab/x.bmp") if raw else SOURCE.key("f.bin")
+
+    def huge(answer: Answer, whole: bytes, first: int) -> Answer:
+        if whole != s3.objects[target]:
+            return answer
+        bodies.append(EndlessBody())
+        answer["Body"] = bodies[-1]  # Content-Length as expected: only the body itself says it is more
+        return answer
+
+    s3.spoil = huge
+    if raw:
+        content = reader.open(node)
+        assert not content.raw and bytes(content.data or b"") == data  # the original, as for a damaged object
+        assert content.fallback is not None and "raw object" in content.fallback
+    else:
+        with pytest.raises(OSError) as err:
+            reader.open(node)
+        assert err.value.errno == errno.EIO
+    assert len(bodies) == 1 and bodies[0].closed
+    assert bodies[0].taken <= expected + 1, bodies[0].taken
+
+
 # -- prepare and verify: a refusal, as for a changed object ------------------------------------------------
 
 def _png(colour: tuple[int, int, int]) -> bytes:
