@@ -29,8 +29,16 @@ typical use:
 
 
 def _setup_logging(level: str, log_file: str | None) -> None:
-    handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    """Every record one line (names are escaped); a log file is never opened through a link (``safefiles``)."""
+    from .safefiles import LOG_FORMAT, EscapingFormatter, LogFileHandler, log_uncaught
+
+    handler: logging.Handler
+    if log_file:
+        handler = LogFileHandler(log_file)
+        log_uncaught()  # the daemon's tracebacks go to this file too: escaped like any record
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(EscapingFormatter(LOG_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -184,7 +192,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # of a 0600 image, or the names of a 0700 directory, must not become readable by every local user.
     os.umask(0o077)
     args = build_parser().parse_args(argv)
-    _setup_logging(args.log_level, args.log_file)
+    try:
+        _setup_logging(args.log_level, args.log_file)
+    except OSError as exc:  # a --log-file that is a link, or cannot be written
+        print(f"liquidfs {args.command}: cannot log to {args.log_file}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     from .mount import MountError
     from .catalog import CatalogError
     from .timedreads import ProfileError
@@ -539,6 +551,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         return 2
     share = float(text[:-1]) / 100
     from .profile import plot, profile_store, render, to_json
+    from .safefiles import replace_file
     from .stores import open_store
 
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
@@ -547,7 +560,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
                           progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     if args.json:
-        Path(args.json).write_text(json.dumps(to_json(profile), indent=1))
+        # a path in a directory others may write (/tmp): replaced whole, never written through a link
+        replace_file(args.json, json.dumps(to_json(profile), indent=1).encode())
     if args.plot:
         plot(profile, args.plot)
     return 0

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from .safefiles import LogFileHandler
+
 log = logging.getLogger("liquidfs.guard")  # also when run as __main__
 
 FUSECTL = Path("/sys/fs/fuse/connections")
@@ -186,9 +188,12 @@ def _exited(statuses: list[str]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
-    if len(args) > 3:  # the daemon's log, so the abort is in it
-        logging.basicConfig(filename=args[3], level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if len(args) > 3:  # the daemon's log, so the abort is in it (opened as the daemon opens it: no link)
+        try:
+            handler: logging.Handler = LogFileHandler(args[3])
+        except OSError:
+            handler = logging.NullHandler()  # the log was swapped for a link: the watchdog works all the same
+        logging.basicConfig(handlers=[handler], level=logging.INFO)
     return watch(int(args[0]), int(args[1]), int(args[2]))
 
 

@@ -32,6 +32,7 @@ from .mixcontrol import CpuBusy, MixController, Stalls
 from .disktier import DiskTier
 from .stores import Store
 from .reader import Reader, StoreReader
+from .safefiles import open_append
 from .stats import MountStats
 
 log = logging.getLogger(__name__)
@@ -365,16 +366,30 @@ def set_readahead(mountpoint: Path, kb: int) -> None:
 def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> None:
     """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    read_end, write_end = os.pipe()
-    with open(log_file, "ab") as log_out:
+    try:
+        # STORE/mount.log is in a directory a store writer may write: a link there to a root-owned startup file
+        # is refused, never appended to. Held open to read the daemon's last words from, whatever is at the
+        # name by then.
+        log_fd = open_append(log_file)
+    except OSError as exc:
+        raise MountError(f"cannot write the log {log_file}: {exc.strerror}") from None
+    try:
+        read_end, write_end = os.pipe()
         # Isolated (-I: no cwd, no PYTHON* variables on sys.path) and in /: a root mount started from a
         # directory someone else can write must not import code from it.
         proc = subprocess.Popen(
             [sys.executable, "-I", "-m", "liquidfs", *argv, "--foreground", "--ready-fd", str(write_end)],
-            stdin=subprocess.DEVNULL, stdout=log_out, stderr=log_out, cwd="/",
+            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, cwd="/",
             pass_fds=(write_end,), start_new_session=True,
         )
-    os.close(write_end)
+        os.close(write_end)
+        _wait_ready(proc, read_end, log_fd, log_file, timeout)
+    finally:
+        os.close(log_fd)
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_file: Path, timeout: float) -> None:
+    """Return once the daemon says "ready" on ``read_end``; else the tail of its log, in a MountError."""
     deadline = time.monotonic() + timeout
     with os.fdopen(read_end, "rb") as ready:
         # EOF without "ready" means the daemon died before the mount answered.
@@ -390,11 +405,17 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
             if proc.poll() is not None:
                 break
     proc.poll()
-    tail = log_file.read_text(errors="replace").splitlines()[-15:]
+    tail = _tail(log_fd).splitlines()[-15:]
     if proc.returncode is None:
         proc.kill()
         raise MountError(f"the daemon did not answer within {timeout:.0f} s; log {log_file}:\n" + "\n".join(tail))
     raise MountError(f"the daemon exited with status {proc.returncode}; log {log_file}:\n" + "\n".join(tail))
+
+
+def _tail(fd: int, size: int = 64 << 10) -> str:
+    """The last ``size`` bytes of the log open at ``fd``."""
+    end = os.fstat(fd).st_size
+    return os.pread(fd, size, max(0, end - size)).decode(errors="replace")
 
 
 # -- unmount -------------------------------------------------------------------------------------------

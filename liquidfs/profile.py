@@ -23,6 +23,7 @@ measures the whole.
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 import os
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import decoderates
 from .decoderates import GpuDecoder, dali_available, measure_decode
+from .safefiles import replace_file
 from .stores import Store, open_store
 from .timedreads import ProfileError
 
@@ -408,5 +410,7 @@ def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, heigh
     draw.text((left + 5, 5), f"images/s vs {profile.raw_format.upper()} share: load (blue), decode (red){gpu}, "
               "predicted (green), chosen (o)", fill="black")
     draw.text((left + (right - left) // 2 - 40, height - 22), "raw share", fill="black")
-    img.save(path, format="PNG")
+    encoded = io.BytesIO()
+    img.save(encoded, format="PNG")
+    replace_file(path, encoded.getvalue())  # a path in a directory others write (/tmp): never through a link
 

@@ -8,6 +8,8 @@ bypassed, or whole-object GETs).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import fcntl
+import logging
 import mmap
 import os
 import random
@@ -19,14 +21,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .paths import open_below
+
+log = logging.getLogger(__name__)
+
 
 class ProfileError(Exception):
     """The profile cannot be made; the message says why."""
 
 
+@dataclass(frozen=True)
+class Below:
+    """A local file whose reads are timed: ``rel`` below the directory held open at ``dir_fd``, opened as the
+    mount opens it (``paths.open_below``: no link on the way, regular files only). Between the sample and its
+    timed reads the dataset's owner may swap the file for a link to a FIFO (an open that never returns) or to
+    a device, and the reads run as root."""
+
+    dir_fd: int
+    rel: bytes
+    where: bytes = b""  # the directory's path, for messages
+
+
 @dataclass
 class Sample:
-    originals: list[Any]  # what ``load`` reads: local paths, or (bucket, key) of objects
+    originals: list[Any]  # what ``load`` reads: local files (``Below``), or (bucket, key) of objects
     raws: list[Any]
     scratch: Path
     load: Callable[[Sequence[Any], float], tuple[float, float]] = field(default=lambda items, s: measure_load(items, s))
@@ -36,18 +54,16 @@ class Sample:
 
 
 
-def _read_direct(path: Path, buf: mmap.mmap) -> int:
+def _read_direct(file: Below, buf: mmap.mmap) -> int:
+    # The open is timed too, as it was when files were opened by path: a mount opens each file this way.
+    fd = open_below(file.dir_fd, file.rel, file.where)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY)
         try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+        except OSError:  # no direct I/O here (tmpfs): read, then drop the pages the read left
             n = len(os.pread(fd, 1 << 30, 0))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return n
-        finally:
-            os.close(fd)
-    try:
         total = 0
         while True:
             got = os.preadv(fd, [memoryview(buf)], total)
@@ -58,18 +74,29 @@ def _read_direct(path: Path, buf: mmap.mmap) -> int:
         os.close(fd)
 
 
-def measure_load(paths: Sequence[Path], seconds: float, jobs: int = 4) -> tuple[float, float]:
-    """(bytes/s, CPU seconds per byte) of whole-file reads in random order with the page cache bypassed."""
+def measure_load(files: Sequence[Below], seconds: float, jobs: int = 4) -> tuple[float, float]:
+    """(bytes/s, CPU seconds per byte) of whole-file reads in random order with the page cache bypassed. A file
+    that can no longer be opened as the mount opens it (swapped for a link, a FIFO) is skipped, with a warning."""
     local = threading.local()
+    lock = threading.Lock()
+    skipped: set[Below] = set()
 
-    def read_one(path: Path) -> int:
+    def read_one(file: Below) -> int:
         # one aligned buffer per thread, allocated once: faulting in fresh pages per file would be measured
         buf = getattr(local, "buf", None)
         if buf is None:
             buf = local.buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        return _read_direct(path, buf)
+        try:
+            return _read_direct(file, buf)
+        except OSError as exc:
+            with lock:
+                first = file not in skipped
+                skipped.add(file)
+            if first:
+                log.warning("profile: skipping %s: %s", exc.filename or os.fsdecode(file.rel), exc.strerror)
+            return 0
 
-    return _timed_reads(read_one, paths, seconds, jobs)
+    return _timed_reads(read_one, files, seconds, jobs)
 
 
 def measure_get(get: Callable[[Any], bytes], objects: Sequence[Any], seconds: float,
@@ -100,7 +127,10 @@ def _timed_reads(read_one: Callable[[Any], int], items: Sequence[Any], seconds: 
     with cf.ThreadPoolExecutor(jobs) as pool:
         while time.monotonic() < deadline or total == 0:
             rng.shuffle(order)
-            total += sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
+            done = sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
+            if done == 0:  # a round reads each item once: nothing readable is left, and none would ever be
+                raise ProfileError("none of the sampled files could be read (see the warnings)")
+            total += done
     elapsed = time.monotonic() - started
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)

@@ -14,19 +14,22 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from .. import formats
-from ..catalog import Catalog, Node, WorkingCopy, default_store_dir, open_or_build
+from ..catalog import CATALOG_NAME, Catalog, CatalogError, Node, WorkingCopy, default_store_dir, open_or_build
 from ..expansion import OBJECT_SUFFIXES, OBJECTS, expand_one, is_image, verify_one
 from ..locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
-from ..paths import open_below, open_dir
-from ..reader import Reader, StoreReader, same_file
-from ..timedreads import ProfileError, Sample
+from ..paths import open_below, open_dir, open_regular
+from ..reader import OBJECT_NAME, Reader, StoreReader, same_file
+from ..safefiles import replace_file
+from ..timedreads import Below, ProfileError, Sample
 from .base import Job, Preparation
 
 log = logging.getLogger(__name__)
@@ -35,9 +38,69 @@ log = logging.getLogger(__name__)
 PROFILE_NAME = "profile.json"
 
 
+#: A directory opened to list and unlink in, never through a link at its name.
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: The subdirectories of ``objects`` prepare makes (``expansion.object_name``).
+_SUBDIR = re.compile(r"[0-9a-f]{2}")
+#: What a killed expansion leaves of an object (``expansion.expand_one``: ``<object>.<locks.unique("tmp-")>``).
+_LEFTOVER = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.(?:bmp|jp2)\.tmp-[0-9a-f]{16})")
+
+
+def _trusted_catalog(path: Path) -> os.stat_result:
+    """The stat of the catalog file at ``path`` if it may name the source root on its own word: a regular file
+    owned by this user or root, writable by nobody else; CatalogError saying why not and what to do otherwise."""
+    st = os.stat(path, follow_symlinks=False)
+    if not stat.S_ISREG(st.st_mode):
+        raise CatalogError(f"{path} is not a regular file (a link?): refused")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise CatalogError(
+            f"{path} is owned by uid {st.st_uid}, not by you: the source it names is not taken on its word "
+            f"(whoever writes it would choose what is read); run this as uid {st.st_uid}, or take the store over "
+            "(chown, chmod go-w) once you have checked it")
+    if st.st_mode & 0o022:
+        raise CatalogError(
+            f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): the source it names is not taken "
+            "on its word; chmod go-w it once you have checked it")
+    return st
+
+
+def _object_entry(obj: str) -> tuple[str, str] | None:
+    """(subdirectory, file name) below the objects directory of a name prepare gives an object
+    (``reader.OBJECT_NAME``) or of a killed run's leftover of one; None for anything else."""
+    found = OBJECT_NAME.fullmatch(obj) or _LEFTOVER.fullmatch(obj)
+    if found is None:
+        return None
+    sub, name = found.group(1).split("/")
+    return sub, name
+
+
+def _open_subdir(objects_fd: int, sub: str, store_dir: Path) -> int | None:
+    """``objects/<sub>`` opened below the objects directory's descriptor, never through a link (None if not)."""
+    try:
+        return os.open(sub, _DIRECTORY_FLAGS, dir_fd=objects_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("%s/%s/%s: %s; left as it is", store_dir, OBJECTS, sub, exc.strerror)
+        return None
+
+
+def _unlink_regular(dir_fd: int, name: str, label: str) -> None:
+    """Unlink ``name`` in ``dir_fd`` if it is a regular file. Between the check and the unlink it may become a
+    link: unlinkat then removes the link itself, never what it points at."""
+    try:
+        if stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=dir_fd)
+        else:
+            log.warning("%s: not a regular file; not deleted", label)
+    except FileNotFoundError:
+        pass
+
+
 class LocalStore:
     default_threads = 4
     raw_formats: tuple[str, ...] = ("j2k", "bmp")
+    stamps_objects = True
 
     def __init__(self, source: Path, store_dir: Path | None = None) -> None:
         self.source = source
@@ -46,11 +109,34 @@ class LocalStore:
 
     @classmethod
     def prepared(cls, store_dir: Path) -> LocalStore:
+        """The store at ``store_dir``, its source the one its catalog names: taken on the catalog's word only when
+        whoever runs this (or root) owns the catalog and nobody else can write it. A writer of the store would
+        otherwise choose which root a root ``verify`` opens files below (``/``)."""
+        path = store_dir / CATALOG_NAME
+        try:
+            before = _trusted_catalog(path)
+        except FileNotFoundError:
+            before = None  # Catalog.open says there is none
         catalog = Catalog.open(store_dir, readonly=True)
         try:
-            return cls(Path(os.fsdecode(catalog.source)), store_dir)
+            source = catalog.source
         finally:
             catalog.close()
+        after = _trusted_catalog(path)
+        if before is None or (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino):
+            raise CatalogError(f"{path} was replaced while it was read: refused; run this again")
+        return cls(Path(os.fsdecode(source)), store_dir)
+
+    def source_root(self, catalog: Catalog) -> bytes:
+        """The source root to open what ``catalog`` names below: this store's source, which the catalog must name
+        (a writer of the store can rewrite its catalog's ``meta.source``; it never chooses the root)."""
+        given = os.fsencode(os.path.abspath(self.source))
+        if catalog.source != given:
+            raise CatalogError(
+                f"{self.store_dir / CATALOG_NAME} names the source {os.fsdecode(catalog.source)}, not "
+                f"{os.fsdecode(given)}: refused (the store may have been written by someone else); check the "
+                "store, or prepare the source into another --store")
+        return given
 
     @property
     def source_label(self) -> str:
@@ -73,6 +159,9 @@ class LocalStore:
             open_or_build(self.source, self.store_dir).close()
             work = WorkingCopy(self.store_dir)
             try:
+                # The copy prepare reads its source root from (``catalog.source``) must name this source: the
+                # catalog may have been replaced since open_or_build checked it.
+                self.source_root(work.catalog)
                 # After a failure the catalog is published all the same: the selection is unchanged, and what was
                 # expanded is known to the next run.
                 yield Preparation(work.catalog, work.publish, keep_after_failure=work.publish)
@@ -86,11 +175,45 @@ class LocalStore:
                             raw_formats)
 
     def exists(self, obj: str) -> bool:
-        return (self.store_dir / obj).exists()
+        # A catalog row names it: only a name prepare gives counts, never a path anywhere else.
+        if OBJECT_NAME.fullmatch(obj) is None:
+            return False
+        try:
+            return stat.S_ISREG(os.stat(self.store_dir / obj, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def delete(self, objs: list[str]) -> None:
+        """Remove these objects (or leftovers of killed runs) from the objects directory, and nothing else.
+
+        The names come from the catalog and from ``stray``, and a store writer controls both the catalog and what
+        is in the objects directory, while prepare runs as root: only names prepare gives are deleted (never an
+        absolute path or a '..'), each with unlinkat below the objects directory opened without following links
+        (a subdirectory swapped for a link to /etc is skipped), and only regular files.
+        """
+        by_sub: dict[str, list[str]] = {}
+        refused: list[str] = []
         for obj in objs:
-            (self.store_dir / obj).unlink(missing_ok=True)
+            entry = _object_entry(obj)
+            if entry is None:
+                refused.append(obj)
+            else:
+                by_sub.setdefault(entry[0], []).append(entry[1])
+        if refused:
+            log.warning("%d object names in the catalog of %s are not names prepare gives (first: %r): not deleted",
+                        len(refused), self.store_dir, refused[0])
+        with self._objects_dir() as objects_fd:
+            if objects_fd is None:
+                return
+            for sub, names in by_sub.items():
+                sub_fd = _open_subdir(objects_fd, sub, self.store_dir)
+                if sub_fd is None:
+                    continue
+                try:
+                    for name in names:
+                        _unlink_regular(sub_fd, name, f"{OBJECTS}/{sub}/{name}")
+                finally:
+                    os.close(sub_fd)
 
     @contextmanager
     def deleting(self) -> Iterator[bool]:
@@ -106,11 +229,43 @@ class LocalStore:
                 os.close(held)
 
     def stray(self, kept: set[str]) -> list[str]:
-        objects = self.store_dir / OBJECTS
-        if not objects.is_dir():
-            return []
-        return [name for sub in objects.iterdir() for f in sub.iterdir()
-                if (name := f"{OBJECTS}/{sub.name}/{f.name}") not in kept]
+        """Objects and leftovers of killed runs below the objects directory that ``kept`` does not name: listed
+        through descriptors opened without following links (as ``delete`` removes them), names prepare gives
+        only."""
+        found: list[str] = []
+        with self._objects_dir() as objects_fd:
+            if objects_fd is None:
+                return found
+            for sub in os.listdir(objects_fd):
+                if _SUBDIR.fullmatch(sub) is None:
+                    continue
+                sub_fd = _open_subdir(objects_fd, sub, self.store_dir)
+                if sub_fd is None:
+                    continue
+                try:
+                    found.extend(obj for name in os.listdir(sub_fd)
+                                 if (obj := f"{OBJECTS}/{sub}/{name}") not in kept and _object_entry(obj))
+                finally:
+                    os.close(sub_fd)
+        return found
+
+    @contextmanager
+    def _objects_dir(self) -> Iterator[int | None]:
+        """The objects directory, opened once and never through a link (None when there is none to use)."""
+        path = self.store_dir / OBJECTS
+        try:
+            fd = os.open(path, _DIRECTORY_FLAGS)
+        except FileNotFoundError:
+            yield None
+            return
+        except OSError as exc:  # ELOOP: a link a store writer put there; ENOTDIR: a file
+            log.warning("%s: %s; no object is deleted", path, exc.strerror)
+            yield None
+            return
+        try:
+            yield fd
+        finally:
+            os.close(fd)
 
     # -- verify ----------------------------------------------------------------------------------------
 
@@ -118,7 +273,7 @@ class LocalStore:
         catalog = Catalog.open(self.store_dir, readonly=True)
         try:
             nodes = [n for n in catalog.files() if n.served_raw]
-            root = catalog.source
+            root = self.source_root(catalog)
         finally:
             catalog.close()
 
@@ -136,7 +291,7 @@ class LocalStore:
         open_or_build(self.source, self.store_dir).close()
         catalog = Catalog.open(self.store_dir, readonly=True)
         try:
-            root = catalog.source
+            root = self.source_root(catalog)
             nodes = [n for n in catalog.files() if is_image(n.name)]
         finally:
             catalog.close()
@@ -146,8 +301,22 @@ class LocalStore:
         # A directory of this run's own: profiles run at once on one store (a Job's pods) must not share or
         # delete each other's sample.
         scratch = Path(tempfile.mkdtemp(prefix="profile-sample-", dir=self.store_dir))
-        sample = Sample([], [], scratch, cleanup=lambda: shutil.rmtree(scratch, ignore_errors=True))
+        # Both directories stay open for the sample's timed reads, which open each file below them as the mount
+        # does (``timedreads.Below``): the dataset's owner may swap a file for a link to a FIFO or a device.
         root_fd = open_dir(root)
+        try:
+            scratch_fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except BaseException:
+            os.close(root_fd)
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+
+        def cleanup() -> None:
+            for fd in (root_fd, scratch_fd):
+                os.close(fd)
+            shutil.rmtree(scratch, ignore_errors=True)
+
+        sample = Sample([], [], scratch, cleanup=cleanup)
         try:
             for node in nodes:
                 if len(sample.raws) >= count:
@@ -167,28 +336,35 @@ class LocalStore:
                 result = formats.expand(data, to=raw_format)
                 if result.data is None:
                     continue
-                out = scratch / f"{node.id}{OBJECT_SUFFIXES[raw_format]}"
-                out.write_bytes(result.data)
-                # Timed where the mount will read it.  The timing reads discard what they read, so a path
-                # swapped for a link since cannot carry anyone's bytes anywhere.
-                sample.originals.append(Path(os.fsdecode(os.path.join(root, node.path))))
-                sample.raws.append(out)
+                name = f"{node.id}{OBJECT_SUFFIXES[raw_format]}"
+                # created in this run's own directory, by descriptor: never through a link planted in it
+                out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                              dir_fd=scratch_fd)
+                with open(out, "wb") as written:
+                    written.write(result.data)
+                # Timed where the mount will read it, opened as the mount opens it.
+                sample.originals.append(Below(root_fd, node.path, root))
+                sample.raws.append(Below(scratch_fd, os.fsencode(name), os.fsencode(scratch)))
                 sample.original_data.append(data)
                 sample.raw_data.append(result.data)
-        finally:
-            os.close(root_fd)
+        except BaseException:
+            sample.cleanup()
+            raise
         if not sample.raws:
             sample.cleanup()
             raise ProfileError("none of the sampled images can be expanded losslessly")
         return sample
 
     def keep_profile(self, text: str) -> None:
-        (self.store_dir / PROFILE_NAME).write_text(text)
+        # replaced whole, never written through a link a store writer put at its name
+        replace_file(self.store_dir / PROFILE_NAME, text.encode())
 
     def profile_choice(self) -> float | None:
         path = self.store_dir / PROFILE_NAME
         try:
-            chosen = json.loads(path.read_text())["chosen"]
+            # a regular file only, no link: a FIFO there would hang the mount that reads it at start
+            with open(open_regular(path), "rb") as f:
+                chosen = json.loads(f.read(1 << 20))["chosen"]
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -208,6 +384,13 @@ class LocalStore:
         return self.store_dir
 
     def found_catalog(self) -> Path:
+        # The daemon a mount starts finds the catalog its parent made ready: checked here again, as the catalog
+        # is the store writer's to rewrite in between.
+        catalog = Catalog.open(self.store_dir, readonly=True)
+        try:
+            self.source_root(catalog)
+        finally:
+            catalog.close()
         return self.store_dir
 
     def hold_for_mount(self, catalog_dir: Path) -> None:
@@ -221,4 +404,4 @@ class LocalStore:
                         catalog_dir / MOUNTS_LOCK, exc.strerror)
 
     def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
-        return StoreReader(catalog.source, self.store_dir, catalog.sealed_ns)
+        return StoreReader(self.source_root(catalog), self.store_dir)
