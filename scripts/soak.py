@@ -28,8 +28,27 @@ undecodable bytes, or any byte of a secret are WRONG. Afterwards every change is
 more (all must be right). The table and each wrong read explained (what it was served, which attacks touched that
 file around it) are printed and, with ``--json``, written with the path of the attacker's log.
 
-Exit status 0 when every read matched (and, without the attacker, nothing failed; with it, no unexpected errno).
-tests/mount/test_faults.py runs the reader part for ~10 s.
+Two more attacks are those of a dataset writer (issue 26), both through renameat2(RENAME_EXCHANGE), so each name
+is always either the real thing or the link: (6) ``dirflip``: a directory of the source exchanged with a symlink
+into the mount itself (``MNT/nowhere``, ``MNT``, or the mount's view of that same directory: ``mv d d0; ln -s
+MNT/nowhere d`` done atomically), and back; a daemon that walks a source path on its own loop sends itself a
+LOOKUP it can never answer, and every process touching the mount hangs; (7) ``fifo``: an image exchanged with a
+symlink to a FIFO, and back. The mounts run with ``--cache-size 100%`` by default, so the next-epoch cache holds
+files and their re-opens take the cache's "has the source changed" check. All the while a watchdog asks the mount
+``ls MNT`` and its stats (the control file ``liquidfs stats`` reads) from a child process every second; one that
+gets no answer within ``--deadline`` seconds (10) is a HANG: the daemon's threads are noted (their wchan), the FUSE
+connection is aborted (/sys/fs/fuse/connections/N/abort), the mount detached (``fusermount3 -u -z``) and the daemon
+killed if it does not exit, so no process is left stuck, and the soak fails. (8) ``profile``: after the mounts,
+``liquidfs profile --quick`` runs on the source while a thread exchanges PNGs (and whole directories) with links to
+a FIFO (a tree of FIFOs), and back, again and again; it must finish or fail with a message within
+``--profile-deadline`` seconds (120), else it is a HANG (its threads' wchan noted, e.g. ``wait_for_partner``, then
+killed). ``--attacks`` picks the attacks (default all; ``--attacks dirflip`` alone, ``--attacks dirflip,fifo,profile``).
+
+    python scripts/soak.py --attacks dirflip,fifo,profile --seconds 20 --count 24 --readers 4 --json out/soak-26.json
+
+Exit status 0 when every read matched (and, without the attacker, nothing failed; with it, no unexpected errno,
+no hang, and the watchdog always answered). tests/mount/test_faults.py runs the reader part for ~10 s;
+tests/system/test_soak.py runs the dataset-writer attacks for a few seconds on each data path.
 """
 
 from __future__ import annotations
@@ -39,10 +58,13 @@ import errno
 import json
 import os
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -218,7 +240,11 @@ MADV_POPULATE_READ = 22
 #: a daemon-path open served direct_io (its size changed at open); EFAULT: a map whose pages could not be read.
 ALLOWED_ERRNOS = frozenset({errno.EIO, errno.ENOENT, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENOTDIR,
                             errno.ESTALE, errno.EFAULT, errno.ENODEV})
-ATTACKS = ("symlink", "rewrite", "flip", "truncate", "prepare", "root")
+#: What the attacker process does while the readers read (``Attacker``), and how often, relatively.
+ATTACKS = ("symlink", "rewrite", "flip", "truncate", "prepare", "root", "dirflip", "fifo")
+WEIGHTS = {"symlink": 4, "rewrite": 4, "flip": 3, "truncate": 2, "prepare": 1, "root": 1, "dirflip": 3, "fifo": 3}
+#: Every attack ``--attacks`` may name: those during reads, and ``profile`` (links to a FIFO during a profile).
+ALL_ATTACKS = (*ATTACKS, "profile")
 READ_WAYS = ("whole", "small", "shuffled", "mmap", "late-read", "late-mmap")
 
 
@@ -309,7 +335,12 @@ def build_fixture(work: Path, source: Path) -> dict[str, Any]:
         st = node.stat()
         os.utime(work / "evil" / node.relative_to(source), ns=(st.st_atime_ns, st.st_mtime_ns))
     (work / "stash").mkdir()
-    return {"files": files, "secret_px": secret_px}
+    # What the dataset-writer attacks flip: every directory holding images (below the root), and a FIFO that
+    # links point to (opening it for reading waits for a writer that never comes).
+    dirs = sorted({str(parent) for f in files for parent in Path(f["path"]).parents if str(parent) != "."})
+    fifo = work / "fifo"
+    os.mkfifo(fifo)
+    return {"files": files, "secret_px": secret_px, "dirs": dirs, "fifo": str(fifo)}
 
 
 def _size_of(png: bytes) -> tuple[int, int]:
@@ -485,8 +516,6 @@ class AttackedReaders:
     """``count`` reader processes; one that dies (a signal) is replaced for the time left and the death noted."""
 
     def __init__(self, spec_path: Path, count: int, seconds: float, seed: int) -> None:
-        import threading
-
         self.spec_path = spec_path
         self.deadline = time.monotonic() + seconds
         self.seed = seed
@@ -496,16 +525,20 @@ class AttackedReaders:
         self.unexpected: list[dict[str, Any]] = []
         self.deaths: list[int] = []
         self.disconnected = 0
+        self.procs: dict[int, subprocess.Popen[str]] = {}  # the running process of each slot
+        self.stopped = False  # no more reader processes (the mount is gone)
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(count)]
         for t in self.threads:
             t.start()
 
     def _run(self, slot: int) -> None:
         generation = 0
-        while (left := self.deadline - time.monotonic()) > 0.5:
+        while (left := self.deadline - time.monotonic()) > 0.5 and not self.stopped:
             proc = subprocess.Popen([sys.executable, __file__, "attacked-reader", str(self.spec_path), "--seconds",
                                      f"{left:.1f}", "--seed", str(self.seed + 1000 * generation + slot)],
                                     stdout=subprocess.PIPE, text=True)
+            with self.lock:
+                self.procs[slot] = proc
             last = None
             assert proc.stdout is not None
             for text in proc.stdout:
@@ -536,6 +569,15 @@ class AttackedReaders:
             if t.is_alive():
                 raise RuntimeError(f"a reader still runs {timeout:.0f} s after the soak should have ended")
 
+    def kill(self) -> None:
+        """SIGKILL every reader still running (after a hang: the mount was aborted first, so none stays stuck)."""
+        with self.lock:
+            self.stopped = True
+            procs = list(self.procs.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
     def summary(self) -> dict[str, Any]:
         errors: dict[str, int] = {}
         for r in self.finished:
@@ -555,7 +597,9 @@ class Attacker:
 
     Every attack on one image holds that image until it is undone; the source root is swapped by one attack at a
     time. Paths inside the source are reached through a descriptor of the real root taken at start, so they keep
-    naming the real tree while its root is swapped for a link to the evil one.
+    naming the real tree while its root is swapped for a link to the evil one. A directory flipped into the mount
+    holds every image below it (no other attack may then walk through the link into the mount, where the
+    attacker itself would hang with the daemon), and is flipped only while none of them is held.
     """
 
     def __init__(self, spec: dict[str, Any], seed: int, log_path: Path) -> None:
@@ -572,7 +616,14 @@ class Attacker:
         self.prepare: subprocess.Popen[bytes] | None = None
         self.prepare_log = open(Path(spec["work"]) / "attacker-prepare.log", "ab")
         self.root_swapped = False
-        self.counts = {name: 0 for name in ATTACKS} | {"prepare_failed": 0, "skipped": 0, "failed": 0}
+        self.enabled = [a for a in ATTACKS if a in spec.get("attacks", ATTACKS)]
+        self.mount = spec.get("mount", "")
+        self.dirs: list[str] = spec.get("dirs", [])
+        #: the images below each directory of ``dirs`` (what a flip of it holds)
+        self.members = [[i for i, f in enumerate(spec["files"]) if f["path"].startswith(d + "/")] for d in self.dirs]
+        self.flipped: set[int] = set()
+        self.counts = {name: 0 for name in self.enabled} | {"prepare_failed": 0, "prepare_hung": 0, "skipped": 0,
+                                                              "failed": 0}
 
     def note(self, action: str, **what: Any) -> None:
         self.log.write(json.dumps({"at": time.time(), "action": action, **what}) + "\n")
@@ -580,8 +631,9 @@ class Attacker:
     def run(self, seconds: float, stop: Callable[[], bool]) -> dict[str, Any]:
         deadline = time.monotonic() + seconds
         actions = {"symlink": self.swap_symlink, "rewrite": self.rewrite, "flip": self.damage_object,
-                   "truncate": self.damage_object, "prepare": self.run_prepare, "root": self.swap_root}
-        weights = (4, 4, 3, 2, 1, 1)
+                   "truncate": self.damage_object, "prepare": self.run_prepare, "root": self.swap_root,
+                   "dirflip": self.flip_dir, "fifo": self.swap_fifo}
+        weights = [WEIGHTS[a] for a in self.enabled]
         try:
             while time.monotonic() < deadline and not stop():
                 self.undo_due(time.monotonic())
@@ -589,7 +641,10 @@ class Attacker:
                     self.counts["prepare_failed"] += self.prepare.returncode != 0
                     self.note("prepare-done", rc=self.prepare.returncode)
                     self.prepare = None
-                name = self.rng.choices(ATTACKS, weights)[0]
+                if not self.enabled:
+                    time.sleep(0.1)
+                    continue
+                name = self.rng.choices(self.enabled, weights)[0]
                 try:
                     actions[name](name)
                 except OSError as exc:  # e.g. a path gone while the root is swapped: noted, not fatal
@@ -599,13 +654,19 @@ class Attacker:
         finally:
             self.undo_due(float("inf"))
             if self.prepare is not None:
-                self.prepare.wait()
+                try:  # bounded: a prepare that walked into a link to the mount or a FIFO must not hold the soak
+                    self.prepare.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.counts["prepare_hung"] += 1
+                    self.note("prepare-hung")
+                    self.prepare.kill()
+                    self.prepare.wait()
                 self.counts["prepare_failed"] += self.prepare.returncode != 0
             self.note("stopped")
             self.log.close()
         return self.counts
 
-    def later(self, what: str, undo: Callable[[], None], index: int | None = None) -> None:
+    def later(self, what: str, undo: Callable[[], None], index: int | list[int] | None = None) -> None:
         self.pending.append((time.monotonic() + self.rng.uniform(0.05, 1.5), what, (undo, index)))
 
     def undo_due(self, now: float) -> None:
@@ -617,9 +678,10 @@ class Attacker:
             except OSError as exc:  # left as it is: restore_source puts the source back after the run
                 self.counts["failed"] += 1
                 self.note(f"undo-{what}-failed", error=repr(exc))
-            self.note(f"undo-{what}", file=None if index is None else self.spec["files"][index]["path"])
-            if index is not None:
-                self.busy.discard(index)
+            single = isinstance(index, int)
+            self.note(f"undo-{what}", file=self.spec["files"][index]["path"] if single else None)
+            for i in [index] if single else index or []:
+                self.busy.discard(i)
 
     def pick(self, raw_only: bool = False) -> int | None:
         free = [i for i, f in enumerate(self.spec["files"])
@@ -740,6 +802,72 @@ class Attacker:
         self.later(name, undo)
 
 
+    # 6. a directory exchanged with a link into the mount itself (renameat2 RENAME_EXCHANGE: `mv d d0; ln -s
+    #    MNT/nowhere d` with no moment in between), then exchanged back. The parent's mtime is put back.
+    def flip_dir(self, name: str) -> None:
+        free = [k for k in range(len(self.dirs))
+                if k not in self.flipped and self.members[k] and not self.busy.intersection(self.members[k])]
+        if not free:
+            self.counts["skipped"] += 1
+            return
+        k = self.rng.choice(free)
+        rel = self.dirs[k]
+        target = self.rng.choice((os.path.join(self.mount, "nowhere"), self.mount, os.path.join(self.mount, rel)))
+        link = str(self.stash / f"dflip-{k}")
+        parent = os.path.dirname(os.path.join(self.real, rel))
+        pst = os.stat(parent)
+        os.symlink(target, link)
+        try:
+            exchange(rel, link, self.root_fd)
+        except OSError:
+            os.unlink(link)
+            raise
+        self.busy.update(self.members[k])
+        self.flipped.add(k)
+        os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
+
+        def undo() -> None:
+            exchange(rel, link, self.root_fd)
+            os.unlink(link)
+            os.utime(parent, ns=(pst.st_atime_ns, pst.st_mtime_ns))
+            self.flipped.discard(k)
+
+        self.counts[name] += 1
+        self.note(name, dir=rel, target=target)
+        self.later(name, undo, list(self.members[k]))
+
+    # 7. an image exchanged with a link to a FIFO (an open that follows it waits for a writer forever), and back
+    def swap_fifo(self, name: str) -> None:
+        index = self.pick()
+        if index is None:
+            return
+        entry = self.spec["files"][index]
+        rel = entry["path"]
+        link = str(self.stash / f"fifo-{index}")
+        folder = os.path.dirname(self.real_path(index))
+        try:
+            dst = os.stat(folder)
+            os.symlink(self.spec["fifo"], link)
+            try:
+                exchange(rel, link, self.root_fd)
+            except OSError:
+                os.unlink(link)
+                raise
+        except OSError:
+            self.busy.discard(index)
+            raise
+        os.utime(folder, ns=(dst.st_atime_ns, dst.st_mtime_ns))
+
+        def undo() -> None:
+            exchange(rel, link, self.root_fd)
+            os.unlink(link)
+            os.utime(folder, ns=(dst.st_atime_ns, dst.st_mtime_ns))
+
+        self.counts[name] += 1
+        self.note(name, file=rel)
+        self.later(name, undo, index)
+
+
 def write_in_place(path: str, data: bytes, mtime_ns: int) -> None:
     """Rewrite ``path`` in place (same inode) with one write of all of ``data``, then put its mtime back as
     ``cp -p`` does. Not truncated first, unlike cp: a file truncated and then written is empty or short for a
@@ -781,7 +909,259 @@ def run_attacker(spec_path: Path, seconds: float, seed: int) -> int:
     return 0
 
 
-def restore_source(source: Path, fixture: dict[str, Any]) -> list[str]:
+# -- links flipped atomically, and the way out of a hung mount ------------------------------------------------
+
+AT_FDCWD = -100
+RENAME_EXCHANGE = 2
+#: renameat2's number, for a libc without its wrapper (glibc < 2.28)
+SYS_RENAMEAT2 = {"x86_64": 316, "aarch64": 276}
+
+
+def exchange(a: str, b: str, a_dir: int = AT_FDCWD, b_dir: int = AT_FDCWD) -> None:
+    """Swap two names at once: renameat2(RENAME_EXCHANGE), so whoever looks finds one or the other, never neither
+    (a dataset owner can do this, without root). Where the filesystem cannot, three renames (not atomic)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    args = (ctypes.c_int(a_dir), os.fsencode(a), ctypes.c_int(b_dir), os.fsencode(b), ctypes.c_uint(RENAME_EXCHANGE))
+    number = SYS_RENAMEAT2.get(os.uname().machine)
+    rc = libc.syscall(ctypes.c_long(number), *args) if number else libc.renameat2(*args)
+    if rc == 0:
+        return
+    err = ctypes.get_errno()
+    if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        raise OSError(err, os.strerror(err), f"{a} <-> {b}")
+    pa, pb = (name if d == AT_FDCWD or os.path.isabs(name) else f"/proc/self/fd/{d}/{name}"
+              for d, name in ((a_dir, a), (b_dir, b)))
+    tmp = f"{pb}.exchange-{os.getpid()}"
+    os.rename(pb, tmp)
+    os.rename(pa, pb)
+    os.rename(tmp, pa)
+
+
+def fuse_connection(mountpoint: str) -> int | None:
+    """The FUSE connection number of the mount on ``mountpoint`` (/sys/fs/fuse/connections/N), from
+    /proc/self/mountinfo: nothing is asked of the mount itself, which may be hung."""
+    escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[4] == escaped and fields[sep + 1].split(".")[0] in ("fuse", "fuseblk"):
+                found = int(fields[2].split(":")[1])  # the last (uppermost) mount there
+    return found
+
+
+def is_mounted(mountpoint: str) -> bool:
+    return fuse_connection(mountpoint) is not None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def threads_of(pid: int) -> dict[str, str]:
+    """``{tid: "name: where it waits in the kernel"}`` of every thread of ``pid`` (wchan; 0 for running)."""
+    out: dict[str, str] = {}
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text().strip()
+        except OSError:
+            continue
+        out[tid] = f"{comm}: {wchan}"
+    return out
+
+
+def abort_mount(mountpoint: str, daemon_pid: int | None = None) -> dict[str, Any]:
+    """Get the machine out of a hung mount without touching it: abort its FUSE connection (every waiting request
+    fails with ENOTCONN, the daemon's own stuck one included), detach it (fusermount3 -u -z), then make sure the
+    daemon is gone (SIGTERM, then SIGKILL). What was done, step by step."""
+    done: dict[str, Any] = {"connection": fuse_connection(mountpoint)}
+    if done["connection"] is not None:
+        try:
+            with open(f"/sys/fs/fuse/connections/{done['connection']}/abort", "w") as f:
+                f.write("1")
+            done["aborted"] = True
+        except OSError as exc:  # no fusectl: killing the daemon below closes the connection too
+            done["aborted"] = repr(exc)
+        tool = ["fusermount3", "-u", "-z"] if shutil.which("fusermount3") else ["umount", "-l"]
+        try:
+            done["detach_rc"] = subprocess.run([*tool, mountpoint], capture_output=True, timeout=20).returncode
+        except subprocess.TimeoutExpired:
+            done["detach_rc"] = "timed out"
+    if daemon_pid:
+        for sig, wait in ((None, 10.0), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if sig is not None and pid_alive(daemon_pid):
+                os.kill(daemon_pid, sig)
+                done["daemon_signalled"] = sig.name
+            deadline = time.monotonic() + wait
+            while pid_alive(daemon_pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not pid_alive(daemon_pid):
+                break
+        done["daemon_alive"] = pid_alive(daemon_pid)
+    if fuse_connection(mountpoint) is not None:  # the lazy detach failed: one more try, after the daemon is gone
+        subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=20)
+    done["still_mounted"] = is_mounted(mountpoint)
+    return done
+
+
+#: The watchdog's question, in a child process (a thread stuck in a hung mount could not be given up on):
+#: `ls MNT`, then the control file `liquidfs stats` reads; each step named on stderr before it starts.
+PROBE = """
+import json, os, sys, time
+mnt, control = sys.argv[1], sys.argv[2]
+took = {}
+for step in ("ls", "stats"):
+    sys.stderr.write(step + "\\n"); sys.stderr.flush()
+    t = time.monotonic()
+    if step == "ls":
+        os.listdir(mnt)
+    else:
+        with open(os.path.join(mnt, control), "rb") as f:
+            json.loads(f.read())
+    took[step] = time.monotonic() - t
+print(json.dumps(took))
+"""
+
+
+class MountGuard:
+    """One mount under attack: its daemon, and whether (and why) it had to be aborted. ``abort`` is idempotent."""
+
+    def __init__(self, mountpoint: Path) -> None:
+        self.mountpoint = str(mountpoint)
+        self.daemon_pid: int | None = None
+        self.lock = threading.Lock()
+        self.hangs: list[dict[str, Any]] = []
+        self.cleanup: dict[str, Any] | None = None
+        #: called once the mount is aborted (the readers stopped: past the abort they would only count ENOENT)
+        self.after_abort: list[Callable[[], None]] = []
+
+    @property
+    def aborted(self) -> bool:
+        return self.cleanup is not None
+
+    def hang(self, what: str, **details: Any) -> None:
+        """Record a hang and get out of it: the daemon's threads as they wait, then the mount aborted."""
+        record = {"what": what, "at": time.time(), **details}
+        if self.daemon_pid:
+            record["daemon_threads"] = threads_of(self.daemon_pid)
+        with self.lock:
+            self.hangs.append(record)
+            if self.cleanup is None:
+                t = time.monotonic()
+                self.cleanup = abort_mount(self.mountpoint, self.daemon_pid)
+                self.cleanup["took_s"] = round(time.monotonic() - t, 1)
+                record["cleanup"] = self.cleanup
+                for then in self.after_abort:
+                    then()
+        print(f"HANG on {self.mountpoint}: {what}; aborted: {json.dumps(self.cleanup)}", flush=True)
+
+
+class Watchdog:
+    """Every ``interval`` s, a child process asks the mount `ls` and its stats; no answer within ``deadline`` s is
+    a hang (``MountGuard.hang``: recorded, the mount aborted, so the child and everyone else get ENOTCONN)."""
+
+    def __init__(self, guard: MountGuard, control: str, deadline: float, interval: float = 1.0) -> None:
+        self.guard = guard
+        self.control = control
+        self.deadline = deadline
+        self.interval = interval
+        self.probes = 0
+        self.slowest: dict[str, float] = {"ls": 0.0, "stats": 0.0}
+        self.failures: list[str] = []  # answers that were errors (not hangs)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.started = time.monotonic()
+
+    def start(self) -> Watchdog:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(self.deadline + 30)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set() and not self.guard.aborted:
+            self.probe()
+            self.stopping.wait(self.interval)
+
+    def probe(self) -> None:
+        proc = subprocess.Popen([sys.executable, "-S", "-c", PROBE, self.guard.mountpoint, self.control],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=self.deadline)
+        except subprocess.TimeoutExpired:
+            details: dict[str, Any] = {"after_s": round(time.monotonic() - self.started, 1)}
+            self.guard.hang(f"`ls` and stats got no answer within {self.deadline:g} s", **details)
+            try:
+                out, err = proc.communicate(timeout=10)  # the abort answered it ENOTCONN
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, err = proc.communicate()
+            steps = [line for line in err.splitlines() if line in ("ls", "stats")]
+            details["stuck_in"] = steps[-1] if steps else "?"
+            self.guard.hangs[-1].update(details)
+            return
+        self.probes += 1
+        if proc.returncode != 0:
+            if not self.stopping.is_set():
+                self.failures.append(err.strip().splitlines()[-1] if err.strip() else f"rc {proc.returncode}")
+            return
+        for step, took in json.loads(out).items():
+            self.slowest[step] = max(self.slowest[step], round(took, 3))
+
+    def summary(self) -> dict[str, Any]:
+        return {"probes": self.probes, "slowest_s": self.slowest, "failures": self.failures,
+                "deadline_s": self.deadline}
+
+
+def put_back(real: str, stashed: str) -> bool:
+    """``stashed`` holds what ``real`` was before it was exchanged with a link: exchange them back and drop the
+    link. True when something had to be put back."""
+    if not os.path.lexists(stashed):
+        return False
+    if os.path.islink(stashed):  # the exchange was undone, only the link is left
+        os.unlink(stashed)
+        return False
+    if os.path.lexists(real):
+        exchange(real, stashed)
+        os.unlink(stashed)
+    else:  # the non-atomic fallback stopped midway
+        os.rename(stashed, real)
+    return True
+
+
+def restore_flips(source: Path, fixture: dict[str, Any], stash: Path) -> list[str]:
+    """Directories and files still exchanged with links (``Attacker.flip_dir``/``swap_fifo``, ``FifoFlipper``),
+    put back, directories first, outermost first, so no path walked here goes through a link into the mount."""
+    fixed = []
+    flips = []
+    for name in os.listdir(stash):
+        m = re.fullmatch(r"(dflip|pdir|fifo|pfifo)-(\d+)", name)
+        if m is None:
+            continue
+        k = int(m.group(2))
+        rel = fixture["dirs"][k] if m.group(1) in ("dflip", "pdir") else fixture["files"][k]["path"]
+        flips.append((m.group(1) not in ("dflip", "pdir"), rel.count("/"), rel, name))
+    for _, _, rel, name in sorted(flips):
+        if put_back(str(source / rel), str(stash / name)):
+            fixed.append(rel)
+    return fixed
+
+
+def restore_source(source: Path, fixture: dict[str, Any], stash: Path | None = None) -> list[str]:
     """Put back whatever the attacker left changed (nothing, when it undid everything); what was put back."""
     fixed = []
     if source.is_symlink() or not source.exists():
@@ -789,6 +1169,8 @@ def restore_source(source: Path, fixture: dict[str, Any]) -> list[str]:
             source.unlink()
         os.rename(str(source) + ".real", source)
         fixed.append("source root")
+    if stash is not None:
+        fixed += restore_flips(source, fixture, stash)
     for entry in fixture["files"]:
         path = source / entry["path"]
         want = Path(entry["versions"]["orig"]).read_bytes()
@@ -826,12 +1208,18 @@ def final_pass(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: How long after the end the readers may still be reading (one read may take the mount's --io-timeout, 60 s).
+READER_GRACE = 75
+DAEMON_KEYS = ("opens", "opens_raw", "errors", "fallbacks", "open_files", "passthrough_opens", "backing_object",
+               "backing_source", "backing_memfd")
+
+
 def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path: str, args: argparse.Namespace,
                     seed: int) -> dict[str, Any]:
-    """A fresh store at ``args.ratio``, one mount with ``data_path``, readers and the attacker for
-    ``args.seconds``; then everything undone, a last pass over every file, the mount's counters."""
-    import shutil
-
+    """A fresh store at ``args.ratio``, one mount with ``data_path``, readers, the attacker and the watchdog for
+    ``args.seconds``; then everything undone, a last pass over every file, the mount's counters. A hang is
+    recorded and got out of (``MountGuard``); the mount is never left behind, hung or not."""
+    from liquidfs.fs import CONTROL_NAME
     from liquidfs.prepare import prepare
 
     store = work / f"store-{data_path}"
@@ -841,41 +1229,191 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
     mountpoint.mkdir(exist_ok=True)
     spec = with_objects(fixture, store, work, data_path)
     spec.update(mount=str(mountpoint), source=str(source), store=str(store), work=str(work), tag=data_path,
-                evil=str(work / "evil"), object_writer=args.object_writer)
+                evil=str(work / "evil"), object_writer=args.object_writer, attacks=args.attacks)
     spec_path = work / f"spec-{data_path}.json"
     spec_path.write_text(json.dumps(spec))
+    cache = ["--cache-size", args.cache_size] if args.cache_size not in ("", "0", "none") else []
     subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store", str(store),
                     "--data-path", data_path, "--log-level", "info", "--log-file",
-                    str(work / f"mount-{data_path}.log"), *args.mount_option], check=True)
+                    str(work / f"mount-{data_path}.log"), *cache, *args.mount_option], check=True, timeout=300)
+    guard = MountGuard(mountpoint)
+    watchdog = Watchdog(guard, os.fsdecode(CONTROL_NAME), args.deadline)
+    summary: dict[str, Any] = {}
+    started = time.monotonic()
     try:
-        served_by = read_control(mountpoint)["data_path"]
-        if served_by != data_path:
-            raise RuntimeError(f"asked for --data-path {data_path}, the mount serves through {served_by}")
+        control = read_control(mountpoint)
+        guard.daemon_pid = int(control["pid"])  # type: ignore[call-overload]
+        if control["data_path"] != data_path:
+            raise RuntimeError(f"asked for --data-path {data_path}, the mount serves through {control['data_path']}")
+        watchdog.start()
         readers = AttackedReaders(spec_path, args.readers, args.seconds, seed)
+        guard.after_abort.append(readers.kill)
         attacker = subprocess.Popen([sys.executable, __file__, "attacker", str(spec_path), "--seconds",
                                      str(args.seconds), "--seed", str(seed)], stdout=subprocess.PIPE, text=True)
         try:
-            readers.join(timeout=120)
+            try:
+                readers.join(timeout=READER_GRACE)
+            except RuntimeError as exc:  # readers stuck while `ls` and stats answered: a hang all the same
+                guard.hang(str(exc), after_s=round(time.monotonic() - started, 1))
+                readers.kill()
+                readers.join(timeout=30)
         finally:
             if attacker.poll() is None:
                 attacker.send_signal(signal.SIGTERM)
-            out, _ = attacker.communicate(timeout=120)
+            try:
+                out, _ = attacker.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                attacker.kill()
+                out, _ = attacker.communicate()
         attacks = json.loads(out) if attacker.returncode == 0 and out.strip() \
             else {"attacker_failed": attacker.returncode}
-        put_back = restore_source(source, fixture)
+        put_back = restore_source(source, fixture, work / "stash")
         summary = readers.summary()
-        summary.update(data_path=data_path, object_writer=args.object_writer,
-                       mount_options=args.mount_option, attacks=attacks, put_back_after=put_back,
-                       final=final_pass(spec))
-        stats = read_control(mountpoint)
-        summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
-                                                   "passthrough_opens", "backing_object", "backing_source",
-                                                   "backing_memfd")}
+        summary.update(data_path=data_path, object_writer=args.object_writer, cache_size=args.cache_size,
+                       mount_options=args.mount_option, attacks=attacks, put_back_after=put_back)
+        summary["final"] = final_pass(spec) if not guard.aborted else {}
+        if guard.aborted:  # before it or while it ran: what it read says nothing of the mount
+            summary["final"] = {"ok": 0, "errors": {}, "wrong": [], "skipped": "the mount was aborted"}
+        summary["daemon"] = None
+        if not guard.aborted:
+            try:
+                stats = read_control(mountpoint)
+                summary["daemon"] = {k: stats.get(k) for k in DAEMON_KEYS} | {
+                    k: v for k, v in stats.items() if "hit" in k and isinstance(v, (int, float))}
+            except OSError as exc:  # the watchdog aborted it meanwhile
+                summary["daemon"] = {"unreadable": repr(exc)}
     finally:
-        subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mountpoint)], check=False)
+        if watchdog.thread.is_alive():
+            watchdog.stop()
+        if not guard.aborted:
+            try:
+                subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mountpoint)], check=False,
+                               timeout=60)
+            except subprocess.TimeoutExpired:
+                guard.hang("`liquidfs umount` did not return within 60 s")
+        if is_mounted(str(mountpoint)):  # whatever happened above: no mount is left behind
+            if guard.aborted:
+                abort_mount(str(mountpoint), guard.daemon_pid)
+            else:
+                guard.hang("still mounted after `liquidfs umount`")
+        restore_source(source, fixture, work / "stash")  # (when an exception cut the run short)
+    summary["hangs"] = guard.hangs
+    summary["watchdog"] = watchdog.summary()
+    summary["seconds_taken"] = round(time.monotonic() - started, 1)
     summary["attack_log"] = str(work / f"attacker-{data_path}.jsonl")
     attach_nearby_attacks(summary, Path(summary["attack_log"]))
     return summary
+
+
+# -- links to FIFOs during `liquidfs profile` -----------------------------------------------------------------
+
+
+class FifoFlipper:
+    """A dataset owner against ``liquidfs profile``: once ``ready()`` (the profile has read its sample and times
+    reads of it), again and again, about half the images exchanged with links to a FIFO (or a whole directory with
+    a link to a tree of FIFOs of the same names), held 0.05-0.4 s, and exchanged back. A read that follows one
+    waits for a FIFO writer that never comes."""
+
+    def __init__(self, source: Path, fixture: dict[str, Any], work: Path, seed: int,
+                 ready: Callable[[], bool] = lambda: True) -> None:
+        self.rng = random.Random(seed)
+        self.ready = ready
+        self.created = time.monotonic()
+        self.files = [f["path"] for f in fixture["files"]]
+        self.dirs: list[str] = fixture["dirs"]
+        self.fifo = fixture["fifo"]
+        self.stash = work / "stash"
+        self.tree = work / "fifo-tree"  # every image's name, as a FIFO
+        for rel in self.files:
+            (self.tree / rel).parent.mkdir(parents=True, exist_ok=True)
+            if not (self.tree / rel).exists():
+                os.mkfifo(self.tree / rel)
+        self.root_fd = os.open(source, os.O_PATH | os.O_DIRECTORY)
+        self.counts: dict[str, Any] = {"file_swaps": 0, "dir_swaps": 0, "rounds": 0, "failed": 0, "started_at_s": None}
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _swap(self, rel: str, link: Path, target: str) -> bool:
+        if not os.path.lexists(link):
+            os.symlink(target, link)
+        try:
+            exchange(rel, str(link), self.root_fd)
+            return True
+        except OSError:
+            self.counts["failed"] += 1
+            return False
+
+    def _run(self) -> None:
+        try:
+            while not self.ready():
+                if self.stopping.wait(0.005):
+                    return
+            self.counts["started_at_s"] = round(time.monotonic() - self.created, 2)
+            while not self.stopping.is_set():
+                swapped: list[tuple[str, Path]] = []
+                if self.rng.random() < 0.25 and self.dirs:  # a whole directory, its images all FIFOs
+                    k = self.rng.randrange(len(self.dirs))
+                    rel, link = self.dirs[k], self.stash / f"pdir-{k}"
+                    if self._swap(rel, link, str(self.tree / self.dirs[k])):
+                        swapped.append((rel, link))
+                        self.counts["dir_swaps"] += 1
+                else:
+                    for i in self.rng.sample(range(len(self.files)), max(1, len(self.files) // 2)):
+                        rel, link = self.files[i], self.stash / f"pfifo-{i}"
+                        if self._swap(rel, link, self.fifo):
+                            swapped.append((rel, link))
+                            self.counts["file_swaps"] += 1
+                self.stopping.wait(self.rng.uniform(0.05, 0.4))
+                for rel, link in swapped:
+                    exchange(rel, str(link), self.root_fd)
+                    os.unlink(link)
+                self.counts["rounds"] += 1
+                self.stopping.wait(self.rng.uniform(0.0, 0.1))
+        finally:
+            os.close(self.root_fd)
+
+    def __enter__(self) -> FifoFlipper:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self.thread.join(30)
+
+
+def profile_attacked(work: Path, source: Path, fixture: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``liquidfs profile --quick`` on the source while ``FifoFlipper`` swaps images for links to FIFOs: it must
+    finish, or fail with a message, within ``args.profile_deadline`` seconds; else a hang (its threads' wchan
+    noted, then killed)."""
+    store = work / "store-profile"
+    log_path = work / "profile.log"
+    cmd = [sys.executable, "-m", "liquidfs", "profile", str(source), "--store", str(store), "--quick",
+           "--decoder", "pil", "--sample", str(min(8, len(fixture["files"]))), "--json", str(work / "profile.json")]
+    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "deadline_s": args.profile_deadline, "hung": False}
+    started = time.monotonic()
+    def timing_reads() -> bool:  # "right after root read it": the sample is read, its reads are being timed
+        return b"measuring storage" in log_path.read_bytes()
+
+    with open(log_path, "wb") as log, FifoFlipper(source, fixture, work, seed=7, ready=timing_reads) as flipper:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            out["rc"] = proc.wait(timeout=args.profile_deadline)
+        except subprocess.TimeoutExpired:
+            out["hung"] = True
+            out["threads"] = threads_of(proc.pid)
+            os.killpg(proc.pid, signal.SIGKILL)
+            out["rc"] = proc.wait(30)
+            print(f"HANG: liquidfs profile still running after {args.profile_deadline:g} s; its threads: "
+                  f"{json.dumps(out['threads'])}; killed", flush=True)
+    out["seconds"] = round(time.monotonic() - started, 1)
+    out["attacks"] = flipper.counts
+    out["put_back_after"] = restore_source(source, fixture, work / "stash")
+    text = log_path.read_text(errors="replace").strip().splitlines()
+    out["last_lines"] = text[-3:]
+    # Finished: rc 0 with a chosen ratio, or a failure that says why (a last line), never silence.
+    out["outcome"] = ("hung" if out["hung"] else "finished" if out["rc"] == 0
+                      else f"failed (rc {out['rc']}): {text[-1] if text else 'NO MESSAGE'}")
+    return out
 
 
 def attach_nearby_attacks(summary: dict[str, Any], log_path: Path) -> None:
@@ -888,20 +1426,47 @@ def attach_nearby_attacks(summary: dict[str, Any], log_path: Path) -> None:
             and (e.get("file") in (None, wrong["path"])) and e["action"] != "stopped"][-12:]
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| data path | reads | ok | served raw | alt version seen | allowed errors (by errno) | wrong | "
-             "attacks: symlink / rewrite / flip / truncate / prepare / root | final pass ok / wrong / errors |",
-             "|---|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict[str, Any]], attacks: list[str]) -> str:
+    names = [a for a in ATTACKS if a in attacks]
+    lines = ["| data path | reads | ok | served raw | alt version seen | allowed errors (by errno) | wrong | hangs | "
+             f"attacks: {' / '.join(names)} | final pass ok / wrong / errors |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         errs = ", ".join(f"{k} {v:,}" for k, v in r["errors"].items()) or "0"
         a = r["attacks"]
-        attacks = " / ".join(str(a.get(k, "?")) for k in ATTACKS)
+        done = " / ".join(str(a.get(k, "?")) for k in names)
         final = r["final"]
         label = " ".join([r["data_path"], *r.get("mount_options", [])])
+        if r.get("cache_size"):
+            label += f" --cache-size {r['cache_size']}"
         label += f" (objects damaged by {r.get('object_writer', 'root')})"
         lines.append(f"| {label} | {r['reads']:,} | {r['ok']:,} | {r['raw']:,} | {r['alt']:,} | {errs} | "
-                     f"**{r['wrong']}** | {attacks} | {final['ok']} / {len(final['wrong'])} / "
+                     f"**{r['wrong']}** | **{len(r['hangs'])}** | {done} | {final['ok']} / {len(final['wrong'])} / "
                      f"{sum(final['errors'].values())} |")
+    return "\n".join(lines)
+
+
+def writer_table(rows: list[dict[str, Any]], profile: dict[str, Any] | None) -> str:
+    """The dataset-writer attacks of issue 26 at a glance: wrong bytes and hangs (both must be 0)."""
+    lines = ["| run | wrong bytes | hangs | errors by errno | attacks performed | watchdog: probes, slowest ls / stats "
+             "| took |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        errs = ", ".join(f"{k} {v:,}" for k, v in r["errors"].items()) or "0"
+        done = ", ".join(f"{k} {v}" for k, v in r["attacks"].items() if v) or "none"
+        w = r["watchdog"]
+        hang = "; ".join(f"{h['what']} (at {h.get('after_s', '?')} s, stuck in {h.get('stuck_in', '?')})"
+                         for h in r["hangs"])
+        lines.append(f"| reads, {r['data_path']} --cache-size {r.get('cache_size') or 'none'} | **{r['wrong']}** | "
+                     f"**{len(r['hangs'])}**{': ' + hang if hang else ''} | {errs} | {done} | {w['probes']}, "
+                     f"{w['slowest_s']['ls']:.2f} / {w['slowest_s']['stats']:.2f} s"
+                     f"{', ' + str(len(w['failures'])) + ' failed' if w['failures'] else ''} | "
+                     f"{r['seconds_taken']:.0f} s |")
+    if profile is not None:
+        a = profile["attacks"]
+        lines.append(f"| liquidfs profile --quick | - | **{int(profile['hung'])}** | - | {a['file_swaps']} image and "
+                     f"{a['dir_swaps']} directory swaps for FIFO links, {a['rounds']} rounds, from "
+                     f"{a['started_at_s']} s | "
+                     f"{profile['outcome']} | {profile['seconds']:.0f} s |")
     return "\n".join(lines)
 
 
@@ -909,15 +1474,30 @@ def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
     from liquidfs.sample import make_sample
 
     width, height = (int(v) for v in args.size.split("x"))
-    rows = []
+    rows: list[dict[str, Any]] = []
+    profile = None
+    reading = [a for a in args.attacks if a in ATTACKS]
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         work = Path(tmp).resolve()
         source = make_sample(work / "data", count=args.count, width=width, height=height, seed=11)
         fixture = build_fixture(work, source)
-        for n, data_path in enumerate(data_paths):
+        for n, data_path in enumerate(data_paths if reading else []):
             rows.append(attack_one_path(work, source, fixture, data_path, args, seed=100 * n))
-            print(f"{data_path}: {rows[-1]['reads']:,} reads, {rows[-1]['wrong']} wrong", flush=True)
-    print(table(rows))
+            print(f"{data_path}: {rows[-1]['reads']:,} reads, {rows[-1]['wrong']} wrong, "
+                  f"{len(rows[-1]['hangs'])} hangs", flush=True)
+        if "profile" in args.attacks:
+            profile = profile_attacked(work, source, fixture, args)
+            print(f"profile: {profile['outcome']} in {profile['seconds']:.0f} s", flush=True)
+        left = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+                if line.split()[1].startswith(str(work))]
+        if left:  # never reached: each run unmounts its own, hung or not
+            for mnt in left:
+                abort_mount(mnt)
+            print(f"mounts left behind, aborted: {left}")
+    if rows:
+        print(table(rows, reading))
+    if rows or profile:
+        print(writer_table(rows, profile))
     for r in rows:
         kinds: dict[str, int] = {}
         for w in r["wrong_reads"]:
@@ -931,15 +1511,26 @@ def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
             print(f"  WRONG {r['data_path']}: {json.dumps(w)}")
         for u in r["unexpected"][:10]:
             print(f"  UNEXPECTED ERROR {r['data_path']}: {json.dumps(u)}")
+        for h in r["hangs"]:
+            print(f"  HANG {r['data_path']}: {json.dumps(h)}")
+        if r["watchdog"]["failures"]:
+            print(f"  WATCHDOG {r['data_path']}: `ls` or stats failed: {r['watchdog']['failures'][:5]}")
+        daemon = r["daemon"] or {}
         if r["reader_deaths"] or r["disconnected"] or r["put_back_after"] or r["final"]["wrong"] \
-                or r["final"]["errors"] or r["daemon"]["open_files"]:
+                or r["final"]["errors"] or daemon.get("open_files"):
             print(f"  {r['data_path']}: reader deaths {r['reader_deaths']}, disconnected {r['disconnected']}, put "
                   f"back after the attacker {r['put_back_after']}, final pass {r['final']}, daemon {r['daemon']}")
+    if profile is not None:
+        print(f"  profile: {json.dumps(profile)}")
+    wrong = sum(r["wrong"] + len(r["final"]["wrong"]) for r in rows)
+    hangs = sum(len(r["hangs"]) for r in rows) + int(bool(profile and profile["hung"]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    failed = any(r["wrong"] or r["unexpected"] or r["disconnected"] or r["final"]["wrong"] for r in rows)
-    print("soak with attacker FAILED" if failed else "soak with attacker passed: 0 wrong reads")
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "profile": profile,
+                                               "wrong": wrong, "hangs": hangs}, indent=1))
+    failed = wrong or hangs or any(r["unexpected"] or r["disconnected"] or r["watchdog"]["failures"] for r in rows)
+    print(f"wrong bytes: {wrong} (must be 0), hangs: {hangs} (must be 0)")
+    print("soak with attacker FAILED" if failed else "soak with attacker passed: 0 wrong reads, no hang")
     return 1 if failed else 0
 
 
@@ -963,6 +1554,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readers", type=int, default=16, help="reader processes (default 16)")
     parser.add_argument("--attacker", action="store_true",
                         help="run the attacker beside the readers (default off: readers only, one killed -9)")
+    parser.add_argument("--attacks", "--attack", metavar="LIST",
+                        help="the attacker's attacks, comma-separated (implies --attacker; default all): "
+                             f"{', '.join(ALL_ATTACKS)}. dirflip, fifo and profile are the dataset writer's")
+    parser.add_argument("--cache-size", default="100%",
+                        help="with the attacker: the mounts' --cache-size, so the next-epoch cache holds files and "
+                             "their re-opens check the source (default 100%%; 'none': no cache)")
+    parser.add_argument("--deadline", type=float, default=10.0,
+                        help="with the attacker: seconds `ls MNT` and the mount's stats may take before the "
+                             "watchdog calls it a hang and aborts the mount (default 10)")
+    parser.add_argument("--profile-deadline", type=float, default=120.0,
+                        help="the profile attack: seconds `liquidfs profile --quick` may take (default 120)")
     parser.add_argument("--data-path", choices=("both", "passthrough", "daemon", "auto"), default="both",
                         help="mount --data-path of each run; both: one run with passthrough, then one with the "
                              "daemon path (default both)")
@@ -988,6 +1590,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "attacker":
         return run_attacker(Path(args.spec), args.seconds, args.seed)
     data_paths = ["passthrough", "daemon"] if args.data_path == "both" else [args.data_path]
+    if args.attacks is not None:
+        args.attacker = True
+        args.attacks = [a.strip() for a in args.attacks.split(",") if a.strip()]
+        unknown = sorted(set(args.attacks) - set(ALL_ATTACKS))
+        if unknown or not args.attacks:
+            parser.error(f"--attacks: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(ALL_ATTACKS)}")
+    else:
+        args.attacks = list(ALL_ATTACKS)
     if args.attacker:
         return soak_attacked(args, data_paths)
     return 0 if all(soak_plain(args, data_path) for data_path in data_paths) else 1
