@@ -265,8 +265,10 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     failures: list[tuple[str, str]] = []
     bar = _progress(progress, len(nodes))
     ctx = multiprocessing.get_context("forkserver")
-    # A check decodes the original and the object: about what an expansion takes (resources).
-    workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False,
+    # A check decodes the original and the object: about what an expansion to the object's format takes
+    # (resources; a J2K object is budgeted as its encoding was, at its measured peak).
+    held = tuple(sorted({raw_format_of(str(n.object)) or "bmp" for n in nodes})) or ("bmp",)
+    workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
                                      largest_source=max((n.size for n in nodes), default=0)).workers
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
