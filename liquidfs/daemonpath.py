@@ -111,6 +111,16 @@ class DaemonPath:
             self.size_overrides[inode] = content.size
             await self.notifier.new_size(inode)
             direct_io = True
+        superseded = self._serving_other_bytes(inode, content)
+        if superseded:
+            # The kernel keeps one page cache per inode, whatever each open serves: an older open still serving
+            # the other representation (or a size from before a change) would fill it, through its readahead,
+            # a fault of its mapping or a push, with bytes this open must never see. This open bypasses it, and
+            # those opens fail their further reads (their file changed since they opened it, as a passthrough
+            # open that finds its backing changed is refused): never a page of one version under the other.
+            direct_io = True
+            for other in superseded:
+                other.superseded = True
         if not (content.deferred and decision.hold):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)
         # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
@@ -119,11 +129,22 @@ class DaemonPath:
         keep_cache = held is not None and not direct_io
         return Handle(content, node, decision, direct_io=direct_io, keep_cache=keep_cache)
 
+    def _serving_other_bytes(self, inode: int, content: Content) -> list[Handle]:
+        """The open handles of ``inode`` that read through the page cache and serve other bytes than ``content``
+        (the other representation, or another size)."""
+        return [h for h in self.open_files.values()
+                if h.node is not None and h.node.id == inode and not h.direct_io and not h.passthrough
+                and not h.superseded and (h.content.raw, h.content.size) != (content.raw, content.size)]
+
     def opened(self, fh: int, handle: Handle) -> None:
         """``handle`` was registered as ``fh``: count the bytes it keeps in memory."""
         self._count_open(fh, handle)
 
     async def read(self, fh: int, handle: Handle, off: int, size: int) -> bytes | memoryview:
+        if handle.superseded:
+            assert handle.node is not None
+            raise OSError(errno.EIO, "changed while open, and opened again since: reopen the file",
+                          os.fsdecode(handle.node.path))
         if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
             if fh not in self._open_bytes_of and fh in self.open_files:
@@ -477,6 +498,8 @@ class Handle:
     failed: int | None = None    # the errno its first read failed with (``_first_read_once``)
     passthrough: bool = False    # served by the kernel from the inode's backing (``PassthroughPath``)
     mixed: bool = False          # its representation was chosen by ``mount --mix`` (released there too)
+    #: A later open of its inode serves other bytes: its reads, which would reach the shared page cache, fail.
+    superseded: bool = False
 
     def note_served(self, start: int, end: int) -> int:
         """Record a served range; returns how far from offset 0 the served ranges reach without a gap.

@@ -687,3 +687,37 @@ def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
     for _ in range(10):
         assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
     assert ops._slots_taken == 0 and not ops._slots
+
+
+def test_an_open_of_other_bytes_beside_a_page_cached_open_never_shares_its_pages(tmp_path: Path) -> None:
+    """The kernel keeps one page cache per inode. An open served raw, read through the page cache, went on
+    answering the kernel's reads (readahead, a fault of its map) with the raw object after the source changed
+    and a later open served the original at the size the kernel was told: that open's reads found the raw
+    object's pages, cut to the original's size (found by soak --attacker). The later open now bypasses the page
+    cache, and the older one's further reads fail."""
+    ops, raw, store = _raw_ops(tmp_path)
+    node = raw[0]
+    b = _open_node(ops, node)  # a loader's open, served raw
+    raw_bytes = bytes(run(ops.read, b, 0, 1 << 22))
+    assert raw_bytes == (store / str(node.object)).read_bytes() and not ops.open_files[b].direct_io
+    src = tmp_path / "src" / os.fsdecode(node.path)  # the source rewritten in place, its mtime put back
+    st, data = src.stat(), src.read_bytes()
+    fd = os.open(src, os.O_WRONLY)
+    os.write(fd, data)
+    os.close(fd)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    a = run(ops.open, node.id, os.O_RDONLY, CTX)  # falls back: another size, so direct_io
+    assert a.direct_io
+    run(ops.release, a.fh)
+    a2 = run(ops.open, node.id, os.O_RDONLY, CTX)  # the original again, at the size the kernel was told now
+    # the raw open no longer answers the kernel's reads of this inode: nothing refills its pages with the raw
+    # object (a2's open dropped those there were), so the original's reads through them are its own
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, b, 0, 1 << 17)
+    assert info.value.errno == errno.EIO
+    assert bytes(run(ops.read, a2.fh, 0, 1 << 22)) == data
+    run(ops.release, b)
+    run(ops.release, a2.fh)
+    a3 = run(ops.open, node.id, os.O_RDONLY, CTX)
+    assert not a3.direct_io  # nothing else open: the page cache is the original's alone
+    run(ops.release, a3.fh)
