@@ -1258,7 +1258,11 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
                 readers.kill()
                 readers.join(timeout=30)
         finally:
-            if attacker.poll() is None:
+            if guard.aborted:
+                attacker.send_signal(signal.SIGTERM)
+            try:  # it stops by itself after --seconds (a prepare it started may run on a little): its counts
+                out, _ = attacker.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
                 attacker.send_signal(signal.SIGTERM)
             try:
                 out, _ = attacker.communicate(timeout=120)
