@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -188,6 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The exit status: 0, 1 for an error said in one line, 130 interrupted, 141 when stdout's reader left."""
+    try:
+        try:
+            return _run(argv)
+        finally:
+            # What print() left in the buffer meets a reader that has gone here, where it is caught, rather than
+            # at the interpreter's exit.
+            sys.stdout.flush()
+    except BrokenPipeError:
+        # `liquidfs stats MNT | head`: the reader has what it wanted. Nothing more is written (stdout now goes
+        # nowhere, so the exit's own flush cannot fail again), and the status is what a shell reports for a
+        # tool killed by SIGPIPE (128 + 13): `set -o pipefail` sees what it sees of `cat | head`, where 0
+        # would claim that everything was printed.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _run(argv: Sequence[str] | None) -> int:
     # Everything liquidfs writes (catalogs, raw objects, the disk cache, logs) is its owner's only: a raw object
     # of a 0600 image, or the names of a 0700 directory, must not become readable by every local user.
     os.umask(0o077)
@@ -203,12 +222,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return int(args.func(args))
-    except (MountError, CatalogError, ProfileError, FileNotFoundError, NotADirectoryError) as exc:
+    except (MountError, CatalogError, ProfileError) as exc:
         print(f"liquidfs {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"liquidfs {args.command}: interrupted", file=sys.stderr)
         return 130
+    except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_gone():
+            raise  # main() ends quietly
+        log.debug("%s failed", args.command, exc_info=True)  # the traceback, for --log-level debug
+        print(f"liquidfs {args.command}: {_describe_os_error(exc, args)}", file=sys.stderr)
+        return 1
     except Exception as exc:
         # The object store's client errors (no credentials, endpoint unreachable, access denied) are the
         # user's to fix: one line that says which, not a traceback.
@@ -218,8 +243,76 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise
 
 
+def _stdout_gone() -> bool:
+    """Whether stdout is a pipe whose reader has gone (poll says POLLERR): a BrokenPipeError of a socket is an
+    error like any other."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def _describe_os_error(exc: OSError, args: argparse.Namespace) -> str:
+    """One line for an OSError: the path (decoded, never a bytes repr), the cause, and what to do where known."""
+    from .safefiles import escape_controls
+
+    if exc.strerror is None:
+        return escape_controls(str(exc))  # raised with a message of liquidfs's own
+    path = os.fsdecode(exc.filename) if exc.filename is not None else None
+    text = f"{path}: {exc.strerror}" if path else exc.strerror
+    advice = _store_advice(exc, args, path)
+    return escape_controls(f"{text} ({advice})" if advice else text)
+
+
+def _store_advice(exc: OSError, args: argparse.Namespace, path: str | None) -> str | None:
+    """What to do when the store (or a directory on the way to it) is not this user's to write or read."""
+    import errno
+
+    from .catalog import cache_home
+
+    if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or path is None:
+        return None
+    store, default = _local_store(args)
+    failed = Path(os.path.abspath(path))
+    if store is None or not (failed == store or store in failed.parents or failed in store.parents):
+        return None
+    try:
+        owner: int | None = os.stat(store).st_uid
+    except OSError:
+        owner = None
+    if owner is not None and owner != os.geteuid():
+        who = "root (uid 0)" if owner == 0 else f"uid {owner}"
+        return (f"the store belongs to {who}, and stores are owner-only: give --store a directory of your own, "
+                f"or run this as {'root' if owner == 0 else who}")
+    if default:
+        return (f"the default store is under {cache_home()}, which you cannot write: give --store a directory "
+                "of your own, or set XDG_CACHE_HOME")
+    return "give --store a directory you can write; liquidfs makes it, owner-only"
+
+
+def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
+    """The local store directory this command works on (None for none, or an s3:// store), and whether it is
+    the default one (a mount without --store)."""
+    from .s3 import is_url
+
+    store = getattr(args, "store", None)
+    if store is not None:
+        return (None, False) if is_url(str(store)) else (Path(os.path.abspath(store)), False)
+    source = getattr(args, "source", None)
+    if args.command != "mount" or source is None or is_url(str(source)):
+        return None, False
+    from .catalog import default_store_dir
+
+    return default_store_dir(source), True
+
+
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .mount import MountConfig, MountError, check_mountpoint, serve, spawn_daemon
+    from .mount import MountConfig, MountError, check_allow_other, check_mountpoint, serve, spawn_daemon
     from .stores import open_store
 
     storage = open_store(args.source, args.store)
@@ -243,6 +336,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         _size_option(args.disk_cache_size, "--disk-cache-size")
     if not args.io_timeout > 0:
         raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
+    options = [o for opts in args.options for o in opts.split(",") if o]
+    check_allow_other(args.allow_other, options)
     check_mountpoint(mountpoint)
     if not args.foreground:
         started = time.monotonic()
@@ -258,11 +353,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
         argv = ["mount", source, str(mountpoint), *_as_options(_subparser("mount"), daemon_args,
                                                                leave_out={"foreground", "rescan", "refresh"})]
         spawn_daemon(argv, log_file)
-        print(f"liquidfs: {source} mounted on {mountpoint} ({time.monotonic() - started:.1f} s; log {log_file})")
+        print(f"liquidfs: {source} mounted on {mountpoint} ({time.monotonic() - started:.1f} s; log {log_file}); "
+              + _data_path_said(mountpoint))
         return 0
     # A daemon started by a mount that has just made the catalog ready only finds it.
     store = local_catalog() if args.ready_fd is None else storage.found_catalog()
-    options = [o for opts in args.options for o in opts.split(",") if o]
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
                          fuse_options=options, threads=args.threads, cache_size=args.cache_size,
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
@@ -274,6 +369,18 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          verify_reads=args.verify_reads, mix=args.mix, mix_interval=args.mix_interval,
                          pressure_dir=Path(args.pressure_dir))
     return serve(config, ready_fd=args.ready_fd)
+
+
+def _data_path_said(mountpoint: Path) -> str:
+    """Which data path the new mount serves through, and why the daemon's where it is (its ``stats``)."""
+    from .mount import read_control
+
+    try:
+        values = read_control(mountpoint)
+    except (OSError, ValueError):
+        return "data path: see `liquidfs stats`"
+    path, why = values.get("data_path"), values.get("data_path_why")
+    return f"data path: {path}" + (f", since {why}" if path != "passthrough" and why else "")
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:
@@ -317,8 +424,16 @@ def _size_option(text: str, flag: str, *, percent: bool = True) -> int:
     from .cache import parse_size
     from .mount import MountError
 
-    if not percent and text.strip().endswith("%"):
-        raise MountError(f"{flag} takes bytes (512M, 2G), not a percentage")
+    share = text.strip()
+    if share.endswith("%"):
+        if not percent:
+            raise MountError(f"{flag} takes bytes (512M, 2G), not a percentage")
+        try:
+            value = float(share[:-1])
+        except ValueError:
+            value = 0.0  # not a number: parse_size says what it takes
+        if not 0 <= value <= 100:  # NaN too
+            raise MountError(f"{flag} {text}: a share of the dataset is 0% to 100%")
     try:
         return parse_size(text, 1)
     except ValueError as exc:
@@ -546,16 +661,19 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 def cmd_profile(args: argparse.Namespace) -> int:
     text = args.cache_size.strip()
-    if not text.endswith("%"):
-        print("liquidfs profile: --cache-size takes a percentage here (e.g. 30%)", file=sys.stderr)
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else math.nan
+    except ValueError:
+        share = math.nan
+    if not 0 <= share <= 1:
+        print("liquidfs profile: --cache-size takes a percentage from 0% to 100% here (e.g. 30%)", file=sys.stderr)
         return 2
-    share = float(text[:-1]) / 100
     from .profile import plot, profile_store, render, to_json
     from .safefiles import replace_file
     from .stores import open_store
 
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
-                          cache_share=min(1.0, share), sample=args.sample, quick=args.quick,
+                          cache_share=share, sample=args.sample, quick=args.quick,
                           target_rate=args.target_rate, formats=args.formats,
                           progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))

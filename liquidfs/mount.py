@@ -11,6 +11,7 @@ import faulthandler
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,6 +117,36 @@ def _fuse_mounted(mountpoint: Path) -> bool:
     """
     found = guard.topmost_mount(mountpoint)
     return found is not None and found[0].startswith(b"fuse")
+
+
+#: Where fusermount3 reads whether users other than root may mount with allow_other.
+FUSE_CONF = Path("/etc/fuse.conf")
+_CAP_SYS_ADMIN = 21
+
+
+def check_allow_other(allow_other: bool, options: list[str]) -> None:
+    """Refuse an allow_other mount that fusermount3 will refuse (a user's, without ``user_allow_other`` in
+    fuse.conf): said here, before a catalog is built and a daemon started, not as the daemon's last words."""
+    if not (allow_other or "allow_other" in options) or os.geteuid() == 0 or _has_cap_sys_admin():
+        return  # root, or CAP_SYS_ADMIN: libfuse mounts without fusermount3
+    try:
+        lines = FUSE_CONF.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    except OSError:
+        return  # fusermount3 (setuid root) reads what this user cannot: it decides
+    if "user_allow_other" not in (line.split("#", 1)[0].strip() for line in lines):  # as fusermount3 reads it
+        raise MountError(f"--allow-other: fusermount3 allows it to a user other than root only where {FUSE_CONF} "
+                         "has a line user_allow_other (ask root to add it), or mount as root")
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    eff = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
+    return bool(eff >> _CAP_SYS_ADMIN & 1)
 
 
 def fuse_options(config: MountConfig) -> set[str]:
@@ -372,8 +403,14 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
         # name by then.
         log_fd = open_append(log_file)
     except OSError as exc:
-        raise MountError(f"cannot write the log {log_file}: {exc.strerror}") from None
+        # The log is the one file a mount writes in its store: a store read-only to this user mounts with the
+        # log elsewhere.
+        advice = (" (a store that is read-only to you mounts with --log-file naming a file you can write)"
+                  if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "")
+        raise MountError(f"cannot write the log {log_file}: {exc.strerror}{advice}") from None
     try:
+        # Where this daemon's lines begin: the log keeps every earlier mount's, which say nothing of this one.
+        start = os.fstat(log_fd).st_size
         read_end, write_end = os.pipe()
         # Isolated (-I: no cwd, no PYTHON* variables on sys.path) and in /: a root mount started from a
         # directory someone else can write must not import code from it.
@@ -383,13 +420,22 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
             pass_fds=(write_end,), start_new_session=True,
         )
         os.close(write_end)
-        _wait_ready(proc, read_end, log_fd, log_file, timeout)
+        _wait_ready(proc, read_end, log_fd, log_file, timeout, start)
     finally:
         os.close(log_fd)
 
 
-def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_file: Path, timeout: float) -> None:
-    """Return once the daemon says "ready" on ``read_end``; else the tail of its log, in a MountError."""
+#: How long a daemon that closed its ready pipe without the mount answering gets to exit: it is on its way out
+#: (the pipe closes as its descriptors do, a moment before its exit status exists).
+EXIT_WAIT = 10.0
+#: Log lines of a failed daemon shown to the user.
+SHOWN_LINES = 15
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_file: Path, timeout: float,
+                start: int = 0) -> None:
+    """Return once the daemon says "ready" on ``read_end``; else a MountError whose first line says why (from
+    the daemon's lines of the log, those past offset ``start``), then those lines."""
     deadline = time.monotonic() + timeout
     with os.fdopen(read_end, "rb") as ready:
         # EOF without "ready" means the daemon died before the mount answered.
@@ -404,18 +450,60 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
                 break
             if proc.poll() is not None:
                 break
-    proc.poll()
-    tail = _tail(log_fd).splitlines()[-15:]
+    if time.monotonic() < deadline:
+        try:
+            proc.wait(EXIT_WAIT)
+        except subprocess.TimeoutExpired:
+            pass
+    lines = _log_since(log_fd, start)
+    if lines:
+        shown = f"; its lines in {log_file}:\n" + "\n".join(f"  {line}" for line in lines[-SHOWN_LINES:])
+    else:
+        shown = f"; nothing from it in {log_file}"
     if proc.returncode is None:
         proc.kill()
-        raise MountError(f"the daemon did not answer within {timeout:.0f} s; log {log_file}:\n" + "\n".join(tail))
-    raise MountError(f"the daemon exited with status {proc.returncode}; log {log_file}:\n" + "\n".join(tail))
+        proc.wait()
+        what = (f"did not answer within {timeout:.0f} s" if time.monotonic() >= deadline
+                else "gave up before the mount answered but did not exit")
+        raise MountError(f"the daemon {what}: killed" + shown)
+    status = f"the daemon exited with status {proc.returncode} before the mount answered" + shown
+    reason = failure_reason(lines)
+    raise MountError(f"{reason}\n{status}" if reason else status)
 
 
-def _tail(fd: int, size: int = 64 << 10) -> str:
-    """The last ``size`` bytes of the log open at ``fd``."""
+#: A log record of the daemon's at ERROR or above (``safefiles.LOG_FORMAT``: date, time, level, logger, message).
+_ERROR_RECORD = re.compile(r"\S+ \S+ (?:ERROR|CRITICAL) \S+: (.*)")
+
+
+def failure_reason(lines: list[str]) -> str | None:
+    """The line of a failed daemon's log that says why: fusermount3's or libfuse's own words (they name the
+    option or the permission refused; liquidfs only sees "fuse_session_new() failed"), else the daemon's
+    one-line error, else its last error record."""
+    for line in lines:
+        if line.startswith(("fusermount3:", "fusermount:", "fuse:")) and "warning" not in line.lower():
+            return line
+    prefix = "liquidfs mount: "
+    for line in reversed(lines):
+        if line.startswith(prefix) and line != prefix + "interrupted":
+            return line[len(prefix):]
+    for line in reversed(lines):
+        found = _ERROR_RECORD.fullmatch(line)
+        if found:
+            # A record with a traceback is one line, its line breaks escaped: its first and last parts say it.
+            parts = found.group(1).split("\\n")
+            return parts[0] if len(parts) == 1 else f"{parts[0]}: {parts[-1].strip()}"
+    return None
+
+
+def _log_since(fd: int, start: int, size: int = 64 << 10) -> list[str]:
+    """The lines of the log open at ``fd`` past offset ``start`` (its last ``size`` bytes at most)."""
     end = os.fstat(fd).st_size
-    return os.pread(fd, size, max(0, end - size)).decode(errors="replace")
+    begin = max(start, end - size)
+    text = os.pread(fd, max(0, end - begin), begin).decode(errors="replace")
+    lines = text.splitlines()
+    if begin > start and lines:
+        lines = lines[1:]  # cut in the middle
+    return [line for line in lines if line.strip()]
 
 
 # -- unmount -------------------------------------------------------------------------------------------
@@ -458,18 +546,30 @@ def holders(mountpoint: Path) -> list[str]:
     return found
 
 
+#: The filesystem type of a liquidfs mount in /proc/self/mountinfo (``fuse_options``: subtype=liquidfs).
+FSTYPE = b"fuse.liquidfs"
+
+
 def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> None:
     mountpoint = mountpoint.absolute()
+    # What is mounted there, from mountinfo: a stat would wait for a hung daemon. Only a liquidfs mount is
+    # unmounted: fusermount3 run by root unmounts any FUSE filesystem, someone else's included.
+    found = guard.topmost_mount(Path(os.path.realpath(mountpoint)))
+    if found is None:
+        if not os.path.lexists(mountpoint):
+            raise MountError(f"{mountpoint} does not exist")
+        raise MountError(f"{mountpoint} is not mounted")
+    if found[0] != FSTYPE:
+        raise MountError(f"{mountpoint} is a {os.fsdecode(found[0])} mount, not a liquidfs mount: left mounted "
+                         "(unmount it with what mounted it)")
     if is_stale(mountpoint):
         clean_stale(mountpoint)
         return
-    if not os.path.ismount(mountpoint):
-        raise MountError(f"{mountpoint} is not mounted")
     pid = None
     try:
         pid = int(str(read_control(mountpoint)["pid"]))
     except (OSError, ValueError, KeyError):
-        log.warning("%s does not look like a liquidfs mount; unmounting anyway", mountpoint)
+        log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +32,32 @@ def _fuse_gate(request: pytest.FixtureRequest) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"FUSE unavailable in CI: {problem}")
     pytest.skip(f"FUSE unavailable: {problem}")
+
+
+@pytest.fixture(autouse=True)
+def _root_gate(request: pytest.FixtureRequest) -> None:
+    """A test marked ``needs_root("what needs it")`` -- passthrough (CAP_SYS_ADMIN), /proc/sys/vm/drop_caches, a
+    chown to another user, fusectl's files (the watchdog), taking another user's credentials -- is skipped with
+    that reason for another user, and fails in CI, which runs the suite as root: there none may skip. Autouse,
+    so it runs before the test's own function-scoped fixtures (a chown in one would fail first)."""
+    marker = request.node.get_closest_marker("needs_root")
+    if marker is None or os.geteuid() == 0:
+        return
+    if marker.kwargs.get("allow_other") and user_allow_other():  # what --allow-other needs of a user
+        return
+    why = marker.args[0] if marker.args else "root"
+    if os.environ.get("CI"):
+        pytest.fail(f"needs root ({why}): CI runs the suite as root")
+    pytest.skip(f"needs root: {why}")
+
+
+def user_allow_other() -> bool:
+    """/etc/fuse.conf lets users other than root mount with --allow-other (fusermount3's user_allow_other)."""
+    try:
+        lines = Path("/etc/fuse.conf").read_text().splitlines()
+    except OSError:
+        return False
+    return any(line.split("#", 1)[0].strip() == "user_allow_other" for line in lines)
 
 
 @pytest.fixture
@@ -69,3 +97,20 @@ def liquidfs_cmd() -> list[str]:
 def run_cli(*args: str, check: bool = True, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
                           check=check, timeout=timeout, **kw)  # type: ignore[call-overload]
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    """``cli.main`` sets up the root logger (and the excepthooks with --log-file): put back what pytest had."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    hooks = sys.excepthook, threading.excepthook
+    try:
+        yield
+    finally:
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        sys.excepthook, threading.excepthook = hooks

@@ -10,6 +10,7 @@ Layout of a store directory::
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -62,6 +63,13 @@ def _trusted_catalog(path: Path) -> os.stat_result:
             f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}): the source it names is not taken "
             "on its word; chmod go-w it once you have checked it")
     return st
+
+
+def _check_readable(path: Path) -> None:
+    """PermissionError naming ``path`` where this user cannot read the catalog there (a store prepared by
+    another user is owner-only): SQLite says only "unable to open database file", as if it were no catalog."""
+    if os.path.lexists(path) and not os.access(path, os.R_OK, effective_ids=True):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
 
 def _object_entry(obj: str) -> tuple[str, str] | None:
@@ -117,6 +125,7 @@ class LocalStore:
             before = _trusted_catalog(path)
         except FileNotFoundError:
             before = None  # Catalog.open says there is none
+        _check_readable(path)
         catalog = Catalog.open(store_dir, readonly=True)
         try:
             source = catalog.source
@@ -126,6 +135,14 @@ class LocalStore:
         if before is None or (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino):
             raise CatalogError(f"{path} was replaced while it was read: refused; run this again")
         return cls(Path(os.fsdecode(source)), store_dir)
+
+    def _check_source(self) -> None:
+        """A source that is not a directory, said so before anything is written (the scan would say it with a
+        raw errno and a bytes path)."""
+        if not self.source.is_dir():
+            if self.source.exists():
+                raise NotADirectoryError(f"source {self.source}: not a directory")
+            raise FileNotFoundError(f"source {self.source}: no such directory")
 
     def source_root(self, catalog: Catalog) -> bytes:
         """The source root to open what ``catalog`` names below: this store's source, which the catalog must name
@@ -149,6 +166,7 @@ class LocalStore:
 
     @contextmanager
     def preparing(self, progress: bool) -> Iterator[Preparation]:
+        self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         held = exclusive_lock(self.store_dir / PREPARE_LOCK, wait=False)
         if held is None:  # prepares of one store run one after another: the next reuses what the first did
@@ -156,6 +174,7 @@ class LocalStore:
             held = exclusive_lock(self.store_dir / PREPARE_LOCK)
         assert held is not None
         try:
+            _check_readable(self.store_dir / CATALOG_NAME)
             open_or_build(self.source, self.store_dir).close()
             work = WorkingCopy(self.store_dir)
             try:
@@ -287,7 +306,9 @@ class LocalStore:
 
     def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
         """Expanded into a ``profile-sample-*`` directory of this run's own inside the store, on its device."""
+        self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        _check_readable(self.store_dir / CATALOG_NAME)
         open_or_build(self.source, self.store_dir).close()
         catalog = Catalog.open(self.store_dir, readonly=True)
         try:
@@ -378,14 +399,15 @@ class LocalStore:
     # -- mount -----------------------------------------------------------------------------------------
 
     def mount_catalog(self, *, rescan: bool, progress: bool = True) -> Path:
-        if not self.source.is_dir():
-            raise NotADirectoryError(f"source {self.source} is not a directory")
+        self._check_source()
+        _check_readable(self.store_dir / CATALOG_NAME)
         open_or_build(self.source, self.store_dir, rescan=rescan).close()
         return self.store_dir
 
     def found_catalog(self) -> Path:
         # The daemon a mount starts finds the catalog its parent made ready: checked here again, as the catalog
         # is the store writer's to rewrite in between.
+        _check_readable(self.store_dir / CATALOG_NAME)
         catalog = Catalog.open(self.store_dir, readonly=True)
         try:
             self.source_root(catalog)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import struct
 import subprocess
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fusehelpers import DATA_PATHS, Mount, as_nobody, daemon_pid, is_mounted, wait_for
+from fusehelpers import DATA_PATHS, Mount, as_nobody, wait_for
 from liquidfs.catalog import Catalog
 from liquidfs.mount import read_control
 from liquidfs.prepare import prepare

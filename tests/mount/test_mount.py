@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from fusehelpers import DATA_PATHS, Mount, daemon_pid, is_mounted, mounter_on_each_path, wait_for
+from fusehelpers import DATA_PATHS, FUSERMOUNT, Mount, daemon_pid, is_mounted, mounter_on_each_path, wait_for
 from trees import dataset_tree
 
 pytestmark = pytest.mark.fuse
@@ -178,6 +179,7 @@ def test_torchvision_imagefolder_dataloader(tree: Path, mounter: Mount) -> None:
     assert seen == len(ref)
 
 
+@pytest.mark.needs_root("/proc/sys/vm/drop_caches")
 def test_lookup_counts_are_forgotten(tree: Path, mounter: Mount) -> None:
     mnt = mounter.mount(tree)
     os.listdir(mnt / "many")
@@ -215,7 +217,7 @@ def test_refuses_bad_mountpoints(tree: Path, mounter: Mount, tmp_path: Path) -> 
     again = run_cli("mount", str(tree), str(mnt), "--store", str(tmp_path / "st"), check=False)
     assert again.returncode == 1 and "already mounted" in again.stderr
     nosrc = run_cli("mount", str(tmp_path / "nosrc"), str(mounter.mountpoint()), check=False)
-    assert nosrc.returncode == 1 and "not a directory" in nosrc.stderr
+    assert nosrc.returncode == 1 and f"source {tmp_path / 'nosrc'}: no such directory" in nosrc.stderr
     assert "Traceback" not in missing.stderr + nonempty.stderr + again.stderr + nosrc.stderr
 
 
@@ -295,3 +297,87 @@ def test_python_m_and_help() -> None:
     for sub in ["mount", "umount", "stats", "prepare", "verify"]:
         out = subprocess.run([sys.executable, "-m", "liquidfs", sub, "--help"], capture_output=True, text=True)
         assert out.returncode == 0 and "usage: liquidfs " + sub in out.stdout
+
+
+# -- what the command says (issue 31) ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def plain(tmp_path: Path) -> Iterator[Mount]:
+    """Mounts on the default data path (auto), for what does not depend on the path."""
+    m = Mount(tmp_path)
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
+def test_the_mount_names_the_data_path_it_got_and_why(tree: Path, mounter: Mount) -> None:
+    mnt = mounter.mountpoint()
+    mounter.mountpoints.append(mnt)
+    done = run_cli("mount", str(tree), str(mnt), "--store", str(mounter.tmp / "store"),
+                   "--data-path", str(mounter.data_path))
+    line = done.stdout.strip()
+    assert len(line.splitlines()) == 1 and f"mounted on {mnt}" in line
+    assert f"data path: {mounter.data_path}" in line
+    if mounter.data_path == "daemon":
+        assert "since --data-path daemon" in line
+
+
+def test_the_mount_says_why_auto_chose_the_daemon(tree: Path, plain: Mount) -> None:
+    mnt = plain.mountpoint()
+    plain.mountpoints.append(mnt)
+    done = run_cli("mount", str(tree), str(mnt), "--store", str(plain.tmp / "store"), "--page-cache", "direct")
+    assert "data path: daemon, since --page-cache direct" in done.stdout
+    values = json.loads((mnt / ".__liquidfs__").read_bytes())
+    assert values["data_path"] == "daemon" and values["data_path_why"] in done.stdout
+
+
+def test_a_mount_option_fuse_refuses_is_named_first_and_at_once(tree: Path, plain: Mount) -> None:
+    mnt = plain.mountpoint()
+    plain.mountpoints.append(mnt)
+    for option in ("first_bogus_option", "second_bogus_option"):
+        # the timeout is a hang guard only: the daemon is gone in about a second
+        done = run_cli("mount", str(tree), str(mnt), "--store", str(plain.tmp / "store"), "-o", option,
+                       check=False, timeout=60)
+        assert done.returncode == 1, done.stderr
+        first = done.stderr.splitlines()[0]
+        assert option in first and "unknown option" in first, done.stderr
+        assert "did not answer" not in done.stderr and "Traceback" not in done.stderr
+        assert not is_mounted(mnt)
+    assert "first_bogus_option" not in done.stderr  # only the failed run's own lines of the store's mount.log
+
+
+def test_stats_into_a_closed_pipe_ends_quietly(tree: Path, plain: Mount) -> None:
+    mnt = plain.mount(tree)
+    for argv in (["stats", str(mnt)], ["stats", "--json", str(mnt)]):
+        with subprocess.Popen([sys.executable, "-m", "liquidfs", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as proc:
+            assert proc.stdout is not None and proc.stderr is not None
+            proc.stdout.close()  # `liquidfs stats MNT | head`, with head gone before stats prints
+            err = proc.stderr.read().decode()
+            status = proc.wait(60)
+        assert status == 141 and err == "", err
+
+
+def test_umount_refuses_a_fuse_mount_that_is_not_liquidfs(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "a.txt").write_text("a\n")
+    mnt = tmp_path / "other"
+    mnt.mkdir()
+    rules = tmp_path / "rules.json"
+    rules.write_text("{}")
+    faultfs = Path(__file__).parents[1] / "support" / "faultfs.py"
+    with open(tmp_path / "faultfs.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, str(faultfs), str(real), str(mnt), str(rules)], stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: is_mounted(mnt) or proc.poll() is not None, 30, what="faultfs to mount")
+        refused = run_cli("umount", str(mnt), check=False)
+        assert refused.returncode == 1 and "not a liquidfs mount" in refused.stderr, refused.stderr
+        assert is_mounted(mnt) and (mnt / "a.txt").read_text() == "a\n"
+    finally:
+        subprocess.run([FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True)
+        proc.terminate()
+        proc.wait(10)

@@ -9,9 +9,7 @@ import logging
 import os
 import sqlite3
 import stat
-import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,22 +71,6 @@ def test_prepare_deletes_nothing_outside_the_store_whatever_the_catalog_or_the_o
 
 
 # -- files liquidfs writes, and its log lines --------------------------------------------------------------------
-
-
-@pytest.fixture
-def restore_logging() -> Iterator[None]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    hooks = sys.excepthook, threading.excepthook
-    try:
-        yield
-    finally:
-        for handler in root.handlers:
-            if handler not in handlers:
-                handler.close()
-        root.handlers[:] = handlers
-        root.setLevel(level)
-        sys.excepthook, threading.excepthook = hooks
 
 
 def test_a_log_record_naming_a_file_with_newlines_is_one_line(tmp_path: Path, restore_logging: None) -> None:
@@ -174,7 +156,7 @@ def _rewrite_source(store: Path, source: str) -> None:
         db.execute("UPDATE meta SET value=? WHERE key='source'", (source,))
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+@pytest.mark.needs_root("a chown of the catalog to another user")
 def test_verify_refuses_a_source_named_by_a_catalog_someone_else_owns(prepared: tuple[Path, Path]) -> None:
     _, store = prepared
     _rewrite_source(store, "/")
