@@ -3,11 +3,41 @@
 # if missing), a virtualenv in .venv, and the package with the extras named in $LIQUIDFS_EXTRAS.  Then
 # pyfuse3 is rebuilt with FUSE passthrough (scripts/passthrough/build.sh: libfuse 3.17.2 in .venv/libfuse)
 # unless LIQUIDFS_PASSTHROUGH=0; if that fails, the stock pyfuse3 stays and liquidfs serves reads itself.
+# Without root that build is skipped (one line says so) unless LIQUIDFS_PASSTHROUGH=1: a mount serves through
+# passthrough only with CAP_SYS_ADMIN, so a user's mounts take the daemon path whatever pyfuse3 is installed.
+# Without root, apt runs through sudo; without sudo either, the install stops naming what to install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Tools that live in sbin (fuse3's and util-linux's helpers, debootstrap) are off an ordinary user's PATH.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
 extras="${LIQUIDFS_EXTRAS:-dali,sample}"
-passthrough="${LIQUIDFS_PASSTHROUGH:-1}"
 PY="${PYTHON:-python3}"
+passthrough="${LIQUIDFS_PASSTHROUGH:-}"
+if [ -z "$passthrough" ]; then
+    if [ "$(id -u)" -eq 0 ]; then
+        passthrough=1
+    else
+        passthrough=0
+        echo "liquidfs: FUSE passthrough build skipped: passthrough needs root (CAP_SYS_ADMIN), a non-root mount" \
+             "serves reads through the daemon (LIQUIDFS_PASSTHROUGH=1 builds it anyway)" >&2
+    fi
+fi
+
+# apt_install WHAT PACKAGE...: apt-get install as root, or through sudo; with neither, stop and say what to install.
+apt_install() {
+    local what=$1 sudo=()
+    shift
+    if [ "$(id -u)" -ne 0 ]; then
+        if ! command -v sudo >/dev/null; then
+            echo "install failed: $what missing ($*), and apt needs root: run as root or install $*" >&2
+            exit 1
+        fi
+        sudo=(sudo)
+    fi
+    echo "installing $* with apt ($what)" >&2
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
 
 need=()
 command -v fusermount3 >/dev/null || need+=(fuse3)
@@ -19,10 +49,7 @@ if [ "$passthrough" != 0 ]; then
     command -v patch >/dev/null || need+=(patch)
 fi
 if [ ${#need[@]} -gt 0 ]; then
-    echo "installing ${need[*]} with apt" >&2
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need[@]}" >/dev/null
+    apt_install "build dependencies" "${need[@]}"
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -129,7 +129,9 @@ check_linkage() {
 }
 
 echo "building pyfuse3 $PYFUSE3_VERSION with $(basename "$here")/pyfuse3-passthrough.patch"
-pip_quiet download -q --no-deps --no-binary :all: -d "$tmp/sdist" "pyfuse3==$PYFUSE3_VERSION" \
+# --no-binary pyfuse3, not :all: -- the latter also builds the sdist's build requirements (Cython: minutes of
+# compiling) from source just to read its metadata, where their wheels do as well (times: docs/install.md).
+pip_quiet download -q --no-deps --no-binary pyfuse3 -d "$tmp/sdist" "pyfuse3==$PYFUSE3_VERSION" \
     || die "pip download pyfuse3==$PYFUSE3_VERSION failed"
 tar -xzf "$tmp/sdist/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$tmp/sdist"
 pysrc="$tmp/sdist/pyfuse3-$PYFUSE3_VERSION"

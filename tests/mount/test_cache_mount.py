@@ -106,6 +106,7 @@ def _resident(paths: list[str]) -> int:
     return sum(int(x) for x in done.stdout.split())
 
 
+@pytest.mark.needs_root("/proc/sys/vm/drop_caches")
 @pytest.mark.parametrize("cache", [None, "30%"])
 @pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
 def test_page_cache_holds_no_second_copy(dataset: Path, mounter: Mount, cache: str | None, data_path: str) -> None:
@@ -218,7 +219,11 @@ def test_files_kept_open_after_a_whole_read_hold_no_daemon_memory(tmp_path: Path
             f.close()
 
 
-@pytest.mark.parametrize("push", ["--push-pages", "--no-push-pages"])
+#: How much DALI's first touch of a file brings in depends on the readahead the mount sets, as root only.
+READAHEAD_NEEDS_ROOT = pytest.mark.needs_root("the mount's readahead (/sys/class/bdi/*/read_ahead_kb)")
+
+
+@pytest.mark.parametrize("push", [pytest.param("--push-pages", marks=READAHEAD_NEEDS_ROOT), "--no-push-pages"])
 def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: Path, mounter: Mount,
                                                                      push: str) -> None:
     """DALI maps its whole shuffle buffer and touches each file's first page long before it decodes it; with

@@ -307,6 +307,7 @@ def test_a_dying_daemon_is_recognised() -> None:
     assert not dying([alive.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000004000")])  # SIGTERM
 
 
+@pytest.mark.needs_root("the watchdog (fusectl's abort files are root's)")
 def test_the_watchdog_aborts_the_connection_and_leaves_with_the_daemon(tmp_path: Path, mounter: Mount) -> None:
     """A killed daemon with a thread stuck in the kernel never closes /dev/fuse (readers would hang): a watchdog
     process beside it aborts the connection. Its abort on a live mount shows what readers then get; it leaves

@@ -21,7 +21,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
-from fusehelpers import Mount, daemon_pid, memfd_bytes, wait_for
+from fusehelpers import PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, memfd_bytes, wait_for
 from liquidfs.catalog import Catalog, object_stamp
 from liquidfs.prepare import prepare
 from trees import dataset_tree
@@ -34,7 +34,8 @@ def stats(mnt: Path) -> dict:
 
 
 def require_passthrough(mnt: Path) -> dict:
-    """Passthrough must be engaged here: CI runs as root on a kernel that has it, with the patched pyfuse3."""
+    """Passthrough must be engaged here: CI runs as root on a kernel that has it, with the patched pyfuse3 (the
+    tests that need it are marked PASSTHROUGH_NEEDS_ROOT: another user's run skips them)."""
     values = stats(mnt)
     assert values["data_path"] == "passthrough", f"passthrough not engaged: {values['data_path_why']}"
     return values
@@ -75,6 +76,7 @@ def _raw_nodes(store: Path) -> list:
         catalog.close()
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_passthrough_serves_identical_bytes_and_pixels_without_reads(prepared, mounter: Mount) -> None:
     src, store = prepared
     mnt = mounter.mount(src, store=store)
@@ -97,6 +99,7 @@ def test_passthrough_serves_identical_bytes_and_pixels_without_reads(prepared, m
     assert values["read_requests"] == 0, "a read reached the daemon: the kernel did not pass it through"
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_private_mmap_reads_as_dali_does(prepared, mounter: Mount) -> None:
     src, store = prepared
     mnt = mounter.mount(src, store=store)
@@ -111,6 +114,7 @@ def test_private_mmap_reads_as_dali_does(prepared, mounter: Mount) -> None:
     assert stats(mnt)["read_requests"] == 0
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_dali_with_its_defaults_through_passthrough(prepared, mounter: Mount) -> None:
     from dali_helpers import dali_decode_all
 
@@ -126,6 +130,7 @@ def test_dali_with_its_defaults_through_passthrough(prepared, mounter: Mount) ->
     assert stats(mnt)["opens_raw"] >= 1
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_two_processes_open_one_file_while_its_decision_changes(prepared, tmp_path: Path, mounter: Mount) -> None:
     """One reader holds a raw image open; its source is then edited: a second open while the first is alive
     shares the first's backing (the kernel allows one per inode), and the next first open serves the new
@@ -164,6 +169,7 @@ def test_two_processes_open_one_file_while_its_decision_changes(prepared, tmp_pa
     assert stats(mnt)["fallbacks"] == 1
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_object_deleted_or_damaged_after_prepare_serves_the_original(prepared, tmp_path: Path,
                                                                     mounter: Mount) -> None:
     src0, store0 = prepared
@@ -187,6 +193,7 @@ def test_object_deleted_or_damaged_after_prepare_serves_the_original(prepared, t
     assert values["fallbacks"] == 2 and values["errors"] == 0
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_verify_reads_checks_every_file_before_serving_it(prepared, tmp_path: Path, mounter: Mount) -> None:
     """--verify-reads: a raw object damaged in a way no stat shows (its stamp rewritten to match, as only a
     writer of the catalog could) is caught by its checksum: the original is served."""
@@ -223,6 +230,7 @@ READER = textwrap.dedent(r"""
 """)
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_next_epoch_cache_in_memfds(tmp_path: Path, mounter: Mount) -> None:
     src = tmp_path / "data"
     rng = random.Random(5)
@@ -306,6 +314,7 @@ def test_data_path_passthrough_refuses_to_mount_when_it_cannot(prepared, tmp_pat
     assert fg.returncode == 1 and "CAP_SYS_ADMIN" in fg.stderr and "Traceback" not in fg.stderr, fg.stderr
 
 
+@PASSTHROUGH_NEEDS_ROOT
 def test_many_readers_of_the_same_files_at_once(prepared, mounter: Mount) -> None:
     """Sixteen threads open, read and close the same few files over and over: opens and releases of one inode
     interleave, and every read is whole and right."""

@@ -321,6 +321,7 @@ def test_incompatible_catalog_is_refused(sample: Path, tmp_path: Path) -> None:
     assert out.returncode == 1 and "schema version 999" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.needs_root("mounting a small tmpfs for the store")
 def test_out_of_disk_space_is_clear_and_consistent(tmp_path: Path) -> None:
     src = make_sample(tmp_path / "data", count=12, width=512, height=256, seed=2)
     store = tmp_path / "small"

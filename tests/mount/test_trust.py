@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from fusehelpers import FUSERMOUNT, Mount, daemon_pid, is_mounted, wait_for
+from fusehelpers import DATA_PATHS, FUSERMOUNT, PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, is_mounted, wait_for
 from liquidfs.cache import WINDOW, NextEpochCache
 from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare
@@ -50,6 +50,8 @@ def test_a_root_mount_imports_nothing_from_the_callers_directory(tmp_path: Path)
 
 
 @pytest.mark.fuse
+@pytest.mark.needs_root("--allow-other: fusermount3 allows it to others only with user_allow_other in /etc/fuse.conf",
+                        allow_other=True)
 def test_the_control_entry_is_the_owners_only(tmp_path: Path, mounter: Mount) -> None:
     src = tmp_path / "src"
     src.mkdir()
@@ -134,6 +136,7 @@ def test_catalog_rows_that_leave_the_root_or_the_store_are_refused(tmp_path: Pat
 
 
 @pytest.mark.fuse
+@PASSTHROUGH_NEEDS_ROOT
 def test_a_source_root_swapped_for_a_link_while_mounted_serves_nothing_else(tmp_path: Path,
                                                                           mounter: Mount) -> None:
     """The root is held open from mount time: renaming the dataset directory and putting a link to another
@@ -264,7 +267,7 @@ def _pixels(data: bytes) -> bytes:
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+@pytest.mark.parametrize("data_path", DATA_PATHS)
 def test_a_source_rewritten_with_its_size_and_mtime_put_back_is_served_as_it_is_now(
         tmp_path: Path, mounter: Mount, data_path: str) -> None:
     """``cp -p``, ``rsync -t`` or ``touch -d`` put back size and mtime: the stale raw object of the old content
@@ -382,7 +385,7 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+@pytest.mark.parametrize("data_path", DATA_PATHS)
 def test_a_chmod_of_the_source_after_the_scan_binds_other_users(public_dir: Path, tmp_path: Path,
                                                                 mounter: Mount, data_path: str) -> None:
     """The catalog keeps the modes of the scan: a ``chmod 600`` of a source file (or 700 of its directory)
@@ -421,7 +424,7 @@ def _decodes_like_source(mnt: Path, src: Path) -> list[str]:
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+@pytest.mark.parametrize("data_path", DATA_PATHS)
 def test_a_prepare_while_a_mount_runs_leaves_the_mount_its_snapshot(tmp_path: Path, mounter: Mount,
                                                                      data_path: str) -> None:
     """prepare used to rewrite the catalog a running mount reads, in place: lowering the ratio deleted objects
@@ -499,7 +502,7 @@ def test_the_watchdog_takes_the_mount_that_appeared_while_it_mounted_not_the_one
 
 
 @pytest.mark.fuse
-@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+@pytest.mark.parametrize("data_path", DATA_PATHS)
 def test_fstat_right_after_an_open_says_the_size_that_open_serves(tmp_path: Path, mounter: Mount,
                                                                    data_path: str) -> None:
     """An open that serves another size than the one before it (a damaged raw object: the original; the object
@@ -536,6 +539,7 @@ def test_fstat_right_after_an_open_says_the_size_that_open_serves(tmp_path: Path
 
 
 @pytest.mark.fuse
+@PASSTHROUGH_NEEDS_ROOT
 def test_an_open_after_the_backing_changed_is_refused_not_served_the_change(tmp_path: Path,
                                                                              mounter: Mount) -> None:
     """Passthrough shares one backing per inode while any open of it exists: an object damaged after the first

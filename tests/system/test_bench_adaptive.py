@@ -5,7 +5,6 @@ measurement: no rate is compared."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,9 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.fuse
+@pytest.mark.needs_root("bench_adaptive drops the page cache (/proc/sys/vm/drop_caches)")
 def test_bench_adaptive_smoke_warms_up_and_runs_every_configuration(tmp_path: Path) -> None:
-    if os.geteuid() != 0:
-        pytest.fail("bench_adaptive drops the page cache: the suite runs as root (CI does)")
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_adaptive.py"), "--smoke", "--scenarios",
                            "cpu", "--configs", "png,adaptive", "--out", str(tmp_path / "out"), "--work",
                            str(tmp_path / "work")], capture_output=True, text=True, timeout=600)

@@ -121,6 +121,7 @@ def _sha256(root: Path) -> dict[str, str]:
     return dict(reversed(line.split("  ", 1)) for line in out.splitlines())  # type: ignore[misc]
 
 
+@pytest.mark.needs_root("the passthrough data path (CAP_SYS_ADMIN): node B must serve through it")
 def test_prepare_once_then_two_nodes_read_identical_pixels_with_dali(dataset: Any, nodes: Any) -> None:
     from dali_helpers import dali_decode_all
 

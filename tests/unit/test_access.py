@@ -14,6 +14,8 @@ from liquidfs import access
 from liquidfs.paths import open_dir, stat_below
 
 NOBODY = 65534
+#: The credential checks take another user's credentials (and the tree's file is root's, in group 4242).
+NEEDS_ROOT = pytest.mark.needs_root("only root can take another user's credentials")
 
 
 @pytest.fixture
@@ -30,17 +32,10 @@ def tree(tmp_path: Path) -> Path:
     return root
 
 
-def _needs_root() -> None:
-    if os.geteuid() != 0:
-        if os.environ.get("CI"):
-            pytest.fail("the credential checks need root (CI runs as root)")
-        pytest.skip("needs root: only root can take another user's credentials")
-
-
+@NEEDS_ROOT
 @pytest.mark.parametrize("switch", [True, False], ids=["kernel", "modes"])
 def test_supplementary_groups_grant_what_they_grant(tree: Path, switch: bool,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    _needs_root()
     if not switch:  # a daemon that cannot take a user's credentials compares the modes itself
         monkeypatch.setattr(access, "can_switch", lambda: False)
     root_fd = open_dir(tree)
@@ -57,8 +52,8 @@ def test_supplementary_groups_grant_what_they_grant(tree: Path, switch: bool,
     assert os.open(tree / "d" / "group.txt", os.O_RDONLY) >= 0
 
 
+@NEEDS_ROOT
 def test_the_check_never_walks_through_a_link(tree: Path, tmp_path: Path) -> None:
-    _needs_root()
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "all.txt").write_text("elsewhere\n")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from conftest import run_cli
 from liquidfs.doctor import capability_check, checks, kernel_check, kernel_config_check, verdict, verity_check
 
@@ -42,6 +44,7 @@ def test_verdict_names_what_is_missing() -> None:
         assert c.name in text
 
 
+@pytest.mark.needs_root("doctor's verdict is passthrough only with CAP_SYS_ADMIN")
 def test_the_command_says_the_same_as_json(tmp_path) -> None:
     done = run_cli("doctor", "--store", str(tmp_path), "--json")
     values = json.loads(done.stdout)

@@ -291,6 +291,7 @@ def test_resolve_refuses_an_object_swapped_for_a_link(prepared, tmp_path: Path) 
     assert ROOT_ID == 1
 
 
+@pytest.mark.needs_root("a chown of the objects to another user")
 def test_an_object_another_user_can_write_is_copied_not_passed_through(tmp_path: Path) -> None:
     """The kernel reads a passed-through object live while it is open: one its owner (not the mount's user) or
     its group could write in place would reach readers already holding it. Such objects are read whole into a
