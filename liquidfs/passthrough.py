@@ -52,6 +52,9 @@ class FuseKernel:
 def built_in() -> str | None:
     """None when this pyfuse3 can ask for passthrough; else why not (for ``doctor`` and the mount's log)."""
     if not hasattr(pyfuse3, "passthrough_open") or not hasattr(pyfuse3.FileInfo, "backing_id"):
+        if os.geteuid() != 0:  # install.sh skips the build without root: rebuilding would change nothing
+            return ("this pyfuse3 has no passthrough (a stock build), and passthrough needs root "
+                    "(CAP_SYS_ADMIN) anyway: a non-root mount serves reads through the daemon")
         return ("this pyfuse3 has no passthrough (a stock build): install with scripts/install.sh, which "
                 "builds it against libfuse >= 3.17")
     return None

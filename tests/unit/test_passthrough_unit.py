@@ -368,3 +368,16 @@ def test_both_data_paths_serve_what_choose_decides(tmp_path: Path) -> None:
             content.close()
     reader.close()
     catalog.close()
+
+
+def test_a_stock_pyfuse3_is_explained_to_a_non_root_user_without_sending_them_to_rebuild_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """install.sh skips the passthrough build without root; the mount's reason sent such a user back to it."""
+    from liquidfs import passthrough
+
+    monkeypatch.delattr(pyfuse3, "passthrough_open", raising=False)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    why = passthrough.built_in()
+    assert why is not None and "needs root" in why and "install.sh" not in why
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert "install.sh" in (passthrough.built_in() or "")
