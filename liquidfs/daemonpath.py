@@ -74,6 +74,9 @@ class DaemonPath:
         self._open_bytes_of: dict[int, int] = {}
         self._open_bytes = 0
         self._pieces: dict[int, _Piece] = {}  # fh -> the last piece its file was read again in, oldest first
+        # inode -> {fh: handle} of its opens that read through the kernel's page cache (``_serving_other_bytes``):
+        # looked up at every open, so not a scan of every open file.
+        self._cached_opens: dict[int, dict[int, Handle]] = {}
 
     async def open(self, node: Node) -> Handle:
         """A new open of ``node`` (a file); the caller registers the handle and then calls ``opened``."""
@@ -132,13 +135,14 @@ class DaemonPath:
     def _serving_other_bytes(self, inode: int, content: Content) -> list[Handle]:
         """The open handles of ``inode`` that read through the page cache and serve other bytes than ``content``
         (the other representation, or another size)."""
-        return [h for h in self.open_files.values()
-                if h.node is not None and h.node.id == inode and not h.direct_io and not h.passthrough
-                and not h.superseded and (h.content.raw, h.content.size) != (content.raw, content.size)]
+        return [h for h in self._cached_opens.get(inode, {}).values()
+                if not h.superseded and (h.content.raw, h.content.size) != (content.raw, content.size)]
 
     def opened(self, fh: int, handle: Handle) -> None:
         """``handle`` was registered as ``fh``: count the bytes it keeps in memory."""
         self._count_open(fh, handle)
+        if handle.node is not None and not handle.direct_io:
+            self._cached_opens.setdefault(handle.node.id, {})[fh] = handle
 
     async def read(self, fh: int, handle: Handle, off: int, size: int) -> bytes | memoryview:
         if handle.superseded:
@@ -174,6 +178,12 @@ class DaemonPath:
 
     def release(self, fh: int, handle: Handle) -> None:
         self._uncount_open(fh)
+        if handle.node is not None:
+            cached = self._cached_opens.get(handle.node.id)
+            if cached is not None:
+                cached.pop(fh, None)
+                if not cached:
+                    del self._cached_opens[handle.node.id]
         if handle.content.deferred and handle.decision.hold:  # never read: the policy cannot keep it
             assert handle.node is not None
             self._hold_or_drop(handle.node, handle.decision, handle.content)
