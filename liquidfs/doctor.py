@@ -95,6 +95,12 @@ def pyfuse3_check() -> Check:
                  f"{version}, {'patched' if missing is None else 'stock'}", "scripts/passthrough (install.sh)")
 
 
+def has_cap_sys_admin(status: str) -> bool:
+    """Whether the effective capabilities in ``status`` (a /proc/PID/status) hold CAP_SYS_ADMIN."""
+    eff = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
+    return bool(eff >> _CAP_SYS_ADMIN & 1)
+
+
 def capability_check(status: str | None = None, uid_map: str | None = None) -> Check:
     """CAP_SYS_ADMIN in the initial user namespace: the kernel checks it at each backing registration."""
     try:
@@ -102,8 +108,7 @@ def capability_check(status: str | None = None, uid_map: str | None = None) -> C
         uid_map = uid_map if uid_map is not None else Path("/proc/self/uid_map").read_text()
     except OSError as exc:
         return Check("CAP_SYS_ADMIN", None, str(exc), "in the initial user namespace")
-    eff = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
-    has = bool(eff >> _CAP_SYS_ADMIN & 1)
+    has = has_cap_sys_admin(status)
     initial = uid_map.split() == ["0", "0", "4294967295"]
     found = ("yes" if has else "no") + ("" if initial else ", in a user namespace (not the initial one)")
     return Check("CAP_SYS_ADMIN", has and initial, found, "in the initial user namespace (root, or a privileged "

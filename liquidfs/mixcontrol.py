@@ -39,13 +39,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import stat
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from .paths import open_regular
 
 log = logging.getLogger(__name__)
 
@@ -262,16 +263,14 @@ def _read_regular(path: Path) -> str | None:
     """The text of ``path`` when it is a regular file; None for anything else (missing, a directory, a FIFO, a
     device, a symbolic link), at once. A delegated --pressure-dir (a cgroup) is its user's: a child group named
     ``cpu`` is a directory there, and a FIFO's open would block the controller for good. O_NONBLOCK keeps that
-    open from waiting for a writer, O_NOFOLLOW keeps a link from leading anywhere, fstat judges what was opened."""
+    open from waiting for a writer, O_NOFOLLOW keeps a link from leading anywhere, fstat judges what was opened
+    (``paths.open_regular``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = open_regular(path)
     except OSError as exc:
         log.debug("%s: %s", path, exc)
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            log.debug("%s: not a regular file", path)
-            return None
         data = b""
         while len(data) < _MAX_READ and (chunk := os.read(fd, _MAX_READ - len(data))):
             data += chunk

@@ -26,6 +26,7 @@ from . import guard, passthrough
 from .memtier import MemoryTier
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog
+from .doctor import has_cap_sys_admin
 from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
@@ -121,7 +122,6 @@ def _fuse_mounted(mountpoint: Path) -> bool:
 
 #: Where fusermount3 reads whether users other than root may mount with allow_other.
 FUSE_CONF = Path("/etc/fuse.conf")
-_CAP_SYS_ADMIN = 21
 
 
 def check_allow_other(allow_other: bool, options: list[str]) -> None:
@@ -142,11 +142,9 @@ def check_allow_other(allow_other: bool, options: list[str]) -> None:
 
 def _has_cap_sys_admin() -> bool:
     try:
-        status = Path("/proc/self/status").read_text()
+        return has_cap_sys_admin(Path("/proc/self/status").read_text())
     except OSError:
         return False
-    eff = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("CapEff:")), 0)
-    return bool(eff >> _CAP_SYS_ADMIN & 1)
 
 
 def fuse_options(config: MountConfig) -> set[str]:

@@ -14,7 +14,6 @@ import errno
 import logging
 import os
 import re
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
