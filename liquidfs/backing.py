@@ -25,23 +25,18 @@ import fcntl
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+
+import trio
 
 from .catalog import Node
-from .reader import Content, StoreReader, stamp
+from .reader import LendsDescriptors, Reader, stamp
 
 log = logging.getLogger(__name__)
 
 _SEALS = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
 #: memfd_create's limit on a name: NAME_MAX (255) less its "memfd:" prefix, in bytes; EINVAL beyond.
 _MEMFD_NAME_MAX = 249
-
-
-class ContentReader(Protocol):
-    """What every reader (local store, object store, disk tier) offers: the content of a node, read whole."""
-
-    def open(self, node: Node) -> Content: ...
 
 
 @dataclass(slots=True)
@@ -62,7 +57,19 @@ class Backing:
             self.fd = -1
 
 
-def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
+@dataclass(eq=False, slots=True)
+class SharedBacking:
+    """One inode's backing while any passthrough open of it exists (the kernel allows one per inode)."""
+
+    opens: int = 1
+    backing: Backing | None = None
+    backing_id: int = 0
+    keep: bool = False            # the policy decided at the first open to hold it for the next epoch
+    failed: int | None = None     # the errno the first open failed with (concurrent opens fail too)
+    ready: trio.Event = field(default_factory=trio.Event)
+
+
+def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
             vouch: bool = True) -> Backing | None:
     """The backing of ``node``, or None where none can be made (a file too large to be read whole from an
     object store: such a file is served by the daemon, in ranges, as before).
@@ -71,7 +78,7 @@ def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
     else (and everything with ``verify_reads``) is read whole by the reader, checked there (a raw object's
     checksum, an object store's ETag and size), and copied into a sealed memfd.
     """
-    if vouch and isinstance(reader, StoreReader) and not verify_reads:
+    if vouch and isinstance(reader, LendsDescriptors) and not verify_reads:
         found = vouched(reader, node)
         if found is not None:
             return found
@@ -89,7 +96,7 @@ def resolve(reader: ContentReader, node: Node, *, verify_reads: bool = False,
         content.close()
 
 
-def vouched(reader: StoreReader, node: Node, *, cached_only: bool = False) -> Backing | None:
+def vouched(reader: LendsDescriptors, node: Node, *, cached_only: bool = False) -> Backing | None:
     """The descriptor ``StoreReader.choose`` picked for ``node``, when it may be handed to the kernel as it is:
     the source (as the catalog describes it, or changed: an original is served either way, the caller corrects
     its size), or a raw object a stat vouches for that nobody else can write in place. None when the object must

@@ -46,6 +46,10 @@ class Decision:
     evicted: tuple[int, ...] = ()  # files that stopped being held: their pages must be dropped
 
 
+#: What an open decides where no next-epoch cache is configured: not held, not to hold.
+NO_CACHE = Decision(hit=False, hold=False, epoch=0)
+
+
 @dataclass
 class EpochStats:
     reads: int = 0

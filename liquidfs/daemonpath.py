@@ -3,7 +3,8 @@
 Files are read whole from storage (O_DIRECT, into pooled buffers), at open or at their first read, so a raw
 object's checksum is checked before its first byte is served; the next-epoch cache holds its files' bytes in
 this process; bytes served to the end are let go and read again chunk by chunk, checked, if the kernel asks
-again. ``fs.Operations`` translates requests and hands file opens, reads and releases here.
+again. It is one ``datapath.DataPath``: ``fs.Operations`` translates requests and hands file opens, reads and
+releases here.
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import trio
 from pyfuse3 import FUSEError
 
-from .cache import Decision, NextEpochCache
+from .cache import NO_CACHE, Decision
 from .catalog import Node
-from .notifier import Notifier
 from .directio import POOL
-from .reader import CHUNK, WHOLE_FILE_LIMIT, Content, chunk_digests, chunk_span
+from .held import MemoryLevel
+from .inodes import Handle, Inode, Pushes, note_fallback
+from .notifier import Notifier
+from .reader import CHUNK, WHOLE_FILE_LIMIT, Content, Reader, chunk_digests, chunk_span
 from .stats import MountStats
 from .storage import StorageCalls
 
@@ -45,49 +46,39 @@ MAX_PIECES = 16
 class DaemonPath:
     """Opens, reads and releases of files whose bytes this process serves."""
 
-    def __init__(self, reader: Any, stats: MountStats, storage: StorageCalls, notifier: Notifier,
-                 open_files: dict[int, Handle], size_overrides: dict[int, int], fell_back: set[int],
-                 on_fallback: Callable[[int], None], *, cache: NextEpochCache | None = None,
-                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True) -> None:
+    name = "daemon"
+
+    def __init__(self, reader: Reader, stats: MountStats, storage: StorageCalls, notifier: Notifier,
+                 *, held: MemoryLevel | None = None, page_cache: str = "drop",
+                 max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True) -> None:
         if page_cache not in PAGE_CACHE_MODES:
             raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, not {page_cache!r}")
         self.reader = reader
         self.stats = stats
         self.storage = storage
         self.notifier = notifier
-        self.on_fallback = on_fallback
-        # Shared with the FUSE layer: its open handles, and the sizes the kernel was told that differ from
-        # the catalog's (a fallback to the original, a source changed in place).
-        self.open_files = open_files
-        self.size_overrides = size_overrides
-        self.fell_back = fell_back  # files whose raw object was not served: read at open from now on
         # What the kernel's page cache keeps of files the daemon does not hold (``mount --page-cache``).
         self.page_cache = page_cache
-        self.cache = cache
-        # Bytes of the files the cache policy holds: the daemon's own memory, safe from page-cache reclaim.
-        self.cached_data: dict[int, memoryview] = {}
+        # The files the cache policy holds, their bytes in the daemon's own memory (safe from page-cache reclaim).
+        self.held = held
         # Hand the rest of a file to the kernel's page cache at its first read (``_push_rest``).
         self.push_pages = push_pages
-        self._pushes: dict[int, _Pushes] = {}  # inode -> pushes not yet taken by the kernel
-        # Bytes of open files kept outside the cache's budget (fh -> size, oldest first): see ``_count_open``.
+        # Open files whose bytes are kept outside the cache's budget (fh -> (handle, size), oldest first): see
+        # ``_count_open``.
         self.max_open_bytes = max_open_bytes
-        self._open_bytes_of: dict[int, int] = {}
+        self._open_bytes_of: dict[int, tuple[Handle, int]] = {}
         self._open_bytes = 0
         self._pieces: dict[int, _Piece] = {}  # fh -> the last piece its file was read again in, oldest first
-        # inode -> {fh: handle} of its opens that read through the kernel's page cache (``_serving_other_bytes``):
-        # looked up at every open, so not a scan of every open file.
-        self._cached_opens: dict[int, dict[int, Handle]] = {}
 
-    async def open(self, node: Node) -> Handle:
-        """A new open of ``node`` (a file); the caller registers the handle and then calls ``opened``."""
+    async def open(self, node: Node, record: Inode, fh: int) -> Handle:
         inode = node.id
-        pushes = self._pushes.get(inode)
+        pushes = record.pushes
         if pushes is not None:
             # The kernel drops the file's pages when this open is answered (no keep_cache): a store still
             # queued from an earlier open must land before that, or it could outlive a change of the source.
             await pushes.done.wait()
-        decision = self._decide(node)
-        held = self.cached_data.get(inode) if decision.hit else None
+        decision = self._decide(node, record)
+        held = self.held.get(inode) if self.held is not None and decision.hit else None
         if held is not None:
             content = await self._open_held(node, held)
             if content.data is not held:
@@ -95,26 +86,20 @@ class DaemonPath:
                 # bytes (keep_cache) beside the new ones it reads from this open on.
                 held = None
         else:
-            if await self._read_later(node, decision):
+            if await self._read_later(node, record, decision):
                 self.stats.deferred += 1
-                content = Content(size=self.size_overrides.get(node.id, node.size_served),
-                                  raw=node.served_raw, deferred=True)
+                content = Content(size=record.size_told(node), raw=node.served_raw, deferred=True)
             else:
                 content = await self._open_from_storage(node)
             if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
-                self._lost_hit(decision, content.size)
-        self.stats.opens += 1
-        self.stats.opens_raw += content.raw
-        if content.fallback:
-            self.on_fallback(inode)
+                assert self.held is not None
+                self.held.lost_hit(decision, content.size)
         direct_io = self.page_cache == "direct" and held is None
-        if content.size != self.size_overrides.get(inode, node.size_served):
+        if content.size != record.size_told(node):
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
-            # to that size, so this handle bypasses the page cache, and the attributes are corrected for later.
-            self.size_overrides[inode] = content.size
-            await self.notifier.new_size(inode)
+            # to that size, so this handle bypasses the page cache (the caller corrects the attributes).
             direct_io = True
-        superseded = self._serving_other_bytes(inode, content)
+        superseded = self._serving_other_bytes(record, content)
         if superseded:
             # The kernel keeps one page cache per inode, whatever each open serves: an older open still serving
             # the other representation (or a size from before a change) would fill it, through its readahead,
@@ -130,31 +115,35 @@ class DaemonPath:
         # daemon. Its pages are kept only while it is held (release drops the rest), and the kernel may
         # reclaim them at any time: the daemon's copy is the one the budget counts.
         keep_cache = held is not None and not direct_io
-        return Handle(content, node, decision, direct_io=direct_io, keep_cache=keep_cache)
+        handle = Handle(content, node, decision, fh=fh, direct_io=direct_io, keep_cache=keep_cache, inode=record)
+        self._count_open(handle)
+        if not direct_io:
+            if record.page_cached is None:
+                record.page_cached = {}
+            record.page_cached[fh] = handle
+        return handle
 
-    def _serving_other_bytes(self, inode: int, content: Content) -> list[Handle]:
-        """The open handles of ``inode`` that read through the page cache and serve other bytes than ``content``
-        (the other representation, or another size)."""
-        return [h for h in self._cached_opens.get(inode, {}).values()
+    @staticmethod
+    def _serving_other_bytes(record: Inode, content: Content) -> list[Handle]:
+        """The open handles of the inode that read through the page cache and serve other bytes than
+        ``content`` (the other representation, or another size)."""
+        if not record.page_cached:
+            return []
+        return [h for h in record.page_cached.values()
                 if not h.superseded and (h.content.raw, h.content.size) != (content.raw, content.size)]
 
-    def opened(self, fh: int, handle: Handle) -> None:
-        """``handle`` was registered as ``fh``: count the bytes it keeps in memory."""
-        self._count_open(fh, handle)
-        if handle.node is not None and not handle.direct_io:
-            self._cached_opens.setdefault(handle.node.id, {})[fh] = handle
-
-    async def read(self, fh: int, handle: Handle, off: int, size: int) -> bytes | memoryview:
+    async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
+        fh = handle.fh
         if handle.superseded:
             assert handle.node is not None
             raise OSError(errno.EIO, "changed while open, and opened again since: reopen the file",
                           os.fsdecode(handle.node.path))
         if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
-            if fh not in self._open_bytes_of and fh in self.open_files:
+            if fh not in self._open_bytes_of and not handle.released:
                 # Being read now: let go once served to its end; a direct_io open is never seen to reach
                 # its end, so it makes room now by letting go of the files opened longest ago.
-                self._count_open(fh, handle, evict=handle.direct_io)
+                self._count_open(handle, evict=handle.direct_io)
         content = handle.content
         data: bytes | memoryview
         if handle.chunks is not None:
@@ -176,14 +165,15 @@ class DaemonPath:
                     self._push_rest(fh, handle, reach)
         return data
 
-    def release(self, fh: int, handle: Handle) -> None:
+    async def release(self, handle: Handle) -> None:
+        fh = handle.fh
+        handle.released = True
         self._uncount_open(fh)
-        if handle.node is not None:
-            cached = self._cached_opens.get(handle.node.id)
-            if cached is not None:
-                cached.pop(fh, None)
-                if not cached:
-                    del self._cached_opens[handle.node.id]
+        record = handle.inode
+        if record is not None and record.page_cached is not None:
+            record.page_cached.pop(fh, None)
+            if not record.page_cached:
+                record.page_cached = None
         if handle.content.deferred and handle.decision.hold:  # never read: the policy cannot keep it
             assert handle.node is not None
             self._hold_or_drop(handle.node, handle.decision, handle.content)
@@ -194,18 +184,20 @@ class DaemonPath:
         node = handle.node
         # Only what the daemon holds may stay in the page cache: everything else is dropped once served, so
         # the kernel never keeps a second, unplanned copy of the dataset.
-        if node is not None and node.id not in self.cached_data and self.page_cache == "drop":
+        if node is not None and not self._held_now(node.id) and self.page_cache == "drop":
             self.notifier.invalidate(node.id)
-
 
     def statistics(self) -> dict[str, object]:
         values: dict[str, object] = {"open_bytes": self._open_bytes, "buffers_reused": POOL.reused,
                                      "buffers_idle_bytes": POOL.idle}
-        if self.cache is not None:
-            values.update(self.cache.summary())
+        if self.held is not None:
+            values.update(self.held.statistics())
         return values
 
-    async def _read_later(self, node: Node, decision: Decision) -> bool:
+    def _held_now(self, inode: int) -> bool:
+        return self.held is not None and self.held.holds(inode)
+
+    async def _read_later(self, node: Node, record: Inode, decision: Decision) -> bool:
         """Whether ``node`` is opened without reading it, and read whole at its first read instead.
 
         DALI's reader thread opens each file of its shuffle buffer, maps it and asks for all of it
@@ -216,8 +208,8 @@ class DaemonPath:
         that cannot tell without a request (an object store), open files already keep ``max_open_bytes`` and
         the source is unchanged. The first read must find what was promised here, or the reader gets EIO.
         """
-        size = self.size_overrides.get(node.id, node.size_served)
-        if size > WHOLE_FILE_LIMIT or node.id in self.fell_back:
+        size = record.size_told(node)
+        if size > WHOLE_FILE_LIMIT or record.fell_back:
             return False  # streamed; or its raw object failed before: read now, so the original can be served
         vouched = await self.storage.inline_or_run(node, self.reader.vouch, node)
         if vouched is not None:
@@ -231,76 +223,45 @@ class DaemonPath:
             self.stats.bytes_from_memory += len(data)
             return Content(size=len(data), raw=node.served_raw, data=data)
         # The source changed after the bytes were taken: they are stale. Serve what the source says now.
-        self.drop_held(node.id)
+        assert self.held is not None
+        self.held.drop(node.id)
         content = await self._open_from_storage(node)
         return content
 
-    def drop_held(self, file: int) -> None:
-        """The held bytes of ``file`` are stale or no longer wanted: forget them and their place in the policy
-        (as ``MemoryTier.drop`` on the passthrough path)."""
-        self.cached_data.pop(file, None)
-        if self.cache is not None:
-            self.cache.drop(file)
-
-    def _lost_hit(self, decision: Decision, size: int) -> None:
-        self.stats.reclaimed += 1
-        if self.cache is not None and decision.epoch:
-            self.cache.correct_miss(decision.epoch, size)
-
-    def _decide(self, node: Node) -> Decision:
-        if self.cache is None:
+    def _decide(self, node: Node, record: Inode) -> Decision:
+        if self.held is None:
             return NO_CACHE
-        decision = self.cache.read(node.id, self.size_overrides.get(node.id, node.size_served))
+        decision = self.held.decide(node.id, record.size_told(node))
         for file in decision.evicted:
-            self.cached_data.pop(file, None)
             self.notifier.invalidate(file)
         return decision
 
     def _hold_or_drop(self, node: Node, decision: Decision, content: Content) -> None:
-        if self.cache is None:
+        if self.held is None:
             return
         if decision.hold and content.data is not None and not content.fallback \
                 and content.size == node.size_served:
             self._hold(node.id, content)
-        else:
-            self.cached_data.pop(node.id, None)
-            if decision.hold:  # the policy counted it, but these bytes cannot be held (streamed, fallback)
-                self.cache.drop(node.id)
+        else:  # not to be held; or the policy counted it, but these bytes cannot be held (streamed, fallback)
+            self.held.drop(node.id)
 
     def _hold(self, node_id: int, content: Content) -> None:
         """Keep ``content``'s bytes for later opens: from now on other handles share its buffer, so it must
         never go back to the buffer pool."""
-        assert content.data is not None
+        assert content.data is not None and self.held is not None
         if content.pooled:
             content.pooled = False
             POOL.forget(content.data)
-        self.cached_data[node_id] = content.data
+        self.held.hold(node_id, content.data)
 
-    async def warm_up(self, files: list[Node],
-                      progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:
-        """Load a random budget's worth of files before the first epoch, so that epoch hits too.
-
-        Storage reads go to worker threads; the policy and the held bytes change only on the trio thread.
-        """
-        assert self.cache is not None
-        nodes = {n.id: n for n in files}
-        count = 0
-        total = 0
-        for node_id in self.cache.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
-            node = nodes[node_id]
-            try:
-                content = await self._open_from_storage(node)
-            except OSError as exc:
-                log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
-                continue
-            if content.data is None or content.fallback or not self.cache.hold(node_id, content.size):
-                content.close()
-                continue
-            self._hold(node_id, content)
-            count += 1
-            total += content.size
-            progress(count, total)
-        return count, total
+    async def warm_one(self, node: Node) -> int | None:
+        assert self.held is not None
+        content = await self._open_from_storage(node)
+        if content.data is None or content.fallback or not self.held.policy.hold(node.id, content.size):
+            content.close()
+            return None
+        self._hold(node.id, content)
+        return content.size
 
     async def _open_from_storage(self, node: Node) -> Content:
         content: Content = await self.storage.run(node, self.reader.open, node)
@@ -328,21 +289,25 @@ class DaemonPath:
         start = reach // _PAGE * _PAGE
         content.pooled = False  # the buffer goes back to the pool only once the kernel has copied it
         handle.pushing = True
-        pushes = self._pushes.setdefault(node.id, _Pushes())
+        record = handle.inode
+        assert record is not None
+        if record.pushes is None:
+            record.pushes = Pushes()
+        pushes = record.pushes
         pushes.count += 1
 
         def done(ok: bool) -> None:
             handle.pushing = False
             pushes.count -= 1
             if not pushes.count:
-                del self._pushes[node.id]
+                record.pushes = None  # an idle record left by this goes at the inode's next forget
                 pushes.done.set()
             if ok:
                 self.stats.bytes_pushed += len(view) - start
             if content.data is view:
                 if ok:
                     handle.note_served(start, content.size)
-                    self._uncount_open(fh)
+                    self._uncount_open(handle.fh)
                     self._drop_served(handle)
                 if content.data is view:  # still served from memory, as without a push: to the pool at close
                     content.pooled = pooled
@@ -352,7 +317,7 @@ class DaemonPath:
 
         self.notifier.store(node.id, start, view[start:], done)
 
-    def _count_open(self, fh: int, handle: Handle, *, evict: bool = True) -> None:
+    def _count_open(self, handle: Handle, *, evict: bool = True) -> None:
         """Count the bytes an open file keeps in memory outside the cache's budget, and keep the total under
         ``max_open_bytes`` by letting go of the bytes of the files opened longest ago (read again if asked).
 
@@ -365,19 +330,18 @@ class DaemonPath:
             return  # nothing in memory, or the cache's budget counts these very bytes
         # direct_io opens (--page-cache direct, sizes changed at open) count too: nothing else bounds them.
         content = handle.content
-        self._open_bytes_of[fh] = content.size
+        self._open_bytes_of[handle.fh] = (handle, content.size)
         self._open_bytes += content.size
         while evict and self._open_bytes > self.max_open_bytes and len(self._open_bytes_of) > 1:
-            oldest = next(iter(self._open_bytes_of))
-            victim = self.open_files[oldest]
+            oldest, (victim, _) = next(iter(self._open_bytes_of.items()))
             self._uncount_open(oldest)
             self._drop_served(victim)
             self.stats.open_evictions += 1
 
     def _uncount_open(self, fh: int) -> None:
-        size = self._open_bytes_of.pop(fh, None)
-        if size is not None:
-            self._open_bytes -= size
+        counted = self._open_bytes_of.pop(fh, None)
+        if counted is not None:
+            self._open_bytes -= counted[1]
 
     def _drop_served(self, handle: Handle) -> None:
         """The file was read to its end: its bytes now live in the reader's page cache (or its own buffers).
@@ -397,7 +361,7 @@ class DaemonPath:
     def _holds(self, handle: Handle) -> bool:
         """The cache holds the very bytes ``handle`` serves (they are shared, and counted in its budget)."""
         assert handle.node is not None
-        return self.cached_data.get(handle.node.id) is handle.content.data
+        return self.held is not None and self.held.get(handle.node.id) is handle.content.data
 
     async def _refetch(self, fh: int, handle: Handle, off: int, size: int) -> bytes:
         """Serve part of a file whose bytes were let go: the CHUNKs around it, from the cache when it holds the
@@ -417,7 +381,7 @@ class DaemonPath:
         if piece is None or not piece.start <= off < end <= piece.start + len(piece.data):
             if handle.reading is not None:  # the kernel sent several reads at once: one reads, the rest wait
                 await handle.reading.wait()
-                return await self._refetch(fh, handle, off, size) if fh in self.open_files else b""
+                return await self._refetch(fh, handle, off, size) if not handle.released else b""
             handle.reading = trio.Event()
             try:
                 piece = await self._read_piece(handle, *chunk_span(off, end - off, total))
@@ -425,7 +389,7 @@ class DaemonPath:
                 handle.reading.set()
                 handle.reading = None
             data = bytes(piece.data[off - piece.start:end - piece.start])
-            if fh in self.open_files:
+            if not handle.released:
                 self._keep_piece(fh, piece)
             else:  # released meanwhile
                 piece.close()
@@ -435,7 +399,7 @@ class DaemonPath:
     async def _read_piece(self, handle: Handle, start: int, stop: int) -> _Piece:
         node = handle.node
         assert node is not None and handle.chunks is not None
-        held = self.cached_data.get(node.id)
+        held = self.held.get(node.id) if self.held is not None else None
         if held is not None and len(held) == handle.content.size:
             piece = _Piece(start, held[start:stop], pooled=False)
         else:
@@ -477,8 +441,8 @@ class DaemonPath:
             content = await self._open_from_storage(node)
             if content.size != handle.content.size or content.raw != handle.content.raw:
                 content.close()
-                if content.fallback:  # the next open reads it at once and serves the original
-                    self.on_fallback(node.id)
+                if content.fallback and handle.inode is not None:  # the next open reads it now, as the original
+                    note_fallback(handle.inode, self.stats)
                 raise OSError(errno.EIO, "changed between open and first read: reopen the file",
                               os.fsdecode(node.path))
             handle.content = content
@@ -493,49 +457,9 @@ class DaemonPath:
 
 
 
-@dataclass(slots=True)
-class Handle:
-    content: Content
-    node: Node | None = None
-    decision: Decision = field(default_factory=lambda: NO_CACHE)
-    direct_io: bool = False      # every read reaches the daemon: the bytes are kept until release
-    keep_cache: bool = False     # the kernel may keep the pages of this open (a file the daemon holds)
-    served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
-    #: The digest of each CHUNK served, set once the bytes were let go after a whole read (``_drop_served``).
-    chunks: tuple[int, ...] | None = None
-    reading: trio.Event | None = None  # set while one read of this handle reads storage for the others
-    pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
-    failed: int | None = None    # the errno its first read failed with (``_first_read_once``)
-    passthrough: bool = False    # served by the kernel from the inode's backing (``PassthroughPath``)
-    mixed: bool = False          # its representation was chosen by ``mount --mix`` (released there too)
-    #: A later open of its inode serves other bytes: its reads, which would reach the shared page cache, fail.
-    superseded: bool = False
-
-    def note_served(self, start: int, end: int) -> int:
-        """Record a served range; returns how far from offset 0 the served ranges reach without a gap.
-
-        The kernel's reads of one file may arrive out of order (readahead windows, page faults of a mapping),
-        so the ranges are merged rather than assumed sequential; a file gets only a handful of reads.
-        """
-        ranges = self.served
-        ranges.append([start, end])
-        ranges.sort()
-        merged = [ranges[0]]
-        for lo, hi in ranges[1:]:
-            if lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.served = merged
-        return merged[0][1] if merged[0][0] == 0 else 0
-
-
-NO_CACHE: Decision = Decision(hit=False, hold=False, epoch=0)
-
-
 @dataclass(eq=False, slots=True)
 class _Piece:
-    """CHUNKs of a file read again (``Operations._refetch``), from ``start``."""
+    """CHUNKs of a file read again (``DaemonPath._refetch``), from ``start``."""
 
     start: int
     data: memoryview
@@ -545,11 +469,3 @@ class _Piece:
         if self.pooled:
             POOL.give(self.data)
             self.pooled = False
-
-
-@dataclass(eq=False, slots=True)
-class _Pushes:
-    """Stores of one inode's pages queued for the kernel (``Operations._push_rest``)."""
-
-    count: int = 0
-    done: trio.Event = field(default_factory=trio.Event)

@@ -5,11 +5,12 @@ For nodes with local NVMe in front of a remote object store: the same next-epoch
 of those bytes (dataset minus the memory budget) and it never keeps a file the memory level keeps for the next
 epoch: the two levels hold disjoint sets and together serve (memory + disk) / dataset of every epoch locally.
 
-It wraps the mount's reader (``reader.StoreReader`` or ``s3reader.S3Reader``) and runs in the same worker
-threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a directory
+It wraps the mount's reader (the local store's ``StoreReader`` or the S3 backend's ``S3Reader``) and runs in the
+same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a directory
 of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file was
 written, and a file that fails (or went missing) is read from the store again: the disk never serves bytes the
-store did not.
+store did not. It is a level of held bytes like the memory levels (``held.HeldLevel``), and a reader in front of
+the store's (``reader.Reader``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import NextEpochCache
+from .cache import Decision, NextEpochCache
 from .locks import HeldLock, abandoned, unique
 from .catalog import Node
 from .directio import read_whole
@@ -76,42 +77,59 @@ class DiskTier:
         return self.inner.read_span(node, raw, start, end)
 
     def open(self, node: Node) -> Content:
+        decision = self.decide(node.id, node.size_served)
         with self._lock:
-            decision = self.policy.read(node.id, node.size_served)
             entry = self._entries.get(node.id) if decision.hit else None
-            evicted = [(f, self._entries.pop(f, None)) for f in decision.evicted]
-        for file, gone in evicted:
-            if gone is not None:
-                self._path(file).unlink(missing_ok=True)
         if entry is not None and self.inner.check_source(node) is not None:
             # the source changed after this level stored its bytes: they are stale, never served
             log.info("disk cache: %s changed since it was stored; reading it again", os.fsdecode(node.path))
             self._forget(node.id)
             entry = None
-            with self._lock:
-                self.lost += 1
-                if decision.epoch:
-                    self.policy.correct_miss(decision.epoch, node.size_served)
+            self.lost_hit(decision, node.size_served)
         if entry is not None:
             content = self._read(node, entry)
             if content is not None:
                 if not decision.hold:
                     self._forget(node.id)
                 return content
-            with self._lock:
-                self.lost += 1
-                if decision.epoch:
-                    self.policy.correct_miss(decision.epoch, node.size_served)
+            self.lost_hit(decision, node.size_served)
         content = self.inner.open(node)
         wanted = decision.hold and not self.memory_holds(node.id)
         if wanted and content.data is not None and not content.fallback and content.size == node.size_served:
             if self._write(node, content):
                 return content
         if decision.hold:
-            with self._lock:
-                self.policy.drop(node.id)
-        self._forget(node.id)
+            self.drop(node.id)
+        else:
+            self._forget(node.id)
         return content
+
+    # -- the level interface (``held.HeldLevel``) ---------------------------------------------------------
+
+    def decide(self, file: int, size: int) -> Decision:
+        with self._lock:
+            decision = self.policy.read(file, size)
+            evicted = [(f, self._entries.pop(f, None)) for f in decision.evicted]
+        for gone_file, gone in evicted:
+            if gone is not None:
+                self._path(gone_file).unlink(missing_ok=True)
+        return decision
+
+    def held_raw(self, node: Node) -> bool | None:
+        with self._lock:
+            entry = self._entries.get(node.id)
+        return None if entry is None else entry.raw
+
+    def drop(self, file: int) -> None:
+        self._forget(file)
+        with self._lock:
+            self.policy.drop(file)
+
+    def lost_hit(self, decision: Decision, size: int) -> None:
+        with self._lock:
+            self.lost += 1
+            if decision.epoch:
+                self.policy.correct_miss(decision.epoch, size)
 
     # -- files ---------------------------------------------------------------------------------------------
 
@@ -171,7 +189,7 @@ class DiskTier:
         shutil.rmtree(self.dir, ignore_errors=True)
         self._alive.release()
 
-    def summary(self) -> dict[str, object]:
+    def statistics(self) -> dict[str, object]:
         with self._lock:
             inner = self.policy.summary()
             return {

@@ -1,6 +1,5 @@
 """The FUSE layer: translates kernel requests into catalog queries, and file opens, reads and releases into calls
-of the data path that serves them (``passthrough.PassthroughPath`` or ``daemonpath.DaemonPath``), and nothing
-else.
+of the one data path the mount serves with (``datapath.DataPath``), and nothing else: it never asks which.
 
 Only ``FUSEError`` may leave a handler: any other exception would end pyfuse3's main loop and leave a dead mount,
 so every handler goes through ``_handler``, which turns ``OSError`` into its errno and anything else into EIO
@@ -24,20 +23,20 @@ import trio
 from pyfuse3 import FUSEError
 
 from .catalog import KIND_DIR, KIND_SYMLINK, ROOT_ID, Catalog, Node
-from .daemonpath import MAX_OPEN_BYTES, PAGE_CACHE_MODES, DaemonPath, Handle
+from .datapath import DataPath
+from .inodes import Handle, Inode, Inodes, note_fallback
 from .mix import Mix
 from .notifier import Notifier
-from .passthrough import PassthroughPath
-from .reader import Content, Reader
+from .reader import Content
 from .stats import MountStats
-from .storage import IO_TIMEOUT, StorageCalls
+from .storage import StorageCalls
 
 if TYPE_CHECKING:
     from .cache import NextEpochCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTROL_ID", "CONTROL_NAME", "IO_TIMEOUT", "MAX_OPEN_BYTES", "PAGE_CACHE_MODES", "Operations"]
+__all__ = ["CONTROL_ID", "CONTROL_NAME", "Operations"]
 
 #: A hidden entry at the root: found by lookup, never listed by readdir, so `ls -a` shows the tree unchanged.
 CONTROL_NAME = b".__liquidfs__"
@@ -85,33 +84,34 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, catalog: Catalog, reader: Reader, stats: MountStats,
-                 *, thread_limiter: trio.CapacityLimiter | None = None,
-                 cache: NextEpochCache | None = None, io_timeout: float = IO_TIMEOUT,
-                 page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True,
-                 max_open_files: int = MAX_OPEN_FILES) -> None:
+    def __init__(self, catalog: Catalog, stats: MountStats, storage: StorageCalls, notifier: Notifier,
+                 data_path: DataPath | None, *, mix: Mix | None = None,
+                 may_read: Callable[[Node, int, int, int], bool] | None = None,
+                 max_open_files: int = MAX_OPEN_FILES,
+                 extra_statistics: Callable[[], dict[str, Any]] | None = None,
+                 enable_passthrough: bool = False) -> None:
+        """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
+        (``serve_with``); opens wait for it meanwhile."""
         super().__init__()
         self.catalog = catalog
-        self.reader = reader
         self.stats = stats
-        self.notifier = Notifier()
-        self.storage = StorageCalls(reader, thread_limiter=thread_limiter, io_timeout=io_timeout)
-        self.lookups: dict[int, int] = {}
+        self.storage = storage
+        self.notifier = notifier
+        self.inodes = Inodes(stats)
         self.open_files: dict[int, Handle] = {}
         self._next_fh = 1
-        # Sizes that differ from the catalog's (a fallback to the original, a source changed in place).
-        self.size_overrides: dict[int, int] = {}
-        self.fell_back: set[int] = set()  # files whose raw object was not served, counted once each
-        self.daemon = DaemonPath(reader, stats, self.storage, self.notifier, self.open_files, self.size_overrides,
-                                 self.fell_back, self._fell_back, cache=cache, page_cache=page_cache,
-                                 max_open_bytes=max_open_bytes, push_pages=push_pages)
+        self.data = data_path
+        self._data_chosen = trio.Event()
+        if data_path is not None:
+            self.serve_with(data_path)
         self._logged: set[tuple[object, ...]] = set()
         self.uid = os.getuid()
         self.gid = os.getgid()
         files, served, _, _ = catalog.file_totals()
         self.stats.files = files
         self.stats.dataset_bytes = served
-        self.control_extra: Callable[[], dict[str, Any]] | None = None
+        #: Counters of parts beside the data path (a disk cache level), in ``statistics``.
+        self.extra_statistics = extra_statistics
         #: Open files at once (``descriptor_budget``): past it an open fails with ENFILE, and so does one past
         #: its user's share of it (``_take_slot``).
         self.max_open_files = max_open_files
@@ -121,29 +121,32 @@ class Operations(pyfuse3.Operations):
         self._slots_taken = 0
         self._slot_of: dict[int, int] = {}
         #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
-        self.may_read: Callable[[Node, int, int, int], bool] | None = None
-        # Set once the connection's INIT granted passthrough (``engage_passthrough``): every open of a file
-        # is then answered with a backing descriptor, and the kernel serves its reads and maps itself.
-        self.passthrough: PassthroughPath | None = None
-        # Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
-        self.enable_passthrough = False
+        self.may_read = may_read
+        #: Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
+        self.enable_passthrough = enable_passthrough
         #: ``mount --mix``: which images with a raw object each open serves raw (None: all of them).
-        self.mix: Mix | None = None
+        self.mix = mix
+
+    def serve_with(self, path: DataPath) -> None:
+        """The data path every open is served by from now on: given at construction, or chosen once after INIT
+        (passthrough where the kernel granted it). Set once."""
+        if self._data_chosen.is_set():
+            raise RuntimeError("the data path is chosen once")
+        self.data = path
+        self.stats.data_path = path.name
+        self._data_chosen.set()
+
+    async def _data_path(self) -> DataPath:
+        if self.data is None:  # an open between INIT and the choice of the data path
+            await self._data_chosen.wait()
+        assert self.data is not None
+        return self.data
 
     @property
     def cache(self) -> NextEpochCache | None:
-        """The next-epoch policy of whichever data path serves files."""
-        if self.passthrough is not None:
-            return self.passthrough.memory.policy if self.passthrough.memory is not None else None
-        return self.daemon.cache
-
-    def engage_passthrough(self, path: PassthroughPath) -> None:
-        """From now on files are opened on the passthrough path; the next-epoch cache moves there too (its
-        policy decides per open, its bytes live in memfds), so the daemon path's own cache stays empty."""
-        self.passthrough = path
-        self.daemon.cache = None
-        self.stats.data_path = "passthrough"
-        self.stats.data_path_why = ""
+        """The next-epoch policy of the data path (None before it is chosen, or without a cache)."""
+        held = self.data.held if self.data is not None else None
+        return held.policy if held is not None else None
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()
@@ -157,7 +160,7 @@ class Operations(pyfuse3.Operations):
         entry.st_nlink = node.nlink
         entry.st_uid = self.uid
         entry.st_gid = self.gid
-        size = self.size_overrides.get(node.id, node.size_served)
+        size = self.inodes.size_told(node)
         entry.st_size = size
         entry.st_blksize = 1 << 20
         entry.st_blocks = -(-size // _BLOCK)
@@ -201,17 +204,12 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found
-        self.lookups[node.id] = self.lookups.get(node.id, 0) + 1
+        self.inodes.looked_up(node.id)
         return self._attrs(node)
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         for inode, count in inode_list:
-            left = self.lookups.get(inode, 0) - count
-            if left > 0:
-                self.lookups[inode] = left
-            else:
-                self.lookups.pop(inode, None)
-                self.size_overrides.pop(inode, None)
+            self.inodes.forget(inode, count)
 
     @_handler
     async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
@@ -245,7 +243,7 @@ class Operations(pyfuse3.Operations):
                 if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), self._attrs(node), node.id):
                     return
                 # readdirplus: every accepted entry counts as a lookup the kernel will forget.
-                self.lookups[node.id] = self.lookups.get(node.id, 0) + 1
+                self.inodes.looked_up(node.id)
                 after = node.id
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
@@ -273,7 +271,9 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EROFS)
         if inode == CONTROL_ID:
             content = Content(size=0, raw=False, data=memoryview(self._control_bytes()))
-            return self._file_info(self._register(Handle(content, direct_io=True)))
+            handle = Handle(content, fh=self._new_fh(), direct_io=True)
+            self.open_files[handle.fh] = handle
+            return self._file_info(handle)
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
@@ -294,59 +294,56 @@ class Operations(pyfuse3.Operations):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
             if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid):
                 raise FUSEError(errno.EACCES)
-        mixed = self.mix is not None and node.served_raw and node.id not in self.fell_back
-        if mixed:
-            node = await self._mixed(node)
+        data = await self._data_path()
+        record = self.inodes[node.id]
+        mixed = self.mix is not None and node.served_raw and not record.fell_back
         try:
-            if self.passthrough is not None:
-                answer = await self._open_passthrough(node, mixed)
-                if answer is not None:
-                    return answer
-            handle = await self.daemon.open(node)
+            if mixed:
+                node = await self._mixed(data, node, record)
+            handle = await data.open(node, record, self._new_fh())
         except BaseException:
             if mixed:
                 assert self.mix is not None
                 self.mix.release(node.id)
+            self.inodes.tidy(record)
             raise
         handle.mixed = mixed
-        fh = self._register(handle)
-        self.daemon.opened(fh, handle)
-        return self._file_info(fh)
+        self.open_files[handle.fh] = handle
+        self.stats.opens += 1
+        self.stats.opens_raw += handle.content.raw
+        if handle.content.fallback:
+            note_fallback(record, self.stats)
+        if handle.content.size != record.size_told(node):
+            # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the
+            # new size too (DALI maps as many bytes as stat says).
+            record.size = handle.content.size
+            try:
+                await self.notifier.new_size(node.id)
+            except BaseException:
+                await self._release(handle.fh)
+                raise
+        return self._file_info(handle)
 
-    async def _mixed(self, node: Node) -> Node:
+    async def _mixed(self, data: DataPath, node: Node, record: Inode) -> Node:
         """``node`` as the mix serves this open (its raw object, or its original); where that is another size
         than the kernel was told, the kernel's attributes of it are dropped before the open is answered."""
         assert self.mix is not None
-        held_raw = self._held_raw(node)
+        held = data.held
+        held_raw = held.held_raw(node) if held is not None else None
         if held_raw is False and self.mix.wants_raw(node) and not self.mix.is_open(node.id):
             # Held as its original while the share has risen past it: a hit would still cost the loader a PNG
-            # decode, the very work the share rose to spare. Let the held original go: this open reads the raw
-            # object, and the cache decides afresh, at the raw size, whether to hold that.
-            self._let_go_of_held(node)
+            # decode, the very work the share rose to spare. Let the held original go (and its place in the
+            # policy, which counted the original's size): this open reads the raw object, and the cache decides
+            # afresh, at the raw size, whether to hold that.
+            assert held is not None
+            self.stats.held_swapped += 1
+            held.drop(node.id)
             held_raw = None
         view = self.mix.view(node, held_raw)
-        told = self.size_overrides.get(node.id, node.size_served)
-        if view.size_served != told:
-            self.size_overrides[node.id] = view.size_served
+        if view.size_served != record.size_told(node):
+            record.size = view.size_served
             await self.notifier.new_size(node.id)
         return view
-
-    def _held_raw(self, node: Node) -> bool | None:
-        """Whether the next-epoch cache holds ``node`` raw (True), as its original (False), or not at all."""
-        if self.passthrough is not None:
-            held = self.passthrough.memory.held(node.id) if self.passthrough.memory is not None else None
-            return None if held is None else held.raw
-        data = self.daemon.cached_data.get(node.id)
-        return None if data is None else len(data) == node.served_size
-
-    def _let_go_of_held(self, node: Node) -> None:
-        """Drop the held bytes of ``node`` and its place in the policy (which counted the original's size): its
-        open is a miss, and the policy weighs the raw bytes against the budget like any other."""
-        self.stats.held_swapped += 1
-        if self.passthrough is None:
-            self.daemon.drop_held(node.id)
-        elif self.passthrough.memory is not None:
-            self.passthrough.memory.drop(node.id)
 
     def _take_slot(self, uid: int) -> None:
         """Count an open by ``uid`` against the open-file budget, or refuse it with ENFILE.
@@ -386,42 +383,18 @@ class Operations(pyfuse3.Operations):
             del self._slots[uid]  # the uids holding files now, not every uid ever seen
         self._slots_taken -= 1
 
-    def _register(self, handle: Handle) -> int:
+    def _new_fh(self) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        self.open_files[fh] = handle
         return fh
 
-    def _file_info(self, fh: int, backing_id: int = 0) -> pyfuse3.FileInfo:
-        handle = self.open_files[fh]
-        info = pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), direct_io=handle.direct_io,
+    @staticmethod
+    def _file_info(handle: Handle) -> pyfuse3.FileInfo:
+        info = pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(handle.fh), direct_io=handle.direct_io,
                                 keep_cache=handle.keep_cache, nonseekable=False)
-        if backing_id:
-            info.backing_id = backing_id
+        if handle.backing_id:
+            info.backing_id = handle.backing_id
         return info
-
-    async def _open_passthrough(self, node: Node, mixed: bool = False) -> pyfuse3.FileInfo | None:
-        """An open answered with the inode's backing id; None for a file without one (served below)."""
-        assert self.passthrough is not None
-        told = self.size_overrides.get(node.id, node.size_served)
-        opened = await self.passthrough.open(node, told)
-        if opened is None:
-            return None
-        self.stats.opens += 1
-        self.stats.opens_raw += opened.raw
-        if opened.fallback:
-            self._fell_back(node.id)
-        if opened.size != told:
-            # A fallback, or a source changed in place: the kernel reads the backing file to its own end, but
-            # stat must say the new size too (DALI maps as many bytes as stat says).
-            self.size_overrides[node.id] = opened.size
-            await self.notifier.new_size(node.id)
-        fh = self._register(Handle(Content(size=opened.size, raw=opened.raw), node, passthrough=True, mixed=mixed))
-        return self._file_info(fh, opened.backing_id)
-
-    def _fell_back(self, inode: int) -> None:
-        self.fell_back.add(inode)
-        self.stats.fallbacks = len(self.fell_back)
 
     def first_error(self, key: tuple[object, ...]) -> bool:
         """True the first time an error is seen: a reader retrying a broken file must not flood the log."""
@@ -437,18 +410,17 @@ class Operations(pyfuse3.Operations):
         handle = self.open_files[fh]
         if handle.node is None:  # the control file
             return bytes(handle.content.read(off, size))
-        if handle.passthrough:
-            assert self.passthrough is not None
-            fd = self.passthrough.backing_fd(handle.node.id)
-            data: bytes | memoryview = await self.storage.run(handle.node, os.pread, fd, size, off)
-        else:
-            data = await self.daemon.read(fh, handle, off, size)
+        assert self.data is not None
+        data = await self.data.read(handle, off, size)
         self.stats.bytes_read += len(data)
         self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
 
     @_handler
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        await self._release(fh)
+
+    async def _release(self, fh: int) -> None:
         handle = self.open_files.pop(fh, None)
         if handle is None:
             return
@@ -460,29 +432,26 @@ class Operations(pyfuse3.Operations):
             self.mix.release(handle.node.id)
         if handle.node is None:
             handle.content.close()
-        elif handle.passthrough:
-            assert self.passthrough is not None
-            await self.passthrough.release(handle.node.id)
-        else:
-            self.daemon.release(fh, handle)
+            return
+        assert self.data is not None and handle.inode is not None
+        try:
+            await self.data.release(handle)
+        finally:
+            self.inodes.tidy(handle.inode)
 
     def statistics(self) -> dict[str, Any]:
         """Every counter of the mount, from each component's own snapshot: what ``liquidfs stats`` shows (the
         control file) and ``/metrics`` exports."""
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
-        values["known_inodes"] = len(self.lookups)
+        values["known_inodes"] = self.inodes.known
         values["stuck_reads"] = self.storage.stuck
-        values.update(self.daemon.statistics())
-        if self.passthrough is not None:
-            values["passthrough_open_inodes"] = self.passthrough.open_inodes()
-            if self.passthrough.memory is not None:
-                values.update(self.passthrough.memory.policy.summary())
-                values.update(dataclasses.asdict(self.passthrough.memory.statistics()))
+        if self.data is not None:
+            values.update(self.data.statistics())
         if self.mix is not None:
             values["mix"] = dataclasses.asdict(self.mix.statistics())
-        if self.control_extra is not None:
-            values.update(self.control_extra())
+        if self.extra_statistics is not None:
+            values.update(self.extra_statistics())
         return values
 
     def _control_bytes(self) -> bytes:

@@ -64,7 +64,7 @@ class Observation:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class ShareDecision:
     share: float
     reason: str
 
@@ -96,9 +96,9 @@ class MixController:
         # The direction of the last move undone for regret: the next move that way, if the pressure still asks
         # for it, is not undone again (a rate measured over one interval is noisy; the pressure is the signal).
         self._regretted = 0
-        self.decisions: list[Decision] = []
+        self.decisions: list[ShareDecision] = []
 
-    def observe(self, seen: Observation) -> Decision:
+    def observe(self, seen: Observation) -> ShareDecision:
         """The share to serve from now on, given what the last interval showed."""
         self._history.append(seen.images_per_s)
         self._quiet += 1
@@ -110,7 +110,7 @@ class MixController:
         self.share = decision.share
         return decision
 
-    def _undo_if_worse(self, seen: Observation) -> Decision | None:
+    def _undo_if_worse(self, seen: Observation) -> ShareDecision | None:
         if self._before_move is None:
             return None
         self._since_move.append(seen.images_per_s)
@@ -126,7 +126,7 @@ class MixController:
             # and halves it then; halving here too cut it by four for one undone move.
             self._last_move = -moved
             self._pending = self._streak = 0
-            return Decision(share, f"undone: {statistics.fmean(self._since_move):.1f} img/s after the move, "
+            return ShareDecision(share, f"undone: {statistics.fmean(self._since_move):.1f} img/s after the move, "
                                    f"{rate:.1f} before")
         return None
 
@@ -144,7 +144,7 @@ class MixController:
         margin = max(rate * self.regret, 2 * noise * math.sqrt(1 / self.patience + 1 / len(self._since_move)))
         return after < rate - margin
 
-    def _follow_pressure(self, seen: Observation) -> Decision:
+    def _follow_pressure(self, seen: Observation) -> ShareDecision:
         cpu = cpu_signal(seen)
         gap = cpu - seen.io_pressure
         verdict = 0 if abs(gap) <= self.deadband else (1 if gap > 0 else -1)
@@ -153,7 +153,7 @@ class MixController:
         why = (f"cpu pressure {seen.cpu_pressure:.2f}, busy {seen.cpu_busy:.2f} -> {cpu:.2f}; "
                f"io {seen.io_pressure:.2f}")
         if verdict == 0:
-            return Decision(self.share, f"hold: balanced ({why})")
+            return ShareDecision(self.share, f"hold: balanced ({why})")
         strong = abs(gap) >= self.strong
         # Settled a while, then a strong verdict: the machine changed (a weak one is the balance's own wobble).
         fresh = strong and self._quiet > self.settle and self._last_move != 0
@@ -161,14 +161,14 @@ class MixController:
         # On the way the last move went, strongly asked, and the rate did not fall since: no need to wait.
         needed = 1 if going_on and strong and not self._fell_since_move() else self.patience
         if self._streak < needed:
-            return Decision(self.share, f"hold: {'decode' if verdict > 0 else 'storage'} binds, waiting to be "
+            return ShareDecision(self.share, f"hold: {'decode' if verdict > 0 else 'storage'} binds, waiting to be "
                                         f"sure ({why})")
         if fresh:
             # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step.
             self.step, self._last_move = self.initial_step, 0
         at_the_bound = self.share >= self.high if verdict > 0 else self.share <= self.low
         if at_the_bound:
-            return Decision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
+            return ShareDecision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
                                         f"range ({why})")
         if verdict != self._regretted:
             self._regretted = 0  # a move the other way: a later regret may undo again
@@ -190,7 +190,7 @@ class MixController:
         self._before_move = (self.share, statistics.fmean(recent), noise)
         self._since_move = []
         self._streak = 0
-        return Decision(round(target, 4), f"{'more' if verdict > 0 else 'fewer'} raw: "
+        return ShareDecision(round(target, 4), f"{'more' if verdict > 0 else 'fewer'} raw: "
                                           f"{'decode' if verdict > 0 else 'storage'} binds ({why})"
                                           + ("; afresh after a settled while" if fresh else ""))
 

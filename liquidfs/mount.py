@@ -16,26 +16,30 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import trio
 
-from . import guard, passthrough
-from .memtier import MemoryTier
+from . import assemble, guard, passthrough
 from .cache import NextEpochCache, parse_size
-from .catalog import Catalog
+from .catalog import Catalog, Node
+from .daemonpath import MAX_OPEN_BYTES
+from .datapath import warm_up as warm_up_path
 from .doctor import has_cap_sys_admin
-from .fs import CONTROL_NAME, IO_TIMEOUT, MAX_OPEN_BYTES, Operations
+from .fs import CONTROL_NAME, Operations
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, Stalls
 from .disktier import DiskTier
 from .stores import Store
-from .reader import Reader, StoreReader
+from .reader import ChecksCallers, Reader
 from .safefiles import open_append
 from .stats import MountStats
+from .storage import IO_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -188,23 +192,12 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     catalog = Catalog.open(config.store, readonly=True)
     stats = MountStats(source=str(config.source), store=config.storage.label)
     base_reader = config.storage.reader(catalog, config.threads, config.io_timeout)
-    reader: Reader = base_reader
     totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
     cache = make_cache(totals, config.cache_size)
-    disk = None
-    if config.disk_cache is not None:
-        disk = make_disk_tier(totals, config, reader, cache)
-        reader = disk
-    ops = Operations(catalog, reader, stats, thread_limiter=trio.CapacityLimiter(config.threads), cache=cache,
-                     io_timeout=config.io_timeout, page_cache=config.page_cache,
-                     max_open_bytes=config.open_bytes, push_pages=config.push_pages,
-                     max_open_files=descriptor_budget())
-    if disk is not None:
-        ops.control_extra = disk.summary
-    ops.mix = make_mix(catalog, config)
-    if config.allow_other and isinstance(base_reader, StoreReader):
-        ops.may_read = base_reader.may_read
-    ops.enable_passthrough = config.data_path != "daemon" and passthrough.built_in() is None
+    disk = make_disk_tier(totals, config, base_reader, cache) if config.disk_cache is not None else None
+    ops, built = build_operations(config, catalog, stats, disk or base_reader, cache,
+                                  may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
+                                  extra_statistics=disk.statistics if disk is not None else None)
     before = guard.mount_ids()
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
@@ -214,7 +207,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     watchdog = guard.start(os.getpid(), config.mountpoint, before)
     unmount = True
     try:
-        trio.run(_main, config, ops, ready_fd)
+        trio.run(_main, config, ops, built, ready_fd)
     except BaseException:
         log.exception("the filesystem loop failed; unmounting")
         raise
@@ -227,12 +220,41 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         catalog.close()
         if disk is not None:
             disk.close()
-        if isinstance(base_reader, StoreReader):
-            base_reader.close()
+        base_reader.close()
         log.info("unmounted %s", config.mountpoint)
     if config.data_path == "passthrough" and ops.stats.data_path != "passthrough":
         return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
+
+
+def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, reader: Reader,
+                     cache: NextEpochCache | None, *,
+                     may_read: Callable[[Node, int, int, int], bool] | None = None,
+                     extra_statistics: Callable[[], dict[str, Any]] | None = None) -> tuple[Operations, assemble.Parts]:
+    """The finished ``Operations`` of a mount with these options, and the parts its data path is built from
+    (the data path is chosen after INIT where passthrough may be granted: ``choose_data_path``)."""
+    built = assemble.parts(reader, stats, policy=cache, thread_limiter=trio.CapacityLimiter(config.threads),
+                           io_timeout=config.io_timeout, page_cache=config.page_cache,
+                           max_open_bytes=config.open_bytes, push_pages=config.push_pages,
+                           verify_reads=config.verify_reads)
+    # The data path is the daemon's from the start where passthrough cannot be had, whatever INIT says.
+    why_not = daemon_only(config)
+    ops = assemble.operations(catalog, built, data_path="daemon" if why_not else "at init",
+                              mix=make_mix(catalog, config), may_read=may_read if config.allow_other else None,
+                              max_open_files=descriptor_budget(), extra_statistics=extra_statistics,
+                              enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None)
+    if why_not:
+        stats.data_path_why = why_not
+    return ops, built
+
+
+def daemon_only(config: MountConfig) -> str | None:
+    """Why the daemon path serves whatever the kernel offers, or None where passthrough is worth asking for."""
+    if config.data_path == "daemon":
+        return "--data-path daemon"
+    if config.page_cache == "direct":
+        return "--page-cache direct: every read is served by the daemon"
+    return None
 
 
 def make_mix(catalog: Catalog, config: MountConfig) -> Mix | None:
@@ -294,7 +316,7 @@ async def _steer_mix(ops: Operations, config: MountConfig) -> None:
                 busy=CpuBusy(config.pressure_dir))
 
 
-async def _main(config: MountConfig, ops: Operations, ready_fd: int | None) -> None:
+async def _main(config: MountConfig, ops: Operations, built: assemble.Parts, ready_fd: int | None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
         if config.metrics_port is not None:
@@ -302,7 +324,7 @@ async def _main(config: MountConfig, ops: Operations, ready_fd: int | None) -> N
                                 config.metrics_address)
         if ops.mix is not None and ops.mix.mode == "adaptive":
             nursery.start_soon(_steer_mix, ops, config)
-        nursery.start_soon(_signal_ready, config, ops, ready_fd)
+        nursery.start_soon(_signal_ready, config, ops, built, ready_fd)
         await pyfuse3.main()
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
         nursery.cancel_scope.cancel()
@@ -316,13 +338,14 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
             return
 
 
-async def _signal_ready(config: MountConfig, ops: Operations, ready_fd: int | None) -> None:
+async def _signal_ready(config: MountConfig, ops: Operations, built: assemble.Parts,
+                        ready_fd: int | None) -> None:
     # A stat of the control entry goes through the kernel to this very loop: once it answers, so does the mount.
     await trio.to_thread.run_sync(os.stat, config.mountpoint / os.fsdecode(CONTROL_NAME))
-    if not choose_data_path(config, ops):
+    if not choose_data_path(config, ops, built):
         pyfuse3.terminate()
         return
-    if config.readahead_kb and ops.passthrough is None:
+    if config.readahead_kb and ops.stats.data_path == "daemon":
         set_readahead(config.mountpoint, config.readahead_kb)
     log.info("mount answers")
     if ready_fd is not None:
@@ -342,23 +365,18 @@ async def warm_up(ops: Operations) -> None:
         stats.warmup_files, stats.warmup_bytes = files, total
 
     started = time.monotonic()
-    nodes = list(ops.catalog.files())
-    if ops.passthrough is not None:
-        files, total = await ops.passthrough.warm_up(nodes, progress)
-    else:
-        files, total = await ops.daemon.warm_up(nodes, progress)
+    assert ops.data is not None
+    files, total = await warm_up_path(ops.data, list(ops.catalog.files()), progress)
     progress(files, total)
     stats.warmup = "done"
     log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
 
 
-def choose_data_path(config: MountConfig, ops: Operations) -> bool:
+def choose_data_path(config: MountConfig, ops: Operations, built: assemble.Parts) -> bool:
     """After INIT: serve through passthrough where it works, else the daemon path; say which, and why, in one
     line of the log and in ``stats``. False when ``--data-path passthrough`` cannot be had (the mount stops)."""
-    if config.data_path == "daemon":
-        why: str | None = "--data-path daemon"
-    elif config.page_cache == "direct":
-        why = "--page-cache direct: every read is served by the daemon"
+    if ops.data is not None:  # the daemon's from the start (``daemon_only``)
+        why: str | None = ops.stats.data_path_why
     else:
         why = passthrough.engaged()
     if why is not None:
@@ -366,14 +384,11 @@ def choose_data_path(config: MountConfig, ops: Operations) -> bool:
         if config.data_path == "passthrough":
             log.error("--data-path passthrough: not available: %s", why)
             return False
+        if ops.data is None:
+            ops.serve_with(built.daemon_path())
         log.info("data path: daemon (%s)", why)
         return True
-    memory = MemoryTier(ops.cache) if ops.cache is not None else None
-    path = passthrough.PassthroughPath(
-        passthrough.FuseKernel(), ops.reader, ops.stats, ops.storage.run, memory=memory,
-        verify_reads=config.verify_reads, drop_served_pages=config.page_cache == "drop",
-        source_changed=ops.storage.source_changed)
-    ops.engage_passthrough(path)
+    ops.serve_with(built.passthrough_path(passthrough.FuseKernel()))
     log.info("data path: passthrough (the kernel serves reads from backing files%s)",
              "; each file checked whole before it is served" if config.verify_reads else "")
     return True

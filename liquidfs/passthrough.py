@@ -4,7 +4,8 @@ With FUSE passthrough (kernel >= 6.9, libfuse >= 3.17, a pyfuse3 built with ``sc
 CAP_SYS_ADMIN in the initial user namespace) no read or mmap of a file reaches the daemon: its work per file is
 one open and one release. The kernel allows one backing file per inode while any open of it exists, so an
 inode's backing is shared by its concurrent opens and closed at the last release; a decision that changes
-while the inode is open (a source edited, the cache letting it go) takes effect at its next first open.
+while the inode is open (a source edited, the cache letting it go) takes effect at its next first open. A file
+that cannot have a backing (one too large to read whole from an object store) is served by a daemon path beside.
 """
 
 from __future__ import annotations
@@ -12,23 +13,23 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import pyfuse3
 import trio
 
-from .backing import Backing, ContentReader, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
-from .reader import StoreReader
-from .cache import Decision
+from .backing import (Backing, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound,
+                      vouched)
+from .cache import NO_CACHE, Decision
 from .catalog import Node
-from .memtier import MemoryTier
+from .daemonpath import DaemonPath
+from .held import MemfdLevel
+from .inodes import Handle, Inode
+from .reader import Content, LendsDescriptors, Reader
 from .stats import MountStats
+from .storage import StorageCalls
 
 log = logging.getLogger(__name__)
-
-NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 
 
 class Kernel(Protocol):
@@ -85,73 +86,53 @@ def engaged(kernel: Kernel | None = None) -> str | None:
     return None
 
 
-@dataclass(eq=False, slots=True)
-class _Inode:
-    """One inode's backing while any open of it exists."""
-
-    opens: int = 1
-    backing: Backing | None = None
-    backing_id: int = 0
-    keep: bool = False            # the policy decided at the first open to hold it for the next epoch
-    failed: int | None = None     # the errno the first open failed with (concurrent opens fail too)
-    ready: trio.Event = field(default_factory=trio.Event)
-
-
-@dataclass(frozen=True, slots=True)
-class Opened:
-    """What the FUSE layer answers an open with."""
-
-    backing_id: int
-    size: int
-    raw: bool
-    fallback: str | None
-
-
-Blocking = Callable[..., Awaitable[Any]]
-
-
 class PassthroughPath:
-    """Opens and releases on the passthrough data path (on the trio thread; storage work via ``blocking``)."""
+    """Opens and releases on the passthrough data path (on the trio thread; storage work in worker threads)."""
 
-    def __init__(self, kernel: Kernel, reader: ContentReader, stats: MountStats, blocking: Blocking,
-                 *, memory: MemoryTier | None = None, verify_reads: bool = False,
-                 drop_served_pages: bool = True, source_changed: Callable[[Node], Awaitable[str | None]]) -> None:
+    name = "passthrough"
+
+    def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, storage: StorageCalls,
+                 *, ranges: DaemonPath, held: MemfdLevel | None = None, verify_reads: bool = False,
+                 drop_served_pages: bool = True) -> None:
         self.kernel = kernel
         self.reader = reader
         self.stats = stats
-        self.blocking = blocking
-        self.memory = memory
+        self.storage = storage
+        #: Serves the files that get no backing, in ranges; it holds nothing for the next epoch.
+        self.ranges = ranges
+        self.held = held
         self.verify_reads = verify_reads
         self.drop_served_pages = drop_served_pages
-        self.source_changed = source_changed
-        self._inodes: dict[int, _Inode] = {}
-        # A local store's vouched backings are opened on the loop itself (see ``_backing``).
-        self.inline = isinstance(reader, StoreReader) and reader.inline_check and not verify_reads
+        self._open_inodes = 0  # inodes with a shared backing (``Inode.shared``)
+        # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
+        self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
+            and not verify_reads else None
 
-    async def open(self, node: Node, size: int) -> Opened | None:
-        """The backing of one more open of ``node`` (``size`` bytes as the kernel was told); None when it has
-        none (a file the daemon serves in ranges): the caller serves that open itself."""
-        entry = self._inodes.get(node.id)
+    async def open(self, node: Node, record: Inode, fh: int) -> Handle:
+        """One more open of ``node``, answered with its inode's backing; a file without one is served by
+        ``ranges``."""
+        entry = record.shared
         if entry is not None:
             entry.opens += 1  # counted before waiting, so a release meanwhile does not close it under us
             await entry.ready.wait()
             if entry.backing is None:
-                self._release_entry(node.id, entry)
+                self._release_entry(record, entry)
                 if entry.failed is not None:
                     raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
-                return None
+                return await self.ranges.open(node, record, fh)
             changed = still_sound(entry.backing)
             if changed is not None:  # one backing per inode while it is open: no other can be given now
-                self._release_entry(node.id, entry)
+                self._release_entry(record, entry)
                 raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",
                               os.fsdecode(node.path))
             self.stats.passthrough_opens += 1
-            return Opened(entry.backing_id, entry.backing.size, entry.backing.raw, entry.backing.fallback)
-        entry = self._inodes[node.id] = _Inode()
+            return self._handle(node, record, fh, entry)
+        entry = record.shared = SharedBacking()
+        self._open_inodes += 1
         decision = NO_CACHE
         try:
-            if self.memory is not None:
-                decision = self.memory.decide(node.id, size)
+            if self.held is not None:
+                decision = self.held.decide(node.id, record.size_told(node))
             backing = await self._backing(node, decision)
             if backing is not None:
                 try:
@@ -163,52 +144,57 @@ class PassthroughPath:
             entry.keep = decision.hold and backing is not None and backing.fallback is None \
                 and backing.size == node.size_served
             if decision.hold and not entry.keep:
-                assert self.memory is not None
-                self.memory.could_not_keep(node.id)
+                assert self.held is not None
+                self.held.could_not_keep(node.id)
         except BaseException as exc:
             entry.failed = (exc.errno or errno.EIO) if isinstance(exc, OSError) else errno.EIO
-            if decision.hold and self.memory is not None:
-                self.memory.could_not_keep(node.id)
-            self._release_entry(node.id, entry)
+            if decision.hold and self.held is not None:
+                self.held.could_not_keep(node.id)
+            self._release_entry(record, entry)
             raise
         finally:
             entry.ready.set()
         if backing is None:
-            self._release_entry(node.id, entry)
-            return None
+            self._release_entry(record, entry)
+            return await self.ranges.open(node, record, fh)
         self.stats.passthrough_opens += 1
-        setattr(self.stats, f"backing_{backing.kind}", getattr(self.stats, f"backing_{backing.kind}") + 1)
-        return Opened(entry.backing_id, backing.size, backing.raw, backing.fallback)
+        _count_backing(self.stats, backing.kind)
+        return self._handle(node, record, fh, entry)
+
+    @staticmethod
+    def _handle(node: Node, record: Inode, fh: int, entry: SharedBacking) -> Handle:
+        backing = entry.backing
+        assert backing is not None
+        content = Content(size=backing.size, raw=backing.raw, fallback=backing.fallback)
+        return Handle(content, node, fh=fh, inode=record, backing_id=entry.backing_id)
 
     async def _backing(self, node: Node, decision: Decision) -> Backing | None:
         if decision.hit:
-            assert self.memory is not None
-            held = self.memory.held(node.id)
+            assert self.held is not None
+            held = self.held.get(node.id)
             if held is not None:
-                if await self.source_changed(node) is None:
+                if await self.storage.source_changed(node) is None:
                     self.stats.bytes_from_memory += held.size
                     served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
                     if not decision.hold:  # the policy no longer holds it: its memfd lives as long as this open
-                        self.memory.release(node.id)
+                        self.held.release(node.id)
                     return served
-                self.memory.drop(node.id)  # stale: the source changed after the bytes were taken
+                self.held.drop(node.id)  # stale: the source changed after the bytes were taken
             else:  # counted as a hit, but the bytes are gone (a copy that failed)
-                self.stats.reclaimed += 1
-                if decision.epoch:
-                    self.memory.policy.correct_miss(decision.epoch, node.size_served)
+                self.held.lost_hit(decision, node.size_served)
         backing = None
         vouch = True
-        if self.inline:
+        if self.lender is not None:
             # Two opens and a stat answered from the kernel's caches: cheaper here than the hop to a worker
             # thread. Where a dentry or inode is not in memory the open says so (EAGAIN) instead of waiting for
             # the disk on this thread, and goes to a worker thread, where cold opens proceed in parallel.
             try:
-                backing = vouched(self.reader, node, cached_only=True)  # type: ignore[arg-type]
+                backing = vouched(self.lender, node, cached_only=True)
                 vouch = False  # not vouched for by a stat: read whole below
             except BlockingIOError:
                 self.stats.cold_opens += 1
         if backing is None:
-            backing = await self.blocking(node, self._resolve, node, vouch)
+            backing = await self.storage.run(node, self._resolve, node, vouch)
         if backing is not None:
             if backing.kind == "disk":
                 self.stats.bytes_from_disk += backing.size
@@ -219,21 +205,41 @@ class PassthroughPath:
     def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
         return resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch)
 
-    def _release_entry(self, inode: int, entry: _Inode) -> None:
+    def _release_entry(self, record: Inode, entry: SharedBacking) -> None:
         entry.opens -= 1
-        if entry.opens <= 0 and self._inodes.get(inode) is entry:
-            del self._inodes[inode]
+        if entry.opens <= 0 and record.shared is entry:
+            record.shared = None
+            self._open_inodes -= 1
 
-    async def release(self, inode: int) -> None:
-        """One open of ``inode`` is closed; at the last, the backing goes (kept for the next epoch, or its
+    async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
+        if not handle.backing_id:
+            return await self.ranges.read(handle, off, size)
+        # A READ that still reaches the daemon (the kernel may send some, e.g. readahead racing an open) is
+        # answered from the backing.
+        assert handle.node is not None and handle.inode is not None
+        entry = handle.inode.shared
+        if entry is None or entry.backing is None or entry.backing.fd < 0:
+            raise OSError(errno.EBADF, "not open")
+        data: bytes = await self.storage.run(handle.node, os.pread, entry.backing.fd, size, off)
+        return data
+
+    async def release(self, handle: Handle) -> None:
+        """One open is closed; at the last of its inode, the backing goes (kept for the next epoch, or its
         pages dropped)."""
-        entry = self._inodes.get(inode)
+        if not handle.backing_id:
+            await self.ranges.release(handle)
+            return
+        record = handle.inode
+        assert record is not None
+        entry = record.shared
         if entry is None:
             return
         entry.opens -= 1
         if entry.opens > 0:
             return
-        del self._inodes[inode]  # the next open makes a new entry, whatever happens below
+        record.shared = None  # the next open makes a new entry, whatever happens below
+        self._open_inodes -= 1
+        inode = record.id
         backing = entry.backing
         assert backing is not None
         try:
@@ -249,63 +255,61 @@ class PassthroughPath:
             backing.close()
 
     async def _keep(self, inode: int, backing: Backing) -> None:
-        assert self.memory is not None
-        if inode not in self.memory.policy.held:
+        assert self.held is not None
+        if inode not in self.held.policy.held:
             return  # let go meanwhile (an epoch ended without reading it)
         try:
-            if backing.kind in ("memfd", "disk"):  # already a sealed memfd: keep it as it is
-                fd = os.dup(backing.fd)
-            else:
-                fd = await self.blocking_copy(backing)
+            fd = await self._memfd_of(backing)
         except OSError as exc:
             log.warning("cannot keep inode %d for the next epoch: %s", inode, exc)
-            self.memory.could_not_keep(inode)
+            self.held.could_not_keep(inode)
             return
-        self.memory.keep(inode, fd, backing.size, backing.raw)
+        self.held.keep(inode, fd, backing.size, backing.raw)
         if self.drop_served_pages and backing.kind in ("source", "object"):
             drop_pages(backing.fd)  # the memfd is the copy the budget counts; no second one in the page cache
+
+    async def _memfd_of(self, backing: Backing) -> int:
+        """A sealed memfd of the backing's bytes, the caller's: the backing itself where it is one already."""
+        if backing.kind in ("memfd", "disk"):
+            return os.dup(backing.fd)
+        return await self.blocking_copy(backing)
 
     async def blocking_copy(self, backing: Backing) -> int:
         return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size)
 
-    async def warm_up(self, files: list[Node],
-                      progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:
-        """Fill the memory tier with a random budget's worth of files before the first epoch."""
-        assert self.memory is not None
-        nodes = {n.id: n for n in files}
-        held = total = 0
-        for node_id in self.memory.policy.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
-            node = nodes[node_id]
-            try:
-                backing = await self.blocking(node, self._resolve, node)
-            except OSError as exc:
-                log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
-                continue
-            if backing is None:
-                continue
-            try:
-                if backing.fallback is not None or backing.size != node.size_served:
-                    continue
-                fd = os.dup(backing.fd) if backing.kind in ("memfd", "disk") else await self.blocking_copy(backing)
-                if backing.kind in ("source", "object"):
-                    drop_pages(backing.fd)
-                if not self.memory.hold_now(node_id, fd, backing.size, backing.raw):
-                    os.close(fd)
-                    continue
-                held += 1
-                total += backing.size
-                progress(held, total)
-            finally:
-                backing.close()
-        return held, total
+    async def warm_one(self, node: Node) -> int | None:
+        assert self.held is not None
+        backing = await self.storage.run(node, self._resolve, node)
+        if backing is None:
+            return None
+        try:
+            if backing.fallback is not None or backing.size != node.size_served:
+                return None
+            fd = await self._memfd_of(backing)
+            if backing.kind in ("source", "object"):
+                drop_pages(backing.fd)
+            if not self.held.hold_now(node.id, fd, backing.size, backing.raw):
+                os.close(fd)
+                return None
+            return backing.size
+        finally:
+            backing.close()
 
-    def backing_fd(self, inode: int) -> int:
-        """The descriptor an open inode is served from: a READ that still reaches the daemon (the kernel may
-        send some, e.g. readahead racing an open) is answered from it."""
-        entry = self._inodes.get(inode)
-        if entry is None or entry.backing is None or entry.backing.fd < 0:
-            raise OSError(errno.EBADF, "not open")
-        return entry.backing.fd
+    def statistics(self) -> dict[str, object]:
+        values = self.ranges.statistics()
+        values["passthrough_open_inodes"] = self._open_inodes
+        if self.held is not None:
+            values.update(self.held.statistics())
+        return values
 
-    def open_inodes(self) -> int:
-        return len(self._inodes)
+
+def _count_backing(stats: MountStats, kind: str) -> None:
+    """One more open served from a backing of ``kind`` (``backing.Backing.kind``)."""
+    if kind == "source":
+        stats.backing_source += 1
+    elif kind == "object":
+        stats.backing_object += 1
+    elif kind == "memfd":
+        stats.backing_memfd += 1
+    elif kind == "disk":
+        stats.backing_disk += 1

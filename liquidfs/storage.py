@@ -9,11 +9,12 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import trio
 
 from .catalog import Node
+from .reader import Reader
 
 R = TypeVar("R")
 
@@ -24,17 +25,10 @@ IO_TIMEOUT = 60.0
 MAX_STUCK = 64
 
 
-class SourceChecker(Protocol):
-    @property
-    def inline_check(self) -> bool: ...
-
-    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None: ...
-
-
 class StorageCalls:
     """Runs blocking storage calls in worker threads, each timed out, with stuck ones kept out of the way."""
 
-    def __init__(self, reader: SourceChecker, *, thread_limiter: trio.CapacityLimiter | None = None,
+    def __init__(self, reader: Reader, *, thread_limiter: trio.CapacityLimiter | None = None,
                  io_timeout: float = IO_TIMEOUT) -> None:
         self.reader = reader
         # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
@@ -109,7 +103,7 @@ class StorageCalls:
 
 @dataclass(eq=False, slots=True)
 class _Call:
-    """One storage read in a worker thread; kept in ``Operations._stuck`` (by identity) while it overruns."""
+    """One storage read in a worker thread; kept in ``StorageCalls._stuck`` (by identity) while it overruns."""
 
     node: int
     done: bool = False

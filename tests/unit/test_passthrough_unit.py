@@ -18,12 +18,10 @@ from liquidfs.backing import memfd_copy, memfd_with, resolve
 from liquidfs.cache import NextEpochCache
 from liquidfs.catalog import ROOT_ID, Catalog
 from liquidfs.fs import Operations
-from liquidfs.memtier import MemoryTier
-from liquidfs.passthrough import PassthroughPath
 from liquidfs.prepare import prepare
-from liquidfs.reader import StoreReader
-from liquidfs.sample import make_sample
-from liquidfs.stats import MountStats
+from liquidfs.stores.local.reader import StoreReader
+from operations import passthrough_operations
+from sample import make_sample
 
 CTX = pyfuse3.RequestContext()
 
@@ -69,11 +67,8 @@ def _ops(store: Path, *, cache: bool = False, verify: bool = False) -> tuple[Ope
     reader = StoreReader(catalog.source, store)
     files, served, _, max_id = catalog.file_totals()
     policy = NextEpochCache(served, served, files, max_id=max_id) if cache else None
-    ops = Operations(catalog, reader, MountStats(), cache=policy)
     kernel = FakeKernel()
-    memory = MemoryTier(policy) if policy is not None else None
-    ops.engage_passthrough(PassthroughPath(kernel, reader, ops.stats, ops.storage.run, memory=memory,
-                                           verify_reads=verify, source_changed=ops.storage.source_changed))
+    ops = passthrough_operations(catalog, reader, kernel, cache=policy, verify_reads=verify)
     return ops, kernel
 
 
@@ -190,7 +185,7 @@ def test_next_epoch_cache_keeps_memfds_and_hits_serve_them(prepared) -> None:
     src, store = prepared
     ops, kernel = _ops(store, cache=True)  # a budget of the whole dataset: everything is kept
     nodes = _images(ops)
-    memory = ops.passthrough.memory
+    memory = ops.data.held
 
     async def epoch() -> None:
         for node in nodes:
@@ -200,11 +195,11 @@ def test_next_epoch_cache_keeps_memfds_and_hits_serve_them(prepared) -> None:
 
     trio.run(epoch)
     held = memory.statistics()
-    assert held.memfd_files == len(nodes) and held.memfd_bytes == sum(n.size_served for n in nodes)
-    assert held.memfd_bytes <= memory.budget
+    assert held["memfd_files"] == len(nodes) and held["memfd_bytes"] == sum(n.size_served for n in nodes)
+    assert held["memfd_bytes"] <= memory.budget
     for _ in range(2):
         trio.run(epoch)  # epochs 2 and 3 read every file through the memfds
-    assert ops.stats.bytes_from_memory == 2 * held.memfd_bytes
+    assert ops.stats.bytes_from_memory == 2 * held["memfd_bytes"]
     assert memory.policy.stats.hits == 2 * len(nodes)
 
 
@@ -263,7 +258,7 @@ def test_first_open_failing_fails_its_waiters_and_leaves_no_entry(prepared, tmp_
         with pytest.raises(pyfuse3.FUSEError) as info:
             await ops.open(node.id, os.O_RDONLY, CTX)
         assert info.value.errno == errno.EPERM
-        assert ops.passthrough.open_inodes() == 0
+        assert ops.data.statistics()["passthrough_open_inodes"] == 0
 
     trio.run(main)
 

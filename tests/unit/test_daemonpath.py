@@ -1,9 +1,10 @@
-"""The FUSE layer driven in-process, without a mount: handlers over a real catalog and store."""
+"""The daemon data path (``daemonpath.DaemonPath``) driven in-process through the FUSE layer, without a mount:
+whole-file reads, the next-epoch cache's bytes in memory, buffers lent and let go, chunks read again and checked,
+pages pushed to the kernel, deferred first reads, raw objects and their stamps."""
 
 from __future__ import annotations
 
 import errno
-import json
 import os
 from pathlib import Path
 
@@ -12,85 +13,24 @@ import pytest
 import trio
 import trio.testing
 
-from liquidfs.cache import NextEpochCache
 from liquidfs.catalog import ROOT_ID, Catalog, build
-from liquidfs.fs import CONTROL_ID, CONTROL_NAME, Operations
-from liquidfs.reader import StoreReader
-from liquidfs.stats import MountStats
+from liquidfs.fs import Operations
+from liquidfs.stores.local.reader import StoreReader
+from operations import daemon_operations, ops_over, small_tree
 
 CTX = pyfuse3.RequestContext()
-
-
-@pytest.fixture
-def ops(tmp_path: Path) -> Operations:
-    src = tmp_path / "src"
-    (src / "d").mkdir(parents=True)
-    (src / "d" / "a.bin").write_bytes(b"A" * 5000)
-    (src / "b.txt").write_bytes(b"hello\n")
-    store = tmp_path / "store"
-    build(src, store)
-    catalog = Catalog.open(store, readonly=True)
-    total = 5006
-    cache = NextEpochCache(total, total, 2, max_id=10)
-    return Operations(catalog, StoreReader(catalog.source, store), MountStats(), cache=cache)
 
 
 def run(fn, *args):
     return trio.run(fn, *args)
 
 
-def test_lookup_getattr_open_read_release(ops: Operations) -> None:
-    d = run(ops.lookup, ROOT_ID, b"d", CTX)
-    assert d.st_mode & 0o040000 and d.st_nlink == 2
-    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
-    assert a.st_size == 5000 and a.st_mode & 0o222 == 0
-    assert run(ops.getattr, a.st_ino, CTX).st_size == 5000
-    fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
-    assert run(ops.read, fi.fh, 4990, 100) == b"A" * 10
-    run(ops.release, fi.fh)
-    assert ops.stats.opens == 1 and ops.stats.bytes_read == 10
-    assert ops.lookups[a.st_ino] == 1
-    run(ops.forget, [(a.st_ino, 1)])
-    assert a.st_ino not in ops.lookups
+@pytest.fixture
+def ops(tmp_path: Path) -> Operations:
+    return small_tree(tmp_path)
 
 
-def test_missing_names_and_writes(ops: Operations) -> None:
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        run(ops.lookup, ROOT_ID, b"nope", CTX)
-    assert info.value.errno == errno.ENOENT
-    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
-    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
-        with pytest.raises(pyfuse3.FUSEError) as info:
-            run(ops.open, b.st_ino, flags, CTX)
-        assert info.value.errno == errno.EROFS
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        run(ops.unlink, ROOT_ID, b"b.txt", CTX)
-    assert info.value.errno == errno.EROFS
-
-
-def test_unexpected_exceptions_become_eio(ops: Operations) -> None:
-    def broken(node):
-        raise RuntimeError("a bug")
-
-    ops.reader.open = broken  # type: ignore[method-assign]
-    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
-    fh = run(ops.open, b.st_ino, os.O_RDONLY, CTX).fh  # read at its first read (``_read_later``)
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        run(ops.read, fh, 0, 4096)
-    assert info.value.errno == errno.EIO and ops.stats.errors == 1
-    ops.reader.vouch = broken  # type: ignore[method-assign]
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
-    assert info.value.errno == errno.EIO and ops.stats.errors == 2
-
-
-def test_source_deleted_is_enoent(ops: Operations, tmp_path: Path) -> None:
-    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
-    (tmp_path / "src" / "b.txt").unlink()
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
-    assert info.value.errno == errno.ENOENT
-
+CTX = pyfuse3.RequestContext()
 
 def test_cache_holds_bytes_for_the_next_epoch(ops: Operations) -> None:
     d = run(ops.lookup, ROOT_ID, b"d", CTX)
@@ -101,10 +41,9 @@ def test_cache_holds_bytes_for_the_next_epoch(ops: Operations) -> None:
             fi = run(ops.open, inode, os.O_RDONLY, CTX)
             run(ops.read, fi.fh, 0, 1 << 20)
             run(ops.release, fi.fh)
-    assert set(ops.daemon.cached_data) == {a.st_ino, b.st_ino}
+    assert set(ops.data.held.held_items()) == {a.st_ino, b.st_ino}
     assert ops.stats.bytes_from_memory == 2 * 5006 and ops.stats.bytes_from_storage == 5006
     assert ops.cache is not None and ops.cache.stats.hits == 4
-
 
 def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
     """Files are read at their first read: the cache holds a file it decided to keep once its bytes are there,
@@ -114,39 +53,14 @@ def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
     assert ops.open_files[fi.fh].decision.hold and ops.open_files[fi.fh].content.deferred
     assert ops.cache is not None and b.st_ino in ops.cache.held
     run(ops.release, fi.fh)
-    assert b.st_ino not in ops.daemon.cached_data and b.st_ino not in ops.cache.held
+    assert b.st_ino not in ops.data.held.held_items() and b.st_ino not in ops.cache.held
     d = run(ops.lookup, ROOT_ID, b"d", CTX)
     a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
     fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
-    assert a.st_ino not in ops.daemon.cached_data  # not yet read
+    assert a.st_ino not in ops.data.held.held_items()  # not yet read
     assert bytes(run(ops.read, fi.fh, 0, 4096)) == b"A" * 4096
     run(ops.release, fi.fh)
-    assert bytes(ops.daemon.cached_data[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
-
-
-def test_control_entry(ops: Operations) -> None:
-    entry = run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX)
-    assert entry.st_ino == CONTROL_ID
-    fi = run(ops.open, CONTROL_ID, os.O_RDONLY, CTX)
-    assert fi.direct_io
-    values = json.loads(bytes(run(ops.read, fi.fh, 0, 1 << 20)))
-    assert values["pid"] == os.getpid() and "cache_budget" in values
-    vfs = run(ops.statfs, CTX)
-    assert vfs.f_files == 2
-
-
-def _ops_over(tmp_path: Path, files: dict[str, bytes], cache_share: float | None) -> Operations:
-    src = tmp_path / "src"
-    src.mkdir(parents=True)
-    for name, data in files.items():
-        (src / name).write_bytes(data)
-    store = tmp_path / "store"
-    build(src, store)
-    catalog = Catalog.open(store, readonly=True)
-    total = sum(map(len, files.values()))
-    cache = NextEpochCache(int(cache_share * total), total, len(files), max_id=10) if cache_share else None
-    return Operations(catalog, StoreReader(catalog.source, store), MountStats(), cache=cache)
-
+    assert bytes(ops.data.held.held_items()[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
 
 def _read_whole(ops: Operations, name: bytes) -> bytes:
     ino = run(ops.lookup, ROOT_ID, name, CTX).st_ino
@@ -156,33 +70,30 @@ def _read_whole(ops: Operations, name: bytes) -> bytes:
     finally:
         run(ops.release, fi.fh)
 
-
 FILES = {f"x{i}": bytes([i]) * 300_000 for i in range(1, 5)}
-
 
 def test_closed_files_lend_their_buffers_to_the_next(tmp_path: Path) -> None:
     from liquidfs.directio import POOL
 
-    ops = _ops_over(tmp_path, FILES, None)
+    ops = ops_over(tmp_path, FILES, None)
     before = POOL.reused
     for _ in range(2):
         for name, data in FILES.items():
             assert _read_whole(ops, name.encode()) == data
     assert POOL.reused - before >= 7  # every open after the first found a buffer to reuse
 
-
 def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
     from liquidfs.directio import POOL
 
-    ops = _ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
+    ops = ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
     for name, data in FILES.items():
         assert _read_whole(ops, name.encode()) == data
-    assert len(ops.daemon.cached_data) == 4
-    held = {id(view.obj) for view in ops.daemon.cached_data.values()}
+    assert len(ops.data.held.held_items()) == 4
+    held = {id(view.obj) for view in ops.data.held.held_items().values()}
     assert not held & {id(buf) for _, buf, _ in POOL._free}
     # Other files opened and closed now borrow every free buffer there is; the held bytes must not change.
     others = {f"y{i}": bytes([100 + i]) * 300_000 for i in range(6)}
-    lender = _ops_over(tmp_path / "other", others, None)
+    lender = ops_over(tmp_path / "other", others, None)
     before = POOL.reused
     for name, data in others.items():
         assert _read_whole(lender, name.encode()) == data
@@ -191,10 +102,9 @@ def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
         assert _read_whole(ops, name.encode()) == data
     assert ops.stats.bytes_from_memory == sum(map(len, FILES.values()))
 
-
 def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> None:
     data = os.urandom(3_000_000)
-    ops = _ops_over(tmp_path, {"a": data, "b": os.urandom(10)}, None)
+    ops = ops_over(tmp_path, {"a": data, "b": os.urandom(10)}, None)
     ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
     fi = run(ops.open, ino, os.O_RDONLY, CTX)
     handle = ops.open_files[fi.fh]
@@ -222,12 +132,11 @@ def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> 
     assert ops.stats.refetches == 3
     assert run(ops.read, fi.fh, len(data), 4096) == b""
     run(ops.release, fi.fh)
-    assert not ops.daemon._pieces
-
+    assert not ops.data._pieces
 
 def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -> None:
     data = os.urandom(500_000)
-    ops = _ops_over(tmp_path, {"a": data}, None)
+    ops = ops_over(tmp_path, {"a": data}, None)
     ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
     fi = run(ops.open, ino, os.O_RDONLY, CTX)
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == data
@@ -241,13 +150,12 @@ def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -
         run(ops.read, fi.fh, 0, 4096)
     assert info.value.errno == errno.EIO
 
-
 def test_only_the_chunks_asked_for_are_checked_again(tmp_path: Path) -> None:
     """A change in one chunk fails the reads of that chunk only: the others still match what was served."""
     from liquidfs.reader import CHUNK
 
     data = os.urandom(3 * CHUNK - 10)
-    ops = _ops_over(tmp_path, {"a": data}, None)
+    ops = ops_over(tmp_path, {"a": data}, None)
     ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
     fh = run(ops.open, ino, os.O_RDONLY, CTX).fh
     assert b"".join(bytes(run(ops.read, fh, off, CHUNK)) for off in range(0, len(data), CHUNK)) == data
@@ -266,31 +174,29 @@ def test_only_the_chunks_asked_for_are_checked_again(tmp_path: Path) -> None:
     assert bytes(run(ops.read, fh, CHUNK, 4096)) == data[CHUNK:CHUNK + 4096]
     run(ops.release, fh)
 
-
 def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
     """Like DALI's shuffle buffer: many files opened long before they are read. Past the bound, files are read
     at their first read instead of at open; nothing is read twice."""
-    ops = _ops_over(tmp_path, FILES, None)
-    ops.reader.vouch = lambda node, cached_only=False: None  # type: ignore[method-assign]  # like an object store's
-    ops.daemon.max_open_bytes = 700_000  # room for two of the four 300 kB files
+    ops = ops_over(tmp_path, FILES, None)
+    ops.data.reader.vouch = lambda node, cached_only=False: None  # type: ignore[method-assign]  # like an object store's
+    ops.data.max_open_bytes = 700_000  # room for two of the four 300 kB files
     handles = {}
     for name in FILES:
         ino = run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino
         handles[name] = run(ops.open, ino, os.O_RDONLY, CTX).fh
     loaded = [h for h in ops.open_files.values() if h.content.data is not None]
-    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.daemon._open_bytes == 600_000
+    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.data._open_bytes == 600_000
     for name, data in reversed(FILES.items()):  # deferred ones first
         assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
-        assert ops.daemon._open_bytes <= ops.daemon.max_open_bytes
+        assert ops.data._open_bytes <= ops.data.max_open_bytes
     assert ops.stats.refetches == 0 and ops.stats.open_evictions == 0
     assert ops.stats.bytes_from_storage == sum(map(len, FILES.values()))  # each file read once
     for fh in handles.values():
         run(ops.release, fh)
-    assert ops.daemon._open_bytes == 0 and not ops.daemon._open_bytes_of
-
+    assert ops.data._open_bytes == 0 and not ops.data._open_bytes_of
 
 def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: Path) -> None:
-    ops = _ops_over(tmp_path, FILES, None)
+    ops = ops_over(tmp_path, FILES, None)
     ino = run(ops.lookup, ROOT_ID, b"x1", CTX).st_ino
     fh = run(ops.open, ino, os.O_RDONLY, CTX).fh
     assert ops.open_files[fh].content.deferred
@@ -298,7 +204,6 @@ def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: 
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.read, fh, 0, 4096)
     assert info.value.errno == errno.EIO
-
 
 class _Kernel:
     """Stands in for the kernel's side of ``notify_store``: stores wait in ``pending`` until the test lets the
@@ -326,17 +231,14 @@ class _Kernel:
             done(ok)  # type: ignore[operator]
         self.pending.clear()
 
-
 def _push_ops(tmp_path: Path, files: dict[str, bytes]) -> tuple[Operations, _Kernel]:
-    ops = _ops_over(tmp_path, files, None)
+    ops = ops_over(tmp_path, files, None)
     kernel = _Kernel()
-    ops.notifier = ops.daemon.notifier = kernel  # type: ignore[assignment]
+    ops.notifier = ops.data.notifier = kernel  # type: ignore[assignment]
     return ops, kernel
-
 
 def _open(ops: Operations, name: bytes) -> int:
     return run(ops.open, run(ops.lookup, ROOT_ID, name, CTX).st_ino, os.O_RDONLY, CTX).fh
-
 
 def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path) -> None:
     from liquidfs.directio import POOL
@@ -351,7 +253,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert handle.content.data is not None  # kept until the kernel has copied them
     kernel.deliver()
     assert handle.content.data is None and handle.chunks is not None
-    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.daemon._open_bytes == 0
+    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.data._open_bytes == 0
     before = POOL.reused
     fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
     run(ops.read, fh_b, 0, 4096)
@@ -361,7 +263,6 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert bytes(run(ops.read, fh, 2 << 20, 1 << 20)) == data[2 << 20: 3 << 20]
     assert ops.stats.refetches == 1
     run(ops.release, fh)
-
 
 def test_a_buffer_is_not_lent_before_the_kernel_has_copied_it(tmp_path: Path) -> None:
     from liquidfs.directio import POOL
@@ -381,7 +282,6 @@ def test_a_buffer_is_not_lent_before_the_kernel_has_copied_it(tmp_path: Path) ->
     assert kernel.pages and kernel.pages[next(iter(kernel.pages))] == data[1 << 20:]
     assert any(buf is pushing for _, buf, _ in POOL._free)  # back only now
 
-
 def test_a_failed_push_keeps_serving_from_memory(tmp_path: Path) -> None:
     data = os.urandom(3_000_000)
     ops, kernel = _push_ops(tmp_path, {"a": data})
@@ -391,7 +291,6 @@ def test_a_failed_push_keeps_serving_from_memory(tmp_path: Path) -> None:
     served = b"".join(bytes(run(ops.read, fh, off, 1 << 20)) for off in range(1 << 20, len(data), 1 << 20))
     assert served == data[1 << 20:] and ops.stats.refetches == 0 and ops.stats.bytes_pushed == 0
     run(ops.release, fh)
-
 
 def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) -> None:
     """The kernel drops a file's pages when an open without keep_cache is answered; a store from an earlier
@@ -413,7 +312,7 @@ def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) 
             nursery.start_soon(second_open)
             await trio.testing.wait_all_tasks_blocked()
             # still waiting for the kernel to take the first open's store
-            assert not opened and ops.daemon._pushes[ino].done.statistics().tasks_waiting == 1
+            assert not opened and ops.inodes[ino].pushes.done.statistics().tasks_waiting == 1
             kernel.deliver()
         assert opened
         await ops.release(fh)
@@ -421,51 +320,8 @@ def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) 
 
     trio.run(scenario)
 
-
-def test_a_failing_store_completion_does_not_end_the_loop() -> None:
-    """Completions run on the trio thread through run_sync_soon: an exception there would end trio.run and with
-    it the mount. (Without a mount the store itself fails too, with EINVAL: its completion still runs.)"""
-    from liquidfs.notifier import Notifier
-
-    notifier = Notifier()
-    seen: list[bool] = []
-
-    async def scenario() -> None:
-        called = trio.Event()
-
-        def done(ok: bool) -> None:
-            seen.append(ok)
-            called.set()
-            raise RuntimeError("a bug in a completion")
-
-        notifier.store(1, 0, memoryview(b"x" * 4096), done)
-        await called.wait()
-        await trio.sleep(0.01)  # the loop is still alive after the callback raised
-
-    trio.run(scenario)
-    notifier.stop()
-    assert seen == [False]
-
-
-MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
-30 22 0:40 / /data rw - nfs srv:/x rw
-31 30 0:41 / /data/my\\040set rw - fuse.sshfs a rw
-32 22 0:42 / /data2 rw - tmpfs t rw
-33 32 0:43 / /data2 rw - nfs4 s:/y rw
-"""
-
-
-def test_the_filesystem_under_a_source_decides_where_it_is_checked() -> None:
-    from liquidfs.paths import LOCAL_FILESYSTEMS, filesystem_type
-
-    found = {p: filesystem_type(p, MOUNTINFO) for p in ("/", "/data/a", "/data/my set/b", "/data/my", "/data2/x")}
-    assert found == {"/": "ext4", "/data/a": "nfs", "/data/my set/b": "fuse.sshfs", "/data/my": "nfs",
-                     "/data2/x": "nfs4"}  # the innermost mount, the last one mounted over the same point
-    assert {t for t in found.values() if t in LOCAL_FILESYSTEMS} == {"ext4"}
-
-
 def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) -> None:
-    ops = _ops_over(tmp_path, FILES, 1.0)
+    ops = ops_over(tmp_path, FILES, 1.0)
     for name, data in FILES.items():  # the cache now holds every file
         assert _read_whole(ops, name.encode()) == data
     hops: list[int] = []
@@ -476,23 +332,22 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
         return await real_blocking(node, fn, *args)
 
     ops.storage.run = counting  # type: ignore[method-assign]
-    ops.reader.inline_check = True  # type: ignore[union-attr]
+    ops.data.reader.inline_check = True  # type: ignore[union-attr]
     assert _read_whole(ops, b"x1") == FILES["x1"] and hops == []
-    ops.reader.inline_check = False  # type: ignore[union-attr]  # NFS, FUSE: a stat may hang
+    ops.data.reader.inline_check = False  # type: ignore[union-attr]  # NFS, FUSE: a stat may hang
     assert _read_whole(ops, b"x1") == FILES["x1"] and len(hops) == 1
     os.utime(tmp_path / "src" / "x1", ns=(1, 1))  # a changed source is caught inline too
-    ops.reader.inline_check = True  # type: ignore[union-attr]
+    ops.data.reader.inline_check = True  # type: ignore[union-attr]
     from_memory = ops.stats.bytes_from_memory
     assert _read_whole(ops, b"x1") == FILES["x1"] and ops.stats.bytes_from_memory == from_memory  # read anew
 
 
 # -- files opened now and read at their first read -----------------------------------------------------------
 
-
 def _raw_ops(tmp_path: Path) -> tuple[Operations, list, Path]:
     """Every image of a small sample served raw, each object stamped by the prepare that wrote it."""
     from liquidfs.prepare import prepare
-    from liquidfs.sample import make_sample
+    from sample import make_sample
 
     src = make_sample(tmp_path / "src", count=3, width=256, height=128, seed=8)
     store = tmp_path / "store"
@@ -501,8 +356,7 @@ def _raw_ops(tmp_path: Path) -> tuple[Operations, list, Path]:
     raw = [n for n in catalog.files() if n.served_raw]
     assert len(raw) == 3 and all(n.object_stamp for n in raw)
     reader = StoreReader(catalog.source, store)
-    return Operations(catalog, reader, MountStats()), raw, store
-
+    return daemon_operations(catalog, reader), raw, store
 
 def _set_stamp(store: Path, node, stamp: str | None) -> None:
     """Write ``stamp`` into ``node``'s catalog row, as a store writer (or an older liquidfs) could."""
@@ -513,10 +367,8 @@ def _set_stamp(store: Path, node, stamp: str | None) -> None:
         db.execute("UPDATE nodes SET object_stamp=? WHERE id=?", (stamp, node.id))
     db.close()
 
-
 def _open_node(ops: Operations, node) -> int:
     return run(ops.open, node.id, os.O_RDONLY, CTX).fh
-
 
 def test_raw_objects_as_prepare_left_them_are_read_at_their_first_read(tmp_path: Path) -> None:
     ops, raw, store = _raw_ops(tmp_path)
@@ -526,7 +378,6 @@ def test_raw_objects_as_prepare_left_them_are_read_at_their_first_read(tmp_path:
         assert bytes(run(ops.read, fh, 0, 1 << 20)) == (store / str(node.object)).read_bytes()
         run(ops.release, fh)
     assert ops.stats.fallbacks == 0 and ops.stats.opens_raw == 3
-
 
 def test_an_object_changed_after_prepare_is_checked_at_open_and_the_original_served(tmp_path: Path) -> None:
     ops, raw, store = _raw_ops(tmp_path)
@@ -543,7 +394,6 @@ def test_an_object_changed_after_prepare_is_checked_at_open_and_the_original_ser
     assert bytes(run(ops.read, fh, 0, 1 << 22)) == original
     for other in raw[1:]:  # the others are still read later, raw
         assert ops.open_files[_open_node(ops, other)].content.deferred
-
 
 def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_the_original(
         tmp_path: Path) -> None:
@@ -571,13 +421,11 @@ def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_t
     assert not ops.open_files[fh].content.deferred
     assert bytes(run(ops.read, fh, 0, 1 << 22)) == (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()
 
-
 def test_an_object_without_a_stamp_is_read_at_open(tmp_path: Path) -> None:
     ops, raw, store = _raw_ops(tmp_path)
     _set_stamp(store, raw[0], None)  # prepared by an older liquidfs
     fh = _open_node(ops, raw[0])
     assert not ops.open_files[fh].content.deferred and ops.stats.bytes_from_storage > 0
-
 
 def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Operations, tmp_path: Path) -> None:
     """A hit whose source changed is read again from storage; its open used to still say keep_cache (from the
@@ -587,7 +435,7 @@ def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Oper
         fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
         run(ops.read, fi.fh, 0, 1 << 20)
         run(ops.release, fi.fh)
-    assert b.st_ino in ops.daemon.cached_data
+    assert b.st_ino in ops.data.held.held_items()
     fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
     assert fi.keep_cache  # an unchanged hit keeps its pages
     run(ops.release, fi.fh)
@@ -600,24 +448,6 @@ def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Oper
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == b"HELLO\n"
     run(ops.release, fi.fh)
 
-
-def test_open_files_are_bounded_and_past_the_bound_an_open_fails_with_enfile(tmp_path: Path) -> None:
-    """Every open file may hold a descriptor and memory in the daemon: without a bound, a user opening files
-    without closing them exhausted either. Past ``max_open_files`` an open fails with ENFILE; a close makes room."""
-    files = {f"f{i}": bytes([i]) * 1000 for i in range(4)}
-    ops = _ops_over(tmp_path, files, None)
-    ops.max_open_files = 3
-    handles = [run(ops.open, run(ops.lookup, ROOT_ID, f"f{i}".encode(), CTX).st_ino, os.O_RDONLY, CTX)
-               for i in range(3)]
-    last = run(ops.lookup, ROOT_ID, b"f3", CTX).st_ino
-    with pytest.raises(pyfuse3.FUSEError) as info:
-        run(ops.open, last, os.O_RDONLY, CTX)
-    assert info.value.errno == errno.ENFILE
-    run(ops.release, handles[0].fh)
-    fi = run(ops.open, last, os.O_RDONLY, CTX)
-    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f3"]
-
-
 def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> None:
     """--page-cache direct keeps each open file's bytes in the daemon (every read reaches it); those bytes were
     outside the open-bytes bound, so open files could hold any amount of memory."""
@@ -628,8 +458,8 @@ def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> N
         (src / name).write_bytes(data)
     build(src, tmp_path / "store")
     catalog = Catalog.open(tmp_path / "store", readonly=True)
-    ops = Operations(catalog, StoreReader(catalog.source, tmp_path / "store"), MountStats(), page_cache="direct",
-                     max_open_bytes=700_000)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"), page_cache="direct",
+                            max_open_bytes=700_000)
     handles = []
     for name in files:
         fi = run(ops.open, run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino, os.O_RDONLY, CTX)
@@ -640,54 +470,6 @@ def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> N
     for fi, name in zip(handles, files):  # bytes let go are read again, and still right
         assert bytes(run(ops.read, fi.fh, 100_000, 50_000)) == files[name][100_000:150_000]
         run(ops.release, fi.fh)
-
-
-class _As:
-    """The request context of a FUSE request from ``uid`` (pyfuse3's own cannot be made with other ids)."""
-
-    def __init__(self, uid: int) -> None:
-        self.uid, self.gid, self.pid, self.umask = uid, uid, 4242, 0o022
-
-
-def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:
-    """Open ``ino`` as ``ctx`` until an open fails (``at_most`` times at most): the handles, and the errno."""
-    held: list[int] = []
-    for _ in range(at_most):
-        try:
-            held.append(run(ops.open, ino, os.O_RDONLY, ctx).fh)
-        except pyfuse3.FUSEError as exc:
-            return held, exc.errno
-    return held, 0
-
-
-def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
-    """The open-file budget was the mount's, whoever held it: one user opening one file 18,976 times left every
-    other user, root included, with ENFILE. A user other than root and the mount's own holds at most a share of
-    it (half of what is not kept back), and the last eighth stays for root and the mount's user, whoever else
-    opens what. A close gives the slot back to whoever it was; a refused or failed open takes none."""
-    ops = _ops_over(tmp_path, {"f": b"x" * 1000}, None)
-    ops.max_open_files = 16  # 2 kept back for root and the mount's user; 7 at most for any one other user
-    ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
-    greedy, held_errno = _open_until_refused(ops, ino, _As(1000), 16)
-    assert (len(greedy), held_errno) == (7, errno.ENFILE)
-    other, _ = _open_until_refused(ops, ino, _As(1001), 7)  # another user still opens, as many
-    assert len(other) == 7
-    assert _open_until_refused(ops, ino, _As(1002), 1) == ([], errno.ENFILE)  # only the part kept back is left
-    root, _ = _open_until_refused(ops, ino, CTX, 2)  # root (and the mount's user) still open
-    assert len(root) == 2 and _open_until_refused(ops, ino, CTX, 1) == ([], errno.ENFILE)  # the whole budget
-    for fh in (*root, greedy.pop()):
-        run(ops.release, fh)
-    assert _open_until_refused(ops, ino, _As(1001), 1) == ([], errno.ENFILE)  # its share: full
-    greedy += _open_until_refused(ops, ino, _As(1000), 1)[0]  # the slot given back is its owner's again
-    assert len(greedy) == 7
-    for fh in greedy + other:
-        run(ops.release, fh)
-    # An open that fails (the source is gone) gives its slot back too.
-    (tmp_path / "src" / "f").unlink()
-    for _ in range(10):
-        assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
-    assert ops._slots_taken == 0 and not ops._slots
-
 
 def test_an_open_of_other_bytes_beside_a_page_cached_open_never_shares_its_pages(tmp_path: Path) -> None:
     """The kernel keeps one page cache per inode. An open served raw, read through the page cache, went on

@@ -1,0 +1,55 @@
+"""``fs.Operations`` built in-process for unit tests, as ``mount.build_operations`` builds it for a mount."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from liquidfs import assemble
+from liquidfs.cache import NextEpochCache
+from liquidfs.catalog import Catalog, build
+from liquidfs.fs import Operations
+from liquidfs.reader import Reader
+from liquidfs.stores.local.reader import StoreReader
+from liquidfs.stats import MountStats
+
+
+def daemon_operations(catalog: Catalog, reader: Reader, *, cache: NextEpochCache | None = None,
+                      **options: Any) -> Operations:
+    """Served by the daemon data path; ``options`` are ``assemble.parts``'s (page_cache, max_open_bytes...)."""
+    return assemble.operations(catalog, assemble.parts(reader, MountStats(), policy=cache, **options))
+
+
+def passthrough_operations(catalog: Catalog, reader: Reader, kernel: assemble.Kernel, *,
+                           cache: NextEpochCache | None = None, **options: Any) -> Operations:
+    """Served by the passthrough data path over ``kernel`` (a fake in unit tests)."""
+    return assemble.operations(catalog, assemble.parts(reader, MountStats(), policy=cache, **options),
+                               data_path="passthrough", kernel=kernel)
+
+
+def small_tree(tmp_path: Path) -> Operations:
+    """``d/a.bin`` (5,000 x "A") and ``b.txt`` ("hello\\n"), with a next-epoch cache of all of it."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a.bin").write_bytes(b"A" * 5000)
+    (src / "b.txt").write_bytes(b"hello\n")
+    store = tmp_path / "store"
+    build(src, store)
+    catalog = Catalog.open(store, readonly=True)
+    total = 5006
+    cache = NextEpochCache(total, total, 2, max_id=10)
+    return daemon_operations(catalog, StoreReader(catalog.source, store), cache=cache)
+
+
+def ops_over(tmp_path: Path, files: dict[str, bytes], cache_share: float | None) -> Operations:
+    """The files named in ``files`` at the root, with a cache of ``cache_share`` of their bytes (None: none)."""
+    src = tmp_path / "src"
+    src.mkdir(parents=True)
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    store = tmp_path / "store"
+    build(src, store)
+    catalog = Catalog.open(store, readonly=True)
+    total = sum(map(len, files.values()))
+    cache = NextEpochCache(int(cache_share * total), total, len(files), max_id=10) if cache_share else None
+    return daemon_operations(catalog, StoreReader(catalog.source, store), cache=cache)

@@ -1,0 +1,147 @@
+"""The FUSE layer (``fs.Operations``) driven in-process, without a mount: lookups, attributes, the control file,
+errors as errnos, the open-file budget, over a real catalog and store."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from liquidfs.catalog import ROOT_ID
+from liquidfs.fs import CONTROL_ID, CONTROL_NAME, Operations
+from operations import ops_over, small_tree
+
+CTX = pyfuse3.RequestContext()
+
+
+@pytest.fixture
+def ops(tmp_path: Path) -> Operations:
+    return small_tree(tmp_path)
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+def test_lookup_getattr_open_read_release(ops: Operations) -> None:
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    assert d.st_mode & 0o040000 and d.st_nlink == 2
+    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    assert a.st_size == 5000 and a.st_mode & 0o222 == 0
+    assert run(ops.getattr, a.st_ino, CTX).st_size == 5000
+    fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    assert run(ops.read, fi.fh, 4990, 100) == b"A" * 10
+    run(ops.release, fi.fh)
+    assert ops.stats.opens == 1 and ops.stats.bytes_read == 10
+    assert ops.inodes[a.st_ino].lookups == 1
+    run(ops.forget, [(a.st_ino, 1)])
+    assert ops.inodes.get(a.st_ino) is None
+
+def test_missing_names_and_writes(ops: Operations) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.lookup, ROOT_ID, b"nope", CTX)
+    assert info.value.errno == errno.ENOENT
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            run(ops.open, b.st_ino, flags, CTX)
+        assert info.value.errno == errno.EROFS
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.unlink, ROOT_ID, b"b.txt", CTX)
+    assert info.value.errno == errno.EROFS
+
+def test_unexpected_exceptions_become_eio(ops: Operations) -> None:
+    def broken(node):
+        raise RuntimeError("a bug")
+
+    ops.data.reader.open = broken  # type: ignore[method-assign]
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    fh = run(ops.open, b.st_ino, os.O_RDONLY, CTX).fh  # read at its first read (``_read_later``)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fh, 0, 4096)
+    assert info.value.errno == errno.EIO and ops.stats.errors == 1
+    ops.data.reader.vouch = broken  # type: ignore[method-assign]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.EIO and ops.stats.errors == 2
+
+def test_source_deleted_is_enoent(ops: Operations, tmp_path: Path) -> None:
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    (tmp_path / "src" / "b.txt").unlink()
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENOENT
+
+def test_control_entry(ops: Operations) -> None:
+    entry = run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX)
+    assert entry.st_ino == CONTROL_ID
+    fi = run(ops.open, CONTROL_ID, os.O_RDONLY, CTX)
+    assert fi.direct_io
+    values = json.loads(bytes(run(ops.read, fi.fh, 0, 1 << 20)))
+    assert values["pid"] == os.getpid() and "cache_budget" in values
+    vfs = run(ops.statfs, CTX)
+    assert vfs.f_files == 2
+
+def test_open_files_are_bounded_and_past_the_bound_an_open_fails_with_enfile(tmp_path: Path) -> None:
+    """Every open file may hold a descriptor and memory in the daemon: without a bound, a user opening files
+    without closing them exhausted either. Past ``max_open_files`` an open fails with ENFILE; a close makes room."""
+    files = {f"f{i}": bytes([i]) * 1000 for i in range(4)}
+    ops = ops_over(tmp_path, files, None)
+    ops.max_open_files = 3
+    handles = [run(ops.open, run(ops.lookup, ROOT_ID, f"f{i}".encode(), CTX).st_ino, os.O_RDONLY, CTX)
+               for i in range(3)]
+    last = run(ops.lookup, ROOT_ID, b"f3", CTX).st_ino
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, last, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENFILE
+    run(ops.release, handles[0].fh)
+    fi = run(ops.open, last, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f3"]
+
+class _As:
+    """The request context of a FUSE request from ``uid`` (pyfuse3's own cannot be made with other ids)."""
+
+    def __init__(self, uid: int) -> None:
+        self.uid, self.gid, self.pid, self.umask = uid, uid, 4242, 0o022
+
+def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:
+    """Open ``ino`` as ``ctx`` until an open fails (``at_most`` times at most): the handles, and the errno."""
+    held: list[int] = []
+    for _ in range(at_most):
+        try:
+            held.append(run(ops.open, ino, os.O_RDONLY, ctx).fh)
+        except pyfuse3.FUSEError as exc:
+            return held, exc.errno
+    return held, 0
+
+def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
+    """The open-file budget was the mount's, whoever held it: one user opening one file 18,976 times left every
+    other user, root included, with ENFILE. A user other than root and the mount's own holds at most a share of
+    it (half of what is not kept back), and the last eighth stays for root and the mount's user, whoever else
+    opens what. A close gives the slot back to whoever it was; a refused or failed open takes none."""
+    ops = ops_over(tmp_path, {"f": b"x" * 1000}, None)
+    ops.max_open_files = 16  # 2 kept back for root and the mount's user; 7 at most for any one other user
+    ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
+    greedy, held_errno = _open_until_refused(ops, ino, _As(1000), 16)
+    assert (len(greedy), held_errno) == (7, errno.ENFILE)
+    other, _ = _open_until_refused(ops, ino, _As(1001), 7)  # another user still opens, as many
+    assert len(other) == 7
+    assert _open_until_refused(ops, ino, _As(1002), 1) == ([], errno.ENFILE)  # only the part kept back is left
+    root, _ = _open_until_refused(ops, ino, CTX, 2)  # root (and the mount's user) still open
+    assert len(root) == 2 and _open_until_refused(ops, ino, CTX, 1) == ([], errno.ENFILE)  # the whole budget
+    for fh in (*root, greedy.pop()):
+        run(ops.release, fh)
+    assert _open_until_refused(ops, ino, _As(1001), 1) == ([], errno.ENFILE)  # its share: full
+    greedy += _open_until_refused(ops, ino, _As(1000), 1)[0]  # the slot given back is its owner's again
+    assert len(greedy) == 7
+    for fh in greedy + other:
+        run(ops.release, fh)
+    # An open that fails (the source is gone) gives its slot back too.
+    (tmp_path / "src" / "f").unlink()
+    for _ in range(10):
+        assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
+    assert ops._slots_taken == 0 and not ops._slots

@@ -1,0 +1,99 @@
+"""The levels of held bytes (``held.HeldLevel``): memory, memfds and the local disk answer the data paths' few
+questions the same way, each over the real next-epoch policy."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from liquidfs.backing import memfd_with
+from liquidfs.cache import NextEpochCache
+from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, Node
+from liquidfs.disktier import DiskTier
+from liquidfs.held import HeldLevel, MemfdLevel, MemoryLevel
+from liquidfs.reader import Content
+from liquidfs.stats import MountStats
+
+SIZE = 1000
+FILES = 10
+
+
+class _Store:
+    """The store under the disk level: every file is SIZE bytes of its id."""
+
+    inline_check = True
+
+    def open(self, node: Node) -> Content:
+        data = bytes([node.id]) * SIZE
+        return Content(size=SIZE, raw=False, data=memoryview(data))
+
+    def check_source(self, node: Node, st: object = None, *, cached_only: bool = False) -> str | None:
+        return None
+
+
+def _node(i: int) -> Node:
+    return Node(i, 1, b"f%d" % i, b"f%d" % i, KIND_FILE, 0o100444, SIZE, 0, 0, None, REPR_ORIGINAL, None, None, None)
+
+
+def _policy() -> NextEpochCache:
+    return NextEpochCache(SIZE * FILES, SIZE * FILES, FILES, max_id=FILES + 1)  # room for everything
+
+
+def _memory(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
+    level = MemoryLevel(_policy(), MountStats())
+    return level, lambda i: level.hold(i, memoryview(bytes([i]) * SIZE))
+
+
+def _memfd(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
+    level = MemfdLevel(_policy(), MountStats())
+    return level, lambda i: level.keep(i, memfd_with(bytes([i]) * SIZE), SIZE, raw=False)
+
+
+def _disk(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
+    level = DiskTier(_Store(), tmp_path, _policy())  # type: ignore[arg-type]
+    return level, lambda i: level.open(_node(i)) and None  # its own open keeps what the policy holds
+
+
+@pytest.mark.parametrize("make", [_memory, _memfd, _disk], ids=["memory", "memfd", "disk"])
+def test_every_level_holds_what_the_policy_chose_and_forgets_a_dropped_file(tmp_path: Path, make) -> None:
+    level, fill = make(tmp_path)
+    node = _node(3)
+    assert level.held_raw(node) is None
+    decision = level.decide(node.id, SIZE)
+    assert decision.hold and not decision.hit  # a first read, with room: held for the next epoch
+    fill(node.id)
+    assert level.held_raw(node) is False  # held, as the original
+    assert node.id in level.policy.held
+    level.drop(node.id)  # stale: the bytes and their room in the budget both go
+    assert level.held_raw(node) is None and node.id not in level.policy.held
+    assert level.policy.held_bytes == 0
+
+
+@pytest.mark.parametrize("make", [_memory, _memfd], ids=["memory", "memfd"])
+def test_a_hit_whose_bytes_were_lost_is_counted_as_a_miss(tmp_path: Path, make) -> None:
+    level, fill = make(tmp_path)
+    for epoch in range(2):
+        for i in range(1, FILES + 1):
+            decision = level.decide(i, SIZE)
+            if epoch == 0:
+                fill(i)
+    hits = level.policy.stats.hits
+    assert hits == FILES and decision.hit and decision.epoch
+    level.lost_hit(decision, SIZE)
+    assert level.policy.stats.hits == hits - 1 and level.policy.stats.misses == FILES + 1
+    assert level.stats.reclaimed == 1  # type: ignore[attr-defined]
+
+
+def test_the_memfd_level_closes_what_it_lets_go(tmp_path: Path) -> None:
+    level = MemfdLevel(_policy(), MountStats())
+    level.decide(1, SIZE)
+    fd = memfd_with(b"x" * SIZE)
+    level.keep(1, fd, SIZE, raw=True)
+    assert level.held_raw(_node(1)) is True and level.statistics()["memfd_bytes"] == SIZE
+    level.drop(1)
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert level.statistics()["memfd_bytes"] == 0 and level.statistics()["memfd_files"] == 0
