@@ -192,7 +192,7 @@ def file_version(st: os.stat_result) -> str:
 def object_key(node: Node) -> str:
     """The hex digest a raw object of ``node`` is named by (``expansion.object_name``): the path and identity of
     its source, so a changed source gets a new object, and a catalog row can only name the object of its own
-    source (``reader.StoreReader.open_object``), never another image's."""
+    source (``stores.local.reader.StoreReader.open_object``), never another image's."""
     identity = b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns)
     if node.etag is not None:
         identity += b"\0" + node.etag.encode()

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import __version__
+from . import __version__, rawformats
+from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 
 if TYPE_CHECKING:
     from .stores import Store
@@ -296,15 +297,15 @@ def _store_advice(exc: OSError, args: argparse.Namespace, path: str | None) -> s
 
 
 def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
-    """The local store directory this command works on (None for none, or an s3:// store), and whether it is
-    the default one (a mount without --store)."""
-    from .s3 import is_url
+    """The local store directory this command works on (None for none, or a store with a URL scheme: s3://), and
+    whether it is the default one (a mount without --store)."""
+    from .stores import scheme
 
     store = getattr(args, "store", None)
     if store is not None:
-        return (None, False) if is_url(str(store)) else (Path(os.path.abspath(store)), False)
+        return (None, False) if scheme(str(store)) else (Path(os.path.abspath(store)), False)
     source = getattr(args, "source", None)
-    if args.command != "mount" or source is None or is_url(str(source)):
+    if args.command != "mount" or source is None or scheme(str(source)):
         return None, False
     from .catalog import default_store_dir
 
@@ -498,10 +499,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 # -- prepare, verify, profile ---------------------------------------------------------------------------
 
-#: ``--formats`` names the originals may carry: they are always served for the images not expanded.
-ORIGINAL_FORMATS = ("png", "jpeg", "jpg")
-
-
 def parse_ratio(text: str) -> float | str:
     if text == "auto":
         return text
@@ -517,18 +514,25 @@ def parse_ratio(text: str) -> float | str:
 
 def parse_formats(text: str) -> tuple[str, ...]:
     """``--formats png,bmp,j2k``: the raw formats prepare may write, in the order it tries them (J2K first where
-    listed, then BMP for the images J2K cannot hold exactly); the original formats are accepted and implied."""
-    from . import formats
+    listed, then BMP for the images J2K cannot hold exactly: ``rawformats.parse_formats``)."""
+    try:
+        return rawformats.parse_formats(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
-    names = [name.strip().lower() for name in text.split(",") if name.strip()]
-    unknown = [n for n in names if n not in formats.RAW_FORMATS and n not in ORIGINAL_FORMATS]
-    if unknown:
-        raise argparse.ArgumentTypeError(
-            f"unknown format {', '.join(unknown)}: --formats takes png and any of {', '.join(formats.RAW_FORMATS)}")
-    raw = tuple(f for f in ("j2k", "bmp") if f in names)
-    if not raw:
-        raise argparse.ArgumentTypeError("--formats needs a raw format to expand to: bmp, j2k or both")
-    return raw
+
+#: ``--formats``'s metavar: png, the default raw format, and the others optional.
+FORMATS_METAVAR = ",".join(["png", DEFAULT.name]) + "".join(f"[,{n}]" for n in sorted(RAW_FORMATS) if n != DEFAULT.name)
+
+
+def _formats_help() -> str:
+    """What prepare's ``--formats`` help says of each raw format, from the registry."""
+    each = ", ".join(f"{f.name} ({'default: ' if f is DEFAULT else ''}{f.about})"
+                     for f in sorted(RAW_FORMATS.values(), key=lambda f: f.name))
+    several = "both" if len(RAW_FORMATS) == 2 else "several"
+    order = ", ".join(f.label for f in RAW_FORMATS.values())
+    return (f"what the expanded images are stored as: {each}, or {several} (each image as the first of {order} "
+            "that holds it exactly). Every object is checked to decode to the source's pixels under Pillow")
 
 
 def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -546,11 +550,8 @@ def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--ratio", type=parse_ratio, required=True,
                    help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
-    p.add_argument("--formats", type=parse_formats, default=("bmp",), metavar="png,bmp[,j2k]",
-                   help="what the expanded images are stored as: bmp (default: no decode work, for CPU decoders), "
-                   "j2k (lossless JPEG 2000: about the PNG's size, decoded on a GPU by DALI's 'mixed' decoder; "
-                   "on a CPU slower than PNG), or both (J2K, and BMP where J2K cannot hold an image exactly). "
-                   "Every object is checked to decode to the source's pixels under Pillow")
+    p.add_argument("--formats", type=parse_formats, default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
+                   help=_formats_help())
     p.add_argument("--jobs", "-j", type=int,
                    help="worker processes (default: the cores this process may use, fewer where memory is short: "
                    "each worker gets room for the largest image expanded, 100 Mpx, about 2.5 GB). A larger "
@@ -576,15 +577,15 @@ def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     ratio, raw_formats = args.ratio, args.formats
-    from . import formats
     from .prepare import PrepareError, prepare_store
     from .stores import open_store
 
     store = open_store(args.source, args.store)
     if ratio == "auto":
         ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats)
-        # J2K first where chosen (BMP, if listed, for the images J2K cannot hold); BMP alone where it was not.
-        raw_formats = tuple(f for f in raw_formats if f == chosen_format or chosen_format == "j2k")
+        # The chosen format, and those tried after it for the images it cannot hold (J2K chosen: BMP, if listed;
+        # BMP chosen: BMP alone).
+        raw_formats = raw_formats[raw_formats.index(chosen_format):]
         print(f"profile chose ratio {ratio:.2f} (raw images as {chosen_format.upper()})")
     try:
         report = prepare_store(store, ratio, seed=args.seed, jobs=args.jobs, progress=not args.no_progress,
@@ -594,12 +595,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         return 1
     for line in report.lines():
         print(line)
-    for raw_format in raw_formats:
-        print(f"{raw_format} objects decode to the source's pixels under: {', '.join(formats.SAFE_FOR[raw_format])}")
-    if "j2k" in raw_formats and "dali-mixed" not in formats.SAFE_FOR["j2k"]:
-        print("liquidfs prepare: J2K objects are for DALI's 'mixed' decoder (nvJPEG2000), which this project has not "
-              "yet shown exact on a GPU: check it on yours with `python scripts/bench_j2k.py` before training",
-              file=sys.stderr)
+    written = [RAW_FORMATS[f] for f in raw_formats]
+    for fmt in written:
+        print(f"{fmt.name} objects decode to the source's pixels under: {', '.join(fmt.exact_for)}")
+    for fmt in written:
+        if fmt.gpu_decoder is not None and fmt.gpu_decoder not in fmt.exact_for:
+            print(f"liquidfs prepare: {fmt.label} objects are for DALI's 'mixed' decoder (nvJPEG2000), which this "
+                  "project has not yet shown exact on a GPU: check it on yours with "
+                  "`python scripts/bench/bench_j2k.py` before training", file=sys.stderr)
     return 0
 
 
@@ -618,7 +621,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _auto_ratio(store: Store, *, quick: bool = False, formats: tuple[str, ...] = ("bmp",)) -> tuple[float, str]:
+def _auto_ratio(store: Store, *, quick: bool = False,
+                formats: tuple[str, ...] = DEFAULT_FORMATS) -> tuple[float, str]:
     """``prepare --ratio auto``: profile (weighing the raw ``formats``), and keep the result in the store
     (``mount --mix adaptive`` starts at its choice). The share, and the raw format it is for."""
     from .profile import profile_store, render, to_json
@@ -647,10 +651,12 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--cache-size", default="0%", help="the mount's --cache-size, as a percentage (default 0%%)")
     p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
     p.add_argument("--quick", action="store_true", help="a smaller sample and shorter measurements (< 30 s)")
-    p.add_argument("--formats", type=parse_formats, default=("bmp",), metavar="png,bmp[,j2k]",
-                   help="the raw formats to weigh (as prepare's --formats): bmp (default), or with j2k also "
-                   "lossless JPEG 2000 decoded on the GPU by DALI's 'mixed' decoder; J2K is weighed only where "
-                   "the decoder is DALI and a CUDA device is visible, and chosen where predicted faster")
+    on_gpu = [f for f in RAW_FORMATS.values() if f.gpu_decoder]
+    p.add_argument("--formats", type=parse_formats, default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
+                   help=f"the raw formats to weigh (as prepare's --formats): {DEFAULT.name} (default), or also "
+                   + ", ".join(f"{f.name} ({f.about})" for f in on_gpu)
+                   + f"; {'/'.join(f.label for f in on_gpu)} weighed only where the decoder is DALI and a CUDA "
+                   "device is visible, and chosen where predicted faster")
     p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
                    help="choose the smallest raw share that reaches this rate (saves disk space)")
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")

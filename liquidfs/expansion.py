@@ -19,14 +19,13 @@ from .catalog import ExpansionRow, Node, object_key, object_stamp
 from .locks import unique
 from .directio import read_fd
 from .paths import open_below, open_dir, open_regular, open_under
+from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 from .reader import checksum, same_version
 
 #: Files considered for expansion; their real format is then detected from their content.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
 _IMAGE_SUFFIXES_B = tuple(s.encode() for s in IMAGE_SUFFIXES)
 OBJECTS = "objects"
-#: The file name suffix of a raw object of each raw format (``formats.RAW_FORMATS``).
-OBJECT_SUFFIXES = {"bmp": ".bmp", "j2k": ".jp2"}
 
 
 def is_image(name: bytes) -> bool:
@@ -34,26 +33,21 @@ def is_image(name: bytes) -> bool:
     return name.lower().endswith(_IMAGE_SUFFIXES_B)
 
 
-def raw_format_of(obj: str) -> str | None:
-    """The raw format a raw object's name says it holds."""
-    return next((fmt for fmt, suffix in OBJECT_SUFFIXES.items() if obj.endswith(suffix)), None)
-
-
 def rank(seed: int, path: bytes) -> int:
     return xxhash.xxh3_64_intdigest(path, seed=seed)
 
 
-def object_name(node: Node, raw_format: str = "bmp") -> str:
+def object_name(node: Node, raw_format: str = DEFAULT.name) -> str:
     """Objects are named by the path and identity of their source (a changed source gets a new object), and
-    their suffix by what they hold."""
+    their suffix by what they hold (``rawformats``: ``reader.OBJECT_NAME`` matches every such name)."""
     digest = object_key(node)
-    return f"{OBJECTS}/{digest[:2]}/{digest}{OBJECT_SUFFIXES[raw_format]}"
+    return f"{OBJECTS}/{digest[:2]}/{digest}{RAW_FORMATS[raw_format].suffix}"
 
 
 def _named_as(obj: str, raw_format: str) -> str:
     """``obj`` (an ``object_name``) for an object of ``raw_format``."""
     stem = obj.rsplit(".", 1)[0]
-    return stem + OBJECT_SUFFIXES[raw_format]
+    return stem + RAW_FORMATS[raw_format].suffix
 
 
 @dataclass(frozen=True)
@@ -90,12 +84,12 @@ def set_budget(budget: int | None) -> None:
     _budget = budget
 
 
-def _too_large_for_memory(pixels: int, source_size: int, raw_formats: tuple[str, ...] = ("bmp",)) -> bool:
+def _too_large_for_memory(pixels: int, source_size: int, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> bool:
     return _budget is not None and resources.expansion_need(pixels, source_size, raw_formats) > _budget
 
 
 def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str | None = None,
-                 raw_formats: tuple[str, ...] = ("bmp",)) -> tuple[Outcome | None, bytes | None, str | None]:
+                 raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> tuple[Outcome | None, bytes | None, str | None]:
     """Expand one image held in memory to the first of ``raw_formats`` that holds it exactly: (None, raw bytes,
     source format), or (the refusal, None, format). The raw bytes say what they are (``formats.sniff``).
     Never raises."""
@@ -111,7 +105,7 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
     try:
         for raw_format in raw_formats:
             result = formats.expand(source, to=raw_format)
-            if result.data is not None or not (result.reason or "").startswith(f"{raw_format}-"):
+            if result.data is not None or not RAW_FORMATS[raw_format].owns(result.reason):
                 break  # accepted, or refused for a reason no other raw format would change
     except MemoryError:
         return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None, None
@@ -122,7 +116,7 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
 
 
 def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
-               want_version: str | None, raw_formats: tuple[str, ...] = ("bmp",)) -> Outcome:
+               want_version: str | None, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> Outcome:
     """Runs in a worker process: expand one image into the store, or say why not. Never raises.
 
     The source is opened below its root without following any link (as the mount opens it) and must be the
@@ -160,7 +154,7 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
     refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source, want_version, raw_formats)
     if raw is None:
         return refused  # type: ignore[return-value]
-    obj = _named_as(obj, formats.sniff(raw[:32]) or "bmp")
+    obj = _named_as(obj, formats.sniff(raw[:32]) or DEFAULT.name)
     try:
         sub_fd = _object_dir(store, obj)
     except OSError as exc:

@@ -66,11 +66,14 @@ import re
 import struct
 import sys
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 from PIL import BmpImagePlugin, Image, ImageFile, Jpeg2KImagePlugin, JpegImagePlugin, PngImagePlugin
+
+from .rawformats import BMP, DEFAULT, J2K, by_magic, by_name
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,6 @@ __all__ = [
     "EXPANDABLE",
     "Expansion",
     "MAX_PIXELS",
-    "RAW_FORMATS",
     "decode",
     "expand",
     "pixel_count",
@@ -87,19 +89,9 @@ __all__ = [
     "sniff",
 ]
 
-BMP_MAGIC: Final = b"BM"
+#: What the BMP writer starts a file with (``rawformats.BMP``).
+BMP_MAGIC: Final = BMP.magic[0]
 EXPANDABLE: Final = ("png", "jpeg")
-#: What an image may be expanded to: BMP (no decode work: for CPU decoders), or lossless JPEG 2000 (reversible
-#: 5/3 wavelet, JP2 file): small, but decoded on a GPU (DALI "mixed", nvJPEG2000); on a CPU it is slower than PNG.
-RAW_FORMATS: Final = ("bmp", "j2k")
-#: The loaders each raw format was shown to decode to the source's exact pixels (tests/unit/test_formats.py,
-#: tests/unit/test_j2k.py); "dali-mixed" for J2K is to be shown on a GPU (scripts/bench_j2k.py).
-SAFE_FOR: Final = {
-    "bmp": ("pillow", "torchvision (PIL loader)", "opencv", "dali-cpu", "dali-mixed"),
-    "j2k": ("pillow", "torchvision (PIL loader)", "dali-cpu"),
-}
-JP2_SIGNATURE: Final = b"\x00\x00\x00\x0cjP  \r\n\x87\n"
-J2K_CODESTREAM: Final = b"\xff\x4f\xff\x51"
 #: expand's default bound: larger images are refused from their header (too-large).
 MAX_PIXELS: Final = 100_000_000
 
@@ -123,7 +115,7 @@ class Expansion:
     data: bytes | None  # the complete raw file (BMP or JP2) when accepted, else None
     source_format: str | None  # 'png' / 'jpeg' / None
     reason: str | None  # None when accepted, else a short machine-friendly reason
-    raw_format: str = "bmp"  # what data holds (RAW_FORMATS)
+    raw_format: str = DEFAULT.name  # what data holds (``rawformats.RAW_FORMATS``)
 
     @property
     def accepted(self) -> bool:
@@ -131,22 +123,21 @@ class Expansion:
 
 
 def sniff(head: bytes) -> str | None:
-    """Real format from the first bytes: 'png', 'jpeg', 'bmp', 'j2k' or None. Never by extension."""
+    """Real format from the first bytes: 'png', 'jpeg', a raw format's name (``rawformats``) or None. Never by
+    extension."""
     if head.startswith(PNG_SIGNATURE):
         return "png"
-    if head.startswith(JP2_SIGNATURE) or head.startswith(J2K_CODESTREAM):
-        return "j2k"
     if head.startswith(JPEG_SOI):
         return "jpeg"
-    if head.startswith(BMP_MAGIC):
+    raw = by_magic(head)
+    if raw is BMP:
         # 'BM' alone is two ASCII letters; when the DIB header size is visible
         # require a known one (its low 16 bits if only 16 bytes were given).
         if len(head) >= 18:
-            return "bmp" if struct.unpack_from("<I", head, 14)[0] in _BMP_HEADER_SIZES else None
+            return raw.name if struct.unpack_from("<I", head, 14)[0] in _BMP_HEADER_SIZES else None
         if len(head) >= 16:
-            return "bmp" if struct.unpack_from("<H", head, 14)[0] in _BMP_HEADER_SIZES else None
-        return "bmp"
-    return None
+            return raw.name if struct.unpack_from("<H", head, 14)[0] in _BMP_HEADER_SIZES else None
+    return None if raw is None else raw.name
 
 
 def decode(data: bytes) -> np.ndarray:
@@ -170,17 +161,16 @@ def same_pixels(a: bytes, b: bytes) -> bool:
         return _same_image(ia, ib)
 
 
-def expand(data: bytes, *, max_pixels: int = MAX_PIXELS, to: str = "bmp") -> Expansion:
-    """Decode the original (PNG or JPEG by content), write a BMP (``to="j2k"``:
-    a lossless JPEG 2000), decode that again and accept it only if bit-exact
-    with the original's decode.
+def expand(data: bytes, *, max_pixels: int = MAX_PIXELS, to: str = DEFAULT.name) -> Expansion:
+    """Decode the original (PNG or JPEG by content), write a BMP (``to``: another
+    raw format, as ``rawformats`` names it), decode that again and accept it only
+    if bit-exact with the original's decode.
 
     Never raises for bad input: every problem becomes a reason.  Images whose
     header declares more than max_pixels are refused from the header alone,
     before any pixel is decoded.  Only MemoryError propagates.
     """
-    if to not in RAW_FORMATS:
-        raise ValueError(f"unknown raw format {to!r} (known: {', '.join(RAW_FORMATS)})")
+    by_name(to)  # ValueError for no raw format's name
     if not data:
         return Expansion(None, None, "empty", to)
     data = bytes(data)  # a bytearray/memoryview would trip the parsers into 'corrupt'; no copy for bytes
@@ -335,7 +325,7 @@ def _check_png_policy(depth: int, ctype: int, chunks: dict[bytes, list[bytes]]) 
     return _PNG_MODES[(ctype, depth)]
 
 
-def _expand_png(data: bytes, max_pixels: int, to: str = "bmp") -> bytes:
+def _expand_png(data: bytes, max_pixels: int, to: str) -> bytes:
     w, h = _png_header_size(data)
     if w * h > max_pixels:
         raise _Refuse("too-large", f"{w}x{h}")
@@ -410,7 +400,7 @@ def _scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
         pos += length
 
 
-def _expand_jpeg(data: bytes, max_pixels: int, to: str = "bmp") -> bytes:
+def _expand_jpeg(data: bytes, max_pixels: int, to: str) -> bytes:
     width, height, precision = _scan_jpeg(data, max_pixels)
     if width == 0 or height == 0:
         raise _Refuse("corrupt", "zero size (DNL) frame")
@@ -544,9 +534,9 @@ def _write_bmp(raw: bytes, mode: str, size: tuple[int, int], palette: np.ndarray
 
 
 def _to_raw(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], to: str) -> bytes:
-    """Load the opened original, write its raw file (``to``: bmp or j2k), and prove the round trip."""
+    """Load the opened original, write its raw file (``to``: a raw format's name), and prove the round trip."""
     raw, palette = _checked_samples(im, mode, size)
-    return _to_j2k(im, mode, size, raw) if to == "j2k" else _to_bmp(im, mode, size, raw, palette)
+    return _ENCODERS[to](im, mode, size, raw, palette)
 
 
 def _checked_samples(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -> tuple[bytes, np.ndarray | None]:
@@ -595,17 +585,13 @@ def _to_bmp(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: byte
     return bmp
 
 
-#: Modes a lossless JPEG 2000 holds as the source decodes: one component per channel. A palette (P) or 1-bit
-#: image would come back as L or RGB, another mode than the original's under Pillow.
-_J2K_MODES: Final = frozenset({"L", "RGB", "RGBA"})
-
-
-def _to_j2k(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: bytes) -> bytes:
+def _to_j2k(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: bytes,
+            palette: np.ndarray | None) -> bytes:
     """A JP2 file, reversible 5/3 wavelet and no quality layers (lossless), the reversible colour transform for
     colour images (smaller; nvJPEG2000 and OpenJPEG undo it exactly); accepted only if Pillow decodes it to the
-    same samples."""
-    if mode not in _J2K_MODES:
-        raise _Refuse(f"j2k-unsupported-mode:{mode}")
+    same samples. One component per channel: the modes ``J2K.modes`` names (no palette)."""
+    if mode not in J2K.modes:
+        raise _Refuse(J2K.refusal(f"unsupported-mode:{mode}"))
     out = io.BytesIO()
     # A copy detached from the source file: saving the opened plugin object would re-read the source
     Image.frombytes(mode, size, raw).save(out, "JPEG2000", irreversible=False, mct=1 if mode != "L" else 0,
@@ -615,8 +601,16 @@ def _to_j2k(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: byte
     check.load()
     if not _same_image(im, check, raw):
         log.warning("JPEG 2000 round trip differs for a %s %dx%d image", mode, *size)
-        raise _Refuse("j2k-round-trip-mismatch")  # j2k-: a BMP may still hold it
+        raise _Refuse(J2K.refusal("round-trip-mismatch"))  # its own: a BMP may still hold it
     return j2k
+
+
+#: An encoder: the original opened, its mode and size, its packed samples and, for P, the palette to write; the
+#: complete raw file, checked to decode to the same samples (``_Refuse`` otherwise).
+_Encoder = Callable[[ImageFile.ImageFile, str, tuple[int, int], bytes, np.ndarray | None], bytes]
+#: The encoder of each raw format (``rawformats.RAW_FORMATS``; tests/unit/test_rawformats.py checks that each has
+#: one).
+_ENCODERS: Final[dict[str, _Encoder]] = {BMP.name: _to_bmp, J2K.name: _to_j2k}
 
 
 def _same_image(a: Image.Image, b: Image.Image, a_raw: bytes | None = None) -> bool:

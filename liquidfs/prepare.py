@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from . import formats, resources
 from .catalog import Catalog, Node
-from .expansion import Outcome, is_image, object_name, rank, raw_format_of, set_budget
+from .expansion import Outcome, is_image, object_name, rank, set_budget
+from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS, of_object, own_refusal
 from .stores import Store, open_prepared, open_store
 
 log = logging.getLogger(__name__)
@@ -80,18 +81,20 @@ def _candidates(catalog: Catalog, seed: int) -> list[Node]:
 
 
 def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio: float, *, seed: int = 0,
-            jobs: int | None = None, progress: bool = True, raw_formats: tuple[str, ...] = ("bmp",)) -> PrepareReport:
+            jobs: int | None = None, progress: bool = True,
+            raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> PrepareReport:
     """Expand the seeded share ``ratio`` of the images of ``source`` into ``store`` (``open_store``)."""
     return prepare_store(open_store(source, store), ratio, seed=seed, jobs=jobs, progress=progress,
                          raw_formats=raw_formats)
 
 
 def prepare_store(store: Store, ratio: float, *, seed: int = 0, jobs: int | None = None, progress: bool = True,
-                  raw_formats: tuple[str, ...] = ("bmp",)) -> PrepareReport:
+                  raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> PrepareReport:
     cannot = [f for f in raw_formats if f not in store.raw_formats]
     if cannot:
         raise PrepareError(f"--formats: {store.label} cannot hold {', '.join(cannot)} objects "
-                           f"(it holds {', '.join(store.raw_formats)}; J2K: local stores)")
+                           f"(it holds {', '.join(store.raw_formats)}; "
+                           f"{', '.join(RAW_FORMATS[f].label for f in cannot)}: local stores)")
     started = time.monotonic()
     with store.preparing(progress) as prep:
         try:
@@ -104,7 +107,7 @@ def prepare_store(store: Store, ratio: float, *, seed: int = 0, jobs: int | None
 
 
 def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | None, progress: bool,
-        started: float, *, raw_formats: tuple[str, ...] = ("bmp",),
+        started: float, *, raw_formats: tuple[str, ...] = DEFAULT_FORMATS,
         publish: Callable[[], None] = lambda: None) -> PrepareReport:
     """Expand the seeded share of ``catalog``'s images into ``store``, commit the selection, ``publish`` it,
     and delete what no catalog in use names any more (``store.deleting``). ``jobs`` is lowered to the workers
@@ -148,7 +151,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                     # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
                     # object keeps the stamp it had: what vouches for it is evidence about it, never this
                     # run's say-so. One without a stamp (an older store) is read and checked by a worker.
-                    if (prior.object and raw_format_of(prior.object) == raw_formats[0]
+                    if (prior.object and of_object(prior.object) is RAW_FORMATS[raw_formats[0]]
                             and (prior.object_stamp is not None or not store.stamps_objects)
                             and store.exists(prior.object)):
                         chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior.format, prior.object,
@@ -211,7 +214,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
 def _transient(reason: str | None) -> bool:
     """A refusal not worth remembering: the next run tries the image again (no-memory: maybe with more)."""
     return reason is not None and (reason in ("changed-during-prepare", "no-memory")
-                                   or reason.startswith(("unreadable", "j2k-")))  # j2k-: BMP may hold it
+                                   or reason.startswith("unreadable") or own_refusal(reason))  # another may hold it
 
 
 def _reason_key(reason: str | None) -> str:
@@ -267,7 +270,7 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     ctx = multiprocessing.get_context("forkserver")
     # A check decodes the original and the object: about what an expansion to the object's format takes
     # (resources; a J2K object is budgeted as its encoding was, at its measured peak).
-    held = tuple(sorted({raw_format_of(str(n.object)) or "bmp" for n in nodes})) or ("bmp",)
+    held = tuple(sorted({(of_object(str(n.object)) or DEFAULT).name for n in nodes})) or DEFAULT_FORMATS
     workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
                                      largest_source=max((n.size for n in nodes), default=0)).workers
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:

@@ -17,7 +17,7 @@ With ``--formats png,bmp,j2k`` the raw images may also be lossless JPEG 2000, wh
 decodes on the GPU (nvJPEG2000): a third stage, GPU time ``G(r)``, and the host's CPU pays only the feeding. It
 is weighed only where the loader's decoder is DALI and a CUDA device is visible (on a CPU, J2K decodes slower
 than PNG), by the model alone, and chosen where its best share is predicted faster than BMP's. The GPU's rate is
-measured alone: training shares the GPU, so the J2K prediction is an upper bound; ``scripts/bench_train.py``
+measured alone: training shares the GPU, so the J2K prediction is an upper bound; ``scripts/bench/bench_train.py``
 measures the whole.
 """
 
@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from . import decoderates
 from .decoderates import GpuDecoder, dali_available, measure_decode
+from .rawformats import BMP, RAW_FORMATS, RawFormat
 from .safefiles import replace_file
 from .stores import Store, open_store
 from .timedreads import ProfileError
@@ -44,8 +45,9 @@ __all__ = ["Costs", "Profile", "ProfileError", "choose_for_target", "model_choic
 log = logging.getLogger(__name__)
 
 RATIOS = [i / 10 for i in range(11)]
-#: J2K is chosen over BMP only when predicted this much faster: its GPU decode rate is measured on an idle GPU.
-J2K_MARGIN = 1.1
+#: A format decoded on a GPU (J2K) is chosen over BMP only when predicted this much faster: its GPU decode rate
+#: is measured on an idle GPU.
+GPU_MARGIN = 1.1
 
 
 @dataclass
@@ -63,7 +65,7 @@ class Costs:
     threads: int
     decoder: str
     cache_share: float = 0.0
-    raw_format: str = "bmp"
+    raw_format: str = BMP.name
     gpu_decode_raw: float | None = None  # images/s of the raw format on the GPU (J2K), None: decoded on the CPU
 
     def load_time(self, r: float) -> float:
@@ -160,7 +162,7 @@ class Profile:
     target_rate: float | None = None
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-    raw_format: str = "bmp"  # what the chosen share is stored as
+    raw_format: str = BMP.name  # what the chosen share is stored as
     weighed: list[dict[str, object]] = field(default_factory=list)  # per raw format weighed: its best share
 
 
@@ -171,12 +173,12 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
 
 def profile_store(store: Store, *, decoder: str | None = None, threads: int | None = None, cache_share: float = 0.0,
                   sample: int | None = None, quick: bool = False, target_rate: float | None = None,
-                  seconds: float | None = None, formats: Sequence[str] = ("bmp",),
+                  seconds: float | None = None, formats: Sequence[str] = (BMP.name,),
                   find_gpu: Callable[[], tuple[GpuDecoder | None, str]] | None = None,
                   progress: Callable[[str], None] = lambda s: None) -> Profile:
-    """Measure, and choose the raw share, and with ``formats`` naming both BMP and J2K, which of them the
-    raw images are stored as. J2K is weighed only where a GPU decodes it for the loader (DALI 'mixed'; found by
-    ``find_gpu``, by default ``decoderates.find_gpu_decoder``)."""
+    """Measure, and choose the raw share, and with ``formats`` naming BMP and others, which of them the
+    raw images are stored as. A format decoded on a GPU (J2K) is weighed only where a GPU decodes it for the
+    loader (DALI 'mixed'; found by ``find_gpu``, by default ``decoderates.find_gpu_decoder``)."""
     started = time.monotonic()
     threads = threads or os.cpu_count() or 1
     decoder = decoder or ("dali" if dali_available() else "pil")
@@ -184,37 +186,46 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     count = sample or (8 if quick else 24)
     notes: list[str] = []
     find_gpu = find_gpu or decoderates.find_gpu_decoder  # looked up at the call: tests put a fake GPU there
-    measure_gpu, gpu_where = _j2k_decoder(store, decoder, find_gpu) if "j2k" in formats else (None, "")
-    if "bmp" not in formats and measure_gpu is None:
-        raise ProfileError(f"J2K cannot be weighed: {gpu_where}; give --ratio, or add bmp to --formats")
+    # Each listed format decoded on a GPU, and what decodes it there (or None, and why it cannot be weighed).
+    on_gpu = {f: _gpu_decoder(store, f, decoder, find_gpu)
+              for f in map(RAW_FORMATS.__getitem__, formats) if f.gpu_decoder}
+    if BMP.name not in formats and all(measure is None for measure, _ in on_gpu.values()):
+        raise ProfileError("; ".join(f"{f.label} cannot be weighed: {where}" for f, (_, where) in on_gpu.items())
+                           + f"; give --ratio, or add {BMP.name} to --formats")
     # The BMP sample always: it measures the originals (and the published search runs over PNG:BMP mixes).
     costs, search_r, steps = _measure_bmp(store, count, decoder, threads, step, cache_share, progress,
-                                          search="bmp" in formats)
+                                          search=BMP.name in formats)
     options: dict[str, tuple[Costs, float, str]] = {}
-    if "bmp" in formats:
-        options["bmp"] = (costs, *_choose(costs, search_r))
-    if measure_gpu is not None:
+    if BMP.name in formats:
+        options[BMP.name] = (costs, *_choose(costs, search_r))
+    failed: list[ProfileError] = []
+    for fmt, (measure_gpu, gpu_where) in on_gpu.items():
+        if measure_gpu is None:
+            notes.append(f"{fmt.label} not weighed: {gpu_where}")
+            continue
         try:
-            j2k = _measure_j2k(store, costs, count, threads, step, measure_gpu, gpu_where, progress)
+            gpu_costs = _measure_on_gpu(store, fmt, costs, count, threads, step, measure_gpu, gpu_where, progress)
         except ProfileError as exc:
-            if not options:
-                raise
-            notes.append(f"J2K not weighed: {exc}")
+            failed.append(exc)
+            notes.append(f"{fmt.label} not weighed: {exc}")
         else:
-            r, reason = model_choice(j2k)
-            options["j2k"] = (j2k, round(r, 2), f"model, J2K decoded on the GPU ({gpu_where}): {reason}")
-    elif "j2k" in formats:
-        notes.append(f"J2K not weighed: {gpu_where}")
+            r, reason = model_choice(gpu_costs)
+            options[fmt.name] = (gpu_costs, round(r, 2),
+                                 f"model, {fmt.label} decoded on the GPU ({gpu_where}): {reason}")
+    if not options:
+        raise failed[0]  # nothing else was weighed: as the only measurement, its failure is the profile's
 
     def predicted(f: str) -> float:
         rate = options[f][0].throughput(options[f][1])
-        # The GPU's rate was measured alone and training shares the GPU: J2K must win by a margin.
-        return rate / J2K_MARGIN if f == "j2k" and "bmp" in options else rate
+        # The GPU's rate was measured alone and training shares the GPU: a format decoded there must win by a
+        # margin.
+        return rate / GPU_MARGIN if RAW_FORMATS[f].gpu_decoder and BMP.name in options else rate
 
-    raw_format = max(options, key=lambda f: (predicted(f), f == "bmp"))  # BMP on a tie
-    if raw_format == "j2k":
-        notes.append("J2K chosen for a loader that decodes with DALI's 'mixed' decoder on this GPU; a loader "
-                     "that decodes on the CPU would run several times slower on a J2K store")
+    raw_format = max(options, key=lambda f: (predicted(f), f == BMP.name))  # BMP on a tie
+    if RAW_FORMATS[raw_format].gpu_decoder:
+        label = RAW_FORMATS[raw_format].label
+        notes.append(f"{label} chosen for a loader that decodes with DALI's 'mixed' decoder on this GPU; a loader "
+                     f"that decodes on the CPU would run several times slower on a {label} store")
     chosen_costs, chosen, chosen_by = options[raw_format]
     weighed: list[dict[str, object]] = [
         {"raw_format": f, "ratio": r, "predicted_images_per_s": c.throughput(r), "raw_bytes": c.raw_bytes}
@@ -293,37 +304,37 @@ def _choose(costs: Costs, search_r: float) -> tuple[float, str]:
                       f"({costs.throughput(search_r):.1f} vs {costs.throughput(model_r):.1f} img/s)")
 
 
-def _j2k_decoder(store: Store, decoder: str,
+def _gpu_decoder(store: Store, fmt: RawFormat, decoder: str,
                  find_gpu: Callable[[], tuple[GpuDecoder | None, str]]) -> tuple[GpuDecoder | None, str]:
-    """What decodes J2K for the loader on a GPU and a description of it; or None and why J2K cannot be
-    weighed."""
-    if "j2k" not in store.raw_formats:
+    """What decodes ``fmt`` (a format decoded on a GPU) for the loader on a GPU and a description of it; or None
+    and why it cannot be weighed."""
+    if fmt.name not in store.raw_formats:
         return None, f"{store.label} holds only {', '.join(store.raw_formats)} objects"
     if decoder != "dali":
-        # Pillow decodes J2K on the CPU (OpenJPEG), slower than the PNG it replaces: never worth it there.
-        return None, "the loader decodes with Pillow, on the CPU, where J2K decodes slower than PNG"
+        # Pillow decodes it on the CPU (OpenJPEG for J2K), slower than the PNG it replaces: never worth it there.
+        return None, f"the loader decodes with Pillow, on the CPU, where {fmt.label} decodes slower than PNG"
     measure_gpu, where = find_gpu()
     if measure_gpu is None:
-        return None, f"no GPU to decode it ({where}); on the CPU J2K decodes slower than PNG"
+        return None, f"no GPU to decode it ({where}); on the CPU {fmt.label} decodes slower than PNG"
     return measure_gpu, where
 
 
-def _measure_j2k(store: Store, base: Costs, count: int, threads: int, step: float, measure_gpu: GpuDecoder,
-                 where: str, progress: Callable[[str], None]) -> Costs:
-    """``base`` with the raw images as lossless J2K, decoded on the GPU."""
-    progress("expanding the sample to J2K")
-    smp = store.profile_sample(count, jobs=4, raw_format="j2k")
+def _measure_on_gpu(store: Store, fmt: RawFormat, base: Costs, count: int, threads: int, step: float,
+                    measure_gpu: GpuDecoder, where: str, progress: Callable[[str], None]) -> Costs:
+    """``base`` with the raw images as ``fmt`` (lossless J2K), decoded on the GPU."""
+    progress(f"expanding the sample to {fmt.label}")
+    smp = store.profile_sample(count, jobs=4, raw_format=fmt.name)
     try:
-        progress("measuring storage (J2K)")
-        load_j, _ = smp.load(smp.raws, step)
-        progress(f"measuring J2K decoding on the GPU ({where})")
+        progress(f"measuring storage ({fmt.label})")
+        load_raw, _ = smp.load(smp.raws, step)
+        progress(f"measuring {fmt.label} decoding on the GPU ({where})")
         rate = measure_gpu(smp.raw_data, threads, step)
         mean = statistics.fmean(map(len, smp.raw_data))
     finally:
         smp.cleanup()
     # The host's CPU seconds per GPU-decoded image, spread on the threads like the CPU decoders' work.
     host = threads / max(rate.host_cpu_per_image, 1e-9)
-    return replace(base, raw_format="j2k", raw_bytes=mean, load_raw=load_j, decode_raw=host,
+    return replace(base, raw_format=fmt.name, raw_bytes=mean, load_raw=load_raw, decode_raw=host,
                    gpu_decode_raw=rate.images_per_s)
 
 

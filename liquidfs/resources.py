@@ -11,26 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from .rawformats import DEFAULT_FORMATS, RAW_FORMATS
+
 log = logging.getLogger(__name__)
 
-#: Peak bytes one expansion takes per pixel, on top of SOURCE_COPIES times the source's size. Measured as the
-#: peak RSS (VmHWM, reset before the call) of ``prepare.expand_one`` on noise PNGs and JPEGs of 1, 4 and 16 Mpx,
-#: less the RSS before it: 28 B/px for RGBA (4 of them the source), 23 for RGB PNG, 22 for JPEG, 7 for L and
-#: P, 20 for a flat RGB PNG of a few kB. RGBA is the worst mode expand accepts: Pillow's decode and the check's
-#: decode take 4 B/px each, and so do its four packed copies (tobytes, the BMP array, its bytes, the check's
-#: tobytes). 16-bit and CMYK images are refused from their header, before any of that.
-EXPAND_BYTES_PER_PIXEL: Final = 24
-#: The same figure for each raw format. A lossless JPEG 2000 (``formats.expand(data, to="j2k")``: Pillow's
-#: OpenJPEG encode, then the check's decode) peaks far higher than a BMP, measured the same way (VmHWM reset
-#: before the call, less the RSS before it, the source already in memory) on noise PNGs of 1, 4 and 16 Mpx:
-#: 76, 75 and 70 B/px for RGBA, 57, 56 and 56 for RGB, 53-55 for JPEG, 45-50 for a flat RGB PNG, 19-20 for L.
-#: Budgeted at BMP's 24, a 4 GiB container was OOM-killed. Unknown formats fail here (KeyError): a new raw
-#: format must be measured before prepare can size its workers.
-BYTES_PER_PIXEL: Final[Mapping[str, int]] = {"bmp": EXPAND_BYTES_PER_PIXEL, "j2k": 76}
+# One expansion's peak bytes: SOURCE_COPIES times the source's size, and per pixel its raw format's own
+# figure (``rawformats.RawFormat.bytes_per_pixel``: a J2K encode takes three times a BMP's).
+
 #: The source is read into a buffer and copied into bytes (measured: 2.0 x the size of a 200 MB non-image).
 SOURCE_COPIES: Final = 2
 #: A worker process before its first image: ~37 MB RSS measured after importing prepare, Pillow and NumPy.
@@ -165,10 +156,10 @@ def cpu_count() -> int:
 
 def bytes_per_pixel(raw_formats: Iterable[str]) -> int:
     """The most any of ``raw_formats`` takes per pixel: a worker tries them in turn, each after the last let go."""
-    return max(BYTES_PER_PIXEL[f] for f in raw_formats)
+    return max(RAW_FORMATS[f].bytes_per_pixel for f in raw_formats)
 
 
-def expansion_need(pixels: int, source_size: int, raw_formats: Iterable[str] = ("bmp",)) -> int:
+def expansion_need(pixels: int, source_size: int, raw_formats: Iterable[str] = DEFAULT_FORMATS) -> int:
     """Peak bytes that expanding one image of ``pixels`` and ``source_size`` bytes to ``raw_formats`` takes in a
     worker."""
     return SOURCE_COPIES * source_size + bytes_per_pixel(raw_formats) * pixels
@@ -183,7 +174,7 @@ class WorkerPlan:
 
 
 def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int, refusing: bool = True,
-                 raw_formats: tuple[str, ...] = ("bmp",)) -> WorkerPlan:
+                 raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> WorkerPlan:
     """How many workers to start, and the memory each may use for one image.
 
     Each worker is given room for the largest image expand accepts (``max_pixels``, from a source as large as
@@ -192,7 +183,7 @@ def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int,
     ``requested`` (--jobs) is honoured up to what fits and lowered beyond, with a warning: more workers would
     split the same memory into shares too small for the images they may meet. ``refusing``: the workers refuse
     an image over their budget (prepare's do; verify's do not, so no warning about it). ``raw_formats``: what
-    the workers make (``--formats``), each at its own need (``BYTES_PER_PIXEL``).
+    the workers make (``--formats``), each at its own need (``RawFormat.bytes_per_pixel``).
     """
     available = available_memory()
     cpus = cpu_count()
@@ -207,12 +198,12 @@ def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int,
         workers = fits
     budget = None if available is None else available // workers - WORKER_BASE_BYTES
     # Refused only when not even the cheapest of the formats fits (a worker skips those that do not).
-    cheapest = min(raw_formats, key=BYTES_PER_PIXEL.__getitem__)
+    cheapest = min((RAW_FORMATS[f] for f in raw_formats), key=lambda f: f.bytes_per_pixel)
     if refusing and available is not None and budget is not None \
-            and budget < expansion_need(max_pixels, largest_source, (cheapest,)):
+            and budget < expansion_need(max_pixels, largest_source, (cheapest.name,)):
         log.warning("%.1f GB of memory is available: images of more than about %.0f Mpx are served as their "
                     "originals (skipped as no-memory)", available / 1e9,
-                    max(0, budget - SOURCE_COPIES * largest_source) / BYTES_PER_PIXEL[cheapest] / 1e6)
+                    max(0, budget - SOURCE_COPIES * largest_source) / cheapest.bytes_per_pixel / 1e6)
     log.info("%d workers, %s", workers,
              "memory unknown" if available is None else f"{available / 1e9:.1f} GB of memory available")
     return WorkerPlan(workers, budget, available)

@@ -1,7 +1,9 @@
-"""The ``Store`` interface every kind of storage implements (``stores.local``, ``stores.bucket``)."""
+"""The ``Store`` interface every backend implements (``stores.local``, ``stores.s3``), and ``Backend``: what
+``open_store`` asks of a backend's Store class."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..catalog import Catalog, Node
+from ..rawformats import DEFAULT
 from ..timedreads import Sample
 
 if TYPE_CHECKING:
@@ -33,7 +36,7 @@ class Store(Protocol):
 
     #: The store, as messages name it (a directory, or s3://bucket/prefix).
     label: str
-    #: The raw formats this store can hold (``formats.RAW_FORMATS``).
+    #: The raw formats this store can hold (names of ``rawformats.RAW_FORMATS``), in the order prepare tries them.
     raw_formats: tuple[str, ...]
     #: Storage reads a mount keeps in flight by default (``mount --threads``).
     default_threads: int
@@ -74,7 +77,7 @@ class Store(Protocol):
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name) -> Sample:
         """``count`` random images expanded (to ``raw_format``, one of ``raw_formats``) where the mount will read
         them, with the function that times reads of them; raises ``ProfileError`` when none can be."""
 
@@ -97,4 +100,16 @@ class Store(Protocol):
         """Called once by a mount before it opens the catalog: keeps prepare from deleting objects it names."""
 
     def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
-        """The mount's reader of originals and objects (``reader.StoreReader`` or ``s3reader.S3Reader``)."""
+        """The mount's reader of originals and objects (``stores.local.reader``, ``stores.s3.reader``)."""
+
+
+class Backend(Protocol):
+    """A backend's Store class, as ``stores.BACKENDS`` names it for a URL scheme: a Store from what the user
+    typed, or from a store's location alone."""
+
+    def given(self, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> Store:
+        """The Store for a source and a store as the user gave them (None: the backend's default, if it has one);
+        CatalogError for a pair it cannot serve."""
+
+    def prepared(self, store: str | os.PathLike[str]) -> Store:
+        """A store prepare has written, found by its location alone: the source is the one its catalog names."""

@@ -21,7 +21,7 @@ from fusehelpers import Mount, wait_for
 from liquidfs.catalog import Catalog
 from liquidfs.expansion import rank
 from liquidfs.prepare import prepare, verify
-from liquidfs.sample import make_sample, mosaic, _photos
+from sample import make_sample, mosaic, _photos
 
 import random
 
@@ -349,31 +349,3 @@ def test_prepare_cli_summary_and_bad_ratio(sample: Path, tmp_path: Path) -> None
         assert word in out.stdout
     bad = run_cli("prepare", str(sample), "--store", str(tmp_path / "s"), "--ratio", "1.5", check=False)
     assert bad.returncode == 2 and "ratio" in bad.stderr
-
-
-def test_a_local_catalog_of_version_2_is_rescanned_for_file_versions(tmp_path: Path) -> None:
-    """Version 2 identified local files by size and mtime only: such a catalog is upgraded, then rescanned (its
-    raw objects are not reused under the weaker identity) before anything serves or expands from it."""
-    import sqlite3
-
-    from liquidfs import catalog as catalog_mod
-    from liquidfs.catalog import open_or_build
-
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "a.txt").write_text("a\n")
-    store = tmp_path / "store"
-    open_or_build(src, store).close()
-    db = sqlite3.connect(store / catalog_mod.CATALOG_NAME)
-    db.execute("UPDATE nodes SET etag=NULL")
-    db.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
-    db.execute("DELETE FROM meta WHERE key=?", (catalog_mod.FILE_IDENTITY,))
-    db.commit()
-    db.close()
-    catalog = open_or_build(src, store)
-    try:
-        node = catalog.lookup(catalog_mod.ROOT_ID, b"a.txt")
-        assert node is not None and node.etag == catalog_mod.file_version((src / "a.txt").stat())
-        assert catalog.meta("schema_version") == str(catalog_mod.SCHEMA_VERSION)
-    finally:
-        catalog.close()

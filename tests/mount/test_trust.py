@@ -19,7 +19,7 @@ from fusehelpers import DATA_PATHS, FUSERMOUNT, PASSTHROUGH_NEEDS_ROOT, Mount, d
 from liquidfs.cache import WINDOW, NextEpochCache
 from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare
-from liquidfs.sample import make_sample
+from sample import make_sample
 
 
 @pytest.mark.fuse
@@ -106,7 +106,7 @@ def test_catalog_rows_that_leave_the_root_or_the_store_are_refused(tmp_path: Pat
     import errno
 
     from liquidfs.backing import resolve
-    from liquidfs.reader import StoreReader
+    from liquidfs.stores.local.reader import StoreReader
 
     src = make_sample(tmp_path / "src", count=2, width=32, height=16, seed=5)
     secret = tmp_path / "secret.png"
@@ -155,38 +155,6 @@ def test_a_source_root_swapped_for_a_link_while_mounted_serves_nothing_else(tmp_
     src.symlink_to(victim)
     for m in (mnt, pt):
         assert (m / "a.bin").read_bytes() == b"A" * 4096
-
-
-def test_two_catalog_writers_on_one_store_in_one_pid_never_swap_each_others_work(tmp_path: Path) -> None:
-    """Two prepares in different PID namespaces can have the same PID: their catalogs in the making used to be
-    one file (``catalog.sqlite.new-<pid>``), so the second deleted the first's and the first renamed the
-    second's half-written catalog into place."""
-    from liquidfs.catalog import _Writer
-
-    store = tmp_path / "store"
-    first, second = _Writer(store), _Writer(store)
-    assert first.tmp != second.tmp
-    first.finish({"writer": "first"})
-    assert Catalog.open(store, readonly=True).meta("writer") == "first"
-    second.finish({"writer": "second"})
-    catalog = Catalog.open(store, readonly=True)
-    assert catalog.meta("writer") == "second"
-    catalog.close()
-    assert sorted(p.name for p in store.iterdir()) == ["catalog.sqlite"]  # no lock or work file left
-
-
-def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_path: Path) -> None:
-    from liquidfs.catalog import _Writer
-
-    store = tmp_path / "store"
-    alive = _Writer(store)
-    dead = _Writer(store)
-    dead.db.close()
-    dead.lock.release(remove=False)  # as if its process died: the lock file stays, nobody holds it
-    _Writer(store).finish({})
-    names = {p.name for p in store.iterdir()}
-    assert alive.tmp.name in names and dead.tmp.name not in names
-    alive.finish({})
 
 
 def test_disk_cache_directories_of_two_mounts_with_one_pid_coexist(tmp_path: Path) -> None:
@@ -508,7 +476,7 @@ def test_fstat_right_after_an_open_says_the_size_that_open_serves(tmp_path: Path
     """An open that serves another size than the one before it (a damaged raw object: the original; the object
     restored: the raw again) corrected the kernel's attributes a moment after the open was answered, so an
     fstat right after the open could say the old size, and a reader read or mapped the file cut at it. Found
-    by scripts/soak.py --attacker (98 of 200 such opens stale on passthrough)."""
+    by scripts/bench/soak.py --attacker (98 of 200 such opens stale on passthrough)."""
 
     src = tmp_path / "src"
     make_sample(src, count=2, width=256, height=128, seed=11)

@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from fusehelpers import FUSERMOUNT, is_mounted
-from liquidfs.sample import make_sample, mosaic, _photos
+from sample import make_sample, mosaic, _photos
 from s3faults import FaultProxy, Rule
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]

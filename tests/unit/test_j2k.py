@@ -16,9 +16,9 @@ from PIL import Image
 from conftest import run_cli
 from liquidfs import formats, resources
 from liquidfs.cli import parse_formats
-from liquidfs.expansion import raw_format_of
+from liquidfs.rawformats import BMP, J2K, of_object
 from liquidfs.prepare import prepare
-from liquidfs.sample import _photos, mosaic
+from sample import _photos, mosaic
 
 
 def _photo(mode: str) -> Image.Image:
@@ -45,7 +45,7 @@ def test_j2k_holds_the_exact_pixels_of_png_and_jpeg(mode: str, source_format: st
     result = formats.expand(source, to="j2k")
     assert result.accepted and result.raw_format == "j2k", result.reason
     assert result.data is not None and formats.sniff(result.data[:32]) == "j2k"
-    assert result.data.startswith(formats.JP2_SIGNATURE)  # a JP2 file: the colour space travels with it
+    assert result.data.startswith(J2K.magic[0])  # a JP2 file: the colour space travels with it
     assert formats.same_pixels(source, result.data)  # mode, size, samples under Pillow
     with Image.open(io.BytesIO(result.data)) as im:
         assert im.format == "JPEG2000" and im.mode == mode
@@ -96,9 +96,9 @@ def test_formats_option() -> None:
     for bad in ("png", "png,webp", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_formats(bad)
-    assert raw_format_of("objects/ab/" + "0" * 32 + ".jp2") == "j2k"
-    assert raw_format_of("objects/ab/" + "0" * 32 + ".bmp") == "bmp"
-    assert raw_format_of("objects/ab/x.png") is None
+    assert of_object("objects/ab/" + "0" * 32 + ".jp2") is J2K
+    assert of_object("objects/ab/" + "0" * 32 + ".bmp") is BMP
+    assert of_object("objects/ab/x.png") is None
 
 
 def test_prepare_refuses_j2k_alone_without_a_gpu_and_bad_formats(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -126,7 +126,7 @@ def test_each_format_is_budgeted_at_what_its_expansion_takes(tmp_path: Path, mon
     (src / "a.png").write_bytes(_encoded(Image.fromarray(noise, "RGB"), compress_level=1))
     size, pixels = (src / "a.png").stat().st_size, 512 * 256
     bmp, j2k = (resources.expansion_need(pixels, size, formats_) for formats_ in (("bmp",), ("j2k",)))
-    assert j2k - bmp >= (70 - resources.EXPAND_BYTES_PER_PIXEL) * pixels
+    assert j2k - bmp >= (70 - BMP.bytes_per_pixel) * pixels
     assert resources.expansion_need(pixels, size, ("j2k", "bmp")) == j2k  # a worker may try both in turn
     # A machine of 8 cores and 32 GiB: each J2K worker is given room for the largest image, so fewer fit.
     monkeypatch.setattr(resources, "cpu_count", lambda: 8)

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from liquidfs import _throttle, cli, decoderates, formats
+from liquidfs import cli, decoderates, formats
 from liquidfs.decoderates import DecodeRate
 from liquidfs.profile import Costs, ProfileError, choose_for_target, model_choice, paper_search, profile_store, \
     render, to_json
-from liquidfs.sample import make_sample
 from liquidfs.stores import open_store
+
+import _throttle
+from sample import make_sample
 
 
 def _costs(**kw: float) -> Costs:

@@ -1,4 +1,4 @@
-"""Every answer to a GET is checked against the question (``s3.get``): its ETag against the ``If-Match`` sent, its
+"""Every answer to a GET is checked against the question (``stores.s3.client.get``): its ETag against the ``If-Match`` sent, its
 Content-Range against the range asked for and the object's size, its body's length. A proxy or cache on the way
 that ignores ``If-Match`` or ``Range``, or cuts a body short, makes the read fail as a changed object does (EIO in
 a mount, a refusal in prepare and verify): its bytes are never returned.
@@ -19,11 +19,11 @@ import pytest
 from botocore.exceptions import ClientError
 from PIL import Image
 
-from liquidfs import s3reader
-from liquidfs.stores import bucket as bucket_store
 from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.reader import checksum
-from liquidfs.s3 import AnswerMismatch, S3Url, as_oserror, error_code, get
+from liquidfs.stores.s3 import reader as s3reader
+from liquidfs.stores.s3 import store as bucket_store
+from liquidfs.stores.s3.client import AnswerMismatch, S3Url, as_oserror, error_code, get
 
 BUCKET = "b"
 Answer = dict[str, Any]

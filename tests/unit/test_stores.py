@@ -3,17 +3,14 @@ uses a store (prepare, verify, profile, mount) never asks which kind it is."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 from liquidfs.catalog import CatalogError
-from liquidfs.stores import open_prepared, open_store
-from liquidfs.stores.bucket import BucketStore
+from liquidfs.stores import BACKENDS, open_prepared, open_store, scheme
 from liquidfs.stores.local import LocalStore
-
-PACKAGE = Path(__file__).resolve().parents[2] / "liquidfs"
+from liquidfs.stores.s3 import BucketStore
 
 
 def test_a_directory_pair_is_a_local_store(tmp_path: Path) -> None:
@@ -48,63 +45,14 @@ def test_a_prepared_local_store_is_found_by_its_directory_alone(tmp_path: Path) 
         open_prepared(tmp_path / "empty")
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module is None:  # from . import formats
-            found.update("." * node.level + alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            found.add("." * node.level + node.module)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return found
-
-
-@pytest.mark.parametrize("module", ["prepare.py", "profile.py", "mount.py"])
-def test_the_phases_never_ask_which_kind_of_store(module: str) -> None:
-    imported = _imports(PACKAGE / module)
-    assert not any(name.endswith(("s3", "s3store", "s3reader", "stores.bucket", "stores.local")) for name in imported)
-    assert "is_url" not in (PACKAGE / module).read_text()
-
-
-def test_the_package_has_no_import_cycle() -> None:
-    """Module-level and function-level imports alike: the graph of the package is acyclic."""
-    modules = {p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", "."): p
-               for p in PACKAGE.rglob("*.py")}
-    modules = {name.removesuffix(".__init__"): p for name, p in modules.items()}
-
-    def resolve(importer: str, name: str) -> str | None:
-        if not name.startswith("."):
-            return name.removeprefix("liquidfs.") if name.startswith("liquidfs.") else None
-        level = len(name) - len(name.lstrip("."))
-        package = importer.split(".") if (PACKAGE / (importer.replace(".", "/") + "/__init__.py")).exists() \
-            else importer.split(".")[:-1]
-        base = package[:len(package) - (level - 1)] if level > 1 else package
-        rest = name.lstrip(".")
-        return ".".join([*base, rest] if rest else base) or None
-
-    graph: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        targets = {resolve(name, imported) for imported in _imports(path)}
-        # "from . import Job" names the package itself when Job is no module of it
-        targets |= {t.rsplit(".", 1)[0] for t in targets if t and t not in modules and "." in t}
-        graph[name] = {t for t in targets if t in modules and t != name}
-    visiting: list[str] = []
-    done: set[str] = set()
-
-    def visit(node: str) -> None:
-        if node in done:
-            return
-        assert node not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(node):] + [node])}"
-        visiting.append(node)
-        for target in sorted(graph[node]):
-            visit(target)
-        visiting.pop()
-        done.add(node)
-
-    for node in sorted(graph):
-        visit(node)
+def test_one_map_names_the_store_class_of_each_scheme() -> None:
+    assert BACKENDS[""]() is LocalStore and BACKENDS["s3"]() is BucketStore
+    for backend in BACKENDS.values():
+        assert backend().__module__.startswith("liquidfs.stores.")  # each backend whole in its folder
+    assert scheme("s3://b/data") == "s3" and scheme("s3://b") == "s3"
+    # Anything else is a local path, as before the map: a path object, a relative name, an unknown scheme.
+    for local in ("/data", "data", "s3:/b/data", "S3://b", "gs://b/data", Path("s3://b")):
+        assert scheme(local) == ""
 
 
 def test_the_adaptive_mix_starts_at_the_share_the_kept_profile_chose(tmp_path: Path) -> None:

@@ -23,15 +23,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .. import formats
-from ..catalog import CATALOG_NAME, Catalog, CatalogError, Node, WorkingCopy, default_store_dir, open_or_build
-from ..expansion import OBJECT_SUFFIXES, OBJECTS, expand_one, is_image, verify_one
-from ..locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
-from ..paths import open_below, open_dir, open_regular
-from ..reader import OBJECT_NAME, Reader, StoreReader, same_file
-from ..safefiles import replace_file
-from ..timedreads import Below, ProfileError, Sample
-from .base import Job, Preparation
+from ... import formats
+from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, WorkingCopy, default_store_dir, open_or_build
+from ...expansion import OBJECTS, expand_one, is_image, verify_one
+from ...locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
+from ...paths import open_below, open_dir, open_regular
+from ...rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
+from ...reader import OBJECT_NAME, Reader, same_file
+from .reader import StoreReader
+from ...safefiles import replace_file
+from ...timedreads import Below, ProfileError, Sample
+from ..base import Job, Preparation
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 #: The subdirectories of ``objects`` prepare makes (``expansion.object_name``).
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
 #: What a killed expansion leaves of an object (``expansion.expand_one``: ``<object>.<locks.unique("tmp-")>``).
-_LEFTOVER = re.compile(r"objects/([0-9a-f]{2}/[0-9a-f]{32}\.(?:bmp|jp2)\.tmp-[0-9a-f]{16})")
+_LEFTOVER = re.compile(rf"objects/([0-9a-f]{{2}}/[0-9a-f]{{32}}{SUFFIX_PATTERN}\.tmp-[0-9a-f]{{16}})")
 
 
 def _trusted_catalog(path: Path) -> os.stat_result:
@@ -107,7 +109,7 @@ def _unlink_regular(dir_fd: int, name: str, label: str) -> None:
 
 class LocalStore:
     default_threads = 4
-    raw_formats: tuple[str, ...] = ("j2k", "bmp")
+    raw_formats: tuple[str, ...] = NAMES  # every one, in the order prepare tries them
     stamps_objects = True
 
     def __init__(self, source: Path, store_dir: Path | None = None) -> None:
@@ -116,10 +118,17 @@ class LocalStore:
         self.label = str(self.store_dir)
 
     @classmethod
-    def prepared(cls, store_dir: Path) -> LocalStore:
-        """The store at ``store_dir``, its source the one its catalog names: taken on the catalog's word only when
+    def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
+        """Local directories as the user gave them (the store defaulting to this user's cache directory for the
+        source)."""
+        return cls(Path(source).absolute(), None if store is None else Path(store).absolute())
+
+    @classmethod
+    def prepared(cls, store: str | os.PathLike[str]) -> LocalStore:
+        """The store at ``store``, its source the one its catalog names: taken on the catalog's word only when
         whoever runs this (or root) owns the catalog and nobody else can write it. A writer of the store would
         otherwise choose which root a root ``verify`` opens files below (``/``)."""
+        store_dir = Path(store).absolute()
         path = store_dir / CATALOG_NAME
         try:
             before = _trusted_catalog(path)
@@ -304,7 +313,7 @@ class LocalStore:
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name) -> Sample:
         """Expanded into a ``profile-sample-*`` directory of this run's own inside the store, on its device."""
         self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -357,7 +366,7 @@ class LocalStore:
                 result = formats.expand(data, to=raw_format)
                 if result.data is None:
                     continue
-                name = f"{node.id}{OBJECT_SUFFIXES[raw_format]}"
+                name = f"{node.id}{RAW_FORMATS[raw_format].suffix}"
                 # created in this run's own directory, by descriptor: never through a link planted in it
                 out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                               dir_fd=scratch_fd)

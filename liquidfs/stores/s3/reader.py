@@ -1,13 +1,13 @@
 """What the mount serves from an object store: the raw object when sound, else the original, never mixed bytes.
 
-The interface is ``reader.StoreReader``'s (``open`` and ``check_source``), so the FUSE layer, the cache and the
+The interface is ``reader.Reader`` (``open`` and ``check_source``), so the FUSE layer, the cache and the
 timeouts are the same for both kinds of storage. Every call blocks (HTTP) and runs in the mount's worker threads,
 so ``mount --threads`` bounds the requests in flight; botocore retries 5xx, throttling and timeouts with
-backoff (``s3.make_client``), and a read that still fails is EIO for that file only.
+backoff (``client.make_client``), and a read that still fails is EIO for that file only.
 
 Identity: the catalog records each source object's ETag. An original is fetched with ``If-Match`` on it, so a
 changed object fails (412 -> EIO) instead of serving bytes the catalog does not describe; an answer with another
-ETag, range, size or length than asked for (a proxy that drops ``If-Match``) fails the same way (``s3.get``
+ETag, range, size or length than asked for (a proxy that drops ``If-Match``) fails the same way (``client.get``
 checks every answer). A raw object is served only while its source still has the recorded ETag (one HEAD) and the
 object has the recorded size and xxh3 checksum; otherwise the original is served, or EIO when the original changed
 too.
@@ -20,9 +20,9 @@ import functools
 import logging
 from typing import Any
 
-from .catalog import Node
-from .reader import WHOLE_FILE_LIMIT, Content, check_raw
-from .s3 import AnswerMismatch, S3Url, as_oserror, error_code, get, head
+from ...catalog import Node
+from ...reader import WHOLE_FILE_LIMIT, Content, check_raw
+from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,9 @@ class S3Reader:
         self.store = store
         self._warned: set[int] = set()
         self.inline_check = True  # check_source asks nothing of the store
+
+    def close(self) -> None:
+        """Nothing held: the client's connections go with the process."""
 
     def _where(self, node: Node) -> str:
         return f"{self.source}/{node.path.decode('utf-8', 'surrogateescape')}"

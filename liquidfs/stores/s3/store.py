@@ -7,7 +7,7 @@ Layout of a store ``s3://bucket/name.liquid``::
     name.liquid/objects/ab/<hash>.bmp   raw objects, with the source's ETag and their checksum as metadata
 
 Only ``prepare`` writes to the store. A node's ``mount`` downloads the catalog into a local work directory
-(``s3.work_dir``) when the store's copy changed (its ETag), and lists the source bucket itself only when asked
+(``client.work_dir``) when the store's copy changed (its ETag), and lists the source bucket itself only when asked
 (``--refresh``) or when the store has no catalog yet.
 """
 
@@ -22,16 +22,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .. import formats
-from ..catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
-from ..expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
-from ..locks import unique
-from ..reader import Reader, checksum
-from ..s3 import READ_TIMEOUT, S3Url, error_code, get, head, is_url, list_objects, make_client, put, \
+from ... import formats
+from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
+from ...expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
+from ...locks import unique
+from ...rawformats import BMP, DEFAULT, RAW_FORMATS
+from ...reader import Reader, checksum
+from ...timedreads import ProfileError, Sample, measure_get
+from ..base import Job, Preparation
+from .client import READ_TIMEOUT, S3Url, error_code, get, head, is_url, list_objects, make_client, put, \
     upload_file, work_dir
-from ..s3reader import S3Reader
-from ..timedreads import ProfileError, Sample, measure_get
-from .base import Job, Preparation
+from .reader import S3Reader
 
 log = logging.getLogger(__name__)
 
@@ -189,10 +190,10 @@ def delete_keys(client: Any, bucket: str, keys: list[str]) -> None:
 
 class BucketStore:
     """Raw objects under ``STORE/objects/`` in a bucket, the catalog at ``STORE/catalog.sqlite`` and a copy of it
-    in this node's work directory (``s3.work_dir``)."""
+    in this node's work directory (``client.work_dir``)."""
 
     default_threads = 16  # GETs wait on the network, not the CPU: more in flight
-    raw_formats: tuple[str, ...] = ("bmp",)  # J2K: local stores only for now
+    raw_formats: tuple[str, ...] = (BMP.name,)  # the others: local stores only for now
     stamps_objects = False  # every GET is checked (ETag, size, checksum): no stat vouches for anything
 
     def __init__(self, source: S3Url, store: S3Url) -> None:
@@ -204,13 +205,15 @@ class BucketStore:
         self._verify_dir: Path | None = None
 
     @classmethod
-    def from_urls(cls, source: str, store: str | None) -> BucketStore:
-        return cls(*bucket_pair(source, store))
+    def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> BucketStore:
+        """An s3:// source and store as the user gave them; CatalogError for a pair that is not both s3:// or
+        where one contains the other."""
+        return cls(*bucket_pair(str(source), None if store is None else str(store)))
 
     @classmethod
-    def prepared(cls, store: str) -> BucketStore:
+    def prepared(cls, store: str | os.PathLike[str]) -> BucketStore:
         """The store at ``store``, its source read from the catalog prepare left there."""
-        found = cls(S3Url.parse(store), S3Url.parse(store))
+        found = cls(S3Url.parse(str(store)), S3Url.parse(str(store)))
         verify_dir = found._verify_copy()
         catalog = Catalog.open(verify_dir, readonly=True)
         try:
@@ -332,14 +335,14 @@ class BucketStore:
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = "bmp") -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name) -> Sample:
         """``count`` random images, expanded and put under STORE/profile-sample-<unique>/ (deleted after), so
         storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
         if raw_format not in self.raw_formats:
             raise ProfileError(f"{self.label} holds only {', '.join(self.raw_formats)} objects")
         src, dst = self.source, self.store
         client = make_client(jobs + 2)
-        # Every GET is read no further than the size the listing (or the upload) gave: see ``s3.get``.
+        # Every GET is read no further than the size the listing (or the upload) gave: see ``client.get``.
         sizes = {(src.bucket, o.key): o.size for o in list_objects(client, src)
                  if o.key.lower().endswith(IMAGE_SUFFIXES)}
         keys = [key for _, key in sizes]
@@ -360,10 +363,10 @@ class BucketStore:
             if len(sample.raws) >= count:
                 break
             data = get(client, src.bucket, key, size=sizes[(src.bucket, key)])
-            result = formats.expand(data)
+            result = formats.expand(data, to=raw_format)
             if result.data is None:
                 continue
-            raw_key = dst.key(f"{prefix}/{len(written)}.bmp")
+            raw_key = dst.key(f"{prefix}/{len(written)}{RAW_FORMATS[raw_format].suffix}")
             put(client, dst.bucket, raw_key, result.data)
             written.append(raw_key)
             sizes[(dst.bucket, raw_key)] = len(result.data)
