@@ -1,7 +1,8 @@
 """A minimal Prometheus text endpoint (``--metrics-port``), served off the mount's trio loop.
 
 A full HTTP stack would be a dependency for one GET; this answers ``/`` and ``/metrics`` with the current values
-(anything else with 404) and closes the connection, which is all a Prometheus scraper needs.
+(anything else with 404) and closes the connection, which is all a Prometheus scraper needs. What the values are
+called, their kinds and units, is ``metricdefs``' table; this module only serves its text.
 
 The mount's trio loop answers FUSE requests: whatever the endpoint costs there is time a read waits for. So it
 runs in threads of its own, with blocking sockets, and the loop does nothing per connection (no accept, no
@@ -49,7 +50,7 @@ from typing import Any
 
 import trio
 
-from .stats import prometheus_text
+from .metricdefs import prometheus_text
 
 log = logging.getLogger(__name__)
 

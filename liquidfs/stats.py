@@ -1,4 +1,5 @@
-"""Counters of a running mount, readable through the control file, ``liquidfs stats`` and Prometheus."""
+"""Counters of a running mount, readable through the control file, ``liquidfs stats`` and Prometheus (under the
+names ``metricdefs.METRICS`` gives them)."""
 
 from __future__ import annotations
 
@@ -48,14 +49,3 @@ class MountStats:
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def prometheus_text(values: dict[str, object], prefix: str = "liquidfs_") -> str:
-    """The numeric values in Prometheus' text exposition format (what ``--metrics-port`` serves)."""
-    lines = []
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        lines.append(f"# TYPE {prefix}{key} gauge")
-        lines.append(f"{prefix}{key} {value}")
-    return "\n".join(lines) + "\n"

@@ -147,7 +147,7 @@ def test_metrics_endpoint(dataset: Path, mounter: Mount) -> None:
     head, body = reply.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.0 200")
     text = body.decode()
-    assert "liquidfs_opens 1" in text and "liquidfs_cache_budget" in text and "# TYPE" in text
+    assert "liquidfs_opens_total 1" in text and "liquidfs_cache_budget" in text and "# TYPE" in text
 
 
 def test_bad_cache_size_is_refused(dataset: Path, mounter: Mount) -> None:
@@ -235,7 +235,7 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
     from dali_helpers import dali_decode_all
     from liquidfs.prepare import prepare
     from liquidfs.reader import CHUNK
-    from liquidfs.sample import make_sample
+    from sample import make_sample
 
     # DALI maps (rather than reads) files over a few MB: full-size images, as in Cityscapes
     src = make_sample(tmp_path / "src", count=8, width=2048, height=1024, seed=4)
@@ -277,7 +277,7 @@ def test_pages_the_kernel_lost_are_read_again_chunk_by_chunk(tmp_path: Path, mou
     mounter.data_path = "daemon"  # how the daemon path reads, holds and lets go of bytes
     from liquidfs.prepare import prepare
     from liquidfs.reader import CHUNK
-    from liquidfs.sample import make_sample
+    from sample import make_sample
 
     src = make_sample(tmp_path / "src", count=2, width=2048, height=1024, seed=6)  # PNG ~2.5 MB, raw 6.3 MB
     store = tmp_path / "store"
@@ -321,7 +321,7 @@ def test_opens_do_not_wait_for_storage(tmp_path: Path, mounter: Mount) -> None:
     and its original served."""
     mounter.data_path = "daemon"  # how the daemon path reads, holds and lets go of bytes
     from liquidfs.prepare import prepare
-    from liquidfs.sample import make_sample
+    from sample import make_sample
 
     src = make_sample(tmp_path / "src", count=6, width=256, height=128, seed=12)
     store = tmp_path / "store"

@@ -1,9 +1,11 @@
 """The metrics endpoint in-process: its bounds (connections, time per connection, snapshots a second), its paths,
 and that it serves off the trio loop (accepting and answering while the loop is blocked; 503 when the loop does
-not compute a snapshot in time; its threads ended when its task is cancelled).
+not compute a snapshot in time; its threads ended when its task is cancelled). Then its table (``metricdefs``):
+a row for every key both data paths' statistics produce, names as Prometheus' conventions want them, and the
+text it renders (tests/system/test_prometheus.py has a real Prometheus scrape a real mount).
 
-Each test runs ``serve_metrics`` on a free port in a trio loop and the client beside it in a worker thread, with
-plain blocking sockets and generous timeouts that only keep a broken server from hanging the test.
+Each endpoint test runs ``serve_metrics`` on a free port in a trio loop and the client beside it in a worker
+thread, with plain blocking sockets and generous timeouts that only keep a broken server from hanging the test.
 """
 
 from __future__ import annotations
@@ -12,20 +14,31 @@ import dataclasses
 import errno
 import functools
 import inspect
+import logging
 import os
+import re
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
 
+import pyfuse3
 import pytest
 import trio
 
+from liquidfs import assemble
+from liquidfs.cache import NextEpochCache
+from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.disktier import DiskTier
+from liquidfs.metricdefs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted
 from liquidfs.metrics import MetricsServer, MetricsStatistics, serve_metrics
+from liquidfs.mix import Mix
 from liquidfs.mount import MountConfig
-from liquidfs.stats import prometheus_text
+from liquidfs.stores.local.reader import StoreReader
+from liquidfs.stats import MountStats
 
 T = TypeVar("T")
 
@@ -187,8 +200,10 @@ def test_a_scrape_gets_through_while_idle_connections_come_and_go() -> None:
         try:
             _idle_clients(port, 30, idle)
             _wait_for(lambda: _stats(server).connections == 4)
-            head, body = _get(port, timeout=60)  # waits for a slot that a timed-out idle connection gives back
-            assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in body
+            # Waits for a slot that a timed-out idle connection gives back. From a peer of its own: one of the
+            # idle ones' peers may hold its two connections when it is accepted, and be turned away (a reset).
+            reply = _get_from("127.0.0.5", port, timeout=60)
+            assert reply.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in reply
             assert _stats(server).peak_connections <= 4
         finally:
             for sock in idle:
@@ -213,7 +228,7 @@ def test_a_scrape_flood_takes_at_most_one_snapshot_a_second() -> None:
         # once the snapshot is older than a second, the next scrape computes a new one
         calls = values.calls
         time.sleep(1.1)
-        assert f"liquidfs_opens {calls + 1}\n" in _get(port)[1].decode()
+        assert f"liquidfs_opens_total {calls + 1}\n" in _get(port)[1].decode()
 
     _with_server(client, values)
 
@@ -233,7 +248,7 @@ def test_a_failing_values_answers_500_and_the_server_stays_up() -> None:
         fail[0] = False
         time.sleep(1.1)
         head, body = _get(port)
-        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 3\n" in body
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens_total 3\n" in body
 
     _with_server(client, values)
 
@@ -244,7 +259,7 @@ def test_other_paths_are_not_found() -> None:
         for path in ("/", "/metrics", "/metrics?name[]=liquidfs_opens"):
             head, body = _get(port, path)
             assert head.startswith(b"HTTP/1.0 200") and b"Content-Type: text/plain; version=0.0.4" in head, path
-            assert b"# TYPE liquidfs_opens gauge\nliquidfs_opens " in body, path
+            assert b"# TYPE liquidfs_opens_total counter\nliquidfs_opens_total " in body, path
         for path in ("/other", "/metricsx", "/metrics/x", "/favicon.ico"):
             head, body = _get(port, path)
             assert head.startswith(b"HTTP/1.0 404") and body == b"", path
@@ -273,14 +288,14 @@ def test_it_serves_while_the_loop_is_blocked_and_values_run_on_the_loop() -> Non
         port = _stats(server).port
         loop_thread = trio.from_thread.run_sync(threading.get_ident)
         head, body = _get(port)
-        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 1\n" in body
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens_total 1\n" in body
         assert on_threads == [loop_thread]  # values() read the mount's state on its loop
         assert all(t.ident != loop_thread for t in _metrics_threads()) and len(_metrics_threads()) == 4 + 2
         with BlockedLoop(trio.from_thread.run_sync(trio.lowlevel.current_trio_token)):
             # The loop runs nothing now: connections are still accepted, read, answered (the snapshot is fresh:
             # max_age=60), and closed, all in the endpoint's threads.
             head, body = _get(port)
-            assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 1\n" in body
+            assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens_total 1\n" in body
             assert _get(port, "/other")[0].startswith(b"HTTP/1.0 404")
             flood: list[socket.socket] = []
             try:
@@ -319,7 +334,7 @@ def test_a_loop_that_does_not_compute_the_snapshot_in_time_answers_503() -> None
         finally:
             release.set()
         head, body = _get(port)  # the snapshot is done (or about to be: this scrape waits for it)
-        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 7\n" in body
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens_total 7\n" in body
         assert calls[0] == 1 and _stats(server).requests == 7
 
     _with_server(client, values, time_limit=0.3, max_age=60)
@@ -379,7 +394,7 @@ def test_accept_out_of_descriptors_is_waited_out(monkeypatch: pytest.MonkeyPatch
 
     def client(server: MetricsServer) -> None:
         head, body = _get(_stats(server).port)  # waits in the listen queue while accept fails
-        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens 1\n" in body
+        assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens_total 1\n" in body
         assert not errnos and _stats(server).connections == 0 and _stats(server).peak_connections == 1
 
     with caplog.at_level("WARNING", logger="liquidfs.metrics"):
@@ -464,3 +479,145 @@ def test_a_connection_that_does_not_send_its_request_in_time_is_dropped() -> Non
         assert head.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in body
 
     _with_server(client, CountingValues(), time_limit=60, request_timeout=0.3)
+
+
+# -- the table (metricdefs) ---------------------------------------------------------------------------------------
+
+
+class _Kernel:
+    """Registers nothing: the passthrough path's backings are only counted here."""
+
+    def __init__(self) -> None:
+        self.registered = 0
+
+    def register(self, fd: int) -> int:
+        self.registered += 1
+        return self.registered
+
+    def unregister(self, backing_id: int) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """``statistics()`` of a real ``Operations`` on each data path, built as a mount builds it with every part
+    that adds keys (the memory cache level, the disk level, a mix), after each file was opened, read and
+    released twice (two epochs)."""
+    root = tmp_path_factory.mktemp("metricdefs")
+    src = root / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(4):
+        (src / "d" / f"{i}.bin").write_bytes(bytes([i]) * (3000 + i))
+    store = root / "store"
+    build(src, store)
+    catalog = Catalog.open(store, readonly=True)
+    reader = StoreReader(catalog.source, store)
+    files, served, _, max_id = catalog.file_totals()
+    found = {}
+    for data_path in ("daemon", "passthrough"):
+        disk = DiskTier(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
+        parts = assemble.parts(disk, MountStats(), policy=NextEpochCache(served, served, files, max_id=max_id))
+        ops = assemble.operations(catalog, parts, data_path=data_path, kernel=_Kernel(), mix=Mix(0.5, 1.0),
+                                  extra_statistics=disk.statistics)
+        trio.run(_read_twice, ops)
+        found[data_path] = ops.statistics()
+        disk.close()
+    catalog.close()
+    return found
+
+
+async def _read_twice(ops: Any) -> None:
+    ctx = pyfuse3.RequestContext()
+    d = await ops.lookup(ROOT_ID, b"d", ctx)
+    for _ in range(2):
+        for i in range(4):
+            entry = await ops.lookup(d.st_ino, f"{i}.bin".encode(), ctx)
+            fh = (await ops.open(entry.st_ino, os.O_RDONLY, ctx)).fh
+            await ops.read(fh, 0, 1 << 16)
+            await ops.release(fh)
+
+
+def _paths(values: Mapping[str, object], prefix: str = "") -> Iterator[str]:
+    for key, value in values.items():
+        yield prefix + key
+        if isinstance(value, Mapping):
+            yield from _paths(value, prefix + key + ".")
+
+
+@pytest.mark.parametrize("data_path", ["daemon", "passthrough"])
+def test_every_key_the_statistics_produce_has_a_row_or_a_reason(every_statistics: dict[str, dict[str, Any]],
+                                                                data_path: str) -> None:
+    """A counter added to a statistics() without a row in ``metricdefs.METRICS`` (or a reason in NOT_EXPORTED)
+    fails here, before it can go missing from the dashboards."""
+    values = every_statistics[data_path]
+    assert values["opens"] == 8 and values["data_path"] == data_path
+    assert list(unlisted(values)) == [], "keys without a row in metricdefs.METRICS (or a reason in NOT_EXPORTED)"
+
+
+def test_every_row_reads_a_key_the_statistics_produce(every_statistics: dict[str, dict[str, Any]]) -> None:
+    """No row for a key that is gone (renamed, removed): it would export nothing, silently."""
+    produced = {path for values in every_statistics.values() for path in _paths(values)}
+    assert (EXPORTED_KEYS | set(NOT_EXPORTED)) - produced == set()
+
+
+def test_the_names_follow_prometheus_conventions() -> None:
+    names = [metric.name for metric in METRICS]
+    assert len(names) == len(set(names))
+    assert len(EXPORTED_KEYS) == sum(len(metric.sources()) for metric in METRICS), "a key read by two rows"
+    assert not EXPORTED_KEYS & set(NOT_EXPORTED)
+    for metric in METRICS:
+        assert re.fullmatch(r"liquidfs_[a-z][a-z0-9_]*[a-z0-9]", metric.name), metric.name
+        assert metric.name.endswith("_total") == (metric.kind == COUNTER), metric.name
+        assert metric.name.endswith("_info") == (metric.kind == INFO), metric.name
+        base = metric.name.removesuffix("_total")
+        assert base.endswith(f"_{metric.unit}") if metric.unit else \
+            not base.endswith(("_bytes", "_seconds", "_ratio")), metric.name
+        assert metric.help.endswith(".") and "\n" not in metric.help, metric.name
+        assert bool(metric.label) == (not isinstance(metric.keys, str) and metric.kind != INFO), metric.name
+        if metric.label:
+            assert re.fullmatch(r"[a-z][a-z_]*", metric.label), metric.name
+            assert all(re.fullmatch(r"[a-z]+", value) for value, _ in metric.sources()), metric.name
+
+
+def test_counters_are_counters_nested_values_and_levels_have_labels() -> None:
+    text = prometheus_text({"opens": 7, "open_files": 2, "cache_hits": 5, "cache_misses": 3, "disk_hits": 1,
+                            "data_path": "daemon", "warmup": "", "source": "/data/x",
+                            "mix": {"mode": "fixed", "share": 0.25, "reason": "fixed by --mix 0.25",
+                                    "decisions": 0, "opens_raw": 2, "opens_original": 5},
+                            "window_hit_ratio_sd": None, "epochs": {"1": {"reads": 4}}})
+    assert "# HELP liquidfs_opens_total Opens of files.\n# TYPE liquidfs_opens_total counter\n" \
+           "liquidfs_opens_total 7\n" in text
+    assert "# TYPE liquidfs_open_files gauge\nliquidfs_open_files 2\n" in text
+    assert 'liquidfs_cache_hits_total{level="memory"} 5\nliquidfs_cache_hits_total{level="disk"} 1\n' in text
+    assert 'liquidfs_cache_misses_total{level="memory"} 3\n' in text
+    assert "# TYPE liquidfs_mix_raw_ratio gauge\nliquidfs_mix_raw_ratio 0.25\n" in text
+    assert 'liquidfs_mix_opens_total{served="raw"} 2\nliquidfs_mix_opens_total{served="original"} 5\n' in text
+    assert 'liquidfs_mount_info{data_path="daemon",mix_mode="fixed"} 1\n' in text  # warmup "": no label
+    # absent, None, and not exported (paths, sentences, histories): no sample, and no HELP/TYPE without one
+    assert "window" not in text and "/data" not in text and "reason" not in text and "epochs" not in text
+    assert "liquidfs_cache_held_bytes" not in text
+    types = re.findall(r"^# TYPE (\S+) ", text, re.M)
+    assert len(types) == len(set(types)) and set(types) == set(re.findall(r"^(liquidfs_\w+)[{ ]", text, re.M))
+
+
+def test_numbers_are_written_as_the_text_format_reads_them() -> None:
+    text = prometheus_text({"stuck_reads": True, "mix": {"share": float("nan"), "prepared": float("inf")},
+                            "cache_share": 1e-05, "data_path": 'a "b"\\c\nd'})
+    assert "liquidfs_stuck_reads 1\n" in text and "liquidfs_mix_raw_ratio NaN\n" in text
+    assert "liquidfs_mix_prepared_ratio +Inf\n" in text
+    assert 'liquidfs_cache_budget_ratio{level="memory"} 1e-05\n' in text
+    assert 'liquidfs_mount_info{data_path="a \\"b\\"\\\\c\\nd"} 1\n' in text
+
+
+def test_a_key_without_a_row_is_exported_untyped_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    values = {"opens": 1, "unlisted_counter": 7, "unlisted_text": "x", "unlisted_part": {"held": 2, "ok": True}}
+    with caplog.at_level(logging.WARNING, logger="liquidfs.metricdefs"):
+        text = prometheus_text(values)
+        assert sorted(r.getMessage().split()[1] for r in caplog.records) == [
+            "unlisted_counter", "unlisted_part.held", "unlisted_part.ok", "unlisted_text"]
+        assert "exported untyped as liquidfs_unlisted_counter" in caplog.text
+        caplog.clear()
+        assert prometheus_text(values) == text and caplog.records == []  # logged once, exported every time
+    assert "# TYPE liquidfs_unlisted_counter untyped\nliquidfs_unlisted_counter 7\n" in text
+    assert "liquidfs_unlisted_part_held 2\n" in text and "liquidfs_unlisted_part_ok 1\n" in text
+    assert "unlisted_text" not in text and "liquidfs_opens_total 1\n" in text
