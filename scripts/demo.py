@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from liquidfs.sample import make_sample
+from sample import make_sample  # scripts/sample.py, beside this script
 
 
 def liquidfs(*args: str) -> str:

@@ -2,6 +2,11 @@
 
 Synthetic noise or flat colours compress unlike real photos and would make every PNG/BMP figure meaningless, so
 the tiles are real photographs, resized, flipped and placed at random (seeded, so a sample is reproducible).
+
+Not part of the package (liquidfs serves datasets; it never makes one): the demo (scripts/demo.py), the
+benchmarks (scripts/bench/) and the tests import it from here, with scikit-image from the ``sample`` extra.
+
+    python scripts/sample.py DEST [--count 24] [--width 2048] [--height 1024] [--seed 0] [--jpeg-share 0]
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def make_sample(dest: str | os.PathLike[str], count: int = 24, width: int = 2048
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="liquidfs sample", description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("dest")
     parser.add_argument("--count", type=int, default=24)
     parser.add_argument("--width", type=int, default=2048)

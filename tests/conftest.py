@@ -16,6 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from conftest import run_cli`
 sys.path.insert(0, str(Path(__file__).parent / "support"))  # helpers: fusehelpers, s3server, trees, ...
+# Beside the package, shared with the demo and the benchmarks: the sample dataset (scripts/sample.py) and the
+# storage throttle (scripts/bench/_throttle.py)
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts" / "bench"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
 from fusehelpers import FUSERMOUNT, Mount, fuse_available, is_mounted  # noqa: E402
 from s3server import s3_server  # noqa: E402,F401

@@ -1,49 +1,100 @@
-"""What the benchmarks share: the sample dataset and its stores, mounting, dropping the page cache, a process's
-CPU seconds, the DALI (or torchvision) epoch in a loader process, and running the ``liquidfs`` command.
+"""What the benchmarks share: their flags, the work directory, the sample dataset and its stores, running the
+``liquidfs`` command, mounting and unmounting, dropping the page cache, a process's CPU seconds, and the DALI (or
+torchvision) epoch in a loader process.
 
-Imported by the ``scripts/bench_*.py`` scripts (``import _bench as bench``); not a benchmark itself.
+Imported by the scripts beside it (``import _bench as bench``); not a benchmark itself. Every benchmark names its
+flags alike (``add_run_arguments``): ``--json PATH`` for its results (a chart, a table or logs go beside that
+file), ``--work DIR`` for what it keeps between runs (dataset, stores, mountpoint; soak's is where its temporary
+one goes), and where it has a smoke mode, ``--smoke``: a few small images and short timings, to show the script
+works (what its test runs), never a figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's liquidfs
+sys.path.insert(0, str(REPO / "scripts"))  # sample.py, which the demo and the tests use too
 
-from liquidfs import _throttle  # noqa: E402
+import _throttle  # noqa: E402
 from liquidfs.catalog import Catalog  # noqa: E402
 from liquidfs.mount import read_control  # noqa: E402
 from liquidfs.prepare import prepare  # noqa: E402
-from liquidfs.sample import make_sample  # noqa: E402
+from sample import make_sample  # noqa: E402
 
-DALI_EPOCH = REPO / "scripts" / "dali_epoch.py"
-TORCH_EPOCH = REPO / "scripts" / "torch_epoch.py"
+DALI_EPOCH = HERE / "dali_epoch.py"
+TORCH_EPOCH = HERE / "torch_epoch.py"
 LOADER: dict[str, object] = {"name": "dali", "shuffle_buffer": 1024}  # set from --loader, --shuffle-buffer
 SUBDIR = Path("leftImg8bit") / "train"
+FUSERMOUNT = "fusermount3"
 
 
-def sh(*cmd: str) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+# -- the flags every benchmark takes ----------------------------------------------------------------------
 
 
-def liquidfs(*args: str) -> str:
-    return sh(sys.executable, "-m", "liquidfs", *args)
+def add_run_arguments(parser: argparse.ArgumentParser, *, results: str, work: Path | None = None,
+                      work_help: str = "dataset, stores and the mountpoint, kept for the next run",
+                      smoke: str | None = None) -> None:
+    """``--json PATH`` (``results``: its default, in words), ``--work DIR`` where the benchmark keeps one
+    (``work``: its default; None: none), ``--smoke`` where it has a smoke mode (``smoke``: what that mode runs)."""
+    parser.add_argument("--json", type=Path, metavar="PATH",
+                        help=f"write the results here as JSON (default {results})")
+    if work is not None:
+        parser.add_argument("--work", type=Path, metavar="DIR", default=work,
+                            help=f"{work_help} (default {display(work)})")
+    if smoke is not None:
+        parser.add_argument("--smoke", action="store_true", help=f"{smoke}: for tests of the script, not a measurement")
 
 
-def add_run_arguments(parser: argparse.ArgumentParser, name: str, smoke: str) -> None:
-    """--out, --work and --smoke, as every benchmark that keeps a dataset under out/ takes them."""
-    parser.add_argument("--out", type=Path, default=REPO / "out" / name)
-    parser.add_argument("--work", type=Path, default=REPO / "out" / f"bench-{name}",
-                        help="dataset, stores and the mountpoint (the dataset is cached per count and size)")
-    parser.add_argument("--smoke", action="store_true", help=f"{smoke}: for tests of the script, not a measurement")
+def display(path: Path) -> str:
+    """``path`` as the help shows it: relative to the checkout when inside it."""
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def work_dir(path: Path) -> Path:
+    """The work directory, absolute and made."""
+    path = path.absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def dataset_dir(work: Path, images: int, width: int, height: int) -> Path:
+    """The work directory of one dataset shape under ``work``: a smoke run never replaces the dataset of a full
+    one (``dataset`` checks only the count). Links resolved: it may be a link to a dataset another benchmark made."""
+    return work_dir(work / f"{images}-{width}x{height}").resolve()
+
+
+# -- commands, mounts, the machine ------------------------------------------------------------------------
+
+
+class CommandFailed(subprocess.CalledProcessError):
+    """A command that exited non-zero; its message holds what it printed."""
+
+    def __str__(self) -> str:
+        said = f"{self.stdout or ''}{self.stderr or ''}".strip()
+        return f"{super().__str__()}" + (f"\n{said[-3000:]}" if said else "")
+
+
+def liquidfs(*args: str, env: dict[str, str] | None = None, timeout: float | None = None) -> str:
+    """``liquidfs ARGS`` (this checkout's): its standard output; CommandFailed when it fails."""
+    done = subprocess.run([sys.executable, "-m", "liquidfs", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+    if done.returncode != 0:
+        raise CommandFailed(done.returncode, done.args, done.stdout, done.stderr)
+    return done.stdout
 
 
 def split_choices(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...], what: str) -> list[str]:
@@ -62,9 +113,10 @@ def tail(path: Path, chars: int = 2000) -> str:
         return ""
 
 
-def drop_caches() -> None:
+def drop_caches(what: int = 3) -> None:
+    """Empty the page cache (3: and dentries and inodes; 2: only those) after writing back what is dirty. Root."""
     os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    Path("/proc/sys/vm/drop_caches").write_text(f"{what}\n")
 
 
 def read_all(root: Path) -> None:
@@ -81,12 +133,90 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def cpu_seconds(pid: int) -> float:
+    """utime + stime of one process, its threads included, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def control(mnt: Path) -> dict[str, Any]:
     return read_control(mnt)  # the mount's statistics, as `liquidfs stats` reads them
+
+
+def fuse_connection(mountpoint: str | Path) -> int | None:
+    """The FUSE connection number of the mount on ``mountpoint`` (/sys/fs/fuse/connections/N), from
+    /proc/self/mountinfo: nothing is asked of the mount itself, which may be hung."""
+    path = os.path.abspath(mountpoint)  # a string's work: the mount is never asked
+    escaped = path.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            if fields[4] == escaped and fields[sep + 1].split(".")[0] in ("fuse", "fuseblk"):
+                found = int(fields[2].split(":")[1])  # the last (uppermost) mount there
+    return found
+
+
+def is_mounted(mountpoint: str | Path) -> bool:
+    """A FUSE mount is on ``mountpoint`` (asked of the mount table, never of the mount)."""
+    return fuse_connection(mountpoint) is not None
+
+
+@dataclass
+class Mounted:
+    """A liquidfs mount this benchmark made: where, its daemon, the environment its commands need."""
+
+    mnt: Path
+    pid: int
+    env: dict[str, str] | None = None
+    ready_s: float = 0.0  # how long `liquidfs mount` took (it returns once the mount answers)
+
+    def close(self, check: bool = True, timeout: float = 120) -> None:
+        unmount(self.mnt, env=self.env, check=check, timeout=timeout)
+
+
+def mount(src: Path | str, store: Path | str, mnt: Path, *extra: str, env: dict[str, str] | None = None,
+          timeout: float = 300) -> Mounted:
+    """``liquidfs mount SRC MNT --store STORE EXTRA...``, once it answers. A mount an interrupted run left on
+    ``mnt`` is unmounted first: its daemon would hold the mountpoint."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    if is_mounted(mnt):
+        unmount(mnt, env=env, check=False)
+    started = time.monotonic()
+    liquidfs("mount", str(src), str(mnt), "--store", str(store), *extra, env=env, timeout=timeout)
+    ready = time.monotonic() - started
+    try:
+        pid = int(control(mnt)["pid"])
+    except BaseException:
+        unmount(mnt, env=env, check=False)
+        raise
+    return Mounted(mnt, pid, env, ready)
+
+
+@contextlib.contextmanager
+def mounted(src: Path | str, store: Path | str, mnt: Path, *extra: str, env: dict[str, str] | None = None,
+            timeout: float = 300) -> Iterator[Mounted]:
+    """``mount``, unmounted on the way out (``unmount``, checked)."""
+    m = mount(src, store, mnt, *extra, env=env, timeout=timeout)
+    try:
+        yield m
+    finally:
+        m.close()
+
+
+def unmount(mnt: Path, env: dict[str, str] | None = None, check: bool = True, timeout: float = 120) -> None:
+    """``liquidfs umount MNT``, which waits for the daemon to exit. Should it fail, the mount is detached lazily
+    (fusermount3 -u -z), so that none is left behind, and the failure raised (``check``) or printed."""
+    try:
+        liquidfs("umount", str(mnt), env=env, timeout=timeout)
+        return
+    except (CommandFailed, subprocess.TimeoutExpired) as exc:
+        error = exc
+    if is_mounted(mnt):
+        subprocess.run([FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True, check=False, timeout=30)
+    if check:
+        raise error
+    print(f"liquidfs umount {mnt}: {error}", file=sys.stderr)
 
 
 # -- dataset and stores ---------------------------------------------------------------------------------
@@ -96,6 +226,7 @@ def dataset(work: Path, images: int, width: int, height: int) -> Path:
     src = work / "data"
     marker = src / "meta.json"
     if marker.exists() and json.loads(marker.read_text()).get("count") == images:
+        print(f"reusing {images} images in {src}", file=sys.stderr)
         return src
     shutil.rmtree(src, ignore_errors=True)
     print(f"generating {images} {width}x{height} images in {src}", file=sys.stderr)
@@ -167,14 +298,3 @@ def run_loader(root: Path, images: int, seed: int, group: _throttle.ReadThrottle
     if proc.returncode != 0:
         raise RuntimeError(f"loader failed: {err[-2000:]}")
     return json.loads(out.strip().splitlines()[-1])
-
-
-class Mounted:
-    def __init__(self, src: Path, store: Path, mnt: Path, *extra: str) -> None:
-        self.mnt = mnt
-        mnt.mkdir(parents=True, exist_ok=True)
-        liquidfs("mount", str(src), str(mnt), "--store", str(store), *extra)
-        self.pid = int(control(mnt)["pid"])
-
-    def close(self) -> None:
-        liquidfs("umount", str(self.mnt))

@@ -1,7 +1,8 @@
 """Emulate slower storage for benchmarks and tests: a cgroup v1 blkio group that caps read bandwidth.
 
 Readers of a FUSE mount do no block I/O themselves: to throttle the storage behind liquidfs, put the daemon in
-the group; to throttle a direct reader, put the reader in it.
+the group; to throttle a direct reader, put the reader in it. Not part of the package: the benchmarks beside it
+and the profile's tests (tests/unit/test_profile.py) use it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The mix that follows the machine (issue 16): one long DALI run per configuration while the machine changes.
 
-    python scripts/bench_adaptive.py [--images 1000] [--size 2048x1024] [--epochs 6] [--scenarios storage,cpu]
-        [--configs png,profiled,prepared,adaptive] [--prepared-ratio 1.0] [--cap-mb 200] [--out out/adaptive]
-    python scripts/bench_adaptive.py --smoke --configs png,prepared      # 24 tiny images, 3 epochs, < 1 min
+    python scripts/bench/bench_adaptive.py [--images 1000] [--size 2048x1024] [--epochs 6] [--scenarios storage,cpu]
+        [--configs png,profiled,prepared,adaptive] [--prepared-ratio 1.0] [--cap-mb 200]
+        [--json out/adaptive/adaptive.json]
+    python scripts/bench/bench_adaptive.py --smoke --configs png,prepared      # 24 tiny images, 3 epochs, < 1 min
 
 Every configuration is a liquidfs mount of the same source (so each pays the same FUSE cost):
     png       a store prepared at ratio 0 (every image served as its PNG)
@@ -31,8 +32,8 @@ decoded later. And while the loader waits between epochs its pipeline has alread
 phase (3% of 1,000 images).
 
 Output: a markdown table per phase (images/s per configuration, adaptive / best static), one per epoch, JSON with
-every epoch, per-minute rates and the mount's `mix` statistics sampled over time under --out, and a PNG chart when
-matplotlib imports. Needs root on Linux (drop_caches, blkio).
+every epoch, per-minute rates and the mount's `mix` statistics sampled over time at --json, and beside it a PNG
+chart when matplotlib imports and each loader's log. Needs root on Linux (drop_caches, blkio).
 """
 
 from __future__ import annotations
@@ -51,12 +52,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
-from liquidfs import _throttle  # noqa: E402
+import _throttle  # noqa: E402
 from liquidfs.stores import open_store  # noqa: E402
 
 CONFIGS = ("png", "profiled", "prepared", "fixed", "adaptive")
@@ -365,17 +364,15 @@ def mount_flags(config: str, ratio: float, mix_interval: float) -> list[str]:
 
 def run_one(run: Run, src: Path, store: Path, data_work: Path, args: argparse.Namespace) -> None:
     mnt = args.work / "mnt"
-    if os.path.ismount(mnt):  # left by an interrupted run: its daemon would hold the mountpoint
-        bench.liquidfs("umount", str(mnt))
     t0 = time.time()
     change = make_change(run.scenario, args, data_work)
     mount = loader = sampler = None
     try:
-        mount = bench.Mounted(src, store, mnt, *run.mount_args)
+        mount = bench.mount(src, store, mnt, *run.mount_args)
         run.data_path = bench.control(mnt).get("data_path")
         sampler = Sampler(mnt, args.sample_s, t0)
         sampler.start()
-        loader = Loader(mnt, args, args.out / f"loader-{run.scenario}-{run.config}.log")
+        loader = Loader(mnt, args, args.json.parent / f"loader-{run.scenario}-{run.config}.log")
         for epoch in range(1, args.epochs + 1):
             run.epochs.append(one_epoch(epoch, mount, loader, change, t0, args))
             e = run.epochs[-1]
@@ -573,8 +570,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false",
                         help="do not read the source and every store once before the runs (by default they are: "
                         "the first configuration to read a store must not pay for the disk's own warming)")
-    bench.add_run_arguments(parser, "adaptive", "24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel "
-                                              "crops, batch 4, shuffle buffer 8")
+    bench.add_run_arguments(parser, results="out/adaptive/adaptive.json", work=bench.REPO / "out" / "bench-adaptive",
+                            work_help="dataset, stores and the mountpoint (the dataset is kept per count and size)",
+                            smoke="24 images of 256x128, 3 epochs, changed in epoch 2 only, 64-pixel crops, batch 4, "
+                                  "shuffle buffer 8")
     args = parser.parse_args(argv)
     if args.smoke:
         args.images, args.size, args.epochs, args.change_from, args.lift_at = 24, "256x128", 3, 2, 3
@@ -586,7 +585,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.configs = bench.split_choices(parser, args.configs, CONFIGS, "config")
     if not 1 < args.change_from <= args.lift_at:
         parser.error("need 1 < --change-from <= --lift-at (epoch 1 is the unchanged machine)")
-    args.out, args.work = args.out.absolute(), args.work.absolute()
+    args.json = (args.json or bench.REPO / "out" / "adaptive" / "adaptive.json").absolute()
+    args.work = args.work.absolute()
     return args
 
 
@@ -622,12 +622,8 @@ def main(argv: list[str]) -> int:
         print(f"bench_adaptive: {problem}", file=sys.stderr)
         return 2
     started = time.time()
-    args.out.mkdir(parents=True, exist_ok=True)
-    # Per count and size: bench_e2e's dataset() only checks the count, and a smoke run must not replace
-    # the cached 1,000-image dataset of a full one.
-    data_work = args.work / f"{args.images}-{args.width}x{args.height}"
-    data_work.mkdir(parents=True, exist_ok=True)
-    data_work = data_work.resolve()  # it may be a link to a dataset another benchmark made
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    data_work = bench.dataset_dir(args.work, args.images, args.width, args.height)
     src = bench.dataset(data_work, args.images, args.width, args.height)
     ratios = ratios_for(args, data_work, src)
     stores = {r: bench.store_for(data_work, src, r) for r in sorted(set(ratios.values()))}
@@ -651,7 +647,7 @@ def main(argv: list[str]) -> int:
         for root in [src, *sorted(set(stores.values()))]:
             print(f"warming up: reading {root} once", file=sys.stderr)
             bench.read_all(root)
-    out = args.out / "adaptive.json"
+    out = args.json
     runs: list[Run] = []
     for scenario in args.scenarios:
         for config in args.configs:
@@ -660,15 +656,15 @@ def main(argv: list[str]) -> int:
             try:
                 run_one(run, src, stores[ratios[config]], data_work, args)
             except (subprocess.CalledProcessError, RuntimeError, TimeoutError, OSError) as exc:
-                # one configuration failing (say a mount without --mix) must not cost the others' hours
-                detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else ""
-                run.error = f"{exc} {detail or ''}".strip()
+                # one configuration failing (say a mount without --mix) must not cost the others' hours; what
+                # the failed command printed is in the message (bench.CommandFailed)
+                run.error = str(exc).strip()
                 print(f"  {scenario} {config}: FAILED: {run.error}", file=sys.stderr)
             meta["seconds"] = time.time() - started
             write_json(out, meta, runs, summary(runs, args))  # after every run: a crash keeps what was measured
     rows = summary(runs, args)
     write_json(out, meta, runs, rows)
-    drawn = chart(runs, args, args.out / "adaptive.png")
+    drawn = chart(runs, args, out.with_suffix(".png"))
     print(markdown(rows, args.configs))
     print()
     print(epoch_markdown(runs, args))
@@ -676,7 +672,7 @@ def main(argv: list[str]) -> int:
     if judged:
         print(f"\ngoal (adaptive >= {GOAL} x best static in every phase): "
               f"{'met' if min(judged) >= GOAL else 'NOT met'} (worst {min(judged):.3f})")
-    print(f"\n(JSON {out}" + (f", chart {args.out / 'adaptive.png'}" if drawn else ", no chart: matplotlib missing")
+    print(f"\n(JSON {out}" + (f", chart {out.with_suffix('.png')}" if drawn else ", no chart: matplotlib missing")
           + f", {time.time() - started:.0f} s)")
     return 1 if any(r.error for r in runs) else 0
 

@@ -1,11 +1,11 @@
 """Hit ratio per window of 64 file reads: liquidfs's next-epoch cache vs the OS page cache, same memory.
 
-    python scripts/bench_cache.py [--files 400] [--share 0.3] [--epochs 4]
+    python scripts/bench/bench_cache.py [--files 400] [--share 0.3] [--epochs 4] [--json WORK/cache.json]
 
 Each epoch reads every file once, whole, in a new random order. liquidfs: a mount with --cache-size SHARE, hits
 from its statistics. Page cache: the same files read directly by a process in a cgroup v1 memory group limited
 to SHARE of the dataset (+40 MB for the process), hits = 1 - (bytes the group read from disk / bytes requested)
-per window, from the group's blkio counters. Prints a table and writes JSON under --out.
+per window, from the group's blkio counters. Prints a table and writes JSON to --json.
 """
 
 from __future__ import annotations
@@ -21,10 +21,9 @@ import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from liquidfs.mount import read_control  # noqa: E402
+import _bench as bench  # noqa: E402  (mount, page cache: one copy of each)
 
 WINDOW = 64
 MEMCG = Path("/sys/fs/cgroup/memory")
@@ -72,23 +71,17 @@ def make_files(root: Path, n: int, seed: int = 3) -> int:
 
 
 def liquidfs_windows(root: Path, work: Path, share: float, epochs: int) -> dict[int, list[float]]:
-    mnt = work / "mnt"
-    mnt.mkdir(exist_ok=True)
-    subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(root), str(mnt), "--store", str(work / "store"),
-                    "--cache-size", f"{share * 100:g}%"], check=True, capture_output=True)
-    try:
+    with bench.mounted(root, work / "store", work / "mnt", "--cache-size", f"{share * 100:g}%") as m:
         out: dict[int, list[float]] = {}
         seen = 0
         for epoch in range(1, epochs + 1):
-            subprocess.run([sys.executable, "-c", READER, str(mnt), str(epoch), str(WINDOW), "-"], check=True,
+            subprocess.run([sys.executable, "-c", READER, str(m.mnt), str(epoch), str(WINDOW), "-"], check=True,
                            capture_output=True)
-            st = read_control(mnt)
+            st = bench.control(m.mnt)
             windows = st["window_byte_hit_ratios"]  # by bytes, as the page cache side is measured
             out[epoch] = windows[seen:]
             seen = len(windows)
         return out
-    finally:
-        subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True)
 
 
 def pagecache_windows(root: Path, total: int, share: float, epochs: int) -> dict[int, list[float]]:
@@ -97,8 +90,7 @@ def pagecache_windows(root: Path, total: int, share: float, epochs: int) -> dict
     mem.mkdir()
     blk.mkdir()
     (mem / "memory.limit_in_bytes").write_text(str(int(share * total) + 40 * 2**20))
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    bench.drop_caches()
     out: dict[int, list[float]] = {}
 
     def enter() -> None:
@@ -136,10 +128,11 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=400)
     parser.add_argument("--share", type=float, default=0.3)
     parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench-cache")
+    bench.add_run_arguments(parser, results="WORK/cache.json", work=bench.REPO / "out" / "bench-cache",
+                            work_help="the files, the store and the mountpoint")
     args = parser.parse_args()
-    work = args.work.absolute()
-    work.mkdir(parents=True, exist_ok=True)
+    work = bench.work_dir(args.work)
+    out = (args.json or work / "cache.json").absolute()
     root = work / "data"
     total = make_files(root, args.files)
     rows = summarize("liquidfs", liquidfs_windows(root, work, args.share, args.epochs))
@@ -151,8 +144,9 @@ def main() -> int:
         f = lambda v: "" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"| {r['cache']} | {r['epoch']} | {r['windows']} | {f(r['mean'])} | {f(r['sd'])} | {f(r['min'])} "
               f"| {f(r['max'])} |")
-    (work / "cache.json").write_text(json.dumps({"argv": sys.argv, "files": args.files, "bytes": total,
-                                                 "share": args.share, "rows": rows}, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"argv": sys.argv, "files": args.files, "bytes": total, "share": args.share,
+                               "rows": rows}, indent=1))
     return 0
 
 

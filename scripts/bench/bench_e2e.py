@@ -1,19 +1,19 @@
 """End-to-end benchmark: an unmodified DALI CPU pipeline reading the sample dataset directly and through liquidfs.
 
-    python scripts/bench_e2e.py e2e   [--images 128] [--ratios 0,0.5,1,auto] [--caps 0,200] [--repeats 3]
-    python scripts/bench_e2e.py sweep [--caps 0,200,100]     # all 11 ratios + the profiler's choice, cold
-    python scripts/bench_e2e.py cache [--cap 200] [--epochs 3] [--cache-size 30%]
-    python scripts/bench_e2e.py pagecache --ratios 0,1 --repeats 5   # mount --page-cache drop/keep/direct, cold
+    python scripts/bench/bench_e2e.py e2e   [--images 128] [--ratios 0,0.5,1,auto] [--caps 0,200] [--repeats 3]
+    python scripts/bench/bench_e2e.py sweep [--caps 0,200,100]     # all 11 ratios + the profiler's choice, cold
+    python scripts/bench/bench_e2e.py cache [--cap 200] [--epochs 3] [--cache-size 30%]
+    python scripts/bench/bench_e2e.py pagecache --ratios 0,1 --repeats 5   # mount --page-cache drop/keep/direct
     ... --shuffle-buffer 44   # DALI's initial_fill (default 1024, DALI's own)
     ... --loader torch     # torchvision ImageFolder + DataLoader (workers = cores) instead of DALI
 
-Every configuration runs in its own loader process (scripts/dali_epoch.py: fn.readers.file with random shuffle +
+Every configuration runs in its own loader process (scripts/bench/dali_epoch.py: fn.readers.file with random shuffle +
 fn.decoders.image, batch 16, threads = cores), repeated; medians are reported with ratios to the all-PNG direct
 read of the same state. "cold": page cache dropped before each run and liquidfs without a memory cache, so every
 byte comes from storage; "warm": the page cache pre-filled for direct reads, and for liquidfs every file held in
 its memory cache (--cache-size 100% --warmup, plus one pass so the kernel keeps the held files' pages).
 Storage caps use a cgroup v1 blkio throttle on the loader (direct) or on the daemon (liquidfs).
-Results: a markdown table on stdout, JSON and a PNG chart under --out.
+Results: a markdown table on stdout, JSON at --json (default WORK/MODE.json) and a PNG chart beside it.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402
+import _throttle  # noqa: E402
 from _bench import (REPO, SUBDIR, Mounted, auto_ratio, bmp_copy, control, cpu_seconds, dataset,  # noqa: E402
-                    drop_caches, read_all, run_loader, served_copy, store_for, tree_bytes)
-from liquidfs import _throttle  # noqa: E402
+                    drop_caches, mount, read_all, run_loader, served_copy, store_for, tree_bytes)
 
 
 def measure(name: str, root: Path, *, state: str, cap: int, repeats: int, images: int, args: argparse.Namespace,
@@ -103,7 +103,7 @@ def mode_e2e(args: argparse.Namespace) -> list[dict]:
                                         cap=cap, repeats=args.repeats, images=args.images, args=args))
                 store = store_for(args.work, src, r)
                 extra = ["--cache-size", "100%", "--warmup"] if state == "warm" else []
-                m = Mounted(src, store, args.work / "mnt", *extra)
+                m = mount(src, store, args.work / "mnt", *extra)
                 try:
                     if state == "warm":
                         read_all(m.mnt / SUBDIR)  # one pass: the kernel keeps the held files' pages
@@ -122,7 +122,7 @@ def mode_sweep(args: argparse.Namespace) -> list[dict]:
         chosen = auto_ratio(args.work, src, cap_mb=cap)
         for r, profiled in [(i / 10, False) for i in range(11)] + [(chosen, True)]:
             store = store_for(args.work, src, r)
-            m = Mounted(src, store, args.work / "mnt")
+            m = mount(src, store, args.work / "mnt")
             try:
                 name = f"liquidfs r={r:.2f}" + (" (profile)" if profiled else "")
                 row = measure(name, m.mnt, state="cold", cap=cap, repeats=args.repeats, images=args.images,
@@ -141,7 +141,7 @@ def mode_cache(args: argparse.Namespace) -> list[dict]:
     store = store_for(args.work, src, ratio)
     rows = []
     for label, extra in (("cache off", []), (f"cache {args.cache_size}", ["--cache-size", args.cache_size])):
-        m = Mounted(src, store, args.work / "mnt", *extra)
+        m = mount(src, store, args.work / "mnt", *extra)
         group = _throttle.ReadThrottle(args.work, args.cap * 1_000_000) if args.cap else None
         if group:
             group.add(m.pid)
@@ -172,7 +172,7 @@ def mode_pagecache(args: argparse.Namespace) -> list[dict]:
         for r in map(float, args.ratios):
             store = store_for(args.work, src, r)
             for mode in ("drop", "keep", "direct"):
-                m = Mounted(src, store, args.work / "mnt", "--page-cache", mode)
+                m = mount(src, store, args.work / "mnt", "--page-cache", mode)
                 try:
                     drop_caches()
                     cpu0, st0 = cpu_seconds(m.pid), control(m.mnt)
@@ -259,7 +259,6 @@ def chart(rows: list[dict], path: Path, loader: str = "dali") -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["e2e", "sweep", "cache", "pagecache"])
-    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench")
     parser.add_argument("--images", type=int, default=128)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--height", type=int, default=1024)
@@ -277,11 +276,11 @@ def main() -> int:
     parser.add_argument("--loader", choices=["dali", "torch"], default="dali",
                         help="DALI CPU pipeline (threads = cores) or torchvision ImageFolder + DataLoader "
                         "(workers = cores)")
+    bench.add_run_arguments(parser, results="WORK/MODE.json, e.g. out/bench/e2e.json", work=REPO / "out" / "bench")
     args = parser.parse_args()
     bench.LOADER["name"] = args.loader
     bench.LOADER["shuffle_buffer"] = args.shuffle_buffer
-    args.work = args.work.absolute()
-    args.work.mkdir(parents=True, exist_ok=True)
+    args.work = bench.work_dir(args.work)
     args.ratios = args.ratios.split(",")
     args.caps = [int(c) for c in args.caps.split(",")]
     problem = _throttle.available()
@@ -292,7 +291,8 @@ def main() -> int:
     tag = args.mode if args.loader == "dali" else f"{args.mode}-{args.loader}"
     if args.loader == "dali" and args.shuffle_buffer != 1024:
         tag += f"-sb{args.shuffle_buffer}"
-    out = args.work / f"{tag}.json"
+    out = (args.json or args.work / f"{tag}.json").absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"mode": args.mode, "loader": args.loader, "argv": sys.argv, "started": started, "seconds": time.time() - started,
             "images": args.images, "size": f"{args.width}x{args.height}", "threads": args.threads,
             "batch": args.batch, "repeats": args.repeats, "shuffle_buffer": args.shuffle_buffer}
@@ -305,9 +305,9 @@ def main() -> int:
             print(f"cap {cap or 'none'}: profile chose {chosen['ratio']:.2f}: "
                   f"{chosen['images_per_s'] / best:.3f} of the best of the 11 mixes", file=sys.stderr)
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    chart(rows, args.work / f"{tag}.png", args.loader)
+    chart(rows, out.with_suffix(".png"), args.loader)
     print(markdown(rows))
-    print(f"\n(JSON {out}, chart {args.work / f'{tag}.png'}, {time.time() - started:.0f} s)")
+    print(f"\n(JSON {out}, chart {out.with_suffix('.png')}, {time.time() - started:.0f} s)")
     return 0
 
 

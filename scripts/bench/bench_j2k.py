@@ -1,15 +1,16 @@
 """Lossless JPEG 2000 against PNG and BMP (issue 18): decode rate and bit-exactness, per decoder.
 
-    python scripts/bench_j2k.py [--images 32] [--size 2048x1024] [--threads 8] [--seconds 5] [--out out/j2k]
-    python scripts/bench_j2k.py --smoke     # 4 small images, short timings: that the script works
+    python scripts/bench/bench_j2k.py [--images 32] [--size 2048x1024] [--threads 8] [--seconds 5]
+        [--json out/j2k/j2k.json]
+    python scripts/bench/bench_j2k.py --smoke     # 4 small images, short timings: that the script works
 
-The images are photo mosaics (``liquidfs.sample``) saved as PNG, each expanded by liquidfs's own checked
+The images are photo mosaics (``scripts/sample.py``) saved as PNG, each expanded by liquidfs's own checked
 expansion (``formats.expand``, as ``prepare --formats`` does) to BMP and to lossless J2K. Decoders: Pillow
 (torchvision's PIL loader) on a pool of --threads threads, DALI ``cpu``, and where a CUDA device is visible DALI
 ``mixed``, which decodes J2K on the GPU (nvJPEG2000; PNG and BMP it decodes on the host). Per format and decoder:
 images/s, the host's CPU milliseconds per image, and how many images decode to exactly the PNG's pixels under
 Pillow (the reference: what the source decodes to). The GPU's line is the figure ``profile --formats
-png,bmp,j2k`` weighs. Prints a markdown table, writes JSON under --out.
+png,bmp,j2k`` weighs. Prints a markdown table, writes JSON to --json.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 
+import _bench as bench  # noqa: E402  (the flags every benchmark takes)
 from liquidfs import formats  # noqa: E402
 from liquidfs.decoderates import dali_available, find_gpu_decoder, measure_dali, measure_pil  # noqa: E402
-from liquidfs.sample import _photos, mosaic  # noqa: E402
+from sample import _photos, mosaic  # noqa: E402
 
 FORMATS = ("png", "bmp", "j2k")
 
@@ -89,11 +90,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", default="2048x1024", help="WIDTHxHEIGHT")
     parser.add_argument("--threads", type=int, default=8, help="decoder threads (a GPU node's cores per GPU)")
     parser.add_argument("--seconds", type=float, default=5.0, help="per timing")
-    parser.add_argument("--out", type=Path, default=REPO / "out" / "j2k")
-    parser.add_argument("--smoke", action="store_true", help="4 images of 256x128, 0.3 s timings")
+    bench.add_run_arguments(parser, results="out/j2k/j2k.json", smoke="4 images of 256x128, 0.3 s timings")
     args = parser.parse_args(argv)
     if args.smoke:
         args.images, args.size, args.seconds = 4, "256x128", 0.3
+    args.json = (args.json or bench.REPO / "out" / "j2k" / "j2k.json").absolute()
     width, height = map(int, args.size.lower().split("x"))
     started = time.time()
     print(f"making {args.images} {width}x{height} images and their BMP and J2K", file=sys.stderr)
@@ -123,8 +124,8 @@ def main(argv: list[str]) -> int:
         r["x_png_cpu"] = r["images_per_s"] / png_cpu
         lines.append(f"| {r['format']} | {r['decoder']} | {r['mean_bytes'] / 1e6:.2f} | {r['images_per_s']:.1f} | "
                      f"{r['x_png_cpu']:.2f} | {r['host_cpu_ms_per_image']:.1f} | {r['exact']}/{r['images']} |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / "j2k.json"
+    out = args.json
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {"argv": sys.argv, "images": args.images, "size": args.size,
                                         "threads": args.threads, "seconds": args.seconds, "gpu": gpu_where if gpu
                                         else None, "no_gpu_because": None if gpu else gpu_where,

@@ -1,12 +1,12 @@
 """Both data paths side by side: FUSE passthrough against the daemon path, and each against direct reads.
 
-    python scripts/bench_passthrough.py [--images 1000] [--repeats 3] [--readers 1,2,4,8] [--parts dali,cat,cache]
+    python scripts/bench/bench_passthrough.py [--images 1000] [--repeats 3] [--readers 1,2,4,8] [--parts dali,cat,cache]
 
 Dataset: ``--images`` 2048x1024 sample images (bench_e2e's, under --work), a ratio-1 store (every image raw,
 ~6.3 MB) and a ratio-0 store, and a plain copy of what the ratio-1 mount serves (the "same files read
 directly"). Page cache dropped before every cold run. Parts:
 
-* dali: an unmodified DALI CPU pipeline (scripts/dali_epoch.py: random shuffle, 2 threads), one epoch, cold:
+* dali: an unmodified DALI CPU pipeline (scripts/bench/dali_epoch.py: random shuffle, 2 threads), one epoch, cold:
   r=1 through each data path against the all-BMP copy read directly; r=0 against all-PNG read directly. The
   daemon's CPU seconds per GB served and per open come from /proc/<daemon>/stat.
 * cat: N parallel readers of disjoint file sets (1 MiB reads), cold, MB/s through each path and directly.
@@ -20,7 +20,7 @@ directly"). Page cache dropped before every cold run. Parts:
   per-window hit ratios of epochs 2-3; and direct reads of the all-BMP copy in a memory cgroup of the same size
   (the page cache as the cache: the paper's baseline).
 
-Prints a markdown table per part, writes JSON to --out.
+Prints a markdown table per part, writes JSON to --json (default WORK/passthrough.json).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches, run_loader, served_copy, store_for  # noqa: E402,E501
+import _bench as bench  # noqa: E402
+from _bench import (DALI_EPOCH, REPO, SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches,  # noqa: E402
+                    run_loader, served_copy, store_for)
 
 PATHS = ("passthrough", "daemon")
 
@@ -48,7 +48,7 @@ def files_of(root: Path) -> list[Path]:
 
 
 def mount(src: Path, store: Path, work: Path, path: str, *extra: str) -> Mounted:
-    m = Mounted(src, store, work / "mnt", "--data-path", path, *extra)
+    m = bench.mount(src, store, work / "mnt", "--data-path", path, *extra)
     got = control(m.mnt)["data_path"]
     if got != path:
         m.close()
@@ -187,7 +187,7 @@ def part_cache(args: argparse.Namespace, src: Path, stores: dict[float, Path], b
         drop_caches()
         epochs = []
         for e in range(3):
-            cmd = [sys.executable, str(REPO / "scripts" / "dali_epoch.py"), str(bmp / SUBDIR), "--images", str(n),
+            cmd = [sys.executable, str(DALI_EPOCH), str(bmp / SUBDIR), "--images", str(n),
                    "--seed", str(e), "--threads", "2", "--batch", "16"]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
                                   preexec_fn=lambda: (cg / "cgroup.procs").write_text(str(os.getpid())))
@@ -226,9 +226,7 @@ def _baseline_mount(tree: Path, src: Path, store: Path, mnt: Path, path: str = "
                 raise RuntimeError(f"the baseline mount of {tree} did not answer") from None
             time.sleep(0.2)
     assert pid == proc.pid, "the control file answers for another mount"
-    m = Mounted.__new__(Mounted)
-    m.mnt, m.pid = mnt, pid
-    return m
+    return Mounted(mnt, pid)
 
 
 def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp: Path) -> list[dict]:
@@ -251,8 +249,7 @@ def part_daemon_ab(args: argparse.Namespace, src: Path, stores: dict[float, Path
                     drop_caches()
                     runs[name].append(dali_epoch(m.mnt, args.images, rep, m))
                 finally:
-                    subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True,
-                                   capture_output=True)
+                    m.close()
     finally:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
     base = summarize(f"r=1 {args.ab_path} path of {args.baseline_rev}, cold", runs["baseline"])
@@ -294,8 +291,6 @@ def part_mix(args: argparse.Namespace, src: Path, stores: dict[float, Path], bmp
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench-pt")
-    parser.add_argument("--out", type=Path, default=None, help="JSON output (default WORK/passthrough.json)")
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--readers", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
@@ -308,8 +303,10 @@ def main() -> int:
     parser.add_argument("--baseline-rev", default="b820bfa",
                         help="daemon-ab: the revision whose daemon path is the baseline (default: the last before "
                         "passthrough)")
+    bench.add_run_arguments(parser, results="WORK/passthrough.json", work=REPO / "out" / "bench-pt")
     args = parser.parse_args()
     args.work = args.work.absolute()
+    out = (args.json or args.work / "passthrough.json").absolute()
     src = dataset(args.work, args.images, 2048, 1024)
     stores = {1.0: store_for(args.work, src, 1.0), 0.0: store_for(args.work, src, 0.0)}
     bmp = served_copy(args.work, src, 1.0)
@@ -318,7 +315,6 @@ def main() -> int:
         print(f"{part}:", file=sys.stderr, flush=True)
         results[part] = {"dali": part_dali, "cat": part_cat, "cache": part_cache,
                          "daemon-ab": part_daemon_ab, "mix": part_mix}[part](args, src, stores, bmp)
-        out = args.out or args.work / "passthrough.json"
         out.write_text(json.dumps(results, indent=1))
     for part in ("dali", "daemon-ab", "mix"):
         if part not in results:

@@ -1,6 +1,6 @@
 """Raw read throughput, whole files, directly vs through liquidfs; daemon CPU per GB served.
 
-    python scripts/bench_read.py [--work out/bench] [--repeats 3]
+    python scripts/bench/bench_read.py [--work out/bench] [--repeats 3] [--json WORK/read.json]
 
 Uses the e2e benchmark's dataset and its ratio-1 store (all images served raw, ~6.3 MB each). Configurations:
 direct cold (page cache dropped) and warm; liquidfs from storage (no cache: O_DIRECT reads), and from its memory
@@ -17,11 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _bench import SUBDIR, Mounted, control, cpu_seconds, dataset, drop_caches, store_for  # noqa: E402
+import _bench as bench  # noqa: E402
+from _bench import REPO, SUBDIR, control, cpu_seconds, dataset, drop_caches, mount, store_for  # noqa: E402
 
 
 def read_tree(root: Path) -> tuple[int, float]:
@@ -37,11 +36,12 @@ def read_tree(root: Path) -> tuple[int, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench")
     parser.add_argument("--images", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    bench.add_run_arguments(parser, results="WORK/read.json", work=REPO / "out" / "bench")
     args = parser.parse_args()
     work = args.work.absolute()
+    out = (args.json or work / "read.json").absolute()
     src = dataset(work, args.images, 2048, 1024)
     store = store_for(work, src, 1.0)
     bmp = work / "bmp"
@@ -62,7 +62,7 @@ def main() -> int:
         record(f"{name}, cold", cold)
         record(f"{name}, warm", [(*read_tree(root), None) for _ in range(args.repeats)])
 
-    m = Mounted(src, store, work / "mnt")
+    m = mount(src, store, work / "mnt")
     try:
         runs = []
         for _ in range(args.repeats):
@@ -73,7 +73,7 @@ def main() -> int:
         record("liquidfs r=1, from storage", runs)
     finally:
         m.close()
-    m = Mounted(src, store, work / "mnt", "--cache-size", "100%", "--warmup")
+    m = mount(src, store, work / "mnt", "--cache-size", "100%", "--warmup")
     try:
         c0 = cpu_seconds(m.pid)
         b, s = read_tree(m.mnt / SUBDIR)
@@ -93,7 +93,8 @@ def main() -> int:
     for r in rows:
         cpu = "" if r["daemon_cpu_s_per_gb"] is None else f"{r['daemon_cpu_s_per_gb']:.3f}"
         print(f"| {r['config']} | {r['mb_per_s']:.0f} | {cpu} | {r['runs']} |")
-    (work / "read.json").write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"argv": sys.argv, "rows": rows}, indent=1))
     return 0
 
 

@@ -1,21 +1,21 @@
 """liquidfs over an object store vs s3fs, rclone and plain boto3: an unmodified DALI CPU pipeline, epoch by epoch.
 
-    .venv/bin/python scripts/bench_s3.py                          # 48 images, 3 rounds x 3 epochs, --ratio auto
-    .venv/bin/python scripts/bench_s3.py --quick                  # smoke test: 12 images, 1 round x 2 epochs
-    .venv/bin/python scripts/bench_s3.py --ratio 0.8 --all        # a fixed ratio; also liquidfs at ratio 0
-    .venv/bin/python scripts/bench_s3.py --dataset out/bench/data --keep
+    .venv/bin/python scripts/bench/bench_s3.py                    # 48 images, 3 rounds x 3 epochs, --ratio auto
+    .venv/bin/python scripts/bench/bench_s3.py --smoke            # smoke test: 12 images, 1 round x 2 epochs
+    .venv/bin/python scripts/bench/bench_s3.py --ratio 0.8 --all  # a fixed ratio; also liquidfs at ratio 0
+    .venv/bin/python scripts/bench/bench_s3.py --dataset out/bench/data --keep
 
 (as root: drop_caches needs it; the project VM runs everything as root.)
 
 What it does:
 1. starts a real S3 server (OpenStack Swift + s3api on 127.0.0.1, tests/support/s3server.py) under the work directory,
-   makes the sample dataset (liquidfs.sample.make_sample, 2048x1024 PNG mosaics of real photos, seed 42) or
+   makes the sample dataset (scripts/sample.py's make_sample, 2048x1024 PNG mosaics of real photos, seed 42) or
    takes --dataset, and uploads it to s3://bench/cs/ (keys = relative paths);
 2. ``liquidfs prepare s3://bench/cs --store s3://bench/cs.liquid --ratio auto --quick`` (or --ratio R): the ratio
    the profiler chose and prepare's wall time are recorded;
 3. measures each configuration in --repeats rounds; a round is: a fresh mount, ``sync; echo 3 >
    /proc/sys/vm/drop_caches``, then --epochs epochs back to back on that mount, each one run of
-   scripts/dali_epoch.py (fn.readers.file with random shuffle + fn.decoders.image, batch 16, threads = cores, one
+   scripts/bench/dali_epoch.py (fn.readers.file with random shuffle + fn.decoders.image, batch 16, threads = cores, one
    epoch = every image once, its own process). Epoch 1 of a round is cold everywhere: no FUSE/daemon cache, no page
    cache, and Swift's object files (on this machine's disk) are not in the page cache either, so the server side
    is cold too. Later epochs find Swift's files in the page cache (a "warm" server) and whatever the filesystem
@@ -34,10 +34,10 @@ What it does:
                   overlap (a window of batches is fetched ahead while DALI decodes).
    Also per epoch: the FUSE daemon's CPU time (/proc/PID/stat), Swift's CPU time, and the client requests and
    bytes Swift's proxy logged (how each client reads the store).
-   With fewer images than a batch (--quick: 12) the batch is the images, so that a run is one epoch.
-4. prints a markdown table and writes JSON and the table to --out (.json/.md; default out/bench_s3, --quick:
-   out/bench_s3_quick). The server, every mount and (unless --keep) the files it made are removed at the end,
-   errors and ^C included.
+   With fewer images than a batch (--smoke: 12) the batch is the images, so that a run is one epoch.
+4. prints a markdown table and writes JSON to --json and the table beside it (.md; default out/bench_s3.json,
+   --smoke: out/bench_s3_smoke.json). The server, every mount and (unless --keep) the files it made are removed
+   at the end, errors and ^C included.
 
 Caveat worth keeping in mind when reading the numbers: the Swift servers run on the same (2) cores as the loader
 and the FUSE daemon, so every byte served costs server CPU too; "Swift CPU ms/img" shows how much.
@@ -65,12 +65,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench as bench  # noqa: E402  (dataset, mount, page cache, CPU seconds: one copy of each)
+from _bench import REPO, SUBDIR  # noqa: E402
+
 sys.path.insert(0, str(REPO / "tests" / "support"))  # s3server.py and its fusehelpers live with the tests
 
-DALI_EPOCH = REPO / "scripts" / "dali_epoch.py"
-SUBDIR = Path("leftImg8bit") / "train"
 BUCKET = "bench"
 PREFIX = "cs"
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")
@@ -84,7 +85,7 @@ LOADER_TIMEOUT = 900
 #    multipart_size=10 (MB) only split downloads of objects of tens of MB, not these 2-3 MB images;
 #    multireq_max=20 bounds the parallel HEADs of a directory listing (done at DALI's pipeline build, untimed);
 #    the stat cache stays at its default. No kernel_cache, so the kernel drops a file's pages at each open.
-#    Measured (--quick): ~2 GETs and ~5 HEADs per image cold, ~1.4 and 2 later, each byte sent once.
+#    Measured (--smoke): ~2 GETs and ~5 HEADs per image cold, ~1.4 and 2 later, each byte sent once.
 #  * rclone (the helper adds --read-only --vfs-cache-mode off): --use-server-modtime, so a stat needs no HEAD
 #    for rclone's mtime metadata (the listing's LastModified is used), as s3fs and liquidfs need none per read;
 #    --vfs-read-chunk-size stays 128M (one ranged GET covers a whole image), --buffer-size 16M (in-memory
@@ -111,20 +112,8 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def drop_caches() -> None:
-    """Empty the page cache: the loader's files and Swift's object files alike (same disk, same kernel)."""
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process (its threads included), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds_of(pids: list[int]) -> float:
-    return sum(cpu_seconds(pid) for pid in pids)
+    return sum(bench.cpu_seconds(pid) for pid in pids)
 
 
 def images_under(root: Path) -> list[Path]:
@@ -136,20 +125,6 @@ def median(values: list[float]) -> float | None:
 
 
 # -- dataset, server, prepare -----------------------------------------------------------------------------
-
-
-def make_dataset(work: Path, images: int) -> Path:
-    """The sample under WORK/data, reused when a previous --keep run made the same one."""
-    from liquidfs.sample import make_sample
-
-    src = work / "data"
-    marker = src / "meta.json"
-    if marker.exists() and json.loads(marker.read_text()).get("count") == images:
-        log(f"reusing {images} images in {src}")
-        return src
-    shutil.rmtree(src, ignore_errors=True)
-    log(f"generating {images} 2048x1024 images in {src}")
-    return make_sample(src, count=images, width=2048, height=1024, seed=42)
 
 
 def upload(client: Any, root: Path, threads: int) -> tuple[int, int]:
@@ -167,21 +142,13 @@ def upload(client: Any, root: Path, threads: int) -> tuple[int, int]:
     return len(files), total
 
 
-def liquidfs_cli(env: dict[str, str], *args: str, timeout: float = 1800) -> str:
-    done = subprocess.run([sys.executable, "-m", "liquidfs", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"liquidfs {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    return done.stdout
-
-
 def prepare(env: dict[str, str], store: str, ratio: str, quick_profile: bool) -> dict[str, Any]:
     """``liquidfs prepare`` into ``store``; returns the ratio used (the profiler's choice for auto) and wall time."""
     args = ["prepare", f"s3://{BUCKET}/{PREFIX}", "--store", store, "--ratio", ratio, "--no-progress"]
     if ratio == "auto" and quick_profile:
         args.append("--quick")
     started = time.perf_counter()
-    out = liquidfs_cli(env, *args)
+    out = bench.liquidfs(*args, env=env, timeout=1800)
     seconds = time.perf_counter() - started
     chosen = re.search(r"profile chose ratio ([0-9.]+)", out)
     used = float(chosen.group(1)) if chosen else float(ratio)
@@ -224,36 +191,27 @@ def wait_gone(pid: int | None, timeout: float = 30) -> None:
 
 def force_unmount(mnt: Path) -> None:
     """Last resort in a finally: a lazy unmount, so that nothing is left mounted whatever went wrong."""
-    from fusehelpers import FUSERMOUNT, is_mounted
-
-    if is_mounted(mnt):
-        subprocess.run([FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True, check=False)
+    if bench.is_mounted(mnt):
+        subprocess.run([bench.FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True, check=False)
 
 
 @contextmanager
 def liquidfs_mounted(env: dict[str, str], store: str, mnt: Path, threads: int,
                      cache_size: str) -> Iterator[Target]:
-    from fusehelpers import is_mounted
-
-    mnt.mkdir(parents=True, exist_ok=True)
-    pid = None
+    mounted = None
     try:
-        liquidfs_cli(env, "mount", f"s3://{BUCKET}/{PREFIX}", str(mnt), "--store", store,
-                     "--cache-size", cache_size, "--threads", str(threads), timeout=300)
+        mounted = bench.mount(f"s3://{BUCKET}/{PREFIX}", store, mnt, "--cache-size", cache_size, "--threads",
+                              str(threads), env=env, timeout=300)
 
         def stats() -> dict[str, Any]:
-            return json.loads(liquidfs_cli(env, "stats", str(mnt), "--json", timeout=60))
+            return json.loads(bench.liquidfs("stats", str(mnt), "--json", env=env, timeout=60))
 
-        pid = int(stats()["pid"])
-        yield Target(mnt, pid, stats)
+        yield Target(mnt, mounted.pid, stats)
     finally:
-        if is_mounted(mnt):
-            try:
-                liquidfs_cli(env, "umount", str(mnt), timeout=120)  # waits for the daemon to exit
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                log(f"liquidfs umount {mnt}: {exc}")
+        if mounted is not None:
+            mounted.close(check=False)  # waits for the daemon to exit; a failure is printed, the mount detached
         force_unmount(mnt)
-        wait_gone(pid)
+        wait_gone(mounted.pid if mounted else None)
 
 
 @contextmanager
@@ -324,7 +282,7 @@ def run_json(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any
 
 
 def dali_epoch(root: Path, images: int, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    return run_json([sys.executable, str(DALI_EPOCH), str(root / SUBDIR), "--images", str(images),
+    return run_json([sys.executable, str(bench.DALI_EPOCH), str(root / SUBDIR), "--images", str(images),
                      "--batch", str(args.batch), "--threads", str(args.loader_threads), "--seed", str(seed)])
 
 
@@ -373,12 +331,13 @@ class ServerWatch:
 
 def measure_round(name: str, target: Target, images: int, image_bytes: int, rnd: int, server: ServerWatch,
                   args: argparse.Namespace, s3_env: dict[str, str]) -> list[dict[str, Any]]:
-    """The round's epochs back to back on one target: page cache dropped before the first only."""
-    drop_caches()
+    """The round's epochs back to back on one target: page cache dropped before the first only (the loader's
+    files and Swift's object files alike: same disk, same kernel)."""
+    bench.drop_caches()
     epochs = []
     for epoch in range(1, args.epochs + 1):
         seed = 100 * rnd + epoch  # the same orders for every configuration
-        d0 = cpu_seconds(target.daemon_pid) if target.daemon_pid else None
+        d0 = bench.cpu_seconds(target.daemon_pid) if target.daemon_pid else None
         st0 = target.stats() if target.stats else None
         mark = server.mark()
         if target.root is None:
@@ -387,7 +346,7 @@ def measure_round(name: str, target: Target, images: int, image_bytes: int, rnd:
             result = dali_epoch(target.root, images, seed, args)
         result.update(server.since(mark))
         if d0 is not None and target.daemon_pid:
-            result["daemon_cpu_s"] = cpu_seconds(target.daemon_pid) - d0
+            result["daemon_cpu_s"] = bench.cpu_seconds(target.daemon_pid) - d0
         if st0 is not None and target.stats:
             st1 = target.stats()
             result["served_bytes"] = (st1["bytes_from_memory"] + st1["bytes_from_storage"]
@@ -584,12 +543,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, help="images to generate (default 48, --quick 12); with --dataset: "
+    parser.add_argument("--images", type=int, help="images to generate (default 48, --smoke 12); with --dataset: "
                         "every image found is used")
     parser.add_argument("--dataset", type=Path, help="use this tree (leftImg8bit/train/...) instead of a sample")
     parser.add_argument("--repeats", type=int, help="rounds per configuration (fresh mount, cold epoch 1; "
-                        "default 3, --quick 1)")
-    parser.add_argument("--epochs", type=int, help="epochs per round, back to back (default 3, --quick 2)")
+                        "default 3, --smoke 1)")
+    parser.add_argument("--epochs", type=int, help="epochs per round, back to back (default 3, --smoke 2)")
     parser.add_argument("--ratio", default="auto", help="prepare's --ratio: 'auto' (profiled with --quick unless "
                         "--full-profile) or a number 0..1 (default auto)")
     parser.add_argument("--full-profile", action="store_true", help="with --ratio auto: the full profile")
@@ -600,15 +559,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="DALI threads (default: cores)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--all", action="store_true", help="also liquidfs at ratio 0 (all PNG through liquidfs)")
-    parser.add_argument("--work", type=Path, default=REPO / "out" / "bench_s3_work")
-    parser.add_argument("--out", type=Path, help="results prefix (default out/bench_s3, --quick out/bench_s3_quick)")
     parser.add_argument("--keep", action="store_true", help="keep the work dir (dataset, server data, logs)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 12 images, 1 round of 2 epochs")
+    bench.add_run_arguments(parser, results="out/bench_s3.json, --smoke out/bench_s3_smoke.json; the table beside "
+                            "it as .md", work=REPO / "out" / "bench_s3_work",
+                            work_help="the dataset, the server's data, the mountpoints and logs: what this run makes "
+                            "there is removed at the end, unless --keep",
+                            smoke="12 images, 1 round of 2 epochs")
     args = parser.parse_args(argv)
-    args.images = args.images or (12 if args.quick else 48)
-    args.repeats = args.repeats or (1 if args.quick else 3)
-    args.epochs = args.epochs or (2 if args.quick else 3)
-    args.out = args.out or REPO / "out" / ("bench_s3_quick" if args.quick else "bench_s3")
+    args.images = args.images or (12 if args.smoke else 48)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
+    args.epochs = args.epochs or (2 if args.smoke else 3)
+    args.json = (args.json or REPO / "out" / ("bench_s3_smoke.json" if args.smoke else "bench_s3.json")).absolute()
     if args.epochs < 2:
         parser.error("--epochs must be at least 2 (epoch 1 is cold, later epochs are reported apart)")
     if args.ratio != "auto" and not re.fullmatch(r"(0(\.[0-9]*)?|1(\.0*)?)", args.ratio):
@@ -631,9 +592,7 @@ def boto3_epoch_main(argv: list[str]) -> None:
 
 def cleanup(work: Path, made: list[Path], keep: bool) -> None:
     """Remove only what this run made (never a --work that held other things), and never a live mount."""
-    from fusehelpers import is_mounted
-
-    mounts = [p for p in work.glob("mnt-*") if is_mounted(p)]
+    mounts = [p for p in work.glob("mnt-*") if bench.is_mounted(p)]
     if mounts:
         log(f"NOT removing {work}: still mounted: {mounts}")
         return
@@ -661,7 +620,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.dataset:
         src = args.dataset.absolute()
     else:
-        src = make_dataset(args.work, args.images)
+        src = bench.dataset(args.work, args.images, 2048, 1024)
         made.append(src)
     files = images_under(src / SUBDIR)
     if not files:
@@ -716,8 +675,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rclone_vfs_cache_full": RCLONE_CACHE_SETTINGS.format(share=args.cache_size),
         "boto3": f"{args.threads} concurrent get_object into memory, fn.external_source -> fn.decoders.image; "
                  "downloads overlap decoding; loader CPU includes the downloads",
-        "dali": f"scripts/dali_epoch.py: fn.readers.file random_shuffle + fn.decoders.image cpu, batch {args.batch},"
-                f" {args.loader_threads} threads, pipeline built (files listed) before the clock starts",
+        "dali": f"scripts/bench/dali_epoch.py: fn.readers.file random_shuffle + fn.decoders.image cpu, batch "
+                f"{args.batch}, {args.loader_threads} threads, pipeline built (files listed) before the clock starts",
     }
     return {"meta": meta, "rows": rows}
 
@@ -731,15 +690,15 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     result = run(args)
     table = markdown(result["rows"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1))
     header = (f"{result['meta']['images']} images, {result['meta']['repeats']} round(s) x "
               f"{result['meta']['epochs_per_round']} epochs, liquidfs ratio "
               f"{result['meta']['prepare'][0]['ratio']:.2f} (--ratio {args.ratio}; prepare "
               f"{result['meta']['prepare'][0]['seconds']:.0f} s)\n\n")
-    args.out.with_suffix(".md").write_text(header + table + "\n")
+    args.json.with_suffix(".md").write_text(header + table + "\n")
     print(header + table)
-    print(f"\n(JSON {args.out.with_suffix('.json')}, table {args.out.with_suffix('.md')}, "
+    print(f"\n(JSON {args.json}, table {args.json.with_suffix('.md')}, "
           f"{result['meta']['seconds']:.0f} s)")
     return 0
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Scale benchmark: an ImageNet-sized tree (1,281,167 files in 1,000 directories) through a real mount.
 
-Generates (or reuses) a tree of empty files under --dir, then measures and prints:
+Generates (or reuses) a tree of empty files under --work, then measures and prints:
 
 * catalog build rate (files/s; goal >= 20,000), in a fresh process, dentries and inodes dropped first;
 * time until `liquidfs mount` of an already built catalog returns with the mount answering (goal <= 3 s);
@@ -10,8 +10,8 @@ Generates (or reuses) a tree of empty files under --dir, then measures and print
   each stat is one LOOKUP answered by the daemon (p50/p99 per entry);
 * `find` over the whole mount: time and count (must equal files + directories).
 
-    python scripts/bench_scale.py                       # full size; the tree is kept under --dir for reuse
-    python scripts/bench_scale.py --files 100000 --json /tmp/scale.json
+    python scripts/bench/bench_scale.py                       # full size; the tree is kept under --work for reuse
+    python scripts/bench/bench_scale.py --files 100000 --json /tmp/scale.json
 
 Needs root for the drop of dentry caches (without it, lookups may be answered by the kernel's cache and the
 figures say so). Figures are printed, never asserted: tests/mount/test_scale.py runs a small version for correctness.
@@ -31,10 +31,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from liquidfs.mount import read_control  # noqa: E402
+import _bench as bench  # noqa: E402  (mount, page cache: one copy of each)
 
 GOALS = {"build_files_per_s": 20_000, "mount_ready_s": 3.0, "rss_after_find_mb": 300}
 MARKER = ".bench_scale.json"
@@ -68,7 +67,7 @@ def make_tree(root: Path, layout: Layout) -> tuple[float, bool]:
     """The tree under ``root``: (seconds spent making it, whether it was made now rather than reused).
 
     A tree is reused only when its marker says it is complete and of this layout; a directory without the marker
-    is never deleted, so a typo in --dir cannot remove someone's data.
+    is never deleted, so a typo in --work cannot remove someone's data.
     """
     marker = root / MARKER
     if marker.exists():
@@ -76,7 +75,7 @@ def make_tree(root: Path, layout: Layout) -> tuple[float, bool]:
             return 0.0, False
         shutil.rmtree(root)
     elif root.exists() and any(root.iterdir()):
-        raise SystemExit(f"{root} exists, is not empty and was not made by this benchmark; choose another --dir")
+        raise SystemExit(f"{root} exists, is not empty and was not made by this benchmark; choose another --work")
     started = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     marker.write_text(json.dumps({**asdict(layout), "complete": False}))
@@ -98,8 +97,7 @@ def make_tree(root: Path, layout: Layout) -> tuple[float, bool]:
 def drop_dentries() -> bool:
     """Make the kernel forget dentries and inodes, so lookups reach the daemon; False when not allowed."""
     try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        bench.drop_caches(2)
         return True
     except OSError:
         return False
@@ -119,27 +117,6 @@ def measure_build(source: Path, store: Path) -> dict[str, Any]:
     got["files_per_s"] = got["files"] / got["seconds"]
     got["catalog_mb"] = (store / "catalog.sqlite").stat().st_size / 1e6
     return got
-
-
-def liquidfs(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def mount(source: Path, mountpoint: Path, store: Path, *extra: str) -> float:
-    """Wall time of `liquidfs mount` (it returns once the mount answers)."""
-    started = time.monotonic()
-    done = liquidfs("mount", str(source), str(mountpoint), "--store", str(store), "--log-level", "info", *extra)
-    seconds = time.monotonic() - started
-    if done.returncode != 0:
-        raise RuntimeError(f"liquidfs mount failed: {done.stderr}")
-    return seconds
-
-
-def umount(mountpoint: Path) -> None:
-    done = liquidfs("umount", str(mountpoint))
-    if done.returncode != 0:
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
 
 
 def memory_mb(pid: int) -> dict[str, float]:
@@ -197,14 +174,11 @@ def measure_directory(directory: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    workdir = Path(args.dir).absolute()
+    workdir = args.work.absolute()
     layout = Layout(args.files, args.dirs, BIG_DIR_ENTRIES)
     source = workdir / "tree"
     store = Path(args.store).absolute() if args.store else workdir / "store"
     mountpoint = workdir / "mnt"
-    mountpoint.mkdir(parents=True, exist_ok=True)
-    if os.path.ismount(mountpoint) or subprocess.run(["mountpoint", "-q", str(mountpoint)]).returncode == 0:
-        subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True)
     results: dict[str, Any] = {"files": layout.files, "dirs": layout.dirs, "cpus": os.cpu_count()}
 
     made_s, made = make_tree(source, layout)
@@ -220,19 +194,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     ready = []
     for attempt in range(args.mounts):
-        ready.append(mount(source, mountpoint, store))
+        mounted = bench.mount(source, store, mountpoint, "--log-level", "info", timeout=600)
+        ready.append(mounted.ready_s)  # `liquidfs mount` returns once the mount answers
         if attempt < args.mounts - 1:
-            umount(mountpoint)
+            mounted.close(check=False, timeout=600)
     results["mount_ready_s"] = {"runs": ready, "median": statistics.median(ready)}
     print(f"mount ready: {', '.join(f'{s:.2f}' for s in ready)} s", flush=True)
     try:
-        pid = int(read_control(mountpoint)["pid"])
+        pid = mounted.pid
         results["rss_after_mount"] = memory_mb(pid)
         drop_dentries()
         results["find"] = measure_find(mountpoint)
         results["find"]["expected"] = layout.files + layout.dirs + 2  # root and the marker file
         results["rss_after_find"] = memory_mb(pid)
-        results["known_inodes_after_find"] = read_control(mountpoint)["known_inodes"]
+        results["known_inodes_after_find"] = bench.control(mountpoint)["known_inodes"]
         print(f"find: {results['find']['entries']:,} entries in {results['find']['seconds']:.1f} s; "
               f"RSS {results['rss_after_find']['rss_mb']:.0f} MB", flush=True)
         directory = measure_directory(mountpoint / layout.big_dir())
@@ -241,9 +216,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         directory.pop("stats")
         results["big_dir"] = directory
         results["rss_end"] = memory_mb(pid)
-        results["control"] = read_control(mountpoint)
+        results["control"] = bench.control(mountpoint)
     finally:
-        umount(mountpoint)
+        mounted.close(check=False, timeout=600)
     return results
 
 
@@ -282,10 +257,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=1_281_167, help="number of files (default: ImageNet's train)")
     parser.add_argument("--dirs", type=int, default=1000, help="number of directories (default 1000)")
-    parser.add_argument("--dir", default="/tmp/liquidfs-scale", help="work directory; the tree is reused from here")
-    parser.add_argument("--store", help="catalog directory (default DIR/store; rebuilt every run)")
+    parser.add_argument("--store", help="catalog directory (default WORK/store; rebuilt every run)")
     parser.add_argument("--mounts", type=int, default=3, help="mounts timed for the ready figure (default 3)")
-    parser.add_argument("--json", help="write the results here as JSON")
+    bench.add_run_arguments(parser, results="not written: printed only", work=Path("/tmp/liquidfs-scale"),
+                            work_help="the tree (reused from here), the catalog and the mountpoint")
     args = parser.parse_args()
     if args.dirs < 1 or args.files < 1:
         parser.error("--files and --dirs must be positive")
@@ -293,7 +268,8 @@ def main() -> int:
     print()
     print(table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -1,9 +1,9 @@
 """Training end to end (issue 18): an unmodified DALI -> PyTorch training loop reading PNGs directly, a BMP copy
 directly, and liquidfs at the profiled mix (with and without the next-epoch cache).
 
-    python scripts/bench_train.py [--images 1000] [--size 2048x1024] [--models mobilenet,deeplab] [--cores 8,4]
-        [--epochs 3] [--ratio auto] [--cache-size 30%] [--out out/train]
-    python scripts/bench_train.py --smoke      # 24 tiny images, CPU decode, a tiny model: that the script works
+    python scripts/bench/bench_train.py [--images 1000] [--size 2048x1024] [--models mobilenet,deeplab] [--cores 8,4]
+        [--epochs 3] [--ratio auto] [--cache-size 30%] [--json out/train/train.json]
+    python scripts/bench/bench_train.py --smoke      # 24 tiny images, CPU decode, a tiny model: that the script works
 
 The training script is what people write, untouched by liquidfs: ``fn.readers.file`` (random shuffle) ->
 ``fn.decoders.image(device="mixed")`` -> random resized crop, flip and normalize on the GPU -> DALI's PyTorch
@@ -25,8 +25,8 @@ Each (configuration, model, core count) is one training process, pinned to the f
 each GPU a few cores; the balance depends on it), the liquidfs daemon pinned to the same ones. The page cache is
 dropped before its epoch 1 (cold); epochs 2.. follow without a drop. Per epoch: training images/s, the trainer's
 CPU seconds (DALI's threads and PyTorch's), the daemon's, and the GPU utilisation (NVML, sampled by nvidia-smi).
-Output: a markdown table (epoch 1 and epochs 2.. separately, with liquidfs / direct-png), JSON and a PNG chart
-under --out. Needs root on Linux (drop_caches).
+Output: a markdown table (epoch 1 and epochs 2.. separately, with liquidfs / direct-png), JSON at --json, and
+beside it a PNG chart and each run's log. Needs root on Linux (drop_caches).
 """
 
 from __future__ import annotations
@@ -44,12 +44,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
-from liquidfs.sample import CITIES, _photos, mosaic  # noqa: E402
+from sample import CITIES, _photos, mosaic  # noqa: E402
 
 CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache", "liquidfs-j2k")
 J2K_FORMATS = ("j2k", "bmp")  # prepare --formats png,j2k,bmp: J2K first, BMP where J2K cannot hold an image
@@ -251,7 +249,7 @@ def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemo
     cmd = [sys.executable, str(Path(__file__).resolve()), "train", str(root), "--device", args.device,
            "--model", run.model, "--epochs", str(args.epochs), "--batch", str(args.batch),
            "--threads", str(len(cores)), "--crop", str(args.crop)]
-    log = (args.out / f"train-{run.config}-{run.model}-{run.cores}.log").open("w")
+    log = (args.json.parent / f"train-{run.config}-{run.model}-{run.cores}.log").open("w")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
     assert proc.stdin is not None and proc.stdout is not None
@@ -289,10 +287,8 @@ def run_one(run: Run, roots: dict[str, Path], src: Path, stores: dict[str, Path]
         return
     store = stores[run.config]
     mnt = args.work / "mnt"
-    if os.path.ismount(mnt):
-        bench.liquidfs("umount", str(mnt))
     extra = ["--cache-size", args.cache_size] if run.config == "liquidfs-cache" else []
-    mount = bench.Mounted(src, store, mnt, *extra)
+    mount = bench.mount(src, store, mnt, *extra)
     try:
         pin(mount.pid, cores)
         train(run, mnt / bench.SUBDIR, args, cores, mount)
@@ -396,8 +392,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                         help="decode and train on the GPU (auto: when nvidia-smi sees one)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a training run may take")
-    bench.add_run_arguments(parser, "train", "24 images of 256x128, CPU decode, the tiny model, batch 4, 2 epochs, "
-                                           "ratio 0.5")
+    bench.add_run_arguments(parser, results="out/train/train.json", work=bench.REPO / "out" / "bench-train",
+                            work_help="dataset, stores and the mountpoint (the dataset is kept per count and size)",
+                            smoke="24 images of 256x128, CPU decode, the tiny model, batch 4, 2 epochs, ratio 0.5")
     args = parser.parse_args(argv)
     if args.smoke:
         args.images, args.size, args.models, args.device, args.batch = 24, "256x128", "tiny", "cpu", 4
@@ -414,7 +411,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     available = len(os.sched_getaffinity(0))
     args.cores = sorted({min(int(c), available) for c in args.cores.split(",") if c}, reverse=True)
     args.drop_caches = os.geteuid() == 0 and Path("/proc/sys/vm/drop_caches").exists()
-    args.out, args.work = args.out.absolute(), args.work.absolute()
+    args.json = (args.json or bench.REPO / "out" / "train" / "train.json").absolute()
+    args.work = args.work.absolute()
     return args
 
 
@@ -428,10 +426,8 @@ def main(argv: list[str]) -> int:
     if not args.drop_caches:
         print("bench_train: not root: epoch 1 is not cold (the page cache cannot be dropped)", file=sys.stderr)
     started = time.time()
-    args.out.mkdir(parents=True, exist_ok=True)
-    data_work = args.work / f"{args.images}-{args.width}x{args.height}"
-    data_work.mkdir(parents=True, exist_ok=True)
-    data_work = data_work.resolve()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    data_work = bench.dataset_dir(args.work, args.images, args.width, args.height)
     src = dataset(data_work, args.images, args.width, args.height)
     ratio = None
     stores: dict[str, Path] = {}
@@ -450,7 +446,7 @@ def main(argv: list[str]) -> int:
     print(f"{args.images} images {args.size}, {args.device}, models {args.models}, cores {args.cores}, "
           f"liquidfs ratio {ratio}", file=sys.stderr)
     runs: list[Run] = []
-    out = args.out / "train.json"
+    out = args.json
     for model in args.models:
         for cores in args.cores:
             for config in args.configs:
@@ -466,9 +462,9 @@ def main(argv: list[str]) -> int:
                 out.write_text(json.dumps({"meta": meta, "summary": summary(runs),
                                            "runs": [asdict(r) for r in runs]}, indent=1))
     rows = summary(runs)
-    drawn = chart(rows, args.out / "train.png")
+    drawn = chart(rows, out.with_suffix(".png"))
     print(markdown(rows))
-    print(f"\n(JSON {out}" + (f", chart {args.out / 'train.png'}" if drawn else ", no chart: matplotlib missing")
+    print(f"\n(JSON {out}" + (f", chart {out.with_suffix('.png')}" if drawn else ", no chart: matplotlib missing")
           + f", {time.time() - started:.0f} s)")
     return 1 if any(r.error for r in runs) else 0
 

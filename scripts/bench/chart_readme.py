@@ -1,6 +1,6 @@
 """The README's picture: DALI images/s from one run of ``bench_passthrough.py --parts dali``, as a bar chart.
 
-    python scripts/chart_readme.py [--json out/bench-pt/passthrough-dali2.json] [--out docs/throughput.png]
+    python scripts/bench/chart_readme.py [--run out/bench-pt/passthrough-dali2.json] [--png docs/throughput.png]
 
 It draws what that run measured (the median of its repeats per configuration, every repeat as a dot), nothing
 else: the numbers and the command that made them are in BENCHMARKS.md ("FUSE passthrough vs the daemon path").
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # (label on the chart, the configuration's name in the JSON)
 _BARS = (
@@ -26,8 +26,12 @@ _BARS = (
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", type=Path, default=REPO / "out" / "bench-pt" / "passthrough-dali2.json")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "throughput.png")
+    # --run, not --json: in the benchmarks --json names the results they write, and this reads one
+    parser.add_argument("--run", type=Path, metavar="PATH",
+                        default=REPO / "out" / "bench-pt" / "passthrough-dali2.json",
+                        help="the JSON of that bench_passthrough.py run (default out/bench-pt/passthrough-dali2.json)")
+    parser.add_argument("--png", type=Path, metavar="PATH", default=REPO / "docs" / "throughput.png",
+                        help="the chart to write (default docs/throughput.png)")
     args = parser.parse_args(argv)
     try:
         import matplotlib
@@ -37,11 +41,11 @@ def main(argv: list[str]) -> int:
     except ImportError:
         print("chart_readme: needs matplotlib (pip install -e .[bench])", file=sys.stderr)
         return 2
-    run = json.loads(args.json.read_text())
+    run = json.loads(args.run.read_text())
     by_config = {row["config"]: row for row in run["dali"]}
     missing = [name for _, name in _BARS if name not in by_config]
     if missing:
-        print(f"chart_readme: {args.json} lacks {', '.join(missing)}", file=sys.stderr)
+        print(f"chart_readme: {args.run} lacks {', '.join(missing)}", file=sys.stderr)
         return 1
     fig, ax = plt.subplots(figsize=(7, 3.6))
     baseline = by_config[_BARS[0][1]]["images_per_s"]
@@ -57,9 +61,9 @@ def main(argv: list[str]) -> int:
     ax.set_title(f"Unmodified DALI (CPU decode, 2 cores), {run['images']:,} 2048x1024 images, cold storage",
                  fontsize=10)
     fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=100)
-    print(f"chart_readme: wrote {args.out}")
+    args.png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.png, dpi=100)
+    print(f"chart_readme: wrote {args.png}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """One run of an unmodified DALI CPU pipeline over a directory: prints a JSON line with what it measured.
 
 Run as its own process by the benchmarks, so that its CPU time and its cgroup are its own:
-    python scripts/dali_epoch.py FILE_ROOT --images N --batch 16 --threads 2 [--seed S]
+    python scripts/bench/dali_epoch.py FILE_ROOT --images N --batch 16 --threads 2 [--seed S]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Soak: many reader processes read random files through one mount, every read checked.
 
-    python scripts/soak.py --seconds 60                  # sample, prepare (half raw), mount, read, report
-    python scripts/soak.py --attacker --seconds 180 --json out/soak-attacker.json
+    python scripts/bench/soak.py --seconds 60            # sample, prepare (half raw), mount, read, report
+    python scripts/bench/soak.py --attacker --seconds 180 --json out/soak-attacker.json
 
 Both run once per data path (``--data-path both``, the default: passthrough, then daemon), each on a new mount.
 
@@ -44,7 +44,8 @@ a FIFO (a tree of FIFOs), and back, again and again; it must finish or fail with
 ``--profile-deadline`` seconds (120), else it is a HANG (its threads' wchan noted, e.g. ``wait_for_partner``, then
 killed). ``--attacks`` picks the attacks (default all; ``--attacks dirflip`` alone, ``--attacks dirflip,fifo,profile``).
 
-    python scripts/soak.py --attacks dirflip,fifo,profile --seconds 20 --count 24 --readers 4 --json out/soak-26.json
+    python scripts/bench/soak.py --attacks dirflip,fifo,profile --seconds 20 --count 24 --readers 4 \
+        --json out/soak-26.json
 
 Exit status 0 when every read matched (and, without the attacker, nothing failed; with it, no unexpected errno,
 no hang, and the watchdog always answered). tests/mount/test_faults.py runs the reader part for ~10 s;
@@ -72,9 +73,12 @@ from typing import Any
 
 import xxhash
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _bench as bench  # noqa: E402  (mounting, the mount table: one copy of each)
+from _bench import fuse_connection, is_mounted  # noqa: E402
 from liquidfs.mount import read_control  # noqa: E402
+from sample import make_sample  # noqa: E402
 
 IMAGE_SUFFIXES = (b".png", b".jpg", b".jpeg")
 DISCONNECTED = (errno.ENOTCONN, errno.ECONNABORTED)
@@ -939,24 +943,6 @@ def exchange(a: str, b: str, a_dir: int = AT_FDCWD, b_dir: int = AT_FDCWD) -> No
     os.rename(tmp, pa)
 
 
-def fuse_connection(mountpoint: str) -> int | None:
-    """The FUSE connection number of the mount on ``mountpoint`` (/sys/fs/fuse/connections/N), from
-    /proc/self/mountinfo: nothing is asked of the mount itself, which may be hung."""
-    escaped = mountpoint.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-")
-            if fields[4] == escaped and fields[sep + 1].split(".")[0] in ("fuse", "fuseblk"):
-                found = int(fields[2].split(":")[1])  # the last (uppermost) mount there
-    return found
-
-
-def is_mounted(mountpoint: str) -> bool:
-    return fuse_connection(mountpoint) is not None
-
-
 def pid_alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -994,7 +980,7 @@ def abort_mount(mountpoint: str, daemon_pid: int | None = None) -> dict[str, Any
             done["aborted"] = True
         except OSError as exc:  # no fusectl: killing the daemon below closes the connection too
             done["aborted"] = repr(exc)
-        tool = ["fusermount3", "-u", "-z"] if shutil.which("fusermount3") else ["umount", "-l"]
+        tool = [bench.FUSERMOUNT, "-u", "-z"] if shutil.which(bench.FUSERMOUNT) else ["umount", "-l"]
         try:
             done["detach_rc"] = subprocess.run([*tool, mountpoint], capture_output=True, timeout=20).returncode
         except subprocess.TimeoutExpired:
@@ -1233,9 +1219,9 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
     spec_path = work / f"spec-{data_path}.json"
     spec_path.write_text(json.dumps(spec))
     cache = ["--cache-size", args.cache_size] if args.cache_size not in ("", "0", "none") else []
-    subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store", str(store),
-                    "--data-path", data_path, "--log-level", "info", "--log-file",
-                    str(work / f"mount-{data_path}.log"), *cache, *args.mount_option], check=True, timeout=300)
+    bench.liquidfs("mount", str(source), str(mountpoint), "--store", str(store), "--data-path", data_path,
+                   "--log-level", "info", "--log-file", str(work / f"mount-{data_path}.log"), *cache,
+                   *args.mount_option, timeout=300)
     guard = MountGuard(mountpoint)
     watchdog = Watchdog(guard, os.fsdecode(CONTROL_NAME), args.deadline)
     summary: dict[str, Any] = {}
@@ -1291,8 +1277,9 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
             watchdog.stop()
         if not guard.aborted:
             try:
-                subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mountpoint)], check=False,
-                               timeout=60)
+                bench.liquidfs("umount", str(mountpoint), timeout=60)
+            except bench.CommandFailed:
+                pass  # still mounted is a hang, below
             except subprocess.TimeoutExpired:
                 guard.hang("`liquidfs umount` did not return within 60 s")
         if is_mounted(str(mountpoint)):  # whatever happened above: no mount is left behind
@@ -1475,13 +1462,11 @@ def writer_table(rows: list[dict[str, Any]], profile: dict[str, Any] | None) -> 
 
 
 def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
-    from liquidfs.sample import make_sample
-
     width, height = (int(v) for v in args.size.split("x"))
     rows: list[dict[str, Any]] = []
     profile = None
     reading = [a for a in args.attacks if a in ATTACKS]
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp).resolve()
         source = make_sample(work / "data", count=args.count, width=width, height=height, seed=11)
         fixture = build_fixture(work, source)
@@ -1529,9 +1514,9 @@ def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
     wrong = sum(r["wrong"] + len(r["final"]["wrong"]) for r in rows)
     hangs = sum(len(r["hangs"]) for r in rows) + int(bool(profile and profile["hung"]))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "profile": profile,
-                                               "wrong": wrong, "hangs": hangs}, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": vars(args), "rows": rows, "profile": profile, "wrong": wrong,
+                                         "hangs": hangs}, indent=1, default=str))  # the paths among the args
     failed = wrong or hangs or any(r["unexpected"] or r["disconnected"] or r["watchdog"]["failures"] for r in rows)
     print(f"wrong bytes: {wrong} (must be 0), hangs: {hangs} (must be 0)")
     print("soak with attacker FAILED" if failed else "soak with attacker passed: 0 wrong reads, no hang")
@@ -1575,8 +1560,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=200, help="images in the sample (default 200)")
     parser.add_argument("--size", default="256x128", help="image size WxH (default 256x128)")
     parser.add_argument("--ratio", type=float, default=0.5, help="share served raw (default 0.5)")
-    parser.add_argument("--json", help="write the summary here (with --attacker: every wrong read, explained)")
-    parser.add_argument("--dir", help="work directory (default: a new temporary one, removed after)")
+    bench.add_run_arguments(parser, results="not written: printed only; with --attacker every wrong read is "
+                            "explained in it")
+    parser.add_argument("--work", type=Path, metavar="DIR",
+                        help="where the run's temporary work directory (sample, stores, mountpoints) is made and "
+                        "removed after (default: the system's temporary directory)")
     parser.add_argument("--object-writer", choices=("store-writer", "root"), default="store-writer",
                         help="who damages raw objects: a store writer who is not the mount's user and replaces "
                              "them (default), or root writing root's own objects in place (what passthrough "
@@ -1609,27 +1597,23 @@ def main(argv: list[str] | None = None) -> int:
 
 def soak_plain(args: argparse.Namespace, data_path: str) -> bool:
     from liquidfs.prepare import prepare
-    from liquidfs.sample import make_sample
 
     width, height = (int(v) for v in args.size.split("x"))
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
         source = make_sample(work / "data", count=args.count, width=width, height=height, seed=11, jpeg_share=0.25)
         store = work / "store"
         prepare(source, store, args.ratio, progress=False)
         manifest_path = work / "manifest.json"
         manifest_path.write_text(json.dumps(build_manifest(store)))
-        mountpoint = work / "mnt"
-        mountpoint.mkdir()
-        subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(source), str(mountpoint), "--store",
-                        str(store), "--data-path", data_path, *args.mount_option], check=True)
+        mounted = bench.mount(source, store, work / "mnt", "--data-path", data_path, *args.mount_option)
         try:
-            summary = soak(mountpoint, manifest_path, args.readers, args.seconds)
-            stats = read_control(mountpoint)
+            summary = soak(mounted.mnt, manifest_path, args.readers, args.seconds)
+            stats = read_control(mounted.mnt)
             summary["daemon"] = {k: stats[k] for k in ("opens", "opens_raw", "errors", "fallbacks", "open_files",
                                                        "data_path")}
         finally:
-            subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mountpoint)], check=False)
+            mounted.close(check=False)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("mismatches", "errors")}, indent=1))
     for line in summary["mismatches"][:20] + summary["errors"][:20]:
         print("  " + line)
@@ -1637,8 +1621,8 @@ def soak_plain(args: argparse.Namespace, data_path: str) -> bool:
         and summary["daemon"]["errors"] == 0
     print(f"soak ({data_path}) passed" if ok else f"soak ({data_path}) FAILED")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(summary, indent=1))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(summary, indent=1))
     return ok
 
 

@@ -1,6 +1,6 @@
 """One epoch of an unmodified torchvision ImageFolder + DataLoader over a directory: prints a JSON line.
 
-    python scripts/torch_epoch.py FILE_ROOT --images N --batch 16 --workers 2 [--seed S]
+    python scripts/bench/torch_epoch.py FILE_ROOT --images N --batch 16 --workers 2 [--seed S]
 
 The counterpart of dali_epoch.py for bench_e2e.py's `--loader torch`. Decoding is torchvision's default loader
 (Pillow, converted to RGB) in the DataLoader's worker processes; CPU time includes the workers.

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from benchscripts import load_script
 from conftest import run_cli
 from fusehelpers import FUSERMOUNT, Mount, as_nobody, daemon_pid, is_mounted, wait_for
 from liquidfs.catalog import REPR_RAW, Catalog, Node
 from liquidfs.prepare import prepare
-from liquidfs.sample import make_sample
-from test_scale import load_script
+from sample import make_sample
 
 pytestmark = pytest.mark.fuse
 

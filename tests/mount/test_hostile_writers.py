@@ -16,7 +16,7 @@ from fusehelpers import DATA_PATHS, Mount, as_nobody, wait_for
 from liquidfs.catalog import Catalog
 from liquidfs.mount import read_control
 from liquidfs.prepare import prepare
-from liquidfs.sample import make_sample
+from sample import make_sample
 
 #: Seconds a request to a healthy mount may take here before it counts as hung (a generous bound on a loaded
 #: 2-core machine, not a performance figure).
@@ -155,7 +155,7 @@ def test_a_catalog_row_pointing_at_another_images_object_is_refused(tmp_path: Pa
     import dataclasses
 
     from liquidfs.backing import resolve
-    from liquidfs.reader import StoreReader
+    from liquidfs.stores.local.reader import StoreReader
 
     src = tmp_path / "src"
     make_sample(src, count=2, width=64, height=48, seed=22)

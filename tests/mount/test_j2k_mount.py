@@ -16,7 +16,7 @@ from conftest import run_cli
 from fusehelpers import Mount
 from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare, verify
-from liquidfs.sample import _photos, mosaic
+from sample import _photos, mosaic
 
 
 def _tree(root: Path) -> Path:

@@ -16,7 +16,7 @@ from PIL import Image
 from fusehelpers import DATA_PATHS, Mount, mounter_on_each_path, wait_for
 from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare
-from liquidfs.sample import make_sample
+from sample import make_sample
 
 pytestmark = pytest.mark.fuse
 

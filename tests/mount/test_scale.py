@@ -1,33 +1,21 @@
-"""A small run of scripts/bench_scale.py's measurements, checked for correctness (figures printed, not asserted)."""
+"""A small run of scripts/bench/bench_scale.py's measurements, checked for correctness (figures printed, not
+asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from benchscripts import load_script
 from fusehelpers import Mount, daemon_pid
 
 pytestmark = pytest.mark.fuse
 
 FILES = 20_000
 DIRS = 20
-
-
-def load_script(name: str) -> ModuleType:
-    path = Path(__file__).parents[2] / "scripts" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"scripts_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
 
 bench = load_script("bench_scale")
 

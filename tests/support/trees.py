@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from liquidfs.sample import make_sample
+from sample import make_sample
 
 ODD_NAMES = ["with space.txt", "ünïcødé-名前.txt", "new\nline.txt", "-leading-dash", "#hash", "a'quote\".txt"]
 

@@ -1,4 +1,4 @@
-"""scripts/bench_adaptive.py works: its smoke run (cpu scenario, a handful of small images) reads every tree once
+"""scripts/bench/bench_adaptive.py works: its smoke run (cpu scenario, a handful of small images) reads every tree once
 before timing, then runs each configuration through every epoch of every phase on a real mount. Not a
 measurement: no rate is compared."""
 
@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.fuse
 @pytest.mark.needs_root("bench_adaptive drops the page cache (/proc/sys/vm/drop_caches)")
 def test_bench_adaptive_smoke_warms_up_and_runs_every_configuration(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_adaptive.py"), "--smoke", "--scenarios",
-                           "cpu", "--configs", "png,adaptive", "--out", str(tmp_path / "out"), "--work",
-                           str(tmp_path / "work")], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_adaptive.py"), "--smoke",
+                           "--scenarios", "cpu", "--configs", "png,adaptive", "--json",
+                           str(tmp_path / "out" / "adaptive.json"), "--work", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "adaptive.json").read_text())
     assert report["meta"]["warm_up"] is True

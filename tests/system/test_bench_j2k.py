@@ -1,4 +1,4 @@
-"""scripts/bench_j2k.py works (issue 18): its smoke run decodes the PNG, BMP and J2K of a few images with every
+"""scripts/bench/bench_j2k.py works (issue 18): its smoke run decodes the PNG, BMP and J2K of a few images with every
 decoder here and finds each exact against the PNG's pixels. Not a measurement: no rate is compared."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_j2k_smoke_decodes_every_format_exactly(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_j2k.py"), "--smoke", "--threads", "2",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_j2k.py"), "--smoke", "--threads",
+                           "2", "--json", str(tmp_path / "j2k.json")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "j2k.json").read_text())
     rows = {(r["format"], r["decoder"]): r for r in report["rows"]}

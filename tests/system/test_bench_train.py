@@ -1,4 +1,4 @@
-"""scripts/bench_train.py works (issue 18): its CPU mode, on a handful of images, trains through every
+"""scripts/bench/bench_train.py works (issue 18): its CPU mode, on a handful of images, trains through every
 configuration, a real liquidfs mount included, and reports what it measured. Not a measurement: no figure is
 compared with anything, only that each run trained over every image of every epoch, through the mount's files."""
 
@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_bench_train_smoke_trains_through_every_configuration(tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_train.py"), "--smoke", "--cores", "2",
-                           "--out", str(out), "--work", str(tmp_path / "work")],
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_train.py"), "--smoke", "--cores",
+                           "2", "--json", str(out / "train.json"), "--work", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((out / "train.json").read_text())

@@ -1,4 +1,4 @@
-"""scripts/soak.py's dataset-writer attacks (issue 26), briefly, against real mounts.
+"""scripts/bench/soak.py's dataset-writer attacks (issue 26), briefly, against real mounts.
 
 * ``dirflip`` and ``fifo`` during reads, on each data path, with ``--cache-size 100%`` (re-opens of held files
   take the "has the source changed" check): a directory of the source exchanged (renameat2 RENAME_EXCHANGE) with
@@ -17,35 +17,23 @@ directory (aborted through /sys/fs/fuse/connections, as the soak itself does) an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from benchscripts import BENCH, load_script
 from fusehelpers import DATA_PATHS
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
-SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
-
-
-def load_soak() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("scripts_soak_system", SOAK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = load_soak()
+SOAK = BENCH / "soak.py"
+soak = load_script("soak")
 
 
 def mounts_under(path: Path) -> list[str]:
@@ -57,7 +45,7 @@ def mounts_under(path: Path) -> list[str]:
 def run_soak(tmp_path: Path, *args: str, timeout: float) -> tuple[int, dict[str, Any], str]:
     """The soak's exit status, its JSON summary and what it printed."""
     out = tmp_path / "soak.json"
-    proc = subprocess.Popen([sys.executable, str(SOAK), *args, "--dir", str(tmp_path), "--json", str(out)],
+    proc = subprocess.Popen([sys.executable, str(SOAK), *args, "--work", str(tmp_path), "--json", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         text, _ = proc.communicate(timeout=timeout)

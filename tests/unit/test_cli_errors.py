@@ -21,7 +21,7 @@ import pytest
 
 from liquidfs import cli, mount
 from liquidfs.catalog import CATALOG_NAME, default_store_dir
-from liquidfs.sample import make_sample
+from sample import make_sample
 
 NOBODY = 65534
 

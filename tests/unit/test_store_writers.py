@@ -17,9 +17,9 @@ import pytest
 from liquidfs import cli
 from liquidfs.catalog import CATALOG_NAME, CatalogError
 from liquidfs.prepare import prepare, verify
-from liquidfs.sample import make_sample
 from liquidfs.stores.local import PROFILE_NAME, LocalStore
 from liquidfs.timedreads import ProfileError
+from sample import make_sample
 
 NOBODY = 65534
 
