@@ -1,11 +1,11 @@
-"""Memory as prepare sees it: cgroup v1/v2 and meminfo parsing, the worker count under a small limit, and the
-images refused (served as their originals) rather than a worker OOM-killed."""
+"""Memory as prepare sees it (``liquidfs.resources``): cgroup v1/v2 and meminfo parsing, the worker count under a
+small limit, and the images refused (served as their originals) rather than a worker OOM-killed. In-process; the
+mount that serves those originals is tests/mount/test_resources_mount.py."""
 
 from __future__ import annotations
 
 import io
 import logging
-import random
 import struct
 import zlib
 from pathlib import Path
@@ -14,16 +14,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fusehelpers import Mount
 from liquidfs import expansion, formats, prepare as prepare_mod, resources
 from liquidfs.catalog import Catalog
 from liquidfs.expansion import expand_bytes
 from liquidfs.prepare import prepare
 from liquidfs.resources import (WORKER_BASE_BYTES, available_memory, expansion_need, headroom, parse_cgroup_paths,
                                 parse_limit, parse_meminfo, parse_stat, plan_workers)
-from liquidfs.sample import _photos, mosaic
+from smallmachine import MiB, fake_machine, limit_for, photo_png, two_images
 
-MiB = 1 << 20
 GiB = 1 << 30
 
 MEMINFO = """MemTotal:       32768000 kB
@@ -121,15 +119,10 @@ def test_available_memory_under_cgroup_v1_and_in_a_cgroup_namespace(tmp_path: Pa
 # -- the worker count ------------------------------------------------------------------------------------
 
 
-def _fake_machine(monkeypatch: pytest.MonkeyPatch, available: int | None, cpus: int = 8) -> None:
-    monkeypatch.setattr(resources, "available_memory", lambda *a, **k: available)
-    monkeypatch.setattr(resources, "cpu_count", lambda: cpus)
-
-
 def test_the_worker_count_is_lowered_to_what_fits(monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     per_worker = WORKER_BASE_BYTES + expansion_need(formats.MAX_PIXELS, 10 * MiB)
-    _fake_machine(monkeypatch, 3 * per_worker + MiB)
+    fake_machine(monkeypatch, 3 * per_worker + MiB)
     plan = plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=10 * MiB)
     assert plan.workers == 3
     assert plan.budget is not None and plan.budget >= expansion_need(formats.MAX_PIXELS, 10 * MiB)
@@ -140,29 +133,23 @@ def test_the_worker_count_is_lowered_to_what_fits(monkeypatch: pytest.MonkeyPatc
     assert plan_workers(2, max_pixels=formats.MAX_PIXELS, largest_source=10 * MiB).workers == 2  # fits: kept
     assert not caplog.text
     # a small limit: one worker, whose budget says which images it must refuse
-    _fake_machine(monkeypatch, 500 * MiB)
+    fake_machine(monkeypatch, 500 * MiB)
     plan = plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=10 * MiB)
     assert (plan.workers, plan.budget) == (1, 500 * MiB - WORKER_BASE_BYTES)
     assert "no-memory" in caplog.text
     # memory unknown: the cores, no budget
-    _fake_machine(monkeypatch, None)
+    fake_machine(monkeypatch, None)
     assert plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=0) == resources.WorkerPlan(8, None, None)
 
 
 def test_the_largest_source_counts_in_what_a_worker_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     per_worker = WORKER_BASE_BYTES + expansion_need(formats.MAX_PIXELS, 0)
-    _fake_machine(monkeypatch, 4 * per_worker)
+    fake_machine(monkeypatch, 4 * per_worker)
     assert plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=0).workers == 4
     assert plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=100 * MiB).workers == 3
 
 
 # -- refusing what would not fit -------------------------------------------------------------------------
-
-
-def _png(width: int, height: int, seed: int) -> bytes:
-    buf = io.BytesIO()
-    mosaic(width, height, random.Random(seed), _photos()).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _bomb_png(width: int, height: int) -> bytes:
@@ -175,7 +162,7 @@ def _bomb_png(width: int, height: int) -> bytes:
 
 
 def test_header_pixel_count_without_decoding() -> None:
-    assert formats.pixel_count(_png(64, 32, 1)) == 64 * 32
+    assert formats.pixel_count(photo_png(64, 32, 1)) == 64 * 32
     jpeg = io.BytesIO()
     Image.fromarray(np.zeros((30, 40, 3), np.uint8)).save(jpeg, format="JPEG")
     assert formats.pixel_count(jpeg.getvalue()) == 40 * 30
@@ -197,7 +184,7 @@ def test_an_image_over_the_budget_is_refused_before_it_is_decoded(monkeypatch: p
     assert (refusal.reason, fmt) == ("no-memory", "png")
     assert prepare_mod._transient(refusal.reason)  # not remembered: a run with more memory tries it again
     # within the budget it is expanded; past max_pixels it stays too-large, a lasting refusal
-    small = _png(64, 32, 2)
+    small = photo_png(64, 32, 2)
     assert expand_bytes(b"small.png", len(small), 0, small)[1] is not None
     huge = _bomb_png(100_000, 100_000)
     refusal, raw, _ = expand_bytes(b"huge.png", len(huge), 0, huge)
@@ -209,25 +196,10 @@ def test_an_image_over_the_budget_is_refused_before_it_is_decoded(monkeypatch: p
     assert raw is None and refusal is not None and refusal.reason == "reached-expand"
 
 
-def _two_images(src: Path) -> tuple[Path, Path]:
-    src.mkdir(parents=True)
-    small, big = src / "small.png", src / "big.png"
-    small.write_bytes(_png(64, 32, 3))
-    big.write_bytes(_png(1024, 512, 4))  # 0.5 Mpx: ~13 MB to expand
-    return small, big
-
-
-def _limit_for(small: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A machine with 4 cores and room for one worker that fits ``small`` and not 1 MB more."""
-    need = expansion_need(64 * 32, small.stat().st_size)
-    _fake_machine(monkeypatch, WORKER_BASE_BYTES + need + MiB, cpus=4)
-    assert expansion_need(1024 * 512, 0) > need + MiB
-
-
 def test_prepare_under_a_small_limit_skips_what_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    small, big = _two_images(tmp_path / "data")
-    _limit_for(small, monkeypatch)
+    small, big = two_images(tmp_path / "data")
+    limit_for(small, monkeypatch)
     store = tmp_path / "store"
     caplog.set_level(logging.INFO, logger="liquidfs.resources")
     report = prepare(tmp_path / "data", store, 1.0, progress=False)
@@ -251,22 +223,9 @@ def test_prepare_under_a_small_limit_skips_what_does_not_fit(tmp_path: Path, mon
 
 def test_an_explicit_jobs_over_the_limit_is_lowered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    small, _ = _two_images(tmp_path / "data")
-    _limit_for(small, monkeypatch)
+    small, _ = two_images(tmp_path / "data")
+    limit_for(small, monkeypatch)
     caplog.set_level(logging.WARNING, logger="liquidfs.resources")
     report = prepare(tmp_path / "data", tmp_path / "store", 1.0, jobs=4, progress=False)
     assert "--jobs: 4 workers lowered to 1" in caplog.text
     assert report.skipped == {"no-memory": 1}
-
-
-@pytest.mark.fuse
-def test_the_mount_serves_the_original_of_an_image_that_did_not_fit(tmp_path: Path, mounter: Mount,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    small, big = _two_images(tmp_path / "data")
-    with monkeypatch.context() as m:
-        _limit_for(small, m)
-        report = prepare(tmp_path / "data", tmp_path / "store", 1.0, progress=False)
-    assert report.skipped == {"no-memory": 1}
-    mnt = mounter.mount(tmp_path / "data", store=tmp_path / "store")
-    assert (mnt / "big.png").read_bytes() == big.read_bytes()
-    assert (mnt / "small.png").read_bytes()[:2] == b"BM"
