@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import stat
+import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -28,6 +29,7 @@ from .inodes import Handle, Inode, Inodes, note_fallback
 from .mix import Mix
 from .notifier import Notifier
 from .reader import Content
+from .requesttimes import RequestTimes, on_loop_cpu
 from .stats import MountStats
 from .storage import StorageCalls
 
@@ -51,25 +53,34 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    name = func.__name__
+
     @functools.wraps(func)
     async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        ops: Operations = args[0]  # type: ignore[assignment]
+        times = ops.requests[name]
+        times.count += 1
+        started = time.perf_counter()
         try:
+            if ops.time_requests:
+                return await on_loop_cpu(func(*args, **kwargs), times)
             return await func(*args, **kwargs)
         except FUSEError:
             raise
         except OSError as exc:
-            self = args[0]
-            self.stats.errors += 1  # type: ignore[attr-defined]
+            ops.stats.errors += 1
             code = exc.errno or errno.EIO
-            first = self.first_error((func.__name__, code, exc.filename, exc.strerror))  # type: ignore[attr-defined]
-            log.log(logging.WARNING if first else logging.DEBUG, "%s: %s", func.__name__, exc)
+            first = ops.first_error((name, code, exc.filename, exc.strerror))
+            log.log(logging.WARNING if first else logging.DEBUG, "%s: %s", name, exc)
             raise FUSEError(code) from None
         except Exception:
-            self = args[0]
-            self.stats.errors += 1  # type: ignore[attr-defined]
-            log.exception("unexpected error in %s; answering EIO", func.__name__)
+            ops.stats.errors += 1
+            log.exception("unexpected error in %s; answering EIO", name)
             raise FUSEError(errno.EIO) from None
+        finally:
+            times.wall_s += time.perf_counter() - started
 
+    wrapper.fuse_request = True  # type: ignore[attr-defined]  # counted in Operations.requests
     return wrapper
 
 
@@ -89,7 +100,7 @@ class Operations(pyfuse3.Operations):
                  may_read: Callable[[Node, int, int, int], bool] | None = None,
                  max_open_files: int = MAX_OPEN_FILES,
                  extra_statistics: Callable[[], dict[str, Any]] | None = None,
-                 enable_passthrough: bool = False) -> None:
+                 enable_passthrough: bool = False, time_requests: bool = False) -> None:
         """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
         (``serve_with``); opens wait for it meanwhile."""
         super().__init__()
@@ -105,6 +116,9 @@ class Operations(pyfuse3.Operations):
         if data_path is not None:
             self.serve_with(data_path)
         self._logged: set[tuple[object, ...]] = set()
+        #: Count and wall time of each request type; with ``time_requests`` also the loop CPU of its steps.
+        self.requests: dict[str, RequestTimes] = {name: RequestTimes() for name in REQUEST_TYPES}
+        self.time_requests = time_requests
         self.uid = os.getuid()
         self.gid = os.getgid()
         files, served, _, _ = catalog.file_totals()
@@ -183,7 +197,7 @@ class Operations(pyfuse3.Operations):
         return entry
 
     def _node(self, inode: int) -> Node:
-        node = self.catalog.get(inode)
+        node = self.inodes.node(inode) or self.catalog.get(inode)
         if node is None:
             raise FUSEError(errno.ENOENT)
         return node
@@ -204,7 +218,7 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found
-        self.inodes.looked_up(node.id)
+        self.inodes.looked_up(node)
         return self._attrs(node)
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
@@ -243,7 +257,7 @@ class Operations(pyfuse3.Operations):
                 if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), self._attrs(node), node.id):
                     return
                 # readdirplus: every accepted entry counts as a lookup the kernel will forget.
-                self.inodes.looked_up(node.id)
+                self.inodes.looked_up(node)
                 after = node.id
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
@@ -448,6 +462,7 @@ class Operations(pyfuse3.Operations):
         values["stuck_reads"] = self.storage.stuck
         if self.data is not None:
             values.update(self.data.statistics())
+        values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}
         if self.mix is not None:
             values["mix"] = dataclasses.asdict(self.mix.statistics())
         if self.extra_statistics is not None:
@@ -476,3 +491,7 @@ class Operations(pyfuse3.Operations):
         # Nothing is ever written: ENOSYS tells the kernel so, and it sends no FLUSH at any later close (one
         # request fewer per file opened).
         raise FUSEError(errno.ENOSYS)
+
+
+#: The request types ``Operations`` counts and times (its handlers).
+REQUEST_TYPES = tuple(name for name, value in vars(Operations).items() if getattr(value, "fuse_request", False))

@@ -47,6 +47,14 @@ class Metric:
 
 _LEVEL = "level"
 _MEM = "memory"
+#: The request types ``fs.Operations`` times (its handlers: ``fs.REQUEST_TYPES``, which the tests compare).
+REQUESTS = ("lookup", "getattr", "readlink", "opendir", "readdir", "statfs", "open", "read", "release")
+
+
+def _requests(field: str) -> dict[str, str]:
+    """{request type: its ``field`` under statistics()["requests"]}."""
+    return {request: f"requests.{request}.{field}" for request in REQUESTS}
+
 
 METRICS: tuple[Metric, ...] = (
     # -- the mount ---------------------------------------------------------------------------------------------
@@ -106,6 +114,8 @@ METRICS: tuple[Metric, ...] = (
     # -- the passthrough path's held files ---------------------------------------------------------------------
     Metric("liquidfs_passthrough_open_inodes", GAUGE, "", "passthrough_open_inodes",
            "Inodes open with a backing file now."),
+    Metric("liquidfs_closes_pending", GAUGE, "", "closes_pending",
+           "Served files released and not closed yet (their pages dropped and closed off the loop)."),
     Metric("liquidfs_memfd_files", GAUGE, "", "memfd_files", "Files the memory level holds in memfds now."),
     Metric("liquidfs_memfd_bytes", GAUGE, "bytes", "memfd_bytes", "Bytes the memory level holds in memfds now."),
     Metric("liquidfs_memfd_kept_total", COUNTER, "", "kept", "Files copied into memfds after being served."),
@@ -163,6 +173,14 @@ METRICS: tuple[Metric, ...] = (
            "Opens of images with a raw object, by what the mix served.", label="served"),
     Metric("liquidfs_mix_switches_total", COUNTER, "", "mix.switches",
            "Opens that served another representation than the file's previous open."),
+    # -- the FUSE loop's requests (requesttimes) ----------------------------------------------------------------
+    Metric("liquidfs_requests_total", COUNTER, "", _requests("count"), "FUSE requests answered, by type.",
+           label="request"),
+    Metric("liquidfs_request_seconds_total", COUNTER, "seconds", _requests("wall_s"),
+           "Wall time of the FUSE requests answered, by type (waits included).", label="request"),
+    Metric("liquidfs_request_cpu_seconds_total", COUNTER, "seconds", _requests("cpu_s"),
+           "CPU time the FUSE requests cost the daemon's loop itself, by type (with mount --time-requests).",
+           label="request"),
     # -- the warm-up (mount --warmup) -----------------------------------------------------------------------------
     Metric("liquidfs_warmup_files_total", COUNTER, "", "warmup_files", "Files the warm-up has put in the cache."),
     Metric("liquidfs_warmup_bytes_total", COUNTER, "bytes", "warmup_bytes",

@@ -12,9 +12,10 @@ import pyfuse3
 import pytest
 import trio
 
-from liquidfs.catalog import ROOT_ID
+from liquidfs.catalog import ROOT_ID, Catalog
 from liquidfs.fs import CONTROL_ID, CONTROL_NAME, Operations
-from operations import ops_over, small_tree
+from liquidfs.stores.local.reader import StoreReader
+from operations import daemon_operations, ops_over, small_tree
 
 CTX = pyfuse3.RequestContext()
 
@@ -145,3 +146,49 @@ def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
     for _ in range(10):
         assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
     assert ops._slots_taken == 0 and not ops._slots
+
+
+def test_each_request_type_is_counted_and_timed(tmp_path: Path) -> None:
+    """Where the loop's time goes (issue 28's profile): count and wall time always, the loop CPU of a request's
+    own steps with --time-requests, errors included."""
+    timed = small_tree(tmp_path)  # builds the store; opened again below with CPU times
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"))
+    ops.time_requests = True
+    for each in (timed, ops):
+        a = run(each.lookup, run(each.lookup, ROOT_ID, b"d", CTX).st_ino, b"a.bin", CTX)
+        fi = run(each.open, a.st_ino, os.O_RDONLY, CTX)
+        assert run(each.read, fi.fh, 0, 100) == b"A" * 100
+        run(each.release, fi.fh)
+        with pytest.raises(pyfuse3.FUSEError):
+            run(each.lookup, ROOT_ID, b"missing", CTX)
+        requests = each.statistics()["requests"]
+        assert requests["lookup"]["count"] == 3 and requests["open"]["count"] == 1
+        assert requests["read"]["count"] == 1 and requests["release"]["count"] == 1
+        assert requests["statfs"] == {"count": 0, "wall_s": 0.0, "cpu_s": 0.0}
+        assert all(requests[r]["wall_s"] > 0 for r in ("lookup", "open", "read", "release"))
+    cpu = ops.statistics()["requests"]
+    assert all(0 < cpu[r]["cpu_s"] <= cpu[r]["wall_s"] for r in ("lookup", "open", "read", "release"))
+    assert timed.statistics()["requests"]["open"]["cpu_s"] == 0.0  # not asked for: not measured
+
+
+def test_an_open_after_a_lookup_asks_nothing_of_the_catalog(ops: Operations) -> None:
+    """The open and getattr that follow a lookup find its catalog row in the inode's record (a query costs the
+    loop ~13 us); once the kernel forgets the inode, the row goes with it and is queried again."""
+    queries: list[int] = []
+    real_get = ops.catalog.get
+
+    def counting_get(inode: int):
+        queries.append(inode)
+        return real_get(inode)
+
+    ops.catalog.get = counting_get  # type: ignore[method-assign]
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    run(ops.getattr, b.st_ino, CTX)
+    fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert run(ops.read, fi.fh, 0, 100) == b"hello\n"
+    run(ops.release, fi.fh)
+    assert queries == []
+    run(ops.forget, [(b.st_ino, 1)])
+    assert ops.inodes.get(b.st_ino) is None
+    assert run(ops.getattr, b.st_ino, CTX).st_size == 6 and queries == [b.st_ino]

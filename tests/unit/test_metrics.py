@@ -621,3 +621,10 @@ def test_a_key_without_a_row_is_exported_untyped_and_logged_once(caplog: pytest.
     assert "# TYPE liquidfs_unlisted_counter untyped\nliquidfs_unlisted_counter 7\n" in text
     assert "liquidfs_unlisted_part_held 2\n" in text and "liquidfs_unlisted_part_ok 1\n" in text
     assert "unlisted_text" not in text and "liquidfs_opens_total 1\n" in text
+
+
+def test_every_request_type_the_fuse_layer_times_is_exported() -> None:
+    from liquidfs.fs import REQUEST_TYPES
+    from liquidfs.metricdefs import REQUESTS
+
+    assert set(REQUEST_TYPES) == set(REQUESTS) and "open" in REQUESTS and "release" in REQUESTS

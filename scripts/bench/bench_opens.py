@@ -1,0 +1,207 @@
+"""Opens at the kernel's pace (issue 28): files per second through the mount against direct reads of the same
+bytes, side by side in one run, and what each file costs the daemon.
+
+Two shapes: small files (``--small`` of 110 KB, ImageNet's average JPEG; no raw objects: every open serves the
+source) and Cityscapes-sized raw objects (``--large`` 6.3 MB BMPs of a store prepared all raw; direct reads are of
+the store's objects, the very bytes the mount serves). Each is read by 1, 2, 4 and 8 reader processes (``--readers``),
+each opening, reading whole and closing its share of the files in a shuffled order, in two states:
+
+* cold: page cache, dentries and inodes dropped (the mount gets a LOOKUP for every file, the source a path walk);
+* warm metadata: every file stat'ed first, then only the page cache dropped (the bytes come from the disk, the
+  names and attributes from the kernel's caches: no LOOKUP reaches the daemon).
+
+The mount runs with ``--time-requests``: the daemon's CPU per file (from /proc, its worker threads included)
+and, per request type, how many reached it, their wall time and the CPU they cost its loop. Medians of
+``--repeats``; direct and mount alternate within each repeat.
+
+    python scripts/bench/bench_opens.py                          # 5,000 small files and 48 large, ~10 min
+    python scripts/bench/bench_opens.py --smoke                  # a few files: the script works, no figure
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _bench as bench
+from liquidfs.catalog import Catalog
+
+STATES = ("cold", "warm")
+_BUFFER = 1 << 20
+
+
+def small_dataset(work: Path, files: int, size: int) -> Path:
+    """``files`` files of ``size`` random bytes, 100 to a directory (what a loader's tree of JPEGs looks like to
+    the filesystem; their bytes are never decoded)."""
+    src = work / f"small-{files}x{size}"
+    marker = src / ".done"
+    if marker.exists():
+        return src
+    rng = random.Random(28)
+    for i in range(files):
+        path = src / f"d{i // 100:04d}" / f"f{i:06d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.randbytes(size))
+    marker.write_text("")
+    return src
+
+
+def _reader(paths: list[str], start: Any, out: Any) -> None:
+    buffer = bytearray(_BUFFER)
+    view = memoryview(buffer)
+    start.wait()
+    began = time.perf_counter()
+    total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [view]):
+                total += n
+        finally:
+            os.close(fd)
+    out.put((time.perf_counter() - began, total))
+
+
+def read_files(paths: list[str], readers: int) -> tuple[float, int]:
+    """Seconds for ``readers`` processes to open, read whole and close their shares of ``paths`` (each its own
+    slice of one shuffled order), and the bytes read."""
+    ctx = multiprocessing.get_context("fork")
+    start = ctx.Event()
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_reader, args=(paths[i::readers], start, out)) for i in range(readers)]
+    for p in procs:
+        p.start()
+    time.sleep(0.2)  # every reader forked and waiting
+    began = time.perf_counter()
+    start.set()
+    results = [out.get() for _ in procs]
+    elapsed = time.perf_counter() - began
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"a reader failed (exit {p.exitcode})")
+    return elapsed, sum(n for _, n in results)
+
+
+def prepare_state(state: str, paths: list[str]) -> None:
+    if state == "cold":
+        bench.drop_caches(3)
+    else:
+        for path in paths:
+            os.stat(path)
+        bench.drop_caches(1)
+
+
+def _requests_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {name: {k: after[name][k] - before.get(name, {}).get(k, 0) for k in after[name]}
+            for name in after if after[name]["count"] - before.get(name, {}).get("count", 0)}
+
+
+def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[str], readers: list[int],
+            repeats: int) -> list[dict[str, Any]]:
+    """Rows of ``rel`` (names below the mount) read through the mount against ``direct`` (the same bytes, file by
+    file) read directly."""
+    rows = []
+    for state in STATES:
+        for n in readers:
+            runs: dict[str, list[float]] = {"direct": [], "mount": []}
+            cpu_per_file: list[float] = []
+            requests: dict[str, dict[str, float]] = {}
+            for _ in range(repeats):
+                order = list(range(len(rel)))
+                random.shuffle(order)
+                for where in ("direct", "mount"):
+                    paths = [str(direct[i] if where == "direct" else mounted.mnt / rel[i]) for i in order]
+                    prepare_state(state, paths)
+                    if where == "mount":
+                        cpu0, req0 = bench.cpu_seconds(mounted.pid), bench.control(mounted.mnt).get("requests", {})
+                    seconds, _ = read_files(paths, n)
+                    runs[where].append(len(paths) / seconds)
+                    if where == "mount":
+                        cpu_per_file.append((bench.cpu_seconds(mounted.pid) - cpu0) / len(paths) * 1e6)
+                        requests = _requests_delta(req0, bench.control(mounted.mnt).get("requests", {}))
+            direct_rate, mount_rate = statistics.median(runs["direct"]), statistics.median(runs["mount"])
+            per_file = {name: {"per_file": r["count"] / len(rel),
+                               "wall_us": r["wall_s"] / max(1, r["count"]) * 1e6,
+                               "loop_cpu_us": r["cpu_s"] / max(1, r["count"]) * 1e6}
+                        for name, r in requests.items()}
+            rows.append({"shape": shape, "state": state, "readers": n, "files": len(rel),
+                         "direct_files_s": direct_rate, "mount_files_s": mount_rate,
+                         "ratio": mount_rate / direct_rate,
+                         "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
+                         "runs": runs, "requests_last_run": per_file})
+            print(f"{shape:5} {state:4} {n} readers: direct {direct_rate:8.0f} files/s, mount {mount_rate:8.0f} "
+                  f"({mount_rate / direct_rate:.2f}x), daemon {statistics.median(cpu_per_file):6.0f} us CPU/file  "
+                  + " ".join(f"{k} {v['per_file']:.2f}x{v['loop_cpu_us']:.0f}us" for k, v in per_file.items()),
+                  file=sys.stderr)
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| shape | metadata | readers | direct files/s | mount files/s | mount/direct | daemon CPU us/file "
+             "| loop CPU us per request (requests per file) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        req = ", ".join(f"{k} {v['loop_cpu_us']:.0f} ({v['per_file']:.2f})" for k, v in r["requests_last_run"].items())
+        lines.append(f"| {r['shape']} | {r['state']} | {r['readers']} | {r['direct_files_s']:.0f} | "
+                     f"{r['mount_files_s']:.0f} | {r['ratio']:.2f} | {r['daemon_cpu_us_per_file']:.0f} | {req} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_run_arguments(parser, results="WORK/opens.json", work=Path("out/bench-opens"),
+                            smoke="40 small files and 4 large, one repeat")
+    parser.add_argument("--small", type=int, default=5000, help="small files (default 5000)")
+    parser.add_argument("--small-size", type=int, default=110_000, help="their size in bytes (default 110000)")
+    parser.add_argument("--large", type=int, default=48, help="large raw objects (default 48; 0: none)")
+    parser.add_argument("--readers", default="1,2,4,8", help="reader processes, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per row, the median reported (default 3)")
+    parser.add_argument("--data-path", default="auto", choices=["auto", "passthrough", "daemon"],
+                        help="the mount's --data-path (default auto)")
+    parser.add_argument("--no-time-requests", action="store_true",
+                        help="mount without --time-requests (a version without it; no loop CPU per request)")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        parser.error("needs root: it drops the page cache, dentries and inodes between runs")
+    if args.smoke:
+        args.small, args.large, args.repeats, args.readers = 40, 4, 1, "1,2"
+    readers = [int(n) for n in args.readers.split(",") if n]
+    work = bench.work_dir(args.work)
+    out = args.json or work / "opens.json"
+    rows: list[dict[str, Any]] = []
+    mnt = work / "mnt"
+
+    src = small_dataset(work, args.small, args.small_size)
+    store = bench.store_for(work, src, 0.0)
+    rel = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
+    options = ["--data-path", args.data_path, *([] if args.no_time_requests else ["--time-requests"])]
+    with bench.mounted(src, store, mnt, *options) as m:
+        data_path = bench.control(mnt)["data_path"]
+        rows += measure("small", [src / r for r in rel], m, rel, readers, args.repeats)
+    if args.large:
+        big = bench.dataset(bench.dataset_dir(work, args.large, 2048, 1024), args.large, 2048, 1024)
+        raw = bench.store_for(work / "large", big, 1.0)
+        # Direct: each image's raw object, the very bytes the mount serves under the image's name.
+        pairs = [(os.fsdecode(n.path), raw / n.object) for n in Catalog.open(raw).files() if n.object]
+        with bench.mounted(big, raw, mnt, *options) as m:
+            rows += measure("large", [o for _, o in pairs], m, [p for p, _ in pairs], readers, args.repeats)
+    result = {"data_path": data_path, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(rows))
+    print(f"data path: {data_path}; results in {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
