@@ -24,6 +24,8 @@ import errno
 import fcntl
 import logging
 import os
+import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -186,3 +188,42 @@ def drop_pages(fd: int) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as exc:
         log.debug("fadvise(DONTNEED): %s", exc)
+
+
+class Closer:
+    """Descriptors of served files let go off the loop: their pages dropped (``drop_pages``) and closed, in order,
+    by one worker thread. Dropping the pages of a 6 MB file is ~0.4 ms of the kernel's work; on the loop it
+    delayed every request behind the release that did it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[int, bool] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.pending = 0  # descriptors handed over and not closed yet
+
+    def close(self, fd: int, *, drop: bool) -> None:
+        """``fd`` is the closer's now: its pages dropped first where ``drop``."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="liquidfs-close", daemon=True)
+            self._thread.start()
+        with self._lock:
+            self.pending += 1
+        self._queue.put((fd, drop))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fd, drop = item
+            try:
+                if drop:
+                    drop_pages(fd)
+            finally:
+                os.close(fd)
+                with self._lock:
+                    self.pending -= 1
+
+    def stop(self) -> None:
+        """Close what is queued, then end the thread (at unmount)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None

@@ -187,6 +187,9 @@ class DaemonPath:
         if node is not None and not self._held_now(node.id) and self.page_cache == "drop":
             self.notifier.invalidate(node.id)
 
+    def close(self) -> None:
+        """At unmount: nothing is left to let go (open files' buffers go with the process)."""
+
     def statistics(self) -> dict[str, object]:
         values: dict[str, object] = {"open_bytes": self._open_bytes, "buffers_reused": POOL.reused,
                                      "buffers_idle_bytes": POOL.idle}

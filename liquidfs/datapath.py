@@ -44,6 +44,10 @@ class DataPath(Protocol):
 
     def statistics(self) -> dict[str, object]: ...
 
+    def close(self) -> None:
+        """At unmount: let go of what the path holds outside the kernel's requests."""
+        ...
+
 
 async def warm_up(path: DataPath, files: list[Node],
                   progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:

@@ -74,6 +74,8 @@ class MountConfig:
     data_path: str = "auto"
     #: ``mount --verify-reads``: every file read whole and checked before its first byte is served.
     verify_reads: bool = False
+    #: ``mount --time-requests``: the loop CPU of each request type too (``requesttimes``).
+    time_requests: bool = False
     #: ``mount --mix``: "prepared", "adaptive" or a fixed raw share (``mix.parse_mix``).
     mix: str | float = "prepared"
     #: ``--mix adaptive``: seconds between decisions, and where the pressure stall information is read.
@@ -216,6 +218,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
             watchdog.terminate()
             watchdog.wait()
         ops.notifier.stop()
+        if ops.data is not None:
+            ops.data.close()
         pyfuse3.close(unmount=unmount)
         catalog.close()
         if disk is not None:
@@ -242,7 +246,8 @@ def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, r
     ops = assemble.operations(catalog, built, data_path="daemon" if why_not else "at init",
                               mix=make_mix(catalog, config), may_read=may_read if config.allow_other else None,
                               max_open_files=descriptor_budget(), extra_statistics=extra_statistics,
-                              enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None)
+                              enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
+                              time_requests=config.time_requests)
     if why_not:
         stats.data_path_why = why_not
     return ops, built

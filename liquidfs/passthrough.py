@@ -18,8 +18,8 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from .backing import (Backing, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound,
-                      vouched)
+from .backing import (Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve,
+                      still_sound, vouched)
 from .cache import NO_CACHE, Decision
 from .catalog import Node
 from .daemonpath import DaemonPath
@@ -104,6 +104,7 @@ class PassthroughPath:
         self.verify_reads = verify_reads
         self.drop_served_pages = drop_served_pages
         self._open_inodes = 0  # inodes with a shared backing (``Inode.shared``)
+        self._closer = Closer()
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
             and not verify_reads else None
@@ -246,11 +247,16 @@ class PassthroughPath:
             self.kernel.unregister(entry.backing_id)
         except OSError as exc:
             log.warning("closing backing %d of inode %d: %s", entry.backing_id, inode, exc)
+        if not entry.keep and backing.kind in ("source", "object"):
+            # A file of the source or the store: its pages dropped and it closed off the loop. (A memfd is
+            # closed here: the memory it holds is counted, and must be given back by the time the next open
+            # is answered.)
+            fd, backing.fd = backing.fd, -1
+            self._closer.close(fd, drop=self.drop_served_pages)
+            return
         try:
             if entry.keep:
                 await self._keep(inode, backing)
-            elif self.drop_served_pages and backing.kind in ("source", "object"):
-                drop_pages(backing.fd)
         finally:
             backing.close()
 
@@ -295,9 +301,14 @@ class PassthroughPath:
         finally:
             backing.close()
 
+    def close(self) -> None:
+        """At unmount: the descriptors queued for closing are closed."""
+        self._closer.stop()
+
     def statistics(self) -> dict[str, object]:
         values = self.ranges.statistics()
         values["passthrough_open_inodes"] = self._open_inodes
+        values["closes_pending"] = self._closer.pending
         if self.held is not None:
             values.update(self.held.statistics())
         return values

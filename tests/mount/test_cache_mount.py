@@ -120,6 +120,7 @@ def test_page_cache_holds_no_second_copy(dataset: Path, mounter: Mount, cache: s
     mnt = mounter.mount(dataset, "--data-path", data_path, *(["--cache-size", cache] if cache else []))
     pid = int(_stats(mnt)["pid"])
     _epoch(mnt, files, seed=1)
+    wait_for(lambda: not _stats(mnt).get("closes_pending"), 30, what="the released backings closed")
     time.sleep(0.5)  # invalidations are sent from a worker thread
     sources = _resident([str(dataset / f) for f in files])
     held = memfd_bytes(pid)

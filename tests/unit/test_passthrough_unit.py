@@ -376,3 +376,23 @@ def test_a_stock_pyfuse3_is_explained_to_a_non_root_user_without_sending_them_to
     assert why is not None and "needs root" in why and "install.sh" not in why
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     assert "install.sh" in (passthrough.built_in() or "")
+
+
+def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared) -> None:
+    """A released source or object backing is handed to a worker thread (its pages dropped, then closed): the
+    loop never waits for the kernel's page drop, and every descriptor is closed by the time the path stops."""
+    src, store = prepared
+    ops, kernel = _ops(store)
+    before = len(os.listdir("/proc/self/fd"))
+
+    async def main() -> None:
+        for _ in range(3):
+            for node in _images(ops):
+                info = await ops.open(node.id, os.O_RDONLY, CTX)
+                await ops.release(info.fh)
+
+    trio.run(main)
+    ops.data.close()
+    assert ops.data.statistics()["closes_pending"] == 0
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert ops.stats.backing_source and ops.stats.backing_object  # both kinds went through the closer
