@@ -19,6 +19,7 @@ from .catalog import Catalog, Node
 from .daemonpath import MAX_OPEN_BYTES, DaemonPath
 from .fs import MAX_OPEN_FILES, Operations
 from .held import MemfdLevel, MemoryLevel
+from .lookahead import MetadataAhead
 from .mix import Mix
 from .notifier import Notifier
 from .passthrough import Kernel, PassthroughPath
@@ -67,7 +68,8 @@ def parts(reader: Reader, stats: MountStats, *, policy: NextEpochCache | None = 
 def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", kernel: Kernel | None = None,
                mix: Mix | None = None, may_read: Callable[[Node, int, int, int], bool] | None = None,
                max_open_files: int = MAX_OPEN_FILES, extra_statistics: Callable[[], dict[str, Any]] | None = None,
-               enable_passthrough: bool = False, time_requests: bool = False) -> Operations:
+               enable_passthrough: bool = False, time_requests: bool = False,
+               lookahead: MetadataAhead | None = None) -> Operations:
     """A finished ``Operations``. ``data_path``: "daemon", "passthrough" (over ``kernel``), or "at init": chosen
     once the connection's INIT says whether the kernel grants passthrough (``Operations.serve_with``)."""
     path: DaemonPath | PassthroughPath | None
@@ -83,4 +85,4 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
         raise ValueError(f"data_path must be 'daemon', 'passthrough' or 'at init', not {data_path!r}")
     return Operations(catalog, built.stats, built.storage, built.notifier, path, mix=mix, may_read=may_read,
                       max_open_files=max_open_files, extra_statistics=extra_statistics,
-                      enable_passthrough=enable_passthrough, time_requests=time_requests)
+                      enable_passthrough=enable_passthrough, time_requests=time_requests, lookahead=lookahead)

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passthrough: read every file whole and check it (a raw object against its checksum) "
                    "before the open answers, instead of trusting a raw object that is as prepare left it "
                    "(size and inode unchanged since). Costs a copy in memory per open file")
+    tuning.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
+                   help="local stores: when a lookup shows a directory's metadata is not in memory, warm it (a "
+                   "stat of each file's source and raw object, in catalog order, in one worker thread) so the "
+                   "opens that follow are answered without a thread hop (default on)")
     tuning.add_argument("--time-requests", action="store_true",
                    help="profiling: also time the CPU each FUSE request costs the daemon's loop, per request "
                    "type (`liquidfs stats` shows count, wall and CPU seconds of each; count and wall are always "
@@ -372,6 +376,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
                          open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
                          verify_reads=args.verify_reads, time_requests=args.time_requests,
+                         lookahead=args.lookahead,
                          mix=args.mix, mix_interval=args.mix_interval,
                          pressure_dir=Path(args.pressure_dir))
     return serve(config, ready_fd=args.ready_fd)

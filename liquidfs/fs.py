@@ -23,9 +23,10 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from .catalog import KIND_DIR, KIND_SYMLINK, ROOT_ID, Catalog, Node
+from .catalog import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Catalog, Node
 from .datapath import DataPath
 from .inodes import Handle, Inode, Inodes, note_fallback
+from .lookahead import MetadataAhead
 from .mix import Mix
 from .notifier import Notifier
 from .reader import Content
@@ -100,7 +101,8 @@ class Operations(pyfuse3.Operations):
                  may_read: Callable[[Node, int, int, int], bool] | None = None,
                  max_open_files: int = MAX_OPEN_FILES,
                  extra_statistics: Callable[[], dict[str, Any]] | None = None,
-                 enable_passthrough: bool = False, time_requests: bool = False) -> None:
+                 enable_passthrough: bool = False, time_requests: bool = False,
+                 lookahead: MetadataAhead | None = None) -> None:
         """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
         (``serve_with``); opens wait for it meanwhile."""
         super().__init__()
@@ -119,6 +121,8 @@ class Operations(pyfuse3.Operations):
         #: Count and wall time of each request type; with ``time_requests`` also the loop CPU of its steps.
         self.requests: dict[str, RequestTimes] = {name: RequestTimes() for name in REQUEST_TYPES}
         self.time_requests = time_requests
+        #: Warms a directory's metadata when a lookup shows it cold (None: a reader whose storage is remote).
+        self.lookahead = lookahead
         self.uid = os.getuid()
         self.gid = os.getgid()
         files, served, _, _ = catalog.file_totals()
@@ -218,6 +222,8 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found
+            if self.lookahead is not None and node.kind == KIND_FILE:
+                self.lookahead.looked_up(parent_inode)
         self.inodes.looked_up(node)
         return self._attrs(node)
 
@@ -465,6 +471,8 @@ class Operations(pyfuse3.Operations):
         values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}
         if self.mix is not None:
             values["mix"] = dataclasses.asdict(self.mix.statistics())
+        if self.lookahead is not None:
+            values.update(self.lookahead.statistics())
         if self.extra_statistics is not None:
             values.update(self.extra_statistics())
         return values

@@ -181,6 +181,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_request_cpu_seconds_total", COUNTER, "seconds", _requests("cpu_s"),
            "CPU time the FUSE requests cost the daemon's loop itself, by type (with mount --time-requests).",
            label="request"),
+    Metric("liquidfs_lookahead_directories_total", COUNTER, "", "lookahead_directories",
+           "Directories whose metadata was warmed ahead of their opens (mount --lookahead)."),
+    Metric("liquidfs_lookahead_files_total", COUNTER, "", "lookahead_files",
+           "Files whose source (and raw object) metadata was warmed ahead of their opens."),
     # -- the warm-up (mount --warmup) -----------------------------------------------------------------------------
     Metric("liquidfs_warmup_files_total", COUNTER, "", "warmup_files", "Files the warm-up has put in the cache."),
     Metric("liquidfs_warmup_bytes_total", COUNTER, "bytes", "warmup_bytes",

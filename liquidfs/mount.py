@@ -36,7 +36,8 @@ from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, Stalls
 from .disktier import DiskTier
 from .stores import Store
-from .reader import ChecksCallers, Reader
+from .lookahead import MetadataAhead
+from .reader import ChecksCallers, LendsDescriptors, Reader
 from .safefiles import open_append
 from .stats import MountStats
 from .storage import IO_TIMEOUT
@@ -76,6 +77,8 @@ class MountConfig:
     verify_reads: bool = False
     #: ``mount --time-requests``: the loop CPU of each request type too (``requesttimes``).
     time_requests: bool = False
+    #: ``mount --lookahead`` (default on): warm a directory's metadata when a lookup shows it cold (``lookahead``).
+    lookahead: bool = True
     #: ``mount --mix``: "prepared", "adaptive" or a fixed raw share (``mix.parse_mix``).
     mix: str | float = "prepared"
     #: ``--mix adaptive``: seconds between decisions, and where the pressure stall information is read.
@@ -197,9 +200,12 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
     cache = make_cache(totals, config.cache_size)
     disk = make_disk_tier(totals, config, base_reader, cache) if config.disk_cache is not None else None
+    # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
+    warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
     ops, built = build_operations(config, catalog, stats, disk or base_reader, cache,
                                   may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
-                                  extra_statistics=disk.statistics if disk is not None else None)
+                                  extra_statistics=disk.statistics if disk is not None else None,
+                                  warm=warm if config.lookahead else None)
     before = guard.mount_ids()
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
@@ -220,6 +226,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         ops.notifier.stop()
         if ops.data is not None:
             ops.data.close()
+        if ops.lookahead is not None:
+            ops.lookahead.stop()
         pyfuse3.close(unmount=unmount)
         catalog.close()
         if disk is not None:
@@ -234,7 +242,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
 def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, reader: Reader,
                      cache: NextEpochCache | None, *,
                      may_read: Callable[[Node, int, int, int], bool] | None = None,
-                     extra_statistics: Callable[[], dict[str, Any]] | None = None) -> tuple[Operations, assemble.Parts]:
+                     extra_statistics: Callable[[], dict[str, Any]] | None = None,
+                     warm: Callable[[Node], None] | None = None) -> tuple[Operations, assemble.Parts]:
     """The finished ``Operations`` of a mount with these options, and the parts its data path is built from
     (the data path is chosen after INIT where passthrough may be granted: ``choose_data_path``)."""
     built = assemble.parts(reader, stats, policy=cache, thread_limiter=trio.CapacityLimiter(config.threads),
@@ -247,7 +256,8 @@ def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, r
                               mix=make_mix(catalog, config), may_read=may_read if config.allow_other else None,
                               max_open_files=descriptor_budget(), extra_statistics=extra_statistics,
                               enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
-                              time_requests=config.time_requests)
+                              time_requests=config.time_requests,
+                              lookahead=MetadataAhead(catalog.path, warm) if warm is not None else None)
     if why_not:
         stats.data_path_why = why_not
     return ops, built

@@ -209,6 +209,10 @@ class LendsDescriptors(Protocol):
 
     def choose(self, node: Node, *, cached_only: bool = False) -> Choice: ...
 
+    def warm(self, node: Node) -> None:
+        """Bring what an open of ``node`` walks into the kernel's caches, reading no byte (``lookahead``)."""
+        ...
+
 
 @runtime_checkable
 class ChecksCallers(Protocol):

@@ -11,7 +11,7 @@ NON_DEFAULT = ["--store", "/srv/store", "--allow-other", "-o", "ro,noatime", "-o
                "--threads", "7", "--cache-size", "30%", "--page-cache", "keep", "--open-bytes", "32M",
                "--no-push-pages", "--disk-cache", "/nvme/cache", "--disk-cache-size", "20G", "--warmup",
                "--readahead-kb", "512", "--io-timeout", "9.5", "--metrics-port", "9100", "--metrics-address",
-               "0.0.0.0", "--data-path", "daemon", "--verify-reads", "--time-requests", "--mix", "0.25", "--mix-interval", "3",
+               "0.0.0.0", "--data-path", "daemon", "--verify-reads", "--time-requests", "--no-lookahead", "--mix", "0.25", "--mix-interval", "3",
                "--pressure-dir", "/sys/fs/cgroup/x", "--log-level", "debug", "--log-file", "/tmp/m.log"]
 LEFT_OUT = {"foreground", "rescan", "refresh"}
 

@@ -35,6 +35,7 @@ from liquidfs.catalog import ROOT_ID, Catalog, build
 from liquidfs.disktier import DiskTier
 from liquidfs.metricdefs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted
 from liquidfs.metrics import MetricsServer, MetricsStatistics, serve_metrics
+from liquidfs.lookahead import MetadataAhead
 from liquidfs.mix import Mix
 from liquidfs.mount import MountConfig
 from liquidfs.stores.local.reader import StoreReader
@@ -518,9 +519,11 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
         disk = DiskTier(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
         parts = assemble.parts(disk, MountStats(), policy=NextEpochCache(served, served, files, max_id=max_id))
         ops = assemble.operations(catalog, parts, data_path=data_path, kernel=_Kernel(), mix=Mix(0.5, 1.0),
-                                  extra_statistics=disk.statistics)
+                                  extra_statistics=disk.statistics,
+                                  lookahead=MetadataAhead(catalog.path, reader.warm))
         trio.run(_read_twice, ops)
         found[data_path] = ops.statistics()
+        ops.lookahead.stop()
         disk.close()
     catalog.close()
     return found

@@ -61,6 +61,13 @@ class StoreReader:
         return open_below(self.objects_fd, os.fsencode(name.group(1)), os.fsencode(self.store_dir / "objects"),
                           cached_only=cached_only)
 
+    def warm(self, node: Node) -> None:
+        """Bring the dentries and inodes an open of ``node`` walks into the kernel's caches (the source's, and
+        the raw object's), reading no byte of either: ``lookahead`` calls it ahead of the opens."""
+        stat_below(self.root_fd, node.path, self.source_root)
+        if node.served_raw and node.object is not None:
+            os.close(self.open_object(node))
+
     def close(self) -> None:
         for fd in (self.root_fd, self.objects_fd):
             if fd >= 0:

@@ -1,0 +1,95 @@
+"""Metadata read ahead: the kernel's dentries and inodes of a directory's files warmed in a worker thread when a
+lookup there shows they are cold, so the opens that follow are answered on the loop.
+
+An open on the loop walks the source (and the raw object) with ``RESOLVE_CACHED``; where a dentry or an inode is
+not in memory it goes to a worker thread, which costs the loop a thread hop and the reader the disk's latency in
+line with its open. A LOOKUP reaching the daemon means the kernel had no entry for the name: the loader is
+reading a directory whose metadata is cold. The first such lookup in a directory queues it; one worker thread
+walks its files in catalog order (``warm``: a stat of the source, and of the raw object, below their roots, as
+the opens walk them), with its own connection to the catalog. Bounded: a directory is warmed at most once per
+``AGAIN_AFTER`` seconds, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .catalog import KIND_FILE, Catalog, Node
+
+log = logging.getLogger(__name__)
+
+#: Seconds before a directory warmed once may be warmed again (the kernel may have dropped its inodes since).
+AGAIN_AFTER = 60.0
+#: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
+MAX_QUEUED = 16
+
+
+class MetadataAhead:
+    """Warms the metadata of the directories the loader is about to open files in (see the module)."""
+
+    def __init__(self, catalog_path: Path, warm: Callable[[Node], None]) -> None:
+        self.catalog_path = catalog_path
+        self.warm = warm
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queued = 0
+        self._lock = threading.Lock()
+        self._warmed_at: dict[int, float] = {}
+        self._thread: threading.Thread | None = None
+        self.directories = 0  # directories warmed
+        self.files = 0        # files warmed
+
+    def looked_up(self, parent: int) -> None:
+        """A LOOKUP reached the daemon for a name in directory ``parent`` (on the loop: a dict look and a put)."""
+        now = time.monotonic()
+        if now - self._warmed_at.get(parent, -AGAIN_AFTER) < AGAIN_AFTER:
+            return
+        with self._lock:
+            if self._queued >= MAX_QUEUED:
+                return
+            self._queued += 1
+        self._warmed_at[parent] = now
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="liquidfs-lookahead", daemon=True)
+            self._thread.start()
+        self._queue.put(parent)
+
+    def _run(self) -> None:
+        catalog = Catalog.open_path(self.catalog_path, readonly=True)  # the loop's connection is the loop's
+        try:
+            while (parent := self._queue.get()) is not None:
+                try:
+                    self._warm_directory(catalog, parent)
+                except Exception:  # a read-ahead is a hint: its failure costs only the hint
+                    log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
+                finally:
+                    with self._lock:
+                        self._queued -= 1
+        finally:
+            catalog.close()
+
+    def _warm_directory(self, catalog: Catalog, parent: int) -> None:
+        after = 0
+        while page := catalog.children(parent, after_id=after):
+            for node in page:
+                if node.kind == KIND_FILE:
+                    try:
+                        self.warm(node)
+                        self.files += 1
+                    except OSError:
+                        pass  # gone, changed, refused: the open will say so
+                after = node.id
+        self.directories += 1
+
+    def statistics(self) -> dict[str, object]:
+        return {"lookahead_directories": self.directories, "lookahead_files": self.files}
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
