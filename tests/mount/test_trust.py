@@ -320,6 +320,7 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
     again."""
     from liquidfs import reader as reader_mod
     from liquidfs.catalog import ROOT_ID, open_or_build
+    from liquidfs.stores.local.reader import StoreReader
 
     src = tmp_path / "src"
     src.mkdir()
@@ -341,7 +342,7 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
         return real_read(fd)
 
     monkeypatch.setattr(reader_mod, "read_fd", read_while_written)
-    reader = reader_mod.StoreReader(catalog.source, tmp_path / "store")
+    reader = StoreReader(catalog.source, tmp_path / "store")
     try:
         content = reader.open(node)
         assert len(calls) >= 2, "the file was not read again after the write during its first read"
