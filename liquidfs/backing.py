@@ -200,6 +200,7 @@ class Closer:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.pending = 0  # descriptors handed over and not closed yet
+        self.closed = 0   # descriptors it has closed
 
     def close(self, fd: int, *, drop: bool) -> None:
         """``fd`` is the closer's now: its pages dropped first where ``drop``."""
@@ -220,6 +221,7 @@ class Closer:
                 os.close(fd)
                 with self._lock:
                     self.pending -= 1
+                    self.closed += 1
 
     def stop(self) -> None:
         """Close what is queued, then end the thread (at unmount)."""

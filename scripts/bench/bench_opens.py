@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="runs per row, the median reported (default 3)")
     parser.add_argument("--data-path", default="auto", choices=["auto", "passthrough", "daemon"],
                         help="the mount's --data-path (default auto)")
+    parser.add_argument("--mount-options", default="", metavar="OPTS",
+                        help="more options for liquidfs mount, space-separated (e.g. '--no-lookahead')")
     parser.add_argument("--no-time-requests", action="store_true",
                         help="mount without --time-requests (a version without it; no loop CPU per request)")
     args = parser.parse_args(argv)
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     src = small_dataset(work, args.small, args.small_size)
     store = bench.store_for(work, src, 0.0)
     rel = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
-    options = ["--data-path", args.data_path, *([] if args.no_time_requests else ["--time-requests"])]
+    options = ["--data-path", args.data_path, *([] if args.no_time_requests else ["--time-requests"]),
+               *args.mount_options.split()]
     with bench.mounted(src, store, mnt, *options) as m:
         data_path = bench.control(mnt)["data_path"]
         rows += measure("small", [src / r for r in rel], m, rel, readers, args.repeats)

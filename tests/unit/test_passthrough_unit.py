@@ -378,9 +378,14 @@ def test_a_stock_pyfuse3_is_explained_to_a_non_root_user_without_sending_them_to
     assert "install.sh" in (passthrough.built_in() or "")
 
 
-def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared) -> None:
-    """A released source or object backing is handed to a worker thread (its pages dropped, then closed): the
-    loop never waits for the kernel's page drop, and every descriptor is closed by the time the path stops."""
+@pytest.mark.parametrize("off_loop", [True, False], ids=["large", "small"])
+def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared, monkeypatch, off_loop) -> None:
+    """A released large source or object backing is handed to a worker thread (its pages dropped, then closed):
+    the loop never waits for the kernel's page drop; a small one is closed at once. Either way every descriptor
+    is closed by the time the path stops."""
+    from liquidfs import passthrough
+
+    monkeypatch.setattr(passthrough, "CLOSE_OFF_LOOP", 0 if off_loop else 1 << 40)
     src, store = prepared
     ops, kernel = _ops(store)
     before = len(os.listdir("/proc/self/fd"))
@@ -395,4 +400,6 @@ def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared) ->
     ops.data.close()
     assert ops.data.statistics()["closes_pending"] == 0
     assert len(os.listdir("/proc/self/fd")) == before
-    assert ops.stats.backing_source and ops.stats.backing_object  # both kinds went through the closer
+    assert ops.stats.backing_source and ops.stats.backing_object
+    closed = ops.data._closer.closed
+    assert closed == (3 * len(_images(ops)) if off_loop else 0)
