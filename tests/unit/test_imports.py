@@ -96,3 +96,14 @@ def test_each_backend_is_whole_in_its_folder_and_reached_only_through_the_map() 
     assert {m for m in graph if _in(m, "stores")} >= {"stores.s3.client", "stores.s3.store", "stores.s3.reader",
                                                       "stores.local.store"}
     assert not any("s3" in m for m in graph if not _in(m, "stores.s3")), "S3 code outside stores/s3/"
+
+
+def test_the_fuse_layer_sees_one_data_path_interface_and_no_store() -> None:
+    """fs holds one ``datapath.DataPath`` and never asks which serves: it imports neither data path, nor a
+    store's reader; the data paths reach a reader only through the ``reader`` protocols."""
+    graph = _graph()
+    assert "datapath" in graph["fs"]
+    assert not graph["fs"] & {"daemonpath", "passthrough", "backing", "assemble"}
+    assert not any(_in(target, "stores") for target in graph["fs"])
+    for path in ("daemonpath", "passthrough", "backing", "held", "inodes", "datapath"):
+        assert not any(_in(target, "stores") for target in graph[path]), path
