@@ -165,10 +165,14 @@ def default_store_dir(source: str | os.PathLike[str]) -> Path:
     return cache_home() / key
 
 
-def _connect(path: Path, readonly: bool) -> sqlite3.Connection:
+def _connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Connection:
     if readonly:
         # The path is quoted into the URI: a '#', '?' or '%' in --store would otherwise name another file.
-        uri = f"file:{urllib.parse.quote(os.fsdecode(os.path.abspath(path)))}?mode=ro"
+        # immutable: SQLite takes no lock and reads no change counter per query (half a lookup's 14 us, and a read
+        # of the disk per query once the page cache is dropped); for a mount's catalog, which nothing writes in
+        # place (prepare writes a new file and renames it over: the mount keeps the one it opened).
+        uri = f"file:{urllib.parse.quote(os.fsdecode(os.path.abspath(path)))}?mode=ro" + \
+            ("&immutable=1" if immutable else "")
         db = sqlite3.connect(uri, uri=True, check_same_thread=False, isolation_level=None)
     else:
         db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
@@ -242,22 +246,23 @@ class Catalog:
     # -- opening -----------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, store_dir: str | os.PathLike[str], *, readonly: bool = False) -> Catalog:
-        return cls.open_path(Path(store_dir) / CATALOG_NAME, readonly=readonly)
+    def open(cls, store_dir: str | os.PathLike[str], *, readonly: bool = False, immutable: bool = False) -> Catalog:
+        return cls.open_path(Path(store_dir) / CATALOG_NAME, readonly=readonly, immutable=immutable)
 
     @classmethod
-    def open_path(cls, path: Path, *, readonly: bool = False) -> Catalog:
+    def open_path(cls, path: Path, *, readonly: bool = False, immutable: bool = False) -> Catalog:
+        """``immutable`` (with ``readonly``): the file is never written in place while open (a mount's)."""
         if not path.exists():
             raise CatalogError(f"no catalog at {path}")
         try:
-            db = _connect(path, readonly)
+            db = _connect(path, readonly, immutable and readonly)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
         if row is not None and row[0] in ("1", "2", "3"):
             db.close()
             _migrate(path, int(row[0]))
-            return cls.open_path(path, readonly=readonly)
+            return cls.open_path(path, readonly=readonly, immutable=immutable)
         if row is None or int(row[0]) != SCHEMA_VERSION:
             found = row[0] if row else "none"
             db.close()

@@ -59,7 +59,7 @@ class MetadataAhead:
         self._queue.put(parent)
 
     def _run(self) -> None:
-        catalog = Catalog.open_path(self.catalog_path, readonly=True)  # the loop's connection is the loop's
+        catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's connection is the loop's
         try:
             while (parent := self._queue.get()) is not None:
                 try:

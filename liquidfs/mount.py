@@ -194,7 +194,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     """Mount and serve in this process until unmounted or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     config.storage.hold_for_mount(Path(config.store))
-    catalog = Catalog.open(config.store, readonly=True)
+    catalog = Catalog.open(config.store, readonly=True, immutable=True)
     stats = MountStats(source=str(config.source), store=config.storage.label)
     base_reader = config.storage.reader(catalog, config.threads, config.io_timeout)
     totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
