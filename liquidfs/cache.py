@@ -65,6 +65,9 @@ class CacheStats:
     same_epoch_reads: int = 0  # reads taken for a retry within an epoch (Decision.same_epoch)
     hit_bytes: int = 0
     miss_bytes: int = 0
+    #: Predicted hits whose bytes were gone (``correct_miss``): counted in hits/misses as the misses they were.
+    lost_hits: int = 0
+    lost_hit_bytes: int = 0
     epochs: dict[int, EpochStats] = field(default_factory=dict)
     window_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # hits per file
     window_byte_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # hit bytes per byte
@@ -250,6 +253,8 @@ class NextEpochCache:
         st.hit_bytes -= size
         st.misses += 1
         st.miss_bytes += size
+        st.lost_hits += 1
+        st.lost_hit_bytes += size
         ep = st.epochs.get(epoch)
         if ep is not None:
             ep.hits -= 1
@@ -274,6 +279,14 @@ class NextEpochCache:
             "cache_same_epoch_reads": st.same_epoch_reads,
             "cache_hit_bytes": st.hit_bytes,
             "cache_miss_bytes": st.miss_bytes,
+            # The same as the policy predicted them at each read, and the lost hits apart: these only grow (the
+            # counters /metrics exports; hits and misses above are net of the lost hits, and a lost hit lowers hits).
+            "cache_hits_predicted": st.hits + st.lost_hits,
+            "cache_misses_predicted": st.misses - st.lost_hits,
+            "cache_hit_bytes_predicted": st.hit_bytes + st.lost_hit_bytes,
+            "cache_miss_bytes_predicted": st.miss_bytes - st.lost_hit_bytes,
+            "cache_lost_hits": st.lost_hits,
+            "cache_lost_hit_bytes": st.lost_hit_bytes,
             "epoch": current,
             "epoch_progress": round(self._reads(current) / self.dataset_files, 4),
             "epochs": epochs,

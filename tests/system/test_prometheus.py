@@ -147,8 +147,9 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
 
         def caught_up() -> bool:  # a scrape after the last read: Prometheus holds the control file's counters
             return all(scraped.query(f"{name} == {control[key]}") for name, key in (
-                ("liquidfs_opens_total", "opens"), ('liquidfs_cache_hits_total{level="memory"}', "cache_hits"),
-                ('liquidfs_cache_misses_total{level="memory"}', "cache_misses")))
+                ("liquidfs_opens_total", "opens"),
+                ('liquidfs_cache_hits_total{level="memory"}', "cache_hits_predicted"),
+                ('liquidfs_cache_misses_total{level="memory"}', "cache_misses_predicted")))
 
         wait_for(caught_up, 30, what="a scrape after the reads")
         yield scraped
@@ -161,8 +162,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
 @pytest.mark.fuse
 def test_promql_reads_the_hit_ratio_and_the_mix_share_the_mount_reports(scraped: Scraped) -> None:
     control = scraped.control
-    ratio = scraped.value('liquidfs_cache_hits_total{level="memory"} / '
-                          '(liquidfs_cache_hits_total{level="memory"} + liquidfs_cache_misses_total{level="memory"})')
+    ratio = scraped.value('(liquidfs_cache_hits_total{level="memory"} - liquidfs_cache_lost_hits_total{level="memory"})'
+                          ' / (liquidfs_cache_hits_total{level="memory"} + liquidfs_cache_misses_total{level="memory"})')
     assert ratio == pytest.approx(control["cache_hits"] / (control["cache_hits"] + control["cache_misses"]))
     assert 0 < ratio < 1
     assert scraped.value("liquidfs_mix_raw_ratio") == control["mix"]["share"] == 0.5

@@ -583,7 +583,8 @@ def test_the_names_follow_prometheus_conventions() -> None:
 
 
 def test_counters_are_counters_nested_values_and_levels_have_labels() -> None:
-    text = prometheus_text({"opens": 7, "open_files": 2, "cache_hits": 5, "cache_misses": 3, "disk_hits": 1,
+    text = prometheus_text({"opens": 7, "open_files": 2, "cache_hits_predicted": 5, "cache_misses_predicted": 3,
+                            "cache_hits": 4, "disk_hits": 1,
                             "data_path": "daemon", "warmup": "", "source": "/data/x",
                             "mix": {"mode": "fixed", "share": 0.25, "reason": "fixed by --mix 0.25",
                                     "decisions": 0, "opens_raw": 2, "opens_original": 5},
@@ -598,6 +599,7 @@ def test_counters_are_counters_nested_values_and_levels_have_labels() -> None:
     assert 'liquidfs_mount_info{data_path="daemon",mix_mode="fixed"} 1\n' in text  # warmup "": no label
     # absent, None, and not exported (paths, sentences, histories): no sample, and no HELP/TYPE without one
     assert "window" not in text and "/data" not in text and "reason" not in text and "epochs" not in text
+    assert " 4\n" not in text  # the net hits are not exported: a lost hit would lower them
     assert "liquidfs_cache_held_bytes" not in text
     types = re.findall(r"^# TYPE (\S+) ", text, re.M)
     assert len(types) == len(set(types)) and set(types) == set(re.findall(r"^(liquidfs_\w+)[{ ]", text, re.M))
@@ -631,3 +633,30 @@ def test_every_request_type_the_fuse_layer_times_is_exported() -> None:
     from liquidfs.metricdefs import REQUESTS
 
     assert set(REQUEST_TYPES) == set(REQUESTS) and "open" in REQUESTS and "release" in REQUESTS
+
+
+def test_a_lost_hit_never_makes_an_exported_counter_go_down() -> None:
+    """A predicted hit whose bytes were gone is a miss (``correct_miss``): the net hits in ``liquidfs stats`` go
+    down by one, which Prometheus would read as a counter reset. The exported counters are the predicted hits and
+    misses and the lost hits, each only growing, and (hits - lost) / (hits + misses) is the net ratio."""
+    policy = NextEpochCache(4000, 4000, 4, max_id=10)
+    for epoch in range(2):
+        for file in range(1, 5):
+            decision = policy.read(file, 1000)
+    before = policy.summary()
+    assert decision.hit and decision.epoch
+    policy.correct_miss(decision.epoch, 1000)
+    after = policy.summary()
+    assert after["cache_hits"] == before["cache_hits"] - 1  # the net count, as stats shows it
+    samples = {}
+    for snapshot in (before, after):
+        for line in prometheus_text(snapshot).splitlines():
+            if line.startswith("liquidfs_cache_") and "_total{" in line:
+                name, value = line.rsplit(" ", 1)
+                samples.setdefault(name, []).append(float(value))
+    assert all(b >= a for a, b in samples.values()), samples
+    hits, lost = 'liquidfs_cache_hits_total{level="memory"}', 'liquidfs_cache_lost_hits_total{level="memory"}'
+    misses = 'liquidfs_cache_misses_total{level="memory"}'
+    assert samples[lost] == [0.0, 1.0]
+    net = (samples[hits][1] - samples[lost][1]) / (samples[hits][1] + samples[misses][1])
+    assert net == after["cache_hits"] / (after["cache_hits"] + after["cache_misses"])
