@@ -232,4 +232,6 @@ def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path:
     out = capsys.readouterr().out
     assert kept["raw_format"] == "bmp" and "J2K not weighed" in out and "raw images as BMP" in out
     objects = [p for p in (tmp_path / "cpu" / "objects").rglob("*") if p.is_file()]
-    assert objects and all(p.suffix == ".bmp" for p in objects)
+    # How many are raw is the model's call on this machine's measured rates (on a loaded 2-core VM it has found
+    # decoding the bound even with every image original: ratio 0); whatever it chose is BMP.
+    assert bool(objects) == (kept["chosen"] > 0) and all(p.suffix == ".bmp" for p in objects)
