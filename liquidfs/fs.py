@@ -333,16 +333,21 @@ class Operations(pyfuse3.Operations):
         self.stats.opens_raw += handle.content.raw
         if handle.content.fallback:
             note_fallback(record, self.stats)
-        if handle.content.size != record.size_told(node):
-            # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the
-            # new size too (DALI maps as many bytes as stat says).
-            record.size = handle.content.size
-            try:
-                await self.notifier.new_size(node.id)
-            except BaseException:
-                await self._release(handle.fh)
-                raise
+        # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the new
+        # size too (DALI maps as many bytes as stat says).
+        try:
+            await self._tell_size(node, record, handle.content.size)
+        except BaseException:
+            await self._release(handle.fh)
+            raise
         return self._file_info(handle)
+
+    async def _tell_size(self, node: Node, record: Inode, size: int) -> None:
+        """Where ``size`` is not what the kernel was told of ``node``, it is from now on: the kernel's attributes
+        are dropped before the open is answered."""
+        if size != record.size_told(node):
+            record.size = size
+            await self.notifier.new_size(node.id)
 
     async def _mixed(self, data: DataPath, node: Node, record: Inode) -> Node:
         """``node`` as the mix serves this open (its raw object, or its original); where that is another size
@@ -360,9 +365,7 @@ class Operations(pyfuse3.Operations):
             held.drop(node.id)
             held_raw = None
         view = self.mix.view(node, held_raw)
-        if view.size_served != record.size_told(node):
-            record.size = view.size_served
-            await self.notifier.new_size(node.id)
+        await self._tell_size(node, record, view.size_served)
         return view
 
     def _take_slot(self, uid: int) -> None:

@@ -88,7 +88,7 @@ class Inodes:
     def size_told(self, node: Node) -> int:
         """The size the kernel was told of ``node`` (its attributes say it)."""
         record = self._records.get(node.id)
-        return node.size_served if record is None or record.size is None else record.size
+        return node.size_served if record is None else record.size_told(node)
 
     def looked_up(self, node: Node) -> None:
         record = self[node.id]
