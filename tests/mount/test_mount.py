@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -302,16 +301,6 @@ def test_python_m_and_help() -> None:
 # -- what the command says (issue 31) ----------------------------------------------------------------------------
 
 
-@pytest.fixture
-def plain(tmp_path: Path) -> Iterator[Mount]:
-    """Mounts on the default data path (auto), for what does not depend on the path."""
-    m = Mount(tmp_path)
-    try:
-        yield m
-    finally:
-        m.cleanup()
-
-
 def test_the_mount_names_the_data_path_it_got_and_why(tree: Path, mounter: Mount) -> None:
     mnt = mounter.mountpoint()
     mounter.mountpoints.append(mnt)
@@ -324,21 +313,21 @@ def test_the_mount_names_the_data_path_it_got_and_why(tree: Path, mounter: Mount
         assert "since --data-path daemon" in line
 
 
-def test_the_mount_says_why_auto_chose_the_daemon(tree: Path, plain: Mount) -> None:
-    mnt = plain.mountpoint()
-    plain.mountpoints.append(mnt)
-    done = run_cli("mount", str(tree), str(mnt), "--store", str(plain.tmp / "store"), "--page-cache", "direct")
+def test_the_mount_says_why_auto_chose_the_daemon(tree: Path, mounter: Mount) -> None:
+    mnt = mounter.mountpoint()
+    mounter.mountpoints.append(mnt)
+    done = run_cli("mount", str(tree), str(mnt), "--store", str(mounter.tmp / "store"), "--page-cache", "direct")
     assert "data path: daemon, since --page-cache direct" in done.stdout
     values = json.loads((mnt / ".__liquidfs__").read_bytes())
     assert values["data_path"] == "daemon" and values["data_path_why"] in done.stdout
 
 
-def test_a_mount_option_fuse_refuses_is_named_first_and_at_once(tree: Path, plain: Mount) -> None:
-    mnt = plain.mountpoint()
-    plain.mountpoints.append(mnt)
+def test_a_mount_option_fuse_refuses_is_named_first_and_at_once(tree: Path, mounter: Mount) -> None:
+    mnt = mounter.mountpoint()
+    mounter.mountpoints.append(mnt)
     for option in ("first_bogus_option", "second_bogus_option"):
         # the timeout is a hang guard only: the daemon is gone in about a second
-        done = run_cli("mount", str(tree), str(mnt), "--store", str(plain.tmp / "store"), "-o", option,
+        done = run_cli("mount", str(tree), str(mnt), "--store", str(mounter.tmp / "store"), "-o", option,
                        check=False, timeout=60)
         assert done.returncode == 1, done.stderr
         first = done.stderr.splitlines()[0]
@@ -348,8 +337,8 @@ def test_a_mount_option_fuse_refuses_is_named_first_and_at_once(tree: Path, plai
     assert "first_bogus_option" not in done.stderr  # only the failed run's own lines of the store's mount.log
 
 
-def test_stats_into_a_closed_pipe_ends_quietly(tree: Path, plain: Mount) -> None:
-    mnt = plain.mount(tree)
+def test_stats_into_a_closed_pipe_ends_quietly(tree: Path, mounter: Mount) -> None:
+    mnt = mounter.mount(tree)
     for argv in (["stats", str(mnt)], ["stats", "--json", str(mnt)]):
         with subprocess.Popen([sys.executable, "-m", "liquidfs", *argv], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) as proc:
