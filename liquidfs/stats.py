@@ -37,6 +37,8 @@ class MountStats:
     errors: int = 0               # requests answered with an error other than ENOENT
     data_path: str = "daemon"     # "passthrough": the kernel serves reads from backing files; "daemon": we do
     data_path_why: str = ""       # why the daemon path serves, when it does
+    dispatch: str = "stock"       # "queued-first": pyfuse3's loop (our patch) takes requests already queued
+                                  # without a trip through trio; "stock": each request waits through trio
     passthrough_opens: int = 0    # opens answered with a backing file (no read of them reaches the daemon)
     backing_source: int = 0       # first opens served from the source file itself
     backing_object: int = 0       # ... from the raw object of a local store

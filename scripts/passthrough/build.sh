@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Install pyfuse3 with FUSE passthrough into a virtualenv: pyfuse3 3.5.0 from its PyPI sdist with
 # pyfuse3-passthrough.patch applied (FileInfo.backing_id, Operations.enable_passthrough,
-# pyfuse3.passthrough_enabled/open/close), built against libfuse >= 3.17 -- the system's when it has
+# pyfuse3.passthrough_enabled/open/close) and pyfuse3-queued-requests.patch (its main loop takes a request
+# already queued on /dev/fuse without two trips through trio's scheduler: ~70 us less daemon CPU per
+# small file opened, BENCHMARKS.md), built against libfuse >= 3.17 -- the system's when it has
 # one, else libfuse 3.17.2 built from Debian trixie's source package into VENV/libfuse (library,
 # headers and pkg-config file only; mounting still uses the system's fusermount3 when it needs it).
 #
 #   usage: bash scripts/passthrough/build.sh VENV
 #
 # Needs a C compiler, pkg-config, patch, the Python headers, apt (only without a system libfuse
-# >= 3.17) and PyPI. Idempotent: exits at once when VENV's pyfuse3 already has passthrough_open.
+# >= 3.17) and PyPI. Idempotent: exits at once when VENV's pyfuse3 already has both patches.
 # On failure the last line on stderr says why. The patched pyfuse3 is built as a wheel and its link
 # checked with ldd (libfuse3 from VENV/libfuse/lib) before it replaces VENV's previous pyfuse3.
 set -euo pipefail
@@ -26,7 +28,8 @@ venv=$(cd "$1" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 py="$venv/bin/python"
 
-if "$py" -c 'import pyfuse3; pyfuse3.passthrough_open' 2>/dev/null; then
+PATCHED_CHECK='import pyfuse3; pyfuse3.passthrough_open; assert pyfuse3.queued_requests_first'
+if "$py" -c "$PATCHED_CHECK" 2>/dev/null; then
     echo "pyfuse3 with passthrough already installed in $venv"
     exit 0
 fi
@@ -128,7 +131,7 @@ check_linkage() {
     libfuse=$(readlink -f "$path")
 }
 
-echo "building pyfuse3 $PYFUSE3_VERSION with $(basename "$here")/pyfuse3-passthrough.patch"
+echo "building pyfuse3 $PYFUSE3_VERSION with $(basename "$here")/pyfuse3-{passthrough,queued-requests}.patch"
 # --no-binary pyfuse3, not :all: -- the latter also builds the sdist's build requirements (Cython: minutes of
 # compiling) from source just to read its metadata, where their wheels do as well (times: docs/install.md).
 pip_quiet download -q --no-deps --no-binary pyfuse3 -d "$tmp/sdist" "pyfuse3==$PYFUSE3_VERSION" \
@@ -137,6 +140,8 @@ tar -xzf "$tmp/sdist/pyfuse3-$PYFUSE3_VERSION.tar.gz" -C "$tmp/sdist"
 pysrc="$tmp/sdist/pyfuse3-$PYFUSE3_VERSION"
 patch -d "$pysrc" -p1 --forward --quiet < "$here/pyfuse3-passthrough.patch" \
     || die "pyfuse3-passthrough.patch does not apply to pyfuse3 $PYFUSE3_VERSION"
+patch -d "$pysrc" -p1 --forward --quiet < "$here/pyfuse3-queued-requests.patch" \
+    || die "pyfuse3-queued-requests.patch does not apply to pyfuse3 $PYFUSE3_VERSION with passthrough"
 rm -f "$pysrc/src/pyfuse3/__init__.c"  # generated from the unpatched .pyx: make Cython regenerate it
 (
     if [ -n "$prefix" ]; then
@@ -149,7 +154,7 @@ rm -f "$pysrc/src/pyfuse3/__init__.c"  # generated from the unpatched .pyx: make
         export LDFLAGS="-L$prefix/lib -Wl,-rpath,$prefix/lib${LDFLAGS:+ $LDFLAGS}"
     fi
     # A local version label, so `pip show pyfuse3` tells this build from the stock one.
-    export SETUPTOOLS_SCM_PRETEND_VERSION="$PYFUSE3_VERSION+passthrough"
+    export SETUPTOOLS_SCM_PRETEND_VERSION="$PYFUSE3_VERSION+passthrough.queued"
     # A wheel first (never from or into pip's cache), checked below before it replaces anything.
     pip_quiet wheel -q --no-deps --no-cache-dir -w "$tmp/wheel" "$pysrc"
 ) || die "building the patched pyfuse3 failed"
@@ -164,5 +169,5 @@ pip_quiet install -q --no-deps --force-reinstall --no-cache-dir "${wheels[0]}" \
     || die "installing the patched pyfuse3 wheel failed"
 ext=$("$py" -c 'import importlib.util; print(importlib.util.find_spec("pyfuse3").origin)')
 check_linkage "$ext"
-"$py" -c 'import pyfuse3; pyfuse3.passthrough_open' || die "the installed pyfuse3 has no passthrough_open"
-echo "pyfuse3 $PYFUSE3_VERSION+passthrough installed in $venv (libfuse: $libfuse) in $((SECONDS - start))s"
+"$py" -c "$PATCHED_CHECK" || die "the installed pyfuse3 lacks passthrough_open or queued_requests_first"
+echo "pyfuse3 $PYFUSE3_VERSION+passthrough.queued installed in $venv (libfuse: $libfuse) in $((SECONDS - start))s"

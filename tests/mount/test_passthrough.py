@@ -38,6 +38,8 @@ def require_passthrough(mnt: Path) -> dict:
     tests that need it are marked PASSTHROUGH_NEEDS_ROOT: another user's run skips them)."""
     values = stats(mnt)
     assert values["data_path"] == "passthrough", f"passthrough not engaged: {values['data_path_why']}"
+    # the same build patches pyfuse3's loop (build.sh): an install that left it out costs ~70 us per open
+    assert values["dispatch"] == "queued-first", "pyfuse3 without pyfuse3-queued-requests.patch"
     return values
 
 

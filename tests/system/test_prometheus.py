@@ -174,7 +174,7 @@ def test_promql_reads_the_hit_ratio_and_the_mix_share_the_mount_reports(scraped:
                       "disk": control["bytes_from_disk"]}
     info = scraped.query("liquidfs_mount_info")
     assert len(info) == 1 and info[0]["metric"]["data_path"] == control["data_path"]
-    assert info[0]["metric"]["mix_mode"] == "fixed"
+    assert info[0]["metric"]["mix_mode"] == "fixed" and info[0]["metric"]["dispatch"] == control["dispatch"]
 
 
 @pytest.mark.fuse
