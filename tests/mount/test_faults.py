@@ -22,7 +22,7 @@ import pytest
 
 from benchscripts import load_script
 from conftest import run_cli
-from fusehelpers import FUSERMOUNT, Mount, as_nobody, daemon_pid, is_mounted, wait_for
+from fusehelpers import DATA_PATHS, FUSERMOUNT, Mount, as_nobody, daemon_pid, is_mounted, wait_for
 from liquidfs.catalog import REPR_RAW, Catalog, Node
 from liquidfs.prepare import prepare
 from sample import make_sample
@@ -248,6 +248,48 @@ def test_hung_storage_answers_eio_and_the_mount_goes_on(faulty: Faulty, tmp_path
     for node in hung:
         assert (s.mnt / os.fsdecode(node.path)).read_bytes() == s.expected(node)[1]
     assert stats(s.mnt)["errors"] == 4
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_an_open_waiting_on_storage_holds_up_nothing_else(faulty: Faulty, tmp_path: Path, mounter: Mount,
+                                                          data_path: str) -> None:
+    """A cold open walks and opens the source in a worker thread (on the loop only what the kernel's caches
+    answer): one whose storage does not answer must leave every other request answered -- ``ls``, ``stat``, the
+    other files' bytes, the stats. Were that open done on the loop (issue 28's levers move work onto it), all
+    of them would wait with it."""
+    s = serve_through(faulty, tmp_path, mounter, "--io-timeout", "60", "--data-path", data_path)
+    hung = s.originals[0]
+    faulty.set(hang_open=[os.fsdecode(hung.path)])
+    control = ["cat", str(s.mnt / ".__liquidfs__")]
+    opens_before = json.loads(_within(control))["requests"]["open"]["count"]
+    waiting = subprocess.Popen(["cat", str(s.mnt / os.fsdecode(hung.path))], stdout=subprocess.PIPE)
+    try:
+        wait_for(lambda: json.loads(_within(control))["requests"]["open"]["count"] > opens_before, 10,
+                 what="the open to reach the daemon")
+        listing = _within(["ls", "-R", str(s.mnt)])
+        assert os.path.basename(os.fsdecode(hung.path)).encode() in listing
+        for node in s.raw + s.originals[1:]:
+            path = s.mnt / os.fsdecode(node.path)
+            _within(["stat", str(path)])
+            original, raw = s.expected(node)
+            assert _within(["cat", str(path)]) == (raw if raw is not None else original), node.path
+        _within(control)
+        # the open waited all along: what was checked above ran beside it, not after it
+        assert waiting.poll() is None, "the hung open finished early: nothing was checked beside it"
+    finally:
+        faulty.set()
+    out, _ = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0 and out == s.expected(hung)[0]
+
+
+def _within(cmd: list[str], seconds: float = 20) -> bytes:
+    """``cmd``'s output; a failure if it does not finish within ``seconds`` (the mount is held up)."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=seconds)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{' '.join(cmd)} did not answer within {seconds:g} s: the mount is held up")
+    assert done.returncode == 0, (cmd, done.stderr)
+    return done.stdout
 
 
 # -- the daemon killed during reads --------------------------------------------------------------------------

@@ -12,6 +12,7 @@ faults on and off while the mount runs:
   fails with EIO: a medium error in the middle of a file.
 * ``hang``: reads block until the rule is removed: a server that stopped answering (the request stays in the
   kernel, so the reading thread cannot be interrupted, exactly like NFS hard mounts).
+* ``hang_open``: opens block the same way: a cold open of a file whose server stopped answering.
 
 Device-mapper (a linear + error table over a loop device) would be the classic way to get EIO, but it is not in
 every kernel (not in this CI's), and it cannot hang. This is a test helper, not part of liquidfs.
@@ -125,6 +126,8 @@ class FaultFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise FUSEError(errno.EROFS)
+        while self._matches("hang_open", self.paths.get(inode, b"")):
+            await trio.sleep(0.05)
         try:
             fd = os.open(self._real(inode), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:
