@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 import stat
 from pathlib import Path
 
@@ -378,28 +379,62 @@ def test_a_stock_pyfuse3_is_explained_to_a_non_root_user_without_sending_them_to
     assert "install.sh" in (passthrough.built_in() or "")
 
 
-@pytest.mark.parametrize("off_loop", [True, False], ids=["large", "small"])
-def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared, monkeypatch, off_loop) -> None:
-    """A released large source or object backing is handed to a worker thread (its pages dropped, then closed):
-    the loop never waits for the kernel's page drop; a small one is closed at once. Either way every descriptor
-    is closed by the time the path stops."""
-    from liquidfs import passthrough
+@pytest.mark.parametrize("large", [True, False], ids=["large", "small"])
+def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared, monkeypatch, large) -> None:
+    """A released source or object backing is handed to a worker thread (its pages dropped, then closed): the
+    loop never waits for the kernel's page drop. A large one at once; small ones in batches, and a batch that
+    never fills is closed once the releases stop. Every descriptor is closed by the time the path stops."""
+    from liquidfs import backing, passthrough
 
-    monkeypatch.setattr(passthrough, "CLOSE_OFF_LOOP", 0 if off_loop else 1 << 40)
+    monkeypatch.setattr(passthrough, "CLOSE_OFF_LOOP", 0 if large else 1 << 40)
+    monkeypatch.setattr(backing, "CLOSE_BATCH", 4)
     src, store = prepared
     ops, kernel = _ops(store)
     before = len(os.listdir("/proc/self/fd"))
+    released = 3 * len(_images(ops))
+    assert released % 4, "a batch must be left unfilled"
 
     async def main() -> None:
         for _ in range(3):
             for node in _images(ops):
                 info = await ops.open(node.id, os.O_RDONLY, CTX)
                 await ops.release(info.fh)
+        with trio.fail_after(10):  # the last, unfilled batch too, with no release after it
+            while ops.data.statistics()["closes_pending"]:
+                await trio.sleep(0.01)
 
     trio.run(main)
+    assert ops.data._closer.closed == released
     ops.data.close()
-    assert ops.data.statistics()["closes_pending"] == 0
     assert len(os.listdir("/proc/self/fd")) == before
     assert ops.stats.backing_source and ops.stats.backing_object
-    closed = ops.data._closer.closed
-    assert closed == (3 * len(_images(ops)) if off_loop else 0)
+
+
+def test_the_closer_closes_a_batch_when_full_or_quiet_and_all_at_stop(tmp_path: Path, monkeypatch) -> None:
+    from liquidfs import backing
+
+    monkeypatch.setattr(backing, "CLOSE_WAIT", 3600.0)  # quiet never comes: only a full batch or stop closes
+    monkeypatch.setattr(backing, "CLOSE_BATCH", 3)
+    closer = backing.Closer()
+    fds = [os.open(tmp_path, os.O_RDONLY) for _ in range(5)]
+
+    def closed(fd: int) -> bool:
+        try:
+            os.fstat(fd)
+        except OSError:
+            return True
+        return False
+
+    for fd in fds[:2]:
+        closer.close_soon(fd, drop=False)
+    time.sleep(0.2)
+    assert closer.pending == 2 and not any(map(closed, fds[:2]))  # a batch begun waits for more
+    closer.close_soon(fds[2], drop=False)  # full
+    deadline = time.monotonic() + 10
+    while closer.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closer.closed == 3 and all(map(closed, fds[:3]))
+    closer.close_soon(fds[3], drop=False)
+    closer.close_soon(fds[4], drop=False)
+    closer.stop()
+    assert closer.pending == 0 and closer.closed == 5 and all(map(closed, fds))
