@@ -41,6 +41,8 @@ class Parts:
     max_open_bytes: int = MAX_OPEN_BYTES
     push_pages: bool = True
     verify_reads: bool = False
+    #: Told of each passthrough open that found its metadata cold (the metadata read-ahead, where there is one).
+    cold_open: Callable[[Node], None] | None = None
 
     def daemon_path(self, *, holds: bool = True) -> DaemonPath:
         """The daemon data path; ``holds``: it keeps the next-epoch cache's files (in this process)."""
@@ -54,7 +56,7 @@ class Parts:
         held = MemfdLevel(self.policy, self.stats) if self.policy is not None else None
         return PassthroughPath(kernel, self.reader, self.stats, self.storage, ranges=self.daemon_path(holds=False),
                                held=held, verify_reads=self.verify_reads,
-                               drop_served_pages=self.page_cache == "drop")
+                               drop_served_pages=self.page_cache == "drop", on_cold_open=self.cold_open)
 
 
 def parts(reader: Reader, stats: MountStats, *, policy: NextEpochCache | None = None,
@@ -73,6 +75,8 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
     """A finished ``Operations``. ``data_path``: "daemon", "passthrough" (over ``kernel``), or "at init": chosen
     once the connection's INIT says whether the kernel grants passthrough (``Operations.serve_with``)."""
     path: DaemonPath | PassthroughPath | None
+    if lookahead is not None:
+        built.cold_open = lookahead.went_cold
     if data_path == "daemon":
         path = built.daemon_path()
     elif data_path == "passthrough":

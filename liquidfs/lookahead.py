@@ -6,8 +6,11 @@ not in memory it goes to a worker thread, which costs the loop a thread hop and 
 line with its open. A LOOKUP reaching the daemon means the kernel had no entry for the name: the loader is
 reading a directory whose metadata is cold. The first such lookup in a directory queues it; one worker thread
 walks its files in catalog order (``warm``: a stat of the source, and of the raw object, below their roots, as
-the opens walk them), with its own connection to the catalog. Bounded: a directory is warmed at most once per
-``AGAIN_AFTER`` seconds, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
+the opens walk them), with its own connection to the catalog. An open that still finds its source's inode cold
+(the kernel dropped what the last warm brought in: a drop of the caches, pressure between epochs) warms its
+directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per ``AGAIN_AFTER`` seconds, a
+cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is never queued twice, and at
+most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
 """
 
 from __future__ import annotations
@@ -23,8 +26,11 @@ from .catalog import KIND_FILE, Catalog, Node
 
 log = logging.getLogger(__name__)
 
-#: Seconds before a directory warmed once may be warmed again (the kernel may have dropped its inodes since).
+#: Seconds before a LOOKUP may warm a directory warmed once again (the kernel may have dropped its inodes since).
 AGAIN_AFTER = 60.0
+#: Seconds after a warm of a directory ended before an open there that found its inodes cold warms it again: the
+#: kernel dropped them since (a drop of the caches, memory pressure between epochs).
+AGAIN_COLD = 1.0
 #: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
 MAX_QUEUED = 16
 
@@ -38,7 +44,9 @@ class MetadataAhead:
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._queued = 0
         self._lock = threading.Lock()
-        self._warmed_at: dict[int, float] = {}
+        self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
+        self._busy: set[int] = set()              # directories queued or being warmed (under _lock)
+        self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
         self._thread: threading.Thread | None = None
         self.directories = 0  # directories warmed
         self.files = 0        # files warmed
@@ -48,15 +56,30 @@ class MetadataAhead:
         now = time.monotonic()
         if now - self._warmed_at.get(parent, -AGAIN_AFTER) < AGAIN_AFTER:
             return
+        if self._queue_directory(parent):
+            self._warmed_at[parent] = now
+
+    def went_cold(self, node: Node) -> None:
+        """An open of ``node`` found its metadata not in the kernel's memory (it went to a worker thread). A
+        LOOKUP says only that the mount's own entry was missing, and warms a directory once a minute; an open
+        gone cold says the source's inodes are: warm them again, unless a warm of this directory is under way or
+        ended less than ``AGAIN_COLD`` seconds ago."""
         with self._lock:
-            if self._queued >= MAX_QUEUED:
+            if node.parent in self._busy or time.monotonic() - self._done_at.get(node.parent, -AGAIN_COLD) < AGAIN_COLD:
                 return
+        self._queue_directory(node.parent)
+
+    def _queue_directory(self, parent: int) -> bool:
+        with self._lock:
+            if self._queued >= MAX_QUEUED or parent in self._busy:
+                return False
             self._queued += 1
-        self._warmed_at[parent] = now
+            self._busy.add(parent)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="liquidfs-lookahead", daemon=True)
             self._thread.start()
         self._queue.put(parent)
+        return True
 
     def _run(self) -> None:
         catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's connection is the loop's
@@ -69,6 +92,8 @@ class MetadataAhead:
                 finally:
                     with self._lock:
                         self._queued -= 1
+                        self._busy.discard(parent)
+                        self._done_at[parent] = time.monotonic()
         finally:
             catalog.close()
 

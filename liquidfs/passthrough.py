@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import pyfuse3
@@ -99,7 +100,8 @@ class PassthroughPath:
 
     def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, storage: StorageCalls,
                  *, ranges: DaemonPath, held: MemfdLevel | None = None, verify_reads: bool = False,
-                 drop_served_pages: bool = True) -> None:
+                 drop_served_pages: bool = True, on_cold_open: Callable[[Node], None] | None = None) -> None:
+        """``on_cold_open``: told of each open whose metadata was not in memory (``MetadataAhead.went_cold``)."""
         self.kernel = kernel
         self.reader = reader
         self.stats = stats
@@ -111,6 +113,7 @@ class PassthroughPath:
         self.drop_served_pages = drop_served_pages
         self._open_inodes = 0  # inodes with a shared backing (``Inode.shared``)
         self._closer = Closer()
+        self.on_cold_open = on_cold_open
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
             and not verify_reads else None
@@ -200,6 +203,8 @@ class PassthroughPath:
                 vouch = False  # not vouched for by a stat: read whole below
             except BlockingIOError:
                 self.stats.cold_opens += 1
+                if self.on_cold_open is not None:
+                    self.on_cold_open(node)
         if backing is None:
             backing = await self.storage.run(node, self._resolve, node, vouch)
         if backing is not None:

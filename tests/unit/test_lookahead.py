@@ -46,7 +46,7 @@ def test_a_cold_directory_is_warmed_once_file_by_file(tmp_path: Path) -> None:
 
 def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    catalog = _tree(tmp_path, dirs=2, files=1)
+    catalog = _tree(tmp_path, dirs=lookahead.MAX_QUEUED + 10, files=1)
     release = threading.Event()
     warmed: list[bytes] = []
 
@@ -55,13 +55,46 @@ def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_
         warmed.append(node.path)
 
     ahead = MetadataAhead(catalog.path, slow)
-    d0 = _dir(catalog, b"d0")
     monkeypatch.setattr(lookahead, "AGAIN_AFTER", 0.0)  # a directory may be warmed again at once
-    for _ in range(lookahead.MAX_QUEUED + 10):
-        ahead.looked_up(d0)  # the worker is stuck on the first: the queue fills to its bound and no further
+    d0 = _dir(catalog, b"d0")
+    for _ in range(3):
+        ahead.looked_up(d0)  # queued once: a directory queued or being warmed is not queued again
+    for d in range(1, lookahead.MAX_QUEUED + 10):
+        ahead.looked_up(_dir(catalog, b"d%d" % d))  # the worker is stuck on d0: the queue fills to its bound
     release.set()
     ahead.stop()
     assert len(warmed) == lookahead.MAX_QUEUED  # the first taken by the worker, the rest queued behind it
+    assert warmed.count(b"d0/f0.bin") == 1
+
+
+def test_an_open_gone_cold_warms_its_directory_again_unless_warmed_just_now(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LOOKUP warms a directory once a minute; an open that found its source's inode cold (the kernel dropped
+    what the last warm brought in) warms it again, once the last warm ended ``AGAIN_COLD`` seconds ago."""
+    catalog = _tree(tmp_path, dirs=1, files=2)
+    warmed: list[bytes] = []
+    ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path))
+    d0 = _dir(catalog, b"d0")
+    [f0, _] = catalog.children(d0)
+
+    def settle() -> None:
+        ahead._queue.put(None)  # the worker ends after what is queued: wait for it, then let it start anew
+        assert ahead._thread is not None
+        ahead._thread.join(10)
+        ahead._thread = None
+
+    ahead.looked_up(d0)
+    settle()
+    ahead.looked_up(d0)  # within AGAIN_AFTER: no second warm for a LOOKUP
+    ahead.went_cold(f0)  # within AGAIN_COLD of the warm's end: none either
+    if ahead._thread is not None:
+        settle()
+    assert len(warmed) == 2
+    monkeypatch.setattr(lookahead, "AGAIN_COLD", 0.0)
+    ahead.went_cold(f0)
+    settle()
+    assert len(warmed) == 4 and ahead.statistics()["lookahead_directories"] == 2
+    ahead.stop()
 
 
 def test_a_warm_that_fails_costs_only_the_hint(tmp_path: Path) -> None:

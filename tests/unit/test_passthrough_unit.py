@@ -438,3 +438,46 @@ def test_the_closer_closes_a_batch_when_full_or_quiet_and_all_at_stop(tmp_path: 
     closer.close_soon(fds[4], drop=False)
     closer.stop()
     assert closer.pending == 0 and closer.closed == 5 and all(map(closed, fds))
+
+
+def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahead(prepared, monkeypatch) -> None:
+    """Where the kernel's caches cannot answer the walk, the open is done in a worker thread, counted, and the
+    metadata read-ahead is told (``on_cold_open``), so the directory's other files are warmed again."""
+    from liquidfs import passthrough
+
+    def cold(*args, **kwargs):
+        if kwargs.get("cached_only"):
+            raise BlockingIOError(11, "not in the kernel's caches")
+        return real(*args, **kwargs)
+
+    real = passthrough.vouched
+    monkeypatch.setattr(passthrough, "vouched", cold)
+    src, store = prepared
+    ops, kernel = _ops(store)
+    told: list[bytes] = []
+    ops.data.on_cold_open = lambda node: told.append(node.path)
+    nodes = _images(ops)
+
+    async def main() -> None:
+        for node in nodes:
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            assert kernel.read(info.backing_id) == _expected(src, store, node)
+            await ops.release(info.fh)
+
+    trio.run(main)
+    assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
+
+
+def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:
+    from liquidfs import assemble
+    from liquidfs.lookahead import MetadataAhead
+    from liquidfs.stats import MountStats
+
+    _, store = prepared
+    catalog = Catalog.open(store, readonly=True)
+    ahead = MetadataAhead(catalog.path, lambda node: None)
+    built = assemble.parts(StoreReader(catalog.source, store), MountStats())
+    for data_path in ("passthrough", "at init"):
+        ops = assemble.operations(catalog, built, data_path=data_path, kernel=FakeKernel(), lookahead=ahead)
+        path = ops.data if data_path == "passthrough" else built.passthrough_path(FakeKernel())
+        assert path.on_cold_open == ahead.went_cold
