@@ -82,19 +82,24 @@ def _expected(src: Path, store: Path, node) -> bytes:
     return (store / node.object).read_bytes() if node.object else (src / os.fsdecode(node.path)).read_bytes()
 
 
-def test_every_open_is_answered_with_a_backing_holding_the_served_bytes(prepared) -> None:
-    src, store = prepared
-    ops, kernel = _ops(store)
+def _serve_each(ops: Operations, kernel: FakeKernel, src: Path, store: Path, nodes: list) -> None:
+    """Each of ``nodes`` opened, its backing checked to hold the bytes it serves, and released."""
 
     async def main() -> None:
-        for node in _images(ops):
+        for node in nodes:
             info = await ops.open(node.id, os.O_RDONLY, CTX)
             assert info.backing_id > 0 and not info.direct_io
             assert kernel.read(info.backing_id) == _expected(src, store, node)
             await ops.release(info.fh)
-        assert not kernel.files  # every backing closed at its last release
 
     trio.run(main)
+
+
+def test_every_open_is_answered_with_a_backing_holding_the_served_bytes(prepared) -> None:
+    src, store = prepared
+    ops, kernel = _ops(store)
+    _serve_each(ops, kernel, src, store, _images(ops))
+    assert not kernel.files  # every backing closed at its last release
     assert ops.stats.backing_object >= 1 and ops.stats.backing_source >= 1
     assert ops.stats.read_requests == 0 and ops.stats.data_path == "passthrough"
 
@@ -187,19 +192,12 @@ def test_next_epoch_cache_keeps_memfds_and_hits_serve_them(prepared) -> None:
     ops, kernel = _ops(store, cache=True)  # a budget of the whole dataset: everything is kept
     nodes = _images(ops)
     memory = ops.data.held
-
-    async def epoch() -> None:
-        for node in nodes:
-            info = await ops.open(node.id, os.O_RDONLY, CTX)
-            assert kernel.read(info.backing_id) == _expected(src, store, node)
-            await ops.release(info.fh)
-
-    trio.run(epoch)
+    _serve_each(ops, kernel, src, store, nodes)
     held = memory.statistics()
     assert held["memfd_files"] == len(nodes) and held["memfd_bytes"] == sum(n.size_served for n in nodes)
     assert held["memfd_bytes"] <= memory.budget
     for _ in range(2):
-        trio.run(epoch)  # epochs 2 and 3 read every file through the memfds
+        _serve_each(ops, kernel, src, store, nodes)  # epochs 2 and 3 read every file through the memfds
     assert ops.stats.bytes_from_memory == 2 * held["memfd_bytes"]
     assert memory.policy.stats.hits == 2 * len(nodes)
 
@@ -457,14 +455,7 @@ def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahea
     told: list[bytes] = []
     ops.data.on_cold_open = lambda node: told.append(node.path)
     nodes = _images(ops)
-
-    async def main() -> None:
-        for node in nodes:
-            info = await ops.open(node.id, os.O_RDONLY, CTX)
-            assert kernel.read(info.backing_id) == _expected(src, store, node)
-            await ops.release(info.fh)
-
-    trio.run(main)
+    _serve_each(ops, kernel, src, store, nodes)
     assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
 
 
