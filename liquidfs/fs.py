@@ -110,7 +110,8 @@ class Operations(pyfuse3.Operations):
         self.stats = stats
         self.storage = storage
         self.notifier = notifier
-        self.inodes = Inodes(stats)
+        files, served, _, max_id = catalog.file_totals()
+        self.inodes = Inodes(stats, max_id)
         self.open_files: dict[int, Handle] = {}
         self._next_fh = 1
         self.data = data_path
@@ -125,7 +126,6 @@ class Operations(pyfuse3.Operations):
         self.lookahead = lookahead
         self.uid = os.getuid()
         self.gid = os.getgid()
-        files, served, _, _ = catalog.file_totals()
         self.stats.files = files
         self.stats.dataset_bytes = served
         #: Counters of parts beside the data path (a disk cache level), in ``statistics``.

@@ -2,14 +2,21 @@
 has open (``Handle``).
 
 Everything the FUSE layer and the data paths keep about an inode sits in its one record, as libfuse's
-``passthrough_hp.cc`` keeps it in ``struct Inode``: how many lookups the kernel will forget, the size it was told
-where that is not the catalog's, whether its raw object failed, the backing its passthrough opens share, its
-opens that read through the page cache and the page stores queued for it on the daemon path. A record lives
-while any of that says something, and goes when the kernel has forgotten the inode and nothing else is left.
+``passthrough_hp.cc`` keeps it in ``struct Inode``: the size it was told where that is not the catalog's,
+whether its raw object failed, the backing its passthrough opens share, its opens that read through the page
+cache and the page stores queued for it on the daemon path. A record lives while any of that says something.
+
+Two things are kept for every inode the kernel holds, and a ``find`` over ten million files makes it hold them
+all (issue 28: <= 300 MB of daemon memory after one): so they are not in records. The lookups the kernel will
+forget are one machine word per catalog id in an array (8 bytes an inode, where a record and its dict entry
+took ~650 with the catalog row); the rows of the latest lookups are kept, a bounded number, for the open and
+getattr that follow a lookup (the catalog never changes under a mount, so a row kept longer is still true).
 """
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,13 +39,13 @@ class Pushes:
     done: trio.Event = field(default_factory=trio.Event)
 
 
+#: Catalog rows of the latest lookups kept (``Inodes.node``): a lookup's open follows it within a few requests.
+ROWS_KEPT = 65536
+
+
 @dataclass(eq=False, slots=True)
 class Inode:
     id: int
-    lookups: int = 0  # the kernel's references (lookups and readdirplus entries) not yet forgotten
-    #: Its catalog row, kept while the kernel holds a reference: the open and getattr that follow a lookup
-    #: need no query of the catalog (a SQLite query costs ~13 us of the loop's time per request).
-    node: Node | None = None
     #: The size the kernel was told where it is not the catalog's (a fallback to the original, a source changed
     #: in place, the other representation of a mixed image).
     size: int | None = None
@@ -53,7 +60,7 @@ class Inode:
         return node.size_served if self.size is None else self.size
 
     def idle(self) -> bool:
-        return not (self.lookups or self.size is not None or self.fell_back or self.shared is not None
+        return not (self.size is not None or self.fell_back or self.shared is not None
                     or self.page_cached or self.pushes is not None)
 
 
@@ -65,11 +72,15 @@ def note_fallback(record: Inode, stats: MountStats) -> None:
 
 
 class Inodes:
-    """The records of the inodes the mount is keeping anything of, by inode number."""
+    """The records of the inodes the mount is keeping anything of, by inode number; the kernel's lookups of each;
+    the catalog rows of the latest lookups."""
 
-    def __init__(self, stats: MountStats) -> None:
+    def __init__(self, stats: MountStats, max_id: int = 1) -> None:
+        """``max_id``: the catalog's highest id (the array of lookups grows past it if need be)."""
         self.stats = stats
         self._records: dict[int, Inode] = {}
+        self._lookups = array("Q", bytes(8 * (max_id + 1)))  # by inode number: the kernel's references
+        self._rows: OrderedDict[int, Node] = OrderedDict()  # the rows of the latest lookups, oldest first
         self.known = 0  # inodes the kernel holds a reference to
 
     def __getitem__(self, inode: int) -> Inode:
@@ -90,29 +101,38 @@ class Inodes:
         record = self._records.get(node.id)
         return node.size_served if record is None else record.size_told(node)
 
+    def lookups(self, inode: int) -> int:
+        """The kernel's references to ``inode`` (lookups and readdirplus entries) not yet forgotten."""
+        return self._lookups[inode] if inode < len(self._lookups) else 0
+
     def looked_up(self, node: Node) -> None:
-        record = self[node.id]
-        if not record.lookups:
+        inode = node.id
+        if inode >= len(self._lookups):
+            self._lookups.frombytes(bytes(8 * (inode + 1 - len(self._lookups))))
+        if not self._lookups[inode]:
             self.known += 1
-        record.lookups += 1
-        record.node = node
+        self._lookups[inode] += 1
+        rows = self._rows
+        if inode not in rows:
+            rows[inode] = node
+            if len(rows) > ROWS_KEPT:
+                rows.popitem(last=False)
 
     def node(self, inode: int) -> Node | None:
-        """The catalog row of ``inode`` where the kernel's lookup left it here."""
-        record = self._records.get(inode)
-        return None if record is None else record.node
+        """The catalog row of ``inode`` where a recent lookup left it here."""
+        return self._rows.get(inode)
 
     def forget(self, inode: int, count: int) -> None:
-        record = self._records.get(inode)
-        if record is None:
-            return
-        if record.lookups:
-            record.lookups = max(0, record.lookups - count)
-            if not record.lookups:
+        held = self.lookups(inode)
+        if held:
+            left = max(0, held - count)
+            self._lookups[inode] = left
+            if not left:
                 self.known -= 1
-                record.size = None  # the kernel asks for attributes afresh at its next lookup
-                record.node = None
-        self.tidy(record)
+                record = self._records.get(inode)
+                if record is not None:
+                    record.size = None  # the kernel asks for attributes afresh at its next lookup
+                    self.tidy(record)
 
     def tidy(self, record: Inode) -> None:
         """Let ``record`` go once it holds nothing."""

@@ -38,9 +38,9 @@ def test_lookup_getattr_open_read_release(ops: Operations) -> None:
     assert run(ops.read, fi.fh, 4990, 100) == b"A" * 10
     run(ops.release, fi.fh)
     assert ops.stats.opens == 1 and ops.stats.bytes_read == 10
-    assert ops.inodes[a.st_ino].lookups == 1
+    assert ops.inodes.lookups(a.st_ino) == 1 and ops.inodes.known == 2
     run(ops.forget, [(a.st_ino, 1)])
-    assert ops.inodes.get(a.st_ino) is None
+    assert ops.inodes.get(a.st_ino) is None and ops.inodes.lookups(a.st_ino) == 0 and ops.inodes.known == 1
 
 def test_missing_names_and_writes(ops: Operations) -> None:
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -172,9 +172,13 @@ def test_each_request_type_is_counted_and_timed(tmp_path: Path) -> None:
     assert timed.statistics()["requests"]["open"]["cpu_s"] == 0.0  # not asked for: not measured
 
 
-def test_an_open_after_a_lookup_asks_nothing_of_the_catalog(ops: Operations) -> None:
-    """The open and getattr that follow a lookup find its catalog row in the inode's record (a query costs the
-    loop ~13 us); once the kernel forgets the inode, the row goes with it and is queried again."""
+def test_an_open_after_a_lookup_asks_nothing_of_the_catalog(ops: Operations, monkeypatch) -> None:
+    """The open and getattr that follow a lookup find its catalog row kept (a query costs the loop ~13 us); the
+    rows kept are the latest lookups', a bounded number (a find over ten million files looks up every one), and
+    an older one is queried again."""
+    from liquidfs import inodes
+
+    monkeypatch.setattr(inodes, "ROWS_KEPT", 1)
     queries: list[int] = []
     real_get = ops.catalog.get
 
@@ -191,4 +195,28 @@ def test_an_open_after_a_lookup_asks_nothing_of_the_catalog(ops: Operations) -> 
     assert queries == []
     run(ops.forget, [(b.st_ino, 1)])
     assert ops.inodes.get(b.st_ino) is None
+    run(ops.lookup, ROOT_ID, b"d", CTX)  # the one row kept is d's now
     assert run(ops.getattr, b.st_ino, CTX).st_size == 6 and queries == [b.st_ino]
+
+
+def test_inodes_only_looked_up_cost_a_word_each_and_the_rows_kept_are_bounded(ops: Operations, monkeypatch) -> None:
+    """A find over ten million files makes the kernel hold every inode: what the mount keeps of one it only
+    looked up is its count of lookups in an array, no record; the rows kept are bounded."""
+    import dataclasses
+
+    from liquidfs import inodes
+    from liquidfs.stats import MountStats
+
+    monkeypatch.setattr(inodes, "ROWS_KEPT", 10)
+    table = inodes.Inodes(MountStats(), max_id=5)
+    row = ops.catalog.get(ROOT_ID)
+    assert row is not None
+    for inode in range(2, 100):  # past max_id: the array grows
+        table.looked_up(dataclasses.replace(row, id=inode))
+    table.looked_up(dataclasses.replace(row, id=7))
+    assert len(table) == 0 and len(table._rows) == 10 and table.known == 98
+    assert table.lookups(7) == 2 and table.lookups(1000) == 0
+    assert table.node(99) is not None and table.node(2) is None  # the oldest rows went first
+    table.forget(7, 2)
+    table.forget(1000, 1)  # never looked up: nothing to forget
+    assert table.known == 97 and table.lookups(7) == 0
