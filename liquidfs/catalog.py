@@ -327,6 +327,12 @@ class Catalog:
             self._totals = files, served, source, max_id
         return files, served, source, max_id
 
+    def raw_bytes(self) -> int:
+        """Bytes of the raw objects the catalog serves (the share a cluster level holds is of these)."""
+        row = self.db.execute("SELECT coalesce(sum(served_size), 0) FROM nodes WHERE kind=0 AND repr=? AND "
+                              "served_size IS NOT NULL", (REPR_RAW,)).fetchone()
+        return int(row[0])
+
     def files(self) -> Iterator[Node]:
         """Every regular file, in id order (streamed, not loaded at once)."""
         cursor = self.db.execute(f"SELECT {_NODE_COLUMNS} FROM nodes WHERE kind=0 ORDER BY id")

@@ -111,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "in DIR, removed at unmount. Needs --disk-cache-size")
     tuning.add_argument("--disk-cache-size", metavar="SIZE",
                    help="budget of --disk-cache: a percentage of the dataset as served or bytes (200G)")
+    tuning.add_argument("--cluster", metavar="memcached://HOST:PORT,...",
+                   help="the memcached of every node reading this dataset (one beside each mount, started with "
+                   "-I 64m or more): together they hold a fixed share of the raw objects for all nodes, so a "
+                   "miss here that another node read is fetched from memory, not storage. Values are checked "
+                   "against the catalog's checksums; a memcached that is down costs hits, never a read. Needs "
+                   "--cluster-size")
+    tuning.add_argument("--cluster-size", metavar="SIZE",
+                   help="what the memcacheds of --cluster hold together (the sum of their -m, less ~5 %%): a "
+                   "percentage of the dataset as served or bytes; the share of the raw objects they hold follows")
     m.add_argument("--warmup", action="store_true",
                    help="fill the cache right after the mount is ready, in the background, so the first epoch hits "
                    "too (progress: `liquidfs stats`, warmup)")
@@ -321,6 +330,7 @@ def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    from .clustertier import ClusterError, parse_cluster
     from .mount import MountConfig, MountError, check_allow_other, check_mountpoint, serve, spawn_daemon
     from .stores import open_store
 
@@ -343,6 +353,15 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise MountError("--disk-cache and --disk-cache-size go together")
     if args.disk_cache_size:
         _size_option(args.disk_cache_size, "--disk-cache-size")
+    if bool(args.cluster) != bool(args.cluster_size):
+        raise MountError("--cluster and --cluster-size go together")
+    cluster = None
+    if args.cluster:
+        _size_option(args.cluster_size, "--cluster-size")
+        try:
+            cluster = parse_cluster(args.cluster)
+        except ClusterError as exc:
+            raise MountError(str(exc)) from None
     if not args.io_timeout > 0:
         raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
     options = [o for opts in args.options for o in opts.split(",") if o]
@@ -376,7 +395,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
                          open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
                          verify_reads=args.verify_reads, time_requests=args.time_requests,
-                         lookahead=args.lookahead,
+                         lookahead=args.lookahead, cluster=cluster, cluster_size=args.cluster_size,
                          mix=args.mix, mix_interval=args.mix_interval,
                          pressure_dir=Path(args.pressure_dir))
     return serve(config, ready_fd=args.ready_fd)

@@ -28,7 +28,7 @@ from .cache import Decision, NextEpochCache
 from .locks import HeldLock, abandoned, unique
 from .catalog import Node
 from .directio import read_whole
-from .reader import Content, Reader, checksum, digest_of
+from .reader import Content, InFront, Reader, checksum, digest_of
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,10 @@ class _Entry:
     size: int
 
 
-class DiskTier:
+class DiskTier(InFront):
     def __init__(self, inner: Reader, root: Path, policy: NextEpochCache,
                  memory_holds: Callable[[int], bool] = lambda node_id: False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.policy = policy
         self.memory_holds = memory_holds
         _remove_stale(root)
@@ -60,21 +60,7 @@ class DiskTier:
         self.lost = 0
         self.write_errors = 0
 
-    # -- the reader interface ----------------------------------------------------------------------------
-
-    def check_source(self, node: Node, st: object = None, *, cached_only: bool = False) -> str | None:
-        return self.inner.check_source(node, st, cached_only=cached_only)
-
-    @property
-    def inline_check(self) -> bool:
-        return self.inner.inline_check
-
-    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
-        return self.inner.vouch(node, cached_only=cached_only)
-
-    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
-        # Part of a file this level may no longer have: the store has it, checked by the caller.
-        return self.inner.read_span(node, raw, start, end)
+    # -- the reader interface (the rest: ``InFront``'s) ------------------------------------------------------
 
     def open(self, node: Node) -> Content:
         decision = self.decide(node.id, node.size_served)

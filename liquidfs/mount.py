@@ -34,6 +34,7 @@ from .fs import CONTROL_NAME, Operations
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, Stalls
+from .clustertier import ClusterTier, memcached_client
 from .disktier import DiskTier
 from .stores import Store
 from .lookahead import MetadataAhead
@@ -70,6 +71,9 @@ class MountConfig:
     push_pages: bool = True
     disk_cache: Path | None = None
     disk_cache_size: str | None = None
+    #: ``mount --cluster``: the memcacheds of the nodes reading this dataset, and what they hold together.
+    cluster: list[tuple[str, int]] | None = None
+    cluster_size: str | None = None
     #: ``mount --data-path``: "auto" (passthrough where available, else the daemon), "passthrough" (or fail),
     #: "daemon" (every byte served by this process, as before passthrough existed).
     data_path: str = "auto"
@@ -200,11 +204,14 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
     cache = make_cache(totals, config.cache_size)
     disk = make_disk_tier(totals, config, base_reader, cache) if config.disk_cache is not None else None
+    cluster = make_cluster_tier(catalog, config, disk or base_reader) if config.cluster else None
+    levels = [level.statistics for level in (disk, cluster) if level is not None]
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
     warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
-    ops, built = build_operations(config, catalog, stats, disk or base_reader, cache,
+    ops, built = build_operations(config, catalog, stats, cluster or disk or base_reader, cache,
                                   may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
-                                  extra_statistics=disk.statistics if disk is not None else None,
+                                  extra_statistics=(lambda: {k: v for f in levels for k, v in f().items()})
+                                  if levels else None,
                                   warm=warm if config.lookahead else None)
     before = guard.mount_ids()
     try:
@@ -230,6 +237,8 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
             ops.lookahead.stop()
         pyfuse3.close(unmount=unmount)
         catalog.close()
+        if cluster is not None:
+            cluster.client.close()
         if disk is not None:
             disk.close()
         base_reader.close()
@@ -290,6 +299,20 @@ def make_mix(catalog: Catalog, config: MountConfig) -> Mix | None:
         raise MountError(str(exc)) from exc
     log.info("mix: %s, raw share %.3f of the images (prepared %.3f): %s", mix.mode, mix.share, prepared, mix.reason)
     return mix
+
+
+def make_cluster_tier(catalog: Catalog, config: MountConfig, reader: Reader) -> ClusterTier:
+    """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together."""
+    assert config.cluster and config.cluster_size
+    raw_bytes = catalog.raw_bytes()
+    try:
+        size = parse_size(config.cluster_size, catalog.file_totals()[1])
+    except ValueError as exc:
+        raise MountError(f"--cluster-size: {exc}") from exc
+    share = min(1.0, size / raw_bytes) if raw_bytes else 0.0
+    log.info("cluster of %d memcached (%s): %d bytes hold %.0f%% of the raw objects", len(config.cluster),
+             ", ".join(f"{host}:{port}" for host, port in config.cluster), size, 100 * share)
+    return ClusterTier(reader, memcached_client(config.cluster), share)
 
 
 def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,

@@ -199,6 +199,28 @@ class Reader(Protocol):
         ...
 
 
+class InFront:
+    """A reader in front of another (a cache level: ``disktier.DiskTier``, ``clustertier.ClusterTier``): what it
+    does not change is asked of the reader behind it."""
+
+    def __init__(self, inner: Reader) -> None:
+        self.inner = inner
+
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None:
+        return self.inner.check_source(node, st, cached_only=cached_only)
+
+    @property
+    def inline_check(self) -> bool:
+        return self.inner.inline_check
+
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
+        return self.inner.vouch(node, cached_only=cached_only)
+
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
+        # Part of a file the level may no longer have: the store has it, checked by the caller.
+        return self.inner.read_span(node, raw, start, end)
+
+
 @runtime_checkable
 class LendsDescriptors(Protocol):
     """A reader whose files are local and may back a passthrough open themselves (``backing.vouched``): it

@@ -11,7 +11,7 @@ for t in podman:podman debootstrap:debootstrap runc:runc tini:tini shellcheck:sh
          systemd-analyze:systemd fincore:util-linux \
          swift-proxy-server:swift-proxy swift-account-server:swift-account \
          swift-container-server:swift-container swift-object-server:swift-object \
-         swift-ring-builder:swift s3fs:s3fs rclone:rclone prometheus:prometheus; do
+         swift-ring-builder:swift s3fs:s3fs rclone:rclone prometheus:prometheus memcached:memcached; do
     command -v "${t%%:*}" >/dev/null || tools+=("${t#*:}")
 done
 if [ ${#tools[@]} -gt 0 ]; then

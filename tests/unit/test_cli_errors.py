@@ -225,6 +225,21 @@ def test_a_cache_share_outside_0_to_100_percent_is_refused(run: Run, tmp_path: P
     assert "--cache-size" in err and size in err
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--cluster", "memcached://127.0.0.1:11211"], "--cluster and --cluster-size go together"),
+    (["--cluster-size", "50%"], "--cluster and --cluster-size go together"),
+    (["--cluster", "redis://h:1", "--cluster-size", "50%"], "expected memcached://HOST:PORT"),
+    (["--cluster", "memcached://h:1,h:1", "--cluster-size", "50%"], "names a memcached twice"),
+    (["--cluster", "memcached://h:1", "--cluster-size", "150%"], "--cluster-size"),
+])
+def test_a_cluster_is_named_whole_or_refused_in_one_line(run: Run, tmp_path: Path, args: list[str],
+                                                         said: str) -> None:
+    (tmp_path / "data").mkdir()
+    err = _one_line(*run("mount", str(tmp_path / "data"), str(tmp_path / "mnt"), "--store", str(tmp_path / "st"),
+                         *args))
+    assert said in err
+
+
 def test_umount_refuses_a_mount_that_is_not_liquidfs(run: Run, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from liquidfs import guard

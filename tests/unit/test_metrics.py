@@ -29,9 +29,11 @@ import pyfuse3
 import pytest
 import trio
 
+from clusterfakes import FakeMemcached
 from liquidfs import assemble
 from liquidfs.cache import NextEpochCache
 from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.clustertier import ClusterTier
 from liquidfs.disktier import DiskTier
 from liquidfs.metricdefs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted
 from liquidfs.metrics import MetricsServer, MetricsStatistics, serve_metrics
@@ -517,9 +519,10 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     found = {}
     for data_path in ("daemon", "passthrough"):
         disk = DiskTier(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
-        parts = assemble.parts(disk, MountStats(), policy=NextEpochCache(served, served, files, max_id=max_id))
+        cluster = ClusterTier(disk, FakeMemcached(), 1.0)
+        parts = assemble.parts(cluster, MountStats(), policy=NextEpochCache(served, served, files, max_id=max_id))
         ops = assemble.operations(catalog, parts, data_path=data_path, kernel=_Kernel(), mix=Mix(0.5, 1.0),
-                                  extra_statistics=disk.statistics,
+                                  extra_statistics=lambda: {**disk.statistics(), **cluster.statistics()},
                                   lookahead=MetadataAhead(catalog.path, reader.warm))
         trio.run(_read_twice, ops)
         found[data_path] = ops.statistics()

@@ -1,0 +1,125 @@
+"""The cluster level on real memcacheds (Debian's, two on loopback ports, as two nodes would run one each) and
+two real mounts of one dataset (issue 29): a node's miss that the other node read is a fetch from memcached,
+byte-exact; a memcached killed costs hits, never a read or a wrong byte, and is used again once it is back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+from fusehelpers import Mount, wait_for
+from liquidfs.catalog import Catalog
+from liquidfs.clustertier import DEAD_TIMEOUT
+from liquidfs.prepare import prepare
+from sample import make_sample
+
+pytestmark = pytest.mark.fuse
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Memcached:
+    """One memcached on 127.0.0.1, started and killed by the test."""
+
+    def __init__(self, binary: str) -> None:
+        self.binary = binary
+        self.port = _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        # -I: items up to 8 MB (a Cityscapes BMP is 6.3 MB); -u root: memcached refuses to run as root otherwise
+        self.proc = subprocess.Popen([self.binary, "-l", "127.0.0.1", "-p", str(self.port), "-U", "0", "-m", "64",
+                                      "-I", "8m", "-u", "root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def answers() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as conn:
+                    conn.sendall(b"version\r\n")
+                    return conn.recv(64).startswith(b"VERSION")
+            except OSError:
+                return False
+
+        wait_for(answers, 20, what=f"memcached on port {self.port}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def memcacheds() -> Iterator[list[Memcached]]:
+    binary = shutil.which("memcached") or shutil.which("memcached", path="/usr/bin:/usr/sbin")
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("memcached not installed (scripts/test.sh installs it with apt)")
+        pytest.skip("memcached not installed (apt-get install memcached)")
+    servers = [Memcached(binary), Memcached(binary)]
+    for server in servers:
+        server.start()
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.kill()
+
+
+def _stats(mnt: Path) -> dict:
+    return json.loads(run_cli("stats", str(mnt), "--json").stdout)
+
+
+def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tmp_path: Path, mounter: Mount,
+                                                                          memcacheds: list[Memcached]) -> None:
+    src = tmp_path / "src"
+    make_sample(src, count=12, width=256, height=128, seed=29)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    raw = {os.fsdecode(n.path): (store / str(n.object)).read_bytes() for n in catalog.files() if n.served_raw}
+    catalog.close()
+    assert len(raw) >= 8
+    url = "memcached://" + ",".join(f"127.0.0.1:{m.port}" for m in memcacheds)
+    node_a = mounter.mount(src, "--cluster", url, "--cluster-size", "100%", store=store)
+    node_b = mounter.mount(src, "--cluster", url, "--cluster-size", "100%", store=store)
+
+    def epoch(node: Path) -> None:
+        for rel, want in raw.items():
+            assert (node / rel).read_bytes() == want, rel
+
+    epoch(node_a)  # node A reads everything from storage and gives the cluster its share (all of it here)
+    a = _stats(node_a)
+    assert a["cluster_share"] == 1.0 and a["cluster_stored"] == len(raw) and a["cluster_hits"] == 0
+    epoch(node_b)  # node B's misses in its own memory are fetches from the memcacheds, byte-exact
+    b = _stats(node_b)
+    assert b["cluster_hits"] == len(raw) and b["cluster_hit_bytes"] == sum(map(len, raw.values()))
+    assert b["cluster_rejected"] == 0 and b["errors"] == 0
+
+    memcacheds[0].kill()  # mid-epoch: one node's memcached gone
+    epoch(node_b)
+    b2 = _stats(node_b)
+    lost = len(raw) - (b2["cluster_hits"] - b["cluster_hits"])
+    assert 0 < lost < len(raw), "rendezvous hashing put every object on one memcached"  # the other still hits
+    assert b2["errors"] == 0 and b2["fallbacks"] == 0
+
+    memcacheds[0].start()  # back, empty: used again once the client's dead-node wait is over
+    time.sleep(DEAD_TIMEOUT + 1)
+    epoch(node_a)
+    epoch(node_b)
+    a2, b3 = _stats(node_a), _stats(node_b)
+    assert a2["cluster_stored"] > a["cluster_stored"]  # node A gave the restarted memcached its share again
+    assert b3["cluster_hits"] - b2["cluster_hits"] == len(raw), (a2, b3)
+    assert a2["errors"] == b3["errors"] == 0
