@@ -263,7 +263,10 @@ def test_dali_with_more_files_opened_than_open_bytes_reads_each_once(tmp_path: P
         # carries it is answered from memory as well (timing: once in ~10 fresh runs, 0.5 MB of 35 MB), which
         # costs no storage read (the last assertion holds each image to one read from storage)
         assert stats["bytes_pushed"] + stats["bytes_read"] - stats["bytes_of_lost_pages"] >= stats["bytes_from_storage"]
-        assert first_reads <= 2 * stats["opens"]  # the first read of each; the kernel has the rest
+        # the first read of each; the kernel has the rest. The push goes from a worker thread, and reads DALI's
+        # threads send meanwhile are answered first: a loaded fresh-clone CI run counted 18 for 8 opens (since
+        # pyfuse3's loop takes queued requests at once, issue 28; here 8-10 of 8), each read from memory.
+        assert first_reads <= 3 * stats["opens"]
     else:
         assert stats["deferred"] >= 5 and stats["bytes_pushed"] == 0
     assert stats["bytes_from_storage"] == stats["dataset_bytes"] - sum(  # each image read once
