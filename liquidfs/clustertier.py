@@ -150,11 +150,12 @@ class ClusterTier(InFront):
         return super().vouch(node, cached_only=cached_only)
 
     def close(self) -> None:
+        """At unmount: its connections closed (the reader behind it is its owner's to close, as with the disk
+        level)."""
         try:
             self.client.close()
         except Exception as exc:  # a client that cannot close its sockets costs nothing at unmount
             log.debug("closing the memcached client: %s", exc)
-        self.inner.close()
 
     # -- memcached ---------------------------------------------------------------------------------------
 

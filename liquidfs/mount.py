@@ -201,10 +201,10 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     catalog = Catalog.open(config.store, readonly=True, immutable=True)
     stats = MountStats(source=str(config.source), store=config.storage.label)
     base_reader = config.storage.reader(catalog, config.threads, config.io_timeout)
-    totals = catalog.file_totals()  # one scan of the catalog serves both cache levels
+    totals = catalog.file_totals()  # one scan of the catalog serves every cache level
     cache = make_cache(totals, config.cache_size)
     disk = make_disk_tier(totals, config, base_reader, cache) if config.disk_cache is not None else None
-    cluster = make_cluster_tier(catalog, config, disk or base_reader) if config.cluster else None
+    cluster = make_cluster_tier(totals, catalog, config, disk or base_reader) if config.cluster else None
     levels = [level.statistics for level in (disk, cluster) if level is not None]
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
     warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
@@ -238,7 +238,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
         pyfuse3.close(unmount=unmount)
         catalog.close()
         if cluster is not None:
-            cluster.client.close()
+            cluster.close()
         if disk is not None:
             disk.close()
         base_reader.close()
@@ -301,12 +301,14 @@ def make_mix(catalog: Catalog, config: MountConfig) -> Mix | None:
     return mix
 
 
-def make_cluster_tier(catalog: Catalog, config: MountConfig, reader: Reader) -> ClusterTier:
-    """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together."""
+def make_cluster_tier(totals: tuple[int, int, int, int], catalog: Catalog, config: MountConfig,
+                      reader: Reader) -> ClusterTier:
+    """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together; ``totals``
+    are ``Catalog.file_totals()``."""
     assert config.cluster and config.cluster_size
     raw_bytes = catalog.raw_bytes()
     try:
-        size = parse_size(config.cluster_size, catalog.file_totals()[1])
+        size = parse_size(config.cluster_size, totals[1])
     except ValueError as exc:
         raise MountError(f"--cluster-size: {exc}") from exc
     share = min(1.0, size / raw_bytes) if raw_bytes else 0.0

@@ -64,6 +64,8 @@ def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Pat
         assert served[n.id] == (path / str(n.object)).read_bytes()
     st = second.statistics()
     assert st["cluster_hits"] == len(raw) and st["cluster_hit_bytes"] == sum(map(len, served.values()))
+    second.close()  # its connections; the reader behind it is its owner's and still serves
+    assert client.closed and bytes(first.inner.open(raw[0]).data or b"") == served[raw[0].id]
 
 
 def test_a_value_that_is_not_the_objects_bytes_is_never_served(store: tuple[Path, Path]) -> None:
