@@ -42,10 +42,9 @@ class MetadataAhead:
         self.catalog_path = catalog_path
         self.warm = warm
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._queued = 0
         self._lock = threading.Lock()
         self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
-        self._busy: set[int] = set()              # directories queued or being warmed (under _lock)
+        self._busy: set[int] = set()              # directories queued or being warmed (under _lock): <= MAX_QUEUED
         self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
         self._thread: threading.Thread | None = None
         self.directories = 0  # directories warmed
@@ -71,9 +70,8 @@ class MetadataAhead:
 
     def _queue_directory(self, parent: int) -> bool:
         with self._lock:
-            if self._queued >= MAX_QUEUED or parent in self._busy:
+            if len(self._busy) >= MAX_QUEUED or parent in self._busy:
                 return False
-            self._queued += 1
             self._busy.add(parent)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="liquidfs-lookahead", daemon=True)
@@ -91,7 +89,6 @@ class MetadataAhead:
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:
                     with self._lock:
-                        self._queued -= 1
                         self._busy.discard(parent)
                         self._done_at[parent] = time.monotonic()
         finally:
