@@ -44,6 +44,7 @@ from typing import Any
 import pytest
 
 from fusehelpers import FUSERMOUNT, is_mounted, wait_for
+from ports import free_port
 
 # Command probed -> Debian package that provides it (scripts/test.sh installs the same ones).
 SWIFT_COMMANDS = {
@@ -167,11 +168,6 @@ class S3ServerError(RuntimeError):
     """The Swift S3 server could not be set up or started (the message carries the relevant log tails)."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
@@ -263,7 +259,7 @@ class SwiftS3Server:
         python = _swift_python()
         self.root = Path(tempfile.mkdtemp(prefix="swift-s3-", dir=self._base_dir))
         try:
-            self.ports = {name: _free_port() for name in SERVERS}
+            self.ports = {name: free_port() for name in SERVERS}
             self._write_configs()
             self._build_rings(python)
             for name in SERVERS:

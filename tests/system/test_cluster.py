@@ -18,6 +18,7 @@ import pytest
 
 from conftest import run_cli
 from fusehelpers import Mount, wait_for
+from ports import free_port
 from liquidfs.catalog import Catalog
 from liquidfs.clustertier import DEAD_TIMEOUT
 from liquidfs.prepare import prepare
@@ -26,18 +27,13 @@ from sample import make_sample
 pytestmark = pytest.mark.fuse
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 class Memcached:
     """One memcached on 127.0.0.1, started and killed by the test."""
 
     def __init__(self, binary: str) -> None:
         self.binary = binary
-        self.port = _free_port()
+        self.port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

@@ -28,6 +28,7 @@ from PIL import Image
 
 from conftest import run_cli
 from fusehelpers import Mount, fuse_available, wait_for
+from ports import free_port
 from liquidfs.metricdefs import METRICS, unlisted
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "mount" / "grafana" / "liquidfs-dashboard.json"
@@ -51,11 +52,6 @@ def _tool(name: str) -> str:
     assert path is not None
     return path
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -91,7 +87,7 @@ def _images(root: Path) -> None:
 
 
 def _prometheus(tmp: Path, target_port: int) -> tuple[subprocess.Popen[bytes], str]:
-    port = _free_port()
+    port = free_port()
     config = tmp / "prometheus.yml"
     config.write_text(f"global:\n  scrape_interval: {SCRAPE}\n  evaluation_interval: {SCRAPE}\n"
                       f"scrape_configs:\n  - job_name: liquidfs\n    static_configs:\n"
@@ -127,7 +123,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scraped]:
     src, store = tmp / "src", tmp / "store"
     _images(src)
     run_cli("prepare", str(src), "--store", str(store), "--ratio", "1", "--no-progress")
-    metrics_port = _free_port()
+    metrics_port = free_port()
     proc, url = _prometheus(tmp, metrics_port)  # starts while the mount does
     mounts = Mount(tmp)
     try:
