@@ -127,7 +127,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_cache_budget_bytes", GAUGE, "bytes", {_MEM: "cache_budget", "disk": "disk_budget"},
            "Bytes a cache level may hold.", label=_LEVEL),
     Metric("liquidfs_cache_budget_ratio", GAUGE, "ratio", {_MEM: "cache_share", "cluster": "cluster_share"},
-           "A cache level's budget as a share of the dataset's bytes (C/D): its hit ratio by design.",
+           "A cache level's budget as a share of the dataset's bytes (C/D): its hit ratio by design (the cluster's: "
+           "the share of the raw objects' bytes it holds).",
            label=_LEVEL),
     Metric("liquidfs_cache_held_bytes", GAUGE, "bytes", {_MEM: "cache_held_bytes", "disk": "disk_held_bytes"},
            "Bytes a cache level holds now.", label=_LEVEL),
