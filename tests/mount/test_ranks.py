@@ -9,9 +9,7 @@ the first at the cache's share, as for one reader (``test_cache_mount.py``).
 
 from __future__ import annotations
 
-import json
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +18,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import run_cli
 from fusehelpers import Mount
+from liquidfs.mount import read_control
 
 pytestmark = pytest.mark.fuse
 
@@ -112,9 +110,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _stats(mnt: Path) -> dict:
-    return json.loads(run_cli("stats", str(mnt), "--json").stdout)
-
 
 def _ranks_read(out: Path) -> list[int]:
     return [int(Path(f"{out}.{rank}").read_text()) for rank in range(RANKS)]
@@ -128,7 +123,7 @@ AT_THE_SEAMS = 8
 
 def _check_union_epochs(mnt: Path) -> dict:
     """Each complete epoch is every file read once across the ranks, hit at the cache's share after the first."""
-    st = _stats(mnt)
+    st = read_control(mnt)
     epochs = st["epochs"]
     for e in range(1, EPOCHS + 1):
         # a rank's reads not counted in the union would leave an epoch short by a share (64 files here)

@@ -4,7 +4,6 @@ byte-exact; a memcached killed costs hits, never a read or a wrong byte, and is 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
 from fusehelpers import Mount, wait_for
 from ports import free_port
 from liquidfs.catalog import Catalog
 from liquidfs.clustertier import DEAD_TIMEOUT
+from liquidfs.mount import read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
 
@@ -74,9 +73,6 @@ def memcacheds() -> Iterator[list[Memcached]]:
             server.kill()
 
 
-def _stats(mnt: Path) -> dict:
-    return json.loads(run_cli("stats", str(mnt), "--json").stdout)
-
 
 def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tmp_path: Path, mounter: Mount,
                                                                           memcacheds: list[Memcached]) -> None:
@@ -97,16 +93,16 @@ def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tm
             assert (node / rel).read_bytes() == want, rel
 
     epoch(node_a)  # node A reads everything from storage and gives the cluster its share (all of it here)
-    a = _stats(node_a)
+    a = read_control(node_a)
     assert a["cluster_share"] == 1.0 and a["cluster_stored"] == len(raw) and a["cluster_hits"] == 0
     epoch(node_b)  # node B's misses in its own memory are fetches from the memcacheds, byte-exact
-    b = _stats(node_b)
+    b = read_control(node_b)
     assert b["cluster_hits"] == len(raw) and b["cluster_hit_bytes"] == sum(map(len, raw.values()))
     assert b["cluster_rejected"] == 0 and b["errors"] == 0
 
     memcacheds[0].kill()  # mid-epoch: one node's memcached gone
     epoch(node_b)
-    b2 = _stats(node_b)
+    b2 = read_control(node_b)
     lost = len(raw) - (b2["cluster_hits"] - b["cluster_hits"])
     assert 0 < lost < len(raw), "rendezvous hashing put every object on one memcached"  # the other still hits
     assert b2["errors"] == 0 and b2["fallbacks"] == 0
@@ -115,7 +111,7 @@ def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tm
     time.sleep(DEAD_TIMEOUT + 1)
     epoch(node_a)
     epoch(node_b)
-    a2, b3 = _stats(node_a), _stats(node_b)
+    a2, b3 = read_control(node_a), read_control(node_b)
     assert a2["cluster_stored"] > a["cluster_stored"]  # node A gave the restarted memcached its share again
     assert b3["cluster_hits"] - b2["cluster_hits"] == len(raw), (a2, b3)
     assert a2["errors"] == b3["errors"] == 0
