@@ -183,12 +183,20 @@ class PassthroughPath:
             assert self.held is not None
             held = self.held.get(node.id)
             if held is not None:
-                if await self.storage.source_changed(node) is None:
+                # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
+                # decision may let the held file go, and the level closes its descriptor then.
+                served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
+                try:
+                    changed = await self.storage.source_changed(node)
+                except BaseException:
+                    served.close()
+                    raise
+                if changed is None:
                     self.stats.bytes_from_memory += held.size
-                    served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
                     if not decision.hold:  # the policy no longer holds it: its memfd lives as long as this open
                         self.held.release(node.id)
                     return served
+                served.close()
                 self.held.drop(node.id)  # stale: the source changed after the bytes were taken
             else:  # counted as a hit, but the bytes are gone (a copy that failed)
                 self.held.lost_hit(decision, node.size_served)
@@ -283,6 +291,9 @@ class PassthroughPath:
         except OSError as exc:
             log.warning("cannot keep inode %d for the next epoch: %s", inode, exc)
             self.held.could_not_keep(inode)
+            return
+        if inode not in self.held.policy.held:  # let go while it was copied (another job's read took its room)
+            os.close(fd)
             return
         self.held.keep(inode, fd, backing.size, backing.raw)
         if self.drop_served_pages and backing.kind in ("source", "object"):

@@ -489,3 +489,44 @@ def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:
         ops = assemble.operations(catalog, built, data_path=data_path, kernel=FakeKernel(), lookahead=ahead)
         path = ops.data if data_path == "passthrough" else built.passthrough_path(FakeKernel())
         assert path.on_cold_open == ahead.went_cold
+
+
+def test_a_hit_whose_memfd_is_let_go_while_its_source_is_checked_still_serves_its_bytes(prepared) -> None:
+    """While a hit waits for its source's check, another job's read may take the held file's room and the level
+    closes its memfd: the open serves its own descriptor of the memfd, taken before the wait. (It dup'ed the
+    level's descriptor after the wait: EBADF, or, had the number been reused meanwhile, another file's bytes.)"""
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    nodes = _images(ops)
+    _serve_each(ops, kernel, src, store, nodes)  # epoch 1: every file kept in a memfd
+    node = nodes[0]
+    level = ops.data.held
+    assert level.get(node.id) is not None
+    checking = trio.Event()
+    go_on = trio.Event()
+    real = ops.data.storage.source_changed
+
+    async def slow_check(checked):
+        checking.set()
+        await go_on.wait()
+        return await real(checked)
+
+    ops.data.storage.source_changed = slow_check
+    opened: list = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            async def open_it() -> None:
+                opened.append(await ops.open(node.id, os.O_RDONLY, CTX))
+            nursery.start_soon(open_it)
+            await checking.wait()
+            level.drop(node.id)  # let go meanwhile: its memfd closed
+            reused = os.open(src / os.fsdecode(nodes[1].path), os.O_RDONLY)  # may take the freed number
+            go_on.set()
+        info = opened[0]
+        assert kernel.read(info.backing_id) == _expected(src, store, node)
+        await ops.release(info.fh)
+        os.close(reused)
+
+    trio.run(main)
+    assert ops.stats.errors == 0
