@@ -19,6 +19,7 @@ from .catalog import Catalog, Node
 from .daemonpath import MAX_OPEN_BYTES, DaemonPath
 from .fs import MAX_OPEN_FILES, Operations
 from .held import MemfdLevel, MemoryLevel
+from .jobs import JobOf
 from .lookahead import MetadataAhead
 from .mix import Mix
 from .notifier import Notifier
@@ -89,4 +90,5 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
         raise ValueError(f"data_path must be 'daemon', 'passthrough' or 'at init', not {data_path!r}")
     return Operations(catalog, built.stats, built.storage, built.notifier, path, mix=mix, may_read=may_read,
                       max_open_files=max_open_files, extra_statistics=extra_statistics,
-                      enable_passthrough=enable_passthrough, time_requests=time_requests, lookahead=lookahead)
+                      enable_passthrough=enable_passthrough, time_requests=time_requests, lookahead=lookahead,
+                      job_of=JobOf() if built.policy is not None else None)

@@ -22,12 +22,15 @@ mount keeps them as kernel page-cache pages of the FUSE inodes, see ``fs``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
 import random
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +47,7 @@ class Decision:
     epoch: int           # the epoch this read belongs to (0 for a re-read)
     same_epoch: bool = False  # a second read of the file in the epoch it was already read in (a retry)
     evicted: tuple[int, ...] = ()  # files that stopped being held: their pages must be dropped
+    job: int = 0  # the job whose read it was (``jobs.JobOf``)
 
 
 #: What an open decides where no next-epoch cache is configured: not held, not to hold.
@@ -95,94 +99,303 @@ def parse_size(text: str, dataset_bytes: int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
+@dataclass(eq=False)
+class Job:
+    """What the policy knows of one job's reads: each file's epoch in that job, its pace, its counters.
+
+    A job is the set of openers that read the dataset together (the ranks of one training, their loader workers),
+    told apart by the caller (``jobs.JobOf``); every read of the mount comes from one. Each job's epochs are
+    inferred from its own reads, so jobs at other paces and in other orders never blur each other's.
+    """
+
+    id: int
+    size: int  # files' ids are below this
+    epoch_of: np.ndarray = field(init=False)
+    read_at: np.ndarray = field(init=False)  # file -> value of ``reads`` at its last epoch read
+    reads: int = 0
+    newest_epoch: int = 1
+    kept_for: dict[int, int] = field(default_factory=dict)  # epoch -> bytes held for it (the quota's count)
+    stats: CacheStats = field(default_factory=CacheStats)
+    window: list[tuple[bool, int]] = field(default_factory=list)
+    window_epoch: int = 1
+    last_read: float = 0.0     # monotonic seconds
+    pace: float = 0.0          # reads per second, over the last PACE_READS
+    pace_since: tuple[float, int] = (0.0, 0)  # (time, reads) where the current pace sample began
+    files_per_epoch: int = 0   # reads of its last complete epoch (0: none complete yet)
+    recent_hits: float = 0.0   # hits per read, over about the last FAIR_READS reads
+
+    def __post_init__(self) -> None:
+        # Per-file state in arrays indexed by id (ids are dense): 12 bytes a file and job, not ~200 in dicts.
+        self.epoch_of = np.zeros(self.size, np.int32)
+        self.read_at = np.zeros(self.size, np.int64)
+
+    def reads_of(self, epoch: int) -> int:
+        ep = self.stats.epochs.get(epoch)
+        return ep.reads if ep else 0
+
+    def reads_left(self, dataset_files: int) -> tuple[int, int]:
+        """(reads until this job's current epoch ends, reads an epoch takes)."""
+        per_epoch = self.files_per_epoch or dataset_files
+        return max(0, per_epoch - self.reads_of(self.newest_epoch)), per_epoch
+
+
+#: Reads a job's pace is measured over.
+PACE_READS = 64
+#: Jobs tracked at once (12 bytes a file each): a job past them takes the place of the one idle longest.
+MAX_JOBS = 8
+#: Seconds without a read after which a job no longer counts as reading (its files are not held for it).
+JOB_IDLE = 300.0
+#: A job's latest epochs that ``liquidfs stats`` shows.
+JOB_EPOCHS_SHOWN = 8
+#: Reads a job's recent hit ratio is taken over (a moving average), for the fair share of ``_wanted_in``.
+FAIR_READS = 256
+#: Reads between two rankings of the held files by when they are next wanted (``_ranking``).
+RANK_EVERY = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    size: int
+    for_epoch: int  # the epoch (of ``job``) its next read is expected in
+    job: int        # the job whose read chose it
+    #: Each job's epoch of the file when it was chosen, (job, epoch) pairs: whether a job still has to read it in
+    #: the epoch it is in, which decides how soon it is wanted again (``_wanted_in``).
+    read_in: tuple[tuple[int, int], ...] = ()
+
+
 class NextEpochCache:
-    """Decides, per read of a file, whether it is a hit and whether to hold it for the next epoch."""
+    """Decides, per read of a file, whether it is a hit and whether to hold it for a later read.
+
+    One job (the usual case: one training, its ranks and workers) is the policy of the module's docstring: a C/D
+    share of each epoch held for the next. Several jobs reading one dataset at once (a hyperparameter search)
+    share one budget: a file one job has just read is wanted by every job that has not read it yet in its
+    current epoch, soon, and by the others only in their next. So, while more than one job reads, a file read is
+    held when there is room, or in place of the held files wanted latest when it is wanted sooner than they are
+    (Belady's rule, with each job's pace and progress as the clock; ``_wanted_in``). Every job hits at least the
+    C/D share a random choice would give it, and a file read from storage by one job is served from memory to
+    the others that follow it closely, so k jobs read less than k datasets from storage per epoch.
+    """
 
     def __init__(self, budget: int, dataset_bytes: int, dataset_files: int, *, max_id: int | None = None,
-                 gap: float = 0.5, seed: int = 0) -> None:
+                 gap: float = 0.5, seed: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
         self.budget = max(0, budget)
         self.dataset_bytes = max(1, dataset_bytes)
         self.dataset_files = max(1, dataset_files)
         self.share = min(1.0, self.budget / self.dataset_bytes)
         self.gap = gap
         self.seed = seed
-        # Per-file state in arrays indexed by id (ids are dense): 12 bytes a file, not ~200 in dicts.
-        size = (max_id if max_id is not None else dataset_files) + 1
-        self.epoch_of = np.zeros(size, np.int32)
-        self.read_at = np.zeros(size, np.int64)  # file -> value of ``reads`` at its last epoch read
-        self.reads = 0
-        self.held: dict[int, tuple[int, int]] = {}  # file -> (size, epoch it is held for)
+        self.clock = clock
+        self._size = (max_id if max_id is not None else dataset_files) + 1
+        self.held: dict[int, Held] = {}
         self.held_bytes = 0
-        self.kept_for: dict[int, int] = {}  # epoch -> bytes held for it
-        self.newest_epoch = 1
-        self.stats = CacheStats()
-        self._window: list[tuple[bool, int]] = []
-        self._window_epoch = 1
+        self.jobs: dict[int, Job] = {0: Job(0, self._size)}  # job 0: the first opener (and the warm-up)
+        self.retired = CacheStats()  # the counters of jobs that stopped reading
+        self.jobs_retired = 0
+        # While several jobs read: the held files by (read_in) key, each in the order held, and the keys ranked.
+        self._groups: dict[tuple[tuple[int, int], ...], dict[int, None]] = {}
+        self._ranked: list[tuple[float, tuple[tuple[int, int], ...]]] = []
+        self._rank_at = 0
+        self._all_reads = 0
+
+    @property
+    def stats(self) -> CacheStats:
+        """The first job's counters (the only job's, usually)."""
+        return next(iter(self.jobs.values())).stats if self.jobs else self.retired
+
+    @property
+    def newest_epoch(self) -> int:
+        return next(iter(self.jobs.values())).newest_epoch if self.jobs else 1
 
     # -- the policy ----------------------------------------------------------------------------------
 
-    def read(self, file: int, size: int) -> Decision:
-        """A reader opened ``file`` (``size`` bytes as served) to read it."""
-        current = int(self.epoch_of[file])
-        if current + 1 <= self.newest_epoch:
+    def read(self, file: int, size: int, job: int = 0) -> Decision:
+        """A reader of ``job`` opened ``file`` (``size`` bytes as served) to read it."""
+        now = self.clock()
+        state = self._job(job, now)
+        current = int(state.epoch_of[file])
+        if current + 1 <= state.newest_epoch:
             epoch = current + 1
-        elif self.reads - int(self.read_at[file]) >= self._gap_needed(current):
+        elif state.reads - int(state.read_at[file]) >= self._gap_needed(state, current):
             epoch = current + 1
         else:
-            self.stats.same_epoch_reads += 1
+            state.stats.same_epoch_reads += 1
             held = file in self.held
-            return Decision(hit=held, hold=held, epoch=0, same_epoch=True)
+            return Decision(hit=held, hold=held, epoch=0, same_epoch=True, job=job)
         evicted: tuple[int, ...] = ()
-        if epoch > self.newest_epoch:
-            self.newest_epoch = epoch
-            evicted = self._evict_missed(epoch)
-        self.epoch_of[file] = epoch
-        self.reads += 1
-        self.read_at[file] = self.reads
-        ep = self.stats.epochs.setdefault(epoch, EpochStats())
+        if epoch > state.newest_epoch:
+            state.files_per_epoch = state.reads_of(state.newest_epoch) if epoch > 2 else 0
+            state.newest_epoch = epoch
+            if len(self.jobs) == 1:
+                evicted = self._evict_missed(state, epoch)
+        state.epoch_of[file] = epoch
+        state.reads += 1
+        state.read_at[file] = state.reads
+        self._all_reads += 1
+        self._clock_pace(state, now)
+        ep = state.stats.epochs.setdefault(epoch, EpochStats())
         ep.reads += 1
         ep.bytes += size
         hit = file in self.held
         if hit:
             self._release(file)
-        keep = self._quota_allows(epoch, size)
+        if len(self.jobs) == 1:
+            keep = self._quota_allows(state, epoch, size)
+        else:
+            keep, pushed_out = self._wanted_sooner(file, size)
+            evicted += pushed_out
         if keep:
-            self.held[file] = (size, epoch + 1)
-            self.held_bytes += size
-            self.kept_for[epoch + 1] = self.kept_for.get(epoch + 1, 0) + size
-        self._count(epoch, hit, size)
-        return Decision(hit=hit, hold=keep, epoch=epoch, evicted=evicted)
+            self._hold(file, Held(size, epoch + 1, job, self._read_in(file)))
+            state.kept_for[epoch + 1] = state.kept_for.get(epoch + 1, 0) + size
+        self._count(state, epoch, hit, size)
+        state.recent_hits += (hit - state.recent_hits) / FAIR_READS
+        return Decision(hit=hit, hold=keep, epoch=epoch, evicted=evicted, job=job)
 
-    def _gap_needed(self, epoch: int) -> int:
+    def _job(self, job: int, now: float) -> Job:
+        state = self.jobs.get(job)
+        if state is None:
+            self._retire_idle(now)
+            if len(self.jobs) >= MAX_JOBS:
+                self._retire(min(self.jobs.values(), key=lambda j: j.last_read))
+            state = self.jobs[job] = Job(job, self._size)
+            state.pace_since = (now, 0)
+            for waiting in [j for j in self.jobs.values() if not j.reads and j is not state]:
+                # a job that never read (job 0 before the first open: the warm-up's): the new one takes its place
+                del self.jobs[waiting.id]
+                self._reown(waiting, state)
+            log.info("cache: job %d began reading (%d jobs now)", job, len(self.jobs))
+        state.last_read = now
+        return state
+
+    def _retire_idle(self, now: float) -> None:
+        for state in [j for j in self.jobs.values() if j.reads and now - j.last_read > JOB_IDLE]:
+            self._retire(state)
+
+    def _retire(self, state: Job) -> None:
+        """``state``'s job stopped reading: its counters join the retired ones, its held files stay (any job may
+        read them) and are charged to the job that read first of those left."""
+        del self.jobs[state.id]
+        self.jobs_retired += 1
+        add_stats(self.retired, state.stats)
+        log.info("cache: job %d stopped reading (%d reads); %d jobs now", state.id, state.reads, len(self.jobs))
+        if not self.jobs:
+            self.jobs[state.id] = Job(state.id, self._size)  # a fresh start for whoever reads next
+        heir = next(iter(self.jobs.values()))
+        self._reown(state, heir)
+
+    def _reown(self, old: Job, heir: Job) -> None:
+        """The files held for ``old``'s next reads are ``heir``'s now, held for its coming epoch (unread by then,
+        they are dropped as any missed file is)."""
+        for file, entry in list(self.held.items()):
+            if entry.job == old.id:
+                self.held[file] = dataclasses.replace(entry, job=heir.id, for_epoch=heir.newest_epoch)
+                heir.kept_for[heir.newest_epoch] = heir.kept_for.get(heir.newest_epoch, 0) + entry.size
+
+    def _gap_needed(self, state: Job, epoch: int) -> int:
         # A retry or header probe comes within a few reads of the first (other workers' reads in between);
         # the first read of a new epoch comes a uniformly random share of an epoch later. A small threshold
         # misreads that first read as a retry with probability ~2 %, after which the epoch is open anyway.
-        reads = self._reads(epoch)
+        reads = state.reads_of(epoch)
         return max(1, int(min(self.gap * reads, 32 + 0.02 * reads)))
 
-    def _reads(self, epoch: int) -> int:
-        ep = self.stats.epochs.get(epoch)
-        return ep.reads if ep else 0
+    @staticmethod
+    def _clock_pace(state: Job, now: float) -> None:
+        since, at = state.pace_since
+        if state.reads - at >= PACE_READS:
+            if now > since:
+                state.pace = (state.reads - at) / (now - since)
+            state.pace_since = (now, state.reads)
 
-    def _quota_allows(self, epoch: int, size: int) -> bool:
+    def _quota_allows(self, state: Job, epoch: int, size: int) -> bool:
         if self.share <= 0 or self.held_bytes + size > self.budget:
             return False
-        ep = self.stats.epochs[epoch]
+        ep = state.stats.epochs[epoch]
         # The decision must not depend on this file's own size, or the kept set would favour large (or small)
         # files and the share of hits counted per file would drift from the byte share: the quota grows by the
         # mean size of the files read before it, and a file is kept when that quota covers half a mean file.
         before = ep.bytes - size
         mean = before / (ep.reads - 1) if ep.reads > 1 else size
-        return self.kept_for.get(epoch + 1, 0) + mean / 2 <= self.share * (before + mean)
+        return state.kept_for.get(epoch + 1, 0) + mean / 2 <= self.share * (before + mean)
+
+    # -- several jobs ----------------------------------------------------------------------------------
+
+    def _read_in(self, file: int) -> tuple[tuple[int, int], ...]:
+        return tuple((j.id, int(j.epoch_of[file])) for j in self.jobs.values())
+
+    def _wanted_in(self, read_in: tuple[tuple[int, int], ...]) -> float:
+        """How soon a file is expected to be read again by any job, from each job's epoch of it when it was held:
+        a job that has not read it in its current epoch reads it at a uniformly random point of what is left of
+        that epoch (half of it, expected); a job that has, half an epoch after its next begins.
+
+        Soon is counted in each job's own reads, not in seconds: by the clock, a slow job's reads are always
+        later than a fast one's, and the files held would be the fast jobs' alone (more hits in all, but a slow
+        job below the budget's share). And each job's count is weighed by its recent hit ratio against the
+        jobs' mean: a job that leads the others through the dataset finds few files the others left for it, so
+        its wants count as sooner until it hits as often as they do (each job's share is the goal, not the most
+        hits in all)."""
+        epochs = dict(read_in)
+        mean = sum(s.recent_hits for s in self.jobs.values()) / len(self.jobs)
+        soonest = math.inf
+        for state in self.jobs.values():
+            left, whole = state.reads_left(self.dataset_files)
+            unread = epochs.get(state.id, 0) < state.newest_epoch
+            weight = min(4.0, max(0.25, state.recent_hits / mean)) if mean > 0 else 1.0
+            soonest = min(soonest, weight * (left / 2 if unread else left + whole / 2))
+        return soonest
+
+    def _wanted_sooner(self, file: int, size: int) -> tuple[bool, tuple[int, ...]]:
+        """Whether to hold ``file`` while several jobs read: at once where there is room; else in place of held
+        files wanted later than it (the latest first). The files pushed out are returned."""
+        if self.share <= 0 or size > self.budget:
+            return False, ()
+        if self.held_bytes + size <= self.budget:
+            return True, ()
+        mine = self._wanted_in(self._read_in(file))
+        victims: list[int] = []
+        room = self.budget - self.held_bytes
+        for wanted, key in reversed(self._ranking()):
+            if wanted <= mine or room >= size:
+                break
+            for victim in self._groups.get(key, ()):
+                victims.append(victim)
+                room += self.held[victim].size
+                if room >= size:
+                    break
+        if room < size:
+            return False, ()
+        for victim in victims:
+            self._release(victim)
+        return True, tuple(victims)
+
+    def _ranking(self) -> list[tuple[float, tuple[tuple[int, int], ...]]]:
+        """The held files' keys, soonest wanted first; ranked again every RANK_EVERY reads (paces and progress
+        move slowly) or when a key has appeared since."""
+        if self._all_reads >= self._rank_at or len(self._ranked) != len(self._groups):
+            self._ranked = sorted((self._wanted_in(key), key) for key in self._groups)
+            self._rank_at = self._all_reads + RANK_EVERY
+        return self._ranked
+
+    # -- held files ------------------------------------------------------------------------------------
+
+    def _hold(self, file: int, entry: Held) -> None:
+        self.held[file] = entry
+        self.held_bytes += entry.size
+        self._groups.setdefault(entry.read_in, {})[file] = None
 
     def _release(self, file: int) -> None:
-        size, for_epoch = self.held.pop(file)
-        self.held_bytes -= size
-        self.kept_for[for_epoch] = self.kept_for.get(for_epoch, 0) - size
+        entry = self.held.pop(file)
+        self.held_bytes -= entry.size
+        state = self.jobs.get(entry.job)
+        if state is not None:
+            state.kept_for[entry.for_epoch] = state.kept_for.get(entry.for_epoch, 0) - entry.size
+        group = self._groups.get(entry.read_in)
+        if group is not None:
+            group.pop(file, None)
+            if not group:
+                del self._groups[entry.read_in]
 
-    def _evict_missed(self, new_epoch: int) -> tuple[int, ...]:
+    def _evict_missed(self, state: Job, new_epoch: int) -> tuple[int, ...]:
         """Files held for an epoch that has passed without reading them (a partial epoch) free their room."""
-        stale = [f for f, (_, for_epoch) in self.held.items() if for_epoch < new_epoch - 1]
+        stale = [f for f, entry in self.held.items() if entry.for_epoch < new_epoch - 1]
         for f in stale:
             self._release(f)
         if stale:
@@ -210,10 +423,10 @@ class NextEpochCache:
         """Hold ``file`` for the epoch its next read belongs to (warm-up); False when over budget."""
         if file in self.held or self.held_bytes + size > self.budget:
             return False
-        for_epoch = int(self.epoch_of[file]) + 1
-        self.held[file] = (size, for_epoch)
-        self.held_bytes += size
-        self.kept_for[for_epoch] = self.kept_for.get(for_epoch, 0) + size
+        state = next(iter(self.jobs.values()))
+        for_epoch = int(state.epoch_of[file]) + 1
+        self._hold(file, Held(size, for_epoch, state.id, self._read_in(file)))
+        state.kept_for[for_epoch] = state.kept_for.get(for_epoch, 0) + size
         return True
 
     def drop(self, file: int) -> None:
@@ -223,8 +436,9 @@ class NextEpochCache:
 
     # -- statistics ------------------------------------------------------------------------------------
 
-    def _count(self, epoch: int, hit: bool, size: int) -> None:
-        st = self.stats
+    @staticmethod
+    def _count(state: Job, epoch: int, hit: bool, size: int) -> None:
+        st = state.stats
         ep = st.epochs[epoch]
         if hit:
             st.hits += 1
@@ -234,21 +448,22 @@ class NextEpochCache:
         else:
             st.misses += 1
             st.miss_bytes += size
-        if epoch != self._window_epoch:
-            self._window = []
-            self._window_epoch = epoch
-        self._window.append((hit, size))
-        if len(self._window) == WINDOW:
-            st.window_ratios.append(sum(h for h, _ in self._window) / WINDOW)
-            window_bytes = sum(s for _, s in self._window)  # 0 for a window of empty files
-            st.window_byte_ratios.append(sum(s for h, s in self._window if h) / window_bytes if window_bytes
+        if epoch != state.window_epoch:
+            state.window = []
+            state.window_epoch = epoch
+        state.window.append((hit, size))
+        if len(state.window) == WINDOW:
+            st.window_ratios.append(sum(h for h, _ in state.window) / WINDOW)
+            window_bytes = sum(s for _, s in state.window)  # 0 for a window of empty files
+            st.window_byte_ratios.append(sum(s for h, s in state.window if h) / window_bytes if window_bytes
                                          else st.window_ratios[-1])
             st.window_epochs.append(epoch)
-            self._window = []
+            state.window = []
 
-    def correct_miss(self, epoch: int, size: int) -> None:
+    def correct_miss(self, epoch: int, size: int, job: int = 0) -> None:
         """A predicted hit had to be read from storage after all (its pages were reclaimed by the kernel)."""
-        st = self.stats
+        state = self.jobs.get(job)
+        st = state.stats if state is not None else self.retired
         st.hits -= 1
         st.hit_bytes -= size
         st.misses += 1
@@ -260,35 +475,68 @@ class NextEpochCache:
             ep.hits -= 1
             ep.hit_bytes -= size
 
+    def totals(self) -> CacheStats:
+        """The counters of every job, those that stopped reading included (only the counters: no epochs)."""
+        total = CacheStats()
+        add_stats(total, self.retired)
+        for state in self.jobs.values():
+            add_stats(total, state.stats)
+        return total
+
+    def job_summaries(self) -> dict[str, dict[str, object]]:
+        """Each job reading now, by id: its epochs, its hits, and the bytes its misses read from the level below
+        (storage; the disk or cluster level where the mount has one)."""
+        out: dict[str, dict[str, object]] = {}
+        for state in self.jobs.values():
+            st = state.stats
+            windows = [r for r, e in zip(st.window_ratios, st.window_epochs) if e >= 2]
+            reads = st.hits + st.misses
+            out[str(state.id)] = {
+                "epoch": state.newest_epoch,
+                "reads": reads,
+                "hit_ratio": round(st.hits / reads, 4) if reads else None,
+                "hit_bytes": st.hit_bytes,
+                "storage_bytes": st.miss_bytes,
+                "epochs": {str(e): {"reads": v.reads, "byte_hit_ratio": round(v.hit_bytes / v.bytes, 4) if v.bytes
+                                    else 0.0} for e, v in sorted(st.epochs.items())[-JOB_EPOCHS_SHOWN:]},
+                "window_hit_ratio_mean": round(statistics.fmean(windows), 4) if windows else None,
+                "window_hit_ratio_low": round(min(windows), 4) if windows else None,
+                "windows": len(windows),
+                "reads_per_second": round(state.pace, 1),
+            }
+        return out
+
     def summary(self) -> dict[str, object]:
         st = self.stats
+        total = self.totals()
         windows = [r for r, e in zip(st.window_ratios, st.window_epochs) if e >= 2]
         epochs = {
             str(e): {"reads": v.reads, "bytes": v.bytes, "hits": v.hits,
                      "byte_hit_ratio": round(v.hit_bytes / v.bytes, 4) if v.bytes else 0.0}
             for e, v in sorted(st.epochs.items())
         }
-        current = self.newest_epoch
+        state = next(iter(self.jobs.values()))
+        current = state.newest_epoch
         return {
             "cache_budget": self.budget,
             "cache_share": round(self.share, 4),
             "cache_held_bytes": self.held_bytes,
             "cache_held_files": len(self.held),
-            "cache_hits": st.hits,
-            "cache_misses": st.misses,
-            "cache_same_epoch_reads": st.same_epoch_reads,
-            "cache_hit_bytes": st.hit_bytes,
-            "cache_miss_bytes": st.miss_bytes,
+            "cache_hits": total.hits,
+            "cache_misses": total.misses,
+            "cache_same_epoch_reads": total.same_epoch_reads,
+            "cache_hit_bytes": total.hit_bytes,
+            "cache_miss_bytes": total.miss_bytes,
             # The same as the policy predicted them at each read, and the lost hits apart: these only grow (the
             # counters /metrics exports; hits and misses above are net of the lost hits, and a lost hit lowers hits).
-            "cache_hits_predicted": st.hits + st.lost_hits,
-            "cache_misses_predicted": st.misses - st.lost_hits,
-            "cache_hit_bytes_predicted": st.hit_bytes + st.lost_hit_bytes,
-            "cache_miss_bytes_predicted": st.miss_bytes - st.lost_hit_bytes,
-            "cache_lost_hits": st.lost_hits,
-            "cache_lost_hit_bytes": st.lost_hit_bytes,
+            "cache_hits_predicted": total.hits + total.lost_hits,
+            "cache_misses_predicted": total.misses - total.lost_hits,
+            "cache_hit_bytes_predicted": total.hit_bytes + total.lost_hit_bytes,
+            "cache_miss_bytes_predicted": total.miss_bytes - total.lost_hit_bytes,
+            "cache_lost_hits": total.lost_hits,
+            "cache_lost_hit_bytes": total.lost_hit_bytes,
             "epoch": current,
-            "epoch_progress": round(self._reads(current) / self.dataset_files, 4),
+            "epoch_progress": round(state.reads_of(current) / self.dataset_files, 4),
             "epochs": epochs,
             "window_size": WINDOW,
             "window_hit_ratios": [round(r, 4) for r in list(st.window_ratios)[-256:]],
@@ -296,4 +544,13 @@ class NextEpochCache:
             "window_hit_ratio_mean": round(statistics.fmean(windows), 4) if windows else None,
             "window_hit_ratio_sd": round(statistics.pstdev(windows), 4) if len(windows) > 1 else None,
             "window_sd_bound": round(1.25 * math.sqrt(self.share * (1 - self.share) / WINDOW), 4),
+            "jobs": self.job_summaries(),
+            "jobs_reading": sum(1 for j in self.jobs.values() if j.reads),
+            "jobs_retired": self.jobs_retired,
         }
+
+
+def add_stats(into: CacheStats, other: CacheStats) -> None:
+    """Add ``other``'s counters to ``into``'s (epochs and windows are each job's own: not added)."""
+    for name in ("hits", "misses", "same_epoch_reads", "hit_bytes", "miss_bytes", "lost_hits", "lost_hit_bytes"):
+        setattr(into, name, getattr(into, name) + getattr(other, name))

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import __version__, rawformats
 from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
@@ -516,14 +516,28 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(values, indent=1, sort_keys=True))
         else:
+            jobs = values.pop("jobs", None)
             width = max(len(k) for k in values)
             for key in sorted(values):
                 print(f"{key:<{width}}  {values[key]}")
+            if isinstance(jobs, dict):
+                for job, entry in sorted(jobs.items(), key=lambda item: int(item[0])):
+                    print(_job_line(job, entry))
         if not args.watch:
             return 0
         sys.stdout.flush()
         time.sleep(args.watch)
         print()
+
+
+def _job_line(job: str, entry: dict[str, Any]) -> str:
+    """One job of a mount's next-epoch cache, in words (``liquidfs stats``)."""
+    ratio = entry.get("hit_ratio")
+    mean, low = entry.get("window_hit_ratio_mean"), entry.get("window_hit_ratio_low")
+    windows = f", windows after its first epoch {mean:.2f} mean, {low:.2f} lowest" if mean is not None else ""
+    return (f"job {job}: epoch {entry.get('epoch')}, {entry.get('reads')} reads, hit ratio "
+            f"{'-' if ratio is None else f'{ratio:.2f}'}{windows}, "
+            f"{entry.get('storage_bytes', 0) / 1e6:.1f} MB from storage ({entry.get('openers', '?')})")
 
 
 # -- prepare, verify, profile ---------------------------------------------------------------------------

@@ -70,14 +70,14 @@ class DaemonPath:
         self._open_bytes = 0
         self._pieces: dict[int, _Piece] = {}  # fh -> the last piece its file was read again in, oldest first
 
-    async def open(self, node: Node, record: Inode, fh: int) -> Handle:
+    async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:
         inode = node.id
         pushes = record.pushes
         if pushes is not None:
             # The kernel drops the file's pages when this open is answered (no keep_cache): a store still
             # queued from an earlier open must land before that, or it could outlive a change of the source.
             await pushes.done.wait()
-        decision = self._decide(node, record)
+        decision = self._decide(node, record, job)
         held = self.held.get(inode) if self.held is not None and decision.hit else None
         if held is not None:
             content = await self._open_held(node, held)
@@ -231,10 +231,10 @@ class DaemonPath:
         content = await self._open_from_storage(node)
         return content
 
-    def _decide(self, node: Node, record: Inode) -> Decision:
+    def _decide(self, node: Node, record: Inode, job: int) -> Decision:
         if self.held is None:
             return NO_CACHE
-        decision = self.held.decide(node.id, record.size_told(node))
+        decision = self.held.decide(node.id, record.size_told(node), job)
         for file in decision.evicted:
             self.notifier.invalidate(file)
         return decision

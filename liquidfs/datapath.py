@@ -29,8 +29,8 @@ class DataPath(Protocol):
         """Where the next-epoch cache keeps its files on this path; None without a cache."""
         ...
 
-    async def open(self, node: Node, inode: Inode, fh: int) -> Handle:
-        """A new open of ``node`` (a file), to be registered as ``fh``. The handle's content says its size:
+    async def open(self, node: Node, inode: Inode, fh: int, job: int = 0) -> Handle:
+        """A new open of ``node`` (a file) by a reader of ``job`` (``jobs.JobOf``), to be registered as ``fh``. The handle's content says its size:
         where that is not what the kernel was told (``inode.size_told``), the caller tells the kernel."""
         ...
 

@@ -92,9 +92,10 @@ class DiskTier(InFront):
 
     # -- the level interface (``held.HeldLevel``) ---------------------------------------------------------
 
-    def decide(self, file: int, size: int) -> Decision:
+    def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        # The disk level sees the memory level's misses, one stream whichever job read them.
         with self._lock:
-            decision = self.policy.read(file, size)
+            decision = self.policy.read(file, size, job)
             evicted = [(f, self._entries.pop(f, None)) for f in decision.evicted]
         for gone_file, gone in evicted:
             if gone is not None:
@@ -115,7 +116,7 @@ class DiskTier(InFront):
         with self._lock:
             self.lost += 1
             if decision.epoch:
-                self.policy.correct_miss(decision.epoch, size)
+                self.policy.correct_miss(decision.epoch, size, decision.job)
 
     # -- files ---------------------------------------------------------------------------------------------
 

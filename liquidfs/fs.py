@@ -102,7 +102,7 @@ class Operations(pyfuse3.Operations):
                  max_open_files: int = MAX_OPEN_FILES,
                  extra_statistics: Callable[[], dict[str, Any]] | None = None,
                  enable_passthrough: bool = False, time_requests: bool = False,
-                 lookahead: MetadataAhead | None = None) -> None:
+                 lookahead: MetadataAhead | None = None, job_of: Callable[[int], int] | None = None) -> None:
         """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
         (``serve_with``); opens wait for it meanwhile."""
         super().__init__()
@@ -124,6 +124,8 @@ class Operations(pyfuse3.Operations):
         self.time_requests = time_requests
         #: Warms a directory's metadata when a lookup shows it cold (None: a reader whose storage is remote).
         self.lookahead = lookahead
+        #: The job of an opener's pid (``jobs.JobOf``), for a next-epoch cache that counts each job's epochs.
+        self.job_of = job_of
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.stats.files = files
@@ -320,7 +322,8 @@ class Operations(pyfuse3.Operations):
         try:
             if mixed:
                 node = await self._mixed(data, node, record)
-            handle = await data.open(node, record, self._new_fh())
+            job = self.job_of(ctx.pid) if self.job_of is not None else 0
+            handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
             if mixed:
                 assert self.mix is not None
@@ -476,6 +479,11 @@ class Operations(pyfuse3.Operations):
             values["mix"] = dataclasses.asdict(self.mix.statistics())
         if self.lookahead is not None:
             values.update(self.lookahead.statistics())
+        labels = getattr(self.job_of, "labels", None)
+        jobs = values.get("jobs")
+        if labels is not None and isinstance(jobs, dict):
+            for job, entry in jobs.items():
+                entry["openers"] = labels.get(int(job), "?")
         if self.extra_statistics is not None:
             values.update(self.extra_statistics())
         return values

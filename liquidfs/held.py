@@ -31,8 +31,9 @@ class HeldLevel(Protocol):
 
     policy: NextEpochCache
 
-    def decide(self, file: int, size: int) -> Decision:
-        """An open of ``file`` that the policy counts as a read; files it stops holding are let go at once."""
+    def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        """An open of ``file`` by ``job`` that the policy counts as a read; files it stops holding are let go at
+        once."""
         ...
 
     def held_raw(self, node: Node) -> bool | None:
@@ -63,8 +64,8 @@ class Level(Generic[T]):
     def budget(self) -> int:
         return self.policy.budget
 
-    def decide(self, file: int, size: int) -> Decision:
-        decision = self.policy.read(file, size)
+    def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        decision = self.policy.read(file, size, job)
         for gone in decision.evicted:
             self._forget(gone)
         return decision
@@ -88,7 +89,7 @@ class Level(Generic[T]):
         after a fallback): it was a miss, and the window's ratio must say so."""
         self.stats.reclaimed += 1
         if decision.epoch:
-            self.policy.correct_miss(decision.epoch, size)
+            self.policy.correct_miss(decision.epoch, size, decision.job)
 
     def _put(self, file: int, value: T) -> None:
         self._forget(file)

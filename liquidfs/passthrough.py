@@ -118,7 +118,7 @@ class PassthroughPath:
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
             and not verify_reads else None
 
-    async def open(self, node: Node, record: Inode, fh: int) -> Handle:
+    async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:
         """One more open of ``node``, answered with its inode's backing; a file without one is served by
         ``ranges``."""
         entry = record.shared
@@ -129,7 +129,7 @@ class PassthroughPath:
                 self._release_entry(record, entry)
                 if entry.failed is not None:
                     raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
-                return await self.ranges.open(node, record, fh)
+                return await self.ranges.open(node, record, fh, job)
             changed = still_sound(entry.backing)
             if changed is not None:  # one backing per inode while it is open: no other can be given now
                 self._release_entry(record, entry)
@@ -142,7 +142,7 @@ class PassthroughPath:
         decision = NO_CACHE
         try:
             if self.held is not None:
-                decision = self.held.decide(node.id, record.size_told(node))
+                decision = self.held.decide(node.id, record.size_told(node), job)
             backing = await self._backing(node, decision)
             if backing is not None:
                 try:
@@ -166,7 +166,7 @@ class PassthroughPath:
             entry.ready.set()
         if backing is None:
             self._release_entry(record, entry)
-            return await self.ranges.open(node, record, fh)
+            return await self.ranges.open(node, record, fh, job)
         self.stats.passthrough_opens += 1
         _count_backing(self.stats, backing.kind)
         return self._handle(node, record, fh, entry)

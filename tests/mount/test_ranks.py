@@ -17,11 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
 from fusehelpers import Mount
+from trees import noise_pngs
 from liquidfs.mount import read_control
 
 pytestmark = pytest.mark.fuse
@@ -59,14 +58,7 @@ dist.destroy_process_group()
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """FILES small PNGs of noise in 4 classes, 3-43 KB each (sizes vary, so bytes and files differ)."""
-    root = tmp_path_factory.mktemp("ranks") / "train"
-    rng = np.random.default_rng(29)
-    for i in range(FILES):
-        side = int(rng.integers(32, 120))
-        d = root / f"class{i % 4}"
-        d.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(d / f"img{i:04d}.png")
-    return root
+    return noise_pngs(tmp_path_factory.mktemp("ranks") / "train", count=FILES, classes=4, seed=29, sides=(32, 120))
 
 
 
@@ -110,3 +102,6 @@ def test_torchrun_ranks_with_a_distributed_sampler(dataset: Path, mounter: Mount
     assert _ranks_read(out) == [EPOCHS * FILES // RANKS] * RANKS
     st = _check_union_epochs(mnt)
     assert st["opens"] == EPOCHS * FILES  # each sample one open: the union, nothing read twice
+    # torchrun's ranks share its session and cgroup: one job, whose epochs are the union (test_jobs_mount: jobs
+    # in sessions of their own are told apart)
+    assert st["jobs_reading"] == 1, st["jobs"]

@@ -29,3 +29,18 @@ def dataset_tree(root: Path, *, count: int = 16, width: int = 192, height: int =
         for i in range(big_dir):
             (many / f"entry-{i:05d}-{'x' * (i % 40)}").write_bytes(b"%d" % i)
     return root
+
+
+def noise_pngs(root: Path, *, count: int, classes: int, seed: int, sides: tuple[int, int]) -> Path:
+    """``count`` PNGs of noise in ``classes`` folders (an ImageFolder), square with a side drawn from ``sides``
+    (so sizes vary, and bytes and files differ)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        side = int(rng.integers(*sides))
+        d = root / f"class{i % classes}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(d / f"img{i:04d}.png")
+    return root

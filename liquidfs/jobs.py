@@ -1,0 +1,127 @@
+"""Which job an open comes from: the FUSE request's pid mapped to the job its process belongs to.
+
+The next-epoch cache counts epochs per job (``cache.NextEpochCache``): the ranks of one training and their
+loader workers read one epoch between them, while two trainings of a hyperparameter search each read the whole
+dataset at their own pace. The kernel tells the daemon only the pid (the thread's id) of each request, so a job
+is what that process shares with the others of its job and not with other jobs' processes: its **cgroup** (a
+Kubernetes container, a systemd unit or scope, a Slurm step each have their own, and every process they start
+inherits it) and, within a cgroup, the first of these the process has:
+
+- ``LIQUIDFS_JOB`` in its environment: what a user sets to say it;
+- ``TORCHELASTIC_RUN_ID`` with ``MASTER_PORT``: what ``torchrun`` gives the ranks of one run (each rank in a
+  session of its own, so the session would split them);
+- ``SLURM_JOB_ID`` with ``SLURM_STEP_ID``: one step of a Slurm job;
+- else its **session**: a login, a terminal, a ``setsid`` start each begin one, and a training's children
+  (DataLoader workers, DALI's threads) inherit it.
+
+Neither cgroup nor session alone would do: on a plain host every process of a user shares the login's cgroup,
+and in a container every process may share one session. What this cannot see: two trainings that one driver
+starts as plain children (no session, variable or unit of their own) are one job; give each a ``LIQUIDFS_JOB``
+(or start it with ``setsid``, ``systemd-run --scope``, or in its own container). A user who sets a new
+``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``cache.MAX_JOBS`` are tracked).
+
+Reading ``/proc/PID/cgroup`` and ``/proc/PID/environ`` costs two file opens; it is done once per pid, and
+``getsid`` (one system call) checks on every open that the pid is still the process it was (a pid reused by
+another process may be in another session).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: pids remembered (one entry each); past them the oldest is forgotten and read again if it opens again.
+PIDS_KEPT = 4096
+#: Jobs remembered by what tells them apart; past them the oldest is forgotten (a job seen again gets a new id).
+JOBS_KEPT = 1024
+#: The job of a request whose process is gone before it could be asked (or pid 0, the kernel's own requests).
+UNKNOWN = 0
+
+
+#: The variables that name a job, each group in the order tried (the first group a process has all of wins).
+JOB_VARIABLES = (("LIQUIDFS_JOB",), ("TORCHELASTIC_RUN_ID", "MASTER_PORT"), ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+_ENVIRON_READ = 1 << 18  # bytes of a process's environment read: variables past them are not seen
+
+
+def read_job_variables(pid: int) -> str:
+    """The first of ``JOB_VARIABLES`` that ``pid``'s environment (as it started) has, as ``NAME=value ...``; ""
+    for none."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        raw = f.read(_ENVIRON_READ)
+    found: dict[str, str] = {}
+    wanted = {name for group in JOB_VARIABLES for name in group}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        key = name.decode("ascii", "replace")
+        if sep and key in wanted:
+            found[key] = value[:256].decode("utf-8", "replace")
+    for group in JOB_VARIABLES:
+        if all(name in found for name in group):
+            return " ".join(f"{name}={found[name]}" for name in group)
+    return ""
+
+
+def read_cgroup(pid: int) -> str:
+    """The cgroup ``pid`` is in: the unified hierarchy's path (cgroup v2), else the lines of every v1 hierarchy."""
+    with open(f"/proc/{pid}/cgroup", "rb") as f:
+        text = f.read(65536).decode("utf-8", "replace")
+    lines = [line for line in text.splitlines() if line]
+    unified = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+    return unified[0] if unified and unified[0] != "/" else "\n".join(sorted(lines))
+
+
+class JobOf:
+    """Maps the pid of a FUSE request to a small job id (0, 1, 2, ... in the order jobs first open a file)."""
+
+    def __init__(self, *, getsid: Callable[[int], int] = os.getsid,
+                 cgroup_of: Callable[[int], str] = read_cgroup,
+                 variables_of: Callable[[int], str] = read_job_variables) -> None:
+        self._getsid = getsid
+        self._cgroup_of = cgroup_of
+        self._variables_of = variables_of
+        self._pids: OrderedDict[int, tuple[int, int]] = OrderedDict()  # pid -> (session, job)
+        self._ids: OrderedDict[tuple[str, str], int] = OrderedDict()   # (cgroup, variables or session) -> job
+        self._next = 0
+        #: Each job's (cgroup, session), for ``liquidfs stats``: which processes a job id stands for.
+        self.labels: dict[int, str] = {}
+
+    def __call__(self, pid: int) -> int:
+        if pid <= 0:
+            return UNKNOWN
+        try:
+            session = self._getsid(pid)
+        except OSError:  # gone already (a thread that opened and exited): its read counts for the first job
+            return UNKNOWN
+        known = self._pids.get(pid)
+        if known is not None and known[0] == session:
+            self._pids.move_to_end(pid)
+            return known[1]
+        try:
+            cgroup = self._cgroup_of(pid)
+            named = self._variables_of(pid)
+        except OSError:
+            return UNKNOWN
+        job = self._job((cgroup, named or f"session {session}"))
+        self._pids[pid] = (session, job)
+        if len(self._pids) > PIDS_KEPT:
+            self._pids.popitem(last=False)
+        return job
+
+    def _job(self, key: tuple[str, str]) -> int:
+        job = self._ids.get(key)
+        if job is None:
+            job = self._ids[key] = self._next
+            self._next += 1
+            cgroup = key[0].splitlines()[0] if key[0] else "?"
+            self.labels[job] = f"{key[1]}, cgroup {cgroup}"
+            log.info("job %d: the openers with %s in cgroup %s", job, key[1], cgroup)
+            if len(self._ids) > JOBS_KEPT:
+                _, old = self._ids.popitem(last=False)
+                self.labels.pop(old, None)
+        else:
+            self._ids.move_to_end(key)
+        return job
