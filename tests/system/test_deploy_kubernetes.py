@@ -1,6 +1,6 @@
 """Deployment assets under mount/: the Kubernetes manifests (mount/kubernetes), validated strictly against the
 API's schemas, and what the schemas cannot check (the FUSE sidecar's wiring, hardening, credentials, the
-NetworkPolicy, the kustomization's knobs). Static: they run everywhere.
+NetworkPolicies, the kustomization's knobs, the memcacheds of a cache across nodes). Static: they run everywhere.
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ K8S_DIR = MOUNT_DIR / "kubernetes"
 
 #: YAML files under mount/kubernetes that are not Kubernetes API objects (kustomize's own config).
 K8S_NOT_API_OBJECTS = {"kustomization.yaml"}
-K8S_WORKLOADS = {"pod-native-sidecar.yaml", "job-native-sidecar.yaml", "pod-classic-sidecar.yaml"}
+K8S_WORKLOADS = {"pod-native-sidecar.yaml", "job-native-sidecar.yaml", "pod-classic-sidecar.yaml",
+                 "job-cluster-sidecar.yaml"}
 #: What kustomization.yaml lists beside the one workload it deploys.
 K8S_WITH_EVERY_WORKLOAD = {"networkpolicy.yaml"}
+#: The workload of a cache across nodes (``mount --cluster``), and what is deployed with it: a memcached on every
+#: node, the headless Service its --cluster names, who may reach them.
+K8S_CLUSTER_WORKLOAD = "job-cluster-sidecar.yaml"
+K8S_CLUSTER_ASSETS = {"memcached-daemonset.yaml", "memcached-service.yaml", "memcached-networkpolicy.yaml"}
+MEMCACHED_PORT = 11211
 #: The container that mounts FUSE: the only one that may be privileged.
 FUSE_CONTAINER = "liquidfs"
 METRICS_PORT = 9180
@@ -126,10 +132,10 @@ def _knobs() -> dict[str, str]:
 
 
 def _pod_spec(doc: dict) -> tuple[dict, dict]:
-    """(pod metadata, pod spec) of a Pod or of a Job's template."""
+    """(pod metadata, pod spec) of a Pod or of a Job's or DaemonSet's template."""
     if doc["kind"] == "Pod":
         return doc["metadata"], doc["spec"]
-    assert doc["kind"] == "Job", doc["kind"]
+    assert doc["kind"] in ("Job", "DaemonSet"), doc["kind"]
     return doc["spec"]["template"]["metadata"], doc["spec"]["template"]["spec"]
 
 
@@ -320,7 +326,8 @@ def _rule_opens(rule: dict, port: int, protocol: str = "TCP") -> bool:
 def test_k8s_networkpolicy_guards_metrics():
     """The sidecars serve metrics on 0.0.0.0: only the labelled scraper may reach that port, every pod serving
     it is selected, and the trainer's own ports (distributed training) stay open."""
-    policies = [(p.name, d) for p in k8s_manifests() for d in _load_yaml_all(p) if d["kind"] == "NetworkPolicy"]
+    policies = [(p.name, d) for p in k8s_manifests() for d in _load_yaml_all(p) if d["kind"] == "NetworkPolicy"
+                and d["spec"]["podSelector"].get("matchLabels", {}).get("app.kubernetes.io/name") == "liquidfs"]
     assert len(policies) == 1, policies
     name, policy = policies[0]
     assert name in _kustomization()["resources"]
@@ -374,6 +381,156 @@ def test_kustomize_build(tmp_path: Path):
     for c in spec["initContainers"] + spec["containers"]:
         for ref in c.get("envFrom", []):
             assert ref["configMapRef"]["name"] == cm["metadata"]["name"], "generated ConfigMap name not rewired"
+    kv = _kubernetes_validate()
+    for d in docs:
+        for version in _k8s_versions():
+            kv.validate(d, version, strict=True)
+
+
+# -- a cache across nodes: memcached beside the mounts ------------------------------------------------------
+
+
+def _memcached() -> tuple[dict, dict, dict]:
+    """(DaemonSet, its pod spec, its memcached container)."""
+    daemonset = _load_yaml(K8S_DIR / "memcached-daemonset.yaml")
+    assert daemonset["kind"] == "DaemonSet"
+    _, spec = _pod_spec(daemonset)
+    (container,) = spec["containers"]
+    return daemonset, spec, container
+
+
+def _memcached_option(args: list[str], flag: str) -> str:
+    assert args.count(flag) == 1, f"memcached {flag} given {args.count(flag)} times: {args}"
+    return args[args.index(flag) + 1]
+
+
+def test_memcached_runs_on_every_node_bounded_in_memory_and_without_privileges():
+    """memcached's -m (MiB of items) fits in its memory limit with headroom (the hash table and connection
+    buffers come on top: a container over its limit loses the node's whole share), it listens on TCP only, in the
+    pod network, and runs as nobody in particular: non-root, read-only image, no capability."""
+    daemonset, spec, c = _memcached()
+    assert c["image"].startswith("memcached:1.6")
+    args = c.get("command", []) + c.get("args", [])
+    items = int(_memcached_option(args, "-m")) * 2**20
+    limit = _quantity_bytes(c["resources"]["limits"]["memory"])
+    assert limit >= items * 1.05, f"memory limit {limit} leaves no room beside -m {items}"
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+    assert _quantity_bytes(_memcached_option(args, "-I").replace("m", "Mi")) >= 8 * 2**20, "a raw image is MBs"
+    assert _memcached_option(args, "-U") == "0", "UDP is an amplifier and unused"
+    assert _memcached_option(args, "-p") == str(MEMCACHED_PORT)
+    assert _memcached_option(args, "-l") == "0.0.0.0"  # the pod's own address: the NetworkPolicy guards it
+    assert spec.get("hostNetwork", False) is False, "on the node's network no NetworkPolicy guards it"
+    ports = {p["name"]: p for p in c["ports"]}
+    assert ports["memcached"]["containerPort"] == MEMCACHED_PORT and "hostPort" not in ports["memcached"]
+    assert c["readinessProbe"]["tcpSocket"]["port"] in ("memcached", MEMCACHED_PORT)
+    sc = c["securityContext"]
+    assert sc["runAsNonRoot"] is True and isinstance(sc["runAsUser"], int) and sc["runAsUser"] > 0
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]} and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert sc.get("privileged") is not True
+    assert spec["automountServiceAccountToken"] is False
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert labels.get("app.kubernetes.io/name") != "liquidfs", "networkpolicy.yaml opens those pods' other ports"
+    assert daemonset["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+def test_the_memcached_service_is_headless_over_the_daemonset():
+    """A headless Service: its name resolves to every ready memcached (liquidfs spreads the objects over them);
+    a ClusterIP would hide them behind one address and send each connection to any of them."""
+    service = _load_yaml(K8S_DIR / "memcached-service.yaml")
+    assert service["kind"] == "Service" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"].get("publishNotReadyAddresses", False) is False, "a memcached not ready is a dead one"
+    daemonset, _, c = _memcached()
+    assert service["spec"]["selector"].items() <= daemonset["spec"]["template"]["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == MEMCACHED_PORT and port.get("protocol", "TCP") == "TCP"
+    assert port["targetPort"] in {p["name"] for p in c["ports"]} | {MEMCACHED_PORT}
+
+
+def test_the_cluster_sidecar_names_the_memcached_service():
+    """job-cluster-sidecar.yaml's sidecar mounts with --cluster naming the headless Service by its DNS name (a
+    URL liquidfs accepts) and a --cluster-size the memcacheds of its nodes can hold."""
+    from liquidfs.clustertier import parse_cluster
+
+    _, spec = _pod_spec(_load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD))
+    (sidecar,) = [c for c in spec["initContainers"] if c["name"] == FUSE_CONTAINER]
+    args = sidecar["args"]
+    assert args[args.index("--cluster") + 1] == "$(LIQUIDFS_CLUSTER)"
+    assert args[args.index("--cluster-size") + 1] == "$(LIQUIDFS_CLUSTER_SIZE)"
+    knobs = _knobs()
+    service = _load_yaml(K8S_DIR / "memcached-service.yaml")
+    ((host, port),) = parse_cluster(knobs["LIQUIDFS_CLUSTER"])
+    name, namespace, *rest = host.split(".")
+    assert name == service["metadata"]["name"] and rest == ["svc", "cluster", "local"] and namespace, host
+    assert port == service["spec"]["ports"][0]["port"]
+    # --cluster-size is what the memcacheds hold together: no more than -m on each of the job's nodes, less 5 %
+    _, _, memcached = _memcached()
+    per_node = int(_memcached_option(memcached["args"], "-m")) * 2**20
+    nodes = _load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD)["spec"]["parallelism"]
+    size = _quantity_bytes(knobs["LIQUIDFS_CLUSTER_SIZE"].replace("G", "Gi"))  # read 60G as GiB: the safe side
+    assert size <= 0.95 * nodes * per_node, (size, nodes, per_node)
+
+
+def test_only_the_cluster_pods_reach_memcached():
+    """memcached answers anyone who reaches it: one NetworkPolicy selects its pods and lets only the pods that
+    mount with --cluster in, at its port alone; no other policy opens that port on them."""
+    daemonset, _, _ = _memcached()
+    pods = daemonset["spec"]["template"]["metadata"]["labels"]
+    policies = [d for p in k8s_manifests() for d in _load_yaml_all(p) if d["kind"] == "NetworkPolicy"]
+    selecting = [d for d in policies if d["spec"]["podSelector"]["matchLabels"].items() <= pods.items()]
+    assert [d["metadata"]["name"] for d in selecting] == ["memcached"], "exactly one policy, memcached's"
+    (policy,) = selecting
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and policy["spec"]["ingress"]
+    meta, _ = _pod_spec(_load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD))
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from"), "a rule without `from` lets anyone in"
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, f"pods of this namespace only, no namespace or ipBlock: {peer}"
+            assert peer["podSelector"]["matchLabels"].items() <= meta["labels"].items(), "the cluster job's pods"
+            assert "app.kubernetes.io/name" not in peer["podSelector"]["matchLabels"], "every liquidfs pod"
+        assert rule["ports"] == [{"protocol": "TCP", "port": MEMCACHED_PORT}]
+    # The other pods that mount do not carry the label: only the cluster's clients are let in.
+    for manifest, doc in _pod_documents():
+        if manifest != K8S_CLUSTER_WORKLOAD:
+            labels = _pod_spec(doc)[0]["labels"]
+            assert not any(peer["podSelector"]["matchLabels"].items() <= labels.items()
+                           for rule in policy["spec"]["ingress"] for peer in rule["from"]), manifest
+
+
+def test_kustomization_says_how_to_deploy_the_cluster():
+    """The cluster's files are a choice made in kustomization.yaml, like the workload: its comment names them all
+    and its knobs hold what job-cluster-sidecar.yaml reads."""
+    text = (K8S_DIR / "kustomization.yaml").read_text()
+    for name in K8S_CLUSTER_ASSETS | {K8S_CLUSTER_WORKLOAD}:
+        assert name in text, f"kustomization.yaml does not say to deploy {name}"
+    assert {"LIQUIDFS_CLUSTER", "LIQUIDFS_CLUSTER_SIZE"} <= set(_knobs())
+    assert K8S_CLUSTER_ASSETS <= {p.name for p in k8s_manifests()}
+
+
+def test_kustomize_build_of_the_cluster(tmp_path: Path):
+    """Optional, as test_kustomize_build: the kustomization with the cluster's files selected renders, every
+    document validates, and the Job's pods get the generated ConfigMap."""
+    tool = shutil.which("kustomize") or shutil.which("kubectl")
+    if tool is None:
+        skip_or_fail("neither kustomize nor kubectl installed (the raw manifests are validated above)")
+    import yaml
+
+    copy = tmp_path / "kubernetes"
+    shutil.copytree(K8S_DIR, copy)
+    kz = _kustomization()
+    kz["resources"] = [K8S_CLUSTER_WORKLOAD, *sorted(K8S_WITH_EVERY_WORKLOAD | K8S_CLUSTER_ASSETS)]
+    (copy / "kustomization.yaml").write_text(yaml.safe_dump(kz))
+    cmd = [tool, "build", str(copy)] if tool.endswith("kustomize") else [tool, "kustomize", str(copy)]
+    out = tmp_path / "rendered.yaml"
+    out.write_text(run(cmd, check=True).stdout)
+    docs = _load_yaml_all(out)
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "DaemonSet", "Job", "NetworkPolicy", "NetworkPolicy",
+                                               "Service"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    _, spec = _pod_spec(job)
+    (sidecar,) = [c for c in spec["initContainers"] if c["name"] == FUSE_CONTAINER]
+    assert [ref["configMapRef"]["name"] for ref in sidecar["envFrom"]] == [cm["metadata"]["name"]]
     kv = _kubernetes_validate()
     for d in docs:
         for version in _k8s_versions():

@@ -1,6 +1,8 @@
 """Deployment assets under mount/: the systemd unit (mount/systemd/liquidfs@.service) and its example
 environment file: what the service runs, the hardening it has and the sandboxing it must not have (a private
-mount namespace would hide the FUSE mount), and ``systemd-analyze verify``.
+mount namespace would hide the FUSE mount), and ``systemd-analyze verify``. The memcached beside a mount with
+--cluster (liquidfs-memcached.service, and liquidfs-cluster.conf ordering the mount after it): bounded in
+memory, reachable from loopback only until told otherwise, without privileges.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from deployhelpers import MOUNT_DIR, run, skip_or_fail
 
 UNIT = MOUNT_DIR / "systemd" / "liquidfs@.service"
 EXAMPLE_ENV = MOUNT_DIR / "systemd" / "example.env"
+MEMCACHED_UNIT = MOUNT_DIR / "systemd" / "liquidfs-memcached.service"
+CLUSTER_DROP_IN = MOUNT_DIR / "systemd" / "liquidfs-cluster.conf"
 
 
 def _unit_directives(text: str) -> dict[str, list[str]]:
@@ -89,3 +93,72 @@ def test_systemd_analyze_verify(tmp_path: Path):
     proc = run([exe, "verify", str(unit)], timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "liquidfs@verify.service" not in proc.stderr, proc.stderr
+
+
+def _memcached_option(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"memcached {flag} given {argv.count(flag)} times: {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def _bytes(size: str) -> int:
+    """A systemd size (K, M, G, T: powers of 1024, as systemd.resource-control(5) reads them)."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    m = re.fullmatch(r"([0-9]+)([KMGT]?)", size)
+    assert m, size
+    return int(m.group(1)) * units[m.group(2)]
+
+
+def test_memcached_unit_is_bounded_in_memory_reachable_from_loopback_only_and_unprivileged():
+    d = _unit_directives(MEMCACHED_UNIT.read_text())
+    (exec_start,) = d["Service.ExecStart"]
+    argv = exec_start.split()
+    assert argv[0] == "/usr/bin/memcached" and "-u" not in argv, "as root memcached needs -u; it is not root"
+    items = int(_memcached_option(argv, "-m")) * 2**20
+    (memory_max,) = d["Service.MemoryMax"]
+    assert _bytes(memory_max) >= items * 1.05, "-m bounds the items only: the limit needs headroom beside them"
+    assert _memcached_option(argv, "-U") == "0"
+    assert _memcached_option(argv, "-I").endswith("m") and int(_memcached_option(argv, "-I")[:-1]) >= 8
+    # The address to listen on: loopback unless the node's env file says otherwise.
+    assert _memcached_option(argv, "-l") == "${LIQUIDFS_MEMCACHED_LISTEN}"
+    assert d["Service.Environment"] == ["LIQUIDFS_MEMCACHED_LISTEN=127.0.0.1"]
+    assert d["Service.EnvironmentFile"] == ["-/etc/liquidfs/memcached.env"], "optional, read after the default"
+    # Whoever reaches it reads the dataset's bytes: every packet but loopback's dropped until a drop-in allows more.
+    assert d["Service.IPAddressDeny"] == ["any"] and d["Service.IPAddressAllow"] == ["localhost"]
+    # No privilege at all, and Debian's memcached.service (the same port) is stopped, not raced.
+    assert d["Service.DynamicUser"] == ["yes"] and "Service.User" not in d
+    assert d["Service.CapabilityBoundingSet"] == [""] and d["Service.NoNewPrivileges"] == ["yes"]
+    assert d["Service.ProtectSystem"] == ["strict"] and d["Service.PrivateDevices"] == ["yes"]
+    assert d["Service.RestrictAddressFamilies"] == ["AF_INET AF_INET6 AF_UNIX"]
+    assert not any("@resources" in f for f in d["Service.SystemCallFilter"]), "memcached setrlimits to -c"
+    assert d["Unit.Conflicts"] == ["memcached.service"]
+    assert d["Install.WantedBy"] == ["multi-user.target"]
+
+
+def test_a_cluster_mount_is_ordered_after_its_memcached_without_depending_on_it():
+    """After= its memcached (its first epoch can give it its share), Wants= and not Requires=: a memcached down
+    costs hits, never a read, so stopping it must not stop the mount."""
+    d = _unit_directives(CLUSTER_DROP_IN.read_text())
+    assert d["Unit.After"] == [MEMCACHED_UNIT.name] and d["Unit.Wants"] == [MEMCACHED_UNIT.name]
+    for strong in ("Requires", "Requisite", "BindsTo", "PartOf"):
+        assert f"Unit.{strong}" not in d, f"{strong}= would stop the mount with its memcached"
+    text = EXAMPLE_ENV.read_text()
+    assert "--cluster memcached://" in text and "--cluster-size" in text, "example.env shows the flags"
+
+
+def test_systemd_analyze_verify_memcached_and_a_cluster_mount(tmp_path: Path):
+    exe = shutil.which("systemd-analyze")
+    if exe is None:
+        skip_or_fail("systemd-analyze not installed (apt-get install systemd)")
+    true = shutil.which("true")
+    mount_unit = tmp_path / "liquidfs@verify.service"
+    mount_unit.write_text(UNIT.read_text().replace("ExecStart=/usr/local/bin/liquidfs ", f"ExecStart={true} "))
+    (tmp_path / "liquidfs@verify.service.d").mkdir()
+    (tmp_path / "liquidfs@verify.service.d" / "cluster.conf").write_text(CLUSTER_DROP_IN.read_text())
+    memcached = tmp_path / MEMCACHED_UNIT.name
+    # verify insists that the ExecStart binary exists (memcached may not be installed where this runs)
+    memcached.write_text(MEMCACHED_UNIT.read_text().replace("ExecStart=/usr/bin/memcached ", f"ExecStart={true} "))
+    assert memcached.read_text() != MEMCACHED_UNIT.read_text()
+    proc = run([exe, "verify", str(mount_unit), str(memcached)], timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("cluster.conf", MEMCACHED_UNIT.name, mount_unit.name):  # an unknown key is only a warning
+        assert name not in proc.stderr, proc.stderr

@@ -1,17 +1,26 @@
 """The cluster level (``clustertier.ClusterTier``) over a memcached in a dict: which objects are the cluster's,
 hits only of the exact bytes the catalog records, a changed source never served from it, a dead memcached a miss.
+A --cluster name (``ResolvingClient``) with a resolver faked: every address it resolves to, a join or a leave moving
+only that memcached's keys, an answer that is not addresses or fails keeping the last good set.
 Real memcacheds and mounts: ``tests/system/test_cluster.py``."""
 
 from __future__ import annotations
 
+import logging
 import os
+import random
+import socket
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from clusterfakes import FakeMemcached
 from liquidfs.catalog import Catalog
-from liquidfs.clustertier import ClusterError, ClusterTier, in_share, key_of, parse_cluster
+from liquidfs.clustertier import (MAX_SERVERS, ClusterError, ClusterTier, ResolvingClient, hash_client, in_share,
+                                  key_of, memcached_client, parse_cluster, resolve_addresses)
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
 from sample import make_sample
@@ -115,3 +124,149 @@ def test_files_outside_the_share_never_ask_the_cluster(store: tuple[Path, Path])
     assert client.gets == client.sets == 0
     assert tier.vouch(raw[0]) is True  # read at its first read, as without a cluster
     assert _tier(path, share=1.0)[0].vouch(raw[0]) is False  # the cluster's: read at open, where it is asked
+
+
+# -- a --cluster name, resolved again ------------------------------------------------------------------------
+
+
+class FakeDNS:
+    """A resolver whose answer the test sets: a list (returned as is, whatever it holds) or an exception (raised)."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, int]] = []
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        self.asked.append((host, port))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer  # type: ignore[no-any-return]
+
+
+class Made:
+    """``make`` for ``ResolvingClient``: real ``HashClient``s (no connection until asked), each kept."""
+
+    def __init__(self) -> None:
+        self.clients: list[Any] = []
+
+    def __call__(self, servers: list[tuple[str, int]]) -> Any:
+        self.clients.append(hash_client(servers))
+        return self.clients[-1]
+
+    def placement(self, keys: list[str]) -> dict[str, str]:
+        """Which memcached the latest client puts each key on (its rendezvous hash)."""
+        return {key: self.clients[-1].hasher.get_node(key) for key in keys}
+
+
+def test_literal_addresses_are_used_as_given_and_never_resolved() -> None:
+    dns = FakeDNS(socket.gaierror("must not be asked"))
+    client = memcached_client([("10.0.0.1", 11211), ("::1", 5)], resolve=dns)
+    assert not isinstance(client, ResolvingClient) and dns.asked == []
+    assert sorted(client.clients) == ["10.0.0.1:11211", "::1:5"]  # type: ignore[attr-defined]
+    client.close()
+
+
+def test_a_name_stands_for_every_address_it_resolves_to_and_nothing_else() -> None:
+    dns = FakeDNS(["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::7", "memcached.evil", "0.0.0.0", "224.0.0.1", 7, "",
+                   "10.0.0.1 ; rm", "::"])
+    client = memcached_client([("memcached.ns.svc.cluster.local", 11211), ("192.168.1.9", 11212)], resolve=dns)
+    try:
+        assert isinstance(client, ResolvingClient)
+        assert dns.asked == [("memcached.ns.svc.cluster.local", 11211)]  # the literal one is not asked about
+        assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211), ("192.168.1.9", 11212),
+                                    ("fd00::7", 11211)]
+    finally:
+        client.close()
+
+
+def test_a_memcached_that_joins_or_leaves_moves_only_its_own_keys() -> None:
+    dns, made = FakeDNS(["10.0.0.1", "10.0.0.2", "10.0.0.3"]), Made()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=made, background=False)
+    keys = [f"liquidfs1:{i:08x}:{i}" for i in range(3000)]
+    before = made.placement(keys)
+    assert set(before.values()) == {"10.0.0.1:11211", "10.0.0.2:11211", "10.0.0.3:11211"}
+
+    dns.answer = ["10.0.0.3", "10.0.0.4", "10.0.0.1", "10.0.0.2"]  # a node joins (any order: one set)
+    assert client.refresh() and len(made.clients) == 2  # a new client over the new set
+    joined = made.placement(keys)
+    moved = {k for k in keys if joined[k] != before[k]}
+    assert moved and all(joined[k] == "10.0.0.4:11211" for k in moved)  # only to the new one
+    assert 0.15 < len(moved) / len(keys) < 0.35  # about its quarter
+
+    dns.answer = ["10.0.0.1", "10.0.0.3", "10.0.0.4"]  # another leaves
+    assert client.refresh()
+    left = made.placement(keys)
+    moved = {k for k in keys if left[k] != joined[k]}
+    assert moved == {k for k in keys if joined[k] == "10.0.0.2:11211"}  # exactly its keys, spread on the rest
+    assert "10.0.0.2:11211" not in made.clients[-1].clients  # gone for good, not a dead node waiting to return
+    assert not client.refresh() and len(made.clients) == 3  # the same answer: the same client, its pools kept
+    client.close()
+
+
+@pytest.mark.parametrize("failure", [socket.gaierror(socket.EAI_NONAME, "Name or service not known"), [],
+                                     ["not-an-address", None], "10.0.0.9", RuntimeError("a resolver's bug")])
+def test_a_name_that_resolves_to_nothing_usable_keeps_its_last_good_set_and_logs_once(
+        failure: Any, caplog: pytest.LogCaptureFixture) -> None:
+    dns = FakeDNS(["10.0.0.1", "10.0.0.2"])
+    memcached = FakeMemcached()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=lambda servers: memcached,
+                             background=False)
+    memcached.values["k"] = b"v"
+    dns.answer = failure
+    with caplog.at_level(logging.INFO, logger="liquidfs.clustertier"):
+        for _ in range(3):
+            assert client.refresh() is False
+            assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
+            assert client.get("k") == b"v"  # fetches go on over the last good set
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "keeping its last 2" in warned[0].getMessage()
+        dns.answer = ["10.0.0.1"]
+        assert client.refresh() and client.servers() == [("10.0.0.1", 11211)]
+        assert any("resolves again" in r.getMessage() for r in caplog.records)
+    client.close()
+
+
+def test_an_answer_past_the_bound_is_cut_the_same_on_every_node() -> None:
+    addresses = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(300)]
+    nodes = []
+    for seed in (1, 2):
+        random.Random(seed).shuffle(addresses)
+        client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(list(addresses)),
+                                 make=lambda servers: FakeMemcached(), background=False)
+        nodes.append(client.servers())
+    assert len(nodes[0]) == MAX_SERVERS and nodes[0] == nodes[1]
+
+
+def test_a_name_that_never_resolved_is_a_miss_never_a_failed_read(store: tuple[Path, Path]) -> None:
+    _, path = store
+    catalog = Catalog.open(path, readonly=True)
+    client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(socket.gaierror("no such name")),
+                             background=False)  # a real HashClient over no memcached at all
+    tier = ClusterTier(StoreReader(catalog.source, path), client, 1.0)
+    raw = [n for n in catalog.files() if n.served_raw]
+    for n in raw:
+        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    assert client.servers() == [] and tier.statistics()["cluster_hits"] == 0
+    tier.close()
+
+
+def test_the_name_is_resolved_again_in_a_thread_of_its_own_until_closed() -> None:
+    dns, made = FakeDNS(["10.0.0.1"]), Made()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=made, every=0.02)
+    try:
+        dns.answer = ["10.0.0.1", "10.0.0.2"]
+        deadline = time.monotonic() + 10
+        while len(client.servers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
+        assert threading.current_thread().name != "liquidfs-cluster-dns"
+    finally:
+        client.close()
+    assert not any(t.name == "liquidfs-cluster-dns" for t in threading.enumerate())
+    asked = len(dns.asked)
+    time.sleep(0.1)
+    assert len(dns.asked) == asked  # stopped at close
+
+
+def test_the_systems_resolver_answers_addresses() -> None:
+    assert "127.0.0.1" in resolve_addresses("localhost", 11211)
