@@ -47,6 +47,15 @@ class ReadThrottle:
     def add(self, pid: int) -> None:
         (self.group / "cgroup.procs").write_text(f"{pid}\n")
 
+    def read_bytes(self) -> int:
+        """Bytes the group's processes have read from disk so far (the block layer's count, every device)."""
+        total = 0
+        for line in (self.group / "blkio.throttle.io_service_bytes").read_text().splitlines():
+            parts = line.split()
+            if len(parts) == 3 and parts[1] == "Read":
+                total += int(parts[2])
+        return total
+
     def close(self) -> None:
         # Move anything left back to the root group, then remove ours. The host may already have removed an
         # empty group (a release agent): nothing is left to do then.
