@@ -49,7 +49,7 @@ class Backing:
     fd: int
     size: int
     raw: bool
-    kind: str
+    kind: str  # "source", "object": the file itself; "memfd" (from storage or held), "disk", "cluster": a memfd
     fallback: str | None = None  # why the raw object was not served, when it should have been
     #: ``stamp`` of a source or object descriptor when it was checked (``still_sound``); None for a memfd.
     stamp: tuple[int, int, int, int] | None = None
@@ -89,7 +89,7 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
     try:
         if content.data is not None:
             fd = memfd_with(content.data, node.path)
-            kind = "disk" if content.tier == "disk" else "memfd"
+            kind = content.tier if content.tier in ("disk", "cluster") else "memfd"
             return Backing(fd, content.size, content.raw, kind, content.fallback)
         if content.fd is not None:  # a local file too large to read whole: the source itself
             fd, content.fd = content.fd, None

@@ -270,6 +270,8 @@ class DaemonPath:
         content: Content = await self.storage.run(node, self.reader.open, node)
         if content.tier == "disk":
             self.stats.bytes_from_disk += content.size
+        elif content.tier == "cluster":
+            self.stats.bytes_from_cluster += content.size
         elif content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
             self.stats.bytes_from_storage += content.size
         return content

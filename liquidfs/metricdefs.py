@@ -91,9 +91,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_errors_total", COUNTER, "", "errors", "Requests answered with an error other than ENOENT."),
     # -- bytes ---------------------------------------------------------------------------------------------------
     Metric("liquidfs_served_bytes_total", COUNTER, "bytes", {"storage": "bytes_from_storage",
-                                                             _MEM: "bytes_from_memory", "disk": "bytes_from_disk"},
+                                                             _MEM: "bytes_from_memory", "disk": "bytes_from_disk",
+                                                             "cluster": "bytes_from_cluster"},
            "Bytes of opened files by where they came from, on either data path: storage (the store or the "
-           "source), memory (the next-epoch cache), disk (the disk cache level). Its rate is the throughput.",
+           "source), memory (the next-epoch cache), disk (the disk cache level), cluster (a peer's memcached). "
+           "Its rate is the throughput.",
            label=_LEVEL),
     Metric("liquidfs_daemon_read_bytes_total", COUNTER, "bytes", "bytes_read",
            "Bytes the daemon answered read requests with (none for files the kernel reads by passthrough)."),

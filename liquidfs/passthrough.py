@@ -218,6 +218,8 @@ class PassthroughPath:
         if backing is not None:
             if backing.kind == "disk":
                 self.stats.bytes_from_disk += backing.size
+            elif backing.kind == "cluster":
+                self.stats.bytes_from_cluster += backing.size
             else:
                 self.stats.bytes_from_storage += backing.size
         return backing
@@ -301,7 +303,7 @@ class PassthroughPath:
 
     async def _memfd_of(self, backing: Backing) -> int:
         """A sealed memfd of the backing's bytes, the caller's: the backing itself where it is one already."""
-        if backing.kind in ("memfd", "disk"):
+        if backing.kind in ("memfd", "disk", "cluster"):
             return os.dup(backing.fd)
         return await self.blocking_copy(backing)
 
@@ -345,7 +347,7 @@ def _count_backing(stats: MountStats, kind: str) -> None:
         stats.backing_source += 1
     elif kind == "object":
         stats.backing_object += 1
-    elif kind == "memfd":
+    elif kind in ("memfd", "cluster"):
         stats.backing_memfd += 1
     elif kind == "disk":
         stats.backing_disk += 1

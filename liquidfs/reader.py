@@ -65,7 +65,7 @@ class Content:
     fd: int | None = None
     fallback: str | None = None  # why the raw object was not served, when it should have been
     fetch: Callable[[int, int], bytes] | None = None  # a ranged read of a large object in a bucket
-    tier: str = "storage"  # where the bytes came from: "storage", or "disk" for the local disk cache level
+    tier: str = "storage"  # where the bytes came from: "storage", "disk" (the local disk level), "cluster" (memcached)
     #: ``data`` is a pool buffer only this content reads: given back to the pool when the file is closed.
     #: Cleared the moment anything else may keep a view of it (the cache holds it).
     pooled: bool = False

@@ -23,6 +23,7 @@ class MountStats:
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
     bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
     bytes_from_disk: int = 0      # bytes served from the local disk cache level (--disk-cache)
+    bytes_from_cluster: int = 0   # bytes served from the cluster level (--cluster): a peer's memcached
     deferred: int = 0             # opens whose file was read at its first read instead of at open
     open_evictions: int = 0       # open files whose bytes were let go to keep open_bytes under its bound
     bytes_pushed: int = 0         # bytes handed to the kernel's page cache ahead of its reads (notify_store)

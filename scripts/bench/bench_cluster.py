@@ -30,7 +30,7 @@ context). The page cache is dropped before every configuration and every epoch: 
 read last epoch is a storage read for another, which one machine's shared page cache would hide.
 
 Figures per node and per epoch: hit ratio (bytes from the node's memory + the cluster over bytes read), bytes
-from storage (the mount's count: bytes_from_storage, less the cluster's hits, which it includes), bytes from
+from storage (the mount's count: bytes_from_storage; a cluster hit is bytes_from_cluster), bytes from
 peers (the cluster's hits), disk bytes (the block layer's: daemons' and nodes' /proc/PID/io), images/s (files
 over the epoch's time, barrier to barrier; per node, over its own), failed reads, wrong bytes. Goals printed
 beside them (issue 29): cluster hit ratio per window >= 0.95 x min(1, N x C / D); storage bytes per epoch
@@ -297,7 +297,7 @@ def node_epochs(job: NodeJob, barrier: Barrier, results: Any) -> None:
                 w["memory_bytes"] += mem_b
                 w["cluster_hits"] += clu
                 w["cluster_bytes"] += clu_b
-                w["storage_bytes"] += storage - clu_b  # the mount counts a cluster hit as bytes from storage
+                w["storage_bytes"] += storage
             out["errors"] += errors
             out["cache_retries"] += retries
             if job.per_file and data is not None:

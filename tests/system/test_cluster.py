@@ -106,6 +106,8 @@ def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tm
     epoch(node_b)  # node B's misses in its own memory are fetches from the memcacheds, byte-exact
     b = read_control(node_b)
     assert b["cluster_hits"] == len(raw) and b["cluster_hit_bytes"] == sum(map(len, raw.values()))
+    # served from a peer, not storage: its own row of the bytes served
+    assert b["bytes_from_cluster"] == b["cluster_hit_bytes"] and b["bytes_from_storage"] == 0
     assert b["cluster_rejected"] == 0 and b["errors"] == 0
 
     memcacheds[0].kill()  # mid-epoch: one node's memcached gone
