@@ -194,6 +194,8 @@ class NextEpochCache:
         # While several jobs read: the held files by (read_in) key, each in the order held, and the keys ranked.
         self._groups: dict[tuple[tuple[int, int], ...], dict[int, None]] = {}
         self._ranked: list[tuple[float, tuple[tuple[int, int], ...]]] = []
+        # The held files by the epoch they are held for (of the one job reading), each in the order held.
+        self._by_epoch: dict[int, dict[int, None]] = {}
         self._rank_at = 0
         self._all_reads = 0
 
@@ -225,8 +227,6 @@ class NextEpochCache:
         if epoch > state.newest_epoch:
             state.files_per_epoch = state.reads_of(state.newest_epoch) if epoch > 2 else 0
             state.newest_epoch = epoch
-            if len(self.jobs) == 1:
-                evicted = self._evict_missed(state, epoch)
         state.epoch_of[file] = epoch
         state.reads += 1
         state.read_at[file] = state.reads
@@ -240,6 +240,8 @@ class NextEpochCache:
             self._release(file)
         if len(self.jobs) == 1:
             keep = self._quota_allows(state, epoch, size)
+            if keep and self.held_bytes + size > self.budget:
+                keep, evicted = self._room_from_passed(epoch, size)
         else:
             keep, pushed_out = self._wanted_sooner(file, size)
             evicted += pushed_out
@@ -283,11 +285,12 @@ class NextEpochCache:
         self._reown(state, heir)
 
     def _reown(self, old: Job, heir: Job) -> None:
-        """The files held for ``old``'s next reads are ``heir``'s now, held for its coming epoch (unread by then,
-        they are dropped as any missed file is)."""
+        """The files held for ``old``'s next reads are ``heir``'s now, held for its current epoch (unread in it,
+        they are the first let go when room is wanted, as any file held for a passed epoch is)."""
         for file, entry in list(self.held.items()):
             if entry.job == old.id:
-                self.held[file] = dataclasses.replace(entry, job=heir.id, for_epoch=heir.newest_epoch)
+                self._release(file)
+                self._hold(file, dataclasses.replace(entry, job=heir.id, for_epoch=heir.newest_epoch))
                 heir.kept_for[heir.newest_epoch] = heir.kept_for.get(heir.newest_epoch, 0) + entry.size
 
     def _gap_needed(self, state: Job, epoch: int) -> int:
@@ -306,7 +309,7 @@ class NextEpochCache:
             state.pace_since = (now, state.reads)
 
     def _quota_allows(self, state: Job, epoch: int, size: int) -> bool:
-        if self.share <= 0 or self.held_bytes + size > self.budget:
+        if self.share <= 0 or size > self.budget:
             return False
         ep = state.stats.epochs[epoch]
         # The decision must not depend on this file's own size, or the kept set would favour large (or small)
@@ -380,6 +383,7 @@ class NextEpochCache:
         self.held[file] = entry
         self.held_bytes += entry.size
         self._groups.setdefault(entry.read_in, {})[file] = None
+        self._by_epoch.setdefault(entry.for_epoch, {})[file] = None
 
     def _release(self, file: int) -> None:
         entry = self.held.pop(file)
@@ -392,16 +396,36 @@ class NextEpochCache:
             group.pop(file, None)
             if not group:
                 del self._groups[entry.read_in]
+        bucket = self._by_epoch.get(entry.for_epoch)
+        if bucket is not None:
+            bucket.pop(file, None)
+            if not bucket:
+                del self._by_epoch[entry.for_epoch]
 
-    def _evict_missed(self, state: Job, new_epoch: int) -> tuple[int, ...]:
-        """Files held for an epoch that has passed without reading them (a partial epoch) free their room."""
-        stale = [f for f, entry in self.held.items() if entry.for_epoch < new_epoch - 1]
-        for f in stale:
-            self._release(f)
-        if stale:
-            log.info("epoch %d began: %d held files were never read in their epoch; dropped", new_epoch,
-                     len(stale))
-        return tuple(stale)
+    def _room_from_passed(self, epoch: int, size: int) -> tuple[bool, tuple[int, ...]]:
+        """Room for ``size`` more bytes, made by letting go of files held for an epoch that has passed without
+        reading them, those of the oldest epoch first; (whether there is room now, the files let go).
+
+        Such files stay held until their room is wanted, not dropped as their epoch ends: a reader of part of
+        each epoch (one node's shard of a permutation that changes every epoch: DALI's ``shard_id``, a
+        ``DistributedSampler`` across nodes) reads a held file in a later epoch as likely as in the next, so a
+        budget kept full of them still hits C/D of what the node reads, where dropping them each epoch left
+        it a quarter full."""
+        room = self.budget - self.held_bytes
+        victims: list[int] = []
+        for for_epoch in sorted(e for e in self._by_epoch if e < epoch):
+            for file in self._by_epoch[for_epoch]:
+                victims.append(file)
+                room += self.held[file].size
+                if room >= size:
+                    break
+            if room >= size:
+                break
+        if room < size:
+            return False, ()
+        for file in victims:
+            self._release(file)
+        return True, tuple(victims)
 
     # -- warm-up ---------------------------------------------------------------------------------------
 

@@ -284,3 +284,26 @@ def test_an_idle_job_is_retired_and_its_counts_kept() -> None:
     assert summary["jobs_retired"] == 2
     assert summary["cache_hits"] + summary["cache_misses"] == 21
     assert cache.held_bytes <= 500 and all(entry.job == 2 for entry in cache.held.values())
+
+
+def test_a_node_reading_its_shard_of_each_epoch_hits_the_budgets_share() -> None:
+    """One node of four, each epoch a new permutation's quarter (DALI's shard_id over nodes): a file held is read
+    in any later epoch as likely as in the next, so the files not read in the next stay until their room is
+    wanted, and the node's hits reach C/D of what it reads (dropping them each epoch left ~C/4D)."""
+    rng = random.Random(12)
+    sizes = _dataset(4000, rng)
+    total = sum(sizes.values())
+    share = 0.1
+    cache = NextEpochCache(int(share * total), total, len(sizes), max_id=max(sizes))
+    files = list(sizes)
+    later: list[tuple[bool, int]] = []
+    for epoch in range(8):
+        rng.shuffle(files)
+        for f in files[: len(files) // 4]:  # this node's shard
+            d = cache.read(f, sizes[f])
+            assert cache.held_bytes <= cache.budget
+            if epoch >= 4 and not d.same_epoch:
+                later.append((d.hit, sizes[f]))
+    ratio = sum(s for h, s in later if h) / sum(s for _, s in later)
+    assert abs(ratio - share) <= 0.025, ratio
+    assert cache.held_bytes >= 0.9 * cache.budget
