@@ -122,6 +122,7 @@ class Job:
     pace: float = 0.0          # reads per second, over the last PACE_READS
     pace_since: tuple[float, int] = (0.0, 0)  # (time, reads) where the current pace sample began
     files_per_epoch: int = 0   # reads of its last complete epoch (0: none complete yet)
+    bytes_per_epoch: int = 0   # bytes of its last complete epoch (0: none complete yet)
     recent_hits: float = 0.0   # hits per read, over about the last FAIR_READS reads
 
     def __post_init__(self) -> None:
@@ -226,6 +227,8 @@ class NextEpochCache:
         evicted: tuple[int, ...] = ()
         if epoch > state.newest_epoch:
             state.files_per_epoch = state.reads_of(state.newest_epoch) if epoch > 2 else 0
+            last = state.stats.epochs.get(state.newest_epoch)
+            state.bytes_per_epoch = last.bytes if last is not None else 0
             state.newest_epoch = epoch
         state.epoch_of[file] = epoch
         state.reads += 1
@@ -317,7 +320,15 @@ class NextEpochCache:
         # mean size of the files read before it, and a file is kept when that quota covers half a mean file.
         before = ep.bytes - size
         mean = before / (ep.reads - 1) if ep.reads > 1 else size
-        return state.kept_for.get(epoch + 1, 0) + mean / 2 <= self.share * (before + mean)
+        return state.kept_for.get(epoch + 1, 0) + mean / 2 <= self._share_of(state) * (before + mean)
+
+    def _share_of(self, state: Job) -> float:
+        """The share of an epoch's bytes to keep: the budget over the bytes of the job's last complete epoch
+        (before one completed, over the dataset's). A reader of part of each epoch (one node's shard of four)
+        thus keeps its whole budget from its quarter, not a quarter of it, and hits C/D from its third epoch
+        instead of filling the budget over many."""
+        epoch_bytes = state.bytes_per_epoch or self.dataset_bytes
+        return min(1.0, self.budget / epoch_bytes) if epoch_bytes > 0 else self.share
 
     # -- several jobs ----------------------------------------------------------------------------------
 

@@ -302,7 +302,7 @@ def test_a_node_reading_its_shard_of_each_epoch_hits_the_budgets_share() -> None
         for f in files[: len(files) // 4]:  # this node's shard
             d = cache.read(f, sizes[f])
             assert cache.held_bytes <= cache.budget
-            if epoch >= 4 and not d.same_epoch:
+            if epoch >= 2 and not d.same_epoch:  # the third epoch on: its second kept its whole budget
                 later.append((d.hit, sizes[f]))
     ratio = sum(s for h, s in later if h) / sum(s for _, s in later)
     assert abs(ratio - share) <= 0.025, ratio
