@@ -16,8 +16,11 @@ if at least ``gap`` x (reads of its epoch so far) other reads happened since its
 epoch. Any other repeated read (a header probe, a retry, a second open by another worker, all close to the first)
 is a re-read that changes nothing. The number of files is never assumed: loaders often read only the images.
 
-This module is pure bookkeeping: it never touches bytes. Where the held bytes live is the caller's business (the
-mount keeps them as kernel page-cache pages of the FUSE inodes, see ``fs``).
+Several jobs reading one mount (``jobs.JobOf`` tells them apart) each have their own epochs (``epochs.Job``) and
+share one budget by how soon each held file is wanted again (``soonest``); one job decides as above.
+
+This module is pure bookkeeping: it never touches bytes. Where the held bytes live is the caller's business (a
+level of held bytes, ``held``).
 """
 
 from __future__ import annotations
@@ -29,16 +32,15 @@ import re
 import random
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
+from .epochs import WINDOW, CacheStats, EpochStats, Job, add_stats
+from .soonest import ReadIn, WantedSoonest, read_in
+
+__all__ = ["NO_CACHE", "WINDOW", "Decision", "NextEpochCache", "parse_size"]
 
 log = logging.getLogger(__name__)
-
-WINDOW = 64
-
 
 @dataclass(frozen=True, slots=True)
 class Decision:
@@ -52,30 +54,6 @@ class Decision:
 
 #: What an open decides where no next-epoch cache is configured: not held, not to hold.
 NO_CACHE = Decision(hit=False, hold=False, epoch=0)
-
-
-@dataclass
-class EpochStats:
-    reads: int = 0
-    bytes: int = 0
-    hits: int = 0
-    hit_bytes: int = 0
-
-
-@dataclass
-class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    same_epoch_reads: int = 0  # reads taken for a retry within an epoch (Decision.same_epoch)
-    hit_bytes: int = 0
-    miss_bytes: int = 0
-    #: Predicted hits whose bytes were gone (``correct_miss``): counted in hits/misses as the misses they were.
-    lost_hits: int = 0
-    lost_hit_bytes: int = 0
-    epochs: dict[int, EpochStats] = field(default_factory=dict)
-    window_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # hits per file
-    window_byte_ratios: deque[float] = field(default_factory=lambda: deque(maxlen=4096))  # hit bytes per byte
-    window_epochs: deque[int] = field(default_factory=lambda: deque(maxlen=4096))
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
@@ -99,59 +77,10 @@ def parse_size(text: str, dataset_bytes: int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-@dataclass(eq=False)
-class Job:
-    """What the policy knows of one job's reads: each file's epoch in that job, its pace, its counters.
-
-    A job is the set of openers that read the dataset together (the ranks of one training, their loader workers),
-    told apart by the caller (``jobs.JobOf``); every read of the mount comes from one. Each job's epochs are
-    inferred from its own reads, so jobs at other paces and in other orders never blur each other's.
-    """
-
-    id: int
-    size: int  # files' ids are below this
-    epoch_of: np.ndarray = field(init=False)
-    read_at: np.ndarray = field(init=False)  # file -> value of ``reads`` at its last epoch read
-    reads: int = 0
-    newest_epoch: int = 1
-    kept_for: dict[int, int] = field(default_factory=dict)  # epoch -> bytes held for it (the quota's count)
-    stats: CacheStats = field(default_factory=CacheStats)
-    window: list[tuple[bool, int]] = field(default_factory=list)
-    window_epoch: int = 1
-    last_read: float = 0.0     # monotonic seconds
-    pace: float = 0.0          # reads per second, over the last PACE_READS
-    pace_since: tuple[float, int] = (0.0, 0)  # (time, reads) where the current pace sample began
-    files_per_epoch: int = 0   # reads of its last complete epoch (0: none complete yet)
-    bytes_per_epoch: int = 0   # bytes of its last complete epoch (0: none complete yet)
-    recent_hits: float = 0.0   # hits per read, over about the last FAIR_READS reads
-
-    def __post_init__(self) -> None:
-        # Per-file state in arrays indexed by id (ids are dense): 12 bytes a file and job, not ~200 in dicts.
-        self.epoch_of = np.zeros(self.size, np.int32)
-        self.read_at = np.zeros(self.size, np.int64)
-
-    def reads_of(self, epoch: int) -> int:
-        ep = self.stats.epochs.get(epoch)
-        return ep.reads if ep else 0
-
-    def reads_left(self, dataset_files: int) -> tuple[int, int]:
-        """(reads until this job's current epoch ends, reads an epoch takes)."""
-        per_epoch = self.files_per_epoch or dataset_files
-        return max(0, per_epoch - self.reads_of(self.newest_epoch)), per_epoch
-
-
-#: Reads a job's pace is measured over.
-PACE_READS = 64
 #: Jobs tracked at once (12 bytes a file each): a job past them takes the place of the one idle longest.
 MAX_JOBS = 8
 #: Seconds without a read after which a job no longer counts as reading (its files are not held for it).
 JOB_IDLE = 300.0
-#: A job's latest epochs that ``liquidfs stats`` shows.
-JOB_EPOCHS_SHOWN = 8
-#: Reads a job's recent hit ratio is taken over (a moving average), for the fair share of ``_wanted_in``.
-FAIR_READS = 256
-#: Reads between two rankings of the held files by when they are next wanted (``_ranking``).
-RANK_EVERY = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +89,8 @@ class Held:
     for_epoch: int  # the epoch (of ``job``) its next read is expected in
     job: int        # the job whose read chose it
     #: Each job's epoch of the file when it was chosen, (job, epoch) pairs: whether a job still has to read it in
-    #: the epoch it is in, which decides how soon it is wanted again (``_wanted_in``).
-    read_in: tuple[tuple[int, int], ...] = ()
+    #: the epoch it is in, which decides how soon it is wanted again (``soonest.wanted_in``).
+    read_in: ReadIn = ()
 
 
 class NextEpochCache:
@@ -172,7 +101,7 @@ class NextEpochCache:
     share one budget: a file one job has just read is wanted by every job that has not read it yet in its
     current epoch, soon, and by the others only in their next. So, while more than one job reads, a file read is
     held when there is room, or in place of the held files wanted latest when it is wanted sooner than they are
-    (Belady's rule, with each job's pace and progress as the clock; ``_wanted_in``). Every job hits at least the
+    (Belady's rule, with each job's pace and progress as the clock; ``soonest``). Every job hits at least the
     C/D share a random choice would give it, and a file read from storage by one job is served from memory to
     the others that follow it closely, so k jobs read less than k datasets from storage per epoch.
     """
@@ -192,12 +121,10 @@ class NextEpochCache:
         self.jobs: dict[int, Job] = {0: Job(0, self._size)}  # job 0: the first opener (and the warm-up)
         self.retired = CacheStats()  # the counters of jobs that stopped reading
         self.jobs_retired = 0
-        # While several jobs read: the held files by (read_in) key, each in the order held, and the keys ranked.
-        self._groups: dict[tuple[tuple[int, int], ...], dict[int, None]] = {}
-        self._ranked: list[tuple[float, tuple[tuple[int, int], ...]]] = []
+        # While several jobs read: the held files ranked by how soon a job wants them again.
+        self._soonest = WantedSoonest(self.dataset_files)
         # The held files by the epoch they are held for (of the one job reading), each in the order held.
         self._by_epoch: dict[int, dict[int, None]] = {}
-        self._rank_at = 0
         self._all_reads = 0
 
     @property
@@ -226,15 +153,12 @@ class NextEpochCache:
             return Decision(hit=held, hold=held, epoch=0, same_epoch=True, job=job)
         evicted: tuple[int, ...] = ()
         if epoch > state.newest_epoch:
-            state.files_per_epoch = state.reads_of(state.newest_epoch) if epoch > 2 else 0
-            last = state.stats.epochs.get(state.newest_epoch)
-            state.bytes_per_epoch = last.bytes if last is not None else 0
-            state.newest_epoch = epoch
+            state.begin_epoch(epoch)
         state.epoch_of[file] = epoch
         state.reads += 1
         state.read_at[file] = state.reads
         self._all_reads += 1
-        self._clock_pace(state, now)
+        state.clock_pace(now)
         ep = state.stats.epochs.setdefault(epoch, EpochStats())
         ep.reads += 1
         ep.bytes += size
@@ -249,10 +173,9 @@ class NextEpochCache:
             keep, pushed_out = self._wanted_sooner(file, size)
             evicted += pushed_out
         if keep:
-            self._hold(file, Held(size, epoch + 1, job, self._read_in(file)))
+            self._hold(file, Held(size, epoch + 1, job, read_in(file, list(self.jobs.values()))))
             state.kept_for[epoch + 1] = state.kept_for.get(epoch + 1, 0) + size
-        self._count(state, epoch, hit, size)
-        state.recent_hits += (hit - state.recent_hits) / FAIR_READS
+        state.count(epoch, hit, size)
         return Decision(hit=hit, hold=keep, epoch=epoch, evicted=evicted, job=job)
 
     def _job(self, job: int, now: float) -> Job:
@@ -303,14 +226,6 @@ class NextEpochCache:
         reads = state.reads_of(epoch)
         return max(1, int(min(self.gap * reads, 32 + 0.02 * reads)))
 
-    @staticmethod
-    def _clock_pace(state: Job, now: float) -> None:
-        since, at = state.pace_since
-        if state.reads - at >= PACE_READS:
-            if now > since:
-                state.pace = (state.reads - at) / (now - since)
-            state.pace_since = (now, state.reads)
-
     def _quota_allows(self, state: Job, epoch: int, size: int) -> bool:
         if self.share <= 0 or size > self.budget:
             return False
@@ -332,68 +247,28 @@ class NextEpochCache:
 
     # -- several jobs ----------------------------------------------------------------------------------
 
-    def _read_in(self, file: int) -> tuple[tuple[int, int], ...]:
-        return tuple((j.id, int(j.epoch_of[file])) for j in self.jobs.values())
-
-    def _wanted_in(self, read_in: tuple[tuple[int, int], ...]) -> float:
-        """How soon a file is expected to be read again by any job, from each job's epoch of it when it was held:
-        a job that has not read it in its current epoch reads it at a uniformly random point of what is left of
-        that epoch (half of it, expected); a job that has, half an epoch after its next begins.
-
-        Soon is counted in each job's own reads, not in seconds: by the clock, a slow job's reads are always
-        later than a fast one's, and the files held would be the fast jobs' alone (more hits in all, but a slow
-        job below the budget's share). And each job's count is weighed by its recent hit ratio against the
-        jobs' mean: a job that leads the others through the dataset finds few files the others left for it, so
-        its wants count as sooner until it hits as often as they do (each job's share is the goal, not the most
-        hits in all)."""
-        epochs = dict(read_in)
-        mean = sum(s.recent_hits for s in self.jobs.values()) / len(self.jobs)
-        soonest = math.inf
-        for state in self.jobs.values():
-            left, whole = state.reads_left(self.dataset_files)
-            unread = epochs.get(state.id, 0) < state.newest_epoch
-            weight = min(4.0, max(0.25, state.recent_hits / mean)) if mean > 0 else 1.0
-            soonest = min(soonest, weight * (left / 2 if unread else left + whole / 2))
-        return soonest
-
     def _wanted_sooner(self, file: int, size: int) -> tuple[bool, tuple[int, ...]]:
         """Whether to hold ``file`` while several jobs read: at once where there is room; else in place of held
-        files wanted later than it (the latest first). The files pushed out are returned."""
+        files wanted later than it (``soonest``). The files let go are returned."""
         if self.share <= 0 or size > self.budget:
             return False, ()
         if self.held_bytes + size <= self.budget:
             return True, ()
-        mine = self._wanted_in(self._read_in(file))
-        victims: list[int] = []
-        room = self.budget - self.held_bytes
-        for wanted, key in reversed(self._ranking()):
-            if wanted <= mine or room >= size:
-                break
-            for victim in self._groups.get(key, ()):
-                victims.append(victim)
-                room += self.held[victim].size
-                if room >= size:
-                    break
-        if room < size:
+        jobs = list(self.jobs.values())
+        victims = self._soonest.victims(read_in(file, jobs), size, self.budget - self.held_bytes,
+                                        lambda held: self.held[held].size, jobs, self._all_reads)
+        if victims is None:
             return False, ()
         for victim in victims:
             self._release(victim)
         return True, tuple(victims)
-
-    def _ranking(self) -> list[tuple[float, tuple[tuple[int, int], ...]]]:
-        """The held files' keys, soonest wanted first; ranked again every RANK_EVERY reads (paces and progress
-        move slowly) or when a key has appeared since."""
-        if self._all_reads >= self._rank_at or len(self._ranked) != len(self._groups):
-            self._ranked = sorted((self._wanted_in(key), key) for key in self._groups)
-            self._rank_at = self._all_reads + RANK_EVERY
-        return self._ranked
 
     # -- held files ------------------------------------------------------------------------------------
 
     def _hold(self, file: int, entry: Held) -> None:
         self.held[file] = entry
         self.held_bytes += entry.size
-        self._groups.setdefault(entry.read_in, {})[file] = None
+        self._soonest.add(file, entry.read_in)
         self._by_epoch.setdefault(entry.for_epoch, {})[file] = None
 
     def _release(self, file: int) -> None:
@@ -402,11 +277,7 @@ class NextEpochCache:
         state = self.jobs.get(entry.job)
         if state is not None:
             state.kept_for[entry.for_epoch] = state.kept_for.get(entry.for_epoch, 0) - entry.size
-        group = self._groups.get(entry.read_in)
-        if group is not None:
-            group.pop(file, None)
-            if not group:
-                del self._groups[entry.read_in]
+        self._soonest.remove(file, entry.read_in)
         bucket = self._by_epoch.get(entry.for_epoch)
         if bucket is not None:
             bucket.pop(file, None)
@@ -460,7 +331,7 @@ class NextEpochCache:
             return False
         state = next(iter(self.jobs.values()))
         for_epoch = int(state.epoch_of[file]) + 1
-        self._hold(file, Held(size, for_epoch, state.id, self._read_in(file)))
+        self._hold(file, Held(size, for_epoch, state.id, read_in(file, list(self.jobs.values()))))
         state.kept_for[for_epoch] = state.kept_for.get(for_epoch, 0) + size
         return True
 
@@ -470,30 +341,6 @@ class NextEpochCache:
             self._release(file)
 
     # -- statistics ------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _count(state: Job, epoch: int, hit: bool, size: int) -> None:
-        st = state.stats
-        ep = st.epochs[epoch]
-        if hit:
-            st.hits += 1
-            st.hit_bytes += size
-            ep.hits += 1
-            ep.hit_bytes += size
-        else:
-            st.misses += 1
-            st.miss_bytes += size
-        if epoch != state.window_epoch:
-            state.window = []
-            state.window_epoch = epoch
-        state.window.append((hit, size))
-        if len(state.window) == WINDOW:
-            st.window_ratios.append(sum(h for h, _ in state.window) / WINDOW)
-            window_bytes = sum(s for _, s in state.window)  # 0 for a window of empty files
-            st.window_byte_ratios.append(sum(s for h, s in state.window if h) / window_bytes if window_bytes
-                                         else st.window_ratios[-1])
-            st.window_epochs.append(epoch)
-            state.window = []
 
     def correct_miss(self, epoch: int, size: int, job: int = 0) -> None:
         """A predicted hit had to be read from storage after all (its pages were reclaimed by the kernel)."""
@@ -519,27 +366,8 @@ class NextEpochCache:
         return total
 
     def job_summaries(self) -> dict[str, dict[str, object]]:
-        """Each job reading now, by id: its epochs, its hits, and the bytes its misses read from the level below
-        (storage; the disk or cluster level where the mount has one)."""
-        out: dict[str, dict[str, object]] = {}
-        for state in self.jobs.values():
-            st = state.stats
-            windows = [r for r, e in zip(st.window_ratios, st.window_epochs) if e >= 2]
-            reads = st.hits + st.misses
-            out[str(state.id)] = {
-                "epoch": state.newest_epoch,
-                "reads": reads,
-                "hit_ratio": round(st.hits / reads, 4) if reads else None,
-                "hit_bytes": st.hit_bytes,
-                "storage_bytes": st.miss_bytes,
-                "epochs": {str(e): {"reads": v.reads, "byte_hit_ratio": round(v.hit_bytes / v.bytes, 4) if v.bytes
-                                    else 0.0} for e, v in sorted(st.epochs.items())[-JOB_EPOCHS_SHOWN:]},
-                "window_hit_ratio_mean": round(statistics.fmean(windows), 4) if windows else None,
-                "window_hit_ratio_low": round(min(windows), 4) if windows else None,
-                "windows": len(windows),
-                "reads_per_second": round(state.pace, 1),
-            }
-        return out
+        """Each job reading now, by id (``epochs.Job.summary``)."""
+        return {str(state.id): state.summary() for state in self.jobs.values()}
 
     def summary(self) -> dict[str, object]:
         st = self.stats
@@ -584,8 +412,3 @@ class NextEpochCache:
             "jobs_retired": self.jobs_retired,
         }
 
-
-def add_stats(into: CacheStats, other: CacheStats) -> None:
-    """Add ``other``'s counters to ``into``'s (epochs and windows are each job's own: not added)."""
-    for name in ("hits", "misses", "same_epoch_reads", "hit_bytes", "miss_bytes", "lost_hits", "lost_hit_bytes"):
-        setattr(into, name, getattr(into, name) + getattr(other, name))
