@@ -49,10 +49,12 @@ class Backing:
     fd: int
     size: int
     raw: bool
-    kind: str  # "source", "object": the file itself; "memfd" (from storage or held), "disk", "cluster": a memfd
+    kind: str  # "source", "object": the file itself; "memfd" (read whole, or held), "disk": a disk level's copy
     fallback: str | None = None  # why the raw object was not served, when it should have been
     #: ``stamp`` of a source or object descriptor when it was checked (``still_sound``); None for a memfd.
     stamp: tuple[int, int, int, int] | None = None
+    #: Where its bytes came from (``reader.Content.tier``): "storage", or the level in front of it that had them.
+    tier: str = "storage"
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -89,8 +91,8 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
     try:
         if content.data is not None:
             fd = memfd_with(content.data, node.path)
-            kind = content.tier if content.tier in ("disk", "cluster") else "memfd"
-            return Backing(fd, content.size, content.raw, kind, content.fallback)
+            kind = "disk" if content.tier == "disk" else "memfd"
+            return Backing(fd, content.size, content.raw, kind, content.fallback, tier=content.tier)
         if content.fd is not None:  # a local file too large to read whole: the source itself
             fd, content.fd = content.fd, None
             return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(os.fstat(fd)))

@@ -223,7 +223,7 @@ class DaemonPath:
     async def _open_held(self, node: Node, data: memoryview) -> Content:
         changed = await self.storage.source_changed(node)
         if changed is None:
-            self.stats.bytes_from_memory += len(data)
+            self.stats.served_from("memory", len(data))
             return Content(size=len(data), raw=node.served_raw, data=data)
         # The source changed after the bytes were taken: they are stale. Serve what the source says now.
         assert self.held is not None
@@ -268,12 +268,9 @@ class DaemonPath:
 
     async def _open_from_storage(self, node: Node) -> Content:
         content: Content = await self.storage.run(node, self.reader.open, node)
-        if content.tier == "disk":
-            self.stats.bytes_from_disk += content.size
-        elif content.tier == "cluster":
-            self.stats.bytes_from_cluster += content.size
-        elif content.data is not None:  # a streamed file (over WHOLE_FILE_LIMIT) is not read yet: not counted
-            self.stats.bytes_from_storage += content.size
+        if content.data is not None or content.tier != "storage":
+            # (a file streamed from storage, over WHOLE_FILE_LIMIT, is not read yet: not counted)
+            self.stats.served_from(content.tier, content.size)
         return content
 
     def _push_rest(self, fh: int, handle: Handle, reach: int) -> None:

@@ -192,7 +192,7 @@ class PassthroughPath:
                     served.close()
                     raise
                 if changed is None:
-                    self.stats.bytes_from_memory += held.size
+                    self.stats.served_from("memory", held.size)
                     if not decision.hold:  # the policy no longer holds it: its memfd lives as long as this open
                         self.held.release(node.id)
                     return served
@@ -216,12 +216,7 @@ class PassthroughPath:
         if backing is None:
             backing = await self.storage.run(node, self._resolve, node, vouch)
         if backing is not None:
-            if backing.kind == "disk":
-                self.stats.bytes_from_disk += backing.size
-            elif backing.kind == "cluster":
-                self.stats.bytes_from_cluster += backing.size
-            else:
-                self.stats.bytes_from_storage += backing.size
+            self.stats.served_from(backing.tier, backing.size)
         return backing
 
     def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
@@ -303,7 +298,7 @@ class PassthroughPath:
 
     async def _memfd_of(self, backing: Backing) -> int:
         """A sealed memfd of the backing's bytes, the caller's: the backing itself where it is one already."""
-        if backing.kind in ("memfd", "disk", "cluster"):
+        if backing.kind in ("memfd", "disk"):
             return os.dup(backing.fd)
         return await self.blocking_copy(backing)
 
@@ -347,7 +342,7 @@ def _count_backing(stats: MountStats, kind: str) -> None:
         stats.backing_source += 1
     elif kind == "object":
         stats.backing_object += 1
-    elif kind in ("memfd", "cluster"):
+    elif kind == "memfd":
         stats.backing_memfd += 1
     elif kind == "disk":
         stats.backing_disk += 1

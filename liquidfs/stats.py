@@ -8,6 +8,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 
+#: Each level bytes are served from (``reader.Content.tier``) and the counter of its bytes.
+_SERVED_FROM = {"storage": "bytes_from_storage", "memory": "bytes_from_memory", "disk": "bytes_from_disk",
+                "cluster": "bytes_from_cluster"}
+
+
 @dataclass
 class MountStats:
     pid: int = field(default_factory=os.getpid)
@@ -49,6 +54,14 @@ class MountStats:
     warmup: str = ""              # mount --warmup: "running" (after the mount reported ready), then "done"
     warmup_files: int = 0         # files the warm-up has put in the cache so far
     warmup_bytes: int = 0         # ... and their bytes
+
+    def served_from(self, tier: str, size: int) -> None:
+        """``size`` bytes of an opened file came from ``tier`` (``reader.Content.tier``): storage, or the level
+        of held bytes in front of it that had them; the data paths count every level alike."""
+        name = _SERVED_FROM.get(tier)
+        if name is None:
+            raise ValueError(f"no level of bytes named {tier!r}")
+        setattr(self, name, getattr(self, name) + size)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

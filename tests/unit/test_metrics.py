@@ -663,3 +663,13 @@ def test_a_lost_hit_never_makes_an_exported_counter_go_down() -> None:
     assert samples[lost] == [0.0, 1.0]
     net = (samples[hits][1] - samples[lost][1]) / (samples[hits][1] + samples[misses][1])
     assert net == after["cache_hits"] / (after["cache_hits"] + after["cache_misses"])
+
+
+def test_served_from_counts_each_level_and_refuses_an_unknown_one() -> None:
+    stats = MountStats()
+    for tier, size in (("storage", 5), ("memory", 7), ("disk", 11), ("cluster", 13), ("cluster", 1)):
+        stats.served_from(tier, size)
+    assert (stats.bytes_from_storage, stats.bytes_from_memory, stats.bytes_from_disk, stats.bytes_from_cluster) \
+        == (5, 7, 11, 14)
+    with pytest.raises(ValueError):
+        stats.served_from("tape", 1)
