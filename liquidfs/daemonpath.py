@@ -243,7 +243,9 @@ class DaemonPath:
         if self.held is None:
             return
         if decision.hold and content.data is not None and not content.fallback \
-                and content.size == node.size_served:
+                and content.size == node.size_served and node.id in self.held.policy.held:
+            # (the policy may have let it go while this open waited for storage: another job's read took its
+            # room; its bytes are then not held, outside the budget)
             self._hold(node.id, content)
         else:  # not to be held; or the policy counted it, but these bytes cannot be held (streamed, fallback)
             self.held.drop(node.id)

@@ -113,6 +113,9 @@ class PassthroughPath:
         self.drop_served_pages = drop_served_pages
         self._open_inodes = 0  # inodes with a shared backing (``Inode.shared``)
         self._closer = Closer()
+        #: Files whose memfd is being copied from the backing their last open released (``_keep``): an open that
+        #: the policy counts as a hit meanwhile waits for it, rather than reading storage (a lost hit).
+        self._keeping: dict[int, trio.Event] = {}
         self.on_cold_open = on_cold_open
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
@@ -181,6 +184,9 @@ class PassthroughPath:
     async def _backing(self, node: Node, decision: Decision) -> Backing | None:
         if decision.hit:
             assert self.held is not None
+            keeping = self._keeping.get(node.id)
+            if keeping is not None:  # released just now (DALI reopens a file soon after its last release)
+                await keeping.wait()
             held = self.held.get(node.id)
             if held is not None:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
@@ -263,7 +269,9 @@ class PassthroughPath:
             self.kernel.unregister(entry.backing_id)
         except OSError as exc:
             log.warning("closing backing %d of inode %d: %s", entry.backing_id, inode, exc)
-        if not entry.keep and backing.kind in ("source", "object"):
+        # Kept only if the policy still holds it: another job's read may have taken its room meanwhile.
+        keep = entry.keep and self.held is not None and inode in self.held.policy.held
+        if not keep and backing.kind in ("source", "object"):
             # A file of the source or the store: its pages dropped and it closed off the loop, a large one at once,
             # small ones in batches. (A memfd is closed here: the memory it holds is counted, and must be given
             # back by the time the next open is answered.)
@@ -274,7 +282,7 @@ class PassthroughPath:
                 self._closer.close_soon(fd, drop=self.drop_served_pages)
             return
         try:
-            if entry.keep:
+            if keep:
                 await self._keep(inode, backing)
         finally:
             backing.close()
@@ -283,12 +291,17 @@ class PassthroughPath:
         assert self.held is not None
         if inode not in self.held.policy.held:
             return  # let go meanwhile (an epoch ended without reading it)
+        done = self._keeping[inode] = trio.Event()
         try:
             fd = await self._memfd_of(backing)
         except OSError as exc:
             log.warning("cannot keep inode %d for the next epoch: %s", inode, exc)
             self.held.could_not_keep(inode)
             return
+        finally:
+            if self._keeping.get(inode) is done:
+                del self._keeping[inode]
+            done.set()  # (the waiters run after ``keep`` below: no checkpoint between)
         if inode not in self.held.policy.held:  # let go while it was copied (another job's read took its room)
             os.close(fd)
             return

@@ -503,3 +503,42 @@ def test_an_open_of_other_bytes_beside_a_page_cached_open_never_shares_its_pages
     a3 = run(ops.open, node.id, os.O_RDONLY, CTX)
     assert not a3.direct_io  # nothing else open: the page cache is the original's alone
     run(ops.release, a3.fh)
+
+
+def test_a_file_the_policy_let_go_while_it_was_read_is_not_held(tmp_path: Path) -> None:
+    """Between an open's decision to hold its file and the storage read's end, another job's read may take the
+    file's room (the policy lets it go): its bytes must not be held then, outside the budget."""
+    ops = ops_over(tmp_path, FILES, 1.0)
+    data = ops.data
+    ino = run(ops.lookup, ROOT_ID, b"x1", CTX).st_ino
+    reading = trio.Event()
+    go_on = trio.Event()
+    real_run = data.storage.run
+
+    async def slow_run(node, func, *args):
+        if node.id == ino and not reading.is_set():
+            reading.set()
+            await go_on.wait()
+        return await real_run(node, func, *args)
+
+    data.storage.run = slow_run
+
+    async def main() -> None:
+        opened: list = []
+
+        async def open_and_read() -> None:  # read at open, or at its first read where the open defers it
+            info = await ops.open(ino, os.O_RDONLY, CTX)
+            opened.append(info)
+            await ops.read(info.fh, 0, 4096)
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(open_and_read)
+                await reading.wait()
+                assert ino in data.held.policy.held  # decided: held
+                data.held.policy.drop(ino)  # let go meanwhile (what another job's read does)
+                go_on.set()
+        await ops.release(opened[0].fh)
+
+    trio.run(main)
+    assert ino not in data.held.held_items()

@@ -530,3 +530,50 @@ def test_a_hit_whose_memfd_is_let_go_while_its_source_is_checked_still_serves_it
 
     trio.run(main)
     assert ops.stats.errors == 0
+
+
+def test_a_hit_opened_while_its_last_release_is_still_being_kept_waits_for_the_memfd(prepared) -> None:
+    """DALI reopens a file soon after its last release: the release's copy into a memfd (a worker thread) may
+    not be done yet. The open the policy counts as a hit waits for it, rather than reading storage (a lost hit:
+    6-27 of 256 in an epoch of four DALI shards, its hit ratio 0.23 of 0.30)."""
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    node = _images(ops)[0]
+    path = ops.data
+    copying = trio.Event()
+    go_on = trio.Event()
+    real_copy = path.blocking_copy
+    first = [True]
+
+    async def slow_copy(backing):
+        if first[0]:  # the first file's copy only
+            first[0] = False
+            copying.set()
+            await go_on.wait()
+        return await real_copy(backing)
+
+    path.blocking_copy = slow_copy
+
+    async def main() -> None:
+        info = await ops.open(node.id, os.O_RDONLY, CTX)  # epoch 1: held for the next (a budget for all)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops.release, info.fh)  # its copy into a memfd now waits on go_on
+            await copying.wait()
+            for f in _images(ops)[1:]:  # the epoch's other files: the next read of node opens epoch 2
+                other = await ops.open(f.id, os.O_RDONLY, CTX)
+                await ops.release(other.fh)
+            opened: list = []
+
+            async def reopen() -> None:
+                opened.append(await ops.open(node.id, os.O_RDONLY, CTX))
+
+            nursery.start_soon(reopen)
+            await trio.sleep(0.05)
+            go_on.set()
+        again = opened[0]
+        assert kernel.read(again.backing_id) == _expected(src, store, node)
+        await ops.release(again.fh)
+
+    trio.run(main)
+    summary = ops.data.held.statistics()
+    assert summary["cache_lost_hits"] == 0 and summary["cache_hits"] >= 1
