@@ -144,7 +144,11 @@ class NextEpochCache:
         state = self._job(job, now)
         current = int(state.epoch_of[file])
         if current + 1 <= state.newest_epoch:
+            # its next epoch, already open; unless no read of that epoch is to come (the file was not read for an
+            # epoch or more: one node's shard of each epoch, a partial epoch), then the newest
             epoch = current + 1
+            if epoch < state.newest_epoch and state.has_passed(epoch):
+                epoch = state.newest_epoch
         elif state.reads - int(state.read_at[file]) >= self._gap_needed(state, current):
             epoch = current + 1
         else:
@@ -164,11 +168,12 @@ class NextEpochCache:
         ep.bytes += size
         hit = file in self.held
         if hit:
-            self._release(file)
+            self._release(file, read=True)
         if len(self.jobs) == 1:
             keep = self._quota_allows(state, epoch, size)
-            if keep and self.held_bytes + size > self.budget:
-                keep, evicted = self._room_from_passed(epoch, size)
+            wanted = size + (self._drain_reserve(state) if epoch == state.newest_epoch else 0)
+            if keep and self.held_bytes + wanted > self.budget:
+                keep, evicted = self._room_from_passed(state, wanted)
         else:
             keep, pushed_out = self._wanted_sooner(file, size)
             evicted += pushed_out
@@ -235,17 +240,21 @@ class NextEpochCache:
         # mean size of the files read before it, and a file is kept when that quota covers half a mean file.
         before = ep.bytes - size
         mean = before / (ep.reads - 1) if ep.reads > 1 else size
-        return state.kept_for.get(epoch + 1, 0) + mean / 2 <= self._share_of(state) * (before + mean)
+        return state.kept_for.get(epoch + 1, 0) + mean / 2 <= self.share * (before + mean)
 
-    def _share_of(self, state: Job) -> float:
-        """The share of an epoch's bytes to keep: the budget over the bytes of the job's last complete epoch
-        (before one completed, over the dataset's). A reader of part of each epoch (one node's shard of four)
-        thus keeps its whole budget from its quarter, not a quarter of it, and hits C/D from its third epoch
-        instead of filling the budget over many."""
-        epoch_bytes = state.bytes_per_epoch or self.dataset_bytes
-        return min(1.0, self.budget / epoch_bytes) if epoch_bytes > 0 else self.share
-
-    # -- several jobs ----------------------------------------------------------------------------------
+    def _drain_reserve(self, state: Job) -> int:
+        """The room the epoch before the newest may still take, while its last reads come (other ranks still in
+        it, a loader's read-ahead already in the newest): its share of the bytes left to read of it. Without
+        it, the newest epoch's first keeps took that room, and the epoch after the seam hit less than C/D (DALI
+        shards: 0.23-0.26 of 0.30) and the one after more."""
+        draining = state.newest_epoch - 1
+        if draining < 1 or state.has_passed(draining):
+            return 0
+        before = state.stats.epochs.get(draining - 1)
+        expected = before.bytes if before is not None else self.dataset_bytes
+        read = state.stats.epochs.get(draining)
+        left = expected - (read.bytes if read is not None else 0)
+        return int(self.share * left) if left > 0 else 0
 
     def _wanted_sooner(self, file: int, size: int) -> tuple[bool, tuple[int, ...]]:
         """Whether to hold ``file`` while several jobs read: at once where there is room; else in place of held
@@ -271,11 +280,16 @@ class NextEpochCache:
         self._soonest.add(file, entry.read_in)
         self._by_epoch.setdefault(entry.for_epoch, {})[file] = None
 
-    def _release(self, file: int) -> None:
+    def _release(self, file: int, *, read: bool = False) -> None:
+        """``file`` is held no longer: ``read`` by the read it was held for, or let go unread (its place in
+        the quota given back, so another file of its epoch may take it)."""
         entry = self.held.pop(file)
         self.held_bytes -= entry.size
         state = self.jobs.get(entry.job)
-        if state is not None:
+        if state is not None and not read:
+            # A read keeps its file's place: the quota counts what was kept for an epoch, not what is left of it,
+            # or the first reads of an epoch, while the last of the one before still come (other ranks, a
+            # loader's read-ahead), would make room in the quota for more than C/D of it.
             state.kept_for[entry.for_epoch] = state.kept_for.get(entry.for_epoch, 0) - entry.size
         self._soonest.remove(file, entry.read_in)
         bucket = self._by_epoch.get(entry.for_epoch)
@@ -284,7 +298,7 @@ class NextEpochCache:
             if not bucket:
                 del self._by_epoch[entry.for_epoch]
 
-    def _room_from_passed(self, epoch: int, size: int) -> tuple[bool, tuple[int, ...]]:
+    def _room_from_passed(self, state: Job, size: int) -> tuple[bool, tuple[int, ...]]:
         """Room for ``size`` more bytes, made by letting go of files held for an epoch that has passed without
         reading them, those of the oldest epoch first; (whether there is room now, the files let go).
 
@@ -292,10 +306,12 @@ class NextEpochCache:
         each epoch (one node's shard of a permutation that changes every epoch: DALI's ``shard_id``, a
         ``DistributedSampler`` across nodes) reads a held file in a later epoch as likely as in the next, so a
         budget kept full of them still hits C/D of what the node reads, where dropping them each epoch left
-        it a quarter full."""
+        it a quarter full. An epoch has passed when no read of it is to come (``Job.has_passed``): not while its
+        last ranks still read it, though the first have begun the next (their files held for it would be lost
+        hits, and the epoch's hit ratio short of C/D)."""
         room = self.budget - self.held_bytes
         victims: list[int] = []
-        for for_epoch in sorted(e for e in self._by_epoch if e < epoch):
+        for for_epoch in sorted(e for e in self._by_epoch if state.has_passed(e)):
             for file in self._by_epoch[for_epoch]:
                 victims.append(file)
                 room += self.held[file].size

@@ -72,13 +72,19 @@ class Job:
     pace: float = 0.0          # reads per second, over the last PACE_READS
     pace_since: tuple[float, int] = (0.0, 0)  # (time, reads) where the current pace sample began
     files_per_epoch: int = 0   # reads of its last complete epoch (0: none complete yet)
-    bytes_per_epoch: int = 0   # bytes of its last complete epoch (0: none complete yet)
     recent_hits: float = 0.0   # hits per read, over about the last FAIR_READS reads
 
     def __post_init__(self) -> None:
         # Per-file state in arrays indexed by id (ids are dense): 12 bytes a file and job, not ~200 in dicts.
         self.epoch_of = np.zeros(self.size, np.int32)
         self.read_at = np.zeros(self.size, np.int64)
+
+    def has_passed(self, epoch: int) -> bool:
+        """Whether no read of ``epoch`` is to come: two epochs have begun since, or one has and ``epoch``'s
+        reads reached an epoch's (its seam drained: the last rank's last files, a loader's read-ahead)."""
+        if epoch <= self.newest_epoch - 2:
+            return True
+        return epoch == self.newest_epoch - 1 and 0 < self.files_per_epoch <= self.reads_of(epoch)
 
     def reads_of(self, epoch: int) -> int:
         ep = self.stats.epochs.get(epoch)
@@ -90,11 +96,13 @@ class Job:
         return max(0, per_epoch - self.reads_of(self.newest_epoch)), per_epoch
 
     def begin_epoch(self, epoch: int) -> None:
-        """``epoch`` (a newer one) has begun: the one before is complete, and sizes the job's epochs from now."""
-        self.files_per_epoch = self.reads_of(self.newest_epoch) if epoch > 2 else 0
-        last = self.stats.epochs.get(self.newest_epoch)
-        self.bytes_per_epoch = last.bytes if last is not None else 0
+        """``epoch`` (a newer one) has begun. The one before may still drain (other ranks, read-ahead); the one
+        before that is complete: its reads size the job's epochs from now."""
+        complete = self.stats.epochs.get(epoch - 2) if epoch > 2 else None
+        self.files_per_epoch = complete.reads if complete is not None else 0
         self.newest_epoch = epoch
+        for old in [e for e in self.kept_for if e < epoch - 1]:  # the quota's counts of epochs read already
+            del self.kept_for[old]
 
     def clock_pace(self, now: float) -> None:
         """A read at ``now`` (monotonic seconds): the pace is measured again every PACE_READS reads."""
