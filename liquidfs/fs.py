@@ -26,6 +26,7 @@ from pyfuse3 import FUSEError
 from .catalog import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Catalog, Node
 from .datapath import DataPath
 from .inodes import Handle, Inode, Inodes, note_fallback
+from .jobs import UNKNOWN as UNKNOWN_JOB, JobOf
 from .lookahead import MetadataAhead
 from .mix import Mix
 from .notifier import Notifier
@@ -86,6 +87,9 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
 
 
 
+#: Seconds an open waits for its opener's job to be read from /proc (``jobs.JobOf.read_key``).
+JOB_LOOKUP = 1.0
+
 #: Open files at once when the mount does not say (``mount.descriptor_budget`` sizes it from RLIMIT_NOFILE).
 MAX_OPEN_FILES = 16384
 
@@ -102,7 +106,7 @@ class Operations(pyfuse3.Operations):
                  max_open_files: int = MAX_OPEN_FILES,
                  extra_statistics: Callable[[], dict[str, Any]] | None = None,
                  enable_passthrough: bool = False, time_requests: bool = False,
-                 lookahead: MetadataAhead | None = None, job_of: Callable[[int], int] | None = None) -> None:
+                 lookahead: MetadataAhead | None = None, job_of: JobOf | None = None) -> None:
         """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
         (``serve_with``); opens wait for it meanwhile."""
         super().__init__()
@@ -322,7 +326,7 @@ class Operations(pyfuse3.Operations):
         try:
             if mixed:
                 node = await self._mixed(data, node, record)
-            job = self.job_of(ctx.pid) if self.job_of is not None else 0
+            job = await self._job_of(ctx.pid)
             handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
             if mixed:
@@ -344,6 +348,20 @@ class Operations(pyfuse3.Operations):
             await self._release(handle.fh)
             raise
         return self._file_info(handle)
+
+    async def _job_of(self, pid: int) -> int:
+        """The job of the opener ``pid`` (``jobs.JobOf``); reading ``/proc`` for a new one in a worker thread, for
+        at most JOB_LOOKUP seconds (then, and for a process gone meanwhile, the first job's)."""
+        job_of = self.job_of
+        if job_of is None:
+            return UNKNOWN_JOB
+        job = job_of.known(pid)
+        if job is None:
+            found = None
+            with trio.move_on_after(JOB_LOOKUP):
+                found = await trio.to_thread.run_sync(job_of.read_key, pid, abandon_on_cancel=True)
+            job = job_of.register(pid, found)
+        return job
 
     async def _tell_size(self, node: Node, record: Inode, size: int) -> None:
         """Where ``size`` is not what the kernel was told of ``node``, it is from now on: the kernel's attributes

@@ -20,15 +20,16 @@ starts as plain children (no session, variable or unit of their own) are one job
 (or start it with ``setsid``, ``systemd-run --scope``, or in its own container). A user who sets a new
 ``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``cache.MAX_JOBS`` are tracked).
 
-Reading ``/proc/PID/cgroup`` and ``/proc/PID/environ`` costs two file opens; it is done once per pid, and
-``getsid`` (one system call) checks on every open that the pid is still the process it was (a pid reused by
-another process may be in another session).
+Reading ``/proc/PID/cgroup`` and ``/proc/PID/environ`` costs two file opens, in a worker thread (never on the
+FUSE loop: see ``JobOf``); it is done once per pid every RECHECK seconds, and ``getsid`` (one system call)
+checks on every open that the pid is still in the session it was (a pid reused by another process may not be).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -74,22 +75,49 @@ def read_cgroup(pid: int) -> str:
     return unified[0] if unified and unified[0] != "/" else "\n".join(sorted(lines))
 
 
+#: Seconds a pid's job is trusted before its cgroup and environment are read again: a pid reused by a process of
+#: another job within that time, in a session of the same number (torchrun's ranks lead sessions of their own,
+#: numbered by their pids), would be counted in the old one meanwhile.
+RECHECK = 10.0
+#: What ``read_key`` learns of a pid: (its session, (its cgroup, what names its job)).
+Found = tuple[int, tuple[str, str]]
+
+
+def _printable(text: str, limit: int = 200) -> str:
+    """``text`` (a cgroup path, a variable's value: anyone's) without control characters, for the log and stats."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit])
+
+
 class JobOf:
-    """Maps the pid of a FUSE request to a small job id (0, 1, 2, ... in the order jobs first open a file)."""
+    """Maps the pid of a FUSE request to a small job id (0, 1, 2, ... in the order jobs first open a file).
+
+    On the FUSE loop only ``known`` and ``register`` run (a dict, and ``getsid``: one system call).
+    ``read_key`` reads ``/proc``, which must not run on the loop: reading another process's environment takes
+    its memory map's lock, which one of its threads may hold while it faults on a page of this very mount, and
+    only the loop can serve that fault. The caller runs it in a worker thread with a time limit."""
 
     def __init__(self, *, getsid: Callable[[int], int] = os.getsid,
                  cgroup_of: Callable[[int], str] = read_cgroup,
-                 variables_of: Callable[[int], str] = read_job_variables) -> None:
+                 variables_of: Callable[[int], str] = read_job_variables,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._getsid = getsid
         self._cgroup_of = cgroup_of
         self._variables_of = variables_of
-        self._pids: OrderedDict[int, tuple[int, int]] = OrderedDict()  # pid -> (session, job)
+        self._clock = clock
+        self._pids: OrderedDict[int, tuple[int, int, float]] = OrderedDict()  # pid -> (session, job, when read)
         self._ids: OrderedDict[tuple[str, str], int] = OrderedDict()   # (cgroup, variables or session) -> job
         self._next = 0
         #: Each job's (cgroup, session), for ``liquidfs stats``: which processes a job id stands for.
         self.labels: dict[int, str] = {}
 
     def __call__(self, pid: int) -> int:
+        """The job of ``pid``, reading ``/proc`` here where it must (tests, and callers off the FUSE loop)."""
+        job = self.known(pid)
+        return job if job is not None else self.register(pid, self.read_key(pid))
+
+    def known(self, pid: int) -> int | None:
+        """The job of ``pid`` where it is known (or cannot be learnt: UNKNOWN); None where ``read_key`` must
+        read it."""
         if pid <= 0:
             return UNKNOWN
         try:
@@ -97,16 +125,27 @@ class JobOf:
         except OSError:  # gone already (a thread that opened and exited): its read counts for the first job
             return UNKNOWN
         known = self._pids.get(pid)
-        if known is not None and known[0] == session:
+        if known is not None and known[0] == session and self._clock() - known[2] < RECHECK:
             self._pids.move_to_end(pid)
             return known[1]
+        return None
+
+    def read_key(self, pid: int) -> Found | None:
+        """What tells ``pid``'s job apart (blocking: ``/proc``); None for a process gone meanwhile."""
         try:
-            cgroup = self._cgroup_of(pid)
-            named = self._variables_of(pid)
+            session = self._getsid(pid)
+            return session, (self._cgroup_of(pid), self._variables_of(pid) or f"session {session}")
         except OSError:
+            return None
+
+    def register(self, pid: int, found: Found | None) -> int:
+        """The job of ``pid`` from what ``read_key`` found (None: UNKNOWN), remembered for its next opens."""
+        if found is None:
             return UNKNOWN
-        job = self._job((cgroup, named or f"session {session}"))
-        self._pids[pid] = (session, job)
+        session, key = found
+        job = self._job(key)
+        self._pids[pid] = (session, job, self._clock())
+        self._pids.move_to_end(pid)
         if len(self._pids) > PIDS_KEPT:
             self._pids.popitem(last=False)
         return job
@@ -116,9 +155,9 @@ class JobOf:
         if job is None:
             job = self._ids[key] = self._next
             self._next += 1
-            cgroup = key[0].splitlines()[0] if key[0] else "?"
-            self.labels[job] = f"{key[1]}, cgroup {cgroup}"
-            log.info("job %d: the openers with %s in cgroup %s", job, key[1], cgroup)
+            cgroup = _printable(key[0].splitlines()[0] if key[0] else "?")
+            self.labels[job] = f"{_printable(key[1])}, cgroup {cgroup}"
+            log.info("job %d: the openers with %s", job, self.labels[job])
             if len(self._ids) > JOBS_KEPT:
                 _, old = self._ids.popitem(last=False)
                 self.labels.pop(old, None)

@@ -120,3 +120,78 @@ def test_read_cgroup_of_this_process() -> None:
     assert text and "\x00" not in text
     with pytest.raises(OSError):
         read_cgroup(2 ** 22 + 12345)  # above pid_max's default ceiling: no such process
+
+
+def test_a_pid_is_read_again_after_recheck_seconds() -> None:
+    """A pid reused within a session of the same number (torchrun's ranks lead their own: session = pid) by
+    another job's process is told apart once RECHECK seconds have passed since it was read."""
+    from liquidfs.jobs import RECHECK
+
+    host = _Host()
+    now = [0.0]
+    host.procs = {500: (500, "/a")}
+    host.variables = {500: "TORCHELASTIC_RUN_ID=one MASTER_PORT=1"}
+    job_of = JobOf(getsid=host.getsid, cgroup_of=host.cgroup, variables_of=host.variables_of, clock=lambda: now[0])
+    assert job_of(500) == 0
+    host.variables[500] = "TORCHELASTIC_RUN_ID=two MASTER_PORT=2"  # pid 500 is another run's rank now
+    assert job_of.known(500) == 0  # within RECHECK: trusted
+    now[0] = RECHECK + 1
+    assert job_of.known(500) is None  # to be read again (off the loop)
+    assert job_of(500) == 1
+
+
+def test_labels_carry_no_control_characters() -> None:
+    host = _Host()
+    host.procs = {9: (9, "/evil\x1b[2J\nline")}
+    host.variables = {9: "LIQUIDFS_JOB=a\rb\x00"}
+    job_of = _job_of(host)
+    assert job_of(9) == 0
+    label = job_of.labels[0]
+    assert label.isprintable(), label
+
+
+def test_the_mount_reads_proc_off_its_loop_and_gives_up_after_a_while(monkeypatch) -> None:
+    """/proc/PID/environ takes the opener's memory-map lock, which a thread of it may hold while it faults on
+    this mount: the read runs in a worker thread, and an open waits JOB_LOOKUP seconds at most (the first job's
+    then), while the loop goes on."""
+    import threading
+
+    import trio
+
+    from liquidfs import fs
+
+    release = threading.Event()
+    host = _Host()
+    host.procs = {77: (77, "/a")}
+
+    def stuck_cgroup(pid: int) -> str:
+        release.wait(10)
+        return "/a"
+
+    job_of = JobOf(getsid=host.getsid, cgroup_of=stuck_cgroup, variables_of=host.variables_of)
+    monkeypatch.setattr(fs, "JOB_LOOKUP", 0.2)
+
+    class Ops:
+        _job_of = fs.Operations._job_of
+
+        def __init__(self) -> None:
+            self.job_of = job_of
+
+    ticks = 0
+
+    async def main() -> int:
+        nonlocal ticks
+        async with trio.open_nursery() as nursery:
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    ticks += 1
+                    await trio.sleep(0.01)
+            nursery.start_soon(ticker)
+            job = await Ops()._job_of(77)
+            nursery.cancel_scope.cancel()
+        return job
+
+    assert trio.run(main) == UNKNOWN
+    assert ticks >= 5  # the loop ran while /proc was read
+    release.set()
