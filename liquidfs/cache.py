@@ -81,6 +81,8 @@ def parse_size(text: str, dataset_bytes: int) -> int:
 MAX_JOBS = 8
 #: Seconds without a read after which a job no longer counts as reading (its files are not held for it).
 JOB_IDLE = 300.0
+#: Reads between two looks for jobs idle past JOB_IDLE (besides when a new job begins).
+RETIRE_EVERY = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +164,8 @@ class NextEpochCache:
         state.reads += 1
         state.read_at[file] = state.reads
         self._all_reads += 1
+        if self._all_reads % RETIRE_EVERY == 0 and len(self.jobs) > 1:
+            self._retire_idle(now)  # a job that stopped (a `cat` from a shell, a finished trial) stops counting
         state.clock_pace(now)
         ep = state.stats.epochs.setdefault(epoch, EpochStats())
         ep.reads += 1

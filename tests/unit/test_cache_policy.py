@@ -308,3 +308,17 @@ def test_a_node_reading_its_shard_of_each_epoch_hits_the_budgets_share() -> None
     ratio = sum(s for h, s in later if h) / sum(s for _, s in later)
     assert abs(ratio - share) <= 0.025, ratio
     assert cache.held_bytes >= 0.9 * cache.budget
+
+
+def test_a_job_that_stopped_is_retired_while_another_reads_on() -> None:
+    """A `cat` from a shell is a job of its own: once idle past JOB_IDLE it stops counting, without waiting for
+    a new job to begin (the mount goes back to one job's policy)."""
+    from liquidfs.cache import JOB_IDLE, RETIRE_EVERY
+
+    clock = _Clock()
+    cache = NextEpochCache(3000, 10_000, 100, max_id=101, clock=clock)
+    cache.read(1, 100, 1)  # the cat
+    for i in range(RETIRE_EVERY + 1):
+        clock.now = JOB_IDLE + 1 + i * 0.001
+        cache.read(1 + i % 100, 100, 0)
+    assert list(cache.jobs) == [0] and cache.summary()["jobs_retired"] == 1
