@@ -167,7 +167,7 @@ def test_promql_reads_the_hit_ratio_and_the_mix_share_the_mount_reports(scraped:
     assert scraped.value('liquidfs_cache_hits_total{level="disk"}') == control["disk_hits"]
     served = {s["metric"]["level"]: float(s["value"][1]) for s in scraped.query("liquidfs_served_bytes_total")}
     assert served == {"storage": control["bytes_from_storage"], "memory": control["bytes_from_memory"],
-                      "disk": control["bytes_from_disk"]}
+                      "disk": control["bytes_from_disk"], "cluster": control["bytes_from_cluster"]}
     info = scraped.query("liquidfs_mount_info")
     assert len(info) == 1 and info[0]["metric"]["data_path"] == control["data_path"]
     assert info[0]["metric"]["mix_mode"] == "fixed" and info[0]["metric"]["dispatch"] == control["dispatch"]
