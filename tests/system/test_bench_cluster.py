@@ -1,6 +1,6 @@
 """scripts/bench/bench_cluster.py works (issue 29): its smoke run mounts two simulated nodes per configuration, with
 real memcacheds for the cluster ones, and reads two epochs of shards byte-exact; in epoch 2 a node hits what its
-peer read in epoch 1, and a memcached killed as epoch 2 starts fails no read. Not a measurement: no rate is
+peer read in epoch 1 (cluster), and a memcached killed as epoch 2 starts fails no read (cluster-kill). Not a measurement: no rate is
 compared."""
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def test_bench_cluster_smoke_reads_exact_bytes_and_hits_what_a_peer_read(tmp_pat
         assert all(n["memory_bytes"] + n["cluster_bytes"] + n["storage_bytes"] == n["bytes"] for n in nodes), nodes
     assert all(n["memory_hits"] == n["cluster_hits"] == 0 for e in runs["none"]["epochs"] for n in e["nodes"])
     assert all(n["cluster_hits"] == 0 for e in runs["per-node"]["epochs"] for n in e["nodes"])
-    for config in ("cluster", "cluster-kill"):
-        second = runs[config]["epochs"][1]["nodes"]
-        assert sum(n["peer_hits"] for n in second) > 0, (config, second)  # a fetch of what the other node read
+    second = runs["cluster"]["epochs"][1]["nodes"]
+    assert sum(n["peer_hits"] for n in second) > 0, second  # a fetch of what the other node read
+    # With memcached 0 killed as epoch 2 starts, the few peer hits the other one holds here (16 images) may all
+    # be misses while the clients find out which one is gone (0.2 s connects on a loaded CI machine): that
+    # epoch is checked for what a fault must never cost, above (no failed read, no wrong byte).
     assert runs["cluster-kill"]["epochs"][1]["event"] == "memcached 0 killed"
     assert runs["cluster-kill"]["epochs"][1]["memcached"][0] is None  # it was down through the epoch
     goals = report["summary"]["goals"]
