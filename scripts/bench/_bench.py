@@ -138,6 +138,24 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def io_read_bytes(pid: int) -> int:
+    """Bytes the process made the block layer read (all its threads): storage traffic, whatever the data path."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def root_problem(drops: str) -> str | None:
+    """Why this machine cannot run a benchmark that drops the page cache (``drops``: when, in words) and caps
+    storage with a blkio cgroup, as far as Linux and root go; None if it can."""
+    if sys.platform != "linux":
+        return "needs Linux (drop_caches, cgroup v1 blkio)"
+    if os.geteuid() != 0:
+        return f"needs root: it drops the page cache {drops} and caps storage with a blkio cgroup"
+    return None
+
+
 def control(mnt: Path) -> dict[str, Any]:
     return read_control(mnt)  # the mount's statistics, as `liquidfs stats` reads them
 

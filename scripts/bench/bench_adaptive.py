@@ -329,14 +329,6 @@ class Sampler(threading.Thread):
         self.sample()
 
 
-def io_read_bytes(pid: int) -> int:
-    """Bytes the process made the block layer read (all threads): storage traffic, whatever the data path."""
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
 # -- one long run ------------------------------------------------------------------------------------------
 
 
@@ -400,9 +392,9 @@ def one_epoch(epoch: int, mount: bench.Mounted, loader: Loader, change: Change, 
     change.begin()
     # storage bytes: the daemon's and the loader's (passthrough reads are the loader's); epoch 1's also hold the
     # pages of the libraries DALI loads at its first batch (~60 MB here)
-    before = (time.time(), bench.cpu_seconds(mount.pid), io_read_bytes(mount.pid) + io_read_bytes(loader.pid))
+    before = (time.time(), bench.cpu_seconds(mount.pid), bench.io_read_bytes(mount.pid) + bench.io_read_bytes(loader.pid))
     result = loader.epoch(args.epoch_timeout)
-    after = (time.time(), bench.cpu_seconds(mount.pid), io_read_bytes(mount.pid) + io_read_bytes(loader.pid))
+    after = (time.time(), bench.cpu_seconds(mount.pid), bench.io_read_bytes(mount.pid) + bench.io_read_bytes(loader.pid))
     result.update(phase=phase, start_s=round(before[0] - t0, 2), end_s=round(after[0] - t0, 2),
                   daemon_cpu_s=after[1] - before[1], storage_mb_s=(after[2] - before[2]) / 1e6 / result["seconds"],
                   **change.epoch_stats(after[0] - before[0]))
@@ -592,10 +584,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def preflight(args: argparse.Namespace) -> str | None:
     """Why this machine cannot run the benchmark, or None."""
-    if sys.platform != "linux":
-        return "needs Linux (drop_caches, cgroup v1 blkio)"
-    if os.geteuid() != 0:
-        return "needs root: it drops the page cache before every epoch and caps storage with a blkio cgroup"
+    if problem := bench.root_problem("before every epoch"):
+        return problem
     if "storage" in args.scenarios and (problem := _throttle.available()):
         return f"the storage scenario needs cgroup v1 blkio: {problem} (or run --scenarios cpu)"
     return None

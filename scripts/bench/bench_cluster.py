@@ -205,17 +205,6 @@ class NodeJob:
     per_file: bool  # read the mount's statistics after every file, not every window
 
 
-def io_read_bytes(pid: int) -> int:
-    """Bytes the process made the block layer read (all its threads): storage traffic, whatever the data path."""
-    try:
-        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def counters(mnt: Path) -> tuple[int, int, int, int, int, int]:
     """(bytes served from the node's held memory, cluster hits, their bytes, bytes from storage, errors, reads the
     next-epoch cache took for retries) of the mount so far. Memory is what the mount served from held bytes, not
@@ -266,7 +255,7 @@ def node_epochs(job: NodeJob, barrier: Barrier, results: Any) -> None:
             out["memory_hits"] = None  # counted per file only: per window the bytes say it
         windows: list[dict[str, int]] = []
         window = new_window()
-        io0, daemon_io0 = io_read_bytes(os.getpid()), io_read_bytes(job.daemon_pid)
+        io0, daemon_io0 = bench.io_read_bytes(os.getpid()), bench.io_read_bytes(job.daemon_pid)
         stats_s = 0.0
         prev = counters(mnt)
         started = time.perf_counter()
@@ -312,7 +301,7 @@ def node_epochs(job: NodeJob, barrier: Barrier, results: Any) -> None:
         elapsed = time.perf_counter() - started
         out.update(seconds=elapsed, stats_s=stats_s, windows=windows,
                    partial_window=window if window["files"] else None, images_per_s=out["files"] / elapsed,
-                   disk_bytes=io_read_bytes(os.getpid()) - io0 + io_read_bytes(job.daemon_pid) - daemon_io0)
+                   disk_bytes=bench.io_read_bytes(os.getpid()) - io0 + bench.io_read_bytes(job.daemon_pid) - daemon_io0)
         results.put(out)
         barrier.wait(timeout=job.timeout)
 
@@ -339,16 +328,6 @@ def mount_flags(config: str, args: argparse.Namespace, url: str | None) -> list[
         assert url is not None
         flags += ["--cluster", url, "--cluster-size", f"{args.cluster_size:g}%"]
     return flags
-
-
-def blkio_read(group: _throttle.ReadThrottle) -> int:
-    """Bytes the group's processes read from disk so far (the throttle's own counter)."""
-    total = 0
-    for line in (group.group / "blkio.throttle.io_service_bytes").read_text().splitlines():
-        parts = line.split()
-        if len(parts) == 3 and parts[1] == "Read":
-            total += int(parts[2])
-    return total
 
 
 def run_config(run: Run, src: Path, store: Path, files: list[Expected], data_work: Path,
@@ -390,7 +369,7 @@ def run_config(run: Run, src: Path, store: Path, files: list[Expected], data_wor
                 memcacheds[VICTIM].start()  # empty, on its old port: the nodes' clients take it back
                 event = f"memcached {VICTIM} restarted"
             bench.drop_caches()
-            disk0 = blkio_read(group)
+            disk0 = group.read_bytes()
             started = time.perf_counter()
             barrier.wait(timeout=args.epoch_timeout)
             if run.config == "cluster-kill" and epoch == args.kill_at:
@@ -400,7 +379,7 @@ def run_config(run: Run, src: Path, store: Path, files: list[Expected], data_wor
             wall = time.perf_counter() - started
             nodes = sorted((results.get(timeout=60) for _ in procs), key=lambda n: n["rank"])
             run.epochs.append({"epoch": epoch, "event": event, "wall_s": wall, "blkio_read_bytes":
-                               blkio_read(group) - disk0, "nodes": nodes,
+                               group.read_bytes() - disk0, "nodes": nodes,
                                "memcached": [mc.stats() for mc in memcacheds]})
             print(f"  {run.config:<12} epoch {epoch}: {epoch_line(run.epochs[-1])}"
                   + (f"  ({event})" if event else ""), file=sys.stderr)
@@ -642,10 +621,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def preflight(args: argparse.Namespace) -> str | None:
     """Why this machine cannot run the benchmark, or None."""
-    if sys.platform != "linux":
-        return "needs Linux (drop_caches, cgroup v1 blkio)"
-    if os.geteuid() != 0:
-        return "needs root: it drops the page cache before every epoch and caps storage with a blkio cgroup"
+    if problem := bench.root_problem("before every epoch"):
+        return problem
     if problem := _throttle.available():
         return f"the storage cap needs cgroup v1 blkio: {problem}"
     if any(c.startswith("cluster") for c in args.configs) and not os.access(args.memcached, os.X_OK):

@@ -337,10 +337,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def preflight(args: argparse.Namespace) -> str | None:
     """Why this machine cannot run the benchmark, or None."""
-    if sys.platform != "linux":
-        return "needs Linux (drop_caches, cgroup v1 blkio)"
-    if os.geteuid() != 0:
-        return "needs root: it drops the page cache before every scenario and caps storage with a blkio cgroup"
+    if problem := bench.root_problem("before every scenario"):
+        return problem
     if args.cap_mb and (problem := _throttle.available()):
         return f"the storage cap needs cgroup v1 blkio: {problem} (--cap-mb 0: no cap)"
     return None
