@@ -103,7 +103,7 @@ class NextEpochCache:
     share one budget: a file one job has just read is wanted by every job that has not read it yet in its
     current epoch, soon, and by the others only in their next. So, while more than one job reads, a file read is
     held when there is room, or in place of the held files wanted latest when it is wanted sooner than they are
-    (Belady's rule, with each job's pace and progress as the clock; ``soonest``). Every job hits at least the
+    (Belady's rule, with each job's own reads as the clock; ``soonest``). Every job hits at least the
     C/D share a random choice would give it, and a file read from storage by one job is served from memory to
     the others that follow it closely, so k jobs read less than k datasets from storage per epoch.
     """
@@ -131,12 +131,12 @@ class NextEpochCache:
 
     @property
     def stats(self) -> CacheStats:
-        """The first job's counters (the only job's, usually)."""
-        return next(iter(self.jobs.values())).stats if self.jobs else self.retired
+        """The first job's counters (the only job's, usually; there is always one: ``_retire``)."""
+        return next(iter(self.jobs.values())).stats
 
     @property
     def newest_epoch(self) -> int:
-        return next(iter(self.jobs.values())).newest_epoch if self.jobs else 1
+        return next(iter(self.jobs.values())).newest_epoch
 
     # -- the policy ----------------------------------------------------------------------------------
 

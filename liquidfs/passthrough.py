@@ -288,9 +288,8 @@ class PassthroughPath:
             backing.close()
 
     async def _keep(self, inode: int, backing: Backing) -> None:
+        """Copy ``backing`` into a memfd the level keeps for ``inode`` (the caller saw the policy still holds it)."""
         assert self.held is not None
-        if inode not in self.held.policy.held:
-            return  # let go meanwhile (an epoch ended without reading it)
         done = self._keeping[inode] = trio.Event()
         try:
             fd = await self._memfd_of(backing)
