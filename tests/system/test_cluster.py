@@ -82,15 +82,21 @@ def memcacheds(memcached_binary: str) -> Iterator[list[Memcached]]:
 
 
 
-def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tmp_path: Path, mounter: Mount,
-                                                                          memcacheds: list[Memcached]) -> None:
+def _all_raw(tmp_path: Path, *, count: int, width: int, height: int, seed: int) -> tuple[Path, Path, dict[str, bytes]]:
+    """A sample prepared all raw: (source, store, each raw-served file's path -> its raw object's bytes)."""
     src = tmp_path / "src"
-    make_sample(src, count=12, width=256, height=128, seed=29)
+    make_sample(src, count=count, width=width, height=height, seed=seed)
     store = tmp_path / "store"
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store, readonly=True)
     raw = {os.fsdecode(n.path): (store / str(n.object)).read_bytes() for n in catalog.files() if n.served_raw}
     catalog.close()
+    return src, store, raw
+
+
+def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tmp_path: Path, mounter: Mount,
+                                                                          memcacheds: list[Memcached]) -> None:
+    src, store, raw = _all_raw(tmp_path, count=12, width=256, height=128, seed=29)
     assert len(raw) >= 8
     url = "memcached://" + ",".join(f"127.0.0.1:{m.port}" for m in memcacheds)
     node_a = mounter.mount(src, "--cluster", url, "--cluster-size", "100%", store=store)
@@ -129,13 +135,7 @@ def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tm
 
 def test_a_cluster_named_by_a_dns_name_reaches_the_memcacheds_it_resolves_to(tmp_path: Path, mounter: Mount,
                                                                              memcached_binary: str) -> None:
-    src = tmp_path / "src"
-    make_sample(src, count=6, width=128, height=64, seed=30)
-    store = tmp_path / "store"
-    prepare(src, store, 1.0, progress=False)
-    catalog = Catalog.open(store, readonly=True)
-    raw = {os.fsdecode(n.path): (store / str(n.object)).read_bytes() for n in catalog.files() if n.served_raw}
-    catalog.close()
+    src, store, raw = _all_raw(tmp_path, count=6, width=128, height=64, seed=30)
     # One memcached on every address localhost has here (127.0.0.1, ::1 where it is listed): each is a server of
     # the client, and each must answer for every object to be a hit.
     server = Memcached(memcached_binary, listen=sorted(set(resolve_addresses("localhost", 0))))
