@@ -601,6 +601,7 @@ def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    "value is lowered to what fits in the memory left (cgroup limit, MemAvailable), with a warning")
     p.add_argument("--quick", action="store_true",
                    help="with --ratio auto: a quick profile (a smaller sample, shorter measurements)")
+    _add_run_arguments(p, prefix="with --ratio auto: ")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_common(p)
     p.set_defaults(func=cmd_prepare)
@@ -624,8 +625,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from .stores import open_store
 
     store = open_store(args.source, args.store)
+    if ratio != "auto" and args.run is not None:
+        print("liquidfs prepare: --run times a loader for --ratio auto; with a given ratio there is nothing to "
+              "measure", file=sys.stderr)
+        return 2
     if ratio == "auto":
-        ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats)
+        ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats,
+                                           run_options=_run_options(args))
         # The chosen format, and those tried after it for the images it cannot hold (J2K chosen: BMP, if listed;
         # BMP chosen: BMP alone).
         raw_formats = raw_formats[raw_formats.index(chosen_format):]
@@ -664,13 +670,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
-def _auto_ratio(store: Store, *, quick: bool = False,
-                formats: tuple[str, ...] = DEFAULT_FORMATS) -> tuple[float, str]:
+def _auto_ratio(store: Store, *, quick: bool = False, formats: tuple[str, ...] = DEFAULT_FORMATS,
+                run_options: dict[str, object] | None = None) -> tuple[float, str]:
     """``prepare --ratio auto``: profile (weighing the raw ``formats``), and keep the result in the store
     (``mount --mix adaptive`` starts at its choice). The share, and the raw format it is for."""
     from .profile import profile_store, render, to_json
 
-    profile = profile_store(store, quick=quick, formats=formats,
+    run_options = run_options or {}
+    profile = profile_store(store, quick=quick, formats=formats, **run_options,  # type: ignore[arg-type]
                             progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     try:
@@ -678,6 +685,39 @@ def _auto_ratio(store: Store, *, quick: bool = False,
     except OSError as exc:
         print(f"profile: cannot keep the result in {store.label}: {exc.strerror}", file=sys.stderr)
     return profile.chosen, profile.raw_format
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The measured search's flags, shared by ``profile`` and ``prepare --ratio auto``."""
+    p.add_argument("--run", metavar="CMD",
+                   help=prefix + "time this loader command through a temporary mount of a sample at each share a "
+                   "binary search asks for; {mount} in CMD is replaced by the mount point, e.g. --run 'python "
+                   "train.py --data {mount} --steps 40' (run without a shell; its rate is the opens/s the mount "
+                   "counts). Default: a built-in DALI or Pillow pipeline (decode, random resized crop, flip, "
+                   "normalise)")
+    p.add_argument("--run-images", type=_positive_int, metavar="N",
+                   help=prefix + "images in the mounted sample (default 256, --quick 64)")
+    p.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+                   help=prefix + "runs per share at most, where two shares' rates are within noise (default 3)")
+    p.add_argument("--run-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help=prefix + "the longest one run of the command may take (default 600)")
+    p.add_argument("--model-only", action="store_true",
+                   help=prefix + "no measured search: choose by the cost model alone (no mount; seconds)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a positive whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a positive whole number, not {value}")
+    return value
+
+
+def _run_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"run": args.run, "measured": not args.model_only, "run_images": args.run_images,
+            "repeats": args.repeats, "run_timeout": args.run_timeout}
 
 
 def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -702,6 +742,7 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    "device is visible, and chosen where predicted faster")
     p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
                    help="choose the smallest raw share that reaches this rate (saves disk space)")
+    _add_run_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot of the curves")
     add_common(p)
@@ -723,7 +764,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
                           cache_share=share, sample=args.sample, quick=args.quick,
-                          target_rate=args.target_rate, formats=args.formats,
+                          target_rate=args.target_rate, formats=args.formats, **_run_options(args),  # type: ignore[arg-type]
                           progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     if args.json:

@@ -9,6 +9,12 @@ expanded, into a scratch directory inside the store, on the store's device):
   pipeline runs at ``1 / max(L, D)``: the best ``r`` is where the two lines cross, or an end.
 * **search**: the published method: a binary search over the 11 mixes 0:10 ... 10:0 that measures load and
   decode throughput of a sample mixed at the midpoint and discards the half on the side of the slower stage.
+* **measured** (decides, where it can run): the loader itself timed through a temporary mount of a sample of the
+  dataset, kept in the dataset's layout, at each share a binary search over the 11 asks for (``runprofile``). The
+  loader is the command given with ``--run`` (``{mount}`` replaced by the mount point), else a built-in DALI or
+  Pillow pipeline that decodes, crops, flips and normalises as training does (``liquidfs.pipelines``). Its rate
+  is the mount's own count of opens per second. The model's choice is the search's first guess, and the answer
+  where the search cannot run (an S3 store, no FUSE, ``--model-only``, a GPU-decoded format).
 
 The cache (``--cache-size``) serves a constant share of every epoch from memory, so only ``1 - c`` of the bytes
 reach storage: the load line is scaled by it.
@@ -31,8 +37,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
-from . import decoderates
+from . import decoderates, runprofile
 from .decoderates import GpuDecoder, dali_available, measure_decode
 from .rawformats import BMP, RAW_FORMATS, RawFormat
 from .safefiles import replace_file
@@ -164,6 +171,9 @@ class Profile:
     notes: list[str] = field(default_factory=list)
     raw_format: str = BMP.name  # what the chosen share is stored as
     weighed: list[dict[str, object]] = field(default_factory=list)  # per raw format weighed: its best share
+    timed: str | None = None  # what the measured search timed, in words (None: no measured search)
+    measured: list[dict[str, object]] = field(default_factory=list)  # per share measured: its runs' rates
+    within_noise: list[float] = field(default_factory=list)  # shares measured within noise of the chosen one
 
 
 def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], **options: object) -> Profile:
@@ -175,10 +185,17 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
                   sample: int | None = None, quick: bool = False, target_rate: float | None = None,
                   seconds: float | None = None, formats: Sequence[str] = (BMP.name,),
                   find_gpu: Callable[[], tuple[GpuDecoder | None, str]] | None = None,
+                  run: str | None = None, measured: bool = True, run_images: int | None = None,
+                  repeats: int = 3, run_timeout: float = 600.0,
                   progress: Callable[[str], None] = lambda s: None) -> Profile:
     """Measure, and choose the raw share, and with ``formats`` naming BMP and others, which of them the
     raw images are stored as. A format decoded on a GPU (J2K) is weighed only where a GPU decodes it for the
-    loader (DALI 'mixed'; found by ``find_gpu``, by default ``decoderates.find_gpu_decoder``)."""
+    loader (DALI 'mixed'; found by ``find_gpu``, by default ``decoderates.find_gpu_decoder``).
+
+    ``measured``: then time the loader (``run``, a command with ``{mount}``, else the built-in pipeline of
+    ``decoder``) through a mount of a sample of ``run_images`` images at the shares a binary search asks for, and
+    choose by what the mount counted (``runprofile``). Where that cannot run, the model's choice stands with a
+    note; with ``run`` given, that is an error instead."""
     started = time.monotonic()
     threads = threads or os.cpu_count() or 1
     decoder = decoder or ("dali" if dali_available() else "pil")
@@ -237,6 +254,32 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
             notes.append(f"no mix reaches {target_rate:g} img/s (best predicted {best:.1f}); keeping {chosen:.2f}")
         else:
             chosen, chosen_by = smallest, f"smallest raw share predicted to reach {target_rate:g} img/s"
+    timed: str | None = None
+    search_result: runprofile.SearchResult | None = None
+    runs: list[runprofile.RunRate] = []
+    if measured and (target_rate is None or run is not None):
+        why_not = _why_not_measured(store, raw_format, target_rate)
+        if why_not is not None:
+            if run is not None:
+                raise ProfileError(f"--run: {why_not}")
+            notes.append(f"measured search not run: {why_not}; the model's choice stands")
+        else:
+            command = run if run is not None else runprofile.builtin_command(decoder, threads)
+            try:
+                timed, search_result, runs = _measured_search(
+                    store, command, first=chosen, images=run_images or (64 if quick else 256), repeats=repeats,
+                    timeout=run_timeout, cache_share=cache_share, progress=progress)
+            except ProfileError as exc:
+                if run is not None:
+                    raise
+                notes.append(f"measured search not run: {exc}; the model's choice stands")
+    if search_result is not None:
+        best = search_result.median(search_result.chosen)
+        model_guess = chosen
+        chosen = search_result.chosen
+        guess = (f"{search_result.median(model_guess):.1f} img/s at the model's {model_guess:.2f}"
+                 if model_guess in search_result.rates else f"model's guess {model_guess:.2f}")
+        chosen_by = f"measured search: {best:.1f} img/s through the mount ({guess})"
     model_r, reason = model_choice(chosen_costs)
     table = [{"ratio": r, "load_images_per_s": _rate(chosen_costs.load_time(r)),
               "decode_images_per_s": _rate(chosen_costs.cpu_time(r)),
@@ -246,7 +289,58 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     return Profile(costs=chosen_costs, table=table, model_ratio=round(model_r, 2), model_reason=reason,
                    search_ratio=search_r, search_steps=steps, chosen=chosen, chosen_by=chosen_by,
                    target_rate=target_rate, seconds=time.monotonic() - started, notes=notes, raw_format=raw_format,
-                   weighed=weighed)
+                   weighed=weighed, timed=timed,
+                   measured=_measured_rows(search_result, runs) if search_result else [],
+                   within_noise=search_result.within_noise if search_result else [])
+
+
+def _why_not_measured(store: Store, raw_format: str, target_rate: float | None) -> str | None:
+    """Why the measured search cannot run here, or None."""
+    if store.local_dirs() is None:
+        return f"it mounts a sample of a local dataset; {store.label} is not a local store"
+    if raw_format != BMP.name:
+        return f"{RAW_FORMATS[raw_format].label} decoded on the GPU is weighed by the model alone"
+    if target_rate is not None:
+        return "--target-rate chooses by the model"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse cannot be opened here"
+    return None
+
+
+def _measured_search(store: Store, command: str, *, first: float, images: int, repeats: int, timeout: float,
+                     cache_share: float, progress: Callable[[str], None]
+                     ) -> tuple[str, runprofile.SearchResult, list[runprofile.RunRate]]:
+    """The binary search over the shares, each run timed through a mount of a scratch sample."""
+    runprofile.command_for(command, Path("/mnt"))  # a command without {mount}: said before any copying
+    dirs = store.local_dirs()
+    assert dirs is not None  # _why_not_measured said so
+    source, parent = dirs
+    mount_args = ["--cache-size", f"{cache_share * 100:g}%"] if cache_share else []
+    runs: list[runprofile.RunRate] = []
+    with runprofile.ScratchMounts(source, parent, images, mount_args=mount_args, progress=progress) as scratch:
+        def measure(share: float) -> float:
+            rate = scratch.measure(share, command, timeout=timeout)
+            runs.append(rate)
+            progress(f"share {share:.1f}: {rate.images_per_s:.1f} img/s, {rate.bytes_per_s / 1e6:.0f} MB/s "
+                     f"({rate.opens} opens in {rate.seconds:.1f} s)")
+            return rate.images_per_s
+
+        progress(f"measured search: timing `{command}` through a mount of the sample")
+        result = runprofile.search(measure, first=first, repeats=repeats)
+        timed = (f"`{command}` through a temporary mount of {scratch.images} sampled images in the dataset's "
+                 "layout, their page cache dropped before each run; its rate: the mount's opens/s from each run's "
+                 "first open to the command's exit")
+    return timed, result, runs
+
+
+def _measured_rows(result: runprofile.SearchResult, runs: list[runprofile.RunRate]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for share in sorted(result.rates):
+        mine = [r for r in runs if r.share == share]
+        rows.append({"ratio": share, "images_per_s": result.median(share),
+                     "runs": [round(r, 2) for r in result.rates[share]],
+                     "mb_per_s": statistics.median(r.bytes_per_s for r in mine) / 1e6 if mine else None})
+    return rows
 
 
 def _rate(seconds_per_image: float) -> float:
@@ -366,6 +460,13 @@ def render(profile: Profile) -> str:
             f"{s['ratio']:.1f}: load {s['load_images_per_s']:.0f} / decode {s['decode_images_per_s']:.0f}"
             for s in profile.search_steps) + f" -> {profile.search_ratio:.1f}")
     lines.append(f"model: {profile.model_ratio:.2f} ({profile.model_reason})")
+    if profile.timed:
+        lines.append(f"measured: {profile.timed}")
+        for m in profile.measured:
+            runs = ", ".join(f"{r:.1f}" for r in m["runs"])  # type: ignore[attr-defined]
+            mark = ("  <- chosen" if m["ratio"] == profile.chosen
+                    else "  (within noise)" if m["ratio"] in profile.within_noise else "")
+            lines.append(f"  share {m['ratio']:.1f}: {m['images_per_s']:7.1f} img/s  (runs {runs}){mark}")
     if len(profile.weighed) > 1:
         lines.append("weighed: " + "; ".join(
             f"{str(w['raw_format']).upper()} at {w['ratio']:.2f}: {w['predicted_images_per_s']:.1f} img/s"

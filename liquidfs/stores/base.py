@@ -81,6 +81,10 @@ class Store(Protocol):
         """``count`` random images expanded (to ``raw_format``, one of ``raw_formats``) where the mount will read
         them, with the function that times reads of them; raises ``ProfileError`` when none can be."""
 
+    def local_dirs(self) -> tuple[Path, Path] | None:
+        """The source directory and the store's, where both are on this node (``profile``'s measured search
+        copies a sample into the store's and mounts it); None where the dataset is not local."""
+
     def keep_profile(self, text: str) -> None:
         """Keep the profile's result (JSON) where ``profile_choice`` finds it."""
 

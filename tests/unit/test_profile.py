@@ -119,7 +119,7 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _profile(src: Path, store: Path, out: Path, *extra: str, throttle: int | None = None) -> dict:
     cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(store), "--quick",
-           "--decoder", "pil", "--json", str(out / "p.json"), "--plot", str(out / "p.png"), *extra]
+           "--decoder", "pil", "--model-only", "--json", str(out / "p.json"), "--plot", str(out / "p.png"), *extra]
     if throttle is None:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     else:

@@ -389,6 +389,9 @@ class LocalStore:
         # replaced whole, never written through a link a store writer put at its name
         replace_file(self.store_dir / PROFILE_NAME, text.encode())
 
+    def local_dirs(self) -> tuple[Path, Path] | None:
+        return Path(self.source), Path(self.store_dir)
+
     def profile_choice(self) -> float | None:
         path = self.store_dir / PROFILE_NAME
         try:

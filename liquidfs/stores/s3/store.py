@@ -383,6 +383,9 @@ class BucketStore:
         # The adaptive mix of a bucket store starts mid-range: a profile of one node is not every node's.
         log.info("the profile is not kept in %s (a bucket store): --mix adaptive starts mid-range", self.store)
 
+    def local_dirs(self) -> tuple[Path, Path] | None:
+        return None  # a bucket's images: the measured search mounts a local sample only
+
     def profile_choice(self) -> float | None:
         return None  # none is kept (``keep_profile``)
 

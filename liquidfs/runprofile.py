@@ -1,0 +1,334 @@
+"""``liquidfs profile --run CMD``: the user's own loader timed through a temporary mount at each candidate share.
+
+The cost model (``profile``) adds per-format decode and load costs; a real pipeline also pays per-image work
+(the reader, crops, flips, normalisation) and waits for a batch's slowest image, so its balance point lies
+elsewhere (issue 30: the model chose 0.93 where all raw ran 11 % faster). Here the pipeline itself is timed, as
+the published profiler does:
+
+* a seeded sample of the dataset's images is copied, in the dataset's own layout, into a private scratch
+  directory on the store's device and prepared there with every image raw;
+* for a share, the scratch is mounted with ``--mix SHARE`` and the command run with ``{mount}`` replaced by the
+  mount point; the files it reads are first dropped from the page cache (``posix_fadvise``, these files only),
+  so every run reads storage as an epoch of a dataset larger than memory does;
+* its rate is what the mount counted, without any help from the command: its opens per second from the first
+  open to its exit (a loader's start-up is not its pace; its read-ahead's burst at the start is work the epoch
+  waits for), and the bytes served;
+* a binary search over the 11 shares compares two neighbours and keeps the half on the faster side; two rates
+  within noise are measured again (``repeats``), and still within noise end the search there. The model's choice
+  is the first midpoint. The chosen share is the fastest median measured; among shares within noise of it, the
+  smallest (it takes the least disk).
+
+Plain Python over ``liquidfs mount``/``umount`` commands; ``search`` is a pure function that tests drive with
+simulated pipelines.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .expansion import is_image
+from .timedreads import ProfileError
+
+log = logging.getLogger(__name__)
+
+MOUNT_TOKEN = "{mount}"
+#: Two rates closer than this share of the faster are within noise (a 3 % loss is the issue's bound).
+TOLERANCE = 0.03
+#: How often the mount's counters are read while the command runs.
+POLL = 0.05
+#: Fewer opens than this in a run cannot give a pace.
+MIN_OPENS = 20
+SHARES = [i / 10 for i in range(11)]
+
+
+@dataclass
+class RunRate:
+    """One run of the command at a share, as the mount counted it."""
+
+    share: float
+    images_per_s: float   # opens/s from the run's first open to its exit
+    bytes_per_s: float    # bytes served over the same span
+    opens: int            # every open of the run
+    seconds: float        # the command's wall time, start-up included
+
+
+@dataclass
+class SearchResult:
+    chosen: float
+    steps: list[tuple[float, float]] = field(default_factory=list)  # (left share, right share) compared, in order
+    rates: dict[float, list[float]] = field(default_factory=dict)    # images/s of every run, per share
+    within_noise: list[float] = field(default_factory=list)          # shares within noise of the chosen one
+
+    def median(self, share: float) -> float:
+        return statistics.median(self.rates[share])
+
+
+def within_noise(a: Sequence[float], b: Sequence[float], tolerance: float = TOLERANCE) -> bool:
+    """Whether two shares' rates cannot be told apart: their medians closer than ``tolerance`` of the faster, or
+    than the runs' own spread (half the range of each share's repeats, summed)."""
+    ma, mb = statistics.median(a), statistics.median(b)
+    spread = sum((max(x) - min(x)) / 2 for x in (a, b) if len(x) > 1)
+    return abs(ma - mb) <= max(tolerance * max(ma, mb), spread)
+
+
+def search(measure: Callable[[float], float], *, first: float | None = None, repeats: int = 3,
+           tolerance: float = TOLERANCE, shares: Sequence[float] = SHARES) -> SearchResult:
+    """A binary search over ``shares`` for the fastest, ``measure(share)`` giving one run's images/s. The rate
+    is taken to rise to one peak and fall after it (storage and decoding cross once). Each step compares a share
+    with its right neighbour and keeps the half on the faster side; within noise, both are measured again up to
+    ``repeats`` runs each, and still within noise, the peak is taken to be there."""
+    result = SearchResult(chosen=shares[0])
+
+    def rates(i: int) -> list[float]:
+        share = shares[i]
+        if share not in result.rates:
+            result.rates[share] = [measure(share)]
+        return result.rates[share]
+
+    lo, hi = 0, len(shares) - 1
+    mid = None
+    if first is not None:
+        mid = min(range(len(shares) - 1), key=lambda i: abs(shares[i] - first))
+    while lo < hi:
+        if mid is None or not lo <= mid < hi:
+            mid = (lo + hi) // 2
+        left, right = rates(mid), rates(mid + 1)
+        result.steps.append((shares[mid], shares[mid + 1]))
+        while within_noise(left, right, tolerance) and min(len(left), len(right)) < repeats:
+            left.append(measure(shares[mid]))
+            right.append(measure(shares[mid + 1]))
+        if within_noise(left, right, tolerance):
+            lo, hi = mid, mid + 1
+            break
+        if statistics.median(right) > statistics.median(left):
+            lo = mid + 1
+        else:
+            hi = mid
+        mid = None
+    best = max(result.rates, key=lambda s: statistics.median(result.rates[s]))
+    close = sorted(s for s in result.rates if within_noise(result.rates[s], result.rates[best], tolerance))
+    # Among the fastest within noise, the smallest share: the same pace for the least disk.
+    result.chosen = close[0] if close else best
+    result.within_noise = [s for s in close if s != result.chosen]
+    return result
+
+
+def pace(samples: Sequence[tuple[float, int, int]], end: float) -> tuple[float, float, int]:
+    """(images/s, bytes/s, opens) of a run from the mount's counters read over it: (seconds, opens, bytes served)
+    samples, and ``end``, when the command exited. The span runs from the first open to the exit: a loader's
+    start-up (imports, building its pipeline) is not its pace, while a read-ahead's burst of opens at the start
+    (DALI's shuffle buffer opens up to 1,024 files before its first batch) is work the epoch still waits for."""
+    if len(samples) < 2:
+        return 0.0, 0.0, 0
+    o0, b0 = samples[0][1], samples[0][2]
+    last_opens, last_bytes = samples[-1][1], samples[-1][2]
+    total = last_opens - o0
+    if total <= 0:
+        return 0.0, 0.0, 0
+    k = next(i for i, s in enumerate(samples) if s[1] > o0)
+    # The first open fell between two readings of the counters: the middle of them.
+    first = (samples[k - 1][0] + samples[k][0]) / 2 if k else samples[0][0]
+    span = end - first
+    if span <= 0:
+        return 0.0, 0.0, total
+    return total / span, (last_bytes - b0) / span, total
+
+
+def command_for(run: str, mountpoint: Path) -> list[str]:
+    """The command's words with ``{mount}`` replaced; run without a shell."""
+    words = shlex.split(run)
+    if not any(MOUNT_TOKEN in w for w in words):
+        raise ProfileError(f"--run: the command must name the mount point as {MOUNT_TOKEN} "
+                           f"(e.g. --run 'python train.py --data {MOUNT_TOKEN}')")
+    return [w.replace(MOUNT_TOKEN, str(mountpoint)) for w in words]
+
+
+def builtin_command(decoder: str, threads: int, augment: bool = True) -> str:
+    """The built-in pipeline for ``decoder`` (``liquidfs.pipelines``) as a ``--run`` command."""
+    words = [sys.executable, "-m", "liquidfs.pipelines", decoder, MOUNT_TOKEN, "--threads", str(threads)]
+    return shlex.join(words + ([] if augment else ["--no-augment"]))
+
+
+# -- the scratch dataset ----------------------------------------------------------------------------------
+
+
+def sample_paths(source: Path, count: int, seed: int = 0) -> list[Path]:
+    """``count`` images of ``source`` (relative paths), a seeded uniform choice (reservoir over one walk)."""
+    rng = random.Random(seed)
+    chosen: list[Path] = []
+    seen = 0
+    for folder, dirs, files in os.walk(source):
+        dirs.sort()
+        for name in sorted(files):
+            if not is_image(os.fsencode(name)):
+                continue
+            path = Path(folder, name)
+            if not path.is_file() or path.is_symlink():
+                continue
+            seen += 1
+            if len(chosen) < count:
+                chosen.append(path.relative_to(source))
+            else:
+                j = rng.randrange(seen)
+                if j < count:
+                    chosen[j] = path.relative_to(source)
+    return sorted(chosen)
+
+
+def forget_pages(root: Path) -> None:
+    """Drop the page cache of every file under ``root`` (written back first): the next read is storage's."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+class ScratchMounts:
+    """A sample of ``source`` copied into a private directory under ``parent``, prepared all raw, mounted at a
+    share at a time."""
+
+    def __init__(self, source: Path, parent: Path, count: int, *, seed: int = 0, mount_args: Sequence[str] = (),
+                 progress: Callable[[str], None] = lambda s: None) -> None:
+        self.source = source
+        self.mount_args = list(mount_args)
+        self.progress = progress
+        parent.mkdir(parents=True, exist_ok=True)
+        # 0700 (mkdtemp): the copies are readable by no more people than the source files were.
+        self.root = Path(tempfile.mkdtemp(prefix="profile-run-", dir=parent))
+        self.src, self.store, self.mnt = self.root / "data", self.root / "store", self.root / "mnt"
+        self.mnt.mkdir()
+        try:
+            self.images = self._copy(count, seed)
+            self._prepare()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _copy(self, count: int, seed: int) -> int:
+        paths = sample_paths(self.source, count, seed)
+        if len(paths) < MIN_OPENS:
+            raise ProfileError(f"{self.source}: {len(paths)} images; the measured search needs at least "
+                               f"{MIN_OPENS}")
+        self.progress(f"copying a sample of {len(paths)} images in the dataset's layout")
+        for rel in paths:
+            target = self.src / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.source / rel, target, follow_symlinks=False)
+        return len(paths)
+
+    def _prepare(self) -> None:
+        from .prepare import PrepareError, prepare
+
+        self.progress("preparing the sample with every image raw")
+        try:
+            prepare(self.src, self.store, 1.0, progress=False)
+        except PrepareError as exc:
+            raise ProfileError(f"preparing the sample: {exc}") from None
+
+    def measure(self, share: float, command: str, *, timeout: float) -> RunRate:
+        """One run of ``command`` through a fresh mount at ``share``."""
+        from .mount import read_control
+
+        self._liquidfs("mount", str(self.src), str(self.mnt), "--store", str(self.store), "--mix", f"{share:g}",
+                       *self.mount_args)
+        try:
+            forget_pages(self.src)
+            forget_pages(self.store)
+            words = command_for(command, self.mnt)
+            samples: list[tuple[float, int, int]] = []
+            stop = threading.Event()
+            started = time.monotonic()
+
+            def poll() -> None:
+                while not stop.is_set():
+                    try:
+                        c = read_control(self.mnt)
+                        served = 0
+                        for key in ("bytes_from_storage", "bytes_from_memory", "bytes_from_disk",
+                                    "bytes_from_cluster"):
+                            value = c.get(key) or 0
+                            served += value if isinstance(value, int) else 0
+                        opens = c["opens"]
+                        if not isinstance(opens, int):
+                            raise TypeError(f"opens is {opens!r}")
+                        samples.append((time.monotonic() - started, opens, served))
+                    except (OSError, ValueError, KeyError, TypeError) as exc:
+                        log.debug("reading the mount's counters: %s", exc)
+                    stop.wait(POLL)
+
+            poller = threading.Thread(target=poll, name="profile-poll", daemon=True)
+            poller.start()
+            try:
+                proc = subprocess.run(words, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
+                                      check=False)
+            except subprocess.TimeoutExpired:
+                raise ProfileError(f"--run: the command did not finish within {timeout:.0f} s at share {share:g} "
+                                   "(give it less work, or --run-timeout)") from None
+            except OSError as exc:
+                raise ProfileError(f"--run: cannot start {words[0]!r}: {exc.strerror}") from None
+            finally:
+                stop.set()
+                poller.join()
+            seconds = time.monotonic() - started
+            try:  # the counters at the exit: what the command did last
+                c = read_control(self.mnt)
+                samples.append((seconds, int(c["opens"]), samples[-1][2] if samples else 0))  # type: ignore
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            if proc.returncode != 0:
+                tail = (proc.stderr or proc.stdout).decode(errors="replace").strip().splitlines()[-12:]
+                raise ProfileError(f"--run: the command exited with status {proc.returncode} at share {share:g}"
+                                   + ("; its last lines:\n" + "\n".join(f"  {t}" for t in tail) if tail else ""))
+            images_per_s, bytes_per_s, opens = pace(samples, seconds)
+            if opens < MIN_OPENS or images_per_s <= 0:
+                raise ProfileError(f"--run: the command opened {opens} files through the mount at share {share:g}; "
+                                   f"its pace needs at least {MIN_OPENS} (does it read {MOUNT_TOKEN}? give it "
+                                   "more steps)")
+            return RunRate(share, images_per_s, bytes_per_s, opens, seconds)
+        finally:
+            self._liquidfs("umount", str(self.mnt))
+
+    def _liquidfs(self, *args: str) -> None:
+        proc = subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
+                              check=False, timeout=300, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise ProfileError(f"liquidfs {args[0]} of the profile's sample failed: "
+                               f"{(proc.stderr or proc.stdout).strip()[-1500:]}")
+
+    def cleanup(self) -> None:
+        from .mount import is_stale, unmount
+
+        try:
+            if os.path.ismount(self.mnt) or is_stale(self.mnt):
+                unmount(self.mnt, lazy=True)
+        except Exception as exc:  # never leave the scratch behind for a failed unmount's sake
+            log.warning("unmounting %s: %s", self.mnt, exc)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> ScratchMounts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

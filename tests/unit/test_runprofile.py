@@ -1,0 +1,85 @@
+"""profile --run's pure parts: the binary search over the shares on simulated pipelines, the pace from the
+mount's counters, the command's {mount}."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from liquidfs.runprofile import SHARES, command_for, pace, search, within_noise
+from liquidfs.timedreads import ProfileError
+
+
+def _pipeline(peak: float, noise: float = 0.0, seed: int = 0):  # type: ignore[no-untyped-def]
+    """A pipeline whose rate rises to ``peak`` (decode-bound below it) and falls after (storage-bound): the pace
+    of two overlapped stages, 1 / max(decode, load) per image."""
+    rng = random.Random(seed)
+    calls: list[float] = []
+
+    def measure(share: float) -> float:
+        calls.append(share)
+        decode = 30 - 27 * share             # ms per image: PNG 30, BMP 3
+        load = 10 + 12 * share               # ms per image: BMP's bytes take longer to read
+        rate = 1000 / max(decode, load)
+        return rate * (1 + rng.gauss(0, noise))
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("first", [None, 0.0, 0.3, 0.9, 1.0])
+def test_search_finds_the_peak_from_any_first_guess(first: float | None) -> None:
+    measure, calls = _pipeline(peak=0.51)
+    result = search(measure, first=first)
+    best = max(SHARES, key=lambda s: 1000 / max(30 - 27 * s, 10 + 12 * s))
+    assert result.chosen == best == 0.5
+    assert len(set(calls)) <= 7, calls  # a binary search, not the 11
+
+
+def test_search_ends_at_the_ends() -> None:
+    rising = search(lambda s: 50 + 40 * s)
+    falling = search(lambda s: 90 - 40 * s, first=0.5)
+    assert rising.chosen == 1.0 and falling.chosen == 0.0
+
+
+def test_a_close_pair_is_measured_again_and_the_smaller_share_taken_on_a_plateau() -> None:
+    calls: list[float] = []
+
+    def flat(share: float) -> float:
+        calls.append(share)
+        return 80.0 + (0.5 if len(calls) % 2 else -0.5)
+
+    result = search(flat, repeats=3, first=0.5)
+    assert calls.count(0.5) == 3 and calls.count(0.6) == 3  # within noise: repeated up to 3 runs each
+    assert result.chosen == 0.5 and result.within_noise == [0.6]
+
+
+def test_noisy_pipeline_lands_within_three_percent_of_the_best() -> None:
+    worst = 1.0
+    for seed in range(20):
+        measure, _ = _pipeline(peak=0.51, noise=0.02, seed=seed)
+        chosen = search(measure, repeats=3).chosen
+        true = 1000 / max(30 - 27 * chosen, 10 + 12 * chosen)
+        worst = min(worst, true / (1000 / max(30 - 27 * 0.5, 10 + 12 * 0.5)))
+    assert worst >= 0.9, worst  # a 2 % noise can cost a step (0.1) at most: ~6 % here
+
+
+def test_within_noise() -> None:
+    assert within_noise([100.0], [102.0]) and not within_noise([100.0], [110.0])
+    assert within_noise([100.0, 120.0], [110.0, 112.0])  # the runs' own spread is larger than the gap
+
+
+def test_pace_runs_from_the_first_open_to_the_exit() -> None:
+    # counters read every 0.5 s: nothing for 2 s (start-up), then 10 opens/s, exit at 7.0
+    samples = [(t / 2, max(0, round((t / 2 - 2) * 10)), 0) for t in range(0, 14)]
+    images_per_s, _, opens = pace(samples, end=7.0)
+    assert opens == 45 and images_per_s == pytest.approx(45 / (7.0 - 2.25), rel=0.01)
+    assert pace([(0.0, 5, 0), (1.0, 5, 0)], end=2.0) == (0.0, 0.0, 0)
+
+
+def test_command_for_replaces_the_mount_and_needs_it() -> None:
+    words = command_for("python 'my loader.py' --data {mount}/train --steps 40", Path("/tmp/m"))
+    assert words == ["python", "my loader.py", "--data", "/tmp/m/train", "--steps", "40"]
+    with pytest.raises(ProfileError, match=r"must name the mount point as \{mount\}"):
+        command_for("python train.py --data /data", Path("/tmp/m"))
