@@ -1,0 +1,282 @@
+"""The best mix, side by side (issue 30): each shape of the machine at the 11 static shares, at what ``profile --run``
+chose, at the cost model's choice, and under ``--mix adaptive``.
+
+    python scripts/bench/bench_mix.py                       # every shape, 256 images of 2048x1024, 3 repeats
+    python scripts/bench/bench_mix.py --shapes uncapped,torch --repeats 5
+    python scripts/bench/bench_mix.py --smoke               # 24 tiny images, two shapes, 1 repeat: the script works
+
+Shapes (each a loader and a machine state, held for all its runs):
+  uncapped   DALI CPU pipeline with augmentation (decode, random resized crop, flip, normalise), storage uncapped
+  cap200     the same, storage capped at 200 MB/s (a blkio cgroup holding the loader, its mount and the profile)
+  hog        the same, uncapped, with a busy-looping process taking a share of the cores
+  noaug      DALI CPU pipeline, decode only
+  torch      torchvision ImageFolder + DataLoader, 2 workers (scripts/bench/torch_epoch.py)
+
+Every run reads one epoch cold (page cache dropped before it) through a mount of one store prepared with every
+image raw, served at the share by ``--mix SHARE``; a run's rate is the loader's own images/s. ``profile --run``
+times the same loader command (``{mount}`` for the mount point) on the whole dataset in the same state, and its
+choice is then run like a static share; so is the model's (``--model-only``). The adaptive mix (``--mix adaptive``,
+decisions every ``--mix-interval`` s, starting at the middle) runs the loader epoch after epoch for
+``--adaptive-seconds``; its rate is the median of the epochs in the second half. Medians of repeats; a share whose
+runs are within noise of the best (3 %, or their spread) is marked.
+Results: a markdown table on stdout, JSON at --json (default WORK/mix.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _bench as bench  # noqa: E402
+import _throttle  # noqa: E402
+from _bench import REPO, SUBDIR  # noqa: E402
+
+from liquidfs.runprofile import within_noise  # noqa: E402
+
+SHAPES = ("uncapped", "cap200", "hog", "noaug", "torch")
+SHARES = [i / 10 for i in range(11)]
+GOAL = 0.97
+PARTS = ("static", "profile", "adaptive")
+PART_OF = {"static": "static", "profile --run": "profile", "model": "profile", "adaptive": "adaptive"}
+TORCH_EPOCH = Path(__file__).resolve().parent / "torch_epoch.py"
+
+
+@dataclass
+class Shape:
+    name: str
+    loader: str          # "dali" or "torch"
+    augment: bool = True
+    cap_mb: int = 0
+    hogs: int = 0
+
+    def command(self, threads: int) -> str:
+        """The loader as a ``profile --run`` command: ``{mount}`` for the mount point."""
+        if self.loader == "torch":
+            return shlex.join([sys.executable, str(TORCH_EPOCH), "{mount}/" + str(SUBDIR), "--images", "100000000",
+                               "--workers", str(threads), "--batch", "16"])
+        words = [sys.executable, "-m", "liquidfs.pipelines", "dali", "{mount}", "--threads", str(threads)]
+        return shlex.join(words + ([] if self.augment else ["--no-augment"]))
+
+
+def shape(name: str) -> Shape:
+    return {"uncapped": Shape(name, "dali"), "cap200": Shape(name, "dali", cap_mb=200),
+            "hog": Shape(name, "dali", hogs=1), "noaug": Shape(name, "dali", augment=False),
+            "torch": Shape(name, "torch")}[name]
+
+
+class Machine:
+    """A shape's machine state: the storage cap (a blkio group the loader, the daemon and the profile join) and
+    the CPU hogs, held while the shape runs."""
+
+    def __init__(self, s: Shape, work: Path) -> None:
+        self.group = _throttle.ReadThrottle(work, s.cap_mb * 1_000_000) if s.cap_mb else None
+        self.hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(s.hogs)]
+
+    def join(self, pid: int) -> None:
+        if self.group is not None:
+            self.group.add(pid)
+
+    def preexec(self):  # type: ignore[no-untyped-def]
+        return (lambda: self.join(__import__("os").getpid())) if self.group is not None else None
+
+    def close(self) -> None:
+        for p in self.hogs:
+            p.kill()
+            p.wait()
+        if self.group is not None:
+            self.group.close()
+
+
+def run_loader(command: str, mnt: Path, machine: Machine, timeout: float = 900) -> dict[str, Any]:
+    """One cold epoch of the loader through ``mnt``: its own JSON line."""
+    bench.drop_caches()
+    words = [w.replace("{mount}", str(mnt)) for w in shlex.split(command)]
+    proc = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=machine.preexec())
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loader failed ({proc.returncode}): {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def static_row(label: str, share: float, s: Shape, src: Path, store: Path, args: argparse.Namespace,
+               machine: Machine) -> dict[str, Any]:
+    m = bench.mount(src, store, args.work / "mnt", "--mix", f"{share:g}")
+    try:
+        machine.join(m.pid)
+        runs = [run_loader(s.command(args.threads), m.mnt, machine)["images_per_s"] for _ in range(args.repeats)]
+    finally:
+        m.close()
+    row = {"shape": s.name, "config": label, "share": share, "images_per_s": statistics.median(runs),
+           "runs": [round(r, 2) for r in runs]}
+    print(f"  {s.name:<9} {label:<16} share {share:4.2f}  {row['images_per_s']:7.1f} img/s  runs {row['runs']}",
+          file=sys.stderr)
+    return row
+
+
+def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *extra: str) -> dict[str, Any]:
+    """``liquidfs profile SRC --run CMD`` (or with ``extra``) in the shape's state: its JSON."""
+    out = args.work / f"profile-{s.name}{'-model' if extra else ''}.json"
+    cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(args.work / "store-profile"),
+           "--decoder", "dali", "--threads", str(args.threads), "--json", str(out),
+           "--run", s.command(args.threads), "--run-images", str(args.images), *extra]
+    if args.smoke:
+        cmd += ["--quick", "--repeats", "1"]
+    started = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, preexec_fn=machine.preexec())
+    if proc.returncode != 0:
+        raise RuntimeError(f"profile failed: {proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result["wall_s"] = time.monotonic() - started
+    print(f"  {s.name:<9} profile{' (model)' if extra else ''}: {result['chosen']:.2f} in {result['wall_s']:.0f} s "
+          f"({result['chosen_by'][:80]})", file=sys.stderr)
+    return result
+
+
+def adaptive_row(s: Shape, src: Path, store: Path, args: argparse.Namespace, machine: Machine) -> dict[str, Any]:
+    m = bench.mount(src, store, args.work / "mnt", "--mix", "adaptive", "--mix-interval", str(args.mix_interval))
+    epochs: list[dict[str, Any]] = []
+    try:
+        machine.join(m.pid)
+        started = time.monotonic()
+        while time.monotonic() - started < args.adaptive_seconds or len(epochs) < 2:
+            t = time.monotonic() - started
+            rate = run_loader(s.command(args.threads), m.mnt, machine)["images_per_s"]
+            mix = bench.control(m.mnt).get("mix") or {}
+            epochs.append({"t": round(t, 1), "images_per_s": rate, "share": mix.get("share"),
+                           "reason": str(mix.get("reason", ""))[:160]})
+    finally:
+        m.close()
+    second_half = [e for e in epochs if e["t"] >= args.adaptive_seconds / 2] or epochs[-1:]
+    row = {"shape": s.name, "config": "adaptive", "share": second_half[-1]["share"],
+           "images_per_s": statistics.median(e["images_per_s"] for e in second_half),
+           "runs": [round(e["images_per_s"], 2) for e in second_half],
+           "shares": [e["share"] for e in epochs], "epochs": epochs}
+    print(f"  {s.name:<9} adaptive         settled {row['share']}  {row['images_per_s']:7.1f} img/s  "
+          f"shares {row['shares']}", file=sys.stderr)
+    return row
+
+
+def run_shape(s: Shape, src: Path, store: Path, args: argparse.Namespace,
+              earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The shape's rows: the parts asked for run now, the others taken from ``earlier`` (``--reuse``)."""
+    print(f"shape {s.name}: `{s.command(args.threads)}`", file=sys.stderr)
+    machine = Machine(s, args.work)
+    kept = [r for r in earlier if r["shape"] == s.name and PART_OF[r["config"]] not in args.parts]
+    rows: list[dict[str, Any]] = []
+    try:
+        if "static" in args.parts:
+            for share in (SHARES if not args.smoke else [0.0, 0.5, 1.0]):
+                rows.append(static_row("static", share, s, src, store, args, machine))
+        if "profile" in args.parts:
+            measured = profile(s, src, args, machine)
+            rows.append({**static_row("profile --run", measured["chosen"], s, src, store, args, machine),
+                         "profile": {k: measured.get(k) for k in ("chosen", "chosen_by", "measured",
+                                                                  "within_noise", "model_ratio", "search_ratio",
+                                                                  "wall_s")}})
+            model = profile(s, src, args, machine, "--model-only")
+            rows.append({**static_row("model", model["chosen"], s, src, store, args, machine),
+                         "profile": {k: model.get(k) for k in ("chosen", "chosen_by", "wall_s")}})
+        if "adaptive" in args.parts:
+            rows.append(adaptive_row(s, src, store, args, machine))
+    finally:
+        machine.close()
+    rows = sorted(kept + rows, key=lambda r: list(PART_OF).index(r["config"]))
+    statics = [r for r in rows if r["config"] == "static"]
+    if statics:
+        best = max(statics, key=lambda r: r["images_per_s"])
+        for r in rows:
+            r["vs_best"] = r["images_per_s"] / best["images_per_s"]
+            r["within_noise_of_best"] = within_noise(r["runs"], best["runs"])
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == name]
+        statics = [r for r in mine if r["config"] == "static"]
+        if not statics:
+            continue
+        best = max(statics, key=lambda r: r["images_per_s"])
+        lines += [f"**{name}** (best static: {best['share']:.1f}, {best['images_per_s']:.1f} img/s)", "",
+                  "| share | " + " | ".join(f"{r['share']:.1f}" for r in statics) + " |",
+                  "|---|" + "---|" * len(statics),
+                  "| img/s | " + " | ".join(f"{r['images_per_s']:.1f}" + ("*" if r["within_noise_of_best"] else "")
+                                           for r in statics) + " |", ""]
+        lines += ["| chooser | share | img/s | vs best static | goal |", "|---|---|---|---|---|"]
+        for r in mine:
+            if r["config"] == "static":
+                continue
+            share = f"{r['share']:.2f}" if isinstance(r["share"], (int, float)) else "-"
+            ok = "met" if r["vs_best"] >= GOAL or r["within_noise_of_best"] else "not met"
+            lines.append(f"| {r['config']} | {share} | {r['images_per_s']:.1f} | {r['vs_best']:.3f} | {ok} |")
+        lines.append("")
+    lines.append("(* within noise of the best static: 3 %, or the runs' spread)")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--height", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="DALI threads / DataLoader workers (default 2)")
+    parser.add_argument("--adaptive-seconds", type=float, default=240.0)
+    parser.add_argument("--mix-interval", type=float, default=2.0)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help="which to run: static (the 11 shares), profile (profile --run and the model, then "
+                        "their choices), adaptive; the others are taken from --reuse")
+    parser.add_argument("--reuse", type=Path, metavar="JSON", help="an earlier run's JSON: its rows of the parts not "
+                        "run now")
+    bench.add_run_arguments(parser, results="WORK/mix.json", work=REPO / "out" / "mix",
+                            smoke="24 images of 512x256, shapes uncapped and cap200, shares 0/0.5/1, 1 repeat")
+    args = parser.parse_args()
+    shapes = bench.split_choices(parser, args.shapes, SHAPES, "shape")
+    args.parts = bench.split_choices(parser, args.parts, PARTS, "part")
+    earlier: list[dict[str, Any]] = json.loads(args.reuse.read_text())["rows"] if args.reuse else []
+    if args.smoke:
+        args.images, args.width, args.height, args.repeats = 24, 512, 256, 1
+        args.adaptive_seconds = 20.0
+        if args.shapes == ",".join(SHAPES):
+            shapes = ["uncapped", "cap200"]
+    problem = bench.root_problem("before every run")
+    if problem is None and any(shape(n).cap_mb for n in shapes):
+        problem = _throttle.available()
+    if problem:
+        print(f"bench_mix: {problem}", file=sys.stderr)
+        return 2
+    args.work = bench.work_dir(args.work)
+    started = time.time()
+    src = bench.dataset(bench.dataset_dir(args.work, args.images, args.width, args.height), args.images,
+                        args.width, args.height)
+    store = bench.store_for(src.parent, src, 1.0)
+    rows: list[dict[str, Any]] = []
+    for name in shapes:
+        rows += run_shape(shape(name), src, store, args, earlier)
+    out = (args.json or args.work / "mix.json").absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"argv": sys.argv, "started": started, "seconds": time.time() - started, "images": args.images,
+            "size": f"{args.width}x{args.height}", "repeats": args.repeats, "threads": args.threads,
+            "adaptive_seconds": args.adaptive_seconds, "mix_interval": args.mix_interval, "smoke": args.smoke,
+            "parts": args.parts, "reused": str(args.reuse) if args.reuse else None}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(markdown(rows))
+    print(f"\n(JSON {out}, {time.time() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
