@@ -185,7 +185,8 @@ def test_a_changed_machine_is_followed_at_full_step_after_a_settled_while() -> N
     for interval in range(10):
         controller.observe(Observation(30, 0.0, cpu_pressure=0.05, io_pressure=0.55, cpu_busy=0.3))
     assert controller.share < 0.4, [d.reason for d in controller.decisions]
-    assert "afresh" in next(d.reason for d in controller.decisions if d.share != 0.95)
+    # the first move after the change (the settled minute, balanced with the pressures low, had a probe: issue 30)
+    assert "afresh" in next(d.reason for d in controller.decisions[12:] if d.share != 0.95)
 
 
 def test_a_weak_verdict_after_a_settled_while_keeps_the_small_step() -> None:
@@ -292,3 +293,113 @@ def test_only_regular_pressure_files_are_read(tmp_path: Path) -> None:
     # The group's cpu.stat, a FIFO here, is no reading either (never a blocked open): the node's /proc/stat is.
     busy = _in_thread_with_deadline(lambda: CpuBusy(tmp_path))
     assert busy._last is not None and busy._last[1] > 0
+
+
+# Probing while balanced (issue 30): pressures both low tell nothing of which share delivers more.
+
+def _balanced(rate: float) -> Observation:
+    """An interval in which no pressure binds (DALI with augmentation: CPU half busy, little stall anywhere)."""
+    return Observation(rate, 0.0, cpu_pressure=0.1, io_pressure=0.05, cpu_busy=0.5)
+
+
+def _drive(controller: MixController, rate: Callable[[float], float], steps: int, rng: random.Random,
+           noise: float = 0.1) -> list[float]:
+    """The shares served over ``steps`` balanced intervals, the rate each delivered ``rate(share)`` with gaussian
+    noise of ``noise`` of it."""
+    shares = []
+    for _ in range(steps):
+        controller.observe(_balanced(rate(controller.share) * (1 + rng.gauss(0, noise))))
+        shares.append(controller.share)
+    return shares
+
+
+def _longest_run(shares: list[float], away_from: float) -> int:
+    longest = run_ = 0
+    for share in shares:
+        run_ = run_ + 1 if share != away_from else 0
+        longest = max(longest, run_)
+    return longest
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_it_probes_its_way_to_the_share_that_delivers_more(seed: int) -> None:
+    """The DALI pipeline of issue 30: pressures balanced (both low) at every share, and 1.0 delivers 11 % more
+    images/s than 0.9, the rate of an interval swinging by 10 %. From 0.9 the controller probes, keeps 1.0, and
+    serves it at least 80 % of the last 100 intervals (before probing, it held at 0.9 for good)."""
+    controller = MixController(0.0, 1.0, 0.9)
+    shares = _drive(controller, lambda r: 100 * (1 + 1.1 * (r - 0.9)), 360, random.Random(seed))
+    assert shares[-1] == 1.0, [d.reason for d in controller.decisions if d.reason.startswith("probe")]
+    assert sum(r == 1.0 for r in shares[-100:]) >= 80
+    kept = [d.reason for d in controller.decisions if d.reason.startswith("probe kept")]
+    assert kept and "at 1.00" in kept[-1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_probes_around_the_best_share_cost_a_few_percent(seed: int) -> None:
+    """Balanced, the rate peaks at the start share and each neighbour delivers 8 % less, 10 % noise: over 50 min
+    of 5 s intervals the share is elsewhere at most 15 % of the intervals, never more than two minutes in a row,
+    and the rate delivered is within 3 % of the peak's."""
+    def rate(r: float) -> float:
+        return 100 * (1 - 0.8 * abs(r - 0.5))
+    controller = MixController(0.0, 1.0, 0.5)
+    shares = _drive(controller, rate, 600, random.Random(seed))
+    assert any(d.reason.startswith("probe:") for d in controller.decisions)  # it did probe
+    assert sum(r != 0.5 for r in shares) <= 0.15 * len(shares)
+    assert _longest_run(shares, 0.5) <= 24
+    assert statistics.fmean(rate(r) for r in shares) >= 0.97 * rate(0.5)
+
+
+def test_a_flat_rate_does_not_make_the_share_drift() -> None:
+    """Balanced, every share delivers the same, 10 % noise: probes find nothing to keep, as a rule. The noise can
+    still pass for a gain now and then (about one probe in forty), so this is judged over twenty 30 min runs:
+    three in four stay at the start at least 70 % of the time and end within 0.1 of it, at most one wanders
+    further than 0.2, and the share is at the start 75 % of the time over all of them."""
+    at_start, good, far = [], 0, 0
+    for seed in range(20):
+        controller = MixController(0.0, 1.0, 0.5)
+        shares = _drive(controller, lambda r: 100.0, 360, random.Random(seed))
+        assert any(d.reason.startswith("probe:") for d in controller.decisions)
+        far += any(abs(r - 0.5) > 0.2 + 1e-9 for r in shares)
+        at_start.append(sum(r == 0.5 for r in shares) / len(shares))
+        good += at_start[-1] >= 0.7 and abs(shares[-1] - 0.5) <= 0.1 + 1e-9
+    assert good >= 15 and far <= 1, at_start
+    assert statistics.fmean(at_start) >= 0.75, at_start
+
+
+def test_a_strong_pressure_ends_a_probe_and_the_pressure_rule_moves() -> None:
+    """Storage clearly binds in the middle of a probe: the probe ends where it is, and the pressure rule moves
+    as it would have (after ``patience`` intervals, fewer raw); a weak verdict before it was ignored."""
+    controller = MixController(0.0, 1.0, 0.5)
+    rng = random.Random(7)
+    for _ in range(12):  # balanced until a probe starts
+        controller.observe(_balanced(100 * (1 + rng.gauss(0, 0.1))))
+        if controller.decisions[-1].reason.startswith("probe:"):
+            break
+    probe_share = controller.share
+    assert probe_share == 0.6
+    controller.observe(Observation(100, 0.0, cpu_pressure=0.3, io_pressure=0.1, cpu_busy=0.5))  # weak: ignored
+    assert controller.share == probe_share and controller.decisions[-1].reason.startswith("probing")
+    for _ in range(2):
+        controller.observe(Observation(60, 0.0, cpu_pressure=0.05, io_pressure=0.6, cpu_busy=0.3))
+    reasons = [d.reason for d in controller.decisions[-2:]]
+    assert reasons[0].startswith("hold: storage binds") and reasons[1].startswith("fewer raw"), reasons
+    assert controller.share == pytest.approx(probe_share - 0.1)
+    assert controller._probe is None
+
+
+def test_a_share_a_probe_showed_worse_is_left_within_two_minutes() -> None:
+    """A probe showed 0.6 worse than 0.5 (5 % less; too little for the regret rule). A weak pressure then leads
+    there: balanced again, the controller goes back to 0.5 within 24 intervals."""
+    def rate(r: float) -> float:
+        return 100.0 if r <= 0.5 else 95.0
+    controller = MixController(0.0, 1.0, 0.5)
+    rng = random.Random(3)
+    _drive(controller, rate, 12, rng, noise=0.01)
+    assert any(d.reason.startswith("probe undone") and "at 0.60" in d.reason for d in controller.decisions)
+    assert controller.share == 0.5
+    for _ in range(2):  # decoding binds a little: the pressure rule moves to 0.6
+        controller.observe(Observation(rate(controller.share), 0.0, cpu_pressure=0.25, io_pressure=0.05))
+    assert controller.share == 0.6
+    shares = _drive(controller, rate, 24, rng, noise=0.01)
+    assert shares[-1] == 0.5 and _longest_run(shares, 0.5) <= 24
+    assert any(d.reason.startswith("back:") for d in controller.decisions)
