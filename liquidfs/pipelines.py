@@ -1,6 +1,7 @@
 """The built-in loaders ``liquidfs profile`` times through a mount when no ``--run`` command is given.
 
     python -m liquidfs.pipelines {dali,pil} DIR [--threads T] [--batch 16] [--epochs 1] [--no-augment]
+                                 [--shuffle-buffer 1024] [--report-epochs]
 
 Each reads every image under DIR (any layout) once per epoch in a seeded random order and does the per-image work
 a training loader does on the CPU: decode, then (unless ``--no-augment``) a random resized crop to 224 x 224, a
@@ -60,7 +61,8 @@ def _pil_one(path: str, rng: random.Random, augment: bool) -> int:
         return int(array.size)
 
 
-def run_pil(files: Sequence[str], *, threads: int, batch: int, epochs: int, seed: int, augment: bool) -> Iterator[int]:
+def run_pil(files: Sequence[str], *, threads: int, batch: int, epochs: int, seed: int, augment: bool,
+            shuffle_buffer: int = 0) -> Iterator[int]:
     """0 once set up, then the images delivered, a batch at a time."""
     order = random.Random(seed)
     with cf.ThreadPoolExecutor(threads) as pool:
@@ -86,13 +88,14 @@ def run_pil(files: Sequence[str], *, threads: int, batch: int, epochs: int, seed
                 yield len(done)
 
 
-def run_dali(files: Sequence[str], *, threads: int, batch: int, epochs: int, seed: int,
-             augment: bool) -> Iterator[int]:
+def run_dali(files: Sequence[str], *, threads: int, batch: int, epochs: int, seed: int, augment: bool,
+             shuffle_buffer: int = 1024) -> Iterator[int]:
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(batch_size=batch, num_threads=threads, device_id=None, seed=seed)
     def pipe():  # type: ignore[no-untyped-def]
-        encoded, labels = fn.readers.file(files=list(files), random_shuffle=True, name="reader")
+        encoded, labels = fn.readers.file(files=list(files), random_shuffle=True, initial_fill=shuffle_buffer,
+                                          name="reader")
         images = fn.decoders.image(encoded, device="cpu")
         if augment:
             images = fn.random_resized_crop(images, size=[CROP, CROP])
@@ -123,6 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-augment", dest="augment", action="store_false",
                         help="decode only (no random resized crop, flip, normalisation)")
+    parser.add_argument("--shuffle-buffer", type=int, default=1024,
+                        help="dali: the reader's initial_fill, the files it opens ahead to shuffle among (default "
+                        "1024, DALI's own). With fewer images than this, an epoch's files are all opened before "
+                        "its first batch, and reading and decoding no longer overlap")
+    parser.add_argument("--report-epochs", action="store_true", help="a JSON line per epoch too")
     args = parser.parse_args(argv)
     files = image_files(args.root)
     if not files:
@@ -130,12 +138,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     run = run_dali if args.loader == "dali" else run_pil
     batches = run(files, threads=args.threads, batch=args.batch, epochs=args.epochs, seed=args.seed,
-                  augment=args.augment)
+                  augment=args.augment, shuffle_buffer=args.shuffle_buffer)
     next(batches)  # set up (DALI builds its pipeline): not the loader's pace
-    started = time.perf_counter()
-    done = 0
+    started = epoch_started = time.perf_counter()
+    done = epoch_done = 0
     for n in batches:
         done += n
+        epoch_done += n
+        if args.report_epochs and epoch_done >= len(files):
+            now = time.perf_counter()
+            print(json.dumps({"epoch": done // len(files), "images": epoch_done, "seconds": now - epoch_started,
+                              "images_per_s": epoch_done / (now - epoch_started)}), flush=True)
+            epoch_started, epoch_done = now, 0
     elapsed = time.perf_counter() - started
     print(json.dumps({"loader": args.loader, "augment": args.augment, "images": done, "seconds": elapsed,
                       "images_per_s": done / elapsed if elapsed else 0.0}))

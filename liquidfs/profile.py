@@ -277,8 +277,12 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
         best = search_result.median(search_result.chosen)
         model_guess = chosen
         chosen = search_result.chosen
-        guess = (f"{search_result.median(model_guess):.1f} img/s at the model's {model_guess:.2f}"
-                 if model_guess in search_result.rates else f"model's guess {model_guess:.2f}")
+        if model_guess == chosen:
+            guess = "the model's guess too"
+        elif model_guess in search_result.rates:
+            guess = f"{search_result.median(model_guess):.1f} img/s at the model's {model_guess:.2f}"
+        else:
+            guess = f"the model guessed {model_guess:.2f}"
         chosen_by = f"measured search: {best:.1f} img/s through the mount ({guess})"
     model_r, reason = model_choice(chosen_costs)
     table = [{"ratio": r, "load_images_per_s": _rate(chosen_costs.load_time(r)),

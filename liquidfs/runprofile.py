@@ -11,8 +11,8 @@ the published profiler does:
   mount point; the files it reads are first dropped from the page cache (``posix_fadvise``, these files only),
   so every run reads storage as an epoch of a dataset larger than memory does;
 * its rate is what the mount counted, without any help from the command: its opens per second from the first
-  open to its exit (a loader's start-up is not its pace; its read-ahead's burst at the start is work the epoch
-  waits for), and the bytes served;
+  open to when it was done with the mount (no file open after its last open; else its exit): its start-up and
+  exit are not its pace, its read-ahead's burst at the start is work the epoch waits for; and the bytes served;
 * a binary search over the 11 shares compares two neighbours and keeps the half on the faster side; two rates
   within noise are measured again (``repeats``), and still within noise end the search there. The model's choice
   is the first midpoint. The chosen share is the fastest median measured; among shares within noise of it, the
@@ -126,11 +126,14 @@ def search(measure: Callable[[float], float], *, first: float | None = None, rep
     return result
 
 
-def pace(samples: Sequence[tuple[float, int, int]], end: float) -> tuple[float, float, int]:
-    """(images/s, bytes/s, opens) of a run from the mount's counters read over it: (seconds, opens, bytes served)
-    samples, and ``end``, when the command exited. The span runs from the first open to the exit: a loader's
-    start-up (imports, building its pipeline) is not its pace, while a read-ahead's burst of opens at the start
-    (DALI's shuffle buffer opens up to 1,024 files before its first batch) is work the epoch still waits for."""
+def pace(samples: Sequence[tuple[float, int, int, int]], end: float) -> tuple[float, float, int]:
+    """(images/s, bytes/s, opens) of a run from the mount's counters read over it: (seconds, opens, bytes served,
+    files open) samples, and ``end``, when the command exited. The span runs from the first open to when the
+    command was done with the mount: the first reading after its last open with no file open, else its exit. A
+    loader's start-up (imports, building its pipeline) is not its pace, nor is its exit (a DataLoader's workers
+    take half a second to go); a read-ahead's burst of opens at the start (DALI's shuffle buffer opens up to
+    1,024 files before its first batch) is work the epoch still waits for, and DALI keeps the files it read ahead
+    open until it exits."""
     if len(samples) < 2:
         return 0.0, 0.0, 0
     o0, b0 = samples[0][1], samples[0][2]
@@ -141,7 +144,9 @@ def pace(samples: Sequence[tuple[float, int, int]], end: float) -> tuple[float, 
     k = next(i for i, s in enumerate(samples) if s[1] > o0)
     # The first open fell between two readings of the counters: the middle of them.
     first = (samples[k - 1][0] + samples[k][0]) / 2 if k else samples[0][0]
-    span = end - first
+    last = next(i for i, s in enumerate(samples) if s[1] == last_opens)
+    done = next((s[0] for s in samples[last:] if s[3] == 0), end)
+    span = min(done, end) - first
     if span <= 0:
         return 0.0, 0.0, total
     return total / span, (last_bytes - b0) / span, total
@@ -257,7 +262,7 @@ class ScratchMounts:
             forget_pages(self.src)
             forget_pages(self.store)
             words = command_for(command, self.mnt)
-            samples: list[tuple[float, int, int]] = []
+            samples: list[tuple[float, int, int, int]] = []
             stop = threading.Event()
             started = time.monotonic()
 
@@ -273,7 +278,9 @@ class ScratchMounts:
                         opens = c["opens"]
                         if not isinstance(opens, int):
                             raise TypeError(f"opens is {opens!r}")
-                        samples.append((time.monotonic() - started, opens, served))
+                        held = c.get("open_files")
+                        samples.append((time.monotonic() - started, opens, served,
+                                        held if isinstance(held, int) else 1))
                     except (OSError, ValueError, KeyError, TypeError) as exc:
                         log.debug("reading the mount's counters: %s", exc)
                     stop.wait(POLL)
@@ -294,7 +301,7 @@ class ScratchMounts:
             seconds = time.monotonic() - started
             try:  # the counters at the exit: what the command did last
                 c = read_control(self.mnt)
-                samples.append((seconds, int(c["opens"]), samples[-1][2] if samples else 0))  # type: ignore
+                samples.append((seconds, int(c["opens"]), samples[-1][2] if samples else 0, 0))  # type: ignore
             except (OSError, ValueError, KeyError, TypeError):
                 pass
             if proc.returncode != 0:

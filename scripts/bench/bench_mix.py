@@ -17,7 +17,9 @@ image raw, served at the share by ``--mix SHARE``; a run's rate is the loader's 
 times the same loader command (``{mount}`` for the mount point) on the whole dataset in the same state, and its
 choice is then run like a static share; so is the model's (``--model-only``). The adaptive mix (``--mix adaptive``,
 decisions every ``--mix-interval`` s, starting at the middle) runs the loader epoch after epoch for
-``--adaptive-seconds``; its rate is the median of the epochs in the second half. Medians of repeats; a share whose
+``--adaptive-seconds`` in one process (the page cache dropped at each epoch's end); its rate is that of the epochs
+that ended in the second half. DALI's shuffle buffer is 32 files (below the dataset's count, as DALI's default
+1,024 is below Cityscapes' 2,975 images). Medians of repeats; a share whose
 runs are within noise of the best (3 %, or their spread) is marked.
 Results: a markdown table on stdout, JSON at --json (default WORK/mix.json).
 """
@@ -26,10 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +53,7 @@ GOAL = 0.97
 PARTS = ("static", "profile", "adaptive")
 PART_OF = {"static": "static", "profile --run": "profile", "model": "profile", "adaptive": "adaptive"}
 TORCH_EPOCH = Path(__file__).resolve().parent / "torch_epoch.py"
+SHUFFLE_BUFFER = 32
 
 
 @dataclass
@@ -59,12 +64,18 @@ class Shape:
     cap_mb: int = 0
     hogs: int = 0
 
-    def command(self, threads: int) -> str:
-        """The loader as a ``profile --run`` command: ``{mount}`` for the mount point."""
+    def command(self, threads: int, *, epochs: int = 1) -> str:
+        """The loader as a ``profile --run`` command: ``{mount}`` for the mount point. ``epochs`` > 1: a line per
+        epoch too, for the adaptive mix's runs."""
+        more = ["--report-epochs"] if epochs > 1 else []
         if self.loader == "torch":
-            return shlex.join([sys.executable, str(TORCH_EPOCH), "{mount}/" + str(SUBDIR), "--images", "100000000",
-                               "--workers", str(threads), "--batch", "16"])
-        words = [sys.executable, "-m", "liquidfs.pipelines", "dali", "{mount}", "--threads", str(threads)]
+            return shlex.join([sys.executable, str(TORCH_EPOCH), "{mount}/" + str(SUBDIR), "--epochs", str(epochs),
+                               "--workers", str(threads), "--batch", "16", *more])
+        # A shuffle buffer below the dataset's count, as DALI's 1,024 is below Cityscapes' 2,975 training images:
+        # with one larger than the dataset, DALI opens a whole epoch before its first batch and reading and
+        # decoding no longer overlap (and, held open, files are not reopened from one epoch to the next).
+        words = [sys.executable, "-m", "liquidfs.pipelines", "dali", "{mount}", "--threads", str(threads),
+                 "--shuffle-buffer", str(SHUFFLE_BUFFER), "--epochs", str(epochs), *more]
         return shlex.join(words + ([] if self.augment else ["--no-augment"]))
 
 
@@ -143,27 +154,60 @@ def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *ex
     return result
 
 
-def adaptive_row(s: Shape, src: Path, store: Path, args: argparse.Namespace, machine: Machine) -> dict[str, Any]:
+def adaptive_row(s: Shape, src: Path, store: Path, args: argparse.Namespace, machine: Machine,
+                 rate_guess: float) -> dict[str, Any]:
+    """``--mix adaptive`` under one loader process reading epoch after epoch for about ``--adaptive-seconds``
+    (``rate_guess`` images/s sets the epochs), the page cache dropped at each epoch's end; the mix's share read
+    every second. Its rate: the images over the seconds of the epochs that ended in the second half."""
+    epochs = max(4, math.ceil(args.adaptive_seconds * rate_guess / args.images))
     m = bench.mount(src, store, args.work / "mnt", "--mix", "adaptive", "--mix-interval", str(args.mix_interval))
-    epochs: list[dict[str, Any]] = []
+    shares: list[tuple[float, float]] = []
+    stop = threading.Event()
+    started = time.monotonic()
+
+    def watch() -> None:
+        while not stop.wait(1.0):
+            try:
+                mix = bench.control(m.mnt).get("mix") or {}
+                shares.append((round(time.monotonic() - started, 1), mix.get("share")))
+            except (OSError, ValueError):
+                pass
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    done: list[dict[str, Any]] = []
     try:
         machine.join(m.pid)
-        started = time.monotonic()
-        while time.monotonic() - started < args.adaptive_seconds or len(epochs) < 2:
-            t = time.monotonic() - started
-            rate = run_loader(s.command(args.threads), m.mnt, machine)["images_per_s"]
-            mix = bench.control(m.mnt).get("mix") or {}
-            epochs.append({"t": round(t, 1), "images_per_s": rate, "share": mix.get("share"),
-                           "reason": str(mix.get("reason", ""))[:160]})
+        bench.drop_caches()
+        words = [w.replace("{mount}", str(m.mnt))
+                 for w in shlex.split(s.command(args.threads, epochs=epochs))]
+        proc = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=machine.preexec())
+        watcher.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            said = json.loads(line)
+            if "epoch" in said:
+                bench.drop_caches()  # the next epoch reads storage, as the static runs' do
+                said["t"] = round(time.monotonic() - started, 1)
+                said["share"] = shares[-1][1] if shares else None
+                done.append(said)
+        err = proc.stderr.read() if proc.stderr else ""
+        if proc.wait() != 0:
+            raise RuntimeError(f"loader failed ({proc.returncode}): {err[-2000:]}")
     finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()
+        reason = str((bench.control(m.mnt).get("mix") or {}).get("reason", ""))
         m.close()
-    second_half = [e for e in epochs if e["t"] >= args.adaptive_seconds / 2] or epochs[-1:]
-    row = {"shape": s.name, "config": "adaptive", "share": second_half[-1]["share"],
-           "images_per_s": statistics.median(e["images_per_s"] for e in second_half),
-           "runs": [round(e["images_per_s"], 2) for e in second_half],
-           "shares": [e["share"] for e in epochs], "epochs": epochs}
-    print(f"  {s.name:<9} adaptive         settled {row['share']}  {row['images_per_s']:7.1f} img/s  "
-          f"shares {row['shares']}", file=sys.stderr)
+    total = done[-1]["t"]
+    second_half = [e for e in done if e["t"] >= total / 2] or done[-1:]
+    rate = sum(e["images"] for e in second_half) / sum(e["seconds"] for e in second_half)
+    row = {"shape": s.name, "config": "adaptive", "share": second_half[-1]["share"], "images_per_s": rate,
+           "runs": [round(e["images_per_s"], 2) for e in second_half], "epochs": done, "shares": shares,
+           "last_reason": reason[:300]}
+    print(f"  {s.name:<9} adaptive         settled {row['share']}  {rate:7.1f} img/s  epoch shares "
+          f"{[e['share'] for e in done]}", file=sys.stderr)
     return row
 
 
@@ -188,7 +232,8 @@ def run_shape(s: Shape, src: Path, store: Path, args: argparse.Namespace,
             rows.append({**static_row("model", model["chosen"], s, src, store, args, machine),
                          "profile": {k: model.get(k) for k in ("chosen", "chosen_by", "wall_s")}})
         if "adaptive" in args.parts:
-            rows.append(adaptive_row(s, src, store, args, machine))
+            known = [r["images_per_s"] for r in kept + rows if r["config"] == "static"]
+            rows.append(adaptive_row(s, src, store, args, machine, max(known, default=50.0)))
     finally:
         machine.close()
     rows = sorted(kept + rows, key=lambda r: list(PART_OF).index(r["config"]))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +12,11 @@ import pytest
 from PIL import Image
 
 from fusehelpers import DATA_PATHS, Mount, mounter_on_each_path, wait_for
-from liquidfs.catalog import Catalog
+from mixhelpers import PressureFiles, adaptive_mount, prepared_all_raw, read_checked
 from liquidfs.prepare import prepare
 from sample import make_sample
 
 pytestmark = pytest.mark.fuse
-
-_PSI = "some avg10={:.2f} avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-
 
 mounter = pytest.fixture(params=DATA_PATHS, name="mounter")(mounter_on_each_path)
 
@@ -29,88 +24,23 @@ mounter = pytest.fixture(params=DATA_PATHS, name="mounter")(mounter_on_each_path
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, Path]]:
     """24 images, every one with a raw object (prepare --ratio 1). Not modified by any test."""
-    work = tmp_path_factory.mktemp("mix")
-    src = make_sample(work / "src", count=24, width=128, height=64, seed=5)
-    store = work / "store"
-    prepare(src, store, 1.0, progress=False)
-    catalog = Catalog.open(store, readonly=True)
-    objects = {os.fsdecode(n.path): store / str(n.object) for n in catalog.files() if n.served_raw}
-    catalog.close()
-    assert len(objects) == 24
-    return src, store, objects
+    return prepared_all_raw(tmp_path_factory.mktemp("mix"))
 
 
 def _control(mnt: Path) -> dict:
     return json.loads((mnt / ".__liquidfs__").read_bytes())
 
 
-class _Pressure:
-    """Pressure files as the kernel keeps them: ``set`` says which share of the time stalls, and a thread grows
-    each file's ``total`` (microseconds stalled) at that rate, as the mount reads the growth per interval."""
-
-    def __init__(self, where: Path) -> None:
-        self.where = where
-        self.shares = {"cpu": 0.02, "io": 0.02}
-        self.totals = dict.fromkeys(self.shares, 0.0)
-        self._stop = threading.Event()
-        self._write(0.0)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def set(self, cpu: float, io: float) -> None:
-        self.shares = {"cpu": cpu, "io": io}
-
-    def _write(self, seconds: float) -> None:
-        for kind, share in self.shares.items():
-            self.totals[kind] += share * seconds * 1e6
-            tmp = self.where / f".{kind}"
-            tmp.write_text(_PSI.format(100 * share, int(self.totals[kind])))
-            tmp.rename(self.where / kind)
-
-    def _run(self) -> None:
-        last = time.monotonic()
-        while not self._stop.wait(0.05):
-            now = time.monotonic()
-            self._write(now - last)
-            last = now
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def _adaptive_mount(prepared, mounter: Mount, tmp_path: Path, request: pytest.FixtureRequest,  # type: ignore[no-untyped-def]
-                    *extra: str) -> tuple[Path, _Pressure]:
-    """A ``--mix adaptive`` mount of the prepared store, steered every 0.3 s by pressure files the test sets."""
+                    *extra: str) -> tuple[Path, PressureFiles]:
     src, store, _ = prepared
-    psi = tmp_path / "psi"
-    psi.mkdir()
-    pressure = _Pressure(psi)
-    request.addfinalizer(pressure.stop)
-    # As a cgroup v2 group's directory: its CPU use stays put (busy 0), so only the pressure files decide,
-    # whatever else this machine runs meanwhile.
-    (psi / "cpu.stat").write_text("usage_usec 1000\nuser_usec 600\nsystem_usec 400\n")
-    mnt = mounter.mount(src, "--mix", "adaptive", "--mix-interval", "0.3", "--pressure-dir", str(psi), *extra,
-                        store=store)
-    return mnt, pressure
-
-
-def _read_checked(mnt: Path, rel: str, src: Path, raw_object: Path) -> bool:
-    """Read one file as a loader does (open, fstat, read to the size fstat said); its bytes must be the source's
-    or the raw object's, whole, and decode to the source's pixels. True when it was served raw."""
-    with open(mnt / rel, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = f.read(size + 1)
-    assert len(data) == size, f"{rel}: fstat said {size}, read {len(data)}"
-    original, raw = (src / rel).read_bytes(), raw_object.read_bytes()
-    assert data in (original, raw), f"{rel}: neither the source nor its raw object"
-    return data == raw
+    return adaptive_mount(src, store, mounter, tmp_path / "psi", request, *extra)
 
 
 def test_a_fixed_share_serves_the_rest_as_originals(prepared, mounter: Mount) -> None:
     src, store, objects = prepared
     mnt = mounter.mount(src, "--mix", "0.5", store=store)
-    served_raw = {rel: _read_checked(mnt, rel, src, obj) for rel, obj in objects.items()}
+    served_raw = {rel: read_checked(mnt, rel, src, obj) for rel, obj in objects.items()}
     assert 4 <= sum(served_raw.values()) <= 20  # half of 24 in expectation, a seeded random choice
     for rel, raw in served_raw.items():  # the size stat shows is the one served
         assert (mnt / rel).stat().st_size == (objects[rel] if raw else src / rel).stat().st_size
@@ -143,7 +73,7 @@ def test_adaptive_follows_the_pressure_and_every_read_stays_whole(prepared, moun
     def read_all() -> int:
         nonlocal switches
         for rel in rels:
-            raw = _read_checked(mnt, rel, src, objects[rel])
+            raw = read_checked(mnt, rel, src, objects[rel])
             switches += raw != last[rel]
             last[rel] = raw
         return sum(last.values())
@@ -202,7 +132,7 @@ def test_held_originals_are_served_raw_once_the_share_rises(prepared, mounter: M
     rels = sorted(objects)
 
     def read_all() -> int:
-        return sum(_read_checked(mnt, rel, src, objects[rel]) for rel in rels)
+        return sum(read_checked(mnt, rel, src, objects[rel]) for rel in rels)
 
     first = read_all()  # at the starting share, 0.5: some served, and now held, as originals
     assert first < 24
@@ -224,3 +154,4 @@ def test_held_originals_are_served_raw_once_the_share_rises(prepared, mounter: M
     for rel in rels[:4]:
         with Image.open(mnt / rel) as im, Image.open(src / rel) as ref:
             assert np.array_equal(np.asarray(im), np.asarray(ref))
+

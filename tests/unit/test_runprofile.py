@@ -70,12 +70,15 @@ def test_within_noise() -> None:
     assert within_noise([100.0, 120.0], [110.0, 112.0])  # the runs' own spread is larger than the gap
 
 
-def test_pace_runs_from_the_first_open_to_the_exit() -> None:
-    # counters read every 0.5 s: nothing for 2 s (start-up), then 10 opens/s, exit at 7.0
-    samples = [(t / 2, max(0, round((t / 2 - 2) * 10)), 0) for t in range(0, 14)]
+def test_pace_runs_from_the_first_open_to_the_exit_or_the_last_file_closed() -> None:
+    # counters read every 0.5 s: nothing for 2 s (start-up), then 10 opens/s with a file open, exit at 7.0
+    samples = [(t / 2, max(0, round((t / 2 - 2) * 10)), 0, 1) for t in range(0, 14)]
     images_per_s, _, opens = pace(samples, end=7.0)
     assert opens == 45 and images_per_s == pytest.approx(45 / (7.0 - 2.25), rel=0.01)
-    assert pace([(0.0, 5, 0), (1.0, 5, 0)], end=2.0) == (0.0, 0.0, 0)
+    # the last file closed at 6.5, a second before the command exits (its workers' teardown): the span ends there
+    closed = samples[:-1] + [(6.5, 45, 0, 0)]
+    assert pace(closed, end=7.5)[0] == pytest.approx(45 / (6.5 - 2.25), rel=0.01)
+    assert pace([(0.0, 5, 0, 0), (1.0, 5, 0, 0)], end=2.0) == (0.0, 0.0, 0)
 
 
 def test_command_for_replaces_the_mount_and_needs_it() -> None:
@@ -83,3 +86,23 @@ def test_command_for_replaces_the_mount_and_needs_it() -> None:
     assert words == ["python", "my loader.py", "--data", "/tmp/m/train", "--steps", "40"]
     with pytest.raises(ProfileError, match=r"must name the mount point as \{mount\}"):
         command_for("python train.py --data /data", Path("/tmp/m"))
+
+
+@pytest.mark.parametrize("augment", [True, False])
+def test_the_builtin_pillow_pipeline_reads_every_image_once_per_epoch(tmp_path: Path, augment: bool) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from sample import make_sample
+
+    src = make_sample(tmp_path / "data", count=6, width=320, height=160, seed=3)
+    done = subprocess.run([sys.executable, "-m", "liquidfs.pipelines", "pil", str(src), "--threads", "2",
+                           "--epochs", "2", "--batch", "4", *([] if augment else ["--no-augment"])],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said["images"] == 12 and said["augment"] is augment and said["images_per_s"] > 0
+    empty = subprocess.run([sys.executable, "-m", "liquidfs.pipelines", "pil", str(tmp_path / "nothing")],
+                           capture_output=True, text=True, timeout=60)
+    assert empty.returncode == 2 and "no images under" in empty.stderr
