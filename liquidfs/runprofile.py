@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .expansion import is_image
+from .paths import open_regular
 from .timedreads import ProfileError
 
 log = logging.getLogger(__name__)
@@ -237,11 +238,22 @@ class ScratchMounts:
             raise ProfileError(f"{self.source}: {len(paths)} images; the measured search needs at least "
                                f"{MIN_OPENS}")
         self.progress(f"copying a sample of {len(paths)} images in the dataset's layout")
+        copied = 0
         for rel in paths:
             target = self.src / rel
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(self.source / rel, target, follow_symlinks=False)
-        return len(paths)
+            try:
+                # Never through a link, never a FIFO (a writer of the dataset may swap a file for one meanwhile);
+                # the copy is this user's, 0600 under liquidfs's umask, in a 0700 directory.
+                with open(open_regular(self.source / rel), "rb") as fin, open(target, "xb") as fout:
+                    shutil.copyfileobj(fin, fout, 1 << 20)
+                copied += 1
+            except OSError as exc:
+                log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
+                target.unlink(missing_ok=True)
+        if copied < MIN_OPENS:
+            raise ProfileError(f"{self.source}: only {copied} images could be read for the measured search")
+        return copied
 
     def _prepare(self) -> None:
         from .prepare import PrepareError, prepare

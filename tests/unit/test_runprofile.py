@@ -106,3 +106,22 @@ def test_the_builtin_pillow_pipeline_reads_every_image_once_per_epoch(tmp_path: 
     empty = subprocess.run([sys.executable, "-m", "liquidfs.pipelines", "pil", str(tmp_path / "nothing")],
                            capture_output=True, text=True, timeout=60)
     assert empty.returncode == 2 and "no images under" in empty.stderr
+
+
+def test_the_sample_holds_only_regular_images_and_is_seeded(tmp_path: Path) -> None:
+    import os
+
+    from liquidfs.runprofile import sample_paths
+
+    root = tmp_path / "data"
+    (root / "a" / "b").mkdir(parents=True)
+    for i in range(30):
+        (root / "a" / "b" / f"{i:02d}.png").write_bytes(b"x")
+    (root / "a" / "notes.txt").write_text("not an image")
+    (root / "a" / "link.png").symlink_to("/etc/passwd")
+    os.mkfifo(root / "a" / "fifo.png")
+    (root / "elsewhere").symlink_to(tmp_path, target_is_directory=True)  # a linked directory is not walked
+    every = sample_paths(root, 100)
+    assert len(every) == 30 and all(p.parts[:2] == ("a", "b") for p in every)
+    some = sample_paths(root, 8, seed=1)
+    assert len(some) == 8 and some == sample_paths(root, 8, seed=1) and set(some) <= set(every)
