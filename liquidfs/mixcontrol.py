@@ -283,6 +283,11 @@ class MixController:
         if verdict != 0:  # a pressure binds (or both do): no probing
             self._balanced = 0
             self._balanced_rates.clear()
+            worse = self._worse.get(self.share)
+            if verdict is None and worse is not None and self._at_share >= self.worse_limit \
+                    and self._before_move is None:
+                # Balanced with both pressures high at a share a probe showed worse: no longer than worse_limit.
+                return self._leave_worse(worse[0])
             return None
         self._balanced += 1
         self._balanced_rates.append(rate)
@@ -292,10 +297,7 @@ class MixController:
         if worse is not None:
             better, _ = worse
             if self._balanced >= self.probe_after or self._at_share >= self.worse_limit:
-                self._pending = self._streak = 0
-                self._balanced, self._balanced_rates = 0, deque(maxlen=self._balanced_rates.maxlen)
-                return ShareDecision(better, f"back: a probe showed {self.share:.2f} worse than {better:.2f} "
-                                             f"(balanced {self._at_share} intervals here)")
+                return self._leave_worse(better)
             return None
         if self._balanced < self._probe_wait:
             return None
@@ -312,6 +314,13 @@ class MixController:
         self._pending = self._streak = 0
         return ShareDecision(target, f"probe: {'more' if way > 0 else 'fewer'} raw (balanced {self._balanced} "
                                      f"intervals; {self._probe.before:.1f} img/s before)")
+
+    def _leave_worse(self, better: float) -> ShareDecision:
+        """Back to ``better`` from a share a probe showed worse than it."""
+        self._pending = self._streak = 0
+        self._balanced, self._balanced_rates = 0, deque(maxlen=self._balanced_rates.maxlen)
+        return ShareDecision(better, f"back: a probe showed {self.share:.2f} worse than {better:.2f} "
+                                     f"({self._at_share} intervals here)")
 
     def _judge_probe(self, probe: _Probe) -> ShareDecision:
         """Back at once when the probe share's rate is lower than before by more than the noise allows; at the end

@@ -264,10 +264,11 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
                 raise ProfileError(f"--run: {why_not}")
             notes.append(f"measured search not run: {why_not}; the model's choice stands")
         else:
-            command = run if run is not None else runprofile.builtin_command(decoder, threads)
+            images = run_images or (64 if quick else 256)
+            command = run if run is not None else runprofile.builtin_command(decoder, threads, images)
             try:
                 timed, search_result, runs = _measured_search(
-                    store, command, first=chosen, images=run_images or (64 if quick else 256), repeats=repeats,
+                    store, command, first=chosen, images=images, repeats=repeats,
                     timeout=run_timeout, cache_share=cache_share, progress=progress)
             except ProfileError as exc:
                 if run is not None:
@@ -333,7 +334,7 @@ def _measured_search(store: Store, command: str, *, first: float, images: int, r
         result = runprofile.search(measure, first=first, repeats=repeats)
         timed = (f"`{command}` through a temporary mount of {scratch.images} sampled images in the dataset's "
                  "layout, their page cache dropped before each run; its rate: the mount's opens/s from each run's "
-                 "first open to the command's exit")
+                 "first open to when it was done with the mount (no file open after its last open, else its exit)")
     return timed, result, runs
 
 
@@ -343,7 +344,10 @@ def _measured_rows(result: runprofile.SearchResult, runs: list[runprofile.RunRat
         mine = [r for r in runs if r.share == share]
         rows.append({"ratio": share, "images_per_s": result.median(share),
                      "runs": [round(r, 2) for r in result.rates[share]],
-                     "mb_per_s": statistics.median(r.bytes_per_s for r in mine) / 1e6 if mine else None})
+                     "mb_per_s": statistics.median(r.bytes_per_s for r in mine) / 1e6 if mine else None,
+                     "opens": [r.opens for r in mine],
+                     # what the command said of itself (its last output line, where it is JSON), beside the mount's
+                     "loader_said": [r.said for r in mine]})
     return rows
 
 

@@ -100,18 +100,23 @@ def test_the_search_lands_on_the_pipelines_peak_and_the_mount_counts_its_rate(
 
 
 def test_without_a_command_the_builtin_dali_pipeline_is_timed(dataset: tuple[Path, float], tmp_path: Path) -> None:
+    """The built-in DALI pipeline (decode, crop, flip, normalise) read the whole sample through the mount in every
+    run, with a shuffle buffer below the sample's count."""
     src, _ = dataset
     done = subprocess.run([sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(tmp_path / "s"),
                            "--quick", "--decoder", "dali", "--run-images", "48", "--repeats", "2",
                            "--json", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     kept = json.loads((tmp_path / "p.json").read_text())
-    assert "liquidfs.pipelines dali" in kept["timed"] and kept["measured"]
+    assert "liquidfs.pipelines dali" in kept["timed"] and "--shuffle-buffer 6" in kept["timed"]
     assert kept["chosen"] in [row["ratio"] for row in kept["measured"]]
-    fastest = max(row["images_per_s"] for row in kept["measured"])
-    chosen = next(row for row in kept["measured"] if row["ratio"] == kept["chosen"])
-    assert chosen["images_per_s"] >= 0.97 * fastest or kept["chosen"] in kept["within_noise"] or \
-        any(row["ratio"] in kept["within_noise"] for row in kept["measured"] if row["images_per_s"] == fastest)
+    for row in kept["measured"]:
+        assert all(opens >= 48 for opens in row["opens"]), row  # the whole sample, through the mount
+        for mine, said in zip(row["runs"], row["loader_said"]):
+            assert said["images"] == 48 and said["augment"] is True
+            # Not compared with the mount's: over 48 tiny images DALI's read-ahead is a large share of the opens
+            # (the paced loader's test compares them; BENCHMARKS at full size: within 1-2 % for torchvision)
+            assert mine > 0 and said["images_per_s"] > 0
     _no_leftovers(tmp_path / "s")
 
 

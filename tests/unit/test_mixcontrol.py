@@ -403,3 +403,23 @@ def test_a_share_a_probe_showed_worse_is_left_within_two_minutes() -> None:
     shares = _drive(controller, rate, 24, rng, noise=0.01)
     assert shares[-1] == 0.5 and _longest_run(shares, 0.5) <= 24
     assert any(d.reason.startswith("back:") for d in controller.decisions)
+
+
+def test_a_share_shown_worse_is_left_within_two_minutes_with_both_pressures_high_too() -> None:
+    """As above, but once at 0.6 both pressures read high and even (balanced, no probing there): the controller
+    still goes back to 0.5 within 24 intervals (two minutes at 5 s)."""
+    def rate(r: float) -> float:
+        return 100.0 if r <= 0.5 else 95.0
+    controller = MixController(0.0, 1.0, 0.5)
+    rng = random.Random(3)
+    _drive(controller, rate, 12, rng, noise=0.01)
+    assert controller.share == 0.5
+    for _ in range(2):
+        controller.observe(Observation(rate(controller.share), 0.0, cpu_pressure=0.25, io_pressure=0.05))
+    assert controller.share == 0.6
+    shares = []
+    for _ in range(30):
+        controller.observe(Observation(rate(controller.share), 0.0, cpu_pressure=0.6, io_pressure=0.6))
+        shares.append(controller.share)
+    assert 0.5 in shares and shares.index(0.5) < 24 and shares[-1] == 0.5, shares
+    assert any(d.reason.startswith("back:") for d in controller.decisions)

@@ -4,6 +4,7 @@ mount's counters, the command's {mount}."""
 from __future__ import annotations
 
 import random
+import shlex
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,11 @@ def test_the_sample_holds_only_regular_images_and_is_seeded(tmp_path: Path) -> N
     assert len(every) == 30 and all(p.parts[:2] == ("a", "b") for p in every)
     some = sample_paths(root, 8, seed=1)
     assert len(some) == 8 and some == sample_paths(root, 8, seed=1) and set(some) <= set(every)
+
+
+def test_the_builtin_dali_command_shuffles_among_fewer_files_than_the_sample() -> None:
+    from liquidfs.runprofile import builtin_command
+
+    words = shlex.split(builtin_command("dali", 2, 256))
+    assert words[-2:] == ["--shuffle-buffer", "32"] and "{mount}" in words
+    assert "--no-augment" in builtin_command("pil", 2, 64, augment=False)
