@@ -3,6 +3,7 @@ chose, at the cost model's choice, and under ``--mix adaptive``.
 
     python scripts/bench/bench_mix.py                       # every shape, 256 images of 2048x1024, 3 repeats
     python scripts/bench/bench_mix.py --shapes uncapped,torch --repeats 5
+    python scripts/bench/bench_mix.py --parts continuous --reuse out/mix/mix.json --json out/mix/mix-final.json
     python scripts/bench/bench_mix.py --smoke               # 24 tiny images, two shapes, 1 repeat: the script works
 
 Shapes (each a loader and a machine state, held for all its runs):
@@ -19,8 +20,8 @@ choice is then run like a static share; so is the model's (``--model-only``). Th
 decisions every ``--mix-interval`` s, starting at the middle) runs the loader epoch after epoch for
 ``--adaptive-seconds`` in one process (the page cache dropped at each epoch's end); its rate is that of the epochs
 that ended in the second half, against the best static share run the same way (``continuous``: no start-up per
-epoch, so not comparable with the one-epoch runs). DALI's shuffle buffer is 32 files (below the dataset's count, as DALI's default
-1,024 is below Cityscapes' 2,975 images). Medians of repeats; a share whose
+epoch, so not comparable with the one-epoch runs). DALI's shuffle buffer is 32 files (below the dataset's count,
+as DALI's default 1,024 is below Cityscapes' 2,975 images). Medians of repeats; a share whose
 runs are within noise of the best (3 %, or their spread) is marked.
 Results: a markdown table on stdout, JSON at --json (default WORK/mix.json).
 """
