@@ -254,10 +254,10 @@ class ScratchMounts:
             target = self.src / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
-                # Never through a link, never a FIFO (a writer of the dataset may swap a file or a folder for one
-                # meanwhile);
-                # the copy is this user's, 0600 under liquidfs's umask, in a 0700 directory.
-                source = open_under(os.fsencode(self.source), os.fsencode(rel))  # no link anywhere below it
+                # Never through a link anywhere below the source, never a FIFO (a writer of the dataset may swap a
+                # file or a folder for one meanwhile); the copy is this user's, 0600 under liquidfs's umask, in a
+                # 0700 directory.
+                source = open_under(os.fsencode(self.source), os.fsencode(rel))
                 with open(source, "rb") as fin, open(target, "xb") as fout:
                     shutil.copyfileobj(fin, fout, 1 << 20)
                 copied += 1

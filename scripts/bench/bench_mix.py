@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
@@ -101,7 +102,7 @@ class Machine:
             self.group.add(pid)
 
     def preexec(self):  # type: ignore[no-untyped-def]
-        return (lambda: self.join(__import__("os").getpid())) if self.group is not None else None
+        return (lambda: self.join(os.getpid())) if self.group is not None else None
 
     def close(self) -> None:
         for p in self.hogs:
