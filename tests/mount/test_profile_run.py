@@ -67,8 +67,10 @@ def _profile(src: Path, store: Path, *extra: str, timeout: float = 600) -> subpr
 
 
 def _no_leftovers(store: Path) -> None:
+    # This run's own mounts only (under its store): another run's leftovers on the machine are not its doing.
+    mine = f" {store.resolve()}/profile-run-"
     mounts = Path("/proc/self/mountinfo").read_text()
-    assert "profile-run-" not in mounts, "a sample's mount is left"
+    assert mine not in mounts, "a sample's mount is left"
     assert not list(store.glob("profile-run-*")), "the sample's scratch is left"
 
 
