@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import pyfuse3
@@ -93,6 +94,16 @@ def engaged(kernel: Kernel | None = None) -> str | None:
     return None
 
 
+@dataclass(slots=True)
+class _Keeping:
+    """A released file's copy into a memfd, under way (``PassthroughPath._keep``)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    #: Opens counted as hits that wait for the copy: it is kept for them even if the policy let the file go
+    #: meanwhile (their own hit did, when it was not held again), and they release it once served.
+    waiting: int = 0
+
+
 class PassthroughPath:
     """Opens and releases on the passthrough data path (on the trio thread; storage work in worker threads)."""
 
@@ -115,7 +126,7 @@ class PassthroughPath:
         self._closer = Closer()
         #: Files whose memfd is being copied from the backing their last open released (``_keep``): an open that
         #: the policy counts as a hit meanwhile waits for it, rather than reading storage (a lost hit).
-        self._keeping: dict[int, trio.Event] = {}
+        self._keeping: dict[int, _Keeping] = {}
         self.on_cold_open = on_cold_open
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
@@ -186,7 +197,16 @@ class PassthroughPath:
             assert self.held is not None
             keeping = self._keeping.get(node.id)
             if keeping is not None:  # released just now (DALI reopens a file soon after its last release)
-                await keeping.wait()
+                keeping.waiting += 1
+                try:
+                    await keeping.done.wait()
+                except BaseException:
+                    # Cancelled (the reader was interrupted): a copy kept only for this open is let go.
+                    if keeping.done.is_set() and node.id not in self.held.policy.held:
+                        self.held.release(node.id)
+                    raise
+                finally:
+                    keeping.waiting -= 1
             held = self.held.get(node.id)
             if held is not None:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
@@ -290,7 +310,7 @@ class PassthroughPath:
     async def _keep(self, inode: int, backing: Backing) -> None:
         """Copy ``backing`` into a memfd the level keeps for ``inode`` (the caller saw the policy still holds it)."""
         assert self.held is not None
-        done = self._keeping[inode] = trio.Event()
+        keeping = self._keeping[inode] = _Keeping()
         try:
             fd = await self._memfd_of(backing)
         except OSError as exc:
@@ -298,10 +318,11 @@ class PassthroughPath:
             self.held.could_not_keep(inode)
             return
         finally:
-            if self._keeping.get(inode) is done:
+            if self._keeping.get(inode) is keeping:
                 del self._keeping[inode]
-            done.set()  # (the waiters run after ``keep`` below: no checkpoint between)
-        if inode not in self.held.policy.held:  # let go while it was copied (another job's read took its room)
+            keeping.done.set()  # (the waiters run after ``keep`` below: no checkpoint between)
+        if inode not in self.held.policy.held and not keeping.waiting:
+            # Let go while it was copied (another job's read took its room) and no open waits for it.
             os.close(fd)
             return
         self.held.keep(inode, fd, backing.size, backing.raw)
