@@ -212,6 +212,10 @@ class PassthroughPath:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
                 # decision may let the held file go, and the level closes its descriptor then.
                 served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
+                if node.id not in self.held.policy.held:
+                    # Not held again at this hit, or let go while its copy was made (kept for this open): its
+                    # memfd lives as long as this open.
+                    self.held.release(node.id)
                 try:
                     changed = await self.storage.source_changed(node)
                 except BaseException:
@@ -219,8 +223,6 @@ class PassthroughPath:
                     raise
                 if changed is None:
                     self.stats.served_from("memory", held.size)
-                    if not decision.hold:  # the policy no longer holds it: its memfd lives as long as this open
-                        self.held.release(node.id)
                     return served
                 served.close()
                 self.held.drop(node.id)  # stale: the source changed after the bytes were taken

@@ -534,7 +534,8 @@ def test_a_hit_whose_memfd_is_let_go_while_its_source_is_checked_still_serves_it
 
 
 def _reopen_while_kept(ops: Operations, kernel: FakeKernel, src: Path, store: Path,
-                       before_reopen: Callable[[], None] = lambda: None) -> int:
+                       before_reopen: Callable[[], None] = lambda: None,
+                       while_waiting: Callable[[], None] = lambda: None) -> int:
     """Epoch 1 read with the first file's copy into a memfd (at its release) held up until the first file is
     opened again, for epoch 2: that open served and checked. The bytes read from storage meanwhile."""
     node = _images(ops)[0]
@@ -571,6 +572,7 @@ def _reopen_while_kept(ops: Operations, kernel: FakeKernel, src: Path, store: Pa
 
             nursery.start_soon(reopen)
             await trio.sleep(0.05)
+            while_waiting()
             go_on.set()
         again = opened[0]
         assert kernel.read(again.backing_id) == _expected(src, store, node)
@@ -610,3 +612,16 @@ def test_a_hit_not_held_again_still_gets_the_memfd_its_last_release_was_keeping(
     # served, then let go: the level holds what the policy does, no more
     assert level.get(_images(ops)[0].id) is None and set(level.held_items()) == set(level.policy.held)
     assert summary["memfd_bytes"] == sum(h.size for h in level.held_items().values())
+
+
+def test_a_hit_whose_file_is_let_go_while_it_waits_for_the_copy_is_served_and_the_copy_not_kept(prepared) -> None:
+    """The hit held the file again, but another read took its room while the copy was made: the copy serves the
+    open that waited, and is not kept behind the policy's back (the level holds what the policy does)."""
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    level = ops.data.held
+    node = _images(ops)[0]
+    assert _reopen_while_kept(ops, kernel, src, store, while_waiting=lambda: level.policy.drop(node.id)) == 0
+    summary = level.statistics()
+    assert summary["cache_lost_hits"] == 0, summary
+    assert level.get(node.id) is None and set(level.held_items()) == set(level.policy.held)
