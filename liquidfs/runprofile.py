@@ -183,25 +183,41 @@ def builtin_command(decoder: str, threads: int, images: int, augment: bool = Tru
 
 
 def sample_paths(source: Path, count: int, seed: int = 0) -> list[Path]:
-    """``count`` images of ``source`` (relative paths), a seeded uniform choice (reservoir over one walk)."""
+    """``count`` images of ``source`` (relative paths), a seeded uniform choice (reservoir over one walk).
+
+    The walk asks each entry's type of the directory listing (d_type), not a stat per file: a dataset of
+    millions of files is listed, not stat'ed. What the listing calls a regular file is checked again when it is
+    copied (``open_under``)."""
     rng = random.Random(seed)
     chosen: list[Path] = []
     seen = 0
-    for folder, dirs, files in os.walk(source):
-        dirs.sort()
-        for name in sorted(files):
-            if not is_image(os.fsencode(name)):
-                continue
-            path = Path(folder, name)
-            if not path.is_file() or path.is_symlink():
+    folders = [Path()]
+    while folders:
+        rel = folders.pop()
+        try:
+            with os.scandir(source / rel) as listing:
+                entries = sorted(listing, key=lambda e: e.name)
+        except OSError as exc:
+            log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
+            continue
+        below = []
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    below.append(rel / entry.name)
+                    continue
+                if not entry.is_file(follow_symlinks=False) or not is_image(os.fsencode(entry.name)):
+                    continue
+            except OSError:
                 continue
             seen += 1
             if len(chosen) < count:
-                chosen.append(path.relative_to(source))
+                chosen.append(rel / entry.name)
             else:
                 j = rng.randrange(seen)
                 if j < count:
-                    chosen[j] = path.relative_to(source)
+                    chosen[j] = rel / entry.name
+        folders.extend(reversed(below))  # depth first, in name order
     return sorted(chosen)
 
 
