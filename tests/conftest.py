@@ -98,6 +98,18 @@ def liquidfs_cmd() -> list[str]:
     return [sys.executable, "-m", "liquidfs"]
 
 
+@pytest.fixture(autouse=True)
+def restore_umask() -> Iterator[None]:
+    """``cli.main`` sets liquidfs's umask (077) for its process: a test that calls it in-process would leave
+    the next ones making 0700 directories (test_cli_errors' files for nobody, after test_profile's prepare)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    try:
+        yield
+    finally:
+        os.umask(umask)
+
+
 def run_cli(*args: str, check: bool = True, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
                           check=check, timeout=timeout, **kw)  # type: ignore[call-overload]
