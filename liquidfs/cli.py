@@ -731,7 +731,9 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
     p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="decoder threads (default: all cores)")
-    p.add_argument("--cache-size", default="0%", help="the mount's --cache-size, as a percentage (default 0%%)")
+    p.add_argument("--cache-size", default="0%",
+                   help="the mount's --cache-size, as a percentage (default 0%%): its hits take that share of the "
+                   "bytes off storage; the measured runs have it and are timed from their second epoch")
     p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
     p.add_argument("--quick", action="store_true",
                    help="a smaller sample and shorter measurements: the model in < 30 s, the measured search over "

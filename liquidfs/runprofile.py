@@ -13,6 +13,8 @@ the published profiler does:
 * its rate is what the mount counted, without any help from the command: its opens per second from the first
   open to when it was done with the mount (no file open after its last open; else its exit): its start-up and
   exit are not its pace, its read-ahead's burst at the start is work the epoch waits for; and the bytes served;
+* with a next-epoch cache (``--cache-size``), from the first open of the second epoch, as the mount's cache
+  counts epochs: the first epoch of a mount has no hits, the later ones hit its share, and training is those;
 * a binary search over the 11 shares compares two neighbours and keeps the half on the faster side; two rates
   within noise are measured again (``repeats``), and still within noise end the search there. The model's choice
   is the first midpoint. The chosen share is the fastest median measured; among shares within noise of it, the
@@ -65,9 +67,10 @@ class RunRate:
     share: float
     images_per_s: float   # opens/s from the run's first open to its exit
     bytes_per_s: float    # bytes served over the same span
-    opens: int            # every open of the run
+    opens: int            # every open of the span timed
     seconds: float        # the command's wall time, start-up included
     said: dict[str, object] | None = None  # the command's last output line, where it is a JSON object
+    from_epoch: int = 1   # the epoch (the cache's count) the span began with
 
 
 @dataclass
@@ -159,6 +162,18 @@ def pace(samples: Sequence[tuple[float, int, int, int]], end: float) -> tuple[fl
     return total / span, (last_bytes - b0) / span, total
 
 
+def from_epoch(samples: Sequence[tuple[float, int, int, int]], epochs: Sequence[int], epoch: int
+               ) -> tuple[Sequence[tuple[float, int, int, int]], bool]:
+    """The counters' readings from the last one before ``epoch`` began (``epochs``: the mount cache's newest epoch
+    at each reading), for ``pace``; all of them, and False, if it never began. The first epoch: all of them."""
+    if epoch <= 1:
+        return samples, True
+    k = next((i for i, e in enumerate(epochs) if e >= epoch), None)
+    if k is None:
+        return samples, False
+    return samples[max(0, k - 1):], True
+
+
 def command_for(run: str, mountpoint: Path) -> list[str]:
     """The command's words with ``{mount}`` replaced; run without a shell."""
     words = shlex.split(run)
@@ -168,14 +183,16 @@ def command_for(run: str, mountpoint: Path) -> list[str]:
     return [w.replace(MOUNT_TOKEN, str(mountpoint)) for w in words]
 
 
-def builtin_command(decoder: str, threads: int, images: int, augment: bool = True) -> str:
+def builtin_command(decoder: str, threads: int, images: int, augment: bool = True, epochs: int = 1) -> str:
     """The built-in pipeline for ``decoder`` (``liquidfs.pipelines``) as a ``--run`` command over a sample of
-    ``images``. DALI's shuffle buffer is an eighth of the sample: with one as large as the sample (DALI's default
-    1,024 against 256 images) the reader opens the whole epoch before its first batch, so reading and decoding
-    would not overlap, and every share's time would be their sum, best at an end; a real dataset is several
-    times DALI's buffer (Cityscapes: 2,975 images)."""
+    ``images``, ``epochs`` times (two where a cache's hits are to be timed). DALI's shuffle buffer is an eighth of
+    the sample: with one as large as the sample (DALI's default 1,024 against 256 images) the reader opens the
+    whole epoch before its first batch, so reading and decoding would not overlap, and every share's time would
+    be their sum, best at an end; a real dataset is several times DALI's buffer (Cityscapes: 2,975 images)."""
     words = [sys.executable, "-m", "liquidfs.pipelines", decoder, MOUNT_TOKEN, "--threads", str(threads),
              "--shuffle-buffer", str(max(1, images // 8))]
+    if epochs != 1:
+        words += ["--epochs", str(epochs)]
     return shlex.join(words + ([] if augment else ["--no-augment"]))
 
 
@@ -243,9 +260,12 @@ class ScratchMounts:
     share at a time."""
 
     def __init__(self, source: Path, parent: Path, count: int, *, seed: int = 0, mount_args: Sequence[str] = (),
-                 progress: Callable[[str], None] = lambda s: None) -> None:
+                 timed_from_epoch: int = 1, progress: Callable[[str], None] = lambda s: None) -> None:
+        """``timed_from_epoch``: each run's pace from that epoch's first open on, as the mount's cache counts
+        epochs (mount_args must give it a ``--cache-size``), where the command reads that far."""
         self.source = source
         self.mount_args = list(mount_args)
+        self.timed_from_epoch = timed_from_epoch
         self.progress = progress
         parent.mkdir(parents=True, exist_ok=True)
         # 0700 (mkdtemp): the copies are readable by no more people than the source files were.
@@ -308,6 +328,7 @@ class ScratchMounts:
             forget_pages(self.store)
             words = command_for(command, self.mnt)
             samples: list[tuple[float, int, int, int]] = []
+            epochs: list[int] = []  # the cache's newest epoch at each reading
             stop = threading.Event()
             started = time.monotonic()
 
@@ -315,7 +336,8 @@ class ScratchMounts:
                 while not stop.is_set():
                     reading = self._counters(time.monotonic() - started)
                     if reading is not None:
-                        samples.append(reading)
+                        samples.append(reading[:4])
+                        epochs.append(reading[4])
                     stop.wait(POLL)
 
             poller = threading.Thread(target=poll, name="profile-poll", daemon=True)
@@ -329,16 +351,19 @@ class ScratchMounts:
             last = self._counters(seconds)  # at the exit: what the command did last
             if last is not None:
                 samples.append((*last[:3], 0))
+                epochs.append(last[4])
             if returncode != 0:
                 tail = output.strip().splitlines()[-12:]
                 raise ProfileError(f"--run: the command exited with status {returncode} at share {share:g}"
                                    + ("; its last lines:\n" + "\n".join(f"  {t}" for t in tail) if tail else ""))
-            images_per_s, bytes_per_s, opens = pace(samples, seconds)
+            timed, reached = from_epoch(samples, epochs, self.timed_from_epoch)
+            images_per_s, bytes_per_s, opens = pace(timed, seconds)
             if opens < MIN_OPENS or images_per_s <= 0:
                 raise ProfileError(f"--run: the command opened {opens} files through the mount at share {share:g}; "
                                    f"its pace needs at least {MIN_OPENS} (does it read {MOUNT_TOKEN}? give it "
                                    "more steps)")
-            return RunRate(share, images_per_s, bytes_per_s, opens, seconds, said)
+            return RunRate(share, images_per_s, bytes_per_s, opens, seconds, said,
+                           from_epoch=self.timed_from_epoch if reached else 1)
         except BaseException:
             # Already failing (a failed run, Ctrl-C): an unmount that fails too is logged, not raised in its place;
             # cleanup() detaches what is left.
@@ -348,8 +373,9 @@ class ScratchMounts:
                 log.warning("%s", exc)
             raise
 
-    def _counters(self, at: float) -> tuple[float, int, int, int] | None:
-        """(seconds, opens, bytes served, files open) from the mount's control file; None if it cannot be read."""
+    def _counters(self, at: float) -> tuple[float, int, int, int, int] | None:
+        """(seconds, opens, bytes served, files open, the cache's newest epoch (0 without a cache)) from the
+        mount's control file; None if it cannot be read."""
         from .mount import read_control
 
         try:
@@ -360,7 +386,9 @@ class ScratchMounts:
         values = [c.get(k) for k in ("opens", "bytes_from_storage", "bytes_from_memory", "bytes_from_disk",
                                      "bytes_from_cluster", "open_files")]
         opens, *served, held = [v if isinstance(v, int) else 0 for v in values]
-        return at, opens, sum(served), held
+        epochs = c.get("epochs")
+        newest = max((int(e) for e in epochs if e.isdigit()), default=0) if isinstance(epochs, dict) else 0
+        return at, opens, sum(served), held, newest
 
     def _run(self, words: list[str], share: float, timeout: float) -> tuple[int, str, dict[str, object] | None]:
         """Run the command in a session of its own (its children too are stopped if it must be): its exit status,

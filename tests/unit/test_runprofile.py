@@ -82,6 +82,21 @@ def test_pace_runs_from_the_first_open_to_the_exit_or_the_last_file_closed() -> 
     assert pace([(0.0, 5, 0, 0), (1.0, 5, 0, 0)], end=2.0) == (0.0, 0.0, 0)
 
 
+def test_with_a_cache_the_pace_runs_from_the_second_epochs_first_open() -> None:
+    from liquidfs.runprofile import from_epoch
+
+    # 10 opens/s from 2.0 s; the cache's epoch 2 begins between the readings at 4.5 and 5.0 (after 25 opens)
+    samples = [(t / 2, max(0, round((t / 2 - 2) * 10)), 0, 1) for t in range(0, 14)]
+    epochs = [0 if s[1] == 0 else 1 if s[0] < 5.0 else 2 for s in samples]
+    timed, reached = from_epoch(samples, epochs, 2)
+    assert reached and timed[0] == (4.5, 25, 0, 1)
+    images_per_s, _, opens = pace(timed, end=7.0)
+    assert opens == 45 - 25 and images_per_s == pytest.approx(20 / (7.0 - 4.75), rel=0.01)
+    # one epoch only: the whole run, and said
+    assert from_epoch(samples, [1] * len(samples), 2) == (samples, False)
+    assert from_epoch(samples, epochs, 1) == (samples, True)
+
+
 def test_command_for_replaces_the_mount_and_needs_it() -> None:
     words = command_for("python 'my loader.py' --data {mount}/train --steps 40", Path("/tmp/m"))
     assert words == ["python", "my loader.py", "--data", "/tmp/m/train", "--steps", "40"]
@@ -134,3 +149,4 @@ def test_the_builtin_dali_command_shuffles_among_fewer_files_than_the_sample() -
     words = shlex.split(builtin_command("dali", 2, 256))
     assert words[-2:] == ["--shuffle-buffer", "32"] and "{mount}" in words
     assert "--no-augment" in builtin_command("pil", 2, 64, augment=False)
+    assert "--epochs" not in words and shlex.split(builtin_command("pil", 2, 64, epochs=2))[-2:] == ["--epochs", "2"]
