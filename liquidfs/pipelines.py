@@ -141,15 +141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   augment=args.augment, shuffle_buffer=args.shuffle_buffer)
     next(batches)  # set up (DALI builds its pipeline): not the loader's pace
     started = epoch_started = time.perf_counter()
-    done = epoch_done = 0
+    done = epoch_done = reported = 0
     for n in batches:
         done += n
         epoch_done += n
-        if args.report_epochs and epoch_done >= len(files):
+        while args.report_epochs and epoch_done >= len(files):
+            # A batch that crosses an epoch's end: its images past it count towards the next epoch.
             now = time.perf_counter()
-            print(json.dumps({"epoch": done // len(files), "images": epoch_done, "seconds": now - epoch_started,
-                              "images_per_s": epoch_done / (now - epoch_started)}), flush=True)
-            epoch_started, epoch_done = now, 0
+            reported += 1
+            print(json.dumps({"epoch": reported, "images": len(files), "seconds": now - epoch_started,
+                              "images_per_s": len(files) / (now - epoch_started)}), flush=True)
+            epoch_started, epoch_done = now, epoch_done - len(files)
     elapsed = time.perf_counter() - started
     print(json.dumps({"loader": args.loader, "augment": args.augment, "images": done, "seconds": elapsed,
                       "images_per_s": done / elapsed if elapsed else 0.0}))

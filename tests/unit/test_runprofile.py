@@ -105,7 +105,7 @@ def test_command_for_replaces_the_mount_and_needs_it() -> None:
 
 
 @pytest.mark.parametrize("augment", [True, False])
-def test_the_builtin_pillow_pipeline_reads_every_image_once_per_epoch(tmp_path: Path, augment: bool) -> None:
+def test_the_builtin_pipelines_read_every_image_once_per_epoch(tmp_path: Path, augment: bool) -> None:
     import json
     import subprocess
     import sys
@@ -114,11 +114,20 @@ def test_the_builtin_pillow_pipeline_reads_every_image_once_per_epoch(tmp_path: 
 
     src = make_sample(tmp_path / "data", count=6, width=320, height=160, seed=3)
     done = subprocess.run([sys.executable, "-m", "liquidfs.pipelines", "pil", str(src), "--threads", "2",
-                           "--epochs", "2", "--batch", "4", *([] if augment else ["--no-augment"])],
+                           "--epochs", "2", "--batch", "4", "--report-epochs", *([] if augment else ["--no-augment"])],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    said = json.loads(done.stdout.strip().splitlines()[-1])
+    *epochs, said = [json.loads(line) for line in done.stdout.strip().splitlines()]
     assert said["images"] == 12 and said["augment"] is augment and said["images_per_s"] > 0
+    assert [(e["epoch"], e["images"]) for e in epochs] == [(1, 6), (2, 6)], epochs
+    if augment:  # DALI's reader runs on across epochs: a batch of 4 crosses the first's end (6 images)
+        dali = subprocess.run([sys.executable, "-m", "liquidfs.pipelines", "dali", str(src), "--threads", "1",
+                               "--epochs", "2", "--batch", "4", "--shuffle-buffer", "2", "--report-epochs"],
+                              capture_output=True, text=True, timeout=120)
+        assert dali.returncode == 0, dali.stderr
+        *epochs, said = [json.loads(line) for line in dali.stdout.strip().splitlines()]
+        # a line per epoch; the crossing batch's last 2 images count in the second
+        assert said["images"] == 12 and [(e["epoch"], e["images"]) for e in epochs] == [(1, 6), (2, 6)], epochs
     empty = subprocess.run([sys.executable, "-m", "liquidfs.pipelines", "pil", str(tmp_path / "nothing")],
                            capture_output=True, text=True, timeout=60)
     assert empty.returncode == 2 and "no images under" in empty.stderr
