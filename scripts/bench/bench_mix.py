@@ -12,6 +12,9 @@ Shapes (each a loader and a machine state, held for all its runs):
   hog        the same, uncapped, with a busy-looping process taking a share of the cores
   noaug      DALI CPU pipeline, decode only
   torch      torchvision ImageFolder + DataLoader, 2 workers (scripts/bench/torch_epoch.py)
+  cache50    cap200 with the mounts' next-epoch cache at 50 % (--cache-size 50%): each run reads two epochs and the
+             second, which hits the cache, is its rate; profile --run gets --cache-size 50% and the two-epoch
+             command, and once more the one-epoch command (timed whole: no hits); no adaptive part
 
 Every run reads one epoch cold (page cache dropped before it) through a mount of one store prepared with every
 image raw, served at the share by ``--mix SHARE``; a run's rate is the loader's own images/s. ``profile --run``
@@ -50,12 +53,12 @@ from _bench import REPO, SUBDIR  # noqa: E402
 
 from liquidfs.runprofile import within_noise  # noqa: E402
 
-SHAPES = ("uncapped", "cap200", "hog", "noaug", "torch")
+SHAPES = ("uncapped", "cap200", "hog", "noaug", "torch", "cache50")
 SHARES = [i / 10 for i in range(11)]
 GOAL = 0.97
 PARTS = ("static", "profile", "adaptive", "continuous")
-PART_OF = {"static": "static", "profile --run": "profile", "model": "profile", "adaptive": "adaptive",
-           "best static, continuous": "continuous"}
+PART_OF = {"static": "static", "profile --run": "profile", "profile --run, one epoch": "profile", "model": "profile",
+           "adaptive": "adaptive", "best static, continuous": "continuous"}
 TORCH_EPOCH = Path(__file__).resolve().parent / "torch_epoch.py"
 SHUFFLE_BUFFER = 32
 
@@ -67,6 +70,16 @@ class Shape:
     augment: bool = True
     cap_mb: int = 0
     hogs: int = 0
+    cache: str = ""      # the mounts' --cache-size: each run then reads two epochs and the second is its rate
+
+    @property
+    def mount_args(self) -> list[str]:
+        return ["--cache-size", self.cache] if self.cache else []
+
+    @property
+    def epochs(self) -> int:
+        """Epochs of a static run (and of the profile's command): the second is timed where a cache hits."""
+        return 2 if self.cache else 1
 
     def command(self, threads: int, *, epochs: int = 1) -> str:
         """The loader as a ``profile --run`` command: ``{mount}`` for the mount point. ``epochs`` > 1: a line per
@@ -86,7 +99,7 @@ class Shape:
 def shape(name: str) -> Shape:
     return {"uncapped": Shape(name, "dali"), "cap200": Shape(name, "dali", cap_mb=200),
             "hog": Shape(name, "dali", hogs=1), "noaug": Shape(name, "dali", augment=False),
-            "torch": Shape(name, "torch")}[name]
+            "torch": Shape(name, "torch"), "cache50": Shape(name, "dali", cap_mb=200, cache="50%")}[name]
 
 
 class Machine:
@@ -112,8 +125,9 @@ class Machine:
             self.group.close()
 
 
-def run_loader(command: str, mnt: Path, machine: Machine, timeout: float = 900) -> dict[str, Any]:
-    """One cold epoch of the loader through ``mnt``: its own JSON line."""
+def run_loader(command: str, mnt: Path, machine: Machine, timeout: float = 900) -> list[dict[str, Any]]:
+    """One cold run of the loader through ``mnt``: its own JSON lines (one per epoch with --report-epochs, then
+    the run's)."""
     bench.drop_caches()
     words = [w.replace("{mount}", str(mnt)) for w in shlex.split(command)]
     proc = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -126,15 +140,23 @@ def run_loader(command: str, mnt: Path, machine: Machine, timeout: float = 900) 
         raise RuntimeError(f"loader did not finish within {timeout:.0f} s") from None
     if proc.returncode != 0:
         raise RuntimeError(f"loader failed ({proc.returncode}): {err[-2000:]}")
-    return json.loads(out.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.strip().splitlines() if line.startswith("{")]
+
+
+def rate_of(said: list[dict[str, Any]], s: Shape) -> float:
+    """The run's images/s: the whole run's, or with a cache its second epoch's."""
+    if s.cache:
+        return float(next(e for e in said if e.get("epoch") == 2)["images_per_s"])
+    return float(said[-1]["images_per_s"])
 
 
 def static_row(label: str, share: float, s: Shape, src: Path, store: Path, args: argparse.Namespace,
                machine: Machine) -> dict[str, Any]:
-    m = bench.mount(src, store, args.work / "mnt", "--mix", f"{share:g}")
+    m = bench.mount(src, store, args.work / "mnt", "--mix", f"{share:g}", *s.mount_args)
     try:
         machine.join(m.pid)
-        runs = [run_loader(s.command(args.threads), m.mnt, machine)["images_per_s"] for _ in range(args.repeats)]
+        runs = [rate_of(run_loader(s.command(args.threads, epochs=s.epochs), m.mnt, machine), s)
+                for _ in range(args.repeats)]
     finally:
         m.close()
     row = {"shape": s.name, "config": label, "share": share, "images_per_s": statistics.median(runs),
@@ -144,12 +166,15 @@ def static_row(label: str, share: float, s: Shape, src: Path, store: Path, args:
     return row
 
 
-def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *extra: str) -> dict[str, Any]:
-    """``liquidfs profile SRC --run CMD`` (or with ``extra``) in the shape's state: its JSON."""
-    out = args.work / f"profile-{s.name}{'-model' if extra else ''}.json"
+def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *extra: str,
+            epochs: int | None = None, label: str = "") -> dict[str, Any]:
+    """``liquidfs profile SRC --run CMD`` (or with ``extra``; the command reading ``epochs``, by default the
+    shape's) in the shape's state: its JSON."""
+    out = args.work / f"profile-{s.name}{label}.json"
+    cache = ["--cache-size", s.cache] if s.cache else []
     cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(args.work / "store-profile"),
-           "--decoder", "dali", "--threads", str(args.threads), "--json", str(out),
-           "--run", s.command(args.threads), "--run-images", str(args.images), *extra]
+           "--decoder", "dali", "--threads", str(args.threads), "--json", str(out), *cache,
+           "--run", s.command(args.threads, epochs=epochs or s.epochs), "--run-images", str(args.images), *extra]
     if args.smoke:
         cmd += ["--quick", "--repeats", "1"]
     started = time.monotonic()
@@ -158,7 +183,7 @@ def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *ex
         raise RuntimeError(f"profile failed: {proc.stderr[-3000:]}")
     result = json.loads(out.read_text())
     result["wall_s"] = time.monotonic() - started
-    print(f"  {s.name:<9} profile{' (model)' if extra else ''}: {result['chosen']:.2f} in {result['wall_s']:.0f} s "
+    print(f"  {s.name:<9} profile{label}: {result['chosen']:.2f} in {result['wall_s']:.0f} s "
           f"({result['chosen_by'][:80]})", file=sys.stderr)
     return result
 
@@ -225,7 +250,7 @@ def adaptive_row(s: Shape, src: Path, store: Path, args: argparse.Namespace, mac
 def run_shape(s: Shape, src: Path, store: Path, args: argparse.Namespace,
               earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The shape's rows: the parts asked for run now, the others taken from ``earlier`` (``--reuse``)."""
-    print(f"shape {s.name}: `{s.command(args.threads)}`", file=sys.stderr)
+    print(f"shape {s.name}: `{s.command(args.threads, epochs=s.epochs)}`", file=sys.stderr)
     machine = Machine(s, args.work)
     kept = [r for r in earlier if r["shape"] == s.name and PART_OF[r["config"]] not in args.parts]
     rows: list[dict[str, Any]] = []
@@ -239,14 +264,20 @@ def run_shape(s: Shape, src: Path, store: Path, args: argparse.Namespace,
                          "profile": {k: measured.get(k) for k in ("chosen", "chosen_by", "measured",
                                                                   "within_noise", "model_ratio", "search_ratio",
                                                                   "wall_s")}})
-            model = profile(s, src, args, machine, "--model-only")
+            if s.cache:  # the same loader reading one epoch: the profile times it whole, without the cache's hits
+                once = profile(s, src, args, machine, epochs=1, label="-one-epoch")
+                rows.append({**static_row("profile --run, one epoch", once["chosen"], s, src, store, args, machine),
+                             "profile": {k: once.get(k) for k in ("chosen", "chosen_by", "measured", "notes",
+                                                                  "wall_s")}})
+            model = profile(s, src, args, machine, "--model-only", label="-model")
             rows.append({**static_row("model", model["chosen"], s, src, store, args, machine),
                          "profile": {k: model.get(k) for k in ("chosen", "chosen_by", "wall_s")}})
         statics = [r for r in kept + rows if r["config"] == "static"]
         guess = max((r["images_per_s"] for r in statics), default=50.0)
-        if "adaptive" in args.parts:
+        # (the adaptive mix's runs have no cache: a cache shape has the static and profile parts only)
+        if "adaptive" in args.parts and not s.cache:
             rows.append(adaptive_row(s, src, store, args, machine, guess))
-        if "continuous" in args.parts and statics:
+        if "continuous" in args.parts and statics and not s.cache:
             best = max(statics, key=lambda r: r["images_per_s"])
             rows.append(adaptive_row(s, src, store, args, machine, guess, mix=f"{best['share']:g}"))
     finally:
@@ -290,7 +321,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             share = f"{r['share']:.2f}" if isinstance(r["share"], (int, float)) else "-"
             # A chooser that picked one of the 11 shares: that share's own static runs count too (a share's rate
             # drifts by a few percent between two runs of it minutes apart, more under the CPU hog).
-            same = grid.get(round(r["share"], 2)) if r["config"] in ("profile --run", "model") else None
+            same = grid.get(round(r["share"], 2)) if r["config"] in ("profile --run", "profile --run, one epoch",
+                                                                     "model") else None
             at_grid = f"{same['images_per_s'] / best['images_per_s']:.3f}" if same else "-"
             ok = ("-" if r["config"] == "best static, continuous"  # the yardstick, not a chooser
                   else "met" if r["vs_best"] >= GOAL or r["within_noise_of_best"]
