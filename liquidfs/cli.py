@@ -629,6 +629,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print("liquidfs prepare: --run times a loader for --ratio auto; with a given ratio there is nothing to "
               "measure", file=sys.stderr)
         return 2
+    if ratio != "auto" and args.cache_size:
+        print("liquidfs prepare: --cache-size weighs the mount's cache for --ratio auto; give it to mount",
+              file=sys.stderr)
+        return 2
     if ratio == "auto":
         ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats,
                                            run_options=_run_options(args))
@@ -703,6 +707,22 @@ def _add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help=prefix + "the longest one run of the command may take (default 600)")
     p.add_argument("--model-only", action="store_true",
                    help=prefix + "no measured search: choose by the cost model alone (no mount; seconds)")
+    p.add_argument("--cache-size", type=_cache_share, default=0.0, metavar="PERCENT",
+                   help=prefix + "the --cache-size the dataset will be mounted with, as a percentage (default 0%%): "
+                   "its hits take that share of the bytes off storage, which moves the balance towards raw; the "
+                   "measured runs have it and are timed from their second epoch")
+
+
+def _cache_share(text: str) -> float:
+    """``--cache-size`` of profile and prepare: a percentage of the dataset, as a share."""
+    text = text.strip()
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else math.nan
+    except ValueError:
+        share = math.nan
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"a percentage from 0% to 100% here (e.g. 30%), not {text!r}")
+    return share
 
 
 def _positive_int(text: str) -> int:
@@ -717,7 +737,7 @@ def _positive_int(text: str) -> int:
 
 def _run_options(args: argparse.Namespace) -> dict[str, object]:
     return {"run": args.run, "measured": not args.model_only, "run_images": args.run_images,
-            "repeats": args.repeats, "run_timeout": args.run_timeout}
+            "repeats": args.repeats, "run_timeout": args.run_timeout, "cache_share": args.cache_size}
 
 
 def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
@@ -731,9 +751,6 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
     p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="decoder threads (default: all cores)")
-    p.add_argument("--cache-size", default="0%",
-                   help="the mount's --cache-size, as a percentage (default 0%%): its hits take that share of the "
-                   "bytes off storage; the measured runs have it and are timed from their second epoch")
     p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
     p.add_argument("--quick", action="store_true",
                    help="a smaller sample and shorter measurements: the model in < 30 s, the measured search over "
@@ -754,20 +771,12 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    text = args.cache_size.strip()
-    try:
-        share = float(text[:-1]) / 100 if text.endswith("%") else math.nan
-    except ValueError:
-        share = math.nan
-    if not 0 <= share <= 1:
-        print("liquidfs profile: --cache-size takes a percentage from 0% to 100% here (e.g. 30%)", file=sys.stderr)
-        return 2
     from .profile import plot, profile_store, render, to_json
     from .safefiles import replace_file
     from .stores import open_store
 
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
-                            cache_share=share, sample=args.sample, quick=args.quick,
+                            sample=args.sample, quick=args.quick,
                             target_rate=args.target_rate, formats=args.formats,
                             **_run_options(args),  # type: ignore[arg-type]
                             progress=lambda s: print(f"profile: {s}", file=sys.stderr))

@@ -307,7 +307,18 @@ def test_a_command_printing_into_a_closed_pipe_ends_quietly(argv: list[str]) -> 
 
 
 @pytest.mark.parametrize("size", ["150%", "-5%", "abc%", "30"])
-def test_profile_takes_a_cache_share_from_0_to_100_percent_only(run: Run, tmp_path: Path, size: str) -> None:
-    status, err = run("profile", str(tmp_path / "data"), "--store", str(tmp_path / "st"), f"--cache-size={size}")
-    assert status == 2 and "0% to 100%" in err and "Traceback" not in err
+@pytest.mark.parametrize("command", ["profile", "prepare"])
+def test_profile_and_prepare_take_a_cache_share_from_0_to_100_percent_only(tmp_path: Path, size: str,
+                                                                           command: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "liquidfs", command, str(tmp_path / "data"), "--store",
+                           str(tmp_path / "st"), f"--cache-size={size}"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--cache-size: a percentage from 0% to 100%" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "st").exists()
+
+
+def test_prepare_takes_a_cache_share_only_to_choose_the_ratio(run: Run, tmp_path: Path) -> None:
+    make_sample(tmp_path / "data", count=2, width=64, height=32, seed=5)
+    status, err = run("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "st"), "--ratio", "0.5",
+                      "--cache-size", "30%")
+    assert status == 2 and "--cache-size weighs the mount's cache for --ratio auto" in err
     assert not (tmp_path / "st").exists()

@@ -163,6 +163,16 @@ def test_prepare_ratio_auto(small: Path, tmp_path: Path) -> None:
     assert "profile chose ratio" in out.stdout and "served raw" in out.stdout
 
 
+def test_prepare_ratio_auto_weighs_the_cache_it_is_given(small: Path, tmp_path: Path) -> None:
+    """``prepare --ratio auto --cache-size 40%``: the profile kept in the store weighed a 40 % cache."""
+    out = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(small), "--store", str(tmp_path / "s"),
+                          "--ratio", "auto", "--quick", "--model-only", "--cache-size", "40%", "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    kept = json.loads((tmp_path / "s" / "profile.json").read_text())
+    assert kept["costs"]["cache_share"] == pytest.approx(0.4) and "cache share 40%" in out.stdout
+
+
 def _fake_gpu(rate: float, seen: list[bytes]):  # type: ignore[no-untyped-def]
     def measure(encoded, threads: int, seconds: float) -> DecodeRate:  # type: ignore[no-untyped-def]
         seen.extend(encoded)
