@@ -357,6 +357,10 @@ class ScratchMounts:
                 raise ProfileError(f"--run: the command exited with status {returncode} at share {share:g}"
                                    + ("; its last lines:\n" + "\n".join(f"  {t}" for t in tail) if tail else ""))
             timed, reached = from_epoch(samples, epochs, self.timed_from_epoch)
+            if reached and self.timed_from_epoch > 1 and pace(timed, seconds)[2] < self.images // 2:
+                # What began the epoch was the command's read-ahead past its last epoch (DALI reads on into the
+                # next), not an epoch it read: the whole run is its pace.
+                timed, reached = samples, False
             images_per_s, bytes_per_s, opens = pace(timed, seconds)
             if opens < MIN_OPENS or images_per_s <= 0:
                 raise ProfileError(f"--run: the command opened {opens} files through the mount at share {share:g}; "

@@ -122,9 +122,11 @@ def test_with_a_cache_each_run_is_timed_from_its_second_epoch(dataset: tuple[Pat
     own = sorted(r["epoch_images_per_s"][1] for r in runs)
     seen = sorted(r for row in kept["measured"] for r in row["runs"])
     assert len(own) == len(seen) and all(abs(a - b) <= 0.1 * a for a, b in zip(own, seen)), (own, seen)
-    # one epoch per run with a cache: timed whole, and said
-    one = _profile(src, tmp_path / "store2", "--cache-size", "50%", "--run", _loader(mb_per_s, tmp_path / "1.jsonl"),
-                   "--run-images", "32", "--repeats", "1", "--json", str(tmp_path / "one.json"))
+    # One epoch per run with a cache: timed whole, and said. Its read-ahead into the next epoch (as DALI's) is not
+    # an epoch to time.
+    one = _profile(src, tmp_path / "store2", "--cache-size", "50%", "--run",
+                   _loader(mb_per_s, tmp_path / "1.jsonl", "--read-ahead", "20"), "--run-images", "48",
+                   "--repeats", "1", "--json", str(tmp_path / "one.json"))
     assert one.returncode == 0, one.stderr
     kept = json.loads((tmp_path / "one.json").read_text())
     assert all(e == 1 for row in kept["measured"] for e in row["from_epoch"])

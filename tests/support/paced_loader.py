@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--fail", type=int, default=0, help="exit with this status after the first image")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--storage-from-mount", action="store_true")
+    parser.add_argument("--read-ahead", type=int, default=0,
+                        help="then open this many files of the next epoch, as DALI's reader reads on past the last")
     args = parser.parse_args()
     files = sorted(os.path.join(d, f) for d, _, names in os.walk(args.root) for f in names if f.endswith(".png"))
     kinds = {"bmp": 0, "png": 0}
@@ -74,6 +76,11 @@ def main() -> None:
             time.sleep(delay)
         assert first is not None
         spans.append((first, time.perf_counter()))
+    ahead = files[:]
+    random.Random(args.epochs).shuffle(ahead)
+    for path in ahead[:args.read_ahead]:
+        with open(path, "rb") as f:
+            f.read()
     per_epoch = [len(files) / (end - first) for first, end in spans]
     with open(args.log, "a") as log:
         log.write(json.dumps({"images": len(files) * args.epochs, "images_per_s":
