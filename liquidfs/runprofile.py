@@ -162,16 +162,21 @@ def pace(samples: Sequence[tuple[float, int, int, int]], end: float) -> tuple[fl
     return total / span, (last_bytes - b0) / span, total
 
 
-def from_epoch(samples: Sequence[tuple[float, int, int, int]], epochs: Sequence[int], epoch: int
-               ) -> tuple[Sequence[tuple[float, int, int, int]], bool]:
+def from_epoch(samples: Sequence[tuple[float, int, int, int]], epochs: Sequence[int], epoch: int,
+               min_opens: int = 0) -> tuple[Sequence[tuple[float, int, int, int]], bool]:
     """The counters' readings from the last one before ``epoch`` began (``epochs``: the mount cache's newest epoch
-    at each reading), for ``pace``; all of them, and False, if it never began. The first epoch: all of them."""
+    at each reading), for ``pace``; all of them, and False, if it never began, or began with fewer than
+    ``min_opens`` opens to come: then what began it was the command's read-ahead past its last epoch (DALI reads on
+    into the next), not an epoch it read. The first epoch: all of them."""
     if epoch <= 1:
         return samples, True
     k = next((i for i, e in enumerate(epochs) if e >= epoch), None)
     if k is None:
         return samples, False
-    return samples[max(0, k - 1):], True
+    timed = samples[max(0, k - 1):]
+    if timed[-1][1] - timed[0][1] < min_opens:
+        return samples, False
+    return timed, True
 
 
 def command_for(run: str, mountpoint: Path) -> list[str]:
@@ -356,11 +361,8 @@ class ScratchMounts:
                 tail = output.strip().splitlines()[-12:]
                 raise ProfileError(f"--run: the command exited with status {returncode} at share {share:g}"
                                    + ("; its last lines:\n" + "\n".join(f"  {t}" for t in tail) if tail else ""))
-            timed, reached = from_epoch(samples, epochs, self.timed_from_epoch)
-            if reached and self.timed_from_epoch > 1 and pace(timed, seconds)[2] < self.images // 2:
-                # What began the epoch was the command's read-ahead past its last epoch (DALI reads on into the
-                # next), not an epoch it read: the whole run is its pace.
-                timed, reached = samples, False
+            # An epoch timed is one the command read at least half of.
+            timed, reached = from_epoch(samples, epochs, self.timed_from_epoch, min_opens=self.images // 2)
             images_per_s, bytes_per_s, opens = pace(timed, seconds)
             if opens < MIN_OPENS or images_per_s <= 0:
                 raise ProfileError(f"--run: the command opened {opens} files through the mount at share {share:g}; "

@@ -94,6 +94,9 @@ def test_with_a_cache_the_pace_runs_from_the_second_epochs_first_open() -> None:
     assert opens == 45 - 25 and images_per_s == pytest.approx(20 / (7.0 - 4.75), rel=0.01)
     # one epoch only: the whole run, and said
     assert from_epoch(samples, [1] * len(samples), 2) == (samples, False)
+    # an epoch begun with fewer opens to come than asked (a read-ahead past the last epoch): the whole run
+    assert from_epoch(samples, epochs, 2, min_opens=20) == (timed, True)
+    assert from_epoch(samples, epochs, 2, min_opens=21) == (samples, False)
     assert from_epoch(samples, epochs, 1) == (samples, True)
 
 
