@@ -265,13 +265,15 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
             notes.append(f"measured search not run: {why_not}; the model's choice stands")
         else:
             images = run_images or (64 if quick else 256)
-            # With a cache, two epochs: the second, which hits the cache's share, is the one timed.
+            # With a cache, the second epoch, which hits the cache's share, is the one timed (the built-in
+            # pipeline reads two).
+            timed_epoch = 2 if cache_share else 1
             command = run if run is not None else runprofile.builtin_command(decoder, threads, images,
-                                                                              epochs=2 if cache_share else 1)
+                                                                              epochs=timed_epoch)
             try:
                 timed, search_result, runs = _measured_search(
-                    store, command, first=chosen, images=images, repeats=repeats,
-                    timeout=run_timeout, cache_share=cache_share, progress=progress)
+                    store, command, first=chosen, images=images, repeats=repeats, timeout=run_timeout,
+                    cache_share=cache_share, timed_epoch=timed_epoch, progress=progress)
             except ProfileError as exc:
                 if run is not None:
                     raise
@@ -318,7 +320,7 @@ def _why_not_measured(store: Store, raw_format: str, target_rate: float | None) 
 
 
 def _measured_search(store: Store, command: str, *, first: float, images: int, repeats: int, timeout: float,
-                     cache_share: float, progress: Callable[[str], None]
+                     cache_share: float, timed_epoch: int, progress: Callable[[str], None]
                      ) -> tuple[str, runprofile.SearchResult, list[runprofile.RunRate]]:
     """The binary search over the shares, each run timed through a mount of a scratch sample."""
     runprofile.command_for(command, Path("/mnt"))  # a command without {mount}: said before any copying
@@ -328,7 +330,7 @@ def _measured_search(store: Store, command: str, *, first: float, images: int, r
     mount_args = ["--cache-size", f"{cache_share * 100:g}%"] if cache_share else []
     runs: list[runprofile.RunRate] = []
     with runprofile.ScratchMounts(source, parent, images, mount_args=mount_args, progress=progress,
-                                  timed_from_epoch=2 if cache_share else 1) as scratch:
+                                  timed_from_epoch=timed_epoch) as scratch:
         def measure(share: float) -> float:
             rate = scratch.measure(share, command, timeout=timeout)
             runs.append(rate)
@@ -338,7 +340,7 @@ def _measured_search(store: Store, command: str, *, first: float, images: int, r
 
         progress(f"measured search: timing `{command}` through a mount of the sample")
         result = runprofile.search(measure, first=first, repeats=repeats)
-        start = ("first open of its second epoch, the cache's share hit" if cache_share else "first open")
+        start = ("first open of its second epoch, the cache's share hit" if timed_epoch == 2 else "first open")
         timed = (f"`{command}` through a temporary mount of {scratch.images} sampled images in the dataset's "
                  f"layout{f' with a {cache_share:.0%} cache' if cache_share else ''}, their page cache dropped "
                  f"before each run; its rate: the mount's opens/s from each run's {start} to when it was done "
