@@ -83,7 +83,7 @@ class Shape:
 
     def command(self, threads: int, *, epochs: int = 1) -> str:
         """The loader as a ``profile --run`` command: ``{mount}`` for the mount point. ``epochs`` > 1: a line per
-        epoch too, for the adaptive mix's runs."""
+        epoch too, for the adaptive mix's runs and a cache shape's second epoch."""
         more = ["--report-epochs"] if epochs > 1 else []
         if self.loader == "torch":
             return shlex.join([sys.executable, str(TORCH_EPOCH), "{mount}/" + str(SUBDIR), "--epochs", str(epochs),
@@ -176,9 +176,8 @@ def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *ex
     """``liquidfs profile SRC --run CMD`` (or with ``extra``; the command reading ``epochs``, by default the
     shape's) in the shape's state: its JSON."""
     out = args.work / f"profile-{s.name}{label}.json"
-    cache = ["--cache-size", s.cache] if s.cache else []
     cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(args.work / "store-profile"),
-           "--decoder", "dali", "--threads", str(args.threads), "--json", str(out), *cache,
+           "--decoder", "dali", "--threads", str(args.threads), "--json", str(out), *s.mount_args,
            "--run", s.command(args.threads, epochs=epochs or s.epochs), "--run-images", str(args.images), *extra]
     if args.smoke:
         cmd += ["--quick", "--repeats", "1"]
