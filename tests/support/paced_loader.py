@@ -4,7 +4,7 @@ over MB_PER_S; image i is opened once both stages are done with the images befor
 max(sum of decode, sum of load) and its rate peaks where the two sums meet.
 
     python paced_loader.py ROOT --png-ms 30 --bmp-ms 3 --mb-per-s 20 --log RATES.jsonl [--epochs 2]
-                           [--storage-from-mount]
+                           [--storage-from-mount] [--read-ahead N]
 
 Appends its own count and rate (from its first open to its end) to --log, for comparison with the mount's, and
 each epoch's rate. With --storage-from-mount the "storage" costs only the bytes the mount read from storage for
@@ -18,13 +18,13 @@ import json
 import os
 import random
 import time
-
-CONTROL = ".__liquidfs__"
+from pathlib import Path
 
 
 def _from_storage(root: str) -> int:
-    with open(os.path.join(root, CONTROL), "rb") as f:
-        return int(json.loads(f.read())["bytes_from_storage"])
+    from liquidfs.mount import read_control  # imported before the first open: not in the loader's pace
+
+    return int(str(read_control(Path(root))["bytes_from_storage"]))
 
 
 def main() -> None:
