@@ -123,7 +123,6 @@ def test_a_catalog_with_xxh3_digests_serves_raw_only_objects_a_stamp_vouches_for
     catalog = Catalog.open(store, readonly=True)
     reader = StoreReader(catalog.source, store)
     try:
-        assert int(catalog.meta("schema_version") or 0) > 4
         kept, touched = [n for n in catalog.files() if n.served_raw]
         assert len(kept.checksum or "") == 16  # kept as it was: never taken for a BLAKE2b digest
         os.chmod(store / str(touched.object), 0o640)  # its bytes as they were, its stamp no longer vouching
@@ -134,6 +133,7 @@ def test_a_catalog_with_xxh3_digests_serves_raw_only_objects_a_stamp_vouches_for
         content = reader.open(kept)
         assert content.raw and bytes(content.data or b"") == (store / str(kept.object)).read_bytes()
         content.close()
+        assert int(catalog.meta("schema_version") or 0) > 4  # a liquidfs that checks xxh3 refuses it now
     finally:
         reader.close()
         catalog.close()
