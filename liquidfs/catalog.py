@@ -29,7 +29,7 @@ from .locks import HeldLock, abandoned, unique
 log = logging.getLogger(__name__)
 
 #: Bumped whenever the schema changes; a catalog of another version is refused, never guessed at.
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 #: Meta key: how local files were identified when the catalog was scanned (``file_version``).  A catalog whose
 #: files lack it (older than schema version 3) is rescanned before it is used.
 FILE_IDENTITY = "file_identity"
@@ -60,7 +60,7 @@ CREATE TABLE nodes (
     repr INTEGER NOT NULL DEFAULT 0,
     served_size INTEGER,         -- size served when repr is raw
     object TEXT,                 -- store-relative name of the raw object
-    checksum TEXT,               -- xxh3-64 hex digest of the raw object
+    checksum TEXT,               -- BLAKE2b-256 hex digest of the raw object (before version 5: xxh3-64)
     etag TEXT,                   -- the source's version: an object's ETag, or a local file's (file_version)
     object_stamp TEXT            -- the raw object's identity when prepare wrote or checked it (object_stamp)
 );
@@ -211,11 +211,16 @@ def object_stamp(st: os.stat_result) -> str:
 
 def _migrate(path: Path, found: int) -> None:
     """Version 2 added the ETags of object-store sources; version 3 records local files' versions there too;
-    version 4 each raw object's own identity (``object_stamp``) instead of a store-wide seal time.
+    version 4 each raw object's own identity (``object_stamp``) instead of a store-wide seal time; version 5 raw
+    objects' BLAKE2b-256 digests instead of xxh3 ones (the bump keeps a liquidfs that checks xxh3 from reading
+    them: it would fail every raw object).
 
     A local catalog of an older version gains empty columns and no ``file_identity``: ``is_fresh`` then says it
     must be rescanned, and prepare re-expands its images (their old identity cannot be trusted). Objects without a
-    stamp are served only once their checksum is checked, until a prepare has read them whole again."""
+    stamp are served only once their checksum is checked, until a prepare has read them whole again. The xxh3
+    digests of a catalog before version 5 are kept as they are, and vouch for no bytes a writer may have chosen
+    (``reader.check_raw``): only an object a stamp vouches for is still served raw, until a prepare has made
+    its objects again and recorded their BLAKE2b digests."""
     log.info("upgrading catalog %s from schema version %d to %d", path, found, SCHEMA_VERSION)
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA trusted_schema=OFF")  # the catalog may be anyone's: its schema runs nothing here
@@ -262,7 +267,7 @@ class Catalog:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
-        if row is not None and row[0] in ("1", "2", "3"):
+        if row is not None and row[0] in ("1", "2", "3", "4"):
             db.close()
             _migrate(path, int(row[0]))
             return cls.open_path(path, readonly=readonly, immutable=immutable)
@@ -682,7 +687,7 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
     try:
         db.execute("BEGIN")
         version = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
-        if version is None or int(version[0]) not in (1, 2, 3, SCHEMA_VERSION):
+        if version is None or int(version[0]) not in (1, 2, 3, 4, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             return
         etag = "src_etag" if int(version[0]) >= 2 else "NULL"

@@ -6,11 +6,12 @@ of those bytes (dataset minus the memory budget) and it never keeps a file the m
 epoch: the two levels hold disjoint sets and together serve (memory + disk) / dataset of every epoch locally.
 
 It wraps the mount's reader (the local store's ``StoreReader`` or the S3 backend's ``S3Reader``) and runs in the
-same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a directory
-of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file was
-written, and a file that fails (or went missing) is read from the store again: the disk never serves bytes the
-store did not. It is a level of held bytes like the memory levels (``held.HeldLevel``), and a reader in front of
-the store's (``reader.Reader``).
+same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a
+directory of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file
+was written (``reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
+the digest catches damage, not bytes anyone chose), and a file that fails (or went missing) is read from the store
+again: the disk never serves bytes the store did not. It is a level of held bytes like the memory levels
+(``held.HeldLevel``), and a reader in front of the store's (``reader.Reader``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from .cache import Decision, NextEpochCache
 from .locks import HeldLock, abandoned, unique
 from .catalog import Node
 from .directio import read_whole
-from .reader import Content, InFront, Reader, checksum, digest_of
+from .reader import Content, InFront, Reader, private_digest
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ class DiskTier(InFront):
         except OSError as exc:
             log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc)
             return None
-        if len(data) != entry.size or checksum(data) != entry.digest:
+        if len(data) != entry.size or private_digest(data) != entry.digest:
             log.warning("disk cache: %s changed on disk; reading the store", self._path(node.id))
             return None
         with self._lock:
@@ -161,7 +162,7 @@ class DiskTier(InFront):
         except OSError:
             pass
         with self._lock:
-            self._entries[node.id] = _Entry(digest_of(node, content), content.raw, content.size)
+            self._entries[node.id] = _Entry(private_digest(content.data), content.raw, content.size)
         return True
 
     def _forget(self, node_id: int) -> None:

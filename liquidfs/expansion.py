@@ -20,7 +20,7 @@ from .locks import unique
 from .directio import read_fd
 from .paths import open_below, open_dir, open_regular, open_under
 from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
-from .reader import checksum, same_version
+from .reader import LEGACY_DIGEST, LEGACY_REASON, checksum, is_digest, same_version
 
 #: Files considered for expansion; their real format is then detected from their content.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
@@ -34,6 +34,7 @@ def is_image(name: bytes) -> bool:
 
 
 def rank(seed: int, path: bytes) -> int:
+    # xxh3: an order, not a check (a path that ranks first is served raw, nothing more).
     return xxhash.xxh3_64_intdigest(path, seed=seed)
 
 
@@ -244,7 +245,10 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
 
 
 def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
-    """None when ``raw`` is the recorded object and decodes to the pixels of ``original``; else what is wrong."""
+    """None when ``raw`` is the recorded object (its BLAKE2b digest) and decodes to the pixels of ``original``;
+    else what is wrong. An xxh3 digest (a prepare before BLAKE2b) vouches for nothing here either."""
+    if not is_digest(want_checksum):
+        return LEGACY_REASON if LEGACY_DIGEST.fullmatch(want_checksum) else "recorded digest is not one prepare gives"
     if checksum(raw) != want_checksum:
         return "checksum mismatch"
     try:

@@ -1,17 +1,24 @@
 """What every backend's reader shares: the ``Reader`` protocol the mount reads through and its optional
 capabilities, what one open serves (``Content``, ``Choice``), and the checks of what was read (a raw object's
-checksum, a source's version, chunk digests). Each backend's reader lives with its backend
+digest, a source's version, chunk digests). Each backend's reader lives with its backend
 (``stores.local.reader``, ``stores.s3.reader``).
 
 Everything here is blocking and runs off the trio thread (but ``vouch`` and ``check_source``, a stat or two, on a
 local filesystem). A dataset image is read whole, at open or at its first read: one large read per file instead of
-dozens of 128 KiB FUSE-sized ones, which is what lets the checksum of a raw object be verified before its first
+dozens of 128 KiB FUSE-sized ones, which is what lets the digest of a raw object be verified before its first
 byte is served.
+
+Two kinds of digest. A raw object's, recorded by prepare and checked wherever a stat cannot vouch for the object
+(``checksum``), is BLAKE2b-256: whoever can rewrite a store object (a shared store, a bucket others write) chooses
+its bytes, and xxh3 is not made to resist a chosen input (a same-sized rewrite with the recorded xxh3 takes
+milliseconds to find): ~1 GB/s per core, where xxh3 does ~20. xxh3 stays where the bytes are the mount's own
+(``private_digest``), and in ``chunk_digests`` for its cost (see there).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -34,6 +41,28 @@ WHOLE_FILE_LIMIT = 64 * 1024 * 1024
 
 
 def checksum(data: bytes | memoryview) -> str:
+    """The digest prepare records of a raw object and every check of the object compares (BLAKE2b-256, hex)."""
+    return hashlib.blake2b(data, digest_size=32).hexdigest()
+
+
+#: What ``checksum`` returns. A catalog is anyone's: a row's digest of any other form vouches for nothing.
+DIGEST = re.compile(r"[0-9a-f]{64}")
+#: An xxh3_64 digest, as a prepare before BLAKE2b recorded it: it vouches for no bytes anyone may have chosen.
+LEGACY_DIGEST = re.compile(r"[0-9a-f]{16}")
+#: Why an object whose recorded digest is xxh3 is served as its original (``check_raw``).
+LEGACY_REASON = ("its recorded digest is an xxh3 one, which cannot vouch for bytes a writer of the store may have "
+                 "chosen: run `liquidfs prepare` again to record BLAKE2b digests")
+
+
+def is_digest(value: str | None) -> bool:
+    """Whether ``value`` is a digest ``checksum`` gives (a catalog row's, an object's metadata)."""
+    return value is not None and DIGEST.fullmatch(value) is not None
+
+
+def private_digest(data: bytes | memoryview) -> str:
+    """xxh3 of bytes only this mount writes and reads back (the disk level's files in a directory of its own,
+    0700): it catches damage and a file changed behind the level's back, and nothing adversarial chose them
+    to match. A twentieth of ``checksum``'s cost."""
     return xxhash.xxh3_64_hexdigest(data)
 
 
@@ -44,7 +73,12 @@ CHUNK = 1 << 20
 
 
 def chunk_digests(data: bytes | memoryview) -> tuple[int, ...]:
-    """The xxh3 digest of each CHUNK of ``data``: what a later read of part of the file must match."""
+    """The xxh3 digest of each CHUNK of ``data``: what a later read of part of the file must match.
+
+    xxh3, not BLAKE2b: these are taken of every file the daemon path lets go of (every byte it serves without a
+    cache), to catch a file changed since this open read it. At BLAKE2b's ~1 GB/s per core that would cost about
+    a core per GB/s served; a writer who rewrites the object after this open checked it, to match the digest of
+    a chunk they know, is not kept out by xxh3 (issue 38: left open)."""
     view = memoryview(data)
     return tuple(xxhash.xxh3_64_intdigest(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK))
 
@@ -134,20 +168,43 @@ def same_file(node: Node, st: os.stat_result) -> bool:
 
 
 
-def digest_of(node: Node, content: Content) -> str:
-    """The xxh3 digest of what ``content`` serves: prepare's recorded one for a raw object (checked when it was
-    read), else computed."""
-    assert content.data is not None
-    return node.checksum if content.raw and node.checksum else checksum(content.data)
+def check_raw(node: Node, data: bytes | memoryview, *, sealed: bool = False) -> str | None:
+    """None when ``data`` is the raw object prepare recorded for ``node`` (size and BLAKE2b digest); else why not.
 
-
-def check_raw(node: Node, data: bytes | memoryview) -> str | None:
-    """None when ``data`` is the raw object prepare recorded for ``node`` (size and checksum); else why not."""
+    ``sealed``: a stat vouched for the object before and after ``data`` was read (its inode, ctime and size
+    those prepare recorded: nobody wrote it since). Only then may a digest recorded before BLAKE2b (xxh3) still
+    be compared: it catches damage, and nobody chose the bytes. Without a stamp, such an object vouches for
+    nothing (``LEGACY_REASON``) and its original is served."""
     if len(data) != node.served_size:
         return f"raw object has {len(data)} bytes, expected {node.served_size}"
-    if checksum(data) != node.checksum:
-        return "raw object fails its checksum"
-    return None
+    want = node.checksum or ""
+    if DIGEST.fullmatch(want):
+        return None if checksum(data) == want else "raw object fails its checksum"
+    if LEGACY_DIGEST.fullmatch(want):
+        if not sealed:
+            return LEGACY_REASON
+        return None if xxhash.xxh3_64_hexdigest(data) == want else "raw object fails its checksum"
+    return "raw object's recorded digest is not one prepare gives: refused"
+
+
+class FallbackLog:
+    """Says why a raw object is not served: once per file, and once per reader for an xxh3 digest
+    (``LEGACY_REASON``), which a catalog from before BLAKE2b has for every object."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger  # the reader's own
+        self._warned: set[int] = set()
+        self._legacy = False
+
+    def warn_once(self, node: Node, where: str, why: str | None) -> None:
+        if why == LEGACY_REASON:
+            if not self._legacy:
+                self._legacy = True
+                self.log.warning("%s (and every raw object like it): %s; serving the originals", where, why)
+            return
+        if node.id not in self._warned:
+            self._warned.add(node.id)
+            self.log.warning("%s: %s; serving the original", where, why)
 
 
 @dataclass(slots=True)

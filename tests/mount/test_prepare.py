@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from PIL import Image
 
 from conftest import run_cli
+from forge import as_before_blake2b
 from fusehelpers import Mount, wait_for
 from liquidfs.catalog import Catalog
 from liquidfs.expansion import rank
@@ -309,6 +311,44 @@ def test_verify_sample_and_exit_codes(sample: Path, tmp_path: Path) -> None:
     assert bad.returncode == 1 and "FAIL" in bad.stdout
     missing = run_cli("verify", "--store", str(tmp_path / "nothing"), check=False)
     assert missing.returncode == 2 and "no catalog" in missing.stderr
+
+
+@pytest.mark.fuse
+def test_a_store_prepared_with_xxh3_digests_is_vouched_for_by_stamps_until_prepare_records_blake2b(
+        tmp_path: Path, mounter: Mount) -> None:
+    """A store from before BLAKE2b: its catalog records xxh3 digests. A raw object its stamp vouches for is served
+    raw as before; one touched since prepare is served as its original (a fallback), as no xxh3 digest vouches
+    for bytes a writer of the store may have chosen; verify fails them all and says to run prepare again. That
+    prepare makes them again and records their BLAKE2b digests: it never carries an xxh3 digest forward."""
+    src = make_sample(tmp_path / "data", count=4, width=128, height=64, seed=8)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    assert as_before_blake2b(store) == 4
+    catalog = Catalog.open(store)
+    touched, *kept = [n for n in catalog.files() if n.served_raw]
+    catalog.close()
+    os.chmod(store / str(touched.object), 0o640)  # the same bytes; the stamp no longer vouches
+    out = run_cli("verify", "--store", str(store), "--no-progress", check=False)
+    assert out.returncode == 1 and out.stdout.count("liquidfs prepare") == 4, out.stdout
+    mnt = mounter.mount(src, store=store)
+    rel = os.fsdecode(touched.path)
+    assert (mnt / rel).read_bytes() == (src / rel).read_bytes()
+    for node in kept:
+        assert (mnt / os.fsdecode(node.path)).read_bytes() == (store / str(node.object)).read_bytes()
+    assert json.loads((mnt / ".__liquidfs__").read_bytes())["fallbacks"] == 1
+    mounter.umount(mnt)
+    report = prepare(src, store, 1.0, progress=False)
+    assert report.raw_served == 4 and report.expanded + report.reused == 4
+    catalog = Catalog.open(store)
+    try:
+        for table in ("nodes", "expansions"):
+            rows = catalog.db.execute(f"SELECT object, checksum FROM {table} WHERE object IS NOT NULL").fetchall()
+            assert len(rows) == 4
+            for obj, digest in rows:
+                assert digest == hashlib.blake2b((store / obj).read_bytes(), digest_size=32).hexdigest(), table
+    finally:
+        catalog.close()
+    assert run_cli("verify", "--store", str(store), "--no-progress").returncode == 0
 
 
 def test_incompatible_catalog_is_refused(sample: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
+from forge import xxh3_twins
 from fusehelpers import DATA_PATHS, FUSERMOUNT, PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, is_mounted, wait_for
 from liquidfs.cache import WINDOW, NextEpochCache
 from liquidfs.catalog import Catalog
@@ -252,6 +253,42 @@ def test_a_source_rewritten_with_its_size_and_mtime_put_back_is_served_as_it_is_
     mnt = mounter.mount(src, "--data-path", data_path, store=store)
     served = (mnt / "a.png").read_bytes()
     assert _pixels(served) == _pixels((tmp_path / "new.png").read_bytes()), "the old image's raw object was served"
+
+
+@pytest.mark.fuse
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_a_raw_object_rewritten_in_place_to_its_xxh3_is_refused_and_the_original_served(
+        tmp_path: Path, mounter: Mount, data_path: str) -> None:
+    """Whoever can write the store rewrote a raw object in place with other pixels of the same size and the same
+    xxh3_64 (a moment's work: ``forge.xxh3_twins``). Its stamp no longer vouches, so its digest is checked: an
+    xxh3 one passed, and the forged pixels were served. The BLAKE2b digest refuses them: the original is."""
+    import io
+
+    from PIL import Image
+
+    from liquidfs import formats
+
+    src = tmp_path / "src"
+    src.mkdir()
+    base = io.BytesIO()
+    Image.effect_noise((64, 32), 40).convert("RGB").save(base, "PNG")
+    bmp = formats.expand(base.getvalue()).data
+    assert bmp is not None and bmp[:2] == b"BM"
+    recorded, forged = xxh3_twins(bmp)  # they differ in 16 bytes of pixels, past the 54-byte header
+    with Image.open(io.BytesIO(recorded)) as im:
+        im.save(src / "a.png")  # the source whose expansion is ``recorded``
+    store = tmp_path / "store"
+    prepare(src, store, ratio=1.0, progress=False)
+    (obj,) = (store / "objects").rglob("*.bmp")
+    assert obj.read_bytes() == recorded
+    with open(obj, "r+b") as f:  # in place: same inode, same size, a later ctime
+        f.write(forged)
+    mnt = mounter.mount(src, "--data-path", data_path, store=store)
+    served = (mnt / "a.png").read_bytes()
+    assert served != forged, "the forged raw object was served"
+    assert served == (src / "a.png").read_bytes()
+    values = json.loads(run_cli("stats", str(mnt), "--json").stdout)
+    assert values["fallbacks"] == 1 and values["errors"] == 0
 
 
 def test_prepare_reads_no_source_swapped_for_a_link_after_the_scan(tmp_path: Path) -> None:

@@ -3,9 +3,11 @@ expansions across rebuilds, schema upgrades, and the writers of a catalog in the
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
+from forge import as_before_blake2b
 from liquidfs import catalog as catalog_mod
 from liquidfs.catalog import KIND_DIR, KIND_FILE, ROOT_ID, Catalog, _Writer, build, build_from_objects, open_or_build
 
@@ -103,6 +105,37 @@ def test_a_local_catalog_of_version_2_is_rescanned_for_file_versions(tmp_path: P
         assert node is not None and node.etag == catalog_mod.file_version((src / "a.txt").stat())
         assert catalog.meta("schema_version") == str(catalog_mod.SCHEMA_VERSION)
     finally:
+        catalog.close()
+
+
+def test_a_catalog_with_xxh3_digests_serves_raw_only_objects_a_stamp_vouches_for(tmp_path: Path) -> None:
+    """A catalog from before BLAKE2b (schema version 4) records xxh3 digests, which a writer of the store can match
+    with other bytes: after the upgrade they vouch for no object touched since prepare (its original is served,
+    with a reason that says to run prepare again). One whose stamp still vouches is served raw as before."""
+    from liquidfs.prepare import prepare
+    from liquidfs.stores.local.reader import StoreReader
+    from sample import make_sample
+
+    src = make_sample(tmp_path / "src", count=2, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    assert as_before_blake2b(store) == 2
+    catalog = Catalog.open(store, readonly=True)
+    reader = StoreReader(catalog.source, store)
+    try:
+        kept, touched = [n for n in catalog.files() if n.served_raw]
+        assert len(kept.checksum or "") == 16  # kept as it was: never taken for a BLAKE2b digest
+        os.chmod(store / str(touched.object), 0o640)  # its bytes as they were, its stamp no longer vouching
+        content = reader.open(touched)
+        assert not content.raw and bytes(content.data or b"") == (src / os.fsdecode(touched.path)).read_bytes()
+        assert content.fallback is not None and "liquidfs prepare" in content.fallback
+        content.close()
+        content = reader.open(kept)
+        assert content.raw and bytes(content.data or b"") == (store / str(kept.object)).read_bytes()
+        content.close()
+        assert int(catalog.meta("schema_version") or 0) > 4  # a liquidfs that checks xxh3 refuses it now
+    finally:
+        reader.close()
         catalog.close()
 
 

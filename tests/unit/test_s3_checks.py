@@ -9,14 +9,18 @@ tests/system/test_s3.py has the same through a real mount, a real server and a r
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import io
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import xxhash
 from botocore.exceptions import ClientError
+from forge import xxh3_twins
 from PIL import Image
 
 from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
@@ -47,6 +51,7 @@ class FakeS3:
         self.ignore_if_match = False
         self.spoil: Callable[[Answer, bytes, int], Answer] | None = None  # (answer, object, first byte)
         self.uploads: list[str] = []
+        self.metadata: dict[str, dict[str, str]] = {}
 
     def get_object(self, *, Bucket: str, Key: str, IfMatch: str | None = None, Range: str | None = None) -> Answer:
         if Key not in self.objects:
@@ -70,10 +75,12 @@ class FakeS3:
         if Key not in self.objects:
             raise _error("404", 404)
         data = self.objects[Key]
-        return {"ETag": _etag(data), "ContentLength": len(data), "Metadata": {}}
+        return {"ETag": _etag(data), "ContentLength": len(data), "Metadata": dict(self.metadata.get(Key, {}))}
 
     def upload_fileobj(self, fileobj: Any, bucket: str, key: str, **kwargs: Any) -> None:
         self.uploads.append(key)
+        self.objects[key] = fileobj.read()
+        self.metadata[key] = dict(kwargs.get("ExtraArgs", {}).get("Metadata", {}))
 
 
 def _body(answer: Answer, data: bytes) -> Answer:
@@ -325,3 +332,76 @@ def test_prepare_and_verify_refuse_a_changed_object_served_despite_if_match(
     verdict = bucket_store.verify_one_s3(BUCKET, "src/a.png", _etag(before), len(before), BUCKET,
                                     "store/objects/ab/a.bmp", checksum(b"raw"))
     assert verdict is not None and verdict.startswith("source changed since prepare")
+
+
+# -- a raw object is vouched for by its BLAKE2b digest, never by xxh3 (issue 38) ---------------------------
+
+def test_a_raw_object_rewritten_to_the_same_xxh3_is_refused_and_the_original_served(s3: FakeS3) -> None:
+    """Whoever writes the bucket rewrote a raw object with other bytes of its size and its xxh3_64 (a moment's
+    work: ``forge.xxh3_twins``): the xxh3 checksum prepare recorded vouched for them, and a mount served them."""
+    data = b"the original image " * 64
+    recorded, forged = xxh3_twins(bytes(range(256)) * 8)
+    reader, node = _reader(s3, data, raw=recorded)
+    assert bytes(reader.open(node).data or b"") == recorded  # sound: served raw
+    s3.objects[STORE.key("objects/ab/x.bmp")] = forged
+    content = reader.open(node)
+    assert not content.raw and bytes(content.data or b"") == data, "the forged object was served"
+    assert content.fallback == "raw object fails its checksum"
+
+
+def test_a_catalog_row_with_an_xxh3_digest_vouches_for_no_object(s3: FakeS3, caplog: pytest.LogCaptureFixture) -> None:
+    """A catalog from before BLAKE2b records xxh3 digests: even of the very object, it vouches for nothing a
+    bucket's writer could have chosen. The original is served (a fallback), and the log says once, for every
+    such file, to run prepare again."""
+    data = b"the original image " * 64
+    raw = bytes(range(256)) * 8
+    reader, node = _reader(s3, data, raw=raw)
+    legacy = dataclasses.replace(node, checksum=xxhash.xxh3_64_hexdigest(raw))
+    with caplog.at_level(logging.WARNING, logger=s3reader.__name__):
+        for one in (legacy, dataclasses.replace(legacy, id=8), legacy):
+            content = reader.open(one)
+            assert not content.raw and bytes(content.data or b"") == data, "an xxh3 digest vouched for the object"
+            assert content.fallback is not None and "liquidfs prepare" in content.fallback
+    said = [r for r in caplog.records if "liquidfs prepare" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("digest", ["xxh3", "none", "garbage"])
+def test_prepare_reuses_no_object_whose_metadata_has_no_blake2b_digest(
+        s3: FakeS3, monkeypatch: pytest.MonkeyPatch, digest: str) -> None:
+    """A bucket prepared before BLAKE2b holds objects whose metadata says their xxh3: reused from it, that
+    digest went into the catalog again and kept vouching. Such an object is made and put again."""
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+    raw = bucket_store.expand_bytes(b"a.png", len(png), 1, png)[1]
+    assert raw is not None
+    s3.objects["store/objects/ab/a.bmp"] = raw
+    meta = {"liquidfs-source-etag": _etag(png).strip('"'), "liquidfs-format": "png"}
+    meta["liquidfs-checksum"] = {"xxh3": xxhash.xxh3_64_hexdigest(raw), "none": "", "garbage": "../" * 22}[digest]
+    s3.metadata["store/objects/ab/a.bmp"] = meta
+    outcome = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                         "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    blake = hashlib.blake2b(raw, digest_size=32).hexdigest()
+    assert not outcome.reused and outcome.checksum == blake and s3.uploads == ["store/objects/ab/a.bmp"]
+    assert s3.metadata["store/objects/ab/a.bmp"]["liquidfs-checksum"] == blake
+    again = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                       "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    assert again.reused and again.checksum == blake and len(s3.uploads) == 1  # now it is reused
+
+
+def test_verify_fails_an_object_whose_recorded_digest_is_xxh3(s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    raw = bucket_store.expand_bytes(b"a.png", len(png), 1, png)[1]
+    assert raw is not None
+    s3.objects["store/objects/ab/a.bmp"] = raw
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+
+    def verdict(digest: str) -> str | None:
+        return bucket_store.verify_one_s3(BUCKET, "src/a.png", _etag(png), len(png), BUCKET,
+                                          "store/objects/ab/a.bmp", digest, len(raw))
+
+    assert verdict(hashlib.blake2b(raw, digest_size=32).hexdigest()) is None
+    legacy = verdict(xxhash.xxh3_64_hexdigest(raw))
+    assert legacy is not None and "liquidfs prepare" in legacy

@@ -14,7 +14,8 @@ from ... import access
 from ...catalog import Node, object_key, object_stamp
 from ...directio import POOL, read_fd, read_span
 from ...paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_dir, stat_below
-from ...reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, check_raw, read_settled, same_file
+from ...reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, FallbackLog, check_raw, read_settled, \
+    same_file
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,7 @@ class StoreReader:
         # An object's stamp (``catalog.object_stamp``) vouches for it only where a stat is the inode's own, not
         # attributes a network or FUSE filesystem may have cached for seconds.
         self.stamps_vouch = filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS
-        self._warned: set[int] = set()
+        self._fallbacks = FallbackLog(log)
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
         # hit's CPU). Anything else (NFS, FUSE) is checked in a worker thread, under --io-timeout.
@@ -89,8 +90,8 @@ class StoreReader:
         ctime). A node with a raw object is served raw while the source is unchanged and the object can be
         opened (a name prepare gives, a regular file below the objects directory, no link); ``sealed`` says
         whether a stat vouches for the object (its size, its inode unchanged since prepare sealed the store),
-        else its checksum must be checked before any byte is served. Otherwise the original is served, and for a
-        raw node ``fallback`` says why. ``cached_only``: BlockingIOError where an open would wait for the disk.
+        else its BLAKE2b digest must be checked before any byte is served. Otherwise the original is served, and
+        for a raw node ``fallback`` says why. ``cached_only``: BlockingIOError where an open would wait for the disk.
         """
         source = self.open_source(node, cached_only=cached_only)
         try:
@@ -121,11 +122,11 @@ class StoreReader:
                 os.close(source)
 
     def open(self, node: Node) -> Content:
-        """What ``node`` serves, read whole: the raw object when sound (checksum verified), else the source."""
+        """What ``node`` serves, read whole: the raw object when sound (digest verified), else the source."""
         chosen = self.choose(node)
         try:
             if chosen.raw:
-                problem, data = self._read_raw(node, chosen.fd)
+                problem, data = self._read_raw(node, chosen.fd, chosen.sealed)
                 if data is not None:
                     return Content(size=len(data), raw=True, data=data, pooled=True)
                 self.warn_once(node, problem)
@@ -169,13 +170,14 @@ class StoreReader:
             return "source changed since prepare" if node.served_raw else "source changed since the scan"
         return None
 
-    def _read_raw(self, node: Node, fd: int) -> tuple[str | None, memoryview | None]:
-        """The raw object read whole and checked against its checksum; else why not."""
+    def _read_raw(self, node: Node, fd: int, sealed: bool) -> tuple[str | None, memoryview | None]:
+        """The raw object read whole and checked against its digest; else why not. ``sealed``: its stamp vouched
+        for it before the read, and must still after it (``check_raw``: nobody wrote it in between)."""
         try:
             data = read_fd(fd)
         except OSError as exc:
             return f"raw object unreadable ({exc.strerror})", None
-        problem = check_raw(node, data)
+        problem = check_raw(node, data, sealed=sealed and self.object_sealed(node, os.fstat(fd)))
         if problem:
             POOL.give(data)  # never served: the buffer may take the next file
             return problem, None
@@ -200,6 +202,4 @@ class StoreReader:
             os.close(fd)
 
     def warn_once(self, node: Node, why: str | None) -> None:
-        if node.id not in self._warned:
-            self._warned.add(node.id)
-            log.warning("%s: %s; serving the original", os.fsdecode(node.path), why)
+        self._fallbacks.warn_once(node, os.fsdecode(node.path), why)

@@ -9,8 +9,9 @@ Identity: the catalog records each source object's ETag. An original is fetched 
 changed object fails (412 -> EIO) instead of serving bytes the catalog does not describe; an answer with another
 ETag, range, size or length than asked for (a proxy that drops ``If-Match``) fails the same way (``client.get``
 checks every answer). A raw object is served only while its source still has the recorded ETag (one HEAD) and the
-object has the recorded size and xxh3 checksum; otherwise the original is served, or EIO when the original changed
-too.
+object has the recorded size and BLAKE2b-256 digest (no stat vouches for a bucket's object: one whose catalog row
+holds an xxh3 digest, from a prepare before BLAKE2b, is never served); otherwise the original is served, or EIO
+when the original changed too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 from typing import Any
 
 from ...catalog import Node
-from ...reader import WHOLE_FILE_LIMIT, Content, check_raw
+from ...reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw
 from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class S3Reader:
         self.client = client
         self.source = source
         self.store = store
-        self._warned: set[int] = set()
+        self._fallbacks = FallbackLog(log)
         self.inline_check = True  # check_source asks nothing of the store
 
     def close(self) -> None:
@@ -121,6 +122,4 @@ class S3Reader:
             raise as_oserror(exc, where) from exc
 
     def _warn_once(self, node: Node, why: str | None) -> None:
-        if node.id not in self._warned:
-            self._warned.add(node.id)
-            log.warning("%s: %s; serving the original", self._where(node), why)
+        self._fallbacks.warn_once(node, self._where(node), why)

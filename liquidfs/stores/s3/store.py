@@ -4,7 +4,7 @@ put there by prepare's workers.
 Layout of a store ``s3://bucket/name.liquid``::
 
     name.liquid/catalog.sqlite          the catalog every node mounts from (uploaded by prepare)
-    name.liquid/objects/ab/<hash>.bmp   raw objects, with the source's ETag and their checksum as metadata
+    name.liquid/objects/ab/<hash>.bmp   raw objects, with the source's ETag and their BLAKE2b digest as metadata
 
 Only ``prepare`` writes to the store. A node's ``mount`` downloads the catalog into a local work directory
 (``client.work_dir``) when the store's copy changed (its ETag), and lists the source bucket itself only when asked
@@ -27,7 +27,7 @@ from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_obj
 from ...expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
 from ...locks import unique
 from ...rawformats import BMP, DEFAULT, RAW_FORMATS
-from ...reader import Reader, checksum
+from ...reader import Reader, checksum, is_digest
 from ...timedreads import ProfileError, Sample, measure_get
 from ..base import Job, Preparation
 from .client import READ_TIMEOUT, S3Url, error_code, get, head, is_url, list_objects, make_client, put, \
@@ -139,8 +139,9 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
                   store_bucket: str, store_key: str, obj: str) -> Outcome:
     """Runs in a worker process: expand one source object into the store, or say why not. Never raises.
 
-    An object already in the store with this source ETag and a checksum is reused without downloading the
-    source (a previous run, maybe on another node, finished it): prepare resumes anywhere.
+    An object already in the store with this source ETag and a BLAKE2b digest is reused without downloading the
+    source (a previous run, maybe on another node, finished it): prepare resumes anywhere. One with an xxh3
+    digest (a prepare before BLAKE2b) is made and put again: that digest is never carried forward.
     """
     client = _worker()
 
@@ -150,7 +151,7 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
     try:
         found = head(client, store_bucket, store_key)
         meta = (found or {}).get("Metadata", {})
-        if found and meta.get(_META_ETAG) == etag.strip('"') and meta.get(_META_CHECKSUM):
+        if found and meta.get(_META_ETAG) == etag.strip('"') and is_digest(meta.get(_META_CHECKSUM)):
             return Outcome(rel, size, mtime_ns, meta.get(_META_FORMAT), obj, int(found["ContentLength"]),
                            meta[_META_CHECKSUM], None, reused=True, src_etag=etag)
         source = get(client, src_bucket, src_key, if_match=etag, size=size)
@@ -194,7 +195,7 @@ class BucketStore:
 
     default_threads = 16  # GETs wait on the network, not the CPU: more in flight
     raw_formats: tuple[str, ...] = (BMP.name,)  # the others: local stores only for now
-    stamps_objects = False  # every GET is checked (ETag, size, checksum): no stat vouches for anything
+    stamps_objects = False  # every GET is checked (ETag, size, digest): no stat vouches for anything
 
     def __init__(self, source: S3Url, store: S3Url) -> None:
         self.source = source
@@ -414,7 +415,7 @@ def verify_one_s3(src_bucket: str, src_key: str, etag: str, size: int, store_buc
     client = _worker()
     try:
         original = get(client, src_bucket, src_key, if_match=etag, size=size)
-        # Read no further than its recorded size (a longer body is refused unread); judge: its checksum.
+        # Read no further than its recorded size (a longer body is refused unread); judge: its digest.
         raw = get(client, store_bucket, store_key, size=raw_size)
     except Exception as exc:
         if error_code(exc) in ("PreconditionFailed", "412"):
