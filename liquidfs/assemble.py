@@ -78,6 +78,9 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
     path: DaemonPath | PassthroughPath | None
     if lookahead is not None:
         built.cold_open = lookahead.went_cold
+    job_of = JobOf() if built.policy is not None else None
+    if built.policy is not None and job_of is not None:
+        built.policy.owner_of = job_of.owner  # a job's uid decides which slots it may take
     if data_path == "daemon":
         path = built.daemon_path()
     elif data_path == "passthrough":
@@ -91,4 +94,4 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
     return Operations(catalog, built.stats, built.storage, built.notifier, path, mix=mix, may_read=may_read,
                       max_open_files=max_open_files, extra_statistics=extra_statistics,
                       enable_passthrough=enable_passthrough, time_requests=time_requests, lookahead=lookahead,
-                      job_of=JobOf() if built.policy is not None else None)
+                      job_of=job_of)
