@@ -123,6 +123,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_memfd_files", GAUGE, "", "memfd_files", "Files the memory level holds in memfds now."),
     Metric("liquidfs_memfd_bytes", GAUGE, "bytes", "memfd_bytes", "Bytes the memory level holds in memfds now."),
     Metric("liquidfs_memfd_kept_total", COUNTER, "", "kept", "Files copied into memfds after being served."),
+    Metric("liquidfs_memfd_max_files", GAUGE, "", "memfd_max_files",
+           "Memfds the memory level may hold (its share of the daemon's descriptors; 0: no cap)."),
     Metric("liquidfs_memfd_keep_failures_total", COUNTER, "", "keep_failed",
            "Files the cache chose whose bytes could not be kept (released unread, copy failed)."),
     # -- the cache levels (memory: --cache-size, disk: --disk-cache) ---------------------------------------------
