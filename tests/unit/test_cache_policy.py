@@ -328,8 +328,6 @@ def test_new_jobs_of_another_user_never_retire_a_job_that_reads() -> None:
     """uid 65534 begins ten jobs (a `setsid cat` loop) while uid 1000's training pauses a few seconds between
     epochs: the training's job is not retired (its next epoch is its third, not a first), and the other user
     holds no more than its share of the job slots, its new jobs taking its own old ones' places."""
-    from liquidfs.cache import JOBS_PER_USER
-
     clock = _Clock()
     cache = NextEpochCache(0, 1000, 10, max_id=11, clock=clock)
     owners = {1: 1000, **{job: 65534 for job in range(2, 12)}}
@@ -342,6 +340,8 @@ def test_new_jobs_of_another_user_never_retire_a_job_that_reads() -> None:
         clock.now += 0.3
         cache.read(1, 100, job)
     assert 1 in cache.jobs
+    from liquidfs.cache import JOBS_PER_USER
+
     assert sum(1 for state in cache.jobs.values() if state.owner == 65534) == JOBS_PER_USER
     assert cache.read(1, 100, 1).epoch == 3
 
