@@ -92,7 +92,9 @@ def test_warmup_makes_epoch_one_hit(dataset: Path, mounter: Mount) -> None:
     mnt = mounter.mount(dataset, "--cache-size", "50%", "--warmup")
     wait_for(lambda: _stats(mnt)["warmup"] == "done", 120, what="the warm-up (after the mount answers)")
     st = _stats(mnt)
-    assert st["warmup_files"] > 0 and st["warmup_bytes"] == st["cache_held_bytes"]
+    # held bytes are what the budget counts: the files' bytes and, in memfds, their pages' rounding and overhead
+    assert st["warmup_files"] > 0 and st["warmup_files"] == st["cache_held_files"]
+    assert st["warmup_bytes"] <= st["cache_held_bytes"]
     assert st["cache_held_bytes"] >= 0.45 * st["dataset_bytes"]
     _epoch(mnt, files, seed=5)
     st = _stats(mnt)
