@@ -44,6 +44,8 @@ class Parts:
     verify_reads: bool = False
     #: Told of each passthrough open that found its metadata cold (the metadata read-ahead, where there is one).
     cold_open: Callable[[Node], None] | None = None
+    #: Memfds the passthrough path's level may hold (``held.held_descriptors``; None: no cap).
+    held_files: int | None = None
 
     def daemon_path(self, *, holds: bool = True) -> DaemonPath:
         """The daemon data path; ``holds``: it keeps the next-epoch cache's files (in this process)."""
@@ -54,7 +56,7 @@ class Parts:
 
     def passthrough_path(self, kernel: Kernel) -> PassthroughPath:
         """The passthrough data path over ``kernel``'s connection; the next-epoch cache's files in memfds."""
-        held = MemfdLevel(self.policy, self.stats) if self.policy is not None else None
+        held = MemfdLevel(self.policy, self.stats, self.held_files) if self.policy is not None else None
         return PassthroughPath(kernel, self.reader, self.stats, self.storage, ranges=self.daemon_path(holds=False),
                                held=held, verify_reads=self.verify_reads,
                                drop_served_pages=self.page_cache == "drop", on_cold_open=self.cold_open)
@@ -63,9 +65,10 @@ class Parts:
 def parts(reader: Reader, stats: MountStats, *, policy: NextEpochCache | None = None,
           thread_limiter: trio.CapacityLimiter | None = None, io_timeout: float = IO_TIMEOUT,
           page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True,
-          verify_reads: bool = False) -> Parts:
+          verify_reads: bool = False, held_files: int | None = None) -> Parts:
     storage = StorageCalls(reader, thread_limiter=thread_limiter, io_timeout=io_timeout)
-    return Parts(reader, stats, storage, Notifier(), policy, page_cache, max_open_bytes, push_pages, verify_reads)
+    return Parts(reader, stats, storage, Notifier(), policy, page_cache, max_open_bytes, push_pages, verify_reads,
+                 held_files=held_files)
 
 
 def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", kernel: Kernel | None = None,
@@ -78,6 +81,9 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
     path: DaemonPath | PassthroughPath | None
     if lookahead is not None:
         built.cold_open = lookahead.went_cold
+    job_of = JobOf() if built.policy is not None else None
+    if built.policy is not None and job_of is not None:
+        built.policy.owner_of = job_of.owner  # a job's uid decides which slots it may take
     if data_path == "daemon":
         path = built.daemon_path()
     elif data_path == "passthrough":
@@ -91,4 +97,4 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
     return Operations(catalog, built.stats, built.storage, built.notifier, path, mix=mix, may_read=may_read,
                       max_open_files=max_open_files, extra_statistics=extra_statistics,
                       enable_passthrough=enable_passthrough, time_requests=time_requests, lookahead=lookahead,
-                      job_of=JobOf() if built.policy is not None else None)
+                      job_of=job_of)

@@ -17,7 +17,13 @@ epoch. Any other repeated read (a header probe, a retry, a second open by anothe
 is a re-read that changes nothing. The number of files is never assumed: loaders often read only the images.
 
 Several jobs reading one mount (``jobs.JobOf`` tells them apart) each have their own epochs (``epochs.Job``) and
-share one budget by how soon each held file is wanted again (``soonest``); one job decides as above.
+share one budget by how soon each held file is wanted again (``soonest``); one job decides as above. A job is
+one user's: a new one takes the place of a job of its own user, or of one idle past DISPLACE_IDLE, never of
+another user's job that reads; where there is none, its reads are counted in no job (``_admit``).
+
+A held file costs the budget what the level that holds it says it takes (``charge_files``): for a memfd its
+whole pages, a file's overhead, and at least its share of the descriptors the level may hold, so a budget of
+tiny files cannot run the daemon out of descriptors or count a page as 512 B.
 
 This module is pure bookkeeping: it never touches bytes. Where the held bytes live is the caller's business (a
 level of held bytes, ``held``).
@@ -28,10 +34,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,17 +85,33 @@ def parse_size(text: str, dataset_bytes: int) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
-#: Jobs tracked at once (12 bytes a file each): a job past them takes the place of the one idle longest.
+#: Jobs tracked at once (12 bytes a file each): past them a new job takes the place of one of its own user's, or
+#: of one idle past DISPLACE_IDLE (``_admit``).
 MAX_JOBS = 8
+#: Job slots only root and the mount's own user may take (as the open-file budget keeps its last eighth for them,
+#: ``fs.Operations._take_slot``): whatever the other users run, the mount's owner can begin a job.
+JOBS_KEPT_BACK = max(1, MAX_JOBS // 8)
+#: Jobs a user other than root and the mount's own has at once: half of those not kept back, so one user with
+#: a `setsid cat` loop leaves the other half to everyone else (it displaces its own jobs past them).
+JOBS_PER_USER = max(1, (MAX_JOBS - JOBS_KEPT_BACK) // 2)
 #: Seconds without a read after which a job no longer counts as reading (its files are not held for it).
 JOB_IDLE = 300.0
+#: Seconds without a read after which another user's new job may take a job's slot when every slot is taken.
+#: Far past the pauses of a training that reads on (an epoch's end, a loader's workers restarting, a short
+#: evaluation: seconds; the issue's trainer paused 3 s), and short enough that a finished trial's slot goes to
+#: whoever reads now well before JOB_IDLE. A job displaced loses only its epoch count, not its held files.
+DISPLACE_IDLE = 60.0
 #: Reads between two looks for jobs idle past JOB_IDLE (besides when a new job begins).
 RETIRE_EVERY = 1024
+#: Held files a retired job's heir takes over per read (``_reown_some``): a job that held 100,000 files is
+#: handed over in slices, never in one walk on the FUSE loop.
+REOWN_SLICE = 64
 
 
 @dataclass(frozen=True, slots=True)
 class Held:
     size: int
+    charge: int     # what it costs the budget (``NextEpochCache.charge``)
     for_epoch: int  # the epoch (of ``job``) its next read is expected in
     job: int        # the job whose read chose it
     #: Each job's epoch of the file when it was chosen, (job, epoch) pairs: whether a job still has to read it in
@@ -109,7 +133,9 @@ class NextEpochCache:
     """
 
     def __init__(self, budget: int, dataset_bytes: int, dataset_files: int, *, max_id: int | None = None,
-                 gap: float = 0.5, seed: int = 0, clock: Callable[[], float] = time.monotonic) -> None:
+                 gap: float = 0.5, seed: int = 0, clock: Callable[[], float] = time.monotonic,
+                 owner_of: Callable[[int], int | None] | None = None) -> None:
+        """``owner_of``: the uid of a job id (``jobs.JobOf.owner``; None: every job is the daemon's own user's)."""
         self.budget = max(0, budget)
         self.dataset_bytes = max(1, dataset_bytes)
         self.dataset_files = max(1, dataset_files)
@@ -127,7 +153,21 @@ class NextEpochCache:
         self._soonest = WantedSoonest(self.dataset_files)
         # The held files by the epoch they are held for (of the one job reading), each in the order held.
         self._by_epoch: dict[int, dict[int, None]] = {}
+        # The held files by the job whose read chose them: a retired job's are handed over without a walk of all.
+        self._by_job: dict[int, dict[int, None]] = {}
+        # (files, heir, retired job): a retired job's held files, still to be handed over to its heir
+        self._reowning: deque[tuple[dict[int, None], int, int]] = deque()
+        self.files_reowned = 0  # held files handed from a retired job to its heir (work done, for tests)
         self._all_reads = 0
+        self.owner_of = owner_of
+        #: Root and the mount's own user: the only ones who may take the job slots kept back.
+        self.privileged = frozenset({0, os.getuid()})
+        # What a held file costs (``charge_files``): its size, until a level says what it takes.
+        self._page = 1
+        self._overhead = 0
+        self._min_charge = 0
+        self.uncounted_reads = 0  # reads counted in no job (``_admit``)
+        self.jobs_refused = 0     # new jobs that found no slot they could take
 
     @property
     def stats(self) -> CacheStats:
@@ -143,7 +183,15 @@ class NextEpochCache:
     def read(self, file: int, size: int, job: int = 0) -> Decision:
         """A reader of ``job`` opened ``file`` (``size`` bytes as served) to read it."""
         now = self.clock()
-        state = self._job(job, now)
+        found = self._job(job, now)
+        self._reown_some()  # a slice of the files of jobs retired (at this read or before)
+        if found is None:
+            # An opener without a job (not known, or no slot it may take): served what is held like any read,
+            # and nothing counted, moved or held for anyone.
+            self.uncounted_reads += 1
+            held = file in self.held
+            return Decision(hit=held, hold=held, epoch=0, job=job)
+        state = found
         current = int(state.epoch_of[file])
         if current + 1 <= state.newest_epoch:
             # its next epoch, already open; unless no read of that epoch is to come (the file was not read for an
@@ -175,25 +223,31 @@ class NextEpochCache:
             self._release(file, read=True)
         if len(self.jobs) == 1:
             keep = self._quota_allows(state, epoch, size)
-            wanted = size + (self._drain_reserve(state) if epoch == state.newest_epoch else 0)
+            wanted = self.charge(size) + (self._drain_reserve(state) if epoch == state.newest_epoch else 0)
             if keep and self.held_bytes + wanted > self.budget:
                 keep, evicted = self._room_from_passed(state, wanted)
         else:
             keep, pushed_out = self._wanted_sooner(file, size)
             evicted += pushed_out
         if keep:
-            self._hold(file, Held(size, epoch + 1, job, read_in(file, list(self.jobs.values()))))
+            self._hold(file, Held(size, self.charge(size), epoch + 1, job, read_in(file, list(self.jobs.values()))))
             state.kept_for[epoch + 1] = state.kept_for.get(epoch + 1, 0) + size
         state.count(epoch, hit, size)
         return Decision(hit=hit, hold=keep, epoch=epoch, evicted=evicted, job=job)
 
-    def _job(self, job: int, now: float) -> Job:
+    def _job(self, job: int, now: float) -> Job | None:
+        """The record of ``job``, begun at its first read where it may have a slot; None: counted in no job."""
         state = self.jobs.get(job)
         if state is None:
+            owner = self.owner_of(job) if self.owner_of is not None else None
+            if owner is None:
+                owner = os.getuid()
             self._retire_idle(now)
-            if len(self.jobs) >= MAX_JOBS:
-                self._retire(min(self.jobs.values(), key=lambda j: j.last_read))
-            state = self.jobs[job] = Job(job, self._size)
+            if not self._admit(owner, now):
+                self.jobs_refused += 1
+                return None
+            self._finish_reown(job)  # its files of a run before, retired: handed over before the id is reused
+            state = self.jobs[job] = Job(job, self._size, owner=owner)
             state.pace_since = (now, 0)
             for waiting in [j for j in self.jobs.values() if not j.reads and j is not state]:
                 # a job that never read (job 0 before the first open: the warm-up's): the new one takes its place
@@ -202,6 +256,31 @@ class NextEpochCache:
             log.info("cache: job %d began reading (%d jobs now)", job, len(self.jobs))
         state.last_read = now
         return state
+
+    def _admit(self, owner: int, now: float) -> bool:
+        """Whether a new job of ``owner`` may begin, making room where it must: by retiring the job of its own
+        idle longest, else one idle past DISPLACE_IDLE (anyone's). Never another user's job that reads: a user
+        who opens with a new session or ``LIQUIDFS_JOB`` per process only takes its own jobs' places. Jobs that
+        never read (the warm-up's) take no slot: the new job takes their place."""
+        reading = [j for j in self.jobs.values() if j.reads]
+        privileged = owner in self.privileged
+        share = MAX_JOBS if privileged else JOBS_PER_USER
+        room = MAX_JOBS if privileged else MAX_JOBS - JOBS_KEPT_BACK
+        mine = [j for j in reading if j.owner == owner]
+        if len(mine) < share and len(reading) < room:
+            return True
+        if mine:
+            victim = min(mine, key=lambda j: j.last_read)
+        else:
+            idle = [j for j in reading if now - j.last_read > DISPLACE_IDLE]
+            if not idle:
+                log.log(logging.WARNING if not self.jobs_refused else logging.DEBUG,
+                        "cache: every job slot is taken by jobs that read; a new job of uid %d is counted in "
+                        "none (its reads are served, held for no one)", owner)
+                return False
+            victim = min(idle, key=lambda j: j.last_read)
+        self._retire(victim)
+        return True
 
     def _retire_idle(self, now: float) -> None:
         for state in [j for j in self.jobs.values() if j.reads and now - j.last_read > JOB_IDLE]:
@@ -221,12 +300,37 @@ class NextEpochCache:
 
     def _reown(self, old: Job, heir: Job) -> None:
         """The files held for ``old``'s next reads are ``heir``'s now, held for its current epoch (unread in it,
-        they are the first let go when room is wanted, as any file held for a passed epoch is)."""
-        for file, entry in list(self.held.items()):
-            if entry.job == old.id:
+        they are the first let go when room is wanted, as any file held for a passed epoch is). Only ``old``'s
+        files are touched, REOWN_SLICE per read (``_reown_some``), never all at once."""
+        files = self._by_job.pop(old.id, None)
+        if files:
+            self._reowning.append((files, heir.id, old.id))
+
+    def _reown_some(self, limit: int = REOWN_SLICE) -> None:
+        """Hand over at most ``limit`` files of the retired jobs to their heirs (the oldest retirement first)."""
+        while self._reowning and limit > 0:
+            files, heir_id, old = self._reowning[0]
+            heir = self.jobs.get(heir_id) or next(iter(self.jobs.values()))  # (an heir retired meanwhile)
+            while files and limit > 0:
+                file, _ = files.popitem()
+                limit -= 1
+                self.files_reowned += 1
+                entry = self.held.get(file)
+                if entry is None or entry.job != old:  # let go since (or held again by another job)
+                    continue
                 self._release(file)
                 self._hold(file, dataclasses.replace(entry, job=heir.id, for_epoch=heir.newest_epoch))
                 heir.kept_for[heir.newest_epoch] = heir.kept_for.get(heir.newest_epoch, 0) + entry.size
+            if not files:
+                self._reowning.popleft()
+
+    def _finish_reown(self, job: int) -> None:
+        """``job``'s id is about to read again (a job retired that resumed): its old files go to their heir
+        first, or they would pass for the new record's own."""
+        for pending in [p for p in self._reowning if p[2] == job]:
+            self._reowning.remove(pending)
+            self._reowning.appendleft(pending)
+            self._reown_some(limit=len(pending[0]))
 
     def _gap_needed(self, state: Job, epoch: int) -> int:
         # A retry or header probe comes within a few reads of the first (other workers' reads in between);
@@ -236,7 +340,7 @@ class NextEpochCache:
         return max(1, int(min(self.gap * reads, 32 + 0.02 * reads)))
 
     def _quota_allows(self, state: Job, epoch: int, size: int) -> bool:
-        if self.share <= 0 or size > self.budget:
+        if self.share <= 0 or self.charge(size) > self.budget:
             return False
         ep = state.stats.epochs[epoch]
         # The decision must not depend on this file's own size, or the kept set would favour large (or small)
@@ -263,13 +367,14 @@ class NextEpochCache:
     def _wanted_sooner(self, file: int, size: int) -> tuple[bool, tuple[int, ...]]:
         """Whether to hold ``file`` while several jobs read: at once where there is room; else in place of held
         files wanted later than it (``soonest``). The files let go are returned."""
-        if self.share <= 0 or size > self.budget:
+        cost = self.charge(size)
+        if self.share <= 0 or cost > self.budget:
             return False, ()
-        if self.held_bytes + size <= self.budget:
+        if self.held_bytes + cost <= self.budget:
             return True, ()
         jobs = list(self.jobs.values())
-        victims = self._soonest.victims(read_in(file, jobs), size, self.budget - self.held_bytes,
-                                        lambda held: self.held[held].size, jobs, self._all_reads)
+        victims = self._soonest.victims(read_in(file, jobs), cost, self.budget - self.held_bytes,
+                                        lambda held: self.held[held].charge, jobs, self._all_reads)
         if victims is None:
             return False, ()
         for victim in victims:
@@ -278,17 +383,31 @@ class NextEpochCache:
 
     # -- held files ------------------------------------------------------------------------------------
 
+    def charge(self, size: int) -> int:
+        """What holding a file of ``size`` bytes costs the budget (``charge_files``)."""
+        return max(max(1, -(-size // self._page)) * self._page + self._overhead, self._min_charge)
+
+    def charge_files(self, *, page: int, overhead: int, max_files: int | None = None) -> None:
+        """Each held file costs its size rounded up to whole ``page`` (at least one: a memfd takes a page for a
+        byte) and ``overhead``; with ``max_files`` (a level that holds a descriptor per file), at least that
+        share of the budget, so the budget itself keeps the count whatever the sizes, and eviction needs no
+        second limit. Set by the level before anything is held."""
+        self._page = max(1, page)
+        self._overhead = max(0, overhead)
+        self._min_charge = -(-self.budget // max(1, max_files)) if max_files is not None else 0
+
     def _hold(self, file: int, entry: Held) -> None:
         self.held[file] = entry
-        self.held_bytes += entry.size
+        self.held_bytes += entry.charge
         self._soonest.add(file, entry.read_in)
         self._by_epoch.setdefault(entry.for_epoch, {})[file] = None
+        self._by_job.setdefault(entry.job, {})[file] = None
 
     def _release(self, file: int, *, read: bool = False) -> None:
         """``file`` is held no longer: ``read`` by the read it was held for, or let go unread (its place in
         the quota given back, so another file of its epoch may take it)."""
         entry = self.held.pop(file)
-        self.held_bytes -= entry.size
+        self.held_bytes -= entry.charge
         state = self.jobs.get(entry.job)
         if state is not None and not read:
             # A read keeps its file's place: the quota counts what was kept for an epoch, not what is left of it,
@@ -301,6 +420,11 @@ class NextEpochCache:
             bucket.pop(file, None)
             if not bucket:
                 del self._by_epoch[entry.for_epoch]
+        mine = self._by_job.get(entry.job)
+        if mine is not None:
+            mine.pop(file, None)
+            if not mine:
+                del self._by_job[entry.job]
 
     def _room_from_passed(self, state: Job, size: int) -> tuple[bool, tuple[int, ...]]:
         """Room for ``size`` more bytes, made by letting go of files held for an epoch that has passed without
@@ -318,7 +442,7 @@ class NextEpochCache:
         for for_epoch in sorted(e for e in self._by_epoch if state.has_passed(e)):
             for file in self._by_epoch[for_epoch]:
                 victims.append(file)
-                room += self.held[file].size
+                room += self.held[file].charge
                 if room >= size:
                     break
             if room >= size:
@@ -339,19 +463,21 @@ class NextEpochCache:
         chosen = []
         total = 0
         for file, size in order:
-            if total + size > self.budget or total + size / 2 > self.share * self.dataset_bytes:
+            cost = self.charge(size)
+            if total + cost > self.budget or total + size / 2 > self.share * self.dataset_bytes:
                 continue
             chosen.append(file)
-            total += size
+            total += cost
         return chosen
 
     def hold(self, file: int, size: int) -> bool:
         """Hold ``file`` for the epoch its next read belongs to (warm-up); False when over budget."""
-        if file in self.held or self.held_bytes + size > self.budget:
+        cost = self.charge(size)
+        if file in self.held or self.held_bytes + cost > self.budget:
             return False
         state = next(iter(self.jobs.values()))
         for_epoch = int(state.epoch_of[file]) + 1
-        self._hold(file, Held(size, for_epoch, state.id, read_in(file, list(self.jobs.values()))))
+        self._hold(file, Held(size, cost, for_epoch, state.id, read_in(file, list(self.jobs.values()))))
         state.kept_for[for_epoch] = state.kept_for.get(for_epoch, 0) + size
         return True
 
@@ -430,5 +556,7 @@ class NextEpochCache:
             "jobs": self.job_summaries(),
             "jobs_reading": sum(1 for j in self.jobs.values() if j.reads),
             "jobs_retired": self.jobs_retired,
+            "jobs_refused": self.jobs_refused,
+            "jobs_uncounted_reads": self.uncounted_reads,
         }
 

@@ -60,6 +60,7 @@ class Job:
 
     id: int
     size: int  # files' ids are below this
+    owner: int = 0  # the uid whose job it is (``jobs.JobOf.owner``)
     epoch_of: np.ndarray = field(init=False)
     read_at: np.ndarray = field(init=False)  # file -> value of ``reads`` at its last epoch read
     reads: int = 0

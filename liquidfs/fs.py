@@ -26,7 +26,7 @@ from pyfuse3 import FUSEError
 from .catalog import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Catalog, Node
 from .datapath import DataPath
 from .inodes import Handle, Inode, Inodes, note_fallback
-from .jobs import UNKNOWN as UNKNOWN_JOB, JobOf
+from .jobs import JobOf
 from .lookahead import MetadataAhead
 from .mix import Mix
 from .notifier import Notifier
@@ -89,6 +89,10 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
 
 #: Seconds an open waits for its opener's job to be read from /proc (``jobs.JobOf.read_key``).
 JOB_LOOKUP = 1.0
+#: Worker threads reading /proc for jobs at once, on a limiter of their own: a lookup stuck on an opener's
+#: environment (its memory map's lock, held while it faults on this mount) keeps its thread and its token until
+#: it returns, and must not starve the storage reads, memfd copies or notifications of theirs.
+JOB_LOOKUP_THREADS = 8
 
 #: Open files at once when the mount does not say (``mount.descriptor_budget`` sizes it from RLIMIT_NOFILE).
 MAX_OPEN_FILES = 16384
@@ -130,6 +134,7 @@ class Operations(pyfuse3.Operations):
         self.lookahead = lookahead
         #: The job of an opener's pid (``jobs.JobOf``), for a next-epoch cache that counts each job's epochs.
         self.job_of = job_of
+        self._job_lookups = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.stats.files = files
@@ -326,7 +331,7 @@ class Operations(pyfuse3.Operations):
         try:
             if mixed:
                 node = await self._mixed(data, node, record)
-            job = await self._job_of(ctx.pid)
+            job = await self._job_of(ctx.pid, ctx.uid)
             handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
             if mixed:
@@ -349,18 +354,20 @@ class Operations(pyfuse3.Operations):
             raise
         return self._file_info(handle)
 
-    async def _job_of(self, pid: int) -> int:
-        """The job of the opener ``pid`` (``jobs.JobOf``); reading ``/proc`` for a new one in a worker thread, for
-        at most JOB_LOOKUP seconds (then, and for a process gone meanwhile, the first job's)."""
+    async def _job_of(self, pid: int, uid: int) -> int:
+        """The job of the opener ``pid`` run by ``uid`` (``jobs.JobOf``); reading ``/proc`` for a new one in a
+        worker thread of the lookups' own, for at most JOB_LOOKUP seconds (then, and for a process gone
+        meanwhile, its uid's job of openers not told apart: ``jobs.JobOf.unknown``)."""
         job_of = self.job_of
         if job_of is None:
-            return UNKNOWN_JOB
-        job = job_of.known(pid)
+            return 0  # no next-epoch cache: nothing counts jobs
+        job = job_of.known(pid, uid)
         if job is None:
             found = None
             with trio.move_on_after(JOB_LOOKUP):
-                found = await trio.to_thread.run_sync(job_of.read_key, pid, abandon_on_cancel=True)
-            job = job_of.register(pid, found)
+                found = await trio.to_thread.run_sync(job_of.read_key, pid, abandon_on_cancel=True,
+                                                      limiter=self._job_lookups)
+            job = job_of.register(pid, uid, found)
         return job
 
     async def _tell_size(self, node: Node, record: Inode, size: int) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import resource
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -24,6 +25,22 @@ from .stats import MountStats
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: The share of the daemon's descriptor budget (``mount.descriptor_budget``) that held memfds may take; open
+#: files keep the rest (``fs.Operations.max_open_files``). A held file is worth less than an open one: past the
+#: cap a file is read from storage at its next epoch, while an open past the budget fails. A quarter of the
+#: 1,048,000 descriptors a root daemon gets holds 262,000 files, more than most budgets fit; of 20,000 (a lower
+#: hard limit), 5,000.
+HELD_DESCRIPTOR_SHARE = 0.25
+#: What a memfd costs beyond its pages: the kernel's inode, dentry and file (~0.8 KB of slab) and the policy's
+#: and the level's records of it (~0.3 KB of Python objects), rounded up.
+MEMFD_OVERHEAD = 1280
+PAGE = resource.getpagesize()
+
+
+def held_descriptors(descriptors: int) -> int:
+    """The memfds a level may hold, of ``descriptors`` the mount may use for files."""
+    return max(1, int(descriptors * HELD_DESCRIPTOR_SHARE))
 
 
 class HeldLevel(Protocol):
@@ -124,12 +141,14 @@ class HeldFile:
 class MemfdStatistics:
     memfd_files: int
     memfd_bytes: int
+    memfd_max_files: int  # memfds it may hold (its share of the daemon's descriptors; 0: no cap)
     kept: int        # files copied into memfds after being served
     keep_failed: int  # files the policy chose whose bytes could not be kept (released unread, copy failed)
 
 
 class MemfdLevel(Level[HeldFile]):
-    """The passthrough path's held files: sealed memfds (shmem, counted in the budget by their size).
+    """The passthrough path's held files: sealed memfds (shmem, counted in the budget by their pages, and at most
+    ``max_files`` of them: each is a descriptor of the daemon's).
 
     A hit is an open whose backing is a duplicate of that memfd, so the kernel serves the hit from memory without
     a byte crossing the daemon. Files are kept when their last open is released, copied kernel-side from the
@@ -137,8 +156,13 @@ class MemfdLevel(Level[HeldFile]):
     itself a checked memfd, by keeping it.
     """
 
-    def __init__(self, policy: NextEpochCache, stats: MountStats) -> None:
+    def __init__(self, policy: NextEpochCache, stats: MountStats, max_files: int | None = None) -> None:
         super().__init__(policy, stats)
+        #: Memfds held at most: the policy charges each file at least its share of the budget (``charge_files``),
+        #: so it never chooses more; a copy kept for an open that waited for it is the only way past, and is not.
+        self.max_files = max_files
+        # shmem gives whole pages: 24,000 files of 512 B took 94 MB where 12 MB were counted
+        policy.charge_files(page=PAGE, overhead=MEMFD_OVERHEAD, max_files=max_files)
         self._bytes = 0
         self._kept = 0
         self._keep_failed = 0
@@ -149,6 +173,10 @@ class MemfdLevel(Level[HeldFile]):
 
     def keep(self, file: int, fd: int, size: int, raw: bool) -> None:
         """Hold ``fd`` (a sealed memfd, now the level's) for ``file``, as the policy decided at its open."""
+        if self.max_files is not None and len(self._held) >= self.max_files and file not in self._held:
+            os.close(fd)
+            self.could_not_keep(file)
+            return
         self._put(file, HeldFile(fd, size, raw))
         self._bytes += size
         self._kept += 1
@@ -178,7 +206,8 @@ class MemfdLevel(Level[HeldFile]):
     def statistics(self) -> dict[str, object]:
         values = super().statistics()
         values.update(dataclasses.asdict(MemfdStatistics(
-            memfd_files=len(self._held), memfd_bytes=self._bytes, kept=self._kept, keep_failed=self._keep_failed)))
+            memfd_files=len(self._held), memfd_bytes=self._bytes, memfd_max_files=self.max_files or 0,
+            kept=self._kept, keep_failed=self._keep_failed)))
         return values
 
     def close(self) -> None:

@@ -14,11 +14,18 @@ inherits it) and, within a cgroup, the first of these the process has:
 - else its **session**: a login, a terminal, a ``setsid`` start each begin one, and a training's children
   (DataLoader workers, DALI's threads) inherit it.
 
+And always its **uid** (the FUSE request's): on an ``--allow-other`` mount another user who sets the same
+``LIQUIDFS_JOB``, or runs in the same cgroup and session number, is another job, and so can neither join a job
+of another user nor move its epochs. The openers of a uid whose job cannot be learnt (gone before they could be
+asked, pid 0, ``/proc`` too slow) share one job of that uid (``JobOf.unknown``): not the first job, which may be
+another user's.
+
 Neither cgroup nor session alone would do: on a plain host every process of a user shares the login's cgroup,
 and in a container every process may share one session. What this cannot see: two trainings that one driver
 starts as plain children (no session, variable or unit of their own) are one job; give each a ``LIQUIDFS_JOB``
 (or start it with ``setsid``, ``systemd-run --scope``, or in its own container). A user who sets a new
-``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``cache.MAX_JOBS`` are tracked).
+``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``cache.MAX_JOBS`` are tracked, and a user
+other than root and the mount's own has at most ``cache.JOBS_PER_USER`` of them).
 
 Reading ``/proc/PID/cgroup`` and ``/proc/PID/environ`` costs two file opens, in a worker thread (never on the
 FUSE loop: see ``JobOf``); it is done once per pid every RECHECK seconds, and ``getsid`` (one system call)
@@ -39,8 +46,8 @@ log = logging.getLogger(__name__)
 PIDS_KEPT = 4096
 #: Jobs remembered by what tells them apart; past them the oldest is forgotten (a job seen again gets a new id).
 JOBS_KEPT = 1024
-#: The job of a request whose process is gone before it could be asked (or pid 0, the kernel's own requests).
-UNKNOWN = 0
+#: What names the job of a uid's openers that cannot be told apart (``JobOf.unknown``).
+UNKNOWN = "an opener not told apart"
 
 
 #: The variables that name a job, each group in the order tried (the first group a process has all of wins).
@@ -81,6 +88,8 @@ def read_cgroup(pid: int) -> str:
 RECHECK = 10.0
 #: What ``read_key`` learns of a pid: (its session, (its cgroup, what names its job)).
 Found = tuple[int, tuple[str, str]]
+#: What tells a job apart: (the opener's uid, its cgroup, what names its job or its session).
+Key = tuple[int, str, str]
 
 
 def _printable(text: str, limit: int = 200) -> str:
@@ -89,7 +98,8 @@ def _printable(text: str, limit: int = 200) -> str:
 
 
 class JobOf:
-    """Maps the pid of a FUSE request to a small job id (0, 1, 2, ... in the order jobs first open a file).
+    """Maps the pid and uid of a FUSE request to a small job id (1, 2, ... in the order jobs first open a file;
+    0 is the next-epoch cache's own first job, its warm-up's, never an opener's).
 
     On the FUSE loop only ``known`` and ``register`` run (a dict, and ``getsid``: one system call).
     ``read_key`` reads ``/proc``, which must not run on the loop: reading another process's environment takes
@@ -104,30 +114,43 @@ class JobOf:
         self._cgroup_of = cgroup_of
         self._variables_of = variables_of
         self._clock = clock
-        self._pids: OrderedDict[int, tuple[int, int, float]] = OrderedDict()  # pid -> (session, job, when read)
-        self._ids: OrderedDict[tuple[str, str], int] = OrderedDict()   # (cgroup, variables or session) -> job
-        self._next = 0
+        # pid -> (session, uid, job, when read)
+        self._pids: OrderedDict[int, tuple[int, int, int, float]] = OrderedDict()
+        self._ids: OrderedDict[Key, int] = OrderedDict()   # (uid, cgroup, variables or session) -> job
+        self._next = 1
         #: Each job's (cgroup, session), for ``liquidfs stats``: which processes a job id stands for.
         self.labels: dict[int, str] = {}
+        #: Each job's uid (those remembered): whose job it is (``cache.NextEpochCache`` asks at its first read).
+        self.owners: dict[int, int] = {}
 
-    def __call__(self, pid: int) -> int:
-        """The job of ``pid``, reading ``/proc`` here where it must (tests, and callers off the FUSE loop)."""
-        job = self.known(pid)
-        return job if job is not None else self.register(pid, self.read_key(pid))
+    def __call__(self, pid: int, uid: int = 0) -> int:
+        """The job of ``pid`` (run by ``uid``), reading ``/proc`` here where it must (tests, and callers off the
+        FUSE loop)."""
+        job = self.known(pid, uid)
+        return job if job is not None else self.register(pid, uid, self.read_key(pid))
 
-    def known(self, pid: int) -> int | None:
-        """The job of ``pid`` where it is known (or cannot be learnt: UNKNOWN); None where ``read_key`` must
-        read it."""
+    def owner(self, job: int) -> int | None:
+        """The uid whose job ``job`` is (None: not one of the jobs remembered)."""
+        return self.owners.get(job)
+
+    def unknown(self, uid: int) -> int:
+        """The job of ``uid``'s openers that cannot be told apart: one per uid, so they move no other user's."""
+        return self._job((uid, "", UNKNOWN))
+
+    def known(self, pid: int, uid: int = 0) -> int | None:
+        """The job of ``pid`` run by ``uid`` where it is known (or cannot be learnt: ``unknown``); None where
+        ``read_key`` must read it."""
         if pid <= 0:
-            return UNKNOWN
+            return self.unknown(uid)
         try:
             session = self._getsid(pid)
-        except OSError:  # gone already (a thread that opened and exited): its read counts for the first job
-            return UNKNOWN
+        except OSError:  # gone already (a thread that opened and exited)
+            return self.unknown(uid)
         known = self._pids.get(pid)
-        if known is not None and known[0] == session and self._clock() - known[2] < RECHECK:
+        # A uid that changed (a process that dropped root) is a new opener: read again, never its old job.
+        if known is not None and known[:2] == (session, uid) and self._clock() - known[3] < RECHECK:
             self._pids.move_to_end(pid)
-            return known[1]
+            return known[2]
         return None
 
     def read_key(self, pid: int) -> Found | None:
@@ -138,29 +161,46 @@ class JobOf:
         except OSError:
             return None
 
-    def register(self, pid: int, found: Found | None) -> int:
-        """The job of ``pid`` from what ``read_key`` found (None: UNKNOWN), remembered for its next opens."""
+    def register(self, pid: int, uid: int, found: Found | None) -> int:
+        """The job of ``pid`` run by ``uid`` from what ``read_key`` found (None: not found, ``_as_before``),
+        remembered for its next opens."""
         if found is None:
-            return UNKNOWN
-        session, key = found
-        job = self._job(key)
-        self._pids[pid] = (session, job, self._clock())
+            return self._as_before(pid, uid)
+        session, (cgroup, names) = found
+        job = self._job((uid, cgroup, names))
+        self._pids[pid] = (session, uid, job, self._clock())
         self._pids.move_to_end(pid)
         if len(self._pids) > PIDS_KEPT:
             self._pids.popitem(last=False)
         return job
 
-    def _job(self, key: tuple[str, str]) -> int:
+    def _as_before(self, pid: int, uid: int) -> int:
+        """A pid whose ``/proc`` could not be read: the job it was read in before, where it is the same opener
+        (same uid and session: only the RECHECK was missed), else its uid's ``unknown`` one. Lookups another
+        user's processes keep stuck (they share the lookups' threads) cannot move a known job's reads."""
+        known = self._pids.get(pid)
+        if known is None or known[1] != uid:
+            return self.unknown(uid)
+        try:
+            session = self._getsid(pid)
+        except OSError:
+            return self.unknown(uid)
+        return known[2] if session == known[0] else self.unknown(uid)
+
+    def _job(self, key: Key) -> int:
         job = self._ids.get(key)
         if job is None:
             job = self._ids[key] = self._next
             self._next += 1
-            cgroup = _printable(key[0].splitlines()[0] if key[0] else "?")
-            self.labels[job] = f"{_printable(key[1])}, cgroup {cgroup}"
+            uid, cgroup_lines, names = key
+            cgroup = _printable(cgroup_lines.splitlines()[0] if cgroup_lines else "?")
+            self.labels[job] = f"uid {uid}, {_printable(names)}, cgroup {cgroup}"
+            self.owners[job] = uid
             log.info("job %d: the openers with %s", job, self.labels[job])
             if len(self._ids) > JOBS_KEPT:
                 _, old = self._ids.popitem(last=False)
                 self.labels.pop(old, None)
+                self.owners.pop(old, None)
         else:
             self._ids.move_to_end(key)
         return job

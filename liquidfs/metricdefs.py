@@ -123,6 +123,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_memfd_files", GAUGE, "", "memfd_files", "Files the memory level holds in memfds now."),
     Metric("liquidfs_memfd_bytes", GAUGE, "bytes", "memfd_bytes", "Bytes the memory level holds in memfds now."),
     Metric("liquidfs_memfd_kept_total", COUNTER, "", "kept", "Files copied into memfds after being served."),
+    Metric("liquidfs_memfd_max_files", GAUGE, "", "memfd_max_files",
+           "Memfds the memory level may hold (its share of the daemon's descriptors; 0: no cap)."),
     Metric("liquidfs_memfd_keep_failures_total", COUNTER, "", "keep_failed",
            "Files the cache chose whose bytes could not be kept (released unread, copy failed)."),
     # -- the cache levels (memory: --cache-size, disk: --disk-cache) ---------------------------------------------
@@ -177,7 +179,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_cache_jobs", GAUGE, "", "jobs_reading",
            "Jobs reading the mount now, each with its own epochs (openers told apart by cgroup and session)."),
     Metric("liquidfs_cache_jobs_retired_total", COUNTER, "", "jobs_retired",
-           "Jobs that stopped reading (idle for five minutes, or the longest idle when a ninth began)."),
+           "Jobs that stopped reading (idle for five minutes, or displaced by a new job of their user's or, idle "
+           "for a minute, of anyone's)."),
+    Metric("liquidfs_cache_jobs_refused_total", COUNTER, "", "jobs_refused",
+           "New jobs that found no job slot they could take (every slot held by other users' jobs that read)."),
+    Metric("liquidfs_cache_uncounted_reads_total", COUNTER, "", "jobs_uncounted_reads",
+           "Reads of openers refused a job: served what is held, counted in no job's epochs."),
     Metric("liquidfs_cache_epoch", GAUGE, "", {_MEM: "epoch"}, "The newest epoch the reads began.",
            label=_LEVEL),
     Metric("liquidfs_cache_epoch_progress_ratio", GAUGE, "ratio", {_MEM: "epoch_progress"},

@@ -31,6 +31,7 @@ from .daemonpath import MAX_OPEN_BYTES
 from .datapath import warm_up as warm_up_path
 from .doctor import has_cap_sys_admin
 from .fs import CONTROL_NAME, Operations
+from .held import held_descriptors
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, Stalls
@@ -255,15 +256,19 @@ def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, r
                      warm: Callable[[Node], None] | None = None) -> tuple[Operations, assemble.Parts]:
     """The finished ``Operations`` of a mount with these options, and the parts its data path is built from
     (the data path is chosen after INIT where passthrough may be granted: ``choose_data_path``)."""
+    # The data path is the daemon's from the start where passthrough cannot be had, whatever INIT says.
+    why_not = daemon_only(config)
+    descriptors = descriptor_budget()
+    # Held memfds are descriptors too: where passthrough may hold them, a share of the budget is theirs and open
+    # files have the rest, so the two together never reach RLIMIT_NOFILE (an EMFILE for every open).
+    held_files = held_descriptors(descriptors) if cache is not None and not why_not else None
     built = assemble.parts(reader, stats, policy=cache, thread_limiter=trio.CapacityLimiter(config.threads),
                            io_timeout=config.io_timeout, page_cache=config.page_cache,
                            max_open_bytes=config.open_bytes, push_pages=config.push_pages,
-                           verify_reads=config.verify_reads)
-    # The data path is the daemon's from the start where passthrough cannot be had, whatever INIT says.
-    why_not = daemon_only(config)
+                           verify_reads=config.verify_reads, held_files=held_files)
     ops = assemble.operations(catalog, built, data_path="daemon" if why_not else "at init",
                               mix=make_mix(catalog, config), may_read=may_read if config.allow_other else None,
-                              max_open_files=descriptor_budget(), extra_statistics=extra_statistics,
+                              max_open_files=descriptors - (held_files or 0), extra_statistics=extra_statistics,
                               enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
                               time_requests=config.time_requests,
                               lookahead=MetadataAhead(catalog.path, warm) if warm is not None else None)

@@ -13,6 +13,10 @@ import trio
 
 log = logging.getLogger(__name__)
 
+#: Worker threads dropping attributes at once (``Notifier.new_size``), on a limiter of their own: an open that
+#: waits for one must not wait behind storage reads, memfd copies or /proc lookups in trio's default limiter.
+ATTR_THREADS = 4
+
 
 class Notifier:
     """Sends kernel notifications from one worker thread, in order.
@@ -26,6 +30,7 @@ class Notifier:
         self._queue: queue.SimpleQueue[_Invalidate | _Store | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.sent = 0
+        self._attrs = trio.CapacityLimiter(ATTR_THREADS)
 
     def invalidate(self, inode: int, attr_only: bool = False) -> None:
         self._put(_Invalidate(inode, attr_only))
@@ -38,7 +43,8 @@ class Notifier:
         Attributes only: the kernel takes no inode or page lock for that, so it cannot wait on the open being
         answered. A worker thread, so the notifier's queue (stores that may wait on pages) cannot delay it."""
         try:
-            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, pyfuse3.InodeT(inode), True)
+            await trio.to_thread.run_sync(pyfuse3.invalidate_inode, pyfuse3.InodeT(inode), True,
+                                          limiter=self._attrs)
             self.sent += 1
         except OSError as exc:  # the kernel does not know the inode (yet): it has no attributes to drop
             log.debug("invalidate attributes (%d): %s", inode, exc)

@@ -38,6 +38,12 @@ log = logging.getLogger(__name__)
 #: a thread's wake-up and its turn at the GIL per file cost the daemon more CPU than their drop (bench_opens: 237
 #: against 167 us of CPU per 110 KB file with 8 readers), one per batch less than the ~30 us drop on the loop.
 CLOSE_OFF_LOOP = 1 << 20
+#: Worker threads copying released files into memfds at once, on a limiter of their own: the copies must not
+#: wait behind storage reads or /proc lookups stuck in trio's default limiter, nor take all of its threads.
+COPY_THREADS = 4
+#: Seconds an open counted as a hit waits for the memfd its file's last release is still copying; past them it
+#: is served from storage, as the miss it then is (a copy stuck on a slow backing must not hang the open).
+KEEP_WAIT = 5.0
 
 
 class Kernel(Protocol):
@@ -127,6 +133,7 @@ class PassthroughPath:
         #: Files whose memfd is being copied from the backing their last open released (``_keep``): an open that
         #: the policy counts as a hit meanwhile waits for it, rather than reading storage (a lost hit).
         self._keeping: dict[int, _Keeping] = {}
+        self._copies = trio.CapacityLimiter(COPY_THREADS)
         self.on_cold_open = on_cold_open
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
@@ -196,10 +203,13 @@ class PassthroughPath:
         if decision.hit:
             assert self.held is not None
             keeping = self._keeping.get(node.id)
+            copied = True
             if keeping is not None:  # released just now (DALI reopens a file soon after its last release)
                 keeping.waiting += 1
                 try:
-                    await keeping.done.wait()
+                    with trio.move_on_after(KEEP_WAIT):
+                        await keeping.done.wait()
+                    copied = keeping.done.is_set()
                 except BaseException:
                     # Cancelled (the reader was interrupted): a copy kept only for this open is let go.
                     if keeping.done.is_set() and node.id not in self.held.policy.held:
@@ -207,7 +217,7 @@ class PassthroughPath:
                     raise
                 finally:
                     keeping.waiting -= 1
-            held = self.held.get(node.id)
+            held = self.held.get(node.id) if copied else None
             if held is not None:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
                 # decision may let the held file go, and the level closes its descriptor then.
@@ -338,7 +348,7 @@ class PassthroughPath:
         return await self.blocking_copy(backing)
 
     async def blocking_copy(self, backing: Backing) -> int:
-        return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size)
+        return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size, limiter=self._copies)
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None

@@ -322,3 +322,79 @@ def test_a_job_that_stopped_is_retired_while_another_reads_on() -> None:
         clock.now = JOB_IDLE + 1 + i * 0.001
         cache.read(1 + i % 100, 100, 0)
     assert list(cache.jobs) == [0] and cache.summary()["jobs_retired"] == 1
+
+
+def test_new_jobs_of_another_user_never_retire_a_job_that_reads() -> None:
+    """uid 65534 begins ten jobs (a `setsid cat` loop) while uid 1000's training pauses a few seconds between
+    epochs: the training's job is not retired (its next epoch is its third, not a first), and the other user
+    holds no more than its share of the job slots, its new jobs taking its own old ones' places."""
+    clock = _Clock()
+    cache = NextEpochCache(0, 1000, 10, max_id=11, clock=clock)
+    owners = {1: 1000, **{job: 65534 for job in range(2, 12)}}
+    cache.owner_of = owners.get
+    for _ in range(2):
+        for f in range(1, 11):
+            cache.read(f, 100, 1)
+    assert cache.jobs[1].newest_epoch == 2
+    for job in range(2, 12):
+        clock.now += 0.3
+        cache.read(1, 100, job)
+    assert 1 in cache.jobs
+    from liquidfs.cache import JOBS_PER_USER
+
+    assert sum(1 for state in cache.jobs.values() if state.owner == 65534) == JOBS_PER_USER
+    assert cache.read(1, 100, 1).epoch == 3
+
+
+def test_a_new_job_with_no_slot_it_may_take_is_counted_in_none_until_one_is_idle() -> None:
+    """Every slot a user may take is held by other users' jobs that read: its new job is refused (its reads
+    are served what is held, and count, move and hold nothing); once a job is idle past DISPLACE_IDLE, the new
+    job takes its place."""
+    from liquidfs.cache import DISPLACE_IDLE, JOBS_KEPT_BACK, JOBS_PER_USER, MAX_JOBS
+
+    clock = _Clock()
+    cache = NextEpochCache(10_000, 10_000, 100, max_id=101, clock=clock)
+    users = [1001 + i // JOBS_PER_USER for i in range(MAX_JOBS - JOBS_KEPT_BACK)]
+    owners = {job: uid for job, uid in enumerate(users, start=1)}
+    late = len(owners) + 1
+    owners[late] = 2000
+    cache.owner_of = owners.get
+    for job in range(1, late):
+        cache.read(job, 100, job)
+    assert len(cache.jobs) == MAX_JOBS - JOBS_KEPT_BACK
+    held = next(iter(cache.held))
+    refused = cache.read(held, 100, late)
+    assert late not in cache.jobs and refused.epoch == 0 and refused.hit and refused.hold
+    assert cache.summary()["jobs_refused"] == 1 and cache.summary()["jobs_uncounted_reads"] == 1
+    assert held in cache.held
+    clock.now = DISPLACE_IDLE / 2
+    for job in range(2, late):  # all read again but the first
+        cache.read(50 + job, 100, job)
+    clock.now = DISPLACE_IDLE + 1
+    assert cache.read(99, 100, late).epoch == 1
+    assert late in cache.jobs and 1 not in cache.jobs
+
+
+def test_retiring_a_job_touches_only_its_own_held_files_a_slice_per_read() -> None:
+    """A job that stopped hands its held files to another: only its files are touched (not every held file),
+    and at most REOWN_SLICE of them per read, never all in one read on the FUSE loop."""
+    from liquidfs.cache import JOB_IDLE, REOWN_SLICE
+
+    clock = _Clock()
+    many, few = 2000, 200
+    files = many + few + 10
+    cache = NextEpochCache(files * 100, files * 100, files, max_id=files + 1, clock=clock)
+    for f in range(1, many + 1):  # job 1 holds 2,000 files
+        cache.read(f, 100, 1)
+    for f in range(many + 1, many + few + 1):  # job 2 holds 200
+        cache.read(f, 100, 2)
+    assert sum(1 for entry in cache.held.values() if entry.job == 2) == few
+    clock.now = JOB_IDLE + 1
+    cache.read(1, 100, 1)  # job 1 reads on
+    cache.read(many + few + 1, 100, 3)  # job 3 begins: job 2, idle past JOB_IDLE, is retired
+    assert 2 not in cache.jobs
+    assert cache.files_reowned <= REOWN_SLICE
+    for f in range(many + few + 2, files + 1):
+        cache.read(f, 100, 3)
+    assert cache.files_reowned == few  # job 2's files, each once; none of job 1's 2,000
+    assert not any(entry.job == 2 for entry in cache.held.values())

@@ -13,7 +13,7 @@ from liquidfs.backing import memfd_with
 from liquidfs.cache import NextEpochCache
 from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.disktier import DiskTier
-from liquidfs.held import HeldLevel, MemfdLevel, MemoryLevel
+from liquidfs.held import MEMFD_OVERHEAD, PAGE, HeldLevel, MemfdLevel, MemoryLevel
 from liquidfs.reader import Content
 from liquidfs.stats import MountStats
 
@@ -39,7 +39,8 @@ def _node(i: int) -> Node:
 
 
 def _policy() -> NextEpochCache:
-    return NextEpochCache(SIZE * FILES, SIZE * FILES, FILES, max_id=FILES + 1)  # room for everything
+    # room for everything, at what a memfd costs (whole pages and its overhead)
+    return NextEpochCache(FILES * (max(SIZE, PAGE) + MEMFD_OVERHEAD), SIZE * FILES, FILES, max_id=FILES + 1)
 
 
 def _memory(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
@@ -97,3 +98,24 @@ def test_the_memfd_level_closes_what_it_lets_go(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         os.fstat(fd)
     assert level.statistics()["memfd_bytes"] == 0 and level.statistics()["memfd_files"] == 0
+
+
+def test_held_memfds_cost_their_pages_and_never_pass_the_descriptor_cap() -> None:
+    """24,000 files of 512 B in a budget of their bytes left 19,984 memfds open (every descriptor but 16) and
+    94 MB of shmem for 12 MB counted: each held file is charged whole pages and its overhead, and at least its
+    share of the budget by the memfds the level may hold, so the policy never chooses more than that."""
+    tiny, count, cap = 512, 2000, 50
+    policy = NextEpochCache(tiny * count, tiny * count, count, max_id=count + 1)  # --cache-size 100%
+    level = MemfdLevel(policy, MountStats(), max_files=cap)
+    most = 0
+    for epoch in range(2):
+        for i in range(1, count + 1):
+            decision = level.decide(i, tiny)
+            if decision.hold and level.get(i) is None:
+                level.keep(i, memfd_with(b"x" * tiny), tiny, raw=False)
+            most = max(most, len(level.held_items()))
+    assert 0 < most <= cap and len(policy.held) <= cap
+    assert set(level.held_items()) == set(policy.held)
+    assert policy.held_bytes <= policy.budget
+    assert policy.charge(tiny) >= PAGE + MEMFD_OVERHEAD
+    level.close()

@@ -20,6 +20,7 @@ from liquidfs.backing import memfd_copy, memfd_with, resolve
 from liquidfs.cache import NextEpochCache
 from liquidfs.catalog import ROOT_ID, Catalog
 from liquidfs.fs import Operations
+from liquidfs.held import MEMFD_OVERHEAD, PAGE
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
 from operations import passthrough_operations
@@ -68,7 +69,8 @@ def _ops(store: Path, *, cache: bool = False, verify: bool = False) -> tuple[Ope
     catalog = Catalog.open(store, readonly=True)
     reader = StoreReader(catalog.source, store)
     files, served, _, max_id = catalog.file_totals()
-    policy = NextEpochCache(served, served, files, max_id=max_id) if cache else None
+    room = served + files * (PAGE + MEMFD_OVERHEAD)  # all of it, at what memfds cost
+    policy = NextEpochCache(room, served, files, max_id=max_id) if cache else None
     kernel = FakeKernel()
     ops = passthrough_operations(catalog, reader, kernel, cache=policy, verify_reads=verify)
     return ops, kernel
@@ -625,3 +627,19 @@ def test_a_hit_whose_file_is_let_go_while_it_waits_for_the_copy_is_served_and_th
     summary = level.statistics()
     assert summary["cache_lost_hits"] == 0, summary
     assert level.get(node.id) is None and set(level.held_items()) == set(level.policy.held)
+
+
+def test_a_hit_whose_memfd_copy_is_held_up_past_keep_wait_is_served_from_storage(prepared, monkeypatch) -> None:
+    """The copy its last release makes is stuck (a slow backing, its threads busy): the open counted as a hit
+    waits KEEP_WAIT at most, then reads storage, the miss it then is; the copy, once done, leaves the level
+    holding what the policy does."""
+    from liquidfs import passthrough
+
+    monkeypatch.setattr(passthrough, "KEEP_WAIT", 0.01)
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    level = ops.data.held
+    assert _reopen_while_kept(ops, kernel, src, store) > 0, "the open waited for the copy"
+    summary = level.statistics()
+    assert summary["cache_lost_hits"] == 1, summary
+    assert set(level.held_items()) == set(level.policy.held)
