@@ -105,7 +105,7 @@ class Client(Protocol):
 
     def get(self, key: str, length: int) -> bytearray | bytes | None: ...
 
-    def set(self, key: str, value: bytes | memoryview) -> bool: ...
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -196,7 +196,7 @@ class ResolvingClient:
     def get(self, key: str, length: int) -> bytearray | bytes | None:
         return self._client.get(key, length)
 
-    def set(self, key: str, value: bytes | memoryview) -> bool:
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
         return self._client.set(key, value)
 
     def close(self) -> None:

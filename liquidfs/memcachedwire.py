@@ -227,7 +227,7 @@ class MemcachedWire:
 
         return self._call(key, exchange)
 
-    def set(self, key: str, value: bytes | memoryview) -> bool:
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
         """Whether the memcached stored ``value`` under ``key`` (one that refuses it, too large for its -I, says
         so and is not at fault). Raises ``PeerError`` for anything else."""
         wire_key = _checked(key)

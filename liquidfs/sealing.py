@@ -108,10 +108,13 @@ class Sealer:
     def __init__(self, key: ClusterKey) -> None:
         self._aead = AESGCM(key.secret)
 
-    def seal(self, identity: bytes, data: bytes | memoryview) -> bytes:
+    def seal(self, identity: bytes, data: bytes | memoryview) -> bytearray:
         """``data`` sealed: a fresh random nonce, then the ciphertext and its tag."""
         nonce = os.urandom(NONCE_BYTES)
-        return nonce + self._aead.encrypt(nonce, data, identity)
+        sealed = bytearray(NONCE_BYTES + len(data) + TAG_BYTES)  # sealed in place: no copy of a large value
+        sealed[:NONCE_BYTES] = nonce
+        self._aead.encrypt_into(nonce, data, identity, memoryview(sealed)[NONCE_BYTES:])
+        return sealed
 
     def open(self, identity: bytes, value: bytes | bytearray | memoryview) -> bytearray | None:
         """The bytes sealed in ``value`` for ``identity``, or None where it was not sealed under this key for

@@ -26,7 +26,7 @@ class FakeMemcached:
             raise PeerError("down")
         return self.values.get(key)
 
-    def set(self, key: str, value: bytes | memoryview) -> bool:
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
         self.sets += 1
         if self.down:
             raise PeerError("down")

@@ -244,7 +244,7 @@ def test_a_cluster_is_named_whole_or_refused_in_one_line(run: Run, tmp_path: Pat
     (0o644, os.urandom(32), "mode 0644 lets group or others read or write the key"),
     (0o400, os.urandom(32).hex().encode(), "holds 64 bytes; a key is exactly 32 raw random bytes"),
     (0o400, bytes(32), "not random"),
-])
+], ids=["group-readable", "hex-text", "zeros"])
 def test_a_cluster_key_file_that_vouches_for_nothing_is_refused_in_one_line(run: Run, tmp_path: Path, mode: int,
                                                                              data: bytes, said: str) -> None:
     (tmp_path / "data").mkdir()

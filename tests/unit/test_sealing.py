@@ -51,14 +51,15 @@ def test_a_key_owned_by_another_user_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("data", [b"", os.urandom(31), os.urandom(33), os.urandom(32).hex().encode(),
-                                  os.urandom(32).hex().encode() + b"\n", os.urandom(5000)])
+                                  os.urandom(32).hex().encode() + b"\n", os.urandom(5000)],
+                         ids=["empty", "31", "33", "hex", "hex-line", "5000"])
 def test_a_key_of_another_length_is_refused_and_says_how_to_make_one(tmp_path: Path, data: bytes) -> None:
     with pytest.raises(KeyFileError, match=r"--cluster-key-file .*holds \d+\+? bytes; a key is exactly 32 raw random "
                                            r"bytes \(head -c 32 /dev/urandom > FILE\)"):
         read_key_file(_key_file(tmp_path, data))
 
 
-@pytest.mark.parametrize("data", [bytes(32), b"password" * 4, bytes(range(8)) * 4])
+@pytest.mark.parametrize("data", [bytes(32), b"password" * 4, bytes(range(8)) * 4], ids=["zeros", "word", "eight"])
 def test_a_key_that_is_not_random_is_refused(tmp_path: Path, data: bytes) -> None:
     with pytest.raises(KeyFileError, match="not random"):
         read_key_file(_key_file(tmp_path, data))
