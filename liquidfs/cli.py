@@ -336,7 +336,7 @@ def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .clustertier import ClusterError, parse_cluster
+    from .clusterpeers import ClusterError, parse_cluster
     from .sealing import KeyFileError, read_key_file
     from .mount import MountConfig, MountError, check_allow_other, check_mountpoint, serve, spawn_daemon
     from .stores import open_store

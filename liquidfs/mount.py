@@ -34,7 +34,8 @@ from .fs import CONTROL_NAME, Operations
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, Stalls
-from .clustertier import ClusterTier, EveryoneReads, call_timeout, memcached_client
+from .clusterpeers import memcached_client
+from .clustertier import ClusterTier, EveryoneReads, call_timeout
 from .disktier import DiskTier
 from .stores import Store
 from .lookahead import MetadataAhead

@@ -22,7 +22,7 @@ import pytest
 from fusehelpers import Mount, wait_for
 from ports import free_port
 from liquidfs.catalog import Catalog
-from liquidfs.clustertier import resolve_addresses
+from liquidfs.clusterpeers import resolve_addresses
 from liquidfs.memcachedwire import SKIP_FOR
 from liquidfs.mount import read_control
 from liquidfs.prepare import prepare

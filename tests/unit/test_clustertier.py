@@ -19,8 +19,9 @@ import pytest
 
 from clusterfakes import FakeMemcached
 from liquidfs.catalog import Catalog
-from liquidfs.clustertier import (MAX_SERVERS, ClusterError, ClusterTier, EveryoneReads, ResolvingClient, hash_client,
-                                  in_share, key_of, memcached_client, parse_cluster, resolve_addresses)
+from liquidfs.clusterpeers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
+                                   parse_cluster, resolve_addresses)
+from liquidfs.clustertier import ClusterTier, EveryoneReads, in_share, key_of
 from liquidfs.sealing import ClusterKey, Sealer
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
@@ -219,7 +220,7 @@ def test_a_name_that_resolves_to_nothing_usable_keeps_its_last_good_set_and_logs
                              background=False)
     memcached.values["k"] = b"v"
     dns.answer = failure
-    with caplog.at_level(logging.INFO, logger="liquidfs.clustertier"):
+    with caplog.at_level(logging.INFO, logger="liquidfs.clusterpeers"):
         for _ in range(3):
             assert client.refresh() is False
             assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
