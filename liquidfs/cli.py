@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "miss here that another node read is fetched from memory, not storage. Values are checked "
                    "against the catalog's checksums; a memcached that is down costs hits, never a read. Needs "
                    "--cluster-size")
+    tuning.add_argument("--cluster-key-file", metavar="FILE",
+                   help="seal every value stored to --cluster with this key (authenticated encryption): a value "
+                   "no mount with the key stored for that object is a miss, and only they can read one, whatever "
+                   "the source's modes. FILE: exactly 32 random bytes (head -c 32 /dev/urandom > FILE), root's, "
+                   "mode 0400 or 0600, the same on every node of the job. Without it only objects whose source "
+                   "everyone may read go to the cluster")
     tuning.add_argument("--cluster-size", metavar="SIZE",
                    help="what the memcacheds of --cluster hold together (the sum of their -m, less ~5 %%): a "
                    "percentage of the dataset as served or bytes; the share of the raw objects they hold follows")
@@ -330,7 +336,8 @@ def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .clustertier import ClusterError, parse_cluster
+    from .clusterpeers import ClusterError, parse_cluster
+    from .sealing import KeyFileError, read_key_file
     from .mount import MountConfig, MountError, check_allow_other, check_mountpoint, serve, spawn_daemon
     from .stores import open_store
 
@@ -356,11 +363,19 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if bool(args.cluster) != bool(args.cluster_size):
         raise MountError("--cluster and --cluster-size go together")
     cluster = None
+    cluster_key = None
     if args.cluster:
         _size_option(args.cluster_size, "--cluster-size")
         try:
             cluster = parse_cluster(args.cluster)
         except ClusterError as exc:
+            raise MountError(str(exc)) from None
+    if args.cluster_key_file:
+        if not args.cluster:
+            raise MountError("--cluster-key-file goes with --cluster")
+        try:  # here, before the daemon starts: a key refused is said on the terminal
+            cluster_key = read_key_file(args.cluster_key_file)
+        except KeyFileError as exc:
             raise MountError(str(exc)) from None
     if not args.io_timeout > 0:
         raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
@@ -377,7 +392,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
             **vars(args), "store": storage.label, "log_file": str(log_file), "threads": args.threads,
             "log_level": args.log_level if args.log_level != "warning" else "info",
             "pressure_dir": str(Path(args.pressure_dir).absolute()),
-            "disk_cache": str(Path(args.disk_cache).absolute()) if args.disk_cache else None})
+            "disk_cache": str(Path(args.disk_cache).absolute()) if args.disk_cache else None,
+            "cluster_key_file": str(Path(args.cluster_key_file).absolute()) if args.cluster_key_file else None})
         argv = ["mount", source, str(mountpoint), *_as_options(_subparser("mount"), daemon_args,
                                                                leave_out={"foreground", "rescan", "refresh"})]
         spawn_daemon(argv, log_file)
@@ -396,6 +412,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
                          open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
                          verify_reads=args.verify_reads, time_requests=args.time_requests,
                          lookahead=args.lookahead, cluster=cluster, cluster_size=args.cluster_size,
+                         cluster_key=cluster_key,
                          mix=args.mix, mix_interval=args.mix_interval,
                          pressure_dir=Path(args.pressure_dir))
     return serve(config, ready_fd=args.ready_fd)

@@ -176,6 +176,15 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_cache_unanswered_total", COUNTER, "", {"cluster": "cluster_unanswered"},
            "Fetches and stores a shared cache level's server did not answer in time (counted as misses).",
            label=_LEVEL),
+    Metric("liquidfs_cache_skipped_total", COUNTER, "", {"cluster": "cluster_skipped"},
+           "Fetches and stores not tried: the shared cache level's server failed repeatedly and is left out for a "
+           "while (counted as misses).", label=_LEVEL),
+    Metric("liquidfs_cache_private_total", COUNTER, "", {"cluster": "cluster_private"},
+           "Opens kept out of a shared cache level without a cluster key: their source is not readable by "
+           "everyone.", label=_LEVEL),
+    Metric("liquidfs_cache_sealed", GAUGE, "", {"cluster": "cluster_sealed"},
+           "1 where a shared cache level's values are sealed under a cluster key (--cluster-key-file), else 0.",
+           label=_LEVEL),
     Metric("liquidfs_cache_jobs", GAUGE, "", "jobs_reading",
            "Jobs reading the mount now, each with its own epochs (openers told apart by cgroup and session)."),
     Metric("liquidfs_cache_jobs_retired_total", COUNTER, "", "jobs_retired",

@@ -35,12 +35,14 @@ from .held import held_descriptors
 from .metrics import serve_metrics
 from .mix import STEER_INTERVAL, Mix, steer
 from .mixcontrol import CpuBusy, MixController, Stalls
-from .clustertier import ClusterTier, memcached_client
+from .clusterpeers import memcached_client
+from .clustertier import ClusterTier, EveryoneReads, call_timeout
 from .disktier import DiskTier
 from .stores import Store
 from .lookahead import MetadataAhead
 from .reader import ChecksCallers, LendsDescriptors, Reader
 from .safefiles import open_append
+from .sealing import ClusterKey, Sealer
 from .stats import MountStats
 from .storage import IO_TIMEOUT
 
@@ -75,6 +77,8 @@ class MountConfig:
     #: ``mount --cluster``: the memcacheds of the nodes reading this dataset, and what they hold together.
     cluster: list[tuple[str, int]] | None = None
     cluster_size: str | None = None
+    #: ``mount --cluster-key-file``: what every value stored to the cluster is sealed with (read at mount start).
+    cluster_key: ClusterKey | None = None
     #: ``mount --data-path``: "auto" (passthrough where available, else the daemon), "passthrough" (or fail),
     #: "daemon" (every byte served by this process, as before passthrough existed).
     data_path: str = "auto"
@@ -317,9 +321,14 @@ def make_cluster_tier(totals: tuple[int, int, int, int], catalog: Catalog, confi
     except ValueError as exc:
         raise MountError(f"--cluster-size: {exc}") from exc
     share = min(1.0, size / raw_bytes) if raw_bytes else 0.0
-    log.info("cluster of %d memcached (%s): %d bytes hold %.0f%% of the raw objects", len(config.cluster),
-             ", ".join(f"{host}:{port}" for host, port in config.cluster), size, 100 * share)
-    return ClusterTier(reader, memcached_client(config.cluster), share)
+    log.info("cluster of %d memcached (%s): %d bytes hold %.0f%% of the raw objects; %s", len(config.cluster),
+             ", ".join(f"{host}:{port}" for host, port in config.cluster), size, 100 * share,
+             "values sealed under the cluster key" if config.cluster_key else
+             "no --cluster-key-file: values in the clear, only of sources everyone may read")
+    client = memcached_client(config.cluster, timeout=call_timeout(config.io_timeout))
+    if config.cluster_key is not None:
+        return ClusterTier(reader, client, share, sealer=Sealer(config.cluster_key), key_id=config.cluster_key.id)
+    return ClusterTier(reader, client, share, public=EveryoneReads(catalog.get))
 
 
 def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,

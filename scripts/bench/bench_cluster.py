@@ -6,6 +6,7 @@ cache, per-node caches, and the cluster level on memcached, with and without a m
         [--cache-size 10] [--cap-mb 200] [--configs none,per-node,cluster,cluster-kill] [--repeats 3]
         [--json out/bench/cluster.json]
     python scripts/bench/bench_cluster.py --smoke      # 16 tiny images, 2 nodes, 2 epochs, < 1 min
+    python scripts/bench/bench_cluster.py --sealing-only [--sealing-size BYTES]   # the sealing's cost alone
 
 Configurations (each on fresh mounts and, where it has them, fresh empty memcacheds):
     none          no --cache-size: every read is a storage read
@@ -35,6 +36,12 @@ peers (the cluster's hits), disk bytes (the block layer's: daemons' and nodes' /
 over the epoch's time, barrier to barrier; per node, over its own), failed reads, wrong bytes. Goals printed
 beside them (issue 29): cluster hit ratio per window >= 0.95 x min(1, N x C / D); storage bytes per epoch
 falling by that share; 0 failed reads and 0 wrong bytes through the kill. Needs root on Linux (drop_caches, blkio) and memcached.
+
+The cluster configurations seal every value under a cluster key (``--cluster-key-file``, issue 38), as a job's
+mounts are deployed. What sealing costs is measured apart, on one core (CPU time of this process, never the
+mounts'): MB/s to seal a value of the dataset's mean raw-object size and to open one, the catalog's checksum of
+the opened bytes (which a fetch also checks), and the bytes sealing adds to every value; in the table and the JSON
+(``summary.sealing``). ``--sealing-only`` measures just that (no root, no mounts).
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench as bench  # noqa: E402  (dataset, stores, mounts, page cache: one copy of each)
 import _throttle  # noqa: E402
 from liquidfs.catalog import Catalog  # noqa: E402
+from liquidfs.reader import checksum  # noqa: E402
+from liquidfs.sealing import KEY_BYTES, ClusterKey, Sealer  # noqa: E402
 
 CONFIGS = ("none", "per-node", "cluster", "cluster-kill")
 GOAL = 0.95  # of min(1, N x C / D): the cluster's hit ratio per window, and the storage bytes it saves
@@ -326,8 +335,50 @@ def mount_flags(config: str, args: argparse.Namespace, url: str | None) -> list[
         flags += ["--cache-size", f"{args.cache_size:g}%"]
     if config.startswith("cluster"):
         assert url is not None
-        flags += ["--cluster", url, "--cluster-size", f"{args.cluster_size:g}%"]
+        flags += ["--cluster", url, "--cluster-size", f"{args.cluster_size:g}%", "--cluster-key-file",
+                  str(cluster_key(args.work))]
     return flags
+
+
+def cluster_key(work: Path) -> Path:
+    """The job's cluster key, as a deployment makes it: 32 random bytes, mode 0400 (made once per work dir)."""
+    path = work / "cluster.key"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o400)
+        with os.fdopen(fd, "wb") as out:
+            out.write(os.urandom(KEY_BYTES))
+    return path
+
+
+def sealing_cost(size: int, seconds: float = 1.0) -> dict[str, float]:
+    """What sealing a value of ``size`` bytes costs on one core: MB/s to seal, to open, to check the opened bytes
+    against the catalog's checksum; and the bytes it adds. CPU time of this thread, each for about ``seconds``."""
+    sealer = Sealer(ClusterKey(os.urandom(KEY_BYTES)))
+    data = os.urandom(size)
+    identity = f"liquidfs2s-00000000:{'0' * 16}:{size}".encode()
+    sealed = sealer.seal(identity, data)
+
+    def rate(step: Any) -> float:
+        done, begun = 0, time.thread_time()
+        while (spent := time.thread_time() - begun) < seconds or done < 3:
+            step()
+            done += 1
+        return done * size / spent / 1e6
+
+    opened = sealer.open(identity, sealed)
+    assert opened == data
+    return {"value_bytes": size, "overhead_bytes": len(sealed) - size,
+            "seal_mb_s": rate(lambda: sealer.seal(identity, data)),
+            "open_mb_s": rate(lambda: sealer.open(identity, sealed)),
+            "check_mb_s": rate(lambda: checksum(data))}
+
+
+def sealing_lines(sealing: dict[str, float]) -> list[str]:
+    return ["", "Sealing (AES-256-GCM under --cluster-key-file), one core:", "",
+            "| value bytes | seal MB/s | open MB/s | checksum of the opened bytes MB/s | overhead bytes per value |",
+            "|---|---|---|---|---|",
+            f"| {sealing['value_bytes']:.0f} | {sealing['seal_mb_s']:.0f} | {sealing['open_mb_s']:.0f} | "
+            f"{sealing['check_mb_s']:.0f} | {sealing['overhead_bytes']:.0f} |"]
 
 
 def run_config(run: Run, src: Path, store: Path, files: list[Expected], data_work: Path,
@@ -561,6 +612,9 @@ def markdown(s: dict[str, Any], args: argparse.Namespace, meta: dict[str, Any]) 
               if g.get("storage_fall_vs_per_node") is not None else "")
         lines.append(f"- storage per epoch (2 on) <= {mb(g['storage_goal_per_epoch'])} MB: cluster "
                      f"{mb(g['cluster_storage_per_epoch'])} MB{vs}: {'met' if g['cluster_storage_met'] else 'NOT met'}")
+    if s.get("sealing"):
+        lines += sealing_lines(s["sealing"])
+        lines.append("")
     lines.append(f"- 0 failed reads, 0 wrong bytes (all configurations): failed {g['failed']}, wrong bytes "
                  f"{g['wrong_bytes']}" + (f"; through the kill: {'met' if g['kill_clean'] else 'NOT met'}"
                                           if any(r["config"] == "cluster-kill" for r in s["epochs"]) else ""))
@@ -599,6 +653,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the cluster on a file a peer read last epoch (peer_hits; the smoke run's default). Each "
                         "read of them costs the daemon ~3 ms of CPU here: slower epochs")
     parser.add_argument("--epoch-timeout", type=float, default=900.0)
+    parser.add_argument("--sealing-only", action="store_true",
+                        help="measure only what sealing the cluster's values costs, on one core (no root, no mounts)")
+    parser.add_argument("--sealing-size", type=int, metavar="BYTES",
+                        help="the value size sealing is measured at (default: the dataset's mean raw object)")
     bench.add_run_arguments(parser, results="out/bench/cluster.json", work=bench.REPO / "out" / "bench-cluster",
                             work_help="dataset, store and the mountpoints (the dataset is kept per count and size)",
                             smoke="16 images of 256x128, 2 nodes at --cache-size 25%%, 2 epochs, windows of 4, "
@@ -636,7 +694,13 @@ def write_json(path: Path, meta: dict[str, Any], runs: list[Run], s: dict[str, A
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    if problem := preflight(args):
+    if args.sealing_only and args.sealing_size:
+        sealing = sealing_cost(args.sealing_size)
+        print("\n".join(sealing_lines(sealing)))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_json(args.json, {"argv": sys.argv, "cores": os.cpu_count()}, [], {"sealing": sealing})
+        return 0
+    if not args.sealing_only and (problem := preflight(args)):
         print(f"bench_cluster: {problem}", file=sys.stderr)
         return 2
     started = time.time()
@@ -646,6 +710,13 @@ def main(argv: list[str]) -> int:
     store = bench.store_for(data_work, src, 1.0)
     files, raw_bytes = expected_files(src, store)
     dataset_bytes = sum(f.size for f in files)
+    raw_files = [f for f in files if f.where.startswith(str(store))]
+    sealing = sealing_cost(args.sealing_size or (raw_bytes // max(1, len(raw_files))) or 1)
+    if args.sealing_only:
+        print("\n".join(sealing_lines(sealing)))
+        write_json(args.json, {"argv": sys.argv, "cores": os.cpu_count(), "raw_bytes": raw_bytes}, [],
+                   {"sealing": sealing})
+        return 0
     if args.memcached_mb is None:
         # rendezvous hashing spreads the share unevenly, and a killed peer's keys land on the others meanwhile
         args.memcached_mb = math.ceil(args.cluster_size / 100 * dataset_bytes / args.nodes * 1.5 / 2**20) + 64
@@ -675,6 +746,7 @@ def main(argv: list[str]) -> int:
             meta["seconds"] = time.time() - started
             write_json(args.json, meta, runs, None)  # after every run: a crash keeps what was measured
     s = summary(runs, args, dataset_bytes)
+    s["sealing"] = sealing
     meta["seconds"] = time.time() - started
     write_json(args.json, meta, runs, s)
     print(markdown(s, args, meta))

@@ -1,13 +1,17 @@
-"""A memcached in a dict, for unit tests of the cluster level (``clustertier``); the system tests run real ones."""
+"""A memcached in a dict, for unit tests of the cluster level (``clustertier``); the system tests run real ones,
+and ``test_memcachedwire`` fake peers on real sockets."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from liquidfs.memcachedwire import PeerError
+
 
 class FakeMemcached:
-    """``get``/``set``/``close`` as pymemcache's ``HashClient`` answers them with ``ignore_exc``: None for a miss
-    or a server that does not answer (``down``)."""
+    """``get``/``set``/``close`` as ``memcachedwire.MemcachedWire`` answers them: None for a miss, ``PeerError``
+    for a server that does not answer (``down``). Values are given back as stored, whatever their length: the level
+    checks them."""
 
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
@@ -16,14 +20,16 @@ class FakeMemcached:
         self.sets = 0
         self.closed = False
 
-    def get(self, key: str) -> Any:
+    def get(self, key: str, length: int) -> Any:
         self.gets += 1
-        return None if self.down else self.values.get(key)
+        if self.down:
+            raise PeerError("down")
+        return self.values.get(key)
 
-    def set(self, key: str, value: bytes, expire: int = 0, noreply: bool | None = None) -> Any:
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
         self.sets += 1
         if self.down:
-            return False
+            raise PeerError("down")
         self.values[key] = bytes(value)
         return True
 

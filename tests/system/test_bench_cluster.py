@@ -52,3 +52,20 @@ def test_bench_cluster_smoke_reads_exact_bytes_and_hits_what_a_peer_read(tmp_pat
     goals = report["summary"]["goals"]
     assert goals["failed"] == goals["wrong_bytes"] == 0 and goals["kill_clean"] is True
     assert "| cluster-kill | 2 |" in proc.stdout
+    # What sealing the cluster's values costs is reported beside the epochs.
+    sealing = report["summary"]["sealing"]
+    assert sealing["overhead_bytes"] == 28 and sealing["seal_mb_s"] > 0 and sealing["open_mb_s"] > 0
+    assert "| value bytes | seal MB/s | open MB/s |" in proc.stdout
+
+
+def test_bench_cluster_measures_the_sealing_alone(tmp_path: Path) -> None:
+    """--sealing-only --sealing-size: no root, no mount; the table and the JSON say the cost and the overhead."""
+    out = tmp_path / "seal.json"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "bench_cluster.py"), "--sealing-only",
+                           "--sealing-size", "100000", "--json", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sealing = json.loads(out.read_text())["summary"]["sealing"]
+    assert sealing["value_bytes"] == 100000 and sealing["overhead_bytes"] == 28
+    assert all(sealing[k] > 0 for k in ("seal_mb_s", "open_mb_s", "check_mb_s"))
+    assert "| 100000 |" in proc.stdout and "| 28 |" in proc.stdout

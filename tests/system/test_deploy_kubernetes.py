@@ -450,7 +450,7 @@ def test_the_memcached_service_is_headless_over_the_daemonset():
 def test_the_cluster_sidecar_names_the_memcached_service():
     """job-cluster-sidecar.yaml's sidecar mounts with --cluster naming the headless Service by its DNS name (a
     URL liquidfs accepts) and a --cluster-size the memcacheds of its nodes can hold."""
-    from liquidfs.clustertier import parse_cluster
+    from liquidfs.clusterpeers import parse_cluster
 
     _, spec = _pod_spec(_load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD))
     (sidecar,) = [c for c in spec["initContainers"] if c["name"] == FUSE_CONTAINER]
@@ -469,6 +469,29 @@ def test_the_cluster_sidecar_names_the_memcached_service():
     nodes = _load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD)["spec"]["parallelism"]
     size = _quantity_bytes(knobs["LIQUIDFS_CLUSTER_SIZE"].replace("G", "Gi"))  # read 60G as GiB: the safe side
     assert size <= 0.95 * nodes * per_node, (size, nodes, per_node)
+
+
+def test_the_cluster_sidecar_gets_the_cluster_key_from_a_secret_of_its_own():
+    """--cluster-key-file names a file of a Secret volume mounted read-only into the sidecar alone, mode 0400
+    (root's: no fsGroup), required; the manifest and the kustomization say how to make the key and the Secret."""
+    job = _load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD)
+    _, spec = _pod_spec(job)
+    (sidecar,) = [c for c in spec["initContainers"] if c["name"] == FUSE_CONTAINER]
+    key_file = sidecar["args"][sidecar["args"].index("--cluster-key-file") + 1]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (mount,) = [vm for vm in sidecar["volumeMounts"] if key_file.startswith(vm["mountPath"].rstrip("/") + "/")]
+    assert mount.get("readOnly") is True
+    secret = volumes[mount["name"]]["secret"]
+    assert secret.get("optional", False) is False, "a pod without the key must not start"
+    modes = [secret["defaultMode"], *(item["mode"] for item in secret.get("items", []) if "mode" in item)]
+    assert all(mode & 0o077 == 0 for mode in modes) and secret["defaultMode"] == 0o400
+    assert "fsGroup" not in spec.get("securityContext", {}), "the key's files would be the group's"
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        if c is not sidecar:
+            assert mount["name"] not in {vm["name"] for vm in c.get("volumeMounts", [])}, f"{c['name']} sees the key"
+    name = secret["secretName"]
+    for text in ((K8S_DIR / K8S_CLUSTER_WORKLOAD).read_text(), (K8S_DIR / "kustomization.yaml").read_text()):
+        assert "head -c 32 /dev/urandom" in text and f"kubectl create secret generic {name}" in text
 
 
 def test_only_the_cluster_pods_reach_memcached():

@@ -145,6 +145,18 @@ def test_a_cluster_mount_is_ordered_after_its_memcached_without_depending_on_it(
     assert "--cluster memcached://" in text and "--cluster-size" in text, "example.env shows the flags"
 
 
+def test_a_cluster_mount_gets_the_cluster_key_as_a_credential():
+    """The drop-in hands the key to the mount as a systemd credential (a directory of the service's own) and
+    passes it by --cluster-key-file; its command is the unit's but for that flag, so the two cannot drift."""
+    d = _unit_directives(CLUSTER_DROP_IN.read_text())
+    ((name, _, source),) = [value.partition(":") for value in d["Service.LoadCredential"]]
+    assert source.startswith("/etc/liquidfs/") and name
+    unit_start = _unit_directives(UNIT.read_text())["Service.ExecStart"]
+    assert d["Service.ExecStart"] == ["", unit_start[0] + f" --cluster-key-file ${{CREDENTIALS_DIRECTORY}}/{name}"]
+    text = CLUSTER_DROP_IN.read_text()
+    assert "head -c 32 /dev/urandom" in text and "chmod 0400" in text, "says how to make the key"
+
+
 def test_systemd_analyze_verify_memcached_and_a_cluster_mount(tmp_path: Path):
     exe = shutil.which("systemd-analyze")
     if exe is None:
@@ -153,7 +165,8 @@ def test_systemd_analyze_verify_memcached_and_a_cluster_mount(tmp_path: Path):
     mount_unit = tmp_path / "liquidfs@verify.service"
     mount_unit.write_text(UNIT.read_text().replace("ExecStart=/usr/local/bin/liquidfs ", f"ExecStart={true} "))
     (tmp_path / "liquidfs@verify.service.d").mkdir()
-    (tmp_path / "liquidfs@verify.service.d" / "cluster.conf").write_text(CLUSTER_DROP_IN.read_text())
+    (tmp_path / "liquidfs@verify.service.d" / "cluster.conf").write_text(
+        CLUSTER_DROP_IN.read_text().replace("ExecStart=/usr/local/bin/liquidfs ", f"ExecStart={true} "))
     memcached = tmp_path / MEMCACHED_UNIT.name
     # verify insists that the ExecStart binary exists (memcached may not be installed where this runs)
     memcached.write_text(MEMCACHED_UNIT.read_text().replace("ExecStart=/usr/bin/memcached ", f"ExecStart={true} "))

@@ -240,6 +240,25 @@ def test_a_cluster_is_named_whole_or_refused_in_one_line(run: Run, tmp_path: Pat
     assert said in err
 
 
+@pytest.mark.parametrize("mode, data, said", [
+    (0o644, os.urandom(32), "mode 0644 lets group or others read or write the key"),
+    (0o400, os.urandom(32).hex().encode(), "holds 64 bytes; a key is exactly 32 raw random bytes"),
+    (0o400, bytes(32), "not random"),
+], ids=["group-readable", "hex-text", "zeros"])
+def test_a_cluster_key_file_that_vouches_for_nothing_is_refused_in_one_line(run: Run, tmp_path: Path, mode: int,
+                                                                             data: bytes, said: str) -> None:
+    (tmp_path / "data").mkdir()
+    key = tmp_path / "key"
+    key.write_bytes(data)
+    key.chmod(mode)
+    mount = ["mount", str(tmp_path / "data"), str(tmp_path / "mnt"), "--store", str(tmp_path / "st")]
+    err = _one_line(*run(*mount, "--cluster", "memcached://127.0.0.1:11211", "--cluster-size", "50%",
+                         "--cluster-key-file", str(key)))
+    assert "--cluster-key-file" in err and said in err
+    err = _one_line(*run(*mount, "--cluster-key-file", str(key)))
+    assert "--cluster-key-file goes with --cluster" in err
+
+
 def test_umount_refuses_a_mount_that_is_not_liquidfs(run: Run, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from liquidfs import guard

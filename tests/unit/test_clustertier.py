@@ -19,8 +19,10 @@ import pytest
 
 from clusterfakes import FakeMemcached
 from liquidfs.catalog import Catalog
-from liquidfs.clustertier import (MAX_SERVERS, ClusterError, ClusterTier, ResolvingClient, hash_client, in_share,
-                                  key_of, memcached_client, parse_cluster, resolve_addresses)
+from liquidfs.clusterpeers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
+                                   parse_cluster, resolve_addresses)
+from liquidfs.clustertier import ClusterTier, EveryoneReads, in_share, key_of
+from liquidfs.sealing import ClusterKey, Sealer
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
 from sample import make_sample
@@ -35,10 +37,15 @@ def store(tmp_path: Path) -> tuple[Path, Path]:
     return src, store
 
 
-def _tier(store: Path, share: float = 1.0) -> tuple[ClusterTier, FakeMemcached, list]:
+def _tier(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tuple[ClusterTier, FakeMemcached, list]:
+    """A level over a fake memcached: plaintext of sources everyone may read, or sealed under ``key``."""
     catalog = Catalog.open(store, readonly=True)
     client = FakeMemcached()
-    tier = ClusterTier(StoreReader(catalog.source, store), client, share)
+    reader = StoreReader(catalog.source, store)
+    if key is not None:
+        tier = ClusterTier(reader, client, share, sealer=Sealer(key), key_id=key.id)
+    else:
+        tier = ClusterTier(reader, client, share, public=EveryoneReads(catalog.get))
     return tier, client, [n for n in catalog.files() if n.served_raw]
 
 
@@ -58,7 +65,7 @@ def test_the_share_is_the_same_on_every_node_and_of_raw_objects_only(store: tupl
     assert half == [in_share(n, 0.5) for n in _tier(path)[2]]  # from the catalog alone: another node agrees
     catalog = Catalog.open(path, readonly=True)
     assert not any(in_share(n, 1.0) for n in catalog.files() if not n.served_raw)
-    assert all(key_of(n) == f"liquidfs1:{n.checksum}:{n.size_served}" for n in raw)  # what it holds, no path
+    assert all(key_of(n) == f"liquidfs2:{n.checksum}:{n.size_served}" for n in raw)  # what it holds, no path
 
 
 def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Path, Path]) -> None:
@@ -66,7 +73,7 @@ def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Pat
     first, client, raw = _tier(path)
     served = {n.id: bytes(first.open(n).data or b"") for n in raw}
     assert first.statistics()["cluster_misses"] == len(raw) and client.sets == len(raw)
-    second = ClusterTier(first.inner, client, 1.0)  # another node, the same memcacheds
+    second = ClusterTier(first.inner, client, 1.0, public=first.public)  # another node, the same memcacheds
     for n in raw:
         content = second.open(n)
         assert content.tier == "cluster" and bytes(content.data or b"") == served[n.id]
@@ -109,7 +116,7 @@ def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[P
     for n in raw:
         assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
     st = tier.statistics()
-    assert st["cluster_hits"] == 0 and st["cluster_unanswered"] == len(raw)  # the stores it refused
+    assert st["cluster_hits"] == 0 and st["cluster_unanswered"] == 2 * len(raw)  # its fetches and stores
     client.down = False  # back: used again
     for n in raw:
         tier.open(n)
@@ -182,7 +189,7 @@ def test_a_name_stands_for_every_address_it_resolves_to_and_nothing_else() -> No
 def test_a_memcached_that_joins_or_leaves_moves_only_its_own_keys() -> None:
     dns, made = FakeDNS(["10.0.0.1", "10.0.0.2", "10.0.0.3"]), Made()
     client = ResolvingClient([("memcached", 11211)], resolve=dns, make=made, background=False)
-    keys = [f"liquidfs1:{i:08x}:{i}" for i in range(3000)]
+    keys = [f"liquidfs2:{i:08x}:{i}" for i in range(3000)]
     before = made.placement(keys)
     assert set(before.values()) == {"10.0.0.1:11211", "10.0.0.2:11211", "10.0.0.3:11211"}
 
@@ -213,11 +220,11 @@ def test_a_name_that_resolves_to_nothing_usable_keeps_its_last_good_set_and_logs
                              background=False)
     memcached.values["k"] = b"v"
     dns.answer = failure
-    with caplog.at_level(logging.INFO, logger="liquidfs.clustertier"):
+    with caplog.at_level(logging.INFO, logger="liquidfs.clusterpeers"):
         for _ in range(3):
             assert client.refresh() is False
             assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
-            assert client.get("k") == b"v"  # fetches go on over the last good set
+            assert client.get("k", 1) == b"v"  # fetches go on over the last good set
         warned = [r for r in caplog.records if r.levelno == logging.WARNING]
         assert len(warned) == 1 and "keeping its last 2" in warned[0].getMessage()
         dns.answer = ["10.0.0.1"]
@@ -242,7 +249,7 @@ def test_a_name_that_never_resolved_is_a_miss_never_a_failed_read(store: tuple[P
     catalog = Catalog.open(path, readonly=True)
     client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(socket.gaierror("no such name")),
                              background=False)  # a real HashClient over no memcached at all
-    tier = ClusterTier(StoreReader(catalog.source, path), client, 1.0)
+    tier = ClusterTier(StoreReader(catalog.source, path), client, 1.0, public=EveryoneReads(catalog.get))
     raw = [n for n in catalog.files() if n.served_raw]
     for n in raw:
         assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
@@ -270,3 +277,110 @@ def test_the_name_is_resolved_again_in_a_thread_of_its_own_until_closed() -> Non
 
 def test_the_systems_resolver_answers_addresses() -> None:
     assert "127.0.0.1" in resolve_addresses("localhost", 11211)
+
+
+# -- sealed under a cluster key, or only what everyone may read ----------------------------------------------
+
+
+def _key(seed: int = 1) -> ClusterKey:
+    return ClusterKey(random.Random(seed).randbytes(32))
+
+
+def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(store: tuple[Path, Path]) -> None:
+    _, path = store
+    first, client, raw = _tier(path, key=_key())
+    for n in raw:
+        first.open(n)
+    assert client.sets == len(raw) and first.statistics()["cluster_sealed"] == 1
+    for n in raw:
+        real = (path / str(n.object)).read_bytes()
+        value = client.values[key_of(n, _key().id)]
+        assert len(value) == len(real) + 28 and real[:64] not in value  # nonce + ciphertext + tag
+    second = ClusterTier(first.inner, client, 1.0, sealer=Sealer(_key()), key_id=_key().id)  # same key
+    for n in raw:
+        content = second.open(n)
+        assert content.tier == "cluster" and bytes(content.data or b"") == (path / str(n.object)).read_bytes()
+    assert second.statistics()["cluster_hits"] == len(raw) and second.statistics()["cluster_rejected"] == 0
+
+
+def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store: tuple[Path, Path]) -> None:
+    """What a writer without the key can do to a value (change any bytes, keep its length; put another object's
+    sealed value, or one sealed under another key, in its place) is a miss, read from storage."""
+    _, path = store
+    tier, client, raw = _tier(path, key=_key())
+    node, other = raw[0], raw[1]
+    tier.open(node)
+    tier.open(other)
+    key = key_of(node, _key().id)
+    sealed = client.values[key]
+    real = (path / str(node.object)).read_bytes()
+    foreign = Sealer(_key(2)).seal(key.encode(), real)  # the right identity, another key
+    flipped = bytearray(sealed)
+    flipped[40] ^= 0x20
+    wrongs = [bytes(flipped), sealed[:12] + bytes(len(sealed) - 12), foreign, client.values[key_of(other, _key().id)],
+              real + bytes(28), sealed[:-1]]
+    for wrong in wrongs:
+        client.values[key] = wrong
+        content = tier.open(node)
+        assert content.tier == "storage" and bytes(content.data or b"") == real
+    st = tier.statistics()
+    assert st["cluster_rejected"] == len(wrongs) and st["cluster_hits"] == 0
+
+
+def _private_store(tmp_path: Path) -> tuple[Path, Path, set[bytes]]:
+    """A sample whose one file is 0600 and one city's directory 0700 (before prepare: the catalog records
+    them); the paths of the raw-served files nobody else may read."""
+    src = tmp_path / "src"
+    make_sample(src, count=8, width=64, height=32, seed=4)
+    cities = sorted(p for p in (src / "leftImg8bit" / "train").iterdir())
+    hidden = cities[0]
+    secret = sorted(cities[1].iterdir())[0]
+    secret.chmod(0o600)
+    hidden.chmod(0o700)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    private = {n.path for n in catalog.files() if n.served_raw
+               and (n.path == os.fsencode(secret.relative_to(src)) or n.path.startswith(
+                   os.fsencode(hidden.relative_to(src)) + b"/"))}
+    catalog.close()
+    return src, store, private
+
+
+def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path: Path) -> None:
+    _, path, private = _private_store(tmp_path)
+    assert len(private) >= 2
+    tier, client, raw = _tier(path)
+    for n in raw:
+        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    stored = {n.path for n in raw if key_of(n) in client.values}
+    assert stored == {n.path for n in raw} - private and stored
+    assert tier.statistics()["cluster_private"] == len(private)
+    client.values.update({key_of(n): (path / str(n.object)).read_bytes() for n in raw})  # offered anyway
+    gets = client.gets
+    for n in raw:
+        content = tier.open(n)
+        assert (content.tier == "cluster") == (n.path not in private)
+    assert client.gets - gets == len(raw) - len(private)  # never even asked for
+    # With the key, sealed: nobody without it can read them, so they are shared too.
+    sealed, sealed_client, _ = _tier(path, key=_key())
+    for n in raw:
+        sealed.open(n)
+    assert sealed_client.sets == len(raw) and sealed.statistics()["cluster_private"] == 0
+
+
+def test_everyone_reads_walks_the_catalogs_directories_once(tmp_path: Path) -> None:
+    _, path, private = _private_store(tmp_path)
+    catalog = Catalog.open(path, readonly=True)
+    asked: list[int] = []
+
+    def directory(node_id: int):  # type: ignore[no-untyped-def]
+        asked.append(node_id)
+        return catalog.get(node_id)
+
+    public = EveryoneReads(directory)
+    files = [n for n in catalog.files() if n.served_raw]
+    assert [not public(n) for n in files] == [n.path in private for n in files]
+    assert len(asked) == len(set(asked))  # each directory once
+    assert [not public(n) for n in files] == [n.path in private for n in files] and len(asked) == len(set(asked))
+    assert not EveryoneReads(lambda node_id: None)(files[0])  # a directory the catalog lacks: not shared

@@ -11,6 +11,7 @@ NON_DEFAULT = ["--store", "/srv/store", "--allow-other", "-o", "ro,noatime", "-o
                "--threads", "7", "--cache-size", "30%", "--page-cache", "keep", "--open-bytes", "32M",
                "--no-push-pages", "--disk-cache", "/nvme/cache", "--disk-cache-size", "20G", "--warmup",
                "--cluster", "memcached://10.0.0.1:11211,10.0.0.2:11211", "--cluster-size", "60%",
+               "--cluster-key-file", "/etc/liquidfs/cluster.key",
                "--readahead-kb", "512", "--io-timeout", "9.5", "--metrics-port", "9100", "--metrics-address",
                "0.0.0.0", "--data-path", "daemon", "--verify-reads", "--time-requests", "--no-lookahead", "--mix", "0.25", "--mix-interval", "3",
                "--pressure-dir", "/sys/fs/cgroup/x", "--log-level", "debug", "--log-file", "/tmp/m.log"]
