@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import reexec
 from .safefiles import LogFileHandler
 
 log = logging.getLogger("liquidfs.guard")  # also when run as __main__
@@ -157,10 +158,9 @@ def start(pid: int, mountpoint: Path, before: set[int]) -> subprocess.Popen[byte
     log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
                     None)
     _, connection, mount_id = found
-    return subprocess.Popen([sys.executable, "-I", "-m", "liquidfs.guard", str(pid), str(connection), str(mount_id),
-                             *([log_file] if log_file else [])],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd="/", start_new_session=True, close_fds=True)
+    return reexec.popen("liquidfs.guard", [str(pid), str(connection), str(mount_id), *([log_file] if log_file else [])],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True, close_fds=True)
 
 
 def watch(pid: int, connection: int, mount_id: int) -> int:

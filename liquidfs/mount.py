@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from . import assemble, guard, passthrough
+from . import assemble, guard, passthrough, reexec
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog, Node
 from .daemonpath import MAX_OPEN_BYTES
@@ -468,13 +467,11 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
         # Where this daemon's lines begin: the log keeps every earlier mount's, which say nothing of this one.
         start = os.fstat(log_fd).st_size
         read_end, write_end = os.pipe()
-        # Isolated (-I: no cwd, no PYTHON* variables on sys.path) and in /: a root mount started from a
-        # directory someone else can write must not import code from it.
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "liquidfs", *argv, "--foreground", "--ready-fd", str(write_end)],
-            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, cwd="/",
-            pass_fds=(write_end,), start_new_session=True,
-        )
+        # Isolated and in / (reexec): a root mount started from a directory someone else can write must not
+        # import code from it.
+        proc = reexec.popen("liquidfs", [*argv, "--foreground", "--ready-fd", str(write_end)],
+                            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                            pass_fds=(write_end,), start_new_session=True)
         os.close(write_end)
         _wait_ready(proc, read_end, log_fd, log_file, timeout, start)
     finally:

@@ -36,7 +36,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import reexec
 from .expansion import is_image
 from .paths import open_under
 from .timedreads import ProfileError
@@ -194,8 +194,9 @@ def builtin_command(decoder: str, threads: int, images: int, augment: bool = Tru
     the sample: with one as large as the sample (DALI's default 1,024 against 256 images) the reader opens the
     whole epoch before its first batch, so reading and decoding would not overlap, and every share's time would
     be their sum, best at an end; a real dataset is several times DALI's buffer (Cityscapes: 2,975 images)."""
-    words = [sys.executable, "-m", "liquidfs.pipelines", decoder, MOUNT_TOKEN, "--threads", str(threads),
-             "--shuffle-buffer", str(max(1, images // 8))]
+    # Isolated (reexec): it runs where the user ran profile, maybe inside the dataset, maybe as root.
+    words = reexec.python_words("liquidfs.pipelines", decoder, MOUNT_TOKEN, "--threads", str(threads),
+                                "--shuffle-buffer", str(max(1, images // 8)))
     if epochs != 1:
         words += ["--epochs", str(epochs)]
     return shlex.join(words + ([] if augment else ["--no-augment"]))
@@ -424,8 +425,8 @@ class ScratchMounts:
         return proc.returncode, text, said
 
     def _liquidfs(self, *args: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
-                              check=False, timeout=300, stdin=subprocess.DEVNULL)
+        proc = reexec.run("liquidfs", args, capture_output=True, text=True, check=False, timeout=300,
+                          stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise ProfileError(f"liquidfs {args[0]} of the profile's sample failed: "
                                f"{(proc.stderr or proc.stdout).strip()[-1500:]}")
