@@ -40,7 +40,7 @@ from .lookahead import MetadataAhead
 from .reader import ChecksCallers, LendsDescriptors, Reader
 from .safefiles import open_append
 from .stats import MountStats
-from .storage import IO_TIMEOUT
+from .storage import FUSE_WORKERS, IO_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +367,7 @@ async def _main(config: MountConfig, ops: Operations, built: assemble.Parts, rea
         # scripts/passthrough/build.sh patches pyfuse3's loop to take requests already queued without waiting
         # through trio (~70 us of CPU less per small file opened); the stock loop serves as well, slower.
         ops.stats.dispatch = "queued-first" if getattr(pyfuse3, "queued_requests_first", False) else "stock"
-        await pyfuse3.main()
+        await pyfuse3.main(max_tasks=FUSE_WORKERS)
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
         nursery.cancel_scope.cancel()
 
