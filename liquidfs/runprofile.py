@@ -45,7 +45,7 @@ from pathlib import Path
 
 from . import reexec
 from .expansion import is_image
-from .paths import open_under
+from .paths import list_below, open_under
 from .timedreads import ProfileError
 
 log = logging.getLogger(__name__)
@@ -215,32 +215,41 @@ def sample_paths(source: Path, count: int, seed: int = 0) -> list[Path]:
     chosen: list[Path] = []
     seen = 0
     folders = [Path()]
-    while folders:
-        rel = folders.pop()
-        try:
-            with os.scandir(source / rel) as listing:
-                entries = sorted(listing, key=lambda e: e.name)
-        except OSError as exc:
-            log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
-            continue
-        below = []
-        for entry in entries:
+    # Each folder listed below the root's descriptor, never by path: a folder a dataset writer swaps for a link
+    # between its listing and its own (to a directory of root's) is refused, not listed.
+    try:
+        root = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProfileError(f"{source}: {exc.strerror}") from None
+    try:
+        while folders:
+            rel = folders.pop()
             try:
-                if entry.is_dir(follow_symlinks=False):
-                    below.append(rel / entry.name)
-                    continue
-                if not entry.is_file(follow_symlinks=False) or not is_image(os.fsencode(entry.name)):
-                    continue
-            except OSError:
+                entries = sorted(list_below(root, os.fsencode(rel) if rel.parts else b"", os.fsencode(source)),
+                                 key=lambda e: e.name)
+            except OSError as exc:
+                log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
                 continue
-            seen += 1
-            if len(chosen) < count:
-                chosen.append(rel / entry.name)
-            else:
-                j = rng.randrange(seen)
-                if j < count:
-                    chosen[j] = rel / entry.name
-        folders.extend(reversed(below))  # depth first, in name order
+            below = []
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        below.append(rel / entry.name)
+                        continue
+                    if not entry.is_file(follow_symlinks=False) or not is_image(os.fsencode(entry.name)):
+                        continue
+                except OSError:
+                    continue
+                seen += 1
+                if len(chosen) < count:
+                    chosen.append(rel / entry.name)
+                else:
+                    j = rng.randrange(seen)
+                    if j < count:
+                        chosen[j] = rel / entry.name
+            folders.extend(reversed(below))  # depth first, in name order
+    finally:
+        os.close(root)
     return sorted(chosen)
 
 
