@@ -355,10 +355,13 @@ class Catalog:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            # SQLite rolls back by itself on some errors (a full disk, an I/O error): a ROLLBACK then would raise
+            # "no transaction is active" in place of the error that says what happened.
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
             raise
-        self.db.execute("COMMIT")
 
     def expansions(self) -> dict[bytes, ExpansionRow]:
         rows = self.db.execute(f"SELECT path, {_EXPANSION_COLUMNS} FROM expansions").fetchall()

@@ -312,7 +312,8 @@ class Operations(pyfuse3.Operations):
         # cannot all pass a check of the files open so far.
         self._take_slot(ctx.uid)
         try:
-            info = await self._open_file(node, ctx)
+            with self.storage.opening():
+                info = await self._open_file(node, ctx)
         except BaseException:
             self._give_back_slot(ctx.uid)
             raise
@@ -497,6 +498,8 @@ class Operations(pyfuse3.Operations):
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = self.inodes.known
         values["stuck_reads"] = self.storage.stuck
+        values["opens_in_flight"] = self.storage.opens_in_flight
+        values["opens_refused"] = self.storage.opens_refused
         if self.data is not None:
             values.update(self.data.statistics())
         values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}

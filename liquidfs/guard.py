@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from . import reexec
 from .safefiles import LogFileHandler
 
 log = logging.getLogger("liquidfs.guard")  # also when run as __main__
@@ -43,16 +44,26 @@ def topmost_mount(mountpoint: Path) -> tuple[bytes, int, int] | None:
     return found
 
 
-def _mounts() -> list[tuple[int, int, bytes, bytes]]:
-    """(mount id, device, mount point, filesystem type) of every mount this process sees."""
+def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[int, int, bytes, bytes]]:
+    """(mount id, device, mount point, filesystem type) of every mount this process (or the one whose
+    ``mountinfo`` is named) sees."""
     out = []
-    with open("/proc/self/mountinfo", "rb") as f:
+    with open(mountinfo, "rb") as f:
         for line in f:
             fields = line.split()
             point = fields[4].replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
             major, minor = map(int, fields[2].split(b":"))
             out.append((int(fields[0]), os.makedev(major, minor), point, fields[fields.index(b"-") + 1]))
     return out
+
+
+def sees_connection(pid: int, connection: int) -> bool:
+    """Whether process ``pid``'s mount namespace holds a mount of FUSE ``connection`` (its device); False where
+    that cannot be read (the process is gone)."""
+    try:
+        return any(device == connection for _, device, _, _ in _mounts(f"/proc/{pid}/mountinfo"))
+    except (OSError, ValueError, IndexError):
+        return False
 
 
 def connection_of(mountpoint: Path) -> int | None:
@@ -157,10 +168,9 @@ def start(pid: int, mountpoint: Path, before: set[int]) -> subprocess.Popen[byte
     log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
                     None)
     _, connection, mount_id = found
-    return subprocess.Popen([sys.executable, "-I", "-m", "liquidfs.guard", str(pid), str(connection), str(mount_id),
-                             *([log_file] if log_file else [])],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            cwd="/", start_new_session=True, close_fds=True)
+    return reexec.popen("liquidfs.guard", [str(pid), str(connection), str(mount_id), *([log_file] if log_file else [])],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                        start_new_session=True, close_fds=True)
 
 
 def watch(pid: int, connection: int, mount_id: int) -> int:

@@ -71,9 +71,13 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_known_inodes", GAUGE, "", "known_inodes", "Inodes the kernel holds a lookup of now."),
     Metric("liquidfs_stuck_reads", GAUGE, "", "stuck_reads",
            "Storage reads stuck past their time limit now (storage not answering)."),
+    Metric("liquidfs_opens_in_flight", GAUGE, "", "opens_in_flight",
+           "Opens of files begun and not yet answered now (most of them waiting for storage)."),
     # -- opens ---------------------------------------------------------------------------------------------------
     Metric("liquidfs_opens_total", COUNTER, "", "opens", "Opens of files."),
     Metric("liquidfs_raw_opens_total", COUNTER, "", "opens_raw", "Opens that served a raw object."),
+    Metric("liquidfs_refused_opens_total", COUNTER, "", "opens_refused",
+           "Opens failed at once with EAGAIN: as many opens as the mount lets wait for storage were waiting."),
     Metric("liquidfs_deferred_opens_total", COUNTER, "", "deferred",
            "Opens whose file was read at its first read instead of at open."),
     Metric("liquidfs_cold_opens_total", COUNTER, "", "cold_opens",

@@ -22,10 +22,12 @@ The threads share the GIL with the loop, so everything they may cost is still bo
 - each connection has ``time_limit`` seconds in all (reading, waiting for a snapshot, answering), and
   ``request_timeout`` of them to send its request line and headers, so slow and idle clients give their slot
   back soon; a request is read up to 8 KiB;
-- one peer (an IPv4 address, or an IPv6 /64: one host's) holds at most ``max_per_peer`` connections at once; its
-  next ones are closed as they are accepted, so a client that keeps connections open and idle cannot hold every
-  slot and make every scrape wait (on the default loopback address every local user is one peer: there the
-  request deadline is what bounds them);
+- one peer (an IPv4 address, or an IPv6 /64: one host's) holds at most ``max_per_peer`` connections at once, so
+  a client that keeps connections open and idle cannot hold every slot and make every scrape wait. At the cap a
+  new connection closes that peer's oldest one that has sent nothing yet, never itself: on the default loopback
+  address every local user is one peer, and a scraper (which sends its request as soon as it is connected) must
+  not be turned away because another user holds idle connections. Only where all of the peer's connections are
+  mid-request is the new one closed as it is accepted;
 - accept failing for want of descriptors or memory (EMFILE, ENFILE, ENOMEM, ENOBUFS) is waited out (100 ms),
   not fatal.
 
@@ -81,7 +83,7 @@ class MetricsStatistics:
     peak_connections: int   # the most ever open at once
     requests: int           # requests answered (200, 404, 500 or 503)
     snapshots: int          # calls of values(): at most one per max_age
-    turned_away: int        # connections closed as accepted: their peer held max_per_peer already
+    turned_away: int        # connections closed at their peer's max_per_peer: its oldest silent one, else the new
 
 
 def _peer(address: Any) -> str:
@@ -130,6 +132,8 @@ class MetricsServer:
         self._stopping = False
         self._open: set[socket.socket] = set()
         self._per_peer: dict[str, int] = {}  # connections open now per peer (those with any)
+        # Open connections that have sent nothing yet, and their peers, oldest first: those closed at a peer's cap.
+        self._silent: dict[socket.socket, str] = {}
         self._turned_away = 0
         self._address: tuple[str, int] = ("", 0)
         self._connections = 0
@@ -260,16 +264,19 @@ class MetricsServer:
                         conn.close()
                         return
                     held = self._per_peer.get(peer, 0)
-                    if held >= self._max_per_peer:
-                        # Its peer has its share open: closed unread, the slot free for the next in the queue.
+                    refused = held >= self._max_per_peer and not self._close_oldest_silent(peer)
+                    if refused:
+                        # Its peer's connections are all mid-request: this one is closed unread, the slot free
+                        # for the next in the queue.
                         self._slots_taken -= 1
                         self._turned_away += 1
                     else:
                         self._per_peer[peer] = held + 1
                         self._open.add(conn)
+                        self._silent[conn] = peer
                         self._connections += 1
                         self._peak = max(self._peak, self._connections)
-                if held >= self._max_per_peer:
+                if refused:
                     log.debug("metrics: %s holds %d connections already; closed another", peer, held)
                     conn.close()
                     continue
@@ -299,6 +306,21 @@ class MetricsServer:
                 return conn, _peer(address)
         return None
 
+    def _close_oldest_silent(self, peer: str) -> bool:
+        """Shut ``peer``'s oldest connection that has sent nothing (its worker then closes it and gives its slot
+        back); False where it has none. Under the lock, so its worker has not closed it yet."""
+        oldest = next((conn for conn, owner in self._silent.items() if owner == peer), None)
+        if oldest is None:
+            return False
+        del self._silent[oldest]
+        self._turned_away += 1
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # its worker's recv (or its first one, if still queued) sees EOF
+        except OSError:
+            pass
+        log.debug("metrics: %s holds its %d connections; closed its oldest idle one", peer, self._max_per_peer)
+        return True
+
     def _stopped(self) -> bool:
         """``_stopping`` read anew (another thread sets it; a plain test would be narrowed by the check above)."""
         return self._stopping
@@ -324,6 +346,7 @@ class MetricsServer:
                     # Closed under the lock: stop() never shuts a closed socket, and once the client sees the
                     # close, statistics() no longer counts the connection.
                     self._open.discard(conn)
+                    self._silent.pop(conn, None)
                     conn.close()
                     self._connections -= 1
                     if self._per_peer[peer] > 1:
@@ -343,6 +366,9 @@ class MetricsServer:
             chunk = conn.recv(min(4096, _MAX_REQUEST - len(request)))
             if not chunk:
                 return
+            if not request:  # it spoke: no longer the one closed for its peer's next connection
+                with self._lock:
+                    self._silent.pop(conn, None)
             request += chunk
         path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b"/"
         found = path.split(b"?")[0] in (b"/", b"/metrics")

@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 import pyfuse3
 import trio
 
-from . import assemble, guard, passthrough
+from . import assemble, guard, passthrough, reexec
 from .cache import NextEpochCache, parse_size
 from .catalog import Catalog, Node
 from .daemonpath import MAX_OPEN_BYTES
@@ -41,10 +40,10 @@ from .disktier import DiskTier
 from .stores import Store
 from .lookahead import MetadataAhead
 from .reader import ChecksCallers, LendsDescriptors, Reader
-from .safefiles import open_append
+from .safefiles import escape_controls, open_append
 from .sealing import ClusterKey, Sealer
 from .stats import MountStats
-from .storage import IO_TIMEOUT
+from .storage import FUSE_WORKERS, IO_TIMEOUT
 
 log = logging.getLogger(__name__)
 
@@ -382,7 +381,7 @@ async def _main(config: MountConfig, ops: Operations, built: assemble.Parts, rea
         # scripts/passthrough/build.sh patches pyfuse3's loop to take requests already queued without waiting
         # through trio (~70 us of CPU less per small file opened); the stock loop serves as well, slower.
         ops.stats.dispatch = "queued-first" if getattr(pyfuse3, "queued_requests_first", False) else "stock"
-        await pyfuse3.main()
+        await pyfuse3.main(max_tasks=FUSE_WORKERS)
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
         nursery.cancel_scope.cancel()
 
@@ -482,13 +481,11 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
         # Where this daemon's lines begin: the log keeps every earlier mount's, which say nothing of this one.
         start = os.fstat(log_fd).st_size
         read_end, write_end = os.pipe()
-        # Isolated (-I: no cwd, no PYTHON* variables on sys.path) and in /: a root mount started from a
-        # directory someone else can write must not import code from it.
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "liquidfs", *argv, "--foreground", "--ready-fd", str(write_end)],
-            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, cwd="/",
-            pass_fds=(write_end,), start_new_session=True,
-        )
+        # Isolated and in / (reexec): a root mount started from a directory someone else can write must not
+        # import code from it.
+        proc = reexec.popen("liquidfs", [*argv, "--foreground", "--ready-fd", str(write_end)],
+                            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                            pass_fds=(write_end,), start_new_session=True)
         os.close(write_end)
         _wait_ready(proc, read_end, log_fd, log_file, timeout, start)
     finally:
@@ -608,12 +605,48 @@ def holders(mountpoint: Path) -> list[str]:
             except OSError:
                 pass
         if any(p == prefix or p.startswith(prefix + "/") for p in paths):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                cmd = "?"
-            found.append(f"{pid} {cmd.strip()}")
+            found.append(_named(pid))
     return found
+
+
+def _named(pid: str | int) -> str:
+    """``pid`` and its command line, for a message."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmd = "?"
+    return f"{pid} {escape_controls(cmd.strip())}"
+
+
+#: Seconds between scans of /proc for copies of the mount while ``unmount`` waits for the daemon.
+NAMESPACE_SCAN_S = 0.5
+#: Processes named per mount namespace that holds a copy of a mount (a container's every process would).
+NAMED_PER_NAMESPACE = 3
+
+
+def namespace_holders(connection: int) -> list[str]:
+    """Processes in other mount namespaces whose copy of the mounts holds FUSE ``connection`` (``unshare
+    --mount``, a container started while it was mounted): the kernel keeps the connection, and so its daemon,
+    while any copy of the mount lives, whatever is unmounted here."""
+    try:
+        own = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return []
+    holds: dict[str, bool] = {}  # each namespace's mountinfo read once, from its first process seen
+    found: dict[str, list[str]] = {}
+    for pid in sorted(filter(str.isdigit, os.listdir("/proc")), key=int):
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+        except OSError:
+            continue
+        if namespace == own:
+            continue
+        if namespace not in holds:
+            holds[namespace] = guard.sees_connection(int(pid), connection)
+        named = found.setdefault(namespace, [])
+        if holds[namespace] and len(named) < NAMED_PER_NAMESPACE:
+            named.append(f"{_named(pid)} (mount namespace {namespace})")
+    return [line for named in found.values() for line in named]
 
 
 #: The filesystem type of a liquidfs mount in /proc/self/mountinfo (``fuse_options``: subtype=liquidfs).
@@ -653,9 +686,19 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = 30.0) -> N
         raise MountError(f"fusermount3 failed: {msg}")
     if pid is not None and not lazy:
         deadline = time.monotonic() + timeout
+        scan_at = time.monotonic() + NAMESPACE_SCAN_S
         while time.monotonic() < deadline:
             if not _alive(pid):
                 return
+            elsewhere: list[str] = []
+            if time.monotonic() >= scan_at:  # a scan of every process: not at each poll, nor before the daemon
+                scan_at = time.monotonic() + NAMESPACE_SCAN_S  # had its moment to exit
+                elsewhere = namespace_holders(found[1])
+            if elsewhere:  # the daemon serves that copy until its last holder goes: waiting would not help
+                raise MountError(
+                    f"unmounted here, but the daemon (pid {pid}) still serves a copy of the mount in another mount "
+                    "namespace, held by:\n  " + "\n  ".join(elsewhere)
+                    + "\nit exits once those end (or unmount it in their namespace)")
             time.sleep(0.05)
         raise MountError(f"unmounted, but the daemon (pid {pid}) is still running after {timeout:.0f} s")
 

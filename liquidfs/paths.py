@@ -122,6 +122,20 @@ def stat_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
         os.close(fd)
 
 
+def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[os.DirEntry[str]]:
+    """The entries of the directory ``rel`` below the one held at ``dir_fd`` (b"": that one itself; it must be
+    open for reading), reached as ``open_below`` reaches a file: a directory swapped for a link since it was
+    listed is refused (ELOOP or ENOTDIR), never listed through. Each entry's type is the listing's (d_type)."""
+    path = _named(where, rel)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = _walk(dir_fd, rel, path, flags, False) if rel else os.dup(dir_fd)
+    try:
+        with os.scandir(fd) as listing:
+            return list(listing)
+    finally:
+        os.close(fd)
+
+
 def _named(where: bytes | str, rel: bytes) -> str:
     return os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
 

@@ -36,7 +36,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,8 +43,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import reexec
 from .expansion import is_image
-from .paths import open_under
+from .paths import list_below, open_under
 from .timedreads import ProfileError
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,9 @@ def builtin_command(decoder: str, threads: int, images: int, augment: bool = Tru
     the sample: with one as large as the sample (DALI's default 1,024 against 256 images) the reader opens the
     whole epoch before its first batch, so reading and decoding would not overlap, and every share's time would
     be their sum, best at an end; a real dataset is several times DALI's buffer (Cityscapes: 2,975 images)."""
-    words = [sys.executable, "-m", "liquidfs.pipelines", decoder, MOUNT_TOKEN, "--threads", str(threads),
-             "--shuffle-buffer", str(max(1, images // 8))]
+    # Isolated (reexec): it runs where the user ran profile, maybe inside the dataset, maybe as root.
+    words = reexec.python_words("liquidfs.pipelines", decoder, MOUNT_TOKEN, "--threads", str(threads),
+                                "--shuffle-buffer", str(max(1, images // 8)))
     if epochs != 1:
         words += ["--epochs", str(epochs)]
     return shlex.join(words + ([] if augment else ["--no-augment"]))
@@ -214,32 +215,41 @@ def sample_paths(source: Path, count: int, seed: int = 0) -> list[Path]:
     chosen: list[Path] = []
     seen = 0
     folders = [Path()]
-    while folders:
-        rel = folders.pop()
-        try:
-            with os.scandir(source / rel) as listing:
-                entries = sorted(listing, key=lambda e: e.name)
-        except OSError as exc:
-            log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
-            continue
-        below = []
-        for entry in entries:
+    # Each folder listed below the root's descriptor, never by path: a folder a dataset writer swaps for a link
+    # between its listing and its own (to a directory of root's) is refused, not listed.
+    try:
+        root = os.open(source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProfileError(f"{source}: {exc.strerror}") from None
+    try:
+        while folders:
+            rel = folders.pop()
             try:
-                if entry.is_dir(follow_symlinks=False):
-                    below.append(rel / entry.name)
-                    continue
-                if not entry.is_file(follow_symlinks=False) or not is_image(os.fsencode(entry.name)):
-                    continue
-            except OSError:
+                entries = sorted(list_below(root, os.fsencode(rel) if rel.parts else b"", os.fsencode(source)),
+                                 key=lambda e: e.name)
+            except OSError as exc:
+                log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
                 continue
-            seen += 1
-            if len(chosen) < count:
-                chosen.append(rel / entry.name)
-            else:
-                j = rng.randrange(seen)
-                if j < count:
-                    chosen[j] = rel / entry.name
-        folders.extend(reversed(below))  # depth first, in name order
+            below = []
+            for entry in entries:
+                try:
+                    if entry.is_dir(follow_symlinks=False):
+                        below.append(rel / entry.name)
+                        continue
+                    if not entry.is_file(follow_symlinks=False) or not is_image(os.fsencode(entry.name)):
+                        continue
+                except OSError:
+                    continue
+                seen += 1
+                if len(chosen) < count:
+                    chosen.append(rel / entry.name)
+                else:
+                    j = rng.randrange(seen)
+                    if j < count:
+                        chosen[j] = rel / entry.name
+            folders.extend(reversed(below))  # depth first, in name order
+    finally:
+        os.close(root)
     return sorted(chosen)
 
 
@@ -424,8 +434,8 @@ class ScratchMounts:
         return proc.returncode, text, said
 
     def _liquidfs(self, *args: str) -> None:
-        proc = subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
-                              check=False, timeout=300, stdin=subprocess.DEVNULL)
+        proc = reexec.run("liquidfs", args, capture_output=True, text=True, check=False, timeout=300,
+                          stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise ProfileError(f"liquidfs {args[0]} of the profile's sample failed: "
                                f"{(proc.stderr or proc.stdout).strip()[-1500:]}")

@@ -7,7 +7,8 @@ import errno
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,13 +24,21 @@ IO_TIMEOUT = 60.0
 #: Storage reads left stuck past their timeout before every new read fails at once: the storage is not answering,
 #: and each further try would only park one more thread in the kernel.
 MAX_STUCK = 64
+#: FUSE requests answered at once (pyfuse3's worker tasks: ``pyfuse3.main(max_tasks=...)``, 99 by default). A
+#: request awaiting storage holds its worker, and with every worker waiting nobody reads the next request: an
+#: ``ls`` elsewhere waited with them. Workers are trio tasks, a few KiB each, started only while requests wait.
+FUSE_WORKERS = 512
+#: Opens in flight at once (``StorageCalls.opening``); the other workers are kept for lookups, attributes,
+#: listings, reads and releases. Reads need no bound of their own: the kernel sends a page-cached file's reads
+#: as background requests, at most ``max_background`` (12) at a time. Opens are synchronous, one per caller.
+MAX_OPENS = FUSE_WORKERS - 128
 
 
 class StorageCalls:
     """Runs blocking storage calls in worker threads, each timed out, with stuck ones kept out of the way."""
 
     def __init__(self, reader: Reader, *, thread_limiter: trio.CapacityLimiter | None = None,
-                 io_timeout: float = IO_TIMEOUT) -> None:
+                 io_timeout: float = IO_TIMEOUT, max_opens: int = MAX_OPENS) -> None:
         self.reader = reader
         # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
         self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
@@ -38,6 +47,30 @@ class StorageCalls:
         self._stuck: set[_Call] = set()
         self._stuck_lock = threading.Lock()
         self._unlimited = trio.CapacityLimiter(math.inf)
+        self.max_opens = max_opens
+        self.opens_in_flight = 0
+        #: Opens refused (EAGAIN) because max_opens were in flight.
+        self.opens_refused = 0
+
+    @contextmanager
+    def opening(self) -> Iterator[None]:
+        """Held by an open of a file from before its first wait for storage to its answer. Past ``max_opens``
+        in flight an open fails at once with EAGAIN rather than taking one more FUSE worker: opens stuck behind
+        a hung or saturated storage then never leave the mount unable to answer ``ls``, ``stat`` or the control
+        file. EAGAIN ("try again") because nothing is wrong with the file or the mount (EIO would send the
+        operator after a broken disk, ENFILE is the open-file budget's); loaders do not retry either way, and
+        the log and ``opens_refused`` say why.
+
+        Only counters change here, between awaits: no open can slip past the bound."""
+        if self.opens_in_flight >= self.max_opens:
+            self.opens_refused += 1
+            raise OSError(errno.EAGAIN, f"{self.max_opens} opens wait for storage already: further opens fail at "
+                                        "once (EAGAIN) so that the mount keeps answering")
+        self.opens_in_flight += 1
+        try:
+            yield
+        finally:
+            self.opens_in_flight -= 1
 
     @property
     def stuck(self) -> int:

@@ -14,9 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -31,6 +33,7 @@ pytestmark = pytest.mark.fuse
 
 soak = load_script("soak")
 FAULTFS = Path(__file__).parents[1] / "support" / "faultfs.py"
+T = TypeVar("T")
 
 
 def stats(mnt: Path) -> dict[str, object]:
@@ -222,6 +225,57 @@ def test_source_eio_or_deleted_fails_that_file_only(faulty: Faulty, tmp_path: Pa
     else:  # the kernel reads the source itself: its EIO goes to the reader, the daemon never sees it
         assert values["errors"] == 2 and values["read_requests"] == 0
     assert len(log_lines(s.store, os.fsdecode(deleted.path), "No such file")) == 1
+
+
+def _answered(fn: Callable[[], T], what: str, timeout: float = 30.0) -> T:
+    """``fn()``, called in a thread of its own, so that a mount that stopped answering fails the test instead of
+    hanging it. The timeout is only that guard: an answering mount replies in milliseconds."""
+    result: list[T] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert result, f"{what}: no answer within {timeout:g} s"
+    return result[0]
+
+
+@pytest.mark.parametrize("data_path", DATA_PATHS)
+def test_opens_stuck_in_storage_never_take_every_worker(faulty: Faulty, tmp_path: Path, mounter: Mount,
+                                                        data_path: str) -> None:
+    """With 120 opens waiting for a hung storage, every pyfuse3 worker waited with them and an `ls` of another
+    directory timed out. Opens in flight are bounded well below the workers: listings, stats and the control
+    file are still answered."""
+    # --io-timeout: nothing times out meanwhile
+    s = serve_through(faulty, tmp_path, mounter, "--io-timeout", "120", "--data-path", data_path)
+    files = [s.mnt / os.fsdecode(n.path) for n in s.raw + s.originals]
+    for path in files:  # looked up now: the openers below wait for storage only, not for a lookup
+        os.stat(path)
+    faulty.set(hang_open=["data/", "objects/"], hang=["data/", "objects/"])
+    failed: list[int] = []
+
+    def open_one(path: Path) -> None:
+        try:
+            os.close(os.open(path, os.O_RDONLY))
+        except OSError as exc:
+            failed.append(exc.errno or 0)
+
+    openers = [threading.Thread(target=open_one, args=(files[i % len(files)],), daemon=True) for i in range(120)]
+    try:
+        for thread in openers:
+            thread.start()
+        wait_for(lambda: _answered(lambda: stats(s.mnt), "the control file")["opens_in_flight"] >= 110, 60,
+                 what="the opens to wait for storage in the daemon")
+        # a directory not listed before (no listing of it cached) and files not looked up before
+        assert _answered(lambda: os.listdir(s.mnt / "leftImg8bit"), "a listing") == ["train"]
+        assert _answered(lambda: os.stat(s.mnt / "README.txt").st_size, "a stat") > 0
+        assert _answered(lambda: os.stat(s.mnt / "meta.json").st_size, "a stat") > 0
+        values = _answered(lambda: stats(s.mnt), "the control file")
+        assert values["opens_in_flight"] >= 110 and values["opens_refused"] == 0 and values["errors"] == 0
+    finally:
+        faulty.set()  # the storage answers again: every open is served
+        for thread in openers:
+            thread.join(60)
+    assert not failed and not any(t.is_alive() for t in openers)
+    wait_for(lambda: stats(s.mnt)["opens_in_flight"] == 0, 30, what="the opens to be answered")
 
 
 def test_hung_storage_answers_eio_and_the_mount_goes_on(faulty: Faulty, tmp_path: Path, mounter: Mount) -> None:

@@ -245,6 +245,30 @@ def test_umount_of_a_busy_mount_names_the_holder(tree: Path, mounter: Mount) -> 
         holder.wait()
 
 
+def test_umount_names_a_process_holding_a_copy_of_the_mount_in_another_namespace(tree: Path,
+                                                                                  mounter: Mount) -> None:
+    """A process in another mount namespace holding a copy of the mount keeps its daemon serving: umount said
+    only "still running after 30 s". It names that process instead."""
+    mnt = mounter.mount(tree)
+    pid = daemon_pid(mnt)
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "300"])
+    try:
+        wait_for(lambda: os.readlink(f"/proc/{holder.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+                 and Path(f"/proc/{holder.pid}/cmdline").read_bytes().startswith(b"sleep")
+                 and str(mnt).encode() in Path(f"/proc/{holder.pid}/mountinfo").read_bytes(),
+                 what="the copy of the mount in another namespace")
+        done = run_cli("umount", str(mnt), check=False)
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert f"{holder.pid} sleep 300" in done.stderr and "another mount namespace" in done.stderr
+        assert "still running after" not in done.stderr
+        assert not is_mounted(mnt) and Path(f"/proc/{pid}").exists()  # unmounted here; the copy still served
+    finally:
+        holder.kill()
+        holder.wait()
+    wait_for(lambda: not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+             .split(")")[1][:3], what="the daemon to exit once the copy is gone")
+
+
 def test_sigterm_unmounts_foreground(tree: Path, mounter: Mount) -> None:
     mnt, proc = mounter.mount_foreground(tree)
     assert (mnt / "README.txt").read_bytes() == (tree / "README.txt").read_bytes()

@@ -7,7 +7,9 @@ import os
 import sqlite3
 from pathlib import Path
 
+import pytest
 from forge import as_before_blake2b
+
 from liquidfs import catalog as catalog_mod
 from liquidfs.catalog import KIND_DIR, KIND_FILE, ROOT_ID, Catalog, _Writer, build, build_from_objects, open_or_build
 
@@ -182,3 +184,34 @@ def test_an_immutable_catalogs_totals_are_computed_once(tmp_path: Path) -> None:
         assert sum("count(*)" in q for q in queries) == scans, queries
         catalog.close()
         queries.clear()
+
+
+class _FullDisk:
+    """A connection whose bulk insert meets a full disk as SQLite does: it rolls the transaction back itself,
+    then raises."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.db, name)
+
+    def executemany(self, sql: str, rows: object) -> sqlite3.Cursor:
+        self.db.execute("ROLLBACK")
+        raise sqlite3.OperationalError("database or disk is full")
+
+
+def test_a_full_disk_while_recording_expansions_is_the_error_reported(tmp_path: Path) -> None:
+    build_from_objects(iter([("a.png", 10, '"e1"', 1)]), tmp_path, "s3://b/x")
+    cat = Catalog.open(tmp_path)
+    try:
+        cat.db = _FullDisk(cat.db)  # type: ignore[assignment]
+        row = catalog_mod.ExpansionRow(10, 1, "png", "o/a", 99, "c", None, '"e1"')
+        with pytest.raises(sqlite3.OperationalError, match="^database or disk is full$"):
+            cat.record_expansions([(b"a.png", row)])
+        assert not cat.db.in_transaction
+        cat.db = cat.db.db  # type: ignore[attr-defined]
+        cat.record_expansions([(b"a.png", row)])  # the catalog is usable afterwards
+        assert b"a.png" in cat.expansions()
+    finally:
+        cat.close()

@@ -103,6 +103,32 @@ def test_open_files_are_bounded_and_past_the_bound_an_open_fails_with_enfile(tmp
     fi = run(ops.open, last, os.O_RDONLY, CTX)
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f3"]
 
+def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Path) -> None:
+    """With every FUSE worker waiting in an open for a hung storage, nothing else was answered. Past
+    ``max_opens`` opens in flight (here two, held as if waiting for storage) an open fails at once with EAGAIN,
+    counted; a lookup, a getattr and the control file still answer, and once an open ends the next one is
+    served."""
+    files = {f"f{i}": bytes([i]) * 1000 for i in range(2)}
+    ops = ops_over(tmp_path, files, None)
+    ops.storage.max_opens = 2
+    ino = run(ops.lookup, ROOT_ID, b"f0", CTX).st_ino
+    waiting = [ops.storage.opening(), ops.storage.opening()]
+    for held in waiting:
+        held.__enter__()
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.EAGAIN
+    assert run(ops.lookup, ROOT_ID, b"f1", CTX).st_size == 1000 and run(ops.getattr, ino, CTX).st_size == 1000
+    control = run(ops.open, CONTROL_ID, os.O_RDONLY, CTX)
+    values = json.loads(bytes(run(ops.read, control.fh, 0, 1 << 20)))
+    assert values["opens_in_flight"] == 2 and values["opens_refused"] == 1 and values["opens"] == 0
+    assert ops._slots_taken == 0  # the refused open gave its slot of the open-file budget back
+    waiting.pop().__exit__(None, None, None)
+    fi = run(ops.open, ino, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f0"]
+    assert ops.storage.opens_in_flight == 1 and ops.statistics()["opens_refused"] == 1
+
+
 class _As:
     """The request context of a FUSE request from ``uid`` (pyfuse3's own cannot be made with other ids)."""
 

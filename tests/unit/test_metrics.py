@@ -448,24 +448,63 @@ def _get_from(address: str, port: int, timeout: float = 30.0) -> bytes:
 
 def test_one_peer_holding_idle_connections_cannot_starve_the_scrapes() -> None:
     """A client that opened every slot's connection and sent nothing made every scrape wait for the time limit
-    (and time out): one peer (one address) holds at most half the slots at once; its connections past that are
-    closed as they are accepted, and a scrape from anywhere else gets a slot at once."""
+    (and time out): one peer (one address) holds at most half the slots at once; each of its connections past
+    that closes its oldest silent one, and a scrape from anywhere else gets a slot at once."""
     def client(server: MetricsServer) -> None:
         port = _stats(server).port
         idle: list[socket.socket] = []
         try:
             _idle_from("127.0.0.1", port, 4, idle)  # every slot of this server
-            for sock in idle[2:]:  # past its two connections at a time (half of 4): closed unanswered
+            for sock in idle[:2]:  # past its two connections at a time (half of 4): the oldest closed unanswered
                 assert sock.recv(1) == b""
             assert _stats(server).turned_away == 2 and _stats(server).max_per_peer == 2
             reply = _get_from("127.0.0.2", port, timeout=10)  # never waits for the idle one's time limit
             assert reply.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in reply
-            assert _stats(server).peak_connections <= 3
+            assert _stats(server).peak_connections <= 4
         finally:
             for sock in idle:
                 sock.close()
 
     _with_server(client, CountingValues(), max_connections=4, time_limit=60)
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """Neither closed by the server nor sent anything: a read would wait."""
+    sock.setblocking(False)
+    try:
+        sock.recv(1)
+    except BlockingIOError:
+        return True
+    finally:
+        sock.setblocking(True)
+    return False
+
+
+def test_scrapes_from_the_peer_of_idle_connections_close_its_oldest_idle_one() -> None:
+    """On loopback every local user is one peer: with `nobody` holding its four idle connections, 0 of 10 local
+    scrapes were answered (each closed at the cap). At the cap the new connection closes the peer's oldest one
+    that has sent nothing, never itself."""
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        idle: list[socket.socket] = []
+        try:
+            _idle_from("127.0.0.1", port, 4, idle)  # the peer's four (half of the default eight)
+            assert _stats(server).max_per_peer == 4
+            _wait_for(lambda: _stats(server).connections == 4)
+            first = _get_from("127.0.0.1", port, timeout=10)
+            assert first.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in first
+            assert idle[0].recv(1) == b""  # the oldest idle one made room
+            assert all(_still_open(sock) for sock in idle[1:])
+            replies = [_get_from("127.0.0.1", port, timeout=10) for _ in range(9)]
+            assert all(r.startswith(b"HTTP/1.0 200") for r in replies), replies
+            # one made room for them all (each ended before the next): the other three idle ones stay, no scrape
+            # was closed
+            assert _stats(server).turned_away == 1 and all(_still_open(sock) for sock in idle[1:])
+        finally:
+            for sock in idle:
+                sock.close()
+
+    _with_server(client, CountingValues(), time_limit=60)
 
 
 def test_a_connection_that_does_not_send_its_request_in_time_is_dropped() -> None:

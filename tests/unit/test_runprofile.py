@@ -3,6 +3,8 @@ mount's counters, the command's {mount}."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import shlex
 from pathlib import Path
@@ -162,3 +164,36 @@ def test_the_builtin_dali_command_shuffles_among_fewer_files_than_the_sample() -
     assert words[-2:] == ["--shuffle-buffer", "32"] and "{mount}" in words
     assert "--no-augment" in builtin_command("pil", 2, 64, augment=False)
     assert "--epochs" not in words and shlex.split(builtin_command("pil", 2, 64, epochs=2))[-2:] == ["--epochs", "2"]
+
+
+def test_the_sample_walk_never_lists_a_folder_swapped_for_a_link(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk listed each folder by path: a folder a dataset writer swapped for a link between the listing of
+    its parent and its own was followed (it listed a 0700 directory of root's). Each folder is reached below
+    the root's descriptor, without links: the swapped one is left out."""
+    from liquidfs.runprofile import sample_paths
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "secret.png").write_bytes(b"x")
+    src = tmp_path / "src"
+    for folder in ("a", "b"):
+        (src / folder).mkdir(parents=True)
+        (src / folder / f"{folder}1.png").write_bytes(b"x")
+    real_scandir = os.scandir
+    listings = 0
+
+    def swapping_scandir(path):  # type: ignore[no-untyped-def]
+        nonlocal listings
+        with real_scandir(path) as listing:
+            entries = list(listing)
+        listings += 1
+        if listings == 1:  # the root listed (b a folder by its d_type): b swapped for a link before it is
+            (src / "b").rename(tmp_path / "b-was")
+            (src / "b").symlink_to(private)
+        return contextlib.nullcontext(entries)
+
+    monkeypatch.setattr(os, "scandir", swapping_scandir)
+    chosen = sample_paths(src, 10)
+    assert listings >= 1 and (src / "b").is_symlink()
+    assert chosen == [Path("a/a1.png")]
