@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..catalog import Catalog, Node
-from ..rawformats import DEFAULT
-from ..timedreads import Sample
+from ..expand.rawformats import DEFAULT
+from .sample import Sample
 
 if TYPE_CHECKING:
-    from ..reader import Reader
+    from .reader import Reader
 
 #: What a worker process runs for one image: a picklable function and its arguments.
 Job = tuple[Callable[..., Any], tuple[object, ...]]

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 
 import _bench as bench  # noqa: E402  (the flags every benchmark takes)
-from liquidfs import formats  # noqa: E402
-from liquidfs.decoderates import dali_available, find_gpu_decoder, measure_dali, measure_pil  # noqa: E402
+from liquidfs.expand import formats  # noqa: E402
+from liquidfs.profile.decoders import dali_available, find_gpu_decoder, measure_dali, measure_pil  # noqa: E402
 from sample import _photos, mosaic  # noqa: E402
 
 FORMATS = ("png", "bmp", "j2k")

@@ -14,10 +14,10 @@ Scenarios, each on a fresh mount of the sample dataset's PNGs (a ratio-0 store: 
                      of the same-pace jobs (--pace-ms to set it; without same-pace, one-job's)
 
 A job is a process in a session of its own (as a training started from its own shell or unit; the mount tells
-jobs apart by cgroup and session, liquidfs/jobs.py), without the variables that would name a job instead. Every
+jobs apart by cgroup and session, liquidfs/policy/jobs.py), without the variables that would name a job instead. Every
 epoch it opens each image once in a seeded order of its own, reads it whole, checks its sha256 against the
 source's and decodes it with Pillow; after each epoch it reads its own entry of the mount's statistics
-(liquidfs.mount.read_control: "jobs", the one whose openers are its session).
+(liquidfs.daemon.serve.read_control: "jobs", the one whose openers are its session).
 
 Figures per job: epochs the mount counted, the byte hit ratio after its first epoch (hit bytes over hit and
 storage bytes, from its entries after epoch 1 and at the end), the mount's window hit ratio (reads per window of
@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, mounts, page cache: one copy of each)
 import _throttle  # noqa: E402
-from liquidfs.jobs import JOB_VARIABLES  # noqa: E402
+from liquidfs.policy.jobs import JOB_VARIABLES  # noqa: E402
 
 SCENARIOS = ("one-job", "same-pace", "different-paces")
 
@@ -59,10 +59,10 @@ from pathlib import Path
 cfg = json.loads(Path(sys.argv[1]).read_text())
 sys.path.insert(0, cfg["repo"])
 from PIL import Image
-from liquidfs.mount import read_control
+from liquidfs.daemon.serve import read_control
 
 mnt, files, period = Path(cfg["mnt"]), cfg["files"], cfg["period_s"]
-session = f"session {os.getsid(0)},"  # how the mount labels this job's openers (liquidfs.jobs)
+session = f"session {os.getsid(0)},"  # how the mount labels this job's openers (liquidfs.policy.jobs)
 
 def mine():
     for job, entry in read_control(mnt).get("jobs", {}).items():

@@ -51,7 +51,7 @@ import _bench as bench  # noqa: E402
 import _throttle  # noqa: E402
 from _bench import REPO, SUBDIR  # noqa: E402
 
-from liquidfs.runprofile import within_noise  # noqa: E402
+from liquidfs.profile.measured import within_noise  # noqa: E402
 
 SHAPES = ("uncapped", "cap200", "hog", "noaug", "torch", "cache50")
 SHARES = [i / 10 for i in range(11)]
@@ -91,7 +91,7 @@ class Shape:
         # A shuffle buffer below the dataset's count, as DALI's 1,024 is below Cityscapes' 2,975 training images:
         # with one larger than the dataset, DALI opens a whole epoch before its first batch and reading and
         # decoding no longer overlap (and, held open, files are not reopened from one epoch to the next).
-        words = [sys.executable, "-m", "liquidfs.pipelines", "dali", "{mount}", "--threads", str(threads),
+        words = [sys.executable, "-m", "liquidfs.profile.loaders", "dali", "{mount}", "--threads", str(threads),
                  "--shuffle-buffer", str(SHUFFLE_BUFFER), "--epochs", str(epochs), *more]
         return shlex.join(words + ([] if self.augment else ["--no-augment"]))
 

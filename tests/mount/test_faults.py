@@ -385,13 +385,13 @@ def _watchdogs(pid: int) -> list[int]:
             cmd = Path(f"/proc/{proc}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"liquidfs.guard" in cmd and cmd[cmd.index(b"liquidfs.guard") + 1] == str(pid).encode():
+        if b"liquidfs.daemon.watchdog" in cmd and cmd[cmd.index(b"liquidfs.daemon.watchdog") + 1] == str(pid).encode():
             found.append(int(proc))
     return found
 
 
 def test_a_dying_daemon_is_recognised() -> None:
-    from liquidfs.guard import dying
+    from liquidfs.daemon.watchdog import dying
 
     alive = "Name:\tpython\nState:\tS (sleeping)\nSigPnd:\t0000000000000000\nShdPnd:\t0000000000000000\n"
     killed = alive.replace("ShdPnd:\t0000000000000000", "ShdPnd:\t0000000000000100")  # SIGKILL is bit 9
@@ -408,7 +408,7 @@ def test_the_watchdog_aborts_the_connection_and_leaves_with_the_daemon(tmp_path:
     """A killed daemon with a thread stuck in the kernel never closes /dev/fuse (readers would hang): a watchdog
     process beside it aborts the connection. Its abort on a live mount shows what readers then get; it leaves
     when the daemon does."""
-    from liquidfs.guard import abort, connection_of
+    from liquidfs.daemon.watchdog import abort, connection_of
 
     src = tmp_path / "src"
     src.mkdir()

@@ -14,7 +14,7 @@ import pytest
 
 from fusehelpers import DATA_PATHS, Mount, as_nobody, wait_for
 from liquidfs.catalog import Catalog
-from liquidfs.mount import read_control
+from liquidfs.daemon.serve import read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
 
@@ -154,7 +154,7 @@ def test_a_catalog_row_pointing_at_another_images_object_is_refused(tmp_path: Pa
     source is opened; anything else serves the original."""
     import dataclasses
 
-    from liquidfs.backing import resolve
+    from liquidfs.datapath.backing import resolve
     from liquidfs.stores.local.reader import StoreReader
 
     src = tmp_path / "src"

@@ -21,7 +21,7 @@ from conftest import run_cli
 from forge import as_before_blake2b
 from fusehelpers import Mount, wait_for
 from liquidfs.catalog import Catalog
-from liquidfs.expansion import rank
+from liquidfs.expand.expansion import rank
 from liquidfs.prepare import prepare, verify
 from sample import make_sample, mosaic, _photos
 

@@ -144,7 +144,7 @@ def test_without_a_command_the_builtin_dali_pipeline_is_timed(dataset: tuple[Pat
                            "--json", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     kept = json.loads((tmp_path / "p.json").read_text())
-    assert "liquidfs.pipelines dali" in kept["timed"] and "--shuffle-buffer 6" in kept["timed"]
+    assert "liquidfs.profile.loaders dali" in kept["timed"] and "--shuffle-buffer 6" in kept["timed"]
     assert kept["chosen"] in [row["ratio"] for row in kept["measured"]]
     for row in kept["measured"]:
         assert all(opens >= 48 for opens in row["opens"]), row  # the whole sample, through the mount

@@ -17,7 +17,7 @@ import pytest
 from conftest import run_cli
 from forge import xxh3_twins
 from fusehelpers import DATA_PATHS, FUSERMOUNT, PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, is_mounted, wait_for
-from liquidfs.cache import WINDOW, NextEpochCache
+from liquidfs.policy.next_epoch import WINDOW, NextEpochCache
 from liquidfs.catalog import Catalog
 from liquidfs.prepare import prepare
 from sample import make_sample
@@ -106,7 +106,7 @@ def test_catalog_rows_that_leave_the_root_or_the_store_are_refused(tmp_path: Pat
     import dataclasses
     import errno
 
-    from liquidfs.backing import resolve
+    from liquidfs.datapath.backing import resolve
     from liquidfs.stores.local.reader import StoreReader
 
     src = make_sample(tmp_path / "src", count=2, width=32, height=16, seed=5)
@@ -161,7 +161,7 @@ def test_a_source_root_swapped_for_a_link_while_mounted_serves_nothing_else(tmp_
 def test_disk_cache_directories_of_two_mounts_with_one_pid_coexist(tmp_path: Path) -> None:
     """A restarted sidecar is PID 2 again: its disk cache directory used to be the dead one's name (mkdir
     failed: a crash loop), and a live mount in another PID namespace could be taken for dead."""
-    from liquidfs.disktier import DiskTier
+    from liquidfs.held.disk import DiskTier
 
     policy = NextEpochCache(1000, 1000, 10, max_id=10)
     first = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
@@ -266,7 +266,7 @@ def test_a_raw_object_rewritten_in_place_to_its_xxh3_is_refused_and_the_original
 
     from PIL import Image
 
-    from liquidfs import formats
+    from liquidfs.expand import formats
 
     src = tmp_path / "src"
     src.mkdir()
@@ -355,7 +355,7 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
     """The daemon path reads an original whole: a writer finishing during that read left half old, half new
     bytes in what was served. A change of the file during the read is now seen (fstat after) and it is read
     again."""
-    from liquidfs import reader as reader_mod
+    from liquidfs.stores import reader as reader_mod
     from liquidfs.catalog import ROOT_ID, open_or_build
     from liquidfs.stores.local.reader import StoreReader
 
@@ -482,7 +482,7 @@ def test_prepares_of_one_store_at_once_run_one_after_another(tmp_path: Path) -> 
 def test_the_mount_raises_its_descriptor_limit_and_bounds_open_files_below_it() -> None:
     import resource
 
-    from liquidfs.mount import descriptor_budget
+    from liquidfs.daemon.serve import descriptor_budget
 
     before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     budget = descriptor_budget()
@@ -493,7 +493,7 @@ def test_the_mount_raises_its_descriptor_limit_and_bounds_open_files_below_it() 
 def test_the_watchdog_takes_the_mount_that_appeared_while_it_mounted_not_the_one_on_top(monkeypatch) -> None:
     """Two mounts stacked on one mount point: the watchdog took whatever was on top when it started, which may
     be a mount stacked a moment later, and would abort that stranger's connection."""
-    from liquidfs import guard
+    from liquidfs.daemon import watchdog as guard
 
     mnt = b"/mnt/data"
     before = {1, 2}
@@ -514,7 +514,7 @@ def test_fstat_right_after_an_open_says_the_size_that_open_serves(tmp_path: Path
     """An open that serves another size than the one before it (a damaged raw object: the original; the object
     restored: the raw again) corrected the kernel's attributes a moment after the open was answered, so an
     fstat right after the open could say the old size, and a reader read or mapped the file cut at it. Found
-    by scripts/bench/soak.py --attacker (98 of 200 such opens stale on passthrough)."""
+    by scripts/attack/soak.py --attacker (98 of 200 such opens stale on passthrough)."""
 
     src = tmp_path / "src"
     make_sample(src, count=2, width=256, height=128, seed=11)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from liquidfs.memcachedwire import PeerError
+from liquidfs.held.memcached import PeerError
 
 
 class FakeMemcached:

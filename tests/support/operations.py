@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from liquidfs import assemble
-from liquidfs.cache import NextEpochCache
+from liquidfs.daemon import build as assemble
+from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog import Catalog, build
-from liquidfs.fs import Operations
-from liquidfs.reader import Reader
+from liquidfs.fuse.operations import Operations
+from liquidfs.stores.reader import Reader
 from liquidfs.stores.local.reader import StoreReader
-from liquidfs.stats import MountStats
+from liquidfs.metrics.stats import MountStats
 
 
 def daemon_operations(catalog: Catalog, reader: Reader, *, cache: NextEpochCache | None = None,

@@ -1,4 +1,4 @@
-"""A machine with little memory, as prepare's worker plan sees it (``liquidfs.resources``, faked in-process), and
+"""A machine with little memory, as prepare's worker plan sees it (``liquidfs.expand.workers``, faked in-process), and
 two photo PNGs of which only the small one fits: tests/unit/test_resources.py and its mount test."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from liquidfs import resources
-from liquidfs.resources import WORKER_BASE_BYTES, expansion_need
+from liquidfs.expand import workers as resources
+from liquidfs.expand.workers import WORKER_BASE_BYTES, expansion_need
 from sample import _photos, mosaic
 
 MiB = 1 << 20

@@ -22,9 +22,9 @@ import pytest
 from fusehelpers import Mount, wait_for
 from ports import free_port
 from liquidfs.catalog import Catalog
-from liquidfs.clusterpeers import resolve_addresses
-from liquidfs.memcachedwire import SKIP_FOR
-from liquidfs.mount import read_control
+from liquidfs.held.cluster_peers import resolve_addresses
+from liquidfs.held.memcached import SKIP_FOR
+from liquidfs.daemon.serve import read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
 

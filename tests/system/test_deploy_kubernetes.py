@@ -450,7 +450,7 @@ def test_the_memcached_service_is_headless_over_the_daemonset():
 def test_the_cluster_sidecar_names_the_memcached_service():
     """job-cluster-sidecar.yaml's sidecar mounts with --cluster naming the headless Service by its DNS name (a
     URL liquidfs accepts) and a --cluster-size the memcacheds of its nodes can hold."""
-    from liquidfs.clusterpeers import parse_cluster
+    from liquidfs.held.cluster_peers import parse_cluster
 
     _, spec = _pod_spec(_load_yaml(K8S_DIR / K8S_CLUSTER_WORKLOAD))
     (sidecar,) = [c for c in spec["initContainers"] if c["name"] == FUSE_CONTAINER]

@@ -29,7 +29,7 @@ from PIL import Image
 from conftest import run_cli
 from fusehelpers import Mount, fuse_available, wait_for
 from ports import free_port
-from liquidfs.metricdefs import METRICS, unlisted
+from liquidfs.metrics.defs import METRICS, unlisted
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "mount" / "grafana" / "liquidfs-dashboard.json"
 FILES = 12

@@ -1,4 +1,4 @@
-"""scripts/bench/soak.py's dataset-writer attacks (issue 26), briefly, against real mounts.
+"""scripts/attack/soak.py's dataset-writer attacks (issue 26), briefly, against real mounts.
 
 * ``dirflip`` and ``fifo`` during reads, on each data path, with ``--cache-size 100%`` (re-opens of held files
   take the "has the source changed" check): a directory of the source exchanged (renameat2 RENAME_EXCHANGE) with
@@ -32,8 +32,8 @@ from fusehelpers import DATA_PATHS
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
-SOAK = BENCH / "soak.py"
-soak = load_script("soak")
+SOAK = BENCH.parent / "attack" / "soak.py"
+soak = load_script("soak", SOAK.parent)
 
 
 def mounts_under(path: Path) -> list[str]:

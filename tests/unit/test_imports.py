@@ -1,6 +1,6 @@
-"""The import graph of the package: acyclic (module-level and function-level imports alike), the phases blind to
-the kind of storage, and each storage backend whole in its folder under ``stores/``, reached only through the map
-of ``stores`` (``stores.BACKENDS``)."""
+"""The import graph of the package: acyclic (module-level and function-level imports alike), its folders in one
+order (a folder imports only folders below it), the phases blind to the kind of storage, and each storage backend
+whole in its folder under ``stores/``, reached only through the map of ``stores`` (``stores.BACKENDS``)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ import ast
 from pathlib import Path
 
 import pytest
+from layout import FOLDERS  # scripts/layout.py: the order docs/layout.md draws
 
 PACKAGE = Path(__file__).resolve().parents[2] / "liquidfs"
 #: The backends' folders, as modules of the package name them.
 BACKENDS = ("stores.local", "stores.s3")
+#: Modules at the top of the package, outside every folder: the package itself and ``python -m liquidfs``.
+TOP = ("__init__", "__main__")
 
 
 def _imports(path: Path) -> set[str]:
@@ -22,6 +25,7 @@ def _imports(path: Path) -> set[str]:
             found.update("." * node.level + alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             found.add("." * node.level + node.module)
+            found.update("." * node.level + node.module + "." + alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return found
@@ -34,6 +38,8 @@ def _resolve(importer: str, name: str) -> str | None:
     level = len(name) - len(name.lstrip("."))
     package = importer.split(".") if (PACKAGE / (importer.replace(".", "/") + "/__init__.py")).exists() \
         else importer.split(".")[:-1]
+    if importer in TOP:
+        package = []
     base = package[:len(package) - (level - 1)] if level > 1 else package
     rest = name.lstrip(".")
     return ".".join([*base, rest] if rest else base) or None
@@ -43,18 +49,21 @@ def _graph() -> dict[str, set[str]]:
     """Each module of the package (``stores.s3.store``; a package by its own name) and the modules it imports."""
     modules = {p.relative_to(PACKAGE).with_suffix("").as_posix().replace("/", "."): p
                for p in PACKAGE.rglob("*.py")}
-    modules = {name.removesuffix(".__init__"): p for name, p in modules.items()}
+    modules = {name if name in TOP else name.removesuffix(".__init__"): p for name, p in modules.items()}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         targets = {_resolve(name, imported) for imported in _imports(path)}
-        # "from . import Job" names the package itself when Job is no module of it
-        targets |= {t.rsplit(".", 1)[0] for t in targets if t and t not in modules and "." in t}
+        # "from .x import Name" names x.Name, a module only where Name is one
         graph[name] = {t for t in targets if t in modules and t != name}
     return graph
 
 
 def _in(module: str, folder: str) -> bool:
     return module == folder or module.startswith(folder + ".")
+
+
+def _folder(module: str) -> str:
+    return module.split(".")[0]
 
 
 def test_the_package_has_no_import_cycle() -> None:
@@ -77,12 +86,31 @@ def test_the_package_has_no_import_cycle() -> None:
         visit(node)
 
 
-@pytest.mark.parametrize("module", ["prepare", "profile", "mount"])
-def test_the_phases_never_ask_which_kind_of_store(module: str) -> None:
-    """They see storage through the Store interface alone: ``stores`` and ``stores.base``, no backend."""
-    reached = {t for t in _graph()[module] if _in(t, "stores")}
-    assert reached <= {"stores", "stores.base"}, reached
-    assert "is_url" not in (PACKAGE / f"{module}.py").read_text()
+def test_every_module_lives_in_a_folder_of_the_order() -> None:
+    """``ls liquidfs/`` shows the parts: no module beside the folders but the package's own two."""
+    loose = {m for m in _graph() if m not in TOP and _folder(m) not in FOLDERS}
+    assert not loose, f"modules outside the folders of FOLDERS: {sorted(loose)}"
+    assert {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(FOLDERS)
+
+
+def test_a_folder_imports_only_folders_below_it() -> None:
+    """Every import between two folders points down FOLDERS (imports inside functions included)."""
+    upward = sorted(f"{m} -> {t}" for m, targets in _graph().items() for t in targets
+                    if m not in TOP and t not in TOP and _folder(m) != _folder(t)
+                    and FOLDERS.index(_folder(m)) > FOLDERS.index(_folder(t)))
+    assert not upward, "imports that run up the folder order:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("phase", ["prepare", "profile", "daemon"])
+def test_the_phases_never_ask_which_kind_of_store(phase: str) -> None:
+    """They see storage through the Store interface and the reader protocols alone, never a backend."""
+    graph = _graph()
+    for module in (m for m in graph if _in(m, phase)):
+        reached = {t for t in graph[module] if any(_in(t, b) for b in BACKENDS)}
+        assert not reached, (module, reached)
+        path = PACKAGE / (module.replace(".", "/") + ".py")
+        path = path if path.exists() else PACKAGE / module.replace(".", "/") / "__init__.py"
+        assert "is_url" not in path.read_text(), module
 
 
 def test_each_backend_is_whole_in_its_folder_and_reached_only_through_the_map() -> None:
@@ -99,11 +127,13 @@ def test_each_backend_is_whole_in_its_folder_and_reached_only_through_the_map() 
 
 
 def test_the_fuse_layer_sees_one_data_path_interface_and_no_store() -> None:
-    """fs holds one ``datapath.DataPath`` and never asks which serves: it imports neither data path, nor a
-    store's reader; the data paths reach a reader only through the ``reader`` protocols."""
+    """The FUSE operations hold one ``datapath.base.DataPath`` and never ask which serves: they import neither
+    data path, nor a store; the data paths and the held levels reach storage only through the reader protocols
+    (``stores.reader``)."""
     graph = _graph()
-    assert "datapath" in graph["fs"]
-    assert not graph["fs"] & {"daemonpath", "passthrough", "backing", "assemble"}
-    assert not any(_in(target, "stores") for target in graph["fs"])
-    for path in ("daemonpath", "passthrough", "backing", "held", "inodes", "datapath"):
-        assert not any(_in(target, "stores") for target in graph[path]), path
+    operations = graph["fuse.operations"]
+    assert "datapath.base" in operations
+    assert not operations & {"datapath.daemon", "datapath.passthrough", "datapath.backing", "daemon.build"}
+    assert not {t for t in operations if _in(t, "stores")} - {"stores.reader"}
+    for module in (m for m in graph if _in(m, "datapath") or _in(m, "held")):
+        assert not {t for t in graph[module] if _in(t, "stores")} - {"stores.reader"}, module

@@ -10,12 +10,11 @@ import logging
 import os
 from pathlib import Path
 
-from ... import access
 from ...catalog import Node, object_key, object_stamp
-from ...directio import POOL, read_fd, read_span
-from ...paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_dir, stat_below
-from ...reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, FallbackLog, check_raw, read_settled, \
-    same_file
+from ...sysio import access
+from ...sysio.directio import POOL, read_fd, read_span
+from ...sysio.paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_dir, stat_below
+from ..reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, FallbackLog, check_raw, read_settled, same_file
 
 log = logging.getLogger(__name__)
 

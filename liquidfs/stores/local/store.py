@@ -23,17 +23,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ... import formats
 from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, WorkingCopy, default_store_dir, open_or_build
-from ...expansion import OBJECTS, expand_one, is_image, verify_one
-from ...locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
-from ...paths import open_below, open_dir, open_regular
-from ...rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
-from ...reader import OBJECT_NAME, Reader, same_file
-from .reader import StoreReader
-from ...safefiles import replace_file
-from ...timedreads import Below, ProfileError, Sample
+from ...expand import formats
+from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
+from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
+from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
+from ...sysio.paths import open_below, open_dir, open_regular
+from ...sysio.safefiles import replace_file
 from ..base import Job, Preparation
+from ..reader import OBJECT_NAME, Reader, same_file
+from ..sample import Below, ProfileError, Sample
+from .reader import StoreReader
 
 log = logging.getLogger(__name__)
 

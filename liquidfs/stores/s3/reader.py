@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from ...catalog import Node
-from ...reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw
+from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw
 from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)

@@ -22,16 +22,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ... import formats
 from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
-from ...expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
-from ...locks import unique
-from ...rawformats import BMP, DEFAULT, RAW_FORMATS
-from ...reader import Reader, checksum, is_digest
-from ...timedreads import ProfileError, Sample, measure_get
+from ...catalog.identity import checksum, is_digest
+from ...expand import formats
+from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
+from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
+from ...sysio.locks import unique
 from ..base import Job, Preparation
-from .client import READ_TIMEOUT, S3Url, error_code, get, head, is_url, list_objects, make_client, put, \
-    upload_file, work_dir
+from ..reader import Reader
+from ..sample import ProfileError, Sample, measure_get
+from .client import (
+    READ_TIMEOUT,
+    S3Url,
+    error_code,
+    get,
+    head,
+    is_url,
+    list_objects,
+    make_client,
+    put,
+    upload_file,
+    work_dir,
+)
 from .reader import S3Reader
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,72 @@
+"""The interface between the FUSE layer and what serves file bytes: a data path.
+
+``fs.Operations`` translates the kernel's requests and hands every open, read and release of a file to the one
+data path the mount serves with, never asking which it is: ``daemonpath.DaemonPath`` (this process answers every
+read) or ``passthrough.PassthroughPath`` (the kernel reads a backing descriptor itself). Each keeps what it holds
+for the next epoch in a level of held bytes (``held.HeldLevel``); the warm-up before the first epoch is written
+once, here, over ``warm_one``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+from ..catalog import Node
+from ..held.base import HeldLevel
+from .inodes import Handle, Inode
+
+log = logging.getLogger(__name__)
+
+
+class DataPath(Protocol):
+    #: What ``stats`` and the log call it: "daemon" or "passthrough".
+    name: str
+    @property
+    def held(self) -> HeldLevel | None:
+        """Where the next-epoch cache keeps its files on this path; None without a cache."""
+        ...
+
+    async def open(self, node: Node, inode: Inode, fh: int, job: int = 0) -> Handle:
+        """A new open of ``node`` (a file) by a reader of ``job`` (``jobs.JobOf``), to be registered as ``fh``. The handle's content says its size:
+        where that is not what the kernel was told (``inode.size_told``), the caller tells the kernel."""
+        ...
+
+    async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview: ...
+
+    async def release(self, handle: Handle) -> None: ...
+
+    async def warm_one(self, node: Node) -> int | None:
+        """Warm-up: read ``node`` into the held level if the budget allows; the bytes held, or None."""
+        ...
+
+    def statistics(self) -> dict[str, object]: ...
+
+    def close(self) -> None:
+        """At unmount: let go of what the path holds outside the kernel's requests."""
+        ...
+
+
+async def warm_up(path: DataPath, files: list[Node],
+                  progress: Callable[[int, int], None] = lambda files, total: None) -> tuple[int, int]:
+    """Load a random budget's worth of ``files`` into ``path``'s held level before the first epoch, so that
+    epoch hits too. Storage reads go to worker threads; the policy and the held bytes change only on the loop."""
+    held = path.held
+    assert held is not None
+    nodes = {n.id: n for n in files}
+    count = total = 0
+    for node_id in held.policy.warmup_choice([(i, n.size_served) for i, n in nodes.items()]):
+        node = nodes[node_id]
+        try:
+            size = await path.warm_one(node)
+        except OSError as exc:
+            log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
+            continue
+        if size is None:
+            continue
+        count += 1
+        total += size
+        progress(count, total)
+    return count, total

@@ -1,0 +1,392 @@
+"""The passthrough data path: each open is answered with a backing descriptor the kernel reads from itself.
+
+With FUSE passthrough (kernel >= 6.9, libfuse >= 3.17, a pyfuse3 built with ``scripts/passthrough``, and
+CAP_SYS_ADMIN in the initial user namespace) no read or mmap of a file reaches the daemon: its work per file is
+one open and one release. The kernel allows one backing file per inode while any open of it exists, so an
+inode's backing is shared by its concurrent opens and closed at the last release; a decision that changes
+while the inode is open (a source edited, the cache letting it go) takes effect at its next first open. A file
+that cannot have a backing (one too large to read whole from an object store) is served by a daemon path beside.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import pyfuse3
+import trio
+
+from ..catalog import Node
+from ..held.base import MemfdLevel
+from ..metrics.stats import MountStats
+from ..policy.next_epoch import NO_CACHE, Decision
+from ..stores.reader import Content, LendsDescriptors, Reader
+from .backing import Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
+from .daemon import DaemonPath
+from .inodes import Handle, Inode
+from .storage_calls import StorageCalls
+
+log = logging.getLogger(__name__)
+
+#: Released source or object backings of this size and more are handed to a worker thread at once
+#: (``backing.Closer``): dropping a 6 MB file's pages is ~0.4 ms of the loop's time. Smaller ones go in batches:
+#: a thread's wake-up and its turn at the GIL per file cost the daemon more CPU than their drop (bench_opens: 237
+#: against 167 us of CPU per 110 KB file with 8 readers), one per batch less than the ~30 us drop on the loop.
+CLOSE_OFF_LOOP = 1 << 20
+#: Worker threads copying released files into memfds at once, on a limiter of their own: the copies must not
+#: wait behind storage reads or /proc lookups stuck in trio's default limiter, nor take all of its threads.
+COPY_THREADS = 4
+#: Seconds an open counted as a hit waits for the memfd its file's last release is still copying; past them it
+#: is served from storage, as the miss it then is (a copy stuck on a slow backing must not hang the open).
+KEEP_WAIT = 5.0
+
+
+class Kernel(Protocol):
+    """Registers backing descriptors with the FUSE connection (a fake in unit tests)."""
+
+    def register(self, fd: int) -> int: ...
+
+    def unregister(self, backing_id: int) -> None: ...
+
+
+class FuseKernel:
+    """The FUSE connection of this process, through the patched pyfuse3 (``scripts/passthrough``)."""
+
+    def register(self, fd: int) -> int:
+        return int(pyfuse3.passthrough_open(fd))  # type: ignore[attr-defined]
+
+    def unregister(self, backing_id: int) -> None:
+        pyfuse3.passthrough_close(backing_id)  # type: ignore[attr-defined]
+
+
+def built_in() -> str | None:
+    """None when this pyfuse3 can ask for passthrough; else why not (for ``doctor`` and the mount's log)."""
+    if not hasattr(pyfuse3, "passthrough_open") or not hasattr(pyfuse3.FileInfo, "backing_id"):
+        if os.geteuid() != 0:  # install.sh skips the build without root: rebuilding would change nothing
+            return ("this pyfuse3 has no passthrough (a stock build), and passthrough needs root "
+                    "(CAP_SYS_ADMIN) anyway: a non-root mount serves reads through the daemon")
+        return ("this pyfuse3 has no passthrough (a stock build): install with scripts/install.sh, which "
+                "builds it against libfuse >= 3.17")
+    return None
+
+
+def engaged(kernel: Kernel | None = None) -> str | None:
+    """After the connection's INIT: None when backing files can be registered, else why not.
+
+    A memfd is registered and closed again: the kernel checks CAP_SYS_ADMIN at each registration, not at INIT.
+    """
+    missing = built_in()
+    if missing:
+        return missing
+    if not pyfuse3.passthrough_enabled():  # type: ignore[attr-defined]
+        return ("the kernel did not offer FUSE passthrough at INIT (needs Linux >= 6.9 with "
+                "CONFIG_FUSE_PASSTHROUGH, and libfuse >= 3.17)")
+    kernel = kernel or FuseKernel()
+    fd = memfd_with(b"probe")
+    try:
+        backing_id = kernel.register(fd)
+    except OSError as exc:
+        if exc.errno == errno.EPERM:
+            return "registering a backing file was refused (EPERM): the daemon lacks CAP_SYS_ADMIN"
+        return f"registering a backing file failed: {os.strerror(exc.errno or errno.EIO)}"
+    finally:
+        os.close(fd)
+    kernel.unregister(backing_id)
+    return None
+
+
+@dataclass(slots=True)
+class _Keeping:
+    """A released file's copy into a memfd, under way (``PassthroughPath._keep``)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    #: Opens counted as hits that wait for the copy: it is kept for them even if the policy let the file go
+    #: meanwhile (their own hit did, when it was not held again), and they release it once served.
+    waiting: int = 0
+
+
+class PassthroughPath:
+    """Opens and releases on the passthrough data path (on the trio thread; storage work in worker threads)."""
+
+    name = "passthrough"
+
+    def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, storage: StorageCalls,
+                 *, ranges: DaemonPath, held: MemfdLevel | None = None, verify_reads: bool = False,
+                 drop_served_pages: bool = True, on_cold_open: Callable[[Node], None] | None = None) -> None:
+        """``on_cold_open``: told of each open whose metadata was not in memory (``MetadataAhead.went_cold``)."""
+        self.kernel = kernel
+        self.reader = reader
+        self.stats = stats
+        self.storage = storage
+        #: Serves the files that get no backing, in ranges; it holds nothing for the next epoch.
+        self.ranges = ranges
+        self.held = held
+        self.verify_reads = verify_reads
+        self.drop_served_pages = drop_served_pages
+        self._open_inodes = 0  # inodes with a shared backing (``Inode.shared``)
+        self._closer = Closer()
+        #: Files whose memfd is being copied from the backing their last open released (``_keep``): an open that
+        #: the policy counts as a hit meanwhile waits for it, rather than reading storage (a lost hit).
+        self._keeping: dict[int, _Keeping] = {}
+        self._copies = trio.CapacityLimiter(COPY_THREADS)
+        self.on_cold_open = on_cold_open
+        # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
+        self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
+            and not verify_reads else None
+
+    async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:
+        """One more open of ``node``, answered with its inode's backing; a file without one is served by
+        ``ranges``."""
+        entry = record.shared
+        if entry is not None:
+            entry.opens += 1  # counted before waiting, so a release meanwhile does not close it under us
+            await entry.ready.wait()
+            if entry.backing is None:
+                self._release_entry(record, entry)
+                if entry.failed is not None:
+                    raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
+                return await self.ranges.open(node, record, fh, job)
+            changed = still_sound(entry.backing)
+            if changed is not None:  # one backing per inode while it is open: no other can be given now
+                self._release_entry(record, entry)
+                raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",
+                              os.fsdecode(node.path))
+            self.stats.passthrough_opens += 1
+            return self._handle(node, record, fh, entry)
+        entry = record.shared = SharedBacking()
+        self._open_inodes += 1
+        decision = NO_CACHE
+        try:
+            if self.held is not None:
+                decision = self.held.decide(node.id, record.size_told(node), job)
+            backing = await self._backing(node, decision)
+            if backing is not None:
+                try:
+                    entry.backing_id = self.kernel.register(backing.fd)
+                except BaseException:
+                    backing.close()
+                    raise
+            entry.backing = backing
+            entry.keep = decision.hold and backing is not None and backing.fallback is None \
+                and backing.size == node.size_served
+            if decision.hold and not entry.keep:
+                assert self.held is not None
+                self.held.could_not_keep(node.id)
+        except BaseException as exc:
+            entry.failed = (exc.errno or errno.EIO) if isinstance(exc, OSError) else errno.EIO
+            if decision.hold and self.held is not None:
+                self.held.could_not_keep(node.id)
+            self._release_entry(record, entry)
+            raise
+        finally:
+            entry.ready.set()
+        if backing is None:
+            self._release_entry(record, entry)
+            return await self.ranges.open(node, record, fh, job)
+        self.stats.passthrough_opens += 1
+        _count_backing(self.stats, backing.kind)
+        return self._handle(node, record, fh, entry)
+
+    @staticmethod
+    def _handle(node: Node, record: Inode, fh: int, entry: SharedBacking) -> Handle:
+        backing = entry.backing
+        assert backing is not None
+        content = Content(size=backing.size, raw=backing.raw, fallback=backing.fallback)
+        return Handle(content, node, fh=fh, inode=record, backing_id=entry.backing_id)
+
+    async def _backing(self, node: Node, decision: Decision) -> Backing | None:
+        if decision.hit:
+            assert self.held is not None
+            keeping = self._keeping.get(node.id)
+            copied = True
+            if keeping is not None:  # released just now (DALI reopens a file soon after its last release)
+                keeping.waiting += 1
+                try:
+                    with trio.move_on_after(KEEP_WAIT):
+                        await keeping.done.wait()
+                    copied = keeping.done.is_set()
+                except BaseException:
+                    # Cancelled (the reader was interrupted): a copy kept only for this open is let go.
+                    if keeping.done.is_set() and node.id not in self.held.policy.held:
+                        self.held.release(node.id)
+                    raise
+                finally:
+                    keeping.waiting -= 1
+            held = self.held.get(node.id) if copied else None
+            if held is not None:
+                # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
+                # decision may let the held file go, and the level closes its descriptor then.
+                served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
+                if node.id not in self.held.policy.held:
+                    # Not held again at this hit, or let go while its copy was made (kept for this open): its
+                    # memfd lives as long as this open.
+                    self.held.release(node.id)
+                try:
+                    changed = await self.storage.source_changed(node)
+                except BaseException:
+                    served.close()
+                    raise
+                if changed is None:
+                    self.stats.served_from("memory", held.size)
+                    return served
+                served.close()
+                self.held.drop(node.id)  # stale: the source changed after the bytes were taken
+            else:  # counted as a hit, but the bytes are gone (a copy that failed)
+                self.held.lost_hit(decision, node.size_served)
+        backing = None
+        vouch = True
+        if self.lender is not None:
+            # Two opens and a stat answered from the kernel's caches: cheaper here than the hop to a worker
+            # thread. Where a dentry or inode is not in memory the open says so (EAGAIN) instead of waiting for
+            # the disk on this thread, and goes to a worker thread, where cold opens proceed in parallel.
+            try:
+                backing = vouched(self.lender, node, cached_only=True)
+                vouch = False  # not vouched for by a stat: read whole below
+            except BlockingIOError:
+                self.stats.cold_opens += 1
+                if self.on_cold_open is not None:
+                    self.on_cold_open(node)
+        if backing is None:
+            backing = await self.storage.run(node, self._resolve, node, vouch)
+        if backing is not None:
+            self.stats.served_from(backing.tier, backing.size)
+        return backing
+
+    def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
+        return resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch)
+
+    def _release_entry(self, record: Inode, entry: SharedBacking) -> None:
+        entry.opens -= 1
+        if entry.opens <= 0 and record.shared is entry:
+            record.shared = None
+            self._open_inodes -= 1
+
+    async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
+        if not handle.backing_id:
+            return await self.ranges.read(handle, off, size)
+        # A READ that still reaches the daemon (the kernel may send some, e.g. readahead racing an open) is
+        # answered from the backing.
+        assert handle.node is not None and handle.inode is not None
+        entry = handle.inode.shared
+        if entry is None or entry.backing is None or entry.backing.fd < 0:
+            raise OSError(errno.EBADF, "not open")
+        data: bytes = await self.storage.run(handle.node, os.pread, entry.backing.fd, size, off)
+        return data
+
+    async def release(self, handle: Handle) -> None:
+        """One open is closed; at the last of its inode, the backing goes (kept for the next epoch, or its
+        pages dropped)."""
+        if not handle.backing_id:
+            await self.ranges.release(handle)
+            return
+        record = handle.inode
+        assert record is not None
+        entry = record.shared
+        if entry is None:
+            return
+        entry.opens -= 1
+        if entry.opens > 0:
+            return
+        record.shared = None  # the next open makes a new entry, whatever happens below
+        self._open_inodes -= 1
+        inode = record.id
+        backing = entry.backing
+        assert backing is not None
+        try:
+            self.kernel.unregister(entry.backing_id)
+        except OSError as exc:
+            log.warning("closing backing %d of inode %d: %s", entry.backing_id, inode, exc)
+        # Kept only if the policy still holds it: another job's read may have taken its room meanwhile.
+        keep = entry.keep and self.held is not None and inode in self.held.policy.held
+        if not keep and backing.kind in ("source", "object"):
+            # A file of the source or the store: its pages dropped and it closed off the loop, a large one at once,
+            # small ones in batches. (A memfd is closed here: the memory it holds is counted, and must be given
+            # back by the time the next open is answered.)
+            fd, backing.fd = backing.fd, -1
+            if backing.size >= CLOSE_OFF_LOOP:
+                self._closer.close(fd, drop=self.drop_served_pages)
+            else:
+                self._closer.close_soon(fd, drop=self.drop_served_pages)
+            return
+        try:
+            if keep:
+                await self._keep(inode, backing)
+        finally:
+            backing.close()
+
+    async def _keep(self, inode: int, backing: Backing) -> None:
+        """Copy ``backing`` into a memfd the level keeps for ``inode`` (the caller saw the policy still holds it)."""
+        assert self.held is not None
+        keeping = self._keeping[inode] = _Keeping()
+        try:
+            fd = await self._memfd_of(backing)
+        except OSError as exc:
+            log.warning("cannot keep inode %d for the next epoch: %s", inode, exc)
+            self.held.could_not_keep(inode)
+            return
+        finally:
+            if self._keeping.get(inode) is keeping:
+                del self._keeping[inode]
+            keeping.done.set()  # (the waiters run after ``keep`` below: no checkpoint between)
+        if inode not in self.held.policy.held and not keeping.waiting:
+            # Let go while it was copied (another job's read took its room) and no open waits for it.
+            os.close(fd)
+            return
+        self.held.keep(inode, fd, backing.size, backing.raw)
+        if self.drop_served_pages and backing.kind in ("source", "object"):
+            drop_pages(backing.fd)  # the memfd is the copy the budget counts; no second one in the page cache
+
+    async def _memfd_of(self, backing: Backing) -> int:
+        """A sealed memfd of the backing's bytes, the caller's: the backing itself where it is one already."""
+        if backing.kind in ("memfd", "disk"):
+            return os.dup(backing.fd)
+        return await self.blocking_copy(backing)
+
+    async def blocking_copy(self, backing: Backing) -> int:
+        return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size, limiter=self._copies)
+
+    async def warm_one(self, node: Node) -> int | None:
+        assert self.held is not None
+        backing = await self.storage.run(node, self._resolve, node)
+        if backing is None:
+            return None
+        try:
+            if backing.fallback is not None or backing.size != node.size_served:
+                return None
+            fd = await self._memfd_of(backing)
+            if backing.kind in ("source", "object"):
+                drop_pages(backing.fd)
+            if not self.held.hold_now(node.id, fd, backing.size, backing.raw):
+                os.close(fd)
+                return None
+            return backing.size
+        finally:
+            backing.close()
+
+    def close(self) -> None:
+        """At unmount: the descriptors queued for closing are closed."""
+        self._closer.stop()
+
+    def statistics(self) -> dict[str, object]:
+        values = self.ranges.statistics()
+        values["passthrough_open_inodes"] = self._open_inodes
+        values["closes_pending"] = self._closer.pending
+        if self.held is not None:
+            values.update(self.held.statistics())
+        return values
+
+
+def _count_backing(stats: MountStats, kind: str) -> None:
+    """One more open served from a backing of ``kind`` (``backing.Backing.kind``)."""
+    if kind == "source":
+        stats.backing_source += 1
+    elif kind == "object":
+        stats.backing_object += 1
+    elif kind == "memfd":
+        stats.backing_memfd += 1
+    elif kind == "disk":
+        stats.backing_disk += 1

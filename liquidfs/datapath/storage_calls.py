@@ -1,0 +1,142 @@
+"""Blocking calls into storage (the store, the source, an object store) from the trio loop: in worker threads, a
+few at a time, each under ``--io-timeout``, so a hung disk or server fails one file and never the mount."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from ..catalog import Node
+from ..stores.reader import Reader
+
+R = TypeVar("R")
+
+#: Seconds a storage read may take before the reader gets EIO (``mount --io-timeout``).
+IO_TIMEOUT = 60.0
+#: Storage reads left stuck past their timeout before every new read fails at once: the storage is not answering,
+#: and each further try would only park one more thread in the kernel.
+MAX_STUCK = 64
+#: FUSE requests answered at once (pyfuse3's worker tasks: ``pyfuse3.main(max_tasks=...)``, 99 by default). A
+#: request awaiting storage holds its worker, and with every worker waiting nobody reads the next request: an
+#: ``ls`` elsewhere waited with them. Workers are trio tasks, a few KiB each, started only while requests wait.
+FUSE_WORKERS = 512
+#: Opens in flight at once (``StorageCalls.opening``); the other workers are kept for lookups, attributes,
+#: listings, reads and releases. Reads need no bound of their own: the kernel sends a page-cached file's reads
+#: as background requests, at most ``max_background`` (12) at a time. Opens are synchronous, one per caller.
+MAX_OPENS = FUSE_WORKERS - 128
+
+
+class StorageCalls:
+    """Runs blocking storage calls in worker threads, each timed out, with stuck ones kept out of the way."""
+
+    def __init__(self, reader: Reader, *, thread_limiter: trio.CapacityLimiter | None = None,
+                 io_timeout: float = IO_TIMEOUT, max_opens: int = MAX_OPENS) -> None:
+        self.reader = reader
+        # Reads of storage block: they go to worker threads, a few at a time, so the loop keeps answering.
+        self.thread_limiter = thread_limiter or trio.CapacityLimiter(4)
+        self.io_timeout = io_timeout
+        # Threads of reads that ran past io_timeout; they give their slot back, so they run outside the limiter.
+        self._stuck: set[_Call] = set()
+        self._stuck_lock = threading.Lock()
+        self._unlimited = trio.CapacityLimiter(math.inf)
+        self.max_opens = max_opens
+        self.opens_in_flight = 0
+        #: Opens refused (EAGAIN) because max_opens were in flight.
+        self.opens_refused = 0
+
+    @contextmanager
+    def opening(self) -> Iterator[None]:
+        """Held by an open of a file from before its first wait for storage to its answer. Past ``max_opens``
+        in flight an open fails at once with EAGAIN rather than taking one more FUSE worker: opens stuck behind
+        a hung or saturated storage then never leave the mount unable to answer ``ls``, ``stat`` or the control
+        file. EAGAIN ("try again") because nothing is wrong with the file or the mount (EIO would send the
+        operator after a broken disk, ENFILE is the open-file budget's); loaders do not retry either way, and
+        the log and ``opens_refused`` say why.
+
+        Only counters change here, between awaits: no open can slip past the bound."""
+        if self.opens_in_flight >= self.max_opens:
+            self.opens_refused += 1
+            raise OSError(errno.EAGAIN, f"{self.max_opens} opens wait for storage already: further opens fail at "
+                                        "once (EAGAIN) so that the mount keeps answering")
+        self.opens_in_flight += 1
+        try:
+            yield
+        finally:
+            self.opens_in_flight -= 1
+
+    @property
+    def stuck(self) -> int:
+        return len(self._stuck)
+
+    async def run(self, node: Node, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)``, a blocking read of ``node``'s storage, in a worker thread; EIO past ``io_timeout``.
+
+        A read stuck in the kernel (a hung NFS server, a failing disk) cannot be interrupted: its thread is
+        abandoned and gives its slot back, so the other files keep their full number of threads. A file whose
+        earlier read is still stuck fails at once rather than parking another thread, and so does every read
+        once MAX_STUCK are stuck. Only the read itself is timed, not the wait for a slot: a busy mount is slow,
+        not broken.
+        """
+        with self._stuck_lock:
+            stuck = [call.node for call in self._stuck]
+        where = os.fsdecode(node.path)
+        if node.id in stuck:
+            raise OSError(errno.EIO, "an earlier storage read of this file is still stuck", where)
+        if len(stuck) >= MAX_STUCK:
+            raise OSError(errno.EIO, f"{len(stuck)} storage reads are stuck: the storage does not answer", where)
+        call = _Call(node.id)
+
+        def run() -> R:
+            try:
+                return fn(*args)
+            finally:
+                with self._stuck_lock:
+                    call.done = True
+                    self._stuck.discard(call)
+
+        async with self.thread_limiter:
+            with trio.move_on_after(self.io_timeout):
+                try:
+                    return await trio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=self._unlimited)
+                except OSError as exc:
+                    if exc.filename is None:  # a failed read names no file: name it, for the log and its dedup
+                        raise OSError(exc.errno, exc.strerror, where) from exc
+                    raise
+        with self._stuck_lock:
+            if not call.done:
+                self._stuck.add(call)
+        raise OSError(errno.EIO, f"storage did not answer within {self.io_timeout:g} s", where)
+
+
+    async def inline_or_run(self, node: Node, fn: Callable[..., R], *args: Any) -> R:
+        """``fn(*args)`` on the loop itself where the reader's storage answers from the kernel's caches (a local
+        filesystem) and everything on the way is in them (``fn`` is called with ``cached_only=True`` and raises
+        BlockingIOError otherwise); else, and then, in a worker thread (``run``). A walk on the loop never
+        waits: a dentry that is not cached, or a path that would cross into another filesystem (the mount
+        itself, whose LOOKUP only this loop could answer), is not walked here."""
+        if self.reader.inline_check:
+            try:
+                return fn(*args, cached_only=True)
+            except BlockingIOError:
+                pass
+        return await self.run(node, fn, *args)
+
+    async def source_changed(self, node: Node) -> str | None:
+        """None while ``node``'s source is the file the catalog describes (``check_source``), else what changed."""
+        return await self.inline_or_run(node, self.reader.check_source, node)
+
+
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One storage read in a worker thread; kept in ``StorageCalls._stuck`` (by identity) while it overruns."""
+
+    node: int
+    done: bool = False

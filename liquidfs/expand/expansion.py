@@ -1,0 +1,260 @@
+"""One image's expansion and its check, as a worker process runs them: decode a source, write the raw object
+that holds exactly its pixels (or say why not), and judge an object against its source.
+
+Objects are named by the path and identity of their source (a changed source gets a new object) and carry the
+suffix of what they hold; nothing here knows the catalog's tables or which kind of store holds the objects.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import xxhash
+
+from ..catalog import ExpansionRow, Node, object_key, object_stamp
+from ..catalog.identity import LEGACY_DIGEST, LEGACY_REASON, checksum, is_digest, same_version
+from ..sysio.directio import read_fd
+from ..sysio.locks import unique
+from ..sysio.paths import open_below, open_dir, open_regular, open_under
+from . import formats
+from . import workers as resources
+from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
+
+#: Files considered for expansion; their real format is then detected from their content.
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
+_IMAGE_SUFFIXES_B = tuple(s.encode() for s in IMAGE_SUFFIXES)
+OBJECTS = "objects"
+
+
+def is_image(name: bytes) -> bool:
+    """Whether a file of this name is a candidate for expansion (by its suffix; its content decides later)."""
+    return name.lower().endswith(_IMAGE_SUFFIXES_B)
+
+
+def rank(seed: int, path: bytes) -> int:
+    # xxh3: an order, not a check (a path that ranks first is served raw, nothing more).
+    return xxhash.xxh3_64_intdigest(path, seed=seed)
+
+
+def object_name(node: Node, raw_format: str = DEFAULT.name) -> str:
+    """Objects are named by the path and identity of their source (a changed source gets a new object), and
+    their suffix by what they hold (``rawformats``: ``reader.OBJECT_NAME`` matches every such name)."""
+    digest = object_key(node)
+    return f"{OBJECTS}/{digest[:2]}/{digest}{RAW_FORMATS[raw_format].suffix}"
+
+
+def _named_as(obj: str, raw_format: str) -> str:
+    """``obj`` (an ``object_name``) for an object of ``raw_format``."""
+    stem = obj.rsplit(".", 1)[0]
+    return stem + RAW_FORMATS[raw_format].suffix
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a worker did with one image: the object it holds now (maybe ``reused``), or why it was refused."""
+
+    path: bytes
+    src_size: int
+    src_mtime_ns: int
+    format: str | None
+    object: str | None
+    raw_size: int | None
+    checksum: str | None
+    reason: str | None
+    reused: bool = False
+    fatal: str | None = None  # stops the whole run (out of disk space)
+    src_etag: str | None = None
+    object_stamp: str | None = None  # the object's identity right after it was written or read and checked
+
+    def row(self) -> ExpansionRow:
+        """What the catalog keeps of it."""
+        return ExpansionRow(self.src_size, self.src_mtime_ns, self.format, self.object, self.raw_size,
+                            self.checksum, None if self.object else self.reason, self.src_etag,
+                            self.object_stamp)
+
+
+#: In a worker: the bytes it may spend on one image (``resources.plan_workers``); None where not known.
+_budget: int | None = None
+
+
+def set_budget(budget: int | None) -> None:
+    """The worker pool's initializer."""
+    global _budget
+    _budget = budget
+
+
+def _too_large_for_memory(pixels: int, source_size: int, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> bool:
+    return _budget is not None and resources.expansion_need(pixels, source_size, raw_formats) > _budget
+
+
+def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str | None = None,
+                 raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> tuple[Outcome | None, bytes | None, str | None]:
+    """Expand one image held in memory to the first of ``raw_formats`` that holds it exactly: (None, raw bytes,
+    source format), or (the refusal, None, format). The raw bytes say what they are (``formats.sniff``).
+    Never raises."""
+    pixels = formats.pixel_count(source)
+    if pixels is not None and pixels <= formats.MAX_PIXELS:
+        # Each format at its own need (a J2K encode takes three times a BMP's): one that would not fit is not
+        # tried, so a later one (a BMP after a J2K) may still hold the image. None fits: refused from the header,
+        # before any pixel is decoded, as decoding would get this worker OOM-killed.
+        raw_formats = tuple(f for f in raw_formats if not _too_large_for_memory(pixels, len(source), (f,)))
+        if not raw_formats:
+            fmt = formats.sniff(source[:32])
+            return Outcome(rel, size, mtime_ns, fmt, None, None, None, "no-memory", src_etag=etag), None, fmt
+    try:
+        for raw_format in raw_formats:
+            result = formats.expand(source, to=raw_format)
+            if result.data is not None or not RAW_FORMATS[raw_format].owns(result.reason):
+                break  # accepted, or refused for a reason no other raw format would change
+    except MemoryError:
+        return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None, None
+    if result.data is None:
+        return Outcome(rel, size, mtime_ns, result.source_format, None, None, None, result.reason,
+                       src_etag=etag), None, result.source_format
+    return None, result.data, result.source_format
+
+
+def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
+               want_version: str | None, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> Outcome:
+    """Runs in a worker process: expand one image into the store, or say why not. Never raises.
+
+    The source is opened below its root without following any link (as the mount opens it) and must be the
+    file the catalog recorded, before and after it is read: root reads it, and another user may be able to
+    swap it for a link to a file of theirs or of nobody's, or write it while it is read.
+    """
+    def outcome(reason: str | None, fmt: str | None = None, raw: bytes | None = None, *,
+                reused: bool = False, fatal: str | None = None, stamp: str | None = None) -> Outcome:
+        if raw is None:
+            return Outcome(rel, want_size, want_mtime, fmt, None, None, None, reason, fatal=fatal,
+                           src_etag=want_version)
+        return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None, reused=reused,
+                       src_etag=want_version, object_stamp=stamp)
+
+    if _too_large_for_memory(0, want_size):
+        return outcome("no-memory")  # reading it alone would not fit
+    def unchanged(st: os.stat_result) -> bool:
+        return same_version(st, want_size, want_mtime, want_version)
+
+    try:
+        fd = open_under(root, rel)
+    except OSError as exc:
+        return outcome(f"unreadable: {exc.strerror}")
+    try:
+        if not unchanged(os.fstat(fd)):
+            return outcome("changed-during-prepare")
+        try:
+            source = bytes(read_fd(fd))  # O_DIRECT: prepare does not fill the page cache with the source
+        except OSError as exc:
+            return outcome(f"unreadable: {exc.strerror}")
+        if not unchanged(os.fstat(fd)):
+            return outcome("changed-during-prepare")  # written while read: the bytes may be torn
+    finally:
+        os.close(fd)
+    refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source, want_version, raw_formats)
+    if raw is None:
+        return refused  # type: ignore[return-value]
+    obj = _named_as(obj, formats.sniff(raw[:32]) or DEFAULT.name)
+    try:
+        sub_fd = _object_dir(store, obj)
+    except OSError as exc:
+        return outcome("write-failed", fmt, fatal=f"cannot open the objects directory for {obj}: {exc}")
+    try:
+        return _write_object(sub_fd, os.path.basename(obj), raw, outcome, fmt)
+    finally:
+        os.close(sub_fd)
+
+
+def _object_dir(store: str, obj: str) -> int:
+    """The directory ``objects/<sub>`` of ``obj``, made if missing and held open, never through a link: a store
+    writer who turns ``objects/<sub>`` into a link to /etc must not have root prepare write (or adopt) there.
+    ``objects`` itself is taken as the store's owner set it up (it may be a link to another disk), as the
+    mount takes it."""
+    objects = os.path.join(store, OBJECTS)
+    os.makedirs(objects, exist_ok=True)
+    objects_fd = open_dir(objects)
+    try:
+        sub = obj.split("/")[1]
+        try:
+            os.mkdir(sub, 0o700, dir_fd=objects_fd)
+        except FileExistsError:
+            pass
+        return os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
+    finally:
+        os.close(objects_fd)
+
+
+def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Outcome], fmt: str | None) -> Outcome:
+    """``raw`` as the object ``name`` below ``sub_fd``: adopted if a previous run left exactly these bytes, else
+    written to a name of its own, fsynced and renamed into place, never through a link."""
+    held = _holds(sub_fd, name, raw)
+    if held is not None:
+        # A previous run (maybe killed before it recorded it) left exactly these bytes: nothing to write.  An
+        # object is adopted only byte for byte, never on its name alone (a damaged one is rewritten); the
+        # stamp of the object as it was read is what vouches for it from now on.
+        return outcome(None, fmt, raw, reused=True, stamp=held)
+    tmp = f"{name}.{unique('tmp-')}"  # never a PID: prepares in two PID namespaces may share a store
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                     dir_fd=sub_fd)
+        with open(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+            os.rename(tmp, name, src_dir_fd=sub_fd, dst_dir_fd=sub_fd)
+            # Taken on the descriptor after the rename (which moves the ctime): the object as written, whatever
+            # is at its name by now.
+            written = object_stamp(os.fstat(f.fileno()))
+    except OSError as exc:
+        try:
+            os.unlink(tmp, dir_fd=sub_fd)
+        except OSError:
+            pass
+        fatal = "out of disk space" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else f"cannot write {tmp}: {exc}"
+        return outcome("write-failed", fmt, fatal=fatal)
+    return outcome(None, fmt, raw, stamp=written)
+
+
+def _holds(sub_fd: int, name: str, data: bytes) -> str | None:
+    """The stamp (``catalog.object_stamp``) of the regular file ``name`` below ``sub_fd`` when it holds exactly
+    ``data`` (never following a link), taken around the read: a write during it gives another stamp, and None."""
+    try:
+        with open(open_below(sub_fd, os.fsencode(name)), "rb") as f:
+            before = object_stamp(os.fstat(f.fileno()))
+            same = f.read(len(data) + 1) == data
+            return before if same and object_stamp(os.fstat(f.fileno())) == before else None
+    except OSError:
+        return None
+
+
+def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size: int, want_mtime: int,
+               want_version: str | None = None) -> str | None:
+    """None when the raw object is sound and decodes to the source's pixels; else what is wrong.  The source
+    is read as the mount reads it (below its root, no link followed) and must be the file that was expanded."""
+    try:
+        with open(open_under(root, rel), "rb") as f:
+            if not same_version(os.fstat(f.fileno()), want_size, want_mtime, want_version):
+                return "source changed since prepare (it is served as the original)"
+            original = f.read()
+        with open(open_regular(obj), "rb") as f:  # EIO: not a regular file
+            raw = f.read()
+    except OSError as exc:
+        return f"cannot read: {exc}"
+    return judge(original, raw, want_checksum)
+
+
+def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
+    """None when ``raw`` is the recorded object (its BLAKE2b digest) and decodes to the pixels of ``original``;
+    else what is wrong. An xxh3 digest (a prepare before BLAKE2b) vouches for nothing here either."""
+    if not is_digest(want_checksum):
+        return LEGACY_REASON if LEGACY_DIGEST.fullmatch(want_checksum) else "recorded digest is not one prepare gives"
+    if checksum(raw) != want_checksum:
+        return "checksum mismatch"
+    try:
+        # mode, size, samples, and for palette images the palette and transparency too
+        same = formats.same_pixels(original, raw)
+    except Exception as exc:  # a decoder failure is a verdict here, not a crash
+        return f"cannot decode: {exc}"
+    return None if same else "pixels differ"

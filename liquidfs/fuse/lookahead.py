@@ -1,0 +1,117 @@
+"""Metadata read ahead: the kernel's dentries and inodes of a directory's files warmed in a worker thread when a
+lookup there shows they are cold, so the opens that follow are answered on the loop.
+
+An open on the loop walks the source (and the raw object) with ``RESOLVE_CACHED``; where a dentry or an inode is
+not in memory it goes to a worker thread, which costs the loop a thread hop and the reader the disk's latency in
+line with its open. A LOOKUP reaching the daemon means the kernel had no entry for the name: the loader is
+reading a directory whose metadata is cold. The first such lookup in a directory queues it; one worker thread
+walks its files in catalog order (``warm``: a stat of the source, and of the raw object, below their roots, as
+the opens walk them), with its own connection to the catalog. An open that still finds its source's inode cold
+(the kernel dropped what the last warm brought in: a drop of the caches, pressure between epochs) warms its
+directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per ``AGAIN_AFTER`` seconds, a
+cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is never queued twice, and at
+most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..catalog import KIND_FILE, Catalog, Node
+
+log = logging.getLogger(__name__)
+
+#: Seconds before a LOOKUP may warm a directory warmed once again (the kernel may have dropped its inodes since).
+AGAIN_AFTER = 60.0
+#: Seconds after a warm of a directory ended before an open there that found its inodes cold warms it again: the
+#: kernel dropped them since (a drop of the caches, memory pressure between epochs).
+AGAIN_COLD = 1.0
+#: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
+MAX_QUEUED = 16
+
+
+class MetadataAhead:
+    """Warms the metadata of the directories the loader is about to open files in (see the module)."""
+
+    def __init__(self, catalog_path: Path, warm: Callable[[Node], None]) -> None:
+        self.catalog_path = catalog_path
+        self.warm = warm
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
+        self._busy: set[int] = set()              # directories queued or being warmed (under _lock): <= MAX_QUEUED
+        self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
+        self._thread: threading.Thread | None = None
+        self.directories = 0  # directories warmed
+        self.files = 0        # files warmed
+
+    def looked_up(self, parent: int) -> None:
+        """A LOOKUP reached the daemon for a name in directory ``parent`` (on the loop: a dict look and a put)."""
+        now = time.monotonic()
+        if now - self._warmed_at.get(parent, -AGAIN_AFTER) < AGAIN_AFTER:
+            return
+        if self._queue_directory(parent):
+            self._warmed_at[parent] = now
+
+    def went_cold(self, node: Node) -> None:
+        """An open of ``node`` found its metadata not in the kernel's memory (it went to a worker thread). A
+        LOOKUP says only that the mount's own entry was missing, and warms a directory once a minute; an open
+        gone cold says the source's inodes are: warm them again, unless a warm of this directory is under way or
+        ended less than ``AGAIN_COLD`` seconds ago."""
+        with self._lock:
+            if node.parent in self._busy or time.monotonic() - self._done_at.get(node.parent, -AGAIN_COLD) < AGAIN_COLD:
+                return
+        self._queue_directory(node.parent)
+
+    def _queue_directory(self, parent: int) -> bool:
+        with self._lock:
+            if len(self._busy) >= MAX_QUEUED or parent in self._busy:
+                return False
+            self._busy.add(parent)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="liquidfs-lookahead", daemon=True)
+            self._thread.start()
+        self._queue.put(parent)
+        return True
+
+    def _run(self) -> None:
+        catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's connection is the loop's
+        try:
+            while (parent := self._queue.get()) is not None:
+                try:
+                    self._warm_directory(catalog, parent)
+                except Exception:  # a read-ahead is a hint: its failure costs only the hint
+                    log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
+                finally:
+                    with self._lock:
+                        self._busy.discard(parent)
+                        self._done_at[parent] = time.monotonic()
+        finally:
+            catalog.close()
+
+    def _warm_directory(self, catalog: Catalog, parent: int) -> None:
+        after = 0
+        while page := catalog.children(parent, after_id=after):
+            for node in page:
+                if node.kind == KIND_FILE:
+                    try:
+                        self.warm(node)
+                        self.files += 1
+                    except OSError:
+                        pass  # gone, changed, refused: the open will say so
+                after = node.id
+        self.directories += 1
+
+    def statistics(self) -> dict[str, object]:
+        return {"lookahead_directories": self.directories, "lookahead_files": self.files}
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None

@@ -1,0 +1,544 @@
+"""The FUSE layer: translates kernel requests into catalog queries, and file opens, reads and releases into calls
+of the one data path the mount serves with (``datapath.DataPath``), and nothing else: it never asks which.
+
+Only ``FUSEError`` may leave a handler: any other exception would end pyfuse3's main loop and leave a dead mount,
+so every handler goes through ``_handler``, which turns ``OSError`` into its errno and anything else into EIO
+(logged with its traceback once per kind of failure).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import functools
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from ..catalog import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Catalog, Node
+from ..datapath.base import DataPath
+from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
+from ..datapath.notifier import Notifier
+from ..datapath.storage_calls import StorageCalls
+from ..metrics.stats import MountStats
+from ..mix.share import Mix
+from ..policy.jobs import JobOf
+from ..stores.reader import Content
+from .lookahead import MetadataAhead
+from .request_times import RequestTimes, on_loop_cpu
+
+if TYPE_CHECKING:
+    from ..policy.next_epoch import NextEpochCache
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CONTROL_ID", "CONTROL_NAME", "Operations"]
+
+#: A hidden entry at the root: found by lookup, never listed by readdir, so `ls -a` shows the tree unchanged.
+CONTROL_NAME = b".__liquidfs__"
+CONTROL_ID = 1 << 62
+#: The tree never changes under a mount, so the kernel may keep names and attributes for long.
+ATTR_TIMEOUT = 300.0
+_BLOCK = 512
+#: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
+_MAX_LOGGED = 10_000
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
+    name = func.__name__
+
+    @functools.wraps(func)
+    async def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        ops: Operations = args[0]  # type: ignore[assignment]
+        times = ops.requests[name]
+        times.count += 1
+        started = time.perf_counter()
+        try:
+            if ops.time_requests:
+                return await on_loop_cpu(func(*args, **kwargs), times)
+            return await func(*args, **kwargs)
+        except FUSEError:
+            raise
+        except OSError as exc:
+            ops.stats.errors += 1
+            code = exc.errno or errno.EIO
+            first = ops.first_error((name, code, exc.filename, exc.strerror))
+            log.log(logging.WARNING if first else logging.DEBUG, "%s: %s", name, exc)
+            raise FUSEError(code) from None
+        except Exception:
+            ops.stats.errors += 1
+            log.exception("unexpected error in %s; answering EIO", name)
+            raise FUSEError(errno.EIO) from None
+        finally:
+            times.wall_s += time.perf_counter() - started
+
+    wrapper.fuse_request = True  # type: ignore[attr-defined]  # counted in Operations.requests
+    return wrapper
+
+
+
+#: Seconds an open waits for its opener's job to be read from /proc (``jobs.JobOf.read_key``).
+JOB_LOOKUP = 1.0
+#: Worker threads reading /proc for jobs at once, on a limiter of their own: a lookup stuck on an opener's
+#: environment (its memory map's lock, held while it faults on this mount) keeps its thread and its token until
+#: it returns, and must not starve the storage reads, memfd copies or notifications of theirs.
+JOB_LOOKUP_THREADS = 8
+
+#: Open files at once when the mount does not say (``mount.descriptor_budget`` sizes it from RLIMIT_NOFILE).
+MAX_OPEN_FILES = 16384
+
+
+class Operations(pyfuse3.Operations):
+    """A read-only view of a catalog; file bytes are served by a data path."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, catalog: Catalog, stats: MountStats, storage: StorageCalls, notifier: Notifier,
+                 data_path: DataPath | None, *, mix: Mix | None = None,
+                 may_read: Callable[[Node, int, int, int], bool] | None = None,
+                 max_open_files: int = MAX_OPEN_FILES,
+                 extra_statistics: Callable[[], dict[str, Any]] | None = None,
+                 enable_passthrough: bool = False, time_requests: bool = False,
+                 lookahead: MetadataAhead | None = None, job_of: JobOf | None = None) -> None:
+        """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
+        (``serve_with``); opens wait for it meanwhile."""
+        super().__init__()
+        self.catalog = catalog
+        self.stats = stats
+        self.storage = storage
+        self.notifier = notifier
+        files, served, _, max_id = catalog.file_totals()
+        self.inodes = Inodes(stats, max_id)
+        self.open_files: dict[int, Handle] = {}
+        self._next_fh = 1
+        self.data = data_path
+        self._data_chosen = trio.Event()
+        if data_path is not None:
+            self.serve_with(data_path)
+        self._logged: set[tuple[object, ...]] = set()
+        #: Count and wall time of each request type; with ``time_requests`` also the loop CPU of its steps.
+        self.requests: dict[str, RequestTimes] = {name: RequestTimes() for name in REQUEST_TYPES}
+        self.time_requests = time_requests
+        #: Warms a directory's metadata when a lookup shows it cold (None: a reader whose storage is remote).
+        self.lookahead = lookahead
+        #: The job of an opener's pid (``jobs.JobOf``), for a next-epoch cache that counts each job's epochs.
+        self.job_of = job_of
+        self._job_lookups = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
+        self.uid = os.getuid()
+        self.gid = os.getgid()
+        self.stats.files = files
+        self.stats.dataset_bytes = served
+        #: Counters of parts beside the data path (a disk cache level), in ``statistics``.
+        self.extra_statistics = extra_statistics
+        #: Open files at once (``descriptor_budget``): past it an open fails with ENFILE, and so does one past
+        #: its user's share of it (``_take_slot``).
+        self.max_open_files = max_open_files
+        # Slots of that budget taken by opens of files, in flight or open (the control file's aside): per uid,
+        # in all, and whose each open file's slot is.
+        self._slots: dict[int, int] = {}
+        self._slots_taken = 0
+        self._slot_of: dict[int, int] = {}
+        #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
+        self.may_read = may_read
+        #: Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
+        self.enable_passthrough = enable_passthrough
+        #: ``mount --mix``: which images with a raw object each open serves raw (None: all of them).
+        self.mix = mix
+
+    def serve_with(self, path: DataPath) -> None:
+        """The data path every open is served by from now on: given at construction, or chosen once after INIT
+        (passthrough where the kernel granted it). Set once."""
+        if self._data_chosen.is_set():
+            raise RuntimeError("the data path is chosen once")
+        self.data = path
+        self.stats.data_path = path.name
+        self._data_chosen.set()
+
+    async def _data_path(self) -> DataPath:
+        if self.data is None:  # an open between INIT and the choice of the data path
+            await self._data_chosen.wait()
+        assert self.data is not None
+        return self.data
+
+    @property
+    def cache(self) -> NextEpochCache | None:
+        """The next-epoch policy of the data path (None before it is chosen, or without a cache)."""
+        held = self.data.held if self.data is not None else None
+        return held.policy if held is not None else None
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = node.id
+        entry.generation = 0
+        entry.entry_timeout = ATTR_TIMEOUT
+        entry.attr_timeout = ATTR_TIMEOUT
+        mode = node.mode
+        # Read-only: no write bits, whatever the source says.
+        entry.st_mode = mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+        entry.st_nlink = node.nlink
+        entry.st_uid = self.uid
+        entry.st_gid = self.gid
+        size = self.inodes.size_told(node)
+        entry.st_size = size
+        entry.st_blksize = 1 << 20
+        entry.st_blocks = -(-size // _BLOCK)
+        entry.st_atime_ns = node.mtime_ns
+        entry.st_mtime_ns = node.mtime_ns
+        entry.st_ctime_ns = node.mtime_ns
+        return entry
+
+    def _control_attrs(self) -> pyfuse3.EntryAttributes:
+        entry = pyfuse3.EntryAttributes()
+        entry.st_ino = CONTROL_ID
+        # The owner's only: with --allow-other, other users would read the daemon's pid, source and store.
+        entry.st_mode = stat.S_IFREG | 0o400
+        entry.st_nlink = 1
+        entry.st_uid = self.uid
+        entry.st_gid = self.gid
+        entry.st_size = 0  # served with direct_io: readers read until EOF, not to st_size
+        entry.entry_timeout = 0
+        entry.attr_timeout = 0
+        return entry
+
+    def _node(self, inode: int) -> Node:
+        node = self.inodes.node(inode) or self.catalog.get(inode)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        return node
+
+    # -- lookups -------------------------------------------------------------------------------------
+
+    @_handler
+    async def lookup(self, parent_inode: pyfuse3.InodeT, name: pyfuse3.FileNameT,
+                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if parent_inode == ROOT_ID and name == CONTROL_NAME:
+            return self._control_attrs()
+        if name == b".":
+            node = self._node(parent_inode)
+        elif name == b"..":
+            node = self._node(self._node(parent_inode).parent)
+        else:
+            found = self.catalog.lookup(parent_inode, name)
+            if found is None:
+                raise FUSEError(errno.ENOENT)
+            node = found
+            if self.lookahead is not None and node.kind == KIND_FILE:
+                self.lookahead.looked_up(parent_inode)
+        self.inodes.looked_up(node)
+        return self._attrs(node)
+
+    async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
+        for inode, count in inode_list:
+            self.inodes.forget(inode, count)
+
+    @_handler
+    async def getattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if inode == CONTROL_ID:
+            return self._control_attrs()
+        return self._attrs(self._node(inode))
+
+    @_handler
+    async def readlink(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileNameT:
+        node = self._node(inode)
+        if node.kind != KIND_SYMLINK or node.target is None:
+            raise FUSEError(errno.EINVAL)
+        return pyfuse3.FileNameT(node.target)
+
+    @_handler
+    async def opendir(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> pyfuse3.FileHandleT:
+        if self._node(inode).kind != KIND_DIR:
+            raise FUSEError(errno.ENOTDIR)
+        return pyfuse3.FileHandleT(inode)
+
+    @_handler
+    async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        # The offset handed to the kernel is the entry's id: stable across calls, so a listing interrupted
+        # by a full reply buffer resumes exactly after the last entry the kernel accepted.
+        after = start_id
+        while True:
+            page = self.catalog.children(fh, after_id=after)
+            if not page:
+                return
+            for node in page:
+                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), self._attrs(node), node.id):
+                    return
+                # readdirplus: every accepted entry counts as a lookup the kernel will forget.
+                self.inodes.looked_up(node)
+                after = node.id
+
+    async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
+        return None
+
+    @_handler
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        out = pyfuse3.StatvfsData()
+        out.f_bsize = _BLOCK
+        out.f_frsize = _BLOCK
+        out.f_blocks = -(-self.stats.dataset_bytes // _BLOCK)
+        out.f_bfree = 0
+        out.f_bavail = 0
+        out.f_files = self.stats.files
+        out.f_ffree = 0
+        out.f_favail = 0
+        out.f_namemax = 255
+        return out
+
+    # -- file contents -------------------------------------------------------------------------------
+
+    @_handler
+    async def open(self, inode: pyfuse3.InodeT, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
+            raise FUSEError(errno.EROFS)
+        if inode == CONTROL_ID:
+            content = Content(size=0, raw=False, data=memoryview(self._control_bytes()))
+            handle = Handle(content, fh=self._new_fh(), direct_io=True)
+            self.open_files[handle.fh] = handle
+            return self._file_info(handle)
+        node = self._node(inode)
+        if node.kind == KIND_DIR:
+            raise FUSEError(errno.EISDIR)
+        # Taken before the first await and given back if the open fails: opens in flight count, so many at once
+        # cannot all pass a check of the files open so far.
+        self._take_slot(ctx.uid)
+        try:
+            with self.storage.opening():
+                info = await self._open_file(node, ctx)
+        except BaseException:
+            self._give_back_slot(ctx.uid)
+            raise
+        self._slot_of[info.fh] = ctx.uid
+        return info
+
+    async def _open_file(self, node: Node, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        """The open of a file, its slot of the budget taken."""
+        if self.may_read is not None and ctx.uid not in (0, self.uid):
+            # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
+            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid):
+                raise FUSEError(errno.EACCES)
+        data = await self._data_path()
+        record = self.inodes[node.id]
+        mixed = self.mix is not None and node.served_raw and not record.fell_back
+        try:
+            if mixed:
+                node = await self._mixed(data, node, record)
+            job = await self._job_of(ctx.pid, ctx.uid)
+            handle = await data.open(node, record, self._new_fh(), job)
+        except BaseException:
+            if mixed:
+                assert self.mix is not None
+                self.mix.release(node.id)
+            self.inodes.tidy(record)
+            raise
+        handle.mixed = mixed
+        self.open_files[handle.fh] = handle
+        self.stats.opens += 1
+        self.stats.opens_raw += handle.content.raw
+        if handle.content.fallback:
+            note_fallback(record, self.stats)
+        # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the new
+        # size too (DALI maps as many bytes as stat says).
+        try:
+            await self._tell_size(node, record, handle.content.size)
+        except BaseException:
+            await self._release(handle.fh)
+            raise
+        return self._file_info(handle)
+
+    async def _job_of(self, pid: int, uid: int) -> int:
+        """The job of the opener ``pid`` run by ``uid`` (``jobs.JobOf``); reading ``/proc`` for a new one in a
+        worker thread of the lookups' own, for at most JOB_LOOKUP seconds (then, and for a process gone
+        meanwhile, its uid's job of openers not told apart: ``jobs.JobOf.unknown``)."""
+        job_of = self.job_of
+        if job_of is None:
+            return 0  # no next-epoch cache: nothing counts jobs
+        job = job_of.known(pid, uid)
+        if job is None:
+            found = None
+            with trio.move_on_after(JOB_LOOKUP):
+                found = await trio.to_thread.run_sync(job_of.read_key, pid, abandon_on_cancel=True,
+                                                      limiter=self._job_lookups)
+            job = job_of.register(pid, uid, found)
+        return job
+
+    async def _tell_size(self, node: Node, record: Inode, size: int) -> None:
+        """Where ``size`` is not what the kernel was told of ``node``, it is from now on: the kernel's attributes
+        are dropped before the open is answered."""
+        if size != record.size_told(node):
+            record.size = size
+            await self.notifier.new_size(node.id)
+
+    async def _mixed(self, data: DataPath, node: Node, record: Inode) -> Node:
+        """``node`` as the mix serves this open (its raw object, or its original); where that is another size
+        than the kernel was told, the kernel's attributes of it are dropped before the open is answered."""
+        assert self.mix is not None
+        held = data.held
+        held_raw = held.held_raw(node) if held is not None else None
+        if held_raw is False and self.mix.wants_raw(node) and not self.mix.is_open(node.id):
+            # Held as its original while the share has risen past it: a hit would still cost the loader a PNG
+            # decode, the very work the share rose to spare. Let the held original go (and its place in the
+            # policy, which counted the original's size): this open reads the raw object, and the cache decides
+            # afresh, at the raw size, whether to hold that.
+            assert held is not None
+            self.stats.held_swapped += 1
+            held.drop(node.id)
+            held_raw = None
+        view = self.mix.view(node, held_raw)
+        await self._tell_size(node, record, view.size_served)
+        return view
+
+    def _take_slot(self, uid: int) -> None:
+        """Count an open by ``uid`` against the open-file budget, or refuse it with ENFILE.
+
+        Each open file may hold a descriptor (its backing, or a large file's source) and some memory: past the
+        budget an open fails cleanly rather than the daemon running out of either. With --allow-other, users who
+        do not trust each other share it, and one user opening one file 18,976 times left everyone else (root
+        included) with ENFILE. So a user other than root and the mount's own holds at most half of what is not
+        kept back: one greedy user leaves the other half to everyone else, and a node's one loader (the usual
+        user) still has most of the budget. The last eighth is kept back for root and the mount's user, who may
+        use all of it: they own the mount, and what they run on it must open files whatever the others hold.
+        """
+        budget = self.max_open_files
+        kept_back = budget // 8
+        privileged = uid in (0, self.uid)
+        room = budget if privileged else budget - kept_back
+        share = budget if privileged else max(1, (budget - kept_back) // 2)
+        mine = self._slots.get(uid, 0)
+        if self._slots_taken >= room:
+            if self.first_error(("open files",)):
+                log.warning("%d files open: further opens fail with ENFILE until some are closed (the last %d "
+                            "for root and the mount's user)", self._slots_taken, kept_back)
+            raise FUSEError(errno.ENFILE)
+        if mine >= share:
+            if self.first_error(("open files of", uid)):
+                log.warning("uid %d holds %d open files, its share of the %d of the mount: its further opens "
+                            "fail with ENFILE until it closes some", uid, mine, budget)
+            raise FUSEError(errno.ENFILE)
+        self._slots[uid] = mine + 1
+        self._slots_taken += 1
+
+    def _give_back_slot(self, uid: int) -> None:
+        left = self._slots[uid] - 1
+        if left:
+            self._slots[uid] = left
+        else:
+            del self._slots[uid]  # the uids holding files now, not every uid ever seen
+        self._slots_taken -= 1
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    @staticmethod
+    def _file_info(handle: Handle) -> pyfuse3.FileInfo:
+        info = pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(handle.fh), direct_io=handle.direct_io,
+                                keep_cache=handle.keep_cache, nonseekable=False)
+        if handle.backing_id:
+            info.backing_id = handle.backing_id
+        return info
+
+    def first_error(self, key: tuple[object, ...]) -> bool:
+        """True the first time an error is seen: a reader retrying a broken file must not flood the log."""
+        if key in self._logged:
+            return False
+        if len(self._logged) < _MAX_LOGGED:
+            self._logged.add(key)
+        return True
+
+
+    @_handler
+    async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
+        handle = self.open_files[fh]
+        if handle.node is None:  # the control file
+            return bytes(handle.content.read(off, size))
+        assert self.data is not None
+        data = await self.data.read(handle, off, size)
+        self.stats.bytes_read += len(data)
+        self.stats.read_requests += 1
+        return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
+
+    @_handler
+    async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        await self._release(fh)
+
+    async def _release(self, fh: int) -> None:
+        handle = self.open_files.pop(fh, None)
+        if handle is None:
+            return
+        uid = self._slot_of.pop(fh, None)
+        if uid is not None:  # None: the control file, which takes no slot
+            self._give_back_slot(uid)
+        if handle.mixed:
+            assert self.mix is not None and handle.node is not None
+            self.mix.release(handle.node.id)
+        if handle.node is None:
+            handle.content.close()
+            return
+        assert self.data is not None and handle.inode is not None
+        try:
+            await self.data.release(handle)
+        finally:
+            self.inodes.tidy(handle.inode)
+
+    def statistics(self) -> dict[str, Any]:
+        """Every counter of the mount, from each component's own snapshot: what ``liquidfs stats`` shows (the
+        control file) and ``/metrics`` exports."""
+        values = self.stats.to_dict()
+        values["open_files"] = len(self.open_files)
+        values["known_inodes"] = self.inodes.known
+        values["stuck_reads"] = self.storage.stuck
+        values["opens_in_flight"] = self.storage.opens_in_flight
+        values["opens_refused"] = self.storage.opens_refused
+        if self.data is not None:
+            values.update(self.data.statistics())
+        values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}
+        if self.mix is not None:
+            values["mix"] = dataclasses.asdict(self.mix.statistics())
+        if self.lookahead is not None:
+            values.update(self.lookahead.statistics())
+        labels = getattr(self.job_of, "labels", None)
+        jobs = values.get("jobs")
+        if labels is not None and isinstance(jobs, dict):
+            for job, entry in jobs.items():
+                entry["openers"] = labels.get(int(job), "?")
+        if self.extra_statistics is not None:
+            values.update(self.extra_statistics())
+        return values
+
+    def _control_bytes(self) -> bytes:
+        return (json.dumps(self.statistics(), indent=1, sort_keys=True) + "\n").encode()
+
+    # -- everything that would write -----------------------------------------------------------------
+
+    async def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise FUSEError(errno.EROFS)
+
+    setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
+    write = create = setxattr = removexattr = fsync = fsyncdir = _read_only
+
+    async def getxattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT,
+                       ctx: pyfuse3.RequestContext) -> bytes:
+        raise FUSEError(pyfuse3.ENOATTR)
+
+    async def listxattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> list[bytes]:
+        return []
+
+    async def flush(self, fh: pyfuse3.FileHandleT) -> None:
+        # Nothing is ever written: ENOSYS tells the kernel so, and it sends no FLUSH at any later close (one
+        # request fewer per file opened).
+        raise FUSEError(errno.ENOSYS)
+
+
+#: The request types ``Operations`` counts and times (its handlers).
+REQUEST_TYPES = tuple(name for name, value in vars(Operations).items() if getattr(value, "fuse_request", False))

@@ -1,0 +1,215 @@
+"""Levels of held bytes: where the files the next-epoch policy (``cache.NextEpochCache``) keeps for later opens
+live, behind one interface.
+
+A level pairs the policy, which decides what to hold, with the place the bytes are: the daemon's own memory
+(``MemoryLevel``, the daemon data path), sealed memfds the kernel reads itself (``MemfdLevel``, the passthrough
+path), files on a local disk (``disktier.DiskTier``, a second level behind either). The data paths ask a level
+the same few things whichever it is (``HeldLevel``): count an open as a read (``decide``), what it holds of a
+file (``held_raw``), forget a file whose bytes went stale (``drop``), a hit whose bytes were lost
+(``lost_hit``), and its counters (``statistics``). A cluster level is meant to be one more implementation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import resource
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from ..catalog import Node
+from ..metrics.stats import MountStats
+from ..policy.next_epoch import Decision, NextEpochCache
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The share of the daemon's descriptor budget (``mount.descriptor_budget``) that held memfds may take; open
+#: files keep the rest (``fs.Operations.max_open_files``). A held file is worth less than an open one: past the
+#: cap a file is read from storage at its next epoch, while an open past the budget fails. A quarter of the
+#: 1,048,000 descriptors a root daemon gets holds 262,000 files, more than most budgets fit; of 20,000 (a lower
+#: hard limit), 5,000.
+HELD_DESCRIPTOR_SHARE = 0.25
+#: What a memfd costs beyond its pages: the kernel's inode, dentry and file (~0.8 KB of slab) and the policy's
+#: and the level's records of it (~0.3 KB of Python objects), rounded up.
+MEMFD_OVERHEAD = 1280
+PAGE = resource.getpagesize()
+
+
+def held_descriptors(descriptors: int) -> int:
+    """The memfds a level may hold, of ``descriptors`` the mount may use for files."""
+    return max(1, int(descriptors * HELD_DESCRIPTOR_SHARE))
+
+
+class HeldLevel(Protocol):
+    """What a data path asks of a level of held bytes."""
+
+    policy: NextEpochCache
+
+    def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        """An open of ``file`` by ``job`` that the policy counts as a read; files it stops holding are let go at
+        once."""
+        ...
+
+    def held_raw(self, node: Node) -> bool | None:
+        """Whether ``node`` is held raw (True), as its original (False), or not at all (None)."""
+        ...
+
+    def drop(self, file: int) -> None:
+        """The held bytes of ``file`` are stale or not wanted: forget them and their place in the policy."""
+        ...
+
+    def lost_hit(self, decision: Decision, size: int) -> None:
+        """The policy counted an open as a hit, but the bytes were gone: it was a miss."""
+        ...
+
+    def statistics(self) -> dict[str, object]: ...
+
+
+class Level(Generic[T]):
+    """The bookkeeping every level in the daemon's own process shares: held values by file, the policy beside
+    them, and the hits whose bytes were gone."""
+
+    def __init__(self, policy: NextEpochCache, stats: MountStats) -> None:
+        self.policy = policy
+        self.stats = stats
+        self._held: dict[int, T] = {}
+
+    @property
+    def budget(self) -> int:
+        return self.policy.budget
+
+    def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        decision = self.policy.read(file, size, job)
+        for gone in decision.evicted:
+            self._forget(gone)
+        return decision
+
+    def get(self, file: int) -> T | None:
+        return self._held.get(file)
+
+    def holds(self, file: int) -> bool:
+        return file in self._held
+
+    def held_items(self) -> dict[int, T]:
+        """What the level holds now, by file (a copy: for statistics and tests)."""
+        return dict(self._held)
+
+    def drop(self, file: int) -> None:
+        self._forget(file)
+        self.policy.drop(file)
+
+    def lost_hit(self, decision: Decision, size: int) -> None:
+        """The policy counted this open as a hit, but the bytes were gone (a copy that failed, bytes dropped
+        after a fallback): it was a miss, and the window's ratio must say so."""
+        self.stats.reclaimed += 1
+        if decision.epoch:
+            self.policy.correct_miss(decision.epoch, size, decision.job)
+
+    def _put(self, file: int, value: T) -> None:
+        self._forget(file)
+        self._held[file] = value
+
+    def _forget(self, file: int) -> None:
+        self._held.pop(file, None)
+
+    def statistics(self) -> dict[str, object]:
+        return self.policy.summary()
+
+
+class MemoryLevel(Level[memoryview]):
+    """The daemon data path's held files: their bytes in this process, safe from page-cache reclaim."""
+
+    def held_raw(self, node: Node) -> bool | None:
+        data = self._held.get(node.id)
+        return None if data is None else len(data) == node.served_size
+
+    def hold(self, file: int, data: memoryview) -> None:
+        self._put(file, data)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldFile:
+    fd: int      # a sealed memfd, owned by the level
+    size: int
+    raw: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MemfdStatistics:
+    memfd_files: int
+    memfd_bytes: int
+    memfd_max_files: int  # memfds it may hold (its share of the daemon's descriptors; 0: no cap)
+    kept: int        # files copied into memfds after being served
+    keep_failed: int  # files the policy chose whose bytes could not be kept (released unread, copy failed)
+
+
+class MemfdLevel(Level[HeldFile]):
+    """The passthrough path's held files: sealed memfds (shmem, counted in the budget by their pages, and at most
+    ``max_files`` of them: each is a descriptor of the daemon's).
+
+    A hit is an open whose backing is a duplicate of that memfd, so the kernel serves the hit from memory without
+    a byte crossing the daemon. Files are kept when their last open is released, copied kernel-side from the
+    backing that just served them (its pages are still warm from the reader's reads), or, when that backing is
+    itself a checked memfd, by keeping it.
+    """
+
+    def __init__(self, policy: NextEpochCache, stats: MountStats, max_files: int | None = None) -> None:
+        super().__init__(policy, stats)
+        #: Memfds held at most: the policy charges each file at least its share of the budget (``charge_files``),
+        #: so it never chooses more; a copy kept for an open that waited for it is the only way past, and is not.
+        self.max_files = max_files
+        # shmem gives whole pages: 24,000 files of 512 B took 94 MB where 12 MB were counted
+        policy.charge_files(page=PAGE, overhead=MEMFD_OVERHEAD, max_files=max_files)
+        self._bytes = 0
+        self._kept = 0
+        self._keep_failed = 0
+
+    def held_raw(self, node: Node) -> bool | None:
+        found = self._held.get(node.id)
+        return None if found is None else found.raw
+
+    def keep(self, file: int, fd: int, size: int, raw: bool) -> None:
+        """Hold ``fd`` (a sealed memfd, now the level's) for ``file``, as the policy decided at its open."""
+        if self.max_files is not None and len(self._held) >= self.max_files and file not in self._held:
+            os.close(fd)
+            self.could_not_keep(file)
+            return
+        self._put(file, HeldFile(fd, size, raw))
+        self._bytes += size
+        self._kept += 1
+
+    def could_not_keep(self, file: int) -> None:
+        """The policy counted ``file`` as held, but its bytes were not kept: give its room back."""
+        self._keep_failed += 1
+        self.drop(file)
+
+    def release(self, file: int) -> None:
+        """The policy stopped holding ``file`` (a hit not kept again): close the level's memfd."""
+        self._forget(file)
+
+    def hold_now(self, file: int, fd: int, size: int, raw: bool) -> bool:
+        """Warm-up: hold ``fd`` for ``file``'s next read if the budget allows (else the caller keeps ``fd``)."""
+        if not self.policy.hold(file, size):
+            return False
+        self.keep(file, fd, size, raw)
+        return True
+
+    def _forget(self, file: int) -> None:
+        found = self._held.pop(file, None)
+        if found is not None:
+            self._bytes -= found.size
+            os.close(found.fd)
+
+    def statistics(self) -> dict[str, object]:
+        values = super().statistics()
+        values.update(dataclasses.asdict(MemfdStatistics(
+            memfd_files=len(self._held), memfd_bytes=self._bytes, memfd_max_files=self.max_files or 0,
+            kept=self._kept, keep_failed=self._keep_failed)))
+        return values
+
+    def close(self) -> None:
+        for file in list(self._held):
+            self._forget(file)

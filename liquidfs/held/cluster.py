@@ -1,0 +1,265 @@
+"""The cluster level of held bytes (``mount --cluster memcached://HOST:PORT,... --cluster-size SIZE``): the
+memories of the nodes that read one dataset, together, on memcached.
+
+Where a job spans nodes, each runs its own mount and its own memcached beside it. A node's memory cache holds a
+C/D share of each epoch for itself; the nodes' memcacheds together hold a fixed share of the dataset's raw objects
+for all of them, as CoorDL's partitioned cache does: the objects whose checksum hashes below ``share`` (the
+cluster's size over the raw bytes). Every node computes the same set from its catalog without asking anyone, and
+rendezvous hashing places each object on one memcached, so a node that joins or leaves moves only its part. A
+node's miss in its own memory that the cluster holds is a fetch from a peer's memory, not a storage read; the first
+node to read such an object from storage stores it.
+
+Least trust: a memcached answers anyone who reaches it, and anyone may store anything there. With a cluster key
+(``--cluster-key-file``, ``sealing``) every value is sealed with authenticated encryption bound to the object's
+identity: a value that does not open was not stored by a mount of this job for this object, and is a miss; and
+only key holders can read one. Without a key, values are the object's bytes in the clear, checked against the
+catalog's checksum (which vouches for nothing a writer can choose where the checksum is not cryptographic), and
+only objects whose source anyone may read go there at all (``EveryoneReads``). Either way a value is also checked
+against the catalog's checksum and size, so a wrong, short or foreign value is a miss, never served; and a source
+changed since the catalog was taken is checked first, as the store's reader checks it (the original is then served
+from storage). Faults cost hits only: every call to a memcached has one deadline for all of it and buffers no more
+than the object (``memcachedwire``), a memcached that fails repeatedly is left out for a while, and no error of the
+cluster ever fails a read.
+
+Which memcacheds, and their names resolved: ``clusterpeers``.
+
+Like the disk level (``disktier.DiskTier``), it is a reader in front of the store's (``reader.Reader``), behind the
+node's memory level: an open the memory level misses asks it, in a worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import stat
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..catalog import Node
+from ..stores.reader import Content, InFront, Reader, check_raw
+from .cluster_peers import Client
+from .memcached import TIMEOUT, Skipped, WrongLength
+from .sealing import OVERHEAD, Sealer
+
+log = logging.getLogger(__name__)
+
+#: The format of what is stored (2: sealed values, or plaintext only of sources anyone may read): in every key, so
+#: mounts of another format never read these values, nor these mounts theirs.
+_KEY_PREFIX = "liquidfs2"
+#: The share of ``--io-timeout`` one call to a memcached may take at most: an open that misses the cluster still
+#: reads storage, and stores what it read, within the same timeout.
+IO_TIMEOUT_SHARE = 0.25
+
+
+def call_timeout(io_timeout: float) -> float:
+    """Seconds one call to a memcached may take in all under ``--io-timeout``: never more than a share of it, so an
+    open that misses still has the rest to read storage and store what it read (all in one storage call)."""
+    return min(TIMEOUT, io_timeout * IO_TIMEOUT_SHARE)
+
+
+def in_share(node: Node, share: float) -> bool:
+    """Whether ``node``'s raw object is the cluster's: its checksum, prepare's, hashed below ``share`` (the same
+    answer on every node of the job, from its catalog alone)."""
+    if not (node.served_raw and node.checksum and node.size_served):
+        return False
+    try:
+        point = int(node.checksum[:8], 16) / 0x1_0000_0000
+    except ValueError:
+        return False
+    return point < share
+
+
+def key_of(node: Node, keyed: str = "") -> str:
+    """What the object holds, never where it is: prepare's checksum of its bytes and their size; ``keyed``: the
+    id of the cluster key its values are sealed under ("" for plaintext), so two jobs of different keys sharing a
+    memcached each keep their own values."""
+    assert node.checksum is not None
+    prefix = f"{_KEY_PREFIX}s-{keyed}" if keyed else _KEY_PREFIX
+    return f"{prefix}:{node.checksum}:{node.size_served}"
+
+
+class EveryoneReads:
+    """Whether anyone may read a file's source as the catalog recorded it: others may read the file (o+r) and
+    search every directory above it in the catalog (o+x). Without a cluster key only such objects go to the cluster:
+    memcached has no authentication, so what it holds in the clear is readable by anyone who reaches it.
+
+    ``directory(id)``: a directory's node (``Catalog.get``). Each directory is looked up once (a dataset has few)."""
+
+    def __init__(self, directory: Callable[[int], Node | None]) -> None:
+        self._directory = directory
+        self._searchable: dict[int, bool] = {}
+        self._lock = threading.Lock()  # one lookup of the catalog at a time, from the level's worker threads
+
+    def __call__(self, node: Node) -> bool:
+        return bool(node.mode & stat.S_IROTH) and self._searchable_to(node.parent)
+
+    def _searchable_to(self, dir_id: int) -> bool:
+        """Whether others may search ``dir_id`` and every directory above it."""
+        with self._lock:
+            walked: list[int] = []
+            answer = False
+            while (known := self._searchable.get(dir_id)) is None:
+                found = self._directory(dir_id)
+                if found is None or dir_id in walked:  # a catalog that is not a tree shares nothing
+                    break
+                walked.append(dir_id)
+                if not found.mode & stat.S_IXOTH:
+                    break
+                if found.parent == dir_id:  # the root
+                    answer = True
+                    break
+                dir_id = found.parent
+            else:
+                answer = known
+            for walked_id in walked:
+                self._searchable[walked_id] = answer
+            return answer
+
+
+@dataclass
+class ClusterCounts:
+    hits: int = 0
+    hit_bytes: int = 0
+    misses: int = 0
+    stored: int = 0
+    stored_bytes: int = 0
+    rejected: int = 0  # values that were not the object the key names (or did not open under the key): never served
+    unanswered: int = 0  # fetches or stores a memcached did not answer as one, in time (a miss)
+    skipped: int = 0  # fetches or stores not tried: their memcached failed repeatedly and is left out for a while
+    private: int = 0  # opens of the share kept out of the cluster: no key, and not everyone may read the source
+
+
+class ClusterTier(InFront):
+    """A reader in front of ``inner`` that fetches the cluster's share of raw objects from memcached.
+
+    ``sealer``: the job's cluster key (every value sealed and opened with it); None: plaintext values, and only
+    objects that ``public`` says anyone may read."""
+
+    def __init__(self, inner: Reader, client: Client, share: float, *, sealer: Sealer | None = None,
+                 key_id: str = "", public: Callable[[Node], bool] | None = None) -> None:
+        super().__init__(inner)
+        self.client = client
+        self.share = max(0.0, min(1.0, share))
+        self.sealer = sealer
+        self.key_id = key_id if sealer is not None else ""
+        self.public = public
+        self.counts = ClusterCounts()
+        self._lock = threading.Lock()
+        self._warned: set[str] = set()  # what was logged once (further ones are counted)
+
+    # -- the reader interface (the rest: ``InFront``'s) ------------------------------------------------------
+
+    def open(self, node: Node) -> Content:
+        if not in_share(node, self.share):
+            return self.inner.open(node)
+        if self.sealer is None and not (self.public is not None and self.public(node)):
+            self._count("private", f"cluster: {node.path!r} is not readable by everyone: without "
+                        "--cluster-key-file such objects never go to the cluster (counted as cluster_private)")
+            return self.inner.open(node)
+        if self.inner.check_source(node) is None:
+            fetched = self._fetch(node)
+            if fetched is not None:
+                return Content(size=len(fetched), raw=True, data=memoryview(fetched), tier="cluster")
+        content = self.inner.open(node)
+        if content.raw and content.data is not None and not content.fallback and content.size == node.size_served:
+            self._store(node, content.data)
+        return content
+
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
+        # A vouched file is read at its first read (``Content.deferred``), which the cluster is not asked for:
+        # the cluster's files are read at open.
+        if in_share(node, self.share):
+            return False
+        return super().vouch(node, cached_only=cached_only)
+
+    def close(self) -> None:
+        """At unmount: its connections closed (the reader behind it is its owner's to close, as with the disk
+        level)."""
+        try:
+            self.client.close()
+        except Exception as exc:  # a client that cannot close its sockets costs nothing at unmount
+            log.debug("closing the memcached client: %s", exc)
+
+    # -- memcached ---------------------------------------------------------------------------------------
+
+    def _fetch(self, node: Node) -> bytearray | bytes | None:
+        key = key_of(node, self.key_id)
+        length = node.size_served + (OVERHEAD if self.sealer is not None else 0)
+        try:
+            value = self.client.get(key, length)
+        except WrongLength as exc:
+            self._count("rejected", f"cluster: a memcached answered {key} with other bytes ({exc}); read from "
+                        "storage instead (further ones are counted as cluster_rejected)")
+            value = None
+        except Skipped:
+            self._count("skipped")
+            value = None
+        except Exception as exc:  # PeerError, or anything else: never into a read
+            log.debug("cluster: fetching %s: %s", key, exc)
+            self._count("unanswered")
+            value = None
+        if value is not None:
+            value = self._opened(node, key, value)
+        if value is None:
+            self._count("misses")
+            return None
+        with self._lock:
+            self.counts.hits += 1
+            self.counts.hit_bytes += len(value)
+        return value
+
+    def _opened(self, node: Node, key: str, value: object) -> bytearray | bytes | None:
+        """The object's bytes in ``value``, or None (counted as rejected) where it is not exactly them."""
+        opened: bytearray | bytes | None = None
+        why = "not bytes"
+        if isinstance(value, (bytes, bytearray)):
+            opened = self.sealer.open(key.encode(), value) if self.sealer is not None else value
+            why = "it does not open under the cluster key"
+        # Checked against the catalog even when sealed: a mount that holds the key is not trusted to vouch for
+        # bytes the catalog describes (a node with a damaged store, or one taken over, would poison every node);
+        # the check costs what a storage read's costs, a fraction of the unsealing.
+        if opened is not None:
+            why = check_raw(node, memoryview(opened)) or ""
+        if not why:
+            return opened
+        self._count("rejected", f"cluster: a memcached answered {key} with other bytes ({why}); read from "
+                    "storage instead (further ones are counted as cluster_rejected)")
+        return None
+
+    def _store(self, node: Node, data: memoryview) -> None:
+        key = key_of(node, self.key_id)
+        try:
+            value = self.sealer.seal(key.encode(), data) if self.sealer is not None else data
+            done = self.client.set(key, value)
+        except Skipped:
+            self._count("skipped")
+            return
+        except Exception as exc:  # PeerError, or anything else: never into a read
+            log.debug("cluster: storing %s: %s", key, exc)
+            done = False
+        with self._lock:
+            if done:
+                self.counts.stored += 1
+                self.counts.stored_bytes += len(data)
+            else:
+                self.counts.unanswered += 1
+
+    def _count(self, what: str, first: str = "") -> None:
+        """One more of counter ``what``; ``first`` logged as a warning the first time only."""
+        with self._lock:
+            setattr(self.counts, what, getattr(self.counts, what) + 1)
+            warn = bool(first) and what not in self._warned
+            self._warned.add(what)
+        if warn:
+            log.warning("%s", first)
+
+    # -- statistics ----------------------------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, object]:
+        with self._lock:
+            c = self.counts
+            return {"cluster_share": self.share, "cluster_sealed": int(self.sealer is not None),
+                    "cluster_hits": c.hits, "cluster_hit_bytes": c.hit_bytes, "cluster_misses": c.misses,
+                    "cluster_stored": c.stored, "cluster_stored_bytes": c.stored_bytes,
+                    "cluster_rejected": c.rejected, "cluster_unanswered": c.unanswered,
+                    "cluster_skipped": c.skipped, "cluster_private": c.private}

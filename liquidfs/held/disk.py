@@ -1,0 +1,204 @@
+"""The optional second cache level on local disk (``mount --disk-cache DIR --disk-cache-size SIZE``).
+
+For nodes with local NVMe in front of a remote object store: the same next-epoch policy as the memory cache
+(``cache.NextEpochCache``), one level down. It sees only what the memory level misses, so its quota is taken
+of those bytes (dataset minus the memory budget) and it never keeps a file the memory level keeps for the next
+epoch: the two levels hold disjoint sets and together serve (memory + disk) / dataset of every epoch locally.
+
+It wraps the mount's reader (the local store's ``StoreReader`` or the S3 backend's ``S3Reader``) and runs in the
+same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a
+directory of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file
+was written (``reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
+the digest catches damage, not bytes anyone chose), and a file that fails (or went missing) is read from the store
+again: the disk never serves bytes the store did not. It is a level of held bytes like the memory levels
+(``held.HeldLevel``), and a reader in front of the store's (``reader.Reader``).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..catalog import Node
+from ..policy.next_epoch import Decision, NextEpochCache
+from ..stores.reader import Content, InFront, Reader, private_digest
+from ..sysio.directio import read_whole
+from ..sysio.locks import HeldLock, abandoned, unique
+
+log = logging.getLogger(__name__)
+
+_PREFIX = "liquidfs-"
+
+
+@dataclass(slots=True)
+class _Entry:
+    digest: str
+    raw: bool
+    size: int
+
+
+class DiskTier(InFront):
+    def __init__(self, inner: Reader, root: Path, policy: NextEpochCache,
+                 memory_holds: Callable[[int], bool] = lambda node_id: False) -> None:
+        super().__init__(inner)
+        self.policy = policy
+        self.memory_holds = memory_holds
+        _remove_stale(root)
+        self.dir = root / unique(_PREFIX)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+        # held while this mount lives: another mount's _remove_stale leaves the directory alone
+        self._alive = HeldLock(root / f"{self.dir.name}.lock")
+        self._lock = threading.Lock()
+        self._entries: dict[int, _Entry] = {}
+        self.hits = 0
+        self.hit_bytes = 0
+        self.lost = 0
+        self.write_errors = 0
+
+    # -- the reader interface (the rest: ``InFront``'s) ------------------------------------------------------
+
+    def open(self, node: Node) -> Content:
+        decision = self.decide(node.id, node.size_served)
+        with self._lock:
+            entry = self._entries.get(node.id) if decision.hit else None
+        if entry is not None and self.inner.check_source(node) is not None:
+            # the source changed after this level stored its bytes: they are stale, never served
+            log.info("disk cache: %s changed since it was stored; reading it again", os.fsdecode(node.path))
+            self._forget(node.id)
+            entry = None
+            self.lost_hit(decision, node.size_served)
+        if entry is not None:
+            content = self._read(node, entry)
+            if content is not None:
+                if not decision.hold:
+                    self._forget(node.id)
+                return content
+            self.lost_hit(decision, node.size_served)
+        content = self.inner.open(node)
+        wanted = decision.hold and not self.memory_holds(node.id)
+        if wanted and content.data is not None and not content.fallback and content.size == node.size_served:
+            if self._write(node, content):
+                return content
+        if decision.hold:
+            self.drop(node.id)
+        else:
+            self._forget(node.id)
+        return content
+
+    # -- the level interface (``held.HeldLevel``) ---------------------------------------------------------
+
+    def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        # The disk level sees the memory level's misses, one stream whichever job read them.
+        with self._lock:
+            decision = self.policy.read(file, size, job)
+            evicted = [(f, self._entries.pop(f, None)) for f in decision.evicted]
+        for gone_file, gone in evicted:
+            if gone is not None:
+                self._path(gone_file).unlink(missing_ok=True)
+        return decision
+
+    def held_raw(self, node: Node) -> bool | None:
+        with self._lock:
+            entry = self._entries.get(node.id)
+        return None if entry is None else entry.raw
+
+    def drop(self, file: int) -> None:
+        self._forget(file)
+        with self._lock:
+            self.policy.drop(file)
+
+    def lost_hit(self, decision: Decision, size: int) -> None:
+        with self._lock:
+            self.lost += 1
+            if decision.epoch:
+                self.policy.correct_miss(decision.epoch, size, decision.job)
+
+    # -- files ---------------------------------------------------------------------------------------------
+
+    def _path(self, node_id: int) -> Path:
+        return self.dir / f"{node_id}"
+
+    def _read(self, node: Node, entry: _Entry) -> Content | None:
+        try:
+            data = read_whole(str(self._path(node.id)))
+        except OSError as exc:
+            log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc)
+            return None
+        if len(data) != entry.size or private_digest(data) != entry.digest:
+            log.warning("disk cache: %s changed on disk; reading the store", self._path(node.id))
+            return None
+        with self._lock:
+            self.hits += 1
+            self.hit_bytes += len(data)
+        return Content(size=len(data), raw=entry.raw, data=data, tier="disk", pooled=True)
+
+    def _write(self, node: Node, content: Content) -> bool:
+        assert content.data is not None
+        path = self._path(node.id)
+        tmp = path.with_suffix(".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(content.data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            with self._lock:
+                self.write_errors += 1
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT) or self.write_errors == 1:
+                log.warning("disk cache: cannot write %s: %s", path, exc)
+            return False
+        # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages are
+        # dropped so the page cache holds no third copy.
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        except OSError:
+            pass
+        with self._lock:
+            self._entries[node.id] = _Entry(private_digest(content.data), content.raw, content.size)
+        return True
+
+    def _forget(self, node_id: int) -> None:
+        with self._lock:
+            gone = self._entries.pop(node_id, None)
+        if gone is not None:
+            self._path(node_id).unlink(missing_ok=True)
+
+    # -- lifecycle and statistics ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._alive.release()
+
+    def statistics(self) -> dict[str, object]:
+        with self._lock:
+            inner = self.policy.summary()
+            return {
+                "disk_budget": inner["cache_budget"],
+                "disk_held_bytes": inner["cache_held_bytes"],
+                "disk_held_files": inner["cache_held_files"],
+                "disk_hits": self.hits,
+                "disk_hit_bytes": self.hit_bytes,
+                "disk_lost": self.lost,
+                "disk_write_errors": self.write_errors,
+                "disk_epochs": inner["epochs"],
+            }
+
+
+def _remove_stale(root: Path) -> None:
+    """Directories of mounts that died without unmounting: nobody holds their lock any more."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name.startswith(_PREFIX) and entry.is_dir() and not entry.is_symlink():
+            lock = root / f"{entry.name}.lock"
+            if abandoned(lock):
+                shutil.rmtree(entry, ignore_errors=True)
+                lock.unlink(missing_ok=True)

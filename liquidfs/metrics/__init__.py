@@ -1,0 +1,1 @@
+"""A mount's counters, every metric declared once, and the Prometheus endpoint."""

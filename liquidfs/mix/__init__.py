@@ -1,0 +1,1 @@
+"""Which representation each open serves: the share (fixed or adaptive), its controller and pressures."""

@@ -1,0 +1,192 @@
+"""Which representation each open of an image serves, at the raw share the mount runs with (``mount --mix``).
+
+``prepare`` left a raw object for a share P of the images (``--ratio``); the mount may serve any share s <= P of
+them raw and the rest as their originals, chosen per open (issue 16):
+
+* ``prepared``: every raw object is served (s = P; what the mount did before ``--mix``);
+* a number: that share, fixed;
+* ``adaptive``: a ``MixController`` moves the share within [0, P] while the mount runs (``steer``).
+
+Which images are raw at a share is a seeded random choice: each image has a fixed rank in [0, 1) (a hash of the
+store's seed and its path), and is served raw while its rank is below s / P. A loader that shuffles therefore
+carries the share in every batch in expectation, and a change of the share switches only the images whose rank
+lies between the old and the new share. A file switches only while nobody has it open: an open of a file that is
+open already serves what the first open served (one backing per inode, and no reader sees its size change under
+it); the caller makes the kernel drop the attributes of a file whose size changed before the open is answered.
+
+Plain Python, no mount: ``fs.Operations`` asks ``view`` at each open and reports releases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+import xxhash
+
+from ..catalog import REPR_ORIGINAL, REPR_RAW, Node
+from .controller import CpuBusy, MixController, Observation, Stalls
+
+log = logging.getLogger(__name__)
+
+MIX_MODES = ("prepared", "adaptive")
+_MIX_SALT = 0x6D6978  # "mix"
+_SEED_MASK = (1 << 64) - 1
+
+
+def parse_mix(text: str) -> str | float:
+    """``mount --mix``: "prepared", "adaptive", or a share in [0, 1] (a percentage with %)."""
+    if text in MIX_MODES:
+        return text
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}") from None
+    if not 0 <= share <= 1:
+        raise ValueError(f"--mix share must be within [0, 1], not {share}")
+    return share
+
+
+@dataclass(frozen=True, slots=True)
+class MixStatistics:
+    mode: str              # "prepared", "fixed" or "adaptive"
+    share: float           # raw share of the images served now (of all images eligible, as prepare's ratio)
+    prepared: float        # the share prepare expanded: the most that can be served raw
+    reason: str            # why the share is what it is (the controller's last decision)
+    decisions: int         # decisions taken (adaptive)
+    opens_raw: int         # opens of images with a raw object, served raw ...
+    opens_original: int    # ... and served as their original
+    switches: int          # opens that served another representation than the file's previous open
+
+
+class Mix:
+    """The raw share and the per-open choice of representation."""
+
+    def __init__(self, mode: str | float, prepared: float, *, seed: int = 0, start: float | None = None) -> None:
+        if not 0 <= prepared <= 1:
+            raise ValueError(f"prepared share must be within [0, 1], not {prepared}")
+        self.prepared = prepared
+        self.seed = seed
+        if isinstance(mode, float):
+            if mode > prepared + 1e-9:
+                raise ValueError(f"--mix {mode:g} is more than the store holds raw: prepare expanded "
+                                 f"{prepared:g} of the images (run prepare with a higher --ratio)")
+            self.mode, self.share, self.reason = "fixed", mode, f"fixed by --mix {mode:g}"
+        elif mode == "adaptive":
+            first = prepared / 2 if start is None else min(prepared, max(0.0, start))
+            why = "the profile's choice" if start is not None else "the middle of the prepared range"
+            self.mode, self.share, self.reason = "adaptive", first, f"start: {why}"
+        elif mode == "prepared":
+            self.mode, self.share, self.reason = "prepared", prepared, "every prepared raw object"
+        else:
+            raise ValueError(f"unknown mix mode {mode!r}")
+        self.decisions = 0
+        self._open: dict[int, list[int]] = {}  # inode -> [served raw (0/1), opens]
+        self._last: dict[int, bool] = {}        # inode -> whether its last open served raw
+        self._opens_raw = 0
+        self._opens_original = 0
+        self._switches = 0
+
+    def set_share(self, share: float, reason: str) -> None:
+        """The controller's decision (adaptive): from the next first open of each file on."""
+        self.share = min(self.prepared, max(0.0, share))
+        self.reason = reason
+        self.decisions += 1
+
+    def rank(self, node: Node) -> float:
+        """The image's fixed place in [0, 1): below share / prepared it is served raw."""
+        # Not prepare's own rank (which chose the prepared images by its order): a second, independent draw.
+        return xxhash.xxh3_64_intdigest(node.path, seed=(self.seed ^ _MIX_SALT) & _SEED_MASK) / 2.0 ** 64
+
+    def wants_raw(self, node: Node) -> bool:
+        if self.mode == "prepared" or self.share >= self.prepared:
+            return True
+        return self.prepared > 0 and self.rank(node) < self.share / self.prepared
+
+    def view(self, node: Node, held_raw: bool | None = None) -> Node:
+        """What this open of ``node`` serves: ``node`` itself (its raw object, as the catalog says), or ``node``
+        as its original. ``held_raw``: the representation a cache holds the file in (a hit costs neither decode
+        nor storage, so it is served as held). Count the open; ``release`` must follow."""
+        if node.representation != REPR_RAW:
+            return node
+        opened = self._open.get(node.id)
+        if opened is not None:
+            raw = bool(opened[0])  # another open of it exists: same bytes, same size
+            opened[1] += 1
+        else:
+            raw = held_raw if held_raw is not None else self.wants_raw(node)
+            self._open[node.id] = [int(raw), 1]
+            if self._last.get(node.id, True) != raw:
+                self._switches += 1
+            self._last[node.id] = raw
+        if raw:
+            self._opens_raw += 1
+            return node
+        self._opens_original += 1
+        return as_original(node)
+
+    def is_open(self, inode: int) -> bool:
+        """Whether an open of ``inode`` is being served (a new open then gets the same representation)."""
+        return inode in self._open
+
+    def release(self, inode: int) -> None:
+        opened = self._open.get(inode)
+        if opened is None:
+            return
+        opened[1] -= 1
+        if opened[1] <= 0:
+            del self._open[inode]
+
+    def statistics(self) -> MixStatistics:
+        return MixStatistics(mode=self.mode, share=round(self.share, 4), prepared=self.prepared,
+                             reason=self.reason, decisions=self.decisions, opens_raw=self._opens_raw,
+                             opens_original=self._opens_original, switches=self._switches)
+
+
+def as_original(node: Node) -> Node:
+    """``node`` served as its source file: no raw object, the source's size."""
+    return dataclasses.replace(node, representation=REPR_ORIGINAL, served_size=None, object=None, checksum=None)
+
+
+#: Seconds between two decisions of the adaptive mix. The pressure is measured over exactly that interval
+#: (``Stalls``), so it says what the last move did; fewer than 5 s would hold too few of a loader's bursts of opens
+#: (DALI's opens per 5 s already swing from 7 to 35 in a steady phase).
+STEER_INTERVAL = 5.0
+
+
+async def steer(mix: Mix, controller: MixController, counters: Callable[[], tuple[int, int]], *,
+                interval: float = STEER_INTERVAL,
+                pressure: Callable[[str], float | None] | None = None,
+                busy: Callable[[], float | None] | None = None) -> None:
+    """Feed ``controller`` what the node showed every ``interval`` seconds and apply its decisions to ``mix``,
+    until cancelled. ``counters()``: the mount's opens and bytes read from storage so far; ``pressure(kind)``
+    and ``busy()``: the CPU and IO pressure and the share of CPU time busy since their previous call (default:
+    the node's, ``Stalls`` and ``CpuBusy``)."""
+    pressure = pressure if pressure is not None else Stalls()
+    busy = busy if busy is not None else CpuBusy()
+    pressure("cpu"), pressure("io")  # the counters' starting point, as ``busy``'s was taken when it was made
+    opens_before, bytes_before = counters()
+    before = trio.current_time()
+    while True:
+        await trio.sleep(interval)
+        opens, taken = counters()
+        now = trio.current_time()
+        elapsed = max(now - before, 1e-9)
+        cpu, io = pressure("cpu"), pressure("io")
+        cpu_busy = busy()
+        if cpu is None or io is None:
+            mix.set_share(mix.share, "hold: this kernel shows no pressure stall information (/proc/pressure)")
+        elif opens == opens_before:
+            # Nobody reads: the node's pressure says nothing about this mount's balance.
+            mix.set_share(mix.share, "hold: no opens in the last interval")
+        else:
+            seen = Observation(images_per_s=(opens - opens_before) / elapsed,
+                               storage_bytes_per_s=(taken - bytes_before) / elapsed,
+                               cpu_pressure=cpu, io_pressure=io, cpu_busy=cpu_busy or 0.0)
+            decision = controller.observe(seen)
+            mix.set_share(decision.share, f"{decision.reason}; {seen.images_per_s:.1f} opens/s")
+        log.info("mix: raw share %.3f: %s", mix.share, mix.reason)
+        opens_before, bytes_before, before = opens, taken, now

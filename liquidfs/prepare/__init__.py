@@ -1,0 +1,288 @@
+"""``liquidfs prepare`` and ``liquidfs verify``: expand a seeded share of the images to raw objects (BMP, or
+lossless JPEG 2000 with ``--formats``).
+
+Which images are served raw is a reproducible random choice: candidates are ranked by a hash of (seed, path) and
+the first ``round(ratio * eligible)`` that expand losslessly are chosen. Raising the ratio extends that prefix and
+lowering it shortens it, so changing the ratio reuses every expansion that is still wanted.
+
+Crash safety: objects are written to a temporary name, fsynced and renamed, so an object under its final name is
+always complete; what prepare learnt is committed to the catalog as it goes; the served selection changes in one
+transaction at the end, and surplus objects are deleted only after that commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import multiprocessing
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..catalog import Catalog, Node
+from ..catalog.identity import is_digest
+from ..expand import formats
+from ..expand import workers as resources
+from ..expand.expansion import Outcome, is_image, object_name, rank, set_budget
+from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS, of_object, own_refusal
+from ..stores import Store, open_prepared, open_store
+
+log = logging.getLogger(__name__)
+
+
+class PrepareError(Exception):
+    """Prepare stopped; the message says why and what to do. The store is consistent."""
+
+
+# -- the coordinating side ------------------------------------------------------------------------------
+
+
+@dataclass
+class PrepareReport:
+    candidates: int = 0
+    target: int = 0
+    expanded: int = 0
+    reused: int = 0
+    raw_served: int = 0
+    skipped: Counter[str] = field(default_factory=Counter)
+    deleted: int = 0
+    kept_for_mounts: int = 0  # surplus objects not deleted: a running mount's catalog may name them
+    bytes_objects: int = 0
+    bytes_source: int = 0
+    bytes_served: int = 0
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        share = self.raw_served / max(1, self.candidates - sum(self.skipped.values()))
+        out = [
+            f"images considered  {self.candidates}",
+            f"served raw         {self.raw_served} ({share:.1%} of eligible; {self.expanded} expanded now, "
+            f"{self.reused} reused)",
+            f"skipped            {sum(self.skipped.values())}"
+            + (" (" + ", ".join(f"{k}: {v}" for k, v in self.skipped.most_common()) + ")" if self.skipped else ""),
+            f"surplus deleted    {self.deleted}" + (
+                f" ({self.kept_for_mounts} kept while a mount of the store runs; the next prepare deletes them)"
+                if self.kept_for_mounts else ""),
+            f"raw objects        {self.bytes_objects / 1e6:.1f} MB on disk",
+            f"dataset served     {self.bytes_served / 1e6:.1f} MB (source {self.bytes_source / 1e6:.1f} MB, "
+            f"x{self.bytes_served / max(1, self.bytes_source):.2f})",
+            f"time               {self.seconds:.1f} s"
+            + (f" ({self.expanded / self.seconds:.1f} images/s expanded)" if self.expanded and self.seconds else ""),
+        ]
+        return out
+
+
+def _candidates(catalog: Catalog, seed: int) -> list[Node]:
+    nodes = [n for n in catalog.files() if is_image(n.name)]
+    nodes.sort(key=lambda n: rank(seed, n.path))
+    return nodes
+
+
+def prepare(source: str | os.PathLike[str], store: str | os.PathLike[str], ratio: float, *, seed: int = 0,
+            jobs: int | None = None, progress: bool = True,
+            raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> PrepareReport:
+    """Expand the seeded share ``ratio`` of the images of ``source`` into ``store`` (``open_store``)."""
+    return prepare_store(open_store(source, store), ratio, seed=seed, jobs=jobs, progress=progress,
+                         raw_formats=raw_formats)
+
+
+def prepare_store(store: Store, ratio: float, *, seed: int = 0, jobs: int | None = None, progress: bool = True,
+                  raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> PrepareReport:
+    cannot = [f for f in raw_formats if f not in store.raw_formats]
+    if cannot:
+        raise PrepareError(f"--formats: {store.label} cannot hold {', '.join(cannot)} objects "
+                           f"(it holds {', '.join(store.raw_formats)}; "
+                           f"{', '.join(RAW_FORMATS[f].label for f in cannot)}: local stores)")
+    started = time.monotonic()
+    with store.preparing(progress) as prep:
+        try:
+            report = run(prep.catalog, store, ratio, seed, jobs, progress, started, raw_formats=raw_formats,
+                         publish=prep.publish)
+        except PrepareError:
+            prep.keep_after_failure()
+            raise
+    return report
+
+
+def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | None, progress: bool,
+        started: float, *, raw_formats: tuple[str, ...] = DEFAULT_FORMATS,
+        publish: Callable[[], None] = lambda: None) -> PrepareReport:
+    """Expand the seeded share of ``catalog``'s images into ``store``, commit the selection, ``publish`` it,
+    and delete what no catalog in use names any more (``store.deleting``). ``jobs`` is lowered to the workers
+    that fit in memory; None: as many as fit, up to the cores."""
+    report = PrepareReport()
+    nodes = _candidates(catalog, seed)
+    plan = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, raw_formats=raw_formats,
+                                  largest_source=max((n.size for n in nodes), default=0))
+    jobs = plan.workers
+    known = catalog.expansions()
+    report.candidates = len(nodes)
+    chosen: list[Outcome] = []
+    refused = 0
+
+    def wanted() -> int:
+        return round(ratio * (len(nodes) - refused))
+
+    pending: list[Outcome] = []
+    fatal: str | None = None
+    src_root = catalog.source
+    ctx = multiprocessing.get_context("forkserver")
+    bar = _progress(progress, round(ratio * len(nodes)))
+    queue = iter(nodes)
+    in_flight: dict[cf.Future[Outcome], Node] = {}
+    last_commit = time.monotonic()
+    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=set_budget,
+                                initargs=(plan.budget,)) as pool:
+        while True:
+            # Keep enough work in flight to reach the target, in rank order.
+            while fatal is None and len(chosen) + len(in_flight) < wanted() and len(in_flight) < 2 * jobs:
+                node = next(queue, None)
+                if node is None:
+                    break
+                prior = known.get(node.path)
+                if prior is not None and prior.describes(node):
+                    if prior.object is None and prior.reason is not None:  # refused before, for a lasting reason
+                        refused += 1
+                        report.skipped[_reason_key(prior.reason)] += 1
+                        continue
+                    # Reused as is only in the format tried first: one of a later format is made again, as
+                    # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
+                    # object keeps the stamp it had: what vouches for it is evidence about it, never this
+                    # run's say-so. One without a stamp (an older store), or with an xxh3 digest (recorded
+                    # before BLAKE2b: it is never carried forward), is made again by a worker, who adopts the
+                    # object only if it holds exactly the expansion's bytes, and records their digest.
+                    if (prior.object and of_object(prior.object) is RAW_FORMATS[raw_formats[0]]
+                            and (prior.object_stamp is not None or not store.stamps_objects)
+                            and is_digest(prior.checksum) and store.exists(prior.object)):
+                        chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior.format, prior.object,
+                                              prior.raw_size, prior.checksum, None, reused=True,
+                                              src_etag=node.etag, object_stamp=prior.object_stamp))
+                        report.reused += 1
+                        bar(1)
+                        continue
+                func, job_args = store.expansion_job(src_root, node, object_name(node), raw_formats)
+                future = pool.submit(func, *job_args)
+                in_flight[future] = node
+            if not in_flight:
+                break
+            done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+            for future in done:
+                in_flight.pop(future)
+                outcome = future.result()
+                if outcome.fatal:
+                    fatal = fatal or outcome.fatal
+                    continue
+                pending.append(outcome)
+                if outcome.object is not None:
+                    chosen.append(outcome)
+                    report.expanded += not outcome.reused
+                    report.reused += outcome.reused
+                    bar(1)
+                else:
+                    refused += 1
+                    report.skipped[_reason_key(outcome.reason)] += 1
+            if pending and (time.monotonic() - last_commit > 1.0 or not in_flight):
+                _record(catalog, pending)
+                pending.clear()
+                last_commit = time.monotonic()
+    _record(catalog, pending)
+    bar(0, close=True)
+    if fatal:
+        raise PrepareError(
+            f"{fatal} in {store.label} after {report.expanded} new expansions; the store is consistent and still "
+            "serves the previous selection. Free some space (or lower --ratio) and run prepare again: finished "
+            "work is kept."
+        )
+    # Completion order is not rank order: keep the best-ranked, so a given seed always picks the same files.
+    chosen.sort(key=lambda o: rank(seed, o.path))
+    chosen = chosen[: wanted()]
+    catalog.select_raw(((o.path, o.row()) for o in chosen), ratio)
+    with store.deleting() as allowed:
+        if allowed:
+            report.deleted = _delete_surplus(catalog, store)
+        else:
+            report.kept_for_mounts = len(catalog.surplus_objects())
+        report.raw_served = len(chosen)
+        report.target = wanted()
+        _, report.bytes_served, report.bytes_source, _ = catalog.file_totals()
+        _, report.bytes_objects = catalog.expanded_objects()
+        publish()
+    report.seconds = time.monotonic() - started
+    return report
+
+
+def _transient(reason: str | None) -> bool:
+    """A refusal not worth remembering: the next run tries the image again (no-memory: maybe with more)."""
+    return reason is not None and (reason in ("changed-during-prepare", "no-memory")
+                                   or reason.startswith("unreadable") or own_refusal(reason))  # another may hold it
+
+
+def _reason_key(reason: str | None) -> str:
+    return (reason or "unknown").split(":")[0]
+
+
+def _progress(enabled: bool, total: int) -> Callable[..., None]:
+    if not enabled:
+        return lambda n, close=False: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="img", desc="expanding", dynamic_ncols=True, file=sys.stderr)
+
+    def update(n: int, close: bool = False) -> None:
+        bar.update(n)
+        if close:
+            bar.close()
+
+    return update
+
+
+def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:
+    """What the outcomes taught, except refusals worth trying again."""
+    catalog.record_expansions((o.path, o.row()) for o in outcomes if not _transient(o.reason))
+
+
+def _delete_surplus(catalog: Catalog, store: Store) -> int:
+    """Objects no node points at any more, and leftovers of killed runs; only after the selection commits."""
+    surplus = catalog.surplus_objects()
+    store.delete([obj for _, obj in surplus])
+    catalog.forget_expansions(path for path, _ in surplus)
+    kept, _ = catalog.expanded_objects()
+    store.delete(store.stray(kept))
+    return len(surplus)
+
+
+# -- verify ---------------------------------------------------------------------------------------------
+
+
+def verify(store: str | os.PathLike[str], *, sample: int | None = None, jobs: int | None = None,
+           progress: bool = True) -> list[tuple[str, str]]:
+    """Every (or ``sample`` random) raw object of ``store`` checked against its source: the list of failures."""
+    return verify_store(open_prepared(store), sample=sample, jobs=jobs, progress=progress)
+
+
+def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = None,
+                 progress: bool = True) -> list[tuple[str, str]]:
+    nodes, job = store.verify_jobs()
+    if sample is not None and sample < len(nodes):
+        nodes = random.Random().sample(nodes, sample)
+    failures: list[tuple[str, str]] = []
+    bar = _progress(progress, len(nodes))
+    ctx = multiprocessing.get_context("forkserver")
+    # A check decodes the original and the object: about what an expansion to the object's format takes
+    # (resources; a J2K object is budgeted as its encoding was, at its measured peak).
+    held = tuple(sorted({(of_object(str(n.object)) or DEFAULT).name for n in nodes})) or DEFAULT_FORMATS
+    workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
+                                     largest_source=max((n.size for n in nodes), default=0)).workers
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
+        for future in cf.as_completed(futures):
+            problem = future.result()
+            if problem:
+                failures.append((os.fsdecode(futures[future].path), str(problem)))
+            bar(1)
+    bar(0, close=True)
+    return failures

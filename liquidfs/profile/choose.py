@@ -1,0 +1,548 @@
+"""``liquidfs profile``: measure this machine and choose the share of images to serve raw.
+
+Two estimates of the best mix, both from measurements on a sample of the real dataset (only the sample is
+expanded, into a scratch directory inside the store, on the store's device):
+
+* **model**: per-image costs measured per representation (bytes/s of storage for whole-file random reads with the
+  page cache bypassed, decode images/s with the user's decoder and thread count, and the CPU that reading costs)
+  give, for a raw share ``r``, load time ``L(r)`` and CPU time ``D(r)`` per image, both linear in ``r``. The
+  pipeline runs at ``1 / max(L, D)``: the best ``r`` is where the two lines cross, or an end.
+* **search**: the published method: a binary search over the 11 mixes 0:10 ... 10:0 that measures load and
+  decode throughput of a sample mixed at the midpoint and discards the half on the side of the slower stage.
+* **measured** (decides, where it can run): the loader itself timed through a temporary mount of a sample of the
+  dataset, kept in the dataset's layout, at each share a binary search over the 11 asks for (``runprofile``). The
+  loader is the command given with ``--run`` (``{mount}`` replaced by the mount point), else a built-in DALI or
+  Pillow pipeline that decodes, crops, flips and normalises as training does (``liquidfs.profile.loaders``). Its rate
+  is the mount's own count of opens per second. The model's choice is the search's first guess, and the answer
+  where the search cannot run (an S3 store, no FUSE, ``--model-only``, a GPU-decoded format).
+
+The cache (``--cache-size``) serves a constant share of every epoch from memory, so only ``1 - c`` of the bytes
+reach storage: the load line is scaled by it.
+
+With ``--formats png,bmp,j2k`` the raw images may also be lossless JPEG 2000, which DALI's ``mixed`` decoder
+decodes on the GPU (nvJPEG2000): a third stage, GPU time ``G(r)``, and the host's CPU pays only the feeding. It
+is weighed only where the loader's decoder is DALI and a CUDA device is visible (on a CPU, J2K decodes slower
+than PNG), by the model alone, and chosen where its best share is predicted faster than BMP's. The GPU's rate is
+measured alone: training shares the GPU, so the J2K prediction is an upper bound; ``scripts/bench/bench_train.py``
+measures the whole.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from ..expand.rawformats import BMP, RAW_FORMATS, RawFormat
+from ..stores import Store, open_store
+from ..stores.sample import ProfileError
+from ..sysio.safefiles import replace_file
+from . import decoders as decoderates
+from . import measured as runprofile
+from .decoders import GpuDecoder, dali_available, measure_decode
+
+__all__ = ["Costs", "Profile", "ProfileError", "choose_for_target", "model_choice", "paper_search", "profile_store",
+           "render", "run_profile", "to_json"]
+
+log = logging.getLogger(__name__)
+
+RATIOS = [i / 10 for i in range(11)]
+#: A format decoded on a GPU (J2K) is chosen over BMP only when predicted this much faster: its GPU decode rate
+#: is measured on an idle GPU.
+GPU_MARGIN = 1.1
+
+
+@dataclass
+class Costs:
+    """What was measured, per image of each representation."""
+
+    images: int
+    original_bytes: float      # mean size
+    raw_bytes: float
+    load_original: float       # bytes/s of storage, whole files, random order, page cache bypassed
+    load_raw: float
+    decode_original: float     # images/s with the user's decoder and threads
+    decode_raw: float          # on the CPU; with gpu_decode_raw: what the host pays per GPU-decoded image
+    read_cpu_per_byte: float   # CPU seconds that reading a byte costs (kernel + copy), on the same cores
+    threads: int
+    decoder: str
+    cache_share: float = 0.0
+    raw_format: str = BMP.name
+    gpu_decode_raw: float | None = None  # images/s of the raw format on the GPU (J2K), None: decoded on the CPU
+
+    def load_time(self, r: float) -> float:
+        """Seconds of storage time per image at raw share ``r``, after the cache's share."""
+        per = (1 - r) * self.original_bytes / self.load_original + r * self.raw_bytes / self.load_raw
+        return (1 - self.cache_share) * per
+
+    def cpu_time(self, r: float) -> float:
+        """Wall seconds of CPU work per image (decode, plus the CPU that loading costs, spread on the threads)."""
+        decode = (1 - r) / self.decode_original + r / self.decode_raw
+        read = ((1 - r) * self.original_bytes + r * self.raw_bytes) * self.read_cpu_per_byte / self.threads
+        return decode + read
+
+    def gpu_time(self, r: float) -> float:
+        """Seconds of the GPU's decoder per image (0 when every image decodes on the CPU)."""
+        return r / self.gpu_decode_raw if self.gpu_decode_raw else 0.0
+
+    def stage_times(self, r: float) -> dict[str, float]:
+        """Per-image seconds of each stage the pipeline overlaps: the slowest sets the pace."""
+        times = {"storage": self.load_time(r), "CPU": self.cpu_time(r)}
+        if self.gpu_decode_raw:
+            times["GPU"] = self.gpu_time(r)
+        return times
+
+    def throughput(self, r: float) -> float:
+        return 1 / max(self.stage_times(r).values())
+
+
+def model_choice(costs: Costs) -> tuple[float, str]:
+    """The best share and which stage binds there. Every stage's time per image is linear in ``r``, so the
+    pace, their maximum, is piecewise linear and convex: its minimum lies at an end or where two stages cross."""
+    ends = {name: (t0, costs.stage_times(1)[name]) for name, t0 in costs.stage_times(0).items()}
+    candidates = {0.0, 1.0}
+    for a, (a0, a1) in ends.items():
+        for b, (b0, b1) in ends.items():
+            if a < b and (a1 - a0) != (b1 - b0):
+                r = (b0 - a0) / ((a1 - a0) - (b1 - b0))  # where a0 + (a1-a0) r = b0 + (b1-b0) r
+                if 0 < r < 1:
+                    candidates.add(r)
+    # The fastest; among equals the smaller share (less disk for the same rate).
+    best = min(candidates, key=lambda r: (max(costs.stage_times(r).values()), r))
+    times = costs.stage_times(best)
+    pace = max(times.values())
+    binding = sorted((name for name, t in times.items() if t >= pace * (1 - 1e-9)),
+                     key=lambda name: ends[name][1] - ends[name][0])  # falling first: it binds below the point
+    if best == 0.0:
+        return 0.0, f"{binding[-1]}-bound even with every image original: serve originals (ratio 0)"
+    if best == 1.0:
+        return 1.0, f"{binding[0]}-bound even with every image raw: serve all raw (ratio 1)"
+    below, above = binding[0], binding[-1]
+    return best, f"{above} and {below} balance at {best:.2f} ({below}-bound below it, {above}-bound above)"
+
+
+def paper_search(measure: Callable[[float], tuple[float, float]]) -> tuple[float, list[dict[str, float]]]:
+    """Binary search over the 11 mixes; ``measure(r)`` gives (load images/s, decode images/s) at share r."""
+    lo, hi = 0, 10
+    steps = []
+    best = (0.0, -1.0)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        r = mid / 10
+        load, decode = measure(r)
+        steps.append({"ratio": r, "load_images_per_s": load, "decode_images_per_s": decode})
+        rate = min(load, decode)
+        if rate > best[1]:
+            best = (r, rate)
+        if load < decode:      # storage is the slower stage: fewer raw images
+            hi = mid - 1
+        elif decode < load:    # decoding is the slower stage: more raw images
+            lo = mid + 1
+        else:
+            break
+    return best[0], steps
+
+
+def choose_for_target(costs: Costs, target: float) -> float | None:
+    """The smallest share (in steps of 0.01) whose predicted rate reaches ``target`` images/s."""
+    for i in range(101):
+        if costs.throughput(i / 100) >= target:
+            return i / 100
+    return None
+
+
+@dataclass
+class Profile:
+    costs: Costs  # of the chosen raw format
+    table: list[dict[str, float]]
+    model_ratio: float
+    model_reason: str
+    search_ratio: float  # the published search runs over PNG:BMP mixes
+    search_steps: list[dict[str, float]]
+    chosen: float
+    chosen_by: str
+    target_rate: float | None = None
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    raw_format: str = BMP.name  # what the chosen share is stored as
+    weighed: list[dict[str, object]] = field(default_factory=list)  # per raw format weighed: its best share
+    timed: str | None = None  # what the measured search timed, in words (None: no measured search)
+    measured: list[dict[str, object]] = field(default_factory=list)  # per share measured: its runs' rates
+    within_noise: list[float] = field(default_factory=list)  # shares measured within noise of the chosen one
+
+
+def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], **options: object) -> Profile:
+    """``profile_store`` of ``open_store(source, store)``."""
+    return profile_store(open_store(source, store), **options)  # type: ignore[arg-type]
+
+
+def profile_store(store: Store, *, decoder: str | None = None, threads: int | None = None, cache_share: float = 0.0,
+                  sample: int | None = None, quick: bool = False, target_rate: float | None = None,
+                  seconds: float | None = None, formats: Sequence[str] = (BMP.name,),
+                  find_gpu: Callable[[], tuple[GpuDecoder | None, str]] | None = None,
+                  run: str | None = None, measured: bool = True, run_images: int | None = None,
+                  repeats: int = 3, run_timeout: float = 600.0,
+                  progress: Callable[[str], None] = lambda s: None) -> Profile:
+    """Measure, and choose the raw share, and with ``formats`` naming BMP and others, which of them the
+    raw images are stored as. A format decoded on a GPU (J2K) is weighed only where a GPU decodes it for the
+    loader (DALI 'mixed'; found by ``find_gpu``, by default ``decoderates.find_gpu_decoder``).
+
+    ``measured``: then time the loader (``run``, a command with ``{mount}``, else the built-in pipeline of
+    ``decoder``) through a mount of a sample of ``run_images`` images at the shares a binary search asks for, and
+    choose by what the mount counted (``runprofile``). Where that cannot run, the model's choice stands with a
+    note; with ``run`` given, that is an error instead."""
+    started = time.monotonic()
+    threads = threads or os.cpu_count() or 1
+    decoder = decoder or ("dali" if dali_available() else "pil")
+    step = seconds if seconds is not None else (0.6 if quick else 2.5)
+    count = sample or (8 if quick else 24)
+    notes: list[str] = []
+    find_gpu = find_gpu or decoderates.find_gpu_decoder  # looked up at the call: tests put a fake GPU there
+    # Each listed format decoded on a GPU, and what decodes it there (or None, and why it cannot be weighed).
+    on_gpu = {f: _gpu_decoder(store, f, decoder, find_gpu)
+              for f in map(RAW_FORMATS.__getitem__, formats) if f.gpu_decoder}
+    if BMP.name not in formats and all(measure is None for measure, _ in on_gpu.values()):
+        raise ProfileError("; ".join(f"{f.label} cannot be weighed: {where}" for f, (_, where) in on_gpu.items())
+                           + f"; give --ratio, or add {BMP.name} to --formats")
+    # The BMP sample always: it measures the originals (and the published search runs over PNG:BMP mixes).
+    costs, search_r, steps = _measure_bmp(store, count, decoder, threads, step, cache_share, progress,
+                                          search=BMP.name in formats)
+    options: dict[str, tuple[Costs, float, str]] = {}
+    if BMP.name in formats:
+        options[BMP.name] = (costs, *_choose(costs, search_r))
+    failed: list[ProfileError] = []
+    for fmt, (measure_gpu, gpu_where) in on_gpu.items():
+        if measure_gpu is None:
+            notes.append(f"{fmt.label} not weighed: {gpu_where}")
+            continue
+        try:
+            gpu_costs = _measure_on_gpu(store, fmt, costs, count, threads, step, measure_gpu, gpu_where, progress)
+        except ProfileError as exc:
+            failed.append(exc)
+            notes.append(f"{fmt.label} not weighed: {exc}")
+        else:
+            r, reason = model_choice(gpu_costs)
+            options[fmt.name] = (gpu_costs, round(r, 2),
+                                 f"model, {fmt.label} decoded on the GPU ({gpu_where}): {reason}")
+    if not options:
+        raise failed[0]  # nothing else was weighed: as the only measurement, its failure is the profile's
+
+    def predicted(f: str) -> float:
+        rate = options[f][0].throughput(options[f][1])
+        # The GPU's rate was measured alone and training shares the GPU: a format decoded there must win by a
+        # margin.
+        return rate / GPU_MARGIN if RAW_FORMATS[f].gpu_decoder and BMP.name in options else rate
+
+    raw_format = max(options, key=lambda f: (predicted(f), f == BMP.name))  # BMP on a tie
+    if RAW_FORMATS[raw_format].gpu_decoder:
+        label = RAW_FORMATS[raw_format].label
+        notes.append(f"{label} chosen for a loader that decodes with DALI's 'mixed' decoder on this GPU; a loader "
+                     f"that decodes on the CPU would run several times slower on a {label} store")
+    chosen_costs, chosen, chosen_by = options[raw_format]
+    weighed: list[dict[str, object]] = [
+        {"raw_format": f, "ratio": r, "predicted_images_per_s": c.throughput(r), "raw_bytes": c.raw_bytes}
+        for f, (c, r, _) in options.items()]
+    if target_rate is not None:
+        smallest = choose_for_target(chosen_costs, target_rate)
+        if smallest is None:
+            best = max(chosen_costs.throughput(i / 100) for i in range(101))
+            notes.append(f"no mix reaches {target_rate:g} img/s (best predicted {best:.1f}); keeping {chosen:.2f}")
+        else:
+            chosen, chosen_by = smallest, f"smallest raw share predicted to reach {target_rate:g} img/s"
+    timed: str | None = None
+    search_result: runprofile.SearchResult | None = None
+    runs: list[runprofile.RunRate] = []
+    if measured and (target_rate is None or run is not None):
+        why_not = _why_not_measured(store, raw_format, target_rate)
+        if why_not is not None:
+            if run is not None:
+                raise ProfileError(f"--run: {why_not}")
+            notes.append(f"measured search not run: {why_not}; the model's choice stands")
+        else:
+            images = run_images or (64 if quick else 256)
+            # With a cache, the second epoch, which hits the cache's share, is the one timed (the built-in
+            # pipeline reads two).
+            timed_epoch = 2 if cache_share else 1
+            command = run if run is not None else runprofile.builtin_command(decoder, threads, images,
+                                                                              epochs=timed_epoch)
+            try:
+                timed, search_result, runs = _measured_search(
+                    store, command, first=chosen, images=images, repeats=repeats, timeout=run_timeout,
+                    cache_share=cache_share, timed_epoch=timed_epoch, progress=progress)
+            except ProfileError as exc:
+                if run is not None:
+                    raise
+                notes.append(f"measured search not run: {exc}; the model's choice stands")
+    if cache_share and any(r.from_epoch < 2 for r in runs):
+        notes.append("the command read one epoch in a run: the cache's hits are not in its rate (its first epoch "
+                     "has none); give it two epochs to time the second")
+    if search_result is not None:
+        best = search_result.median(search_result.chosen)
+        model_guess = chosen
+        chosen = search_result.chosen
+        if model_guess == chosen:
+            guess = "the model's guess too"
+        elif model_guess in search_result.rates:
+            guess = f"{search_result.median(model_guess):.1f} img/s at the model's {model_guess:.2f}"
+        else:
+            guess = f"the model guessed {model_guess:.2f}"
+        chosen_by = f"measured search: {best:.1f} img/s through the mount ({guess})"
+    model_r, reason = model_choice(chosen_costs)
+    table = [{"ratio": r, "load_images_per_s": _rate(chosen_costs.load_time(r)),
+              "decode_images_per_s": _rate(chosen_costs.cpu_time(r)),
+              **({"gpu_images_per_s": _rate(chosen_costs.gpu_time(r))} if chosen_costs.gpu_decode_raw else {}),
+              "predicted_images_per_s": chosen_costs.throughput(r)}
+             for r in RATIOS]
+    return Profile(costs=chosen_costs, table=table, model_ratio=round(model_r, 2), model_reason=reason,
+                   search_ratio=search_r, search_steps=steps, chosen=chosen, chosen_by=chosen_by,
+                   target_rate=target_rate, seconds=time.monotonic() - started, notes=notes, raw_format=raw_format,
+                   weighed=weighed, timed=timed,
+                   measured=_measured_rows(search_result, runs) if search_result else [],
+                   within_noise=search_result.within_noise if search_result else [])
+
+
+def _why_not_measured(store: Store, raw_format: str, target_rate: float | None) -> str | None:
+    """Why the measured search cannot run here, or None."""
+    if store.local_dirs() is None:
+        return f"it mounts a sample of a local dataset; {store.label} is not a local store"
+    if raw_format != BMP.name:
+        return f"{RAW_FORMATS[raw_format].label} decoded on the GPU is weighed by the model alone"
+    if target_rate is not None:
+        return "--target-rate chooses by the model"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse cannot be opened here"
+    return None
+
+
+def _measured_search(store: Store, command: str, *, first: float, images: int, repeats: int, timeout: float,
+                     cache_share: float, timed_epoch: int, progress: Callable[[str], None]
+                     ) -> tuple[str, runprofile.SearchResult, list[runprofile.RunRate]]:
+    """The binary search over the shares, each run timed through a mount of a scratch sample."""
+    runprofile.command_for(command, Path("/mnt"))  # a command without {mount}: said before any copying
+    dirs = store.local_dirs()
+    assert dirs is not None  # _why_not_measured said so
+    source, parent = dirs
+    mount_args = ["--cache-size", f"{cache_share * 100:g}%"] if cache_share else []
+    runs: list[runprofile.RunRate] = []
+    with runprofile.ScratchMounts(source, parent, images, mount_args=mount_args, progress=progress,
+                                  timed_from_epoch=timed_epoch) as scratch:
+        def measure(share: float) -> float:
+            rate = scratch.measure(share, command, timeout=timeout)
+            runs.append(rate)
+            progress(f"share {share:.1f}: {rate.images_per_s:.1f} img/s, {rate.bytes_per_s / 1e6:.0f} MB/s "
+                     f"({rate.opens} opens in {rate.seconds:.1f} s)")
+            return rate.images_per_s
+
+        progress(f"measured search: timing `{command}` through a mount of the sample")
+        result = runprofile.search(measure, first=first, repeats=repeats)
+        start = ("first open of its second epoch, the cache's share hit" if timed_epoch == 2 else "first open")
+        timed = (f"`{command}` through a temporary mount of {scratch.images} sampled images in the dataset's "
+                 f"layout{f' with a {cache_share:.0%} cache' if cache_share else ''}, their page cache dropped "
+                 f"before each run; its rate: the mount's opens/s from each run's {start} to when it was done "
+                 "with the mount (no file open after its last open, else its exit)")
+    return timed, result, runs
+
+
+def _measured_rows(result: runprofile.SearchResult, runs: list[runprofile.RunRate]) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for share in sorted(result.rates):
+        mine = [r for r in runs if r.share == share]
+        rows.append({"ratio": share, "images_per_s": result.median(share),
+                     "runs": [round(r, 2) for r in result.rates[share]],
+                     "mb_per_s": statistics.median(r.bytes_per_s for r in mine) / 1e6 if mine else None,
+                     "opens": [r.opens for r in mine],
+                     "from_epoch": [r.from_epoch for r in mine],
+                     # what the command said of itself (its last output line, where it is JSON), beside the mount's
+                     "loader_said": [r.said for r in mine]})
+    return rows
+
+
+def _rate(seconds_per_image: float) -> float:
+    return 1 / seconds_per_image if seconds_per_image else math.inf
+
+
+def _measure_bmp(store: Store, count: int, decoder: str, threads: int, step: float, cache_share: float,
+                 progress: Callable[[str], None], search: bool = True) -> tuple[Costs, float, list[dict[str, float]]]:
+    """Costs of originals and their BMPs, and (``search``) the published binary search over PNG:BMP mixes."""
+    progress("expanding a sample")
+    smp = store.profile_sample(count, jobs=4)
+    try:
+        originals = smp.original_data
+        raws = smp.raw_data
+        progress("measuring storage")
+        load_o, cpu_o = smp.load(smp.originals, step)
+        load_r, cpu_r = smp.load(smp.raws, step)
+        progress(f"measuring {decoder} decoding on {threads} threads")
+        dec_o = measure_decode(originals, decoder, threads, step)
+        dec_r = measure_decode(raws, decoder, threads, step)
+        costs = Costs(
+            images=len(raws), original_bytes=statistics.fmean(map(len, originals)),
+            raw_bytes=statistics.fmean(map(len, raws)), load_original=load_o, load_raw=load_r,
+            decode_original=dec_o, decode_raw=dec_r,
+            read_cpu_per_byte=(cpu_o + cpu_r) / 2, threads=threads, decoder=decoder, cache_share=cache_share,
+        )
+
+        def measure_mix(r: float) -> tuple[float, float]:
+            k = round(r * len(raws))
+            paths = smp.raws[:k] + smp.originals[k:]
+            data = raws[:k] + originals[k:]
+            bps, _ = smp.load(paths, step / 2)
+            mean = statistics.fmean(map(len, data))
+            load_rate = bps / mean / max(1e-9, 1 - cache_share)
+            return load_rate, measure_decode(data, decoder, threads, step / 2)
+
+        search_r, steps = 0.0, list[dict[str, float]]()
+        if search:
+            progress("binary search over the 11 mixes")
+            search_r, steps = paper_search(measure_mix)
+    finally:
+        smp.cleanup()
+    return costs, search_r, steps
+
+
+def _choose(costs: Costs, search_r: float) -> tuple[float, str]:
+    """The model's share or the search's, whichever the model predicts faster, and why."""
+    model_r, _ = model_choice(costs)
+    model_r = round(model_r, 2)
+    if costs.throughput(model_r) >= costs.throughput(search_r):
+        return model_r, ("model: it uses every measurement and is not limited to the 11 mixes; "
+                         f"predicted {costs.throughput(model_r):.1f} img/s vs "
+                         f"{costs.throughput(search_r):.1f} at the search's {search_r:.1f}")
+    return search_r, ("search: its measured mix beats the model's prediction "
+                      f"({costs.throughput(search_r):.1f} vs {costs.throughput(model_r):.1f} img/s)")
+
+
+def _gpu_decoder(store: Store, fmt: RawFormat, decoder: str,
+                 find_gpu: Callable[[], tuple[GpuDecoder | None, str]]) -> tuple[GpuDecoder | None, str]:
+    """What decodes ``fmt`` (a format decoded on a GPU) for the loader on a GPU and a description of it; or None
+    and why it cannot be weighed."""
+    if fmt.name not in store.raw_formats:
+        return None, f"{store.label} holds only {', '.join(store.raw_formats)} objects"
+    if decoder != "dali":
+        # Pillow decodes it on the CPU (OpenJPEG for J2K), slower than the PNG it replaces: never worth it there.
+        return None, f"the loader decodes with Pillow, on the CPU, where {fmt.label} decodes slower than PNG"
+    measure_gpu, where = find_gpu()
+    if measure_gpu is None:
+        return None, f"no GPU to decode it ({where}); on the CPU {fmt.label} decodes slower than PNG"
+    return measure_gpu, where
+
+
+def _measure_on_gpu(store: Store, fmt: RawFormat, base: Costs, count: int, threads: int, step: float,
+                    measure_gpu: GpuDecoder, where: str, progress: Callable[[str], None]) -> Costs:
+    """``base`` with the raw images as ``fmt`` (lossless J2K), decoded on the GPU."""
+    progress(f"expanding the sample to {fmt.label}")
+    smp = store.profile_sample(count, jobs=4, raw_format=fmt.name)
+    try:
+        progress(f"measuring storage ({fmt.label})")
+        load_raw, _ = smp.load(smp.raws, step)
+        progress(f"measuring {fmt.label} decoding on the GPU ({where})")
+        rate = measure_gpu(smp.raw_data, threads, step)
+        mean = statistics.fmean(map(len, smp.raw_data))
+    finally:
+        smp.cleanup()
+    # The host's CPU seconds per GPU-decoded image, spread on the threads like the CPU decoders' work.
+    host = threads / max(rate.host_cpu_per_image, 1e-9)
+    return replace(base, raw_format=fmt.name, raw_bytes=mean, load_raw=load_raw, decode_raw=host,
+                   gpu_decode_raw=rate.images_per_s)
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def render(profile: Profile) -> str:
+    c = profile.costs
+    raw = c.raw_format.upper()
+    gpu = c.gpu_decode_raw is not None
+    decode_raw = (f"{raw} {c.gpu_decode_raw:.1f} img/s on the GPU (host {c.decode_raw:.0f} img/s)" if gpu
+                  else f"raw {c.decode_raw:.1f} img/s")
+    lines = [
+        f"sample: {c.images} images, original {c.original_bytes / 1e6:.2f} MB, {raw} {c.raw_bytes / 1e6:.2f} MB; "
+        f"decoder {c.decoder} x{c.threads} threads; cache share {c.cache_share:.0%}",
+        f"storage: originals {c.load_original / 1e6:.0f} MB/s, {raw} {c.load_raw / 1e6:.0f} MB/s "
+        f"(page cache bypassed); decode: originals {c.decode_original:.1f} img/s, {decode_raw}",
+        "",
+        "ratio  load img/s  decode img/s" + ("  GPU img/s" if gpu else "") + "  predicted img/s",
+    ]
+    for row in profile.table:
+        mark = "  <- chosen" if abs(row["ratio"] - profile.chosen) < 0.05 else ""
+        lines.append(f"{row['ratio']:5.1f}  {row['load_images_per_s']:10.1f}  {row['decode_images_per_s']:12.1f}"
+                     + (f"  {row['gpu_images_per_s']:9.1f}" if gpu else "")
+                     + f"  {row['predicted_images_per_s']:15.1f}{mark}")
+    lines.append("")
+    if profile.search_steps:
+        lines.append("binary search over PNG:BMP (measured): " + ", ".join(
+            f"{s['ratio']:.1f}: load {s['load_images_per_s']:.0f} / decode {s['decode_images_per_s']:.0f}"
+            for s in profile.search_steps) + f" -> {profile.search_ratio:.1f}")
+    lines.append(f"model: {profile.model_ratio:.2f} ({profile.model_reason})")
+    if profile.timed:
+        lines.append(f"measured: {profile.timed}")
+        for m in profile.measured:
+            runs = ", ".join(f"{r:.1f}" for r in m["runs"])  # type: ignore[attr-defined]
+            mark = ("  <- chosen" if m["ratio"] == profile.chosen
+                    else "  (within noise)" if m["ratio"] in profile.within_noise else "")
+            lines.append(f"  share {m['ratio']:.1f}: {m['images_per_s']:7.1f} img/s  (runs {runs}){mark}")
+    if len(profile.weighed) > 1:
+        lines.append("weighed: " + "; ".join(
+            f"{str(w['raw_format']).upper()} at {w['ratio']:.2f}: {w['predicted_images_per_s']:.1f} img/s"
+            for w in profile.weighed))
+    lines += [
+        f"chosen ratio {profile.chosen:.2f} (raw images as {raw}) by the {profile.chosen_by}",
+        *profile.notes,
+        f"({profile.seconds:.1f} s)",
+    ]
+    return "\n".join(lines)
+
+
+def to_json(profile: Profile) -> dict[str, object]:
+    """The profile as strict JSON: a rate without a bound (no GPU work at share 0) is null, not Infinity."""
+    out = asdict(profile)
+    out["costs"] = asdict(profile.costs)
+    out["table"] = [{k: v if math.isfinite(v) else None for k, v in row.items()} for row in profile.table]
+    return out
+
+
+def plot(profile: Profile, path: str | os.PathLike[str], width: int = 720, height: int = 420) -> None:
+    """A PNG of the load and decode curves (images/s against raw share) with the chosen point."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(img)
+    left, right, top, bottom = 60, width - 20, 30, height - 50
+    keys = [k for k in ("load_images_per_s", "decode_images_per_s", "gpu_images_per_s") if k in profile.table[0]]
+    ymax = max([r[k] for r in profile.table for k in keys if math.isfinite(r[k])] or [1.0]) * 1.1
+
+    def x(r: float) -> float:
+        return left + r * (right - left)
+
+    def y(v: float) -> float:
+        return bottom - min(v, ymax) / ymax * (bottom - top)
+
+    draw.rectangle((left, top, right, bottom), outline="black")
+    for i in range(11):
+        draw.line((x(i / 10), bottom, x(i / 10), bottom + 5), fill="black")
+        draw.text((x(i / 10) - 8, bottom + 8), f"{i / 10:.1f}", fill="black")
+    for k in range(5):
+        v = ymax * k / 4
+        draw.text((5, y(v) - 6), f"{v:.0f}", fill="black")
+    for key, colour in (("load_images_per_s", "blue"), ("decode_images_per_s", "red"),
+                        ("gpu_images_per_s", "orange"), ("predicted_images_per_s", "green")):
+        pts = [(x(r["ratio"]), y(r[key])) for r in profile.table if key in r and math.isfinite(r[key])]
+        if len(pts) < 2:
+            continue
+        draw.line(pts, fill=colour, width=3 if key == "predicted_images_per_s" else 2)
+    cx, cy = x(profile.chosen), y(profile.costs.throughput(profile.chosen))
+    draw.ellipse((cx - 6, cy - 6, cx + 6, cy + 6), outline="black", width=3)
+    gpu = ", GPU decode (orange)" if "gpu_images_per_s" in keys else ""
+    draw.text((left + 5, 5), f"images/s vs {profile.raw_format.upper()} share: load (blue), decode (red){gpu}, "
+              "predicted (green), chosen (o)", fill="black")
+    draw.text((left + (right - left) // 2 - 40, height - 22), "raw share", fill="black")
+    encoded = io.BytesIO()
+    img.save(encoded, format="PNG")
+    replace_file(path, encoded.getvalue())  # a path in a directory others write (/tmp): never through a link
+

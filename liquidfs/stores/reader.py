@@ -1,0 +1,268 @@
+"""What every backend's reader shares: the ``Reader`` protocol the mount reads through and its optional
+capabilities, what one open serves (``Content``, ``Choice``), and the checks of what was read (a raw object's
+digest, a source's version, chunk digests). Each backend's reader lives with its backend
+(``stores.local.reader``, ``stores.s3.reader``).
+
+Everything here is blocking and runs off the trio thread (but ``vouch`` and ``check_source``, a stat or two, on a
+local filesystem). A dataset image is read whole, at open or at its first read: one large read per file instead of
+dozens of 128 KiB FUSE-sized ones, which is what lets the digest of a raw object be verified before its first
+byte is served.
+
+Two kinds of digest. A raw object's, recorded by prepare and checked wherever a stat cannot vouch for the object
+(``checksum``), is BLAKE2b-256: whoever can rewrite a store object (a shared store, a bucket others write) chooses
+its bytes, and xxh3 is not made to resist a chosen input (a same-sized rewrite with the recorded xxh3 takes
+milliseconds to find): ~1 GB/s per core, where xxh3 does ~20. xxh3 stays where the bytes are the mount's own
+(``private_digest``), and in ``chunk_digests`` for its cost (see there).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import xxhash
+
+from ..catalog import Node
+from ..catalog.identity import DIGEST, LEGACY_DIGEST, LEGACY_REASON, checksum, same_version
+from ..expand.rawformats import SUFFIX_PATTERN
+from ..sysio.directio import POOL, read_fd
+
+log = logging.getLogger(__name__)
+
+#: Files up to this size are read whole at open; larger ones (a tarball beside the images) are streamed.
+WHOLE_FILE_LIMIT = 64 * 1024 * 1024
+
+
+def private_digest(data: bytes | memoryview) -> str:
+    """xxh3 of bytes only this mount writes and reads back (the disk level's files in a directory of its own,
+    0700): it catches damage and a file changed behind the level's back, and nothing adversarial chose them
+    to match. A twentieth of ``checksum``'s cost."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+#: What a file is read again in, once the daemon has let go of its bytes: the kernel asks again for a few pages
+#: its page cache lost (it may reclaim unmapped page-cache pages within seconds), and reading the whole file
+#: again for them would cost up to a whole file of storage bandwidth per lost page (BENCHMARKS.md).
+CHUNK = 1 << 20
+
+
+def chunk_digests(data: bytes | memoryview) -> tuple[int, ...]:
+    """The xxh3 digest of each CHUNK of ``data``: what a later read of part of the file must match.
+
+    xxh3, not BLAKE2b: these are taken of every file the daemon path lets go of (every byte it serves without a
+    cache), to catch a file changed since this open read it. At BLAKE2b's ~1 GB/s per core that would cost about
+    a core per GB/s served; a writer who rewrites the object after this open checked it, to match the digest of
+    a chunk they know, is not kept out by xxh3 (issue 38: left open)."""
+    view = memoryview(data)
+    return tuple(xxhash.xxh3_64_intdigest(view[i:i + CHUNK]) for i in range(0, len(view), CHUNK))
+
+
+def chunk_span(offset: int, length: int, size: int) -> tuple[int, int]:
+    """The CHUNK-aligned ``(start, end)`` of the file that covers ``length`` bytes at ``offset``."""
+    start = offset // CHUNK * CHUNK
+    return start, min(size, -(-(offset + max(length, 1)) // CHUNK) * CHUNK)
+
+
+@dataclass(slots=True)
+class Content:
+    """What one open file serves: its bytes in memory, or a descriptor to stream a large file from."""
+
+    size: int
+    raw: bool
+    data: memoryview | None = None
+    fd: int | None = None
+    fallback: str | None = None  # why the raw object was not served, when it should have been
+    fetch: Callable[[int, int], bytes] | None = None  # a ranged read of a large object in a bucket
+    tier: str = "storage"  # where the bytes came from: "storage", "disk" (the local disk level), "cluster" (memcached)
+    #: ``data`` is a pool buffer only this content reads: given back to the pool when the file is closed.
+    #: Cleared the moment anything else may keep a view of it (the cache holds it).
+    pooled: bool = False
+    #: Not read yet: read whole at the first read (``daemonpath.DaemonPath._read_later``).
+    deferred: bool = False
+
+    def read(self, offset: int, length: int) -> bytes | memoryview:
+        if self.data is not None:
+            return self.data[offset:offset + length]
+        if self.fetch is not None:
+            return self.fetch(offset, min(length, self.size - offset)) if offset < self.size else b""
+        assert self.fd is not None
+        return os.pread(self.fd, length, offset)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.pooled and self.data is not None:
+            POOL.give(self.data)
+        self.pooled = False
+        self.data = None
+
+
+#: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
+OBJECT_NAME = re.compile(rf"objects/([0-9a-f]{{2}}/([0-9a-f]{{32}}){SUFFIX_PATTERN})")
+
+
+#: How often a source written while it is read is read again before the open fails (EIO).
+SETTLE_TRIES = 3
+
+
+def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What any change of a file changes: its inode, size, mtime and ctime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def read_settled(fd: int, st: os.stat_result, name: str = "") -> memoryview:
+    """The whole file at ``fd``, read while nobody wrote it: a write during the read changes its mtime and
+    ctime, and the mix of old and new bytes such a read returns (a torn image) is never served.  Read again
+    while the file keeps changing, then EIO."""
+    for _ in range(SETTLE_TRIES):
+        data = read_fd(fd)
+        after = os.fstat(fd)
+        if stamp(after) == stamp(st):
+            return data
+        POOL.give(data)
+        st = after
+    raise OSError(errno.EIO, "source kept changing while it was read", name)
+
+
+def same_file(node: Node, st: os.stat_result) -> bool:
+    """True while the local file behind ``st`` is the one the catalog recorded (``same_version``)."""
+    return same_version(st, node.size, node.mtime_ns, node.etag)
+
+
+def check_raw(node: Node, data: bytes | memoryview, *, sealed: bool = False) -> str | None:
+    """None when ``data`` is the raw object prepare recorded for ``node`` (size and BLAKE2b digest); else why not.
+
+    ``sealed``: a stat vouched for the object before and after ``data`` was read (its inode, ctime and size
+    those prepare recorded: nobody wrote it since). Only then may a digest recorded before BLAKE2b (xxh3) still
+    be compared: it catches damage, and nobody chose the bytes. Without a stamp, such an object vouches for
+    nothing (``LEGACY_REASON``) and its original is served."""
+    if len(data) != node.served_size:
+        return f"raw object has {len(data)} bytes, expected {node.served_size}"
+    want = node.checksum or ""
+    if DIGEST.fullmatch(want):
+        return None if checksum(data) == want else "raw object fails its checksum"
+    if LEGACY_DIGEST.fullmatch(want):
+        if not sealed:
+            return LEGACY_REASON
+        return None if xxhash.xxh3_64_hexdigest(data) == want else "raw object fails its checksum"
+    return "raw object's recorded digest is not one prepare gives: refused"
+
+
+class FallbackLog:
+    """Says why a raw object is not served: once per file, and once per reader for an xxh3 digest
+    (``LEGACY_REASON``), which a catalog from before BLAKE2b has for every object."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger  # the reader's own
+        self._warned: set[int] = set()
+        self._legacy = False
+
+    def warn_once(self, node: Node, where: str, why: str | None) -> None:
+        if why == LEGACY_REASON:
+            if not self._legacy:
+                self._legacy = True
+                self.log.warning("%s (and every raw object like it): %s; serving the originals", where, why)
+            return
+        if node.id not in self._warned:
+            self._warned.add(node.id)
+            self.log.warning("%s: %s; serving the original", where, why)
+
+
+@dataclass(slots=True)
+class Choice:
+    """What one open of a node serves (``StoreReader.choose``): an open descriptor of the source or of the raw
+    object, owned by whoever holds this until ``take`` or ``close``."""
+
+    fd: int
+    st: os.stat_result
+    raw: bool
+    #: A stat vouches for the bytes: the source as the catalog describes it, or the raw object as prepare left
+    #: it. Else they must be read whole and checked (a raw object's checksum) before any is served.
+    sealed: bool
+    fallback: str | None = None  # why a node with a raw object is served as its original
+
+    def take(self) -> int:
+        """The descriptor, now the caller's."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Reader(Protocol):
+    """What the mount reads through: a store's reader (the local store's ``StoreReader``, the S3 backend's) or a
+    cache level in front of one (``disktier.DiskTier``). Optional capabilities are protocols of their own
+    (``LendsDescriptors``, ``ChecksCallers``): a method a reader has, never a check of its class."""
+
+    def open(self, node: Node) -> Content:
+        """What ``node`` serves, read whole and checked (or, past WHOLE_FILE_LIMIT, a way to stream it)."""
+        ...
+
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview: ...
+
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None: ...
+
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None: ...
+
+    @property
+    def inline_check(self) -> bool:
+        """Whether ``check_source`` and ``vouch`` are cheap enough for the loop (a stat of a local file)."""
+        ...
+
+    def close(self) -> None:
+        """At unmount: let go of what the reader holds (descriptors of the roots, a client)."""
+        ...
+
+
+class InFront:
+    """A reader in front of another (a cache level: ``disktier.DiskTier``, ``clustertier.ClusterTier``): what it
+    does not change is asked of the reader behind it."""
+
+    def __init__(self, inner: Reader) -> None:
+        self.inner = inner
+
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None:
+        return self.inner.check_source(node, st, cached_only=cached_only)
+
+    @property
+    def inline_check(self) -> bool:
+        return self.inner.inline_check
+
+    def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
+        return self.inner.vouch(node, cached_only=cached_only)
+
+    def read_span(self, node: Node, raw: bool, start: int, end: int) -> memoryview:
+        # Part of a file the level may no longer have: the store has it, checked by the caller.
+        return self.inner.read_span(node, raw, start, end)
+
+
+@runtime_checkable
+class LendsDescriptors(Protocol):
+    """A reader whose files are local and may back a passthrough open themselves (``backing.vouched``): it
+    hands out the descriptor of the source or raw object an open serves."""
+
+    @property
+    def inline_check(self) -> bool: ...
+
+    def choose(self, node: Node, *, cached_only: bool = False) -> Choice: ...
+
+    def warm(self, node: Node) -> None:
+        """Bring what an open of ``node`` walks into the kernel's caches, reading no byte (``lookahead``)."""
+        ...
+
+
+@runtime_checkable
+class ChecksCallers(Protocol):
+    """A reader that can tell whether a user may read a file as the source is now (an --allow-other mount
+    asks it at every open by another user)."""
+
+    def may_read(self, node: Node, uid: int, gid: int, pid: int = 0) -> bool: ...

@@ -1,0 +1,118 @@
+"""docs/layout.md's table of the package, generated from the tree: each folder, each module's lines, its job (the
+first sentence of its docstring) and where it is tested. ``python scripts/layout.py`` prints it; ``--write``
+replaces the table in docs/layout.md (tests/unit/test_layout.py fails while the two differ)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "liquidfs"
+LAYOUT = REPO / "docs" / "layout.md"
+BEGIN = "<!-- layout.py: generated from here -->"
+END = "<!-- layout.py: generated to here -->"
+
+#: The package's folders, top first: each imports only folders after it (tests/unit/test_imports.py checks it).
+FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "mix", "policy", "metrics", "stores",
+           "expand", "catalog", "sysio")
+
+#: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
+TESTED_IN = {
+    "cli/__init__.py": "`unit/cli/test_errors.py`, and every mount test through the command",
+    "daemon/serve.py": "`unit/daemon/test_argv.py`; `mount/test_mount.py`",
+    "daemon/build.py": "through `tests/support/operations.py` (every unit test of the FUSE layer and data paths)",
+    "daemon/watchdog.py": "`mount/test_faults.py`",
+    "fuse/request_times.py": "`unit/fuse/test_operations.py`",
+    "datapath/base.py": "`unit/datapath/test_daemon.py`, `unit/datapath/test_passthrough.py`",
+    "datapath/backing.py": "`unit/datapath/test_passthrough.py`",
+    "datapath/inodes.py": "`unit/fuse/test_operations.py`, `unit/datapath/test_daemon.py`",
+    "datapath/storage_calls.py": "`unit/datapath/test_daemon.py`, `mount/test_faults.py`",
+    "policy/epochs.py": "`unit/policy/test_next_epoch.py`",
+    "policy/shared_budget.py": "`unit/policy/test_next_epoch.py`",
+    "metrics/defs.py": "`unit/metrics/test_metrics.py`; `system/test_prometheus.py`",
+    "metrics/server.py": "`unit/metrics/test_metrics.py`",
+    "metrics/stats.py": "`unit/metrics/test_metrics.py`",
+    "stores/__init__.py": "`unit/stores/test_stores.py`",
+    "stores/base.py": "`unit/stores/test_stores.py`",
+    "stores/local/__init__.py": "`unit/stores/test_stores.py`",
+    "stores/s3/__init__.py": "`unit/stores/test_s3.py`",
+    "stores/reader.py": "`unit/datapath/test_daemon.py`, `unit/datapath/test_passthrough.py`",
+    "stores/sample.py": "`unit/profile/test_choose.py`",
+    "stores/local/store.py": "`unit/stores/test_stores.py`, `unit/stores/test_writers.py`",
+    "stores/local/reader.py": "`unit/datapath/test_daemon.py`, `mount/test_trust.py`",
+    "stores/s3/client.py": "`unit/stores/test_s3.py`, `unit/stores/test_s3_checks.py`",
+    "stores/s3/store.py": "`unit/stores/test_s3.py`; `system/test_s3.py`",
+    "stores/s3/reader.py": "`unit/stores/test_s3_checks.py`; `system/test_s3.py`",
+    "catalog/__init__.py": "`unit/catalog/test_catalog.py`",
+    "catalog/identity.py": "`unit/stores/test_s3_checks.py`, `mount/test_trust.py`",
+    "expand/expansion.py": "`unit/stores/test_writers.py`; `mount/test_prepare.py`",
+    "prepare/__init__.py": "`mount/test_prepare.py`",
+    "profile/loaders.py": "`unit/profile/test_measured.py`; `mount/test_profile_run.py`",
+    "profile/decoders.py": "`unit/profile/test_choose.py`",
+    "sysio/safefiles.py": "`unit/stores/test_writers.py`; `mount/test_log_links.py`",
+    "sysio/directio.py": "`unit/datapath/test_daemon.py`",
+    "sysio/locks.py": "`unit/stores/test_stores.py`",
+    "sysio/privileges.py": "`unit/cli/test_doctor.py`",
+    "held/cluster_peers.py": "`unit/held/test_cluster.py`",
+}
+
+
+def job_of(path: Path) -> str:
+    """The first sentence of a module's docstring, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    text = " ".join(doc.split())
+    m = re.match(r"(.+?)\.(\s|$)", text)
+    sentence = (m.group(1) if m else text).rstrip(":.")
+    if len(sentence) > 160:
+        sentence = sentence[:157].rsplit(" ", 1)[0] + " ..."
+    return sentence.replace("|", "\\|")
+
+
+def tested_in(rel: str) -> str:
+    path = Path(rel)
+    own = REPO / "tests" / "unit" / path.parent / f"test_{path.stem}.py"
+    if path.stem != "__init__" and own.exists():
+        return f"`unit/{own.relative_to(REPO / 'tests' / 'unit').as_posix()}`"
+    return TESTED_IN.get(rel, "**nowhere: say where in scripts/layout.py's TESTED_IN**")
+
+
+def table() -> str:
+    rows = [BEGIN, "", "| folder | module | lines | its job | tested in (`tests/`) |", "|---|---|---|---|---|"]
+    for folder in FOLDERS:
+        first = True
+        for path in sorted((PACKAGE / folder).rglob("*.py")):
+            rel = path.relative_to(PACKAGE).as_posix()
+            if path.name == "__init__.py" and len(path.read_text().splitlines()) <= 3:
+                continue  # a folder's docstring: shown as the folder's job below
+            label = f"**`{folder}/`**" if first else ""
+            first = False
+            lines = len(path.read_text().splitlines())
+            rows.append(f"| {label} | `{rel.removeprefix(folder + '/')}` | {lines} | {job_of(path)} | "
+                        f"{tested_in(rel)} |")
+    rows += ["", END]
+    return "\n".join(rows)
+
+
+def folders() -> str:
+    """Each folder's job, from its __init__'s docstring."""
+    return "\n".join(f"- `{f}/`: {job_of(PACKAGE / f / '__init__.py')}" for f in FOLDERS)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", action="store_true", help="replace the generated table in docs/layout.md")
+    args = parser.parse_args()
+    text = table()
+    if not args.write:
+        print(text)
+        return
+    doc = LAYOUT.read_text()
+    start, end = doc.index(BEGIN), doc.index(END) + len(END)
+    LAYOUT.write_text(doc[:start] + text + doc[end:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""``liquidfs doctor``: each ingredient of the passthrough path read from what the machine shows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from liquidfs.cli.doctor import capability_check, checks, kernel_check, kernel_config_check, verdict, verity_check
+
+ROOT_STATUS = "Name:\tx\nCapEff:\t000001ffffffffff\n"
+NO_ADMIN = "Name:\tx\nCapEff:\t0000000000000000\n"
+INITIAL = "         0          0 4294967295\n"
+
+
+def test_kernel_versions() -> None:
+    assert kernel_check("6.18.44-fc").ok
+    assert kernel_check("6.9.0").ok
+    assert not kernel_check("6.8.12-generic").ok
+    assert not kernel_check("5.15.0").ok
+
+
+def test_kernel_config_lines() -> None:
+    assert kernel_config_check("CONFIG_FUSE_FS=y\nCONFIG_FUSE_PASSTHROUGH=y\n").ok
+    assert kernel_config_check("CONFIG_FUSE_FS=y\n# CONFIG_FUSE_PASSTHROUGH is not set\n").ok is False
+    assert "without CONFIG_FS_VERITY" in verity_check("# CONFIG_FS_VERITY is not set\n").found
+    assert "has CONFIG_FS_VERITY" in verity_check("CONFIG_FS_VERITY=y\n").found
+
+
+def test_cap_sys_admin_in_the_initial_user_namespace_only() -> None:
+    assert capability_check(ROOT_STATUS, INITIAL).ok
+    assert not capability_check(NO_ADMIN, INITIAL).ok
+    inside = capability_check(ROOT_STATUS, "         0       1000          1\n")
+    assert not inside.ok and "user namespace" in inside.found
+
+
+def test_verdict_names_what_is_missing() -> None:
+    found = checks()
+    text = verdict(found)
+    missing = [c for c in found if c.ok is False]
+    assert text.startswith("daemon path") == bool(missing)
+    for c in missing:
+        assert c.name in text
+
+
+@pytest.mark.needs_root("doctor's verdict is passthrough only with CAP_SYS_ADMIN")
+def test_the_command_says_the_same_as_json(tmp_path) -> None:
+    done = run_cli("doctor", "--store", str(tmp_path), "--json")
+    values = json.loads(done.stdout)
+    names = [c["name"] for c in values["checks"]]
+    assert names[:5] == ["kernel", "CONFIG_FUSE_PASSTHROUGH", "libfuse", "pyfuse3 passthrough patch",
+                         "CAP_SYS_ADMIN"] and "store filesystem" in names
+    # this suite runs where passthrough is built and granted (CI: root on a 6.x kernel, install.sh's pyfuse3)
+    assert values["verdict"].startswith("passthrough"), values
+    text = run_cli("doctor").stdout
+    assert "passthrough" in text.splitlines()[-1]

@@ -1,0 +1,124 @@
+"""Metadata read ahead (``lookahead.MetadataAhead``): a cold directory's files warmed once, in a worker thread,
+bounded; and what ``warm`` does for the opens that follow."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from liquidfs.fuse import lookahead
+from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.fuse.lookahead import MetadataAhead
+from liquidfs.stores.local.reader import StoreReader
+
+
+def _tree(tmp_path: Path, dirs: int = 3, files: int = 5) -> Catalog:
+    src = tmp_path / "src"
+    for d in range(dirs):
+        (src / f"d{d}").mkdir(parents=True)
+        for f in range(files):
+            (src / f"d{d}" / f"f{f}.bin").write_bytes(b"x" * 100)
+    build(src, tmp_path / "store")
+    return Catalog.open(tmp_path / "store", readonly=True)
+
+
+def _dir(catalog: Catalog, name: bytes) -> int:
+    found = catalog.lookup(ROOT_ID, name)
+    assert found is not None
+    return found.id
+
+
+def test_a_cold_directory_is_warmed_once_file_by_file(tmp_path: Path) -> None:
+    catalog = _tree(tmp_path)
+    warmed: list[bytes] = []
+    ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path))
+    d0, d1 = _dir(catalog, b"d0"), _dir(catalog, b"d1")
+    for _ in range(4):  # every lookup in d0 reaches the daemon; the directory is warmed once
+        ahead.looked_up(d0)
+    ahead.looked_up(d1)
+    ahead.stop()
+    assert sorted(warmed) == sorted([b"d0/f%d.bin" % i for i in range(5)] + [b"d1/f%d.bin" % i for i in range(5)])
+    assert ahead.statistics() == {"lookahead_directories": 2, "lookahead_files": 10}
+
+
+def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    catalog = _tree(tmp_path, dirs=lookahead.MAX_QUEUED + 10, files=1)
+    release = threading.Event()
+    warmed: list[bytes] = []
+
+    def slow(node) -> None:
+        release.wait(10)
+        warmed.append(node.path)
+
+    ahead = MetadataAhead(catalog.path, slow)
+    monkeypatch.setattr(lookahead, "AGAIN_AFTER", 0.0)  # a directory may be warmed again at once
+    d0 = _dir(catalog, b"d0")
+    for _ in range(3):
+        ahead.looked_up(d0)  # queued once: a directory queued or being warmed is not queued again
+    for d in range(1, lookahead.MAX_QUEUED + 10):
+        ahead.looked_up(_dir(catalog, b"d%d" % d))  # the worker is stuck on d0: the queue fills to its bound
+    release.set()
+    ahead.stop()
+    assert len(warmed) == lookahead.MAX_QUEUED  # the first taken by the worker, the rest queued behind it
+    assert warmed.count(b"d0/f0.bin") == 1
+
+
+def test_an_open_gone_cold_warms_its_directory_again_unless_warmed_just_now(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LOOKUP warms a directory once a minute; an open that found its source's inode cold (the kernel dropped
+    what the last warm brought in) warms it again, once the last warm ended ``AGAIN_COLD`` seconds ago."""
+    catalog = _tree(tmp_path, dirs=1, files=2)
+    warmed: list[bytes] = []
+    ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path))
+    d0 = _dir(catalog, b"d0")
+    [f0, _] = catalog.children(d0)
+
+    def settle() -> None:
+        ahead._queue.put(None)  # the worker ends after what is queued: wait for it, then let it start anew
+        assert ahead._thread is not None
+        ahead._thread.join(10)
+        ahead._thread = None
+
+    ahead.looked_up(d0)
+    settle()
+    ahead.looked_up(d0)  # within AGAIN_AFTER: no second warm for a LOOKUP
+    ahead.went_cold(f0)  # within AGAIN_COLD of the warm's end: none either
+    if ahead._thread is not None:
+        settle()
+    assert len(warmed) == 2
+    monkeypatch.setattr(lookahead, "AGAIN_COLD", 0.0)
+    ahead.went_cold(f0)
+    settle()
+    assert len(warmed) == 4 and ahead.statistics()["lookahead_directories"] == 2
+    ahead.stop()
+
+
+def test_a_warm_that_fails_costs_only_the_hint(tmp_path: Path) -> None:
+    catalog = _tree(tmp_path, dirs=1, files=3)
+
+    def broken(node) -> None:
+        raise OSError(5, "gone")
+
+    ahead = MetadataAhead(catalog.path, broken)
+    ahead.looked_up(_dir(catalog, b"d0"))
+    ahead.stop()
+    assert ahead.statistics() == {"lookahead_directories": 1, "lookahead_files": 0}
+
+
+@pytest.mark.needs_root("/proc/sys/vm/drop_caches")
+def test_warm_brings_what_an_open_on_the_loop_walks_into_the_kernels_caches(tmp_path: Path) -> None:
+    catalog = _tree(tmp_path, dirs=1, files=1)
+    reader = StoreReader(catalog.source, tmp_path / "store")
+    node = catalog.lookup(_dir(catalog, b"d0"), b"f0.bin")
+    assert node is not None
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("2\n")  # dentries and inodes
+    with pytest.raises(BlockingIOError):
+        reader.open_source(node, cached_only=True)  # cold: the loop would hand this open to a thread
+    reader.warm(node)
+    os.close(reader.open_source(node, cached_only=True))  # warm: answered on the loop
+    reader.close()

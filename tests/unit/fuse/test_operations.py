@@ -1,0 +1,248 @@
+"""The FUSE layer (``fs.Operations``) driven in-process, without a mount: lookups, attributes, the control file,
+errors as errnos, the open-file budget, over a real catalog and store."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from liquidfs.catalog import ROOT_ID, Catalog
+from liquidfs.fuse.operations import CONTROL_ID, CONTROL_NAME, Operations
+from liquidfs.stores.local.reader import StoreReader
+from operations import daemon_operations, ops_over, small_tree
+
+CTX = pyfuse3.RequestContext()
+
+
+@pytest.fixture
+def ops(tmp_path: Path) -> Operations:
+    return small_tree(tmp_path)
+
+
+def run(fn, *args):
+    return trio.run(fn, *args)
+
+def test_lookup_getattr_open_read_release(ops: Operations) -> None:
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    assert d.st_mode & 0o040000 and d.st_nlink == 2
+    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    assert a.st_size == 5000 and a.st_mode & 0o222 == 0
+    assert run(ops.getattr, a.st_ino, CTX).st_size == 5000
+    fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    assert run(ops.read, fi.fh, 4990, 100) == b"A" * 10
+    run(ops.release, fi.fh)
+    assert ops.stats.opens == 1 and ops.stats.bytes_read == 10
+    assert ops.inodes.lookups(a.st_ino) == 1 and ops.inodes.known == 2
+    run(ops.forget, [(a.st_ino, 1)])
+    assert ops.inodes.get(a.st_ino) is None and ops.inodes.lookups(a.st_ino) == 0 and ops.inodes.known == 1
+
+def test_missing_names_and_writes(ops: Operations) -> None:
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.lookup, ROOT_ID, b"nope", CTX)
+    assert info.value.errno == errno.ENOENT
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC):
+        with pytest.raises(pyfuse3.FUSEError) as info:
+            run(ops.open, b.st_ino, flags, CTX)
+        assert info.value.errno == errno.EROFS
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.unlink, ROOT_ID, b"b.txt", CTX)
+    assert info.value.errno == errno.EROFS
+
+def test_unexpected_exceptions_become_eio(ops: Operations) -> None:
+    def broken(node):
+        raise RuntimeError("a bug")
+
+    ops.data.reader.open = broken  # type: ignore[method-assign]
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    fh = run(ops.open, b.st_ino, os.O_RDONLY, CTX).fh  # read at its first read (``_read_later``)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fh, 0, 4096)
+    assert info.value.errno == errno.EIO and ops.stats.errors == 1
+    ops.data.reader.vouch = broken  # type: ignore[method-assign]
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.EIO and ops.stats.errors == 2
+
+def test_source_deleted_is_enoent(ops: Operations, tmp_path: Path) -> None:
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    (tmp_path / "src" / "b.txt").unlink()
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENOENT
+
+def test_control_entry(ops: Operations) -> None:
+    entry = run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX)
+    assert entry.st_ino == CONTROL_ID
+    fi = run(ops.open, CONTROL_ID, os.O_RDONLY, CTX)
+    assert fi.direct_io
+    values = json.loads(bytes(run(ops.read, fi.fh, 0, 1 << 20)))
+    assert values["pid"] == os.getpid() and "cache_budget" in values
+    vfs = run(ops.statfs, CTX)
+    assert vfs.f_files == 2
+
+def test_open_files_are_bounded_and_past_the_bound_an_open_fails_with_enfile(tmp_path: Path) -> None:
+    """Every open file may hold a descriptor and memory in the daemon: without a bound, a user opening files
+    without closing them exhausted either. Past ``max_open_files`` an open fails with ENFILE; a close makes room."""
+    files = {f"f{i}": bytes([i]) * 1000 for i in range(4)}
+    ops = ops_over(tmp_path, files, None)
+    ops.max_open_files = 3
+    handles = [run(ops.open, run(ops.lookup, ROOT_ID, f"f{i}".encode(), CTX).st_ino, os.O_RDONLY, CTX)
+               for i in range(3)]
+    last = run(ops.lookup, ROOT_ID, b"f3", CTX).st_ino
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, last, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENFILE
+    run(ops.release, handles[0].fh)
+    fi = run(ops.open, last, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f3"]
+
+def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Path) -> None:
+    """With every FUSE worker waiting in an open for a hung storage, nothing else was answered. Past
+    ``max_opens`` opens in flight (here two, held as if waiting for storage) an open fails at once with EAGAIN,
+    counted; a lookup, a getattr and the control file still answer, and once an open ends the next one is
+    served."""
+    files = {f"f{i}": bytes([i]) * 1000 for i in range(2)}
+    ops = ops_over(tmp_path, files, None)
+    ops.storage.max_opens = 2
+    ino = run(ops.lookup, ROOT_ID, b"f0", CTX).st_ino
+    waiting = [ops.storage.opening(), ops.storage.opening()]
+    for held in waiting:
+        held.__enter__()
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.EAGAIN
+    assert run(ops.lookup, ROOT_ID, b"f1", CTX).st_size == 1000 and run(ops.getattr, ino, CTX).st_size == 1000
+    control = run(ops.open, CONTROL_ID, os.O_RDONLY, CTX)
+    values = json.loads(bytes(run(ops.read, control.fh, 0, 1 << 20)))
+    assert values["opens_in_flight"] == 2 and values["opens_refused"] == 1 and values["opens"] == 0
+    assert ops._slots_taken == 0  # the refused open gave its slot of the open-file budget back
+    waiting.pop().__exit__(None, None, None)
+    fi = run(ops.open, ino, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f0"]
+    assert ops.storage.opens_in_flight == 1 and ops.statistics()["opens_refused"] == 1
+
+
+class _As:
+    """The request context of a FUSE request from ``uid`` (pyfuse3's own cannot be made with other ids)."""
+
+    def __init__(self, uid: int) -> None:
+        self.uid, self.gid, self.pid, self.umask = uid, uid, 4242, 0o022
+
+def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:
+    """Open ``ino`` as ``ctx`` until an open fails (``at_most`` times at most): the handles, and the errno."""
+    held: list[int] = []
+    for _ in range(at_most):
+        try:
+            held.append(run(ops.open, ino, os.O_RDONLY, ctx).fh)
+        except pyfuse3.FUSEError as exc:
+            return held, exc.errno
+    return held, 0
+
+def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
+    """The open-file budget was the mount's, whoever held it: one user opening one file 18,976 times left every
+    other user, root included, with ENFILE. A user other than root and the mount's own holds at most a share of
+    it (half of what is not kept back), and the last eighth stays for root and the mount's user, whoever else
+    opens what. A close gives the slot back to whoever it was; a refused or failed open takes none."""
+    ops = ops_over(tmp_path, {"f": b"x" * 1000}, None)
+    ops.max_open_files = 16  # 2 kept back for root and the mount's user; 7 at most for any one other user
+    ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
+    greedy, held_errno = _open_until_refused(ops, ino, _As(1000), 16)
+    assert (len(greedy), held_errno) == (7, errno.ENFILE)
+    other, _ = _open_until_refused(ops, ino, _As(1001), 7)  # another user still opens, as many
+    assert len(other) == 7
+    assert _open_until_refused(ops, ino, _As(1002), 1) == ([], errno.ENFILE)  # only the part kept back is left
+    root, _ = _open_until_refused(ops, ino, CTX, 2)  # root (and the mount's user) still open
+    assert len(root) == 2 and _open_until_refused(ops, ino, CTX, 1) == ([], errno.ENFILE)  # the whole budget
+    for fh in (*root, greedy.pop()):
+        run(ops.release, fh)
+    assert _open_until_refused(ops, ino, _As(1001), 1) == ([], errno.ENFILE)  # its share: full
+    greedy += _open_until_refused(ops, ino, _As(1000), 1)[0]  # the slot given back is its owner's again
+    assert len(greedy) == 7
+    for fh in greedy + other:
+        run(ops.release, fh)
+    # An open that fails (the source is gone) gives its slot back too.
+    (tmp_path / "src" / "f").unlink()
+    for _ in range(10):
+        assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
+    assert ops._slots_taken == 0 and not ops._slots
+
+
+def test_each_request_type_is_counted_and_timed(tmp_path: Path) -> None:
+    """Where the loop's time goes (issue 28's profile): count and wall time always, the loop CPU of a request's
+    own steps with --time-requests, errors included."""
+    timed = small_tree(tmp_path)  # builds the store; opened again below with CPU times
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"))
+    ops.time_requests = True
+    for each in (timed, ops):
+        a = run(each.lookup, run(each.lookup, ROOT_ID, b"d", CTX).st_ino, b"a.bin", CTX)
+        fi = run(each.open, a.st_ino, os.O_RDONLY, CTX)
+        assert run(each.read, fi.fh, 0, 100) == b"A" * 100
+        run(each.release, fi.fh)
+        with pytest.raises(pyfuse3.FUSEError):
+            run(each.lookup, ROOT_ID, b"missing", CTX)
+        requests = each.statistics()["requests"]
+        assert requests["lookup"]["count"] == 3 and requests["open"]["count"] == 1
+        assert requests["read"]["count"] == 1 and requests["release"]["count"] == 1
+        assert requests["statfs"] == {"count": 0, "wall_s": 0.0, "cpu_s": 0.0}
+        assert all(requests[r]["wall_s"] > 0 for r in ("lookup", "open", "read", "release"))
+    cpu = ops.statistics()["requests"]
+    assert all(0 < cpu[r]["cpu_s"] <= cpu[r]["wall_s"] for r in ("lookup", "open", "read", "release"))
+    assert timed.statistics()["requests"]["open"]["cpu_s"] == 0.0  # not asked for: not measured
+
+
+def test_an_open_after_a_lookup_asks_nothing_of_the_catalog(ops: Operations, monkeypatch) -> None:
+    """The open and getattr that follow a lookup find its catalog row kept (a query costs the loop ~13 us); the
+    rows kept are the latest lookups', a bounded number (a find over ten million files looks up every one), and
+    an older one is queried again."""
+    from liquidfs.datapath import inodes
+
+    monkeypatch.setattr(inodes, "ROWS_KEPT", 1)
+    queries: list[int] = []
+    real_get = ops.catalog.get
+
+    def counting_get(inode: int):
+        queries.append(inode)
+        return real_get(inode)
+
+    ops.catalog.get = counting_get  # type: ignore[method-assign]
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    run(ops.getattr, b.st_ino, CTX)
+    fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert run(ops.read, fi.fh, 0, 100) == b"hello\n"
+    run(ops.release, fi.fh)
+    assert queries == []
+    run(ops.forget, [(b.st_ino, 1)])
+    assert ops.inodes.get(b.st_ino) is None
+    run(ops.lookup, ROOT_ID, b"d", CTX)  # the one row kept is d's now
+    assert run(ops.getattr, b.st_ino, CTX).st_size == 6 and queries == [b.st_ino]
+
+
+def test_inodes_only_looked_up_cost_a_word_each_and_the_rows_kept_are_bounded(ops: Operations, monkeypatch) -> None:
+    """A find over ten million files makes the kernel hold every inode: what the mount keeps of one it only
+    looked up is its count of lookups in an array, no record; the rows kept are bounded."""
+    import dataclasses
+
+    from liquidfs.datapath import inodes
+    from liquidfs.metrics.stats import MountStats
+
+    monkeypatch.setattr(inodes, "ROWS_KEPT", 10)
+    table = inodes.Inodes(MountStats(), max_id=5)
+    row = ops.catalog.get(ROOT_ID)
+    assert row is not None
+    for inode in range(2, 100):  # past max_id: the array grows
+        table.looked_up(dataclasses.replace(row, id=inode))
+    table.looked_up(dataclasses.replace(row, id=7))
+    assert len(table) == 0 and len(table._rows) == 10 and table.known == 98
+    assert table.lookups(7) == 2 and table.lookups(1000) == 0
+    assert table.node(99) is not None and table.node(2) is None  # the oldest rows went first
+    table.forget(7, 2)
+    table.forget(1000, 1)  # never looked up: nothing to forget
+    assert table.known == 97 and table.lookups(7) == 0

@@ -1,0 +1,386 @@
+"""The cluster level (``clustertier.ClusterTier``) over a memcached in a dict: which objects are the cluster's,
+hits only of the exact bytes the catalog records, a changed source never served from it, a dead memcached a miss.
+A --cluster name (``ResolvingClient``) with a resolver faked: every address it resolves to, a join or a leave moving
+only that memcached's keys, an answer that is not addresses or fails keeping the last good set.
+Real memcacheds and mounts: ``tests/system/test_cluster.py``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clusterfakes import FakeMemcached
+from liquidfs.catalog import Catalog
+from liquidfs.held.cluster_peers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
+                                   parse_cluster, resolve_addresses)
+from liquidfs.held.cluster import ClusterTier, EveryoneReads, in_share, key_of
+from liquidfs.held.sealing import ClusterKey, Sealer
+from liquidfs.prepare import prepare
+from liquidfs.stores.local.reader import StoreReader
+from sample import make_sample
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "src"
+    make_sample(src, count=8, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    return src, store
+
+
+def _tier(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tuple[ClusterTier, FakeMemcached, list]:
+    """A level over a fake memcached: plaintext of sources everyone may read, or sealed under ``key``."""
+    catalog = Catalog.open(store, readonly=True)
+    client = FakeMemcached()
+    reader = StoreReader(catalog.source, store)
+    if key is not None:
+        tier = ClusterTier(reader, client, share, sealer=Sealer(key), key_id=key.id)
+    else:
+        tier = ClusterTier(reader, client, share, public=EveryoneReads(catalog.get))
+    return tier, client, [n for n in catalog.files() if n.served_raw]
+
+
+def test_urls() -> None:
+    assert parse_cluster("memcached://a:1,b,[::1]:5") == [("a", 1), ("b", 11211), ("::1", 5)]
+    for bad in ("memcached://", "redis://a:1", "memcached://a:x", "memcached://a:1,a:1", "memcached://a:1/db",
+                "memcached://:5", "memcached://a:99999"):
+        with pytest.raises(ClusterError):
+            parse_cluster(bad)
+
+
+def test_the_share_is_the_same_on_every_node_and_of_raw_objects_only(store: tuple[Path, Path]) -> None:
+    src, path = store
+    _, _, raw = _tier(path)
+    assert raw and all(in_share(n, 1.0) for n in raw) and not any(in_share(n, 0.0) for n in raw)
+    half = [in_share(n, 0.5) for n in raw]
+    assert half == [in_share(n, 0.5) for n in _tier(path)[2]]  # from the catalog alone: another node agrees
+    catalog = Catalog.open(path, readonly=True)
+    assert not any(in_share(n, 1.0) for n in catalog.files() if not n.served_raw)
+    assert all(key_of(n) == f"liquidfs2:{n.checksum}:{n.size_served}" for n in raw)  # what it holds, no path
+
+
+def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Path, Path]) -> None:
+    _, path = store
+    first, client, raw = _tier(path)
+    served = {n.id: bytes(first.open(n).data or b"") for n in raw}
+    assert first.statistics()["cluster_misses"] == len(raw) and client.sets == len(raw)
+    second = ClusterTier(first.inner, client, 1.0, public=first.public)  # another node, the same memcacheds
+    for n in raw:
+        content = second.open(n)
+        assert content.tier == "cluster" and bytes(content.data or b"") == served[n.id]
+        assert served[n.id] == (path / str(n.object)).read_bytes()
+    st = second.statistics()
+    assert st["cluster_hits"] == len(raw) and st["cluster_hit_bytes"] == sum(map(len, served.values()))
+    second.close()  # its connections; the reader behind it is its owner's and still serves
+    assert client.closed and bytes(first.inner.open(raw[0]).data or b"") == served[raw[0].id]
+
+
+def test_a_value_that_is_not_the_objects_bytes_is_never_served(store: tuple[Path, Path]) -> None:
+    _, path = store
+    tier, client, raw = _tier(path)
+    node = raw[0]
+    real = (path / str(node.object)).read_bytes()
+    for wrong in (b"x" * len(real), real[:-1], real[:-1] + bytes([real[-1] ^ 1]), "text"):
+        client.values[key_of(node)] = wrong  # type: ignore[assignment]  # a peer, or anyone who reaches it
+        content = tier.open(node)
+        assert content.tier == "storage" and bytes(content.data or b"") == real
+        client.values.pop(key_of(node), None)
+    assert tier.statistics()["cluster_rejected"] == 4 and tier.statistics()["cluster_hits"] == 0
+
+
+def test_a_changed_source_is_never_served_from_the_cluster(store: tuple[Path, Path]) -> None:
+    src, path = store
+    tier, client, raw = _tier(path)
+    node = raw[0]
+    tier.open(node)  # stored
+    source = src / os.fsdecode(node.path)
+    source.write_bytes(source.read_bytes())  # rewritten in place: the catalog no longer describes it
+    content = tier.open(node)
+    assert content.tier != "cluster" and not content.raw and bytes(content.data or b"") == source.read_bytes()
+    assert tier.statistics()["cluster_hits"] == 0
+
+
+def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[Path, Path]) -> None:
+    _, path = store
+    tier, client, raw = _tier(path)
+    client.down = True
+    for n in raw:
+        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    st = tier.statistics()
+    assert st["cluster_hits"] == 0 and st["cluster_unanswered"] == 2 * len(raw)  # its fetches and stores
+    client.down = False  # back: used again
+    for n in raw:
+        tier.open(n)
+    assert tier.statistics()["cluster_stored"] == len(raw)
+
+
+def test_files_outside_the_share_never_ask_the_cluster(store: tuple[Path, Path]) -> None:
+    _, path = store
+    tier, client, raw = _tier(path, share=0.0)
+    for n in raw:
+        tier.open(n)
+    assert client.gets == client.sets == 0
+    assert tier.vouch(raw[0]) is True  # read at its first read, as without a cluster
+    assert _tier(path, share=1.0)[0].vouch(raw[0]) is False  # the cluster's: read at open, where it is asked
+
+
+# -- a --cluster name, resolved again ------------------------------------------------------------------------
+
+
+class FakeDNS:
+    """A resolver whose answer the test sets: a list (returned as is, whatever it holds) or an exception (raised)."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+        self.asked: list[tuple[str, int]] = []
+
+    def __call__(self, host: str, port: int) -> list[str]:
+        self.asked.append((host, port))
+        if isinstance(self.answer, BaseException):
+            raise self.answer
+        return self.answer  # type: ignore[no-any-return]
+
+
+class Made:
+    """``make`` for ``ResolvingClient``: real ``HashClient``s (no connection until asked), each kept."""
+
+    def __init__(self) -> None:
+        self.clients: list[Any] = []
+
+    def __call__(self, servers: list[tuple[str, int]]) -> Any:
+        self.clients.append(hash_client(servers))
+        return self.clients[-1]
+
+    def placement(self, keys: list[str]) -> dict[str, str]:
+        """Which memcached the latest client puts each key on (its rendezvous hash)."""
+        return {key: self.clients[-1].hasher.get_node(key) for key in keys}
+
+
+def test_literal_addresses_are_used_as_given_and_never_resolved() -> None:
+    dns = FakeDNS(socket.gaierror("must not be asked"))
+    client = memcached_client([("10.0.0.1", 11211), ("::1", 5)], resolve=dns)
+    assert not isinstance(client, ResolvingClient) and dns.asked == []
+    assert sorted(client.clients) == ["10.0.0.1:11211", "::1:5"]  # type: ignore[attr-defined]
+    client.close()
+
+
+def test_a_name_stands_for_every_address_it_resolves_to_and_nothing_else() -> None:
+    dns = FakeDNS(["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::7", "memcached.evil", "0.0.0.0", "224.0.0.1", 7, "",
+                   "10.0.0.1 ; rm", "::"])
+    client = memcached_client([("memcached.ns.svc.cluster.local", 11211), ("192.168.1.9", 11212)], resolve=dns)
+    try:
+        assert isinstance(client, ResolvingClient)
+        assert dns.asked == [("memcached.ns.svc.cluster.local", 11211)]  # the literal one is not asked about
+        assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211), ("192.168.1.9", 11212),
+                                    ("fd00::7", 11211)]
+    finally:
+        client.close()
+
+
+def test_a_memcached_that_joins_or_leaves_moves_only_its_own_keys() -> None:
+    dns, made = FakeDNS(["10.0.0.1", "10.0.0.2", "10.0.0.3"]), Made()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=made, background=False)
+    keys = [f"liquidfs2:{i:08x}:{i}" for i in range(3000)]
+    before = made.placement(keys)
+    assert set(before.values()) == {"10.0.0.1:11211", "10.0.0.2:11211", "10.0.0.3:11211"}
+
+    dns.answer = ["10.0.0.3", "10.0.0.4", "10.0.0.1", "10.0.0.2"]  # a node joins (any order: one set)
+    assert client.refresh() and len(made.clients) == 2  # a new client over the new set
+    joined = made.placement(keys)
+    moved = {k for k in keys if joined[k] != before[k]}
+    assert moved and all(joined[k] == "10.0.0.4:11211" for k in moved)  # only to the new one
+    assert 0.15 < len(moved) / len(keys) < 0.35  # about its quarter
+
+    dns.answer = ["10.0.0.1", "10.0.0.3", "10.0.0.4"]  # another leaves
+    assert client.refresh()
+    left = made.placement(keys)
+    moved = {k for k in keys if left[k] != joined[k]}
+    assert moved == {k for k in keys if joined[k] == "10.0.0.2:11211"}  # exactly its keys, spread on the rest
+    assert "10.0.0.2:11211" not in made.clients[-1].clients  # gone for good, not a dead node waiting to return
+    assert not client.refresh() and len(made.clients) == 3  # the same answer: the same client, its pools kept
+    client.close()
+
+
+@pytest.mark.parametrize("failure", [socket.gaierror(socket.EAI_NONAME, "Name or service not known"), [],
+                                     ["not-an-address", None], "10.0.0.9", RuntimeError("a resolver's bug")])
+def test_a_name_that_resolves_to_nothing_usable_keeps_its_last_good_set_and_logs_once(
+        failure: Any, caplog: pytest.LogCaptureFixture) -> None:
+    dns = FakeDNS(["10.0.0.1", "10.0.0.2"])
+    memcached = FakeMemcached()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=lambda servers: memcached,
+                             background=False)
+    memcached.values["k"] = b"v"
+    dns.answer = failure
+    with caplog.at_level(logging.INFO, logger="liquidfs.held.cluster_peers"):
+        for _ in range(3):
+            assert client.refresh() is False
+            assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
+            assert client.get("k", 1) == b"v"  # fetches go on over the last good set
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "keeping its last 2" in warned[0].getMessage()
+        dns.answer = ["10.0.0.1"]
+        assert client.refresh() and client.servers() == [("10.0.0.1", 11211)]
+        assert any("resolves again" in r.getMessage() for r in caplog.records)
+    client.close()
+
+
+def test_an_answer_past_the_bound_is_cut_the_same_on_every_node() -> None:
+    addresses = [f"10.1.{i // 250}.{i % 250 + 1}" for i in range(300)]
+    nodes = []
+    for seed in (1, 2):
+        random.Random(seed).shuffle(addresses)
+        client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(list(addresses)),
+                                 make=lambda servers: FakeMemcached(), background=False)
+        nodes.append(client.servers())
+    assert len(nodes[0]) == MAX_SERVERS and nodes[0] == nodes[1]
+
+
+def test_a_name_that_never_resolved_is_a_miss_never_a_failed_read(store: tuple[Path, Path]) -> None:
+    _, path = store
+    catalog = Catalog.open(path, readonly=True)
+    client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(socket.gaierror("no such name")),
+                             background=False)  # a real HashClient over no memcached at all
+    tier = ClusterTier(StoreReader(catalog.source, path), client, 1.0, public=EveryoneReads(catalog.get))
+    raw = [n for n in catalog.files() if n.served_raw]
+    for n in raw:
+        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    assert client.servers() == [] and tier.statistics()["cluster_hits"] == 0
+    tier.close()
+
+
+def test_the_name_is_resolved_again_in_a_thread_of_its_own_until_closed() -> None:
+    dns, made = FakeDNS(["10.0.0.1"]), Made()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=made, every=0.02)
+    try:
+        dns.answer = ["10.0.0.1", "10.0.0.2"]
+        deadline = time.monotonic() + 10
+        while len(client.servers()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
+        assert threading.current_thread().name != "liquidfs-cluster-dns"
+    finally:
+        client.close()
+    assert not any(t.name == "liquidfs-cluster-dns" for t in threading.enumerate())
+    asked = len(dns.asked)
+    time.sleep(0.1)
+    assert len(dns.asked) == asked  # stopped at close
+
+
+def test_the_systems_resolver_answers_addresses() -> None:
+    assert "127.0.0.1" in resolve_addresses("localhost", 11211)
+
+
+# -- sealed under a cluster key, or only what everyone may read ----------------------------------------------
+
+
+def _key(seed: int = 1) -> ClusterKey:
+    return ClusterKey(random.Random(seed).randbytes(32))
+
+
+def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(store: tuple[Path, Path]) -> None:
+    _, path = store
+    first, client, raw = _tier(path, key=_key())
+    for n in raw:
+        first.open(n)
+    assert client.sets == len(raw) and first.statistics()["cluster_sealed"] == 1
+    for n in raw:
+        real = (path / str(n.object)).read_bytes()
+        value = client.values[key_of(n, _key().id)]
+        assert len(value) == len(real) + 28 and real[:64] not in value  # nonce + ciphertext + tag
+    second = ClusterTier(first.inner, client, 1.0, sealer=Sealer(_key()), key_id=_key().id)  # same key
+    for n in raw:
+        content = second.open(n)
+        assert content.tier == "cluster" and bytes(content.data or b"") == (path / str(n.object)).read_bytes()
+    assert second.statistics()["cluster_hits"] == len(raw) and second.statistics()["cluster_rejected"] == 0
+
+
+def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store: tuple[Path, Path]) -> None:
+    """What a writer without the key can do to a value (change any bytes, keep its length; put another object's
+    sealed value, or one sealed under another key, in its place) is a miss, read from storage."""
+    _, path = store
+    tier, client, raw = _tier(path, key=_key())
+    node, other = raw[0], raw[1]
+    tier.open(node)
+    tier.open(other)
+    key = key_of(node, _key().id)
+    sealed = client.values[key]
+    real = (path / str(node.object)).read_bytes()
+    foreign = Sealer(_key(2)).seal(key.encode(), real)  # the right identity, another key
+    flipped = bytearray(sealed)
+    flipped[40] ^= 0x20
+    wrongs = [bytes(flipped), sealed[:12] + bytes(len(sealed) - 12), foreign, client.values[key_of(other, _key().id)],
+              real + bytes(28), sealed[:-1]]
+    for wrong in wrongs:
+        client.values[key] = wrong
+        content = tier.open(node)
+        assert content.tier == "storage" and bytes(content.data or b"") == real
+    st = tier.statistics()
+    assert st["cluster_rejected"] == len(wrongs) and st["cluster_hits"] == 0
+
+
+def _private_store(tmp_path: Path) -> tuple[Path, Path, set[bytes]]:
+    """A sample whose one file is 0600 and one city's directory 0700 (before prepare: the catalog records
+    them); the paths of the raw-served files nobody else may read."""
+    src = tmp_path / "src"
+    make_sample(src, count=8, width=64, height=32, seed=4)
+    cities = sorted(p for p in (src / "leftImg8bit" / "train").iterdir())
+    hidden = cities[0]
+    secret = sorted(cities[1].iterdir())[0]
+    secret.chmod(0o600)
+    hidden.chmod(0o700)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    private = {n.path for n in catalog.files() if n.served_raw
+               and (n.path == os.fsencode(secret.relative_to(src)) or n.path.startswith(
+                   os.fsencode(hidden.relative_to(src)) + b"/"))}
+    catalog.close()
+    return src, store, private
+
+
+def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path: Path) -> None:
+    _, path, private = _private_store(tmp_path)
+    assert len(private) >= 2
+    tier, client, raw = _tier(path)
+    for n in raw:
+        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    stored = {n.path for n in raw if key_of(n) in client.values}
+    assert stored == {n.path for n in raw} - private and stored
+    assert tier.statistics()["cluster_private"] == len(private)
+    client.values.update({key_of(n): (path / str(n.object)).read_bytes() for n in raw})  # offered anyway
+    gets = client.gets
+    for n in raw:
+        content = tier.open(n)
+        assert (content.tier == "cluster") == (n.path not in private)
+    assert client.gets - gets == len(raw) - len(private)  # never even asked for
+    # With the key, sealed: nobody without it can read them, so they are shared too.
+    sealed, sealed_client, _ = _tier(path, key=_key())
+    for n in raw:
+        sealed.open(n)
+    assert sealed_client.sets == len(raw) and sealed.statistics()["cluster_private"] == 0
+
+
+def test_everyone_reads_walks_the_catalogs_directories_once(tmp_path: Path) -> None:
+    _, path, private = _private_store(tmp_path)
+    catalog = Catalog.open(path, readonly=True)
+    asked: list[int] = []
+
+    def directory(node_id: int):  # type: ignore[no-untyped-def]
+        asked.append(node_id)
+        return catalog.get(node_id)
+
+    public = EveryoneReads(directory)
+    files = [n for n in catalog.files() if n.served_raw]
+    assert [not public(n) for n in files] == [n.path in private for n in files]
+    assert len(asked) == len(set(asked))  # each directory once
+    assert [not public(n) for n in files] == [n.path in private for n in files] and len(asked) == len(set(asked))
+    assert not EveryoneReads(lambda node_id: None)(files[0])  # a directory the catalog lacks: not shared

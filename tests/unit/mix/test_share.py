@@ -1,0 +1,213 @@
+"""The per-open choice of representation (``mount --mix``) and the loop that steers it, without a mount."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from liquidfs.catalog import REPR_ORIGINAL, REPR_RAW, Node
+from liquidfs.mix.share import Mix, as_original, parse_mix, steer
+from liquidfs.mix.controller import MixController, Stalls
+
+
+def raw_node(i: int) -> Node:
+    return Node(id=100 + i, parent=1, name=b"%d.png" % i, path=b"d/%d.png" % i, kind=0, mode=0o100644,
+                size=1000 + i, mtime_ns=0, nsubdirs=0, target=None, representation=REPR_RAW, served_size=3000 + i,
+                object="ab/%032x.bmp" % i, checksum="c")
+
+
+def test_parse_mix() -> None:
+    assert parse_mix("adaptive") == "adaptive" and parse_mix("prepared") == "prepared"
+    assert parse_mix("0.25") == 0.25 and parse_mix("40%") == 0.4 and parse_mix("0") == 0.0
+    for bad in ("1.5", "-0.1", "half", "", "adaptiv"):
+        with pytest.raises(ValueError):
+            parse_mix(bad)
+
+
+def test_a_fixed_share_above_what_was_prepared_is_refused() -> None:
+    with pytest.raises(ValueError, match="more than the store holds raw"):
+        Mix(0.6, prepared=0.5)
+    assert Mix(0.5, prepared=0.5).share == 0.5
+
+
+def test_a_fixed_share_serves_that_share_of_the_prepared_images_raw() -> None:
+    nodes = [raw_node(i) for i in range(4000)]
+    mix = Mix(0.3, prepared=0.6, seed=7)
+    views = [mix.view(n) for n in nodes]
+    raw = sum(v.served_raw for v in views)
+    assert abs(raw / len(nodes) - 0.5) < 0.03  # 0.3 of all eligible = half of the 0.6 prepared
+    for node, view in zip(nodes, views):
+        if view.representation == REPR_ORIGINAL:
+            assert view.size_served == node.size and view.object is None and view.checksum is None
+        else:
+            assert view is node
+    stats = mix.statistics()
+    assert stats.opens_raw == raw and stats.opens_original == len(nodes) - raw and stats.mode == "fixed"
+
+
+def test_the_choice_is_seeded_and_stable() -> None:
+    nodes = [raw_node(i) for i in range(200)]
+    a, b, c = Mix(0.5, 1.0, seed=1), Mix(0.5, 1.0, seed=1), Mix(0.5, 1.0, seed=2)
+    pick = lambda m: [m.wants_raw(n) for n in nodes]  # noqa: E731
+    assert pick(a) == pick(b) and pick(a) != pick(c)
+
+
+def test_a_higher_share_keeps_every_image_that_was_raw() -> None:
+    """Only images whose rank lies between the old and the new share switch."""
+    nodes = [raw_node(i) for i in range(500)]
+    mix = Mix("adaptive", prepared=1.0, start=0.3)
+    before = {n.id for n in nodes if mix.wants_raw(n)}
+    mix.set_share(0.6, "test")
+    after = {n.id for n in nodes if mix.wants_raw(n)}
+    assert before < after
+
+
+def test_an_open_file_keeps_its_representation_until_its_last_release() -> None:
+    node = raw_node(1)
+    mix = Mix("adaptive", prepared=1.0, start=1.0)
+    assert mix.view(node).served_raw
+    mix.set_share(0.0, "storage binds")
+    assert mix.view(node).served_raw  # a second open while the first is open: same bytes, same size
+    mix.release(node.id)
+    assert mix.view(node).served_raw
+    mix.release(node.id)
+    mix.release(node.id)
+    assert mix.view(node).representation == REPR_ORIGINAL  # no open left: the next first open switches
+    assert mix.statistics().switches == 1
+
+
+def test_a_cache_hit_is_served_as_held() -> None:
+    node = raw_node(2)
+    mix = Mix(0.0, prepared=1.0)
+    assert mix.view(node, held_raw=True).served_raw
+    mix.release(node.id)
+    assert mix.view(node, held_raw=False).representation == REPR_ORIGINAL
+
+
+def test_originals_are_untouched() -> None:
+    node = as_original(raw_node(3))
+    mix = Mix(1.0, prepared=1.0)
+    assert mix.view(node) is node
+
+
+def test_adaptive_starts_at_the_profile_or_the_middle() -> None:
+    assert Mix("adaptive", prepared=0.8).share == pytest.approx(0.4)
+    assert Mix("adaptive", prepared=0.8, start=0.7).share == pytest.approx(0.7)
+    assert Mix("adaptive", prepared=0.8, start=0.95).share == pytest.approx(0.8)  # never above what exists
+
+
+def test_pressure_files_of_the_node_and_of_a_cgroup(tmp_path: Path) -> None:
+    line = "some avg10={} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    (tmp_path / "cpu").write_text(line.format("42.00"))
+    (tmp_path / "io.pressure").write_text(line.format("7.50"))
+    stalls = Stalls(tmp_path)  # first readings: the kernel's avg10
+    assert stalls("cpu") == pytest.approx(0.42)
+    assert stalls("io") == pytest.approx(0.075)
+    assert stalls("memory") is None
+
+
+def test_stalls_are_measured_over_the_interval_not_the_kernels_10_s_average(tmp_path: Path) -> None:
+    """The share of the time since the last reading that the ``total`` stall counter grew by: five seconds after
+    a move, ``avg10`` still holds most of what came before it."""
+    line = "some avg10={} avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    now = [100.0]
+    (tmp_path / "io").write_text(line.format("60.00", 10_000_000))
+    stalls = Stalls(tmp_path, clock=lambda: now[0])
+    assert stalls("io") == pytest.approx(0.6)  # nothing to compare with yet: the kernel's average
+    now[0] += 5.0
+    (tmp_path / "io").write_text(line.format("45.00", 10_500_000))  # 0.5 s stalled in 5 s
+    assert stalls("io") == pytest.approx(0.1)
+    now[0] += 5.0
+    assert stalls("io") == 0.0  # nothing stalled since, whatever avg10 still says
+    (tmp_path / "cpu.pressure").write_text(line.format("1.00", 4_000_000))  # a cgroup's file name
+    assert stalls("cpu") == pytest.approx(0.01)
+    now[0] += 2.0
+    (tmp_path / "cpu.pressure").write_text(line.format("1.00", 1_000))  # a new group: the counter restarted
+    assert stalls("cpu") == pytest.approx(0.01)
+    assert stalls("memory") is None
+
+
+def test_steer_follows_the_pressure_and_says_why() -> None:
+    """The loop feeds the controller from the mount's counters and the pressure, and applies its decisions."""
+    mix = Mix("adaptive", prepared=1.0, start=0.5)
+    controller = MixController(0.0, 1.0, mix.share, step=0.1, patience=2)
+    opens = [0]
+    pressure = {"cpu": 0.6, "io": 0.05}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: steer(mix, controller, lambda: (opens[0], 0), interval=1.0,
+                                             pressure=pressure.get, busy=lambda: 0.1))
+            await trio.sleep(0.5)  # between the loop's decisions, which come at whole seconds
+            for _ in range(6):
+                opens[0] += 50
+                await trio.sleep(1.0)
+            assert mix.share > 0.5 and ("decode binds" in mix.reason or "top of the prepared" in mix.reason)
+            high = mix.share
+            pressure.update(cpu=0.02, io=0.7)
+            for _ in range(8):
+                opens[0] += 50
+                await trio.sleep(1.0)
+            assert mix.share < high and ("storage binds" in mix.reason or "bottom of the prepared" in mix.reason)
+            await trio.sleep(3.0)  # no opens: it holds, and says so
+            assert "no opens" in mix.reason
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert mix.decisions >= 14
+
+
+def test_steer_holds_without_pressure_information() -> None:
+    mix = Mix("adaptive", prepared=1.0, start=0.5)
+    controller = MixController(0.0, 1.0, mix.share)
+
+    async def main() -> None:
+        with trio.move_on_after(5):
+            await steer(mix, controller, lambda: (1, 0), interval=1.0, pressure=lambda kind: None,
+                        busy=lambda: None)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert mix.share == 0.5 and "no pressure stall information" in mix.reason
+
+
+def test_statistics_are_json() -> None:
+    from dataclasses import asdict
+
+    assert json.loads(json.dumps(asdict(Mix("adaptive", 1.0).statistics())))["mode"] == "adaptive"
+
+
+def test_a_saturated_cpu_counts_as_decode_binding() -> None:
+    """A decoder with as many threads as cores keeps them all busy with no task waiting for one: CPU pressure
+    stays low (measured: 0.07-0.08 while DALI decoded on both cores), the saturation says it."""
+    from liquidfs.mix.controller import Observation, cpu_signal
+
+    assert cpu_signal(Observation(40, 0, cpu_pressure=0.07, io_pressure=0.05, cpu_busy=0.98)) > 0.8
+    assert cpu_signal(Observation(40, 0, cpu_pressure=0.07, io_pressure=0.05, cpu_busy=0.6)) == 0.07
+    controller = MixController(0.0, 1.0, start=0.5, patience=2)
+    for _ in range(6):
+        controller.observe(Observation(40, 0, cpu_pressure=0.07, io_pressure=0.05, cpu_busy=0.98))
+    assert controller.share > 0.5
+
+
+def test_cpu_busy_from_the_node_and_from_a_cgroup(tmp_path: Path) -> None:
+    from liquidfs.mix.controller import CpuBusy
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3\n")
+    busy = CpuBusy(tmp_path / "none", proc_stat=stat)
+    stat.write_text("cpu  250 0 150 800 100 0 0 0 0 0\n")  # +200 busy, +100 idle
+    assert busy() == pytest.approx(200 / 300)
+    group = tmp_path / "group"
+    group.mkdir()
+    (group / "cpu.stat").write_text("usage_usec 0\n")
+    now = [100.0]
+    busy = CpuBusy(group, clock=lambda: now[0])
+    now[0] += 10.0
+    (group / "cpu.stat").write_text(f"usage_usec {int(5e6 * busy.cores)}\n")  # half of every core's time
+    assert busy() == pytest.approx(0.5)
+    (group / "cpu.stat").unlink()
+    assert CpuBusy(group, proc_stat=tmp_path / "missing")() is None

@@ -1,0 +1,258 @@
+"""profile: the search and the model on synthetic cost curves, and real profiles of a small dataset; J2K weighed
+with a fake GPU decoder (the one fake here: no GPU is lent to CI) over a real store and real J2K files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from liquidfs import cli
+from liquidfs.profile import decoders as decoderates
+from liquidfs.expand import formats
+from liquidfs.profile.decoders import DecodeRate
+from liquidfs.profile.choose import Costs, ProfileError, choose_for_target, model_choice, paper_search, profile_store, \
+    render, to_json
+from liquidfs.stores import open_store
+
+import _throttle
+from sample import make_sample
+
+
+def _costs(**kw: float) -> Costs:
+    base = dict(images=10, original_bytes=2.9e6, raw_bytes=6.3e6, load_original=800e6, load_raw=800e6,
+                decode_original=37.0, decode_raw=250.0, read_cpu_per_byte=0.0, threads=2, decoder="test")
+    base.update(kw)
+    return Costs(**base)  # type: ignore[arg-type]
+
+
+def test_model_balance_point_is_where_load_meets_decode() -> None:
+    c = _costs(load_original=300e6, load_raw=300e6)
+    r, why = model_choice(c)
+    assert 0 < r < 1 and "balance" in why
+    assert c.load_time(r) == pytest.approx(c.cpu_time(r), rel=1e-9)
+    assert c.throughput(r) >= max(c.throughput(x / 10) for x in range(11)) - 1e-9
+
+
+def test_model_storage_bound_and_cpu_bound_ends() -> None:
+    slow_disk = _costs(load_original=20e6, load_raw=20e6)
+    assert model_choice(slow_disk) == (0.0, pytest.approx(model_choice(slow_disk)[1]))
+    assert "storage-bound" in model_choice(slow_disk)[1]
+    fast_disk_slow_cpu = _costs(load_original=50e9, load_raw=50e9, decode_raw=40.0)
+    r, why = model_choice(fast_disk_slow_cpu)
+    assert r == 1.0 and "CPU-bound" in why
+
+
+def test_cache_share_moves_the_balance_towards_raw() -> None:
+    c0 = _costs(load_original=300e6, load_raw=300e6)
+    c3 = _costs(load_original=300e6, load_raw=300e6, cache_share=0.3)
+    assert model_choice(c3)[0] > model_choice(c0)[0]
+
+
+def test_model_is_the_best_share_with_a_gpu_stage() -> None:
+    """With J2K decoded on the GPU the pace is the slowest of three stages; the model finds its best share
+    exactly (checked against a fine grid), whatever the machine."""
+    import random
+
+    rng = random.Random(18)
+    for _ in range(2000):
+        c = _costs(raw_format="j2k", original_bytes=rng.uniform(1e6, 5e6), raw_bytes=rng.uniform(1e6, 5e6),
+                   load_original=rng.uniform(5e7, 2e9), load_raw=rng.uniform(5e7, 2e9),
+                   decode_original=rng.uniform(5, 200), decode_raw=rng.uniform(100, 5000),
+                   gpu_decode_raw=rng.uniform(10, 2000), cache_share=rng.uniform(0, 0.5))
+        r, why = model_choice(c)
+        grid = max(c.throughput(i / 1000) for i in range(1001))
+        assert c.throughput(r) >= grid * (1 - 1e-9), (c, r, why)
+
+
+def test_model_names_the_gpu_where_it_binds() -> None:
+    fast_gpu = _costs(raw_format="j2k", load_original=50e9, load_raw=50e9, decode_raw=2000.0, gpu_decode_raw=5000.0)
+    assert model_choice(fast_gpu) == (1.0, "CPU-bound even with every image raw: serve all raw (ratio 1)")
+    slow_gpu = _costs(raw_format="j2k", load_original=50e9, load_raw=50e9, decode_raw=2000.0, gpu_decode_raw=20.0)
+    r, why = model_choice(slow_gpu)
+    assert 0 < r < 1 and why.startswith("GPU and CPU balance at"), why
+    assert slow_gpu.gpu_time(r) == pytest.approx(slow_gpu.cpu_time(r), rel=1e-9)
+    assert slow_gpu.throughput(r) > max(slow_gpu.throughput(0), slow_gpu.throughput(1))
+
+
+def _search_on(curve_load, curve_decode):
+    calls = []
+
+    def measure(r: float) -> tuple[float, float]:
+        calls.append(r)
+        return curve_load(r), curve_decode(r)
+
+    return paper_search(measure), calls
+
+
+def test_paper_search_finds_the_crossing() -> None:
+    (best, steps), calls = _search_on(lambda r: 100 - 60 * r, lambda r: 30 + 120 * r)
+    # crossing at r = 70/180 = 0.39: the best of the 11 mixes is 0.4 (min(76, 78) = 76)
+    assert best == 0.4
+    assert len(calls) <= 4 and calls[0] == 0.5
+
+
+def test_paper_search_monotone_and_flat_cases() -> None:
+    (best, _), _ = _search_on(lambda r: 1000.0, lambda r: 10 + 90 * r)  # decode always slower
+    assert best == 1.0
+    (best, _), _ = _search_on(lambda r: 10 - 5 * r, lambda r: 1000.0)  # load always slower
+    assert best == 0.0
+    (best, _), calls = _search_on(lambda r: 50.0, lambda r: 50.0)  # flat and equal: stops at once
+    assert calls == [0.5] and best == 0.5
+
+
+def test_target_rate_picks_the_smallest_share() -> None:
+    c = _costs(load_original=50e9, load_raw=50e9)
+    r = choose_for_target(c, 60.0)
+    assert r is not None and c.throughput(r) >= 60 and c.throughput(r - 0.01) < 60
+    assert choose_for_target(c, 1e6) is None
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # on the root disk (not tmpfs), so read throttling applies to it
+    return make_sample(tmp_path_factory.mktemp("prof") / "data", count=12, width=512, height=256, seed=6)
+
+
+def _profile(src: Path, store: Path, out: Path, *extra: str, throttle: int | None = None) -> dict:
+    cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(store), "--quick",
+           "--decoder", "pil", "--model-only", "--json", str(out / "p.json"), "--plot", str(out / "p.png"), *extra]
+    if throttle is None:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    else:
+        with _throttle.throttled(src, throttle) as group:
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: group.add(os.getpid()))
+            stdout, stderr = proc.communicate(timeout=300)
+            done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+    assert done.returncode == 0, done.stderr
+    assert "chosen ratio" in done.stdout and "ratio  load img/s" in done.stdout
+    return json.loads((out / "p.json").read_text())
+
+
+def test_profile_writes_table_json_and_plot(small: Path, tmp_path: Path) -> None:
+    result = _profile(small, tmp_path / "store", tmp_path)
+    assert len(result["table"]) == 11 and 0 <= result["chosen"] <= 1
+    assert result["costs"]["decoder"] == "pil" and result["search_steps"]
+    with Image.open(tmp_path / "p.png") as im:
+        assert im.format == "PNG" and im.size[0] > 100
+    assert not list((tmp_path / "store").glob("profile-sample*")), "the sample's scratch is removed"
+
+
+def test_throttled_storage_moves_the_choice_towards_originals(small: Path, tmp_path: Path) -> None:
+    problem = _throttle.available()
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot throttle reads: {problem}")
+        pytest.skip(problem)
+    free = _profile(small, tmp_path / "s1", tmp_path)
+    (tmp_path / "t").mkdir()
+    slow = _profile(small, tmp_path / "s2", tmp_path / "t", throttle=8 * 1024 * 1024)
+    assert slow["costs"]["load_original"] < free["costs"]["load_original"] / 3
+    assert slow["chosen"] < free["chosen"], (slow["chosen"], free["chosen"])
+    assert slow["chosen"] <= 0.3
+
+
+def test_prepare_ratio_auto(small: Path, tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(small), "--store", str(tmp_path / "s"),
+                          "--ratio", "auto", "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "profile chose ratio" in out.stdout and "served raw" in out.stdout
+
+
+def test_prepare_ratio_auto_weighs_the_cache_it_is_given(small: Path, tmp_path: Path) -> None:
+    """``prepare --ratio auto --cache-size 40%``: the profile kept in the store weighed a 40 % cache."""
+    out = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(small), "--store", str(tmp_path / "s"),
+                          "--ratio", "auto", "--quick", "--model-only", "--cache-size", "40%", "--no-progress"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    kept = json.loads((tmp_path / "s" / "profile.json").read_text())
+    assert kept["costs"]["cache_share"] == pytest.approx(0.4) and "cache share 40%" in out.stdout
+
+
+def _fake_gpu(rate: float, seen: list[bytes]):  # type: ignore[no-untyped-def]
+    def measure(encoded, threads: int, seconds: float) -> DecodeRate:  # type: ignore[no-untyped-def]
+        seen.extend(encoded)
+        return DecodeRate(rate, 1e-4)
+
+    return lambda: (measure, "a fake GPU")
+
+
+@pytest.mark.parametrize("gpu_rate, expect", [(5000.0, "j2k"), (0.5, "bmp")])
+def test_profile_weighs_j2k_where_a_gpu_decodes_it(small: Path, tmp_path: Path, gpu_rate: float,
+                                                  expect: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sample's J2K files real, the machine's rates fixed: storage at 50 MB/s, the CPU's decoding fast, so
+    what is weighed is which format's bytes and decoder set the pace, not this VM's load (a loaded 2-core CI run
+    measured both formats bound by the CPU, or by the tiny files' latency, within the GPU's margin of each other,
+    and BMP was chosen at 5,000 GPU img/s)."""
+    from liquidfs.profile import choose as profile_mod
+    from liquidfs.stores import sample as timedreads
+
+    monkeypatch.setattr(profile_mod, "measure_decode", lambda encoded, decoder, threads, seconds: 1e6)
+    monkeypatch.setattr(timedreads, "measure_load", lambda items, seconds: (50e6, 1e-10))
+    seen: list[bytes] = []
+    profile = profile_store(open_store(small, tmp_path / "store"), decoder="dali", threads=2, quick=True,
+                            formats=("j2k", "bmp"), find_gpu=_fake_gpu(gpu_rate, seen))
+    # The GPU was given the sample's real lossless J2K files, each the exact pixels of its PNG.
+    assert seen and all(formats.sniff(data[:32]) == "j2k" for data in seen)
+    assert [w["raw_format"] for w in profile.weighed] == ["bmp", "j2k"]
+    assert profile.raw_format == expect, profile.weighed
+    j2k = next(w for w in profile.weighed if w["raw_format"] == "j2k")
+    bmp = next(w for w in profile.weighed if w["raw_format"] == "bmp")
+    assert (j2k["predicted_images_per_s"] > bmp["predicted_images_per_s"]) == (expect == "j2k")
+    assert profile.costs.raw_format == expect and (profile.costs.gpu_decode_raw == gpu_rate) == (expect == "j2k")
+    assert not list((tmp_path / "store").glob("profile-sample*")), "both samples' scratch is removed"
+    kept = json.loads(json.dumps(to_json(profile), allow_nan=False))  # strict JSON, whatever the GPU column
+    assert kept["raw_format"] == expect and len(kept["table"]) == 11
+    text = render(profile)
+    assert f"raw images as {expect.upper()}" in text and ("GPU img/s" in text) == (expect == "j2k")
+    assert "weighed: BMP at" in text and "J2K at" in text
+
+
+def test_profile_says_why_j2k_is_not_weighed(small: Path, tmp_path: Path) -> None:
+    store = open_store(small, tmp_path / "store")
+    no_gpu = profile_store(store, decoder="dali", threads=2, quick=True, formats=("j2k", "bmp"),
+                           find_gpu=lambda: (None, "no CUDA device is visible"))
+    assert no_gpu.raw_format == "bmp" and [w["raw_format"] for w in no_gpu.weighed] == ["bmp"]
+    assert any("J2K not weighed: no GPU to decode it (no CUDA device is visible)" in n for n in no_gpu.notes)
+    pil = profile_store(store, decoder="pil", threads=2, quick=True, formats=("j2k", "bmp"),
+                        find_gpu=_fake_gpu(5000.0, []))
+    assert pil.raw_format == "bmp" and any("decodes with Pillow" in n for n in pil.notes)
+    with pytest.raises(ProfileError, match="J2K cannot be weighed: no GPU"):
+        profile_store(store, decoder="dali", quick=True, formats=("j2k",), find_gpu=lambda: (None, "none"))
+
+
+def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``prepare --ratio auto --formats png,bmp,j2k``: J2K objects where the (fake) GPU makes them faster, BMP
+    where there is no GPU; the profile kept in the store says which. (DALI, the default decoder, is a test
+    dependency: without it the profile would weigh Pillow, and this test fails rather than skips.)"""
+    def prepare(store: Path) -> dict:
+        code = cli.main(["prepare", str(small), "--store", str(store), "--ratio", "auto", "--quick",
+                         "--formats", "png,bmp,j2k", "--no-progress"])
+        assert code == 0, capsys.readouterr().err
+        return json.loads((store / "profile.json").read_text())
+
+    monkeypatch.setattr(decoderates, "find_gpu_decoder", _fake_gpu(5000.0, []))
+    kept = prepare(tmp_path / "gpu")
+    said = capsys.readouterr()
+    assert kept["raw_format"] == "j2k" and "raw images as J2K" in said.out
+    assert "J2K chosen for a loader that decodes with DALI's 'mixed'" in said.out  # for whom it is
+    assert "not yet shown exact on a GPU" in said.err  # until bench_j2k shows dali-mixed exact
+    objects = [p for p in (tmp_path / "gpu" / "objects").rglob("*") if p.is_file()]
+    assert objects and all(p.suffix == ".jp2" for p in objects)
+
+    monkeypatch.setattr(decoderates, "find_gpu_decoder", lambda: (None, "no CUDA device is visible"))
+    kept = prepare(tmp_path / "cpu")
+    out = capsys.readouterr().out
+    assert kept["raw_format"] == "bmp" and "J2K not weighed" in out and "raw images as BMP" in out
+    objects = [p for p in (tmp_path / "cpu" / "objects").rglob("*") if p.is_file()]
+    # How many are raw is the model's call on this machine's measured rates (on a loaded 2-core VM it has found
+    # decoding the bound even with every image original: ratio 0); whatever it chose is BMP.
+    assert bool(objects) == (kept["chosen"] > 0) and all(p.suffix == ".bmp" for p in objects)

@@ -1,0 +1,407 @@
+"""Every answer to a GET is checked against the question (``stores.s3.client.get``): its ETag against the ``If-Match`` sent, its
+Content-Range against the range asked for and the object's size, its body's length. A proxy or cache on the way
+that ignores ``If-Match`` or ``Range``, or cuts a body short, makes the read fail as a changed object does (EIO in
+a mount, a refusal in prepare and verify): its bytes are never returned.
+
+A fake client that answers as S3 does, with hooks that spoil its answers the way a misbehaving proxy would;
+tests/system/test_s3.py has the same through a real mount, a real server and a real proxy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import io
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import xxhash
+from botocore.exceptions import ClientError
+from forge import xxh3_twins
+from PIL import Image
+
+from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
+from liquidfs.catalog.identity import checksum
+from liquidfs.stores.s3 import reader as s3reader
+from liquidfs.stores.s3 import store as bucket_store
+from liquidfs.stores.s3.client import AnswerMismatch, S3Url, as_oserror, error_code, get
+
+BUCKET = "b"
+Answer = dict[str, Any]
+
+
+def _etag(data: bytes) -> str:
+    return f'"{hashlib.md5(data).hexdigest()}"'
+
+
+def _error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "GetObject")
+
+
+class FakeS3:
+    """GET and HEAD as S3 answers them (If-Match, clipped ranges, Content-Range); ``ignore_if_match`` and
+    ``spoil`` make it a proxy that misbehaves. Uploads are recorded, not stored."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.ignore_if_match = False
+        self.spoil: Callable[[Answer, bytes, int], Answer] | None = None  # (answer, object, first byte)
+        self.uploads: list[str] = []
+        self.metadata: dict[str, dict[str, str]] = {}
+
+    def get_object(self, *, Bucket: str, Key: str, IfMatch: str | None = None, Range: str | None = None) -> Answer:
+        if Key not in self.objects:
+            raise _error("NoSuchKey", 404)
+        data = self.objects[Key]
+        if IfMatch is not None and IfMatch.strip('"') != _etag(data).strip('"') and not self.ignore_if_match:
+            raise _error("PreconditionFailed", 412)
+        answer: Answer = {"ETag": _etag(data)}
+        first = 0
+        if Range is not None:
+            first_text, _, last_text = Range.removeprefix("bytes=").partition("-")
+            first, last = int(first_text), min(int(last_text or len(data) - 1), len(data) - 1)
+            if first >= len(data):
+                raise _error("InvalidRange", 416)
+            answer["ContentRange"] = f"bytes {first}-{last}/{len(data)}"
+            data = data[first:last + 1]
+        answer["Body"], answer["ContentLength"] = io.BytesIO(data), len(data)
+        return self.spoil(answer, self.objects[Key], first) if self.spoil else answer
+
+    def head_object(self, *, Bucket: str, Key: str) -> Answer:
+        if Key not in self.objects:
+            raise _error("404", 404)
+        data = self.objects[Key]
+        return {"ETag": _etag(data), "ContentLength": len(data), "Metadata": dict(self.metadata.get(Key, {}))}
+
+    def upload_fileobj(self, fileobj: Any, bucket: str, key: str, **kwargs: Any) -> None:
+        self.uploads.append(key)
+        self.objects[key] = fileobj.read()
+        self.metadata[key] = dict(kwargs.get("ExtraArgs", {}).get("Metadata", {}))
+
+
+def _body(answer: Answer, data: bytes) -> Answer:
+    answer["Body"], answer["ContentLength"] = io.BytesIO(data), len(data)
+    return answer
+
+
+# What a misbehaving proxy makes of an answer: each must fail the GET, whatever was asked.
+
+def _shifted(answer: Answer, whole: bytes, first: int) -> Answer:
+    """The range one byte further on (an off-by-one proxy): as long as asked, but other bytes."""
+    last = first + answer["ContentLength"]
+    answer["ContentRange"] = f"bytes {first + 1}-{last}/{len(whole)}"
+    return _body(answer, whole[first + 1:last + 1])
+
+
+def _other_total(answer: Answer, whole: bytes, first: int) -> Answer:
+    """The range asked for, of an object of another size (a stale cache of an older version)."""
+    first_text, _, rest = answer["ContentRange"].partition("/")
+    answer["ContentRange"] = f"{first_text}/{len(whole) + 100}"
+    return answer
+
+
+def _whole_object(answer: Answer, whole: bytes, first: int) -> Answer:
+    """200 with the whole object to a ranged GET (a proxy that drops Range)."""
+    del answer["ContentRange"]
+    return _body(answer, whole)
+
+
+def _short(answer: Answer, whole: bytes, first: int) -> Answer:
+    """The body cut short, with a Content-Length that agrees (a proxy that re-frames a truncated answer)."""
+    data = answer["Body"].read()
+    return _body(answer, data[:-1])
+
+
+RANGE_SPOILERS = [_shifted, _other_total, _whole_object, _short]
+
+
+@pytest.fixture
+def s3() -> FakeS3:
+    fake = FakeS3()
+    fake.objects["k"] = bytes(range(256)) * 8
+    return fake
+
+
+def test_honest_answers_are_returned(s3: FakeS3) -> None:
+    data = s3.objects["k"]
+    assert get(s3, BUCKET, "k") == data
+    assert get(s3, BUCKET, "k", if_match=_etag(data), size=len(data)) == data
+    assert get(s3, BUCKET, "k", if_match=_etag(data).strip('"'), start=100, length=200, size=len(data)) == \
+        data[100:300]
+    assert get(s3, BUCKET, "k", start=len(data) - 5, length=5) == data[-5:]
+    assert get(s3, BUCKET, "k", start=10) == data[10:]
+    s3.objects["empty"] = b""
+    assert get(s3, BUCKET, "empty", if_match=_etag(b""), size=0) == b""
+
+
+@pytest.mark.parametrize("ranged", [False, True])
+def test_a_changed_object_served_despite_if_match_is_refused(s3: FakeS3, ranged: bool) -> None:
+    """A proxy that drops If-Match serves the object as it is now, of the same size: only the ETag tells."""
+    old = s3.objects["k"]
+    s3.objects["k"] = bytes(reversed(old))
+    s3.ignore_if_match = True
+    span: dict[str, int] = {"start": 8, "length": 16} if ranged else {}
+    with pytest.raises(AnswerMismatch) as err:
+        get(s3, BUCKET, "k", if_match=_etag(old), size=len(old), **span)
+    assert error_code(err.value) == "PreconditionFailed"  # what S3's own 412 says: every caller treats it so
+    assert as_oserror(err.value, "s3://b/k").errno == errno.EIO
+
+
+def test_an_answer_without_an_etag_is_refused_when_one_was_asked_for(s3: FakeS3) -> None:
+    def no_etag(answer: Answer, whole: bytes, first: int) -> Answer:
+        del answer["ETag"]
+        return answer
+
+    s3.spoil = no_etag
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(s3.objects["k"]))
+
+
+@pytest.mark.parametrize("spoil", RANGE_SPOILERS, ids=lambda f: f.__name__.strip("_"))
+def test_a_wrong_range_or_length_is_refused(s3: FakeS3, spoil: Callable[[Answer, bytes, int], Answer]) -> None:
+    data = s3.objects["k"]
+    s3.spoil = spoil
+    with pytest.raises(AnswerMismatch) as err:
+        get(s3, BUCKET, "k", if_match=_etag(data), start=100, length=200, size=len(data))
+    assert as_oserror(err.value, "s3://b/k").errno == errno.EIO
+
+
+@pytest.mark.parametrize("text", [None, "", "bytes 100-299", "bytes */2048", "items 100-299/2048"])
+def test_a_ranged_answer_needs_a_content_range_it_can_read(s3: FakeS3, text: str | None) -> None:
+    def garbled(answer: Answer, whole: bytes, first: int) -> Answer:
+        answer["ContentRange"] = text
+        return answer
+
+    s3.spoil = garbled
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", start=100, length=200)
+
+
+def test_a_whole_object_cut_short_or_partial_is_refused(s3: FakeS3) -> None:
+    data = s3.objects["k"]
+    s3.spoil = lambda answer, whole, first: _body(answer, whole[:-1])
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(data), size=len(data))
+
+    def partial(answer: Answer, whole: bytes, first: int) -> Answer:  # 206 with a part, to a GET of the whole
+        answer["ContentRange"] = f"bytes 0-99/{len(whole)}"
+        return _body(answer, whole[:100])
+
+    s3.spoil = partial
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(data))
+    with pytest.raises(AnswerMismatch):
+        get(s3, BUCKET, "k", if_match=_etag(data), size=len(data))
+
+
+# -- through the mount's reader: EIO, as for a changed object, never the bytes ----------------------------
+
+SOURCE, STORE = S3Url(BUCKET, "src"), S3Url(BUCKET, "store")
+
+
+def _node(rel: bytes, data: bytes, *, raw: bytes | None = None) -> Node:
+    return Node(id=7, parent=1, name=rel, path=rel, kind=KIND_FILE, mode=0o100444, size=len(data), mtime_ns=1,
+                nsubdirs=0, target=None, representation=REPR_RAW if raw is not None else REPR_ORIGINAL,
+                served_size=len(raw) if raw is not None else None, object="objects/ab/x.bmp" if raw else None,
+                checksum=checksum(raw) if raw is not None else None, etag=_etag(data))
+
+
+def _reader(s3: FakeS3, data: bytes, raw: bytes | None = None) -> tuple[s3reader.S3Reader, Node]:
+    s3.objects[SOURCE.key("f.bin")] = data
+    if raw is not None:
+        s3.objects[STORE.key("objects/ab/x.bmp")] = raw
+    return s3reader.S3Reader(s3, SOURCE, STORE), _node(b"f.bin", data, raw=raw)
+
+
+def test_reader_open_of_a_changed_object_is_eio(s3: FakeS3) -> None:
+    data = b"0123456789" * 50
+    reader, node = _reader(s3, data)
+    assert bytes(reader.open(node).data) == data  # type: ignore[arg-type]
+    s3.objects[SOURCE.key("f.bin")] = data.upper().replace(b"0", b"o")  # same size, other bytes
+    s3.ignore_if_match = True
+    with pytest.raises(OSError) as err:
+        reader.open(node)
+    assert err.value.errno == errno.EIO and "ETag" in str(err.value)
+
+
+@pytest.mark.parametrize("spoil", [None, *RANGE_SPOILERS], ids=lambda f: f.__name__.strip("_") if f else "changed")
+def test_reader_ranges_of_a_large_object_are_eio(s3: FakeS3, monkeypatch: pytest.MonkeyPatch,
+                                                  spoil: Callable[[Answer, bytes, int], Answer] | None) -> None:
+    """A large object is read in ranges as the reader asks (``Content.fetch``): each answer is checked too."""
+    monkeypatch.setattr(s3reader, "WHOLE_FILE_LIMIT", 100)
+    data = bytes(range(256)) * 4
+    reader, node = _reader(s3, data)
+    content = reader.open(node)
+    assert content.fetch is not None and bytes(content.read(300, 50)) == data[300:350]
+    if spoil is None:
+        s3.objects[SOURCE.key("f.bin")] = bytes(reversed(data))
+        s3.ignore_if_match = True
+    s3.spoil = spoil
+    with pytest.raises(OSError) as err:
+        content.read(300, 50)
+    assert err.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("raw", [False, True])
+@pytest.mark.parametrize("spoil", RANGE_SPOILERS, ids=lambda f: f.__name__.strip("_"))
+def test_reader_read_span_is_eio(s3: FakeS3, spoil: Callable[[Answer, bytes, int], Answer], raw: bool) -> None:
+    """Pages read again after the kernel let them go (``read_span``), of the original or of the raw object."""
+    data = bytes(range(256)) * 4
+    reader, node = _reader(s3, data, raw=data[::-1] + b"!" if raw else None)
+    whole = s3.objects[STORE.key("objects/ab/x.bmp")] if raw else data
+    assert bytes(reader.read_span(node, raw, 256, 512)) == whole[256:512]
+    s3.spoil = spoil
+    with pytest.raises(OSError) as err:
+        reader.read_span(node, raw, 256, 512)
+    assert err.value.errno == errno.EIO
+
+
+class EndlessBody:
+    """A body far larger than any object the catalog names (a store writer's, or a proxy's, answer), counting the
+    bytes taken from it: read whole, it is 64 MiB here, and any amount on a real connection."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+        self.closed = False
+
+    def read(self, amt: int | None = None) -> bytes:
+        n = 64 << 20 if amt is None else min(amt, 64 << 20)
+        self.taken += n
+        return b"\0" * n
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw-object", "original"])
+def test_a_body_larger_than_the_object_is_read_no_further_than_its_size(s3: FakeS3, raw: bool) -> None:
+    """A GET read the whole body before checking its length: whoever can write the store (or stands between it
+    and the nodes) made every node that opened the file hold as much as they sent. The body is read up to the
+    size the catalog records and one byte more: past it, the answer is refused as a wrong length is, and the
+    raw object falls back to its original (EIO for an original, as for a changed one)."""
+    data = bytes(range(256)) * 4
+    reader, node = _reader(s3, data, raw=data[::-1] + b"!" if raw else None)
+    expected = node.served_size if raw else node.size
+    assert expected is not None
+    bodies: list[EndlessBody] = []
+    target = STORE.key("objects/ab/x.bmp") if raw else SOURCE.key("f.bin")
+
+    def huge(answer: Answer, whole: bytes, first: int) -> Answer:
+        if whole != s3.objects[target]:
+            return answer
+        bodies.append(EndlessBody())
+        answer["Body"] = bodies[-1]  # Content-Length as expected: only the body itself says it is more
+        return answer
+
+    s3.spoil = huge
+    if raw:
+        content = reader.open(node)
+        assert not content.raw and bytes(content.data or b"") == data  # the original, as for a damaged object
+        assert content.fallback is not None and "raw object" in content.fallback
+    else:
+        with pytest.raises(OSError) as err:
+            reader.open(node)
+        assert err.value.errno == errno.EIO
+    assert len(bodies) == 1 and bodies[0].closed
+    assert bodies[0].taken <= expected + 1, bodies[0].taken
+
+
+# -- prepare and verify: a refusal, as for a changed object ------------------------------------------------
+
+def _png(colour: tuple[int, int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (32, 16), colour).save(out, "PNG", compress_level=0)  # stored: the size follows the pixels
+    return out.getvalue()
+
+
+def test_prepare_and_verify_refuse_a_changed_object_served_despite_if_match(
+        s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    before, after = _png((1, 2, 3)), _png((200, 100, 50))
+    assert len(before) == len(after) and before != after
+    s3.objects["src/a.png"] = after  # changed since the listing, which recorded ``before``'s ETag
+    s3.ignore_if_match = True
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+    outcome = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(before), 1, _etag(before), BUCKET,
+                                    "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    assert outcome.reason == "changed-during-prepare" and outcome.object is None and s3.uploads == []
+    s3.objects["store/objects/ab/a.bmp"] = b"raw"
+    verdict = bucket_store.verify_one_s3(BUCKET, "src/a.png", _etag(before), len(before), BUCKET,
+                                    "store/objects/ab/a.bmp", checksum(b"raw"))
+    assert verdict is not None and verdict.startswith("source changed since prepare")
+
+
+# -- a raw object is vouched for by its BLAKE2b digest, never by xxh3 (issue 38) ---------------------------
+
+def test_a_raw_object_rewritten_to_the_same_xxh3_is_refused_and_the_original_served(s3: FakeS3) -> None:
+    """Whoever writes the bucket rewrote a raw object with other bytes of its size and its xxh3_64 (a moment's
+    work: ``forge.xxh3_twins``): the xxh3 checksum prepare recorded vouched for them, and a mount served them."""
+    data = b"the original image " * 64
+    recorded, forged = xxh3_twins(bytes(range(256)) * 8)
+    reader, node = _reader(s3, data, raw=recorded)
+    assert bytes(reader.open(node).data or b"") == recorded  # sound: served raw
+    s3.objects[STORE.key("objects/ab/x.bmp")] = forged
+    content = reader.open(node)
+    assert not content.raw and bytes(content.data or b"") == data, "the forged object was served"
+    assert content.fallback == "raw object fails its checksum"
+
+
+def test_a_catalog_row_with_an_xxh3_digest_vouches_for_no_object(s3: FakeS3, caplog: pytest.LogCaptureFixture) -> None:
+    """A catalog from before BLAKE2b records xxh3 digests: even of the very object, it vouches for nothing a
+    bucket's writer could have chosen. The original is served (a fallback), and the log says once, for every
+    such file, to run prepare again."""
+    data = b"the original image " * 64
+    raw = bytes(range(256)) * 8
+    reader, node = _reader(s3, data, raw=raw)
+    legacy = dataclasses.replace(node, checksum=xxhash.xxh3_64_hexdigest(raw))
+    with caplog.at_level(logging.WARNING, logger=s3reader.__name__):
+        for one in (legacy, dataclasses.replace(legacy, id=8), legacy):
+            content = reader.open(one)
+            assert not content.raw and bytes(content.data or b"") == data, "an xxh3 digest vouched for the object"
+            assert content.fallback is not None and "liquidfs prepare" in content.fallback
+    said = [r for r in caplog.records if "liquidfs prepare" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("digest", ["xxh3", "none", "garbage"])
+def test_prepare_reuses_no_object_whose_metadata_has_no_blake2b_digest(
+        s3: FakeS3, monkeypatch: pytest.MonkeyPatch, digest: str) -> None:
+    """A bucket prepared before BLAKE2b holds objects whose metadata says their xxh3: reused from it, that
+    digest went into the catalog again and kept vouching. Such an object is made and put again."""
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+    raw = bucket_store.expand_bytes(b"a.png", len(png), 1, png)[1]
+    assert raw is not None
+    s3.objects["store/objects/ab/a.bmp"] = raw
+    meta = {"liquidfs-source-etag": _etag(png).strip('"'), "liquidfs-format": "png"}
+    meta["liquidfs-checksum"] = {"xxh3": xxhash.xxh3_64_hexdigest(raw), "none": "", "garbage": "../" * 22}[digest]
+    s3.metadata["store/objects/ab/a.bmp"] = meta
+    outcome = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                         "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    blake = hashlib.blake2b(raw, digest_size=32).hexdigest()
+    assert not outcome.reused and outcome.checksum == blake and s3.uploads == ["store/objects/ab/a.bmp"]
+    assert s3.metadata["store/objects/ab/a.bmp"]["liquidfs-checksum"] == blake
+    again = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                       "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    assert again.reused and again.checksum == blake and len(s3.uploads) == 1  # now it is reused
+
+
+def test_verify_fails_an_object_whose_recorded_digest_is_xxh3(s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    raw = bucket_store.expand_bytes(b"a.png", len(png), 1, png)[1]
+    assert raw is not None
+    s3.objects["store/objects/ab/a.bmp"] = raw
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+
+    def verdict(digest: str) -> str | None:
+        return bucket_store.verify_one_s3(BUCKET, "src/a.png", _etag(png), len(png), BUCKET,
+                                          "store/objects/ab/a.bmp", digest, len(raw))
+
+    assert verdict(hashlib.blake2b(raw, digest_size=32).hexdigest()) is None
+    legacy = verdict(xxhash.xxh3_64_hexdigest(raw))
+    assert legacy is not None and "liquidfs prepare" in legacy

@@ -1,0 +1,246 @@
+"""What a writer of the store or of the dataset cannot make liquidfs, running as root, do (issue 26): delete or
+write files outside the store, put lines of their own in a log, have a catalog choose the source root, or hang
+a profile on a FIFO. Each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sqlite3
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from liquidfs import cli
+from liquidfs.catalog import CATALOG_NAME, CatalogError
+from liquidfs.prepare import prepare, verify
+from liquidfs.stores.local import PROFILE_NAME, LocalStore
+from liquidfs.stores.sample import ProfileError
+from sample import make_sample
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def prepared(tmp_path: Path) -> tuple[Path, Path]:
+    src = make_sample(tmp_path / "data", count=4, width=64, height=32, seed=3)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    return src, store
+
+
+def _add_expansion(store: Path, path: bytes, obj: str) -> None:
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        db.execute("INSERT INTO expansions (path, src_size, src_mtime_ns, object) VALUES (?, 1, 1, ?)", (path, obj))
+
+
+# -- deleting outside the store ----------------------------------------------------------------------------------
+
+
+def test_prepare_deletes_nothing_outside_the_store_whatever_the_catalog_or_the_objects_directory_say(
+        prepared: tuple[Path, Path], tmp_path: Path) -> None:
+    src, store = prepared
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    linked = outside / f"{'ab' * 16}.bmp"  # an object's name, reached through objects/zz -> outside
+    linked.write_bytes(b"keep")
+    os.symlink(outside, store / "objects" / "zz")
+    absolute = outside / "precious.bmp"
+    absolute.write_bytes(b"keep")
+    dotdot = tmp_path / f"{'cd' * 16}.bmp"
+    dotdot.write_bytes(b"keep")
+    _add_expansion(store, b"ghost-absolute", str(absolute))
+    _add_expansion(store, b"ghost-dotdot", f"objects/../../{dotdot.name}")
+    _add_expansion(store, b"ghost-through-link", f"objects/zz/{linked.name}")
+    some_sub = next(p for p in (store / "objects").iterdir() if not p.is_symlink())
+    leftover = some_sub / f"{'ef' * 16}.bmp.tmp-{'0' * 16}"  # what a killed expansion leaves
+    leftover.write_bytes(b"partial")
+    notes = some_sub / "notes.txt"  # not a name prepare gives: not prepare's to delete
+    notes.write_bytes(b"mine")
+
+    report = prepare(src, store, 0.0, progress=False)  # every object is surplus now
+
+    assert report.deleted >= 4
+    assert linked.read_bytes() == b"keep" and absolute.read_bytes() == b"keep" and dotdot.read_bytes() == b"keep"
+    assert (store / "objects" / "zz").is_symlink()
+    assert not leftover.exists() and notes.exists()
+    assert not [p for p in (store / "objects").rglob("*.bmp") if not p.is_relative_to(store / "objects" / "zz")]
+
+
+# -- files liquidfs writes, and its log lines --------------------------------------------------------------------
+
+
+def test_a_log_record_naming_a_file_with_newlines_is_one_line(tmp_path: Path, restore_logging: None) -> None:
+    log_file = tmp_path / "mount.log"
+    cli._setup_logging("info", str(log_file))
+    name = "x\nimport os; os.system('id')\r\n\t.png\x1b[2J\x85"
+    logging.getLogger("liquidfs.test").warning("skipping %s: unreadable", name)
+    try:
+        raise OSError(errno.EIO, f"cannot read {name}")
+    except OSError:
+        logging.getLogger("liquidfs.test").exception("failed on %s", name)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    lines = log_file.read_text().splitlines(keepends=True)
+    assert len(lines) == 2, lines
+    assert all(line.endswith("\n") and "\n" not in line[:-1] and "\r" not in line for line in lines)
+    assert "x\\nimport os; os.system('id')\\r\\n\\t.png\\x1b[2J\\x85" in lines[0]
+    assert not any(line.startswith("import") for line in lines)
+
+
+def test_a_log_file_that_is_a_symlink_is_refused_and_its_target_left_as_it_was(
+        tmp_path: Path, restore_logging: None) -> None:
+    target = tmp_path / "bashrc"
+    target.write_text("# root's startup file\n")
+    link = tmp_path / "mount.log"
+    os.symlink(target, link)
+    with pytest.raises(OSError, match="symbolic link") as refused:
+        cli._setup_logging("info", str(link))
+    assert refused.value.errno == errno.ELOOP and str(link) in str(refused.value)
+    logging.getLogger("liquidfs.test").warning("x\nimport os")
+    assert target.read_text() == "# root's startup file\n"
+
+
+def test_the_cli_says_why_it_cannot_log_to_a_link(tmp_path: Path, restore_logging: None,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "profile"
+    target.write_text("unchanged\n")
+    os.symlink(target, tmp_path / "log")
+    umask = os.umask(0o022)
+    try:
+        status = cli.main(["verify", "--store", str(tmp_path / "store"), "--log-file", str(tmp_path / "log")])
+    finally:
+        os.umask(umask)
+    assert status != 0
+    assert "symbolic link" in capsys.readouterr().err
+    assert target.read_text() == "unchanged\n"
+
+
+def test_the_kept_profile_replaces_a_link_rather_than_writing_through_it(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "data", tmp_path / "store")
+    store.store_dir.mkdir()
+    target = tmp_path / "shadow"
+    target.write_text("root:x:0:0\n")
+    os.symlink(target, store.store_dir / PROFILE_NAME)
+    store.keep_profile('{"chosen": 0.25}')
+    assert target.read_text() == "root:x:0:0\n"
+    kept = os.lstat(store.store_dir / PROFILE_NAME)
+    assert stat.S_ISREG(kept.st_mode) and kept.st_mode & 0o077 == 0
+    assert store.profile_choice() == 0.25
+
+
+def test_a_kept_profile_that_is_a_fifo_does_not_hang_the_mount(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path / "data", tmp_path / "store")
+    store.store_dir.mkdir()
+    fifo = store.store_dir / PROFILE_NAME
+    os.mkfifo(fifo)
+    found: list[float | None] = []
+    reader = threading.Thread(target=lambda: found.append(store.profile_choice()), daemon=True)
+    reader.start()
+    reader.join(20)
+    try:
+        assert not reader.is_alive(), "profile_choice blocked on a FIFO"
+        assert found == [None]
+    finally:
+        _release(fifo, reader)
+
+
+# -- the source root a catalog names -----------------------------------------------------------------------------
+
+
+def _rewrite_source(store: Path, source: str) -> None:
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        db.execute("UPDATE meta SET value=? WHERE key='source'", (source,))
+
+
+@pytest.mark.needs_root("a chown of the catalog to another user")
+def test_verify_refuses_a_source_named_by_a_catalog_someone_else_owns(prepared: tuple[Path, Path]) -> None:
+    _, store = prepared
+    _rewrite_source(store, "/")
+    os.chown(store / CATALOG_NAME, NOBODY, NOBODY)
+    with pytest.raises(CatalogError, match="owned by uid 65534") as refused:
+        verify(store, progress=False)
+    assert str(store / CATALOG_NAME) in str(refused.value)
+
+
+def test_verify_refuses_a_source_named_by_a_catalog_others_can_write(prepared: tuple[Path, Path]) -> None:
+    _, store = prepared
+    (store / CATALOG_NAME).chmod(0o666)
+    with pytest.raises(CatalogError, match="writable by others"):
+        verify(store, progress=False)
+    (store / CATALOG_NAME).chmod(0o600)
+    assert verify(store, progress=False) == []  # the owner's own catalog names the source
+
+
+def test_a_mount_refuses_a_catalog_that_names_another_source(prepared: tuple[Path, Path]) -> None:
+    """The daemon that ``liquidfs mount`` starts only finds the catalog: it is checked there too."""
+    src, store = prepared
+    _rewrite_source(store, "/")
+    if os.geteuid() == 0:
+        os.chown(store / CATALOG_NAME, NOBODY, NOBODY)
+    with pytest.raises(CatalogError, match="not " + str(src)):
+        LocalStore(src, store).found_catalog()
+    with pytest.raises(CatalogError, match="not " + str(src)):
+        LocalStore(src, store).verify_jobs()
+
+
+# -- profile's timed reads ---------------------------------------------------------------------------------------
+
+
+def _release(fifo: Path, thread: threading.Thread) -> None:
+    """Unblock a reader stuck opening ``fifo`` (the code before the fix), so the test process can exit."""
+    for _ in range(200):
+        if not thread.is_alive():
+            return
+        try:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        thread.join(0.05)
+
+
+def test_profile_reads_no_fifo_a_dataset_writer_swaps_in(tmp_path: Path) -> None:
+    src = make_sample(tmp_path / "data", count=3, width=64, height=32, seed=3, jpeg_share=0.0)
+    images = sorted(src.rglob("*.png"))
+    store = LocalStore(src, tmp_path / "store")
+    sample = store.profile_sample(len(images), 1)  # every image is in it
+    assert len(sample.originals) == len(images) == 3
+    try:
+        fifo = tmp_path / "fifo"
+        os.mkfifo(fifo)
+        # the dataset's owner swaps an image for a link to a FIFO right after profile read it
+        images[0].unlink()
+        os.symlink(fifo, images[0])
+        results: list[object] = []
+
+        def load() -> None:
+            try:
+                results.append(sample.load(sample.originals, 0.05))
+            except ProfileError as exc:
+                results.append(exc)
+
+        some = threading.Thread(target=load, daemon=True)
+        some.start()
+        some.join(20)
+        try:
+            assert not some.is_alive(), "a timed read blocked on a FIFO"
+        finally:
+            _release(fifo, some)
+        assert isinstance(results[0], tuple) and results[0][0] > 0, results[0]  # the others were read and timed
+
+        for image in images[1:]:
+            image.unlink()
+            os.symlink("/dev/zero", image)  # a device, which root must not open either
+        every = threading.Thread(target=load, daemon=True)
+        every.start()
+        every.join(20)
+        try:
+            assert not every.is_alive(), "a timed read blocked"
+        finally:
+            _release(fifo, every)
+        assert isinstance(results[1], ProfileError), results[1]
+    finally:
+        sample.cleanup()

@@ -1,0 +1,79 @@
+"""The per-caller read check of an --allow-other mount (``access.may_read``) and the no-link walk it and every
+source check use (``paths.stat_below``), without a mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from liquidfs.sysio import access
+from liquidfs.sysio.paths import open_dir, stat_below
+
+NOBODY = 65534
+#: The credential checks take another user's credentials (and the tree's file is root's, in group 4242).
+NEEDS_ROOT = pytest.mark.needs_root("only root can take another user's credentials")
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "group.txt").write_text("for one group\n")
+    os.chown(root / "d" / "group.txt", 0, 4242)
+    (root / "d" / "group.txt").chmod(0o640)
+    (root / "d" / "all.txt").write_text("for all\n")
+    (root / "d" / "all.txt").chmod(0o644)
+    root.chmod(0o755)
+    (root / "d").chmod(0o755)
+    return root
+
+
+@NEEDS_ROOT
+@pytest.mark.parametrize("switch", [True, False], ids=["kernel", "modes"])
+def test_supplementary_groups_grant_what_they_grant(tree: Path, switch: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    if not switch:  # a daemon that cannot take a user's credentials compares the modes itself
+        monkeypatch.setattr(access, "can_switch", lambda: False)
+    root_fd = open_dir(tree)
+    try:
+        assert access.may_read(root_fd, b"d/group.txt", NOBODY, NOBODY, [4242])
+        assert not access.may_read(root_fd, b"d/group.txt", NOBODY, NOBODY, [])
+        assert not access.may_read(root_fd, b"d/group.txt", NOBODY, NOBODY, None)
+        assert access.may_read(root_fd, b"d/all.txt", NOBODY, NOBODY, None)
+        (tree / "d").chmod(0o700)  # a directory on the way no longer searchable
+        assert not access.may_read(root_fd, b"d/all.txt", NOBODY, NOBODY, None)
+    finally:
+        os.close(root_fd)
+    # the thread that checked has its own credentials back
+    assert os.open(tree / "d" / "group.txt", os.O_RDONLY) >= 0
+
+
+@NEEDS_ROOT
+def test_the_check_never_walks_through_a_link(tree: Path, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "all.txt").write_text("elsewhere\n")
+    (outside / "all.txt").chmod(0o644)
+    (tree / "d").rename(tree / "d0")
+    (tree / "d").symlink_to(outside)
+    root_fd = open_dir(tree)
+    try:
+        assert not access.may_read(root_fd, b"d/all.txt", NOBODY, NOBODY, None)
+        with pytest.raises(OSError) as info:
+            stat_below(root_fd, b"d/all.txt")
+        assert info.value.errno in (errno.ELOOP, errno.ENOTDIR)
+        # a link at the end is stat-ed as the link, never followed
+        (tree / "d0" / "link").symlink_to(outside / "all.txt")
+        assert stat.S_ISLNK(stat_below(root_fd, b"d0/link").st_mode)
+    finally:
+        os.close(root_fd)
+
+
+def test_caller_groups_come_from_proc() -> None:
+    assert access.caller_groups(os.getpid()) == os.getgroups() or set(access.caller_groups(os.getpid()) or []) \
+        == set(os.getgroups())
+    assert access.caller_groups(0) is None

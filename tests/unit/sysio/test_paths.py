@@ -1,0 +1,19 @@
+"""Where a path lies (``paths.filesystem_type``): what decides whether a source is checked on the loop."""
+
+from __future__ import annotations
+
+
+MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
+30 22 0:40 / /data rw - nfs srv:/x rw
+31 30 0:41 / /data/my\\040set rw - fuse.sshfs a rw
+32 22 0:42 / /data2 rw - tmpfs t rw
+33 32 0:43 / /data2 rw - nfs4 s:/y rw
+"""
+
+def test_the_filesystem_under_a_source_decides_where_it_is_checked() -> None:
+    from liquidfs.sysio.paths import LOCAL_FILESYSTEMS, filesystem_type
+
+    found = {p: filesystem_type(p, MOUNTINFO) for p in ("/", "/data/a", "/data/my set/b", "/data/my", "/data2/x")}
+    assert found == {"/": "ext4", "/data/a": "nfs", "/data/my set/b": "fuse.sshfs", "/data/my": "nfs",
+                     "/data2/x": "nfs4"}  # the innermost mount, the last one mounted over the same point
+    assert {t for t in found.values() if t in LOCAL_FILESYSTEMS} == {"ext4"}
