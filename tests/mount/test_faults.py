@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import pytest
 
-from benchscripts import load_script
+from benchscripts import BENCH, load_script
 from conftest import run_cli
 from fusehelpers import DATA_PATHS, FUSERMOUNT, Mount, as_nobody, daemon_pid, is_mounted, wait_for
 from liquidfs.catalog import REPR_RAW, Catalog, Node
@@ -31,7 +31,7 @@ from sample import make_sample
 
 pytestmark = pytest.mark.fuse
 
-soak = load_script("soak")
+soak = load_script("soak", BENCH.parent / "attack")
 FAULTFS = Path(__file__).parents[1] / "support" / "faultfs.py"
 T = TypeVar("T")
 
