@@ -116,8 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the memcached of every node reading this dataset (one beside each mount, started with "
                    "-I 64m or more): together they hold a fixed share of the raw objects for all nodes, so a "
                    "miss here that another node read is fetched from memory, not storage. Values are checked "
-                   "against the catalog's checksums; a memcached that is down costs hits, never a read. Needs "
-                   "--cluster-size")
+                   "against the catalog's checksums; a memcached that is down costs hits, never a read")
     tuning.add_argument("--cluster-key-file", metavar="FILE",
                    help="seal every value stored to --cluster with this key (authenticated encryption): a value "
                    "no mount with the key stored for that object is a miss, and only they can read one, whatever "
@@ -125,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "mode 0400 or 0600, the same on every node of the job. Without it only objects whose source "
                    "everyone may read go to the cluster")
     tuning.add_argument("--cluster-size", metavar="SIZE",
-                   help="what the memcacheds of --cluster hold together (the sum of their -m, less ~5 %%): a "
-                   "percentage of the dataset as served or bytes; the share of the raw objects they hold follows")
+                   help="what the memcacheds of --cluster hold together: a percentage of the dataset as served or "
+                   "bytes; the share of the raw objects they hold follows (default: what they say they hold, "
+                   "the sum of their -m less ~5 %%, at most the raw objects' bytes)")
     m.add_argument("--warmup", action="store_true",
                    help="fill the cache right after the mount is ready, in the background, so the first epoch hits "
                    "too (progress: `liquidfs stats`, warmup)")
@@ -361,12 +361,13 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise MountError("--disk-cache and --disk-cache-size go together")
     if args.disk_cache_size:
         _size_option(args.disk_cache_size, "--disk-cache-size")
-    if bool(args.cluster) != bool(args.cluster_size):
-        raise MountError("--cluster and --cluster-size go together")
+    if args.cluster_size and not args.cluster:
+        raise MountError("--cluster-size needs --cluster")
     cluster = None
     cluster_key = None
-    if args.cluster:
+    if args.cluster_size:
         _size_option(args.cluster_size, "--cluster-size")
+    if args.cluster:
         try:
             cluster = parse_cluster(args.cluster)
         except ClusterError as exc:
@@ -428,7 +429,12 @@ def _data_path_said(mountpoint: Path) -> str:
     except (OSError, ValueError):
         return "data path: see `liquidfs stats`"
     path, why = values.get("data_path"), values.get("data_path_why")
-    return f"data path: {path}" + (f", since {why}" if path != "passthrough" and why else "")
+    said = f"data path: {path}" + (f", since {why}" if path != "passthrough" and why else "")
+    size, share = values.get("cluster_bytes"), values.get("cluster_share")
+    if isinstance(size, int) and isinstance(share, (int, float)):
+        said += (f"; cluster: {size / 2**20:.0f} MiB from {values.get('cluster_size_from', '--cluster-size')}, "
+                 f"{100 * share:.0f}% of the raw objects")
+    return said
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -316,21 +316,50 @@ def make_cluster_tier(totals: tuple[int, int, int, int], catalog: Catalog, confi
                       reader: Reader) -> ClusterTier:
     """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together; ``totals``
     are ``Catalog.file_totals()``."""
-    assert config.cluster and config.cluster_size
+    assert config.cluster
     raw_bytes = catalog.raw_bytes()
-    try:
-        size = parse_size(config.cluster_size, totals[1])
-    except ValueError as exc:
-        raise MountError(f"--cluster-size: {exc}") from exc
+    client = memcached_client(config.cluster, timeout=call_timeout(config.io_timeout))
+    if config.cluster_size:
+        size_from = "--cluster-size"
+        try:
+            size = parse_size(config.cluster_size, totals[1])
+        except ValueError as exc:
+            client.close()
+            raise MountError(f"--cluster-size: {exc}") from exc
+    else:
+        size_from = "the memcacheds' stats"
+        size = cluster_size_from_limits(client.limits(), raw_bytes)
+        if size is None:
+            client.close()
+            raise MountError(f"--cluster {', '.join(f'{h}:{p}' for h, p in config.cluster)}: no memcached told its "
+                             "size (stats: limit_maxbytes) in time; is it running? Or give --cluster-size")
     share = min(1.0, size / raw_bytes) if raw_bytes else 0.0
-    log.info("cluster of %d memcached (%s): %d bytes hold %.0f%% of the raw objects; %s", len(config.cluster),
-             ", ".join(f"{host}:{port}" for host, port in config.cluster), size, 100 * share,
+    log.info("cluster of %d memcached (%s): %d bytes (from %s) hold %.0f%% of the raw objects; %s",
+             len(config.cluster), ", ".join(f"{host}:{port}" for host, port in config.cluster), size, size_from,
+             100 * share,
              "values sealed under the cluster key" if config.cluster_key else
              "no --cluster-key-file: values in the clear, only of sources everyone may read")
-    client = memcached_client(config.cluster, timeout=call_timeout(config.io_timeout))
     if config.cluster_key is not None:
-        return ClusterTier(reader, client, share, sealer=Sealer(config.cluster_key), key_id=config.cluster_key.id)
-    return ClusterTier(reader, client, share, public=EveryoneReads(catalog.get))
+        return ClusterTier(reader, client, share, sealer=Sealer(config.cluster_key), key_id=config.cluster_key.id,
+                           size=size, size_from=size_from)
+    return ClusterTier(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
+
+
+#: Of what the memcacheds may hold (their ``-m``), what is counted on for values: memcached's slabs and item
+#: headers take the rest (BENCHMARKS.md: 726 MiB allocated for 715 MiB of 5 MB values).
+CLUSTER_USABLE = 0.95
+
+
+def cluster_size_from_limits(limits: dict[str, int | None], raw_bytes: int) -> int | None:
+    """``--cluster-size`` where none is given: the smaller of what the memcacheds that told their size hold
+    together (less their own overhead) and the raw objects' bytes; None where none told it."""
+    told = [limit for limit in limits.values() if limit is not None]
+    if not told:
+        return None
+    silent = sorted(name for name, limit in limits.items() if limit is None)
+    if silent:
+        log.warning("cluster: %s did not tell their size; counting only the others'", ", ".join(silent))
+    return min(int(sum(told) * CLUSTER_USABLE), raw_bytes)
 
 
 def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,

@@ -136,10 +136,14 @@ class ClusterTier(InFront):
     objects that ``public`` says anyone may read."""
 
     def __init__(self, inner: Reader, client: Client, share: float, *, sealer: Sealer | None = None,
-                 key_id: str = "", public: Callable[[Node], bool] | None = None) -> None:
+                 key_id: str = "", public: Callable[[Node], bool] | None = None, size: int = 0,
+                 size_from: str = "--cluster-size") -> None:
         super().__init__(inner)
         self.client = client
         self.share = max(0.0, min(1.0, share))
+        #: What the memcacheds hold together for this dataset, and what said so (the flag, or their ``stats``).
+        self.size = size
+        self.size_from = size_from
         self.sealer = sealer
         self.key_id = key_id if sealer is not None else ""
         self.public = public
@@ -258,7 +262,8 @@ class ClusterTier(InFront):
     def statistics(self) -> dict[str, object]:
         with self._lock:
             c = self.counts
-            return {"cluster_share": self.share, "cluster_sealed": int(self.sealer is not None),
+            return {"cluster_share": self.share, "cluster_bytes": self.size, "cluster_size_from": self.size_from,
+                    "cluster_sealed": int(self.sealer is not None),
                     "cluster_hits": c.hits, "cluster_hit_bytes": c.hit_bytes, "cluster_misses": c.misses,
                     "cluster_stored": c.stored, "cluster_stored_bytes": c.stored_bytes,
                     "cluster_rejected": c.rejected, "cluster_unanswered": c.unanswered,

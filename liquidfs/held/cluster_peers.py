@@ -67,6 +67,8 @@ class Client(Protocol):
 
     def set(self, key: str, value: bytes | bytearray | memoryview) -> bool: ...
 
+    def limits(self) -> dict[str, int | None]: ...
+
     def close(self) -> None: ...
 
 
@@ -168,6 +170,10 @@ class ResolvingClient:
         client.close()
 
     # -- resolution --------------------------------------------------------------------------------------
+
+    def limits(self) -> dict[str, int | None]:
+        """What each memcached in use now can hold (``MemcachedWire.limits``)."""
+        return self._client.limits()
 
     def servers(self) -> list[tuple[str, int]]:
         """The memcacheds in use now."""

@@ -44,6 +44,8 @@ MAX_LINE = 512
 #: What memcached takes as a key: 1 to 250 printable bytes, no space.
 _KEY = re.compile(rb"[\x21-\x7e]{1,250}")
 _TRAILER = b"\r\nEND\r\n"
+#: Lines of a ``stats`` answer read at most (memcached 1.6 sends about 90): past them it is no memcached's.
+MAX_STATS_LINES = 400
 
 Clock = Callable[[], float]
 T = TypeVar("T")
@@ -197,6 +199,12 @@ class MemcachedWire:
             self.clients[peer.name] = peer
         self.hasher = RendezvousHash(nodes=list(self.clients))
 
+    def limits(self) -> dict[str, int | None]:
+        """Each memcached's ``limit_maxbytes`` (what its ``-m`` lets it hold), None for one that did not tell
+        within the deadline."""
+        return {name: limit_of(peer.host, peer.port, timeout=self.timeout, clock=self.clock)
+                for name, peer in self.clients.items()}
+
     def peer_of(self, key: str) -> Peer | None:
         name = self.hasher.get_node(key)
         return self.clients.get(name) if name is not None else None
@@ -282,6 +290,27 @@ class MemcachedWire:
             peer.answered()
             peer.give_back(sock)
             return result
+
+
+def limit_of(host: str, port: int, *, timeout: float = TIMEOUT, clock: Clock = time.monotonic) -> int | None:
+    """The ``limit_maxbytes`` a memcached's ``stats`` answers (its ``-m``), within ``timeout`` in all; None where
+    it does not answer so, in time, in lines of at most MAX_LINE bytes and MAX_STATS_LINES of them."""
+    deadline = clock() + timeout
+    try:
+        with socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT * 5)) as sock:
+            stream = _Stream(sock, deadline, clock)
+            stream.send(b"stats\r\n")
+            limit = None
+            for _ in range(MAX_STATS_LINES):
+                line = stream.line()
+                if line == b"END":
+                    return limit
+                name, _, value = line.removeprefix(b"STAT ").partition(b" ")
+                if name == b"limit_maxbytes" and _number(value):
+                    limit = int(value)
+    except (OSError, PeerError) as exc:
+        log.warning("cluster: %s:%d did not tell its size (stats): %s", host, port, exc)
+    return None
 
 
 def _dropped(exc: BaseException) -> bool:

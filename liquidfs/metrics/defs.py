@@ -132,7 +132,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_memfd_keep_failures_total", COUNTER, "", "keep_failed",
            "Files the cache chose whose bytes could not be kept (released unread, copy failed)."),
     # -- the cache levels (memory: --cache-size, disk: --disk-cache) ---------------------------------------------
-    Metric("liquidfs_cache_budget_bytes", GAUGE, "bytes", {_MEM: "cache_budget", "disk": "disk_budget"},
+    Metric("liquidfs_cache_budget_bytes", GAUGE, "bytes", {_MEM: "cache_budget", "disk": "disk_budget", "cluster": "cluster_bytes"},
            "Bytes a cache level may hold.", label=_LEVEL),
     Metric("liquidfs_cache_budget_ratio", GAUGE, "ratio", {_MEM: "cache_share", "cluster": "cluster_share"},
            "A cache level's budget as a share of the dataset's bytes (C/D): its hit ratio by design (the cluster's: "
@@ -242,6 +242,7 @@ METRICS: tuple[Metric, ...] = (
 #: Keys statistics() produces that are not exported, and why (a dict's key covers everything under it).
 NOT_EXPORTED: dict[str, str] = {
     "pid": "the control file's, to find the daemon: no measurement",
+    "cluster_size_from": "a word for the user (--cluster-size, or the memcacheds' stats): no measurement",
     "source": "a path: metrics carry no paths",
     "store": "a path: metrics carry no paths",
     "data_path_why": "a sentence for the user (stats and the log show it); data_path is liquidfs_mount_info's",

@@ -23,8 +23,8 @@ from fusehelpers import Mount, wait_for
 from ports import free_port
 from liquidfs.catalog import Catalog
 from liquidfs.held.cluster_peers import resolve_addresses
-from liquidfs.held.memcached import SKIP_FOR
-from liquidfs.daemon.serve import read_control
+from liquidfs.held.memcached import SKIP_FOR, limit_of
+from liquidfs.daemon.serve import CLUSTER_USABLE, cluster_size_from_limits, read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
 
@@ -135,6 +135,31 @@ def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tm
     assert a2["cluster_stored"] > a["cluster_stored"]  # node A gave the restarted memcached its share again
     assert b3["cluster_hits"] - b2["cluster_hits"] == len(raw), (a2, b3)
     assert a2["errors"] == b3["errors"] == 0
+
+
+def test_without_cluster_size_the_mount_holds_what_the_memcacheds_say_they_hold(tmp_path: Path, mounter: Mount,
+                                                                             memcacheds: list[Memcached]) -> None:
+    """No --cluster-size: the size is the smaller of the memcacheds' limit_maxbytes together (less their overhead)
+    and the raw objects' bytes, told in ``liquidfs stats``; a cluster where no memcached answers is refused at
+    mount, naming the flag to give."""
+    src, store, raw = _all_raw(tmp_path, count=6, width=128, height=64, seed=31)
+    for server in memcacheds:
+        assert limit_of("127.0.0.1", server.port) == 64 * 2**20  # their -m 64
+    assert cluster_size_from_limits({"a": 64 * 2**20, "b": 64 * 2**20}, 10**12) == int(128 * 2**20 * CLUSTER_USABLE)
+    url = "memcached://" + ",".join(f"127.0.0.1:{m.port}" for m in memcacheds)
+    node = mounter.mount(src, "--cluster", url, store=store)
+    said = read_control(node)
+    raw_bytes = sum(map(len, raw.values()))
+    assert said["cluster_bytes"] == raw_bytes and said["cluster_share"] == 1.0  # the raw objects are the smaller
+    assert said["cluster_size_from"] == "the memcacheds' stats"
+    for rel, want in raw.items():
+        assert (node / rel).read_bytes() == want, rel
+    assert read_control(node)["cluster_stored"] == len(raw)
+
+    memcacheds[0].kill()
+    memcacheds[1].kill()
+    with pytest.raises(AssertionError, match="no memcached told its size"):
+        mounter.mount(src, "--cluster", url, store=store)
 
 
 def test_a_cluster_named_by_a_dns_name_reaches_the_memcacheds_it_resolves_to(tmp_path: Path, mounter: Mount,
