@@ -62,7 +62,7 @@ from PIL import Image
 from liquidfs.daemon.serve import read_control
 
 mnt, files, period = Path(cfg["mnt"]), cfg["files"], cfg["period_s"]
-session = f"session {os.getsid(0)},"  # how the mount labels this job's openers (liquidfs.policy.jobs)
+session = f"uid {os.getuid()}, session {os.getsid(0)},"  # how the mount labels this job's openers (liquidfs.policy.jobs)
 
 def mine():
     for job, entry in read_control(mnt).get("jobs", {}).items():
