@@ -1,4 +1,4 @@
-"""A strict client of memcached's text protocol for the cluster level (``clustertier``): what a peer answers is
+"""A strict client of memcached's text protocol for the cluster level (``held.cluster``): what a peer answers is
 trusted no more than the peer, so no answer can stall a fetch past its deadline or make it buffer more than the
 object it asked for.
 
@@ -200,10 +200,29 @@ class MemcachedWire:
         self.hasher = RendezvousHash(nodes=list(self.clients))
 
     def limits(self) -> dict[str, int | None]:
-        """Each memcached's ``limit_maxbytes`` (what its ``-m`` lets it hold), None for one that did not tell
-        within the deadline."""
-        return {name: limit_of(peer.host, peer.port, timeout=self.timeout, clock=self.clock)
-                for name, peer in self.clients.items()}
+        """Each memcached's ``limit_maxbytes`` (what its ``-m`` lets it hold, from ``stats``), None for one that
+        did not tell, each asked as ``get`` and ``set`` ask (one deadline, bounded lines, failures counted)."""
+
+        def exchange(stream: _Stream) -> int | None:
+            stream.send(b"stats\r\n")
+            limit = None
+            for _ in range(MAX_STATS_LINES):
+                line = stream.line()
+                if line == b"END":
+                    return limit
+                name, _, value = line.removeprefix(b"STAT ").partition(b" ")
+                if name == b"limit_maxbytes" and _number(value):
+                    limit = int(value)
+            raise PeerError(f"a stats answer past {MAX_STATS_LINES} lines")
+
+        found: dict[str, int | None] = {}
+        for name, peer in self.clients.items():
+            try:
+                found[name] = self._call_on(peer, exchange)
+            except PeerError as exc:
+                log.warning("cluster: %s did not tell its size (stats): %s", name, exc)
+                found[name] = None
+        return found
 
     def peer_of(self, key: str) -> Peer | None:
         name = self.hasher.get_node(key)
@@ -260,6 +279,9 @@ class MemcachedWire:
         peer = self.peer_of(key)
         if peer is None:
             raise PeerError("no memcached")
+        return self._call_on(peer, exchange)
+
+    def _call_on(self, peer: Peer, exchange: Callable[[_Stream], T]) -> T:
         now = self.clock()
         if peer.skipped(now):
             raise Skipped(f"{peer.name} is left out for a while")
@@ -290,27 +312,6 @@ class MemcachedWire:
             peer.answered()
             peer.give_back(sock)
             return result
-
-
-def limit_of(host: str, port: int, *, timeout: float = TIMEOUT, clock: Clock = time.monotonic) -> int | None:
-    """The ``limit_maxbytes`` a memcached's ``stats`` answers (its ``-m``), within ``timeout`` in all; None where
-    it does not answer so, in time, in lines of at most MAX_LINE bytes and MAX_STATS_LINES of them."""
-    deadline = clock() + timeout
-    try:
-        with socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT * 5)) as sock:
-            stream = _Stream(sock, deadline, clock)
-            stream.send(b"stats\r\n")
-            limit = None
-            for _ in range(MAX_STATS_LINES):
-                line = stream.line()
-                if line == b"END":
-                    return limit
-                name, _, value = line.removeprefix(b"STAT ").partition(b" ")
-                if name == b"limit_maxbytes" and _number(value):
-                    limit = int(value)
-    except (OSError, PeerError) as exc:
-        log.warning("cluster: %s:%d did not tell its size (stats): %s", host, port, exc)
-    return None
 
 
 def _dropped(exc: BaseException) -> bool:

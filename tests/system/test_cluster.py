@@ -23,7 +23,7 @@ from fusehelpers import Mount, wait_for
 from ports import free_port
 from liquidfs.catalog import Catalog
 from liquidfs.held.cluster_peers import resolve_addresses
-from liquidfs.held.memcached import SKIP_FOR, limit_of
+from liquidfs.held.memcached import SKIP_FOR, MemcachedWire
 from liquidfs.daemon.serve import CLUSTER_USABLE, cluster_size_from_limits, read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
@@ -143,8 +143,9 @@ def test_without_cluster_size_the_mount_holds_what_the_memcacheds_say_they_hold(
     and the raw objects' bytes, told in ``liquidfs stats``; a cluster where no memcached answers is refused at
     mount, naming the flag to give."""
     src, store, raw = _all_raw(tmp_path, count=6, width=128, height=64, seed=31)
-    for server in memcacheds:
-        assert limit_of("127.0.0.1", server.port) == 64 * 2**20  # their -m 64
+    wire = MemcachedWire([("127.0.0.1", server.port) for server in memcacheds])
+    assert wire.limits() == {f"127.0.0.1:{server.port}": 64 * 2**20 for server in memcacheds}  # their -m 64
+    wire.close()
     assert cluster_size_from_limits({"a": 64 * 2**20, "b": 64 * 2**20}, 10**12) == int(128 * 2**20 * CLUSTER_USABLE)
     url = "memcached://" + ",".join(f"127.0.0.1:{m.port}" for m in memcacheds)
     node = mounter.mount(src, "--cluster", url, store=store)
