@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from typing import TypeGuard
 
 from . import file_version
 
@@ -18,9 +19,19 @@ LEGACY_REASON = ("its recorded digest is an xxh3 one, which cannot vouch for byt
                  "chosen: run `liquidfs prepare` again to record BLAKE2b digests")
 
 
-def is_digest(value: str | None) -> bool:
+def is_digest(value: str | None) -> TypeGuard[str]:
     """Whether ``value`` is a digest ``checksum`` gives (a catalog row's, an object's metadata)."""
     return value is not None and DIGEST.fullmatch(value) is not None
+
+
+def digest_refusal(recorded: str | None) -> str | None:
+    """None where ``recorded`` is a digest ``checksum`` gives; else why it vouches for no bytes: an xxh3 one, of a
+    prepare before BLAKE2b (``LEGACY_REASON``), or one of no form prepare gives."""
+    if is_digest(recorded):
+        return None
+    if recorded is not None and LEGACY_DIGEST.fullmatch(recorded):
+        return LEGACY_REASON
+    return "the recorded digest is not one prepare gives: refused"
 
 
 def checksum(data: bytes | memoryview) -> str:

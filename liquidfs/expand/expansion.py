@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..catalog import ExpansionRow, Node, object_key, object_stamp
-from ..catalog.identity import LEGACY_DIGEST, LEGACY_REASON, checksum, is_digest, same_version
+from ..catalog.identity import checksum, digest_refusal, same_version
 from ..sysio.directio import read_fd
 from ..sysio.locks import unique
 from ..sysio.paths import open_below, open_dir, open_regular, open_under
@@ -248,8 +248,9 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
 def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
     """None when ``raw`` is the recorded object (its BLAKE2b digest) and decodes to the pixels of ``original``;
     else what is wrong. An xxh3 digest (a prepare before BLAKE2b) vouches for nothing here either."""
-    if not is_digest(want_checksum):
-        return LEGACY_REASON if LEGACY_DIGEST.fullmatch(want_checksum) else "recorded digest is not one prepare gives"
+    refused = digest_refusal(want_checksum)
+    if refused is not None:
+        return refused
     if checksum(raw) != want_checksum:
         return "checksum mismatch"
     try:

@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import xxhash
 
 from ..catalog import Node
-from ..catalog.identity import DIGEST, LEGACY_DIGEST, LEGACY_REASON, checksum, same_version
+from ..catalog.identity import LEGACY_REASON, checksum, digest_refusal, same_version
 from ..expand.rawformats import SUFFIX_PATTERN
 from ..sysio.directio import POOL, read_fd
 
@@ -145,13 +145,12 @@ def check_raw(node: Node, data: bytes | memoryview, *, sealed: bool = False) -> 
     if len(data) != node.served_size:
         return f"raw object has {len(data)} bytes, expected {node.served_size}"
     want = node.checksum or ""
-    if DIGEST.fullmatch(want):
+    refused = digest_refusal(want)
+    if refused is None:
         return None if checksum(data) == want else "raw object fails its checksum"
-    if LEGACY_DIGEST.fullmatch(want):
-        if not sealed:
-            return LEGACY_REASON
+    if refused == LEGACY_REASON and sealed:
         return None if xxhash.xxh3_64_hexdigest(data) == want else "raw object fails its checksum"
-    return "raw object's recorded digest is not one prepare gives: refused"
+    return refused
 
 
 class FallbackLog:
@@ -224,7 +223,7 @@ class Reader(Protocol):
 
 
 class InFront:
-    """A reader in front of another (a cache level: ``disktier.DiskTier``, ``clustertier.ClusterTier``): what it
+    """A reader in front of another (a cache level: ``held.disk.DiskTier``, ``held.cluster.ClusterTier``): what it
     does not change is asked of the reader behind it."""
 
     def __init__(self, inner: Reader) -> None:
