@@ -13,18 +13,18 @@ Least trust: a memcached answers anyone who reaches it, and anyone may store any
 (``--cluster-key-file``, ``sealing``) every value is sealed with authenticated encryption bound to the object's
 identity: a value that does not open was not stored by a mount of this job for this object, and is a miss; and
 only key holders can read one. Without a key, values are the object's bytes in the clear, checked against the
-catalog's checksum (which vouches for nothing a writer can choose where the checksum is not cryptographic), and
-only objects whose source anyone may read go there at all (``EveryoneReads``). Either way a value is also checked
+catalog's BLAKE2b digest (no writer can choose other bytes that match it), and only objects whose source anyone
+may read go there at all (``EveryoneReads``). Either way a value is also checked
 against the catalog's checksum and size, so a wrong, short or foreign value is a miss, never served; and a source
 changed since the catalog was taken is checked first, as the store's reader checks it (the original is then served
 from storage). Faults cost hits only: every call to a memcached has one deadline for all of it and buffers no more
-than the object (``memcachedwire``), a memcached that fails repeatedly is left out for a while, and no error of the
+than the object (``held.memcached``), a memcached that fails repeatedly is left out for a while, and no error of the
 cluster ever fails a read.
 
-Which memcacheds, and their names resolved: ``clusterpeers``.
+Which memcacheds, and their names resolved: ``held.cluster_peers``.
 
-Like the disk level (``disktier.DiskTier``), it is a reader in front of the store's (``reader.Reader``), behind the
-node's memory level: an open the memory level misses asks it, in a worker thread.
+Like the disk level (``held.disk.DiskTier``), it is a reader in front of the store's (``stores.reader.Reader``),
+behind the node's memory level: an open the memory level misses asks it, in a worker thread.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..catalog import Node
+from ..catalog.identity import is_digest
 from ..stores.reader import Content, InFront, Reader, check_raw
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
@@ -59,8 +60,9 @@ def call_timeout(io_timeout: float) -> float:
 
 def in_share(node: Node, share: float) -> bool:
     """Whether ``node``'s raw object is the cluster's: its checksum, prepare's, hashed below ``share`` (the same
-    answer on every node of the job, from its catalog alone)."""
-    if not (node.served_raw and node.checksum and node.size_served):
+    answer on every node of the job, from its catalog alone). Only an object with a BLAKE2b digest: one of a
+    catalog from before them (xxh3) would be stored by every node and refused by every fetch (``check_raw``)."""
+    if not (node.served_raw and is_digest(node.checksum) and node.size_served):
         return False
     try:
         point = int(node.checksum[:8], 16) / 0x1_0000_0000
@@ -221,7 +223,7 @@ class ClusterTier(InFront):
             why = "it does not open under the cluster key"
         # Checked against the catalog even when sealed: a mount that holds the key is not trusted to vouch for
         # bytes the catalog describes (a node with a damaged store, or one taken over, would poison every node);
-        # the check costs what a storage read's costs, a fraction of the unsealing.
+        # the check costs what a storage read's check costs (BLAKE2b: several times the unsealing).
         if opened is not None:
             why = check_raw(node, memoryview(opened)) or ""
         if not why:

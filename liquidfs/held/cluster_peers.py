@@ -1,5 +1,5 @@
-"""Which memcacheds the cluster level (``clustertier``) talks to: the ``--cluster`` URL, its names resolved to
-addresses (and again every ``RESOLVE_EVERY`` seconds), and the client over them (``memcachedwire``).
+"""Which memcacheds the cluster level (``held.cluster``) talks to: the ``--cluster`` URL, its names resolved to
+addresses (and again every ``RESOLVE_EVERY`` seconds), and the client over them (``held.memcached``).
 
 A HOST that is a DNS name (a Kubernetes headless Service: one address per memcached pod) stands for every address
 it resolves to, and is resolved again in a daemon thread of its own, so a node that joins or leaves is picked up,
@@ -60,8 +60,8 @@ def parse_cluster(url: str) -> list[tuple[str, int]]:
 
 
 class Client(Protocol):
-    """What the level asks of memcached (``memcachedwire.MemcachedWire``; a fake in unit tests). ``get`` and
-    ``set`` raise ``memcachedwire.PeerError`` where a memcached does not answer as one, in time."""
+    """What the level asks of memcached (``held.memcached.MemcachedWire``; a fake in unit tests). ``get`` and
+    ``set`` raise ``held.memcached.PeerError`` where a memcached does not answer as one, in time."""
 
     def get(self, key: str, length: int) -> bytearray | bytes | None: ...
 

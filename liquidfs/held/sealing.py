@@ -1,10 +1,10 @@
 """The cluster key (``mount --cluster-key-file FILE``) and the sealing of what the cluster level stores with it.
 
-memcached answers anyone who reaches it, and a value's size and checksum vouch for nothing that a writer can
-choose: xxh3 is not made to resist a chosen input. What the mounts of one job store there is therefore sealed with
-authenticated encryption (AES-256-GCM, from ``cryptography``) under a key that only they hold: a value that does not
-open under the key, for the identity it was fetched for, was not sealed by one of them for that object, and is never
-served. Being encrypted, it is also readable only by them, whatever the modes of its source.
+memcached answers anyone who reaches it: anyone can read what it holds and store anything under any key. What
+the mounts of one job store there is therefore sealed with authenticated encryption (AES-256-GCM, from
+``cryptography``) under a key that only they hold: a value that does not open under the key, for the identity it
+was fetched for, was not sealed by one of them for that object, and is never served. Being encrypted, it is also
+readable only by them, whatever the modes of its source.
 
 The key file holds exactly ``KEY_BYTES`` raw random bytes (``head -c 32 /dev/urandom > FILE``), is a regular file
 owned by root (or the daemon's user) and readable by nobody else: a key that others can read or write vouches for
