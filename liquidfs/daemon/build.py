@@ -81,8 +81,9 @@ def operations(catalog: Catalog, built: Parts, *, data_path: str = "daemon", ker
     path: DaemonPath | PassthroughPath | None
     if lookahead is not None:
         built.cold_open = lookahead.went_cold
-    job_of = JobOf() if built.policy is not None else None
-    if built.policy is not None and job_of is not None:
+    job_of = None
+    if built.policy is not None:
+        job_of = JobOf()
         built.policy.owner_of = job_of.owner  # a job's uid decides which slots it may take
     if data_path == "daemon":
         path = built.daemon_path()

@@ -318,15 +318,15 @@ def make_cluster_tier(totals: tuple[int, int, int, int], catalog: Catalog, confi
     are ``Catalog.file_totals()``."""
     assert config.cluster
     raw_bytes = catalog.raw_bytes()
-    client = memcached_client(config.cluster, timeout=call_timeout(config.io_timeout))
+    size: int | None = None
     if config.cluster_size:
         size_from = "--cluster-size"
         try:
             size = parse_size(config.cluster_size, totals[1])
         except ValueError as exc:
-            client.close()
             raise MountError(f"--cluster-size: {exc}") from exc
-    else:
+    client = memcached_client(config.cluster, timeout=call_timeout(config.io_timeout))
+    if size is None:
         size_from = "the memcacheds' stats"
         size = cluster_size_from_limits(client.limits(), raw_bytes)
         if size is None:

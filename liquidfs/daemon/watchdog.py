@@ -168,7 +168,8 @@ def start(pid: int, mountpoint: Path, before: set[int]) -> subprocess.Popen[byte
     log_file = next((h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)),
                     None)
     _, connection, mount_id = found
-    return reexec.popen("liquidfs.daemon.watchdog", [str(pid), str(connection), str(mount_id), *([log_file] if log_file else [])],
+    return reexec.popen("liquidfs.daemon.watchdog",
+                        [str(pid), str(connection), str(mount_id), *([log_file] if log_file else [])],
                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                         start_new_session=True, close_fds=True)
 

@@ -132,7 +132,8 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_memfd_keep_failures_total", COUNTER, "", "keep_failed",
            "Files the cache chose whose bytes could not be kept (released unread, copy failed)."),
     # -- the cache levels (memory: --cache-size, disk: --disk-cache) ---------------------------------------------
-    Metric("liquidfs_cache_budget_bytes", GAUGE, "bytes", {_MEM: "cache_budget", "disk": "disk_budget", "cluster": "cluster_bytes"},
+    Metric("liquidfs_cache_budget_bytes", GAUGE, "bytes",
+           {_MEM: "cache_budget", "disk": "disk_budget", "cluster": "cluster_bytes"},
            "Bytes a cache level may hold.", label=_LEVEL),
     Metric("liquidfs_cache_budget_ratio", GAUGE, "ratio", {_MEM: "cache_share", "cluster": "cluster_share"},
            "A cache level's budget as a share of the dataset's bytes (C/D): its hit ratio by design (the cluster's: "
