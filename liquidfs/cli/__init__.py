@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
+from ..datapath.storage_calls import OPEN_THREADS
 from ..expand import rawformats
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     tuning.add_argument("--threads", type=int,
                    help="storage reads in flight at once (default 4 for a local store, 16 for an object store: "
                    "each request waits on the network more than on the disk)")
+    tuning.add_argument("--open-threads", type=int, default=OPEN_THREADS, metavar="N",
+                   help="storage calls of opens in flight at once, apart from the reads' --threads: an open waits "
+                   f"on the disk's latency (the source's identity, the raw object's inode), so as many as the "
+                   f"loader has workers should proceed together (default {OPEN_THREADS})")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
                    help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
                    "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
@@ -349,6 +354,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         args.threads = storage.default_threads
     if args.threads < 1:
         raise MountError(f"--threads must be at least 1, not {args.threads}")
+    if args.open_threads < 1:
+        raise MountError(f"--open-threads must be at least 1, not {args.open_threads}")
 
     def local_catalog() -> Path:
         """The catalog on this node (built, refreshed or downloaded as needed) and the directory holding it."""
@@ -405,7 +412,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     # A daemon started by a mount that has just made the catalog ready only finds it.
     store = local_catalog() if args.ready_fd is None else storage.found_catalog()
     config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
-                         fuse_options=options, threads=args.threads, cache_size=args.cache_size,
+                         fuse_options=options, threads=args.threads, open_threads=args.open_threads, cache_size=args.cache_size,
                          warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
                          metrics_address=args.metrics_address,
                          io_timeout=args.io_timeout, storage=storage,

@@ -18,7 +18,7 @@ from ..catalog import Catalog, Node
 from ..datapath.daemon import MAX_OPEN_BYTES, DaemonPath
 from ..datapath.notifier import Notifier
 from ..datapath.passthrough import Kernel, PassthroughPath
-from ..datapath.storage_calls import IO_TIMEOUT, StorageCalls
+from ..datapath.storage_calls import IO_TIMEOUT, OPEN_THREADS, StorageCalls
 from ..fuse.lookahead import MetadataAhead
 from ..fuse.operations import MAX_OPEN_FILES, Operations
 from ..held.base import MemfdLevel, MemoryLevel
@@ -65,8 +65,8 @@ class Parts:
 def parts(reader: Reader, stats: MountStats, *, policy: NextEpochCache | None = None,
           thread_limiter: trio.CapacityLimiter | None = None, io_timeout: float = IO_TIMEOUT,
           page_cache: str = "drop", max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True,
-          verify_reads: bool = False, held_files: int | None = None) -> Parts:
-    storage = StorageCalls(reader, thread_limiter=thread_limiter, io_timeout=io_timeout)
+          verify_reads: bool = False, held_files: int | None = None, open_threads: int = OPEN_THREADS) -> Parts:
+    storage = StorageCalls(reader, thread_limiter=thread_limiter, io_timeout=io_timeout, open_threads=open_threads)
     return Parts(reader, stats, storage, Notifier(), policy, page_cache, max_open_bytes, push_pages, verify_reads,
                  held_files=held_files)
 

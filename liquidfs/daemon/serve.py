@@ -27,7 +27,7 @@ from ..catalog import Catalog, Node
 from ..datapath import passthrough
 from ..datapath.base import warm_up as warm_up_path
 from ..datapath.daemon import MAX_OPEN_BYTES
-from ..datapath.storage_calls import FUSE_WORKERS, IO_TIMEOUT
+from ..datapath.storage_calls import FUSE_WORKERS, IO_TIMEOUT, OPEN_THREADS
 from ..fuse.lookahead import MetadataAhead
 from ..fuse.operations import CONTROL_NAME, Operations
 from ..held.base import held_descriptors
@@ -64,6 +64,7 @@ class MountConfig:
     allow_other: bool = False
     fuse_options: list[str] = field(default_factory=list)
     threads: int = 4
+    open_threads: int = OPEN_THREADS
     metrics_port: int | None = None
     #: Where the metrics endpoint listens: this host only unless the deployment says otherwise (a pod's IP).
     metrics_address: str = "127.0.0.1"
@@ -269,6 +270,7 @@ def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, r
     # files have the rest, so the two together never reach RLIMIT_NOFILE (an EMFILE for every open).
     held_files = held_descriptors(descriptors) if cache is not None and not why_not else None
     built = assemble.parts(reader, stats, policy=cache, thread_limiter=trio.CapacityLimiter(config.threads),
+                           open_threads=config.open_threads,
                            io_timeout=config.io_timeout, page_cache=config.page_cache,
                            max_open_bytes=config.open_bytes, push_pages=config.push_pages,
                            verify_reads=config.verify_reads, held_files=held_files)

@@ -214,7 +214,7 @@ class DaemonPath:
         size = record.size_told(node)
         if size > WHOLE_FILE_LIMIT or record.fell_back:
             return False  # streamed; or its raw object failed before: read now, so the original can be served
-        vouched = await self.storage.inline_or_run(node, self.reader.vouch, node)
+        vouched = await self.storage.inline_or_run(node, self.reader.vouch, node, for_open=True)
         if vouched is not None:
             return bool(vouched)
         no_room = self._open_bytes + size > self.max_open_bytes
@@ -261,15 +261,17 @@ class DaemonPath:
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None
-        content = await self._open_from_storage(node)
+        content = await self._open_from_storage(node, for_open=False)
         if content.data is None or content.fallback or not self.held.policy.hold(node.id, content.size):
             content.close()
             return None
         self._hold(node.id, content)
         return content.size
 
-    async def _open_from_storage(self, node: Node) -> Content:
-        content: Content = await self.storage.run(node, self.reader.open, node)
+    async def _open_from_storage(self, node: Node, for_open: bool = True) -> Content:
+        """What ``node`` serves, read from storage; ``for_open``: an open waits for it (the opens' limiter), else
+        a warm-up or a deferred first read (the reads')."""
+        content: Content = await self.storage.run(node, self.reader.open, node, for_open=for_open)
         if content.data is not None or content.tier != "storage":
             # (a file streamed from storage, over WHOLE_FILE_LIMIT, is not read yet: not counted)
             self.stats.served_from(content.tier, content.size)
@@ -442,7 +444,7 @@ class DaemonPath:
         try:
             node = handle.node
             assert node is not None
-            content = await self._open_from_storage(node)
+            content = await self._open_from_storage(node, for_open=False)
             if content.size != handle.content.size or content.raw != handle.content.raw:
                 content.close()
                 if content.fallback and handle.inode is not None:  # the next open reads it now, as the original

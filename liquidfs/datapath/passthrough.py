@@ -251,7 +251,7 @@ class PassthroughPath:
                 if self.on_cold_open is not None:
                     self.on_cold_open(node)
         if backing is None:
-            backing = await self.storage.run(node, self._resolve, node, vouch)
+            backing = await self.storage.run(node, self._resolve, node, vouch, for_open=True)
         if backing is not None:
             self.stats.served_from(backing.tier, backing.size)
         return backing

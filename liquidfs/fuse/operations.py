@@ -324,7 +324,7 @@ class Operations(pyfuse3.Operations):
         """The open of a file, its slot of the budget taken."""
         if self.may_read is not None and ctx.uid not in (0, self.uid):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
-            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid):
+            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True):
                 raise FUSEError(errno.EACCES)
         data = await self._data_path()
         record = self.inodes[node.id]

@@ -1,20 +1,24 @@
 """Opens at the kernel's pace (issue 28): files per second through the mount against direct reads of the same
 bytes, side by side in one run, and what each file costs the daemon.
 
-Two shapes: small files (``--small`` of 110 KB, ImageNet's average JPEG; no raw objects: every open serves the
-source) and Cityscapes-sized raw objects (``--large`` 6.3 MB BMPs of a store prepared all raw; direct reads are of
-the store's objects, the very bytes the mount serves). Each is read by 1, 2, 4 and 8 reader processes (``--readers``),
-each opening, reading whole and closing its share of the files in a shuffled order, in two states:
+Three shapes (``--shapes``): small files (``--small`` of 110 KB, ImageNet's average JPEG; no raw objects: every
+open serves the source), Cityscapes-sized raw objects (``--large`` 6.3 MB BMPs of a store prepared all raw; direct
+reads are of the store's objects, the very bytes the mount serves), and ``opens``: the same large objects opened and
+closed with nothing read, what the opens cost alone (issue 40: a GPU node's loader workers opened 0.06x as fast through
+the mount as directly). Each is read by 1, 2, 4, 8 and 16 reader processes (``--readers``), each opening, reading
+whole and closing its share of the files in a shuffled order, in two states:
 
 * cold: page cache, dentries and inodes dropped (the mount gets a LOOKUP for every file, the source a path walk);
 * warm metadata: every file stat'ed first, then only the page cache dropped (the bytes come from the disk, the
   names and attributes from the kernel's caches: no LOOKUP reaches the daemon).
 
-The mount runs with ``--time-requests``: the daemon's CPU per file (from /proc, its worker threads included)
+Each reader times every open(2) it makes: the table gives their p50 and p99 directly and through the mount (an open
+that waits behind other opens shows in the tail). The mount runs with ``--time-requests``: the daemon's CPU per file (from /proc, its worker threads included)
 and, per request type, how many reached it, their wall time and the CPU they cost its loop. Medians of
 ``--repeats``; direct and mount alternate within each repeat.
 
     python scripts/bench/bench_opens.py                          # 5,000 small files and 48 large, ~10 min
+    python scripts/bench/bench_opens.py --shapes opens --readers 16 --large 256   # the opens alone, 16 readers
     python scripts/bench/bench_opens.py --smoke                  # a few files: the script works, no figure
 """
 
@@ -35,6 +39,7 @@ import _bench as bench
 from liquidfs.catalog import Catalog
 
 STATES = ("cold", "warm")
+SHAPES = ("small", "large", "opens")
 _BUFFER = 1 << 20
 
 
@@ -54,29 +59,32 @@ def small_dataset(work: Path, files: int, size: int) -> Path:
     return src
 
 
-def _reader(paths: list[str], start: Any, out: Any) -> None:
+def _reader(paths: list[str], read: bool, start: Any, out: Any) -> None:
     buffer = bytearray(_BUFFER)
     view = memoryview(buffer)
+    opens: list[float] = []  # each open's seconds, as this reader sees them (the open(2) call alone)
     start.wait()
     began = time.perf_counter()
     total = 0
     for path in paths:
+        t0 = time.perf_counter()
         fd = os.open(path, os.O_RDONLY)
+        opens.append(time.perf_counter() - t0)
         try:
-            while n := os.readv(fd, [view]):
+            while read and (n := os.readv(fd, [view])):
                 total += n
         finally:
             os.close(fd)
-    out.put((time.perf_counter() - began, total))
+    out.put((time.perf_counter() - began, total, opens))
 
 
-def read_files(paths: list[str], readers: int) -> tuple[float, int]:
-    """Seconds for ``readers`` processes to open, read whole and close their shares of ``paths`` (each its own
-    slice of one shuffled order), and the bytes read."""
+def read_files(paths: list[str], readers: int, read: bool = True) -> tuple[float, int, list[float]]:
+    """Seconds for ``readers`` processes to open, read whole (``read``; else only open and close) and close their
+    shares of ``paths`` (each its own slice of one shuffled order), the bytes read, and every open's seconds."""
     ctx = multiprocessing.get_context("fork")
     start = ctx.Event()
     out = ctx.Queue()
-    procs = [ctx.Process(target=_reader, args=(paths[i::readers], start, out)) for i in range(readers)]
+    procs = [ctx.Process(target=_reader, args=(paths[i::readers], read, start, out)) for i in range(readers)]
     for p in procs:
         p.start()
     time.sleep(0.2)  # every reader forked and waiting
@@ -88,7 +96,12 @@ def read_files(paths: list[str], readers: int) -> tuple[float, int]:
         p.join()
         if p.exitcode:
             raise RuntimeError(f"a reader failed (exit {p.exitcode})")
-    return elapsed, sum(n for _, n in results)
+    return elapsed, sum(n for _, n, _ in results), [t for _, _, opens in results for t in opens]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def prepare_state(state: str, paths: list[str]) -> None:
@@ -106,13 +119,14 @@ def _requests_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
 
 
 def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[str], readers: list[int],
-            repeats: int) -> list[dict[str, Any]]:
+            repeats: int, read: bool = True) -> list[dict[str, Any]]:
     """Rows of ``rel`` (names below the mount) read through the mount against ``direct`` (the same bytes, file by
-    file) read directly."""
+    file) read directly; ``read`` False: only opened and closed (the opens' own cost)."""
     rows = []
     for state in STATES:
         for n in readers:
             runs: dict[str, list[float]] = {"direct": [], "mount": []}
+            latencies: dict[str, list[float]] = {"direct": [], "mount": []}
             cpu_per_file: list[float] = []
             requests: dict[str, dict[str, float]] = {}
             for _ in range(repeats):
@@ -124,8 +138,9 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
                         cpu0, req0 = bench.cpu_seconds(mounted.pid), control0.get("requests", {})
-                    seconds, _ = read_files(paths, n)
+                    seconds, _, opens = read_files(paths, n, read)
                     runs[where].append(len(paths) / seconds)
+                    latencies[where] += opens
                     if where == "mount":
                         cpu_per_file.append((bench.cpu_seconds(mounted.pid) - cpu0) / len(paths) * 1e6)
                         control1 = bench.control(mounted.mnt)
@@ -137,26 +152,34 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                                "wall_us": r["wall_s"] / max(1, r["count"]) * 1e6,
                                "loop_cpu_us": r["cpu_s"] / max(1, r["count"]) * 1e6}
                         for name, r in requests.items()}
-            rows.append({"shape": shape, "state": state, "readers": n, "files": len(rel),
+            # Every open of every repeat, as the readers saw them: the tail is what waits behind other opens.
+            opens_us = {f"{where}_open_{name}_us": percentile(latencies[where], q) * 1e6
+                        for where in ("direct", "mount") for name, q in (("p50", 0.5), ("p99", 0.99))}
+            rows.append({**opens_us, "shape": shape, "state": state, "readers": n, "files": len(rel),
                          "direct_files_s": direct_rate, "mount_files_s": mount_rate,
                          "ratio": mount_rate / direct_rate,
                          "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
                          "runs": runs, "requests_last_run": per_file, "cold_opens_per_file": cold_opens})
             print(f"{shape:5} {state:4} {n} readers: direct {direct_rate:8.0f} files/s, mount {mount_rate:8.0f} "
-                  f"({mount_rate / direct_rate:.2f}x), daemon {statistics.median(cpu_per_file):6.0f} us CPU/file  "
+                  f"({mount_rate / direct_rate:.2f}x), open p50/p99 us direct {opens_us['direct_open_p50_us']:.0f}/"
+                  f"{opens_us['direct_open_p99_us']:.0f} mount {opens_us['mount_open_p50_us']:.0f}/"
+                  f"{opens_us['mount_open_p99_us']:.0f}, daemon {statistics.median(cpu_per_file):6.0f} us CPU/file  "
                   + " ".join(f"{k} {v['per_file']:.2f}x{v['loop_cpu_us']:.0f}us" for k, v in per_file.items()),
                   file=sys.stderr)
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| shape | metadata | readers | direct files/s | mount files/s | mount/direct | daemon CPU us/file "
+    lines = ["| shape | metadata | readers | direct files/s | mount files/s | mount/direct "
+             "| open p50 / p99 us, direct | mount | daemon CPU us/file "
              "| opens in a thread | loop CPU us per request (requests per file) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         req = ", ".join(f"{k} {v['loop_cpu_us']:.0f} ({v['per_file']:.2f})" for k, v in r["requests_last_run"].items())
         lines.append(f"| {r['shape']} | {r['state']} | {r['readers']} | {r['direct_files_s']:.0f} | "
-                     f"{r['mount_files_s']:.0f} | {r['ratio']:.2f} | {r['daemon_cpu_us_per_file']:.0f} | "
+                     f"{r['mount_files_s']:.0f} | {r['ratio']:.2f} | {r['direct_open_p50_us']:.0f} / "
+                     f"{r['direct_open_p99_us']:.0f} | {r['mount_open_p50_us']:.0f} / {r['mount_open_p99_us']:.0f} | "
+                     f"{r['daemon_cpu_us_per_file']:.0f} | "
                      f"{r['cold_opens_per_file']:.0%} | {req} |")
     return "\n".join(lines)
 
@@ -169,7 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", type=int, default=5000, help="small files (default 5000)")
     parser.add_argument("--small-size", type=int, default=110_000, help="their size in bytes (default 110000)")
     parser.add_argument("--large", type=int, default=48, help="large raw objects (default 48; 0: none)")
-    parser.add_argument("--readers", default="1,2,4,8", help="reader processes, comma-separated (default 1,2,4,8)")
+    parser.add_argument("--readers", default="1,2,4,8,16",
+                        help="reader processes, comma-separated (default 1,2,4,8,16)")
+    parser.add_argument("--shapes", default=",".join(SHAPES),
+                        help="which shapes, comma-separated: small (open, read, close), large (the same), opens "
+                             "(the large objects opened and closed, nothing read: what the opens cost alone); "
+                             f"default {','.join(SHAPES)}")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row, the median reported (default 3)")
     parser.add_argument("--data-path", default="auto", choices=["auto", "passthrough", "daemon"],
                         help="the mount's --data-path (default auto)")
@@ -183,26 +211,33 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.small, args.large, args.repeats, args.readers = 40, 4, 1, "1,2"
     readers = [int(n) for n in args.readers.split(",") if n]
+    shapes = bench.split_choices(parser, args.shapes, SHAPES, "--shapes")
     work = bench.work_dir(args.work)
     out = args.json or work / "opens.json"
     rows: list[dict[str, Any]] = []
     mnt = work / "mnt"
 
-    src = small_dataset(work, args.small, args.small_size)
-    store = bench.store_for(work, src, 0.0)
-    rel = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
     options = ["--data-path", args.data_path, *([] if args.no_time_requests else ["--time-requests"]),
                *args.mount_options.split()]
-    with bench.mounted(src, store, mnt, *options) as m:
-        data_path = bench.control(mnt)["data_path"]
-        rows += measure("small", [src / r for r in rel], m, rel, readers, args.repeats)
-    if args.large:
+    data_path = "?"
+    if "small" in shapes:
+        src = small_dataset(work, args.small, args.small_size)
+        store = bench.store_for(work, src, 0.0)
+        rel = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
+        with bench.mounted(src, store, mnt, *options) as m:
+            data_path = bench.control(mnt)["data_path"]
+            rows += measure("small", [src / r for r in rel], m, rel, readers, args.repeats)
+    if args.large and {"large", "opens"} & set(shapes):
         big = bench.dataset(bench.dataset_dir(work, args.large, 2048, 1024), args.large, 2048, 1024)
         raw = bench.store_for(work / "large", big, 1.0)
         # Direct: each image's raw object, the very bytes the mount serves under the image's name.
         pairs = [(os.fsdecode(n.path), raw / n.object) for n in Catalog.open(raw).files() if n.object]
         with bench.mounted(big, raw, mnt, *options) as m:
-            rows += measure("large", [o for _, o in pairs], m, [p for p, _ in pairs], readers, args.repeats)
+            data_path = bench.control(mnt)["data_path"]
+            for shape in ("large", "opens"):
+                if shape in shapes:
+                    rows += measure(shape, [o for _, o in pairs], m, [p for p, _ in pairs], readers, args.repeats,
+                                    read=shape == "large")
     result = {"data_path": data_path, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,29 @@ from liquidfs.fuse.operations import Operations
 from liquidfs.stores.reader import Reader
 from liquidfs.stores.local.reader import StoreReader
 from liquidfs.metrics.stats import MountStats
+
+
+class FakeKernel:
+    """The kernel's side of passthrough: registrations recorded, each backing's bytes readable."""
+
+    def __init__(self) -> None:
+        self.next_id = 1
+        self.files: dict[int, int] = {}  # backing id -> (a dup of) the registered fd
+        self.registered = 0
+
+    def register(self, fd: int) -> int:
+        backing_id = self.next_id
+        self.next_id += 1
+        self.files[backing_id] = os.dup(fd)
+        self.registered += 1
+        return backing_id
+
+    def unregister(self, backing_id: int) -> None:
+        os.close(self.files.pop(backing_id))
+
+    def read(self, backing_id: int) -> bytes:
+        fd = self.files[backing_id]
+        return os.pread(fd, os.fstat(fd).st_size + 1, 0)
 
 
 def daemon_operations(catalog: Catalog, reader: Reader, *, cache: NextEpochCache | None = None,

@@ -8,7 +8,7 @@ from liquidfs import cli
 
 # A value other than the default for every option the daemon is given (the parent's own are left out).
 NON_DEFAULT = ["--store", "/srv/store", "--allow-other", "-o", "ro,noatime", "-o", "max_read=131072",
-               "--threads", "7", "--cache-size", "30%", "--page-cache", "keep", "--open-bytes", "32M",
+               "--threads", "7", "--open-threads", "9", "--cache-size", "30%", "--page-cache", "keep", "--open-bytes", "32M",
                "--no-push-pages", "--disk-cache", "/nvme/cache", "--disk-cache-size", "20G", "--warmup",
                "--cluster", "memcached://10.0.0.1:11211,10.0.0.2:11211", "--cluster-size", "60%",
                "--cluster-key-file", "/etc/liquidfs/cluster.key",

@@ -327,9 +327,9 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
     hops: list[int] = []
     real_blocking = ops.storage.run
 
-    async def counting(node, fn, *args):  # type: ignore[no-untyped-def]
+    async def counting(node, fn, *args, **kw):  # type: ignore[no-untyped-def]
         hops.append(node.id)
-        return await real_blocking(node, fn, *args)
+        return await real_blocking(node, fn, *args, **kw)
 
     ops.storage.run = counting  # type: ignore[method-assign]
     ops.data.reader.inline_check = True  # type: ignore[union-attr]
@@ -515,11 +515,11 @@ def test_a_file_the_policy_let_go_while_it_was_read_is_not_held(tmp_path: Path) 
     go_on = trio.Event()
     real_run = data.storage.run
 
-    async def slow_run(node, func, *args):
+    async def slow_run(node, func, *args, **kw):
         if node.id == ino and not reading.is_set():
             reading.set()
             await go_on.wait()
-        return await real_run(node, func, *args)
+        return await real_run(node, func, *args, **kw)
 
     data.storage.run = slow_run
 

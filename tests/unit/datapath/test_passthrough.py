@@ -23,31 +23,10 @@ from liquidfs.fuse.operations import Operations
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
-from operations import passthrough_operations
+from operations import FakeKernel, passthrough_operations
 from sample import make_sample
 
 CTX = pyfuse3.RequestContext()
-
-
-class FakeKernel:
-    def __init__(self) -> None:
-        self.next_id = 1
-        self.files: dict[int, int] = {}  # backing id -> (a dup of) the registered fd
-        self.registered = 0
-
-    def register(self, fd: int) -> int:
-        backing_id = self.next_id
-        self.next_id += 1
-        self.files[backing_id] = os.dup(fd)
-        self.registered += 1
-        return backing_id
-
-    def unregister(self, backing_id: int) -> None:
-        os.close(self.files.pop(backing_id))
-
-    def read(self, backing_id: int) -> bytes:
-        fd = self.files[backing_id]
-        return os.pread(fd, os.fstat(fd).st_size + 1, 0)
 
 
 @pytest.fixture(scope="module")

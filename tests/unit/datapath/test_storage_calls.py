@@ -1,0 +1,125 @@
+"""Storage calls from the trio loop (``datapath.storage_calls``): opens that wait for storage wait side by side, not
+behind one another or behind the reads' few threads; the thread hop itself."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from liquidfs.catalog import Catalog
+from liquidfs.datapath import passthrough
+from liquidfs.datapath.storage_calls import OPEN_THREADS, in_thread
+from liquidfs.prepare import prepare
+from liquidfs.stores.local.reader import StoreReader
+from operations import FakeKernel, daemon_operations, passthrough_operations
+from sample import make_sample
+
+
+CTX = pyfuse3.RequestContext()
+#: Opens at once, as many as a GPU node's loader workers (issue 40: 12 to 16).
+READERS = 16
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("opens")
+    make_sample(root / "data", count=READERS, width=32, height=24, seed=40)
+    prepare(root / "data", root / "store", 1.0, progress=False)
+    return root / "store"
+
+
+class Together:
+    """A storage call that returns only once ``READERS`` of them are in their worker threads at the same time:
+    were opens serialized behind fewer threads (the reads' four, as before issue 40), the barrier breaks after its
+    timeout and the opens fail. A disk's latency, 16 metadata reads in flight, stands in for the wait."""
+
+    def __init__(self) -> None:
+        self.barrier = threading.Barrier(READERS, timeout=20)
+        self.calls = 0
+
+    def wrap(self, real):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if kwargs.get("cached_only"):
+                raise BlockingIOError(11, "cold: not in the kernel's caches")  # as a cold dentry says
+            self.calls += 1
+            self.barrier.wait()
+            return real(*args, **kwargs)
+        return call
+
+
+def _open_all_at_once(ops, nodes) -> list[pyfuse3.FileInfo]:  # type: ignore[no-untyped-def]
+    opened: list[pyfuse3.FileInfo] = []
+
+    async def main() -> None:
+        async def open_one(node) -> None:  # type: ignore[no-untyped-def]
+            opened.append(await ops.open(node.id, os.O_RDONLY, CTX))
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                nursery.start_soon(open_one, node)
+        for info in opened:
+            await ops.release(info.fh)
+
+    trio.run(main)
+    return opened
+
+
+def test_cold_passthrough_opens_wait_for_storage_side_by_side(prepared: Path, monkeypatch) -> None:
+    together = Together()
+    monkeypatch.setattr(passthrough, "vouched", together.wrap(passthrough.vouched))
+    monkeypatch.setattr(passthrough, "resolve", together.wrap(passthrough.resolve))
+    catalog = Catalog.open(prepared, readonly=True)
+    ops = passthrough_operations(catalog, StoreReader(catalog.source, prepared), FakeKernel())
+    nodes = [n for n in catalog.files() if n.object]
+    assert len(nodes) == READERS <= OPEN_THREADS
+    assert len(_open_all_at_once(ops, nodes)) == READERS
+    assert together.calls == READERS and not together.barrier.broken
+    assert ops.stats.cold_opens == READERS and ops.stats.passthrough_opens == READERS
+
+
+def test_cold_daemon_path_opens_wait_for_storage_side_by_side(prepared: Path) -> None:
+    together = Together()
+    catalog = Catalog.open(prepared, readonly=True)
+    reader = StoreReader(catalog.source, prepared)
+    reader.vouch = together.wrap(reader.vouch)  # type: ignore[method-assign]
+    ops = daemon_operations(catalog, reader)
+    nodes = [n for n in catalog.files() if n.object]
+    assert len(_open_all_at_once(ops, nodes)) == READERS
+    assert together.calls == READERS and not together.barrier.broken
+
+
+def test_the_reads_keep_their_own_few_threads(prepared: Path) -> None:
+    """Opens have a pool of their own: the reads' ``--threads`` stays what the user set."""
+    catalog = Catalog.open(prepared, readonly=True)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, prepared), thread_limiter=trio.CapacityLimiter(3),
+                            open_threads=5)
+    assert ops.storage.thread_limiter.total_tokens == 3 and ops.storage.open_limiter.total_tokens == 5
+
+
+def test_the_hop_returns_raises_and_abandons_on_cancel() -> None:
+    release = threading.Event()
+    finished = threading.Event()
+
+    def stuck() -> None:
+        release.wait(10)
+        finished.set()
+
+    def fail() -> None:
+        raise OSError(5, "boom")
+
+    async def main() -> None:
+        assert await in_thread(lambda: threading.get_ident()) != threading.get_ident()
+        with pytest.raises(OSError, match="boom"):
+            await in_thread(fail)
+        with trio.move_on_after(0.05) as scope:
+            await in_thread(stuck)  # cancelled: the caller goes on while the thread is still in it
+        assert scope.cancelled_caught and not finished.is_set()
+        release.set()
+        await trio.to_thread.run_sync(finished.wait, 10)
+        await trio.sleep(0.01)  # its late answer reaches the loop and is dropped, not delivered to this task
+
+    trio.run(main)
