@@ -23,7 +23,9 @@ another user's job that reads; where there is none, its reads are counted in no 
 
 A held file costs the budget what the level that holds it says it takes (``charge_files``): for a memfd its
 whole pages, a file's overhead, and at least its share of the descriptors the level may hold, so a budget of
-tiny files cannot run the daemon out of descriptors or count a page as 512 B.
+tiny files cannot run the daemon out of descriptors or count a page as 512 B. A budget given as a percentage is
+of what holding every file costs at that charge, and ``share`` (the C/D above) is the budget's part of that cost
+however it was given (``budget``): the quota keeps that share of each epoch's bytes, which then fills the budget.
 
 This module is pure bookkeeping: it never touches bytes. Where the held bytes live is the caller's business (a
 level of held bytes, ``held``).
