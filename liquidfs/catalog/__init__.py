@@ -147,6 +147,8 @@ _SCANNED_COLUMNS = (
     "id, parent, name, path, kind, mode, size, mtime_ns, nsubdirs, target, repr, served_size, object, checksum, etag"
 )
 _NODE_COLUMNS = _SCANNED_COLUMNS + ", object_stamp"
+#: A regular file's size as served: its raw object's where it has one, else its source's.
+_SERVED = "CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size ELSE size END"
 
 
 _EXPANSION_COLUMNS = "src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag, object_stamp"
@@ -324,13 +326,24 @@ class Catalog:
         if self._totals is not None:
             return self._totals
         files, served, source = self.db.execute(
-            "SELECT count(*), coalesce(sum(CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size "
-            "ELSE size END), 0), coalesce(sum(size), 0) FROM nodes WHERE kind=0"
+            f"SELECT count(*), coalesce(sum({_SERVED}), 0), coalesce(sum(size), 0) FROM nodes WHERE kind=0"
         ).fetchone()
         max_id = self.db.execute("SELECT coalesce(max(id), 1) FROM nodes").fetchone()[0]
         if self.immutable:
             self._totals = files, served, source, max_id
         return files, served, source, max_id
+
+    def paged_bytes(self, pages: Iterable[int]) -> dict[int, int]:
+        """For each page size of ``pages``: the bytes of every regular file as served, each rounded up to whole
+        pages and to one at least (what a level that holds files in pages takes for all of them: the budget's
+        percentages are of that, ``policy.budget``). One scan of every row, as ``file_totals``."""
+        sizes = sorted({max(1, int(page)) for page in pages})
+        if not sizes:
+            return {}
+        columns = ", ".join(f"coalesce(sum(max(1, ({_SERVED} + ? - 1) / ?) * ?), 0)" for _ in sizes)
+        row = self.db.execute(f"SELECT {columns} FROM nodes WHERE kind=0",
+                              [page for page in sizes for _ in range(3)]).fetchone()
+        return dict(zip(sizes, (int(value) for value in row)))
 
     def raw_bytes(self) -> int:
         """Bytes of the raw objects the catalog serves (the share a cluster level holds is of these)."""

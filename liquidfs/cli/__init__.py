@@ -92,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"on the disk's latency (the source's identity, the raw object's inode), so as many as the "
                    f"loader has workers should proceed together (default {OPEN_THREADS})")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
-                   help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
-                   "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
+                   help="memory for the next-epoch cache: bytes (24G, 512M) or a percentage (30%%) of what "
+                   "holding every file would cost (on the passthrough path each file takes whole pages and "
+                   "1.25 KB besides; on the daemon path its bytes); that share of every epoch is then served "
+                   "from memory. "
                    "Default: no cache (and the page cache keeps no copy of served files)")
     tuning.add_argument("--page-cache", choices=["drop", "keep", "direct"], default="drop",
                    help="what the kernel's page cache keeps of served files the daemon's cache does not hold: "

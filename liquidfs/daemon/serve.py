@@ -30,7 +30,7 @@ from ..datapath.daemon import MAX_OPEN_BYTES
 from ..datapath.storage_calls import FUSE_WORKERS, IO_TIMEOUT, OPEN_THREADS
 from ..fuse.lookahead import MetadataAhead
 from ..fuse.operations import CONTROL_NAME, Operations
-from ..held.base import held_descriptors
+from ..held.base import PAGE, held_descriptors
 from ..held.cluster import ClusterTier, EveryoneReads, call_timeout
 from ..held.cluster_peers import memcached_client
 from ..held.disk import DiskTier
@@ -39,6 +39,7 @@ from ..metrics.server import serve_metrics
 from ..metrics.stats import MountStats
 from ..mix.controller import CpuBusy, MixController, Stalls
 from ..mix.share import STEER_INTERVAL, Mix, steer
+from ..policy.budget import DatasetCost, parse_budget
 from ..policy.next_epoch import NextEpochCache, parse_size
 from ..stores import Store
 from ..stores.reader import ChecksCallers, LendsDescriptors, Reader
@@ -210,7 +211,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     stats = MountStats(source=str(config.source), store=config.storage.label)
     base_reader = config.storage.reader(catalog, config.threads, config.io_timeout)
     totals = catalog.file_totals()  # one scan of the catalog serves every cache level
-    cache = make_cache(totals, config.cache_size)
+    cache = make_cache(catalog, totals, config.cache_size)
     disk = make_disk_tier(totals, config, base_reader, cache) if config.disk_cache is not None else None
     cluster = make_cluster_tier(totals, catalog, config, disk or base_reader) if config.cluster else None
     levels = [level.statistics for level in (disk, cluster) if level is not None]
@@ -380,17 +381,20 @@ def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reade
     return DiskTier(reader, config.disk_cache, policy, memory_holds=held)
 
 
-def make_cache(totals: tuple[int, int, int, int], cache_size: str | None) -> NextEpochCache | None:
-    """The memory level; ``totals`` are ``Catalog.file_totals()``."""
+def make_cache(catalog: Catalog, totals: tuple[int, int, int, int],
+               cache_size: str | None) -> NextEpochCache | None:
+    """The memory level's policy; ``totals`` are ``Catalog.file_totals()``. A percentage is of what holding every
+    file costs on the level that will hold them (its pages: ``policy.budget``), known once the data path is."""
     if not cache_size:
         return None
     files, served, _, max_id = totals
     try:
-        budget = parse_size(cache_size, served)
+        budget = parse_budget(cache_size)
     except ValueError as exc:
         raise MountError(str(exc)) from exc
-    log.info("cache budget %d bytes (%.1f %% of %d served bytes)", budget, 100 * budget / max(1, served), served)
-    return NextEpochCache(budget, served, files, max_id=max_id)
+    # Bytes in pages for the daemon's memory (1: the bytes themselves) and the memfds' (one scan for both).
+    cost = DatasetCost(files, catalog.paged_bytes((1, PAGE)))
+    return NextEpochCache(budget, served, files, max_id=max_id, cost=cost)
 
 
 async def _steer_mix(ops: Operations, config: MountConfig) -> None:

@@ -32,11 +32,16 @@ FUSE_WORKERS = 512
 #: as background requests, at most ``max_background`` (12) at a time. Opens are synchronous, one per caller.
 MAX_OPENS = FUSE_WORKERS - 128
 #: Storage calls of opens at once (``mount --open-threads``). An open's calls are metadata (the source's identity,
-#: the raw object's inode) that each wait on the disk's latency, not its bandwidth: with the reads' ``--threads``
-#: (4) as their bound too, 16 loader workers opening cold files queued behind four at a time (issue 40: OPEN took
-#: 9.2 ms of wall time against 0.2 ms of the loop's CPU on a GPU node). Opens get a pool of their own, sized for
-#: a node's loader workers; threads idle for 10 s exit (trio's thread cache).
+#: the raw object's inode) that each wait on the disk's latency, not its bandwidth: under the reads' ``--threads``
+#: (4) a node's 16 loader workers could have only four opens in storage, and a slow one held a slot that reads
+#: wanted. Opens get a pool of their own, sized for a node's loader workers; threads idle for 10 s exit (trio's
+#: thread cache). (On a GPU node the four were not what made cold opens slow: the loop's CPU per open is,
+#: BENCHMARKS.md "Opens on a GPU node".)
 OPEN_THREADS = 64
+#: The share of MAX_OPENS one user other than root and the daemon's own may hold at once: one user's opens stuck
+#: on a slow source (an NFS server of theirs, a FUSE mount they serve themselves) leave the other half to everyone
+#: else, who would otherwise all get EAGAIN.
+OPENS_PER_USER_SHARE = 0.5
 
 
 class StorageCalls:
@@ -56,28 +61,46 @@ class StorageCalls:
         self._stuck_lock = threading.Lock()
         self.max_opens = max_opens
         self.opens_in_flight = 0
-        #: Opens refused (EAGAIN) because max_opens were in flight.
+        #: Opens refused (EAGAIN): max_opens in flight, or the opener's uid held its share (both counted here).
         self.opens_refused = 0
+        #: Of those, opens refused because their uid held its share of max_opens (``opening``).
+        self.opens_refused_share = 0
+        self._opens_of: dict[int, int] = {}  # opens in flight by uid (those with any)
+        self._unshared = frozenset({0, os.getuid()})  # root and the daemon's own user: bound by the total only
 
     @contextmanager
-    def opening(self) -> Iterator[None]:
-        """Held by an open of a file from before its first wait for storage to its answer. Past ``max_opens``
-        in flight an open fails at once with EAGAIN rather than taking one more FUSE worker: opens stuck behind
-        a hung or saturated storage then never leave the mount unable to answer ``ls``, ``stat`` or the control
-        file. EAGAIN ("try again") because nothing is wrong with the file or the mount (EIO would send the
-        operator after a broken disk, ENFILE is the open-file budget's); loaders do not retry either way, and
-        the log and ``opens_refused`` say why.
+    def opening(self, uid: int) -> Iterator[None]:
+        """Held by an open of a file by ``uid`` from before its first wait for storage to its answer. Past
+        ``max_opens`` in flight an open fails at once with EAGAIN rather than taking one more FUSE worker: opens
+        stuck behind a hung or saturated storage then never leave the mount unable to answer ``ls``, ``stat`` or
+        the control file. A user other than root and the daemon's own may hold at most OPENS_PER_USER_SHARE of
+        them: one user's stuck opens never refuse everyone else's. EAGAIN ("try again") because nothing is wrong
+        with the file or the mount (EIO would send the operator after a broken disk, ENFILE is the open-file
+        budget's); loaders do not retry either way, and the log and ``opens_refused`` say why.
 
-        Only counters change here, between awaits: no open can slip past the bound."""
+        Only counters change here, between awaits: no open can slip past either bound."""
+        mine = self._opens_of.get(uid, 0)
         if self.opens_in_flight >= self.max_opens:
             self.opens_refused += 1
             raise OSError(errno.EAGAIN, f"{self.max_opens} opens wait for storage already: further opens fail at "
                                         "once (EAGAIN) so that the mount keeps answering")
+        share = max(1, int(self.max_opens * OPENS_PER_USER_SHARE))
+        if uid not in self._unshared and mine >= share:
+            self.opens_refused += 1
+            self.opens_refused_share += 1
+            raise OSError(errno.EAGAIN, f"uid {uid} has {mine} opens waiting for storage already, its share: its "
+                                        "further opens fail at once (EAGAIN) so that others' keep being answered")
         self.opens_in_flight += 1
+        self._opens_of[uid] = mine + 1
         try:
             yield
         finally:
             self.opens_in_flight -= 1
+            left = self._opens_of[uid] - 1
+            if left:
+                self._opens_of[uid] = left
+            else:
+                del self._opens_of[uid]
 
     @property
     def stuck(self) -> int:

@@ -312,7 +312,7 @@ class Operations(pyfuse3.Operations):
         # cannot all pass a check of the files open so far.
         self._take_slot(ctx.uid)
         try:
-            with self.storage.opening():
+            with self.storage.opening(ctx.uid):
                 info = await self._open_file(node, ctx)
         except BaseException:
             self._give_back_slot(ctx.uid)
@@ -500,6 +500,7 @@ class Operations(pyfuse3.Operations):
         values["stuck_reads"] = self.storage.stuck
         values["opens_in_flight"] = self.storage.opens_in_flight
         values["opens_refused"] = self.storage.opens_refused
+        values["opens_refused_share"] = self.storage.opens_refused_share
         if self.data is not None:
             values.update(self.data.statistics())
         values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}

@@ -77,7 +77,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_opens_total", COUNTER, "", "opens", "Opens of files."),
     Metric("liquidfs_raw_opens_total", COUNTER, "", "opens_raw", "Opens that served a raw object."),
     Metric("liquidfs_refused_opens_total", COUNTER, "", "opens_refused",
-           "Opens failed at once with EAGAIN: as many opens as the mount lets wait for storage were waiting."),
+           "Opens failed at once with EAGAIN: as many opens as the mount lets wait for storage were waiting, or "
+           "as many of the opener's uid as one user may have."),
+    Metric("liquidfs_refused_opens_share_total", COUNTER, "", "opens_refused_share",
+           "Of the refused opens, those refused because their uid had its share (half) of the opens that may wait "
+           "for storage (root's and the mount's own user's are never)."),
     Metric("liquidfs_deferred_opens_total", COUNTER, "", "deferred",
            "Opens whose file was read at its first read instead of at open."),
     Metric("liquidfs_cold_opens_total", COUNTER, "", "cold_opens",

@@ -23,7 +23,9 @@ another user's job that reads; where there is none, its reads are counted in no 
 
 A held file costs the budget what the level that holds it says it takes (``charge_files``): for a memfd its
 whole pages, a file's overhead, and at least its share of the descriptors the level may hold, so a budget of
-tiny files cannot run the daemon out of descriptors or count a page as 512 B.
+tiny files cannot run the daemon out of descriptors or count a page as 512 B. A budget given as a percentage is
+of what holding every file costs at that charge, and ``share`` (the C/D above) is the budget's part of that cost
+however it was given (``budget``): the quota keeps that share of each epoch's bytes, which then fills the budget.
 
 This module is pure bookkeeping: it never touches bytes. Where the held bytes live is the caller's business (a
 level of held bytes, ``held``).
@@ -36,13 +38,13 @@ import logging
 import math
 import os
 import random
-import re
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .budget import DatasetCost, ShareOfCost, parse_budget
 from .epochs import WINDOW, CacheStats, EpochStats, Job, add_stats
 from .shared_budget import ReadIn, WantedSoonest, read_in
 
@@ -64,25 +66,10 @@ class Decision:
 NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
 def parse_size(text: str, dataset_bytes: int) -> int:
-    """'30%' of the dataset as served, or bytes with an optional K/M/G/T suffix (powers of 1024)."""
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1
-        if share < 0:
-            raise ValueError(f"cache size {text!r}: use a percentage (30%) or bytes (512M, 24G)")
-        return int(share * dataset_bytes)
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"cache size {text!r}: use a percentage (30%) or bytes (512M, 24G)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    """'30%' of ``dataset_bytes``, or bytes with an optional K/M/G/T suffix (powers of 1024)."""
+    budget = parse_budget(text)
+    return int(budget.share * dataset_bytes) if isinstance(budget, ShareOfCost) else budget
 
 
 #: Jobs tracked at once (12 bytes a file each): past them a new job takes the place of one of its own user's, or
@@ -132,14 +119,21 @@ class NextEpochCache:
     the others that follow it closely, so k jobs read less than k datasets from storage per epoch.
     """
 
-    def __init__(self, budget: int, dataset_bytes: int, dataset_files: int, *, max_id: int | None = None,
-                 gap: float = 0.5, seed: int = 0, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, budget: int | ShareOfCost, dataset_bytes: int, dataset_files: int, *,
+                 max_id: int | None = None, cost: DatasetCost | None = None, gap: float = 0.5, seed: int = 0,
+                 clock: Callable[[], float] = time.monotonic,
                  owner_of: Callable[[int], int | None] | None = None) -> None:
-        """``owner_of``: the uid of a job id (``jobs.JobOf.owner``; None: every job is the daemon's own user's)."""
-        self.budget = max(0, budget)
+        """``budget``: bytes, or a share of what holding every file costs (``budget.ShareOfCost``); ``cost``:
+        what the dataset's files take in pages (``catalog.Catalog.paged_bytes``; None: estimated from
+        ``dataset_bytes``); ``owner_of``: the uid of a job id (``jobs.JobOf.owner``; None: every job is the
+        daemon's own user's)."""
         self.dataset_bytes = max(1, dataset_bytes)
         self.dataset_files = max(1, dataset_files)
-        self.share = min(1.0, self.budget / self.dataset_bytes)
+        self.cost = cost if cost is not None else DatasetCost(self.dataset_files, {1: self.dataset_bytes})
+        self._asked = budget
+        self.budget = 0
+        self.share = 0.0
+        self._dataset_cost = self.dataset_bytes  # what holding every file costs (``_resolve_budget``)
         self.gap = gap
         self.seed = seed
         self.clock = clock
@@ -166,6 +160,7 @@ class NextEpochCache:
         self._page = 1
         self._overhead = 0
         self._min_charge = 0
+        self._resolve_budget()
         self.uncounted_reads = 0  # reads counted in no job (``_admit``)
         self.jobs_refused = 0     # new jobs that found no slot they could take
 
@@ -362,7 +357,8 @@ class NextEpochCache:
         expected = before.bytes if before is not None else self.dataset_bytes
         read = state.stats.epochs.get(draining)
         left = expected - (read.bytes if read is not None else 0)
-        return int(self.share * left) if left > 0 else 0
+        # (in what the level charges: share x the bytes left costs what those bytes' files take)
+        return int(self.share * left * self._dataset_cost / self.dataset_bytes) if left > 0 else 0
 
     def _wanted_sooner(self, file: int, size: int) -> tuple[bool, tuple[int, ...]]:
         """Whether to hold ``file`` while several jobs read: at once where there is room; else in place of held
@@ -394,7 +390,20 @@ class NextEpochCache:
         second limit. Set by the level before anything is held."""
         self._page = max(1, page)
         self._overhead = max(0, overhead)
+        self._resolve_budget()
         self._min_charge = -(-self.budget // max(1, max_files)) if max_files is not None else 0
+
+    def _resolve_budget(self) -> None:
+        """The budget in what the level charges, and its share of holding every file: a percentage is of the
+        files' cost at this charge, not of their bytes (``budget``), so 30 % holds 30 % of the files and hits
+        about 30 % of the opens whatever their sizes. Only a descriptor cap (``charge_files``'s ``max_files``)
+        can hold fewer: past it no level may hold more files whatever the budget."""
+        cost = self._dataset_cost = self.cost.of(self._page, self._overhead)
+        asked = self._asked
+        self.budget = int(asked.share * cost) if isinstance(asked, ShareOfCost) else max(0, asked)
+        self.share = min(1.0, self.budget / cost)
+        log.info("cache budget %d bytes: %.1f %% of %d, what holding every file costs (pages of %d bytes, "
+                 "%d bytes a file besides)", self.budget, 100 * self.share, cost, self._page, self._overhead)
 
     def _hold(self, file: int, entry: Held) -> None:
         self.held[file] = entry

@@ -24,7 +24,7 @@ from conftest import run_cli
 from fusehelpers import PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, memfd_bytes, wait_for
 from liquidfs.catalog import Catalog, object_stamp
 from liquidfs.prepare import prepare
-from trees import dataset_tree
+from trees import dataset_tree, noise_files
 
 pytestmark = pytest.mark.fuse
 
@@ -235,12 +235,7 @@ READER = textwrap.dedent(r"""
 @PASSTHROUGH_NEEDS_ROOT
 def test_next_epoch_cache_in_memfds(tmp_path: Path, mounter: Mount) -> None:
     src = tmp_path / "data"
-    rng = random.Random(5)
-    for i in range(256):
-        d = src / f"c{i % 4}"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / f"f{i:04d}.bin").write_bytes(os.urandom(rng.randint(60_000, 200_000)))
-    files = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
+    files = noise_files(src, count=256, classes=4, seed=5, sizes=(60_000, 200_000))
     mnt = mounter.mount(src, "--cache-size", "30%")
     require_passthrough(mnt)
     pid = daemon_pid(mnt)
@@ -261,7 +256,7 @@ def test_next_epoch_cache_in_memfds(tmp_path: Path, mounter: Mount) -> None:
     for ep in later:
         assert 0.2 <= ep["byte_hit_ratio"] <= 0.4, values["epochs"]
     assert values["bytes_from_memory"] > 0 and values["read_requests"] == 0
-    for f in rng.sample(files, 20):
+    for f in random.Random(5).sample(files, 20):
         assert (mnt / f).read_bytes() == (src / f).read_bytes()
 
 

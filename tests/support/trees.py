@@ -44,3 +44,16 @@ def noise_pngs(root: Path, *, count: int, classes: int, seed: int, sides: tuple[
         d.mkdir(parents=True, exist_ok=True)
         Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(d / f"img{i:04d}.png")
     return root
+
+
+def noise_files(root: Path, *, count: int, classes: int, seed: int, sizes: tuple[int, int]) -> list[str]:
+    """``count`` files of random bytes (incompressible: their sizes are what they say) in ``classes`` folders, of
+    a size drawn from ``sizes`` each; their paths below ``root``, sorted."""
+    import random
+
+    rng = random.Random(seed)
+    for i in range(count):
+        d = root / f"class{i % classes}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"img{i:04d}.bin").write_bytes(os.urandom(rng.randint(*sizes)))
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*.bin"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import pyfuse3
@@ -14,6 +15,7 @@ import trio
 import trio.testing
 
 from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.datapath.storage_calls import OPENS_PER_USER_SHARE, StorageCalls
 from liquidfs.fuse.operations import Operations
 from liquidfs.stores.local.reader import StoreReader
 from operations import daemon_operations, ops_over, small_tree
@@ -542,3 +544,40 @@ def test_a_file_the_policy_let_go_while_it_was_read_is_not_held(tmp_path: Path) 
 
     trio.run(main)
     assert ino not in data.held.held_items()
+
+
+# -- the bounds on opens waiting for storage (``StorageCalls.opening``) --------------------------------------
+
+class _NoReader:
+    """``opening`` reads nothing: a reader that would say so if it were asked."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"opening used the reader's {name}")
+
+
+def test_a_user_holds_at_most_its_share_root_and_the_mounts_user_the_whole() -> None:
+    """A user other than root and the daemon's own gets EAGAIN past its share of the opens in flight (counted in
+    ``opens_refused`` and ``opens_refused_share``) while another user still opens; root and the daemon's user
+    are bound by the total only; an open that ends gives its place back to its own uid."""
+    calls = StorageCalls(_NoReader(), max_opens=8)  # type: ignore[arg-type]
+    share = int(8 * OPENS_PER_USER_SHARE)
+    with ExitStack() as held:
+        for _ in range(share):
+            held.enter_context(calls.opening(1000))
+        with pytest.raises(OSError) as info, calls.opening(1000):
+            pass
+        assert info.value.errno == errno.EAGAIN and "uid 1000" in str(info.value)
+        assert (calls.opens_refused, calls.opens_refused_share) == (1, 1)
+        with calls.opening(1001):  # another user still opens
+            assert calls.opens_in_flight == share + 1
+        for uid in (0, os.getuid()):  # root's and the daemon's own: past a share, up to the total
+            with ExitStack() as privileged:
+                for _ in range(8 - share):
+                    privileged.enter_context(calls.opening(uid))
+                with pytest.raises(OSError), calls.opening(uid):  # the total: refused, not by a share
+                    pass
+        assert (calls.opens_refused, calls.opens_refused_share) == (1 + 2, 1)
+    assert calls.opens_in_flight == 0
+    with ExitStack() as again:  # every place given back: the user has its whole share again
+        for _ in range(share):
+            again.enter_context(calls.opening(1000))

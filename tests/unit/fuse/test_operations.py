@@ -6,14 +6,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 from pathlib import Path
 
 import pyfuse3
 import pytest
 import trio
 
-from liquidfs.catalog import ROOT_ID, Catalog
+from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.daemon import build as assemble
 from liquidfs.fuse.operations import CONTROL_ID, CONTROL_NAME, Operations
+from liquidfs.metrics.stats import MountStats
 from liquidfs.stores.local.reader import StoreReader
 from operations import daemon_operations, ops_over, small_tree
 
@@ -112,7 +115,7 @@ def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Pa
     ops = ops_over(tmp_path, files, None)
     ops.storage.max_opens = 2
     ino = run(ops.lookup, ROOT_ID, b"f0", CTX).st_ino
-    waiting = [ops.storage.opening(), ops.storage.opening()]
+    waiting = [ops.storage.opening(0), ops.storage.opening(0)]
     for held in waiting:
         held.__enter__()
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -134,6 +137,48 @@ class _As:
 
     def __init__(self, uid: int) -> None:
         self.uid, self.gid, self.pid, self.umask = uid, uid, 4242, 0o022
+
+def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: Path) -> None:
+    """One user's opens stuck on a slow source could take every open the mount lets wait for storage, and every
+    other user's open got EAGAIN. A user other than root and the mount's own holds at most half of them: its
+    next open fails at once with EAGAIN (counted apart), while another user's and root's are served."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 1000)
+    build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    gate = threading.Event()
+
+    def may_read(node: object, uid: int, gid: int, pid: int) -> bool:
+        if uid == 1000:
+            gate.wait(10)  # the stuck source (a bound only so that a failing run ends)
+        return True
+
+    ops = assemble.operations(catalog, assemble.parts(StoreReader(catalog.source, tmp_path / "store"), MountStats()),
+                              may_read=may_read)
+    ops.storage.max_opens = 4  # a share of 2 for a user other than root and the mount's
+    ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(ops.open, ino, os.O_RDONLY, _As(1000))
+            while ops.storage.opens_in_flight < 2:
+                await trio.sleep(0.01)
+            with pytest.raises(pyfuse3.FUSEError) as info:
+                await ops.open(ino, os.O_RDONLY, _As(1000))
+            assert info.value.errno == errno.EAGAIN
+            other = await ops.open(ino, os.O_RDONLY, _As(1001))
+            assert bytes(await ops.read(other.fh, 0, 1 << 20)) == b"x" * 1000
+            await ops.open(ino, os.O_RDONLY, CTX)
+            values = ops.statistics()
+            assert values["opens_refused"] == 1 and values["opens_refused_share"] == 1, values
+            assert values["opens_in_flight"] == 2
+            gate.set()
+
+    run(main)
+    assert ops.storage.opens_in_flight == 0 and ops.stats.opens == 4
+
 
 def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:
     """Open ``ino`` as ``ctx`` until an open fails (``at_most`` times at most): the handles, and the errno."""
