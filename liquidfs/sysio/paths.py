@@ -105,9 +105,16 @@ def open_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
     ``cached_only``: BlockingIOError (EAGAIN) rather than waiting for the disk, where a dentry or an inode on the
     way is not in memory (for opens on the trio thread; the caller retries in a worker thread).
     """
+    return open_below_stat(dir_fd, rel, where, cached_only=cached_only)[0]
+
+
+def open_below_stat(dir_fd: int, rel: bytes, where: bytes | str = b"", *,
+                    cached_only: bool = False) -> tuple[int, os.stat_result]:
+    """``open_below``, and the stat its check of the file took (an open that needs both makes one fstat, not two:
+    issue 40, every syscall of an open on the loop counts)."""
     path = _named(where, rel)
     file = _walk(dir_fd, rel, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, cached_only)
-    return _regular(file, path)
+    return _regular_stat(file, path)
 
 
 def stat_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> os.stat_result:
@@ -191,8 +198,16 @@ def open_regular(path: str | os.PathLike[str]) -> int:
 
 def _regular(file: int, path: str) -> int:
     """``file`` if it is a regular file (no longer non-blocking); else closed and EIO."""
-    if not stat.S_ISREG(os.fstat(file).st_mode):
+    return _regular_stat(file, path)[0]
+
+
+def _regular_stat(file: int, path: str) -> tuple[int, os.stat_result]:
+    """``file`` and its stat if it is a regular file (no longer non-blocking); else closed and EIO."""
+    st = os.fstat(file)
+    if not stat.S_ISREG(st.st_mode):
         os.close(file)
         raise OSError(errno.EIO, "no longer a regular file", path)
-    fcntl.fcntl(file, fcntl.F_SETFL, fcntl.fcntl(file, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-    return file
+    # Of the status flags F_SETFL can change (O_APPEND, O_ASYNC, O_DIRECT, O_NOATIME, O_NONBLOCK) every file here
+    # was opened with O_NONBLOCK alone: clearing them all clears it, without an F_GETFL first.
+    fcntl.fcntl(file, fcntl.F_SETFL, 0)
+    return file, st

@@ -13,7 +13,7 @@ from pathlib import Path
 from ...catalog import Node, object_key, object_stamp
 from ...sysio import access
 from ...sysio.directio import POOL, read_fd, read_span
-from ...sysio.paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_dir, stat_below
+from ...sysio.paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_below_stat, open_dir, stat_below
 from ..reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, FallbackLog, check_raw, read_settled, same_file
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ class StoreReader:
 
     def open_object(self, node: Node, *, cached_only: bool = False) -> int:
         """The raw object's descriptor: a name prepare gives, a regular file below the store, no link."""
+        return self.open_object_stat(node, cached_only=cached_only)[0]
+
+    def open_object_stat(self, node: Node, *, cached_only: bool = False) -> tuple[int, os.stat_result]:
+        """``open_object``, and the object's stat."""
         assert node.object is not None
         name = OBJECT_NAME.fullmatch(node.object)
         if name is None:
@@ -58,8 +62,8 @@ class StoreReader:
             raise OSError(errno.EIO, "not the object of this file's source: refused", node.object)
         if self.objects_fd < 0:
             raise FileNotFoundError(errno.ENOENT, "the store had no objects directory at mount", node.object)
-        return open_below(self.objects_fd, os.fsencode(name.group(1)), os.fsencode(self.store_dir / "objects"),
-                          cached_only=cached_only)
+        return open_below_stat(self.objects_fd, os.fsencode(name.group(1)), os.fsencode(self.store_dir / "objects"),
+                               cached_only=cached_only)
 
     def warm(self, node: Node) -> None:
         """Bring the dentries and inodes an open of ``node`` walks into the kernel's caches (the source's, and
@@ -85,40 +89,43 @@ class StoreReader:
         take (passthrough hands the chosen descriptor to the kernel, ``backing.vouched``; the daemon path reads
         it, ``open``, or defers its read, ``vouch``).
 
-        The source is opened below the root without links and compared with the catalog (size, mtime, inode,
-        ctime). A node with a raw object is served raw while the source is unchanged and the object can be
+        The source is reached below the root without links and compared with the catalog (size, mtime, inode,
+        ctime): stat-ed where a raw object may be served, opened where the original is. A node with a raw object is served raw while the source is unchanged and the object can be
         opened (a name prepare gives, a regular file below the objects directory, no link); ``sealed`` says
         whether a stat vouches for the object (its size, its inode unchanged since prepare sealed the store),
         else its BLAKE2b digest must be checked before any byte is served. Otherwise the original is served, and
         for a raw node ``fallback`` says why. ``cached_only``: BlockingIOError where an open would wait for the disk.
         """
-        source = self.open_source(node, cached_only=cached_only)
-        try:
-            st = os.fstat(source)
+        if node.served_raw:
+            # The source is only compared with the catalog here: a stat of it (an O_PATH walk) is cheaper than an
+            # open, which is made only where the original is served after all.
+            st = stat_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)
             changed = self.check_source(node, st)
-            why = changed
-            if node.served_raw and changed is None:
+            if changed is None:
                 try:
-                    obj = self.open_object(node, cached_only=cached_only)
+                    obj, ost = self.open_object_stat(node, cached_only=cached_only)
                 except BlockingIOError:
                     raise
                 except FileNotFoundError:
-                    why = "raw object missing"
+                    changed = "raw object missing"
                 except OSError as exc:
-                    why = f"raw object unreadable ({exc.strerror})"
+                    changed = f"raw object unreadable ({exc.strerror})"
                 else:
-                    ost = os.fstat(obj)
                     return Choice(obj, ost, raw=True, sealed=self.object_sealed(node, ost))
-            if why is not None:
-                self.warn_once(node, why)
-            # An original is served either way; its size may differ from the catalog's (the caller corrects it).
-            chosen = Choice(source, st, raw=False, sealed=changed is None,
-                            fallback=why if node.served_raw else None)
-            source = -1
-            return chosen
-        finally:
-            if source >= 0:
-                os.close(source)
+            self.warn_once(node, changed)
+            # The original is served, judged by the stat of what was opened (it may have changed since the one
+            # above); its size may differ from the catalog's (the caller corrects it).
+            source, st = open_below_stat(self.root_fd, node.path, self.source_root, cached_only=cached_only)
+            return Choice(source, st, raw=False, sealed=self.check_source(node, st) is None, fallback=changed)
+        source, st = open_below_stat(self.root_fd, node.path, self.source_root, cached_only=cached_only)
+        try:
+            changed = self.check_source(node, st)
+            if changed is not None:
+                self.warn_once(node, changed)
+            return Choice(source, st, raw=False, sealed=changed is None)
+        except BaseException:
+            os.close(source)
+            raise
 
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (digest verified), else the source."""
