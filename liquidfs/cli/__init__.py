@@ -635,6 +635,7 @@ def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--quick", action="store_true",
                    help="with --ratio auto: a quick profile (a smaller sample, shorter measurements)")
     _add_run_arguments(p, prefix="with --ratio auto: ")
+    _add_loader_arguments(p, prefix="with --ratio auto: ")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_common(p)
     p.set_defaults(func=cmd_prepare)
@@ -668,7 +669,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         return 2
     if ratio == "auto":
         ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats,
-                                           run_options=_run_options(args))
+                                           run_options={**_run_options(args), **_loader_options(args)})
         # The chosen format, and those tried after it for the images it cannot hold (J2K chosen: BMP, if listed;
         # BMP chosen: BMP alone).
         raw_formats = raw_formats[raw_formats.index(chosen_format):]
@@ -746,6 +747,32 @@ def _add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    "measured runs have it and are timed from their second epoch")
 
 
+def _add_loader_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """What the profile's model knows of the loader and the GPU beyond its decoder, for ``profile`` and
+    ``prepare --ratio auto``."""
+    p.add_argument("--readers", type=_positive_int, metavar="N",
+                   help=prefix + "files the loader reads at once, as its workers do (default: --threads, "
+                   "one per decoder thread): storage is timed with as many readers")
+    p.add_argument("--gpu-train-rate", type=_positive_float, metavar="IMG_PER_S",
+                   help=prefix + "images/s training alone runs at on this GPU (its data already in memory, e.g. "
+                   "synthetic): the GPU time it leaves a GPU decoder of J2K. Default: not counted, and J2K's "
+                   "prediction is an upper bound")
+
+
+def _loader_options(args: argparse.Namespace) -> dict[str, object]:
+    return {"readers": args.readers, "gpu_train_rate": args.gpu_train_rate}
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a positive number, not {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"a positive number, not {text}")
+    return value
+
+
 def _cache_share(text: str) -> float:
     """``--cache-size`` of profile and prepare: a percentage of the dataset, as a share."""
     text = text.strip()
@@ -784,7 +811,9 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
     p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="decoder threads (default: all cores)")
-    p.add_argument("--sample", type=int, help="images in the sample (default 24, --quick 8)")
+    p.add_argument("--sample", type=int,
+                   help="images in the sample (default 64 or 512 MiB of BMPs, --quick 16 or 128 MiB, whichever "
+                   "comes first, but at least 4 a reader)")
     p.add_argument("--quick", action="store_true",
                    help="a smaller sample and shorter measurements: the model in < 30 s, the measured search over "
                    "64 images")
@@ -792,11 +821,12 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--formats", type=parse_formats, default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
                    help=f"the raw formats to weigh (as prepare's --formats): {DEFAULT.name} (default), or also "
                    + ", ".join(f"{f.name} ({f.about})" for f in on_gpu)
-                   + f"; {'/'.join(f.label for f in on_gpu)} weighed only where the decoder is DALI and a CUDA "
-                   "device is visible, and chosen where predicted faster")
+                   + f"; {'/'.join(f.label for f in on_gpu)} weighed only where a GPU decoder decodes it here "
+                   "(DALI's 'mixed' for --decoder dali, nvImageCodec for pil), and chosen where predicted faster")
     p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
                    help="choose the smallest raw share that reaches this rate (saves disk space)")
     _add_run_arguments(p)
+    _add_loader_arguments(p)
     p.add_argument("--json", metavar="PATH", help="write the result as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot of the curves")
     add_common(p)
@@ -811,7 +841,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
                             sample=args.sample, quick=args.quick,
                             target_rate=args.target_rate, formats=args.formats,
-                            **_run_options(args),  # type: ignore[arg-type]
+                            **_run_options(args), **_loader_options(args),  # type: ignore[arg-type]
                             progress=lambda s: print(f"profile: {s}", file=sys.stderr))
     print(render(profile))
     if args.json:

@@ -37,8 +37,8 @@ class RawFormat:
     #: The Pillow modes (8 bits a sample) it holds with the source's exact mode and samples: the encoder
     #: refuses the others (``<name>-unsupported-mode``, where another format may hold the image).
     modes: frozenset[str]
-    #: The loaders' decoders shown to decode it to the source's exact pixels (tests/unit/test_formats.py,
-    #: tests/unit/test_j2k.py).
+    #: The loaders' decoders shown to decode it to the source's exact pixels (tests/unit/expand/test_formats.py,
+    #: tests/unit/expand/test_j2k.py; the GPU's where a GPU is visible).
     exact_for: tuple[str, ...]
     #: Peak bytes one expansion to it takes per pixel, on top of ``resources.SOURCE_COPIES`` times the source's
     #: size: what prepare sizes its workers by. Measured as the peak RSS (VmHWM, reset before the call) of an
@@ -47,8 +47,9 @@ class RawFormat:
     #: What ``--formats`` help says of it.
     about: str
     #: The loader's decoder it is meant for where it decodes on a GPU (a name ``exact_for`` uses); None: decoded
-    #: on the CPU. The profile weighs such a format only where that decoder finds a GPU, and prepare warns while
-    #: it is not in ``exact_for``.
+    #: on the CPU. The profile weighs such a format only where a GPU decoder (this one for a DALI loader,
+    #: nvImageCodec's for others: ``profile.decoders.find_gpu_decoder``) decodes it here, and prepare warns while
+    #: this one is not in ``exact_for``.
     gpu_decoder: str | None = None
 
     def refusal(self, why: str) -> str:
@@ -78,14 +79,16 @@ J2K: Final = RawFormat(
     # would come back as L or RGB, another mode than the original's under Pillow.
     name="j2k", label="J2K", suffix=".jp2", magic=(b"\x00\x00\x00\x0cjP  \r\n\x87\n", b"\xff\x4f\xff\x51"),
     modes=frozenset({"L", "RGB", "RGBA"}),
-    # "dali-mixed" is to be shown on a GPU (scripts/bench/bench_j2k.py).
-    exact_for=("pillow", "torchvision (PIL loader)", "dali-cpu"),
+    # "dali-mixed" is to be shown on a GPU (scripts/bench/bench_j2k.py). nvImageCodec's GPU decoder (GPU_ONLY,
+    # the source's channels kept) gave 48 of 48 2048x1024 objects exact on an H100 (MEASUREMENTS.md, "A GPU node"),
+    # and test_j2k checks it wherever a GPU and nvImageCodec are visible (scripts/gpu/nvimgcodec_check.py on many).
+    exact_for=("pillow", "torchvision (PIL loader)", "dali-cpu", "nvimgcodec-gpu"),
     # Pillow's OpenJPEG encode, then the check's decode, the source already in memory: 76, 75 and 70 B/px for
     # RGBA, 57, 56 and 56 for RGB, 53-55 for JPEG, 45-50 for a flat RGB PNG, 19-20 for L (noise PNGs of 1, 4
     # and 16 Mpx). Budgeted at BMP's 24, a 4 GiB container was OOM-killed.
     bytes_per_pixel=76,
-    about="lossless JPEG 2000: about the PNG's size, decoded on a GPU by DALI's 'mixed' decoder; on a CPU "
-          "slower than PNG",
+    about="lossless JPEG 2000: about the PNG's size, decoded on a GPU by DALI's 'mixed' decoder or nvImageCodec; "
+          "on a CPU slower than PNG",
     gpu_decoder="dali-mixed",
 )
 

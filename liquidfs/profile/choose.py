@@ -4,7 +4,8 @@ Two estimates of the best mix, both from measurements on a sample of the real da
 expanded, into a scratch directory inside the store, on the store's device):
 
 * **model**: per-image costs measured per representation (bytes/s of storage for whole-file random reads with the
-  page cache bypassed, decode images/s with the user's decoder and thread count, and the CPU that reading costs)
+  page cache bypassed, as many readers at once as the loader has (``--readers``, by default its ``--threads``),
+  decode images/s with the user's decoder and thread count, and the CPU that reading costs)
   give, for a raw share ``r``, load time ``L(r)`` and CPU time ``D(r)`` per image, both linear in ``r``. The
   pipeline runs at ``1 / max(L, D)``: the best ``r`` is where the two lines cross, or an end.
 * **search**: the published method: a binary search over the 11 mixes 0:10 ... 10:0 that measures load and
@@ -19,12 +20,17 @@ expanded, into a scratch directory inside the store, on the store's device):
 The cache (``--cache-size``) serves a constant share of every epoch from memory, so only ``1 - c`` of the bytes
 reach storage: the load line is scaled by it.
 
-With ``--formats png,bmp,j2k`` the raw images may also be lossless JPEG 2000, which DALI's ``mixed`` decoder
-decodes on the GPU (nvJPEG2000): a third stage, GPU time ``G(r)``, and the host's CPU pays only the feeding. It
-is weighed only where the loader's decoder is DALI and a CUDA device is visible (on a CPU, J2K decodes slower
-than PNG), by the model alone, and chosen where its best share is predicted faster than BMP's. The GPU's rate is
-measured alone: training shares the GPU, so the J2K prediction is an upper bound; ``scripts/bench/bench_train.py``
-measures the whole.
+With ``--formats png,bmp,j2k`` the raw images may also be lossless JPEG 2000, decoded on the GPU (nvJPEG2000) by
+DALI's ``mixed`` decoder for a DALI loader, or by NVIDIA nvImageCodec for any other (the loader hands the J2K
+objects to it): a third stage, the GPU, and the host's CPU pays only the feeding. It is weighed only where that
+GPU decoder decodes a J2K here (on a CPU, J2K decodes slower than PNG), by the model alone, and chosen where its
+best share is predicted faster than BMP's by a margin. The GPU's time per image is the training's share plus the
+decoding: ``G(r) = 1 / T + r / g``, with ``g`` the decoder's images/s measured alone on the GPU and ``T`` the
+images/s training alone runs at on it (``--gpu-train-rate``, e.g. the model's rate on synthetic data). J2K pays
+where storage binds and the GPU has time to spare; the output says which kind of node this is: "storage binds",
+"decode binds", or "GPU has no time to spare" (training alone is as slow as the data path at BMP's best share).
+Without ``--gpu-train-rate`` training's GPU time is not counted and the J2K prediction is an upper bound;
+``scripts/bench/bench_train.py`` measures the whole.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from pathlib import Path
 
 from ..expand.rawformats import BMP, RAW_FORMATS, RawFormat
 from ..stores import Store, open_store
-from ..stores.sample import ProfileError
+from ..stores.sample import FILES_PER_READER, ProfileError
 from ..sysio.safefiles import replace_file
 from . import decoders as decoderates
 from . import measured as runprofile
@@ -54,8 +60,14 @@ log = logging.getLogger(__name__)
 
 RATIOS = [i / 10 for i in range(11)]
 #: A format decoded on a GPU (J2K) is chosen over BMP only when predicted this much faster: its GPU decode rate
-#: is measured on an idle GPU.
+#: is measured on an idle GPU, and decoding beside training costs more than the sum of the two alone.
 GPU_MARGIN = 1.1
+#: The sample, where ``--sample`` does not set it: this many images, fewer where their raw expansions reach
+#: ``SAMPLE_BYTES`` first, but never fewer than ``sample.FILES_PER_READER`` a reader (``sample.sample_full``).
+SAMPLE_IMAGES, QUICK_SAMPLE_IMAGES = 64, 16
+SAMPLE_BYTES, QUICK_SAMPLE_BYTES = 512 << 20, 128 << 20
+#: What the node is, at BMP's best share: the stage that holds it there.
+STORAGE_BINDS, DECODE_BINDS, GPU_BUSY = "storage binds", "decode binds", "GPU has no time to spare"
 
 
 @dataclass
@@ -75,6 +87,8 @@ class Costs:
     cache_share: float = 0.0
     raw_format: str = BMP.name
     gpu_decode_raw: float | None = None  # images/s of the raw format on the GPU (J2K), None: decoded on the CPU
+    readers: int = 4           # readers at once in the storage measurements (the loader's)
+    gpu_train: float = 0.0     # GPU seconds training takes per image (1 / --gpu-train-rate); 0: not counted
 
     def load_time(self, r: float) -> float:
         """Seconds of storage time per image at raw share ``r``, after the cache's share."""
@@ -88,13 +102,13 @@ class Costs:
         return decode + read
 
     def gpu_time(self, r: float) -> float:
-        """Seconds of the GPU's decoder per image (0 when every image decodes on the CPU)."""
-        return r / self.gpu_decode_raw if self.gpu_decode_raw else 0.0
+        """Seconds of the GPU per image: training's, and the decoder's for the share decoded there."""
+        return self.gpu_train + (r / self.gpu_decode_raw if self.gpu_decode_raw else 0.0)
 
     def stage_times(self, r: float) -> dict[str, float]:
         """Per-image seconds of each stage the pipeline overlaps: the slowest sets the pace."""
         times = {"storage": self.load_time(r), "CPU": self.cpu_time(r)}
-        if self.gpu_decode_raw:
+        if self.gpu_decode_raw or self.gpu_train:
             times["GPU"] = self.gpu_time(r)
         return times
 
@@ -175,6 +189,9 @@ class Profile:
     timed: str | None = None  # what the measured search timed, in words (None: no measured search)
     measured: list[dict[str, object]] = field(default_factory=list)  # per share measured: its runs' rates
     within_noise: list[float] = field(default_factory=list)  # shares measured within noise of the chosen one
+    node: str = ""  # which kind of node this is at BMP's best share: STORAGE_BINDS, DECODE_BINDS or GPU_BUSY
+    node_detail: str = ""  # the stages' rates there, and the GPU's time to spare
+    gpu_decoder: str | None = None  # the GPU decoder weighed for a format decoded there (None: none weighed)
 
 
 def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], **options: object) -> Profile:
@@ -185,13 +202,17 @@ def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], *
 def profile_store(store: Store, *, decoder: str | None = None, threads: int | None = None, cache_share: float = 0.0,
                   sample: int | None = None, quick: bool = False, target_rate: float | None = None,
                   seconds: float | None = None, formats: Sequence[str] = (BMP.name,),
-                  find_gpu: Callable[[], tuple[GpuDecoder | None, str]] | None = None,
+                  readers: int | None = None, gpu_train_rate: float | None = None,
+                  find_gpu: Callable[[str], tuple[GpuDecoder | None, str]] | None = None,
                   run: str | None = None, measured: bool = True, run_images: int | None = None,
                   repeats: int = 3, run_timeout: float = 600.0,
                   progress: Callable[[str], None] = lambda s: None) -> Profile:
     """Measure, and choose the raw share, and with ``formats`` naming BMP and others, which of them the
     raw images are stored as. A format decoded on a GPU (J2K) is weighed only where a GPU decodes it for the
-    loader (DALI 'mixed'; found by ``find_gpu``, by default ``decoderates.find_gpu_decoder``).
+    loader (DALI 'mixed' for DALI, nvImageCodec for others; found by ``find_gpu(decoder)``, by default
+    ``decoderates.find_gpu_decoder``), its GPU time added to training's (``gpu_train_rate`` images/s alone).
+
+    Storage is timed with ``readers`` reading at once (default: ``threads``, as a loader's workers each read).
 
     ``measured``: then time the loader (``run``, a command with ``{mount}``, else the built-in pipeline of
     ``decoder``) through a mount of a sample of ``run_images`` images at the shares a binary search asks for, and
@@ -200,8 +221,12 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     started = time.monotonic()
     threads = threads or os.cpu_count() or 1
     decoder = decoder or ("dali" if dali_available() else "pil")
+    readers = readers or threads
     step = seconds if seconds is not None else (0.6 if quick else 2.5)
-    count = sample or (8 if quick else 24)
+    count = sample or max(QUICK_SAMPLE_IMAGES if quick else SAMPLE_IMAGES, FILES_PER_READER * readers)
+    # --sample N is N images; the default stops at its bytes too: a sample of 100 Mpx images is not 64 of them
+    max_bytes = None if sample else (QUICK_SAMPLE_BYTES if quick else SAMPLE_BYTES)
+    gpu_train = 1 / gpu_train_rate if gpu_train_rate else 0.0
     notes: list[str] = []
     find_gpu = find_gpu or decoderates.find_gpu_decoder  # looked up at the call: tests put a fake GPU there
     # Each listed format decoded on a GPU, and what decodes it there (or None, and why it cannot be weighed).
@@ -211,8 +236,8 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
         raise ProfileError("; ".join(f"{f.label} cannot be weighed: {where}" for f, (_, where) in on_gpu.items())
                            + f"; give --ratio, or add {BMP.name} to --formats")
     # The BMP sample always: it measures the originals (and the published search runs over PNG:BMP mixes).
-    costs, search_r, steps = _measure_bmp(store, count, decoder, threads, step, cache_share, progress,
-                                          search=BMP.name in formats)
+    costs, search_r, steps = _measure_bmp(store, count, max_bytes, decoder, threads, readers, step, cache_share,
+                                          gpu_train, progress, search=BMP.name in formats)
     options: dict[str, tuple[Costs, float, str]] = {}
     if BMP.name in formats:
         options[BMP.name] = (costs, *_choose(costs, search_r))
@@ -222,7 +247,8 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
             notes.append(f"{fmt.label} not weighed: {gpu_where}")
             continue
         try:
-            gpu_costs = _measure_on_gpu(store, fmt, costs, count, threads, step, measure_gpu, gpu_where, progress)
+            gpu_costs = _measure_on_gpu(store, fmt, costs, count, max_bytes, step, measure_gpu, gpu_where,
+                                        progress)
         except ProfileError as exc:
             failed.append(exc)
             notes.append(f"{fmt.label} not weighed: {exc}")
@@ -242,8 +268,15 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     raw_format = max(options, key=lambda f: (predicted(f), f == BMP.name))  # BMP on a tie
     if RAW_FORMATS[raw_format].gpu_decoder:
         label = RAW_FORMATS[raw_format].label
-        notes.append(f"{label} chosen for a loader that decodes with DALI's 'mixed' decoder on this GPU; a loader "
-                     f"that decodes on the CPU would run several times slower on a {label} store")
+        by = ("DALI's 'mixed' decoder" if decoder == "dali"
+              else f"nvImageCodec (its {label} objects handed to nvidia.nvimgcodec, the rest to {decoder})")
+        notes.append(f"{label} chosen for a loader that decodes with {by} on this GPU; a loader that decodes on "
+                     f"the CPU would run several times slower on a {label} store")
+    if not gpu_train and any(measure is not None for measure, _ in on_gpu.values()):
+        notes.append("training's GPU time not counted (give --gpu-train-rate): the GPU decoder's rate is its rate "
+                     "alone, an upper bound")
+    node, node_detail = node_kind(costs)
+    gpu_decoder = next((where for measure, where in on_gpu.values() if measure is not None), None)
     chosen_costs, chosen, chosen_by = options[raw_format]
     weighed: list[dict[str, object]] = [
         {"raw_format": f, "ratio": r, "predicted_images_per_s": c.throughput(r), "raw_bytes": c.raw_bytes}
@@ -296,7 +329,8 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     model_r, reason = model_choice(chosen_costs)
     table = [{"ratio": r, "load_images_per_s": _rate(chosen_costs.load_time(r)),
               "decode_images_per_s": _rate(chosen_costs.cpu_time(r)),
-              **({"gpu_images_per_s": _rate(chosen_costs.gpu_time(r))} if chosen_costs.gpu_decode_raw else {}),
+              **({"gpu_images_per_s": _rate(chosen_costs.gpu_time(r))} if "GPU" in chosen_costs.stage_times(r)
+                 else {}),
               "predicted_images_per_s": chosen_costs.throughput(r)}
              for r in RATIOS]
     return Profile(costs=chosen_costs, table=table, model_ratio=round(model_r, 2), model_reason=reason,
@@ -304,7 +338,27 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
                    target_rate=target_rate, seconds=time.monotonic() - started, notes=notes, raw_format=raw_format,
                    weighed=weighed, timed=timed,
                    measured=_measured_rows(search_result, runs) if search_result else [],
-                   within_noise=search_result.within_noise if search_result else [])
+                   within_noise=search_result.within_noise if search_result else [],
+                   node=node, node_detail=node_detail, gpu_decoder=gpu_decoder)
+
+
+def node_kind(bmp: Costs) -> tuple[str, str]:
+    """Which kind of node this is, from the costs of originals and BMPs at the model's best share of BMPs, and
+    its stages' rates there: ``GPU_BUSY`` where training alone holds the pace (no GPU time for decoding),
+    ``STORAGE_BINDS`` where storage does (smaller raw objects would help), else ``DECODE_BINDS``."""
+    r, _ = model_choice(bmp)
+    times = bmp.stage_times(r)
+    pace = max(times.values())
+    rates = ", ".join(f"{name} {_rate(t):.1f}" for name, t in times.items())
+    detail = f"at BMP's best share {r:.2f}, img/s: {rates}"
+    if bmp.gpu_train:
+        spare = max(0.0, 1 - bmp.gpu_train / pace)
+        detail += f" (GPU: training alone); the GPU has {spare:.0%} of its time to spare there"
+        if bmp.gpu_train >= pace * (1 - 1e-9):
+            return GPU_BUSY, detail
+    else:
+        detail += "; training's GPU time not given (--gpu-train-rate)"
+    return (STORAGE_BINDS if times["storage"] >= pace * (1 - 1e-9) else DECODE_BINDS), detail
 
 
 def _why_not_measured(store: Store, raw_format: str, target_rate: float | None) -> str | None:
@@ -367,15 +421,16 @@ def _rate(seconds_per_image: float) -> float:
     return 1 / seconds_per_image if seconds_per_image else math.inf
 
 
-def _measure_bmp(store: Store, count: int, decoder: str, threads: int, step: float, cache_share: float,
-                 progress: Callable[[str], None], search: bool = True) -> tuple[Costs, float, list[dict[str, float]]]:
+def _measure_bmp(store: Store, count: int, max_bytes: int | None, decoder: str, threads: int, readers: int,
+                 step: float, cache_share: float, gpu_train: float, progress: Callable[[str], None],
+                 search: bool = True) -> tuple[Costs, float, list[dict[str, float]]]:
     """Costs of originals and their BMPs, and (``search``) the published binary search over PNG:BMP mixes."""
     progress("expanding a sample")
-    smp = store.profile_sample(count, jobs=4)
+    smp = store.profile_sample(count, jobs=readers, max_bytes=max_bytes)
     try:
         originals = smp.original_data
         raws = smp.raw_data
-        progress("measuring storage")
+        progress(f"measuring storage with {readers} readers over {len(raws)} images")
         load_o, cpu_o = smp.load(smp.originals, step)
         load_r, cpu_r = smp.load(smp.raws, step)
         progress(f"measuring {decoder} decoding on {threads} threads")
@@ -386,6 +441,7 @@ def _measure_bmp(store: Store, count: int, decoder: str, threads: int, step: flo
             raw_bytes=statistics.fmean(map(len, raws)), load_original=load_o, load_raw=load_r,
             decode_original=dec_o, decode_raw=dec_r,
             read_cpu_per_byte=(cpu_o + cpu_r) / 2, threads=threads, decoder=decoder, cache_share=cache_share,
+            readers=readers, gpu_train=gpu_train,
         )
 
         def measure_mix(r: float) -> tuple[float, float]:
@@ -419,27 +475,25 @@ def _choose(costs: Costs, search_r: float) -> tuple[float, str]:
 
 
 def _gpu_decoder(store: Store, fmt: RawFormat, decoder: str,
-                 find_gpu: Callable[[], tuple[GpuDecoder | None, str]]) -> tuple[GpuDecoder | None, str]:
+                 find_gpu: Callable[[str], tuple[GpuDecoder | None, str]]) -> tuple[GpuDecoder | None, str]:
     """What decodes ``fmt`` (a format decoded on a GPU) for the loader on a GPU and a description of it; or None
     and why it cannot be weighed."""
     if fmt.name not in store.raw_formats:
         return None, f"{store.label} holds only {', '.join(store.raw_formats)} objects"
-    if decoder != "dali":
-        # Pillow decodes it on the CPU (OpenJPEG for J2K), slower than the PNG it replaces: never worth it there.
-        return None, f"the loader decodes with Pillow, on the CPU, where {fmt.label} decodes slower than PNG"
-    measure_gpu, where = find_gpu()
+    measure_gpu, where = find_gpu(decoder)
     if measure_gpu is None:
         return None, f"no GPU to decode it ({where}); on the CPU {fmt.label} decodes slower than PNG"
     return measure_gpu, where
 
 
-def _measure_on_gpu(store: Store, fmt: RawFormat, base: Costs, count: int, threads: int, step: float,
+def _measure_on_gpu(store: Store, fmt: RawFormat, base: Costs, count: int, max_bytes: int | None, step: float,
                     measure_gpu: GpuDecoder, where: str, progress: Callable[[str], None]) -> Costs:
     """``base`` with the raw images as ``fmt`` (lossless J2K), decoded on the GPU."""
+    threads = base.threads
     progress(f"expanding the sample to {fmt.label}")
-    smp = store.profile_sample(count, jobs=4, raw_format=fmt.name)
+    smp = store.profile_sample(count, jobs=base.readers, raw_format=fmt.name, max_bytes=max_bytes)
     try:
-        progress(f"measuring storage ({fmt.label})")
+        progress(f"measuring storage ({fmt.label}, {base.readers} readers)")
         load_raw, _ = smp.load(smp.raws, step)
         progress(f"measuring {fmt.label} decoding on the GPU ({where})")
         rate = measure_gpu(smp.raw_data, threads, step)
@@ -459,20 +513,21 @@ def render(profile: Profile) -> str:
     c = profile.costs
     raw = c.raw_format.upper()
     gpu = c.gpu_decode_raw is not None
+    gpu_column = "gpu_images_per_s" in profile.table[0]  # a GPU stage: J2K decoded there, or training's time
     decode_raw = (f"{raw} {c.gpu_decode_raw:.1f} img/s on the GPU (host {c.decode_raw:.0f} img/s)" if gpu
                   else f"raw {c.decode_raw:.1f} img/s")
     lines = [
         f"sample: {c.images} images, original {c.original_bytes / 1e6:.2f} MB, {raw} {c.raw_bytes / 1e6:.2f} MB; "
         f"decoder {c.decoder} x{c.threads} threads; cache share {c.cache_share:.0%}",
-        f"storage: originals {c.load_original / 1e6:.0f} MB/s, {raw} {c.load_raw / 1e6:.0f} MB/s "
-        f"(page cache bypassed); decode: originals {c.decode_original:.1f} img/s, {decode_raw}",
+        f"storage ({c.readers} readers): originals {c.load_original / 1e6:.0f} MB/s, {raw} {c.load_raw / 1e6:.0f} "
+        f"MB/s (page cache bypassed); decode: originals {c.decode_original:.1f} img/s, {decode_raw}",
         "",
-        "ratio  load img/s  decode img/s" + ("  GPU img/s" if gpu else "") + "  predicted img/s",
+        "ratio  load img/s  decode img/s" + ("  GPU img/s" if gpu_column else "") + "  predicted img/s",
     ]
     for row in profile.table:
         mark = "  <- chosen" if abs(row["ratio"] - profile.chosen) < 0.05 else ""
         lines.append(f"{row['ratio']:5.1f}  {row['load_images_per_s']:10.1f}  {row['decode_images_per_s']:12.1f}"
-                     + (f"  {row['gpu_images_per_s']:9.1f}" if gpu else "")
+                     + (f"  {row['gpu_images_per_s']:9.1f}" if gpu_column else "")
                      + f"  {row['predicted_images_per_s']:15.1f}{mark}")
     lines.append("")
     if profile.search_steps:
@@ -487,6 +542,11 @@ def render(profile: Profile) -> str:
             mark = ("  <- chosen" if m["ratio"] == profile.chosen
                     else "  (within noise)" if m["ratio"] in profile.within_noise else "")
             lines.append(f"  share {m['ratio']:.1f}: {m['images_per_s']:7.1f} img/s  (runs {runs}){mark}")
+    if profile.gpu_decoder:
+        lines.append(f"GPU decoder weighed: {profile.gpu_decoder}"
+                     + (f"; training {1 / c.gpu_train:.1f} img/s alone on the GPU" if c.gpu_train else ""))
+    if profile.node:
+        lines.append(f"node: {profile.node} ({profile.node_detail})")
     if len(profile.weighed) > 1:
         lines.append("weighed: " + "; ".join(
             f"{str(w['raw_format']).upper()} at {w['ratio']:.2f}: {w['predicted_images_per_s']:.1f} img/s"

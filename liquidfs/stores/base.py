@@ -77,9 +77,11 @@ class Store(Protocol):
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name) -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name,
+                       max_bytes: int | None = None) -> Sample:
         """``count`` random images expanded (to ``raw_format``, one of ``raw_formats``) where the mount will read
-        them, with the function that times reads of them; raises ``ProfileError`` when none can be."""
+        them, fewer where their expansions reach ``max_bytes`` first (``sample.sample_full``), with the function
+        that times reads of them, ``jobs`` at once; raises ``ProfileError`` when none can be."""
 
     def local_dirs(self) -> tuple[Path, Path] | None:
         """The source directory and the store's, where both are on this node (``profile``'s measured search

@@ -1,14 +1,15 @@
 """A profile's sample, and timed whole-file reads of it: the storage side of ``profile``'s measurements.
 
-A store makes the sample (``Store.profile_sample``): a few images of the dataset and their raw expansions, put
-where the mount will read them, with the function that times reads of them (local files with the page cache
-bypassed, or whole-object GETs).
+A store makes the sample (``Store.profile_sample``): images of the dataset and their raw expansions, put where
+the mount will read them, with the function that times reads of them (local files with the page cache bypassed,
+or whole-object GETs), as many readers at once as the loader has.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -16,7 +17,7 @@ import random
 import resource
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ from typing import Any
 from ..sysio.paths import open_below
 
 log = logging.getLogger(__name__)
+
+#: Files each reader gets at least, before a sample may stop at its bytes (``sample_full``): with fewer, a
+#: reader's rate is its first few files' (their open, a cold start of the device's queue).
+FILES_PER_READER = 4
 
 
 class ProfileError(Exception):
@@ -53,6 +58,13 @@ class Sample:
     raw_data: list[bytes] = field(default_factory=list)
 
 
+def sample_full(images: int, raw_bytes: int, count: int, readers: int, max_bytes: int | None) -> bool:
+    """Whether a sample of ``images`` whose raw expansions hold ``raw_bytes`` is complete: ``count`` images, or
+    ``max_bytes`` of expansions once each of the ``readers`` has ``FILES_PER_READER`` files to read."""
+    if images >= count:
+        return True
+    return max_bytes is not None and raw_bytes >= max_bytes and images >= FILES_PER_READER * readers
+
 
 def _read_direct(file: Below, buf: mmap.mmap) -> int:
     # The open is timed too, as it was when files were opened by path: a mount opens each file this way.
@@ -75,8 +87,9 @@ def _read_direct(file: Below, buf: mmap.mmap) -> int:
 
 
 def measure_load(files: Sequence[Below], seconds: float, jobs: int = 4) -> tuple[float, float]:
-    """(bytes/s, CPU seconds per byte) of whole-file reads in random order with the page cache bypassed. A file
-    that can no longer be opened as the mount opens it (swapped for a link, a FIFO) is skipped, with a warning."""
+    """(bytes/s, CPU seconds per byte) of whole-file reads in random order with the page cache bypassed, ``jobs``
+    readers at once. A file that can no longer be opened as the mount opens it (swapped for a link, a FIFO) is
+    skipped, with a warning."""
     local = threading.local()
     lock = threading.Lock()
     skipped: set[Below] = set()
@@ -107,31 +120,41 @@ def measure_get(get: Callable[[Any], bytes], objects: Sequence[Any], seconds: fl
 
 def _timed_reads(read_one: Callable[[Any], int], items: Sequence[Any], seconds: float,
                  jobs: int) -> tuple[float, float]:
-    """Read every item (``read_one`` returns its bytes), ``jobs`` at a time in a fresh random order per round,
-    rounds repeated for ``seconds`` (at least one): (bytes/s, this process's CPU seconds per byte)."""
+    """Read every item (``read_one`` returns its bytes) by ``jobs`` readers, each taking the next item of a fresh
+    random order per round, rounds repeated for ``seconds`` (the first read whole): (bytes/s, this process's CPU
+    seconds per byte)."""
+    if not items:
+        raise ProfileError("the sample has no files to read")
     rng = random.Random(1)
-    order = list(items)
+    lock = threading.Lock()
     deadline = time.monotonic() + seconds
-    total = 0
+
+    def schedule() -> Iterator[tuple[int, Any]]:
+        for round_ in itertools.count():
+            order = list(items)
+            rng.shuffle(order)
+            yield from ((round_, item) for item in order)
+
+    # One shared queue, not a share per reader: a reader that meets a slow file leaves the others reading, as a
+    # loader's workers do, instead of each round waiting for its slowest reader.
+    queue = schedule()
+
+    def reader() -> int:
+        done = 0
+        while True:
+            with lock:
+                round_, item = next(queue)
+            if round_ > 0 and time.monotonic() > deadline:
+                return done
+            done += read_one(item)
+
     usage0 = resource.getrusage(resource.RUSAGE_SELF)
     started = time.monotonic()
-
-    def worker(share: list[Any]) -> int:
-        done = 0
-        for item in share:
-            done += read_one(item)
-            if time.monotonic() > deadline:
-                break
-        return done
-
     with cf.ThreadPoolExecutor(jobs) as pool:
-        while time.monotonic() < deadline or total == 0:
-            rng.shuffle(order)
-            done = sum(pool.map(worker, [order[i::jobs] for i in range(jobs)]))
-            if done == 0:  # a round reads each item once: nothing readable is left, and none would ever be
-                raise ProfileError("none of the sampled files could be read (see the warnings)")
-            total += done
+        total = sum(pool.map(lambda _: reader(), range(jobs)))
     elapsed = time.monotonic() - started
+    if total == 0:  # every item was tried: nothing readable is left, and none would ever be
+        raise ProfileError("none of the sampled files could be read (see the warnings)")
     usage1 = resource.getrusage(resource.RUSAGE_SELF)
     cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    return total / elapsed, cpu / max(1, total)
+    return total / elapsed, cpu / total

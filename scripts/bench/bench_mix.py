@@ -5,6 +5,7 @@ chose, at the cost model's choice, and under ``--mix adaptive``.
     python scripts/bench/bench_mix.py --shapes uncapped,torch --repeats 5
     python scripts/bench/bench_mix.py --parts continuous --reuse out/mix/mix.json --json out/mix/mix-final.json
     python scripts/bench/bench_mix.py --smoke               # 24 tiny images, two shapes, 1 repeat: the script works
+    python scripts/bench/bench_mix.py --shapes wide8 --parts static,model --repeats 1   # issue 41's comparison
 
 Shapes (each a loader and a machine state, held for all its runs):
   uncapped   DALI CPU pipeline with augmentation (decode, random resized crop, flip, normalise), storage uncapped
@@ -15,6 +16,12 @@ Shapes (each a loader and a machine state, held for all its runs):
   cache50    cap200 with the mounts' next-epoch cache at 50 % (--cache-size 50%): each run reads two epochs and the
              second, which hits the cache, is its rate; profile --run gets --cache-size 50% and the two-epoch
              command, and once more the one-epoch command (timed whole: no hits); no adaptive part
+  wide8      uncapped with 8 loader threads whatever --threads says (a many-core node's loader: its threads block
+             in I/O, so a 2-core machine runs it); the profile gets --threads 8 and so times storage with 8 readers
+  wide16     the same with 16
+
+Parts: static (the 11 shares), profile (``profile --run`` and the model's ``--model-only``, each then run at its
+choice), model (the model alone, as profile's second half), adaptive, continuous.
 
 Every run reads one epoch cold (page cache dropped before it) through a mount of one store prepared with every
 image raw, served at the share by ``--mix SHARE``; a run's rate is the loader's own images/s. ``profile --run``
@@ -53,11 +60,11 @@ from _bench import REPO, SUBDIR  # noqa: E402
 
 from liquidfs.profile.measured import within_noise  # noqa: E402
 
-SHAPES = ("uncapped", "cap200", "hog", "noaug", "torch", "cache50")
+SHAPES = ("uncapped", "cap200", "hog", "noaug", "torch", "cache50", "wide8", "wide16")
 SHARES = [i / 10 for i in range(11)]
 GOAL = 0.97
-PARTS = ("static", "profile", "adaptive", "continuous")
-PART_OF = {"static": "static", "profile --run": "profile", "profile --run, one epoch": "profile", "model": "profile",
+PARTS = ("static", "profile", "model", "adaptive", "continuous")
+PART_OF = {"static": "static", "profile --run": "profile", "profile --run, one epoch": "profile", "model": "model",
            "adaptive": "adaptive", "best static, continuous": "continuous"}
 TORCH_EPOCH = Path(__file__).resolve().parent / "torch_epoch.py"
 SHUFFLE_BUFFER = 32
@@ -71,6 +78,10 @@ class Shape:
     cap_mb: int = 0
     hogs: int = 0
     cache: str = ""      # the mounts' --cache-size: each run then reads two epochs and the second is its rate
+    threads: int = 0     # the loader's threads (and the profile's --threads), 0: --threads
+
+    def threads_of(self, args: argparse.Namespace) -> int:
+        return self.threads or args.threads
 
     @property
     def mount_args(self) -> list[str]:
@@ -99,7 +110,8 @@ class Shape:
 def shape(name: str) -> Shape:
     return {"uncapped": Shape(name, "dali"), "cap200": Shape(name, "dali", cap_mb=200),
             "hog": Shape(name, "dali", hogs=1), "noaug": Shape(name, "dali", augment=False),
-            "torch": Shape(name, "torch"), "cache50": Shape(name, "dali", cap_mb=200, cache="50%")}[name]
+            "torch": Shape(name, "torch"), "cache50": Shape(name, "dali", cap_mb=200, cache="50%"),
+            "wide8": Shape(name, "dali", threads=8), "wide16": Shape(name, "dali", threads=16)}[name]
 
 
 class Machine:
@@ -160,7 +172,7 @@ def static_row(label: str, share: float, s: Shape, src: Path, store: Path, args:
         m = bench.mount(src, store, args.work / "mnt", "--mix", f"{share:g}", *s.mount_args)
         try:
             machine.join(m.pid)
-            runs += [rate_of(run_loader(s.command(args.threads, epochs=s.epochs), m.mnt, machine), s)
+            runs += [rate_of(run_loader(s.command(s.threads_of(args), epochs=s.epochs), m.mnt, machine), s)
                      for _ in range(per_mount)]
         finally:
             m.close()
@@ -177,8 +189,9 @@ def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *ex
     shape's) in the shape's state: its JSON."""
     out = args.work / f"profile-{s.name}{label}.json"
     cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(args.work / "store-profile"),
-           "--decoder", "dali", "--threads", str(args.threads), "--json", str(out), *s.mount_args,
-           "--run", s.command(args.threads, epochs=epochs or s.epochs), "--run-images", str(args.images), *extra]
+           "--decoder", "dali", "--threads", str(s.threads_of(args)), "--json", str(out), *s.mount_args,
+           "--run", s.command(s.threads_of(args), epochs=epochs or s.epochs), "--run-images", str(args.images),
+           *extra]
     if args.smoke:
         cmd += ["--quick", "--repeats", "1"]
     started = time.monotonic()
@@ -219,7 +232,7 @@ def adaptive_row(s: Shape, src: Path, store: Path, args: argparse.Namespace, mac
         machine.join(m.pid)
         bench.drop_caches()
         words = [w.replace("{mount}", str(m.mnt))
-                 for w in shlex.split(s.command(args.threads, epochs=epochs))]
+                 for w in shlex.split(s.command(s.threads_of(args), epochs=epochs))]
         proc = subprocess.Popen(words, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=machine.preexec())
         watcher.start()
@@ -254,9 +267,11 @@ def adaptive_row(s: Shape, src: Path, store: Path, args: argparse.Namespace, mac
 def run_shape(s: Shape, src: Path, store: Path, args: argparse.Namespace,
               earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The shape's rows: the parts asked for run now, the others taken from ``earlier`` (``--reuse``)."""
-    print(f"shape {s.name}: `{s.command(args.threads, epochs=s.epochs)}`", file=sys.stderr)
+    print(f"shape {s.name}: `{s.command(s.threads_of(args), epochs=s.epochs)}`", file=sys.stderr)
     machine = Machine(s, args.work)
-    kept = [r for r in earlier if r["shape"] == s.name and PART_OF[r["config"]] not in args.parts]
+    # The profile part runs the model too, as it did before the model was a part of its own
+    parts = {*args.parts, *(["model"] if "profile" in args.parts else [])}
+    kept = [r for r in earlier if r["shape"] == s.name and PART_OF[r["config"]] not in parts]
     rows: list[dict[str, Any]] = []
     try:
         if "static" in args.parts:
@@ -273,9 +288,11 @@ def run_shape(s: Shape, src: Path, store: Path, args: argparse.Namespace,
                 rows.append({**static_row("profile --run, one epoch", once["chosen"], s, src, store, args, machine),
                              "profile": {k: once.get(k) for k in ("chosen", "chosen_by", "measured", "notes",
                                                                   "wall_s")}})
+        if "model" in parts:
             model = profile(s, src, args, machine, "--model-only", label="-model")
             rows.append({**static_row("model", model["chosen"], s, src, store, args, machine),
-                         "profile": {k: model.get(k) for k in ("chosen", "chosen_by", "wall_s")}})
+                         "profile": {k: model.get(k) for k in ("chosen", "chosen_by", "wall_s", "costs", "node",
+                                                              "node_detail")}})
         statics = [r for r in kept + rows if r["config"] == "static"]
         guess = max((r["images_per_s"] for r in statics), default=50.0)
         # (the adaptive mix's runs have no cache: a cache shape has the static and profile parts only)
@@ -351,7 +368,8 @@ def main() -> int:
     parser.add_argument("--mix-interval", type=float, default=2.0)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help="which to run: static (the 11 shares), profile (profile --run and the model, then "
-                        "their choices), adaptive; the others are taken from --reuse")
+                        "their choices), model (the model alone), adaptive, continuous; the others are taken from "
+                        "--reuse")
     parser.add_argument("--reuse", type=Path, metavar="JSON", help="an earlier run's JSON: its rows of the parts not "
                         "run now")
     bench.add_run_arguments(parser, results="WORK/mix.json", work=REPO / "out" / "mix",
@@ -383,6 +401,7 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"argv": sys.argv, "started": started, "seconds": time.time() - started, "images": args.images,
             "size": f"{args.width}x{args.height}", "repeats": args.repeats, "threads": args.threads,
+            "shape_threads": {n: shape(n).threads_of(args) for n in shapes},
             "adaptive_seconds": args.adaptive_seconds, "mix_interval": args.mix_interval, "smoke": args.smoke,
             "parts": args.parts, "reused": str(args.reuse) if args.reuse else None}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

@@ -32,7 +32,7 @@ from ...sysio.paths import open_below, open_dir, open_regular
 from ...sysio.safefiles import replace_file
 from ..base import Job, Preparation
 from ..reader import OBJECT_NAME, Reader, same_file
-from ..sample import Below, ProfileError, Sample
+from ..sample import Below, ProfileError, Sample, measure_load, sample_full
 from .reader import StoreReader
 
 log = logging.getLogger(__name__)
@@ -313,7 +313,8 @@ class LocalStore:
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name) -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name,
+                       max_bytes: int | None = None) -> Sample:
         """Expanded into a ``profile-sample-*`` directory of this run's own inside the store, on its device."""
         self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -346,10 +347,11 @@ class LocalStore:
                 os.close(fd)
             shutil.rmtree(scratch, ignore_errors=True)
 
-        sample = Sample([], [], scratch, cleanup=cleanup)
+        sample = Sample([], [], scratch, load=lambda items, seconds: measure_load(items, seconds, jobs),
+                        cleanup=cleanup)
         try:
             for node in nodes:
-                if len(sample.raws) >= count:
+                if sample_full(len(sample.raws), sum(map(len, sample.raw_data)), count, jobs, max_bytes):
                     break
                 try:  # read as the mount reads: below the root, no link followed, the file the catalog recorded
                     fd = open_below(root_fd, node.path, root)

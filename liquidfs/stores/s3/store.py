@@ -30,7 +30,7 @@ from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
 from ...sysio.locks import unique
 from ..base import Job, Preparation
 from ..reader import Reader
-from ..sample import ProfileError, Sample, measure_get
+from ..sample import ProfileError, Sample, measure_get, sample_full
 from .client import (
     READ_TIMEOUT,
     S3Url,
@@ -348,7 +348,8 @@ class BucketStore:
 
     # -- profile ---------------------------------------------------------------------------------------
 
-    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name) -> Sample:
+    def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name,
+                       max_bytes: int | None = None) -> Sample:
         """``count`` random images, expanded and put under STORE/profile-sample-<unique>/ (deleted after), so
         storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
         if raw_format not in self.raw_formats:
@@ -373,7 +374,7 @@ class BucketStore:
 
         sample.cleanup = cleanup
         for key in keys:
-            if len(sample.raws) >= count:
+            if sample_full(len(sample.raws), sum(map(len, sample.raw_data)), count, jobs, max_bytes):
                 break
             data = get(client, src.bucket, key, size=sizes[(src.bucket, key)])
             result = formats.expand(data, to=raw_format)

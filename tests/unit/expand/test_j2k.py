@@ -89,6 +89,29 @@ def test_dali_cpu_decodes_a_j2k_object_to_the_pngs_pixels() -> None:
         assert png.shape == j2k.shape and np.array_equal(png, j2k)
 
 
+def test_nvimgcodec_decodes_a_j2k_object_to_the_sources_pixels_on_the_gpu() -> None:
+    """``J2K.exact_for`` names nvImageCodec's GPU decoder: each mode J2K holds, from PNG and JPEG, decoded on the
+    GPU (GPU_ONLY: never its CPU fallback) to the samples Pillow decodes from the source. Where no GPU or no
+    nvImageCodec is visible (CI, a developer's machine) it is skipped, saying which; it runs on a GPU host, as
+    does scripts/gpu/nvimgcodec_check.py at a real image size."""
+    from liquidfs.profile.decoders import decode_nvimgcodec, find_nvimgcodec
+
+    usable, why = find_nvimgcodec()
+    if usable is None:
+        pytest.skip(f"no GPU decoder to check: {why}")
+    sources = [_encoded(_photo(mode), fmt) for mode in ("L", "RGB", "RGBA") for fmt in ("PNG", "JPEG")
+               if not (fmt == "JPEG" and mode == "RGBA")]
+    objects = [formats.expand(s, to="j2k").data for s in sources]
+    assert all(o is not None for o in objects)
+    for source, decoded in zip(sources, decode_nvimgcodec(objects)):  # type: ignore[arg-type]
+        with Image.open(io.BytesIO(source)) as im:
+            want = np.asarray(im)
+        assert decoded is not None
+        got = decoded[:, :, 0] if want.ndim == 2 else decoded
+        assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got, want)
+    assert "nvimgcodec-gpu" in J2K.exact_for
+
+
 def test_formats_option() -> None:
     assert parse_formats("png,bmp") == ("bmp",)
     assert parse_formats("png,j2k") == ("j2k",)

@@ -112,7 +112,7 @@ def test_each_format_is_budgeted_at_its_own_memory_per_pixel(fmt: RawFormat) -> 
 
 
 def test_decoders_named_exact_and_meant_for_are_known_loaders() -> None:
-    loaders = {"pillow", "torchvision (PIL loader)", "opencv", "dali-cpu", "dali-mixed"}
+    loaders = {"pillow", "torchvision (PIL loader)", "opencv", "dali-cpu", "dali-mixed", "nvimgcodec-gpu"}
     for fmt in RAW_FORMATS.values():
         assert fmt.exact_for and set(fmt.exact_for) <= loaders
         assert fmt.gpu_decoder is None or fmt.gpu_decoder in loaders

@@ -16,9 +16,11 @@ from liquidfs import cli
 from liquidfs.profile import decoders as decoderates
 from liquidfs.expand import formats
 from liquidfs.profile.decoders import DecodeRate
-from liquidfs.profile.choose import Costs, ProfileError, choose_for_target, model_choice, paper_search, profile_store, \
-    render, to_json
+from liquidfs.profile.choose import DECODE_BINDS, GPU_BUSY, STORAGE_BINDS, Costs, ProfileError, choose_for_target, \
+    model_choice, node_kind, paper_search, profile_store, render, to_json
 from liquidfs.stores import open_store
+from liquidfs.stores.local import store as local_store
+from liquidfs.stores.sample import FILES_PER_READER, sample_full
 
 import _throttle
 from sample import make_sample
@@ -78,6 +80,37 @@ def test_model_names_the_gpu_where_it_binds() -> None:
     assert 0 < r < 1 and why.startswith("GPU and CPU balance at"), why
     assert slow_gpu.gpu_time(r) == pytest.approx(slow_gpu.cpu_time(r), rel=1e-9)
     assert slow_gpu.throughput(r) > max(slow_gpu.throughput(0), slow_gpu.throughput(1))
+
+
+def test_training_time_on_the_gpu_caps_every_share_and_the_model_takes_the_least_disk_for_it() -> None:
+    """--gpu-train-rate: training's GPU time is a stage of its own, the same at every share; where it binds, the
+    smallest share that keeps up with it is chosen (the same rate on less disk)."""
+    free = _costs(load_original=300e6, load_raw=300e6)
+    r_free, _ = model_choice(free)
+    slow_gpu = _costs(load_original=300e6, load_raw=300e6, gpu_train=1 / (0.8 * free.throughput(r_free)))
+    r, _ = model_choice(slow_gpu)
+    assert slow_gpu.throughput(r) == pytest.approx(0.8 * free.throughput(r_free))
+    assert r < r_free and slow_gpu.throughput(r - 0.01) < slow_gpu.throughput(r)
+
+
+def test_node_kind_names_the_stage_that_holds_bmps_best_share() -> None:
+    storage = _costs(load_original=20e6, load_raw=20e6, gpu_train=1 / 50)  # 6.9 img/s of storage, all originals
+    assert node_kind(storage) == (STORAGE_BINDS, "at BMP's best share 0.00, img/s: storage 6.9, CPU 37.0, GPU 50.0 "
+                                  "(GPU: training alone); the GPU has 86% of its time to spare there")
+    decode = _costs(load_original=50e9, load_raw=50e9, decode_original=30.0, decode_raw=40.0)
+    kind, detail = node_kind(decode)
+    assert kind == DECODE_BINDS and "--gpu-train-rate" in detail  # training's time not given: said so
+    busy = _costs(load_original=50e9, load_raw=50e9, gpu_train=1 / 10.0)  # training alone: 10 img/s
+    assert node_kind(busy)[0] == GPU_BUSY and "0% of its time to spare" in node_kind(busy)[1]
+
+
+def test_a_sample_stops_at_its_bytes_only_once_each_reader_has_its_files() -> None:
+    big = 10 ** 9
+    assert sample_full(64, 0, count=64, readers=8, max_bytes=big)
+    assert not sample_full(63, big - 1, count=64, readers=8, max_bytes=big)
+    assert sample_full(FILES_PER_READER * 8, big, count=64, readers=8, max_bytes=big)
+    assert not sample_full(FILES_PER_READER * 8 - 1, 10 * big, count=64, readers=8, max_bytes=big)
+    assert not sample_full(40, 10 * big, count=64, readers=8, max_bytes=None)  # --sample N: N images
 
 
 def _search_on(curve_load, curve_decode):
@@ -175,12 +208,74 @@ def test_prepare_ratio_auto_weighs_the_cache_it_is_given(small: Path, tmp_path: 
     assert kept["costs"]["cache_share"] == pytest.approx(0.4) and "cache share 40%" in out.stdout
 
 
+def _fixed_rates(monkeypatch: pytest.MonkeyPatch, *, storage: float, decode: float) -> list[int]:
+    """The machine's rates fixed (storage bytes/s, decode images/s), the sample's files real: the readers each
+    storage measurement was given are recorded in the list returned."""
+    from liquidfs.profile import choose as profile_mod
+
+    readers: list[int] = []
+
+    def load(items, seconds: float, jobs: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+        readers.append(jobs)
+        return storage, 1e-10
+
+    monkeypatch.setattr(profile_mod, "measure_decode", lambda encoded, decoder, threads, seconds: decode)
+    monkeypatch.setattr(local_store, "measure_load", load)
+    return readers
+
+
+@pytest.mark.parametrize("threads, readers", [(3, None), (3, 5)])
+def test_storage_is_measured_with_as_many_readers_as_the_loader_has(small: Path, tmp_path: Path, threads: int,
+                                                                    readers: int | None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every storage measurement runs the loader's readers at once: --readers, else one per decoder thread (it was
+    4 whatever the loader); the output says how many."""
+    seen = _fixed_rates(monkeypatch, storage=300e6, decode=200.0)
+    profile = profile_store(open_store(small, tmp_path / "store"), decoder="pil", threads=threads, readers=readers,
+                            quick=True, measured=False)
+    want = readers or threads
+    assert seen and set(seen) == {want}, seen
+    assert profile.costs.readers == want and f"storage ({want} readers): originals" in render(profile)
+    # The sample: the whole 12-image dataset (fewer than the 16 a quick sample takes, or 4 for each reader)
+    assert profile.costs.images == 12
+
+
+def test_the_timed_reads_run_their_readers_at_once(small: Path, tmp_path: Path) -> None:
+    """measure_load with N readers has N files open at once (a barrier of N holds every reader until all are
+    in), and reads each file whole."""
+    import threading
+
+    from liquidfs.stores import sample as timedreads
+
+    smp = open_store(small, tmp_path / "store").profile_sample(12, jobs=4)
+    try:
+        barrier = threading.Barrier(4, timeout=30)
+        real = timedreads._read_direct
+        first: set[int] = set()
+
+        def read(file, buf):  # type: ignore[no-untyped-def]
+            me = threading.get_ident()
+            if me not in first:
+                first.add(me)
+                barrier.wait()  # broken (BrokenBarrierError) unless 4 readers arrive together
+            return real(file, buf)
+
+        timedreads._read_direct = read  # type: ignore[assignment]
+        try:
+            rate, _ = smp.load(smp.raws, 0.2)
+        finally:
+            timedreads._read_direct = real  # type: ignore[assignment]
+        assert len(first) == 4 and rate > 0
+    finally:
+        smp.cleanup()
+
+
 def _fake_gpu(rate: float, seen: list[bytes]):  # type: ignore[no-untyped-def]
     def measure(encoded, threads: int, seconds: float) -> DecodeRate:  # type: ignore[no-untyped-def]
         seen.extend(encoded)
         return DecodeRate(rate, 1e-4)
 
-    return lambda: (measure, "a fake GPU")
+    return lambda decoder: (measure, f"a fake GPU for {decoder}")
 
 
 @pytest.mark.parametrize("gpu_rate, expect", [(5000.0, "j2k"), (0.5, "bmp")])
@@ -190,11 +285,7 @@ def test_profile_weighs_j2k_where_a_gpu_decodes_it(small: Path, tmp_path: Path, 
     what is weighed is which format's bytes and decoder set the pace, not this VM's load (a loaded 2-core CI run
     measured both formats bound by the CPU, or by the tiny files' latency, within the GPU's margin of each other,
     and BMP was chosen at 5,000 GPU img/s)."""
-    from liquidfs.profile import choose as profile_mod
-    from liquidfs.stores import sample as timedreads
-
-    monkeypatch.setattr(profile_mod, "measure_decode", lambda encoded, decoder, threads, seconds: 1e6)
-    monkeypatch.setattr(timedreads, "measure_load", lambda items, seconds: (50e6, 1e-10))
+    _fixed_rates(monkeypatch, storage=50e6, decode=1e6)
     seen: list[bytes] = []
     profile = profile_store(open_store(small, tmp_path / "store"), decoder="dali", threads=2, quick=True,
                             formats=("j2k", "bmp"), find_gpu=_fake_gpu(gpu_rate, seen))
@@ -214,17 +305,40 @@ def test_profile_weighs_j2k_where_a_gpu_decodes_it(small: Path, tmp_path: Path, 
     assert "weighed: BMP at" in text and "J2K at" in text
 
 
+@pytest.mark.parametrize("train_rate, expect, node", [(1e6, "j2k", STORAGE_BINDS), (20.0, "bmp", GPU_BUSY)])
+def test_j2k_is_chosen_where_storage_binds_and_the_gpu_has_time_to_spare(small: Path, tmp_path: Path,
+                                                                        train_rate: float, expect: str, node: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Pillow loader, nvImageCodec's GPU decoder found by its probe (a fake here, at 5,000 img/s alone), storage
+    at 50 MB/s: J2K's smaller objects pay while training leaves the GPU time (1e6 img/s alone), not where
+    training alone (20 img/s) already holds the GPU; the output names the readers, the decoder, the GPU decoder
+    and the kind of node."""
+    _fixed_rates(monkeypatch, storage=50e6, decode=1e6)
+    seen: list[bytes] = []
+    monkeypatch.setattr(decoderates, "find_nvimgcodec",
+                        lambda: (_fake_gpu(5000.0, seen)("pil")[0], "nvImageCodec (fake) GPU_ONLY"))
+    profile = profile_store(open_store(small, tmp_path / "store"), decoder="pil", threads=2, quick=True,
+                            formats=("j2k", "bmp"), gpu_train_rate=train_rate, measured=False)
+    assert seen and all(formats.sniff(data[:32]) == "j2k" for data in seen)  # the real J2K sample, decoded
+    assert profile.raw_format == expect, profile.weighed
+    assert profile.node == node and profile.gpu_decoder == "nvImageCodec (fake) GPU_ONLY"
+    j2k = next(w for w in profile.weighed if w["raw_format"] == "j2k")
+    assert j2k["predicted_images_per_s"] <= train_rate * (1 + 1e-9)  # training's GPU time counted
+    text = render(profile)
+    assert "storage (2 readers)" in text and "decoder pil x2 threads" in text
+    assert "GPU decoder weighed: nvImageCodec (fake) GPU_ONLY" in text and f"node: {node}" in text
+    if expect == "j2k":
+        assert any("handed to nvidia.nvimgcodec" in n for n in profile.notes)
+
+
 def test_profile_says_why_j2k_is_not_weighed(small: Path, tmp_path: Path) -> None:
     store = open_store(small, tmp_path / "store")
     no_gpu = profile_store(store, decoder="dali", threads=2, quick=True, formats=("j2k", "bmp"),
-                           find_gpu=lambda: (None, "no CUDA device is visible"))
+                           find_gpu=lambda decoder: (None, "no CUDA device is visible"))
     assert no_gpu.raw_format == "bmp" and [w["raw_format"] for w in no_gpu.weighed] == ["bmp"]
     assert any("J2K not weighed: no GPU to decode it (no CUDA device is visible)" in n for n in no_gpu.notes)
-    pil = profile_store(store, decoder="pil", threads=2, quick=True, formats=("j2k", "bmp"),
-                        find_gpu=_fake_gpu(5000.0, []))
-    assert pil.raw_format == "bmp" and any("decodes with Pillow" in n for n in pil.notes)
     with pytest.raises(ProfileError, match="J2K cannot be weighed: no GPU"):
-        profile_store(store, decoder="dali", quick=True, formats=("j2k",), find_gpu=lambda: (None, "none"))
+        profile_store(store, decoder="dali", quick=True, formats=("j2k",), find_gpu=lambda decoder: (None, "none"))
 
 
 def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path: Path,
@@ -239,16 +353,20 @@ def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path:
         assert code == 0, capsys.readouterr().err
         return json.loads((store / "profile.json").read_text())
 
-    monkeypatch.setattr(decoderates, "find_gpu_decoder", _fake_gpu(5000.0, []))
-    kept = prepare(tmp_path / "gpu")
+    # Storage bound and the CPU fast, as in the test above: this machine's own rates for 12 tiny files, measured
+    # under a loaded run, put J2K's best share below BMP's now and then (its storage timed apart from BMP's).
+    with monkeypatch.context() as fixed:
+        _fixed_rates(fixed, storage=50e6, decode=1e6)
+        fixed.setattr(decoderates, "find_gpu_decoder", _fake_gpu(5000.0, []))
+        kept = prepare(tmp_path / "gpu")
     said = capsys.readouterr()
-    assert kept["raw_format"] == "j2k" and "raw images as J2K" in said.out
+    assert kept["raw_format"] == "j2k" and "raw images as J2K" in said.out, said.out
     assert "J2K chosen for a loader that decodes with DALI's 'mixed'" in said.out  # for whom it is
     assert "not yet shown exact on a GPU" in said.err  # until bench_j2k shows dali-mixed exact
     objects = [p for p in (tmp_path / "gpu" / "objects").rglob("*") if p.is_file()]
     assert objects and all(p.suffix == ".jp2" for p in objects)
 
-    monkeypatch.setattr(decoderates, "find_gpu_decoder", lambda: (None, "no CUDA device is visible"))
+    monkeypatch.setattr(decoderates, "find_gpu_decoder", lambda decoder: (None, "no CUDA device is visible"))
     kept = prepare(tmp_path / "cpu")
     out = capsys.readouterr().out
     assert kept["raw_format"] == "bmp" and "J2K not weighed" in out and "raw images as BMP" in out
