@@ -9,9 +9,9 @@ user. ``soak.py`` starts them beside its readers and reports what each did; this
   that value).
 * ``LyingPeer``: a "memcached" of the ``--cluster`` list that lies to every call: a header announcing a huge value
   followed by a flood, a value of the exact length trickled one byte per 0.3 s, a value of the exact length full
-  of random bytes, an answer line of garbage, an endless line, or no answer at all.
+  of random bytes, no answer at all, an answer line of garbage, or an endless line (each connection the next lie).
 * ``job_hopper``: ``nobody`` starting short jobs on an ``--allow-other`` mount one after another: each a ``cat`` of
-  one image in a new session (``setsid``), half of them with ``LIQUIDFS_JOB`` set to the readers' own job name.
+  one image in a new session (``setsid``), a third of them with ``LIQUIDFS_JOB`` set to the readers' own job name.
   ``JobWatch`` samples the mount's per-job counters meanwhile: the readers' job must keep its id and its epochs
   and reads may only count up.
 """
@@ -240,7 +240,9 @@ def cluster_writer(port: int, seconds: float, seed: int, stop: Callable[[], bool
 
 # -- a lying peer --------------------------------------------------------------------------------------------
 
-LIES = ("huge", "trickle", "garbage-body", "garbage", "endless-line", "silent")
+#: In the order told, one per connection in turn: a peer left out after 3 failures is asked a few times a run, and
+#: each lie must be told in the first few.
+LIES = ("huge", "trickle", "garbage-body", "silent", "garbage", "endless-line")
 #: How long the peer keeps a connection it lies on: far past any client's deadline (the mount's is 1 s).
 HOLD = 30.0
 #: Connections served at once; past them a connection is closed at once (a peer never grows without bound).
@@ -255,11 +257,10 @@ def expected_length(key: bytes) -> int:
 
 
 class LyingPeer(Background):
-    """A "memcached" on 127.0.0.1 that lies to every call, in one of ``LIES`` picked at random per call."""
+    """A "memcached" on 127.0.0.1 that lies to every call: each connection the next of ``LIES``, in turn."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.rng = random.Random(seed)
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = int(self.server.getsockname()[1])
         self.lock = threading.Lock()
@@ -288,10 +289,10 @@ class LyingPeer(Background):
                 self._count("refused")
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, self.rng.random()), daemon=True).start()
+            lie = LIES[(self.counts["connections"] - 1) % len(LIES)]
+            threading.Thread(target=self._serve, args=(conn, lie), daemon=True).start()
 
-    def _serve(self, conn: socket.socket, draw: float) -> None:
-        rng = random.Random(draw)
+    def _serve(self, conn: socket.socket, lie: str) -> None:
         try:
             conn.settimeout(HOLD)
             request = b""
@@ -303,7 +304,6 @@ class LyingPeer(Background):
             words = request.split(b"\r\n", 1)[0].split()
             command = words[0] if words else b""
             self._count("gets" if command == b"get" else "sets" if command == b"set" else "other")
-            lie = rng.choice(LIES)
             self._count(lie)
             key = words[1] if len(words) > 1 else b"x"
             self._lie(conn, lie, key, command == b"get")
@@ -500,7 +500,7 @@ class Neighbours:
             self.memcached = Memcached(binary, 64, "2m")
             self.memcached.start()
         if "lying-peer" in self.attacks:
-            self.liar = LyingPeer(self.seed).__enter__()
+            self.liar = LyingPeer().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
