@@ -47,9 +47,33 @@ killed). ``--attacks`` picks the attacks (default all; ``--attacks dirflip`` alo
     python scripts/attack/soak.py --attacks dirflip,fifo,profile --seconds 20 --count 24 --readers 4 \
         --json out/soak-26.json
 
+Three more are the node's other users against a mount's cluster level and its jobs (issue 38; ``neighbours.py``),
+each run as ``nobody`` (the child drops root with setgid/setuid before it attacks): (9) ``cluster-writer``: the
+mounts run with ``--cluster memcached://127.0.0.1:PORT --cluster-size 100% --cluster-key-file KEY`` against a real
+memcached the soak starts (``--cluster-key none``: no key, values in the clear and checked by digest alone), and
+nobody, over TCP, lists its keys (``lru_crawler metadump all``) and rewrites values: a byte flipped, another key's
+value put in, a value cut short, random bytes of the same length; it then looks, without fetching, whether the
+mount fetched each (``mg KEY c h u``) or replaced it with its own. (10) ``lying-peer``: a second "memcached" in the
+``--cluster`` list, a socket server of the soak's on loopback that lies to every call (a 1 TiB value announced and
+flooded, a value of the right length trickled a byte per 0.3 s, random bytes of the right length, a garbage line,
+an endless line, silence). (11) ``job-hopper``: on an ``--allow-other`` mount, nobody starts short jobs one after
+another (a ``cat`` of one image in a new session, a third of them with ``LIQUIDFS_JOB`` set to the readers' own
+job name, which the readers run under), while a thread samples the mount's per-job counters: the readers' job must
+keep its id, its epochs and reads may only count up, and nobody's opens under that name must be a job of nobody's.
+With either cluster attack the mounts' ``--cache-size`` is 10% unless given, so most opens ask the cluster. Every
+read (the readers' and the hopper's) must be right, no read may fail for a lie (a miss falls through to storage),
+the watchdog must always get its answer, and the daemon's peak RSS (VmHWM) may not rise by more than 256 MiB;
+the mount's ``cluster_*`` counters (``cluster_rejected``: values refused), the lies told, the hopper's jobs and
+the readers' job's ids and epochs, and the daemon's RSS after the mount and at the end are in the JSON and a
+table of their own:
+
+    python scripts/attack/soak.py --attacks cluster-writer,lying-peer,job-hopper --seconds 60 --count 24 \
+        --readers 4 --json out/soak-38.json
+
 Exit status 0 when every read matched (and, without the attacker, nothing failed; with it, no unexpected errno,
-no hang, and the watchdog always answered). tests/mount/test_faults.py runs the reader part for ~10 s;
-tests/system/test_soak.py runs the dataset-writer attacks for a few seconds on each data path.
+no hang, and the watchdog always answered; the readers' job unmoved). tests/mount/test_faults.py runs the reader
+part for ~10 s; tests/system/test_soak.py runs the dataset-writer attacks for a few seconds on each data path, and
+the three of issue 38 together for a few seconds on passthrough.
 """
 
 from __future__ import annotations
@@ -74,8 +98,10 @@ from typing import Any
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (mounting, the mount table: one copy of each)
+import neighbours  # noqa: E402  (the memcached writer, the lying peer, the job hopper)
 from _bench import fuse_connection, is_mounted  # noqa: E402
 from liquidfs.daemon.serve import read_control  # noqa: E402
 from sample import make_sample  # noqa: E402
@@ -247,8 +273,9 @@ ALLOWED_ERRNOS = frozenset({errno.EIO, errno.ENOENT, errno.EACCES, errno.EPERM, 
 #: What the attacker process does while the readers read (``Attacker``), and how often, relatively.
 ATTACKS = ("symlink", "rewrite", "flip", "truncate", "prepare", "root", "dirflip", "fifo")
 WEIGHTS = {"symlink": 4, "rewrite": 4, "flip": 3, "truncate": 2, "prepare": 1, "root": 1, "dirflip": 3, "fifo": 3}
-#: Every attack ``--attacks`` may name: those during reads, and ``profile`` (links to a FIFO during a profile).
-ALL_ATTACKS = (*ATTACKS, "profile")
+#: Every attack ``--attacks`` may name: those during reads, those of the node's other users around the mount
+#: (``neighbours``: its cluster and its jobs), and ``profile`` (links to a FIFO during a profile).
+ALL_ATTACKS = (*ATTACKS, *neighbours.NEIGHBOURS, "profile")
 READ_WAYS = ("whole", "small", "shuffled", "mmap", "late-read", "late-mmap")
 
 
@@ -455,6 +482,21 @@ def kind_of(got: bytes, out: dict[str, Any], refs: dict[str, str | None]) -> str
     return "mix or other"
 
 
+def judge(got: bytes, entry: dict[str, Any], secret_px: str) -> tuple[str | None, str | None]:
+    """Why ``got`` is not what ``entry``'s file may hold (None where it is one of its versions), and its pixels."""
+    if MARKER in got:
+        return "secret bytes", None
+    try:
+        px = pixels_of(got)
+    except Exception as exc:  # the decoder refusing what was served: wrong bytes, not an I/O error
+        return f"undecodable ({exc!r})", None
+    if px == secret_px:
+        return "secret pixels", px
+    if px not in entry["px"]:
+        return "pixels of neither version", px
+    return None, px
+
+
 def attacked_reader(spec: dict[str, Any], seconds: float, seed: int) -> None:
     """Read random files through the mount until ``seconds`` pass; print JSON lines: each wrong read at once,
     the running counts every second (so a reader that dies leaves its counts behind)."""
@@ -490,22 +532,9 @@ def attacked_reader(spec: dict[str, Any], seconds: float, seed: int) -> None:
                 emit(dict(counts, t="counts"))
                 next_report = time.monotonic() + 1
         counts["reads"] += 1
-        verdict = None
-        if MARKER in got:
-            verdict = "secret bytes"
-        else:
-            try:
-                px = pixels_of(got)
-            except Exception as exc:  # the decoder refusing what was served: wrong bytes, not an I/O error
-                verdict = f"undecodable ({exc!r})"
-            else:
-                if px == spec["secret_px"]:
-                    verdict = "secret pixels"
-                elif px not in entry["px"]:
-                    verdict = "pixels of neither version"
-                else:
-                    counts["alt"] += px == entry["px"][1]
+        verdict, px = judge(got, entry, spec["secret_px"])
         if verdict is None:
+            counts["alt"] += px == entry["px"][1]
             counts["ok"] += 1
             counts["raw"] += got[:2] == b"BM"
         else:
@@ -519,8 +548,10 @@ def attacked_reader(spec: dict[str, Any], seconds: float, seed: int) -> None:
 class AttackedReaders:
     """``count`` reader processes; one that dies (a signal) is replaced for the time left and the death noted."""
 
-    def __init__(self, spec_path: Path, count: int, seconds: float, seed: int) -> None:
+    def __init__(self, spec_path: Path, count: int, seconds: float, seed: int,
+                 env: dict[str, str] | None = None) -> None:
         self.spec_path = spec_path
+        self.env = dict(os.environ, **env) if env else None
         self.deadline = time.monotonic() + seconds
         self.seed = seed
         self.lock = threading.Lock()
@@ -540,7 +571,7 @@ class AttackedReaders:
         while (left := self.deadline - time.monotonic()) > 0.5 and not self.stopped:
             proc = subprocess.Popen([sys.executable, __file__, "attacked-reader", str(self.spec_path), "--seconds",
                                      f"{left:.1f}", "--seed", str(self.seed + 1000 * generation + slot)],
-                                    stdout=subprocess.PIPE, text=True)
+                                    stdout=subprocess.PIPE, text=True, env=self.env)
             with self.lock:
                 self.procs[slot] = proc
             last = None
@@ -913,6 +944,31 @@ def run_attacker(spec_path: Path, seconds: float, seed: int) -> int:
     return 0
 
 
+def run_as_nobody(attack: Callable[[Callable[[], bool]], dict[str, Any]]) -> int:
+    """``attack(stop)`` as nobody (privileges dropped here, for good), its account printed as JSON; SIGTERM stops
+    it early."""
+    stopping: list[bool] = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    neighbours.drop_to_nobody()
+    print(json.dumps(attack(lambda: bool(stopping))))
+    return 0
+
+
+def run_job_hopper(spec_path: Path, mount_fd: int, job: str, seconds: float, seed: int) -> int:
+    """The job hopper (``neighbours.job_hopper``) as nobody, each read judged as a reader's is."""
+    import PIL.PngImagePlugin  # noqa: F401  (loaded as root: the decoder must not depend on nobody's access)
+
+    spec = json.loads(spec_path.read_text())
+    files = {f["path"]: f for f in spec["files"]}
+    pixels_of(Path(files[next(iter(files))]["versions"]["orig"]).read_bytes())  # every import the check needs
+
+    def check(rel: str, data: bytes) -> str | None:
+        return judge(data, files[rel], spec["secret_px"])[0]
+
+    return run_as_nobody(lambda stop: neighbours.job_hopper(mount_fd, sorted(files), job, seconds, seed, check,
+                                                            stop))
+
+
 # -- links flipped atomically, and the way out of a hung mount ------------------------------------------------
 
 AT_FDCWD = -100
@@ -1204,8 +1260,8 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
                     seed: int) -> dict[str, Any]:
     """A fresh store at ``args.ratio``, one mount with ``data_path``, readers, the attacker and the watchdog for
     ``args.seconds``; then everything undone, a last pass over every file, the mount's counters. A hang is
-    recorded and got out of (``MountGuard``); the mount is never left behind, hung or not."""
-    from liquidfs.fuse.operations import CONTROL_NAME
+    recorded and got out of (``MountGuard``); the mount is never left behind, hung or not. With attacks of
+    ``neighbours``, the memcached writer, the lying peer and the job hopper around it too (``Neighbours``)."""
     from liquidfs.prepare import prepare
 
     store = work / f"store-{data_path}"
@@ -1214,13 +1270,24 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
     mountpoint = work / f"mnt-{data_path}"
     mountpoint.mkdir(exist_ok=True)
     spec = with_objects(fixture, store, work, data_path)
+    near = neighbours.Neighbours(args.attacks, work, data_path, __file__, seed, keyed=args.cluster_key == "file")
     spec.update(mount=str(mountpoint), source=str(source), store=str(store), work=str(work), tag=data_path,
                 evil=str(work / "evil"), object_writer=args.object_writer, attacks=args.attacks)
     spec_path = work / f"spec-{data_path}.json"
     spec_path.write_text(json.dumps(spec))
     cache = ["--cache-size", args.cache_size] if args.cache_size not in ("", "0", "none") else []
-    bench.liquidfs("mount", str(source), str(mountpoint), "--store", str(store), "--data-path", data_path,
-                   "--log-level", "info", "--log-file", str(work / f"mount-{data_path}.log"), *cache,
+    with near:
+        return attack_mounted(spec, spec_path, fixture, near, [*cache, *near.mount_flags()], args, seed)
+
+
+def attack_mounted(spec: dict[str, Any], spec_path: Path, fixture: dict[str, Any], near: neighbours.Neighbours,
+                   flags: list[str], args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """``attack_one_path`` from the mount on (``flags``: what the mount adds for the cache and ``near``)."""
+    from liquidfs.fuse.operations import CONTROL_NAME
+
+    work, source, mountpoint, data_path = Path(spec["work"]), Path(spec["source"]), Path(spec["mount"]), spec["tag"]
+    bench.liquidfs("mount", str(source), str(mountpoint), "--store", spec["store"], "--data-path", data_path,
+                   "--log-level", "info", "--log-file", str(work / f"mount-{data_path}.log"), *flags,
                    *args.mount_option, timeout=300)
     guard = MountGuard(mountpoint)
     watchdog = Watchdog(guard, os.fsdecode(CONTROL_NAME), args.deadline)
@@ -1232,7 +1299,8 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
         if control["data_path"] != data_path:
             raise RuntimeError(f"asked for --data-path {data_path}, the mount serves through {control['data_path']}")
         watchdog.start()
-        readers = AttackedReaders(spec_path, args.readers, args.seconds, seed)
+        readers = AttackedReaders(spec_path, args.readers, args.seconds, seed, env=near.reader_env())
+        near.start(mountpoint, spec_path, args.seconds, guard.daemon_pid, lambda: read_control(mountpoint))
         guard.after_abort.append(readers.kill)
         attacker = subprocess.Popen([sys.executable, __file__, "attacker", str(spec_path), "--seconds",
                                      str(args.seconds), "--seed", str(seed)], stdout=subprocess.PIPE, text=True)
@@ -1244,19 +1312,9 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
                 readers.kill()
                 readers.join(timeout=30)
         finally:
-            if guard.aborted:
-                attacker.send_signal(signal.SIGTERM)
-            try:  # it stops by itself after --seconds (a prepare it started may run on a little): its counts
-                out, _ = attacker.communicate(timeout=60)
-            except subprocess.TimeoutExpired:
-                attacker.send_signal(signal.SIGTERM)
-            try:
-                out, _ = attacker.communicate(timeout=120)
-            except subprocess.TimeoutExpired:
-                attacker.kill()
-                out, _ = attacker.communicate()
-        attacks = json.loads(out) if attacker.returncode == 0 and out.strip() \
-            else {"attacker_failed": attacker.returncode}
+            # it stops by itself after --seconds (a prepare it started may run on a little): its counts
+            attacks = neighbours.account(attacker, stop_now=guard.aborted) \
+                or {"attacker_failed": attacker.returncode}
         put_back = restore_source(source, fixture, work / "stash")
         summary = readers.summary()
         summary.update(data_path=data_path, object_writer=args.object_writer, cache_size=args.cache_size,
@@ -1265,11 +1323,13 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
         if guard.aborted:  # before it or while it ran: what it read says nothing of the mount
             summary["final"] = {"ok": 0, "errors": {}, "wrong": [], "skipped": "the mount was aborted"}
         summary["daemon"] = None
+        summary["neighbours"] = near.finish(guard.aborted)
         if not guard.aborted:
             try:
                 stats = read_control(mountpoint)
                 summary["daemon"] = {k: stats.get(k) for k in DAEMON_KEYS} | {
-                    k: v for k, v in stats.items() if "hit" in k and isinstance(v, (int, float))}
+                    k: v for k, v in stats.items() if ("hit" in k or k.startswith("cluster_"))
+                    and isinstance(v, (int, float))}
             except OSError as exc:  # the watchdog aborted it meanwhile
                 summary["daemon"] = {"unreadable": repr(exc)}
     finally:
@@ -1299,7 +1359,7 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
 # -- links to FIFOs during `liquidfs profile` -----------------------------------------------------------------
 
 
-class FifoFlipper:
+class FifoFlipper(neighbours.Background):
     """A dataset owner against ``liquidfs profile``: once ``ready()`` (the profile has read its sample and times
     reads of it), again and again, about half the images exchanged with links to a FIFO (or a whole directory with
     a link to a tree of FIFOs of the same names), held 0.05-0.4 s, and exchanged back. A read that follows one
@@ -1307,6 +1367,7 @@ class FifoFlipper:
 
     def __init__(self, source: Path, fixture: dict[str, Any], work: Path, seed: int,
                  ready: Callable[[], bool] = lambda: True) -> None:
+        super().__init__()
         self.rng = random.Random(seed)
         self.ready = ready
         self.created = time.monotonic()
@@ -1321,8 +1382,6 @@ class FifoFlipper:
                 os.mkfifo(self.tree / rel)
         self.root_fd = os.open(source, os.O_PATH | os.O_DIRECTORY)
         self.counts: dict[str, Any] = {"file_swaps": 0, "dir_swaps": 0, "rounds": 0, "failed": 0, "started_at_s": None}
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
 
     def _swap(self, rel: str, link: Path, target: str) -> bool:
         if not os.path.lexists(link):
@@ -1362,14 +1421,6 @@ class FifoFlipper:
                 self.stopping.wait(self.rng.uniform(0.0, 0.1))
         finally:
             os.close(self.root_fd)
-
-    def __enter__(self) -> FifoFlipper:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self.thread.join(30)
 
 
 def profile_attacked(work: Path, source: Path, fixture: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -1461,11 +1512,47 @@ def writer_table(rows: list[dict[str, Any]], profile: dict[str, Any] | None) -> 
     return "\n".join(lines)
 
 
+def neighbour_table(rows: list[dict[str, Any]]) -> str:
+    """The node's other users at a glance (issue 38): what each did, what the mount counted of it."""
+    lines = ["| run | wrong bytes | hangs | errors | memcached writer (as uid): rewrites flip / swap / truncate / "
+             "garbage; fetched after / replaced after | mount: cluster hits / rejected / unanswered / skipped / "
+             "stored | lying peer: calls; lies | job hopper (as uid): jobs, cat reads / errors / wrong; readers' job "
+             "id, epochs, reads | daemon RSS after mount / at end, peak rise |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        n = r["neighbours"]
+        d = r["daemon"] or {}
+        errs = ", ".join(f"{k} {v:,}" for k, v in r["errors"].items()) or "0"
+        w = n.get("cluster-writer")
+        writer = "-" if w is None else (
+            f"(uid {w.get('uid')}) {w.get('rewrites', 0)}: {' / '.join(str(w.get(t, 0)) for t in neighbours.TAMPERS)}"
+            f"; {w.get('fetched_after', 0)} / {w.get('replaced_after', 0)}")
+        cluster = "-" if "cluster_hits" not in d else (
+            " / ".join(f"{d.get('cluster_' + k, 0):,}" for k in ("hits", "rejected", "unanswered", "skipped",
+                                                                   "stored"))
+            + (" (sealed)" if n.get("sealed") else " (no key)"))
+        liar = n.get("lying-peer")
+        lies = "-" if liar is None else (f"{liar['gets'] + liar['sets'] + liar['other']}; "
+                                         + ", ".join(f"{k} {liar[k]}" for k in neighbours.LIES if liar[k]))
+        h, job = n.get("job-hopper"), n.get("readers_job")
+        hopper = "-" if h is None or job is None else (
+            f"(uid {h.get('uid')}) {h.get('jobs', 0)}, {h.get('read', 0)} / {h.get('errors', 0)} / "
+            f"{len(h.get('wrong', []))}; {job['readers_job_ids']}, {job['epochs']}, {job['reads']}"
+            f"{'' if job['unmoved'] else ' **MOVED**'}")
+        memory = n.get("daemon_memory")
+        rss = "-" if not memory else (f"{(memory['after_mount']['rss_kib'] or 0) / 1024:.0f} / "
+                                      f"{(memory['at_end']['rss_kib'] or 0) / 1024:.0f} MiB, "
+                                      f"+{(neighbours.peak_rise_kib(n) or 0) / 1024:.0f} MiB")
+        wrong = r["wrong"] + len((h or {}).get("wrong", []))
+        lines.append(f"| {r['data_path']} --cache-size {r.get('cache_size') or 'none'} | **{wrong}** | "
+                     f"**{len(r['hangs'])}** | {errs} | {writer} | {cluster} | {lies} | {hopper} | {rss} |")
+    return "\n".join(lines)
+
+
 def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
     width, height = (int(v) for v in args.size.split("x"))
     rows: list[dict[str, Any]] = []
     profile = None
-    reading = [a for a in args.attacks if a in ATTACKS]
+    reading = [a for a in args.attacks if a in ATTACKS or a in neighbours.NEIGHBOURS]
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp).resolve()
         source = make_sample(work / "data", count=args.count, width=width, height=height, seed=11)
@@ -1487,6 +1574,8 @@ def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
         print(table(rows, reading))
     if rows or profile:
         print(writer_table(rows, profile))
+    if any(r["neighbours"]["attacks"] for r in rows):
+        print(neighbour_table(rows))
     for r in rows:
         kinds: dict[str, int] = {}
         for w in r["wrong_reads"]:
@@ -1504,6 +1593,8 @@ def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
             print(f"  HANG {r['data_path']}: {json.dumps(h)}")
         if r["watchdog"]["failures"]:
             print(f"  WATCHDOG {r['data_path']}: `ls` or stats failed: {r['watchdog']['failures'][:5]}")
+        for problem in neighbours.problems(r["neighbours"]):
+            print(f"  NEIGHBOURS {r['data_path']}: {problem}")
         daemon = r["daemon"] or {}
         if r["reader_deaths"] or r["disconnected"] or r["put_back_after"] or r["final"]["wrong"] \
                 or r["final"]["errors"] or daemon.get("open_files"):
@@ -1511,13 +1602,15 @@ def soak_attacked(args: argparse.Namespace, data_paths: list[str]) -> int:
                   f"back after the attacker {r['put_back_after']}, final pass {r['final']}, daemon {r['daemon']}")
     if profile is not None:
         print(f"  profile: {json.dumps(profile)}")
-    wrong = sum(r["wrong"] + len(r["final"]["wrong"]) for r in rows)
+    wrong = sum(r["wrong"] + len(r["final"]["wrong"]) + len(r["neighbours"].get("job-hopper", {}).get("wrong", []))
+                for r in rows)
     hangs = sum(len(r["hangs"]) for r in rows) + int(bool(profile and profile["hung"]))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": vars(args), "rows": rows, "profile": profile, "wrong": wrong,
                                          "hangs": hangs}, indent=1, default=str))  # the paths among the args
-    failed = wrong or hangs or any(r["unexpected"] or r["disconnected"] or r["watchdog"]["failures"] for r in rows)
+    failed = wrong or hangs or any(r["unexpected"] or r["disconnected"] or r["watchdog"]["failures"]
+                                   or neighbours.problems(r["neighbours"]) for r in rows)
     print(f"wrong bytes: {wrong} (must be 0), hangs: {hangs} (must be 0)")
     print("soak with attacker FAILED" if failed else "soak with attacker passed: 0 wrong reads, no hang")
     return 1 if failed else 0
@@ -1535,6 +1628,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("attacked-reader", "attacker"):
         a = sub.add_parser(name)
         a.add_argument("spec")
+    sub.add_parser("cluster-writer").add_argument("port", type=int)
+    h = sub.add_parser("job-hopper")
+    h.add_argument("spec")
+    h.add_argument("--mount-fd", type=int, required=True)
+    h.add_argument("--job", required=True)
     for p in sub.choices.values():
         p.add_argument("--seconds", type=float, required=True)
         p.add_argument("--seed", type=int, default=0)
@@ -1545,10 +1643,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the attacker beside the readers (default off: readers only, one killed -9)")
     parser.add_argument("--attacks", "--attack", metavar="LIST",
                         help="the attacker's attacks, comma-separated (implies --attacker; default all): "
-                             f"{', '.join(ALL_ATTACKS)}. dirflip, fifo and profile are the dataset writer's")
-    parser.add_argument("--cache-size", default="100%",
+                             f"{', '.join(ALL_ATTACKS)}. dirflip, fifo and profile are the dataset writer's; "
+                             "cluster-writer, lying-peer and job-hopper the node's other users' (issue 38)")
+    parser.add_argument("--cache-size",
                         help="with the attacker: the mounts' --cache-size, so the next-epoch cache holds files and "
-                             "their re-opens check the source (default 100%%; 'none': no cache)")
+                             "their re-opens check the source (default 100%%, or 10%% with cluster-writer or "
+                             "lying-peer, so most opens miss the memory and ask the cluster; 'none': no cache)")
+    parser.add_argument("--cluster-key", choices=("file", "none"), default="file",
+                        help="cluster-writer and lying-peer: the mounts seal the cluster's values under a "
+                             "--cluster-key-file made for the run (file, the default), or store them in the clear, "
+                             "checked by digest alone (none)")
     parser.add_argument("--deadline", type=float, default=10.0,
                         help="with the attacker: seconds `ls MNT` and the mount's stats may take before the "
                              "watchdog calls it a hang and aborts the mount (default 10)")
@@ -1581,6 +1685,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "attacker":
         return run_attacker(Path(args.spec), args.seconds, args.seed)
+    if args.command == "cluster-writer":
+        return run_as_nobody(lambda stop: neighbours.cluster_writer(args.port, args.seconds, args.seed, stop))
+    if args.command == "job-hopper":
+        return run_job_hopper(Path(args.spec), args.mount_fd, args.job, args.seconds, args.seed)
     data_paths = ["passthrough", "daemon"] if args.data_path == "both" else [args.data_path]
     if args.attacks is not None:
         args.attacker = True
@@ -1590,6 +1698,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--attacks: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(ALL_ATTACKS)}")
     else:
         args.attacks = list(ALL_ATTACKS)
+    if args.cache_size is None:
+        cluster = {"cluster-writer", "lying-peer"} & set(args.attacks)
+        args.cache_size = "10%" if cluster else "100%"
     if args.attacker:
         return soak_attacked(args, data_paths)
     return 0 if all(soak_plain(args, data_path) for data_path in data_paths) else 1

@@ -8,7 +8,6 @@ holds is not the dataset's bytes; without one, an image others may not read neve
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from fusehelpers import Mount, wait_for
+from memcacheds import memcached_binary  # noqa: F401  (a fixture)
 from ports import free_port
 from liquidfs.catalog import Catalog
 from liquidfs.held.cluster_peers import resolve_addresses
@@ -61,16 +61,6 @@ class Memcached:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
-
-
-@pytest.fixture
-def memcached_binary() -> str:
-    binary = shutil.which("memcached") or shutil.which("memcached", path="/usr/bin:/usr/sbin")
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("memcached not installed (scripts/test.sh installs it with apt)")
-        pytest.skip("memcached not installed (apt-get install memcached)")
-    return binary
 
 
 @pytest.fixture

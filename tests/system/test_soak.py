@@ -11,6 +11,14 @@
   its sample: it must finish, or fail with a message, within 60 s (before the fix its threads wait in
   ``wait_for_partner`` for good; the soak kills it).
 
+* ``cluster-writer``, ``lying-peer`` and ``job-hopper`` (issue 38's "Done means") together, on passthrough: the
+  mount's cluster level on a real memcached (values sealed under a cluster key) that ``nobody`` rewrites over TCP,
+  beside a fake memcached in the same ``--cluster`` list that lies to every call; and, on the same
+  ``--allow-other`` mount, ``nobody`` starting short jobs in new sessions, a third of them under the readers' own
+  ``LIQUIDFS_JOB``. 0 wrong bytes (the readers' and the hopper's), no hang, no read failed, the writer's values
+  rejected (more rejections than the lying peer can account for), the peer asked, the readers' job never moved,
+  and the daemon's peak RSS not risen by a flood behind a 1 TiB header.
+
 The soak runs as a child process in its own session; whatever happens, no mount is left under the test's
 directory (aborted through /sys/fs/fuse/connections, as the soak itself does) and no process of it is left.
 """
@@ -29,6 +37,7 @@ import pytest
 
 from benchscripts import BENCH, load_script
 from fusehelpers import DATA_PATHS
+from memcacheds import memcached_binary  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.fuse, pytest.mark.slow]
 
@@ -89,4 +98,34 @@ def test_profile_under_fifo_links_ends(tmp_path: Path) -> None:
     assert not profile["hung"], profile.get("threads")
     # finished, or failed saying why
     assert profile["rc"] == 0 or (profile["last_lines"] and "NO MESSAGE" not in profile["outcome"]), profile
+    assert rc == 0, text
+
+
+@pytest.mark.needs_root("the attackers drop to nobody (os.setuid) on an --allow-other mount")
+def test_memcached_writer_lying_peer_and_job_hopper_serve_no_wrong_byte(tmp_path: Path, memcached_binary: str) -> None:
+    rc, summary, text = run_soak(tmp_path, "--attacks", "cluster-writer,lying-peer,job-hopper", "--data-path",
+                                 "passthrough", "--seconds", "8", "--count", "16", "--readers", "3", timeout=300)
+    (row,) = summary["rows"]
+    near, daemon = row["neighbours"], row["daemon"]
+    writer, liar, hopper, job = near["cluster-writer"], near["lying-peer"], near["job-hopper"], near["readers_job"]
+    assert summary["hangs"] == 0, [h["what"] for h in row["hangs"]]
+    assert summary["wrong"] == 0, (row["wrong_reads"][:3], hopper["wrong"][:3])
+    # nothing but the cluster and the jobs was attacked: a lie or a rewrite is a miss, never a failed read
+    assert row["reads"] > 0 and row["errors"] == {} and daemon["errors"] == 0, (row["errors"], daemon)
+    assert row["unexpected"] == [] and row["disconnected"] == 0 and row["watchdog"]["failures"] == []
+    assert row["final"]["ok"] == 16, row["final"]
+    # the writer, as nobody, rewrote sealed values; the mount refused more of them than the peer's lies that can
+    # be refused (a 1 TiB header, a value of random bytes) could account for
+    assert writer["uid"] == 65534 and writer["rewrites"] > 0 and near["sealed"], writer
+    assert daemon["cluster_rejected"] > liar["rejectable_sent"], (daemon, liar)
+    # the lying peer was asked, and cost the readers nothing but time within the fetch's deadline
+    assert liar["connections"] > 0, liar
+    peak = near["daemon_memory"]
+    assert peak["at_end"]["peak_rss_kib"] - peak["after_mount"]["peak_rss_kib"] < soak.neighbours.RSS_RISE_KIB, peak
+    # nobody's jobs came and went; the readers' job kept its id, and its epochs and reads only counted up
+    assert hopper["uid"] == 65534 and hopper["read"] > 0 and hopper["as_readers_job"] > 0, hopper
+    assert job["nobody_jobs_at_most"] > 0, job
+    # nobody's opens under the readers' LIQUIDFS_JOB were counted in a job of nobody's, never in the readers'
+    assert job["nobody_had_the_name"] > 0, job
+    assert job["unmoved"] and len(job["readers_job_ids"]) == 1 and job["samples"] > 3, job
     assert rc == 0, text
