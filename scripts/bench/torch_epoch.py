@@ -48,7 +48,8 @@ class GpuSampler(threading.Thread):
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.samples: list[float] = []
-        self._stop = threading.Event()
+        # not ``_stop``: that is Thread's own method, which a fork (a DataLoader's worker) calls on every thread
+        self._stopping = threading.Event()
         self._proc: subprocess.Popen[str] | None = None
 
     def run(self) -> None:
@@ -58,7 +59,7 @@ class GpuSampler(threading.Thread):
                                        "-lms", "500", "-i", "0"], stdout=subprocess.PIPE, text=True)
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
-            if self._stop.is_set():
+            if self._stopping.is_set():
                 break
             try:
                 self.samples.append(float(line.strip()))
@@ -71,7 +72,7 @@ class GpuSampler(threading.Thread):
         return statistics.fmean(samples) if samples else None
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         if self._proc is not None:
             self._proc.terminate()
 
@@ -200,7 +201,7 @@ def train(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - started
         print(json.dumps({"epoch": epoch, "images": images, "seconds": seconds, "images_per_s": images / seconds,
                           "trainer_cpu_s": cpu_seconds() - cpu0, "gpu_util": sampler.take(),
-                          "loss": float(loss) if images else None}), flush=True)
+                          "loss": float(loss.detach()) if images else None}), flush=True)
     sampler.stop()
     return 0
 
