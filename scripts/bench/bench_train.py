@@ -1,32 +1,43 @@
-"""Training end to end (issue 18): an unmodified DALI -> PyTorch training loop reading PNGs directly, a BMP copy
-directly, and liquidfs at the profiled mix (with and without the next-epoch cache).
+"""Training end to end (issues 18 and 40): an unmodified training loop reading PNGs directly, a BMP copy directly,
+and liquidfs at a mix (with and without the next-epoch cache), through DALI or through torchvision's DataLoader.
 
     python scripts/bench/bench_train.py [--images 1000] [--size 2048x1024] [--models mobilenet,deeplab] [--cores 8,4]
         [--epochs 3] [--ratio auto] [--cache-size 30%] [--json out/train/train.json]
-    python scripts/bench/bench_train.py --smoke      # 24 tiny images, CPU decode, a tiny model: that the script works
+    python scripts/bench/bench_train.py --loader torch --cores 4,12,16 --ratio 1 [--images 1024 --epochs 3]
+    python scripts/bench/bench_train.py [--loader torch] --smoke   # 24 tiny images, the CPU, a tiny model
 
-The training script is what people write, untouched by liquidfs: ``fn.readers.file`` (random shuffle) ->
-``fn.decoders.image(device="mixed")`` -> random resized crop, flip and normalize on the GPU -> DALI's PyTorch
-iterator -> a torchvision model, randomly initialised (throughput, not accuracy, is measured), mixed precision,
-SGD. Two models: MobileNetV3-small (little compute per image: the loader binds) and DeepLabV3-ResNet50 (much:
-the GPU binds). Without a GPU (or with --device cpu) the same pipeline decodes with ``device="cpu"`` and trains
-a tiny convolutional model on the CPU: only so that the script can be tested anywhere, not a measurement.
+The training script is what people write, untouched by liquidfs. ``--loader dali`` (the default):
+``fn.readers.file`` (random shuffle) -> ``fn.decoders.image(device="mixed")`` -> random resized crop (--crop,
+512), flip and normalize on the GPU -> DALI's PyTorch iterator -> a torchvision model, randomly initialised
+(throughput, not accuracy, is measured), fp16 mixed precision, SGD, batch 32. Two models: MobileNetV3-small
+(little compute per image: the loader binds) and DeepLabV3-ResNet50 (much: the GPU binds). ``--loader torch``
+(torch_epoch.py): ``ImageFolder`` + ``DataLoader(num_workers=cores, shuffle=True, pin_memory=True,
+persistent_workers=False)`` decoding with Pillow, RandomResizedCrop 224 + flip + ToTensor + Normalize, ResNet-50
+in bf16 autocast and channels_last, SGD, batch 64: the loop of issue 40's GPU node; it needs PyTorch, torchvision,
+Pillow and NumPy, and neither DALI, matplotlib nor scikit-image (the sample falls back as scripts/sample.py says).
+Without a GPU (or with --device cpu) either loop runs on the CPU with a tiny convolutional model: only so that the
+script can be tested anywhere, not a measurement.
 
 Configurations, each over the same images:
     direct-png      the source tree read directly (all PNG)
     direct-bmp      a plain copy with every image as its BMP (what a mount at ratio 1 serves), read directly
-    liquidfs        a mount of the store prepared at --ratio (default: what `liquidfs profile` chooses here)
+    liquidfs        a mount of the store prepared at --ratio (default: what `liquidfs profile` chooses here); a
+                    store prepared at R serves what a mount's --mix R serves (prepare keeps a seeded prefix), so
+                    --ratio 1 and --ratio 0.5 are the GPU node's `--mix 1` and `--mix 0.5`
     liquidfs-cache  the same mount with --cache-size (the next-epoch cache)
     liquidfs-j2k    a mount of a store with every image as lossless JPEG 2000 (prepare --formats png,j2k,bmp
                     --ratio 1; BMP for the few J2K cannot hold): on a GPU, nvJPEG2000 decodes them, the CPU only
-                    reads; without one, DALI's CPU decoder does (slowly: the smoke test only shows it works)
+                    reads; without one, DALI's CPU decoder does (slowly: the smoke test only shows it works). Not
+                    run by default with --loader torch (Pillow decodes J2K on the CPU, 10x slower than PNG)
 
 Each (configuration, model, core count) is one training process, pinned to the first N cores (a GPU node gives
-each GPU a few cores; the balance depends on it), the liquidfs daemon pinned to the same ones. The page cache is
-dropped before its epoch 1 (cold); epochs 2.. follow without a drop. Per epoch: training images/s, the trainer's
-CPU seconds (DALI's threads and PyTorch's), the daemon's, and the GPU utilisation (NVML, sampled by nvidia-smi).
+each GPU a few cores; the balance depends on it), its loader's threads or worker processes and the liquidfs
+daemon pinned to the same ones. The page cache is dropped before epoch 1 (``--cold first``, DALI's default:
+epochs 2.. follow without a drop) or before every epoch (``--cold every``, torch's default, as the GPU node was
+measured). Per epoch: training images/s, the trainer's CPU seconds (DALI's threads and PyTorch's, or the
+trainer's and its DataLoader workers'), the daemon's, and the GPU utilisation (NVML, sampled by nvidia-smi).
 Output: a markdown table (epoch 1 and epochs 2.. separately, with liquidfs / direct-png), JSON at --json, and
-beside it a PNG chart and each run's log. Needs root on Linux (drop_caches).
+beside it a PNG chart (where matplotlib is installed) and each run's log. Needs root on Linux (drop_caches).
 """
 
 from __future__ import annotations
@@ -38,7 +49,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,66 +57,21 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
-from sample import CITIES, _photos, mosaic  # noqa: E402
+from sample import CITIES, _photos, mosaic, photo_files  # noqa: E402
+from torch_epoch import IMAGENET_MEAN, IMAGENET_STD, MODELS, GpuSampler, build_model, forward_loss  # noqa: E402
 
 CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache", "liquidfs-j2k")
 J2K_FORMATS = ("j2k", "bmp")  # prepare --formats png,j2k,bmp: J2K first, BMP where J2K cannot hold an image
-MODELS = ("mobilenet", "deeplab", "tiny")
-# ImageNet's mean and std, as the torchvision recipes normalize
-MEAN = [0.485 * 255, 0.456 * 255, 0.406 * 255]
-STD = [0.229 * 255, 0.224 * 255, 0.225 * 255]
+# What each loader runs unless told: DALI the two models of issue 18, torchvision the GPU node's loop (issue 40);
+# liquidfs-j2k is for nvJPEG2000, which only DALI's decoder reaches
+DEFAULTS = {"dali": {"configs": CONFIGS, "models": "mobilenet,deeplab", "batch": 32, "crop": 512, "cold": "first"},
+            "torch": {"configs": CONFIGS[:4], "models": "resnet50", "batch": 64, "crop": 224, "cold": "every"}}
+# DALI normalizes pixels in [0, 255]
+MEAN = [m * 255 for m in IMAGENET_MEAN]
+STD = [s * 255 for s in IMAGENET_STD]
 
 
 # -- the training process ---------------------------------------------------------------------------------
-
-
-class GpuSampler(threading.Thread):
-    """GPU utilisation (%) sampled every half second with nvidia-smi (NVML underneath); empty without a GPU."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._proc: subprocess.Popen[str] | None = None
-
-    def run(self) -> None:
-        if shutil.which("nvidia-smi") is None:
-            return
-        self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                       "-lms", "500", "-i", "0"], stdout=subprocess.PIPE, text=True)
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            if self._stop.is_set():
-                break
-            try:
-                self.samples.append(float(line.strip()))
-            except ValueError:
-                pass
-
-    def take(self) -> float | None:
-        """The mean since the last take, and start again."""
-        samples, self.samples = self.samples, []
-        return statistics.fmean(samples) if samples else None
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._proc is not None:
-            self._proc.terminate()
-
-
-def build_model(name: str, classes: int, device: str) -> Any:
-    import torch
-    import torchvision
-
-    if name == "mobilenet":
-        model = torchvision.models.mobilenet_v3_small(weights=None, num_classes=classes)
-    elif name == "deeplab":
-        model = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None,
-                                                                   num_classes=classes)
-    else:  # tiny: the CPU mode's stand-in, so a test of the script costs seconds
-        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=4), torch.nn.ReLU(),
-                                    torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, classes))
-    return model.to(device).train()
 
 
 def train_main(argv: list[str]) -> int:
@@ -169,11 +134,7 @@ def train_main(argv: list[str]) -> int:
             x = batch[0]["images"]
             y = batch[0]["labels"].reshape(-1).long()
             with torch.autocast(device_type=device, dtype=torch.float16, enabled=gpu):
-                out = model(x)
-                if isinstance(out, dict):  # segmentation: a per-pixel target (all of the image's label)
-                    out = out["out"]
-                    y = y.view(-1, 1, 1).expand(-1, out.shape[2], out.shape[3])
-                loss = loss_fn(out, y)
+                loss = forward_loss(model, loss_fn, x, y)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -213,11 +174,14 @@ def dataset(work: Path, images: int, width: int, height: int) -> Path:
 
     src = work / "data"
     marker = src / "meta.json"
-    want = {"count": images, "width": width, "height": height, "generator": "bench_train"}
+    # The photos' source is part of the key: a synthetic dataset is never taken for one of photos
+    want = {"count": images, "width": width, "height": height, "generator": "bench_train",
+            "photos": photo_files()[1]}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return src
     shutil.rmtree(src, ignore_errors=True)
-    print(f"generating {images} {width}x{height} images in {src}", file=sys.stderr)
+    print(f"generating {images} {width}x{height} images of {want['photos']} in {src}", file=sys.stderr)
+    _photos()  # made (or found missing) once here, not in every worker
     folder = src / bench.SUBDIR
     with cf.ProcessPoolExecutor() as pool:
         list(pool.map(_one_image, [(folder, i, width, height) for i in range(images)], chunksize=4))
@@ -245,10 +209,20 @@ def pin(pid: int, cores: set[int]) -> None:
             pass
 
 
+def trainer(root: Path, model: str, args: argparse.Namespace, cores: set[int]) -> list[str]:
+    """The training process's command: DALI's loop below (``train``), or torch_epoch.py's with a worker process
+    per core."""
+    common = [str(root), "--device", args.device, "--epochs", str(args.epochs), "--batch", str(args.batch),
+              "--crop", str(args.crop)]
+    if args.loader == "torch":
+        return [sys.executable, str(bench.TORCH_EPOCH), *common, "--train", model, "--workers", str(len(cores)),
+                "--handshake"]
+    return [sys.executable, str(Path(__file__).resolve()), "train", *common, "--model", model,
+            "--threads", str(len(cores))]
+
+
 def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemon: bench.Mounted | None) -> None:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "train", str(root), "--device", args.device,
-           "--model", run.model, "--epochs", str(args.epochs), "--batch", str(args.batch),
-           "--threads", str(len(cores)), "--crop", str(args.crop)]
+    cmd = trainer(root, run.model, args, cores)
     log = (args.json.parent / f"train-{run.config}-{run.model}-{run.cores}.log").open("w")
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                             preexec_fn=lambda: os.sched_setaffinity(0, cores))
@@ -258,7 +232,7 @@ def train(run: Run, root: Path, args: argparse.Namespace, cores: set[int], daemo
         for line in proc.stdout:
             message = json.loads(line)
             if "ready" in message:
-                if message["ready"] == 1 and args.drop_caches:
+                if (message["ready"] == 1 or args.cold == "every") and args.drop_caches:
                     bench.drop_caches()
                 daemon_cpu = bench.cpu_seconds(daemon.pid) if daemon else None
                 proc.stdin.write("go\n")
@@ -377,17 +351,33 @@ def gpus() -> str | None:
     return (listed.stdout.strip() or None) if listed.returncode == 0 else None
 
 
+def _is_share(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--size", default="2048x1024", help="WIDTHxHEIGHT of the generated images")
-    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"of {', '.join(CONFIGS)}")
-    parser.add_argument("--models", default="mobilenet,deeplab", help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--loader", choices=list(DEFAULTS), default="dali",
+                        help="the training loop: DALI's pipeline, or torchvision's ImageFolder + DataLoader")
+    parser.add_argument("--configs", help=f"of {', '.join(CONFIGS)} (default: all; with --loader torch, all but "
+                        "liquidfs-j2k)")
+    parser.add_argument("--models", help=f"of {', '.join(MODELS)} (default mobilenet,deeplab; with --loader torch, "
+                        "resnet50)")
     parser.add_argument("--cores", default="8,4", help="core counts to pin each run to (capped at this machine's)")
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--crop", type=int, default=512, help="random resized crop, pixels a side")
-    parser.add_argument("--ratio", default="auto", help="the liquidfs store's raw share, or auto (liquidfs profile)")
+    parser.add_argument("--batch", type=int, help="images a batch (default 32; with --loader torch, 64)")
+    parser.add_argument("--crop", type=int, help="random resized crop, pixels a side (default 512; with --loader "
+                        "torch, 224)")
+    parser.add_argument("--cold", choices=["first", "every"],
+                        help="drop the page cache before the first epoch or before every one (default first; with "
+                        "--loader torch, every)")
+    parser.add_argument("--ratio", default="auto", help="the liquidfs store's raw share in [0, 1], which its mount "
+                        "serves as `mount --mix` at that share would (1: every image raw), or auto (liquidfs profile)")
     parser.add_argument("--cache-size", default="30%", help="liquidfs-cache's --cache-size")
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                         help="decode and train on the GPU (auto: when nvidia-smi sees one)")
@@ -396,12 +386,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                             work_help="dataset, stores and the mountpoint (the dataset is kept per count and size)",
                             smoke="24 images of 256x128, CPU decode, the tiny model, batch 4, 2 epochs, ratio 0.5")
     args = parser.parse_args(argv)
+    for name, value in DEFAULTS[args.loader].items():
+        if getattr(args, name) is None:
+            setattr(args, name, ",".join(value) if name == "configs" else value)
     if args.smoke:
         args.images, args.size, args.models, args.device, args.batch = 24, "256x128", "tiny", "cpu", 4
         args.epochs, args.crop, args.ratio = 2, 64, "0.5"
     args.gpus = gpus() if args.device != "cpu" else None
     if args.device == "auto":
         args.device = "gpu" if args.gpus else "cpu"
+    if args.ratio != "auto" and not _is_share(args.ratio):
+        parser.error(f"--ratio: 'auto' or a share in [0, 1], not {args.ratio!r}")  # now, not after the dataset
     args.width, args.height = map(int, args.size.lower().split("x"))
     args.configs = bench.split_choices(parser, args.configs, CONFIGS, "configuration")
     args.models = bench.split_choices(parser, args.models, MODELS, "model")
@@ -441,10 +436,10 @@ def main(argv: list[str]) -> int:
         roots["direct-bmp"] = bench.bmp_copy(data_work, src) / bench.SUBDIR
     meta = {"argv": sys.argv, "started": started, "images": args.images, "size": args.size, "epochs": args.epochs,
             "batch": args.batch, "crop": args.crop, "device": args.device, "ratio": ratio,
-            "cache_size": args.cache_size, "cores_available": len(os.sched_getaffinity(0)),
-            "gpu": args.gpus if args.device == "gpu" else None}
-    print(f"{args.images} images {args.size}, {args.device}, models {args.models}, cores {args.cores}, "
-          f"liquidfs ratio {ratio}", file=sys.stderr)
+            "cache_size": args.cache_size, "loader": args.loader, "cold": args.cold,
+            "cores_available": len(os.sched_getaffinity(0)), "gpu": args.gpus if args.device == "gpu" else None}
+    print(f"{args.images} images {args.size}, {args.loader} on {args.device}, models {args.models}, "
+          f"cores {args.cores}, liquidfs ratio {ratio}", file=sys.stderr)
     runs: list[Run] = []
     out = args.json
     for model in args.models:
