@@ -22,7 +22,7 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 #: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
 TESTED_IN = {
     "cli/__init__.py": "`unit/cli/test_errors.py`, and every mount test through the command",
-    "daemon/serve.py": "`unit/daemon/test_argv.py`; `mount/test_mount.py`",
+    "daemon/serve.py": "`mount/test_mount.py`, `mount/test_faults.py`",
     "daemon/build.py": "through `tests/support/operations.py` (every unit test of the FUSE layer and data paths)",
     "daemon/watchdog.py": "`mount/test_faults.py`",
     "fuse/request_times.py": "`unit/fuse/test_operations.py`",

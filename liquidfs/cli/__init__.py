@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
-from ..expand import rawformats
+from ..daemon.config import DATA_PATHS
+from ..datapath.daemon import PAGE_CACHE_MODES
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
+from . import options
+from .options import MOUNT_DEFAULTS, argument
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -90,14 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory for the next-epoch cache: a percentage of the dataset as served (30%%) or bytes "
                    "(24G, 512M); a constant SIZE/dataset share of every epoch is then served from memory. "
                    "Default: no cache (and the page cache keeps no copy of served files)")
-    tuning.add_argument("--page-cache", choices=["drop", "keep", "direct"], default="drop",
+    tuning.add_argument("--page-cache", choices=PAGE_CACHE_MODES, default=MOUNT_DEFAULTS["page_cache"],
                    help="what the kernel's page cache keeps of served files the daemon's cache does not hold: "
                    "drop their pages when closed (default: no second copy of the dataset in memory), keep them "
                    "(less daemon CPU; the kernel reclaims them under pressure), or direct (direct_io: no pages; "
                    "see BENCHMARKS.md for what each costs)")
-    tuning.add_argument("--open-bytes", default="64M", metavar="SIZE",
+    tuning.add_argument("--open-bytes", metavar="SIZE",
                    help="memory for files opened and not yet read to their end, outside the cache's budget "
-                   "(default 64M). Files whose content is known without reading them (a local source "
+                   f"(default {MOUNT_DEFAULTS['open_bytes'] >> 20}M). Files whose content is known without reading them (a local source "
                    "unchanged, a raw object as prepare left it) are always read at their first read; others "
                    "(object stores, objects touched since prepare) are read at open, unless opened past this "
                    "bound: loaders that open many files ahead (DALI maps its whole shuffle buffer) then do "
@@ -130,18 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--warmup", action="store_true",
                    help="fill the cache right after the mount is ready, in the background, so the first epoch hits "
                    "too (progress: `liquidfs stats`, warmup)")
-    tuning.add_argument("--readahead-kb", type=int, default=1024, metavar="KB",
-                   help="readahead of the mount, so the kernel sends larger reads (default 1024; 0 leaves the "
+    tuning.add_argument("--readahead-kb", type=int, default=MOUNT_DEFAULTS["readahead_kb"], metavar="KB",
+                   help=f"readahead of the mount, so the kernel sends larger reads (default {MOUNT_DEFAULTS['readahead_kb']}; 0 leaves the "
                    "kernel's default; needs root)")
-    tuning.add_argument("--io-timeout", type=float, default=60.0, metavar="SECONDS",
+    tuning.add_argument("--io-timeout", type=float, default=MOUNT_DEFAULTS["io_timeout"], metavar="SECONDS",
                    help="a read of the store or the source that takes longer answers EIO to the reader, and the "
-                   "mount goes on serving other files (hung network storage, failing disks; default 60)")
+                   f"mount goes on serving other files (hung network storage, failing disks; default {MOUNT_DEFAULTS['io_timeout']:g})")
     m.add_argument("--metrics-port", type=int, metavar="PORT",
                    help="serve Prometheus metrics on this TCP port (off by default)")
-    tuning.add_argument("--metrics-address", default="127.0.0.1", metavar="ADDR",
-                   help="address the metrics port listens on (default 127.0.0.1: this host only; 0.0.0.0 for a "
+    tuning.add_argument("--metrics-address", default=MOUNT_DEFAULTS["metrics_address"], metavar="ADDR",
+                   help=f"address the metrics port listens on (default {MOUNT_DEFAULTS['metrics_address']}: this host only; 0.0.0.0 for a "
                    "Prometheus that scrapes a pod's IP, behind a NetworkPolicy)")
-    tuning.add_argument("--data-path", choices=["auto", "passthrough", "daemon"], default="auto",
+    tuning.add_argument("--data-path", choices=DATA_PATHS, default=MOUNT_DEFAULTS["data_path"],
                    help="who serves the bytes: passthrough (the kernel reads each open file from a backing file "
                    "the daemon picked and checked at open; needs Linux >= 6.9, the pyfuse3 scripts/install.sh "
                    "builds, and CAP_SYS_ADMIN), daemon (every read answered by this process), or auto (default: "
@@ -158,23 +161,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="profiling: also time the CPU each FUSE request costs the daemon's loop, per request "
                    "type (`liquidfs stats` shows count, wall and CPU seconds of each; count and wall are always "
                    "kept). Costs about a microsecond a request")
-    m.add_argument("--mix", type=_mix_option, default="prepared", metavar="MODE",
+    m.add_argument("--mix", type=argument(options.mix), default=MOUNT_DEFAULTS["mix"], metavar="MODE",
                    help="which images with a raw object are served raw: 'prepared' (all of them; default), a "
                    "share in [0, 1] up to prepare's --ratio (the rest are served as their originals, chosen at "
                    "random per image), or 'adaptive' (a share chosen while the mount runs, from the node's CPU "
                    "and IO pressure: more raw when decoding binds, fewer when storage does; `liquidfs stats` "
                    "shows the share and why)")
-    tuning.add_argument("--mix-interval", type=float, default=5.0, metavar="SECONDS",
+    tuning.add_argument("--mix-interval", type=float, default=MOUNT_DEFAULTS["mix_interval"], metavar="SECONDS",
                    help="--mix adaptive: seconds between two decisions, each from the pressure and rates seen "
-                   "over the last interval (default 5)")
-    tuning.add_argument("--pressure-dir", default="/proc/pressure", metavar="DIR",
+                   f"over the last interval (default {MOUNT_DEFAULTS['mix_interval']:g})")
+    tuning.add_argument("--pressure-dir", default=str(MOUNT_DEFAULTS["pressure_dir"]), metavar="DIR",
                    help="--mix adaptive: where the CPU and IO pressure are read: the node's (default "
-                   "/proc/pressure) or a cgroup v2 group's directory (its cpu.pressure and io.pressure)")
+                   f"{MOUNT_DEFAULTS['pressure_dir']}) or a cgroup v2 group's directory (its cpu.pressure and io.pressure)")
     tuning.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
     tuning.add_argument("--refresh", action="store_true",
                    help="s3:// sources: list the source bucket again on this node instead of using the store's "
                    "catalog as is (new or changed objects; prepared images stay raw while unchanged)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("--daemon-config", metavar="JSON", help=argparse.SUPPRESS)  # a started daemon's MountConfig
     _add_common(m)
     m.set_defaults(func=cmd_mount)
 
@@ -247,7 +251,7 @@ def _run(argv: Sequence[str] | None) -> int:
 
     try:
         return int(args.func(args))
-    except (MountError, CatalogError, ProfileError) as exc:
+    except (MountError, CatalogError, ProfileError, options.OptionError) as exc:
         print(f"liquidfs {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -337,87 +341,37 @@ def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from ..daemon.serve import MountConfig, MountError, check_allow_other, check_mountpoint, serve, spawn_daemon
-    from ..held.cluster_peers import ClusterError, parse_cluster
-    from ..held.sealing import KeyFileError, read_key_file
+    from ..daemon.config import MountConfig
+    from ..daemon.serve import check_allow_other, check_mountpoint, serve, spawn_daemon
     from ..stores import open_store
 
+    if args.daemon_config is not None:
+        # The daemon a mount started: its options were parsed and checked by that mount, and it finds the catalog
+        # that mount made ready.
+        config = MountConfig.from_json(args.daemon_config)
+        storage = open_store(config.source, config.store)
+        return serve(config, storage, storage.found_catalog(), ready_fd=args.ready_fd)
     storage = open_store(args.source, args.store)
-    source = storage.source_label
-    mountpoint = Path(args.mountpoint).absolute()
-    if args.threads is None:
-        args.threads = storage.default_threads
-    if args.threads < 1:
-        raise MountError(f"--threads must be at least 1, not {args.threads}")
-
-    def local_catalog() -> Path:
-        """The catalog on this node (built, refreshed or downloaded as needed) and the directory holding it."""
-        return storage.mount_catalog(rescan=args.rescan or args.refresh)
-
-    if args.cache_size:
-        _size_option(args.cache_size, "--cache-size")
-    open_bytes = _size_option(args.open_bytes, "--open-bytes", percent=False)
-    if bool(args.disk_cache) != bool(args.disk_cache_size):
-        raise MountError("--disk-cache and --disk-cache-size go together")
-    if args.disk_cache_size:
-        _size_option(args.disk_cache_size, "--disk-cache-size")
-    if args.cluster_size and not args.cluster:
-        raise MountError("--cluster-size needs --cluster")
-    cluster = None
-    cluster_key = None
-    if args.cluster_size:
-        _size_option(args.cluster_size, "--cluster-size")
-    if args.cluster:
-        try:
-            cluster = parse_cluster(args.cluster)
-        except ClusterError as exc:
-            raise MountError(str(exc)) from None
-    if args.cluster_key_file:
-        if not args.cluster:
-            raise MountError("--cluster-key-file goes with --cluster")
-        try:  # here, before the daemon starts: a key refused is said on the terminal
-            cluster_key = read_key_file(args.cluster_key_file)
-        except KeyFileError as exc:
-            raise MountError(str(exc)) from None
-    if not args.io_timeout > 0:
-        raise MountError(f"--io-timeout must be a positive number of seconds, not {args.io_timeout}")
-    options = [o for opts in args.options for o in opts.split(",") if o]
-    check_allow_other(args.allow_other, options)
-    check_mountpoint(mountpoint)
-    if not args.foreground:
-        started = time.monotonic()
-        store = local_catalog()
-        log_file = Path(args.log_file) if args.log_file else store / "mount.log"
-        # The daemon gets every option of this command as parsed (paths made absolute: it runs in /), so a new
-        # mount flag reaches it without being listed here.
-        daemon_args = argparse.Namespace(**{
-            **vars(args), "store": storage.label, "log_file": str(log_file), "threads": args.threads,
-            "log_level": args.log_level if args.log_level != "warning" else "info",
-            "pressure_dir": str(Path(args.pressure_dir).absolute()),
-            "disk_cache": str(Path(args.disk_cache).absolute()) if args.disk_cache else None,
-            "cluster_key_file": str(Path(args.cluster_key_file).absolute()) if args.cluster_key_file else None})
-        argv = ["mount", source, str(mountpoint), *_as_options(_subparser("mount"), daemon_args,
-                                                               leave_out={"foreground", "rescan", "refresh"})]
-        spawn_daemon(argv, log_file)
-        print(f"liquidfs: {source} mounted on {mountpoint} ({time.monotonic() - started:.1f} s; log {log_file}); "
-              + _data_path_said(mountpoint))
-        return 0
-    # A daemon started by a mount that has just made the catalog ready only finds it.
-    store = local_catalog() if args.ready_fd is None else storage.found_catalog()
-    config = MountConfig(source=source, mountpoint=mountpoint, store=store, allow_other=args.allow_other,
-                         fuse_options=options, threads=args.threads, cache_size=args.cache_size,
-                         warmup=args.warmup, metrics_port=args.metrics_port, readahead_kb=args.readahead_kb,
-                         metrics_address=args.metrics_address,
-                         io_timeout=args.io_timeout, storage=storage,
-                         disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
-                         disk_cache_size=args.disk_cache_size, page_cache=args.page_cache,
-                         open_bytes=open_bytes, push_pages=args.push_pages, data_path=args.data_path,
-                         verify_reads=args.verify_reads, time_requests=args.time_requests,
-                         lookahead=args.lookahead, cluster=cluster, cluster_size=args.cluster_size,
-                         cluster_key=cluster_key,
-                         mix=args.mix, mix_interval=args.mix_interval,
-                         pressure_dir=Path(args.pressure_dir))
-    return serve(config, ready_fd=args.ready_fd)
+    config = options.mount_config(args, storage)
+    check_allow_other(config.allow_other, list(config.fuse_options))
+    check_mountpoint(config.mountpoint)
+    started = time.monotonic()
+    if args.foreground:
+        # A --ready-fd is a starter's that has just made the catalog ready: found, never built, here.
+        store = storage.found_catalog() if args.ready_fd is not None else \
+            storage.mount_catalog(rescan=args.rescan or args.refresh)
+        return serve(config, storage, store, ready_fd=args.ready_fd)
+    store = storage.mount_catalog(rescan=args.rescan or args.refresh)
+    log_file = Path(args.log_file).absolute() if args.log_file else store / "mount.log"
+    # The daemon gets the parsed options whole (it runs in /: every path in them is absolute), and of the
+    # command line only what it needs before it reads them: where to log, and how much.
+    argv = ["mount", config.source, str(config.mountpoint), "--log-file", str(log_file),
+            "--log-level", args.log_level if args.log_level != "warning" else "info",
+            "--daemon-config", config.to_json()]
+    spawn_daemon(argv, log_file)
+    print(f"liquidfs: {config.source} mounted on {config.mountpoint} ({time.monotonic() - started:.1f} s; "
+          f"log {log_file}); " + _data_path_said(config.mountpoint))
+    return 0
 
 
 def _data_path_said(mountpoint: Path) -> str:
@@ -435,63 +389,6 @@ def _data_path_said(mountpoint: Path) -> str:
         said += (f"; cluster: {size / 2**20:.0f} MiB from {values.get('cluster_size_from', '--cluster-size')}, "
                  f"{100 * share:.0f}% of the raw objects")
     return said
-
-
-def _subparser(name: str) -> argparse.ArgumentParser:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    parser: argparse.ArgumentParser = sub.choices[name]
-    return parser
-
-
-def _as_options(parser: argparse.ArgumentParser, args: argparse.Namespace, *, leave_out: set[str]) -> list[str]:
-    """The command-line options that give ``parser`` the option values of ``args`` (positionals aside)."""
-    argv: list[str] = []
-    for action in parser._actions:
-        if not action.option_strings or action.dest in leave_out or action.help == argparse.SUPPRESS:
-            continue
-        value = getattr(args, action.dest, None)
-        flag = next((o for o in action.option_strings if o.startswith("--")), action.option_strings[0])
-        if isinstance(action, argparse.BooleanOptionalAction):
-            argv.append(flag if value else f"--no-{flag[2:]}")
-        elif isinstance(action, argparse._StoreTrueAction):
-            argv += [flag] if value else []
-        elif isinstance(action, argparse._AppendAction):
-            for item in value or ():
-                argv += [flag, str(item)]
-        elif value is not None and not isinstance(action, argparse._HelpAction):
-            argv += [flag, str(value)]
-    return argv
-
-
-def _mix_option(text: str) -> str | float:
-    from ..mix.share import parse_mix
-
-    try:
-        return parse_mix(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _size_option(text: str, flag: str, *, percent: bool = True) -> int:
-    """Bytes of a size option, checked before anything is mounted (a percentage is of the dataset, which only
-    the catalog knows: it is checked here and converted by the daemon)."""
-    from ..daemon.serve import MountError
-    from ..policy.next_epoch import parse_size
-
-    share = text.strip()
-    if share.endswith("%"):
-        if not percent:
-            raise MountError(f"{flag} takes bytes (512M, 2G), not a percentage")
-        try:
-            value = float(share[:-1])
-        except ValueError:
-            value = 0.0  # not a number: parse_size says what it takes
-        if not 0 <= value <= 100:  # NaN too
-            raise MountError(f"{flag} {text}: a share of the dataset is 0% to 100%")
-    try:
-        return parse_size(text, 1)
-    except ValueError as exc:
-        raise MountError(f"{flag}: {exc}") from exc
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -566,28 +463,6 @@ def _job_line(job: str, entry: dict[str, Any]) -> str:
 
 # -- prepare, verify, profile ---------------------------------------------------------------------------
 
-def parse_ratio(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        value = float(text.rstrip("%")) / (100 if text.endswith("%") else 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"ratio must be a number in [0, 1], a percentage or 'auto', not {text!r}") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"ratio must be within [0, 1], got {text}")
-    return value
-
-
-def parse_formats(text: str) -> tuple[str, ...]:
-    """``--formats png,bmp,j2k``: the raw formats prepare may write, in the order it tries them (J2K first where
-    listed, then BMP for the images J2K cannot hold exactly: ``rawformats.parse_formats``)."""
-    try:
-        return rawformats.parse_formats(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 #: ``--formats``'s metavar: png, the default raw format, and the others optional.
 FORMATS_METAVAR = ",".join(["png", DEFAULT.name]) + "".join(f"[,{n}]" for n in sorted(RAW_FORMATS) if n != DEFAULT.name)
 
@@ -614,10 +489,10 @@ def _add_prepare_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument("--store", required=True,
                    help="directory for the catalog and the raw objects; s3://BUCKET/PREFIX for an s3:// source "
                    "(the catalog is uploaded there at the end, for every node's mounts)")
-    p.add_argument("--ratio", type=parse_ratio, required=True,
+    p.add_argument("--ratio", type=argument(options.ratio), required=True,
                    help="share of eligible images served raw: 0..1, a percentage, or 'auto' (profile first)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
-    p.add_argument("--formats", type=parse_formats, default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
+    p.add_argument("--formats", type=argument(options.formats), default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
                    help=_formats_help())
     p.add_argument("--jobs", "-j", type=int,
                    help="worker processes (default: the cores this process may use, fewer where memory is short: "
@@ -723,40 +598,18 @@ def _add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    "train.py --data {mount} --steps 40' (run without a shell; its rate is the opens/s the mount "
                    "counts). Default: a built-in DALI or Pillow pipeline (decode, random resized crop, flip, "
                    "normalise)")
-    p.add_argument("--run-images", type=_positive_int, metavar="N",
+    p.add_argument("--run-images", type=argument(options.positive_int), metavar="N",
                    help=prefix + "images in the mounted sample (default 256, --quick 64)")
-    p.add_argument("--repeats", type=_positive_int, default=3, metavar="N",
+    p.add_argument("--repeats", type=argument(options.positive_int), default=3, metavar="N",
                    help=prefix + "runs per share at most, where two shares' rates are within noise (default 3)")
     p.add_argument("--run-timeout", type=float, default=600.0, metavar="SECONDS",
                    help=prefix + "the longest one run of the command may take (default 600)")
     p.add_argument("--model-only", action="store_true",
                    help=prefix + "no measured search: choose by the cost model alone (no mount; seconds)")
-    p.add_argument("--cache-size", type=_cache_share, default=0.0, metavar="PERCENT",
+    p.add_argument("--cache-size", type=argument(options.cache_share), default=0.0, metavar="PERCENT",
                    help=prefix + "the --cache-size the dataset will be mounted with, as a percentage (default 0%%): "
                    "its hits take that share of the bytes off storage, which moves the balance towards raw; the "
                    "measured runs have it and are timed from their second epoch")
-
-
-def _cache_share(text: str) -> float:
-    """``--cache-size`` of profile and prepare: a percentage of the dataset, as a share."""
-    text = text.strip()
-    try:
-        share = float(text[:-1]) / 100 if text.endswith("%") else math.nan
-    except ValueError:
-        share = math.nan
-    if not 0 <= share <= 1:
-        raise argparse.ArgumentTypeError(f"a percentage from 0% to 100% here (e.g. 30%), not {text!r}")
-    return share
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a positive whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a positive whole number, not {value}")
-    return value
 
 
 def _run_options(args: argparse.Namespace) -> dict[str, object]:
@@ -780,7 +633,7 @@ def _add_profile_arguments(sub: argparse._SubParsersAction[argparse.ArgumentPars
                    help="a smaller sample and shorter measurements: the model in < 30 s, the measured search over "
                    "64 images")
     on_gpu = [f for f in RAW_FORMATS.values() if f.gpu_decoder]
-    p.add_argument("--formats", type=parse_formats, default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
+    p.add_argument("--formats", type=argument(options.formats), default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
                    help=f"the raw formats to weigh (as prepare's --formats): {DEFAULT.name} (default), or also "
                    + ", ".join(f"{f.name} ({f.about})" for f in on_gpu)
                    + f"; {'/'.join(f.label for f in on_gpu)} weighed only where the decoder is DALI and a CUDA "

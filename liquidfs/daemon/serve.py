@@ -16,7 +16,6 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +25,19 @@ import trio
 from ..catalog import Catalog, Node
 from ..datapath import passthrough
 from ..datapath.base import warm_up as warm_up_path
-from ..datapath.daemon import MAX_OPEN_BYTES
-from ..datapath.storage_calls import FUSE_WORKERS, IO_TIMEOUT
+from ..datapath.storage_calls import FUSE_WORKERS
 from ..fuse.lookahead import MetadataAhead
 from ..fuse.operations import CONTROL_NAME, Operations
 from ..held.base import held_descriptors
 from ..held.cluster import ClusterTier, EveryoneReads, call_timeout
 from ..held.cluster_peers import memcached_client
 from ..held.disk import DiskTier
-from ..held.sealing import ClusterKey, Sealer
+from ..held.sealing import KeyFileError, Sealer, read_key_file
 from ..metrics.server import serve_metrics
 from ..metrics.stats import MountStats
 from ..mix.controller import CpuBusy, MixController, Stalls
-from ..mix.share import STEER_INTERVAL, Mix, steer
-from ..policy.next_epoch import NextEpochCache, parse_size
+from ..mix.share import Mix, steer
+from ..policy.next_epoch import NextEpochCache
 from ..stores import Store
 from ..stores.reader import ChecksCallers, LendsDescriptors, Reader
 from ..sysio import reexec
@@ -47,57 +45,13 @@ from ..sysio.privileges import has_cap_sys_admin
 from ..sysio.safefiles import escape_controls, open_append
 from . import build as assemble
 from . import watchdog as guard
+from .config import Amount, MountConfig, bytes_of
 
 log = logging.getLogger(__name__)
 
 
 class MountError(Exception):
     """A mount that cannot be made; the message is for the user."""
-
-
-@dataclass
-class MountConfig:
-    source: Path | str  # a directory, or an s3:// URL: for messages
-    mountpoint: Path
-    store: Path  # the directory on this node holding the catalog served (``Store.mount_catalog``)
-    storage: Store  # where the originals and raw objects are read
-    allow_other: bool = False
-    fuse_options: list[str] = field(default_factory=list)
-    threads: int = 4
-    metrics_port: int | None = None
-    #: Where the metrics endpoint listens: this host only unless the deployment says otherwise (a pod's IP).
-    metrics_address: str = "127.0.0.1"
-    cache_size: str | None = None
-    warmup: bool = False
-    readahead_kb: int = 1024
-    io_timeout: float = IO_TIMEOUT
-    page_cache: str = "drop"
-    open_bytes: int = MAX_OPEN_BYTES
-    push_pages: bool = True
-    disk_cache: Path | None = None
-    disk_cache_size: str | None = None
-    #: ``mount --cluster``: the memcacheds of the nodes reading this dataset, and what they hold together.
-    cluster: list[tuple[str, int]] | None = None
-    cluster_size: str | None = None
-    #: ``mount --cluster-key-file``: what every value stored to the cluster is sealed with (read at mount start).
-    cluster_key: ClusterKey | None = None
-    #: ``mount --data-path``: "auto" (passthrough where available, else the daemon), "passthrough" (or fail),
-    #: "daemon" (every byte served by this process, as before passthrough existed).
-    data_path: str = "auto"
-    #: ``mount --verify-reads``: every file read whole and checked before its first byte is served.
-    verify_reads: bool = False
-    #: ``mount --time-requests``: the loop CPU of each request type too (``requesttimes``).
-    time_requests: bool = False
-    #: ``mount --lookahead`` (default on): warm a directory's metadata when a lookup shows it cold (``lookahead``).
-    lookahead: bool = True
-    #: ``mount --mix``: "prepared", "adaptive" or a fixed raw share (``mix.parse_mix``).
-    mix: str | float = "prepared"
-    #: ``--mix adaptive``: seconds between decisions, and where the pressure stall information is read.
-    mix_interval: float = STEER_INTERVAL
-    pressure_dir: Path = Path("/proc/pressure")
-
-
-DATA_PATHS = ("auto", "passthrough", "daemon")
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -201,13 +155,14 @@ def descriptor_budget(ceiling: int = 1 << 20) -> int:
     return max(64, soft - _RESERVED_FDS)
 
 
-def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
-    """Mount and serve in this process until unmounted or signalled; returns the exit status."""
+def serve(config: MountConfig, storage: Store, store_dir: Path, *, ready_fd: int | None = None) -> int:
+    """Mount ``config`` over ``storage`` (its catalog in ``store_dir``) and serve in this process until unmounted
+    or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    config.storage.hold_for_mount(Path(config.store))
-    catalog = Catalog.open(config.store, readonly=True, immutable=True)
-    stats = MountStats(source=str(config.source), store=config.storage.label)
-    base_reader = config.storage.reader(catalog, config.threads, config.io_timeout)
+    storage.hold_for_mount(store_dir)
+    catalog = Catalog.open(store_dir, readonly=True, immutable=True)
+    stats = MountStats(source=config.source, store=storage.label)
+    base_reader = storage.reader(catalog, config.threads, config.io_timeout)
     totals = catalog.file_totals()  # one scan of the catalog serves every cache level
     cache = make_cache(totals, config.cache_size)
     disk = make_disk_tier(totals, config, base_reader, cache) if config.disk_cache is not None else None
@@ -216,6 +171,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
     warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
     ops, built = build_operations(config, catalog, stats, cluster or disk or base_reader, cache,
+                                  mix=make_mix(catalog, config, storage),
                                   may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
                                   extra_statistics=(lambda: {k: v for f in levels for k, v in f().items()})
                                   if levels else None,
@@ -256,7 +212,7 @@ def serve(config: MountConfig, *, ready_fd: int | None = None) -> int:
 
 
 def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, reader: Reader,
-                     cache: NextEpochCache | None, *,
+                     cache: NextEpochCache | None, *, mix: Mix | None = None,
                      may_read: Callable[[Node, int, int, int], bool] | None = None,
                      extra_statistics: Callable[[], dict[str, Any]] | None = None,
                      warm: Callable[[Node], None] | None = None) -> tuple[Operations, assemble.Parts]:
@@ -273,7 +229,7 @@ def build_operations(config: MountConfig, catalog: Catalog, stats: MountStats, r
                            max_open_bytes=config.open_bytes, push_pages=config.push_pages,
                            verify_reads=config.verify_reads, held_files=held_files)
     ops = assemble.operations(catalog, built, data_path="daemon" if why_not else "at init",
-                              mix=make_mix(catalog, config), may_read=may_read if config.allow_other else None,
+                              mix=mix, may_read=may_read if config.allow_other else None,
                               max_open_files=descriptors - (held_files or 0), extra_statistics=extra_statistics,
                               enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
                               time_requests=config.time_requests,
@@ -292,18 +248,16 @@ def daemon_only(config: MountConfig) -> str | None:
     return None
 
 
-def make_mix(catalog: Catalog, config: MountConfig) -> Mix | None:
+def make_mix(catalog: Catalog, config: MountConfig, storage: Store) -> Mix | None:
     """``--mix``: None for "prepared" (every raw object served, nothing to decide per open)."""
     if config.mix == "prepared":
         return None
-    if not config.mix_interval > 0:
-        raise MountError(f"--mix-interval must be a positive number of seconds, not {config.mix_interval}")
     try:
         prepared = float(catalog.meta("ratio") or 0.0)
         seed = int(catalog.meta("seed") or 0)
     except ValueError as exc:
         raise MountError(f"the store's catalog has an unreadable ratio or seed: {exc}") from exc
-    start = config.storage.profile_choice() if config.mix == "adaptive" else None
+    start = storage.profile_choice() if config.mix == "adaptive" else None
     try:
         mix = Mix(config.mix, prepared, seed=seed, start=start)
     except ValueError as exc:
@@ -319,12 +273,9 @@ def make_cluster_tier(totals: tuple[int, int, int, int], catalog: Catalog, confi
     assert config.cluster
     raw_bytes = catalog.raw_bytes()
     size: int | None = None
-    if config.cluster_size:
+    if config.cluster_size is not None:
         size_from = "--cluster-size"
-        try:
-            size = parse_size(config.cluster_size, totals[1])
-        except ValueError as exc:
-            raise MountError(f"--cluster-size: {exc}") from exc
+        size = bytes_of(config.cluster_size, totals[1])
     client = memcached_client(config.cluster, timeout=call_timeout(config.io_timeout))
     if size is None:
         size_from = "the memcacheds' stats"
@@ -337,11 +288,15 @@ def make_cluster_tier(totals: tuple[int, int, int, int], catalog: Catalog, confi
     log.info("cluster of %d memcached (%s): %d bytes (from %s) hold %.0f%% of the raw objects; %s",
              len(config.cluster), ", ".join(f"{host}:{port}" for host, port in config.cluster), size, size_from,
              100 * share,
-             "values sealed under the cluster key" if config.cluster_key else
+             "values sealed under the cluster key" if config.cluster_key_file else
              "no --cluster-key-file: values in the clear, only of sources everyone may read")
-    if config.cluster_key is not None:
-        return ClusterTier(reader, client, share, sealer=Sealer(config.cluster_key), key_id=config.cluster_key.id,
-                           size=size, size_from=size_from)
+    if config.cluster_key_file is not None:
+        try:  # checked by the command that started this daemon; read again here, as the key never travels
+            key = read_key_file(config.cluster_key_file)
+        except KeyFileError as exc:
+            client.close()
+            raise MountError(str(exc)) from None
+        return ClusterTier(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
     return ClusterTier(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
 
 
@@ -365,12 +320,9 @@ def cluster_size_from_limits(limits: dict[str, int | None], raw_bytes: int) -> i
 def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,
                    cache: NextEpochCache | None) -> DiskTier:
     """The disk level sees what the memory level misses: its quota is of the dataset minus the memory budget."""
-    assert config.disk_cache is not None and config.disk_cache_size
+    assert config.disk_cache is not None and config.disk_cache_size is not None
     files, served, _, max_id = totals
-    try:
-        budget = parse_size(config.disk_cache_size, served)
-    except ValueError as exc:
-        raise MountError(f"--disk-cache-size: {exc}") from exc
+    budget = bytes_of(config.disk_cache_size, served)
     reaching = max(1, served - (cache.budget if cache is not None else 0))
     log.info("disk cache budget %d bytes in %s", budget, config.disk_cache)
     policy = NextEpochCache(budget, reaching, files, max_id=max_id)
@@ -378,15 +330,12 @@ def make_disk_tier(totals: tuple[int, int, int, int], config: MountConfig, reade
     return DiskTier(reader, config.disk_cache, policy, memory_holds=held)
 
 
-def make_cache(totals: tuple[int, int, int, int], cache_size: str | None) -> NextEpochCache | None:
+def make_cache(totals: tuple[int, int, int, int], cache_size: Amount | None) -> NextEpochCache | None:
     """The memory level; ``totals`` are ``Catalog.file_totals()``."""
-    if not cache_size:
+    if cache_size is None:
         return None
     files, served, _, max_id = totals
-    try:
-        budget = parse_size(cache_size, served)
-    except ValueError as exc:
-        raise MountError(str(exc)) from exc
+    budget = bytes_of(cache_size, served)
     log.info("cache budget %d bytes (%.1f %% of %d served bytes)", budget, 100 * budget / max(1, served), served)
     return NextEpochCache(budget, served, files, max_id=max_id)
 

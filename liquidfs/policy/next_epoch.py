@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import random
-import re
 import statistics
 import time
 from collections import deque
@@ -46,7 +45,7 @@ from dataclasses import dataclass
 from .epochs import WINDOW, CacheStats, EpochStats, Job, add_stats
 from .shared_budget import ReadIn, WantedSoonest, read_in
 
-__all__ = ["NO_CACHE", "WINDOW", "Decision", "NextEpochCache", "parse_size"]
+__all__ = ["NO_CACHE", "WINDOW", "Decision", "NextEpochCache"]
 
 log = logging.getLogger(__name__)
 
@@ -62,27 +61,6 @@ class Decision:
 
 #: What an open decides where no next-epoch cache is configured: not held, not to hold.
 NO_CACHE = Decision(hit=False, hold=False, epoch=0)
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str, dataset_bytes: int) -> int:
-    """'30%' of the dataset as served, or bytes with an optional K/M/G/T suffix (powers of 1024)."""
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1
-        if share < 0:
-            raise ValueError(f"cache size {text!r}: use a percentage (30%) or bytes (512M, 24G)")
-        return int(share * dataset_bytes)
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"cache size {text!r}: use a percentage (30%) or bytes (512M, 24G)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
 
 
 #: Jobs tracked at once (12 bytes a file each): past them a new job takes the place of one of its own user's, or

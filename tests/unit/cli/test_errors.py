@@ -21,6 +21,7 @@ import pytest
 
 from liquidfs import cli
 from liquidfs.daemon import serve as mount
+from liquidfs.daemon.config import MountConfig
 from liquidfs.catalog import CATALOG_NAME, default_store_dir
 from sample import make_sample
 
@@ -301,8 +302,9 @@ def test_a_daemon_that_fails_at_once_is_reported_with_its_reason_and_this_runs_l
     (tmp_path / "mnt").mkdir()
     with pytest.raises(mount.MountError) as failed:
         # a daemon finds the catalog its parent made ready: there is none, so it says so and exits 1 at once
-        mount.spawn_daemon(["mount", str(tmp_path), str(tmp_path / "mnt"), "--store", str(tmp_path / "st"),
-                            "--log-file", str(log_file)], log_file)
+        config = MountConfig(source=str(tmp_path), mountpoint=tmp_path / "mnt", store=str(tmp_path / "st"))
+        mount.spawn_daemon(["mount", str(tmp_path), str(tmp_path / "mnt"), "--log-file", str(log_file),
+                            "--daemon-config", config.to_json()], log_file)
     text = str(failed.value)
     assert text.splitlines()[0] == f"no catalog at {tmp_path / 'st' / CATALOG_NAME}", text
     assert "did not answer" not in text and "earlier mount" not in text

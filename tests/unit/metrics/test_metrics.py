@@ -39,7 +39,7 @@ from liquidfs.metrics.defs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXP
 from liquidfs.metrics.server import MetricsServer, MetricsStatistics, serve_metrics
 from liquidfs.fuse.lookahead import MetadataAhead
 from liquidfs.mix.share import Mix
-from liquidfs.daemon.serve import MountConfig
+from liquidfs.daemon.config import MountConfig
 from liquidfs.stores.local.reader import StoreReader
 from liquidfs.metrics.stats import MountStats
 
