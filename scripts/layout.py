@@ -23,7 +23,8 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 TESTED_IN = {
     "cli/__init__.py": "`unit/cli/test_errors.py`, and every mount test through the command",
     "daemon/serve.py": "`mount/test_mount.py`, `mount/test_faults.py`",
-    "daemon/build.py": "through `tests/support/operations.py` (every unit test of the FUSE layer and data paths)",
+    "daemon/control.py": "`unit/cli/test_errors.py`; `mount/test_mount.py`",
+    "daemon/spawn.py": "`unit/cli/test_errors.py`; `mount/test_mount.py`",
     "daemon/watchdog.py": "`mount/test_faults.py`",
     "fuse/request_times.py": "`unit/fuse/test_operations.py`",
     "datapath/base.py": "`unit/datapath/test_daemon.py`, `unit/datapath/test_passthrough.py`",

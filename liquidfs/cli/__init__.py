@@ -246,7 +246,7 @@ def _run(argv: Sequence[str] | None) -> int:
         print(f"liquidfs {args.command}: cannot log to {args.log_file}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     from ..catalog import CatalogError
-    from ..daemon.serve import MountError
+    from ..daemon.config import MountError
     from ..stores.sample import ProfileError
 
     try:
@@ -342,7 +342,9 @@ def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from ..daemon.config import MountConfig
-    from ..daemon.serve import check_allow_other, check_mountpoint, serve, spawn_daemon
+    from ..daemon.control import check_allow_other, check_mountpoint
+    from ..daemon.serve import serve
+    from ..daemon.spawn import spawn_daemon
     from ..stores import open_store
 
     if args.daemon_config is not None:
@@ -376,7 +378,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _data_path_said(mountpoint: Path) -> str:
     """Which data path the new mount serves through, and why the daemon's where it is (its ``stats``)."""
-    from ..daemon.serve import read_control
+    from ..daemon.control import read_control
 
     try:
         values = read_control(mountpoint)
@@ -409,14 +411,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    from ..daemon.serve import unmount
+    from ..daemon.control import unmount
 
     unmount(Path(args.mountpoint), lazy=args.lazy, timeout=args.timeout)
     return 0
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from ..daemon.serve import read_control
+    from ..daemon.control import read_control
 
     mountpoint = Path(args.mountpoint)
     if args.probe:

@@ -58,12 +58,12 @@ def share_or_size(text: str, *, sizes: bool = True, percent: bool = True, fracti
         raise ValueError("takes bytes (512M, 2G), not a percentage")
     if fraction:
         try:
-            value = float(text)
+            number: float | None = float(text)
         except ValueError:
-            value = None
-        if value is not None:
+            number = None
+        if number is not None:
             try:
-                return Share(value)
+                return Share(number)
             except ValueError:
                 raise OutOfRange(f"{text}: a share is within [0, 1]") from None
     match = _SIZE.match(text) if sizes else None

@@ -18,6 +18,10 @@ from ..datapath.storage_calls import IO_TIMEOUT
 from ..mix.share import MIX_MODES, STEER_INTERVAL
 
 
+class MountError(Exception):
+    """A mount that cannot be made; the message is for the user."""
+
+
 @dataclass(frozen=True)
 class Share:
     """A share of the dataset as served (``30%``), in [0, 1]: bytes once the dataset's size is known."""

@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from liquidfs import cli
-from liquidfs.daemon import serve as mount
-from liquidfs.daemon.config import MountConfig
+from liquidfs.daemon import control
+from liquidfs.daemon.config import MountConfig, MountError
+from liquidfs.daemon.spawn import spawn_daemon
 from liquidfs.catalog import CATALOG_NAME, default_store_dir
 from sample import make_sample
 
@@ -281,7 +282,7 @@ def test_allow_other_without_user_allow_other_is_refused_before_the_mount_starts
         monkeypatch: pytest.MonkeyPatch) -> None:
     conf = public / "fuse.conf"
     conf.write_text("# user_allow_other\nmount_max = 1000\n")
-    monkeypatch.setattr(mount, "FUSE_CONF", conf)
+    monkeypatch.setattr(control, "FUSE_CONF", conf)
     store = public / "mine" / "store"
     for flags in (["--allow-other"], ["-o", "ro,allow_other"]):
         with as_nobody():
@@ -300,10 +301,10 @@ def test_a_daemon_that_fails_at_once_is_reported_with_its_reason_and_this_runs_l
     log_file = tmp_path / "mount.log"
     log_file.write_text("".join(f"an earlier mount's line {i}\n" for i in range(40)))
     (tmp_path / "mnt").mkdir()
-    with pytest.raises(mount.MountError) as failed:
+    with pytest.raises(MountError) as failed:
         # a daemon finds the catalog its parent made ready: there is none, so it says so and exits 1 at once
         config = MountConfig(source=str(tmp_path), mountpoint=tmp_path / "mnt", store=str(tmp_path / "st"))
-        mount.spawn_daemon(["mount", str(tmp_path), str(tmp_path / "mnt"), "--log-file", str(log_file),
+        spawn_daemon(["mount", str(tmp_path), str(tmp_path / "mnt"), "--log-file", str(log_file),
                             "--daemon-config", config.to_json()], log_file)
     text = str(failed.value)
     assert text.splitlines()[0] == f"no catalog at {tmp_path / 'st' / CATALOG_NAME}", text
