@@ -21,7 +21,11 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 
 #: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
 TESTED_IN = {
-    "cli/__init__.py": "`unit/cli/test_errors.py`, and every mount test through the command",
+    "cli/__init__.py": "(re-exports ``main``, the console entry point) `unit/cli/test_errors.py`",
+    "cli/main.py": "`unit/cli/test_errors.py`, and every mount test through the command",
+    "cli/mount.py": "`unit/cli/test_errors.py`, `unit/daemon/test_config.py`; every mount test",
+    "cli/prepare.py": "`unit/cli/test_errors.py`; `mount/test_prepare.py`",
+    "cli/profile.py": "`unit/cli/test_errors.py`; `unit/profile/test_choose.py`",
     "daemon/serve.py": "`mount/test_mount.py`, `mount/test_faults.py`",
     "daemon/control.py": "`unit/cli/test_errors.py`; `mount/test_mount.py`",
     "daemon/spawn.py": "`unit/cli/test_errors.py`; `mount/test_mount.py`",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from liquidfs import cli
+from liquidfs.cli import mount as cli_mount
 from liquidfs.daemon import control
 from liquidfs.daemon.config import MountConfig, MountError
 from liquidfs.daemon.spawn import spawn_daemon
@@ -188,14 +189,14 @@ def test_any_permission_error_ends_in_one_line_with_the_path(run: Run, monkeypat
     def refused(args: object) -> int:
         raise PermissionError(13, "Permission denied", b"/srv/x\xff/catalog.sqlite")
 
-    monkeypatch.setattr(cli, "cmd_stats", refused)
+    monkeypatch.setattr(cli_mount, "cmd_stats", refused)
     err = _one_line(*run("stats", "/mnt/x"))
     assert err.startswith("liquidfs stats: /srv/x") and "Permission denied" in err and "b'" not in err
 
     def full(args: object) -> int:
         raise OSError(28, "No space left on device", "/srv/store/objects/ab/x.bmp")
 
-    monkeypatch.setattr(cli, "cmd_stats", full)
+    monkeypatch.setattr(cli_mount, "cmd_stats", full)
     err = _one_line(*run("stats", "/mnt/x"))
     assert "/srv/store/objects/ab/x.bmp: No space left on device" in err
 
