@@ -21,9 +21,14 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 
 #: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
 TESTED_IN = {
-    "cli/__init__.py": "`unit/cli/test_errors.py`, and every mount test through the command",
-    "daemon/serve.py": "`unit/daemon/test_argv.py`; `mount/test_mount.py`",
-    "daemon/build.py": "through `tests/support/operations.py` (every unit test of the FUSE layer and data paths)",
+    "cli/__init__.py": "(re-exports ``main``, the console entry point) `unit/cli/test_errors.py`",
+    "cli/main.py": "`unit/cli/test_errors.py`, and every mount test through the command",
+    "cli/mount.py": "`unit/cli/test_errors.py`, `unit/daemon/test_config.py`; every mount test",
+    "cli/prepare.py": "`unit/cli/test_errors.py`; `mount/test_prepare.py`",
+    "cli/profile.py": "`unit/cli/test_errors.py`; `unit/profile/test_choose.py`",
+    "daemon/serve.py": "`mount/test_mount.py`, `mount/test_faults.py`",
+    "daemon/control.py": "`unit/cli/test_errors.py`; `mount/test_mount.py`",
+    "daemon/spawn.py": "`unit/cli/test_errors.py`; `mount/test_mount.py`",
     "daemon/watchdog.py": "`mount/test_faults.py`",
     "fuse/request_times.py": "`unit/fuse/test_operations.py`",
     "datapath/base.py": "`unit/datapath/test_daemon.py`, `unit/datapath/test_passthrough.py`",

@@ -6,10 +6,13 @@ command says beforehand what is missing, without mounting anything.
 
 from __future__ import annotations
 
+import argparse
 import gzip
+import json
 import os
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..datapath import passthrough
@@ -129,3 +132,29 @@ def verdict(found: list[Check]) -> str:
     if not blocking:
         return "passthrough: every ingredient is here; the mount logs which path it took"
     return "daemon path: " + "; ".join(f"{c.name} is {c.found} (needs {c.needed})" for c in blocking)
+
+
+def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+                  add_common: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The parser of ``doctor``."""
+    d = sub.add_parser("doctor", help="say whether this machine can serve through FUSE passthrough, and why not",
+                       description="Check each ingredient of the passthrough data path (kernel, its config, the "
+                       "libfuse pyfuse3 is linked to, the pyfuse3 patch, CAP_SYS_ADMIN, the store's filesystem) "
+                       "without mounting. A mount decides for itself at start and logs which path it took.")
+    d.add_argument("--store", help="also check the filesystem of this store directory")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    add_common(d)
+    d.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    found = checks(Path(args.store) if args.store else None)
+    if args.json:
+        print(json.dumps({"checks": [asdict(c) for c in found], "verdict": verdict(found)}, indent=1))
+        return 0
+    width = max(len(c.name) for c in found)
+    for c in found:
+        mark = {True: "ok", False: "NO", None: "?"}[c.ok]
+        print(f"{mark:<3} {c.name:<{width}}  {c.found}" + (f"  (needs {c.needed})" if c.ok is False else ""))
+    print(verdict(found))
+    return 0

@@ -37,19 +37,6 @@ _MIX_SALT = 0x6D6978  # "mix"
 _SEED_MASK = (1 << 64) - 1
 
 
-def parse_mix(text: str) -> str | float:
-    """``mount --mix``: "prepared", "adaptive", or a share in [0, 1] (a percentage with %)."""
-    if text in MIX_MODES:
-        return text
-    try:
-        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
-    except ValueError:
-        raise ValueError(f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}") from None
-    if not 0 <= share <= 1:
-        raise ValueError(f"--mix share must be within [0, 1], not {share}")
-    return share
-
-
 @dataclass(frozen=True, slots=True)
 class MixStatistics:
     mode: str              # "prepared", "fixed" or "adaptive"

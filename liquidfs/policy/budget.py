@@ -11,12 +11,10 @@ part of that cost whichever way the budget was given.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["DatasetCost", "ShareOfCost", "parse_budget"]
+__all__ = ["DatasetCost", "ShareOfCost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,24 +41,3 @@ class DatasetCost:
             # half a page, the expectation for sizes that are not multiples of it.
             paged = self.paged.get(1, 0) + self.files * (page // 2)
         return max(1, paged + self.files * max(0, overhead))
-
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_budget(text: str) -> int | ShareOfCost:
-    """'30%' (a share of the dataset), or bytes with an optional K/M/G/T suffix (powers of 1024)."""
-    text = text.strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1
-        if not (math.isfinite(share) and share >= 0):
-            raise ValueError(f"cache size {text!r}: use a percentage (30%) or bytes (512M, 24G)")
-        return ShareOfCost(share)
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"cache size {text!r}: use a percentage (30%) or bytes (512M, 24G)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])

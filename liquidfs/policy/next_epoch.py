@@ -44,11 +44,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .budget import DatasetCost, ShareOfCost, parse_budget
+from .budget import DatasetCost, ShareOfCost
 from .epochs import WINDOW, CacheStats, EpochStats, Job, add_stats
 from .shared_budget import ReadIn, WantedSoonest, read_in
 
-__all__ = ["NO_CACHE", "WINDOW", "Decision", "NextEpochCache", "parse_size"]
+__all__ = ["NO_CACHE", "WINDOW", "Decision", "NextEpochCache"]
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +64,6 @@ class Decision:
 
 #: What an open decides where no next-epoch cache is configured: not held, not to hold.
 NO_CACHE = Decision(hit=False, hold=False, epoch=0)
-
-
-def parse_size(text: str, dataset_bytes: int) -> int:
-    """'30%' of ``dataset_bytes``, or bytes with an optional K/M/G/T suffix (powers of 1024)."""
-    budget = parse_budget(text)
-    return int(budget.share * dataset_bytes) if isinstance(budget, ShareOfCost) else budget
 
 
 #: Jobs tracked at once (12 bytes a file each): past them a new job takes the place of one of its own user's, or

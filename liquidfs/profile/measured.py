@@ -392,7 +392,7 @@ class ScratchMounts:
     def _counters(self, at: float) -> tuple[float, int, int, int, int] | None:
         """(seconds, opens, bytes served, files open, the cache's newest epoch (0 without a cache)) from the
         mount's control file; None if it cannot be read."""
-        from ..daemon.serve import read_control
+        from ..daemon.control import read_control
 
         try:
             c = read_control(self.mnt)
@@ -441,7 +441,7 @@ class ScratchMounts:
                                f"{(proc.stderr or proc.stdout).strip()[-1500:]}")
 
     def cleanup(self) -> None:
-        from ..daemon.serve import is_stale, unmount
+        from ..daemon.control import is_stale, unmount
 
         try:
             if os.path.ismount(self.mnt) or is_stale(self.mnt):

@@ -103,7 +103,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench as bench  # noqa: E402  (mounting, the mount table: one copy of each)
 import neighbours  # noqa: E402  (the memcached writer, the lying peer, the job hopper)
 from _bench import fuse_connection, is_mounted  # noqa: E402
-from liquidfs.daemon.serve import read_control  # noqa: E402
+from liquidfs.daemon.control import read_control  # noqa: E402
 from sample import make_sample  # noqa: E402
 
 IMAGE_SUFFIXES = (b".png", b".jpg", b".jpeg")

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO / "scripts"))  # sample.py, which the demo and the t
 
 import _throttle  # noqa: E402
 from liquidfs.catalog import Catalog  # noqa: E402
-from liquidfs.daemon.serve import read_control  # noqa: E402
+from liquidfs.daemon.control import read_control  # noqa: E402
 from liquidfs.prepare import prepare  # noqa: E402
 from sample import make_sample  # noqa: E402
 

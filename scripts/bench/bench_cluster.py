@@ -21,7 +21,7 @@ of the images, the same on every node, and node r reads its share of it (--shard
 as DALI's shard_id/num_shards; strided: every N-th). The loader is plain Python, one whole-file read per image,
 each checked against the sha256 of what the mount must serve (the raw object or the original); a mismatch counts
 its differing bytes. After every window of --window reads the node reads its mount's statistics
-(liquidfs.daemon.serve.read_control), so each window's bytes are known to come from the node's memory, the cluster or
+(liquidfs.daemon.control.read_control), so each window's bytes are known to come from the node's memory, the cluster or
 storage; with --per-file (the smoke run's) after every file, which also tells the cluster hits on files a peer
 read last epoch (``peer_hits``), at ~3 ms of the daemon's CPU per file here.
 

@@ -17,7 +17,7 @@ A job is a process in a session of its own (as a training started from its own s
 jobs apart by cgroup and session, liquidfs/policy/jobs.py), without the variables that would name a job instead. Every
 epoch it opens each image once in a seeded order of its own, reads it whole, checks its sha256 against the
 source's and decodes it with Pillow; after each epoch it reads its own entry of the mount's statistics
-(liquidfs.daemon.serve.read_control: "jobs", the one whose openers are its session).
+(liquidfs.daemon.control.read_control: "jobs", the one whose openers are its session).
 
 Figures per job: epochs the mount counted, the byte hit ratio after its first epoch (hit bytes over hit and
 storage bytes, from its entries after epoch 1 and at the end), the mount's window hit ratio (reads per window of
@@ -59,7 +59,7 @@ from pathlib import Path
 cfg = json.loads(Path(sys.argv[1]).read_text())
 sys.path.insert(0, cfg["repo"])
 from PIL import Image
-from liquidfs.daemon.serve import read_control
+from liquidfs.daemon.control import read_control
 
 mnt, files, period = Path(cfg["mnt"]), cfg["files"], cfg["period_s"]
 session = f"uid {os.getuid()}, session {os.getsid(0)},"  # how the mount labels this job's openers (liquidfs.policy.jobs)

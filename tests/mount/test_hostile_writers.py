@@ -14,7 +14,7 @@ import pytest
 
 from fusehelpers import DATA_PATHS, Mount, as_nobody, wait_for
 from liquidfs.catalog import Catalog
-from liquidfs.daemon.serve import read_control
+from liquidfs.daemon.control import read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
 

@@ -19,7 +19,7 @@ import pytest
 from fusehelpers import Mount
 from trees import noise_pngs
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE
-from liquidfs.daemon.serve import read_control
+from liquidfs.daemon.control import read_control
 
 pytestmark = pytest.mark.fuse
 

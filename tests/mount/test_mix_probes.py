@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fusehelpers import Mount, wait_for
-from liquidfs.daemon.serve import read_control
+from liquidfs.daemon.control import read_control
 from mixhelpers import adaptive_mount, prepared_all_raw, read_checked
 
 pytestmark = pytest.mark.fuse

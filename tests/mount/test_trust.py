@@ -482,7 +482,7 @@ def test_prepares_of_one_store_at_once_run_one_after_another(tmp_path: Path) -> 
 def test_the_mount_raises_its_descriptor_limit_and_bounds_open_files_below_it() -> None:
     import resource
 
-    from liquidfs.daemon.serve import descriptor_budget
+    from liquidfs.daemon.build import descriptor_budget
 
     before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     budget = descriptor_budget()

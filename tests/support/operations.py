@@ -1,12 +1,16 @@
-"""``fs.Operations`` built in-process for unit tests, as ``mount.build_operations`` builds it for a mount."""
+"""``fuse.operations.Operations`` built in-process for unit tests by the mount's own builder
+(``daemon.build.operations``), from a ``MountConfig`` as a mount's."""
 
 from __future__ import annotations
 
 import os
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from liquidfs.daemon import build as assemble
+from liquidfs.daemon.config import MountConfig
+from liquidfs.datapath.passthrough import Kernel
 from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog import Catalog, build
 from liquidfs.fuse.operations import Operations
@@ -38,17 +42,25 @@ class FakeKernel:
         return os.pread(fd, os.fstat(fd).st_size + 1, 0)
 
 
+def config(**options: Any) -> MountConfig:
+    """A mount's config with ``options`` (``MountConfig``'s fields: page_cache, open_bytes, verify_reads...)."""
+    return MountConfig(source="src", mountpoint=Path("/mnt"), store="store", **options)
+
+
 def daemon_operations(catalog: Catalog, reader: Reader, *, cache: NextEpochCache | None = None,
                       **options: Any) -> Operations:
-    """Served by the daemon data path; ``options`` are ``assemble.parts``'s (page_cache, max_open_bytes...)."""
-    return assemble.operations(catalog, assemble.parts(reader, MountStats(), policy=cache, **options))
+    """Served by the daemon data path; ``options`` are ``MountConfig``'s. Its parts are left open, as a test's
+    process ends soon enough."""
+    ops, _ = assemble.operations(config(**options), catalog, reader, MountStats(), ExitStack(), cache=cache)
+    return ops
 
 
-def passthrough_operations(catalog: Catalog, reader: Reader, kernel: assemble.Kernel, *,
+def passthrough_operations(catalog: Catalog, reader: Reader, kernel: Kernel, *,
                            cache: NextEpochCache | None = None, **options: Any) -> Operations:
     """Served by the passthrough data path over ``kernel`` (a fake in unit tests)."""
-    return assemble.operations(catalog, assemble.parts(reader, MountStats(), policy=cache, **options),
-                               data_path="passthrough", kernel=kernel)
+    ops, _ = assemble.operations(config(**options), catalog, reader, MountStats(), ExitStack(), cache=cache,
+                                 data_path="passthrough", kernel=kernel)
+    return ops
 
 
 def small_tree(tmp_path: Path) -> Operations:

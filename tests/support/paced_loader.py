@@ -22,7 +22,7 @@ from pathlib import Path
 
 
 def _from_storage(root: str) -> int:
-    from liquidfs.daemon.serve import read_control  # imported before the first open: not in the loader's pace
+    from liquidfs.daemon.control import read_control  # imported before the first open: not in the loader's pace
 
     return int(str(read_control(Path(root))["bytes_from_storage"]))
 

@@ -24,7 +24,8 @@ from ports import free_port
 from liquidfs.catalog import Catalog
 from liquidfs.held.cluster_peers import resolve_addresses
 from liquidfs.held.memcached import SKIP_FOR, MemcachedWire
-from liquidfs.daemon.serve import CLUSTER_USABLE, cluster_size_from_limits, read_control
+from liquidfs.daemon.build import CLUSTER_USABLE, cluster_size_from_limits
+from liquidfs.daemon.control import read_control
 from liquidfs.prepare import prepare
 from sample import make_sample
 

@@ -20,7 +20,10 @@ from pathlib import Path
 import pytest
 
 from liquidfs import cli
-from liquidfs.daemon import serve as mount
+from liquidfs.cli import mount as cli_mount
+from liquidfs.daemon import control
+from liquidfs.daemon.config import MountConfig, MountError
+from liquidfs.daemon.spawn import spawn_daemon
 from liquidfs.catalog import CATALOG_NAME, default_store_dir
 from sample import make_sample
 
@@ -186,14 +189,14 @@ def test_any_permission_error_ends_in_one_line_with_the_path(run: Run, monkeypat
     def refused(args: object) -> int:
         raise PermissionError(13, "Permission denied", b"/srv/x\xff/catalog.sqlite")
 
-    monkeypatch.setattr(cli, "cmd_stats", refused)
+    monkeypatch.setattr(cli_mount, "cmd_stats", refused)
     err = _one_line(*run("stats", "/mnt/x"))
     assert err.startswith("liquidfs stats: /srv/x") and "Permission denied" in err and "b'" not in err
 
     def full(args: object) -> int:
         raise OSError(28, "No space left on device", "/srv/store/objects/ab/x.bmp")
 
-    monkeypatch.setattr(cli, "cmd_stats", full)
+    monkeypatch.setattr(cli_mount, "cmd_stats", full)
     err = _one_line(*run("stats", "/mnt/x"))
     assert "/srv/store/objects/ab/x.bmp: No space left on device" in err
 
@@ -280,7 +283,7 @@ def test_allow_other_without_user_allow_other_is_refused_before_the_mount_starts
         monkeypatch: pytest.MonkeyPatch) -> None:
     conf = public / "fuse.conf"
     conf.write_text("# user_allow_other\nmount_max = 1000\n")
-    monkeypatch.setattr(mount, "FUSE_CONF", conf)
+    monkeypatch.setattr(control, "FUSE_CONF", conf)
     store = public / "mine" / "store"
     for flags in (["--allow-other"], ["-o", "ro,allow_other"]):
         with as_nobody():
@@ -299,10 +302,11 @@ def test_a_daemon_that_fails_at_once_is_reported_with_its_reason_and_this_runs_l
     log_file = tmp_path / "mount.log"
     log_file.write_text("".join(f"an earlier mount's line {i}\n" for i in range(40)))
     (tmp_path / "mnt").mkdir()
-    with pytest.raises(mount.MountError) as failed:
+    with pytest.raises(MountError) as failed:
         # a daemon finds the catalog its parent made ready: there is none, so it says so and exits 1 at once
-        mount.spawn_daemon(["mount", str(tmp_path), str(tmp_path / "mnt"), "--store", str(tmp_path / "st"),
-                            "--log-file", str(log_file)], log_file)
+        config = MountConfig(source=str(tmp_path), mountpoint=tmp_path / "mnt", store=str(tmp_path / "st"))
+        spawn_daemon(["mount", str(tmp_path), str(tmp_path / "mnt"), "--log-file", str(log_file),
+                            "--daemon-config", config.to_json()], log_file)
     text = str(failed.value)
     assert text.splitlines()[0] == f"no catalog at {tmp_path / 'st' / CATALOG_NAME}", text
     assert "did not answer" not in text and "earlier mount" not in text

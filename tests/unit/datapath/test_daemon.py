@@ -461,7 +461,7 @@ def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> N
     build(src, tmp_path / "store")
     catalog = Catalog.open(tmp_path / "store", readonly=True)
     ops = daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"), page_cache="direct",
-                            max_open_bytes=700_000)
+                            open_bytes=700_000)
     handles = []
     for name in files:
         fi = run(ops.open, run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino, os.O_RDONLY, CTX)

@@ -460,18 +460,20 @@ def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahea
 
 
 def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:
+    from contextlib import ExitStack
+
     from liquidfs.daemon import build as assemble
-    from liquidfs.fuse.lookahead import MetadataAhead
     from liquidfs.metrics.stats import MountStats
+    from operations import config
 
     _, store = prepared
     catalog = Catalog.open(store, readonly=True)
-    ahead = MetadataAhead(catalog.path, lambda node: None)
-    built = assemble.parts(StoreReader(catalog.source, store), MountStats())
     for data_path in ("passthrough", "at init"):
-        ops = assemble.operations(catalog, built, data_path=data_path, kernel=FakeKernel(), lookahead=ahead)
-        path = ops.data if data_path == "passthrough" else built.passthrough_path(FakeKernel())
-        assert path.on_cold_open == ahead.went_cold
+        with ExitStack() as stack:
+            ops, built = assemble.operations(config(), catalog, StoreReader(catalog.source, store), MountStats(),
+                                             stack, data_path=data_path, kernel=FakeKernel(), warm=lambda node: None)
+            path = ops.data if data_path == "passthrough" else built.passthrough_path(FakeKernel())
+            assert ops.lookahead is not None and path.on_cold_open == ops.lookahead.went_cold
 
 
 def test_a_hit_whose_memfd_is_let_go_while_its_source_is_checked_still_serves_its_bytes(prepared) -> None:

@@ -95,8 +95,7 @@ def test_cold_daemon_path_opens_wait_for_storage_side_by_side(prepared: Path) ->
 def test_the_reads_keep_their_own_few_threads(prepared: Path) -> None:
     """Opens have a pool of their own: the reads' ``--threads`` stays what the user set."""
     catalog = Catalog.open(prepared, readonly=True)
-    ops = daemon_operations(catalog, StoreReader(catalog.source, prepared), thread_limiter=trio.CapacityLimiter(3),
-                            open_threads=5)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, prepared), threads=3, open_threads=5)
     assert ops.storage.thread_limiter.total_tokens == 3 and ops.storage.open_limiter.total_tokens == 5
 
 

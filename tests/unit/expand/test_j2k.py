@@ -16,10 +16,12 @@ from PIL import Image
 from conftest import run_cli
 from liquidfs.expand import formats
 from liquidfs.expand import workers as resources
-from liquidfs.cli import parse_formats
+from liquidfs.cli import options
 from liquidfs.expand.rawformats import BMP, J2K, of_object
 from liquidfs.prepare import prepare
 from sample import _photos, mosaic
+
+parse_formats = options.argument(options.formats)  # --formats, as argparse calls it
 
 
 def _photo(mode: str) -> Image.Image:

@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import threading
+from contextlib import ExitStack
 from pathlib import Path
 
 import pyfuse3
@@ -18,7 +19,7 @@ from liquidfs.daemon import build as assemble
 from liquidfs.fuse.operations import CONTROL_ID, CONTROL_NAME, Operations
 from liquidfs.metrics.stats import MountStats
 from liquidfs.stores.local.reader import StoreReader
-from operations import daemon_operations, ops_over, small_tree
+from operations import config, daemon_operations, ops_over, small_tree
 
 CTX = pyfuse3.RequestContext()
 
@@ -154,8 +155,8 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
             gate.wait(10)  # the stuck source (a bound only so that a failing run ends)
         return True
 
-    ops = assemble.operations(catalog, assemble.parts(StoreReader(catalog.source, tmp_path / "store"), MountStats()),
-                              may_read=may_read)
+    ops, _ = assemble.operations(config(allow_other=True), catalog, StoreReader(catalog.source, tmp_path / "store"),
+                                 MountStats(), ExitStack(), may_read=may_read)
     ops.storage.max_opens = 4  # a share of 2 for a user other than root and the mount's
     ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
 
@@ -163,8 +164,9 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
         async with trio.open_nursery() as nursery:
             for _ in range(2):
                 nursery.start_soon(ops.open, ino, os.O_RDONLY, _As(1000))
-            while ops.storage.opens_in_flight < 2:
-                await trio.sleep(0.01)
+            with trio.fail_after(30):  # a bound only so that a failing run ends
+                while ops.storage.opens_in_flight < 2:
+                    await trio.sleep(0.01)
             with pytest.raises(pyfuse3.FUSEError) as info:
                 await ops.open(ino, os.O_RDONLY, _As(1000))
             assert info.value.errno == errno.EAGAIN

@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -37,9 +38,8 @@ from liquidfs.held.cluster import ClusterTier
 from liquidfs.held.disk import DiskTier
 from liquidfs.metrics.defs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted
 from liquidfs.metrics.server import MetricsServer, MetricsStatistics, serve_metrics
-from liquidfs.fuse.lookahead import MetadataAhead
 from liquidfs.mix.share import Mix
-from liquidfs.daemon.serve import MountConfig
+from liquidfs.daemon.config import MountConfig
 from liquidfs.stores.local.reader import StoreReader
 from liquidfs.metrics.stats import MountStats
 
@@ -559,14 +559,15 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     for data_path in ("daemon", "passthrough"):
         disk = DiskTier(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
         cluster = ClusterTier(disk, FakeMemcached(), 1.0)
-        parts = assemble.parts(cluster, MountStats(), policy=NextEpochCache(served, served, files, max_id=max_id))
-        ops = assemble.operations(catalog, parts, data_path=data_path, kernel=_Kernel(), mix=Mix(0.5, 1.0),
-                                  extra_statistics=lambda: {**disk.statistics(), **cluster.statistics()},
-                                  lookahead=MetadataAhead(catalog.path, reader.warm))
-        trio.run(_read_twice, ops)
-        found[data_path] = ops.statistics()
-        ops.lookahead.stop()
-        disk.close()
+        with ExitStack() as stack:
+            stack.callback(disk.close)
+            ops, _ = assemble.operations(
+                MountConfig(source="src", mountpoint=Path("/mnt"), store="store"), catalog, cluster, MountStats(),
+                stack, cache=NextEpochCache(served, served, files, max_id=max_id), data_path=data_path,
+                kernel=_Kernel(), mix=Mix(0.5, 1.0), warm=reader.warm,
+                extra_statistics=lambda: {**disk.statistics(), **cluster.statistics()})
+            trio.run(_read_twice, ops)
+            found[data_path] = ops.statistics()
     catalog.close()
     return found
 

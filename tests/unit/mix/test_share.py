@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from liquidfs.catalog import REPR_ORIGINAL, REPR_RAW, Node
-from liquidfs.mix.share import Mix, as_original, parse_mix, steer
+from liquidfs.mix.share import Mix, as_original, steer
 from liquidfs.mix.controller import MixController, Stalls
 
 
@@ -18,14 +18,6 @@ def raw_node(i: int) -> Node:
     return Node(id=100 + i, parent=1, name=b"%d.png" % i, path=b"d/%d.png" % i, kind=0, mode=0o100644,
                 size=1000 + i, mtime_ns=0, nsubdirs=0, target=None, representation=REPR_RAW, served_size=3000 + i,
                 object="ab/%032x.bmp" % i, checksum="c")
-
-
-def test_parse_mix() -> None:
-    assert parse_mix("adaptive") == "adaptive" and parse_mix("prepared") == "prepared"
-    assert parse_mix("0.25") == 0.25 and parse_mix("40%") == 0.4 and parse_mix("0") == 0.0
-    for bad in ("1.5", "-0.1", "half", "", "adaptiv"):
-        with pytest.raises(ValueError):
-            parse_mix(bad)
 
 
 def test_a_fixed_share_above_what_was_prepared_is_refused() -> None:

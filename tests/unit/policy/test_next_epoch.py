@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from liquidfs.policy.next_epoch import WINDOW, NextEpochCache, parse_size
+from liquidfs.policy.next_epoch import WINDOW, NextEpochCache
 
 
 def _dataset(n: int, rng: random.Random, spread: float = 0.3) -> dict[int, int]:
@@ -160,17 +160,6 @@ def test_warmup_fills_the_budget_for_epoch_one() -> None:
     for events in epochs:
         ratio = sum(s for h, s in events if h) / sum(s for _, s in events)
         assert abs(ratio - 0.3) <= 0.03
-
-
-def test_parse_size() -> None:
-    assert parse_size("30%", 1000) == 300
-    assert parse_size("24G", 0) == 24 << 30
-    assert parse_size("512M", 0) == 512 << 20
-    assert parse_size("1.5GiB", 0) == int(1.5 * (1 << 30))
-    assert parse_size("4096", 0) == 4096
-    for bad in ["abc", "-5%", "12X", ""]:
-        with pytest.raises(ValueError):
-            parse_size(bad, 100)
 
 
 # -- several jobs on one budget ------------------------------------------------------------------------------

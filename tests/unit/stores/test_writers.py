@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from liquidfs import cli
+from liquidfs.cli.main import _setup_logging
 from liquidfs.catalog import CATALOG_NAME, CatalogError
 from liquidfs.prepare import prepare, verify
 from liquidfs.stores.local import PROFILE_NAME, LocalStore
@@ -75,7 +76,7 @@ def test_prepare_deletes_nothing_outside_the_store_whatever_the_catalog_or_the_o
 
 def test_a_log_record_naming_a_file_with_newlines_is_one_line(tmp_path: Path, restore_logging: None) -> None:
     log_file = tmp_path / "mount.log"
-    cli._setup_logging("info", str(log_file))
+    _setup_logging("info", str(log_file))
     name = "x\nimport os; os.system('id')\r\n\t.png\x1b[2J\x85"
     logging.getLogger("liquidfs.test").warning("skipping %s: unreadable", name)
     try:
@@ -98,7 +99,7 @@ def test_a_log_file_that_is_a_symlink_is_refused_and_its_target_left_as_it_was(
     link = tmp_path / "mount.log"
     os.symlink(target, link)
     with pytest.raises(OSError, match="symbolic link") as refused:
-        cli._setup_logging("info", str(link))
+        _setup_logging("info", str(link))
     assert refused.value.errno == errno.ELOOP and str(link) in str(refused.value)
     logging.getLogger("liquidfs.test").warning("x\nimport os")
     assert target.read_text() == "# root's startup file\n"

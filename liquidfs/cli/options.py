@@ -1,0 +1,223 @@
+"""Every flag's value read once, where the user typed it: shares, sizes, ratios and modes become values here, and
+a value refused is said naming its flag. ``mount``'s options become a ``daemon.config.MountConfig``.
+
+Two ways to refuse, as the commands always have: a value argparse checks (``type=``: ``argument``) ends the
+command with its usage and status 2; ``mount``'s values, checked after parsing (``mount_config``), end it with one
+line and status 1, before anything is mounted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ..daemon.config import Amount, MountConfig, Share
+from ..mix.share import MIX_MODES
+
+if TYPE_CHECKING:
+    from ..stores import Store
+
+T = TypeVar("T")
+
+#: ``MountConfig``'s defaults: the mount parser's, never written a second time.
+MOUNT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(MountConfig)}
+
+
+class OptionError(ValueError):
+    """A flag's value refused; the message names the flag and says what it takes."""
+
+
+class OutOfRange(ValueError):
+    """A share read as a number that is not within [0, 1]."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def share_or_size(text: str, *, sizes: bool = True, percent: bool = True, fraction: bool = False) -> Amount:
+    """The one reading of a share or a size: a percentage of the dataset (``30%``, where ``percent``), a share
+    in [0, 1] (``0.3``, where ``fraction``), or bytes with an optional K/M/G/T suffix (powers of 1024, where
+    ``sizes``). ValueError says what is wrong with ``text``, without naming a flag."""
+    text = text.strip()
+    if text.endswith("%") and percent:
+        try:
+            value = float(text[:-1])
+        except ValueError:
+            raise ValueError(f"{text}: a share of the dataset is 0% to 100%") from None
+        try:
+            return Share(value / 100)
+        except ValueError:
+            raise OutOfRange(f"{text}: a share of the dataset is 0% to 100%") from None
+    if text.endswith("%") and sizes:
+        raise ValueError("takes bytes (512M, 2G), not a percentage")
+    if fraction:
+        try:
+            number: float | None = float(text)
+        except ValueError:
+            number = None
+        if number is not None:
+            try:
+                return Share(number)
+            except ValueError:
+                raise OutOfRange(f"{text}: a share is within [0, 1]") from None
+    match = _SIZE.match(text) if sizes else None
+    if match:
+        return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    forms = [form for form, takes in (("a percentage (30%)", percent), ("a share in [0, 1]", fraction),
+                                      ("bytes (512M, 24G)", sizes)) if takes]
+    raise ValueError(f"{text!r}: use {' or '.join(forms)}")
+
+
+def argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """``parse`` as an argparse ``type=``: its ValueError said by argparse, after the flag's name."""
+    def checked(text: str) -> T:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    checked.__name__ = parse.__name__  # argparse names a type in its "invalid ... value" message
+    return checked
+
+
+def cache_share(text: str) -> float:
+    """``--cache-size`` of profile and prepare: a percentage of the dataset, as a share."""
+    try:
+        share = share_or_size(text, sizes=False)
+    except ValueError:
+        share = None
+    if not isinstance(share, Share):
+        raise ValueError(f"a percentage from 0% to 100% here (e.g. 30%), not {text.strip()!r}")
+    return share.fraction
+
+
+def _share(text: str, *, beyond: str, unreadable: str) -> float:
+    """A share in [0, 1] or a percentage, for a flag whose other values are words: ``beyond`` said for a number
+    outside [0, 1], ``unreadable`` for anything else."""
+    try:
+        share = share_or_size(text, sizes=False, fraction=True)
+    except OutOfRange:
+        raise ValueError(beyond) from None
+    except ValueError:
+        raise ValueError(unreadable) from None
+    assert isinstance(share, Share)
+    return share.fraction
+
+
+def ratio(text: str) -> float | str:
+    """``prepare --ratio``: a share in [0, 1], a percentage, or "auto"."""
+    if text == "auto":
+        return text
+    return _share(text, beyond=f"ratio must be within [0, 1], got {text}",
+                  unreadable=f"ratio must be a number in [0, 1], a percentage or 'auto', not {text!r}")
+
+
+def mix(text: str) -> str | float:
+    """``mount --mix``: "prepared", "adaptive", or a share in [0, 1] (a percentage with %)."""
+    if text in MIX_MODES:
+        return text
+    return _share(text, beyond=f"--mix share must be within [0, 1], not {text}",
+                  unreadable=f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"a positive whole number, not {text!r}") from None
+    if value < 1:
+        raise ValueError(f"a positive whole number, not {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"a positive number, not {text!r}") from None
+    if not 0 < value < math.inf:
+        raise ValueError(f"a positive number, not {text}")
+    return value
+
+
+def formats(text: str) -> tuple[str, ...]:
+    """``--formats png,bmp,j2k``: the raw formats prepare may write, in the order it tries them (J2K first where
+    listed, then BMP for the images J2K cannot hold exactly: ``rawformats.parse_formats``)."""
+    from ..expand import rawformats
+
+    return rawformats.parse_formats(text)
+
+
+def _flagged(flag: str, parse: Callable[[str], T], text: str) -> T:
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise OptionError(f"{flag} {exc}") from None
+
+
+def size_option(flag: str, text: str | None, *, percent: bool = True) -> Amount | None:
+    """A size flag of ``mount``: bytes, or (``percent``) a share of the dataset; None where not given."""
+    if text is None or not text.strip():
+        return None
+    return _flagged(flag, lambda t: share_or_size(t, percent=percent), text)
+
+
+def _positive_seconds(flag: str, value: float) -> float:
+    if not value > 0 or not math.isfinite(value):
+        raise OptionError(f"{flag} must be a positive number of seconds, not {value}")
+    return value
+
+
+def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
+    """``mount``'s options as a ``MountConfig``, every value checked; an OptionError names the flag refused."""
+    from ..held.cluster_peers import ClusterError, parse_cluster
+    from ..held.sealing import KeyFileError, read_key_file
+
+    threads = storage.default_threads if args.threads is None else args.threads
+    if threads < 1:
+        raise OptionError(f"--threads must be at least 1, not {threads}")
+    if args.open_threads < 1:
+        raise OptionError(f"--open-threads must be at least 1, not {args.open_threads}")
+    cache_size = size_option("--cache-size", args.cache_size)
+    open_bytes = size_option("--open-bytes", args.open_bytes, percent=False)
+    assert not isinstance(open_bytes, Share)  # bytes only: a share is refused
+    if bool(args.disk_cache) != bool(args.disk_cache_size):
+        raise OptionError("--disk-cache and --disk-cache-size go together")
+    disk_cache_size = size_option("--disk-cache-size", args.disk_cache_size)
+    if args.cluster_size and not args.cluster:
+        raise OptionError("--cluster-size needs --cluster")
+    cluster_size = size_option("--cluster-size", args.cluster_size)
+    cluster = None
+    if args.cluster:
+        try:
+            cluster = tuple(parse_cluster(args.cluster))
+        except ClusterError as exc:
+            raise OptionError(str(exc)) from None
+    key_file = None
+    if args.cluster_key_file:
+        if not args.cluster:
+            raise OptionError("--cluster-key-file goes with --cluster")
+        key_file = Path(args.cluster_key_file).absolute()  # the daemon runs in /
+        try:  # here, before the daemon starts: a key refused is said on the terminal (the daemon reads it again)
+            read_key_file(key_file)
+        except KeyFileError as exc:
+            raise OptionError(str(exc)) from None
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")
+    return MountConfig(
+        source=storage.source_label, mountpoint=Path(args.mountpoint).absolute(), store=storage.label,
+        allow_other=args.allow_other, fuse_options=tuple(o for opts in args.options for o in opts.split(",") if o),
+        threads=threads, open_threads=args.open_threads, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
+        cache_size=cache_size, warmup=args.warmup, readahead_kb=args.readahead_kb,
+        io_timeout=_positive_seconds("--io-timeout", args.io_timeout), page_cache=args.page_cache,
+        open_bytes=MOUNT_DEFAULTS["open_bytes"] if open_bytes is None else open_bytes,
+        push_pages=args.push_pages, disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,
+        disk_cache_size=disk_cache_size, cluster=cluster, cluster_size=cluster_size, cluster_key_file=key_file,
+        data_path=args.data_path, verify_reads=args.verify_reads, time_requests=args.time_requests,
+        lookahead=args.lookahead, mix=args.mix, mix_interval=_positive_seconds("--mix-interval", args.mix_interval),
+        pressure_dir=Path(args.pressure_dir).absolute())

@@ -1,0 +1,227 @@
+"""A mount seen from outside its daemon: whether a mount point can be mounted on (a stale mount cleaned), the
+control file a running mount answers (``read_control``), and ``liquidfs umount`` (who holds a busy mount, in this
+mount namespace and in others)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from ..fuse.operations import CONTROL_NAME
+from ..sysio.privileges import has_cap_sys_admin
+from ..sysio.safefiles import escape_controls
+from . import watchdog as guard
+from .config import MountError
+
+log = logging.getLogger(__name__)
+
+#: ``liquidfs umount --timeout``: seconds to wait for the daemon to exit once unmounted.
+UNMOUNT_TIMEOUT = 30.0
+
+
+def is_stale(mountpoint: Path) -> bool:
+    """A FUSE mount whose daemon is gone: every access that reaches it fails with ENOTCONN."""
+    try:
+        # statfs always reaches the daemon; a stat of the root may be answered from cached attributes.
+        os.statvfs(mountpoint)
+    except OSError as exc:
+        # ENOTCONN, or ECONNABORTED for the first access after the daemon died (newer kernels)
+        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
+    return False
+
+
+def clean_stale(mountpoint: Path) -> None:
+    log.warning("%s is a stale mount (its daemon died); unmounting it lazily", mountpoint)
+    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
+
+
+def check_mountpoint(mountpoint: Path) -> None:
+    """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount."""
+    if is_stale(mountpoint):
+        clean_stale(mountpoint)
+    if not mountpoint.exists():
+        raise MountError(f"mount point {mountpoint} does not exist (mkdir it first)")
+    if not mountpoint.is_dir():
+        raise MountError(f"mount point {mountpoint} is not a directory")
+    if _fuse_mounted(mountpoint):
+        raise MountError(f"{mountpoint} is already mounted; run `liquidfs umount {mountpoint}` first")
+    if any(os.scandir(mountpoint)):
+        raise MountError(f"mount point {mountpoint} is not empty")
+
+
+def _fuse_mounted(mountpoint: Path) -> bool:
+    """A FUSE filesystem is mounted on ``mountpoint`` (the topmost mount there).
+
+    Any other mount is fine to mount over: in a container the mount point is itself a volume (a bind mount or
+    an emptyDir) shared back to the host.
+    """
+    found = guard.topmost_mount(mountpoint)
+    return found is not None and found[0].startswith(b"fuse")
+
+
+#: Where fusermount3 reads whether users other than root may mount with allow_other.
+FUSE_CONF = Path("/etc/fuse.conf")
+
+
+def check_allow_other(allow_other: bool, options: list[str]) -> None:
+    """Refuse an allow_other mount that fusermount3 will refuse (a user's, without ``user_allow_other`` in
+    fuse.conf): said here, before a catalog is built and a daemon started, not as the daemon's last words."""
+    if not (allow_other or "allow_other" in options) or os.geteuid() == 0 or _has_cap_sys_admin():
+        return  # root, or CAP_SYS_ADMIN: libfuse mounts without fusermount3
+    try:
+        lines = FUSE_CONF.read_text().splitlines()
+    except FileNotFoundError:
+        lines = []
+    except OSError:
+        return  # fusermount3 (setuid root) reads what this user cannot: it decides
+    if "user_allow_other" not in (line.split("#", 1)[0].strip() for line in lines):  # as fusermount3 reads it
+        raise MountError(f"--allow-other: fusermount3 allows it to a user other than root only where {FUSE_CONF} "
+                         "has a line user_allow_other (ask root to add it), or mount as root")
+
+
+def _has_cap_sys_admin() -> bool:
+    try:
+        return has_cap_sys_admin(Path("/proc/self/status").read_text())
+    except OSError:
+        return False
+
+
+def read_control(mountpoint: Path) -> dict[str, object]:
+    with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
+        values = json.loads(f.read())
+    if not isinstance(values, dict):
+        raise ValueError(f"{mountpoint}: the control file holds no object")
+    return values
+
+
+def holders(mountpoint: Path) -> list[str]:
+    """Processes with a file, cwd or root inside ``mountpoint`` (what fuser -m would show)."""
+    prefix = str(mountpoint.resolve())
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        paths = []
+        for link in ("cwd", "root"):
+            try:
+                paths.append(os.readlink(f"/proc/{pid}/{link}"))
+            except OSError:
+                pass
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            fds = []
+        for fd in fds:
+            try:
+                paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+        if any(p == prefix or p.startswith(prefix + "/") for p in paths):
+            found.append(_named(pid))
+    return found
+
+
+def _named(pid: str | int) -> str:
+    """``pid`` and its command line, for a message."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        cmd = "?"
+    return f"{pid} {escape_controls(cmd.strip())}"
+
+
+#: Seconds between scans of /proc for copies of the mount while ``unmount`` waits for the daemon.
+NAMESPACE_SCAN_S = 0.5
+#: Processes named per mount namespace that holds a copy of a mount (a container's every process would).
+NAMED_PER_NAMESPACE = 3
+
+
+def namespace_holders(connection: int) -> list[str]:
+    """Processes in other mount namespaces whose copy of the mounts holds FUSE ``connection`` (``unshare
+    --mount``, a container started while it was mounted): the kernel keeps the connection, and so its daemon,
+    while any copy of the mount lives, whatever is unmounted here."""
+    try:
+        own = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return []
+    holds: dict[str, bool] = {}  # each namespace's mountinfo read once, from its first process seen
+    found: dict[str, list[str]] = {}
+    for pid in sorted(filter(str.isdigit, os.listdir("/proc")), key=int):
+        try:
+            namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+        except OSError:
+            continue
+        if namespace == own:
+            continue
+        if namespace not in holds:
+            holds[namespace] = guard.sees_connection(int(pid), connection)
+        named = found.setdefault(namespace, [])
+        if holds[namespace] and len(named) < NAMED_PER_NAMESPACE:
+            named.append(f"{_named(pid)} (mount namespace {namespace})")
+    return [line for named in found.values() for line in named]
+
+
+#: The filesystem type of a liquidfs mount in /proc/self/mountinfo (``fuse_options``: subtype=liquidfs).
+FSTYPE = b"fuse.liquidfs"
+
+
+def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TIMEOUT) -> None:
+    mountpoint = mountpoint.absolute()
+    # What is mounted there, from mountinfo: a stat would wait for a hung daemon. Only a liquidfs mount is
+    # unmounted: fusermount3 run by root unmounts any FUSE filesystem, someone else's included.
+    found = guard.topmost_mount(Path(os.path.realpath(mountpoint)))
+    if found is None:
+        if not os.path.lexists(mountpoint):
+            raise MountError(f"{mountpoint} does not exist")
+        raise MountError(f"{mountpoint} is not mounted")
+    if found[0] != FSTYPE:
+        raise MountError(f"{mountpoint} is a {os.fsdecode(found[0])} mount, not a liquidfs mount: left mounted "
+                         "(unmount it with what mounted it)")
+    if is_stale(mountpoint):
+        clean_stale(mountpoint)
+        return
+    pid = None
+    try:
+        pid = int(str(read_control(mountpoint)["pid"]))
+    except (OSError, ValueError, KeyError):
+        log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
+    cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        msg = done.stderr.strip()
+        if "busy" in msg.lower():
+            who = holders(mountpoint)
+            raise MountError(
+                f"{mountpoint} is busy; held by:\n  " + "\n  ".join(who or ["(unknown)"])
+                + "\nclose those, or use `liquidfs umount --lazy` to detach it now and finish when they let go"
+            )
+        raise MountError(f"fusermount3 failed: {msg}")
+    if pid is not None and not lazy:
+        deadline = time.monotonic() + timeout
+        scan_at = time.monotonic() + NAMESPACE_SCAN_S
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            elsewhere: list[str] = []
+            if time.monotonic() >= scan_at:  # a scan of every process: not at each poll, nor before the daemon
+                scan_at = time.monotonic() + NAMESPACE_SCAN_S  # had its moment to exit
+                elsewhere = namespace_holders(found[1])
+            if elsewhere:  # the daemon serves that copy until its last holder goes: waiting would not help
+                raise MountError(
+                    f"unmounted here, but the daemon (pid {pid}) still serves a copy of the mount in another mount "
+                    "namespace, held by:\n  " + "\n  ".join(elsewhere)
+                    + "\nit exits once those end (or unmount it in their namespace)")
+            time.sleep(0.05)
+        raise MountError(f"unmounted, but the daemon (pid {pid}) is still running after {timeout:.0f} s")
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie (a container's PID 1 may never reap the detached daemon)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

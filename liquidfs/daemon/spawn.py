@@ -1,0 +1,125 @@
+"""Starting a mount's daemon: ``liquidfs mount`` (no ``--foreground``) runs itself again, detached and isolated,
+and returns once the daemon says the mount answers, or says why it did not from the daemon's lines of its log."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+from ..sysio import reexec
+from ..sysio.safefiles import open_append
+from .config import MountError
+
+
+def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> None:
+    """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        # STORE/mount.log is in a directory a store writer may write: a link there to a root-owned startup file
+        # is refused, never appended to. Held open to read the daemon's last words from, whatever is at the
+        # name by then.
+        log_fd = open_append(log_file)
+    except OSError as exc:
+        # The log is the one file a mount writes in its store: a store read-only to this user mounts with the
+        # log elsewhere.
+        advice = (" (a store that is read-only to you mounts with --log-file naming a file you can write)"
+                  if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS) else "")
+        raise MountError(f"cannot write the log {log_file}: {exc.strerror}{advice}") from None
+    try:
+        # Where this daemon's lines begin: the log keeps every earlier mount's, which say nothing of this one.
+        start = os.fstat(log_fd).st_size
+        read_end, write_end = os.pipe()
+        # Isolated and in / (reexec): a root mount started from a directory someone else can write must not
+        # import code from it.
+        proc = reexec.popen("liquidfs", [*argv, "--foreground", "--ready-fd", str(write_end)],
+                            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
+                            pass_fds=(write_end,), start_new_session=True)
+        os.close(write_end)
+        _wait_ready(proc, read_end, log_fd, log_file, timeout, start)
+    finally:
+        os.close(log_fd)
+
+
+#: How long a daemon that closed its ready pipe without the mount answering gets to exit: it is on its way out
+#: (the pipe closes as its descriptors do, a moment before its exit status exists).
+EXIT_WAIT = 10.0
+#: Log lines of a failed daemon shown to the user.
+SHOWN_LINES = 15
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_file: Path, timeout: float,
+                start: int = 0) -> None:
+    """Return once the daemon says "ready" on ``read_end``; else a MountError whose first line says why (from
+    the daemon's lines of the log, those past offset ``start``), then those lines."""
+    deadline = time.monotonic() + timeout
+    with os.fdopen(read_end, "rb") as ready:
+        # EOF without "ready" means the daemon died before the mount answered.
+        import select
+
+        while time.monotonic() < deadline:
+            readable, _, _ = select.select([ready], [], [], 0.5)
+            if readable:
+                line = ready.readline()
+                if line.startswith(b"ready"):
+                    return
+                break
+            if proc.poll() is not None:
+                break
+    if time.monotonic() < deadline:
+        try:
+            proc.wait(EXIT_WAIT)
+        except subprocess.TimeoutExpired:
+            pass
+    lines = _log_since(log_fd, start)
+    if lines:
+        shown = f"; its lines in {log_file}:\n" + "\n".join(f"  {line}" for line in lines[-SHOWN_LINES:])
+    else:
+        shown = f"; nothing from it in {log_file}"
+    if proc.returncode is None:
+        proc.kill()
+        proc.wait()
+        what = (f"did not answer within {timeout:.0f} s" if time.monotonic() >= deadline
+                else "gave up before the mount answered but did not exit")
+        raise MountError(f"the daemon {what}: killed" + shown)
+    status = f"the daemon exited with status {proc.returncode} before the mount answered" + shown
+    reason = failure_reason(lines)
+    raise MountError(f"{reason}\n{status}" if reason else status)
+
+
+#: A log record of the daemon's at ERROR or above (``safefiles.LOG_FORMAT``: date, time, level, logger, message).
+_ERROR_RECORD = re.compile(r"\S+ \S+ (?:ERROR|CRITICAL) \S+: (.*)")
+
+
+def failure_reason(lines: list[str]) -> str | None:
+    """The line of a failed daemon's log that says why: fusermount3's or libfuse's own words (they name the
+    option or the permission refused; liquidfs only sees "fuse_session_new() failed"), else the daemon's
+    one-line error, else its last error record."""
+    for line in lines:
+        if line.startswith(("fusermount3:", "fusermount:", "fuse:")) and "warning" not in line.lower():
+            return line
+    prefix = "liquidfs mount: "
+    for line in reversed(lines):
+        if line.startswith(prefix) and line != prefix + "interrupted":
+            return line[len(prefix):]
+    for line in reversed(lines):
+        found = _ERROR_RECORD.fullmatch(line)
+        if found:
+            # A record with a traceback is one line, its line breaks escaped: its first and last parts say it.
+            parts = found.group(1).split("\\n")
+            return parts[0] if len(parts) == 1 else f"{parts[0]}: {parts[-1].strip()}"
+    return None
+
+
+def _log_since(fd: int, start: int, size: int = 64 << 10) -> list[str]:
+    """The lines of the log open at ``fd`` past offset ``start`` (its last ``size`` bytes at most)."""
+    end = os.fstat(fd).st_size
+    begin = max(start, end - size)
+    text = os.pread(fd, max(0, end - begin), begin).decode(errors="replace")
+    lines = text.splitlines()
+    if begin > start and lines:
+        lines = lines[1:]  # cut in the middle
+    return [line for line in lines if line.strip()]

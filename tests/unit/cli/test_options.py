@@ -1,0 +1,115 @@
+"""Every flag's value read once, in the command (``cli.options``): one reading of a share or a size, and a value
+refused in a message that names its flag."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from liquidfs import cli
+from liquidfs.cli import options
+from liquidfs.cli.options import OptionError, share_or_size
+from liquidfs.daemon.config import MountConfig, Share
+from liquidfs.stores import Store
+
+STORAGE = cast(Store, SimpleNamespace(default_threads=4, source_label="/data", label="/srv/store"))
+
+
+def test_a_share_or_a_size_is_read_one_way() -> None:
+    assert share_or_size("30%") == Share(0.3)
+    assert share_or_size(" 100% ") == Share(1.0) and share_or_size("0%") == Share(0.0)
+    assert share_or_size("24G") == 24 << 30 and share_or_size("512M") == 512 << 20
+    assert share_or_size("1.5GiB") == int(1.5 * (1 << 30)) and share_or_size("4096") == 4096
+    assert share_or_size("0.25", sizes=False, fraction=True) == Share(0.25)
+    for bad in ["abc", "-5%", "150%", "nan%", "12X", "", "-1", "inf"]:
+        with pytest.raises(ValueError):
+            share_or_size(bad)
+    with pytest.raises(ValueError, match="not a percentage"):
+        share_or_size("30%", percent=False)
+    with pytest.raises(ValueError):
+        share_or_size("512M", sizes=False, fraction=True)
+
+
+def test_mix_and_ratio_are_shares_too() -> None:
+    assert options.mix("adaptive") == "adaptive" and options.mix("prepared") == "prepared"
+    assert options.mix("0.25") == 0.25 and options.mix("40%") == 0.4 and options.mix("0") == 0.0
+    for bad in ("1.5", "-0.1", "half", "", "adaptiv", "nan"):
+        with pytest.raises(ValueError, match="--mix"):
+            options.mix(bad)
+    assert options.ratio("auto") == "auto" and options.ratio("0.7") == 0.7 and options.ratio("70%") == 0.7
+    with pytest.raises(ValueError, match="within"):
+        options.ratio("1.5")
+    with pytest.raises(ValueError, match="a number in"):
+        options.ratio("most")
+    assert options.cache_share("30%") == 0.3
+    for bad in ("150%", "-5%", "abc%", "30", "1G"):
+        with pytest.raises(ValueError, match="a percentage from 0% to 100%"):
+            options.cache_share(bad)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["prepare", "/d", "--store", "/s", "--ratio", "2"], "--ratio"),
+    (["prepare", "/d", "--store", "/s", "--ratio", "1", "--formats", "webp"], "--formats"),
+    (["prepare", "/d", "--store", "/s", "--ratio", "auto", "--cache-size", "150%"], "--cache-size"),
+    (["profile", "/d", "--store", "/s", "--cache-size", "30"], "--cache-size"),
+    (["profile", "/d", "--store", "/s", "--run-images", "0"], "--run-images"),
+    (["profile", "/d", "--store", "/s", "--repeats", "x"], "--repeats"),
+    (["mount", "/d", "/m", "--mix", "1.5"], "--mix"),
+    (["mount", "/d", "/m", "--page-cache", "some"], "--page-cache"),
+    (["mount", "/d", "/m", "--data-path", "kernel"], "--data-path"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
+def test_a_value_argparse_refuses_names_its_flag(argv: list[str], flag: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"argument {flag}" in err.splitlines()[-1], err
+
+
+def _mount_args(*flags: str) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["mount", "/data", "/mnt", *flags])
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--cache-size", "150%"], "--cache-size 150%: a share of the dataset is 0% to 100%"),
+    (["--cache-size", "lots"], "--cache-size 'lots': use a percentage (30%) or bytes (512M, 24G)"),
+    (["--open-bytes", "50%"], "--open-bytes takes bytes (512M, 2G), not a percentage"),
+    (["--open-bytes", "x"], "--open-bytes 'x': use bytes"),
+    (["--disk-cache", "/c", "--disk-cache-size=-5%"], "--disk-cache-size -5%"),
+    (["--disk-cache", "/c"], "--disk-cache and --disk-cache-size go together"),
+    (["--cluster", "memcached://h:1", "--cluster-size", "2Q"], "--cluster-size '2Q'"),
+    (["--cluster-size", "5G"], "--cluster-size needs --cluster"),
+    (["--threads", "0"], "--threads must be at least 1, not 0"),
+    (["--io-timeout", "0"], "--io-timeout must be a positive number of seconds"),
+    (["--io-timeout", "nan"], "--io-timeout must be a positive number of seconds"),
+    (["--mix-interval", "-1"], "--mix-interval must be a positive number of seconds"),
+    (["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+    (["--cluster-key-file", "/nonexistent"], "--cluster-key-file goes with --cluster"),
+    (["--cluster", "memcached://h:1", "--cluster-key-file", "/nonexistent/key"], "--cluster-key-file"),
+])
+def test_a_mount_value_refused_after_parsing_names_its_flag(flags: list[str], said: str) -> None:
+    with pytest.raises(OptionError) as refused:
+        options.mount_config(_mount_args(*flags), STORAGE)
+    assert said in str(refused.value)
+
+
+def test_mount_options_become_values_the_daemon_never_parses(tmp_path: Path) -> None:
+    config = options.mount_config(_mount_args("--cache-size", "30%", "--disk-cache", "rel/dir", "--disk-cache-size",
+                                              "2G", "--open-bytes", "1M", "--mix", "40%"), STORAGE)
+    assert config.cache_size == Share(0.3) and config.disk_cache_size == 2 << 30 and config.open_bytes == 1 << 20
+    assert config.mix == 0.4 and config.disk_cache == Path("rel/dir").absolute()
+    assert config.source == "/data" and config.store == "/srv/store" and config.threads == 4
+
+
+def test_the_mount_parser_defaults_are_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIQUIDFS_CACHE_SIZE", raising=False)
+    config = options.mount_config(_mount_args(), STORAGE)
+    defaults: dict[str, Any] = dict(options.MOUNT_DEFAULTS)
+    given = {"source": "/data", "mountpoint": Path("/mnt"), "store": "/srv/store"}
+    assert config == MountConfig(**{**defaults, **given})
+    assert os.environ.get("LIQUIDFS_CACHE_SIZE") is None

@@ -1,0 +1,100 @@
+"""The one builder of a mount (``daemon.build.mount``): every part on one ``ExitStack`` from the moment it exists,
+so a close that raises leaves no other part open."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from liquidfs.catalog import Catalog
+from liquidfs.daemon import build
+from liquidfs.daemon.config import MountConfig, Share
+from liquidfs.datapath.daemon import DaemonPath
+from liquidfs.datapath.notifier import Notifier
+from liquidfs.fuse.lookahead import MetadataAhead
+from liquidfs.held.disk import DiskTier
+from liquidfs.stores import open_store
+from liquidfs.stores.local.reader import StoreReader
+
+#: Each part's close, by the part's name.
+CLOSES: dict[str, tuple[type, str]] = {
+    "catalog": (Catalog, "close"), "reader": (StoreReader, "close"), "disk level": (DiskTier, "close"),
+    "notifier": (Notifier, "stop"), "read-ahead": (MetadataAhead, "stop"), "data path": (DaemonPath, "close"),
+}
+
+
+class Broken(Exception):
+    pass
+
+
+def _recording(name: str, close: Callable[..., Any], closed: list[str], failing: str) -> Callable[..., Any]:
+    def recorded(self: object, *args: Any, **kwargs: Any) -> Any:
+        closed.append(name)
+        result = close(self, *args, **kwargs)
+        if name == failing:
+            raise Broken(name)
+        return result
+    return recorded
+
+
+def _prepared(tmp_path: Path) -> Callable[[ExitStack], build.Mount]:
+    """A local store of three files with its catalog made: what builds a mount of it on a stack."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(3):
+        (src / "d" / f"{i}.bin").write_bytes(bytes([i]) * 4000)
+    storage = open_store(src, tmp_path / "store")
+    store_dir = storage.mount_catalog(rescan=False, progress=False)
+    config = MountConfig(source=storage.source_label, mountpoint=tmp_path / "mnt", store=storage.label,
+                         cache_size=Share(0.5), disk_cache=tmp_path / "disk", disk_cache_size=Share(0.5),
+                         data_path="daemon")
+    return lambda stack: build.mount(config, storage, store_dir, stack)
+
+
+def _record(monkeypatch: pytest.MonkeyPatch, failing: str = "") -> list[str]:
+    """The parts closed, in order (each close still runs); the close of ``failing`` raises after it ran."""
+    closed: list[str] = []
+    for name, (cls, method) in CLOSES.items():
+        monkeypatch.setattr(cls, method, _recording(name, getattr(cls, method), closed, failing))
+    return closed
+
+
+@pytest.mark.parametrize("failing", sorted(CLOSES))
+def test_a_part_whose_close_raises_leaves_every_other_part_closed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  failing: str) -> None:
+    mounted = _prepared(tmp_path)
+    closed = _record(monkeypatch, failing)
+    with pytest.raises(Broken, match=failing):
+        with ExitStack() as stack:
+            mount = mounted(stack)
+            assert mount.ops.data is not None and mount.ops.lookahead is not None and not closed
+    assert sorted(closed) == sorted(CLOSES), f"closed: {closed}"
+
+
+def test_parts_close_in_reverse_order_of_their_making(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mounted = _prepared(tmp_path)
+    closed = _record(monkeypatch)
+    with ExitStack() as stack:
+        mounted(stack)
+    # the data path after the notifier stopped (its queue may name the path's files), the levels before the
+    # reader under them, the catalog last
+    assert closed == ["notifier", "data path", "read-ahead", "disk level", "reader", "catalog"]
+
+
+def test_a_part_that_cannot_be_made_closes_those_made_before_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    mounted = _prepared(tmp_path)
+    closed = _record(monkeypatch)
+
+    def no_operations(*args: Any, **kwargs: Any) -> Any:
+        raise Broken("operations")
+
+    monkeypatch.setattr(build, "Operations", no_operations)
+    with pytest.raises(Broken):
+        with ExitStack() as stack:
+            mounted(stack)
+    assert closed == ["notifier", "read-ahead", "disk level", "reader", "catalog"]

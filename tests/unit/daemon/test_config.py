@@ -1,0 +1,85 @@
+"""``mount`` hands the daemon it starts its options as parsed values (``daemon.config.MountConfig`` as JSON), so
+a new flag needs no copy and the daemon parses no text."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+
+from liquidfs import cli
+from liquidfs.cli import options
+from liquidfs.daemon.config import MountConfig, Share
+from liquidfs.stores import Store
+
+STORAGE = cast(Store, SimpleNamespace(default_threads=4, source_label="/data", label="/srv/store"))
+
+# A value other than the default for every option the daemon is given (the parent's own are left out).
+NON_DEFAULT = ["--store", "/srv/store", "--allow-other", "-o", "ro,noatime", "-o", "max_read=131072",
+               "--threads", "7", "--open-threads", "9", "--cache-size", "30%", "--page-cache", "keep", "--open-bytes", "32M",
+               "--no-push-pages", "--disk-cache", "/nvme/cache", "--disk-cache-size", "20G", "--warmup",
+               "--cluster", "memcached://10.0.0.1:11211,10.0.0.2:11211", "--cluster-size", "60%",
+               "--readahead-kb", "512", "--io-timeout", "9.5", "--metrics-port", "9100", "--metrics-address",
+               "0.0.0.0", "--data-path", "daemon", "--verify-reads", "--time-requests", "--no-lookahead",
+               "--mix", "0.25", "--mix-interval", "3", "--pressure-dir", "/sys/fs/cgroup/x", "--log-level", "debug",
+               "--log-file", "/tmp/m.log"]
+#: The command's own options: what the daemon is not handed as a value (logging goes on its command line).
+LEFT_OUT = {"foreground", "rescan", "refresh", "ready_fd", "daemon_config", "log_level", "log_file", "func",
+            "command", "store", "source", "mountpoint"}
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    return cli.build_parser().parse_args(["mount", "/data", "/mnt", *argv])
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    key = tmp_path / "cluster.key"
+    key.write_bytes(os.urandom(32))
+    key.chmod(0o400)
+    return key
+
+
+def test_the_test_covers_every_option_of_mount(key_file: Path) -> None:
+    """A flag added to ``mount`` must be added above too, or this fails: the trip is checked for all."""
+    defaults = vars(_parse([]))
+    given = vars(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file)]))
+    untested = {k for k in given if given[k] == defaults[k]} - LEFT_OUT
+    assert not untested, f"options without a non-default value in NON_DEFAULT: {sorted(untested)}"
+
+
+def test_every_option_reaches_the_config_as_a_value(key_file: Path) -> None:
+    config = options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file)]), STORAGE)
+    default = MountConfig(source="/data", mountpoint=Path("/mnt"), store="/srv/store")
+    same = [f.name for f in dataclasses.fields(MountConfig)
+            if getattr(config, f.name) == getattr(default, f.name) and f.name not in {"source", "mountpoint", "store"}]
+    assert not same, f"mount options that never reach MountConfig: {same}"
+    assert config.cache_size == Share(0.3) and config.cluster_size == Share(0.6)
+    assert config.cluster == (("10.0.0.1", 11211), ("10.0.0.2", 11211)) and config.cluster_key_file == key_file
+
+
+def test_every_value_survives_the_trip_to_the_daemon(key_file: Path) -> None:
+    given = options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file)]), STORAGE)
+    assert MountConfig.from_json(given.to_json()) == given
+    defaults = options.mount_config(_parse([]), STORAGE)
+    assert MountConfig.from_json(defaults.to_json()) == defaults
+
+
+@pytest.mark.parametrize("change", [
+    {"threads": True}, {"threads": "4"}, {"cache_size": "30%"}, {"cache_size": {"share": 1.5}},
+    {"cache_size": -1}, {"page_cache": "some"}, {"data_path": "kernel"}, {"mix": 2.0}, {"mix": "most"},
+    {"io_timeout": "60"}, {"cluster": [["h"]]}, {"fuse_options": "ro"}, {"unknown": 1}, {"metrics_port": 1.5},
+], ids=str)
+def test_the_daemon_takes_no_config_but_one_of_values_of_the_right_kind(change: dict[str, object]) -> None:
+    values = json.loads(MountConfig(source="/data", mountpoint=Path("/mnt"), store="/s").to_json())
+    with pytest.raises(ValueError):
+        MountConfig.from_json(json.dumps({**values, **change}))
+    for name in values:
+        with pytest.raises(ValueError):
+            MountConfig.from_json(json.dumps({k: v for k, v in values.items() if k != name}))
