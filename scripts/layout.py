@@ -51,7 +51,7 @@ TESTED_IN = {
     "stores/s3/client.py": "`unit/stores/test_s3.py`, `unit/stores/test_s3_checks.py`",
     "stores/s3/store.py": "`unit/stores/test_s3.py`; `system/test_s3.py`",
     "stores/s3/reader.py": "`unit/stores/test_s3_checks.py`; `system/test_s3.py`",
-    "catalog/__init__.py": "`unit/catalog/test_catalog.py`",
+    "catalog/nodes.py": "`unit/catalog/test_catalog.py`, `unit/fuse/test_operations.py`",
     "catalog/identity.py": "`unit/stores/test_s3_checks.py`, `mount/test_trust.py`",
     "expand/expansion.py": "`unit/stores/test_writers.py`; `mount/test_prepare.py`",
     "prepare/__init__.py": "`mount/test_prepare.py`",
@@ -61,6 +61,7 @@ TESTED_IN = {
     "sysio/directio.py": "`unit/datapath/test_daemon.py`",
     "sysio/locks.py": "`unit/stores/test_stores.py`",
     "sysio/privileges.py": "`unit/cli/test_doctor.py`",
+    "sysio/home.py": "`unit/cli/test_errors.py`",
     "held/cluster_peers.py": "`unit/held/test_cluster.py`",
 }
 

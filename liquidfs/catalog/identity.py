@@ -1,5 +1,5 @@
-"""What tells a recorded thing apart: the digest of a raw object's bytes, and whether a local file is still
-the version the catalog recorded."""
+"""What tells a recorded thing apart: the digest of a raw object's bytes, whether a local file is still the
+version the catalog recorded, a raw object's name and its stamp."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 import re
 from typing import TypeGuard
 
-from . import file_version
+import xxhash
+
+from .nodes import Node
 
 #: What ``checksum`` returns. A catalog is anyone's: a row's digest of any other form vouches for nothing.
 DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -41,5 +43,32 @@ def checksum(data: bytes | memoryview) -> str:
 
 def same_version(st: os.stat_result, size: int, mtime_ns: int, version: str | None) -> bool:
     """True while the local file behind ``st`` has the recorded size, mtime and, where it was recorded, version
-    (inode and ctime: ``catalog.file_version``)."""
+    (inode and ctime: ``file_version``)."""
     return (st.st_size, st.st_mtime_ns) == (size, mtime_ns) and (version is None or version == file_version(st))
+
+
+def file_version(st: os.stat_result) -> str:
+    """What, besides size and mtime, tells a local file apart from any other content at the same path.
+
+    Size and mtime alone can be put back (``touch -d``, ``cp -p``, ``rsync -t``): a file rewritten that way would
+    keep a stale raw object in service.  The inode number changes with a replaced file and the ctime with any
+    write, truncation, rename or mode change, and neither can be set back by an unprivileged user.
+    """
+    return f"ino:{st.st_ino}:ctime:{st.st_ctime_ns}"
+
+
+def object_key(node: Node) -> str:
+    """The hex digest a raw object of ``node`` is named by (``expansion.object_name``): the path and identity of
+    its source, so a changed source gets a new object, and a catalog row can only name the object of its own
+    source (``stores.local.reader.StoreReader.open_object``), never another image's."""
+    identity = b"%s\0%d\0%d" % (node.path, node.size, node.mtime_ns)
+    if node.etag is not None:
+        identity += b"\0" + node.etag.encode()
+    return xxhash.xxh3_128_hexdigest(identity)
+
+
+def object_stamp(st: os.stat_result) -> str:
+    """What tells a raw object apart from any other content under its name: its inode, ctime and size. Any write,
+    truncation, rename or replacement changes one of them, and none can be set back by anyone but root."""
+    return f"ino:{st.st_ino}:ctime:{st.st_ctime_ns}:size:{st.st_size}"
+

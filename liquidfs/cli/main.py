@@ -93,7 +93,7 @@ def _run(argv: Sequence[str] | None) -> int:
     except OSError as exc:  # a --log-file that is a link, or cannot be written
         print(f"liquidfs {args.command}: cannot log to {args.log_file}: {exc.strerror or exc}", file=sys.stderr)
         return 1
-    from ..catalog import CatalogError
+    from ..catalog.schema import CatalogError
     from ..daemon.config import MountError
     from ..stores.sample import ProfileError
 
@@ -150,7 +150,7 @@ def _store_advice(exc: OSError, args: argparse.Namespace, path: str | None) -> s
     """What to do when the store (or a directory on the way to it) is not this user's to write or read."""
     import errno
 
-    from ..catalog import cache_home
+    from ..sysio.home import cache_home
 
     if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS) or path is None:
         return None
@@ -183,6 +183,6 @@ def _local_store(args: argparse.Namespace) -> tuple[Path | None, bool]:
     source = getattr(args, "source", None)
     if args.command != "mount" or source is None or scheme(str(source)):
         return None, False
-    from ..catalog import default_store_dir
+    from ..catalog.catalog import default_store_dir
 
     return default_store_dir(source), True

@@ -111,7 +111,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from ..catalog import CatalogError
+    from ..catalog.schema import CatalogError
     from ..prepare import verify
 
     try:

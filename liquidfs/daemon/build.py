@@ -20,7 +20,8 @@ from typing import Any
 
 import trio
 
-from ..catalog import Catalog, Node
+from ..catalog.catalog import Catalog
+from ..catalog.nodes import Node
 from ..datapath import passthrough
 from ..datapath.daemon import DaemonPath
 from ..datapath.notifier import Notifier

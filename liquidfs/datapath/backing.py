@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..stores.reader import LendsDescriptors, Reader, stamp
 
 log = logging.getLogger(__name__)

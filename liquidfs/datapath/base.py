@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Protocol
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..held.base import HeldLevel
 from .inodes import Handle, Inode
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import trio
 from pyfuse3 import FUSEError
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..held.base import MemoryLevel
 from ..metrics.stats import MountStats
 from ..policy.next_epoch import NO_CACHE, Decision

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..metrics.stats import MountStats
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import Content

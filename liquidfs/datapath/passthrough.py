@@ -20,7 +20,7 @@ from typing import Protocol
 import pyfuse3
 import trio
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..held.base import MemfdLevel
 from ..metrics.stats import MountStats
 from ..policy.next_epoch import NO_CACHE, Decision

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..stores.reader import Reader
 
 R = TypeVar("R")

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..catalog import ExpansionRow, Node, object_key, object_stamp
+from ..catalog.identity import object_key, object_stamp
+from ..catalog.nodes import ExpansionRow, Node
 from ..catalog.identity import checksum, digest_refusal, same_version
 from ..sysio.directio import read_fd
 from ..sysio.locks import unique
@@ -218,7 +219,7 @@ def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Out
 
 
 def _holds(sub_fd: int, name: str, data: bytes) -> str | None:
-    """The stamp (``catalog.object_stamp``) of the regular file ``name`` below ``sub_fd`` when it holds exactly
+    """The stamp (``catalog.identity.object_stamp``) of the regular file ``name`` below ``sub_fd`` when it holds exactly
     ``data`` (never following a link), taken around the read: a write during it gives another stamp, and None."""
     try:
         with open(open_below(sub_fd, os.fsencode(name)), "rb") as f:

@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..catalog import KIND_FILE, Catalog, Node
+from ..catalog.catalog import Catalog
+from ..catalog.nodes import KIND_FILE, Node
 
 log = logging.getLogger(__name__)
 

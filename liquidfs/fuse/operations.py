@@ -23,7 +23,8 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from ..catalog import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Catalog, Node
+from ..catalog.catalog import Catalog
+from ..catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Node
 from ..datapath.base import DataPath
 from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
 from ..datapath.notifier import Notifier

@@ -18,7 +18,7 @@ import resource
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..metrics.stats import MountStats
 from ..policy.next_epoch import Decision, NextEpochCache
 

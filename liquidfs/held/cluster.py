@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..catalog.identity import is_digest
 from ..stores.reader import Content, InFront, Reader, check_raw
 from .cluster_peers import Client

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import Node
+from ..catalog.nodes import Node
 from ..policy.next_epoch import Decision, NextEpochCache
 from ..stores.reader import Content, InFront, Reader, private_digest
 from ..sysio.directio import read_whole

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import trio
 import xxhash
 
-from ..catalog import REPR_ORIGINAL, REPR_RAW, Node
+from ..catalog.nodes import REPR_ORIGINAL, REPR_RAW, Node
 from .controller import CpuBusy, MixController, Observation, Stalls
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..catalog import Catalog, Node
+from ..catalog.catalog import Catalog
+from ..catalog.nodes import Node
 from ..catalog.identity import is_digest
 from ..expand import formats
 from ..expand import workers as resources

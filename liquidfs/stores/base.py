@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..catalog import Catalog, Node
+from ..catalog.catalog import Catalog
+from ..catalog.nodes import Node
 from ..expand.rawformats import DEFAULT
 from .sample import Sample
 
@@ -40,7 +41,7 @@ class Store(Protocol):
     raw_formats: tuple[str, ...]
     #: Storage reads a mount keeps in flight by default (``mount --threads``).
     default_threads: int
-    #: Whether its objects carry a stamp that lets a stat vouch for them (``catalog.object_stamp``): an object
+    #: Whether its objects carry a stamp that lets a stat vouch for them (``catalog.identity.object_stamp``): an object
     #: reused without one is read and checked again by its worker, so that it gains one.
     stamps_objects: bool
 

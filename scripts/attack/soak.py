@@ -124,7 +124,7 @@ def pixel_digest(path: str | Path) -> str:
 
 def build_manifest(store: Path) -> dict[str, Any]:
     """What the mount of ``store``'s catalog must serve, per file: digests of bytes and of decoded pixels."""
-    from liquidfs.catalog import Catalog
+    from liquidfs.catalog.catalog import Catalog
 
     catalog = Catalog.open(store, readonly=True)
     try:
@@ -385,7 +385,7 @@ def _size_of(png: bytes) -> tuple[int, int]:
 
 def with_objects(fixture: dict[str, Any], store: Path, work: Path, tag: str) -> dict[str, Any]:
     """``fixture`` plus, for each image the store's catalog serves raw, its object and a copy of it."""
-    from liquidfs.catalog import Catalog
+    from liquidfs.catalog.catalog import Catalog
 
     catalog = Catalog.open(store, readonly=True)
     try:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))  # this checkout's liquidfs
 sys.path.insert(0, str(REPO / "scripts"))  # sample.py, which the demo and the tests use too
 
 import _throttle  # noqa: E402
-from liquidfs.catalog import Catalog  # noqa: E402
+from liquidfs.catalog.catalog import Catalog  # noqa: E402
 from liquidfs.daemon.control import read_control  # noqa: E402
 from liquidfs.prepare import prepare  # noqa: E402
 from sample import make_sample  # noqa: E402

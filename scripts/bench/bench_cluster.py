@@ -71,7 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, mounts, page cache: one copy of each)
 import _throttle  # noqa: E402
-from liquidfs.catalog import Catalog  # noqa: E402
+from liquidfs.catalog.catalog import Catalog  # noqa: E402
 from liquidfs.catalog.identity import checksum  # noqa: E402
 from liquidfs.held.sealing import KEY_BYTES, ClusterKey, Sealer  # noqa: E402
 

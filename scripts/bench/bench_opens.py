@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import _bench as bench
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 
 STATES = ("cold", "warm")
 SHAPES = ("small", "large", "opens")

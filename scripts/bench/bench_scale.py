@@ -108,7 +108,7 @@ def drop_dentries() -> bool:
 
 def measure_build(source: Path, store: Path) -> dict[str, Any]:
     """Catalog build in a fresh process, as the first `liquidfs mount` does it."""
-    code = ("import json, resource, sys; from liquidfs.catalog import build; r = build(sys.argv[1], sys.argv[2]); "
+    code = ("import json, resource, sys; from liquidfs.catalog.build import build; r = build(sys.argv[1], sys.argv[2]); "
             "print(json.dumps({'files': r.files, 'dirs': r.directories, 'seconds': r.seconds, "
             "'maxrss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
     started = time.monotonic()

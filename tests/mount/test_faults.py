@@ -25,7 +25,8 @@ import pytest
 from benchscripts import BENCH, load_script
 from conftest import run_cli
 from fusehelpers import DATA_PATHS, FUSERMOUNT, Mount, as_nobody, daemon_pid, is_mounted, wait_for
-from liquidfs.catalog import REPR_RAW, Catalog, Node
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import REPR_RAW, Node
 from liquidfs.prepare import prepare
 from sample import make_sample
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fusehelpers import DATA_PATHS, Mount, as_nobody, wait_for
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.daemon.control import read_control
 from liquidfs.prepare import prepare
 from sample import make_sample

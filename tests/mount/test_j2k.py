@@ -14,7 +14,7 @@ from PIL import Image
 
 from conftest import run_cli
 from fusehelpers import Mount
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.prepare import prepare, verify
 from sample import _photos, mosaic
 

@@ -22,7 +22,8 @@ from PIL import Image
 
 from conftest import run_cli
 from fusehelpers import PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, memfd_bytes, wait_for
-from liquidfs.catalog import Catalog, object_stamp
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.identity import object_stamp
 from liquidfs.prepare import prepare
 from trees import dataset_tree, noise_files
 

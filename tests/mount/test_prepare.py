@@ -20,7 +20,7 @@ from PIL import Image
 from conftest import run_cli
 from forge import as_before_blake2b
 from fusehelpers import Mount, wait_for
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.expand.expansion import rank
 from liquidfs.prepare import prepare, verify
 from sample import make_sample, mosaic, _photos
@@ -154,7 +154,8 @@ def test_selection_is_seeded_and_ratio_changes_reuse(sample: Path, tmp_path: Pat
 def test_prepare_stamps_each_object_it_writes_and_a_rescan_keeps_the_stamps(tmp_path: Path) -> None:
     """Each object's stamp (inode, ctime, size) is taken when it is written: mounts trust an object whose stamp
     is unchanged. A rescan carries the stamps over with the selection."""
-    from liquidfs.catalog import object_stamp, open_or_build
+    from liquidfs.catalog.build import open_or_build
+    from liquidfs.catalog.identity import object_stamp
 
     src = make_sample(tmp_path / "data", count=4, width=128, height=64, seed=3)
     store = tmp_path / "store"

@@ -166,7 +166,7 @@ def test_prepare_ratio_auto_run_prepares_the_searched_share(dataset: tuple[Path,
     kept = json.loads((store / "profile.json").read_text())
     assert kept["chosen_by"].startswith("measured search") and "paced_loader.py" in kept["timed"]
     assert f"profile chose ratio {kept['chosen']:.2f}" in done.stdout
-    from liquidfs.catalog import Catalog
+    from liquidfs.catalog.catalog import Catalog
 
     catalog = Catalog.open(store, readonly=True)
     try:

@@ -18,7 +18,7 @@ from conftest import run_cli
 from forge import xxh3_twins
 from fusehelpers import DATA_PATHS, FUSERMOUNT, PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, is_mounted, wait_for
 from liquidfs.policy.next_epoch import WINDOW, NextEpochCache
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.prepare import prepare
 from sample import make_sample
 
@@ -295,7 +295,7 @@ def test_prepare_reads_no_source_swapped_for_a_link_after_the_scan(tmp_path: Pat
     """Between the scan and the expansion a user who owns the dataset swaps an image for a link to a file of the
     same size and mtime that only root may read, and puts the directory's mtime back so the catalog is reused:
     prepare (root) used to follow the link and put that file's pixels in an object the mount serves."""
-    from liquidfs.catalog import build
+    from liquidfs.catalog.build import build
 
     src = tmp_path / "src"
     src.mkdir()
@@ -325,7 +325,7 @@ def test_prepare_reads_no_source_swapped_for_a_link_after_the_scan(tmp_path: Pat
 def test_prepare_adopts_a_left_over_object_only_if_it_holds_the_right_bytes(tmp_path: Path) -> None:
     """A killed prepare (or a lost catalog) leaves objects nobody recorded; the next run used to adopt whatever
     bytes the object's name held, and record their checksum, so the mount served a damaged object as sound."""
-    from liquidfs.catalog import Catalog as Cat
+    from liquidfs.catalog.catalog import Catalog as Cat
 
     src = tmp_path / "src"
     src.mkdir()
@@ -356,7 +356,8 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
     bytes in what was served. A change of the file during the read is now seen (fstat after) and it is read
     again."""
     from liquidfs.stores import reader as reader_mod
-    from liquidfs.catalog import ROOT_ID, open_or_build
+    from liquidfs.catalog.build import open_or_build
+    from liquidfs.catalog.nodes import ROOT_ID
     from liquidfs.stores.local.reader import StoreReader
 
     src = tmp_path / "src"

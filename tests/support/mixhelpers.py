@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fusehelpers import Mount
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.prepare import prepare
 from sample import make_sample
 

@@ -12,7 +12,8 @@ from liquidfs.daemon import build as assemble
 from liquidfs.daemon.config import MountConfig
 from liquidfs.datapath.passthrough import Kernel
 from liquidfs.policy.next_epoch import NextEpochCache
-from liquidfs.catalog import Catalog, build
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.fuse.operations import Operations
 from liquidfs.stores.reader import Reader
 from liquidfs.stores.local.reader import StoreReader

@@ -21,7 +21,7 @@ import pytest
 from fusehelpers import Mount, wait_for
 from memcacheds import memcached_binary  # noqa: F401  (a fixture)
 from ports import free_port
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.held.cluster_peers import resolve_addresses
 from liquidfs.held.memcached import SKIP_FOR, MemcachedWire
 from liquidfs.daemon.build import CLUSTER_USABLE, cluster_size_from_limits

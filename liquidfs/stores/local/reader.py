@@ -10,7 +10,8 @@ import logging
 import os
 from pathlib import Path
 
-from ...catalog import Node, object_key, object_stamp
+from ...catalog.identity import object_key, object_stamp
+from ...catalog.nodes import Node
 from ...sysio import access
 from ...sysio.directio import POOL, read_fd, read_span
 from ...sysio.paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_below_stat, open_dir, stat_below
@@ -34,7 +35,7 @@ class StoreReader:
             self.objects_fd = open_dir(store_dir / "objects")
         except FileNotFoundError:  # nothing prepared raw
             self.objects_fd = -1
-        # An object's stamp (``catalog.object_stamp``) vouches for it only where a stat is the inode's own, not
+        # An object's stamp (``catalog.identity.object_stamp``) vouches for it only where a stat is the inode's own, not
         # attributes a network or FUSE filesystem may have cached for seconds.
         self.stamps_vouch = filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS
         self._fallbacks = FallbackLog(log)
@@ -159,7 +160,7 @@ class StoreReader:
 
     def object_sealed(self, node: Node, st: os.stat_result) -> bool:
         """The raw object behind ``st`` is the one prepare wrote or last read whole and checked: its inode, ctime
-        and size are those recorded then (``catalog.object_stamp``; any write, truncation or replacement since
+        and size are those recorded then (``catalog.identity.object_stamp``; any write, truncation or replacement since
         changes one), and the size served. Evidence about this object alone: no later run vouches for it
         without reading it."""
         return (self.stamps_vouch and node.object_stamp is not None and st.st_size == node.served_size

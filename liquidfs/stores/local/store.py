@@ -2,7 +2,7 @@
 
 Layout of a store directory::
 
-    catalog.sqlite            the catalog mounts read (replaced whole by prepare: ``catalog.WorkingCopy``)
+    catalog.sqlite            the catalog mounts read (replaced whole by prepare: ``catalog.build.WorkingCopy``)
     objects/ab/<hash>.bmp     raw objects (.jp2 for JPEG 2000), written to a temporary name, fsynced, renamed
     profile.json              what ``prepare --ratio auto`` measured: ``mount --mix adaptive`` starts there
     prepare.lock, mounts.lock prepares take turns; a running mount keeps prepare from deleting its objects
@@ -23,7 +23,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, WorkingCopy, default_store_dir, open_or_build
+from ...catalog.build import WorkingCopy, open_or_build
+from ...catalog.catalog import CATALOG_NAME, Catalog, default_store_dir
+from ...catalog.nodes import Node
+from ...catalog.schema import CatalogError
 from ...expand import formats
 from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN

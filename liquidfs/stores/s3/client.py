@@ -101,7 +101,7 @@ def work_dir(store: S3Url, client: Any) -> Path:
     Keyed by the client's endpoint and the store, so two stores never share one; several mounts of one store on a
     node do (the catalog is replaced atomically and only read by mounts).
     """
-    from ...catalog import cache_home
+    from ...sysio.home import cache_home
 
     key = hashlib.sha256(f"{client.meta.endpoint_url}\0{store}".encode()).hexdigest()[:16]
     path = cache_home() / f"s3-{key}"

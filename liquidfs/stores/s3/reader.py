@@ -21,7 +21,7 @@ import functools
 import logging
 from typing import Any
 
-from ...catalog import Node
+from ...catalog.nodes import Node
 from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw
 from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 

@@ -22,7 +22,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ...catalog import CATALOG_NAME, Catalog, CatalogError, Node, build_from_objects
+from ...catalog.build import build_from_objects
+from ...catalog.catalog import CATALOG_NAME, Catalog
+from ...catalog.nodes import Node
+from ...catalog.schema import CatalogError
 from ...catalog.identity import checksum, is_digest
 from ...expand import formats
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge

@@ -24,7 +24,7 @@ from liquidfs.cli import mount as cli_mount
 from liquidfs.daemon import control
 from liquidfs.daemon.config import MountConfig, MountError
 from liquidfs.daemon.spawn import spawn_daemon
-from liquidfs.catalog import CATALOG_NAME, default_store_dir
+from liquidfs.catalog.catalog import CATALOG_NAME, default_store_dir
 from sample import make_sample
 
 NOBODY = 65534

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.daemon import build
 from liquidfs.daemon.config import MountConfig, Share
 from liquidfs.datapath.daemon import DaemonPath

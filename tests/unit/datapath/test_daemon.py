@@ -14,7 +14,9 @@ import pytest
 import trio
 import trio.testing
 
-from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.datapath.storage_calls import OPENS_PER_USER_SHARE, StorageCalls
 from liquidfs.fuse.operations import Operations
 from liquidfs.stores.local.reader import StoreReader
@@ -400,7 +402,7 @@ def test_an_object_changed_after_prepare_is_checked_at_open_and_the_original_ser
 def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_the_original(
         tmp_path: Path) -> None:
     """Damage no stat shows (a bad disk sector): as if the object's stamp had been taken after it."""
-    from liquidfs.catalog import object_stamp
+    from liquidfs.catalog.identity import object_stamp
 
     ops, raw, store = _raw_ops(tmp_path)
     node = raw[0]

@@ -18,7 +18,8 @@ import trio
 
 from liquidfs.datapath.backing import memfd_copy, memfd_with, resolve
 from liquidfs.policy.next_epoch import NextEpochCache
-from liquidfs.catalog import ROOT_ID, Catalog
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.fuse.operations import Operations
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE
 from liquidfs.prepare import prepare
@@ -275,7 +276,7 @@ def test_an_object_another_user_can_write_is_copied_not_passed_through(tmp_path:
     src, store = _prepared(tmp_path)
     import sqlite3
 
-    from liquidfs.catalog import object_stamp
+    from liquidfs.catalog.identity import object_stamp
 
     db = sqlite3.connect(store / "catalog.sqlite")
     with db:
@@ -306,7 +307,7 @@ def test_both_data_paths_serve_what_choose_decides(tmp_path: Path) -> None:
     whole read (``StoreReader.open``) and deferral (``vouch``) agree with ``StoreReader.choose`` for a sound
     raw object, a missing one, one damaged after prepare, a changed source, and an original."""
     from liquidfs.datapath.backing import vouched
-    from liquidfs.catalog import REPR_RAW
+    from liquidfs.catalog.nodes import REPR_RAW
 
     src, store = _prepared(tmp_path, count=10)
     catalog = Catalog.open(store, readonly=True)

@@ -11,7 +11,7 @@ import pyfuse3
 import pytest
 import trio
 
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.datapath import passthrough
 from liquidfs.datapath.storage_calls import OPEN_THREADS, in_thread
 from liquidfs.prepare import prepare

@@ -13,7 +13,7 @@ from PIL import Image
 from liquidfs.expand import formats
 from liquidfs.expand import rawformats
 from liquidfs.expand import workers as resources
-from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, Node
+from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.expand.expansion import object_name
 from liquidfs.expand.rawformats import BMP, DEFAULT, J2K, NAMES, RAW_FORMATS, RawFormat
 from liquidfs.stores.reader import OBJECT_NAME

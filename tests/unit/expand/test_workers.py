@@ -18,7 +18,7 @@ from liquidfs.expand import expansion
 from liquidfs.expand import formats
 from liquidfs import prepare as prepare_mod
 from liquidfs.expand import workers as resources
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.expand.expansion import expand_bytes
 from liquidfs.prepare import prepare
 from liquidfs.expand.workers import (WORKER_BASE_BYTES, available_memory, expansion_need, headroom, parse_cgroup_paths,

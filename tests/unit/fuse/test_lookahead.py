@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from liquidfs.fuse import lookahead
-from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.fuse.lookahead import MetadataAhead
 from liquidfs.stores.local.reader import StoreReader
 

@@ -14,7 +14,9 @@ import pyfuse3
 import pytest
 import trio
 
-from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.daemon import build as assemble
 from liquidfs.fuse.operations import CONTROL_ID, CONTROL_NAME, Operations
 from liquidfs.metrics.stats import MountStats

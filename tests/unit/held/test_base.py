@@ -11,7 +11,7 @@ import pytest
 
 from liquidfs.datapath.backing import memfd_with
 from liquidfs.policy.next_epoch import NextEpochCache
-from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, Node
+from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.held.disk import DiskTier
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, HeldLevel, MemfdLevel, MemoryLevel
 from liquidfs.stores.reader import Content

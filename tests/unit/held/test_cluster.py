@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from clusterfakes import FakeMemcached
-from liquidfs.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.held.cluster_peers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
                                    parse_cluster, resolve_addresses)
 from liquidfs.held.cluster import ClusterTier, EveryoneReads, in_share, key_of

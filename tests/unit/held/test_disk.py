@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from liquidfs.policy.next_epoch import NextEpochCache
-from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, Node
+from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.held.disk import DiskTier
 from liquidfs.stores.reader import Content
 

@@ -33,7 +33,9 @@ import trio
 from clusterfakes import FakeMemcached
 from liquidfs.daemon import build as assemble
 from liquidfs.policy.next_epoch import NextEpochCache
-from liquidfs.catalog import ROOT_ID, Catalog, build
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.held.cluster import ClusterTier
 from liquidfs.held.disk import DiskTier
 from liquidfs.metrics.defs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from liquidfs.catalog import REPR_ORIGINAL, REPR_RAW, Node
+from liquidfs.catalog.nodes import REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.mix.share import Mix, as_original, steer
 from liquidfs.mix.controller import MixController, Stalls
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from liquidfs.catalog import Catalog, build
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
 from liquidfs.daemon.build import make_cache
 from liquidfs.daemon.config import Share
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, MemfdLevel, MemoryLevel

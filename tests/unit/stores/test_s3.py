@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from liquidfs.catalog import CatalogError
+from liquidfs.catalog.schema import CatalogError
 from liquidfs.stores.s3.client import S3Url
 from liquidfs.stores.s3.store import bucket_pair
 

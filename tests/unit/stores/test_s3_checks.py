@@ -23,7 +23,7 @@ from botocore.exceptions import ClientError
 from forge import xxh3_twins
 from PIL import Image
 
-from liquidfs.catalog import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
+from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.catalog.identity import checksum
 from liquidfs.stores.s3 import reader as s3reader
 from liquidfs.stores.s3 import store as bucket_store

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from liquidfs.catalog import CatalogError
+from liquidfs.catalog.schema import CatalogError
 from liquidfs.stores import BACKENDS, open_prepared, open_store, scheme
 from liquidfs.stores.local import LocalStore
 from liquidfs.stores.s3 import BucketStore

@@ -16,7 +16,8 @@ import pytest
 
 from liquidfs import cli
 from liquidfs.cli.main import _setup_logging
-from liquidfs.catalog import CATALOG_NAME, CatalogError
+from liquidfs.catalog.catalog import CATALOG_NAME
+from liquidfs.catalog.schema import CatalogError
 from liquidfs.prepare import prepare, verify
 from liquidfs.stores.local import PROFILE_NAME, LocalStore
 from liquidfs.stores.sample import ProfileError

@@ -1,0 +1,342 @@
+"""Writing a catalog: the walk of a local tree or the listing of an object store into a new catalog, and a
+working copy that prepare changes; either becomes the store's catalog with one rename, what prepare learnt
+carried over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..sysio.locks import HeldLock, abandoned, unique
+from .catalog import CATALOG_NAME, Catalog, connect
+from .identity import file_version
+from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
+from .schema import FILE_IDENTITY, IDENTITY_INO_CTIME, SCANNED_COLUMNS, SCHEMA, SCHEMA_VERSION, CatalogError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ScanReport:
+    files: int = 0
+    directories: int = 0
+    symlinks: int = 0
+    ignored: int = 0
+    seconds: float = 0.0
+
+
+_INSERT = f"INSERT INTO nodes({SCANNED_COLUMNS}) VALUES ({','.join('?' * 15)})"
+
+
+class _Writer:
+    """A new catalog being written next to the current one; ``finish`` swaps it in atomically."""
+
+    def __init__(self, store_dir: str | os.PathLike[str]) -> None:
+        self.store = Path(store_dir)
+        self.store.mkdir(parents=True, exist_ok=True)
+        self.final = self.store / CATALOG_NAME
+        _remove_abandoned(self.store)
+        self.tmp, self.lock = _in_the_making(self.store)
+        self.db = sqlite3.connect(self.tmp, isolation_level=None)
+        # The previous catalog is ATTACHed to carry over what prepare learnt: it may be anyone's, and its schema
+        # must run nothing here (as every catalog read, ``connect``).
+        self.db.execute("PRAGMA trusted_schema=OFF")
+        self.db.execute("PRAGMA journal_mode=OFF")
+        self.db.execute("PRAGMA synchronous=OFF")
+        self.db.executescript(SCHEMA)
+        self.db.execute("BEGIN")
+        self.rows: list[tuple[object, ...]] = []
+
+    def add(self, row: tuple[object, ...]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= 10_000:
+            self.flush()
+
+    def flush(self) -> None:
+        self.db.executemany(_INSERT, self.rows)
+        self.rows.clear()
+
+    def finish(self, meta: dict[str, str], previous: Path | None = None) -> None:
+        """Commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced), swap."""
+        self.flush()
+        meta = {"schema_version": str(SCHEMA_VERSION), "scanned_at": str(time.time()), **meta}
+        self.db.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", list(meta.items()))
+        self.db.execute("COMMIT")
+        _carry_over_expansions(self.db, previous or self.final)
+        self.db.close()
+        # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
+        os.replace(self.tmp, self.final)
+        self.lock.release()
+
+
+class WorkingCopy:
+    """A private copy of a store's catalog that ``publish`` puts in its place with one rename.
+
+    A running mount reads the catalog file it opened at start: a change made in place (a new selection, rows
+    half-updated) would show it a store that never existed as a whole. Changes are made here and become the
+    store's catalog atomically; mounts already running keep reading the old file, a consistent snapshot.
+    """
+
+    def __init__(self, store_dir: Path) -> None:
+        self.final = store_dir / CATALOG_NAME
+        self.path, self.lock = _in_the_making(store_dir)
+        try:
+            source = connect(self.final, readonly=True)
+            try:
+                copy = sqlite3.connect(self.path)
+                with copy:
+                    source.backup(copy)
+                copy.close()
+            finally:
+                source.close()
+            self.catalog = Catalog.open_path(self.path)
+        except BaseException:
+            self.discard()
+            raise
+
+    def publish(self) -> None:
+        self.catalog.close()
+        os.replace(self.path, self.final)
+        self.lock.release()
+
+    def discard(self) -> None:
+        if hasattr(self, "catalog"):
+            self.catalog.close()
+        self.path.unlink(missing_ok=True)
+        self.lock.release()
+
+
+def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
+    """A name of its own for a catalog being written, and a lock held while it is: two writers on one store (two
+    prepares, a prepare and a mount's rescan), even in other PID namespaces, never touch each other's catalog in
+    the making, and one whose writer died is found by its free lock (``_remove_abandoned``)."""
+    path = store / unique(f"{CATALOG_NAME}.new-")
+    return path, HeldLock(Path(f"{path}.lock"))
+
+
+def _remove_abandoned(store: Path) -> None:
+    """Catalogs in the making whose writer died (their lock is free), with SQLite's side files."""
+    for lock in store.glob(f"{CATALOG_NAME}.new-*.lock"):
+        if abandoned(lock):
+            tmp = Path(str(lock)[:-len(".lock")])
+            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm"), Path(f"{tmp}-journal"), lock):
+                leftover.unlink(missing_ok=True)
+
+
+def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> ScanReport:
+    """Scan ``source`` into a new catalog in ``store_dir``, replacing any previous one atomically.
+
+    What ``prepare`` learnt (the ``expansions`` table) is carried over, so a rescan never redoes expansions of
+    unchanged files. Entries that are neither files, directories nor symlinks (sockets, fifos, devices) are not
+    shown: a dataset has no use for them and serving them through FUSE is unsafe.
+    """
+    started = time.monotonic()
+    root = os.fsencode(os.path.abspath(source))
+    root_st = os.stat(root)
+    if not stat.S_ISDIR(root_st.st_mode):
+        raise NotADirectoryError(f"{source} is not a directory")
+    writer = _Writer(store_dir)
+    report = ScanReport()
+    next_id = ROOT_ID + 1
+    # Each stack item: (directory id, absolute path, relative path); subdir counts are patched after.
+    nsubdirs: dict[int, int] = {}
+    dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int]] = {
+        ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns)
+    }
+    stack: list[tuple[int, bytes, bytes]] = [(ROOT_ID, root, b"")]
+    while stack:
+        dir_id, abs_dir, rel_dir = stack.pop()
+        try:
+            entries = sorted(os.scandir(abs_dir), key=lambda e: e.name)
+        except OSError as exc:
+            log.warning("cannot list %r: %s; shown empty", abs_dir, exc)
+            entries = []
+        subdirs = 0
+        for entry in entries:
+            name = entry.name
+            rel = rel_dir + b"/" + name if rel_dir else name
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError as exc:
+                log.warning("cannot stat %r: %s; not shown", entry.path, exc)
+                report.ignored += 1
+                continue
+            mode = st.st_mode
+            node_id = next_id
+            next_id += 1
+            if stat.S_ISDIR(mode):
+                subdirs += 1
+                report.directories += 1
+                dir_rows[node_id] = (node_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
+                stack.append((node_id, entry.path, rel))
+            elif stat.S_ISREG(mode):
+                report.files += 1
+                writer.add((node_id, dir_id, name, rel, KIND_FILE, mode, st.st_size, st.st_mtime_ns, 0,
+                            None, REPR_ORIGINAL, None, None, None, file_version(st)))
+            elif stat.S_ISLNK(mode):
+                report.symlinks += 1
+                target = os.readlink(entry.path)
+                writer.add((node_id, dir_id, name, rel, KIND_SYMLINK, mode, len(target), st.st_mtime_ns, 0,
+                            target, REPR_ORIGINAL, None, None, None, None))
+            else:
+                report.ignored += 1
+                next_id -= 1
+                continue
+        nsubdirs[dir_id] = subdirs
+    for r in dir_rows.values():
+        writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
+    writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME})
+    report.seconds = time.monotonic() - started
+    log.info(
+        "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
+        os.fsdecode(root), report.files, report.directories, report.symlinks, report.seconds,
+    )
+    return report
+
+
+#: Files and directories of an object-store tree: read-only, as the mount shows them.
+OBJECT_FILE_MODE = stat.S_IFREG | 0o444
+OBJECT_DIR_MODE = stat.S_IFDIR | 0o555
+
+
+def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: str | os.PathLike[str],
+                       source: str, *, previous: Path | None = None) -> ScanReport:
+    """A catalog of an object-store tree from its listing: ``(relative key, size, etag, mtime_ns)`` items.
+
+    Directories are the ``/``-separated prefixes of the keys (an object store has no directories of its own);
+    a directory's mtime is its newest object's. Keys a filesystem cannot show (empty, ``.`` or ``..``
+    components, a name that is also a directory, over 255 bytes) are left out with a warning, never renamed.
+    """
+    started = time.monotonic()
+    writer = _Writer(store_dir)
+    report = ScanReport()
+    # path -> [id, parent id, newest mtime, subdirectory count]
+    dirs: dict[bytes, list[int]] = {b"": [ROOT_ID, ROOT_ID, 0, 0]}
+    files: dict[bytes, tuple[object, ...]] = {}
+    next_id = ROOT_ID + 1
+
+    def directory(path: bytes) -> list[int] | None:
+        nonlocal next_id
+        found = dirs.get(path)
+        if found is not None:
+            return found
+        if path in files:
+            return None
+        parent_path, _, _ = path.rpartition(b"/")
+        parent = directory(parent_path)
+        if parent is None:
+            return None
+        parent[3] += 1
+        dirs[path] = [next_id, parent[0], 0, 0]
+        next_id += 1
+        report.directories += 1
+        return dirs[path]
+
+    for rel, size, etag, mtime_ns in objects:
+        path = rel.encode("utf-8", "surrogateescape")
+        parts = path.split(b"/")
+        if path.endswith(b"/") and size == 0 and all(p not in (b"", b".", b"..") for p in parts[:-1]):
+            directory(path[:-1])  # a "folder" marker object made by consoles and s3fs: an empty directory
+            continue
+        parent_path, _, name = path.rpartition(b"/")
+        if any(p in (b"", b".", b"..") or len(p) > 255 for p in parts) or path in dirs:
+            log.warning("object %r cannot be shown as a file; left out", rel)
+            report.ignored += 1
+            continue
+        parent = directory(parent_path)
+        if parent is None:
+            log.warning("object %r lies below a file of the same name; left out", rel)
+            report.ignored += 1
+            continue
+        files[path] = (next_id, parent[0], name, path, KIND_FILE, OBJECT_FILE_MODE, size, mtime_ns, 0,
+                       None, REPR_ORIGINAL, None, None, None, etag)
+        next_id += 1
+        report.files += 1
+        walk = parent_path
+        while True:  # a directory is as new as its newest object, like a directory's mtime after a write
+            entry = dirs[walk]
+            entry[2] = max(entry[2], mtime_ns)
+            if not walk:
+                break
+            walk = walk.rpartition(b"/")[0]
+    for row in files.values():
+        writer.add(row)
+    for path, (node_id, parent_id, mtime_ns, subdirs) in dirs.items():
+        writer.add((node_id, parent_id, path.rpartition(b"/")[2], path, KIND_DIR, OBJECT_DIR_MODE, 0, mtime_ns,
+                    subdirs, None, REPR_ORIGINAL, None, None, None, None))
+    writer.finish({"source": source, "source_kind": "s3"}, previous)
+    report.seconds = time.monotonic() - started
+    log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,
+             report.seconds)
+    return report
+
+
+def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
+    """Copy prepare's knowledge from the catalog being replaced, and re-apply the chosen representations."""
+    if not previous.exists():
+        return
+    try:
+        db.execute("ATTACH DATABASE ? AS old", (str(previous),))
+    except sqlite3.DatabaseError:
+        return
+    try:
+        db.execute("BEGIN")
+        version = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
+        if version is None or int(version[0]) not in (1, 2, 3, 4, SCHEMA_VERSION):
+            db.execute("ROLLBACK")
+            return
+        etag = "src_etag" if int(version[0]) >= 2 else "NULL"
+        stamp = "object_stamp" if int(version[0]) >= 4 else "NULL"  # older objects: checked by their checksum
+        db.execute(
+            "INSERT INTO expansions(path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, "
+            f"src_etag, object_stamp) SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, "
+            f"reason, {etag}, {stamp} FROM old.expansions"
+        )
+        for key in ("ratio", "seed"):
+            row = db.execute("SELECT value FROM old.meta WHERE key=?", (key,)).fetchone()
+            if row:
+                db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, row[0]))
+        # A file keeps its raw representation only if it is still the file that was expanded.
+        db.execute(
+            """UPDATE nodes SET repr=1, served_size=e.raw_size, object=e.object, checksum=e.checksum,
+                                object_stamp=e.object_stamp
+               FROM (SELECT o.path, x.raw_size, x.object, x.checksum, x.src_size, x.src_mtime_ns, x.src_etag,
+                            x.object_stamp
+                     FROM old.nodes o JOIN expansions x ON x.path=o.path
+                     WHERE o.repr=1 AND x.object=o.object) AS e
+               WHERE nodes.path=e.path AND nodes.kind=0
+                 AND nodes.size=e.src_size AND nodes.mtime_ns=e.src_mtime_ns AND nodes.etag IS e.src_etag"""
+        )
+        db.execute("COMMIT")
+    except sqlite3.DatabaseError as exc:
+        log.warning("could not carry over prepare's state from %s: %s", previous, exc)
+        db.execute("ROLLBACK")
+    finally:
+        db.execute("DETACH DATABASE old")
+
+
+def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str],
+                  *, rescan: bool = False) -> Catalog:
+    """The catalog for ``source`` in ``store_dir``: reused when fresh, (re)built otherwise."""
+    path = Path(store_dir) / CATALOG_NAME
+    if path.exists() and not rescan:
+        catalog = Catalog.open(store_dir)
+        same_source = catalog.source == os.fsencode(os.path.abspath(source))
+        if same_source and catalog.is_fresh():
+            log.info("reusing catalog %s", path)
+            return catalog
+        catalog.close()
+        if not same_source:
+            raise CatalogError(
+                f"{path} describes {os.fsdecode(catalog.source)}, not {os.path.abspath(source)}; "
+                "use another --store"
+            )
+        log.info("source changed since the last scan: rescanning")
+    build(source, store_dir)
+    return Catalog.open(store_dir)
