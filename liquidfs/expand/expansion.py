@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ..catalog.identity import object_key, object_stamp
+from ..catalog.identity import checksum, digest_refusal, object_key, object_stamp, same_version
 from ..catalog.nodes import ExpansionRow, Node
-from ..catalog.identity import checksum, digest_refusal, same_version
 from ..sysio.directio import read_fd
 from ..sysio.locks import unique
 from ..sysio.paths import open_below, open_dir, open_regular, open_under

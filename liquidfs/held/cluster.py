@@ -35,8 +35,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..catalog.nodes import Node
 from ..catalog.identity import is_digest
+from ..catalog.nodes import Node
 from ..stores.reader import Content, InFront, Reader, check_raw
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength

@@ -24,8 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..catalog.catalog import Catalog
-from ..catalog.nodes import Node
 from ..catalog.identity import is_digest
+from ..catalog.nodes import Node
 from ..expand import formats
 from ..expand import workers as resources
 from ..expand.expansion import Outcome, is_image, object_name, rank, set_budget

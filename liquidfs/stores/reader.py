@@ -27,8 +27,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import xxhash
 
-from ..catalog.nodes import Node
 from ..catalog.identity import LEGACY_REASON, checksum, digest_refusal, same_version
+from ..catalog.nodes import Node
 from ..expand.rawformats import SUFFIX_PATTERN
 from ..sysio.directio import POOL, read_fd
 

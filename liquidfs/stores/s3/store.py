@@ -24,9 +24,9 @@ from typing import Any
 
 from ...catalog.build import build_from_objects
 from ...catalog.catalog import CATALOG_NAME, Catalog
+from ...catalog.identity import checksum, is_digest
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...catalog.identity import checksum, is_digest
 from ...expand import formats
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS

@@ -23,8 +23,8 @@ from botocore.exceptions import ClientError
 from forge import xxh3_twins
 from PIL import Image
 
-from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.catalog.identity import checksum
+from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.stores.s3 import reader as s3reader
 from liquidfs.stores.s3 import store as bucket_store
 from liquidfs.stores.s3.client import AnswerMismatch, S3Url, as_oserror, error_code, get
