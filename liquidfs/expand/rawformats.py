@@ -2,7 +2,7 @@
 
 Object names (the suffix, ``reader.OBJECT_NAME``), ``--formats`` parsing, the stores' ``raw_formats``, a
 worker's memory budget (``resources``), the profile's choice and the messages that name a format all derive
-from these records. Adding a raw format is one record here and its encoder in ``formats`` (``formats._ENCODERS``);
+from these records. Adding a raw format is one record here and its encoder in ``encoders`` (``encoders.ENCODERS``);
 ``tests/unit/test_rawformats.py`` checks that the two agree. The profile measures BMP (its baseline: the
 originals are timed with it) and weighs any format decoded on a GPU on top of it.
 

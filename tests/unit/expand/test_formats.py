@@ -29,8 +29,10 @@ from hypothesis import strategies as st
 from nvidia.dali import fn, pipeline_def, types
 from PIL import Image, ImageCms, ImageFile
 
-from liquidfs.expand import formats
-from liquidfs.expand.formats import BMP_MAGIC, EXPANDABLE, Expansion, decode, expand, same_pixels, sniff
+from liquidfs.expand import bmp, jpeg
+from liquidfs.expand import png as png_format
+from liquidfs.expand.bmp import BMP_MAGIC
+from liquidfs.expand.formats import EXPANDABLE, Expansion, decode, expand, same_pixels, sniff
 
 try:
     import cv2
@@ -541,8 +543,8 @@ def test_bomb_refused_from_header_without_decoding(monkeypatch: pytest.MonkeyPat
     def no_decoder(*a: object, **k: object) -> None:
         raise AssertionError("a decoder was started for a bomb")
 
-    monkeypatch.setattr(formats.PngImagePlugin, "PngImageFile", no_decoder)
-    monkeypatch.setattr(formats.JpegImagePlugin, "JpegImageFile", no_decoder)
+    monkeypatch.setattr(png_format.PngImagePlugin, "PngImageFile", no_decoder)
+    monkeypatch.setattr(jpeg.JpegImagePlugin, "JpegImageFile", no_decoder)
     assert expand(_png_bomb()).reason == "too-large"
     assert expand(_jpeg_bomb()).reason == "too-large"
 
@@ -623,14 +625,14 @@ def test_bmp_layout(name: str, header_size: int, bpp: int, compression: int, col
 
 
 def test_round_trip_check_catches_a_broken_writer(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = formats._write_bmp
+    real = bmp._write_bmp
 
     def broken(*args: object, **kw: object) -> bytes:
         bmp = bytearray(real(*args, **kw))  # type: ignore[arg-type]
         bmp[struct.unpack_from("<I", bmp, 10)[0]] ^= 1  # first pixel byte
         return bytes(bmp)
 
-    monkeypatch.setattr(formats, "_write_bmp", broken)
+    monkeypatch.setattr(bmp, "_write_bmp", broken)
     for name in ("1", "L", "P-color", "RGB", "RGBA"):
         assert expand(original("png", name)).reason == "round-trip-mismatch", name
 

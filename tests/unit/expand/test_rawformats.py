@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from liquidfs.expand import formats
+from liquidfs.expand import encoders, formats
 from liquidfs.expand import rawformats
 from liquidfs.expand import workers as resources
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
@@ -83,7 +83,7 @@ def test_the_encoder_writes_a_file_the_magic_and_sniff_recognise(fmt: RawFormat)
 
 
 def test_every_raw_format_has_its_encoder() -> None:
-    assert formats._ENCODERS.keys() == RAW_FORMATS.keys()
+    assert encoders.ENCODERS.keys() == RAW_FORMATS.keys()
 
 
 @EACH

@@ -1,0 +1,85 @@
+"""JPEG originals: the marker walk up to the first scan (frame size, precision, the metadata refusals), and a
+JPEG's expansion to a raw file of Pillow's decode."""
+
+from __future__ import annotations
+
+import io
+import struct
+from typing import Final
+
+from PIL import JpegImagePlugin
+
+from .checks import Refuse, check_exif, check_xmp
+from .encoders import to_raw
+
+JPEG_SOI: Final = b"\xff\xd8\xff"
+_SOF_MARKERS: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_STANDALONE_MARKERS: Final = frozenset({0x01, 0xD8, *range(0xD0, 0xD8)})
+
+
+def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
+    """Walk the marker segments up to the first SOS: frame size and precision
+    from SOF (refused at once if too large), and the metadata refusals.
+    Mirrors Pillow/libjpeg in skipping junk bytes between segments."""
+    n = len(data)
+    pos = 2
+    sof: tuple[int, int, int] | None = None
+    while True:
+        pos = data.find(b"\xff", pos)  # skip junk (C speed: junk may be long)
+        if pos < 0:
+            raise Refuse("truncated", "no SOS")
+        while pos < n and data[pos] == 0xFF:  # fill bytes
+            pos += 1
+        if pos >= n:
+            raise Refuse("truncated", "no SOS")
+        marker = data[pos]
+        pos += 1
+        if marker in _STANDALONE_MARKERS:
+            continue
+        if marker == 0xD9:
+            raise Refuse("corrupt", "EOI before SOS")
+        if pos + 2 > n:
+            raise Refuse("truncated", "segment length past end")
+        length = struct.unpack_from(">H", data, pos)[0]
+        if length < 2:
+            raise Refuse("corrupt", "bad segment length")
+        if pos + length > n:
+            raise Refuse("truncated", "segment past end")
+        seg = data[pos + 2 : pos + length]
+        if marker in _SOF_MARKERS:
+            if len(seg) < 6:
+                raise Refuse("corrupt", "short SOF")
+            precision, height, width = struct.unpack_from(">BHH", seg)
+            if width * height > max_pixels:
+                raise Refuse("too-large", f"{width}x{height}")
+            sof = (width, height, precision)
+        elif marker == 0xE1 and seg.startswith(b"Exif\0\0"):
+            check_exif(seg[6:])
+        elif marker == 0xE1 and seg.startswith(b"http://ns.adobe.com/xap/1.0/\0"):
+            check_xmp(seg)
+        elif marker == 0xE2 and seg.startswith(b"ICC_PROFILE\0"):
+            raise Refuse("icc-profile")
+        elif marker == 0xE2 and seg.startswith(b"MPF\0"):
+            # MPO / Ultra HDR gain maps: more than one picture in the file.
+            raise Refuse("multi-picture")
+        elif marker == 0xDA:
+            if sof is None:
+                raise Refuse("corrupt", "SOS before SOF")
+            # libjpeg fills a cut-off scan with gray and only warns; Pillow
+            # raises.  Requiring EOI after the scan keeps us off such files.
+            if data.rfind(b"\xff\xd9") < pos + length:
+                raise Refuse("truncated", "no EOI after scan")
+            return sof
+        pos += length
+
+
+def expand_jpeg(data: bytes, max_pixels: int, to: str) -> bytes:
+    width, height, precision = scan_jpeg(data, max_pixels)
+    if width == 0 or height == 0:
+        raise Refuse("corrupt", "zero size (DNL) frame")
+    if precision != 8:
+        raise Refuse(f"unsupported-mode:jpeg-{precision}bit")
+    im = JpegImagePlugin.JpegImageFile(io.BytesIO(data))  # see expand_png for why not Image.open
+    if im.mode not in ("L", "RGB"):
+        raise Refuse(f"unsupported-mode:{im.mode}")
+    return to_raw(im, im.mode, (width, height), to)

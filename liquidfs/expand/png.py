@@ -1,0 +1,139 @@
+"""PNG originals: the chunk walk and the policy of what a raw file can carry exactly (the module docstring of
+``formats`` says why each refusal), and a PNG's expansion."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+from typing import Final
+
+from PIL import PngImagePlugin
+
+from .checks import Refuse, check_exif
+from .encoders import to_raw
+
+PNG_SIGNATURE: Final = b"\x89PNG\r\n\x1a\n"
+
+# (colour type, bit depth) -> Pillow mode we can write as BMP.
+_PNG_MODES: Final[dict[tuple[int, int], str]] = {
+    (0, 1): "1",
+    (0, 2): "L",
+    (0, 4): "L",
+    (0, 8): "L",
+    (2, 8): "RGB",
+    (3, 1): "P",
+    (3, 2): "P",
+    (3, 4): "P",
+    (3, 8): "P",
+    (6, 8): "RGBA",
+}
+_PNG_16BIT_NAMES: Final = {0: "I;16", 2: "RGB;16", 4: "LA;16", 6: "RGBA;16"}
+_PNG_VALID_DEPTHS: Final = {0: {1, 2, 4, 8, 16}, 2: {8, 16}, 3: {1, 2, 4, 8}, 4: {8, 16}, 6: {8, 16}}
+# sRGB / Rec.709 white point and primaries in cHRM units (1e-5).
+_SRGB_CHRM: Final = (31270, 32900, 64000, 33000, 30000, 60000, 15000, 6000)
+_SRGB_GAMMA: Final = 45455  # 1/2.2 in gAMA units
+_EXIF_TEXT_KEYS: Final = (b"Raw profile type exif", b"Raw profile type APP1")
+_TEXT_CHUNKS: Final = frozenset({b"tEXt", b"zTXt", b"iTXt"})
+# Chunks whose content the policy reads; of all others only presence counts.
+_POLICY_CHUNKS: Final = frozenset({b"IHDR", b"gAMA", b"cHRM", b"eXIf"})
+
+
+def png_header_size(data: bytes) -> tuple[int, int]:
+    if len(data) < 33:
+        raise Refuse("truncated", "no complete IHDR")
+    length, ctype = struct.unpack_from(">I4s", data, 8)
+    if ctype != b"IHDR" or length != 13:
+        raise Refuse("corrupt", "first chunk is not IHDR")
+    w, h = struct.unpack_from(">II", data, 16)
+    return w, h
+
+
+def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]]:
+    """Walk the chunks: structure, CRCs (libpng rejects bad ones even in IDAT,
+    which Pillow does not read), IEND present.  Returns IHDR fields and the
+    small chunks the policy looks at."""
+    w, h, depth, ctype, comp, filt, interlace = struct.unpack_from(">IIBBBBB", data, 16)
+    if w == 0 or h == 0 or comp != 0 or filt != 0 or interlace > 1:
+        raise Refuse("corrupt", "bad IHDR")
+    if depth not in _PNG_VALID_DEPTHS.get(ctype, ()):
+        raise Refuse("corrupt", f"bad colour type/depth {ctype}/{depth}")
+    view = memoryview(data)
+    chunks: dict[bytes, list[bytes]] = {}
+    pos, n = 8, len(data)
+    while True:
+        if pos + 12 > n:
+            raise Refuse("truncated", "chunk header past end of file")
+        length, name = struct.unpack_from(">I4s", data, pos)
+        end = pos + 12 + length
+        if end > n:
+            raise Refuse("truncated", f"{name!r} past end of file")
+        if zlib.crc32(view[pos + 4 : end - 4]) != struct.unpack_from(">I", data, end - 4)[0]:
+            raise Refuse("corrupt", f"CRC mismatch in {name!r}")
+        bodies = chunks.setdefault(name, [])
+        if name in _TEXT_CHUNKS:
+            bodies.append(bytes(view[pos + 8 : min(end - 4, pos + 8 + 80)]))  # keyword only
+        elif name in _POLICY_CHUNKS:
+            bodies.append(bytes(view[pos + 8 : end - 4]))
+        if name == b"IEND":
+            break
+        if name[:1].isupper() and name not in (b"IHDR", b"PLTE", b"IDAT"):
+            # An unknown critical chunk is a hard error for libpng.
+            raise Refuse("corrupt", f"unknown critical chunk {name!r}")
+        pos = end
+    if b"IDAT" not in chunks or len(chunks[b"IHDR"]) != 1:
+        raise Refuse("corrupt", "no IDAT or repeated IHDR")
+    # libpng: PLTE is required for palette images and forbidden for gray ones.
+    has_plte = b"PLTE" in chunks
+    if (ctype == 3 and not has_plte) or (ctype in (0, 4) and has_plte):
+        raise Refuse("corrupt", "PLTE missing or not allowed")
+    return w, h, depth, ctype, chunks
+
+
+def _check_png_policy(depth: int, ctype: int, chunks: dict[bytes, list[bytes]]) -> str:
+    """Chunk-level refusals; returns the Pillow mode we expect."""
+    if depth == 16:
+        raise Refuse(f"unsupported-mode:{_PNG_16BIT_NAMES[ctype]}")
+    if ctype == 4:
+        raise Refuse("unsupported-mode:LA")
+    if b"acTL" in chunks or b"fcTL" in chunks or b"fdAT" in chunks:
+        raise Refuse("animated")
+    if b"tRNS" in chunks:
+        raise Refuse("transparency")
+    if b"iCCP" in chunks:
+        raise Refuse("icc-profile")
+    if b"cICP" in chunks:
+        raise Refuse("color-space")
+    for g in chunks.get(b"gAMA", []):
+        # libpng skips gamma correction when within 5 % of the screen gamma
+        # (PNG_GAMMA_THRESHOLD), so ~1/2.2 is a no-op even for a decoder
+        # that does correct for a 2.2 display.
+        if len(g) != 4 or abs(struct.unpack(">I", g)[0] / _SRGB_GAMMA - 1) >= 0.05:
+            raise Refuse("gamma")
+    for c in chunks.get(b"cHRM", []):
+        if len(c) != 32 or any(abs(v - s) > 1000 for v, s in zip(struct.unpack(">8I", c), _SRGB_CHRM)):
+            raise Refuse("chromaticity")
+    for e in chunks.get(b"eXIf", []):
+        # Some writers wrongly keep the JPEG "Exif\0\0" prefix; lenient
+        # readers skip it, so look past it too.
+        check_exif(e[6:] if e.startswith(b"Exif\0\0") else e)
+    for name in _TEXT_CHUNKS:
+        for t in chunks.get(name, []):
+            key = t.split(b"\0", 1)[0]
+            if key in _EXIF_TEXT_KEYS:
+                # ImageMagick-style EXIF; Pillow's getexif() reads it.
+                raise Refuse("exif-orientation", "EXIF in a text chunk")
+    return _PNG_MODES[(ctype, depth)]
+
+
+def expand_png(data: bytes, max_pixels: int, to: str) -> bytes:
+    w, h = png_header_size(data)
+    if w * h > max_pixels:
+        raise Refuse("too-large", f"{w}x{h}")
+    _, _, depth, ctype, chunks = _scan_png(data)
+    mode = _check_png_policy(depth, ctype, chunks)
+    # The plugin class directly, not Image.open: our max_pixels check above
+    # replaces Pillow's process-wide MAX_IMAGE_PIXELS check, which would warn
+    # (or raise) on legitimately large images.
+    im = PngImagePlugin.PngImageFile(io.BytesIO(data))
+    return to_raw(im, mode, (w, h), to)
