@@ -21,7 +21,8 @@ from ..datapath.base import warm_up as warm_up_path
 from ..datapath.storage_calls import FUSE_WORKERS
 from ..fuse.operations import CONTROL_NAME, Operations
 from ..metrics.server import serve_metrics
-from ..mix.controller import CpuBusy, MixController, Stalls
+from ..mix.controller import MixController
+from ..mix.pressure import CpuBusy, Stalls
 from ..mix.share import steer
 from ..stores import Store
 from . import build

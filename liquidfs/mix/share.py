@@ -28,7 +28,8 @@ import trio
 import xxhash
 
 from ..catalog.nodes import REPR_ORIGINAL, REPR_RAW, Node
-from .controller import CpuBusy, MixController, Observation, Stalls
+from .controller import MixController, Observation
+from .pressure import CpuBusy, Stalls
 
 log = logging.getLogger(__name__)
 

@@ -3,21 +3,14 @@ follows a change of the machine (issue 16). No mount, no clock."""
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TypeVar
 
 import pytest
 
-from liquidfs.mix.controller import CpuBusy, MixController, Observation, Stalls, read_pressure
-
-T = TypeVar("T")
+from liquidfs.mix.controller import MixController, Observation
 
 
 @dataclass
@@ -119,13 +112,6 @@ def test_every_decision_says_why() -> None:
     run(controller, Machine(io_bw=300e6), 6, random.Random(5))
     assert all(d.reason for d in controller.decisions)
     assert any("storage binds" in d.reason for d in controller.decisions)
-
-
-def test_pressure_files_are_read_as_shares() -> None:
-    text = "some avg10=12.50 avg60=3.00 avg300=1.00 total=123\nfull avg10=1.00 avg60=0.00 avg300=0.00 total=4\n"
-    assert read_pressure(text) == (0.125, 123)
-    with pytest.raises(ValueError):
-        read_pressure("")
 
 
 def test_a_noisy_rate_does_not_stall_a_move_the_pressure_keeps_asking_for() -> None:
@@ -250,49 +236,6 @@ def test_a_strong_verdict_moves_at_least_the_initial_step() -> None:
     for _ in range(2):
         controller.observe(Observation(47, 0.0, cpu_pressure=0.1, io_pressure=0.04, cpu_busy=0.93))
     assert controller.share == pytest.approx(0.47)
-
-
-def _in_thread_with_deadline(call: Callable[[], T], seconds: float = 30.0) -> T:
-    """``call()`` in a thread of its own, failing (not hanging the suite) when it does not return in time."""
-    with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(call)
-        try:
-            return future.result(timeout=seconds)
-        except FuturesTimeout:
-            for fifo in _fifos:  # let a reader blocked on a FIFO go, so the pool can end
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                os.close(fd)
-            raise AssertionError(f"no answer within {seconds} s: blocked") from None
-
-
-_fifos: list[Path] = []
-
-
-def test_only_regular_pressure_files_are_read(tmp_path: Path) -> None:
-    """A delegated --pressure-dir (a cgroup) is its user's: a child group named ``cpu`` is a directory there, and
-    the reader took it for the node's pressure file, failed, and the controller saw no CPU pressure again, ever;
-    a FIFO named as a pressure file blocked its open for good. Only regular files count, the group's own
-    ``cpu.pressure`` beside such a directory is read, and anything else is no reading, at once."""
-    some = "some avg10=12.50 avg60=3.00 avg300=1.00 total=2000000\nfull avg10=0 avg60=0 avg300=0 total=0\n"
-    (tmp_path / "cpu").mkdir()
-    (tmp_path / "cpu.pressure").write_text(some)
-    os.mkfifo(tmp_path / "io.pressure")
-    _fifos.append(tmp_path / "io.pressure")
-    (tmp_path / "memory.pressure").write_text(some)
-    (tmp_path / "elsewhere").write_text(some.replace("avg10=12.50", "avg10=90.00"))
-    (tmp_path / "memory").symlink_to(tmp_path / "elsewhere")  # a link: never followed
-    os.mkfifo(tmp_path / "cpu.stat")
-    _fifos.append(tmp_path / "cpu.stat")
-    clock = iter([10.0, 11.0, 12.0, 13.0, 14.0]).__next__
-    stalls = Stalls(tmp_path, clock=clock)
-    assert _in_thread_with_deadline(lambda: stalls("cpu")) == pytest.approx(0.125)  # avg10, the first time
-    assert _in_thread_with_deadline(lambda: stalls("io")) is None
-    assert _in_thread_with_deadline(lambda: stalls("memory")) == pytest.approx(0.125)
-    (tmp_path / "cpu.pressure").write_text(some.replace("total=2000000", "total=2500000"))
-    assert _in_thread_with_deadline(lambda: stalls("cpu")) == pytest.approx(0.5 / 2)  # 0.5 s stalled in 2 s
-    # The group's cpu.stat, a FIFO here, is no reading either (never a blocked open): the node's /proc/stat is.
-    busy = _in_thread_with_deadline(lambda: CpuBusy(tmp_path))
-    assert busy._last is not None and busy._last[1] > 0
 
 
 # Probing while balanced (issue 30): pressures both low tell nothing of which share delivers more.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import trio
@@ -11,7 +10,7 @@ import trio.testing
 
 from liquidfs.catalog.nodes import REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.mix.share import Mix, as_original, steer
-from liquidfs.mix.controller import MixController, Stalls
+from liquidfs.mix.controller import MixController
 
 
 def raw_node(i: int) -> Node:
@@ -92,37 +91,6 @@ def test_adaptive_starts_at_the_profile_or_the_middle() -> None:
     assert Mix("adaptive", prepared=0.8, start=0.95).share == pytest.approx(0.8)  # never above what exists
 
 
-def test_pressure_files_of_the_node_and_of_a_cgroup(tmp_path: Path) -> None:
-    line = "some avg10={} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-    (tmp_path / "cpu").write_text(line.format("42.00"))
-    (tmp_path / "io.pressure").write_text(line.format("7.50"))
-    stalls = Stalls(tmp_path)  # first readings: the kernel's avg10
-    assert stalls("cpu") == pytest.approx(0.42)
-    assert stalls("io") == pytest.approx(0.075)
-    assert stalls("memory") is None
-
-
-def test_stalls_are_measured_over_the_interval_not_the_kernels_10_s_average(tmp_path: Path) -> None:
-    """The share of the time since the last reading that the ``total`` stall counter grew by: five seconds after
-    a move, ``avg10`` still holds most of what came before it."""
-    line = "some avg10={} avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-    now = [100.0]
-    (tmp_path / "io").write_text(line.format("60.00", 10_000_000))
-    stalls = Stalls(tmp_path, clock=lambda: now[0])
-    assert stalls("io") == pytest.approx(0.6)  # nothing to compare with yet: the kernel's average
-    now[0] += 5.0
-    (tmp_path / "io").write_text(line.format("45.00", 10_500_000))  # 0.5 s stalled in 5 s
-    assert stalls("io") == pytest.approx(0.1)
-    now[0] += 5.0
-    assert stalls("io") == 0.0  # nothing stalled since, whatever avg10 still says
-    (tmp_path / "cpu.pressure").write_text(line.format("1.00", 4_000_000))  # a cgroup's file name
-    assert stalls("cpu") == pytest.approx(0.01)
-    now[0] += 2.0
-    (tmp_path / "cpu.pressure").write_text(line.format("1.00", 1_000))  # a new group: the counter restarted
-    assert stalls("cpu") == pytest.approx(0.01)
-    assert stalls("memory") is None
-
-
 def test_steer_follows_the_pressure_and_says_why() -> None:
     """The loop feeds the controller from the mount's counters and the pressure, and applies its decisions."""
     mix = Mix("adaptive", prepared=1.0, start=0.5)
@@ -183,23 +151,3 @@ def test_a_saturated_cpu_counts_as_decode_binding() -> None:
     for _ in range(6):
         controller.observe(Observation(40, 0, cpu_pressure=0.07, io_pressure=0.05, cpu_busy=0.98))
     assert controller.share > 0.5
-
-
-def test_cpu_busy_from_the_node_and_from_a_cgroup(tmp_path: Path) -> None:
-    from liquidfs.mix.controller import CpuBusy
-
-    stat = tmp_path / "stat"
-    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3\n")
-    busy = CpuBusy(tmp_path / "none", proc_stat=stat)
-    stat.write_text("cpu  250 0 150 800 100 0 0 0 0 0\n")  # +200 busy, +100 idle
-    assert busy() == pytest.approx(200 / 300)
-    group = tmp_path / "group"
-    group.mkdir()
-    (group / "cpu.stat").write_text("usage_usec 0\n")
-    now = [100.0]
-    busy = CpuBusy(group, clock=lambda: now[0])
-    now[0] += 10.0
-    (group / "cpu.stat").write_text(f"usage_usec {int(5e6 * busy.cores)}\n")  # half of every core's time
-    assert busy() == pytest.approx(0.5)
-    (group / "cpu.stat").unlink()
-    assert CpuBusy(group, proc_stat=tmp_path / "missing")() is None

@@ -1,0 +1,126 @@
+"""What the adaptive mix reads of the machine: the kernel's pressure stall information for CPU and IO over each
+interval (``Stalls``: ``/proc/pressure/*`` or a cgroup v2 group's), and the share of CPU time that was busy
+(``CpuBusy``), each from regular files only (a delegated --pressure-dir is its user's)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ..sysio.paths import open_regular
+
+log = logging.getLogger(__name__)
+
+
+class CpuBusy:
+    """The share of CPU time that was busy since the previous call: a cgroup v2 group's (its ``cpu.stat``
+    ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's (``/proc/stat``; time
+    waiting for IO counts as idle). None where it cannot be read."""
+
+    def __init__(self, where: Path = Path("/proc/pressure"), proc_stat: Path = Path("/proc/stat"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.group_stat = where / "cpu.stat"
+        self.proc_stat = proc_stat
+        self.clock = clock
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float] | None:
+        """(busy seconds, total seconds) so far, as counters."""
+        try:
+            # Read as the pressure files are: only a regular file is the group's (--pressure-dir may be its user's).
+            group = _read_regular(self.group_stat)
+            if group is not None:
+                fields = dict(line.split() for line in group.splitlines() if line.strip())
+                return int(fields["usage_usec"]) / 1e6, self.clock() * self.cores
+            ticks = [int(v) for v in self.proc_stat.read_text().split("\n", 1)[0].split()[1:9]]
+        except (OSError, ValueError, KeyError) as exc:
+            log.debug("cpu busy: %s", exc)
+            return None
+        idle = ticks[3] + ticks[4]  # idle, iowait
+        return float(sum(ticks) - idle), float(sum(ticks))
+
+    def __call__(self) -> float | None:
+        now, last = self._sample(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1]:
+            return None
+        return min(1.0, max(0.0, (now[0] - last[0]) / (now[1] - last[1])))
+
+
+def read_pressure(text: str) -> tuple[float, int]:
+    """A pressure file's (``/proc/pressure/cpu``, a cgroup's ``cpu.pressure``) ``some`` line: its ``avg10`` as
+    0..1, and its ``total``, the microseconds some task stalled since boot (or the group's birth)."""
+    for line in text.splitlines():
+        if line.startswith("some "):
+            fields = dict(part.split("=", 1) for part in line.split()[1:])
+            return float(fields.get("avg10", 0.0)) / 100, int(fields.get("total", 0))
+    raise ValueError("no 'some' line in a pressure file")
+
+
+#: More than any pressure or cpu.stat file holds: a regular file planted in a delegated directory is read no further.
+_MAX_READ = 1 << 16
+
+
+def _read_regular(path: Path) -> str | None:
+    """The text of ``path`` when it is a regular file; None for anything else (missing, a directory, a FIFO, a
+    device, a symbolic link), at once. A delegated --pressure-dir (a cgroup) is its user's: a child group named
+    ``cpu`` is a directory there, and a FIFO's open would block the controller for good. O_NONBLOCK keeps that
+    open from waiting for a writer, O_NOFOLLOW keeps a link from leading anywhere, fstat judges what was opened
+    (``paths.open_regular``)."""
+    try:
+        fd = open_regular(path)
+    except OSError as exc:
+        log.debug("%s: %s", path, exc)
+        return None
+    try:
+        data = b""
+        while len(data) < _MAX_READ and (chunk := os.read(fd, _MAX_READ - len(data))):
+            data += chunk
+        return data.decode("ascii", "replace")
+    except OSError as exc:
+        log.debug("%s: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _pressure_text(kind: str, root: Path) -> str | None:
+    """The node's ``/proc/pressure/cpu``, or a cgroup v2 group's ``/sys/fs/cgroup/GROUP/cpu.pressure``: the first
+    of the two names that is a regular file (a group's child named ``cpu`` must not hide its ``cpu.pressure``)."""
+    for path in (root / kind, root / f"{kind}.pressure"):
+        text = _read_regular(path)
+        if text is not None:
+            return text
+    return None
+
+
+class Stalls:
+    """The pressure for a kind (cpu, io) over the time since the previous call for it: how much the pressure
+    file's ``some total`` grew, over the seconds that passed (0..1). The first call, with nothing to compare,
+    answers the kernel's ``avg10``; None where the kernel has no PSI."""
+
+    def __init__(self, root: Path = Path("/proc/pressure"), clock: Callable[[], float] = time.monotonic) -> None:
+        self.root = root
+        self.clock = clock
+        self._last: dict[str, tuple[int, float]] = {}
+
+    def __call__(self, kind: str) -> float | None:
+        text = _pressure_text(kind, self.root)
+        if text is None:
+            log.debug("no %s pressure file in %s", kind, self.root)
+            return None
+        try:
+            avg10, total = read_pressure(text)
+        except ValueError as exc:
+            log.debug("no %s pressure in %s: %s", kind, self.root, exc)
+            return None
+        now = self.clock()
+        last = self._last.get(kind)
+        self._last[kind] = (total, now)
+        if last is None or now <= last[1] or total < last[0]:
+            return avg10  # nothing to compare with (or a counter that went back: a new group)
+        return min(1.0, (total - last[0]) / 1e6 / (now - last[1]))

@@ -1,0 +1,116 @@
+"""What the adaptive mix reads of the machine (``mix.pressure``): pressure files of the node and of a cgroup, the
+stalls over each interval, the CPU's busy share, and only regular files read (never a blocked open)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+from liquidfs.mix.pressure import CpuBusy, Stalls, read_pressure
+
+T = TypeVar("T")
+
+
+def test_pressure_files_are_read_as_shares() -> None:
+    text = "some avg10=12.50 avg60=3.00 avg300=1.00 total=123\nfull avg10=1.00 avg60=0.00 avg300=0.00 total=4\n"
+    assert read_pressure(text) == (0.125, 123)
+    with pytest.raises(ValueError):
+        read_pressure("")
+
+
+def test_pressure_files_of_the_node_and_of_a_cgroup(tmp_path: Path) -> None:
+    line = "some avg10={} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    (tmp_path / "cpu").write_text(line.format("42.00"))
+    (tmp_path / "io.pressure").write_text(line.format("7.50"))
+    stalls = Stalls(tmp_path)  # first readings: the kernel's avg10
+    assert stalls("cpu") == pytest.approx(0.42)
+    assert stalls("io") == pytest.approx(0.075)
+    assert stalls("memory") is None
+
+
+def test_stalls_are_measured_over_the_interval_not_the_kernels_10_s_average(tmp_path: Path) -> None:
+    """The share of the time since the last reading that the ``total`` stall counter grew by: five seconds after
+    a move, ``avg10`` still holds most of what came before it."""
+    line = "some avg10={} avg60=0.00 avg300=0.00 total={}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    now = [100.0]
+    (tmp_path / "io").write_text(line.format("60.00", 10_000_000))
+    stalls = Stalls(tmp_path, clock=lambda: now[0])
+    assert stalls("io") == pytest.approx(0.6)  # nothing to compare with yet: the kernel's average
+    now[0] += 5.0
+    (tmp_path / "io").write_text(line.format("45.00", 10_500_000))  # 0.5 s stalled in 5 s
+    assert stalls("io") == pytest.approx(0.1)
+    now[0] += 5.0
+    assert stalls("io") == 0.0  # nothing stalled since, whatever avg10 still says
+    (tmp_path / "cpu.pressure").write_text(line.format("1.00", 4_000_000))  # a cgroup's file name
+    assert stalls("cpu") == pytest.approx(0.01)
+    now[0] += 2.0
+    (tmp_path / "cpu.pressure").write_text(line.format("1.00", 1_000))  # a new group: the counter restarted
+    assert stalls("cpu") == pytest.approx(0.01)
+    assert stalls("memory") is None
+
+
+def test_cpu_busy_from_the_node_and_from_a_cgroup(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3\n")
+    busy = CpuBusy(tmp_path / "none", proc_stat=stat)
+    stat.write_text("cpu  250 0 150 800 100 0 0 0 0 0\n")  # +200 busy, +100 idle
+    assert busy() == pytest.approx(200 / 300)
+    group = tmp_path / "group"
+    group.mkdir()
+    (group / "cpu.stat").write_text("usage_usec 0\n")
+    now = [100.0]
+    busy = CpuBusy(group, clock=lambda: now[0])
+    now[0] += 10.0
+    (group / "cpu.stat").write_text(f"usage_usec {int(5e6 * busy.cores)}\n")  # half of every core's time
+    assert busy() == pytest.approx(0.5)
+    (group / "cpu.stat").unlink()
+    assert CpuBusy(group, proc_stat=tmp_path / "missing")() is None
+
+
+def _in_thread_with_deadline(call: Callable[[], T], seconds: float = 30.0) -> T:
+    """``call()`` in a thread of its own, failing (not hanging the suite) when it does not return in time."""
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(call)
+        try:
+            return future.result(timeout=seconds)
+        except FuturesTimeout:
+            for fifo in _fifos:  # let a reader blocked on a FIFO go, so the pool can end
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                os.close(fd)
+            raise AssertionError(f"no answer within {seconds} s: blocked") from None
+
+
+_fifos: list[Path] = []
+
+
+def test_only_regular_pressure_files_are_read(tmp_path: Path) -> None:
+    """A delegated --pressure-dir (a cgroup) is its user's: a child group named ``cpu`` is a directory there, and
+    the reader took it for the node's pressure file, failed, and the controller saw no CPU pressure again, ever;
+    a FIFO named as a pressure file blocked its open for good. Only regular files count, the group's own
+    ``cpu.pressure`` beside such a directory is read, and anything else is no reading, at once."""
+    some = "some avg10=12.50 avg60=3.00 avg300=1.00 total=2000000\nfull avg10=0 avg60=0 avg300=0 total=0\n"
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu.pressure").write_text(some)
+    os.mkfifo(tmp_path / "io.pressure")
+    _fifos.append(tmp_path / "io.pressure")
+    (tmp_path / "memory.pressure").write_text(some)
+    (tmp_path / "elsewhere").write_text(some.replace("avg10=12.50", "avg10=90.00"))
+    (tmp_path / "memory").symlink_to(tmp_path / "elsewhere")  # a link: never followed
+    os.mkfifo(tmp_path / "cpu.stat")
+    _fifos.append(tmp_path / "cpu.stat")
+    clock = iter([10.0, 11.0, 12.0, 13.0, 14.0]).__next__
+    stalls = Stalls(tmp_path, clock=clock)
+    assert _in_thread_with_deadline(lambda: stalls("cpu")) == pytest.approx(0.125)  # avg10, the first time
+    assert _in_thread_with_deadline(lambda: stalls("io")) is None
+    assert _in_thread_with_deadline(lambda: stalls("memory")) == pytest.approx(0.125)
+    (tmp_path / "cpu.pressure").write_text(some.replace("total=2000000", "total=2500000"))
+    assert _in_thread_with_deadline(lambda: stalls("cpu")) == pytest.approx(0.5 / 2)  # 0.5 s stalled in 2 s
+    # The group's cpu.stat, a FIFO here, is no reading either (never a blocked open): the node's /proc/stat is.
+    busy = _in_thread_with_deadline(lambda: CpuBusy(tmp_path))
+    assert busy._last is not None and busy._last[1] > 0
