@@ -29,9 +29,9 @@ from ..datapath.storage_calls import StorageCalls
 from ..fuse.lookahead import MetadataAhead
 from ..fuse.operations import MAX_OPEN_FILES, Operations
 from ..held.base import PAGE, MemfdLevel, MemoryLevel, held_descriptors
-from ..held.cluster import ClusterTier, EveryoneReads, call_timeout
+from ..held.cluster import ClusterLevel, EveryoneReads, call_timeout
 from ..held.cluster_peers import memcached_client
-from ..held.disk import DiskTier
+from ..held.disk import DiskLevel
 from ..held.sealing import KeyFileError, Sealer, read_key_file
 from ..metrics.stats import MountStats
 from ..mix.share import Mix
@@ -232,7 +232,7 @@ def make_mix(catalog: Catalog, config: MountConfig, storage: Store) -> Mix | Non
 
 
 def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, config: MountConfig,
-                      reader: Reader) -> ClusterTier:
+                      reader: Reader) -> ClusterLevel:
     """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together; ``totals``
     are ``Catalog.file_totals()``."""
     assert config.cluster
@@ -261,8 +261,8 @@ def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, conf
         except KeyFileError as exc:
             client.close()
             raise MountError(str(exc)) from None
-        return ClusterTier(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
-    return ClusterTier(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
+        return ClusterLevel(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
+    return ClusterLevel(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
 
 
 #: Of what the memcacheds may hold (their ``-m``), what is counted on for values: memcached's slabs and item
@@ -283,7 +283,7 @@ def cluster_size_from_limits(limits: dict[str, int | None], raw_bytes: int) -> i
 
 
 def make_disk_level(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,
-                   cache: NextEpochCache | None) -> DiskTier:
+                   cache: NextEpochCache | None) -> DiskLevel:
     """The disk level sees what the memory level misses: its quota is of the dataset minus the memory budget."""
     assert config.disk_cache is not None and config.disk_cache_size is not None
     files, served, _, max_id = totals
@@ -292,7 +292,7 @@ def make_disk_level(totals: tuple[int, int, int, int], config: MountConfig, read
     log.info("disk cache budget %d bytes in %s", budget, config.disk_cache)
     policy = NextEpochCache(budget, reaching, files, max_id=max_id)
     held = (lambda node_id: node_id in cache.held) if cache is not None else (lambda node_id: False)
-    return DiskTier(reader, config.disk_cache, policy, memory_holds=held)
+    return DiskLevel(reader, config.disk_cache, policy, memory_holds=held)
 
 
 def make_cache(catalog: Catalog, totals: tuple[int, int, int, int],

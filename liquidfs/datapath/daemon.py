@@ -272,9 +272,9 @@ class DaemonPath:
         """What ``node`` serves, read from storage; ``for_open``: an open waits for it (the opens' limiter), else
         a warm-up or a deferred first read (the reads')."""
         content: Content = await self.storage.run(node, self.reader.open, node, for_open=for_open)
-        if content.data is not None or content.tier != "storage":
+        if content.data is not None or content.level != "storage":
             # (a file streamed from storage, over WHOLE_FILE_LIMIT, is not read yet: not counted)
-            self.stats.served_from(content.tier, content.size)
+            self.stats.served_from(content.level, content.size)
         return content
 
     def _push_rest(self, fh: int, handle: Handle, reach: int) -> None:

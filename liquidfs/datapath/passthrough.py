@@ -253,7 +253,7 @@ class PassthroughPath:
         if backing is None:
             backing = await self.storage.run(node, self._resolve, node, vouch, for_open=True)
         if backing is not None:
-            self.stats.served_from(backing.tier, backing.size)
+            self.stats.served_from(backing.level, backing.size)
         return backing
 
     def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:

@@ -34,8 +34,8 @@ from clusterfakes import FakeMemcached
 from liquidfs.daemon import build as assemble
 from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog import ROOT_ID, Catalog, build
-from liquidfs.held.cluster import ClusterTier
-from liquidfs.held.disk import DiskTier
+from liquidfs.held.cluster import ClusterLevel
+from liquidfs.held.disk import DiskLevel
 from liquidfs.metrics.defs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted
 from liquidfs.metrics.server import MetricsServer, MetricsStatistics, serve_metrics
 from liquidfs.mix.share import Mix
@@ -557,8 +557,8 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     files, served, _, max_id = catalog.file_totals()
     found = {}
     for data_path in ("daemon", "passthrough"):
-        disk = DiskTier(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
-        cluster = ClusterTier(disk, FakeMemcached(), 1.0)
+        disk = DiskLevel(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
+        cluster = ClusterLevel(disk, FakeMemcached(), 1.0)
         with ExitStack() as stack:
             stack.callback(disk.close)
             ops, _ = assemble.operations(
@@ -707,8 +707,8 @@ def test_a_lost_hit_never_makes_an_exported_counter_go_down() -> None:
 
 def test_served_from_counts_each_level_and_refuses_an_unknown_one() -> None:
     stats = MountStats()
-    for tier, size in (("storage", 5), ("memory", 7), ("disk", 11), ("cluster", 13), ("cluster", 1)):
-        stats.served_from(tier, size)
+    for level, size in (("storage", 5), ("memory", 7), ("disk", 11), ("cluster", 13), ("cluster", 1)):
+        stats.served_from(level, size)
     assert (stats.bytes_from_storage, stats.bytes_from_memory, stats.bytes_from_disk, stats.bytes_from_cluster) \
         == (5, 7, 11, 14)
     with pytest.raises(ValueError):
