@@ -114,14 +114,14 @@ class PassthroughPath:
 
     name = "passthrough"
 
-    def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, storage: StorageCalls,
+    def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, calls: StorageCalls,
                  *, ranges: DaemonPath, held: MemfdLevel | None = None, verify_reads: bool = False,
                  drop_served_pages: bool = True, on_cold_open: Callable[[Node], None] | None = None) -> None:
         """``on_cold_open``: told of each open whose metadata was not in memory (``MetadataAhead.went_cold``)."""
         self.kernel = kernel
         self.reader = reader
         self.stats = stats
-        self.storage = storage
+        self.calls = calls
         #: Serves the files that get no backing, in ranges; it holds nothing for the next epoch.
         self.ranges = ranges
         self.held = held
@@ -226,7 +226,7 @@ class PassthroughPath:
                     # memfd lives as long as this open.
                     self.held.release(node.id)
                 try:
-                    changed = await self.storage.source_changed(node)
+                    changed = await self.calls.source_changed(node)
                 except BaseException:
                     served.close()
                     raise
@@ -251,7 +251,7 @@ class PassthroughPath:
                 if self.on_cold_open is not None:
                     self.on_cold_open(node)
         if backing is None:
-            backing = await self.storage.run(node, self._resolve, node, vouch, for_open=True)
+            backing = await self.calls.run(node, self._resolve, node, vouch, for_open=True)
         if backing is not None:
             self.stats.served_from(backing.level, backing.size)
         return backing
@@ -274,7 +274,7 @@ class PassthroughPath:
         entry = handle.inode.shared
         if entry is None or entry.backing is None or entry.backing.fd < 0:
             raise OSError(errno.EBADF, "not open")
-        data: bytes = await self.storage.run(handle.node, os.pread, entry.backing.fd, size, off)
+        data: bytes = await self.calls.run(handle.node, os.pread, entry.backing.fd, size, off)
         return data
 
     async def release(self, handle: Handle) -> None:
@@ -351,7 +351,7 @@ class PassthroughPath:
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None
-        backing = await self.storage.run(node, self._resolve, node)
+        backing = await self.calls.run(node, self._resolve, node)
         if backing is None:
             return None
         try:

@@ -104,7 +104,7 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, catalog: Catalog, stats: MountStats, storage: StorageCalls, notifier: Notifier,
+    def __init__(self, catalog: Catalog, stats: MountStats, calls: StorageCalls, notifier: Notifier,
                  data_path: DataPath | None, *, mix: Mix | None = None,
                  may_read: Callable[[Node, int, int, int], bool] | None = None,
                  max_open_files: int = MAX_OPEN_FILES,
@@ -116,13 +116,13 @@ class Operations(pyfuse3.Operations):
         super().__init__()
         self.catalog = catalog
         self.stats = stats
-        self.storage = storage
+        self.calls = calls
         self.notifier = notifier
         files, served, _, max_id = catalog.file_totals()
         self.inodes = Inodes(stats, max_id)
         self.open_files: dict[int, Handle] = {}
         self._next_fh = 1
-        self.data = data_path
+        self.data_path = data_path
         self._data_chosen = trio.Event()
         if data_path is not None:
             self.serve_with(data_path)
@@ -161,20 +161,20 @@ class Operations(pyfuse3.Operations):
         (passthrough where the kernel granted it). Set once."""
         if self._data_chosen.is_set():
             raise RuntimeError("the data path is chosen once")
-        self.data = path
+        self.data_path = path
         self.stats.data_path = path.name
         self._data_chosen.set()
 
-    async def _data_path(self) -> DataPath:
-        if self.data is None:  # an open between INIT and the choice of the data path
+    async def _chosen_path(self) -> DataPath:
+        if self.data_path is None:  # an open between INIT and the choice of the data path
             await self._data_chosen.wait()
-        assert self.data is not None
-        return self.data
+        assert self.data_path is not None
+        return self.data_path
 
     @property
-    def cache(self) -> NextEpochCache | None:
+    def policy(self) -> NextEpochCache | None:
         """The next-epoch policy of the data path (None before it is chosen, or without a cache)."""
-        held = self.data.held if self.data is not None else None
+        held = self.data_path.held if self.data_path is not None else None
         return held.policy if held is not None else None
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -312,7 +312,7 @@ class Operations(pyfuse3.Operations):
         # cannot all pass a check of the files open so far.
         self._take_slot(ctx.uid)
         try:
-            with self.storage.opening(ctx.uid):
+            with self.calls.opening(ctx.uid):
                 info = await self._open_file(node, ctx)
         except BaseException:
             self._give_back_slot(ctx.uid)
@@ -324,9 +324,9 @@ class Operations(pyfuse3.Operations):
         """The open of a file, its slot of the budget taken."""
         if self.may_read is not None and ctx.uid not in (0, self.uid):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
-            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True):
+            if not await self.calls.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True):
                 raise FUSEError(errno.EACCES)
-        data = await self._data_path()
+        data = await self._chosen_path()
         record = self.inodes[node.id]
         mixed = self.mix is not None and node.served_raw and not record.fell_back
         try:
@@ -462,8 +462,8 @@ class Operations(pyfuse3.Operations):
         handle = self.open_files[fh]
         if handle.node is None:  # the control file
             return bytes(handle.content.read(off, size))
-        assert self.data is not None
-        data = await self.data.read(handle, off, size)
+        assert self.data_path is not None
+        data = await self.data_path.read(handle, off, size)
         self.stats.bytes_read += len(data)
         self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
@@ -485,9 +485,9 @@ class Operations(pyfuse3.Operations):
         if handle.node is None:
             handle.content.close()
             return
-        assert self.data is not None and handle.inode is not None
+        assert self.data_path is not None and handle.inode is not None
         try:
-            await self.data.release(handle)
+            await self.data_path.release(handle)
         finally:
             self.inodes.tidy(handle.inode)
 
@@ -497,12 +497,12 @@ class Operations(pyfuse3.Operations):
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = self.inodes.known
-        values["stuck_reads"] = self.storage.stuck
-        values["opens_in_flight"] = self.storage.opens_in_flight
-        values["opens_refused"] = self.storage.opens_refused
-        values["opens_refused_share"] = self.storage.opens_refused_share
-        if self.data is not None:
-            values.update(self.data.statistics())
+        values["stuck_reads"] = self.calls.stuck
+        values["opens_in_flight"] = self.calls.opens_in_flight
+        values["opens_refused"] = self.calls.opens_refused
+        values["opens_refused_share"] = self.calls.opens_refused_share
+        if self.data_path is not None:
+            values.update(self.data_path.statistics())
         values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}
         if self.mix is not None:
             values["mix"] = dataclasses.asdict(self.mix.statistics())

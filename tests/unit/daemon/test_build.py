@@ -71,7 +71,7 @@ def test_a_part_whose_close_raises_leaves_every_other_part_closed(tmp_path: Path
     with pytest.raises(Broken, match=failing):
         with ExitStack() as stack:
             mount = mounted(stack)
-            assert mount.ops.data is not None and mount.ops.lookahead is not None and not closed
+            assert mount.ops.data_path is not None and mount.ops.lookahead is not None and not closed
     assert sorted(closed) == sorted(CLOSES), f"closed: {closed}"
 
 

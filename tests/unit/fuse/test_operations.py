@@ -63,13 +63,13 @@ def test_unexpected_exceptions_become_eio(ops: Operations) -> None:
     def broken(node):
         raise RuntimeError("a bug")
 
-    ops.data.reader.open = broken  # type: ignore[method-assign]
+    ops.data_path.reader.open = broken  # type: ignore[method-assign]
     b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
     fh = run(ops.open, b.st_ino, os.O_RDONLY, CTX).fh  # read at its first read (``_read_later``)
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.read, fh, 0, 4096)
     assert info.value.errno == errno.EIO and ops.stats.errors == 1
-    ops.data.reader.vouch = broken  # type: ignore[method-assign]
+    ops.data_path.reader.vouch = broken  # type: ignore[method-assign]
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.open, b.st_ino, os.O_RDONLY, CTX)
     assert info.value.errno == errno.EIO and ops.stats.errors == 2
@@ -114,9 +114,9 @@ def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Pa
     served."""
     files = {f"f{i}": bytes([i]) * 1000 for i in range(2)}
     ops = ops_over(tmp_path, files, None)
-    ops.storage.max_opens = 2
+    ops.calls.max_opens = 2
     ino = run(ops.lookup, ROOT_ID, b"f0", CTX).st_ino
-    waiting = [ops.storage.opening(0), ops.storage.opening(0)]
+    waiting = [ops.calls.opening(0), ops.calls.opening(0)]
     for held in waiting:
         held.__enter__()
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -130,7 +130,7 @@ def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Pa
     waiting.pop().__exit__(None, None, None)
     fi = run(ops.open, ino, os.O_RDONLY, CTX)
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f0"]
-    assert ops.storage.opens_in_flight == 1 and ops.statistics()["opens_refused"] == 1
+    assert ops.calls.opens_in_flight == 1 and ops.statistics()["opens_refused"] == 1
 
 
 class _As:
@@ -157,7 +157,7 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
 
     ops, _ = assemble.operations(config(allow_other=True), catalog, StoreReader(catalog.source, tmp_path / "store"),
                                  MountStats(), ExitStack(), may_read=may_read)
-    ops.storage.max_opens = 4  # a share of 2 for a user other than root and the mount's
+    ops.calls.max_opens = 4  # a share of 2 for a user other than root and the mount's
     ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
 
     async def main() -> None:
@@ -165,7 +165,7 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
             for _ in range(2):
                 nursery.start_soon(ops.open, ino, os.O_RDONLY, _As(1000))
             with trio.fail_after(30):  # a bound only so that a failing run ends
-                while ops.storage.opens_in_flight < 2:
+                while ops.calls.opens_in_flight < 2:
                     await trio.sleep(0.01)
             with pytest.raises(pyfuse3.FUSEError) as info:
                 await ops.open(ino, os.O_RDONLY, _As(1000))
@@ -179,7 +179,7 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
             gate.set()
 
     run(main)
-    assert ops.storage.opens_in_flight == 0 and ops.stats.opens == 4
+    assert ops.calls.opens_in_flight == 0 and ops.stats.opens == 4
 
 
 def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:

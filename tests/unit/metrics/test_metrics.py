@@ -563,7 +563,7 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
             stack.callback(disk.close)
             ops, _ = assemble.operations(
                 MountConfig(source="src", mountpoint=Path("/mnt"), store="store"), catalog, cluster, MountStats(),
-                stack, cache=NextEpochCache(served, served, files, max_id=max_id), data_path=data_path,
+                stack, policy=NextEpochCache(served, served, files, max_id=max_id), data_path=data_path,
                 kernel=_Kernel(), mix=Mix(0.5, 1.0), warm=reader.warm,
                 extra_statistics=lambda: {**disk.statistics(), **cluster.statistics()})
             trio.run(_read_twice, ops)
