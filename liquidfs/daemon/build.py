@@ -27,7 +27,8 @@ from ..datapath.notifier import Notifier
 from ..datapath.passthrough import Kernel, PassthroughPath
 from ..datapath.storage_calls import StorageCalls
 from ..fuse.lookahead import MetadataAhead
-from ..fuse.operations import MAX_OPEN_FILES, Operations
+from ..fuse.open_budget import MAX_OPEN_FILES, OpenBudget
+from ..fuse.operations import Operations, PerOpen
 from ..held.base import PAGE, MemfdLevel, MemoryLevel, held_descriptors
 from ..held.cluster import ClusterLevel, EveryoneReads, call_timeout
 from ..held.cluster_peers import memcached_client
@@ -35,7 +36,7 @@ from ..held.disk import DiskLevel
 from ..held.sealing import KeyFileError, Sealer, read_key_file
 from ..metrics.stats import MountStats
 from ..mix.share import Mix
-from ..policy.jobs import JobOf
+from ..policy.jobs import JobLookups, JobOf
 from ..policy.budget import DatasetCost, ShareOfCost
 from ..policy.next_epoch import NextEpochCache
 from ..stores import Store
@@ -146,10 +147,10 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
                          open_threads=config.open_threads)
     parts = Parts(reader, stats, calls, notifier, config, policy, held_files=held_files,
                   cold_open=lookahead.went_cold if lookahead is not None else None)
-    job_of = None
+    jobs = None
     if policy is not None:
-        job_of = JobOf()
-        policy.owner_of = job_of.owner  # a job's uid decides which slots it may take
+        jobs = JobLookups(JobOf())
+        policy.owner_of = jobs.job_of.owner  # a job's uid decides which slots it may take
     path: DaemonPath | PassthroughPath | None
     if data_path == "daemon":
         path = parts.daemon_path()
@@ -161,12 +162,12 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
         path = None
     else:
         raise ValueError(f"data_path must be 'daemon', 'passthrough' or 'at init', not {data_path!r}")
-    ops = Operations(catalog, stats, calls, notifier, path, mix=mix,
-                     may_read=may_read if config.allow_other else None,
-                     max_open_files=MAX_OPEN_FILES if descriptors is None else descriptors - (held_files or 0),
+    budget = OpenBudget(MAX_OPEN_FILES if descriptors is None else descriptors - (held_files or 0))
+    per_open = PerOpen(budget, mix, jobs, may_read if config.allow_other else None)
+    ops = Operations(catalog, stats, calls, notifier, path, per_open=per_open, lookahead=lookahead,
                      extra_statistics=extra_statistics,
                      enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
-                     time_requests=config.time_requests, lookahead=lookahead, job_of=job_of)
+                     time_requests=config.time_requests)
     built.append(ops)
     if why_not:
         stats.data_path_why = why_not

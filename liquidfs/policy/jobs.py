@@ -40,6 +40,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import trio
+
 log = logging.getLogger(__name__)
 
 #: pids remembered (one entry each); past them the oldest is forgotten and read again if it opens again.
@@ -48,6 +50,12 @@ PIDS_KEPT = 4096
 JOBS_KEPT = 1024
 #: What names the job of a uid's openers that cannot be told apart (``JobOf.unknown``).
 UNKNOWN = "an opener not told apart"
+#: Seconds an open waits for its opener's job to be read from /proc (``JobOf.read_key``).
+JOB_LOOKUP = 1.0
+#: Worker threads reading /proc for jobs at once, on a limiter of their own: a lookup stuck on an opener's
+#: environment (its memory map's lock, held while it faults on this mount) keeps its thread and its token until
+#: it returns, and must not starve the storage reads, memfd copies or notifications of theirs.
+JOB_LOOKUP_THREADS = 8
 
 
 #: The variables that name a job, each group in the order tried (the first group a process has all of wins).
@@ -204,3 +212,33 @@ class JobOf:
         else:
             self._ids.move_to_end(key)
         return job
+
+
+class JobLookups:
+    """The job of each open, as the FUSE layer asks it on the trio loop: a known opener at once, a new one read
+    from ``/proc`` in a worker thread of the lookups' own, for at most JOB_LOOKUP seconds (then, and for a
+    process gone meanwhile, its uid's job of openers not told apart: ``JobOf.unknown``)."""
+
+    def __init__(self, job_of: JobOf) -> None:
+        self.job_of = job_of
+        self._limiter = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
+
+    async def job(self, pid: int, uid: int = 0) -> int:
+        """The job of the opener ``pid`` run by ``uid``."""
+        job = self.job_of.known(pid, uid)
+        if job is None:
+            found = None
+            with trio.move_on_after(JOB_LOOKUP):
+                found = await trio.to_thread.run_sync(self.job_of.read_key, pid, abandon_on_cancel=True,
+                                                      limiter=self._limiter)
+            job = self.job_of.register(pid, uid, found)
+        return job
+
+    def name_openers(self, jobs: object) -> None:
+        """Each job in the policy's statistics (``jobs``: its summary's ``{job: entry}``) told whose openers it
+        is, as ``openers`` (a job forgotten since: "?")."""
+        if not isinstance(jobs, dict):
+            return
+        for job, entry in jobs.items():
+            if isinstance(entry, dict):
+                entry["openers"] = self.job_of.labels.get(int(job), "?")

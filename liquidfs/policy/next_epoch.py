@@ -70,7 +70,7 @@ NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 #: of one idle past DISPLACE_IDLE (``_admit``).
 MAX_JOBS = 8
 #: Job slots only root and the mount's own user may take (as the open-file budget keeps its last eighth for them,
-#: ``fs.Operations._take_slot``): whatever the other users run, the mount's owner can begin a job.
+#: ``fuse.open_budget.OpenBudget``): whatever the other users run, the mount's owner can begin a job.
 JOBS_KEPT_BACK = max(1, MAX_JOBS // 8)
 #: Jobs a user other than root and the mount's own has at once: half of those not kept back, so one user with
 #: a `setsid cat` loop leaves the other half to everyone else (it displaces its own jobs past them).
