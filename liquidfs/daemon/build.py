@@ -12,11 +12,10 @@ the files that get no backing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -34,7 +33,7 @@ from ..held.cluster import ClusterLevel, EveryoneReads, call_timeout
 from ..held.cluster_peers import memcached_client
 from ..held.disk import DiskLevel
 from ..held.sealing import KeyFileError, Sealer, read_key_file
-from ..metrics.stats import MountStats
+from ..metrics.stats import HasStatistics, MountStats
 from ..mix.share import Mix
 from ..policy.jobs import JobLookups, JobOf
 from ..policy.budget import DatasetCost, ShareOfCost
@@ -106,7 +105,6 @@ def mount(config: MountConfig, store: Store, store_dir: Path, stack: ExitStack) 
     if config.cluster:
         cluster = make_cluster_level(totals, catalog, config, disk or base_reader)
         stack.callback(cluster.close)
-    levels = [level.statistics for level in (disk, cluster) if level is not None]
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
     warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
     serving = stack.enter_context(ExitStack())
@@ -114,8 +112,8 @@ def mount(config: MountConfig, store: Store, store_dir: Path, stack: ExitStack) 
                             data_path="daemon" if daemon_only(config) else "at init",
                             mix=make_mix(catalog, config, store), descriptors=descriptor_budget(),
                             may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
-                            extra_statistics=(lambda: {k: v for f in levels for k, v in f().items()})
-                            if levels else None, warm=warm if config.lookahead else None)
+                            levels=[level for level in (disk, cluster) if level is not None],
+                            warm=warm if config.lookahead else None)
     return Mount(config, catalog, ops, parts, serving)
 
 
@@ -123,7 +121,7 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
                policy: NextEpochCache | None = None, data_path: str = "daemon", kernel: Kernel | None = None,
                mix: Mix | None = None, descriptors: int | None = None,
                may_read: Callable[[Node, int, int, int], bool] | None = None,
-               extra_statistics: Callable[[], dict[str, Any]] | None = None,
+               levels: Sequence[HasStatistics] = (),
                warm: Callable[[Node], None] | None = None) -> tuple[Operations, Parts]:
     """The finished ``Operations`` of ``config`` over ``reader``, and the parts its data path is built from.
     ``data_path``: "daemon", "passthrough" (over ``kernel``), or "at init": chosen once the connection's INIT
@@ -165,7 +163,7 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
     budget = OpenBudget(MAX_OPEN_FILES if descriptors is None else descriptors - (held_files or 0))
     per_open = PerOpen(budget, mix, jobs, may_read if config.allow_other else None)
     ops = Operations(catalog, stats, calls, notifier, path, per_open=per_open, lookahead=lookahead,
-                     extra_statistics=extra_statistics,
+                     levels=levels,
                      enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
                      time_requests=config.time_requests)
     built.append(ops)

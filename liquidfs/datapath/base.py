@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ..catalog import Node
 from ..held.base import HeldLevel
+from ..metrics.stats import Statistics
 from .inodes import Handle, Inode
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,9 @@ class DataPath(Protocol):
         """Warm-up: read ``node`` into the held level if the budget allows; the bytes held, or None."""
         ...
 
-    def statistics(self) -> dict[str, object]: ...
+    def statistics(self) -> Statistics:
+        """The path's own counters (its held level's are the level's: ``held``)."""
+        ...
 
     def close(self) -> None:
         """At unmount: let go of what the path holds outside the kernel's requests."""

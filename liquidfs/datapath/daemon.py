@@ -19,7 +19,7 @@ from pyfuse3 import FUSEError
 
 from ..catalog import Node
 from ..held.base import MemoryLevel
-from ..metrics.stats import MountStats
+from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import CHUNK, WHOLE_FILE_LIMIT, Content, Reader, chunk_digests, chunk_span
 from ..sysio.directio import POOL
@@ -41,6 +41,13 @@ PAGE_CACHE_MODES = ("drop", "keep", "direct")
 _PAGE = 4096
 #: Pieces of files read again (``DaemonPath._refetch``) kept for the reads of neighbouring pages that follow.
 MAX_PIECES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonPathStatistics(Statistics):
+    open_bytes: int          # bytes of open files the daemon holds (bounded by --open-bytes)
+    buffers_reused: int      # whole-file reads into a pooled buffer
+    buffers_idle_bytes: int  # pooled buffers waiting for their next file
 
 
 class DaemonPath:
@@ -190,12 +197,9 @@ class DaemonPath:
     def close(self) -> None:
         """At unmount: nothing is left to let go (open files' buffers go with the process)."""
 
-    def statistics(self) -> dict[str, object]:
-        values: dict[str, object] = {"open_bytes": self._open_bytes, "buffers_reused": POOL.reused,
-                                     "buffers_idle_bytes": POOL.idle}
-        if self.held is not None:
-            values.update(self.held.statistics())
-        return values
+    def statistics(self) -> DaemonPathStatistics:
+        return DaemonPathStatistics(open_bytes=self._open_bytes, buffers_reused=POOL.reused,
+                                    buffers_idle_bytes=POOL.idle)
 
     def _held_now(self, inode: int) -> bool:
         return self.held is not None and self.held.holds(inode)

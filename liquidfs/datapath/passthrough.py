@@ -22,11 +22,11 @@ import trio
 
 from ..catalog import Node
 from ..held.base import MemfdLevel
-from ..metrics.stats import MountStats
+from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import Content, LendsDescriptors, Reader
 from .backing import Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
-from .daemon import DaemonPath
+from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
 from .storage_calls import StorageCalls
 
@@ -107,6 +107,17 @@ class _Keeping:
     #: Opens counted as hits that wait for the copy: it is kept for them even if the policy let the file go
     #: meanwhile (their own hit did, when it was not held again), and they release it once served.
     waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PassthroughStatistics(Statistics):
+    passthrough_open_inodes: int  # inodes with a backing registered now
+    closes_pending: int           # backing descriptors queued for closing
+    ranges: DaemonPathStatistics  # the daemon path beside it, for files that get no backing
+
+    def values(self) -> dict[str, object]:
+        return {**self.ranges.values(), "passthrough_open_inodes": self.passthrough_open_inodes,
+                "closes_pending": self.closes_pending}
 
 
 class PassthroughPath:
@@ -371,13 +382,9 @@ class PassthroughPath:
         """At unmount: the descriptors queued for closing are closed."""
         self._closer.stop()
 
-    def statistics(self) -> dict[str, object]:
-        values = self.ranges.statistics()
-        values["passthrough_open_inodes"] = self._open_inodes
-        values["closes_pending"] = self._closer.pending
-        if self.held is not None:
-            values.update(self.held.statistics())
-        return values
+    def statistics(self) -> PassthroughStatistics:
+        return PassthroughStatistics(passthrough_open_inodes=self._open_inodes, closes_pending=self._closer.pending,
+                                     ranges=self.ranges.statistics())
 
 
 def _count_backing(stats: MountStats, kind: str) -> None:

@@ -31,7 +31,7 @@ from ..datapath.base import DataPath
 from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
 from ..datapath.notifier import Notifier
 from ..datapath.storage_calls import StorageCalls
-from ..metrics.stats import MountStats
+from ..metrics.stats import HasStatistics, MountStats, Statistics
 from ..mix.share import Mix
 from ..policy.jobs import JobLookups
 from ..stores.reader import Content
@@ -113,7 +113,7 @@ class Operations(pyfuse3.Operations):
     def __init__(self, catalog: Catalog, stats: MountStats, calls: StorageCalls, notifier: Notifier,
                  data_path: DataPath | None, *, per_open: PerOpen | None = None,
                  lookahead: MetadataAhead | None = None,
-                 extra_statistics: Callable[[], dict[str, Any]] | None = None,
+                 levels: Sequence[HasStatistics] = (),
                  enable_passthrough: bool = False, time_requests: bool = False) -> None:
         """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
         (``serve_with``); opens wait for it meanwhile."""
@@ -144,8 +144,8 @@ class Operations(pyfuse3.Operations):
         self.gid = os.getgid()
         self.stats.files = files
         self.stats.dataset_bytes = served
-        #: Counters of parts beside the data path (a disk level), in ``statistics``.
-        self.extra_statistics = extra_statistics
+        #: Levels beside the data path (the disk level, the cluster level): their counters in ``statistics``.
+        self.levels = tuple(levels)
         self.may_read = per_open.may_read
         #: Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
         self.enable_passthrough = enable_passthrough
@@ -421,24 +421,24 @@ class Operations(pyfuse3.Operations):
     def statistics(self) -> dict[str, Any]:
         """Every counter of the mount, from each component's own snapshot: what ``liquidfs stats`` shows (the
         control file) and ``/metrics`` exports."""
+        parts: list[Statistics] = [self.calls.statistics()]
+        if self.data_path is not None:
+            parts.append(self.data_path.statistics())
+            if self.data_path.held is not None:
+                parts.append(self.data_path.held.statistics())
+        if self.lookahead is not None:
+            parts.append(self.lookahead.statistics())
+        parts.extend(level.statistics() for level in self.levels)
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = self.inodes.known
-        values["stuck_reads"] = self.calls.stuck
-        values["opens_in_flight"] = self.calls.opens_in_flight
-        values["opens_refused"] = self.calls.opens_refused
-        values["opens_refused_share"] = self.calls.opens_refused_share
-        if self.data_path is not None:
-            values.update(self.data_path.statistics())
+        for part in parts:
+            values.update(part.values())  # each part's keys its own (its prefix): none is renamed here
         values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}
         if self.mix is not None:
             values["mix"] = dataclasses.asdict(self.mix.statistics())
-        if self.lookahead is not None:
-            values.update(self.lookahead.statistics())
         if self.jobs is not None:
             self.jobs.name_openers(values.get("jobs"))
-        if self.extra_statistics is not None:
-            values.update(self.extra_statistics())
         return values
 
     def _control_bytes(self) -> bytes:

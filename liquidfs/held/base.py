@@ -17,7 +17,6 @@ where bytes are served from (``stores.reader.Content.level``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import resource
@@ -26,7 +25,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ..catalog import Node
-from ..metrics.stats import MountStats
+from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import Decision, NextEpochCache
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,18 @@ class HeldLevel(Protocol):
         """The policy counted an open as a hit, but the bytes were gone: it was a miss."""
         ...
 
-    def statistics(self) -> dict[str, object]: ...
+    def statistics(self) -> Statistics: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyStatistics(Statistics):
+    """A memory level's counters: its policy's (``NextEpochCache.summary``, whose keys and shape are the
+    policy's own)."""
+
+    summary: dict[str, object]
+
+    def values(self) -> dict[str, object]:
+        return dict(self.summary)
 
 
 class Level(Generic[T]):
@@ -148,8 +158,8 @@ class InMemory(Level[T]):
     def _count_lost(self) -> None:
         self.stats.reclaimed += 1
 
-    def statistics(self) -> dict[str, object]:
-        return self.policy.summary()
+    def statistics(self) -> Statistics:
+        return PolicyStatistics(self.policy.summary())
 
 
 class MemoryLevel(InMemory[memoryview]):
@@ -171,12 +181,17 @@ class HeldFile:
 
 
 @dataclass(frozen=True, slots=True)
-class MemfdStatistics:
+class MemfdStatistics(Statistics):
+    policy: PolicyStatistics
     memfd_files: int
     memfd_bytes: int
     memfd_max_files: int  # memfds it may hold (its share of the daemon's descriptors; 0: no cap)
     kept: int        # files copied into memfds after being served
     keep_failed: int  # files the policy chose whose bytes could not be kept (released unread, copy failed)
+
+    def values(self) -> dict[str, object]:
+        own = {name: value for name, value in Statistics.values(self).items() if name != "policy"}
+        return {**self.policy.values(), **own}
 
 
 class MemfdLevel(InMemory[HeldFile]):
@@ -237,12 +252,10 @@ class MemfdLevel(InMemory[HeldFile]):
             os.close(found.fd)
         return found
 
-    def statistics(self) -> dict[str, object]:
-        values = super().statistics()
-        values.update(dataclasses.asdict(MemfdStatistics(
-            memfd_files=len(self._held), memfd_bytes=self._bytes, memfd_max_files=self.max_files or 0,
-            kept=self._kept, keep_failed=self._keep_failed)))
-        return values
+    def statistics(self) -> MemfdStatistics:
+        return MemfdStatistics(
+            policy=PolicyStatistics(self.policy.summary()), memfd_files=len(self._held), memfd_bytes=self._bytes,
+            memfd_max_files=self.max_files or 0, kept=self._kept, keep_failed=self._keep_failed)
 
     def close(self) -> None:
         for file in list(self._held):

@@ -31,6 +31,7 @@ decide, drop or lose (``held.base`` says why).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import stat
 import threading
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 from ..catalog import Node
 from ..catalog.identity import is_digest
+from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
@@ -131,6 +133,25 @@ class ClusterCounts:
     unanswered: int = 0  # fetches or stores a memcached did not answer as one, in time (a miss)
     skipped: int = 0  # fetches or stores not tried: their memcached failed repeatedly and is left out for a while
     private: int = 0  # opens of the share kept out of the cluster: no key, and not everyone may read the source
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStatistics(Statistics):
+    prefix = "cluster_"
+
+    share: float      # of the raw objects, the cluster's
+    bytes: int        # what the memcacheds hold together for this dataset
+    size_from: str    # what said so: the flag, or their stats
+    sealed: int       # 1: values sealed under a cluster key
+    hits: int
+    hit_bytes: int
+    misses: int
+    stored: int
+    stored_bytes: int
+    rejected: int
+    unanswered: int
+    skipped: int
+    private: int
 
 
 class ClusterLevel(InFront):
@@ -264,12 +285,7 @@ class ClusterLevel(InFront):
 
     # -- statistics ----------------------------------------------------------------------------------------
 
-    def statistics(self) -> dict[str, object]:
+    def statistics(self) -> ClusterStatistics:
         with self._lock:
-            c = self.counts
-            return {"cluster_share": self.share, "cluster_bytes": self.size, "cluster_size_from": self.size_from,
-                    "cluster_sealed": int(self.sealer is not None),
-                    "cluster_hits": c.hits, "cluster_hit_bytes": c.hit_bytes, "cluster_misses": c.misses,
-                    "cluster_stored": c.stored, "cluster_stored_bytes": c.stored_bytes,
-                    "cluster_rejected": c.rejected, "cluster_unanswered": c.unanswered,
-                    "cluster_skipped": c.skipped, "cluster_private": c.private}
+            return ClusterStatistics(share=self.share, bytes=self.size, size_from=self.size_from,
+                                     sealed=int(self.sealer is not None), **dataclasses.asdict(self.counts))

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog import Node
+from ..metrics.stats import Statistics
 from ..policy.next_epoch import NextEpochCache
 from ..stores.reader import Content, InFront, Reader, private_digest
 from ..sysio.directio import read_whole
@@ -42,6 +43,20 @@ class _Entry:
     digest: str
     raw: bool
     size: int
+
+
+@dataclass(frozen=True, slots=True)
+class DiskStatistics(Statistics):
+    prefix = "disk_"
+
+    budget: int
+    held_bytes: int
+    held_files: int
+    hits: int
+    hit_bytes: int
+    lost: int          # held files found gone or damaged at a hit: read from the store again
+    write_errors: int
+    epochs: object     # the policy's per-epoch counters (``NextEpochCache.summary``'s "epochs")
 
 
 class DiskLevel(Level[_Entry], InFront):
@@ -160,19 +175,12 @@ class DiskLevel(Level[_Entry], InFront):
         shutil.rmtree(self.dir, ignore_errors=True)
         self._alive.release()
 
-    def statistics(self) -> dict[str, object]:
+    def statistics(self) -> DiskStatistics:
         with self._lock:
-            inner = self.policy.summary()
-            return {
-                "disk_budget": inner["cache_budget"],
-                "disk_held_bytes": inner["cache_held_bytes"],
-                "disk_held_files": inner["cache_held_files"],
-                "disk_hits": self.hits,
-                "disk_hit_bytes": self.hit_bytes,
-                "disk_lost": self.lost,
-                "disk_write_errors": self.write_errors,
-                "disk_epochs": inner["epochs"],
-            }
+            return DiskStatistics(budget=self.policy.budget, held_bytes=self.policy.held_bytes,
+                                  held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
+                                  lost=self.lost, write_errors=self.write_errors,
+                                  epochs=self.policy.summary()["epochs"])
 
 
 def _remove_stale(root: Path) -> None:

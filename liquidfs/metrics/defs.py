@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from .stats import SERVED_FROM
+
 log = logging.getLogger(__name__)
 
 Kind = Literal["counter", "gauge", "info"]
@@ -98,9 +100,7 @@ METRICS: tuple[Metric, ...] = (
            "Files whose raw object was not served (missing, corrupt, stale source): served as their original."),
     Metric("liquidfs_errors_total", COUNTER, "", "errors", "Requests answered with an error other than ENOENT."),
     # -- bytes ---------------------------------------------------------------------------------------------------
-    Metric("liquidfs_served_bytes_total", COUNTER, "bytes", {"storage": "bytes_from_storage",
-                                                             _MEM: "bytes_from_memory", "disk": "bytes_from_disk",
-                                                             "cluster": "bytes_from_cluster"},
+    Metric("liquidfs_served_bytes_total", COUNTER, "bytes", SERVED_FROM,
            "Bytes of opened files by where they came from, on either data path: storage (the store or the "
            "source), memory (the next-epoch cache), disk (the disk cache level), cluster (a peer's memcached). "
            "Its rate is the throughput.",

@@ -1,15 +1,36 @@
 """Counters of a running mount, readable through the control file, ``liquidfs stats`` and Prometheus (under the
-names ``metricdefs.METRICS`` gives them)."""
+names ``metrics.defs.METRICS`` gives them); ``Statistics``, the shape every part's snapshot of its own has."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Protocol
 
-#: Each level bytes are served from (``reader.Content.level``) and the counter of its bytes.
-_SERVED_FROM = {"storage": "bytes_from_storage", "memory": "bytes_from_memory", "disk": "bytes_from_disk",
-                "cluster": "bytes_from_cluster"}
+#: Each level bytes are served from (``stores.reader.Content.level``) and the counter of its bytes: the one table
+#: of them (``MountStats.served_from`` counts by it, ``metrics.defs`` exports it).
+SERVED_FROM = {"storage": "bytes_from_storage", "memory": "bytes_from_memory", "disk": "bytes_from_disk",
+               "cluster": "bytes_from_cluster"}
+
+
+class Statistics:
+    """A part's counters at one moment, typed (a dataclass of this): ``values()`` gives them under the keys the
+    control file and ``/metrics`` read, each field's name after the part's ``prefix``. Those keys are the
+    user-facing contract; the fields may be named for the part alone."""
+
+    prefix: ClassVar[str] = ""
+
+    def values(self) -> dict[str, object]:
+        return {self.prefix + f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)}  # type: ignore[arg-type]  # a dataclass, by contract
+
+
+class HasStatistics(Protocol):
+    """A part whose counters the mount's statistics gather (a level beside the data path)."""
+
+    def statistics(self) -> Statistics: ...
 
 
 @dataclass
@@ -57,7 +78,7 @@ class MountStats:
     def served_from(self, level: str, size: int) -> None:
         """``size`` bytes of an opened file came from ``level`` (``reader.Content.level``): storage, or the level
         of held bytes in front of it that had them; the data paths count every level alike."""
-        name = _SERVED_FROM.get(level)
+        name = SERVED_FROM.get(level)
         if name is None:
             raise ValueError(f"no level of bytes named {level!r}")
         setattr(self, name, getattr(self, name) + size)

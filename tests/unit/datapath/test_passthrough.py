@@ -175,7 +175,7 @@ def test_next_epoch_cache_keeps_memfds_and_hits_serve_them(prepared) -> None:
     nodes = _images(ops)
     memory = ops.data_path.held
     _serve_each(ops, kernel, src, store, nodes)
-    held = memory.statistics()
+    held = memory.statistics().values()
     assert held["memfd_files"] == len(nodes) and held["memfd_bytes"] == sum(n.size_served for n in nodes)
     assert held["memfd_bytes"] <= memory.budget
     for _ in range(2):
@@ -239,7 +239,7 @@ def test_first_open_failing_fails_its_waiters_and_leaves_no_entry(prepared, tmp_
         with pytest.raises(pyfuse3.FUSEError) as info:
             await ops.open(node.id, os.O_RDONLY, CTX)
         assert info.value.errno == errno.EPERM
-        assert ops.data_path.statistics()["passthrough_open_inodes"] == 0
+        assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
 
     trio.run(main)
 
@@ -393,7 +393,7 @@ def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared, mo
                 info = await ops.open(node.id, os.O_RDONLY, CTX)
                 await ops.release(info.fh)
         with trio.fail_after(10):  # the last, unfilled batch too, with no release after it
-            while ops.data_path.statistics()["closes_pending"]:
+            while ops.data_path.statistics().values()["closes_pending"]:
                 await trio.sleep(0.01)
 
     trio.run(main)
@@ -574,7 +574,7 @@ def test_a_hit_opened_while_its_last_release_is_still_being_kept_waits_for_the_m
     src, store = prepared
     ops, kernel = _ops(store, cache=True)  # a budget for all: the hit is held again
     assert _reopen_while_kept(ops, kernel, src, store) == 0
-    summary = ops.data_path.held.statistics()
+    summary = ops.data_path.held.statistics().values()
     assert summary["cache_lost_hits"] == 0 and summary["cache_hits"] >= 1
     assert ops.data_path.held.get(_images(ops)[0].id) is not None
 
@@ -591,7 +591,7 @@ def test_a_hit_not_held_again_still_gets_the_memfd_its_last_release_was_keeping(
         level.policy.share = 0.0  # nothing more is kept for epoch 3: the hit is not held again
 
     assert _reopen_while_kept(ops, kernel, src, store, keep_no_more) == 0, "the hit read storage"
-    summary = level.statistics()
+    summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 0 and summary["cache_hits"] >= 1, summary
     # served, then let go: the level holds what the policy does, no more
     assert level.get(_images(ops)[0].id) is None and set(level.held_items()) == set(level.policy.held)
@@ -606,7 +606,7 @@ def test_a_hit_whose_file_is_let_go_while_it_waits_for_the_copy_is_served_and_th
     level = ops.data_path.held
     node = _images(ops)[0]
     assert _reopen_while_kept(ops, kernel, src, store, while_waiting=lambda: level.policy.drop(node.id)) == 0
-    summary = level.statistics()
+    summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 0, summary
     assert level.get(node.id) is None and set(level.held_items()) == set(level.policy.held)
 
@@ -622,6 +622,6 @@ def test_a_hit_whose_memfd_copy_is_held_up_past_keep_wait_is_served_from_storage
     ops, kernel = _ops(store, cache=True)
     level = ops.data_path.held
     assert _reopen_while_kept(ops, kernel, src, store) > 0, "the open waited for the copy"
-    summary = level.statistics()
+    summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 1, summary
     assert set(level.held_items()) == set(level.policy.held)

@@ -72,13 +72,13 @@ def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Pat
     _, path = store
     first, client, raw = _level(path)
     served = {n.id: bytes(first.open(n).data or b"") for n in raw}
-    assert first.statistics()["cluster_misses"] == len(raw) and client.sets == len(raw)
+    assert first.statistics().values()["cluster_misses"] == len(raw) and client.sets == len(raw)
     second = ClusterLevel(first.inner, client, 1.0, public=first.public)  # another node, the same memcacheds
     for n in raw:
         content = second.open(n)
         assert content.level == "cluster" and bytes(content.data or b"") == served[n.id]
         assert served[n.id] == (path / str(n.object)).read_bytes()
-    st = second.statistics()
+    st = second.statistics().values()
     assert st["cluster_hits"] == len(raw) and st["cluster_hit_bytes"] == sum(map(len, served.values()))
     second.close()  # its connections; the reader behind it is its owner's and still serves
     assert client.closed and bytes(first.inner.open(raw[0]).data or b"") == served[raw[0].id]
@@ -94,7 +94,7 @@ def test_a_value_that_is_not_the_objects_bytes_is_never_served(store: tuple[Path
         content = level.open(node)
         assert content.level == "storage" and bytes(content.data or b"") == real
         client.values.pop(key_of(node), None)
-    assert level.statistics()["cluster_rejected"] == 4 and level.statistics()["cluster_hits"] == 0
+    assert level.statistics().values()["cluster_rejected"] == 4 and level.statistics().values()["cluster_hits"] == 0
 
 
 def test_a_changed_source_is_never_served_from_the_cluster(store: tuple[Path, Path]) -> None:
@@ -106,7 +106,7 @@ def test_a_changed_source_is_never_served_from_the_cluster(store: tuple[Path, Pa
     source.write_bytes(source.read_bytes())  # rewritten in place: the catalog no longer describes it
     content = level.open(node)
     assert content.level != "cluster" and not content.raw and bytes(content.data or b"") == source.read_bytes()
-    assert level.statistics()["cluster_hits"] == 0
+    assert level.statistics().values()["cluster_hits"] == 0
 
 
 def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[Path, Path]) -> None:
@@ -115,12 +115,12 @@ def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[P
     client.down = True
     for n in raw:
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
-    st = level.statistics()
+    st = level.statistics().values()
     assert st["cluster_hits"] == 0 and st["cluster_unanswered"] == 2 * len(raw)  # its fetches and stores
     client.down = False  # back: used again
     for n in raw:
         level.open(n)
-    assert level.statistics()["cluster_stored"] == len(raw)
+    assert level.statistics().values()["cluster_stored"] == len(raw)
 
 
 def test_files_outside_the_share_never_ask_the_cluster(store: tuple[Path, Path]) -> None:
@@ -253,7 +253,7 @@ def test_a_name_that_never_resolved_is_a_miss_never_a_failed_read(store: tuple[P
     raw = [n for n in catalog.files() if n.served_raw]
     for n in raw:
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
-    assert client.servers() == [] and level.statistics()["cluster_hits"] == 0
+    assert client.servers() == [] and level.statistics().values()["cluster_hits"] == 0
     level.close()
 
 
@@ -291,7 +291,7 @@ def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(st
     first, client, raw = _level(path, key=_key())
     for n in raw:
         first.open(n)
-    assert client.sets == len(raw) and first.statistics()["cluster_sealed"] == 1
+    assert client.sets == len(raw) and first.statistics().values()["cluster_sealed"] == 1
     for n in raw:
         real = (path / str(n.object)).read_bytes()
         value = client.values[key_of(n, _key().id)]
@@ -300,7 +300,7 @@ def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(st
     for n in raw:
         content = second.open(n)
         assert content.level == "cluster" and bytes(content.data or b"") == (path / str(n.object)).read_bytes()
-    assert second.statistics()["cluster_hits"] == len(raw) and second.statistics()["cluster_rejected"] == 0
+    assert second.statistics().values()["cluster_hits"] == len(raw) and second.statistics().values()["cluster_rejected"] == 0
 
 
 def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store: tuple[Path, Path]) -> None:
@@ -323,7 +323,7 @@ def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store:
         client.values[key] = wrong
         content = level.open(node)
         assert content.level == "storage" and bytes(content.data or b"") == real
-    st = level.statistics()
+    st = level.statistics().values()
     assert st["cluster_rejected"] == len(wrongs) and st["cluster_hits"] == 0
 
 
@@ -355,7 +355,7 @@ def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
     stored = {n.path for n in raw if key_of(n) in client.values}
     assert stored == {n.path for n in raw} - private and stored
-    assert level.statistics()["cluster_private"] == len(private)
+    assert level.statistics().values()["cluster_private"] == len(private)
     client.values.update({key_of(n): (path / str(n.object)).read_bytes() for n in raw})  # offered anyway
     gets = client.gets
     for n in raw:
@@ -366,7 +366,7 @@ def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path
     sealed, sealed_client, _ = _level(path, key=_key())
     for n in raw:
         sealed.open(n)
-    assert sealed_client.sets == len(raw) and sealed.statistics()["cluster_private"] == 0
+    assert sealed_client.sets == len(raw) and sealed.statistics().values()["cluster_private"] == 0
 
 
 def test_everyone_reads_walks_the_catalogs_directories_once(tmp_path: Path) -> None:

@@ -565,7 +565,7 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
                 MountConfig(source="src", mountpoint=Path("/mnt"), store="store"), catalog, cluster, MountStats(),
                 stack, policy=NextEpochCache(served, served, files, max_id=max_id), data_path=data_path,
                 kernel=_Kernel(), mix=Mix(0.5, 1.0), warm=reader.warm,
-                extra_statistics=lambda: {**disk.statistics(), **cluster.statistics()})
+                levels=[disk, cluster])
             trio.run(_read_twice, ops)
             found[data_path] = ops.statistics()
     catalog.close()
