@@ -57,7 +57,7 @@ class Parts:
     policy: NextEpochCache | None = None  # the next-epoch cache's, if the mount has one
     #: Told of each passthrough open that found its metadata cold (the metadata read-ahead, where there is one).
     cold_open: Callable[[Node], None] | None = None
-    #: Memfds the passthrough path's level may hold (``held.held_descriptors``; None: no cap).
+    #: Memfds the passthrough path's level may hold (``held.base.held_descriptors``; None: no cap).
     held_files: int | None = None
 
     def daemon_path(self, *, holds: bool = True) -> DaemonPath:
@@ -187,7 +187,7 @@ def daemon_only(config: MountConfig) -> str | None:
     return None
 
 
-#: Descriptors kept for everything but open files: the catalog, sockets, worker threads' files, the guard.
+#: Descriptors kept for everything but open files: the catalog, sockets, worker threads' files, the watchdog.
 _RESERVED_FDS = 1024
 
 

@@ -15,7 +15,7 @@ of four kinds of backing:
   stat, an object-store download, ``mount --verify-reads``, a next-epoch cache hit), sealed against change;
 * ``disk``: a file of the local disk level, read whole and checked against its digest like a memfd.
 
-Everything here blocks and runs in a worker thread (``storage.StorageCalls.run``).
+Everything here blocks and runs in a worker thread (``datapath.storage_calls.StorageCalls.run``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class Backing:
     fallback: str | None = None  # why the raw object was not served, when it should have been
     #: ``stamp`` of a source or object descriptor when it was checked (``still_sound``); None for a memfd.
     stamp: tuple[int, int, int, int] | None = None
-    #: Where its bytes came from (``reader.Content.level``): "storage", or the level in front of it that had them.
+    #: Where its bytes came from (``stores.reader.Content.level``): "storage", or the level in front of it that
+    #: had them.
     level: str = "storage"
 
     def close(self) -> None:

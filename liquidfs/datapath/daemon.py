@@ -3,8 +3,8 @@
 Files are read whole from storage (O_DIRECT, into pooled buffers), at open or at their first read, so a raw
 object's checksum is checked before its first byte is served; the next-epoch cache holds its files' bytes in
 this process; bytes served to the end are let go and read again chunk by chunk, checked, if the kernel asks
-again. It is one ``datapath.DataPath``: ``fs.Operations`` translates requests and hands file opens, reads and
-releases here.
+again. It is one ``datapath.base.DataPath``: ``fuse.operations.Operations`` translates requests and hands file opens,
+reads and releases here.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ epoch: the two levels hold disjoint sets and together serve (memory + disk) / da
 It wraps the mount's reader (the local store's ``StoreReader`` or the S3 backend's ``S3Reader``) and runs in the
 same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a
 directory of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file
-was written (``reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
+was written (``stores.reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
 the digest catches damage, not bytes anyone chose), and a file that fails (or went missing) is read from the store
 again: the disk never serves bytes the store did not. It is a level of held bytes like the memory levels
 (``held.base.Level``), and a reader in front of the store's (``stores.reader.Reader``).

@@ -76,7 +76,7 @@ class MountStats:
     warmup_bytes: int = 0         # ... and their bytes
 
     def served_from(self, level: str, size: int) -> None:
-        """``size`` bytes of an opened file came from ``level`` (``reader.Content.level``): storage, or the level
+        """``size`` bytes of an opened file came from ``level`` (``stores.reader.Content.level``): storage, or the level
         of held bytes in front of it that had them; the data paths count every level alike."""
         name = SERVED_FROM.get(level)
         if name is None:

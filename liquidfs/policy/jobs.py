@@ -1,6 +1,6 @@
 """Which job an open comes from: the FUSE request's pid mapped to the job its process belongs to.
 
-The next-epoch cache counts epochs per job (``cache.NextEpochCache``): the ranks of one training and their
+The next-epoch cache counts epochs per job (``policy.next_epoch.NextEpochCache``): the ranks of one training and their
 loader workers read one epoch between them, while two trainings of a hyperparameter search each read the whole
 dataset at their own pace. The kernel tells the daemon only the pid (the thread's id) of each request, so a job
 is what that process shares with the others of its job and not with other jobs' processes: its **cgroup** (a
@@ -24,8 +24,8 @@ Neither cgroup nor session alone would do: on a plain host every process of a us
 and in a container every process may share one session. What this cannot see: two trainings that one driver
 starts as plain children (no session, variable or unit of their own) are one job; give each a ``LIQUIDFS_JOB``
 (or start it with ``setsid``, ``systemd-run --scope``, or in its own container). A user who sets a new
-``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``cache.MAX_JOBS`` are tracked, and a user
-other than root and the mount's own has at most ``cache.JOBS_PER_USER`` of them).
+``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``policy.next_epoch.MAX_JOBS`` are tracked, and a user
+other than root and the mount's own has at most ``policy.next_epoch.JOBS_PER_USER`` of them).
 
 Reading ``/proc/PID/cgroup`` and ``/proc/PID/environ`` costs two file opens, in a worker thread (never on the
 FUSE loop: see ``JobOf``); it is done once per pid every RECHECK seconds, and ``getsid`` (one system call)
@@ -128,7 +128,7 @@ class JobOf:
         self._next = 1
         #: Each job's (cgroup, session), for ``liquidfs stats``: which processes a job id stands for.
         self.labels: dict[int, str] = {}
-        #: Each job's uid (those remembered): whose job it is (``cache.NextEpochCache`` asks at its first read).
+        #: Each job's uid (those remembered): whose job it is (``next_epoch.NextEpochCache`` asks at its first read).
         self.owners: dict[int, int] = {}
 
     def __call__(self, pid: int, uid: int = 0) -> int:

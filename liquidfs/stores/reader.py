@@ -82,7 +82,7 @@ class Content:
     #: ``data`` is a pool buffer only this content reads: given back to the pool when the file is closed.
     #: Cleared the moment anything else may keep a view of it (the cache holds it).
     pooled: bool = False
-    #: Not read yet: read whole at the first read (``daemonpath.DaemonPath._read_later``).
+    #: Not read yet: read whole at the first read (``datapath.daemon.DaemonPath._read_later``).
     deferred: bool = False
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
@@ -246,7 +246,7 @@ class InFront:
 
 @runtime_checkable
 class LendsDescriptors(Protocol):
-    """A reader whose files are local and may back a passthrough open themselves (``backing.vouched``): it
+    """A reader whose files are local and may back a passthrough open themselves (``datapath.backing.vouched``): it
     hands out the descriptor of the source or raw object an open serves."""
 
     @property

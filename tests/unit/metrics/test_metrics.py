@@ -1,6 +1,6 @@
 """The metrics endpoint in-process: its bounds (connections, time per connection, snapshots a second), its paths,
 and that it serves off the trio loop (accepting and answering while the loop is blocked; 503 when the loop does
-not compute a snapshot in time; its threads ended when its task is cancelled). Then its table (``metricdefs``):
+not compute a snapshot in time; its threads ended when its task is cancelled). Then its table (``metrics.defs``):
 a row for every key both data paths' statistics produce, names as Prometheus' conventions want them, and the
 text it renders (tests/system/test_prometheus.py has a real Prometheus scrape a real mount).
 
@@ -593,11 +593,11 @@ def _paths(values: Mapping[str, object], prefix: str = "") -> Iterator[str]:
 @pytest.mark.parametrize("data_path", ["daemon", "passthrough"])
 def test_every_key_the_statistics_produce_has_a_row_or_a_reason(every_statistics: dict[str, dict[str, Any]],
                                                                 data_path: str) -> None:
-    """A counter added to a statistics() without a row in ``metricdefs.METRICS`` (or a reason in NOT_EXPORTED)
+    """A counter added to a statistics() without a row in ``metrics.defs.METRICS`` (or a reason in NOT_EXPORTED)
     fails here, before it can go missing from the dashboards."""
     values = every_statistics[data_path]
     assert values["opens"] == 8 and values["data_path"] == data_path
-    assert list(unlisted(values)) == [], "keys without a row in metricdefs.METRICS (or a reason in NOT_EXPORTED)"
+    assert list(unlisted(values)) == [], "keys without a row in metrics.defs.METRICS (or a reason in NOT_EXPORTED)"
 
 
 def test_every_row_reads_a_key_the_statistics_produce(every_statistics: dict[str, dict[str, Any]]) -> None:
