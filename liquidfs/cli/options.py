@@ -147,7 +147,7 @@ def positive_float(text: str) -> float:
 
 def formats(text: str) -> tuple[str, ...]:
     """``--formats png,bmp,j2k``: the raw formats prepare may write, in the order it tries them (J2K first where
-    listed, then BMP for the images J2K cannot hold exactly: ``rawformats.parse_formats``)."""
+    listed, then BMP for the images J2K cannot hold exactly: ``expand.rawformats.parse_formats``)."""
     from ..expand import rawformats
 
     return rawformats.parse_formats(text)

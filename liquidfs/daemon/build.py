@@ -12,11 +12,10 @@ the files that get no backing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import trio
 
@@ -28,15 +27,16 @@ from ..datapath.notifier import Notifier
 from ..datapath.passthrough import Kernel, PassthroughPath
 from ..datapath.storage_calls import StorageCalls
 from ..fuse.lookahead import MetadataAhead
-from ..fuse.operations import MAX_OPEN_FILES, Operations
+from ..fuse.open_budget import MAX_OPEN_FILES, OpenBudget
+from ..fuse.operations import Operations, PerOpen
 from ..held.base import PAGE, MemfdLevel, MemoryLevel, held_descriptors
-from ..held.cluster import ClusterTier, EveryoneReads, call_timeout
+from ..held.cluster import ClusterLevel, EveryoneReads, call_timeout
 from ..held.cluster_peers import memcached_client
-from ..held.disk import DiskTier
+from ..held.disk import DiskLevel
 from ..held.sealing import KeyFileError, Sealer, read_key_file
-from ..metrics.stats import MountStats
+from ..metrics.stats import HasStatistics, MountStats
 from ..mix.share import Mix
-from ..policy.jobs import JobOf
+from ..policy.jobs import JobLookups, JobOf
 from ..policy.budget import DatasetCost, ShareOfCost
 from ..policy.next_epoch import NextEpochCache
 from ..stores import Store
@@ -52,26 +52,26 @@ class Parts:
 
     reader: Reader
     stats: MountStats
-    storage: StorageCalls
+    calls: StorageCalls
     notifier: Notifier
     config: MountConfig
     policy: NextEpochCache | None = None  # the next-epoch cache's, if the mount has one
     #: Told of each passthrough open that found its metadata cold (the metadata read-ahead, where there is one).
     cold_open: Callable[[Node], None] | None = None
-    #: Memfds the passthrough path's level may hold (``held.held_descriptors``; None: no cap).
+    #: Memfds the passthrough path's level may hold (``held.base.held_descriptors``; None: no cap).
     held_files: int | None = None
 
     def daemon_path(self, *, holds: bool = True) -> DaemonPath:
         """The daemon data path; ``holds``: it keeps the next-epoch cache's files (in this process)."""
         held = MemoryLevel(self.policy, self.stats) if holds and self.policy is not None else None
-        return DaemonPath(self.reader, self.stats, self.storage, self.notifier, held=held,
+        return DaemonPath(self.reader, self.stats, self.calls, self.notifier, held=held,
                           page_cache=self.config.page_cache, max_open_bytes=self.config.open_bytes,
                           push_pages=self.config.push_pages)
 
     def passthrough_path(self, kernel: Kernel) -> PassthroughPath:
         """The passthrough data path over ``kernel``'s connection; the next-epoch cache's files in memfds."""
         held = MemfdLevel(self.policy, self.stats, self.held_files) if self.policy is not None else None
-        return PassthroughPath(kernel, self.reader, self.stats, self.storage, ranges=self.daemon_path(holds=False),
+        return PassthroughPath(kernel, self.reader, self.stats, self.calls, ranges=self.daemon_path(holds=False),
                                held=held, verify_reads=self.config.verify_reads,
                                drop_served_pages=self.config.page_cache == "drop", on_cold_open=self.cold_open)
 
@@ -89,41 +89,40 @@ class Mount:
     serving: ExitStack
 
 
-def mount(config: MountConfig, storage: Store, store_dir: Path, stack: ExitStack) -> Mount:
-    """Every part of a mount of ``config`` over ``storage`` (its catalog in ``store_dir``), each on ``stack``."""
-    storage.hold_for_mount(store_dir)
+def mount(config: MountConfig, store: Store, store_dir: Path, stack: ExitStack) -> Mount:
+    """Every part of a mount of ``config`` over ``store`` (its catalog in ``store_dir``), each on ``stack``."""
+    store.hold_for_mount(store_dir)
     catalog = Catalog.open(store_dir, readonly=True, immutable=True)
     stack.callback(catalog.close)
-    stats = MountStats(source=config.source, store=storage.label)
-    base_reader = storage.reader(catalog, config.threads, config.io_timeout)
+    stats = MountStats(source=config.source, store=store.label)
+    base_reader = store.reader(catalog, config.threads, config.io_timeout)
     stack.callback(base_reader.close)
     totals = catalog.file_totals()  # one scan of the catalog serves every level
-    cache = make_cache(catalog, totals, config.cache_size)
+    policy = make_policy(catalog, totals, config.cache_size)
     disk = cluster = None
     if config.disk_cache is not None:
-        disk = make_disk_level(totals, config, base_reader, cache)
+        disk = make_disk_level(totals, config, base_reader, policy)
         stack.callback(disk.close)
     if config.cluster:
         cluster = make_cluster_level(totals, catalog, config, disk or base_reader)
         stack.callback(cluster.close)
-    levels = [level.statistics for level in (disk, cluster) if level is not None]
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
     warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
     serving = stack.enter_context(ExitStack())
-    ops, parts = operations(config, catalog, cluster or disk or base_reader, stats, serving, cache=cache,
+    ops, parts = operations(config, catalog, cluster or disk or base_reader, stats, serving, policy=policy,
                             data_path="daemon" if daemon_only(config) else "at init",
-                            mix=make_mix(catalog, config, storage), descriptors=descriptor_budget(),
+                            mix=make_mix(catalog, config, store), descriptors=descriptor_budget(),
                             may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
-                            extra_statistics=(lambda: {k: v for f in levels for k, v in f().items()})
-                            if levels else None, warm=warm if config.lookahead else None)
+                            levels=[level for level in (disk, cluster) if level is not None],
+                            warm=warm if config.lookahead else None)
     return Mount(config, catalog, ops, parts, serving)
 
 
 def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: MountStats, stack: ExitStack, *,
-               cache: NextEpochCache | None = None, data_path: str = "daemon", kernel: Kernel | None = None,
+               policy: NextEpochCache | None = None, data_path: str = "daemon", kernel: Kernel | None = None,
                mix: Mix | None = None, descriptors: int | None = None,
                may_read: Callable[[Node, int, int, int], bool] | None = None,
-               extra_statistics: Callable[[], dict[str, Any]] | None = None,
+               levels: Sequence[HasStatistics] = (),
                warm: Callable[[Node], None] | None = None) -> tuple[Operations, Parts]:
     """The finished ``Operations`` of ``config`` over ``reader``, and the parts its data path is built from.
     ``data_path``: "daemon", "passthrough" (over ``kernel``), or "at init": chosen once the connection's INIT
@@ -132,7 +131,7 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
     why_not = daemon_only(config)
     # Held memfds are descriptors too: where passthrough may hold them, a share of the budget is theirs and open
     # files have the rest, so the two together never reach RLIMIT_NOFILE (an EMFILE for every open).
-    held_files = held_descriptors(descriptors) if descriptors and cache is not None and not why_not else None
+    held_files = held_descriptors(descriptors) if descriptors and policy is not None and not why_not else None
     lookahead = None
     if warm is not None:
         lookahead = MetadataAhead(catalog.path, warm)
@@ -145,12 +144,12 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
     stack.callback(notifier.stop)
     calls = StorageCalls(reader, thread_limiter=trio.CapacityLimiter(config.threads), io_timeout=config.io_timeout,
                          open_threads=config.open_threads)
-    parts = Parts(reader, stats, calls, notifier, config, cache, held_files=held_files,
+    parts = Parts(reader, stats, calls, notifier, config, policy, held_files=held_files,
                   cold_open=lookahead.went_cold if lookahead is not None else None)
-    job_of = None
-    if cache is not None:
-        job_of = JobOf()
-        cache.owner_of = job_of.owner  # a job's uid decides which slots it may take
+    jobs = None
+    if policy is not None:
+        jobs = JobLookups(JobOf())
+        policy.owner_of = jobs.job_of.owner  # a job's uid decides which slots it may take
     path: DaemonPath | PassthroughPath | None
     if data_path == "daemon":
         path = parts.daemon_path()
@@ -162,12 +161,12 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
         path = None
     else:
         raise ValueError(f"data_path must be 'daemon', 'passthrough' or 'at init', not {data_path!r}")
-    ops = Operations(catalog, stats, calls, notifier, path, mix=mix,
-                     may_read=may_read if config.allow_other else None,
-                     max_open_files=MAX_OPEN_FILES if descriptors is None else descriptors - (held_files or 0),
-                     extra_statistics=extra_statistics,
+    budget = OpenBudget(MAX_OPEN_FILES if descriptors is None else descriptors - (held_files or 0))
+    per_open = PerOpen(budget, mix, jobs, may_read if config.allow_other else None)
+    ops = Operations(catalog, stats, calls, notifier, path, per_open=per_open, lookahead=lookahead,
+                     levels=levels,
                      enable_passthrough=config.data_path != "daemon" and passthrough.built_in() is None,
-                     time_requests=config.time_requests, lookahead=lookahead, job_of=job_of)
+                     time_requests=config.time_requests)
     built.append(ops)
     if why_not:
         stats.data_path_why = why_not
@@ -176,8 +175,8 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
 
 def _close_data_paths(built: list[Operations]) -> None:
     for ops in built:
-        if ops.data is not None:
-            ops.data.close()
+        if ops.data_path is not None:
+            ops.data_path.close()
 
 
 def daemon_only(config: MountConfig) -> str | None:
@@ -189,7 +188,7 @@ def daemon_only(config: MountConfig) -> str | None:
     return None
 
 
-#: Descriptors kept for everything but open files: the catalog, sockets, worker threads' files, the guard.
+#: Descriptors kept for everything but open files: the catalog, sockets, worker threads' files, the watchdog.
 _RESERVED_FDS = 1024
 
 
@@ -214,7 +213,7 @@ def descriptor_budget(ceiling: int = 1 << 20) -> int:
     return max(64, soft - _RESERVED_FDS)
 
 
-def make_mix(catalog: Catalog, config: MountConfig, storage: Store) -> Mix | None:
+def make_mix(catalog: Catalog, config: MountConfig, store: Store) -> Mix | None:
     """``--mix``: None for "prepared" (every raw object served, nothing to decide per open)."""
     if config.mix == "prepared":
         return None
@@ -223,7 +222,7 @@ def make_mix(catalog: Catalog, config: MountConfig, storage: Store) -> Mix | Non
         seed = int(catalog.meta("seed") or 0)
     except ValueError as exc:
         raise MountError(f"the store's catalog has an unreadable ratio or seed: {exc}") from exc
-    start = storage.profile_choice() if config.mix == "adaptive" else None
+    start = store.profile_choice() if config.mix == "adaptive" else None
     try:
         mix = Mix(config.mix, prepared, seed=seed, start=start)
     except ValueError as exc:
@@ -233,7 +232,7 @@ def make_mix(catalog: Catalog, config: MountConfig, storage: Store) -> Mix | Non
 
 
 def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, config: MountConfig,
-                      reader: Reader) -> ClusterTier:
+                      reader: Reader) -> ClusterLevel:
     """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together; ``totals``
     are ``Catalog.file_totals()``."""
     assert config.cluster
@@ -262,8 +261,8 @@ def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, conf
         except KeyFileError as exc:
             client.close()
             raise MountError(str(exc)) from None
-        return ClusterTier(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
-    return ClusterTier(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
+        return ClusterLevel(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
+    return ClusterLevel(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
 
 
 #: Of what the memcacheds may hold (their ``-m``), what is counted on for values: memcached's slabs and item
@@ -284,19 +283,19 @@ def cluster_size_from_limits(limits: dict[str, int | None], raw_bytes: int) -> i
 
 
 def make_disk_level(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,
-                   cache: NextEpochCache | None) -> DiskTier:
+                   memory: NextEpochCache | None) -> DiskLevel:
     """The disk level sees what the memory level misses: its quota is of the dataset minus the memory budget."""
     assert config.disk_cache is not None and config.disk_cache_size is not None
     files, served, _, max_id = totals
     budget = bytes_of(config.disk_cache_size, served)
-    reaching = max(1, served - (cache.budget if cache is not None else 0))
+    reaching = max(1, served - (memory.budget if memory is not None else 0))
     log.info("disk cache budget %d bytes in %s", budget, config.disk_cache)
     policy = NextEpochCache(budget, reaching, files, max_id=max_id)
-    held = (lambda node_id: node_id in cache.held) if cache is not None else (lambda node_id: False)
-    return DiskTier(reader, config.disk_cache, policy, memory_holds=held)
+    held = (lambda node_id: node_id in memory.held) if memory is not None else (lambda node_id: False)
+    return DiskLevel(reader, config.disk_cache, policy, memory_holds=held)
 
 
-def make_cache(catalog: Catalog, totals: tuple[int, int, int, int],
+def make_policy(catalog: Catalog, totals: tuple[int, int, int, int],
                cache_size: Amount | None) -> NextEpochCache | None:
     """The memory level's policy; ``totals`` are ``Catalog.file_totals()``. A share is of what holding every file
     costs on the level that will hold them (its pages: ``policy.budget``), resolved once the data path is known."""

@@ -32,13 +32,13 @@ from .config import MountConfig, MountError
 log = logging.getLogger(__name__)
 
 
-def serve(config: MountConfig, storage: Store, store_dir: Path, *, ready_fd: int | None = None) -> int:
-    """Mount ``config`` over ``storage`` (its catalog in ``store_dir``) and serve in this process until unmounted
+def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int | None = None) -> int:
+    """Mount ``config`` over ``store`` (its catalog in ``store_dir``) and serve in this process until unmounted
     or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     with ExitStack() as stack:
         stack.callback(log.info, "unmounted %s", config.mountpoint)
-        mount = build.mount(config, storage, store_dir, stack)
+        mount = build.mount(config, store, store_dir, stack)
         start_session(config, mount.ops, stack)
         stack.enter_context(mount.serving.pop_all())  # the parts that answer requests stop before the session
         try:
@@ -125,7 +125,7 @@ async def _signal_ready(config: MountConfig, ops: Operations, built: build.Parts
         os.close(ready_fd)
     # After ready, not before: a dataset that takes longer to warm than the mount command waits (or a probe
     # allows) must not make a dead mount. Its progress is in stats (warmup, warmup_files, warmup_bytes).
-    if config.warmup and ops.cache is not None:
+    if config.warmup and ops.policy is not None:
         await warm_up(ops)
 
 
@@ -137,8 +137,8 @@ async def warm_up(ops: Operations) -> None:
         stats.warmup_files, stats.warmup_bytes = files, total
 
     started = time.monotonic()
-    assert ops.data is not None
-    files, total = await warm_up_path(ops.data, list(ops.catalog.files()), progress)
+    assert ops.data_path is not None
+    files, total = await warm_up_path(ops.data_path, list(ops.catalog.files()), progress)
     progress(files, total)
     stats.warmup = "done"
     log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)
@@ -147,7 +147,7 @@ async def warm_up(ops: Operations) -> None:
 def choose_data_path(config: MountConfig, ops: Operations, built: build.Parts) -> bool:
     """After INIT: serve through passthrough where it works, else the daemon path; say which, and why, in one
     line of the log and in ``stats``. False when ``--data-path passthrough`` cannot be had (the mount stops)."""
-    if ops.data is not None:  # the daemon's from the start (``daemon_only``)
+    if ops.data_path is not None:  # the daemon's from the start (``daemon_only``)
         why: str | None = ops.stats.data_path_why
     else:
         why = passthrough.engaged()
@@ -156,7 +156,7 @@ def choose_data_path(config: MountConfig, ops: Operations, built: build.Parts) -
         if config.data_path == "passthrough":
             log.error("--data-path passthrough: not available: %s", why)
             return False
-        if ops.data is None:
+        if ops.data_path is None:
             ops.serve_with(built.daemon_path())
         log.info("data path: daemon (%s)", why)
         return True

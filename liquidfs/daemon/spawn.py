@@ -90,7 +90,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
     raise MountError(f"{reason}\n{status}" if reason else status)
 
 
-#: A log record of the daemon's at ERROR or above (``safefiles.LOG_FORMAT``: date, time, level, logger, message).
+#: A log record of the daemon's at ERROR or above (``sysio.safefiles.LOG_FORMAT``: date, time, level, logger, message).
 _ERROR_RECORD = re.compile(r"\S+ \S+ (?:ERROR|CRITICAL) \S+: (.*)")
 
 

@@ -13,9 +13,9 @@ of four kinds of backing:
   writable by nobody but the mount's user;
 * ``memfd``: bytes read whole and checked before any is served (a raw object that cannot be vouched for by a
   stat, an object-store download, ``mount --verify-reads``, a next-epoch cache hit), sealed against change;
-* ``disk``: a file of the local disk cache level, read whole and checked against its digest like a memfd.
+* ``disk``: a file of the local disk level, read whole and checked against its digest like a memfd.
 
-Everything here blocks and runs in a worker thread (``storage.StorageCalls.run``).
+Everything here blocks and runs in a worker thread (``datapath.storage_calls.StorageCalls.run``).
 """
 
 from __future__ import annotations
@@ -53,8 +53,9 @@ class Backing:
     fallback: str | None = None  # why the raw object was not served, when it should have been
     #: ``stamp`` of a source or object descriptor when it was checked (``still_sound``); None for a memfd.
     stamp: tuple[int, int, int, int] | None = None
-    #: Where its bytes came from (``reader.Content.tier``): "storage", or the level in front of it that had them.
-    tier: str = "storage"
+    #: Where its bytes came from (``stores.reader.Content.level``): "storage", or the level in front of it that
+    #: had them.
+    level: str = "storage"
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -91,8 +92,8 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
     try:
         if content.data is not None:
             fd = memfd_with(content.data, node.path)
-            kind = "disk" if content.tier == "disk" else "memfd"
-            return Backing(fd, content.size, content.raw, kind, content.fallback, tier=content.tier)
+            kind = "disk" if content.level == "disk" else "memfd"
+            return Backing(fd, content.size, content.raw, kind, content.fallback, level=content.level)
         if content.fd is not None:  # a local file too large to read whole: the source itself
             fd, content.fd = content.fd, None
             return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(os.fstat(fd)))

@@ -1,10 +1,10 @@
 """The interface between the FUSE layer and what serves file bytes: a data path.
 
-``fs.Operations`` translates the kernel's requests and hands every open, read and release of a file to the one
-data path the mount serves with, never asking which it is: ``daemonpath.DaemonPath`` (this process answers every
-read) or ``passthrough.PassthroughPath`` (the kernel reads a backing descriptor itself). Each keeps what it holds
-for the next epoch in a level of held bytes (``held.HeldLevel``); the warm-up before the first epoch is written
-once, here, over ``warm_one``.
+``fuse.operations.Operations`` translates the kernel's requests and hands every open, read and release of a file
+to the one data path the mount serves with, never asking which it is: ``datapath.daemon.DaemonPath`` (this
+process answers every read) or ``datapath.passthrough.PassthroughPath`` (the kernel reads a backing descriptor
+itself). Each keeps what it holds for the next epoch in a level of held bytes (``held.base.HeldLevel``); the
+warm-up before the first epoch is written once, here, over ``warm_one``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ..catalog.nodes import Node
 from ..held.base import HeldLevel
+from ..metrics.stats import Statistics
 from .inodes import Handle, Inode
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ class DataPath(Protocol):
         ...
 
     async def open(self, node: Node, inode: Inode, fh: int, job: int = 0) -> Handle:
-        """A new open of ``node`` (a file) by a reader of ``job`` (``jobs.JobOf``), to be registered as ``fh``. The handle's content says its size:
-        where that is not what the kernel was told (``inode.size_told``), the caller tells the kernel."""
+        """A new open of ``node`` (a file) by a reader of ``job`` (``policy.jobs.JobOf``), to be registered as
+        ``fh``. The handle's content says its size: where that is not what the kernel was told
+        (``inode.size_told``), the caller tells the kernel."""
         ...
 
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview: ...
@@ -42,7 +44,9 @@ class DataPath(Protocol):
         """Warm-up: read ``node`` into the held level if the budget allows; the bytes held, or None."""
         ...
 
-    def statistics(self) -> dict[str, object]: ...
+    def statistics(self) -> Statistics:
+        """The path's own counters (its held level's are the level's: ``held``)."""
+        ...
 
     def close(self) -> None:
         """At unmount: let go of what the path holds outside the kernel's requests."""

@@ -3,8 +3,8 @@
 Files are read whole from storage (O_DIRECT, into pooled buffers), at open or at their first read, so a raw
 object's checksum is checked before its first byte is served; the next-epoch cache holds its files' bytes in
 this process; bytes served to the end are let go and read again chunk by chunk, checked, if the kernel asks
-again. It is one ``datapath.DataPath``: ``fs.Operations`` translates requests and hands file opens, reads and
-releases here.
+again. It is one ``datapath.base.DataPath``: ``fuse.operations.Operations`` translates requests and hands file opens,
+reads and releases here.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pyfuse3 import FUSEError
 
 from ..catalog.nodes import Node
 from ..held.base import MemoryLevel
-from ..metrics.stats import MountStats
+from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import CHUNK, WHOLE_FILE_LIMIT, Content, Reader, chunk_digests, chunk_span
 from ..sysio.directio import POOL
@@ -43,19 +43,26 @@ _PAGE = 4096
 MAX_PIECES = 16
 
 
+@dataclass(frozen=True, slots=True)
+class DaemonPathStatistics(Statistics):
+    open_bytes: int          # bytes of open files the daemon holds (bounded by --open-bytes)
+    buffers_reused: int      # whole-file reads into a pooled buffer
+    buffers_idle_bytes: int  # pooled buffers waiting for their next file
+
+
 class DaemonPath:
     """Opens, reads and releases of files whose bytes this process serves."""
 
     name = "daemon"
 
-    def __init__(self, reader: Reader, stats: MountStats, storage: StorageCalls, notifier: Notifier,
+    def __init__(self, reader: Reader, stats: MountStats, calls: StorageCalls, notifier: Notifier,
                  *, held: MemoryLevel | None = None, page_cache: str = "drop",
                  max_open_bytes: int = MAX_OPEN_BYTES, push_pages: bool = True) -> None:
         if page_cache not in PAGE_CACHE_MODES:
             raise ValueError(f"page_cache must be one of {PAGE_CACHE_MODES}, not {page_cache!r}")
         self.reader = reader
         self.stats = stats
-        self.storage = storage
+        self.calls = calls
         self.notifier = notifier
         # What the kernel's page cache keeps of files the daemon does not hold (``mount --page-cache``).
         self.page_cache = page_cache
@@ -152,7 +159,7 @@ class DaemonPath:
             self.stats.bytes_of_lost_pages += len(data)
         elif content.data is None:
             assert handle.node is not None  # only files are streamed
-            data = await self.storage.run(handle.node, content.read, off, size)
+            data = await self.calls.run(handle.node, content.read, off, size)
         else:
             data = content.read(off, size)
             if handle.node is not None and not handle.direct_io and data:
@@ -190,12 +197,9 @@ class DaemonPath:
     def close(self) -> None:
         """At unmount: nothing is left to let go (open files' buffers go with the process)."""
 
-    def statistics(self) -> dict[str, object]:
-        values: dict[str, object] = {"open_bytes": self._open_bytes, "buffers_reused": POOL.reused,
-                                     "buffers_idle_bytes": POOL.idle}
-        if self.held is not None:
-            values.update(self.held.statistics())
-        return values
+    def statistics(self) -> DaemonPathStatistics:
+        return DaemonPathStatistics(open_bytes=self._open_bytes, buffers_reused=POOL.reused,
+                                    buffers_idle_bytes=POOL.idle)
 
     def _held_now(self, inode: int) -> bool:
         return self.held is not None and self.held.holds(inode)
@@ -214,14 +218,14 @@ class DaemonPath:
         size = record.size_told(node)
         if size > WHOLE_FILE_LIMIT or record.fell_back:
             return False  # streamed; or its raw object failed before: read now, so the original can be served
-        vouched = await self.storage.inline_or_run(node, self.reader.vouch, node, for_open=True)
+        vouched = await self.calls.inline_or_run(node, self.reader.vouch, node, for_open=True)
         if vouched is not None:
             return bool(vouched)
         no_room = self._open_bytes + size > self.max_open_bytes
-        return not decision.hold and no_room and await self.storage.source_changed(node) is None
+        return not decision.hold and no_room and await self.calls.source_changed(node) is None
 
     async def _open_held(self, node: Node, data: memoryview) -> Content:
-        changed = await self.storage.source_changed(node)
+        changed = await self.calls.source_changed(node)
         if changed is None:
             self.stats.served_from("memory", len(data))
             return Content(size=len(data), raw=node.served_raw, data=data)
@@ -271,10 +275,10 @@ class DaemonPath:
     async def _open_from_storage(self, node: Node, for_open: bool = True) -> Content:
         """What ``node`` serves, read from storage; ``for_open``: an open waits for it (the opens' limiter), else
         a warm-up or a deferred first read (the reads')."""
-        content: Content = await self.storage.run(node, self.reader.open, node, for_open=for_open)
-        if content.data is not None or content.tier != "storage":
+        content: Content = await self.calls.run(node, self.reader.open, node, for_open=for_open)
+        if content.data is not None or content.level != "storage":
             # (a file streamed from storage, over WHOLE_FILE_LIMIT, is not read yet: not counted)
-            self.stats.served_from(content.tier, content.size)
+            self.stats.served_from(content.level, content.size)
         return content
 
     def _push_rest(self, fh: int, handle: Handle, reach: int) -> None:
@@ -409,7 +413,7 @@ class DaemonPath:
         if held is not None and len(held) == handle.content.size:
             piece = _Piece(start, held[start:stop], pooled=False)
         else:
-            data = await self.storage.run(node, self.reader.read_span, node, handle.content.raw, start, stop)
+            data = await self.calls.run(node, self.reader.read_span, node, handle.content.raw, start, stop)
             piece = _Piece(start, data, pooled=True)
             self.stats.refetches += 1
             self.stats.bytes_refetched += len(data)

@@ -22,11 +22,11 @@ import trio
 
 from ..catalog.nodes import Node
 from ..held.base import MemfdLevel
-from ..metrics.stats import MountStats
+from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import Content, LendsDescriptors, Reader
 from .backing import Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
-from .daemon import DaemonPath
+from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
 from .storage_calls import StorageCalls
 
@@ -109,19 +109,30 @@ class _Keeping:
     waiting: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PassthroughStatistics(Statistics):
+    passthrough_open_inodes: int  # inodes with a backing registered now
+    closes_pending: int           # backing descriptors queued for closing
+    ranges: DaemonPathStatistics  # the daemon path beside it, for files that get no backing
+
+    def values(self) -> dict[str, object]:
+        return {**self.ranges.values(), "passthrough_open_inodes": self.passthrough_open_inodes,
+                "closes_pending": self.closes_pending}
+
+
 class PassthroughPath:
     """Opens and releases on the passthrough data path (on the trio thread; storage work in worker threads)."""
 
     name = "passthrough"
 
-    def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, storage: StorageCalls,
+    def __init__(self, kernel: Kernel, reader: Reader, stats: MountStats, calls: StorageCalls,
                  *, ranges: DaemonPath, held: MemfdLevel | None = None, verify_reads: bool = False,
                  drop_served_pages: bool = True, on_cold_open: Callable[[Node], None] | None = None) -> None:
         """``on_cold_open``: told of each open whose metadata was not in memory (``MetadataAhead.went_cold``)."""
         self.kernel = kernel
         self.reader = reader
         self.stats = stats
-        self.storage = storage
+        self.calls = calls
         #: Serves the files that get no backing, in ranges; it holds nothing for the next epoch.
         self.ranges = ranges
         self.held = held
@@ -226,7 +237,7 @@ class PassthroughPath:
                     # memfd lives as long as this open.
                     self.held.release(node.id)
                 try:
-                    changed = await self.storage.source_changed(node)
+                    changed = await self.calls.source_changed(node)
                 except BaseException:
                     served.close()
                     raise
@@ -251,9 +262,9 @@ class PassthroughPath:
                 if self.on_cold_open is not None:
                     self.on_cold_open(node)
         if backing is None:
-            backing = await self.storage.run(node, self._resolve, node, vouch, for_open=True)
+            backing = await self.calls.run(node, self._resolve, node, vouch, for_open=True)
         if backing is not None:
-            self.stats.served_from(backing.tier, backing.size)
+            self.stats.served_from(backing.level, backing.size)
         return backing
 
     def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
@@ -274,7 +285,7 @@ class PassthroughPath:
         entry = handle.inode.shared
         if entry is None or entry.backing is None or entry.backing.fd < 0:
             raise OSError(errno.EBADF, "not open")
-        data: bytes = await self.storage.run(handle.node, os.pread, entry.backing.fd, size, off)
+        data: bytes = await self.calls.run(handle.node, os.pread, entry.backing.fd, size, off)
         return data
 
     async def release(self, handle: Handle) -> None:
@@ -351,7 +362,7 @@ class PassthroughPath:
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None
-        backing = await self.storage.run(node, self._resolve, node)
+        backing = await self.calls.run(node, self._resolve, node)
         if backing is None:
             return None
         try:
@@ -371,13 +382,9 @@ class PassthroughPath:
         """At unmount: the descriptors queued for closing are closed."""
         self._closer.stop()
 
-    def statistics(self) -> dict[str, object]:
-        values = self.ranges.statistics()
-        values["passthrough_open_inodes"] = self._open_inodes
-        values["closes_pending"] = self._closer.pending
-        if self.held is not None:
-            values.update(self.held.statistics())
-        return values
+    def statistics(self) -> PassthroughStatistics:
+        return PassthroughStatistics(passthrough_open_inodes=self._open_inodes, closes_pending=self._closer.pending,
+                                     ranges=self.ranges.statistics())
 
 
 def _count_backing(stats: MountStats, kind: str) -> None:

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import trio
 
 from ..catalog.nodes import Node
+from ..metrics.stats import Statistics
 from ..stores.reader import Reader
 
 R = TypeVar("R")
@@ -42,6 +43,14 @@ OPEN_THREADS = 64
 #: on a slow source (an NFS server of theirs, a FUSE mount they serve themselves) leave the other half to everyone
 #: else, who would otherwise all get EAGAIN.
 OPENS_PER_USER_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class StorageCallsStatistics(Statistics):
+    stuck_reads: int          # storage reads still stuck past their timeout
+    opens_in_flight: int      # opens waiting for storage now
+    opens_refused: int        # opens refused with EAGAIN: too many in flight
+    opens_refused_share: int  # ... of them, past their user's share
 
 
 class StorageCalls:
@@ -105,6 +114,11 @@ class StorageCalls:
     @property
     def stuck(self) -> int:
         return len(self._stuck)
+
+    def statistics(self) -> StorageCallsStatistics:
+        return StorageCallsStatistics(stuck_reads=self.stuck, opens_in_flight=self.opens_in_flight,
+                                      opens_refused=self.opens_refused,
+                                      opens_refused_share=self.opens_refused_share)
 
     async def run(self, node: Node, fn: Callable[..., R], *args: Any, for_open: bool = False) -> R:
         """``fn(*args)``, a blocking read of ``node``'s storage, in a worker thread; EIO past ``io_timeout``.

@@ -76,7 +76,7 @@ class Outcome:
                             self.object_stamp)
 
 
-#: In a worker: the bytes it may spend on one image (``resources.plan_workers``); None where not known.
+#: In a worker: the bytes it may spend on one image (``expand.workers.plan_workers``); None where not known.
 _budget: int | None = None
 
 

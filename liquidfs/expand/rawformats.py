@@ -1,7 +1,7 @@
 """Each raw format an image may be expanded to, declared once: one ``RawFormat`` record and the registry of them.
 
 Object names (the suffix, ``reader.OBJECT_NAME``), ``--formats`` parsing, the stores' ``raw_formats``, a
-worker's memory budget (``resources``), the profile's choice and the messages that name a format all derive
+worker's memory budget (``expand.workers``), the profile's choice and the messages that name a format all derive
 from these records. Adding a raw format is one record here and its encoder in ``encoders`` (``encoders.ENCODERS``);
 ``tests/unit/test_rawformats.py`` checks that the two agree. The profile measures BMP (its baseline: the
 originals are timed with it) and weighs any format decoded on a GPU on top of it.
@@ -40,7 +40,7 @@ class RawFormat:
     #: The loaders' decoders shown to decode it to the source's exact pixels (tests/unit/expand/test_formats.py,
     #: tests/unit/expand/test_j2k.py; the GPU's where a GPU is visible).
     exact_for: tuple[str, ...]
-    #: Peak bytes one expansion to it takes per pixel, on top of ``resources.SOURCE_COPIES`` times the source's
+    #: Peak bytes one expansion to it takes per pixel, on top of ``expand.workers.SOURCE_COPIES`` times the source's
     #: size: what prepare sizes its workers by. Measured as the peak RSS (VmHWM, reset before the call) of an
     #: expansion, less the RSS before it: a new format is measured before prepare can use it.
     bytes_per_pixel: int

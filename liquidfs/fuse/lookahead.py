@@ -20,10 +20,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog.catalog import Catalog
 from ..catalog.nodes import KIND_FILE, Node
+from ..metrics.stats import Statistics
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,14 @@ AGAIN_AFTER = 60.0
 AGAIN_COLD = 1.0
 #: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
 MAX_QUEUED = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LookaheadStatistics(Statistics):
+    prefix = "lookahead_"
+
+    directories: int  # directories whose files' metadata was warmed
+    files: int        # ... and their files
 
 
 class MetadataAhead:
@@ -108,8 +118,8 @@ class MetadataAhead:
                 after = node.id
         self.directories += 1
 
-    def statistics(self) -> dict[str, object]:
-        return {"lookahead_directories": self.directories, "lookahead_files": self.files}
+    def statistics(self) -> LookaheadStatistics:
+        return LookaheadStatistics(directories=self.directories, files=self.files)
 
     def stop(self) -> None:
         if self._thread is not None:

@@ -1,5 +1,7 @@
 """The FUSE layer: translates kernel requests into catalog queries, and file opens, reads and releases into calls
-of the one data path the mount serves with (``datapath.DataPath``), and nothing else: it never asks which.
+of the one data path the mount serves with (``datapath.base.DataPath``), and nothing else: it never asks which.
+What decides about an open is each its own part's (``PerOpen``): the open-file budget (``fuse.open_budget``), the
+mix and what the held level gives up for it (``mix.share.Mix.view_held``), the opener's job (``policy.jobs``).
 
 Only ``FUSEError`` may leave a handler: any other exception would end pyfuse3's main loop and leave a dead mount,
 so every handler goes through ``_handler``, which turns ``OSError`` into its errno and anything else into EIO
@@ -17,6 +19,7 @@ import os
 import stat
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import pyfuse3
@@ -29,11 +32,12 @@ from ..datapath.base import DataPath
 from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
 from ..datapath.notifier import Notifier
 from ..datapath.storage_calls import StorageCalls
-from ..metrics.stats import MountStats
+from ..metrics.stats import HasStatistics, MountStats, Statistics
 from ..mix.share import Mix
-from ..policy.jobs import JobOf
+from ..policy.jobs import JobLookups
 from ..stores.reader import Content
 from .lookahead import MetadataAhead
+from .open_budget import OpenBudget
 from .request_times import RequestTimes, on_loop_cpu
 
 if TYPE_CHECKING:
@@ -87,16 +91,18 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
     return wrapper
 
 
+@dataclass
+class PerOpen:
+    """What each open of a file is decided by, beside the data path: each its own part's."""
 
-#: Seconds an open waits for its opener's job to be read from /proc (``jobs.JobOf.read_key``).
-JOB_LOOKUP = 1.0
-#: Worker threads reading /proc for jobs at once, on a limiter of their own: a lookup stuck on an opener's
-#: environment (its memory map's lock, held while it faults on this mount) keeps its thread and its token until
-#: it returns, and must not starve the storage reads, memfd copies or notifications of theirs.
-JOB_LOOKUP_THREADS = 8
-
-#: Open files at once when the mount does not say (``mount.descriptor_budget`` sizes it from RLIMIT_NOFILE).
-MAX_OPEN_FILES = 16384
+    #: Open files at once, and each user's share of them.
+    budget: OpenBudget = field(default_factory=OpenBudget)
+    #: ``mount --mix``: which images with a raw object each open serves raw (None: all of them).
+    mix: Mix | None = None
+    #: The job of an opener, for a next-epoch policy that counts each job's epochs (None: no policy).
+    jobs: JobLookups | None = None
+    #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
+    may_read: Callable[[Node, int, int, int], bool] | None = None
 
 
 class Operations(pyfuse3.Operations):
@@ -105,25 +111,23 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = False
     enable_writeback_cache = False
 
-    def __init__(self, catalog: Catalog, stats: MountStats, storage: StorageCalls, notifier: Notifier,
-                 data_path: DataPath | None, *, mix: Mix | None = None,
-                 may_read: Callable[[Node, int, int, int], bool] | None = None,
-                 max_open_files: int = MAX_OPEN_FILES,
-                 extra_statistics: Callable[[], dict[str, Any]] | None = None,
-                 enable_passthrough: bool = False, time_requests: bool = False,
-                 lookahead: MetadataAhead | None = None, job_of: JobOf | None = None) -> None:
+    def __init__(self, catalog: Catalog, stats: MountStats, calls: StorageCalls, notifier: Notifier,
+                 data_path: DataPath | None, *, per_open: PerOpen | None = None,
+                 lookahead: MetadataAhead | None = None,
+                 levels: Sequence[HasStatistics] = (),
+                 enable_passthrough: bool = False, time_requests: bool = False) -> None:
         """``data_path`` None: it is chosen once the connection's INIT says what the kernel grants
         (``serve_with``); opens wait for it meanwhile."""
         super().__init__()
         self.catalog = catalog
         self.stats = stats
-        self.storage = storage
+        self.calls = calls
         self.notifier = notifier
         files, served, _, max_id = catalog.file_totals()
         self.inodes = Inodes(stats, max_id)
         self.open_files: dict[int, Handle] = {}
         self._next_fh = 1
-        self.data = data_path
+        self.data_path = data_path
         self._data_chosen = trio.Event()
         if data_path is not None:
             self.serve_with(data_path)
@@ -133,49 +137,40 @@ class Operations(pyfuse3.Operations):
         self.time_requests = time_requests
         #: Warms a directory's metadata when a lookup shows it cold (None: a reader whose storage is remote).
         self.lookahead = lookahead
-        #: The job of an opener's pid (``jobs.JobOf``), for a next-epoch cache that counts each job's epochs.
-        self.job_of = job_of
-        self._job_lookups = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
+        per_open = per_open if per_open is not None else PerOpen()
+        self.open_budget = per_open.budget
+        self.open_budget.first_error = self.first_error  # one bound on what the mount logs of its errors
+        self.jobs = per_open.jobs
         self.uid = os.getuid()
         self.gid = os.getgid()
         self.stats.files = files
         self.stats.dataset_bytes = served
-        #: Counters of parts beside the data path (a disk cache level), in ``statistics``.
-        self.extra_statistics = extra_statistics
-        #: Open files at once (``descriptor_budget``): past it an open fails with ENFILE, and so does one past
-        #: its user's share of it (``_take_slot``).
-        self.max_open_files = max_open_files
-        # Slots of that budget taken by opens of files, in flight or open (the control file's aside): per uid,
-        # in all, and whose each open file's slot is.
-        self._slots: dict[int, int] = {}
-        self._slots_taken = 0
-        self._slot_of: dict[int, int] = {}
-        #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
-        self.may_read = may_read
+        #: Levels beside the data path (the disk level, the cluster level): their counters in ``statistics``.
+        self.levels = tuple(levels)
+        self.may_read = per_open.may_read
         #: Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
         self.enable_passthrough = enable_passthrough
-        #: ``mount --mix``: which images with a raw object each open serves raw (None: all of them).
-        self.mix = mix
+        self.mix = per_open.mix
 
     def serve_with(self, path: DataPath) -> None:
         """The data path every open is served by from now on: given at construction, or chosen once after INIT
         (passthrough where the kernel granted it). Set once."""
         if self._data_chosen.is_set():
             raise RuntimeError("the data path is chosen once")
-        self.data = path
+        self.data_path = path
         self.stats.data_path = path.name
         self._data_chosen.set()
 
-    async def _data_path(self) -> DataPath:
-        if self.data is None:  # an open between INIT and the choice of the data path
+    async def _chosen_path(self) -> DataPath:
+        if self.data_path is None:  # an open between INIT and the choice of the data path
             await self._data_chosen.wait()
-        assert self.data is not None
-        return self.data
+        assert self.data_path is not None
+        return self.data_path
 
     @property
-    def cache(self) -> NextEpochCache | None:
+    def policy(self) -> NextEpochCache | None:
         """The next-epoch policy of the data path (None before it is chosen, or without a cache)."""
-        held = self.data.held if self.data is not None else None
+        held = self.data_path.held if self.data_path is not None else None
         return held.policy if held is not None else None
 
     def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
@@ -309,31 +304,29 @@ class Operations(pyfuse3.Operations):
         node = self._node(inode)
         if node.kind == KIND_DIR:
             raise FUSEError(errno.EISDIR)
-        # Taken before the first await and given back if the open fails: opens in flight count, so many at once
-        # cannot all pass a check of the files open so far.
-        self._take_slot(ctx.uid)
+        self.open_budget.take(ctx.uid)  # before the first await (``OpenBudget.take``)
         try:
-            with self.storage.opening(ctx.uid):
+            with self.calls.opening(ctx.uid):
                 info = await self._open_file(node, ctx)
         except BaseException:
-            self._give_back_slot(ctx.uid)
+            self.open_budget.give_back(ctx.uid)
             raise
-        self._slot_of[info.fh] = ctx.uid
+        self.open_budget.opened(info.fh, ctx.uid)
         return info
 
     async def _open_file(self, node: Node, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         """The open of a file, its slot of the budget taken."""
         if self.may_read is not None and ctx.uid not in (0, self.uid):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
-            if not await self.storage.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True):
+            if not await self.calls.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True):
                 raise FUSEError(errno.EACCES)
-        data = await self._data_path()
+        data = await self._chosen_path()
         record = self.inodes[node.id]
         mixed = self.mix is not None and node.served_raw and not record.fell_back
         try:
             if mixed:
                 node = await self._mixed(data, node, record)
-            job = await self._job_of(ctx.pid, ctx.uid)
+            job = await self.jobs.job(ctx.pid, ctx.uid) if self.jobs is not None else 0
             handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
             if mixed:
@@ -356,22 +349,6 @@ class Operations(pyfuse3.Operations):
             raise
         return self._file_info(handle)
 
-    async def _job_of(self, pid: int, uid: int) -> int:
-        """The job of the opener ``pid`` run by ``uid`` (``jobs.JobOf``); reading ``/proc`` for a new one in a
-        worker thread of the lookups' own, for at most JOB_LOOKUP seconds (then, and for a process gone
-        meanwhile, its uid's job of openers not told apart: ``jobs.JobOf.unknown``)."""
-        job_of = self.job_of
-        if job_of is None:
-            return 0  # no next-epoch cache: nothing counts jobs
-        job = job_of.known(pid, uid)
-        if job is None:
-            found = None
-            with trio.move_on_after(JOB_LOOKUP):
-                found = await trio.to_thread.run_sync(job_of.read_key, pid, abandon_on_cancel=True,
-                                                      limiter=self._job_lookups)
-            job = job_of.register(pid, uid, found)
-        return job
-
     async def _tell_size(self, node: Node, record: Inode, size: int) -> None:
         """Where ``size`` is not what the kernel was told of ``node``, it is from now on: the kernel's attributes
         are dropped before the open is answered."""
@@ -383,58 +360,10 @@ class Operations(pyfuse3.Operations):
         """``node`` as the mix serves this open (its raw object, or its original); where that is another size
         than the kernel was told, the kernel's attributes of it are dropped before the open is answered."""
         assert self.mix is not None
-        held = data.held
-        held_raw = held.held_raw(node) if held is not None else None
-        if held_raw is False and self.mix.wants_raw(node) and not self.mix.is_open(node.id):
-            # Held as its original while the share has risen past it: a hit would still cost the loader a PNG
-            # decode, the very work the share rose to spare. Let the held original go (and its place in the
-            # policy, which counted the original's size): this open reads the raw object, and the cache decides
-            # afresh, at the raw size, whether to hold that.
-            assert held is not None
-            self.stats.held_swapped += 1
-            held.drop(node.id)
-            held_raw = None
-        view = self.mix.view(node, held_raw)
+        view, swapped = self.mix.view_held(node, data.held)
+        self.stats.held_swapped += swapped
         await self._tell_size(node, record, view.size_served)
         return view
-
-    def _take_slot(self, uid: int) -> None:
-        """Count an open by ``uid`` against the open-file budget, or refuse it with ENFILE.
-
-        Each open file may hold a descriptor (its backing, or a large file's source) and some memory: past the
-        budget an open fails cleanly rather than the daemon running out of either. With --allow-other, users who
-        do not trust each other share it, and one user opening one file 18,976 times left everyone else (root
-        included) with ENFILE. So a user other than root and the mount's own holds at most half of what is not
-        kept back: one greedy user leaves the other half to everyone else, and a node's one loader (the usual
-        user) still has most of the budget. The last eighth is kept back for root and the mount's user, who may
-        use all of it: they own the mount, and what they run on it must open files whatever the others hold.
-        """
-        budget = self.max_open_files
-        kept_back = budget // 8
-        privileged = uid in (0, self.uid)
-        room = budget if privileged else budget - kept_back
-        share = budget if privileged else max(1, (budget - kept_back) // 2)
-        mine = self._slots.get(uid, 0)
-        if self._slots_taken >= room:
-            if self.first_error(("open files",)):
-                log.warning("%d files open: further opens fail with ENFILE until some are closed (the last %d "
-                            "for root and the mount's user)", self._slots_taken, kept_back)
-            raise FUSEError(errno.ENFILE)
-        if mine >= share:
-            if self.first_error(("open files of", uid)):
-                log.warning("uid %d holds %d open files, its share of the %d of the mount: its further opens "
-                            "fail with ENFILE until it closes some", uid, mine, budget)
-            raise FUSEError(errno.ENFILE)
-        self._slots[uid] = mine + 1
-        self._slots_taken += 1
-
-    def _give_back_slot(self, uid: int) -> None:
-        left = self._slots[uid] - 1
-        if left:
-            self._slots[uid] = left
-        else:
-            del self._slots[uid]  # the uids holding files now, not every uid ever seen
-        self._slots_taken -= 1
 
     def _new_fh(self) -> int:
         fh = self._next_fh
@@ -463,8 +392,8 @@ class Operations(pyfuse3.Operations):
         handle = self.open_files[fh]
         if handle.node is None:  # the control file
             return bytes(handle.content.read(off, size))
-        assert self.data is not None
-        data = await self.data.read(handle, off, size)
+        assert self.data_path is not None
+        data = await self.data_path.read(handle, off, size)
         self.stats.bytes_read += len(data)
         self.stats.read_requests += 1
         return data  # type: ignore[return-value]  # pyfuse3 takes any contiguous buffer
@@ -477,45 +406,40 @@ class Operations(pyfuse3.Operations):
         handle = self.open_files.pop(fh, None)
         if handle is None:
             return
-        uid = self._slot_of.pop(fh, None)
-        if uid is not None:  # None: the control file, which takes no slot
-            self._give_back_slot(uid)
+        self.open_budget.released(fh)
         if handle.mixed:
             assert self.mix is not None and handle.node is not None
             self.mix.release(handle.node.id)
         if handle.node is None:
             handle.content.close()
             return
-        assert self.data is not None and handle.inode is not None
+        assert self.data_path is not None and handle.inode is not None
         try:
-            await self.data.release(handle)
+            await self.data_path.release(handle)
         finally:
             self.inodes.tidy(handle.inode)
 
     def statistics(self) -> dict[str, Any]:
         """Every counter of the mount, from each component's own snapshot: what ``liquidfs stats`` shows (the
         control file) and ``/metrics`` exports."""
+        parts: list[Statistics] = [self.calls.statistics()]
+        if self.data_path is not None:
+            parts.append(self.data_path.statistics())
+            if self.data_path.held is not None:
+                parts.append(self.data_path.held.statistics())
+        if self.lookahead is not None:
+            parts.append(self.lookahead.statistics())
+        parts.extend(level.statistics() for level in self.levels)
         values = self.stats.to_dict()
         values["open_files"] = len(self.open_files)
         values["known_inodes"] = self.inodes.known
-        values["stuck_reads"] = self.storage.stuck
-        values["opens_in_flight"] = self.storage.opens_in_flight
-        values["opens_refused"] = self.storage.opens_refused
-        values["opens_refused_share"] = self.storage.opens_refused_share
-        if self.data is not None:
-            values.update(self.data.statistics())
+        for part in parts:
+            values.update(part.values())  # each part's keys its own (its prefix): none is renamed here
         values["requests"] = {name: dataclasses.asdict(t) for name, t in self.requests.items()}
         if self.mix is not None:
             values["mix"] = dataclasses.asdict(self.mix.statistics())
-        if self.lookahead is not None:
-            values.update(self.lookahead.statistics())
-        labels = getattr(self.job_of, "labels", None)
-        jobs = values.get("jobs")
-        if labels is not None and isinstance(jobs, dict):
-            for job, entry in jobs.items():
-                entry["openers"] = labels.get(int(job), "?")
-        if self.extra_statistics is not None:
-            values.update(self.extra_statistics())
+        if self.jobs is not None:
+            self.jobs.name_openers(values.get("jobs"))
         return values
 
     def _control_bytes(self) -> bytes:

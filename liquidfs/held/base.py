@@ -1,33 +1,39 @@
-"""Levels of held bytes: where the files the next-epoch policy (``cache.NextEpochCache``) keeps for later opens
-live, behind one interface.
+"""Levels of held bytes: where the files the next-epoch policy (``policy.next_epoch.NextEpochCache``) keeps for
+later opens live, behind one interface.
 
 A level pairs the policy, which decides what to hold, with the place the bytes are: the daemon's own memory
 (``MemoryLevel``, the daemon data path), sealed memfds the kernel reads itself (``MemfdLevel``, the passthrough
-path), files on a local disk (``disktier.DiskTier``, a second level behind either). The data paths ask a level
+path), files on a local disk (``held.disk.DiskLevel``, a second level behind either). The data paths ask a level
 the same few things whichever it is (``HeldLevel``): count an open as a read (``decide``), what it holds of a
 file (``held_raw``), forget a file whose bytes went stale (``drop``), a hit whose bytes were lost
-(``lost_hit``), and its counters (``statistics``). A cluster level is meant to be one more implementation.
+(``lost_hit``), and its counters (``statistics``). Each is a class of ``Level``, which answers those once.
+
+The cluster level (``held.cluster.ClusterLevel``) is not one of them, and does not pretend to be: it holds no
+file by the policy's choice but a fixed share of the raw objects, the same on every node (a hash of each one's
+checksum), in memcacheds it does not own; nothing decides, drops or loses a hit there. It shares with the disk
+level only its place, a reader in front of the store's (``stores.reader.InFront``), and the word "level" for
+where bytes are served from (``stores.reader.Content.level``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import resource
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from ..catalog.nodes import Node
-from ..metrics.stats import MountStats
+from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import Decision, NextEpochCache
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: The share of the daemon's descriptor budget (``mount.descriptor_budget``) that held memfds may take; open
-#: files keep the rest (``fs.Operations.max_open_files``). A held file is worth less than an open one: past the
+#: The share of the daemon's descriptor budget (``daemon.build.descriptor_budget``) that held memfds may take; open
+#: files keep the rest (``fuse.open_budget.OpenBudget``). A held file is worth less than an open one: past the
 #: cap a file is read from storage at its next epoch, while an open past the budget fails. A quarter of the
 #: 1,048,000 descriptors a root daemon gets holds 262,000 files, more than most budgets fit; of 20,000 (a lower
 #: hard limit), 5,000.
@@ -65,16 +71,29 @@ class HeldLevel(Protocol):
         """The policy counted an open as a hit, but the bytes were gone: it was a miss."""
         ...
 
-    def statistics(self) -> dict[str, object]: ...
+    def statistics(self) -> Statistics: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyStatistics(Statistics):
+    """A memory level's counters: its policy's (``NextEpochCache.summary``, whose keys and shape are the
+    policy's own)."""
+
+    summary: dict[str, object]
+
+    def values(self) -> dict[str, object]:
+        return dict(self.summary)
 
 
 class Level(Generic[T]):
-    """The bookkeeping every level in the daemon's own process shares: held values by file, the policy beside
-    them, and the hits whose bytes were gone."""
+    """What every level shares: held values by file, the policy beside them, and what an open, a drop and a lost
+    hit do to both. A level read from worker threads sets ``_lock``; one used on the trio loop alone needs none."""
 
-    def __init__(self, policy: NextEpochCache, stats: MountStats) -> None:
+    #: Held around every change of the policy and of ``_held`` (none: the level lives on the loop alone).
+    _lock: AbstractContextManager[object] = nullcontext()
+
+    def __init__(self, policy: NextEpochCache) -> None:
         self.policy = policy
-        self.stats = stats
         self._held: dict[int, T] = {}
 
     @property
@@ -82,44 +101,68 @@ class Level(Generic[T]):
         return self.policy.budget
 
     def decide(self, file: int, size: int, job: int = 0) -> Decision:
-        decision = self.policy.read(file, size, job)
+        with self._lock:
+            decision = self.policy.read(file, size, job)
         for gone in decision.evicted:
             self._forget(gone)
         return decision
 
     def get(self, file: int) -> T | None:
-        return self._held.get(file)
+        with self._lock:
+            return self._held.get(file)
 
     def holds(self, file: int) -> bool:
         return file in self._held
 
     def held_items(self) -> dict[int, T]:
         """What the level holds now, by file (a copy: for statistics and tests)."""
-        return dict(self._held)
+        with self._lock:
+            return dict(self._held)
 
     def drop(self, file: int) -> None:
         self._forget(file)
-        self.policy.drop(file)
+        with self._lock:
+            self.policy.drop(file)
 
     def lost_hit(self, decision: Decision, size: int) -> None:
         """The policy counted this open as a hit, but the bytes were gone (a copy that failed, bytes dropped
-        after a fallback): it was a miss, and the window's ratio must say so."""
-        self.stats.reclaimed += 1
-        if decision.epoch:
-            self.policy.correct_miss(decision.epoch, size, decision.job)
+        after a fallback, a file changed on disk): it was a miss, and the window's ratio must say so."""
+        with self._lock:
+            self._count_lost()
+            if decision.epoch:
+                self.policy.correct_miss(decision.epoch, size, decision.job)
+
+    def _count_lost(self) -> None:
+        """One more hit whose bytes were gone, in the counter of this level (under ``_lock``)."""
+        raise NotImplementedError
 
     def _put(self, file: int, value: T) -> None:
         self._forget(file)
-        self._held[file] = value
+        with self._lock:
+            self._held[file] = value
 
-    def _forget(self, file: int) -> None:
-        self._held.pop(file, None)
+    def _forget(self, file: int) -> T | None:
+        """Let go of what is held of ``file`` (and return it, for a level that must close or remove it)."""
+        with self._lock:
+            return self._held.pop(file, None)
 
-    def statistics(self) -> dict[str, object]:
-        return self.policy.summary()
+
+class InMemory(Level[T]):
+    """A level in the daemon's own memory (its memory or its memfds): its lost hits are the mount's
+    ``reclaimed``, and its statistics the policy's own."""
+
+    def __init__(self, policy: NextEpochCache, stats: MountStats) -> None:
+        super().__init__(policy)
+        self.stats = stats
+
+    def _count_lost(self) -> None:
+        self.stats.reclaimed += 1
+
+    def statistics(self) -> Statistics:
+        return PolicyStatistics(self.policy.summary())
 
 
-class MemoryLevel(Level[memoryview]):
+class MemoryLevel(InMemory[memoryview]):
     """The daemon data path's held files: their bytes in this process, safe from page-cache reclaim."""
 
     def held_raw(self, node: Node) -> bool | None:
@@ -138,15 +181,20 @@ class HeldFile:
 
 
 @dataclass(frozen=True, slots=True)
-class MemfdStatistics:
+class MemfdStatistics(Statistics):
+    policy: PolicyStatistics
     memfd_files: int
     memfd_bytes: int
     memfd_max_files: int  # memfds it may hold (its share of the daemon's descriptors; 0: no cap)
     kept: int        # files copied into memfds after being served
     keep_failed: int  # files the policy chose whose bytes could not be kept (released unread, copy failed)
 
+    def values(self) -> dict[str, object]:
+        own = {name: value for name, value in Statistics.values(self).items() if name != "policy"}
+        return {**self.policy.values(), **own}
 
-class MemfdLevel(Level[HeldFile]):
+
+class MemfdLevel(InMemory[HeldFile]):
     """The passthrough path's held files: sealed memfds (shmem, counted in the budget by their pages, and at most
     ``max_files`` of them: each is a descriptor of the daemon's).
 
@@ -197,18 +245,17 @@ class MemfdLevel(Level[HeldFile]):
         self.keep(file, fd, size, raw)
         return True
 
-    def _forget(self, file: int) -> None:
-        found = self._held.pop(file, None)
+    def _forget(self, file: int) -> HeldFile | None:
+        found = super()._forget(file)
         if found is not None:
             self._bytes -= found.size
             os.close(found.fd)
+        return found
 
-    def statistics(self) -> dict[str, object]:
-        values = super().statistics()
-        values.update(dataclasses.asdict(MemfdStatistics(
-            memfd_files=len(self._held), memfd_bytes=self._bytes, memfd_max_files=self.max_files or 0,
-            kept=self._kept, keep_failed=self._keep_failed)))
-        return values
+    def statistics(self) -> MemfdStatistics:
+        return MemfdStatistics(
+            policy=PolicyStatistics(self.policy.summary()), memfd_files=len(self._held), memfd_bytes=self._bytes,
+            memfd_max_files=self.max_files or 0, kept=self._kept, keep_failed=self._keep_failed)
 
     def close(self) -> None:
         for file in list(self._held):

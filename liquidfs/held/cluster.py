@@ -1,7 +1,7 @@
 """The cluster level of held bytes (``mount --cluster memcached://HOST:PORT,... --cluster-size SIZE``): the
 memories of the nodes that read one dataset, together, on memcached.
 
-Where a job spans nodes, each runs its own mount and its own memcached beside it. A node's memory cache holds a
+Where a job spans nodes, each runs its own mount and its own memcached beside it. A node's memory level holds a
 C/D share of each epoch for itself; the nodes' memcacheds together hold a fixed share of the dataset's raw objects
 for all of them, as CoorDL's partitioned cache does: the objects whose checksum hashes below ``share`` (the
 cluster's size over the raw bytes). Every node computes the same set from its catalog without asking anyone, and
@@ -23,12 +23,15 @@ cluster ever fails a read.
 
 Which memcacheds, and their names resolved: ``held.cluster_peers``.
 
-Like the disk level (``held.disk.DiskTier``), it is a reader in front of the store's (``stores.reader.Reader``),
-behind the node's memory level: an open the memory level misses asks it, in a worker thread.
+Like the disk level (``held.disk.DiskLevel``), it is a reader in front of the store's (``stores.reader.Reader``),
+behind the node's memory level: an open the memory level misses asks it, in a worker thread. Unlike it, it is no
+``held.base.Level``: it holds a fixed share by hash, not what the next-epoch policy chooses, so it has nothing to
+decide, drop or lose (``held.base`` says why).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import stat
 import threading
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 
 from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
+from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
@@ -131,8 +135,28 @@ class ClusterCounts:
     private: int = 0  # opens of the share kept out of the cluster: no key, and not everyone may read the source
 
 
-class ClusterTier(InFront):
-    """A reader in front of ``inner`` that fetches the cluster's share of raw objects from memcached.
+@dataclass(frozen=True, slots=True)
+class ClusterStatistics(Statistics):
+    prefix = "cluster_"
+
+    share: float      # of the raw objects, the cluster's
+    bytes: int        # what the memcacheds hold together for this dataset
+    size_from: str    # what said so: the flag, or their stats
+    sealed: int       # 1: values sealed under a cluster key
+    hits: int
+    hit_bytes: int
+    misses: int
+    stored: int
+    stored_bytes: int
+    rejected: int
+    unanswered: int
+    skipped: int
+    private: int
+
+
+class ClusterLevel(InFront):
+    """A reader in front of ``inner`` that fetches the cluster's share of raw objects from memcached (a level of
+    held bytes by its share, not by the policy: no ``held.base.Level``).
 
     ``sealer``: the job's cluster key (every value sealed and opened with it); None: plaintext values, and only
     objects that ``public`` says anyone may read."""
@@ -165,7 +189,7 @@ class ClusterTier(InFront):
         if self.inner.check_source(node) is None:
             fetched = self._fetch(node)
             if fetched is not None:
-                return Content(size=len(fetched), raw=True, data=memoryview(fetched), tier="cluster")
+                return Content(size=len(fetched), raw=True, data=memoryview(fetched), level="cluster")
         content = self.inner.open(node)
         if content.raw and content.data is not None and not content.fallback and content.size == node.size_served:
             self._store(node, content.data)
@@ -261,12 +285,7 @@ class ClusterTier(InFront):
 
     # -- statistics ----------------------------------------------------------------------------------------
 
-    def statistics(self) -> dict[str, object]:
+    def statistics(self) -> ClusterStatistics:
         with self._lock:
-            c = self.counts
-            return {"cluster_share": self.share, "cluster_bytes": self.size, "cluster_size_from": self.size_from,
-                    "cluster_sealed": int(self.sealer is not None),
-                    "cluster_hits": c.hits, "cluster_hit_bytes": c.hit_bytes, "cluster_misses": c.misses,
-                    "cluster_stored": c.stored, "cluster_stored_bytes": c.stored_bytes,
-                    "cluster_rejected": c.rejected, "cluster_unanswered": c.unanswered,
-                    "cluster_skipped": c.skipped, "cluster_private": c.private}
+            return ClusterStatistics(share=self.share, bytes=self.size, size_from=self.size_from,
+                                     sealed=int(self.sealer is not None), **dataclasses.asdict(self.counts))

@@ -1,17 +1,17 @@
-"""The optional second cache level on local disk (``mount --disk-cache DIR --disk-cache-size SIZE``).
+"""The optional second level of held bytes on local disk (``mount --disk-cache DIR --disk-cache-size SIZE``).
 
-For nodes with local NVMe in front of a remote object store: the same next-epoch policy as the memory cache
-(``cache.NextEpochCache``), one level down. It sees only what the memory level misses, so its quota is taken
-of those bytes (dataset minus the memory budget) and it never keeps a file the memory level keeps for the next
+For nodes with local NVMe in front of a remote object store: the same next-epoch policy as the memory level
+(``policy.next_epoch.NextEpochCache``), one level down. It sees only what the memory level misses, so its quota is
+taken of those bytes (dataset minus the memory budget) and it never keeps a file the memory level keeps for the next
 epoch: the two levels hold disjoint sets and together serve (memory + disk) / dataset of every epoch locally.
 
 It wraps the mount's reader (the local store's ``StoreReader`` or the S3 backend's ``S3Reader``) and runs in the
 same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a
 directory of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file
-was written (``reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
+was written (``stores.reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
 the digest catches damage, not bytes anyone chose), and a file that fails (or went missing) is read from the store
 again: the disk never serves bytes the store did not. It is a level of held bytes like the memory levels
-(``held.HeldLevel``), and a reader in front of the store's (``reader.Reader``).
+(``held.base.Level``), and a reader in front of the store's (``stores.reader.Reader``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..catalog.nodes import Node
-from ..policy.next_epoch import Decision, NextEpochCache
+from ..metrics.stats import Statistics
+from ..policy.next_epoch import NextEpochCache
 from ..stores.reader import Content, InFront, Reader, private_digest
 from ..sysio.directio import read_whole
 from ..sysio.locks import HeldLock, abandoned, unique
+from .base import Level
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +45,28 @@ class _Entry:
     size: int
 
 
-class DiskTier(InFront):
+@dataclass(frozen=True, slots=True)
+class DiskStatistics(Statistics):
+    prefix = "disk_"
+
+    budget: int
+    held_bytes: int
+    held_files: int
+    hits: int
+    hit_bytes: int
+    lost: int          # held files found gone or damaged at a hit: read from the store again
+    write_errors: int
+    epochs: object     # the policy's per-epoch counters (``NextEpochCache.summary``'s "epochs")
+
+
+class DiskLevel(Level[_Entry], InFront):
+    """Files held on a local disk, checked at every hit; a reader in front of ``inner``, asked in worker threads
+    (so its bookkeeping is under ``_lock``)."""
+
     def __init__(self, inner: Reader, root: Path, policy: NextEpochCache,
                  memory_holds: Callable[[int], bool] = lambda node_id: False) -> None:
-        super().__init__(inner)
-        self.policy = policy
+        Level.__init__(self, policy)
+        InFront.__init__(self, inner)
         self.memory_holds = memory_holds
         _remove_stale(root)
         self.dir = root / unique(_PREFIX)
@@ -55,7 +74,6 @@ class DiskTier(InFront):
         # held while this mount lives: another mount's _remove_stale leaves the directory alone
         self._alive = HeldLock(root / f"{self.dir.name}.lock")
         self._lock = threading.Lock()
-        self._entries: dict[int, _Entry] = {}
         self.hits = 0
         self.hit_bytes = 0
         self.lost = 0
@@ -65,8 +83,7 @@ class DiskTier(InFront):
 
     def open(self, node: Node) -> Content:
         decision = self.decide(node.id, node.size_served)
-        with self._lock:
-            entry = self._entries.get(node.id) if decision.hit else None
+        entry = self.get(node.id) if decision.hit else None
         if entry is not None and self.inner.check_source(node) is not None:
             # the source changed after this level stored its bytes: they are stale, never served
             log.info("disk cache: %s changed since it was stored; reading it again", os.fsdecode(node.path))
@@ -91,33 +108,14 @@ class DiskTier(InFront):
             self._forget(node.id)
         return content
 
-    # -- the level interface (``held.HeldLevel``) ---------------------------------------------------------
-
-    def decide(self, file: int, size: int, job: int = 0) -> Decision:
-        # The disk level sees the memory level's misses, one stream whichever job read them.
-        with self._lock:
-            decision = self.policy.read(file, size, job)
-            evicted = [(f, self._entries.pop(f, None)) for f in decision.evicted]
-        for gone_file, gone in evicted:
-            if gone is not None:
-                self._path(gone_file).unlink(missing_ok=True)
-        return decision
+    # -- the level interface (``held.base.Level``'s, but for these) -----------------------------------------
 
     def held_raw(self, node: Node) -> bool | None:
-        with self._lock:
-            entry = self._entries.get(node.id)
+        entry = self.get(node.id)
         return None if entry is None else entry.raw
 
-    def drop(self, file: int) -> None:
-        self._forget(file)
-        with self._lock:
-            self.policy.drop(file)
-
-    def lost_hit(self, decision: Decision, size: int) -> None:
-        with self._lock:
-            self.lost += 1
-            if decision.epoch:
-                self.policy.correct_miss(decision.epoch, size, decision.job)
+    def _count_lost(self) -> None:
+        self.lost += 1
 
     # -- files ---------------------------------------------------------------------------------------------
 
@@ -136,7 +134,7 @@ class DiskTier(InFront):
         with self._lock:
             self.hits += 1
             self.hit_bytes += len(data)
-        return Content(size=len(data), raw=entry.raw, data=data, tier="disk", pooled=True)
+        return Content(size=len(data), raw=entry.raw, data=data, level="disk", pooled=True)
 
     def _write(self, node: Node, content: Content) -> bool:
         assert content.data is not None
@@ -162,14 +160,14 @@ class DiskTier(InFront):
         except OSError:
             pass
         with self._lock:
-            self._entries[node.id] = _Entry(private_digest(content.data), content.raw, content.size)
+            self._held[node.id] = _Entry(private_digest(content.data), content.raw, content.size)
         return True
 
-    def _forget(self, node_id: int) -> None:
-        with self._lock:
-            gone = self._entries.pop(node_id, None)
+    def _forget(self, file: int) -> _Entry | None:
+        gone = super()._forget(file)
         if gone is not None:
-            self._path(node_id).unlink(missing_ok=True)
+            self._path(file).unlink(missing_ok=True)
+        return gone
 
     # -- lifecycle and statistics ------------------------------------------------------------------------
 
@@ -177,19 +175,12 @@ class DiskTier(InFront):
         shutil.rmtree(self.dir, ignore_errors=True)
         self._alive.release()
 
-    def statistics(self) -> dict[str, object]:
+    def statistics(self) -> DiskStatistics:
         with self._lock:
-            inner = self.policy.summary()
-            return {
-                "disk_budget": inner["cache_budget"],
-                "disk_held_bytes": inner["cache_held_bytes"],
-                "disk_held_files": inner["cache_held_files"],
-                "disk_hits": self.hits,
-                "disk_hit_bytes": self.hit_bytes,
-                "disk_lost": self.lost,
-                "disk_write_errors": self.write_errors,
-                "disk_epochs": inner["epochs"],
-            }
+            return DiskStatistics(budget=self.policy.budget, held_bytes=self.policy.held_bytes,
+                                  held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
+                                  lost=self.lost, write_errors=self.write_errors,
+                                  epochs=self.policy.summary()["epochs"])
 
 
 def _remove_stale(root: Path) -> None:

@@ -1,10 +1,10 @@
 """Every metric ``/metrics`` exports, declared once (name, kind, unit, help, the statistics it reads), and the
 Prometheus text of a snapshot by that table. Mountpoint-S3's ``metrics/defs.rs`` is the model.
 
-``fs.Operations.statistics()`` is one dict for the control file, ``liquidfs stats`` and this export; its keys stay
-as they are (scripts read them), and each row here maps one or more of them to a name as Prometheus' conventions
-want it: counters end in ``_total``, the unit ends the name (``_bytes``, ``_seconds``, ``_ratio`` for a share in
-[0, 1]), one metric with a label where keys are the same thing for different parts (the cache levels:
+``fuse.operations.Operations.statistics()`` is one dict for the control file, ``liquidfs stats`` and this export;
+its keys stay as they are (scripts read them), and each row here maps one or more of them to a name as
+Prometheus' conventions want it: counters end in ``_total``, the unit ends the name (``_bytes``, ``_seconds``,
+``_ratio`` for a share in [0, 1]), one metric with a label where keys are the same thing for different parts (the cache levels:
 ``level="memory"``/``"disk"``), a nested value by its path (``mix.share``: ``statistics()["mix"]["share"]``).
 Each name is written out whole, so a grep for a name a dashboard queries lands on its row.
 
@@ -22,6 +22,8 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
+
+from .stats import SERVED_FROM
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ class Metric:
 
 _LEVEL = "level"
 _MEM = "memory"
-#: The request types ``fs.Operations`` times (its handlers: ``fs.REQUEST_TYPES``, which the tests compare).
+#: The request types ``fuse.operations.Operations`` times (its handlers: ``fuse.operations.REQUEST_TYPES``, which
+#: the tests compare).
 REQUESTS = ("lookup", "getattr", "readlink", "opendir", "readdir", "statfs", "open", "read", "release")
 
 
@@ -98,9 +101,7 @@ METRICS: tuple[Metric, ...] = (
            "Files whose raw object was not served (missing, corrupt, stale source): served as their original."),
     Metric("liquidfs_errors_total", COUNTER, "", "errors", "Requests answered with an error other than ENOENT."),
     # -- bytes ---------------------------------------------------------------------------------------------------
-    Metric("liquidfs_served_bytes_total", COUNTER, "bytes", {"storage": "bytes_from_storage",
-                                                             _MEM: "bytes_from_memory", "disk": "bytes_from_disk",
-                                                             "cluster": "bytes_from_cluster"},
+    Metric("liquidfs_served_bytes_total", COUNTER, "bytes", SERVED_FROM,
            "Bytes of opened files by where they came from, on either data path: storage (the store or the "
            "source), memory (the next-epoch cache), disk (the disk cache level), cluster (a peer's memcached). "
            "Its rate is the throughput.",
@@ -226,7 +227,7 @@ METRICS: tuple[Metric, ...] = (
            "Opens of images with a raw object, by what the mix served.", label="served"),
     Metric("liquidfs_mix_switches_total", COUNTER, "", "mix.switches",
            "Opens that served another representation than the file's previous open."),
-    # -- the FUSE loop's requests (requesttimes) ----------------------------------------------------------------
+    # -- the FUSE loop's requests (fuse.request_times) -----------------------------------------------------------
     Metric("liquidfs_requests_total", COUNTER, "", _requests("count"), "FUSE requests answered, by type.",
            label="request"),
     Metric("liquidfs_request_seconds_total", COUNTER, "seconds", _requests("wall_s"),
@@ -307,9 +308,9 @@ def prometheus_text(values: Mapping[str, object]) -> str:
         if key not in _reported:
             _reported.add(key)
             if exported:
-                log.warning("metrics: %s has no row in metricdefs.METRICS: exported untyped as %s", key, name)
+                log.warning("metrics: %s has no row in metrics.defs.METRICS: exported untyped as %s", key, name)
             else:
-                log.warning("metrics: %s has no row in metricdefs.METRICS: not exported", key)
+                log.warning("metrics: %s has no row in metrics.defs.METRICS: not exported", key)
         if exported:
             names.add(name)  # two keys that read alike ("a.b", "a_b"): the first only
             lines += [f"# TYPE {name} untyped", f"{name} {number}"]

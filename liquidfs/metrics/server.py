@@ -2,7 +2,7 @@
 
 A full HTTP stack would be a dependency for one GET; this answers ``/`` and ``/metrics`` with the current values
 (anything else with 404) and closes the connection, which is all a Prometheus scraper needs. What the values are
-called, their kinds and units, is ``metricdefs``' table; this module only serves its text.
+called, their kinds and units, is ``metrics.defs``' table; this module only serves its text.
 
 The mount's trio loop answers FUSE requests: whatever the endpoint costs there is time a read waits for. So it
 runs in threads of its own, with blocking sockets, and the loop does nothing per connection (no accept, no

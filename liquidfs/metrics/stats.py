@@ -1,15 +1,36 @@
 """Counters of a running mount, readable through the control file, ``liquidfs stats`` and Prometheus (under the
-names ``metricdefs.METRICS`` gives them)."""
+names ``metrics.defs.METRICS`` gives them); ``Statistics``, the shape every part's snapshot of its own has."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import ClassVar, Protocol
 
-#: Each level bytes are served from (``reader.Content.tier``) and the counter of its bytes.
-_SERVED_FROM = {"storage": "bytes_from_storage", "memory": "bytes_from_memory", "disk": "bytes_from_disk",
-                "cluster": "bytes_from_cluster"}
+#: Each level bytes are served from (``stores.reader.Content.level``) and the counter of its bytes: the one table
+#: of them (``MountStats.served_from`` counts by it, ``metrics.defs`` exports it).
+SERVED_FROM = {"storage": "bytes_from_storage", "memory": "bytes_from_memory", "disk": "bytes_from_disk",
+               "cluster": "bytes_from_cluster"}
+
+
+class Statistics:
+    """A part's counters at one moment, typed (a dataclass of this): ``values()`` gives them under the keys the
+    control file and ``/metrics`` read, each field's name after the part's ``prefix``. Those keys are the
+    user-facing contract; the fields may be named for the part alone."""
+
+    prefix: ClassVar[str] = ""
+
+    def values(self) -> dict[str, object]:
+        return {self.prefix + f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)}  # type: ignore[arg-type]  # a dataclass, by contract
+
+
+class HasStatistics(Protocol):
+    """A part whose counters the mount's statistics gather (a level beside the data path)."""
+
+    def statistics(self) -> Statistics: ...
 
 
 @dataclass
@@ -26,7 +47,7 @@ class MountStats:
     read_requests: int = 0        # read requests that reached the daemon
     bytes_from_storage: int = 0   # bytes the daemon read from the store or the source
     bytes_from_memory: int = 0    # bytes of opened files that were held in the daemon's memory
-    bytes_from_disk: int = 0      # bytes served from the local disk cache level (--disk-cache)
+    bytes_from_disk: int = 0      # bytes served from the local disk level (--disk-cache)
     bytes_from_cluster: int = 0   # bytes served from the cluster level (--cluster): a peer's memcached
     deferred: int = 0             # opens whose file was read at its first read instead of at open
     open_evictions: int = 0       # open files whose bytes were let go to keep open_bytes under its bound
@@ -48,18 +69,18 @@ class MountStats:
     backing_source: int = 0       # first opens served from the source file itself
     backing_object: int = 0       # ... from the raw object of a local store
     backing_memfd: int = 0        # ... from a memfd (a cache hit, an object-store download, a checked read)
-    backing_disk: int = 0         # ... from the local disk cache level (copied into a memfd, checked)
+    backing_disk: int = 0         # ... from the local disk level (copied into a memfd, checked)
     cold_opens: int = 0           # passthrough opens whose inodes were not in memory (opened in a worker thread)
     warmup: str = ""              # mount --warmup: "running" (after the mount reported ready), then "done"
     warmup_files: int = 0         # files the warm-up has put in the cache so far
     warmup_bytes: int = 0         # ... and their bytes
 
-    def served_from(self, tier: str, size: int) -> None:
-        """``size`` bytes of an opened file came from ``tier`` (``reader.Content.tier``): storage, or the level
+    def served_from(self, level: str, size: int) -> None:
+        """``size`` bytes of an opened file came from ``level`` (``stores.reader.Content.level``): storage, or the level
         of held bytes in front of it that had them; the data paths count every level alike."""
-        name = _SERVED_FROM.get(tier)
+        name = SERVED_FROM.get(level)
         if name is None:
-            raise ValueError(f"no level of bytes named {tier!r}")
+            raise ValueError(f"no level of bytes named {level!r}")
         setattr(self, name, getattr(self, name) + size)
 
     def to_dict(self) -> dict[str, object]:

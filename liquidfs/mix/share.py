@@ -14,7 +14,7 @@ lies between the old and the new share. A file switches only while nobody has it
 open already serves what the first open served (one backing per inode, and no reader sees its size change under
 it); the caller makes the kernel drop the attributes of a file whose size changed before the open is answered.
 
-Plain Python, no mount: ``fs.Operations`` asks ``view`` at each open and reports releases.
+Plain Python, no mount: ``fuse.operations.Operations`` asks ``view_held`` at each open and reports releases.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 import xxhash
@@ -48,6 +49,14 @@ class MixStatistics:
     opens_raw: int         # opens of images with a raw object, served raw ...
     opens_original: int    # ... and served as their original
     switches: int          # opens that served another representation than the file's previous open
+
+
+class Holds(Protocol):
+    """What the mix asks of the level that holds files for the next epoch (``held.base.HeldLevel``)."""
+
+    def held_raw(self, node: Node) -> bool | None: ...
+
+    def drop(self, file: int) -> None: ...
 
 
 class Mix:
@@ -115,6 +124,20 @@ class Mix:
             return node
         self._opens_original += 1
         return as_original(node)
+
+    def view_held(self, node: Node, held: Holds | None) -> tuple[Node, bool]:
+        """``view`` of ``node`` as ``held`` holds it, and whether a held original was let go for it.
+
+        Held as its original while the share has risen past it: a hit would still cost the loader a PNG decode,
+        the very work the share rose to spare. The held original goes (and its place in the policy, which counted
+        the original's size): this open reads the raw object, and the policy decides afresh, at the raw size,
+        whether to hold that. Not while another open of it is served (that one's bytes stay what they are)."""
+        held_raw = held.held_raw(node) if held is not None else None
+        swapped = False
+        if held is not None and held_raw is False and self.wants_raw(node) and not self.is_open(node.id):
+            held.drop(node.id)
+            held_raw, swapped = None, True
+        return self.view(node, held_raw), swapped
 
     def is_open(self, inode: int) -> bool:
         """Whether an open of ``inode`` is being served (a new open then gets the same representation)."""

@@ -30,7 +30,7 @@ class DatasetCost:
 
     files: int
     #: Page size -> the bytes of every file as served, each rounded up to whole pages of it and to one at least
-    #: (``catalog.Catalog.paged_bytes``); page 1 is the bytes as served (an empty file counted as one byte).
+    #: (``catalog.catalog.Catalog.paged_bytes``); page 1 is the bytes as served (an empty file counted as one byte).
     paged: Mapping[int, int] = field(default_factory=dict)
 
     def of(self, page: int, overhead: int) -> int:

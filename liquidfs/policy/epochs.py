@@ -2,8 +2,8 @@
 
 A job is the set of openers that read the dataset together (the ranks of one training, their loader workers),
 told apart by the mount (``jobs.JobOf``); every read of the mount comes from one. Each job's epochs are inferred
-from its own reads (``cache.NextEpochCache.read``), so jobs at other paces and in other orders never blur each
-other's. This module holds the record and its counters; the policy decides.
+from its own reads (``policy.next_epoch.NextEpochCache.read``), so jobs at other paces and in other orders never blur
+each other's. This module holds the record and its counters; the policy decides.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 WINDOW = 64
 #: Reads a job's pace is measured over.
 PACE_READS = 64
-#: Reads a job's recent hit ratio is taken over (a moving average): see ``soonest.WantedSoonest.wanted_in``.
+#: Reads a job's recent hit ratio is taken over (a moving average): see ``policy.shared_budget.wanted_in``.
 FAIR_READS = 256
 #: A job's latest epochs that ``liquidfs stats`` shows.
 JOB_EPOCHS_SHOWN = 8

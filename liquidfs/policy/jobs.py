@@ -1,6 +1,6 @@
 """Which job an open comes from: the FUSE request's pid mapped to the job its process belongs to.
 
-The next-epoch cache counts epochs per job (``cache.NextEpochCache``): the ranks of one training and their
+The next-epoch cache counts epochs per job (``policy.next_epoch.NextEpochCache``): the ranks of one training and their
 loader workers read one epoch between them, while two trainings of a hyperparameter search each read the whole
 dataset at their own pace. The kernel tells the daemon only the pid (the thread's id) of each request, so a job
 is what that process shares with the others of its job and not with other jobs' processes: its **cgroup** (a
@@ -24,8 +24,8 @@ Neither cgroup nor session alone would do: on a plain host every process of a us
 and in a container every process may share one session. What this cannot see: two trainings that one driver
 starts as plain children (no session, variable or unit of their own) are one job; give each a ``LIQUIDFS_JOB``
 (or start it with ``setsid``, ``systemd-run --scope``, or in its own container). A user who sets a new
-``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``cache.MAX_JOBS`` are tracked, and a user
-other than root and the mount's own has at most ``cache.JOBS_PER_USER`` of them).
+``LIQUIDFS_JOB`` per process only makes jobs of its own (at most ``policy.next_epoch.MAX_JOBS`` are tracked, and a user
+other than root and the mount's own has at most ``policy.next_epoch.JOBS_PER_USER`` of them).
 
 Reading ``/proc/PID/cgroup`` and ``/proc/PID/environ`` costs two file opens, in a worker thread (never on the
 FUSE loop: see ``JobOf``); it is done once per pid every RECHECK seconds, and ``getsid`` (one system call)
@@ -40,6 +40,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+import trio
+
 log = logging.getLogger(__name__)
 
 #: pids remembered (one entry each); past them the oldest is forgotten and read again if it opens again.
@@ -48,6 +50,12 @@ PIDS_KEPT = 4096
 JOBS_KEPT = 1024
 #: What names the job of a uid's openers that cannot be told apart (``JobOf.unknown``).
 UNKNOWN = "an opener not told apart"
+#: Seconds an open waits for its opener's job to be read from /proc (``JobOf.read_key``).
+JOB_LOOKUP = 1.0
+#: Worker threads reading /proc for jobs at once, on a limiter of their own: a lookup stuck on an opener's
+#: environment (its memory map's lock, held while it faults on this mount) keeps its thread and its token until
+#: it returns, and must not starve the storage reads, memfd copies or notifications of theirs.
+JOB_LOOKUP_THREADS = 8
 
 
 #: The variables that name a job, each group in the order tried (the first group a process has all of wins).
@@ -120,7 +128,7 @@ class JobOf:
         self._next = 1
         #: Each job's (cgroup, session), for ``liquidfs stats``: which processes a job id stands for.
         self.labels: dict[int, str] = {}
-        #: Each job's uid (those remembered): whose job it is (``cache.NextEpochCache`` asks at its first read).
+        #: Each job's uid (those remembered): whose job it is (``next_epoch.NextEpochCache`` asks at its first read).
         self.owners: dict[int, int] = {}
 
     def __call__(self, pid: int, uid: int = 0) -> int:
@@ -204,3 +212,33 @@ class JobOf:
         else:
             self._ids.move_to_end(key)
         return job
+
+
+class JobLookups:
+    """The job of each open, as the FUSE layer asks it on the trio loop: a known opener at once, a new one read
+    from ``/proc`` in a worker thread of the lookups' own, for at most JOB_LOOKUP seconds (then, and for a
+    process gone meanwhile, its uid's job of openers not told apart: ``JobOf.unknown``)."""
+
+    def __init__(self, job_of: JobOf) -> None:
+        self.job_of = job_of
+        self._limiter = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
+
+    async def job(self, pid: int, uid: int = 0) -> int:
+        """The job of the opener ``pid`` run by ``uid``."""
+        job = self.job_of.known(pid, uid)
+        if job is None:
+            found = None
+            with trio.move_on_after(JOB_LOOKUP):
+                found = await trio.to_thread.run_sync(self.job_of.read_key, pid, abandon_on_cancel=True,
+                                                      limiter=self._limiter)
+            job = self.job_of.register(pid, uid, found)
+        return job
+
+    def name_openers(self, jobs: object) -> None:
+        """Each job in the policy's statistics (``jobs``: its summary's ``{job: entry}``) told whose openers it
+        is, as ``openers`` (a job forgotten since: "?")."""
+        if not isinstance(jobs, dict):
+            return
+        for job, entry in jobs.items():
+            if isinstance(entry, dict):
+                entry["openers"] = self.job_of.labels.get(int(job), "?")

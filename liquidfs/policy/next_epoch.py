@@ -17,7 +17,7 @@ epoch. Any other repeated read (a header probe, a retry, a second open by anothe
 is a re-read that changes nothing. The number of files is never assumed: loaders often read only the images.
 
 Several jobs reading one mount (``jobs.JobOf`` tells them apart) each have their own epochs (``epochs.Job``) and
-share one budget by how soon each held file is wanted again (``soonest``); one job decides as above. A job is
+share one budget by how soon each held file is wanted again (``shared_budget``); one job decides as above. A job is
 one user's: a new one takes the place of a job of its own user, or of one idle past DISPLACE_IDLE, never of
 another user's job that reads; where there is none, its reads are counted in no job (``_admit``).
 
@@ -70,7 +70,7 @@ NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 #: of one idle past DISPLACE_IDLE (``_admit``).
 MAX_JOBS = 8
 #: Job slots only root and the mount's own user may take (as the open-file budget keeps its last eighth for them,
-#: ``fs.Operations._take_slot``): whatever the other users run, the mount's owner can begin a job.
+#: ``fuse.open_budget.OpenBudget``): whatever the other users run, the mount's owner can begin a job.
 JOBS_KEPT_BACK = max(1, MAX_JOBS // 8)
 #: Jobs a user other than root and the mount's own has at once: half of those not kept back, so one user with
 #: a `setsid cat` loop leaves the other half to everyone else (it displaces its own jobs past them).
@@ -96,7 +96,7 @@ class Held:
     for_epoch: int  # the epoch (of ``job``) its next read is expected in
     job: int        # the job whose read chose it
     #: Each job's epoch of the file when it was chosen, (job, epoch) pairs: whether a job still has to read it in
-    #: the epoch it is in, which decides how soon it is wanted again (``soonest.wanted_in``).
+    #: the epoch it is in, which decides how soon it is wanted again (``shared_budget.wanted_in``).
     read_in: ReadIn = ()
 
 
@@ -108,7 +108,7 @@ class NextEpochCache:
     share one budget: a file one job has just read is wanted by every job that has not read it yet in its
     current epoch, soon, and by the others only in their next. So, while more than one job reads, a file read is
     held when there is room, or in place of the held files wanted latest when it is wanted sooner than they are
-    (Belady's rule, with each job's own reads as the clock; ``soonest``). Every job hits at least the
+    (Belady's rule, with each job's own reads as the clock; ``shared_budget``). Every job hits at least the
     C/D share a random choice would give it, and a file read from storage by one job is served from memory to
     the others that follow it closely, so k jobs read less than k datasets from storage per epoch.
     """
@@ -118,7 +118,7 @@ class NextEpochCache:
                  clock: Callable[[], float] = time.monotonic,
                  owner_of: Callable[[int], int | None] | None = None) -> None:
         """``budget``: bytes, or a share of what holding every file costs (``budget.ShareOfCost``); ``cost``:
-        what the dataset's files take in pages (``catalog.Catalog.paged_bytes``; None: estimated from
+        what the dataset's files take in pages (``catalog.catalog.Catalog.paged_bytes``; None: estimated from
         ``dataset_bytes``); ``owner_of``: the uid of a job id (``jobs.JobOf.owner``; None: every job is the
         daemon's own user's)."""
         self.dataset_bytes = max(1, dataset_bytes)
@@ -356,7 +356,7 @@ class NextEpochCache:
 
     def _wanted_sooner(self, file: int, size: int) -> tuple[bool, tuple[int, ...]]:
         """Whether to hold ``file`` while several jobs read: at once where there is room; else in place of held
-        files wanted later than it (``soonest``). The files let go are returned."""
+        files wanted later than it (``shared_budget``). The files let go are returned."""
         cost = self.charge(size)
         if self.share <= 0 or cost > self.budget:
             return False, ()

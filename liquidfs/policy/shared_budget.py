@@ -1,7 +1,7 @@
 """Several jobs on one budget: the held files ranked by how soon a job is expected to read each again.
 
-While several jobs read one mount (``cache.NextEpochCache``), a file just read is wanted again, soon, by every
-job that has not read it yet in its current epoch, and by the others only in their next. The policy holds it
+While several jobs read one mount (``policy.next_epoch.NextEpochCache``), a file just read is wanted again, soon, by
+every job that has not read it yet in its current epoch, and by the others only in their next. The policy holds it
 where there is room, or in place of the held files wanted latest when it is wanted sooner than they are
 (Belady's rule, with each job's progress as the clock). How soon depends only on which jobs had read a file in
 which epoch when it was held (``ReadIn``), so the held files are grouped by that and the groups ranked, every

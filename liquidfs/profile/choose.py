@@ -11,7 +11,7 @@ expanded, into a scratch directory inside the store, on the store's device):
 * **search**: the published method: a binary search over the 11 mixes 0:10 ... 10:0 that measures load and
   decode throughput of a sample mixed at the midpoint and discards the half on the side of the slower stage.
 * **measured** (decides, where it can run): the loader itself timed through a temporary mount of a sample of the
-  dataset, kept in the dataset's layout, at each share a binary search over the 11 asks for (``runprofile``). The
+  dataset, kept in the dataset's layout, at each share a binary search over the 11 asks for (``measured``). The
   loader is the command given with ``--run`` (``{mount}`` replaced by the mount point), else a built-in DALI or
   Pillow pipeline that decodes, crops, flips and normalises as training does (``liquidfs.profile.loaders``). Its rate
   is the mount's own count of opens per second. The model's choice is the search's first guess, and the answer
@@ -107,13 +107,13 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     """Measure, and choose the raw share, and with ``formats`` naming BMP and others, which of them the
     raw images are stored as. A format decoded on a GPU (J2K) is weighed only where a GPU decodes it for the
     loader (DALI 'mixed' for DALI, nvImageCodec for others; found by ``find_gpu(decoder)``, by default
-    ``decoderates.find_gpu_decoder``), its GPU time added to training's (``gpu_train_rate`` images/s alone).
+    ``decoders.find_gpu_decoder``), its GPU time added to training's (``gpu_train_rate`` images/s alone).
 
     Storage is timed with ``readers`` reading at once (default: ``threads``, as a loader's workers each read).
 
     ``measured``: then time the loader (``run``, a command with ``{mount}``, else the built-in pipeline of
     ``decoder``) through a mount of a sample of ``run_images`` images at the shares a binary search asks for, and
-    choose by what the mount counted (``runprofile``). Where that cannot run, the model's choice stands with a
+    choose by what the mount counted (``measured``). Where that cannot run, the model's choice stands with a
     note; with ``run`` given, that is an error instead."""
     started = time.monotonic()
     threads = threads or os.cpu_count() or 1

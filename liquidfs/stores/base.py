@@ -37,7 +37,8 @@ class Store(Protocol):
 
     #: The store, as messages name it (a directory, or s3://bucket/prefix).
     label: str
-    #: The raw formats this store can hold (names of ``rawformats.RAW_FORMATS``), in the order prepare tries them.
+    #: The raw formats this store can hold (names of ``expand.rawformats.RAW_FORMATS``), in the order prepare
+    #: tries them.
     raw_formats: tuple[str, ...]
     #: Storage reads a mount keeps in flight by default (``mount --threads``).
     default_threads: int

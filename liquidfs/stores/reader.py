@@ -78,11 +78,11 @@ class Content:
     fd: int | None = None
     fallback: str | None = None  # why the raw object was not served, when it should have been
     fetch: Callable[[int, int], bytes] | None = None  # a ranged read of a large object in a bucket
-    tier: str = "storage"  # where the bytes came from: "storage", "disk" (the local disk level), "cluster" (memcached)
+    level: str = "storage"  # where the bytes came from: "storage", "disk" (the local disk level), "cluster" (memcached)
     #: ``data`` is a pool buffer only this content reads: given back to the pool when the file is closed.
     #: Cleared the moment anything else may keep a view of it (the cache holds it).
     pooled: bool = False
-    #: Not read yet: read whole at the first read (``daemonpath.DaemonPath._read_later``).
+    #: Not read yet: read whole at the first read (``datapath.daemon.DaemonPath._read_later``).
     deferred: bool = False
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
@@ -199,7 +199,7 @@ class Choice:
 
 class Reader(Protocol):
     """What the mount reads through: a store's reader (the local store's ``StoreReader``, the S3 backend's) or a
-    cache level in front of one (``disktier.DiskTier``). Optional capabilities are protocols of their own
+    level of held bytes in front of one (``held.disk.DiskLevel``). Optional capabilities are protocols of their own
     (``LendsDescriptors``, ``ChecksCallers``): a method a reader has, never a check of its class."""
 
     def open(self, node: Node) -> Content:
@@ -223,7 +223,7 @@ class Reader(Protocol):
 
 
 class InFront:
-    """A reader in front of another (a cache level: ``held.disk.DiskTier``, ``held.cluster.ClusterTier``): what it
+    """A reader in front of another (a level: ``held.disk.DiskLevel``, ``held.cluster.ClusterLevel``): what it
     does not change is asked of the reader behind it."""
 
     def __init__(self, inner: Reader) -> None:
@@ -246,7 +246,7 @@ class InFront:
 
 @runtime_checkable
 class LendsDescriptors(Protocol):
-    """A reader whose files are local and may back a passthrough open themselves (``backing.vouched``): it
+    """A reader whose files are local and may back a passthrough open themselves (``datapath.backing.vouched``): it
     hands out the descriptor of the source or raw object an open serves."""
 
     @property

@@ -38,7 +38,7 @@ class ProfileError(Exception):
 @dataclass(frozen=True)
 class Below:
     """A local file whose reads are timed: ``rel`` below the directory held open at ``dir_fd``, opened as the
-    mount opens it (``paths.open_below``: no link on the way, regular files only). Between the sample and its
+    mount opens it (``sysio.paths.open_below``: no link on the way, regular files only). Between the sample and its
     timed reads the dataset's owner may swap the file for a link to a FIFO (an open that never returns) or to
     a device, and the reads run as root."""
 

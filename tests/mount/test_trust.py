@@ -161,15 +161,15 @@ def test_a_source_root_swapped_for_a_link_while_mounted_serves_nothing_else(tmp_
 def test_disk_cache_directories_of_two_mounts_with_one_pid_coexist(tmp_path: Path) -> None:
     """A restarted sidecar is PID 2 again: its disk cache directory used to be the dead one's name (mkdir
     failed: a crash loop), and a live mount in another PID namespace could be taken for dead."""
-    from liquidfs.held.disk import DiskTier
+    from liquidfs.held.disk import DiskLevel
 
     policy = NextEpochCache(1000, 1000, 10, max_id=10)
-    first = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
-    second = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
+    first = DiskLevel(None, tmp_path, policy)  # type: ignore[arg-type]
+    second = DiskLevel(None, tmp_path, policy)  # type: ignore[arg-type]
     assert first.dir != second.dir and first.dir.is_dir() and second.dir.is_dir()
     assert first.dir.stat().st_mode & 0o077 == 0
     second._alive.release(remove=False)  # it dies without unmounting
-    third = DiskTier(None, tmp_path, policy)  # type: ignore[arg-type]
+    third = DiskLevel(None, tmp_path, policy)  # type: ignore[arg-type]
     assert first.dir.is_dir() and not second.dir.exists() and third.dir.is_dir()
     first.close()
     third.close()

@@ -1,4 +1,4 @@
-"""A memcached in a dict, for unit tests of the cluster level (``clustertier``); the system tests run real ones,
+"""A memcached in a dict, for unit tests of the cluster level (``held.cluster``); the system tests run real ones,
 and ``test_memcachedwire`` fake peers on real sockets."""
 
 from __future__ import annotations

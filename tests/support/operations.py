@@ -52,14 +52,14 @@ def daemon_operations(catalog: Catalog, reader: Reader, *, cache: NextEpochCache
                       **options: Any) -> Operations:
     """Served by the daemon data path; ``options`` are ``MountConfig``'s. Its parts are left open, as a test's
     process ends soon enough."""
-    ops, _ = assemble.operations(config(**options), catalog, reader, MountStats(), ExitStack(), cache=cache)
+    ops, _ = assemble.operations(config(**options), catalog, reader, MountStats(), ExitStack(), policy=cache)
     return ops
 
 
 def passthrough_operations(catalog: Catalog, reader: Reader, kernel: Kernel, *,
                            cache: NextEpochCache | None = None, **options: Any) -> Operations:
     """Served by the passthrough data path over ``kernel`` (a fake in unit tests)."""
-    ops, _ = assemble.operations(config(**options), catalog, reader, MountStats(), ExitStack(), cache=cache,
+    ops, _ = assemble.operations(config(**options), catalog, reader, MountStats(), ExitStack(), policy=cache,
                                  data_path="passthrough", kernel=kernel)
     return ops
 

@@ -81,13 +81,13 @@ class StoreReader:
 
     def may_read(self, node: Node, uid: int, gid: int, pid: int = 0) -> bool:
         """Whether the caller (``uid``/``gid``, the groups of process ``pid``) may read ``node``'s source as it
-        is now, as the kernel would decide for them (``access.may_read``). The catalog's modes are those of the
+        is now, as the kernel would decide for them (``sysio.access.may_read``). The catalog's modes are those of the
         scan: a ``chmod 600`` or a denying ACL since then must bind other users of an --allow-other mount."""
         return access.may_read(self.root_fd, node.path, uid, gid, access.caller_groups(pid))
 
     def choose(self, node: Node, *, cached_only: bool = False) -> Choice:
         """What an open of ``node`` serves, and how far a stat vouches for it: the one decision both data paths
-        take (passthrough hands the chosen descriptor to the kernel, ``backing.vouched``; the daemon path reads
+        take (passthrough hands the chosen descriptor to the kernel, ``datapath.backing.vouched``; the daemon path reads
         it, ``open``, or defers its read, ``vouch``).
 
         The source is reached below the root without links and compared with the catalog (size, mtime, inode,
@@ -168,7 +168,7 @@ class StoreReader:
 
     def check_source(self, node: Node, st: os.stat_result | None = None, *, cached_only: bool = False) -> str | None:
         """None while the source is the file the catalog describes; else what changed. The path is walked below
-        the held root as every open walks it (``paths.stat_below``: no link, no other filesystem), never by a
+        the held root as every open walks it (``sysio.paths.stat_below``: no link, no other filesystem), never by a
         path ``stat``, which follows links on the way (a directory swapped for a link into the mount would make
         the daemon wait for itself). ``cached_only``: BlockingIOError where the walk would wait for the disk."""
         if st is None:

@@ -46,9 +46,9 @@ PROFILE_NAME = "profile.json"
 
 #: A directory opened to list and unlink in, never through a link at its name.
 _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-#: The subdirectories of ``objects`` prepare makes (``expansion.object_name``).
+#: The subdirectories of ``objects`` prepare makes (``expand.expansion.object_name``).
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
-#: What a killed expansion leaves of an object (``expansion.expand_one``: ``<object>.<locks.unique("tmp-")>``).
+#: What a killed expansion leaves of an object (``expand.expansion.expand_one``: ``<object>.<locks.unique("tmp-")>``).
 _LEFTOVER = re.compile(rf"objects/([0-9a-f]{{2}}/[0-9a-f]{{32}}{SUFFIX_PATTERN}\.tmp-[0-9a-f]{{16}})")
 
 
@@ -336,7 +336,7 @@ class LocalStore:
         # delete each other's sample.
         scratch = Path(tempfile.mkdtemp(prefix="profile-sample-", dir=self.store_dir))
         # Both directories stay open for the sample's timed reads, which open each file below them as the mount
-        # does (``timedreads.Below``): the dataset's owner may swap a file for a link to a FIFO or a device.
+        # does (``stores.sample.Below``): the dataset's owner may swap a file for a link to a FIFO or a device.
         root_fd = open_dir(root)
         try:
             scratch_fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -16,13 +16,13 @@ from liquidfs.daemon.config import MountConfig, Share
 from liquidfs.datapath.daemon import DaemonPath
 from liquidfs.datapath.notifier import Notifier
 from liquidfs.fuse.lookahead import MetadataAhead
-from liquidfs.held.disk import DiskTier
+from liquidfs.held.disk import DiskLevel
 from liquidfs.stores import open_store
 from liquidfs.stores.local.reader import StoreReader
 
 #: Each part's close, by the part's name.
 CLOSES: dict[str, tuple[type, str]] = {
-    "catalog": (Catalog, "close"), "reader": (StoreReader, "close"), "disk level": (DiskTier, "close"),
+    "catalog": (Catalog, "close"), "reader": (StoreReader, "close"), "disk level": (DiskLevel, "close"),
     "notifier": (Notifier, "stop"), "read-ahead": (MetadataAhead, "stop"), "data path": (DaemonPath, "close"),
 }
 
@@ -71,7 +71,7 @@ def test_a_part_whose_close_raises_leaves_every_other_part_closed(tmp_path: Path
     with pytest.raises(Broken, match=failing):
         with ExitStack() as stack:
             mount = mounted(stack)
-            assert mount.ops.data is not None and mount.ops.lookahead is not None and not closed
+            assert mount.ops.data_path is not None and mount.ops.lookahead is not None and not closed
     assert sorted(closed) == sorted(CLOSES), f"closed: {closed}"
 
 

@@ -45,9 +45,9 @@ def test_cache_holds_bytes_for_the_next_epoch(ops: Operations) -> None:
             fi = run(ops.open, inode, os.O_RDONLY, CTX)
             run(ops.read, fi.fh, 0, 1 << 20)
             run(ops.release, fi.fh)
-    assert set(ops.data.held.held_items()) == {a.st_ino, b.st_ino}
+    assert set(ops.data_path.held.held_items()) == {a.st_ino, b.st_ino}
     assert ops.stats.bytes_from_memory == 2 * 5006 and ops.stats.bytes_from_storage == 5006
-    assert ops.cache is not None and ops.cache.stats.hits == 4
+    assert ops.policy is not None and ops.policy.stats.hits == 4
 
 def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
     """Files are read at their first read: the cache holds a file it decided to keep once its bytes are there,
@@ -55,16 +55,16 @@ def test_a_kept_file_opened_and_never_read_is_not_held(ops: Operations) -> None:
     b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
     fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
     assert ops.open_files[fi.fh].decision.hold and ops.open_files[fi.fh].content.deferred
-    assert ops.cache is not None and b.st_ino in ops.cache.held
+    assert ops.policy is not None and b.st_ino in ops.policy.held
     run(ops.release, fi.fh)
-    assert b.st_ino not in ops.data.held.held_items() and b.st_ino not in ops.cache.held
+    assert b.st_ino not in ops.data_path.held.held_items() and b.st_ino not in ops.policy.held
     d = run(ops.lookup, ROOT_ID, b"d", CTX)
     a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
     fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
-    assert a.st_ino not in ops.data.held.held_items()  # not yet read
+    assert a.st_ino not in ops.data_path.held.held_items()  # not yet read
     assert bytes(run(ops.read, fi.fh, 0, 4096)) == b"A" * 4096
     run(ops.release, fi.fh)
-    assert bytes(ops.data.held.held_items()[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.cache.held
+    assert bytes(ops.data_path.held.held_items()[a.st_ino]) == b"A" * 5000 and a.st_ino in ops.policy.held
 
 def _read_whole(ops: Operations, name: bytes) -> bytes:
     ino = run(ops.lookup, ROOT_ID, name, CTX).st_ino
@@ -92,8 +92,8 @@ def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
     ops = ops_over(tmp_path / "held", FILES, 1.0)  # the cache holds every file it reads
     for name, data in FILES.items():
         assert _read_whole(ops, name.encode()) == data
-    assert len(ops.data.held.held_items()) == 4
-    held = {id(view.obj) for view in ops.data.held.held_items().values()}
+    assert len(ops.data_path.held.held_items()) == 4
+    held = {id(view.obj) for view in ops.data_path.held.held_items().values()}
     assert not held & {id(buf) for _, buf, _ in POOL._free}
     # Other files opened and closed now borrow every free buffer there is; the held bytes must not change.
     others = {f"y{i}": bytes([100 + i]) * 300_000 for i in range(6)}
@@ -136,7 +136,7 @@ def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> 
     assert ops.stats.refetches == 3
     assert run(ops.read, fi.fh, len(data), 4096) == b""
     run(ops.release, fi.fh)
-    assert not ops.data._pieces
+    assert not ops.data_path._pieces
 
 def test_a_file_changed_before_it_is_read_again_fails_with_eio(tmp_path: Path) -> None:
     data = os.urandom(500_000)
@@ -182,22 +182,22 @@ def test_files_opened_but_not_read_keep_a_bounded_total(tmp_path: Path) -> None:
     """Like DALI's shuffle buffer: many files opened long before they are read. Past the bound, files are read
     at their first read instead of at open; nothing is read twice."""
     ops = ops_over(tmp_path, FILES, None)
-    ops.data.reader.vouch = lambda node, cached_only=False: None  # type: ignore[method-assign]  # like an object store's
-    ops.data.max_open_bytes = 700_000  # room for two of the four 300 kB files
+    ops.data_path.reader.vouch = lambda node, cached_only=False: None  # type: ignore[method-assign]  # like an object store's
+    ops.data_path.max_open_bytes = 700_000  # room for two of the four 300 kB files
     handles = {}
     for name in FILES:
         ino = run(ops.lookup, ROOT_ID, name.encode(), CTX).st_ino
         handles[name] = run(ops.open, ino, os.O_RDONLY, CTX).fh
     loaded = [h for h in ops.open_files.values() if h.content.data is not None]
-    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.data._open_bytes == 600_000
+    assert len(loaded) == 2 and ops.stats.deferred == 2 and ops.data_path._open_bytes == 600_000
     for name, data in reversed(FILES.items()):  # deferred ones first
         assert bytes(run(ops.read, handles[name], 0, 1 << 20)) == data
-        assert ops.data._open_bytes <= ops.data.max_open_bytes
+        assert ops.data_path._open_bytes <= ops.data_path.max_open_bytes
     assert ops.stats.refetches == 0 and ops.stats.open_evictions == 0
     assert ops.stats.bytes_from_storage == sum(map(len, FILES.values()))  # each file read once
     for fh in handles.values():
         run(ops.release, fh)
-    assert ops.data._open_bytes == 0 and not ops.data._open_bytes_of
+    assert ops.data_path._open_bytes == 0 and not ops.data_path._open_bytes_of
 
 def test_a_deferred_file_changed_before_its_first_read_fails_with_eio(tmp_path: Path) -> None:
     ops = ops_over(tmp_path, FILES, None)
@@ -238,7 +238,7 @@ class _Kernel:
 def _push_ops(tmp_path: Path, files: dict[str, bytes]) -> tuple[Operations, _Kernel]:
     ops = ops_over(tmp_path, files, None)
     kernel = _Kernel()
-    ops.notifier = ops.data.notifier = kernel  # type: ignore[assignment]
+    ops.notifier = ops.data_path.notifier = kernel  # type: ignore[assignment]
     return ops, kernel
 
 def _open(ops: Operations, name: bytes) -> int:
@@ -257,7 +257,7 @@ def test_the_rest_of_a_file_goes_to_the_kernel_at_its_first_read(tmp_path: Path)
     assert handle.content.data is not None  # kept until the kernel has copied them
     kernel.deliver()
     assert handle.content.data is None and handle.chunks is not None
-    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.data._open_bytes == 0
+    assert ops.stats.bytes_pushed == len(data) - (1 << 20) and ops.data_path._open_bytes == 0
     before = POOL.reused
     fh_b = _open(ops, b"b")  # the buffer the push freed serves the next file
     run(ops.read, fh_b, 0, 4096)
@@ -329,19 +329,19 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
     for name, data in FILES.items():  # the cache now holds every file
         assert _read_whole(ops, name.encode()) == data
     hops: list[int] = []
-    real_blocking = ops.storage.run
+    real_blocking = ops.calls.run
 
     async def counting(node, fn, *args, **kw):  # type: ignore[no-untyped-def]
         hops.append(node.id)
         return await real_blocking(node, fn, *args, **kw)
 
-    ops.storage.run = counting  # type: ignore[method-assign]
-    ops.data.reader.inline_check = True  # type: ignore[union-attr]
+    ops.calls.run = counting  # type: ignore[method-assign]
+    ops.data_path.reader.inline_check = True  # type: ignore[union-attr]
     assert _read_whole(ops, b"x1") == FILES["x1"] and hops == []
-    ops.data.reader.inline_check = False  # type: ignore[union-attr]  # NFS, FUSE: a stat may hang
+    ops.data_path.reader.inline_check = False  # type: ignore[union-attr]  # NFS, FUSE: a stat may hang
     assert _read_whole(ops, b"x1") == FILES["x1"] and len(hops) == 1
     os.utime(tmp_path / "src" / "x1", ns=(1, 1))  # a changed source is caught inline too
-    ops.data.reader.inline_check = True  # type: ignore[union-attr]
+    ops.data_path.reader.inline_check = True  # type: ignore[union-attr]
     from_memory = ops.stats.bytes_from_memory
     assert _read_whole(ops, b"x1") == FILES["x1"] and ops.stats.bytes_from_memory == from_memory  # read anew
 
@@ -439,7 +439,7 @@ def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Oper
         fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
         run(ops.read, fi.fh, 0, 1 << 20)
         run(ops.release, fi.fh)
-    assert b.st_ino in ops.data.held.held_items()
+    assert b.st_ino in ops.data_path.held.held_items()
     fi = run(ops.open, b.st_ino, os.O_RDONLY, CTX)
     assert fi.keep_cache  # an unchanged hit keeps its pages
     run(ops.release, fi.fh)
@@ -513,11 +513,11 @@ def test_a_file_the_policy_let_go_while_it_was_read_is_not_held(tmp_path: Path) 
     """Between an open's decision to hold its file and the storage read's end, another job's read may take the
     file's room (the policy lets it go): its bytes must not be held then, outside the budget."""
     ops = ops_over(tmp_path, FILES, 1.0)
-    data = ops.data
+    data = ops.data_path
     ino = run(ops.lookup, ROOT_ID, b"x1", CTX).st_ino
     reading = trio.Event()
     go_on = trio.Event()
-    real_run = data.storage.run
+    real_run = data.calls.run
 
     async def slow_run(node, func, *args, **kw):
         if node.id == ino and not reading.is_set():
@@ -525,7 +525,7 @@ def test_a_file_the_policy_let_go_while_it_was_read_is_not_held(tmp_path: Path) 
             await go_on.wait()
         return await real_run(node, func, *args, **kw)
 
-    data.storage.run = slow_run
+    data.calls.run = slow_run
 
     async def main() -> None:
         opened: list = []

@@ -174,9 +174,9 @@ def test_next_epoch_cache_keeps_memfds_and_hits_serve_them(prepared) -> None:
     src, store = prepared
     ops, kernel = _ops(store, cache=True)  # a budget of the whole dataset: everything is kept
     nodes = _images(ops)
-    memory = ops.data.held
+    memory = ops.data_path.held
     _serve_each(ops, kernel, src, store, nodes)
-    held = memory.statistics()
+    held = memory.statistics().values()
     assert held["memfd_files"] == len(nodes) and held["memfd_bytes"] == sum(n.size_served for n in nodes)
     assert held["memfd_bytes"] <= memory.budget
     for _ in range(2):
@@ -240,7 +240,7 @@ def test_first_open_failing_fails_its_waiters_and_leaves_no_entry(prepared, tmp_
         with pytest.raises(pyfuse3.FUSEError) as info:
             await ops.open(node.id, os.O_RDONLY, CTX)
         assert info.value.errno == errno.EPERM
-        assert ops.data.statistics()["passthrough_open_inodes"] == 0
+        assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
 
     trio.run(main)
 
@@ -376,7 +376,7 @@ def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared, mo
     assert released % 4, "a batch must be left unfilled"
     # What the closer is handed, and the file each descriptor was: this test's own descriptors, not a count of
     # the process's (which the garbage of earlier tests moves: CI counted 3 fewer at the end than at the start).
-    closer = ops.data._closer
+    closer = ops.data_path._closer
     handed: list[tuple[int, tuple[int, int]]] = []
 
     def recorded(hand_over):  # type: ignore[no-untyped-def]
@@ -394,12 +394,12 @@ def test_released_backings_are_closed_off_the_loop_and_none_is_left(prepared, mo
                 info = await ops.open(node.id, os.O_RDONLY, CTX)
                 await ops.release(info.fh)
         with trio.fail_after(10):  # the last, unfilled batch too, with no release after it
-            while ops.data.statistics()["closes_pending"]:
+            while ops.data_path.statistics().values()["closes_pending"]:
                 await trio.sleep(0.01)
 
     trio.run(main)
     assert closer.closed == released == len(handed)
-    ops.data.close()
+    ops.data_path.close()
     for fd, was in handed:  # closed: the number free, or taken since by another file
         try:
             st = os.fstat(fd)
@@ -454,7 +454,7 @@ def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahea
     src, store = prepared
     ops, kernel = _ops(store)
     told: list[bytes] = []
-    ops.data.on_cold_open = lambda node: told.append(node.path)
+    ops.data_path.on_cold_open = lambda node: told.append(node.path)
     nodes = _images(ops)
     _serve_each(ops, kernel, src, store, nodes)
     assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
@@ -473,7 +473,7 @@ def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:
         with ExitStack() as stack:
             ops, built = assemble.operations(config(), catalog, StoreReader(catalog.source, store), MountStats(),
                                              stack, data_path=data_path, kernel=FakeKernel(), warm=lambda node: None)
-            path = ops.data if data_path == "passthrough" else built.passthrough_path(FakeKernel())
+            path = ops.data_path if data_path == "passthrough" else built.passthrough_path(FakeKernel())
             assert ops.lookahead is not None and path.on_cold_open == ops.lookahead.went_cold
 
 
@@ -486,18 +486,18 @@ def test_a_hit_whose_memfd_is_let_go_while_its_source_is_checked_still_serves_it
     nodes = _images(ops)
     _serve_each(ops, kernel, src, store, nodes)  # epoch 1: every file kept in a memfd
     node = nodes[0]
-    level = ops.data.held
+    level = ops.data_path.held
     assert level.get(node.id) is not None
     checking = trio.Event()
     go_on = trio.Event()
-    real = ops.data.storage.source_changed
+    real = ops.data_path.calls.source_changed
 
     async def slow_check(checked):
         checking.set()
         await go_on.wait()
         return await real(checked)
 
-    ops.data.storage.source_changed = slow_check
+    ops.data_path.calls.source_changed = slow_check
     opened: list = []
 
     async def main() -> None:
@@ -524,7 +524,7 @@ def _reopen_while_kept(ops: Operations, kernel: FakeKernel, src: Path, store: Pa
     """Epoch 1 read with the first file's copy into a memfd (at its release) held up until the first file is
     opened again, for epoch 2: that open served and checked. The bytes read from storage meanwhile."""
     node = _images(ops)[0]
-    path = ops.data
+    path = ops.data_path
     copying = trio.Event()
     go_on = trio.Event()
     real_copy = path.blocking_copy
@@ -575,9 +575,9 @@ def test_a_hit_opened_while_its_last_release_is_still_being_kept_waits_for_the_m
     src, store = prepared
     ops, kernel = _ops(store, cache=True)  # a budget for all: the hit is held again
     assert _reopen_while_kept(ops, kernel, src, store) == 0
-    summary = ops.data.held.statistics()
+    summary = ops.data_path.held.statistics().values()
     assert summary["cache_lost_hits"] == 0 and summary["cache_hits"] >= 1
-    assert ops.data.held.get(_images(ops)[0].id) is not None
+    assert ops.data_path.held.get(_images(ops)[0].id) is not None
 
 
 def test_a_hit_not_held_again_still_gets_the_memfd_its_last_release_was_keeping(prepared) -> None:
@@ -586,13 +586,13 @@ def test_a_hit_not_held_again_still_gets_the_memfd_its_last_release_was_keeping(
     open that waited for it read storage (a lost hit: 3 of 768 in CI's DALI shards). The copy goes to that open."""
     src, store = prepared
     ops, kernel = _ops(store, cache=True)
-    level = ops.data.held
+    level = ops.data_path.held
 
     def keep_no_more() -> None:
         level.policy.share = 0.0  # nothing more is kept for epoch 3: the hit is not held again
 
     assert _reopen_while_kept(ops, kernel, src, store, keep_no_more) == 0, "the hit read storage"
-    summary = level.statistics()
+    summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 0 and summary["cache_hits"] >= 1, summary
     # served, then let go: the level holds what the policy does, no more
     assert level.get(_images(ops)[0].id) is None and set(level.held_items()) == set(level.policy.held)
@@ -604,10 +604,10 @@ def test_a_hit_whose_file_is_let_go_while_it_waits_for_the_copy_is_served_and_th
     open that waited, and is not kept behind the policy's back (the level holds what the policy does)."""
     src, store = prepared
     ops, kernel = _ops(store, cache=True)
-    level = ops.data.held
+    level = ops.data_path.held
     node = _images(ops)[0]
     assert _reopen_while_kept(ops, kernel, src, store, while_waiting=lambda: level.policy.drop(node.id)) == 0
-    summary = level.statistics()
+    summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 0, summary
     assert level.get(node.id) is None and set(level.held_items()) == set(level.policy.held)
 
@@ -621,8 +621,8 @@ def test_a_hit_whose_memfd_copy_is_held_up_past_keep_wait_is_served_from_storage
     monkeypatch.setattr(passthrough, "KEEP_WAIT", 0.01)
     src, store = prepared
     ops, kernel = _ops(store, cache=True)
-    level = ops.data.held
+    level = ops.data_path.held
     assert _reopen_while_kept(ops, kernel, src, store) > 0, "the open waited for the copy"
-    summary = level.statistics()
+    summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 1, summary
     assert set(level.held_items()) == set(level.policy.held)

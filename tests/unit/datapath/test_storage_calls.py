@@ -96,7 +96,7 @@ def test_the_reads_keep_their_own_few_threads(prepared: Path) -> None:
     """Opens have a pool of their own: the reads' ``--threads`` stays what the user set."""
     catalog = Catalog.open(prepared, readonly=True)
     ops = daemon_operations(catalog, StoreReader(catalog.source, prepared), threads=3, open_threads=5)
-    assert ops.storage.thread_limiter.total_tokens == 3 and ops.storage.open_limiter.total_tokens == 5
+    assert ops.calls.thread_limiter.total_tokens == 3 and ops.calls.open_limiter.total_tokens == 5
 
 
 def test_the_hop_returns_raises_and_abandons_on_cancel() -> None:

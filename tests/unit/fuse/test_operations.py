@@ -65,13 +65,13 @@ def test_unexpected_exceptions_become_eio(ops: Operations) -> None:
     def broken(node):
         raise RuntimeError("a bug")
 
-    ops.data.reader.open = broken  # type: ignore[method-assign]
+    ops.data_path.reader.open = broken  # type: ignore[method-assign]
     b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
     fh = run(ops.open, b.st_ino, os.O_RDONLY, CTX).fh  # read at its first read (``_read_later``)
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.read, fh, 0, 4096)
     assert info.value.errno == errno.EIO and ops.stats.errors == 1
-    ops.data.reader.vouch = broken  # type: ignore[method-assign]
+    ops.data_path.reader.vouch = broken  # type: ignore[method-assign]
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.open, b.st_ino, os.O_RDONLY, CTX)
     assert info.value.errno == errno.EIO and ops.stats.errors == 2
@@ -95,10 +95,10 @@ def test_control_entry(ops: Operations) -> None:
 
 def test_open_files_are_bounded_and_past_the_bound_an_open_fails_with_enfile(tmp_path: Path) -> None:
     """Every open file may hold a descriptor and memory in the daemon: without a bound, a user opening files
-    without closing them exhausted either. Past ``max_open_files`` an open fails with ENFILE; a close makes room."""
+    without closing them exhausted either. Past the budget (``OpenBudget.max_files``) an open fails with ENFILE; a close makes room."""
     files = {f"f{i}": bytes([i]) * 1000 for i in range(4)}
     ops = ops_over(tmp_path, files, None)
-    ops.max_open_files = 3
+    ops.open_budget.max_files = 3
     handles = [run(ops.open, run(ops.lookup, ROOT_ID, f"f{i}".encode(), CTX).st_ino, os.O_RDONLY, CTX)
                for i in range(3)]
     last = run(ops.lookup, ROOT_ID, b"f3", CTX).st_ino
@@ -116,9 +116,9 @@ def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Pa
     served."""
     files = {f"f{i}": bytes([i]) * 1000 for i in range(2)}
     ops = ops_over(tmp_path, files, None)
-    ops.storage.max_opens = 2
+    ops.calls.max_opens = 2
     ino = run(ops.lookup, ROOT_ID, b"f0", CTX).st_ino
-    waiting = [ops.storage.opening(0), ops.storage.opening(0)]
+    waiting = [ops.calls.opening(0), ops.calls.opening(0)]
     for held in waiting:
         held.__enter__()
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -128,11 +128,11 @@ def test_past_the_opens_in_flight_an_open_fails_at_once_with_eagain(tmp_path: Pa
     control = run(ops.open, CONTROL_ID, os.O_RDONLY, CTX)
     values = json.loads(bytes(run(ops.read, control.fh, 0, 1 << 20)))
     assert values["opens_in_flight"] == 2 and values["opens_refused"] == 1 and values["opens"] == 0
-    assert ops._slots_taken == 0  # the refused open gave its slot of the open-file budget back
+    assert ops.open_budget.taken == 0  # the refused open gave its slot of the open-file budget back
     waiting.pop().__exit__(None, None, None)
     fi = run(ops.open, ino, os.O_RDONLY, CTX)
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == files["f0"]
-    assert ops.storage.opens_in_flight == 1 and ops.statistics()["opens_refused"] == 1
+    assert ops.calls.opens_in_flight == 1 and ops.statistics()["opens_refused"] == 1
 
 
 class _As:
@@ -159,7 +159,7 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
 
     ops, _ = assemble.operations(config(allow_other=True), catalog, StoreReader(catalog.source, tmp_path / "store"),
                                  MountStats(), ExitStack(), may_read=may_read)
-    ops.storage.max_opens = 4  # a share of 2 for a user other than root and the mount's
+    ops.calls.max_opens = 4  # a share of 2 for a user other than root and the mount's
     ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
 
     async def main() -> None:
@@ -167,7 +167,7 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
             for _ in range(2):
                 nursery.start_soon(ops.open, ino, os.O_RDONLY, _As(1000))
             with trio.fail_after(30):  # a bound only so that a failing run ends
-                while ops.storage.opens_in_flight < 2:
+                while ops.calls.opens_in_flight < 2:
                     await trio.sleep(0.01)
             with pytest.raises(pyfuse3.FUSEError) as info:
                 await ops.open(ino, os.O_RDONLY, _As(1000))
@@ -181,7 +181,7 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
             gate.set()
 
     run(main)
-    assert ops.storage.opens_in_flight == 0 and ops.stats.opens == 4
+    assert ops.calls.opens_in_flight == 0 and ops.stats.opens == 4
 
 
 def _open_until_refused(ops: Operations, ino: int, ctx: object, at_most: int) -> tuple[list[int], int]:
@@ -200,7 +200,7 @@ def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
     it (half of what is not kept back), and the last eighth stays for root and the mount's user, whoever else
     opens what. A close gives the slot back to whoever it was; a refused or failed open takes none."""
     ops = ops_over(tmp_path, {"f": b"x" * 1000}, None)
-    ops.max_open_files = 16  # 2 kept back for root and the mount's user; 7 at most for any one other user
+    ops.open_budget.max_files = 16  # 2 kept back for root and the mount's user; 7 at most for any one other user
     ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
     greedy, held_errno = _open_until_refused(ops, ino, _As(1000), 16)
     assert (len(greedy), held_errno) == (7, errno.ENFILE)
@@ -220,7 +220,7 @@ def test_one_user_cannot_hold_every_open_file(tmp_path: Path) -> None:
     (tmp_path / "src" / "f").unlink()
     for _ in range(10):
         assert _open_until_refused(ops, ino, _As(1000), 1) == ([], errno.ENOENT)
-    assert ops._slots_taken == 0 and not ops._slots
+    assert ops.open_budget.taken == 0 and ops.open_budget.held_by(1000) == 0
 
 
 def test_each_request_type_is_counted_and_timed(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ import pytest
 from liquidfs.datapath.backing import memfd_with
 from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
-from liquidfs.held.disk import DiskTier
-from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, HeldLevel, MemfdLevel, MemoryLevel
+from liquidfs.held.disk import DiskLevel
+from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, HeldLevel, Level, MemfdLevel, MemoryLevel
 from liquidfs.stores.reader import Content
 from liquidfs.metrics.stats import MountStats
 
@@ -54,7 +54,7 @@ def _memfd(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
 
 
 def _disk(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
-    level = DiskTier(_Store(), tmp_path, _policy())  # type: ignore[arg-type]
+    level = DiskLevel(_Store(), tmp_path, _policy())  # type: ignore[arg-type]
     return level, lambda i: level.open(_node(i)) and None  # its own open keeps what the policy holds
 
 
@@ -88,16 +88,38 @@ def test_a_hit_whose_bytes_were_lost_is_counted_as_a_miss(tmp_path: Path, make) 
     assert level.stats.reclaimed == 1  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("level", [MemoryLevel, MemfdLevel, DiskLevel])
+def test_every_level_answers_the_policy_s_questions_with_the_one_base_s_methods(level: type) -> None:
+    """Copies of ``decide``, ``drop`` and ``lost_hit`` drift apart: each level is a ``Level`` and answers them
+    with the base's methods, its own bookkeeping (a lock, a counter, files to remove) in hooks."""
+    assert issubclass(level, Level)
+    for name in ("decide", "drop", "lost_hit", "get", "held_items"):
+        assert getattr(level, name) is getattr(Level, name), f"{level.__name__} copies {name}"
+
+
+def test_a_hit_the_disk_level_lost_is_counted_as_a_miss_in_its_own_counter(tmp_path: Path) -> None:
+    level = DiskLevel(_Store(), tmp_path, _policy())  # type: ignore[arg-type]
+    for _ in range(2):
+        for i in range(1, FILES + 1):
+            level.open(_node(i))
+    decision = level.decide(1, SIZE)
+    hits = level.policy.stats.hits
+    assert decision.hit
+    level.lost_hit(decision, SIZE)
+    assert level.policy.stats.hits == hits - 1 and level.lost == 1
+    level.close()
+
+
 def test_the_memfd_level_closes_what_it_lets_go(tmp_path: Path) -> None:
     level = MemfdLevel(_policy(), MountStats())
     level.decide(1, SIZE)
     fd = memfd_with(b"x" * SIZE)
     level.keep(1, fd, SIZE, raw=True)
-    assert level.held_raw(_node(1)) is True and level.statistics()["memfd_bytes"] == SIZE
+    assert level.held_raw(_node(1)) is True and level.statistics().values()["memfd_bytes"] == SIZE
     level.drop(1)
     with pytest.raises(OSError):
         os.fstat(fd)
-    assert level.statistics()["memfd_bytes"] == 0 and level.statistics()["memfd_files"] == 0
+    assert level.statistics().values()["memfd_bytes"] == 0 and level.statistics().values()["memfd_files"] == 0
 
 
 def test_held_memfds_cost_their_pages_and_never_pass_the_descriptor_cap() -> None:

@@ -1,4 +1,4 @@
-"""The cluster level (``clustertier.ClusterTier``) over a memcached in a dict: which objects are the cluster's,
+"""The cluster level (``held.cluster.ClusterLevel``) over a memcached in a dict: which objects are the cluster's,
 hits only of the exact bytes the catalog records, a changed source never served from it, a dead memcached a miss.
 A --cluster name (``ResolvingClient``) with a resolver faked: every address it resolves to, a join or a leave moving
 only that memcached's keys, an answer that is not addresses or fails keeping the last good set.
@@ -21,7 +21,7 @@ from clusterfakes import FakeMemcached
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.held.cluster_peers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
                                    parse_cluster, resolve_addresses)
-from liquidfs.held.cluster import ClusterTier, EveryoneReads, in_share, key_of
+from liquidfs.held.cluster import ClusterLevel, EveryoneReads, in_share, key_of
 from liquidfs.held.sealing import ClusterKey, Sealer
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
@@ -37,16 +37,16 @@ def store(tmp_path: Path) -> tuple[Path, Path]:
     return src, store
 
 
-def _tier(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tuple[ClusterTier, FakeMemcached, list]:
+def _level(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tuple[ClusterLevel, FakeMemcached, list]:
     """A level over a fake memcached: plaintext of sources everyone may read, or sealed under ``key``."""
     catalog = Catalog.open(store, readonly=True)
     client = FakeMemcached()
     reader = StoreReader(catalog.source, store)
     if key is not None:
-        tier = ClusterTier(reader, client, share, sealer=Sealer(key), key_id=key.id)
+        level = ClusterLevel(reader, client, share, sealer=Sealer(key), key_id=key.id)
     else:
-        tier = ClusterTier(reader, client, share, public=EveryoneReads(catalog.get))
-    return tier, client, [n for n in catalog.files() if n.served_raw]
+        level = ClusterLevel(reader, client, share, public=EveryoneReads(catalog.get))
+    return level, client, [n for n in catalog.files() if n.served_raw]
 
 
 def test_urls() -> None:
@@ -59,10 +59,10 @@ def test_urls() -> None:
 
 def test_the_share_is_the_same_on_every_node_and_of_raw_objects_only(store: tuple[Path, Path]) -> None:
     src, path = store
-    _, _, raw = _tier(path)
+    _, _, raw = _level(path)
     assert raw and all(in_share(n, 1.0) for n in raw) and not any(in_share(n, 0.0) for n in raw)
     half = [in_share(n, 0.5) for n in raw]
-    assert half == [in_share(n, 0.5) for n in _tier(path)[2]]  # from the catalog alone: another node agrees
+    assert half == [in_share(n, 0.5) for n in _level(path)[2]]  # from the catalog alone: another node agrees
     catalog = Catalog.open(path, readonly=True)
     assert not any(in_share(n, 1.0) for n in catalog.files() if not n.served_raw)
     assert all(key_of(n) == f"liquidfs2:{n.checksum}:{n.size_served}" for n in raw)  # what it holds, no path
@@ -70,15 +70,15 @@ def test_the_share_is_the_same_on_every_node_and_of_raw_objects_only(store: tupl
 
 def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Path, Path]) -> None:
     _, path = store
-    first, client, raw = _tier(path)
+    first, client, raw = _level(path)
     served = {n.id: bytes(first.open(n).data or b"") for n in raw}
-    assert first.statistics()["cluster_misses"] == len(raw) and client.sets == len(raw)
-    second = ClusterTier(first.inner, client, 1.0, public=first.public)  # another node, the same memcacheds
+    assert first.statistics().values()["cluster_misses"] == len(raw) and client.sets == len(raw)
+    second = ClusterLevel(first.inner, client, 1.0, public=first.public)  # another node, the same memcacheds
     for n in raw:
         content = second.open(n)
-        assert content.tier == "cluster" and bytes(content.data or b"") == served[n.id]
+        assert content.level == "cluster" and bytes(content.data or b"") == served[n.id]
         assert served[n.id] == (path / str(n.object)).read_bytes()
-    st = second.statistics()
+    st = second.statistics().values()
     assert st["cluster_hits"] == len(raw) and st["cluster_hit_bytes"] == sum(map(len, served.values()))
     second.close()  # its connections; the reader behind it is its owner's and still serves
     assert client.closed and bytes(first.inner.open(raw[0]).data or b"") == served[raw[0].id]
@@ -86,51 +86,51 @@ def test_a_miss_is_stored_and_the_next_node_hits_the_same_bytes(store: tuple[Pat
 
 def test_a_value_that_is_not_the_objects_bytes_is_never_served(store: tuple[Path, Path]) -> None:
     _, path = store
-    tier, client, raw = _tier(path)
+    level, client, raw = _level(path)
     node = raw[0]
     real = (path / str(node.object)).read_bytes()
     for wrong in (b"x" * len(real), real[:-1], real[:-1] + bytes([real[-1] ^ 1]), "text"):
         client.values[key_of(node)] = wrong  # type: ignore[assignment]  # a peer, or anyone who reaches it
-        content = tier.open(node)
-        assert content.tier == "storage" and bytes(content.data or b"") == real
+        content = level.open(node)
+        assert content.level == "storage" and bytes(content.data or b"") == real
         client.values.pop(key_of(node), None)
-    assert tier.statistics()["cluster_rejected"] == 4 and tier.statistics()["cluster_hits"] == 0
+    assert level.statistics().values()["cluster_rejected"] == 4 and level.statistics().values()["cluster_hits"] == 0
 
 
 def test_a_changed_source_is_never_served_from_the_cluster(store: tuple[Path, Path]) -> None:
     src, path = store
-    tier, client, raw = _tier(path)
+    level, client, raw = _level(path)
     node = raw[0]
-    tier.open(node)  # stored
+    level.open(node)  # stored
     source = src / os.fsdecode(node.path)
     source.write_bytes(source.read_bytes())  # rewritten in place: the catalog no longer describes it
-    content = tier.open(node)
-    assert content.tier != "cluster" and not content.raw and bytes(content.data or b"") == source.read_bytes()
-    assert tier.statistics()["cluster_hits"] == 0
+    content = level.open(node)
+    assert content.level != "cluster" and not content.raw and bytes(content.data or b"") == source.read_bytes()
+    assert level.statistics().values()["cluster_hits"] == 0
 
 
 def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[Path, Path]) -> None:
     _, path = store
-    tier, client, raw = _tier(path)
+    level, client, raw = _level(path)
     client.down = True
     for n in raw:
-        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
-    st = tier.statistics()
+        assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    st = level.statistics().values()
     assert st["cluster_hits"] == 0 and st["cluster_unanswered"] == 2 * len(raw)  # its fetches and stores
     client.down = False  # back: used again
     for n in raw:
-        tier.open(n)
-    assert tier.statistics()["cluster_stored"] == len(raw)
+        level.open(n)
+    assert level.statistics().values()["cluster_stored"] == len(raw)
 
 
 def test_files_outside_the_share_never_ask_the_cluster(store: tuple[Path, Path]) -> None:
     _, path = store
-    tier, client, raw = _tier(path, share=0.0)
+    level, client, raw = _level(path, share=0.0)
     for n in raw:
-        tier.open(n)
+        level.open(n)
     assert client.gets == client.sets == 0
-    assert tier.vouch(raw[0]) is True  # read at its first read, as without a cluster
-    assert _tier(path, share=1.0)[0].vouch(raw[0]) is False  # the cluster's: read at open, where it is asked
+    assert level.vouch(raw[0]) is True  # read at its first read, as without a cluster
+    assert _level(path, share=1.0)[0].vouch(raw[0]) is False  # the cluster's: read at open, where it is asked
 
 
 # -- a --cluster name, resolved again ------------------------------------------------------------------------
@@ -249,12 +249,12 @@ def test_a_name_that_never_resolved_is_a_miss_never_a_failed_read(store: tuple[P
     catalog = Catalog.open(path, readonly=True)
     client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(socket.gaierror("no such name")),
                              background=False)  # a real HashClient over no memcached at all
-    tier = ClusterTier(StoreReader(catalog.source, path), client, 1.0, public=EveryoneReads(catalog.get))
+    level = ClusterLevel(StoreReader(catalog.source, path), client, 1.0, public=EveryoneReads(catalog.get))
     raw = [n for n in catalog.files() if n.served_raw]
     for n in raw:
-        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
-    assert client.servers() == [] and tier.statistics()["cluster_hits"] == 0
-    tier.close()
+        assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    assert client.servers() == [] and level.statistics().values()["cluster_hits"] == 0
+    level.close()
 
 
 def test_the_name_is_resolved_again_in_a_thread_of_its_own_until_closed() -> None:
@@ -288,29 +288,29 @@ def _key(seed: int = 1) -> ClusterKey:
 
 def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(store: tuple[Path, Path]) -> None:
     _, path = store
-    first, client, raw = _tier(path, key=_key())
+    first, client, raw = _level(path, key=_key())
     for n in raw:
         first.open(n)
-    assert client.sets == len(raw) and first.statistics()["cluster_sealed"] == 1
+    assert client.sets == len(raw) and first.statistics().values()["cluster_sealed"] == 1
     for n in raw:
         real = (path / str(n.object)).read_bytes()
         value = client.values[key_of(n, _key().id)]
         assert len(value) == len(real) + 28 and real[:64] not in value  # nonce + ciphertext + tag
-    second = ClusterTier(first.inner, client, 1.0, sealer=Sealer(_key()), key_id=_key().id)  # same key
+    second = ClusterLevel(first.inner, client, 1.0, sealer=Sealer(_key()), key_id=_key().id)  # same key
     for n in raw:
         content = second.open(n)
-        assert content.tier == "cluster" and bytes(content.data or b"") == (path / str(n.object)).read_bytes()
-    assert second.statistics()["cluster_hits"] == len(raw) and second.statistics()["cluster_rejected"] == 0
+        assert content.level == "cluster" and bytes(content.data or b"") == (path / str(n.object)).read_bytes()
+    assert second.statistics().values()["cluster_hits"] == len(raw) and second.statistics().values()["cluster_rejected"] == 0
 
 
 def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store: tuple[Path, Path]) -> None:
     """What a writer without the key can do to a value (change any bytes, keep its length; put another object's
     sealed value, or one sealed under another key, in its place) is a miss, read from storage."""
     _, path = store
-    tier, client, raw = _tier(path, key=_key())
+    level, client, raw = _level(path, key=_key())
     node, other = raw[0], raw[1]
-    tier.open(node)
-    tier.open(other)
+    level.open(node)
+    level.open(other)
     key = key_of(node, _key().id)
     sealed = client.values[key]
     real = (path / str(node.object)).read_bytes()
@@ -321,9 +321,9 @@ def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store:
               real + bytes(28), sealed[:-1]]
     for wrong in wrongs:
         client.values[key] = wrong
-        content = tier.open(node)
-        assert content.tier == "storage" and bytes(content.data or b"") == real
-    st = tier.statistics()
+        content = level.open(node)
+        assert content.level == "storage" and bytes(content.data or b"") == real
+    st = level.statistics().values()
     assert st["cluster_rejected"] == len(wrongs) and st["cluster_hits"] == 0
 
 
@@ -350,23 +350,23 @@ def _private_store(tmp_path: Path) -> tuple[Path, Path, set[bytes]]:
 def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path: Path) -> None:
     _, path, private = _private_store(tmp_path)
     assert len(private) >= 2
-    tier, client, raw = _tier(path)
+    level, client, raw = _level(path)
     for n in raw:
-        assert bytes(tier.open(n).data or b"") == (path / str(n.object)).read_bytes()
+        assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
     stored = {n.path for n in raw if key_of(n) in client.values}
     assert stored == {n.path for n in raw} - private and stored
-    assert tier.statistics()["cluster_private"] == len(private)
+    assert level.statistics().values()["cluster_private"] == len(private)
     client.values.update({key_of(n): (path / str(n.object)).read_bytes() for n in raw})  # offered anyway
     gets = client.gets
     for n in raw:
-        content = tier.open(n)
-        assert (content.tier == "cluster") == (n.path not in private)
+        content = level.open(n)
+        assert (content.level == "cluster") == (n.path not in private)
     assert client.gets - gets == len(raw) - len(private)  # never even asked for
     # With the key, sealed: nobody without it can read them, so they are shared too.
-    sealed, sealed_client, _ = _tier(path, key=_key())
+    sealed, sealed_client, _ = _level(path, key=_key())
     for n in raw:
         sealed.open(n)
-    assert sealed_client.sets == len(raw) and sealed.statistics()["cluster_private"] == 0
+    assert sealed_client.sets == len(raw) and sealed.statistics().values()["cluster_private"] == 0
 
 
 def test_everyone_reads_walks_the_catalogs_directories_once(tmp_path: Path) -> None:

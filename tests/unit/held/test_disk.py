@@ -7,7 +7,7 @@ from pathlib import Path
 
 from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
-from liquidfs.held.disk import DiskTier
+from liquidfs.held.disk import DiskLevel
 from liquidfs.stores.reader import Content
 
 SIZE = 1000
@@ -36,54 +36,54 @@ def _node(i: int) -> Node:
     return Node(i, 1, b"f%d" % i, b"f%d" % i, KIND_FILE, 0o100444, SIZE, 0, 0, None, REPR_ORIGINAL, None, None, None)
 
 
-def _tier(tmp_path: Path, share: float, memory: set[int] | None = None) -> tuple[DiskTier, FakeStore]:
+def _level(tmp_path: Path, share: float, memory: set[int] | None = None) -> tuple[DiskLevel, FakeStore]:
     store = FakeStore()
     policy = NextEpochCache(int(share * SIZE * FILES), SIZE * FILES, FILES, max_id=FILES + 1)
     held = memory if memory is not None else set()
-    return DiskTier(store, tmp_path, policy, memory_holds=held.__contains__), store
+    return DiskLevel(store, tmp_path, policy, memory_holds=held.__contains__), store
 
 
-def _epoch(tier: DiskTier, rng: random.Random) -> None:
+def _epoch(level: DiskLevel, rng: random.Random) -> None:
     order = list(range(2, FILES + 2))
     rng.shuffle(order)
     for i in order:
-        content = tier.open(_node(i))
+        content = level.open(_node(i))
         assert bytes(content.data) == bytes([i % 251]) * SIZE  # type: ignore[arg-type]
 
 
 def test_a_constant_share_of_each_later_epoch_comes_from_disk(tmp_path: Path) -> None:
-    tier, store = _tier(tmp_path, 0.3)
+    level, store = _level(tmp_path, 0.3)
     rng = random.Random(2)
-    _epoch(tier, rng)
-    assert store.opens == FILES and tier.hits == 0
-    files = list(tier.dir.iterdir())
+    _epoch(level, rng)
+    assert store.opens == FILES and level.hits == 0
+    files = list(level.dir.iterdir())
     assert len(files) == 30 and sum(f.stat().st_size for f in files) == 30 * SIZE  # exactly the budget
     for epoch in (2, 3):
         before = store.opens
-        _epoch(tier, rng)
+        _epoch(level, rng)
         assert store.opens - before == 70, epoch
-    assert tier.hits == 60 and len(list(tier.dir.iterdir())) == 30
-    tier.close()
-    assert not tier.dir.exists()
+    assert level.hits == 60 and len(list(level.dir.iterdir())) == 30
+    level.close()
+    assert not level.dir.exists()
 
 
 def test_a_damaged_file_is_read_from_the_store_again(tmp_path: Path) -> None:
-    tier, store = _tier(tmp_path, 1.0)
+    level, store = _level(tmp_path, 1.0)
     rng = random.Random(3)
-    _epoch(tier, rng)
-    victim = tier.dir / "7"
+    _epoch(level, rng)
+    victim = level.dir / "7"
     victim.write_bytes(b"\0" * SIZE)  # same size, other bytes
-    (tier.dir / "8").unlink()
+    (level.dir / "8").unlink()
     before = store.opens
-    _epoch(tier, rng)  # every byte still checked by _epoch
-    assert store.opens - before == 2 and tier.lost == 2
+    _epoch(level, rng)  # every byte still checked by _epoch
+    assert store.opens - before == 2 and level.lost == 2
 
 
 def test_files_the_memory_level_keeps_are_not_kept_twice(tmp_path: Path) -> None:
     memory = set(range(2, 52))  # the memory level keeps half the files for the next epoch
-    tier, _ = _tier(tmp_path, 0.5, memory)
-    _epoch(tier, random.Random(4))
-    kept = {int(f.name) for f in tier.dir.iterdir()}
+    level, _ = _level(tmp_path, 0.5, memory)
+    _epoch(level, random.Random(4))
+    kept = {int(f.name) for f in level.dir.iterdir()}
     assert kept and not kept & memory
 
 
@@ -91,26 +91,26 @@ def test_stale_directories_of_dead_mounts_are_removed(tmp_path: Path) -> None:
     dead = tmp_path / "liquidfs-999999999"
     dead.mkdir()
     (dead / "3").write_bytes(b"x")
-    tier, _ = _tier(tmp_path, 0.1)
-    assert not dead.exists() and tier.dir.exists()
+    level, _ = _level(tmp_path, 0.1)
+    assert not dead.exists() and level.dir.exists()
 
 
 def test_parts_of_files_read_again_come_from_the_store(tmp_path: Path) -> None:
-    """The fs reads part of a let-go file again through the tier; this level may have dropped it since."""
-    tier, store = _tier(tmp_path, 0.0)
-    assert bytes(tier.read_span(_node(9), False, 100, 300)) == bytes([9]) * 200
-    tier.close()
+    """The fs reads part of a let-go file again through the level; this level may have dropped it since."""
+    level, store = _level(tmp_path, 0.0)
+    assert bytes(level.read_span(_node(9), False, 100, 300)) == bytes([9]) * 200
+    level.close()
 
 
 def test_a_hit_whose_source_changed_is_never_served(tmp_path: Path) -> None:
     """Hits used to skip the source check: a file changed after the disk level stored it was served stale."""
-    tier, store = _tier(tmp_path, 1.0)
+    level, store = _level(tmp_path, 1.0)
     changed: set[int] = set()
     store.check_source = lambda node, st=None: "changed" if node.id in changed else None  # type: ignore[method-assign]
     rng = random.Random(3)
-    _epoch(tier, rng)
+    _epoch(level, rng)
     opens = store.opens
     changed.add(5)
-    _epoch(tier, rng)  # every file is a hit but the changed one, which is read from the store again
-    assert store.opens == opens + 1 and tier.lost == 1 and tier.hits == FILES - 1
+    _epoch(level, rng)  # every file is a hit but the changed one, which is read from the store again
+    assert store.opens == opens + 1 and level.lost == 1 and level.hits == FILES - 1
 

@@ -1,6 +1,6 @@
 """The metrics endpoint in-process: its bounds (connections, time per connection, snapshots a second), its paths,
 and that it serves off the trio loop (accepting and answering while the loop is blocked; 503 when the loop does
-not compute a snapshot in time; its threads ended when its task is cancelled). Then its table (``metricdefs``):
+not compute a snapshot in time; its threads ended when its task is cancelled). Then its table (``metrics.defs``):
 a row for every key both data paths' statistics produce, names as Prometheus' conventions want them, and the
 text it renders (tests/system/test_prometheus.py has a real Prometheus scrape a real mount).
 
@@ -36,8 +36,8 @@ from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.nodes import ROOT_ID
-from liquidfs.held.cluster import ClusterTier
-from liquidfs.held.disk import DiskTier
+from liquidfs.held.cluster import ClusterLevel
+from liquidfs.held.disk import DiskLevel
 from liquidfs.metrics.defs import COUNTER, EXPORTED_KEYS, INFO, METRICS, NOT_EXPORTED, prometheus_text, unlisted
 from liquidfs.metrics.server import MetricsServer, MetricsStatistics, serve_metrics
 from liquidfs.mix.share import Mix
@@ -559,15 +559,15 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
     files, served, _, max_id = catalog.file_totals()
     found = {}
     for data_path in ("daemon", "passthrough"):
-        disk = DiskTier(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
-        cluster = ClusterTier(disk, FakeMemcached(), 1.0)
+        disk = DiskLevel(reader, root / f"disk-{data_path}", NextEpochCache(served, served, files, max_id=max_id))
+        cluster = ClusterLevel(disk, FakeMemcached(), 1.0)
         with ExitStack() as stack:
             stack.callback(disk.close)
             ops, _ = assemble.operations(
                 MountConfig(source="src", mountpoint=Path("/mnt"), store="store"), catalog, cluster, MountStats(),
-                stack, cache=NextEpochCache(served, served, files, max_id=max_id), data_path=data_path,
+                stack, policy=NextEpochCache(served, served, files, max_id=max_id), data_path=data_path,
                 kernel=_Kernel(), mix=Mix(0.5, 1.0), warm=reader.warm,
-                extra_statistics=lambda: {**disk.statistics(), **cluster.statistics()})
+                levels=[disk, cluster])
             trio.run(_read_twice, ops)
             found[data_path] = ops.statistics()
     catalog.close()
@@ -595,11 +595,11 @@ def _paths(values: Mapping[str, object], prefix: str = "") -> Iterator[str]:
 @pytest.mark.parametrize("data_path", ["daemon", "passthrough"])
 def test_every_key_the_statistics_produce_has_a_row_or_a_reason(every_statistics: dict[str, dict[str, Any]],
                                                                 data_path: str) -> None:
-    """A counter added to a statistics() without a row in ``metricdefs.METRICS`` (or a reason in NOT_EXPORTED)
+    """A counter added to a statistics() without a row in ``metrics.defs.METRICS`` (or a reason in NOT_EXPORTED)
     fails here, before it can go missing from the dashboards."""
     values = every_statistics[data_path]
     assert values["opens"] == 8 and values["data_path"] == data_path
-    assert list(unlisted(values)) == [], "keys without a row in metricdefs.METRICS (or a reason in NOT_EXPORTED)"
+    assert list(unlisted(values)) == [], "keys without a row in metrics.defs.METRICS (or a reason in NOT_EXPORTED)"
 
 
 def test_every_row_reads_a_key_the_statistics_produce(every_statistics: dict[str, dict[str, Any]]) -> None:
@@ -709,8 +709,8 @@ def test_a_lost_hit_never_makes_an_exported_counter_go_down() -> None:
 
 def test_served_from_counts_each_level_and_refuses_an_unknown_one() -> None:
     stats = MountStats()
-    for tier, size in (("storage", 5), ("memory", 7), ("disk", 11), ("cluster", 13), ("cluster", 1)):
-        stats.served_from(tier, size)
+    for level, size in (("storage", 5), ("memory", 7), ("disk", 11), ("cluster", 13), ("cluster", 1)):
+        stats.served_from(level, size)
     assert (stats.bytes_from_storage, stats.bytes_from_memory, stats.bytes_from_disk, stats.bytes_from_cluster) \
         == (5, 7, 11, 14)
     with pytest.raises(ValueError):

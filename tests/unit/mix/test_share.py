@@ -151,3 +151,35 @@ def test_a_saturated_cpu_counts_as_decode_binding() -> None:
     for _ in range(6):
         controller.observe(Observation(40, 0, cpu_pressure=0.07, io_pressure=0.05, cpu_busy=0.98))
     assert controller.share > 0.5
+
+
+class _Held:
+    """A level holding some files as their original (``held_raw`` False)."""
+
+    def __init__(self, originals: set[int]) -> None:
+        self.originals = set(originals)
+        self.dropped: list[int] = []
+
+    def held_raw(self, node: Node) -> bool | None:
+        return False if node.id in self.originals else None
+
+    def drop(self, file: int) -> None:
+        self.dropped.append(file)
+        self.originals.discard(file)
+
+
+def test_a_held_original_is_let_go_when_the_share_wants_the_file_raw_unless_it_is_open() -> None:
+    """A hit on a held original would still cost the loader its decode, the work a risen share is to spare: it
+    is let go and the open serves raw; but never under another open of it, which keeps what it served."""
+    mix = Mix(1.0, 1.0)
+    node, other = raw_node(1), raw_node(2)
+    held = _Held({node.id, other.id})
+    view, swapped = mix.view_held(node, held)
+    assert swapped and held.dropped == [node.id] and view.representation == REPR_RAW
+    mix.release(node.id)
+    mix.set_share(0.0, "test")
+    first, _ = mix.view_held(other, None)  # an open of it, served as its original
+    mix.set_share(1.0, "test")
+    view, swapped = mix.view_held(other, held)
+    assert not swapped and held.dropped == [node.id] and view.representation == first.representation
+    assert mix.view_held(raw_node(3), None) == (raw_node(3), False)  # nothing held: the share decides

@@ -9,7 +9,7 @@ import pytest
 
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
-from liquidfs.daemon.build import make_cache
+from liquidfs.daemon.build import make_policy
 from liquidfs.daemon.config import Share
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, MemfdLevel, MemoryLevel
 from liquidfs.metrics.stats import MountStats
@@ -60,7 +60,7 @@ def test_a_percentage_of_tiny_files_holds_that_share_of_them_in_memfds(
     catalog, _ = tiny
     nodes = list(catalog.files())
     charged = sum(max(1, -(-node.size // PAGE)) * PAGE + MEMFD_OVERHEAD for node in nodes)
-    policy = make_cache(catalog, catalog.file_totals(), Share(share))
+    policy = make_policy(catalog, catalog.file_totals(), Share(share))
     assert policy is not None
     level = MemfdLevel(policy, MountStats(), max_files=100_000)  # as the daemon's: a cap far past the files
     assert policy.budget == int(share * charged) and policy.share == pytest.approx(share)
@@ -78,7 +78,7 @@ def test_a_percentage_of_tiny_files_holds_that_share_of_them_in_memfds(
 def test_on_the_daemons_memory_a_percentage_is_of_the_bytes(tiny: tuple[Catalog, dict[str, int]]) -> None:
     """The daemon path's memory level charges a file its bytes: there the percentage is of the bytes served."""
     catalog, sizes = tiny
-    policy = make_cache(catalog, catalog.file_totals(), Share(0.3))
+    policy = make_policy(catalog, catalog.file_totals(), Share(0.3))
     assert policy is not None
     MemoryLevel(policy, MountStats())
     assert policy.budget == int(0.3 * sum(sizes.values())) and policy.share == pytest.approx(0.3)
@@ -89,7 +89,7 @@ def test_bytes_are_a_share_of_what_holding_every_file_costs(tiny: tuple[Catalog,
     files' cost at the level's charge, so the quota never chooses more than the budget can hold."""
     catalog, _ = tiny
     charged = DatasetCost(FILES, catalog.paged_bytes([PAGE])).of(PAGE, MEMFD_OVERHEAD)
-    policy = make_cache(catalog, catalog.file_totals(), charged // 4)
+    policy = make_policy(catalog, catalog.file_totals(), charged // 4)
     assert policy is not None
     MemfdLevel(policy, MountStats())
     assert policy.budget == charged // 4 and policy.share == pytest.approx(0.25, abs=1e-3)

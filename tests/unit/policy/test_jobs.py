@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from liquidfs.policy.jobs import PIDS_KEPT, JobOf, read_cgroup, read_job_variables
+from liquidfs.policy import jobs as jobs_module
+from liquidfs.policy.jobs import PIDS_KEPT, JobLookups, JobOf, read_cgroup, read_job_variables
 
 
 class _Host:
@@ -191,23 +192,6 @@ def test_labels_carry_no_control_characters() -> None:
     assert label.isprintable(), label
 
 
-class _Lookups:
-    """``fs.Operations``' job lookup alone, over ``job_of`` (no mount)."""
-
-    def __init__(self, job_of: JobOf) -> None:
-        import trio
-
-        from liquidfs.fuse import operations as fs
-
-        self.job_of = job_of
-        self._job_lookups = trio.CapacityLimiter(fs.JOB_LOOKUP_THREADS)
-
-    async def job(self, pid: int, uid: int = 0) -> int:
-        from liquidfs.fuse import operations as fs
-
-        return await fs.Operations._job_of(self, pid, uid)  # type: ignore[arg-type]
-
-
 def test_the_mount_reads_proc_off_its_loop_and_gives_up_after_a_while(monkeypatch) -> None:
     """/proc/PID/environ takes the opener's memory-map lock, which a thread of it may hold while it faults on
     this mount: the read runs in a worker thread, and an open waits JOB_LOOKUP seconds at most (its uid's job of
@@ -216,8 +200,6 @@ def test_the_mount_reads_proc_off_its_loop_and_gives_up_after_a_while(monkeypatc
     import threading
 
     import trio
-
-    from liquidfs.fuse import operations as fs
 
     release = threading.Event()
     host = _Host()
@@ -228,7 +210,7 @@ def test_the_mount_reads_proc_off_its_loop_and_gives_up_after_a_while(monkeypatc
         return "/a"
 
     job_of = JobOf(getsid=host.getsid, cgroup_of=stuck_cgroup, variables_of=host.variables_of)
-    monkeypatch.setattr(fs, "JOB_LOOKUP", 0.2)
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.2)
     ticks = 0
 
     async def main() -> int:
@@ -240,7 +222,7 @@ def test_the_mount_reads_proc_off_its_loop_and_gives_up_after_a_while(monkeypatc
                     ticks += 1
                     await trio.sleep(0.01)
             nursery.start_soon(ticker)
-            job = await _Lookups(job_of).job(77)
+            job = await JobLookups(job_of).job(77)
             nursery.cancel_scope.cancel()
         return job
 
@@ -256,8 +238,6 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
 
     import pyfuse3
     import trio
-
-    from liquidfs.fuse import operations as fs
     from liquidfs.datapath.backing import memfd_with
     from liquidfs.datapath.notifier import Notifier
     from liquidfs.datapath.passthrough import PassthroughPath
@@ -273,7 +253,7 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
         return "/a"
 
     job_of = JobOf(getsid=host.getsid, cgroup_of=stuck_cgroup, variables_of=host.variables_of)
-    monkeypatch.setattr(fs, "JOB_LOOKUP", 0.2)
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.2)
     invalidated: list[int] = []
     monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda inode, attr_only: invalidated.append(inode))
 
@@ -287,7 +267,7 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
     copied: list[bytes] = []
 
     async def main() -> None:
-        lookups = _Lookups(job_of)
+        lookups = JobLookups(job_of)
         with trio.fail_after(20):  # a copy behind the stuck lookups would wait for them: 30 s
             async with trio.open_nursery() as nursery:
                 for pid in host.procs:
@@ -305,4 +285,4 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
         release.set()
         os.close(source)
     assert copied == [b"held bytes"] and invalidated == [5]
-    assert len(entered) <= fs.JOB_LOOKUP_THREADS  # the lookups' own threads: the rest never got one
+    assert len(entered) <= jobs_module.JOB_LOOKUP_THREADS  # the lookups' own threads: the rest never got one
