@@ -55,7 +55,6 @@ TESTED_IN = {
     "catalog/identity.py": "`unit/stores/test_s3_checks.py`, `mount/test_trust.py`",
     "expand/expansion.py": "`unit/stores/test_writers.py`; `mount/test_prepare.py`",
     "prepare/__init__.py": "`mount/test_prepare.py`",
-    "profile/loaders.py": "`unit/profile/test_measured.py`; `mount/test_profile_run.py`",
     "profile/decoders.py": "`unit/profile/test_choose.py`",
     "sysio/safefiles.py": "`unit/stores/test_writers.py`; `mount/test_log_links.py`",
     "sysio/directio.py": "`unit/datapath/test_daemon.py`",

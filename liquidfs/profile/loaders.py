@@ -1,4 +1,6 @@
-"""The built-in loaders ``liquidfs profile`` times through a mount when no ``--run`` command is given.
+"""The project's one DALI read-and-decode pipeline and its loop, and the built-in loaders ``liquidfs profile`` times.
+
+The built-in loaders are what ``liquidfs profile`` times through a mount when no ``--run`` command is given:
 
     python -m liquidfs.profile.loaders {dali,pil} DIR [--threads T] [--batch 16] [--epochs 1] [--no-augment]
                                  [--shuffle-buffer 1024] [--report-epochs]
