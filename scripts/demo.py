@@ -9,7 +9,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,26 +25,13 @@ def liquidfs(*args: str) -> str:
 
 
 def dali_read(root: Path, threads: int = 2) -> tuple[int, float]:
-    from nvidia.dali import fn, pipeline_def
+    from liquidfs.profile.loaders import dali_pipeline, dali_run, reader_epoch_size
 
-    @pipeline_def(batch_size=4, num_threads=threads, device_id=None)
-    def pipe():
-        encoded, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="reader")
-        return fn.decoders.image(encoded, device="cpu"), labels
-
-    p = pipe()
-    p.build()
-    total = p.reader_meta("reader")["epoch_size"]
-    seen = 0
-    while seen < total:  # epoch 1: warms the page cache, or liquidfs's memory cache
-        images, _ = p.run()
-        seen += len(images)
-    started = time.perf_counter()
-    seen = 0
-    while seen < 2 * total:  # epochs 2 and 3 are timed
-        images, _ = p.run()
-        seen += len(images)
-    return seen, time.perf_counter() - started
+    p = dali_pipeline(file_root=root, batch=4, threads=threads)
+    total = reader_epoch_size(p)
+    dali_run(p, total)  # epoch 1: warms the page cache, or liquidfs's memory cache
+    timed = dali_run(p, 2 * total)  # epochs 2 and 3 are timed
+    return timed.images, timed.seconds
 
 
 def main() -> int:

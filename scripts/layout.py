@@ -60,7 +60,6 @@ TESTED_IN = {
     "expand/bmp.py": "`unit/expand/test_formats.py` (through ``formats.expand``: the BMP layouts, the round trip)",
     "expand/encoders.py": "`unit/expand/test_rawformats.py`, `unit/expand/test_formats.py`",
     "prepare/__init__.py": "`mount/test_prepare.py`",
-    "profile/loaders.py": "`unit/profile/test_measured.py`; `mount/test_profile_run.py`",
     "profile/decoders.py": "`unit/profile/test_choose.py`",
     "sysio/safefiles.py": "`unit/stores/test_writers.py`; `mount/test_log_links.py`",
     "sysio/directio.py": "`unit/datapath/test_daemon.py`",

@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 import _throttle  # noqa: E402
+from liquidfs.profile.loaders import dali_pipeline, dali_run  # noqa: E402
 from liquidfs.stores import open_store  # noqa: E402
 
 CONFIGS = ("png", "profiled", "prepared", "fixed", "adaptive")
@@ -81,24 +82,8 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    import resource
-
-    from nvidia.dali import fn, pipeline_def, types
-
-    @pipeline_def(batch_size=args.batch, num_threads=args.threads, device_id=None, seed=args.seed)
-    def pipe():  # type: ignore[no-untyped-def]
-        encoded, labels = fn.readers.file(file_root=args.file_root, random_shuffle=True,
-                                          initial_fill=args.shuffle_buffer, name="reader")
-        images = fn.decoders.image(encoded, device="cpu")
-        images = fn.random_resized_crop(images, size=[args.crop, args.crop])
-        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                          mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
-                                          std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
-                                          mirror=fn.random.coin_flip())
-        return images, labels
-
-    p = pipe()
-    p.build()
+    p = dali_pipeline(file_root=args.file_root, batch=args.batch, threads=args.threads, seed=args.seed,
+                      shuffle_buffer=args.shuffle_buffer, crop=args.crop)
     say({"ready": True, "pid": os.getpid()})
     total = 0
     for epoch in range(1, args.epochs + 1):
@@ -106,19 +91,10 @@ def loader_main(argv: list[str]) -> int:
             return 1
         # An epoch is the next `images` images of the stream: DALI's reader wraps its last batch into the next
         # epoch, so counting to epoch * images keeps every epoch at the dataset's size without drift.
-        usage0 = resource.getrusage(resource.RUSAGE_SELF)
-        started = time.perf_counter()
-        marks: list[tuple[float, int]] = []
-        first = total
-        while total < epoch * args.images:
-            images, _ = p.run()
-            total += len(images)
-            marks.append((round(time.perf_counter() - started, 3), total - first))
-        elapsed = time.perf_counter() - started
-        usage1 = resource.getrusage(resource.RUSAGE_SELF)
-        cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-        say({"epoch": epoch, "images": total - first, "seconds": elapsed, "images_per_s": (total - first) / elapsed,
-             "loader_cpu_s": cpu, "marks": marks})
+        run = dali_run(p, epoch * args.images - total)
+        total += run.images
+        say({"epoch": epoch, "images": run.images, "seconds": run.seconds, "images_per_s": run.images / run.seconds,
+             "loader_cpu_s": run.cpu_seconds, "marks": [(round(t, 3), n) for t, n in run.marks]})
     return 0
 
 

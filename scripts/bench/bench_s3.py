@@ -50,7 +50,6 @@ import json
 import os
 import random
 import re
-import resource
 import shutil
 import signal
 import statistics
@@ -428,7 +427,8 @@ def boto3_epoch(args: argparse.Namespace) -> None:
     import boto3
     import numpy as np
     from botocore.config import Config
-    from nvidia.dali import fn, pipeline_def, types
+
+    from liquidfs.profile.loaders import dali_pipeline, dali_run
 
     client = boto3.session.Session().client("s3", config=Config(
         max_pool_connections=args.pool, s3={"addressing_style": "path"},
@@ -466,31 +466,13 @@ def boto3_epoch(args: argparse.Namespace) -> None:
             top_up()
             yield batch
 
-    @pipeline_def(batch_size=args.batch, num_threads=args.threads, device_id=None, seed=args.seed)
-    def pipe():  # type: ignore[no-untyped-def]
-        encoded = fn.external_source(source=batches(), batch=True, cycle=False, dtype=types.UINT8, ndim=1,
-                                     name="encoded")
-        return fn.decoders.image(encoded, device="cpu")
-
-    p = pipe()
-    p.build()
+    p = dali_pipeline(source=batches(), batch=args.batch, threads=args.threads, seed=args.seed)
     # As in dali_epoch.py, timed from the first run: the pipeline pulls (and so starts the downloads) only then.
-    usage0 = resource.getrusage(resource.RUSAGE_SELF)
-    started = time.perf_counter()
-    done = pixels = 0
-    try:
-        while done < len(keys):
-            (images,) = p.run()
-            done += len(images)
-            pixels += sum(images.at(i).size for i in range(len(images)))
-    except StopIteration:
-        pass
-    elapsed = time.perf_counter() - started
-    usage1 = resource.getrusage(resource.RUSAGE_SELF)
+    run = dali_run(p, len(keys), count_bytes=True)
     pool.shutdown(wait=True)
-    cpu = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-    print(json.dumps({"images": done, "seconds": elapsed, "images_per_s": done / elapsed, "loader_cpu_s": cpu,
-                      "bytes_decoded": pixels, "bytes_downloaded": downloaded}))
+    print(json.dumps({"images": run.images, "seconds": run.seconds, "images_per_s": run.images / run.seconds,
+                      "loader_cpu_s": run.cpu_seconds, "bytes_decoded": run.decoded_bytes,
+                      "bytes_downloaded": downloaded}))
 
 
 # -- output -----------------------------------------------------------------------------------------------

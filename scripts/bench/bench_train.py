@@ -8,7 +8,8 @@ and liquidfs at a mix (with and without the next-epoch cache), through DALI or t
 
 The training script is what people write, untouched by liquidfs. ``--loader dali`` (the default):
 ``fn.readers.file`` (random shuffle) -> ``fn.decoders.image(device="mixed")`` -> random resized crop (--crop,
-512), flip and normalize on the GPU -> DALI's PyTorch iterator -> a torchvision model, randomly initialised
+512), flip and normalize on the GPU (liquidfs.profile.loaders.dali_pipeline, the pipeline every DALI loop of the
+project builds) -> DALI's PyTorch iterator -> a torchvision model, randomly initialised
 (throughput, not accuracy, is measured), fp16 mixed precision, SGD, batch 32. Two models: MobileNetV3-small
 (little compute per image: the loader binds) and DeepLabV3-ResNet50 (much: the GPU binds). ``--loader torch``
 (torch_epoch.py): ``ImageFolder`` + ``DataLoader(num_workers=cores, shuffle=True, pin_memory=True,
@@ -58,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
 from sample import CITIES, _photos, mosaic, photo_files  # noqa: E402
-from torch_epoch import IMAGENET_MEAN, IMAGENET_STD, MODELS, GpuSampler, build_model, forward_loss  # noqa: E402
+from torch_epoch import MODELS, GpuSampler, build_model, forward_loss  # noqa: E402
 
 CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache", "liquidfs-j2k")
 J2K_FORMATS = ("j2k", "bmp")  # prepare --formats png,j2k,bmp: J2K first, BMP where J2K cannot hold an image
@@ -66,9 +67,6 @@ J2K_FORMATS = ("j2k", "bmp")  # prepare --formats png,j2k,bmp: J2K first, BMP wh
 # liquidfs-j2k is for nvJPEG2000, which only DALI's decoder reaches
 DEFAULTS = {"dali": {"configs": CONFIGS, "models": "mobilenet,deeplab", "batch": 32, "crop": 512, "cold": "first"},
             "torch": {"configs": CONFIGS[:4], "models": "resnet50", "batch": 64, "crop": 224, "cold": "every"}}
-# DALI normalizes pixels in [0, 255]
-MEAN = [m * 255 for m in IMAGENET_MEAN]
-STD = [s * 255 for s in IMAGENET_STD]
 
 
 # -- the training process ---------------------------------------------------------------------------------
@@ -90,20 +88,12 @@ def train_main(argv: list[str]) -> int:
     import resource
 
     import torch
-    from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+    from liquidfs.profile.loaders import READER, dali_pipeline
 
     gpu = args.device == "gpu"
     classes = len([d for d in Path(args.file_root).iterdir() if d.is_dir()]) or 1
-
-    @pipeline_def(batch_size=args.batch, num_threads=args.threads, device_id=0 if gpu else None, seed=args.seed)
-    def pipe():  # type: ignore[no-untyped-def]
-        encoded, labels = fn.readers.file(file_root=args.file_root, random_shuffle=True, name="reader")
-        images = fn.decoders.image(encoded, device="mixed" if gpu else "cpu", output_type=types.RGB)
-        images = fn.random_resized_crop(images, size=args.crop)
-        images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW", mean=MEAN, std=STD,
-                                          mirror=fn.random.coin_flip())
-        return images, labels.gpu() if gpu else labels
 
     device = "cuda" if gpu else "cpu"
     torch.manual_seed(args.seed)
@@ -125,9 +115,11 @@ def train_main(argv: list[str]) -> int:
         sampler.take()
         started = time.perf_counter()
         if batches is None:
-            pipeline = pipe()
-            pipeline.build()
-            batches = DALIGenericIterator(pipeline, ["images", "labels"], reader_name="reader",
+            # The package's pipeline: decode on the GPU ("mixed"), then the model's input pipeline (random resized
+            # crop, flip, normalize) on it too
+            pipeline = dali_pipeline(file_root=args.file_root, batch=args.batch, threads=args.threads,
+                                     device="mixed" if gpu else "cpu", seed=args.seed, crop=args.crop)
+            batches = DALIGenericIterator(pipeline, ["images", "labels"], reader_name=READER,
                                           last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
         images = 0
         for batch in batches:
