@@ -21,7 +21,7 @@ from ..catalog.nodes import Node
 from ..held.base import MemoryLevel
 from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
-from ..stores.reader import CHUNK, WHOLE_FILE_LIMIT, Content, Reader, chunk_digests, chunk_span
+from ..stores.reader import WHOLE_FILE_LIMIT, Content, Reader, chunk_digests, chunk_span
 from ..sysio.directio import POOL
 from .inodes import Handle, Inode, Pushes, note_fallback
 from .notifier import Notifier
@@ -417,8 +417,7 @@ class DaemonPath:
             piece = _Piece(start, data, pooled=True)
             self.stats.refetches += 1
             self.stats.bytes_refetched += len(data)
-        if len(piece.data) != stop - start or \
-                chunk_digests(piece.data) != handle.chunks[start // CHUNK:-(-stop // CHUNK)]:
+        if len(piece.data) != stop - start or not handle.chunks.matches(start, piece.data):
             piece.close()
             raise OSError(errno.EIO, "changed since this open read it: reopen the file", os.fsdecode(node.path))
         return piece

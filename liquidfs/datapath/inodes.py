@@ -25,7 +25,7 @@ import trio
 from ..catalog.nodes import Node
 from ..metrics.stats import MountStats
 from ..policy.next_epoch import NO_CACHE, Decision
-from ..stores.reader import Content
+from ..stores.reader import ChunkDigests, Content
 
 if TYPE_CHECKING:
     from .backing import SharedBacking
@@ -154,7 +154,7 @@ class Handle:
     backing_id: int = 0          # passthrough: the kernel serves it from this registered backing
     served: list[list[int]] = field(default_factory=list)  # [start, end) ranges served, merged, sorted
     #: The digest of each CHUNK served, set once the bytes were let go after a whole read (``_drop_served``).
-    chunks: tuple[int, ...] | None = None
+    chunks: ChunkDigests | None = None
     reading: trio.Event | None = None  # set while one read of this handle reads storage for the others
     pushing: bool = False        # the rest of the file is being handed to the kernel (``_push_rest``)
     failed: int | None = None    # the errno its first read failed with (``_first_read_once``)

@@ -20,6 +20,7 @@ from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.datapath.storage_calls import OPENS_PER_USER_SHARE, StorageCalls
 from liquidfs.fuse.operations import Operations
 from liquidfs.stores.local.reader import StoreReader
+from forge import xxh3_twins
 from operations import daemon_operations, ops_over, small_tree
 
 CTX = pyfuse3.RequestContext()
@@ -105,6 +106,31 @@ def test_a_held_buffer_is_never_lent(tmp_path: Path) -> None:
     for name, data in FILES.items():  # hits: the held bytes are intact
         assert _read_whole(ops, name.encode()) == data
     assert ops.stats.bytes_from_memory == sum(map(len, FILES.values()))
+
+def test_a_chunk_rewritten_to_its_xxh3_twin_after_the_bytes_were_let_go_is_refused(tmp_path: Path) -> None:
+    """The daemon path lets go of a file's bytes once read and keeps a tag of each chunk; a chunk asked for again
+    is read from storage and must match. A writer of the storage who rewrites a chunk after the open checked the
+    file, to bytes with the same xxh3 (made in a moment: ``forge.xxh3_twins``), got them served when the tags were
+    xxh3 (issue 38); the keyed tags refuse them: EIO, never bytes other than those the reader already had."""
+    first, twin = xxh3_twins(os.urandom(1 << 20))
+    data = first + os.urandom(1 << 20)
+    ops = ops_over(tmp_path, {"a": data}, None)
+    ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
+    fi = run(ops.open, ino, os.O_RDONLY, CTX)
+    handle = ops.open_files[fi.fh]
+    served = b"".join(bytes(run(ops.read, fi.fh, off, 1 << 20)) for off in range(0, len(data), 1 << 20))
+    assert served == data and handle.content.data is None  # let go: only the chunks' tags are kept
+    source = tmp_path / "src" / "a"
+    stat = source.stat()
+    with open(source, "r+b") as f:  # rewritten in place, its size and mtime as they were
+        f.write(twin)
+    os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(pyfuse3.FUSEError) as refused:
+        run(ops.read, fi.fh, 4096, 4096)  # the kernel lost a page of the first chunk and asks again
+    assert refused.value.errno == errno.EIO
+    assert bytes(run(ops.read, fi.fh, 1 << 20, 4096)) == data[1 << 20:(1 << 20) + 4096]  # the other chunk is intact
+    run(ops.release, fi.fh)
+
 
 def test_bytes_read_whole_are_let_go_and_read_again_if_asked(tmp_path: Path) -> None:
     data = os.urandom(3_000_000)
