@@ -15,7 +15,7 @@ from pathlib import Path
 from ..fuse.operations import CONTROL_NAME
 from ..sysio.privileges import has_cap_sys_admin
 from ..sysio.safefiles import escape_controls
-from . import watchdog as guard
+from . import watchdog
 from .config import MountError
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ def _fuse_mounted(mountpoint: Path) -> bool:
     Any other mount is fine to mount over: in a container the mount point is itself a volume (a bind mount or
     an emptyDir) shared back to the host.
     """
-    found = guard.topmost_mount(mountpoint)
+    found = watchdog.topmost_mount(mountpoint)
     return found is not None and found[0].startswith(b"fuse")
 
 
@@ -157,7 +157,7 @@ def namespace_holders(connection: int) -> list[str]:
         if namespace == own:
             continue
         if namespace not in holds:
-            holds[namespace] = guard.sees_connection(int(pid), connection)
+            holds[namespace] = watchdog.sees_connection(int(pid), connection)
         named = found.setdefault(namespace, [])
         if holds[namespace] and len(named) < NAMED_PER_NAMESPACE:
             named.append(f"{_named(pid)} (mount namespace {namespace})")
@@ -172,7 +172,7 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
     mountpoint = mountpoint.absolute()
     # What is mounted there, from mountinfo: a stat would wait for a hung daemon. Only a liquidfs mount is
     # unmounted: fusermount3 run by root unmounts any FUSE filesystem, someone else's included.
-    found = guard.topmost_mount(Path(os.path.realpath(mountpoint)))
+    found = watchdog.topmost_mount(Path(os.path.realpath(mountpoint)))
     if found is None:
         if not os.path.lexists(mountpoint):
             raise MountError(f"{mountpoint} does not exist")

@@ -26,7 +26,7 @@ from ..mix.pressure import CpuBusy, Stalls
 from ..mix.share import steer
 from ..stores import Store
 from . import build
-from . import watchdog as guard
+from . import watchdog
 from .config import MountConfig, MountError
 
 log = logging.getLogger(__name__)
@@ -53,17 +53,17 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
 
 def start_session(config: MountConfig, ops: Operations, stack: ExitStack) -> None:
     """The FUSE session of ``ops`` on the mount point, and its watchdog, each on ``stack``."""
-    before = guard.mount_ids()
+    before = watchdog.mount_ids()
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:
         raise MountError(f"cannot mount {config.mountpoint}: {exc}") from exc
     stack.callback(pyfuse3.close, unmount=True)
     log.info("mounted %s on %s (pid %d)", config.source, config.mountpoint, os.getpid())
-    watchdog = guard.start(os.getpid(), config.mountpoint, before)
-    if watchdog is not None:
-        stack.callback(watchdog.wait)
-        stack.callback(watchdog.terminate)
+    process = watchdog.start(os.getpid(), config.mountpoint, before)
+    if process is not None:
+        stack.callback(process.wait)
+        stack.callback(process.terminate)
 
 
 def fuse_options(config: MountConfig) -> set[str]:

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from ..expand.rawformats import BMP, RAW_FORMATS, RawFormat
-from ..stores import Store, open_store
+from ..stores import Store
 from ..stores.sample import FILES_PER_READER, ProfileError
 from ..sysio.safefiles import replace_file
 from . import decoders as decoderates
@@ -54,7 +54,7 @@ from . import measured as runprofile
 from .decoders import GpuDecoder, dali_available, measure_decode
 from .model import Costs, choose_for_target, model_choice, model_or_search, node_kind, paper_search, per_second
 
-__all__ = ["Profile", "ProfileError", "profile_store", "render", "run_profile", "to_json"]
+__all__ = ["Profile", "ProfileError", "profile_store", "render", "to_json"]
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,6 @@ class Profile:
     node: str = ""  # which kind of node this is at BMP's best share: STORAGE_BINDS, DECODE_BINDS or GPU_BUSY
     node_detail: str = ""  # the stages' rates there, and the GPU's time to spare
     gpu_decoder: str | None = None  # the GPU decoder weighed for a format decoded there (None: none weighed)
-
-
-def run_profile(source: str | os.PathLike[str], store: str | os.PathLike[str], **options: object) -> Profile:
-    """``profile_store`` of ``open_store(source, store)``."""
-    return profile_store(open_store(source, store), **options)  # type: ignore[arg-type]
 
 
 def profile_store(store: Store, *, decoder: str | None = None, threads: int | None = None, cache_share: float = 0.0,
