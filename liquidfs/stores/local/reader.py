@@ -97,36 +97,54 @@ class StoreReader:
         else its BLAKE2b digest must be checked before any byte is served. Otherwise the original is served, and
         for a raw node ``fallback`` says why. ``cached_only``: BlockingIOError where an open would wait for the disk.
         """
-        if node.served_raw:
-            # The source is only compared with the catalog here: a stat of it (an O_PATH walk) is cheaper than an
-            # open, which is made only where the original is served after all.
+        if node.served_raw and self.inline_check:
+            # The source is only compared with the catalog here: on a local filesystem a stat of it (an O_PATH walk)
+            # is the inode's own and cheaper than an open, which is made only where the original is served after
+            # all. Elsewhere (NFS, FUSE) a stat may be answered from attributes cached for seconds, a file deleted
+            # meanwhile included: the open asks the server.
             st = stat_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)
             changed = self.check_source(node, st)
             if changed is None:
-                try:
-                    obj, ost = self.open_object_stat(node, cached_only=cached_only)
-                except BlockingIOError:
-                    raise
-                except FileNotFoundError:
-                    changed = "raw object missing"
-                except OSError as exc:
-                    changed = f"raw object unreadable ({exc.strerror})"
-                else:
-                    return Choice(obj, ost, raw=True, sealed=self.object_sealed(node, ost))
+                raw = self._raw_choice(node, cached_only)
+                if isinstance(raw, Choice):
+                    return raw
+                changed = raw
             self.warn_once(node, changed)
             # The original is served, judged by the stat of what was opened (it may have changed since the one
             # above); its size may differ from the catalog's (the caller corrects it).
             source, st = open_below_stat(self.root_fd, node.path, self.source_root, cached_only=cached_only)
             return Choice(source, st, raw=False, sealed=self.check_source(node, st) is None, fallback=changed)
+        # The source opened (what the original of a file without a raw object serves, and elsewhere than a local
+        # filesystem the check of a raw node's source).
         source, st = open_below_stat(self.root_fd, node.path, self.source_root, cached_only=cached_only)
         try:
             changed = self.check_source(node, st)
-            if changed is not None:
-                self.warn_once(node, changed)
-            return Choice(source, st, raw=False, sealed=changed is None)
-        except BaseException:
-            os.close(source)
+            why = changed
+            if node.served_raw and changed is None:
+                raw = self._raw_choice(node, cached_only)
+                if isinstance(raw, Choice):
+                    return raw
+                why = raw
+            if why is not None:
+                self.warn_once(node, why)
+            chosen = Choice(source, st, raw=False, sealed=changed is None, fallback=why if node.served_raw else None)
+            source = -1  # the choice owns it now
+            return chosen
+        finally:
+            if source >= 0:
+                os.close(source)
+
+    def _raw_choice(self, node: Node, cached_only: bool) -> Choice | str:
+        """The raw object of ``node`` (its source checked), or why it cannot be served."""
+        try:
+            obj, ost = self.open_object_stat(node, cached_only=cached_only)
+        except BlockingIOError:
             raise
+        except FileNotFoundError:
+            return "raw object missing"
+        except OSError as exc:
+            return f"raw object unreadable ({exc.strerror})"
+        return Choice(obj, ost, raw=True, sealed=self.object_sealed(node, ost))
 
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (digest verified), else the source."""
