@@ -58,7 +58,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (dataset, stores, profile, mount, page cache: one copy of each)
-from sample import CITIES, _photos, mosaic, photo_files  # noqa: E402
+from sample import make_mosaics, photo_files  # noqa: E402
 from torch_epoch import MODELS, GpuSampler, build_model, forward_loss  # noqa: E402
 
 CONFIGS = ("direct-png", "direct-bmp", "liquidfs", "liquidfs-cache", "liquidfs-j2k")
@@ -148,22 +148,9 @@ def train_main(argv: list[str]) -> int:
 # -- the driver -------------------------------------------------------------------------------------------
 
 
-def _one_image(job: tuple[Path, int, int, int]) -> None:
-    import random
-
-    folder, index, width, height = job
-    city = CITIES[index % len(CITIES)]
-    (folder / city).mkdir(parents=True, exist_ok=True)
-    # A generator of its own per image: the same dataset whatever the number of processes
-    mosaic(width, height, random.Random(1_000_003 * 42 + index), _photos()).save(
-        folder / city / f"{city}_{index:06d}_000019_leftImg8bit.png")
-
-
 def dataset(work: Path, images: int, width: int, height: int) -> Path:
-    """``images`` Cityscapes-like PNG mosaics under ``work/data`` (kept for the next run), made by every core:
-    a GPU host's cores make 1,000 2048x1024 PNGs in minutes (bench_e2e's serial sample takes an hour on 2)."""
-    import concurrent.futures as cf
-
+    """``images`` Cityscapes-like PNG mosaics under ``work/data`` (kept for the next run), made by every core
+    (``sample.make_mosaics``: bench_e2e's serial sample takes an hour on 2)."""
     src = work / "data"
     marker = src / "meta.json"
     # The photos' source is part of the key: a synthetic dataset is never taken for one of photos
@@ -173,10 +160,7 @@ def dataset(work: Path, images: int, width: int, height: int) -> Path:
         return src
     shutil.rmtree(src, ignore_errors=True)
     print(f"generating {images} {width}x{height} images of {want['photos']} in {src}", file=sys.stderr)
-    _photos()  # made (or found missing) once here, not in every worker
-    folder = src / bench.SUBDIR
-    with cf.ProcessPoolExecutor() as pool:
-        list(pool.map(_one_image, [(folder, i, width, height) for i in range(images)], chunksize=4))
+    make_mosaics(src / bench.SUBDIR, images, width, height)
     marker.write_text(json.dumps(want))
     return src
 
