@@ -21,7 +21,7 @@ from ..catalog.nodes import Node
 from ..held.base import MemoryLevel
 from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
-from ..stores.reader import WHOLE_FILE_LIMIT, Content, Reader, chunk_digests, chunk_span
+from ..stores.reader import WHOLE_FILE_LIMIT, ChunkDigests, Content, Reader, chunk_span
 from ..sysio.directio import POOL
 from .inodes import Handle, Inode, Pushes, note_fallback
 from .notifier import Notifier
@@ -365,7 +365,7 @@ class DaemonPath:
         content = handle.content
         if content.data is None or handle.node is None or handle.chunks is not None or self._holds(handle):
             return  # nothing to let go, or the cache holds these very bytes (and counts them in its budget)
-        handle.chunks = chunk_digests(content.data)
+        handle.chunks = ChunkDigests.of(content.data)
         content.close()  # back to the buffer pool when only this handle had it
 
     def _holds(self, handle: Handle) -> bool:

@@ -98,11 +98,6 @@ def _chunk_tag(prefix: bytes, index: int, chunk: memoryview) -> bytes:
     return _CHUNK_KEY.encrypt(prefix + index.to_bytes(4, "big"), b"", chunk)
 
 
-def chunk_digests(data: bytes | memoryview) -> ChunkDigests:
-    """The keyed tags of each CHUNK of ``data`` (``ChunkDigests``)."""
-    return ChunkDigests.of(data)
-
-
 def chunk_span(offset: int, length: int, size: int) -> tuple[int, int]:
     """The CHUNK-aligned ``(start, end)`` of the file that covers ``length`` bytes at ``offset``."""
     start = offset // CHUNK * CHUNK
