@@ -1,0 +1,213 @@
+"""What a mount's loops (``mount --loops N``: processes serving one FUSE connection) must agree on per inode, in
+memory they share: the backing its open files share, and the size the kernel was told where it is not the
+catalog's.
+
+The kernel allows one backing file per inode while any open of it exists, and an OPEN may reach any loop: the
+first loop to open an inode registers its backing (ids are the connection's, usable from every loop) and the
+others' opens of it share that id, where the file they checked themselves is the same one; the last loop to let
+it go closes it. Each loop's users are counted apart, so a loop that dies can be taken out of every count
+(``reap``). Sizes: a GETATTR may reach a loop other than the one whose open found a fallback of another size, and
+must say what that open said.
+
+Two open-addressed tables of fixed slots in one anonymous shared mapping made before the fork, under one lock (a
+process-shared semaphore). Both hold few entries: the backings of the inodes open now (bounded by the opens in
+flight), the sizes of files whose raw object was not served.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import multiprocessing
+import struct
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: Loops a mount may run (each has a user count in every backing slot).
+MAX_LOOPS = 32
+#: Slots of the backings' table: inodes open at once across the loops (the open budget bounds them far below).
+BACKING_SLOTS = 8192
+#: Slots of the sizes' table: files served at another size than the catalog's (fallbacks).
+SIZE_SLOTS = 65536
+
+_EMPTY = 0  # a slot's inode when it holds none (inode numbers start at 1)
+_BACKING = struct.Struct(f"<qiqq{MAX_LOOPS}H")  # inode, backing id, st_dev, st_ino, users per loop
+_SIZE = struct.Struct("<qq")  # inode, size told
+_HEADER = struct.Struct("<q")  # sizes recorded: none, the common case, is read without the lock
+
+
+class Conflict(OSError):
+    """Another loop's open of the inode serves other bytes than this open checked (a source changed meanwhile)."""
+
+
+class TableFull(OSError):
+    pass
+
+
+def _home(inode: int, slots: int) -> int:
+    return ((inode * 0x9E3779B97F4A7C15) >> 17) % slots
+
+
+class _Table:
+    """Fixed slots of ``record`` (its first field the inode) at ``base`` of ``memory``, linear probing; a slot
+    freed is filled by shifting back the entries after it, so no tombstone ever lengthens a search."""
+
+    def __init__(self, memory: mmap.mmap, base: int, record: struct.Struct, slots: int) -> None:
+        self.memory, self.base, self.record, self.slots = memory, base, record, slots
+
+    def offset(self, at: int) -> int:
+        return self.base + at * self.record.size
+
+    def inode_at(self, at: int) -> int:
+        return int(struct.unpack_from("<q", self.memory, self.offset(at))[0])
+
+    def find(self, inode: int) -> tuple[int, int | None]:
+        """(the slot holding ``inode``, or -1; the empty slot that ends its probe, or None where all are full)."""
+        at = _home(inode, self.slots)
+        for _ in range(self.slots):
+            held = self.inode_at(at)
+            if held == inode:
+                return at, None
+            if held == _EMPTY:
+                return -1, at
+            at = (at + 1) % self.slots
+        return -1, None
+
+    def remove(self, at: int) -> None:
+        """Free slot ``at``, moving back each later entry of the run whose home lies at or before the gap."""
+        memory, size = self.memory, self.record.size
+        gap = at
+        nxt = at
+        while True:
+            nxt = (nxt + 1) % self.slots
+            held = self.inode_at(nxt)
+            if held == _EMPTY:
+                break
+            home = _home(held, self.slots)
+            # The entry at nxt may move into the gap where its home is not within (gap, nxt], cyclically.
+            if (gap < nxt and (home <= gap or home > nxt)) or (gap > nxt and home <= gap and home > nxt):
+                start = self.offset(nxt)
+                memory[self.offset(gap):self.offset(gap) + size] = memory[start:start + size]
+                gap = nxt
+        struct.pack_into("<q", memory, self.offset(gap), _EMPTY)
+
+
+class SharedInodes:
+    """Per inode, across a mount's loops: its registered backing and users (``attach``/``detach``), and the size
+    told (``size``/``tell``). Made before the fork; each loop then uses it with its own ``loop`` index."""
+
+    def __init__(self, loops: int, *, backing_slots: int = BACKING_SLOTS, size_slots: int = SIZE_SLOTS) -> None:
+        if not 1 <= loops <= MAX_LOOPS:
+            raise ValueError(f"loops must be in 1..{MAX_LOOPS}")
+        self.loops = loops
+        sizes_at = _HEADER.size + backing_slots * _BACKING.size
+        self._map = mmap.mmap(-1, sizes_at + size_slots * _SIZE.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._backings = _Table(self._map, _HEADER.size, _BACKING, backing_slots)
+        self._sizes = _Table(self._map, sizes_at, _SIZE, size_slots)
+        self._lock = multiprocessing.get_context("fork").Lock()
+
+    # -- backings --------------------------------------------------------------------------------------
+
+    def attach(self, inode: int, loop: int, identity: tuple[int, int], register: Callable[[], int]) -> int:
+        """One more user in ``loop`` of ``inode``'s backing, whose file is ``identity`` (st_dev, st_ino): the id
+        another loop registered for that very file, or ``register()``'s where none is. ``Conflict`` where another
+        loop's backing of the inode is another file."""
+        table = self._backings
+        with self._lock:
+            at, free = table.find(inode)
+            if at >= 0:
+                offset = table.offset(at)
+                fields = list(_BACKING.unpack_from(self._map, offset))
+                if (fields[2], fields[3]) != identity:
+                    raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): reopen "
+                                   "once its other opens are closed")
+                fields[4 + loop] += 1
+                _BACKING.pack_into(self._map, offset, *fields)
+                return int(fields[1])
+            if free is None:
+                raise TableFull(errno.EMFILE, "too many files open across the mount's loops")
+            backing_id = register()
+            users = [0] * MAX_LOOPS
+            users[loop] = 1
+            _BACKING.pack_into(self._map, table.offset(free), inode, backing_id, *identity, *users)
+            return backing_id
+
+    def detach(self, inode: int, loop: int, unregister: Callable[[int], None]) -> None:
+        """One user fewer in ``loop``; the last of every loop's unregisters the backing."""
+        table = self._backings
+        with self._lock:
+            at, _ = table.find(inode)
+            if at < 0:
+                log.warning("inode %d: no shared backing to let go (loop %d)", inode, loop)
+                return
+            fields = list(_BACKING.unpack_from(self._map, table.offset(at)))
+            if fields[4 + loop]:
+                fields[4 + loop] -= 1
+            if any(fields[4:]):
+                _BACKING.pack_into(self._map, table.offset(at), *fields)
+                return
+            table.remove(at)
+            _unregister(unregister, fields[1])
+
+    def reap(self, loop: int, unregister: Callable[[int], None]) -> int:
+        """``loop`` is gone: its users are taken out of every backing, and those no loop uses any more are
+        unregistered. Returns how many were."""
+        table, freed = self._backings, 0
+        with self._lock:
+            at = 0
+            while at < table.slots:
+                fields = list(_BACKING.unpack_from(self._map, table.offset(at)))
+                if fields[0] == _EMPTY or not fields[4 + loop]:
+                    at += 1
+                    continue
+                fields[4 + loop] = 0
+                if any(fields[4:]):
+                    _BACKING.pack_into(self._map, table.offset(at), *fields)
+                    at += 1
+                    continue
+                table.remove(at)  # a later entry may have moved here: look at this slot again
+                _unregister(unregister, fields[1])
+                freed += 1
+        return freed
+
+    def backings(self) -> int:
+        """Inodes with a shared backing now (for ``stats``)."""
+        with self._lock:
+            return sum(1 for at in range(self._backings.slots) if self._backings.inode_at(at) != _EMPTY)
+
+    # -- sizes told --------------------------------------------------------------------------------------
+
+    def size(self, inode: int) -> int | None:
+        """The size the kernel was last told of ``inode`` where it is not the catalog's, by any loop."""
+        if not _HEADER.unpack_from(self._map, 0)[0]:
+            return None  # nothing recorded, the common case: no lock taken (every GETATTR asks)
+        with self._lock:
+            at, _ = self._sizes.find(inode)
+            return None if at < 0 else int(_SIZE.unpack_from(self._map, self._sizes.offset(at))[1])
+
+    def tell(self, inode: int, size: int | None) -> None:
+        """Record (None: forget) the size the kernel is told of ``inode`` where it is not the catalog's."""
+        table = self._sizes
+        with self._lock:
+            at, free = table.find(inode)
+            (count,) = _HEADER.unpack_from(self._map, 0)
+            if size is None:
+                if at >= 0:
+                    table.remove(at)
+                    _HEADER.pack_into(self._map, 0, count - 1)
+            elif at >= 0:
+                _SIZE.pack_into(self._map, table.offset(at), inode, size)
+            elif free is None:
+                raise TableFull(errno.EIO, "too many files served at another size than the catalog's")
+            else:
+                _SIZE.pack_into(self._map, table.offset(free), inode, size)
+                _HEADER.pack_into(self._map, 0, count + 1)
+
+
+def _unregister(unregister: Callable[[int], None], backing_id: int) -> None:
+    try:
+        unregister(backing_id)
+    except OSError as exc:
+        log.warning("closing shared backing %d: %s", backing_id, exc)

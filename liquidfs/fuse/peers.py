@@ -1,0 +1,296 @@
+"""A mount's other loops (``mount --loops N``), as one loop sees them: whose each file handle is, and the requests
+that reach this loop for another's handle, forwarded there.
+
+The kernel hands each request to whichever loop reads the FUSE device first, so the RELEASE of a file opened in
+one loop, or a READ of it that still reaches the daemon, may arrive in another. A handle's low bits name the loop
+that made it (``fh_of``); such a request is sent to that loop, which answers it as its own: a RELEASE at once
+(nothing is said back to the kernel but that it was done), a READ with its bytes or errno sent back, and the
+statistics the control file shows are gathered from every loop.
+
+Each loop reads one end of a ``SOCK_SEQPACKET`` socket pair made before the fork; every loop holds the other
+ends, to send to it. Nothing else holds them: no name, no address, nothing another user could reach.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import logging
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+log = logging.getLogger(__name__)
+
+#: A handle's low bits name its loop (``shared_inodes.MAX_LOOPS`` loops at most).
+LOOP_BITS = 5
+#: The largest READ forwarded (the kernel asks for at most 1 MiB with passthrough's connection settings).
+MAX_FORWARDED_READ = 2 << 20
+_BUFFER = MAX_FORWARDED_READ + 4096
+#: Seconds a forwarded READ or a loop's statistics are waited for before the request fails (EIO) or the loop is
+#: left out: a loop that does not answer in this long is stuck or gone.
+ANSWER_TIMEOUT = 30.0
+STATS_TIMEOUT = 2.0
+
+_RELEASE, _READ, _STATS, _ANSWER = b"R", b"D", b"S", b"A"
+_FH = struct.Struct("<q")
+_ASK = struct.Struct("<qBqqI")  # request id, from loop, fh, offset, size
+_ASK_STATS = struct.Struct("<qB")  # request id, from loop
+_REPLY = struct.Struct("<qi")  # request id, errno (0: the payload follows)
+
+
+def fh_of(local: int, loop: int) -> int:
+    return local << LOOP_BITS | loop
+
+
+def loop_of(fh: int) -> int:
+    return fh & ((1 << LOOP_BITS) - 1)
+
+
+class PeerError(OSError):
+    pass
+
+
+@dataclass
+class _Waiting:
+    done: trio.Event = field(default_factory=trio.Event)
+    error: int = 0
+    payload: bytes = b""
+
+
+class Served(Protocol):
+    """What a loop answers for the others (``fuse.operations.Operations``): a release, a read (its bytes, or an
+    error with the errno to answer), its statistics."""
+
+    async def release(self, fh: Any) -> None: ...
+
+    async def read(self, fh: Any, off: int, size: int) -> Any: ...
+
+    def statistics(self) -> dict[str, Any]: ...
+
+
+class Peers:
+    """Loop ``index`` of ``count``'s ends of the sockets between the loops (``Peers.made`` before the fork, then
+    ``Peers.mine`` in each loop)."""
+
+    def __init__(self, pairs: list[tuple[socket.socket, socket.socket]], index: int) -> None:
+        self.count = len(pairs)
+        self.index = index
+        self._send = [pair[0] for pair in pairs]
+        self._receive = pairs[index][1]
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[int, _Waiting]] = {}
+        self._gone: set[int] = set()
+        self.forwarded = 0  # requests sent to another loop
+        self.answered = 0   # requests answered for another loop
+
+    @staticmethod
+    def made(count: int) -> list[tuple[socket.socket, socket.socket]]:
+        """One socket pair per loop, before the fork: end 0 sends to it, end 1 is its to read."""
+        pairs = []
+        for _ in range(count):
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            for sock in (a, b):
+                sock.setblocking(False)
+                for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                    try:  # a forwarded READ's bytes in one message; SO_*BUFFORCE where root may exceed the cap
+                        sock.setsockopt(socket.SOL_SOCKET, option + 32, 2 * _BUFFER)
+                    except OSError:
+                        sock.setsockopt(socket.SOL_SOCKET, option, 2 * _BUFFER)
+            pairs.append((a, b))
+        return pairs
+
+    @classmethod
+    def mine(cls, pairs: list[tuple[socket.socket, socket.socket]], index: int) -> Peers:
+        """Loop ``index``'s view after the fork: the other loops' reading ends closed here."""
+        for i, (_, receive) in enumerate(pairs):
+            if i != index:
+                receive.close()
+        return cls(pairs, index)
+
+    def owner(self, fh: int) -> int | None:
+        """The loop that made ``fh`` where it is another than this one."""
+        loop = loop_of(fh)
+        return None if loop == self.index or loop >= self.count else loop
+
+    # -- asking the others ---------------------------------------------------------------------------------
+
+    async def release(self, fh: int) -> None:
+        loop = self.owner(fh)
+        if loop is None or loop in self._gone:
+            return  # a gone loop's backings were reaped with it
+        await self._put(loop, _RELEASE + _FH.pack(fh))
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        loop = self.owner(fh)
+        if loop is None or loop in self._gone:
+            raise PeerError(errno.EIO, "the loop that opened it is gone")
+        ask = self._ask(loop)
+        await self._put(loop, _READ + _ASK.pack(ask[0], self.index, fh, offset, min(size, MAX_FORWARDED_READ)))
+        return await self._answer(ask, ANSWER_TIMEOUT)
+
+    async def statistics(self) -> list[dict[str, Any]]:
+        """Every other loop's statistics that came within ``STATS_TIMEOUT``."""
+        found: list[dict[str, Any]] = []
+
+        async def one(loop: int) -> None:
+            ask = self._ask(loop)
+            try:
+                await self._put(loop, _STATS + _ASK_STATS.pack(ask[0], self.index))
+                found.append(json.loads(await self._answer(ask, STATS_TIMEOUT)))
+            except (OSError, ValueError) as exc:
+                log.debug("loop %d's statistics: %s", loop, exc)
+
+        async with trio.open_nursery() as nursery:
+            for loop in range(self.count):
+                if loop != self.index and loop not in self._gone:
+                    nursery.start_soon(one, loop)
+        return found
+
+    def _ask(self, loop: int) -> tuple[int, _Waiting]:
+        ask_id, waiting = next(self._ids), _Waiting()
+        self._waiting[ask_id] = (loop, waiting)
+        return ask_id, waiting
+
+    async def _answer(self, ask: tuple[int, _Waiting], timeout: float) -> bytes:
+        ask_id, waiting = ask
+        try:
+            with trio.move_on_after(timeout):
+                await waiting.done.wait()
+        finally:
+            self._waiting.pop(ask_id, None)
+        if not waiting.done.is_set():
+            raise PeerError(errno.EIO, "the loop that opened it did not answer")
+        if waiting.error:
+            raise PeerError(waiting.error, os.strerror(waiting.error))
+        return waiting.payload
+
+    async def _put(self, loop: int, message: bytes) -> None:
+        sock = self._send[loop]
+        while True:
+            try:
+                sock.send(message)
+                self.forwarded += 1
+                return
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+            except (BrokenPipeError, ConnectionError) as exc:
+                self.gone(loop)
+                raise PeerError(errno.EIO, f"loop {loop} is gone") from exc
+
+    def gone(self, loop: int) -> None:
+        """``loop`` ended: what waits for it fails, and nothing is sent to it again."""
+        self._gone.add(loop)
+        for _, (owner, waiting) in list(self._waiting.items()):
+            if owner == loop and not waiting.done.is_set():
+                waiting.error = errno.EIO
+                waiting.done.set()
+
+    # -- answering them --------------------------------------------------------------------------------
+
+    async def serve(self, served: Served) -> None:
+        """Answer the other loops' requests for this loop's handles until cancelled."""
+        buffer = bytearray(_BUFFER)
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.lowlevel.wait_readable(self._receive)
+                while True:
+                    try:
+                        length = self._receive.recv_into(buffer)
+                    except BlockingIOError:
+                        break
+                    if not length:
+                        return
+                    message = bytes(buffer[:length])
+                    kind, body = message[:1], message[1:]
+                    try:
+                        if kind == _RELEASE:
+                            nursery.start_soon(self._release, served, _FH.unpack(body)[0])
+                        elif kind == _READ:
+                            nursery.start_soon(self._read, served, *_ASK.unpack(body))
+                        elif kind == _STATS:
+                            self._stats(served, *_ASK_STATS.unpack(body))
+                        elif kind == _ANSWER:
+                            self._answered(body)
+                        else:
+                            log.warning("a message of unknown kind %r from another loop", kind)
+                    except struct.error:
+                        log.warning("a malformed message of kind %r from another loop", kind)
+
+    async def _release(self, served: Served, fh: int) -> None:
+        self.answered += 1
+        try:
+            await served.release(fh)
+        except Exception as exc:  # the handler logged it (a FUSEError): nothing to tell anyone
+            log.debug("release of %d for another loop: %r", fh, exc)
+
+    async def _read(self, served: Served, ask_id: int, loop: int, fh: int, offset: int, size: int) -> None:
+        self.answered += 1
+        try:
+            data = await served.read(fh, offset, size)
+            reply = _REPLY.pack(ask_id, 0) + bytes(data)
+        except OSError as exc:
+            reply = _REPLY.pack(ask_id, exc.errno or errno.EIO)
+        except Exception as exc:  # pyfuse3.FUSEError: its errno
+            reply = _REPLY.pack(ask_id, getattr(exc, "errno", errno.EIO) or errno.EIO)
+        await self._reply(loop, reply)
+
+    def _stats(self, served: Served, ask_id: int, loop: int) -> None:
+        self.answered += 1
+        payload = json.dumps(served.statistics()).encode()
+        self._reply_soon(loop, _REPLY.pack(ask_id, 0) + payload)
+
+    def _reply_soon(self, loop: int, reply: bytes) -> None:
+        try:
+            self._send[loop].send(_ANSWER + reply)
+        except OSError as exc:  # full or gone: the asker's wait ends in its timeout
+            log.debug("answer to loop %d: %s", loop, exc)
+
+    async def _reply(self, loop: int, reply: bytes) -> None:
+        if loop >= self.count or loop in self._gone:
+            return
+        try:
+            await self._put(loop, _ANSWER + reply)
+        except PeerError as exc:
+            log.debug("answer to loop %d: %s", loop, exc)
+
+    def _answered(self, body: bytes) -> None:
+        ask_id, error = _REPLY.unpack_from(body)
+        entry = self._waiting.get(ask_id)
+        if entry is None:
+            return  # timed out meanwhile
+        waiting = entry[1]
+        waiting.error, waiting.payload = error, body[_REPLY.size:]
+        waiting.done.set()
+
+
+def merged(values: list[dict[str, Any]]) -> dict[str, Any]:
+    """The statistics of every loop as one: counters summed, anything else (names, states, the pid, the
+    dataset's totals) as the first loop has it; each loop's own under ``loops``."""
+    first = dict(values[0])
+    for other in values[1:]:
+        _add(first, other)
+    first["loops"] = [{"pid": v.get("pid"), "opens": v.get("opens")} for v in values]
+    return first
+
+
+#: Keys whose values are the mount's or the dataset's, not a loop's count.
+_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops"})
+
+
+def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        mine = into.get(key)
+        if key in _NOT_SUMMED:
+            continue
+        if isinstance(mine, dict) and isinstance(value, dict):
+            into[key] = dict(mine)
+            _add(into[key], value)
+        elif isinstance(mine, (int, float)) and not isinstance(mine, bool) \
+                and isinstance(value, (int, float)) and not isinstance(value, bool):
+            into[key] = mine + value

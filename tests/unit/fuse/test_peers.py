@@ -1,0 +1,77 @@
+"""``fuse.peers``: a request for another loop's handle reaches that loop over the sockets made before the fork."""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+import pytest
+import trio
+
+from liquidfs.fuse.peers import PeerError, Peers, fh_of, loop_of, merged
+
+
+class Loop:
+    """What a loop answers (``Operations`` in a mount)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.released: list[int] = []
+
+    async def release(self, fh: int) -> None:
+        self.released.append(fh)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        if off < 0:
+            raise OSError(errno.EINVAL, "no")
+        return (self.name.encode() * size)[:size]
+
+    def statistics(self) -> dict[str, Any]:
+        return {"pid": self.name, "opens": 3, "files": 10, "requests": {"open": {"count": 2}}, "data_path": "x"}
+
+
+def test_a_handle_names_its_loop() -> None:
+    assert loop_of(fh_of(12345, 7)) == 7 and fh_of(1, 0) != fh_of(1, 1)
+
+
+def test_release_read_and_statistics_reach_the_loop_that_opened() -> None:
+    pairs = Peers.made(3)
+    peers = [Peers(pairs, i) for i in range(3)]
+    loops = [Loop(f"L{i}") for i in range(3)]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for p, loop in zip(peers, loops):
+                nursery.start_soon(p.serve, loop)
+            fh = fh_of(9, 2)
+            assert peers[2].owner(fh) is None and peers[0].owner(fh) == 2
+            await peers[0].release(fh)
+            assert await peers[1].read(fh, 0, 5) == b"L2L2L"
+            with pytest.raises(PeerError) as failed:
+                await peers[1].read(fh, -1, 5)
+            assert failed.value.errno == errno.EINVAL
+            big = await peers[0].read(fh_of(1, 1), 0, 1 << 20)  # a whole 1 MiB read in one message
+            assert len(big) == 1 << 20
+            found = await peers[0].statistics()
+            assert sorted(s["pid"] for s in found) == ["L1", "L2"]
+            await trio.sleep(0.05)
+            assert loops[2].released == [fh]
+            peers[0].gone(2)
+            with pytest.raises(PeerError):
+                await peers[0].read(fh, 0, 1)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+
+def test_merged_statistics_sum_counters_and_keep_the_mounts_own() -> None:
+    a, b = Loop("a").statistics(), Loop("b").statistics()
+    values = merged([a, b])
+    assert values["opens"] == 6 and values["requests"]["open"]["count"] == 4
+    assert values["files"] == 10 and values["pid"] == "a" and values["data_path"] == "x"
+    assert values["loops"] == [{"pid": "a", "opens": 3}, {"pid": "b", "opens": 3}]
