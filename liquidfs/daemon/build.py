@@ -94,6 +94,14 @@ def mount(config: MountConfig, store: Store, store_dir: Path, stack: ExitStack) 
     store.hold_for_mount(store_dir)
     catalog = Catalog.open(store_dir, readonly=True, immutable=True)
     stack.callback(catalog.close)
+    return over_catalog(config, store, catalog, stack)
+
+
+def over_catalog(config: MountConfig, store: Store, catalog: Catalog, stack: ExitStack) -> Mount:
+    """Every part of a mount but the catalog, over ``catalog`` already open (``mount``; each of ``--loops``
+    after the first, over the connection it inherited: an immutable read-only one, which takes no lock, and the
+    very file the first loop serves, where opening the path again could find a catalog a prepare put there
+    since)."""
     stats = MountStats(source=config.source, store=store.label)
     base_reader = store.reader(catalog, config.threads, config.io_timeout)
     stack.callback(base_reader.close)

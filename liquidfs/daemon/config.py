@@ -66,6 +66,8 @@ class MountConfig:
     fuse_options: tuple[str, ...] = ()
     threads: int = 4
     open_threads: int = OPEN_THREADS
+    #: ``mount --loops``: processes answering the one FUSE connection, each its own loop (``daemon.loops``).
+    loops: int = 1
     metrics_port: int | None = None
     metrics_address: str = METRICS_ADDRESS
     cache_size: Amount | None = None
@@ -180,7 +182,7 @@ def _mix(value: object) -> str | float:
 
 _DECODE: dict[str, Any] = {
     "source": _typed(str), "mountpoint": _path(), "store": _typed(str), "allow_other": _typed(bool),
-    "fuse_options": _strings, "threads": _typed(int), "open_threads": _typed(int), "metrics_port": _typed(int, none=True),
+    "fuse_options": _strings, "threads": _typed(int), "open_threads": _typed(int), "loops": _typed(int), "metrics_port": _typed(int, none=True),
     "metrics_address": _typed(str), "cache_size": _amount, "warmup": _typed(bool), "readahead_kb": _typed(int),
     "io_timeout": _typed(float), "page_cache": _choice(PAGE_CACHE_MODES), "open_bytes": _typed(int),
     "push_pages": _typed(bool),

@@ -26,6 +26,7 @@ from ..mix.pressure import CpuBusy, Stalls
 from ..mix.share import steer
 from ..stores import Store
 from . import build
+from . import loops
 from . import watchdog
 from .config import MountConfig, MountError
 
@@ -40,9 +41,13 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
         stack.callback(log.info, "unmounted %s", config.mountpoint)
         mount = build.mount(config, store, store_dir, stack)
         start_session(config, mount.ops, stack)
+        more = loops.fork(config, store, mount) if config.loops > 1 else None
+        if more is not None:
+            stack.callback(loops.stop, more)
+            mount.ops.join_loops(more.peers, more.shared)
         stack.enter_context(mount.serving.pop_all())  # the parts that answer requests stop before the session
         try:
-            trio.run(_main, config, mount.ops, mount.parts, ready_fd)
+            trio.run(_main, config, mount.ops, mount.parts, ready_fd, more)
         except BaseException:
             log.exception("the filesystem loop failed; unmounting")
             raise
@@ -85,9 +90,13 @@ async def _steer_mix(ops: Operations, config: MountConfig) -> None:
                 busy=CpuBusy(config.pressure_dir))
 
 
-async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_fd: int | None) -> None:
+async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_fd: int | None,
+                more: loops.Loops | None = None) -> None:
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        if more is not None:
+            nursery.start_soon(more.peers.serve, ops)
+            nursery.start_soon(loops.watch, more, ops)
         if config.metrics_port is not None:
             await nursery.start(serve_metrics, config.metrics_port, ops.statistics,
                                 config.metrics_address)
@@ -160,7 +169,10 @@ def choose_data_path(config: MountConfig, ops: Operations, built: build.Parts) -
             ops.serve_with(built.daemon_path())
         log.info("data path: daemon (%s)", why)
         return True
-    ops.serve_with(built.passthrough_path(passthrough.FuseKernel()))
+    path = built.passthrough_path(passthrough.FuseKernel())
+    if ops.peers is not None and ops.inodes.shared is not None:  # --loops: the backings are every loop's
+        path.join_loops(ops.inodes.shared, ops.peers.index)
+    ops.serve_with(path)
     log.info("data path: passthrough (the kernel serves reads from backing files%s)",
              "; each file checked whole before it is served" if config.verify_reads else "")
     return True

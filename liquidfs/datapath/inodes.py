@@ -29,6 +29,7 @@ from ..stores.reader import ChunkDigests, Content
 
 if TYPE_CHECKING:
     from .backing import SharedBacking
+    from .shared_inodes import SharedInodes
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +83,8 @@ class Inodes:
         self._lookups = array("Q", bytes(8 * (max_id + 1)))  # by inode number: the kernel's references
         self._rows: OrderedDict[int, Node] = OrderedDict()  # the rows of the latest lookups, oldest first
         self.known = 0  # inodes the kernel holds a reference to
+        #: ``mount --loops``: the sizes told by every loop (``Operations.join_loops``; None: one loop).
+        self.shared: SharedInodes | None = None
 
     def __getitem__(self, inode: int) -> Inode:
         """The record of ``inode``, made if there is none yet."""
@@ -97,7 +100,10 @@ class Inodes:
         return len(self._records)
 
     def size_told(self, node: Node) -> int:
-        """The size the kernel was told of ``node`` (its attributes say it)."""
+        """The size the kernel was told of ``node`` (its attributes say it), by whichever loop told it."""
+        if self.shared is not None:
+            told = self.shared.size(node.id)
+            return node.size_served if told is None else told
         record = self._records.get(node.id)
         return node.size_served if record is None else record.size_told(node)
 

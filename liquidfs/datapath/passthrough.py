@@ -28,6 +28,7 @@ from ..stores.reader import Content, LendsDescriptors, Reader
 from .backing import Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
 from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
+from .shared_inodes import SharedInodes
 from .storage_calls import StorageCalls
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,9 @@ class PassthroughPath:
         self._keeping: dict[int, _Keeping] = {}
         self._copies = trio.CapacityLimiter(COPY_THREADS)
         self.on_cold_open = on_cold_open
+        #: ``mount --loops``: the backings every loop shares, and this loop's index (``join_loops``).
+        self.shared: SharedInodes | None = None
+        self.loop = 0
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
             and not verify_reads else None
@@ -177,7 +181,7 @@ class PassthroughPath:
             backing = await self._backing(node, decision)
             if backing is not None:
                 try:
-                    entry.backing_id = self.kernel.register(backing.fd)
+                    entry.backing_id = self._register(node, backing)
                 except BaseException:
                     backing.close()
                     raise
@@ -201,6 +205,25 @@ class PassthroughPath:
         self.stats.passthrough_opens += 1
         _count_backing(self.stats, backing.kind)
         return self._handle(node, record, fh, entry)
+
+    def join_loops(self, shared: SharedInodes, loop: int) -> None:
+        """Serve as loop ``loop`` of several (``mount --loops``): an inode's backing is the one every loop's
+        opens share (``shared_inodes``)."""
+        self.shared, self.loop = shared, loop
+
+    def _register(self, node: Node, backing: Backing) -> int:
+        """The backing id of ``backing`` for this open: registered here, or, with several loops, the one another
+        loop registered for the very same file (a backing of other bytes: ``Conflict``, EIO)."""
+        if self.shared is None:
+            return self.kernel.register(backing.fd)
+        if backing.kind in ("memfd", "disk"):
+            # Bytes read whole and checked: a raw object's are its checksum's, the same in every loop. An
+            # original read whole (a fallback) may have changed between two loops' reads: never shared.
+            identity = (-1, backing.size) if backing.raw else (-2, id(backing))
+        else:
+            st = os.fstat(backing.fd)
+            identity = (st.st_dev, st.st_ino)
+        return self.shared.attach(node.id, self.loop, identity, lambda: self.kernel.register(backing.fd))
 
     @staticmethod
     def _handle(node: Node, record: Inode, fh: int, entry: SharedBacking) -> Handle:
@@ -307,10 +330,13 @@ class PassthroughPath:
         inode = record.id
         backing = entry.backing
         assert backing is not None
-        try:
-            self.kernel.unregister(entry.backing_id)
-        except OSError as exc:
-            log.warning("closing backing %d of inode %d: %s", entry.backing_id, inode, exc)
+        if self.shared is not None:
+            self.shared.detach(inode, self.loop, self.kernel.unregister)  # the last loop's user closes it
+        else:
+            try:
+                self.kernel.unregister(entry.backing_id)
+            except OSError as exc:
+                log.warning("closing backing %d of inode %d: %s", entry.backing_id, inode, exc)
         # Kept only if the policy still holds it: another job's read may have taken its room meanwhile.
         keep = entry.keep and self.held is not None and inode in self.held.policy.held
         if not keep and backing.kind in ("source", "object"):

@@ -31,6 +31,7 @@ from ..catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Node
 from ..datapath.base import DataPath
 from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
 from ..datapath.notifier import Notifier
+from ..datapath.shared_inodes import SharedInodes
 from ..datapath.storage_calls import StorageCalls
 from ..metrics.stats import HasStatistics, MountStats, Statistics
 from ..mix.share import Mix
@@ -38,6 +39,7 @@ from ..policy.jobs import JobLookups
 from ..stores.reader import Content
 from .lookahead import MetadataAhead
 from .open_budget import OpenBudget
+from .peers import Peers, fh_of, merged
 from .request_times import RequestTimes, on_loop_cpu
 
 if TYPE_CHECKING:
@@ -127,6 +129,8 @@ class Operations(pyfuse3.Operations):
         self.inodes = Inodes(stats, max_id)
         self.open_files: dict[int, Handle] = {}
         self._next_fh = 1
+        #: ``mount --loops``: the other loops (None: this is the only one).
+        self.peers: Peers | None = None
         self.data_path = data_path
         self._data_chosen = trio.Event()
         if data_path is not None:
@@ -151,6 +155,13 @@ class Operations(pyfuse3.Operations):
         #: Ask for passthrough at INIT (read by the patched pyfuse3's fuse_init); the stock one ignores it.
         self.enable_passthrough = enable_passthrough
         self.mix = per_open.mix
+
+    def join_loops(self, peers: Peers, shared: SharedInodes) -> None:
+        """Serve as loop ``peers.index`` of several on one connection: handles name this loop, a request for
+        another's goes there, and the sizes told are agreed through ``shared`` (the backings too: the daemon joins
+        its passthrough path to them, ``PassthroughPath.join_loops``)."""
+        self.peers = peers
+        self.inodes.shared = shared
 
     def serve_with(self, path: DataPath) -> None:
         """The data path every open is served by from now on: given at construction, or chosen once after INIT
@@ -297,7 +308,7 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
             raise FUSEError(errno.EROFS)
         if inode == CONTROL_ID:
-            content = Content(size=0, raw=False, data=memoryview(self._control_bytes()))
+            content = Content(size=0, raw=False, data=memoryview(await self._control_bytes()))
             handle = Handle(content, fh=self._new_fh(), direct_io=True)
             self.open_files[handle.fh] = handle
             return self._file_info(handle)
@@ -352,8 +363,10 @@ class Operations(pyfuse3.Operations):
     async def _tell_size(self, node: Node, record: Inode, size: int) -> None:
         """Where ``size`` is not what the kernel was told of ``node``, it is from now on: the kernel's attributes
         are dropped before the open is answered."""
-        if size != record.size_told(node):
+        if size != self.inodes.size_told(node):
             record.size = size
+            if self.inodes.shared is not None:  # told by this loop: a GETATTR in another says the same
+                self.inodes.shared.tell(node.id, None if size == node.size_served else size)
             await self.notifier.new_size(node.id)
 
     async def _mixed(self, data: DataPath, node: Node, record: Inode) -> Node:
@@ -368,7 +381,7 @@ class Operations(pyfuse3.Operations):
     def _new_fh(self) -> int:
         fh = self._next_fh
         self._next_fh += 1
-        return fh
+        return fh if self.peers is None else fh_of(fh, self.peers.index)
 
     @staticmethod
     def _file_info(handle: Handle) -> pyfuse3.FileInfo:
@@ -389,7 +402,11 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
-        handle = self.open_files[fh]
+        handle = self.open_files.get(fh)
+        if handle is None:
+            if self.peers is not None and self.peers.owner(fh) is not None:
+                return await self.peers.read(fh, off, size)
+            raise FUSEError(errno.EBADF)
         if handle.node is None:  # the control file
             return bytes(handle.content.read(off, size))
         assert self.data_path is not None
@@ -400,6 +417,9 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
+        if fh not in self.open_files and self.peers is not None and self.peers.owner(fh) is not None:
+            await self.peers.release(fh)  # opened in another loop: released there
+            return
         await self._release(fh)
 
     async def _release(self, fh: int) -> None:
@@ -440,10 +460,16 @@ class Operations(pyfuse3.Operations):
             values["mix"] = dataclasses.asdict(self.mix.statistics())
         if self.jobs is not None:
             self.jobs.name_openers(values.get("jobs"))
+        if self.peers is not None:
+            values["loop_requests_forwarded"] = self.peers.forwarded  # sent to the loop that opened the file
+            values["loop_requests_answered"] = self.peers.answered    # answered here for another loop
         return values
 
-    def _control_bytes(self) -> bytes:
-        return (json.dumps(self.statistics(), indent=1, sort_keys=True) + "\n").encode()
+    async def _control_bytes(self) -> bytes:
+        values = self.statistics()
+        if self.peers is not None:
+            values = merged([values, *await self.peers.statistics()])
+        return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()
 
     # -- everything that would write -----------------------------------------------------------------
 

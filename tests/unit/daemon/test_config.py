@@ -32,6 +32,8 @@ NON_DEFAULT = ["--store", "/srv/store", "--allow-other", "-o", "ro,noatime", "-o
 #: The command's own options: what the daemon is not handed as a value (logging goes on its command line).
 LEFT_OUT = {"foreground", "rescan", "refresh", "ready_fd", "daemon_config", "log_level", "log_file", "func",
             "command", "store", "source", "mountpoint"}
+#: Options that cannot go with some of NON_DEFAULT's: each is checked by a test of its own below.
+APART = {"loops"}
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -50,7 +52,7 @@ def test_the_test_covers_every_option_of_mount(key_file: Path) -> None:
     """A flag added to ``mount`` must be added above too, or this fails: the trip is checked for all."""
     defaults = vars(_parse([]))
     given = vars(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file)]))
-    untested = {k for k in given if given[k] == defaults[k]} - LEFT_OUT
+    untested = {k for k in given if given[k] == defaults[k]} - LEFT_OUT - APART
     assert not untested, f"options without a non-default value in NON_DEFAULT: {sorted(untested)}"
 
 
@@ -58,7 +60,8 @@ def test_every_option_reaches_the_config_as_a_value(key_file: Path) -> None:
     config = options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file)]), STORAGE)
     default = MountConfig(source="/data", mountpoint=Path("/mnt"), store="/srv/store")
     same = [f.name for f in dataclasses.fields(MountConfig)
-            if getattr(config, f.name) == getattr(default, f.name) and f.name not in {"source", "mountpoint", "store"}]
+            if getattr(config, f.name) == getattr(default, f.name)
+            and f.name not in {"source", "mountpoint", "store", *APART}]
     assert not same, f"mount options that never reach MountConfig: {same}"
     assert config.cache_size == Share(0.3) and config.cluster_size == Share(0.6)
     assert config.cluster == (("10.0.0.1", 11211), ("10.0.0.2", 11211)) and config.cluster_key_file == key_file
@@ -83,3 +86,16 @@ def test_the_daemon_takes_no_config_but_one_of_values_of_the_right_kind(change: 
     for name in values:
         with pytest.raises(ValueError):
             MountConfig.from_json(json.dumps({k: v for k, v in values.items() if k != name}))
+
+
+def test_loops_reach_the_config_and_refuse_what_one_loop_must_hold(key_file: Path) -> None:
+    config = options.mount_config(_parse(["--loops", "3", "--threads", "5"]), STORAGE)
+    assert config.loops == 3 and MountConfig.from_json(config.to_json()) == config
+    with pytest.raises(options.OptionError) as refused:
+        options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file), "--loops", "3"]), STORAGE)
+    for flag in ("--cache-size", "--disk-cache", "--cluster", "--mix", "--warmup", "--data-path daemon",
+                 "--verify-reads"):
+        assert flag in str(refused.value)
+    for loops in ("0", "33"):
+        with pytest.raises(options.OptionError, match="--loops must be in 1..32"):
+            options.mount_config(_parse(["--loops", loops]), STORAGE)

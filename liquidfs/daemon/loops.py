@@ -1,0 +1,163 @@
+"""``mount --loops N``: N processes answer the one FUSE connection, each with its own trio loop on its own core.
+
+One Python loop answers a few thousand opens a second (BENCHMARKS.md: one core's worth on a 16-core node, where
+direct opens ran 10-20x faster). After the kernel's INIT is answered here (``pyfuse3.handle_init``, our patch),
+the daemon forks: each child puts a clone of the FUSE device (``FUSE_DEV_IOC_CLONE``) where the session reads,
+builds its own parts over the catalog connection it inherited (``build.over_catalog``), and runs its own loop.
+The kernel hands each request to whichever loop reads first. What the loops must agree on is shared: the backing
+of each open inode and the sizes told (``datapath.shared_inodes``); a request for another loop's file handle goes
+there (``fuse.peers``). Each child dies with the first loop (``PR_SET_PDEATHSIG``); a child that ends while the
+mount serves is logged, its backings are let go, and the other loops go on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import os
+import signal
+import socket
+import struct
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+
+from ..datapath import passthrough
+from ..datapath.shared_inodes import SharedInodes
+from ..fuse.operations import Operations
+from ..fuse.peers import Peers
+from ..stores import Store
+from . import build
+from .config import MountConfig
+
+log = logging.getLogger(__name__)
+
+#: _IOR(229, 0, uint32_t): a new descriptor of /dev/fuse becomes a clone of the given session's.
+FUSE_DEV_IOC_CLONE = 0x8004E500
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class Loops:
+    """The first loop's view of the others."""
+
+    peers: Peers
+    shared: SharedInodes
+    pids: list[int] = field(default_factory=list)
+
+
+def handle_init_here() -> bool:
+    """Answer INIT on this thread (our pyfuse3 patch), so that processes forked afterwards have the session;
+    False where this pyfuse3 cannot."""
+    handle_init = getattr(pyfuse3, "handle_init", None)
+    if handle_init is None or not hasattr(pyfuse3, "set_operations"):
+        return False
+    handle_init()
+    return True
+
+
+def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
+    """The other ``config.loops - 1`` loops, forked after INIT (which this answers); None where one loop serves
+    (the reason logged): a pyfuse3 without our clone patch, or no passthrough granted."""
+    if not handle_init_here():
+        log.warning("--loops %d: this pyfuse3 cannot answer INIT before its loop (scripts/passthrough/build.sh "
+                    "builds one that can): one loop serves", config.loops)
+        return None
+    why = passthrough.engaged()
+    if why is not None:
+        log.warning("--loops %d: one loop serves, as passthrough is not available (%s)", config.loops, why)
+        return None
+    shared = SharedInodes(config.loops)
+    pairs = Peers.made(config.loops)
+    device = pyfuse3.device_fd()  # type: ignore[attr-defined]
+    pids = []
+    for index in range(1, config.loops):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover (a child: its coverage dies with it)
+            status = 1
+            try:
+                status = _child(index, device, config, store, mount, shared, pairs)
+            except BaseException:
+                log.exception("loop %d failed", index)
+            finally:
+                os._exit(status)
+        pids.append(pid)
+    log.info("%d loops answer the mount (pids %d, %s)", config.loops, os.getpid(), ", ".join(map(str, pids)))
+    return Loops(Peers.mine(pairs, 0), shared, pids)
+
+
+def _child(index: int, device: int, config: MountConfig, store: Store, first: build.Mount,
+           shared: SharedInodes, pairs: list[tuple[socket.socket, socket.socket]]) -> int:
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        return 1  # the first loop ended before the line above
+    clone = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    fcntl.ioctl(clone, FUSE_DEV_IOC_CLONE, struct.pack("I", device))
+    os.dup2(clone, device, inheritable=False)  # where the session reads and answers
+    os.close(clone)
+    with ExitStack() as stack:
+        mount = build.over_catalog(config, store, first.catalog, stack)
+        ops = mount.ops
+        path = mount.parts.passthrough_path(passthrough.FuseKernel())
+        path.join_loops(shared, index)
+        ops.serve_with(path)
+        stack.enter_context(mount.serving.pop_all())
+        peers = Peers.mine(pairs, index)
+        ops.join_loops(peers, shared)
+        ops.stats.dispatch = "queued-first" if getattr(pyfuse3, "queued_requests_first", False) else "stock"
+        pyfuse3.set_operations(ops)  # type: ignore[attr-defined]
+        trio.run(_serve, ops, peers)
+    return 0
+
+
+async def _serve(ops: Operations, peers: Peers) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(peers.serve, ops)
+        await pyfuse3.main(max_tasks=100)
+        nursery.cancel_scope.cancel()
+
+
+async def watch(loops: Loops, ops: Operations) -> None:
+    """Until cancelled: each other loop that ends is logged, told to the peers, and its backings let go."""
+
+    async def one(index: int, pid: int) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return  # reaped already
+        try:
+            await trio.lowlevel.wait_readable(pidfd)  # readable once it has ended
+        finally:
+            os.close(pidfd)
+        try:
+            _, status = os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 (it has ended: WNOHANG never waits)
+        except ChildProcessError:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        # Status 0: it saw the mount end, as this loop is about to. Else it failed: the others go on.
+        log.log(logging.INFO if code == 0 else logging.ERROR, "loop %d (pid %d) ended (status %d)", index, pid, code)
+        loops.peers.gone(index)
+        freed = loops.shared.reap(index, passthrough.FuseKernel().unregister)
+        if freed:
+            log.info("let go of %d backings loop %d held", freed, index)
+
+    async with trio.open_nursery() as nursery:
+        for index, pid in enumerate(loops.pids, start=1):
+            nursery.start_soon(one, index, pid)
+
+
+def stop(loops: Loops) -> None:
+    """After the mount ended: the other loops have seen it too; any still running is killed, all reaped."""
+    for pid in loops.pids:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                os.kill(pid, signal.SIGTERM)
+                os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass

@@ -1,0 +1,167 @@
+"""``mount --loops N``: several processes answer one mount (clones of its FUSE device). Real mounts read by real
+clients: the bytes are the single loop's, opens of one file in several loops at once share its backing, a RELEASE
+reaching another loop than the OPEN frees it, the sizes told agree across loops, a loop killed leaves the others
+serving, and the options that would need one loop's memory are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from conftest import run_cli
+from fusehelpers import PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, wait_for
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.prepare import prepare
+from trees import dataset_tree
+
+pytestmark = [pytest.mark.fuse, PASSTHROUGH_NEEDS_ROOT]
+
+LOOPS = 4
+
+
+def stats(mnt: Path) -> dict:
+    return json.loads(run_cli("stats", str(mnt), "--json").stdout)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("loops")
+    src = dataset_tree(root / "data", count=24, width=256, height=128)
+    store = root / "store"
+    prepare(src, store, 1.0, progress=False)
+    return src, store
+
+
+def expected_bytes(src: Path, store: Path) -> dict[str, bytes]:
+    """What one loop serves of each file: its raw object where it has one, else the source."""
+    catalog = Catalog.open(store, readonly=True)
+    try:
+        return {os.fsdecode(n.path): (store / n.object).read_bytes() if n.object
+                else (src / os.fsdecode(n.path)).read_bytes() for n in catalog.files()}
+    finally:
+        catalog.close()
+
+
+def mount_loops(mounter: Mount, src: Path, store: Path, loops: int = LOOPS) -> Path:
+    mnt = mounter.mount(src, "--loops", str(loops), "--data-path", "passthrough", store=store)
+    values = stats(mnt)
+    assert values["data_path"] == "passthrough", values["data_path_why"]
+    assert len(values["loops"]) == loops, values["loops"]  # every loop answered the control file's gathering
+    return mnt
+
+
+def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepared, mounter: Mount) -> None:
+    src, store = prepared
+    want = expected_bytes(src, store)
+    mnt = mount_loops(mounter, src, store)
+    pids = {loop["pid"] for loop in stats(mnt)["loops"]}
+    assert len(pids) == LOOPS and daemon_pid(mnt) in pids
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(16)
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        names = sorted(want)
+        try:
+            start.wait()
+            for _ in range(3):
+                rng.shuffle(names)
+                # Every file open at once in every reader: each inode has opens in several loops together, which
+                # the kernel allows only if they share one backing (EBUSY otherwise).
+                files = [open(mnt / name, "rb") for name in names]
+                try:
+                    for name, f in zip(names, files):
+                        if f.read() != want[name]:
+                            wrong.append(name)
+                finally:
+                    for f in files:
+                        f.close()
+        except BaseException as exc:  # reported below, with the others'
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors[:3]
+    assert not wrong, sorted(set(wrong))[:5]
+    # A decoder sees the source's pixels (the mount's contract), whichever loop served.
+    png = next(name for name in sorted(want) if name.endswith(".png"))
+    with Image.open(mnt / png) as served, Image.open(src / png) as source:
+        assert np.array_equal(np.asarray(served.convert("RGB")), np.asarray(source.convert("RGB")))
+
+    def settled() -> bool:  # releases forwarded to the loop that opened are answered there, after the close
+        values = stats(mnt)
+        return values["open_files"] == 0 and values["passthrough_open_inodes"] == 0
+    wait_for(settled, 30, what="every open file released in the loop that opened it")
+    values = stats(mnt)
+    opened = len(want) * 16 * 3
+    assert values["opens"] >= opened and values["errors"] == 0 and values["fallbacks"] == 0
+    busy = [loop for loop in values["loops"] if loop["opens"]]
+    assert len(busy) >= 2, values["loops"]  # more than one loop answered opens
+    assert values["loop_requests_forwarded"] > 0  # releases reached other loops than their open's
+
+
+def test_a_changed_source_is_served_at_its_new_size_by_every_loop(prepared, tmp_path: Path,
+                                                                  mounter: Mount) -> None:
+    """A fallback's size is told once, by the loop that opened it; a lookup answered by any other loop after the
+    kernel forgot the inode must say the same (else a reader stops at the catalog's size: wrong bytes)."""
+    src0, store0 = prepared
+    src, store = tmp_path / "data", tmp_path / "store"
+    subprocess.run(["cp", "-a", str(src0), str(src)], check=True)
+    prepare(src, store, 1.0, progress=False)
+    rel = next(name for name in sorted(expected_bytes(src, store)) if name.endswith(".png"))
+    mnt = mount_loops(mounter, src, store)
+    with Image.open(src / rel) as im:
+        im.transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(src / rel, compress_level=1)
+    new = (src / rel).read_bytes()
+    assert (mnt / rel).read_bytes() == new  # the original, as it is now
+    wait_for(lambda: os.stat(mnt / rel).st_size == len(new), 10, what="the size to follow what is served")
+    for _ in range(12):
+        # The kernel forgets the inode; its next lookup reaches whichever loop reads first.
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        assert os.stat(mnt / rel).st_size == len(new)
+        with open(mnt / rel, "rb") as f:
+            assert f.read() == new
+    assert stats(mnt)["fallbacks"] >= 1
+
+
+def test_a_loop_killed_leaves_the_others_serving(prepared, mounter: Mount) -> None:
+    src, store = prepared
+    want = expected_bytes(src, store)
+    mnt = mount_loops(mounter, src, store, loops=3)
+    first = daemon_pid(mnt)
+    victim = next(loop["pid"] for loop in stats(mnt)["loops"] if loop["pid"] != first)
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(stats(mnt)["loops"]) == 2, 30, what="the killed loop left out")
+    for _ in range(3):
+        for name, data in want.items():
+            assert (mnt / name).read_bytes() == data, name
+    log = (store / "mount.log").read_text()
+    assert f"(pid {victim}) ended (status -9)" in log
+    assert stats(mnt)["errors"] == 0
+
+
+@pytest.mark.parametrize("flags", [["--cache-size", "10%"], ["--mix", "0.5"], ["--data-path", "daemon"],
+                                   ["--loops", "33"]])
+def test_options_one_loop_needs_are_refused(prepared, tmp_path: Path, flags: list[str]) -> None:
+    src, store = prepared
+    (tmp_path / "mnt").mkdir()
+    args = ["--loops", "2", *flags] if flags[0] != "--loops" else flags
+    done = subprocess.run([sys.executable, "-m", "liquidfs", "mount", str(src), str(tmp_path / "mnt"), "--store",
+                           str(store), *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "--loops" in done.stderr and (flags[0] in done.stderr), done.stderr
+    assert not os.path.ismount(tmp_path / "mnt")
