@@ -133,9 +133,17 @@ def tree_bytes(root: Path) -> tuple[int, int]:
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of one process, its threads included, from /proc."""
+    """utime + stime of one process and its children now running (a mount's other loops, ``mount --loops``;
+    its watchdog), their threads included, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            try:
+                total += cpu_seconds(int(child))
+            except (OSError, ValueError):
+                pass  # ended meanwhile
+    return total
 
 
 def io_read_bytes(pid: int) -> int:

@@ -238,6 +238,7 @@ def run_one(run: Run, roots: dict[str, Path], src: Path, stores: dict[str, Path]
     store = stores[run.config]
     mnt = args.work / "mnt"
     extra = ["--cache-size", args.cache_size] if run.config == "liquidfs-cache" else []
+    extra += args.mount_options.split()
     mount = bench.mount(src, store, mnt, *extra)
     try:
         pin(mount.pid, cores)
@@ -355,6 +356,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--ratio", default="auto", help="the liquidfs store's raw share in [0, 1], which its mount "
                         "serves as `mount --mix` at that share would (1: every image raw), or auto (liquidfs profile)")
     parser.add_argument("--cache-size", default="30%", help="liquidfs-cache's --cache-size")
+    parser.add_argument("--mount-options", default="", metavar="OPTS",
+                        help="more flags for every liquidfs mount, e.g. \"--loops 4\" (one string)")
     parser.add_argument("--device", choices=["auto", "gpu", "cpu"], default="auto",
                         help="decode and train on the GPU (auto: when nvidia-smi sees one)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a training run may take")

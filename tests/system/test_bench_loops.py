@@ -1,0 +1,50 @@
+"""scripts/bench/bench_loops.py runs end to end on a small scale (as root, passthrough): its mirror serves the
+files' bytes from several processes on one connection, and the table and JSON come out. That it works, never a
+figure (BENCHMARKS.md has those)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusehelpers import PASSTHROUGH_NEEDS_ROOT
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_loops.py"
+
+pytestmark = [pytest.mark.fuse, PASSTHROUGH_NEEDS_ROOT]
+
+
+def test_the_mirror_serves_from_several_loops_and_reports(tmp_path: Path) -> None:
+    out = tmp_path / "loops.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--files", "60", "--readers", "3", "--loops", "1,3",
+                           "--seconds", "0.3", "--repeats", "1", "--work", str(tmp_path / "w"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["loops"] for r in rows] == [1, 3]
+    assert all(r["mount"] > 0 and r["direct"] > 0 for r in rows)
+    assert "| 3 |" in done.stdout
+
+
+def test_the_mirror_serves_each_files_bytes(tmp_path: Path) -> None:
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    files = {f"{i:03d}.bin": bytes([i]) * (1000 + i) for i in range(20)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    with subprocess.Popen([sys.executable, str(BENCH), "--serve", str(src), str(mnt), "3"],
+                          stdout=subprocess.PIPE, text=True) as daemon:
+        try:
+            assert daemon.stdout is not None and daemon.stdout.readline().startswith("ready")
+            for _ in range(5):
+                for name, data in files.items():
+                    assert (mnt / name).read_bytes() == data
+        finally:
+            subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+            daemon.wait(timeout=60)
+    assert daemon.returncode == 0
