@@ -32,6 +32,10 @@ from .config import MountConfig, MountError
 
 log = logging.getLogger(__name__)
 
+#: Seconds between gatherings of the other loops' counters for ``/metrics`` (``mount --loops``; Prometheus
+#: scrapes every 15-60 s).
+METRICS_LOOPS_INTERVAL = 2.0
+
 
 def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int | None = None) -> int:
     """Mount ``config`` over ``store`` (its catalog in ``store_dir``) and serve in this process until unmounted
@@ -98,8 +102,10 @@ async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_
             nursery.start_soon(more.peers.serve, ops)
             nursery.start_soon(loops.watch, more, ops)
         if config.metrics_port is not None:
-            await nursery.start(serve_metrics, config.metrics_port, ops.statistics,
+            await nursery.start(serve_metrics, config.metrics_port, ops.mount_statistics,
                                 config.metrics_address)
+            if more is not None:
+                nursery.start_soon(ops.gather_loops, METRICS_LOOPS_INTERVAL)
         if ops.mix is not None and ops.mix.mode == "adaptive":
             nursery.start_soon(_steer_mix, ops, config)
         nursery.start_soon(_signal_ready, config, ops, built, ready_fd)

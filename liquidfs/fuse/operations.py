@@ -131,6 +131,7 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         #: ``mount --loops``: the other loops (None: this is the only one).
         self.peers: Peers | None = None
+        self.other_loops: list[dict[str, Any]] = []  # their statistics as last gathered (``gather_loops``)
         self.data_path = data_path
         self._data_chosen = trio.Event()
         if data_path is not None:
@@ -464,6 +465,19 @@ class Operations(pyfuse3.Operations):
             values["loop_requests_forwarded"] = self.peers.forwarded  # sent to the loop that opened the file
             values["loop_requests_answered"] = self.peers.answered    # answered here for another loop
         return values
+
+    def mount_statistics(self) -> dict[str, Any]:
+        """Every loop's counters as one (``/metrics``): this loop's now, the others' as ``gather_loops`` last
+        found them."""
+        values = self.statistics()
+        return values if self.peers is None else merged([values, *self.other_loops])
+
+    async def gather_loops(self, interval: float) -> None:
+        """Until cancelled: the other loops' statistics gathered every ``interval`` seconds."""
+        assert self.peers is not None
+        while True:
+            self.other_loops = await self.peers.statistics()
+            await trio.sleep(interval)
 
     async def _control_bytes(self) -> bytes:
         values = self.statistics()

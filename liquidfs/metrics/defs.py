@@ -127,6 +127,10 @@ METRICS: tuple[Metric, ...] = (
     # -- the passthrough path's held files ---------------------------------------------------------------------
     Metric("liquidfs_passthrough_open_inodes", GAUGE, "", "passthrough_open_inodes",
            "Inodes open with a backing file now."),
+    Metric("liquidfs_loop_requests_forwarded_total", COUNTER, "", "loop_requests_forwarded",
+           "mount --loops: requests (releases, reads, statistics) sent to the loop that opened the file."),
+    Metric("liquidfs_loop_requests_answered_total", COUNTER, "", "loop_requests_answered",
+           "mount --loops: requests answered for another loop."),
     Metric("liquidfs_closes_pending", GAUGE, "", "closes_pending",
            "Served files released and not closed yet (their pages dropped and closed off the loop)."),
     Metric("liquidfs_memfd_files", GAUGE, "", "memfd_files", "Files the memory level holds in memfds now."),
@@ -248,6 +252,7 @@ METRICS: tuple[Metric, ...] = (
 #: Keys statistics() produces that are not exported, and why (a dict's key covers everything under it).
 NOT_EXPORTED: dict[str, str] = {
     "pid": "the control file's, to find the daemon: no measurement",
+    "loops": "mount --loops: each loop's pid and opens, for the user (the counters are the loops' sums)",
     "cluster_size_from": "a word for the user (--cluster-size, or the memcacheds' stats): no measurement",
     "source": "a path: metrics carry no paths",
     "store": "a path: metrics carry no paths",

@@ -9,6 +9,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -152,6 +153,35 @@ def test_a_loop_killed_leaves_the_others_serving(prepared, mounter: Mount) -> No
     log = (store / "mount.log").read_text()
     assert f"(pid {victim}) ended (status -9)" in log
     assert stats(mnt)["errors"] == 0
+
+
+def test_metrics_count_every_loops_opens(prepared, mounter: Mount) -> None:
+    src, store = prepared
+    want = expected_bytes(src, store)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mnt = mounter.mount(src, "--loops", str(LOOPS), "--data-path", "passthrough", "--metrics-port", str(port),
+                        store=store)
+    threads = [threading.Thread(target=lambda: [(mnt / name).read_bytes() for name in want]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    opened = 8 * len(want)
+    assert len([loop for loop in stats(mnt)["loops"] if loop["opens"]]) >= 2
+
+    def scraped_opens() -> float:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+        line = next(x for x in reply.decode().splitlines() if x.startswith("liquidfs_opens_total "))
+        return float(line.split()[1])
+
+    # the first loop's own opens at once, the others' as gathered every 2 s
+    wait_for(lambda: scraped_opens() >= opened, 30, what="/metrics to count the opens of every loop")
 
 
 @pytest.mark.parametrize("flags", [["--cache-size", "10%"], ["--mix", "0.5"], ["--data-path", "daemon"],

@@ -31,6 +31,8 @@ import pytest
 import trio
 
 from clusterfakes import FakeMemcached
+from liquidfs.datapath.shared_inodes import SharedInodes
+from liquidfs.fuse.peers import Peers, merged
 from liquidfs.daemon import build as assemble
 from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog.build import build
@@ -570,6 +572,15 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
                 levels=[disk, cluster])
             trio.run(_read_twice, ops)
             found[data_path] = ops.statistics()
+    # mount --loops: the counters of two loops as the control file and /metrics sum them
+    pairs = Peers.made(2)
+    try:
+        ops.join_loops(Peers(pairs, 0), SharedInodes(2))
+        found["loops"] = merged([ops.statistics(), ops.statistics()])
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
     catalog.close()
     return found
 
@@ -592,13 +603,14 @@ def _paths(values: Mapping[str, object], prefix: str = "") -> Iterator[str]:
             yield from _paths(value, prefix + key + ".")
 
 
-@pytest.mark.parametrize("data_path", ["daemon", "passthrough"])
+@pytest.mark.parametrize("data_path", ["daemon", "passthrough", "loops"])
 def test_every_key_the_statistics_produce_has_a_row_or_a_reason(every_statistics: dict[str, dict[str, Any]],
                                                                 data_path: str) -> None:
     """A counter added to a statistics() without a row in ``metrics.defs.METRICS`` (or a reason in NOT_EXPORTED)
     fails here, before it can go missing from the dashboards."""
     values = every_statistics[data_path]
-    assert values["opens"] == 8 and values["data_path"] == data_path
+    assert values["opens"] == (16 if data_path == "loops" else 8)
+    assert values["data_path"] == ("passthrough" if data_path == "loops" else data_path)
     assert list(unlisted(values)) == [], "keys without a row in metrics.defs.METRICS (or a reason in NOT_EXPORTED)"
 
 
