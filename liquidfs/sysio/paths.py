@@ -67,10 +67,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 
 
+_NR_OPENAT2 = ctypes.c_long(_SYS_OPENAT2)
+_HOW_SIZE = ctypes.c_size_t(ctypes.sizeof(_OpenHow))
+#: One open_how per (flags, resolve): the kernel only reads it, and the few combinations used are made once (the
+#: ctypes objects of a call cost more than its syscall on the loop's hot path: issue 40).
+_HOWS: dict[tuple[int, int], _OpenHow] = {}
+
+
 def _openat2(dir_fd: int, rel: bytes, flags: int, resolve: int) -> int:
-    how = _OpenHow(flags, 0, resolve)
-    fd = _libc.syscall(ctypes.c_long(_SYS_OPENAT2), ctypes.c_int(dir_fd), ctypes.c_char_p(rel), ctypes.byref(how),
-                       ctypes.c_size_t(ctypes.sizeof(how)))
+    how = _HOWS.get((flags, resolve))
+    if how is None:
+        how = _HOWS[flags, resolve] = _OpenHow(flags, 0, resolve)
+    fd = _libc.syscall(_NR_OPENAT2, ctypes.c_int(dir_fd), rel, ctypes.byref(how), _HOW_SIZE)
     if fd < 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
@@ -112,17 +120,15 @@ def open_below_stat(dir_fd: int, rel: bytes, where: bytes | str = b"", *,
                     cached_only: bool = False) -> tuple[int, os.stat_result]:
     """``open_below``, and the stat its check of the file took (an open that needs both makes one fstat, not two:
     issue 40, every syscall of an open on the loop counts)."""
-    path = _named(where, rel)
-    file = _walk(dir_fd, rel, path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, cached_only)
-    return _regular_stat(file, path)
+    file = _walk(dir_fd, rel, where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, cached_only)
+    return _regular_stat(file, where, rel)
 
 
 def stat_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> os.stat_result:
     """The stat of ``rel`` below ``dir_fd`` (a link at its end is stat-ed as the link), walked as ``open_below``
     walks: no link on the way, never above the root or onto another filesystem. A path ``stat`` walks through
     links in every component but the last; this one never does."""
-    path = _named(where, rel)
-    fd = _walk(dir_fd, rel, path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, cached_only)
+    fd = _walk(dir_fd, rel, where, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, cached_only)
     try:
         return os.fstat(fd)
     finally:
@@ -133,9 +139,8 @@ def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[os.Dir
     """The entries of the directory ``rel`` below the one held at ``dir_fd`` (b"": that one itself; it must be
     open for reading), reached as ``open_below`` reaches a file: a directory swapped for a link since it was
     listed is refused (ELOOP or ENOTDIR), never listed through. Each entry's type is the listing's (d_type)."""
-    path = _named(where, rel)
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = _walk(dir_fd, rel, path, flags, False) if rel else os.dup(dir_fd)
+    fd = _walk(dir_fd, rel, where, flags, False) if rel else os.dup(dir_fd)
     try:
         with os.scandir(fd) as listing:
             return list(listing)
@@ -144,10 +149,11 @@ def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[os.Dir
 
 
 def _named(where: bytes | str, rel: bytes) -> str:
+    """The path an error names (made only for one: every open of the loop's hot path would pay for it)."""
     return os.fsdecode(os.path.join(os.fsencode(where), rel)) if where else os.fsdecode(rel)
 
 
-def _walk(dir_fd: int, rel: bytes, path: str, flags: int, cached_only: bool) -> int:
+def _walk(dir_fd: int, rel: bytes, where: bytes | str, flags: int, cached_only: bool) -> int:
     """``rel`` below ``dir_fd`` opened with ``flags``: one openat2 where the kernel has it, else one component at a
     time (O_NOFOLLOW, and the device compared with the root's at each step: no link, no other filesystem)."""
     *dirs, name = catalog_parts(rel)
@@ -156,10 +162,10 @@ def _walk(dir_fd: int, rel: bytes, path: str, flags: int, cached_only: bool) -> 
             return _openat2(dir_fd, rel, flags, _RESOLVE_BELOW | (_RESOLVE_CACHED if cached_only else 0))
         except OSError as exc:
             if exc.errno == errno.EAGAIN:
-                raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", path) from None
-            raise OSError(exc.errno, exc.strerror, path) from None
+                raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", _named(where, rel)) from None
+            raise OSError(exc.errno, exc.strerror, _named(where, rel)) from None
     if cached_only:
-        raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", path)
+        raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", _named(where, rel))
     device = os.fstat(dir_fd).st_dev
     fd = dir_fd
     try:
@@ -176,7 +182,7 @@ def _walk(dir_fd: int, rel: bytes, path: str, flags: int, cached_only: bool) -> 
             raise OSError(errno.EXDEV, "crosses into another filesystem")
         return file
     except OSError as exc:  # name the whole path, not the component os.open was given
-        raise OSError(exc.errno, exc.strerror, path) from None
+        raise OSError(exc.errno, exc.strerror, _named(where, rel)) from None
     finally:
         if fd != dir_fd:
             os.close(fd)
@@ -201,12 +207,13 @@ def _regular(file: int, path: str) -> int:
     return _regular_stat(file, path)[0]
 
 
-def _regular_stat(file: int, path: str) -> tuple[int, os.stat_result]:
-    """``file`` and its stat if it is a regular file (no longer non-blocking); else closed and EIO."""
+def _regular_stat(file: int, where: bytes | str, rel: bytes | None = None) -> tuple[int, os.stat_result]:
+    """``file`` and its stat if it is a regular file (no longer non-blocking); else closed and EIO (naming
+    ``where``, or ``rel`` below it)."""
     st = os.fstat(file)
     if not stat.S_ISREG(st.st_mode):
         os.close(file)
-        raise OSError(errno.EIO, "no longer a regular file", path)
+        raise OSError(errno.EIO, "no longer a regular file", os.fsdecode(where) if rel is None else _named(where, rel))
     # Of the status flags F_SETFL can change (O_APPEND, O_ASYNC, O_DIRECT, O_NOATIME, O_NONBLOCK) every file here
     # was opened with O_NONBLOCK alone: clearing them all clears it, without an F_GETFL first.
     fcntl.fcntl(file, fcntl.F_SETFL, 0)

@@ -26,6 +26,7 @@ class StoreReader:
     def __init__(self, source_root: bytes, store_dir: Path) -> None:
         self.source_root = source_root
         self.store_dir = store_dir
+        self._objects_where = os.fsencode(store_dir / "objects")  # what an object's error names (once, not per open)
         # Held from mount time: every path of the catalog is resolved below these, never through the paths
         # again (a root renamed or swapped for a link while the mount runs serves nothing else).
         self.root_fd = open_dir(source_root)
@@ -63,7 +64,7 @@ class StoreReader:
             raise OSError(errno.EIO, "not the object of this file's source: refused", node.object)
         if self.objects_fd < 0:
             raise FileNotFoundError(errno.ENOENT, "the store had no objects directory at mount", node.object)
-        return open_below_stat(self.objects_fd, os.fsencode(name.group(1)), os.fsencode(self.store_dir / "objects"),
+        return open_below_stat(self.objects_fd, os.fsencode(name.group(1)), self._objects_where,
                                cached_only=cached_only)
 
     def warm(self, node: Node) -> None:
