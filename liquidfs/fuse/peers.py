@@ -204,6 +204,10 @@ class Peers:
                         length = self._receive.recv_into(buffer)
                     except BlockingIOError:
                         break
+                    except OSError as exc:  # never seen; the loop itself goes on serving the kernel
+                        log.error("the socket from the other loops failed (%s): their requests for this loop's "
+                                  "files are no longer answered", exc)
+                        return
                     if not length:
                         return
                     message = bytes(buffer[:length])
@@ -242,8 +246,12 @@ class Peers:
 
     def _stats(self, served: Served, ask_id: int, loop: int) -> None:
         self.answered += 1
-        payload = json.dumps(served.statistics()).encode()
-        self._reply_soon(loop, _REPLY.pack(ask_id, 0) + payload)
+        try:
+            reply = _REPLY.pack(ask_id, 0) + json.dumps(served.statistics()).encode()
+        except Exception:  # a counter that cannot be written: said here, the asker leaves this loop out
+            log.exception("statistics for another loop")
+            reply = _REPLY.pack(ask_id, errno.EIO)
+        self._reply_soon(loop, reply)
 
     def _reply_soon(self, loop: int, reply: bytes) -> None:
         try:
