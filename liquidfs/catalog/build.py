@@ -5,6 +5,7 @@ carried over."""
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import sqlite3
 import stat
@@ -17,7 +18,8 @@ from ..sysio.locks import HeldLock, abandoned, unique
 from .catalog import CATALOG_NAME, Catalog, connect
 from .identity import file_version
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
-from .schema import FILE_IDENTITY, IDENTITY_INO_CTIME, SCANNED_COLUMNS, SCHEMA, SCHEMA_VERSION, CatalogError
+from .scan import START_AFTER, Warmer
+from .schema import FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES, CatalogError
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,13 @@ class ScanReport:
 
 
 _INSERT = f"INSERT INTO nodes({SCANNED_COLUMNS}) VALUES ({','.join('?' * 15)})"
+#: A file's or symlink's row of a local tree; what a scan never sets is written by SQLite, not bound per row (a
+#: fifth of an insert's time went to binding all 15 values).
+_INSERT_ENTRY = ("INSERT INTO nodes(id, parent, name, path, kind, mode, size, mtime_ns, target, etag, nsubdirs, repr) "
+                 f"VALUES (?,?,?,?,?,?,?,?,?,?,0,{REPR_ORIGINAL})")
+_NAME = operator.attrgetter("name")
+#: Rows bound in one ``executemany``.
+_BATCH = 10_000
 
 
 class _Writer:
@@ -49,22 +58,36 @@ class _Writer:
         self.db.execute("PRAGMA trusted_schema=OFF")
         self.db.execute("PRAGMA journal_mode=OFF")
         self.db.execute("PRAGMA synchronous=OFF")
-        self.db.executescript(SCHEMA)
+        self.db.execute("PRAGMA threads=2")  # the sorts of the indexes made at the end, on two cores
+        self.db.executescript(TABLES)
         self.db.execute("BEGIN")
         self.rows: list[tuple[object, ...]] = []
+        self.entries: list[tuple[object, ...]] = []
 
     def add(self, row: tuple[object, ...]) -> None:
+        """A row of every scanned column (``SCANNED_COLUMNS``)."""
         self.rows.append(row)
-        if len(self.rows) >= 10_000:
+        if len(self.rows) >= _BATCH:
+            self.flush()
+
+    def add_entry(self, row: tuple[object, ...]) -> None:
+        """A local file's or symlink's row (``_INSERT_ENTRY``)."""
+        self.entries.append(row)
+        if len(self.entries) >= _BATCH:
             self.flush()
 
     def flush(self) -> None:
         self.db.executemany(_INSERT, self.rows)
+        self.db.executemany(_INSERT_ENTRY, self.entries)
         self.rows.clear()
+        self.entries.clear()
 
     def finish(self, meta: dict[str, str], previous: Path | None = None) -> None:
-        """Commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced), swap."""
+        """Index, commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced),
+        swap."""
         self.flush()
+        for index in INDEXES:  # in the transaction (``executescript`` would commit it first)
+            self.db.execute(index)
         meta = {"schema_version": str(SCHEMA_VERSION), "scanned_at": str(time.time()), **meta}
         self.db.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", list(meta.items()))
         self.db.execute("COMMIT")
@@ -135,6 +158,9 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
     What ``prepare`` learnt (the ``expansions`` table) is carried over, so a rescan never redoes expansions of
     unchanged files. Entries that are neither files, directories nor symlinks (sockets, fifos, devices) are not
     shown: a dataset has no use for them and serving them through FUSE is unsafe.
+
+    Ids are given depth first, each directory's entries in name order. A helper reads the inodes of the
+    directories the walk wants next (``scan.Warmer``): it only makes them warm; every row is what this walk read.
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
@@ -144,51 +170,61 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
     writer = _Writer(store_dir)
     report = ScanReport()
     next_id = ROOT_ID + 1
-    # Each stack item: (directory id, absolute path, relative path); subdir counts are patched after.
+    # Directories' rows wait for their subdirectory counts: one row per directory, few even at ten million files.
     nsubdirs: dict[int, int] = {}
     dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int]] = {
         ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns)
     }
+    # Each stack item: (directory id, absolute path, relative path).
     stack: list[tuple[int, bytes, bytes]] = [(ROOT_ID, root, b"")]
-    while stack:
-        dir_id, abs_dir, rel_dir = stack.pop()
-        try:
-            entries = sorted(os.scandir(abs_dir), key=lambda e: e.name)
-        except OSError as exc:
-            log.warning("cannot list %r: %s; shown empty", abs_dir, exc)
-            entries = []
-        subdirs = 0
-        for entry in entries:
-            name = entry.name
-            rel = rel_dir + b"/" + name if rel_dir else name
+    seen = files = 0
+    with Warmer() as warmer:
+        while stack:
+            dir_id, abs_dir, rel_dir = stack.pop()
+            warmer.taken(abs_dir)
+            if seen >= START_AFTER:
+                warmer.start()
+                warmer.expect(item[1] for item in reversed(stack[-warmer.ahead:]))
             try:
-                st = entry.stat(follow_symlinks=False)
+                with os.scandir(abs_dir) as found:
+                    entries = sorted(found, key=_NAME)
             except OSError as exc:
-                log.warning("cannot stat %r: %s; not shown", entry.path, exc)
-                report.ignored += 1
-                continue
-            mode = st.st_mode
-            node_id = next_id
-            next_id += 1
-            if stat.S_ISDIR(mode):
-                subdirs += 1
-                report.directories += 1
-                dir_rows[node_id] = (node_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
-                stack.append((node_id, entry.path, rel))
-            elif stat.S_ISREG(mode):
-                report.files += 1
-                writer.add((node_id, dir_id, name, rel, KIND_FILE, mode, st.st_size, st.st_mtime_ns, 0,
-                            None, REPR_ORIGINAL, None, None, None, file_version(st)))
-            elif stat.S_ISLNK(mode):
-                report.symlinks += 1
-                target = os.readlink(entry.path)
-                writer.add((node_id, dir_id, name, rel, KIND_SYMLINK, mode, len(target), st.st_mtime_ns, 0,
-                            target, REPR_ORIGINAL, None, None, None, None))
-            else:
-                report.ignored += 1
-                next_id -= 1
-                continue
-        nsubdirs[dir_id] = subdirs
+                log.warning("cannot list %r: %s; shown empty", abs_dir, exc)
+                entries = []
+            seen += len(entries)
+            subdirs = 0
+            for entry in entries:
+                name = entry.name
+                row: tuple[int, int, int, int, bytes | None, str | None] | None
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    mode = st.st_mode
+                    if stat.S_ISREG(mode):
+                        row = (KIND_FILE, mode, st.st_size, st.st_mtime_ns, None, file_version(st))
+                        files += 1
+                    elif stat.S_ISDIR(mode):
+                        row = None
+                    elif stat.S_ISLNK(mode):
+                        target = os.readlink(entry.path)
+                        row = (KIND_SYMLINK, mode, len(target), st.st_mtime_ns, target, None)
+                        report.symlinks += 1
+                    else:
+                        report.ignored += 1
+                        continue
+                except OSError as exc:
+                    log.warning("cannot read %r: %s; not shown", entry.path, exc)
+                    report.ignored += 1
+                    continue
+                rel = rel_dir + b"/" + name if rel_dir else name
+                if row is None:
+                    subdirs += 1
+                    dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
+                    stack.append((next_id, entry.path, rel))
+                else:
+                    writer.add_entry((next_id, dir_id, name, rel, *row))
+                next_id += 1
+            nsubdirs[dir_id] = subdirs
+    report.directories, report.files = len(dir_rows) - 1, files
     for r in dir_rows.values():
         writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
     writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME})

@@ -18,7 +18,7 @@ SCHEMA_VERSION = 5
 FILE_IDENTITY = "file_identity"
 IDENTITY_INO_CTIME = "size,mtime,ino,ctime"
 
-SCHEMA = """
+TABLES = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE nodes (
     id INTEGER PRIMARY KEY,
@@ -38,8 +38,6 @@ CREATE TABLE nodes (
     etag TEXT,                   -- the source's version: an object's ETag, or a local file's (file_version)
     object_stamp TEXT            -- the raw object's identity when prepare wrote or checked it (object_stamp)
 );
-CREATE UNIQUE INDEX nodes_parent_name ON nodes(parent, name);
-CREATE INDEX nodes_parent ON nodes(parent);
 -- What prepare learnt about each image, keyed by path and the source's identity, so it survives rescans.
 CREATE TABLE expansions (
     path BLOB PRIMARY KEY,
@@ -54,6 +52,11 @@ CREATE TABLE expansions (
     object_stamp TEXT            -- the object's identity when it was written or its bytes last checked
 );
 """
+#: The indexes of ``nodes``: a build makes them once its rows are in (one sort, instead of a B-tree insert per row).
+INDEXES = (
+    "CREATE UNIQUE INDEX nodes_parent_name ON nodes(parent, name)",
+    "CREATE INDEX nodes_parent ON nodes(parent)",
+)
 
 
 class CatalogError(Exception):

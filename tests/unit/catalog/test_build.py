@@ -1,13 +1,22 @@
-"""Building a catalog (``catalog.build``): from an object store's listing, what it keeps of expansions across
+"""Building a catalog (``catalog.build``): from a local tree and from an object store's listing, what it keeps of expansions across
 rebuilds, and the writers of a catalog in the making."""
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
-from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build_from_objects
+import pytest
+
+from liquidfs.catalog import build as build_module
+from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build, build_from_objects
 from liquidfs.catalog.catalog import Catalog
-from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, ROOT_ID
+from liquidfs.catalog.identity import file_version
+from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
+from liquidfs.catalog.scan import Warmer
+from liquidfs.catalog.schema import NODE_COLUMNS
 
 
 def _tree(cat: Catalog) -> dict[bytes, tuple[int, int, int | None]]:
@@ -89,3 +98,147 @@ def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_pat
     names = {p.name for p in store.iterdir()}
     assert alive.tmp.name in names and dead.tmp.name not in names
     alive.finish({})
+
+
+def _walked(root: Path) -> list[tuple[object, ...]]:
+    """The rows a local tree's catalog holds, by the walk every build so far has made: ids depth first, the last
+    directory pushed listed first, each directory's entries by name; one lstat per entry (a symlink's target read
+    after it), entries that fail it or are neither file, directory nor symlink left out without an id."""
+    top = os.stat(root)
+    rows: list[tuple[object, ...]] = []
+    directories = {ROOT_ID: [ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, top.st_mode, top.st_size, top.st_mtime_ns, 0]}
+    stack, next_id = [(ROOT_ID, os.fsencode(root), b"")], ROOT_ID + 1
+    while stack:
+        parent, path, rel_dir = stack.pop()
+        try:
+            names = sorted(entry.name for entry in os.scandir(path))
+        except OSError:
+            names = []
+        for name in names:
+            rel, full = (rel_dir + b"/" + name if rel_dir else name), os.path.join(path, name)
+            try:
+                st = os.lstat(full)
+                target = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                directories[parent][8] += 1
+                directories[next_id] = [next_id, parent, name, rel, KIND_DIR, st.st_mode, st.st_size, st.st_mtime_ns, 0]
+                stack.append((next_id, full, rel))
+            elif stat.S_ISREG(st.st_mode):
+                rows.append((next_id, parent, name, rel, KIND_FILE, st.st_mode, st.st_size, st.st_mtime_ns, 0, None,
+                             REPR_ORIGINAL, None, None, None, file_version(st), None))
+            elif target is not None:
+                rows.append((next_id, parent, name, rel, KIND_SYMLINK, st.st_mode, len(target), st.st_mtime_ns, 0,
+                             target, REPR_ORIGINAL, None, None, None, None, None))
+            else:
+                continue
+            next_id += 1
+    rows += [(*row, None, REPR_ORIGINAL, None, None, None, None, None) for row in directories.values()]
+    return sorted(rows, key=lambda row: row[0])  # type: ignore[arg-type, return-value]
+
+
+def _odd_tree(src: Path) -> None:
+    """Files, nested directories, symlinks, names no UTF-8 decodes or holding a newline, a fifo, sizes and modes
+    of every kind; enough entries for the helper that reads ahead to start (``START_AFTER`` lowered)."""
+    src.mkdir()
+    (src / "a.png").write_bytes(b"x" * 10)
+    os.chmod(src / "a.png", 0o640)
+    for d in ("train/aachen", "train/bochum/deep/er", "val", "empty"):
+        (src / d).mkdir(parents=True)
+    for i in range(40):
+        (src / "train" / "aachen" / f"{i:03d}.png").write_bytes(b"y" * i)
+    (src / "train" / "bochum" / "deep" / "er" / "z").write_bytes(b"")
+    os.utime(src / "train" / "bochum" / "deep" / "er" / "z", ns=(1, 123_456_789_012))
+    os.symlink("../a.png", src / "val" / "link")
+    os.symlink("/nowhere/at/all", src / "val" / "dangling")
+    os.mkfifo(src / "val" / "fifo")
+    (src / os.fsdecode(b"not-utf8-\xff\xfe")).write_bytes(b"odd")
+    (src / "new\nline").write_bytes(b"nl")
+    os.mkdir(src / os.fsdecode(b"dir-\xe9"))
+    (src / os.fsdecode(b"dir-\xe9") / "inner").write_bytes(b"in")
+
+
+def _rows(store: Path) -> list[tuple[object, ...]]:
+    cat = Catalog.open(store, readonly=True)
+    try:
+        return cat.db.execute(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY id").fetchall()
+    finally:
+        cat.close()
+
+
+@pytest.mark.parametrize("ahead", [True, False], ids=["read-ahead", "alone"])
+def test_a_local_tree_is_recorded_as_the_walk_always_recorded_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 ahead: bool) -> None:
+    """Every row (ids, kinds, sizes, modes, mtimes, targets, file versions) as the plain walk gives it, whether the
+    helper reading inodes ahead runs (its threshold lowered to nothing) or not."""
+    src = tmp_path / "src"
+    _odd_tree(src)
+    monkeypatch.setattr(build_module, "START_AFTER", 0 if ahead else 10**9)
+    report = build(src, tmp_path / "store")
+    rows = _rows(tmp_path / "store")
+    assert rows == _walked(src)
+    paths = {row[3] for row in rows}
+    assert {b"not-utf8-\xff\xfe", b"new\nline", b"dir-\xe9/inner", b"train/bochum/deep/er/z", b"val/link"} <= paths
+    assert b"val/fifo" not in paths
+    assert (report.files, report.symlinks, report.directories, report.ignored) == (45, 2, 8, 1)
+
+
+def test_what_changes_during_the_scan_is_recorded_as_the_lstat_saw_it(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry deleted between the listing and its lstat is left out (no id spent on it), one replaced is recorded
+    as what replaced it, a directory that cannot be listed is shown empty: as the plain walk records them."""
+    src = tmp_path / "src"
+    _odd_tree(src)
+    listing = os.scandir
+    changed: list[bytes] = []
+
+    class _Changing:
+        """A listing after which the tree changes, before any entry of it is stat-ed."""
+
+        def __init__(self, path: bytes) -> None:
+            if not isinstance(path, bytes):  # not the walk's (the store's own files)
+                self.entries = list(listing(path))
+                return
+            if path.endswith(b"/val"):
+                raise PermissionError(13, "Permission denied", path)
+            self.entries = list(listing(path))
+            if path.endswith(b"/aachen") and not changed:
+                changed.append(path)
+                os.unlink(os.path.join(path, b"001.png"))
+                replacement = os.path.join(path, b"new")
+                Path(os.fsdecode(replacement)).write_bytes(b"replaced, longer")
+                os.replace(replacement, os.path.join(path, b"002.png"))
+
+        def __enter__(self) -> _Changing:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def __iter__(self) -> Iterator[os.DirEntry[bytes]]:
+            return iter(self.entries)
+
+    monkeypatch.setattr(build_module, "START_AFTER", 10**9)
+    monkeypatch.setattr(os, "scandir", _Changing)
+    build(src, tmp_path / "store")
+    rows = {row[3]: row for row in _rows(tmp_path / "store")}
+    assert b"train/aachen/001.png" not in rows
+    assert rows[b"train/aachen/002.png"][6] == len(b"replaced, longer")
+    assert rows[b"val"][8] == 0 and not any(path.startswith(b"val/") for path in rows)
+    # The plain walk of the changed tree, val unlisted; aachen's mtime is the one it had when it was stat-ed, before
+    # the change.
+    assert changed and rows[b"train/aachen"][7] < os.stat(src / "train" / "aachen").st_mtime_ns
+    masked = {b"train/aachen"}
+    assert [row for row in sorted(rows.values()) if row[3] not in masked] == \
+        [row for row in _walked(src) if row[3] not in masked]
+
+
+def test_the_helper_that_reads_ahead_is_gone_when_the_build_is_done(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    with Warmer() as warmer:
+        warmer.start()
+        warmer.expect([os.fsencode(tmp_path / "d"), b"/no/such/directory"])
+        process = warmer._process
+        assert process is not None
+    assert process.poll() is not None
