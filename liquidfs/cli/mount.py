@@ -51,8 +51,8 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     tuning.add_argument("--loops", type=int, default=MOUNT_DEFAULTS["loops"], metavar="N",
                    help="processes that answer the mount's requests, each on a core of its own: one answers a few "
                    "thousand opens a second, so loaders with many workers opening small files want more (e.g. "
-                   "one per four workers). Needs the passthrough data path, and no --cache-size, --disk-cache, "
-                   "--cluster or --mix (each loop would hold its own) (default 1)")
+                   "one per four workers). Needs the passthrough data path, and none of --cache-size, --disk-cache, "
+                   "--cluster, --mix, --warmup, --verify-reads (each loop would hold its own) (default 1)")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
                    help="memory for the next-epoch cache: bytes (24G, 512M) or a percentage (30%%) of what "
                    "holding every file would cost (on the passthrough path each file takes whole pages and "
