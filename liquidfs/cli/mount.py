@@ -48,11 +48,12 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help="storage calls of opens in flight at once, apart from the reads' --threads: an open waits "
                    "on the disk's latency (the source's identity, the raw object's inode), so as many as the "
                    f"loader has workers should proceed together (default {MOUNT_DEFAULTS['open_threads']})")
-    tuning.add_argument("--loops", type=int, default=MOUNT_DEFAULTS["loops"], metavar="N",
+    tuning.add_argument("--loops", type=argument(options.loops), default="auto", metavar="N|auto",
                    help="processes that answer the mount's requests, each on a core of its own: one answers a few "
-                   "thousand opens a second, so loaders with many workers opening small files want more (e.g. "
-                   "one per four workers). Needs the passthrough data path, and none of --cache-size, --disk-cache, "
-                   "--cluster, --mix, --warmup, --verify-reads (each loop would hold its own) (default 1)")
+                   "thousand opens a second, so loaders with many workers opening files want more. Needs the "
+                   "passthrough data path, and none of --cache-size, --disk-cache, --cluster, --mix, --warmup, "
+                   f"--verify-reads (each loop would hold its own). Default auto: one per {options.CORES_PER_LOOP} "
+                   f"cores this mount may use, at most {options.AUTO_LOOPS}, where those options allow; else 1")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
                    help="memory for the next-epoch cache: bytes (24G, 512M) or a percentage (30%%) of what "
                    "holding every file would cost (on the passthrough path each file takes whole pages and "
@@ -222,6 +223,9 @@ def _data_path_said(mountpoint: Path) -> str:
         return "data path: see `liquidfs stats`"
     path, why = values.get("data_path"), values.get("data_path_why")
     said = f"data path: {path}" + (f", since {why}" if path != "passthrough" and why else "")
+    loops = values.get("loops")
+    if isinstance(loops, list) and len(loops) > 1:
+        said += f"; {len(loops)} loops"
     size, share = values.get("cluster_bytes"), values.get("cluster_share")
     if isinstance(size, int) and isinstance(share, (int, float)):
         said += (f"; cluster: {size / 2**20:.0f} MiB from {values.get('cluster_size_from', '--cluster-size')}, "

@@ -173,23 +173,42 @@ def _positive_seconds(flag: str, value: float) -> float:
     return value
 
 
-def _check_loops(args: argparse.Namespace) -> None:
-    """``--loops N``: each loop has its own memory, so whatever is held or decided across opens (the caches, the
-    mix) must stay in one; reads go through the kernel (passthrough) so that no READ needs the loop that opened."""
-    from ..datapath.shared_inodes import MAX_LOOPS
+#: ``mount --loops auto``: a loop per this many cores the mount may use (the loader's workers need the rest), and
+#: at most this many loops (8 opened 3.4-4.1x what one did on a 16-core node: BENCHMARKS.md, "Several loops").
+CORES_PER_LOOP = 4
+AUTO_LOOPS = 8
 
-    if not 1 <= args.loops <= MAX_LOOPS:
-        raise OptionError(f"--loops must be in 1..{MAX_LOOPS}, not {args.loops}")
-    if args.loops == 1:
-        return
+
+def loops(text: str) -> int | str:
+    """``mount --loops``: "auto" or a number of processes."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--loops takes 'auto' or a number of processes, not {text!r}") from None
+
+
+def _loops(args: argparse.Namespace) -> int:
+    """``--loops N``: each loop has its own memory, so whatever is held or decided across opens (the caches, the
+    mix) must stay in one; reads go through the kernel (passthrough) so that no READ needs the loop that opened.
+    "auto": as many as the cores allow, where those options leave more than one possible."""
+    from ..datapath.shared_inodes import MAX_LOOPS
+    from ..expand.workers import usable_cores
+
     clashes = [flag for flag, given in (("--cache-size", args.cache_size), ("--disk-cache", args.disk_cache),
                                         ("--cluster", args.cluster), ("--mix", args.mix != "prepared"),
                                         ("--warmup", args.warmup), ("--data-path daemon", args.data_path == "daemon"),
                                         ("--page-cache direct", args.page_cache == "direct"),
                                         ("--verify-reads", args.verify_reads)) if given]
-    if clashes:
+    if args.loops == "auto":
+        return 1 if clashes else max(1, min(AUTO_LOOPS, usable_cores() // CORES_PER_LOOP))
+    if not 1 <= args.loops <= MAX_LOOPS:
+        raise OptionError(f"--loops must be in 1..{MAX_LOOPS}, not {args.loops}")
+    if args.loops > 1 and clashes:
         raise OptionError(f"--loops {args.loops} cannot go with {', '.join(clashes)}: each loop would hold or "
-                          "decide its own (use one loop, the default)")
+                          "decide its own (use one loop)")
+    return int(args.loops)
 
 
 def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
@@ -226,13 +245,13 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
             read_key_file(key_file)
         except KeyFileError as exc:
             raise OptionError(str(exc)) from None
-    _check_loops(args)
+    loop_count = _loops(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")
     return MountConfig(
         source=storage.source_label, mountpoint=Path(args.mountpoint).absolute(), store=storage.label,
         allow_other=args.allow_other, fuse_options=tuple(o for opts in args.options for o in opts.split(",") if o),
-        threads=threads, open_threads=args.open_threads, loops=args.loops, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
+        threads=threads, open_threads=args.open_threads, loops=loop_count, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         cache_size=cache_size, warmup=args.warmup, readahead_kb=args.readahead_kb,
         io_timeout=_positive_seconds("--io-timeout", args.io_timeout), page_cache=args.page_cache,
         open_bytes=MOUNT_DEFAULTS["open_bytes"] if open_bytes is None else open_bytes,

@@ -63,12 +63,12 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
     """The other ``config.loops - 1`` loops, forked after INIT (which this answers); None where one loop serves
     (the reason logged): a pyfuse3 without our clone patch, or no passthrough granted."""
     if not handle_init_here():
-        log.warning("--loops %d: this pyfuse3 cannot answer INIT before its loop (scripts/passthrough/build.sh "
-                    "builds one that can): one loop serves", config.loops)
+        log.info("--loops %d: one loop serves, as this pyfuse3 cannot answer INIT before its loop "
+                 "(scripts/passthrough/build.sh builds one that can)", config.loops)
         return None
     why = passthrough.engaged()
     if why is not None:
-        log.warning("--loops %d: one loop serves, as passthrough is not available (%s)", config.loops, why)
+        log.info("--loops %d: one loop serves, as passthrough is not available (%s)", config.loops, why)
         return None
     shared = SharedInodes(config.loops)
     pairs = Peers.made(config.loops)

@@ -9,6 +9,7 @@ for a pod's working set. The parsers take the files' text, so tests feed them an
 from __future__ import annotations
 
 import logging
+import math
 import os
 import posixpath
 from collections.abc import Iterable
@@ -149,6 +150,34 @@ def cpu_count() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """cgroup v2's cpu.max ("QUOTA PERIOD"): the cores' worth it allows, or None for no limit ("max ...")."""
+    fields = text.split()
+    if not fields or fields[0] == "max":
+        return None
+    period = int(fields[1]) if len(fields) > 1 else 100_000
+    return int(fields[0]) / period if period > 0 else None
+
+
+def usable_cores(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int:
+    """The cores this process can keep busy: its affinity, or fewer where a cgroup (v2) above it allows less CPU
+    time (``cpu.max``, what a container's CPU limit sets; affinity alone shows the host's cores there)."""
+    cores = cpu_count()
+    v2, _ = parse_cgroup_paths(_read(posixpath.join(proc, "self/cgroup")) or "")
+    if v2 is None:
+        return cores
+    for level in _levels(cgroup_root, v2):
+        text = _read(posixpath.join(level, "cpu.max"))
+        try:
+            allowed = parse_cpu_max(text) if text is not None else None
+        except ValueError:
+            log.debug("unreadable cpu.max in %s", level)
+            continue
+        if allowed is not None:
+            cores = min(cores, max(1, math.ceil(allowed)))
+    return cores
 
 
 # -- the worker count -----------------------------------------------------------------------------------

@@ -278,17 +278,19 @@ class Peers:
 
 
 def merged(values: list[dict[str, Any]]) -> dict[str, Any]:
-    """The statistics of every loop as one: counters summed, anything else (names, states, the pid, the
-    dataset's totals) as the first loop has it; each loop's own under ``loops``."""
+    """The statistics of every loop as one: counters summed, anything else (names, states, the dataset's totals,
+    the pid: the mount's daemon, which ``umount`` waits for) as the first loop (``loop`` 0) has it, whichever loop
+    answered; each loop's own under ``loops``, in order."""
+    values = sorted(values, key=lambda v: v.get("loop", 0))
     first = dict(values[0])
     for other in values[1:]:
         _add(first, other)
-    first["loops"] = [{"pid": v.get("pid"), "opens": v.get("opens")} for v in values]
+    first["loops"] = [{"loop": v.get("loop", 0), "pid": v.get("pid"), "opens": v.get("opens")} for v in values]
     return first
 
 
 #: Keys whose values are the mount's or the dataset's, not a loop's count.
-_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops"})
+_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops", "loop"})
 
 
 def _add(into: dict[str, Any], other: dict[str, Any]) -> None:

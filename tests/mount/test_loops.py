@@ -67,6 +67,10 @@ def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepare
     mnt = mount_loops(mounter, src, store)
     pids = {loop["pid"] for loop in stats(mnt)["loops"]}
     assert len(pids) == LOOPS and daemon_pid(mnt) in pids
+    for _ in range(10):  # whichever loop answers the control file, it names the mount's daemon: the others' parent
+        found = stats(mnt)
+        children = [loop["pid"] for loop in found["loops"] if loop["loop"]]
+        assert all(_parent(pid) == found["pid"] for pid in children) and found["loops"][0]["pid"] == found["pid"]
     wrong: list[str] = []
     errors: list[BaseException] = []
     start = threading.Barrier(16)
@@ -115,6 +119,10 @@ def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepare
     assert values["loop_requests_forwarded"] > 0  # releases reached other loops than their open's
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def test_a_changed_source_is_served_at_its_new_size_by_every_loop(prepared, tmp_path: Path,
                                                                   mounter: Mount) -> None:
     """A fallback's size is told once, by the loop that opened it; a lookup answered by any other loop after the
@@ -144,7 +152,9 @@ def test_a_loop_killed_leaves_the_others_serving(prepared, mounter: Mount) -> No
     want = expected_bytes(src, store)
     mnt = mount_loops(mounter, src, store, loops=3)
     first = daemon_pid(mnt)
-    victim = next(loop["pid"] for loop in stats(mnt)["loops"] if loop["pid"] != first)
+    found = stats(mnt)["loops"]
+    assert found[0] == {"loop": 0, "pid": first, "opens": found[0]["opens"]}  # the mount's daemon, whoever answered
+    victim = found[2]["pid"]
     os.kill(victim, signal.SIGKILL)
     wait_for(lambda: len(stats(mnt)["loops"]) == 2, 30, what="the killed loop left out")
     for _ in range(3):

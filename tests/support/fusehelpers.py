@@ -122,7 +122,10 @@ class Mount:
         return mnt, proc
 
     def _data_path_args(self, args: tuple[str, ...]) -> list[str]:
-        return ["--data-path", self.data_path] if self.data_path and "--data-path" not in args else []
+        chosen = ["--data-path", self.data_path] if self.data_path and "--data-path" not in args else []
+        # One loop unless a test asks for more: `--loops auto` (the default) follows the machine's cores, and a
+        # test's counts and daemon pid must not (tests/mount/test_loops.py runs several).
+        return chosen + ([] if "--loops" in args else ["--loops", "1"])
 
     def umount(self, mnt: Path) -> None:
         subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True, capture_output=True,

@@ -69,9 +69,10 @@ def test_release_read_and_statistics_reach_the_loop_that_opened() -> None:
                 sock.close()
 
 
-def test_merged_statistics_sum_counters_and_keep_the_mounts_own() -> None:
+def test_merged_statistics_sum_counters_and_keep_the_first_loops_own() -> None:
     a, b = Loop("a").statistics(), Loop("b").statistics()
-    values = merged([a, b])
+    a["loop"], b["loop"] = 0, 1
+    values = merged([b, a])  # answered by loop 1: the pid is still the first loop's (the mount's daemon)
     assert values["opens"] == 6 and values["requests"]["open"]["count"] == 4
-    assert values["files"] == 10 and values["pid"] == "a" and values["data_path"] == "x"
-    assert values["loops"] == [{"pid": "a", "opens": 3}, {"pid": "b", "opens": 3}]
+    assert values["files"] == 10 and values["pid"] == "a" and values["data_path"] == "x" and values["loop"] == 0
+    assert values["loops"] == [{"loop": 0, "pid": "a", "opens": 3}, {"loop": 1, "pid": "b", "opens": 3}]
