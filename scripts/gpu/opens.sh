@@ -20,6 +20,6 @@ python3 scripts/gpu/dataset.py "$work" "$images"
 for threads in 4 64; do
     echo "== --open-threads $threads"
     python3 scripts/bench/bench_opens.py --shapes opens,large --readers ${READERS:-12,16} --large "$images" --repeats 3 \
-        --work "$work" --json "$out/opens-threads$threads.json" --mount-options "--open-threads $threads" 2>&1 \
+        --work "$work" --json "$out/opens-threads$threads.json" --mount-options "--open-threads $threads --loops 1" 2>&1 \
         | grep -v '^reusing'
 done

@@ -3,7 +3,7 @@
 # timeout, so the session's device time is never overrun): the kit installed (scripts/gpu/setup.sh); nvImageCodec's
 # lossless J2K check with the profile's own weighing (its wheels in KIT/nvwhl, fetched by hand: docs/install.md;
 # J2K_SECONDS, 0 skips it); then bench_train's torchvision loop (ResNet-50) over a direct BMP copy and a mount at
-# ratio 1, every epoch cold, at each of CORES (a list, default 12). Every line is stamped with the time, and a step
+# ratio 1 (its loops `auto`: one per 4 cores), every epoch cold, at each of CORES (a list, default 12). Every line is stamped with the time, and a step
 # that runs out of time prints its Python stack (SIGABRT + faulthandler) before it ends.
 #
 #   bash scripts/gpu/kit.sh                # here, once (+ the nvImageCodec wheels into .gpukit/nvwhl)
