@@ -10,7 +10,7 @@ it go closes it. Each loop's users are counted apart, so a loop that dies can be
 must say what that open said.
 
 Two open-addressed tables of fixed slots in one anonymous shared mapping made before the fork, under one lock (a
-process-shared semaphore). Both hold few entries: the backings of the inodes open now (bounded by the opens in
+record lock the kernel lets go of when its holder dies). Both hold few entries: the backings of the inodes open now (bounded by the opens in
 flight), the sizes of files whose raw object was not served.
 """
 
@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import fcntl
 import mmap
-import multiprocessing
+import os
 import struct
 from collections.abc import Callable
 
@@ -106,7 +107,7 @@ class SharedInodes:
         self._map = mmap.mmap(-1, sizes_at + size_slots * _SIZE.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self._backings = _Table(self._map, _HEADER.size, _BACKING, backing_slots)
         self._sizes = _Table(self._map, sizes_at, _SIZE, size_slots)
-        self._lock = multiprocessing.get_context("fork").Lock()
+        self._lock = _DeathSafeLock()
 
     # -- backings --------------------------------------------------------------------------------------
 
@@ -204,6 +205,22 @@ class SharedInodes:
             else:
                 _SIZE.pack_into(self._map, table.offset(free), inode, size)
                 _HEADER.pack_into(self._map, 0, count + 1)
+
+
+class _DeathSafeLock:
+    """A lock between processes that the kernel releases when its holder dies (a POSIX record lock on a memfd
+    made before the fork): a loop killed inside a section must not leave the others waiting for ever, as a
+    semaphore would. Record locks are a process's, so each process takes it from one thread only (its loop)."""
+
+    def __init__(self) -> None:
+        self._fd = os.memfd_create("liquidfs-shared-inodes", os.MFD_CLOEXEC)
+        os.write(self._fd, b"\0")
+
+    def __enter__(self) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
 
 
 def _unregister(unregister: Callable[[int], None], backing_id: int) -> None:

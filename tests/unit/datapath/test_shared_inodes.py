@@ -121,3 +121,27 @@ def test_backings_attached_in_two_processes_are_registered_once() -> None:
         shared.detach(inode, 0, closed.append)
     assert closed == []  # the other process's users remain
     assert shared.reap(1, closed.append) == 199 and len(closed) == 199
+
+
+def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
+    """A loop killed inside a section (SIGKILL) must not leave the other loops waiting for the lock for ever."""
+    import signal
+    import threading
+    import time
+
+    shared = SharedInodes(2)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        shared._lock.__enter__()  # and never leaves it
+        os.write(w, b"x")
+        time.sleep(60)
+        os._exit(0)
+    os.read(r, 1)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    got: list[int] = []
+    attaching = threading.Thread(target=lambda: got.append(shared.attach(3, 0, (1, 3), lambda: 42)), daemon=True)
+    attaching.start()
+    attaching.join(10)
+    assert got == [42], "the lock stayed held by a process that was killed (a semaphore would)"
