@@ -295,3 +295,18 @@ def test_inodes_only_looked_up_cost_a_word_each_and_the_rows_kept_are_bounded(op
     table.forget(7, 2)
     table.forget(1000, 1)  # never looked up: nothing to forget
     assert table.known == 97 and table.lookups(7) == 0
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_the_lookups_of_ten_million_ids_take_no_memory_until_touched() -> None:
+    """One word per catalog id is kept for the kernel's lookups; its pages are resident only once written (a
+    mount's start, and each loop of --loops, would otherwise hold 80 MB at ten million files)."""
+    before = _resident_bytes()
+    from liquidfs.datapath.inodes import Inodes
+
+    inodes = Inodes(MountStats(), 10_000_000)
+    assert _resident_bytes() - before < 20 << 20
+    assert inodes.lookups(9_999_999) == 0 and inodes.lookups(20_000_000) == 0
