@@ -19,6 +19,7 @@ import os
 import signal
 import socket
 import struct
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -151,13 +152,31 @@ async def watch(loops: Loops, ops: Operations) -> None:
             nursery.start_soon(one, index, pid)
 
 
+#: Seconds the first loop waits for the others to end at the mount's end before it unmounts anyway (a loop
+#: stuck in the kernel, on a dead disk, must not keep the mount from being unmounted; PR_SET_PDEATHSIG ends it).
+STOP_WAIT = 5.0
+
+
 def stop(loops: Loops) -> None:
-    """After the mount ended: the other loops have seen it too; any still running is killed, all reaped."""
+    """At the mount's end: every other loop is told to end (SIGTERM) and reaped, for at most ``STOP_WAIT``."""
+    running = []
     for pid in loops.pids:
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if not done:
+            if not os.waitpid(pid, os.WNOHANG)[0]:
                 os.kill(pid, signal.SIGTERM)
-                os.waitpid(pid, 0)
-        except ChildProcessError:
+                running.append(pid)
+        except (ChildProcessError, ProcessLookupError):
             pass
+    deadline = time.monotonic() + STOP_WAIT
+    while running and time.monotonic() < deadline:
+        time.sleep(0.02)
+        running = [pid for pid in running if not _reaped(pid)]
+    if running:
+        log.warning("loops %s did not end in %.0f s: unmounting without them", running, STOP_WAIT)
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] != 0
+    except ChildProcessError:
+        return True

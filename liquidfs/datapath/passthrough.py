@@ -217,9 +217,10 @@ class PassthroughPath:
         if self.shared is None:
             return self.kernel.register(backing.fd)
         if backing.kind in ("memfd", "disk"):
-            # Bytes read whole and checked: a raw object's are its checksum's, the same in every loop. An
-            # original read whole (a fallback) may have changed between two loops' reads: never shared.
-            identity = (-1, backing.size) if backing.raw else (-2, id(backing))
+            # Bytes read whole and checked (a raw object's against its checksum, an object store's against its
+            # ETag): each loop's memfd holds the file's bytes, and the first registered serves them all, as one
+            # loop's later opens share its first open's memfd without reading again.
+            identity = (-1, backing.size)
         else:
             st = os.fstat(backing.fd)
             identity = (st.st_dev, st.st_ino)

@@ -28,9 +28,12 @@ log = logging.getLogger(__name__)
 
 #: Loops a mount may run (each has a user count in every backing slot).
 MAX_LOOPS = 32
-#: Slots of the backings' table: inodes open at once across the loops (the open budget bounds them far below).
-BACKING_SLOTS = 8192
-#: Slots of the sizes' table: files served at another size than the catalog's (fallbacks).
+#: Slots of the backings' table: inodes open at once across the loops (6 MB shared); past it an open fails with
+#: EMFILE. A loader keeps at most its shuffle buffer open (DALI's 1,024 by default), far below.
+BACKING_SLOTS = 1 << 16
+#: Slots of the sizes' table: files served at another size than the catalog's (fallbacks). Past half of them the
+#: sizes of files no loop has open are let go, as one loop lets a size go when the kernel forgets the inode: the
+#: next open of such a file tells the kernel its size again before it is answered.
 SIZE_SLOTS = 65536
 
 _EMPTY = 0  # a slot's inode when it holds none (inode numbers start at 1)
@@ -200,11 +203,29 @@ class SharedInodes:
                     _HEADER.pack_into(self._map, 0, count - 1)
             elif at >= 0:
                 _SIZE.pack_into(self._map, table.offset(at), inode, size)
-            elif free is None:
-                raise TableFull(errno.EIO, "too many files served at another size than the catalog's")
             else:
+                if count >= table.slots // 2:
+                    count -= self._forget_closed_sizes()
+                    at, free = table.find(inode)
+                if free is None:
+                    raise TableFull(errno.EIO, "too many files served at another size than the catalog's")
                 _SIZE.pack_into(self._map, table.offset(free), inode, size)
                 _HEADER.pack_into(self._map, 0, count + 1)
+
+    def _forget_closed_sizes(self) -> int:
+        """Let go of the sizes of files no loop has open (the lock held); returns how many."""
+        table, freed, at = self._sizes, 0, 0
+        while at < table.slots:
+            inode = table.inode_at(at)
+            if inode != _EMPTY and self._backings.find(inode)[0] < 0:
+                table.remove(at)  # a later entry may have moved here: look at this slot again
+                freed += 1
+                continue
+            at += 1
+        if freed:
+            _HEADER.pack_into(self._map, 0, int(_HEADER.unpack_from(self._map, 0)[0]) - freed)
+            log.info("let go of %d sizes told of files no loop has open", freed)
+        return freed
 
 
 class _DeathSafeLock:

@@ -462,7 +462,8 @@ class Operations(pyfuse3.Operations):
         if self.jobs is not None:
             self.jobs.name_openers(values.get("jobs"))
         if self.peers is not None:
-            values["loop"] = self.peers.index  # 0: the first, whose pid is the mount's (``peers.merged``)
+            values["loop"] = self.peers.index
+            values["loop_pid"], values["pid"] = values["pid"], self.peers.first_pid  # the mount's daemon
             values["loop_requests_forwarded"] = self.peers.forwarded  # sent to the loop that opened the file
             values["loop_requests_answered"] = self.peers.answered    # answered here for another loop
         return values

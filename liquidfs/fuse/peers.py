@@ -29,9 +29,10 @@ log = logging.getLogger(__name__)
 
 #: A handle's low bits name its loop (``shared_inodes.MAX_LOOPS`` loops at most).
 LOOP_BITS = 5
-#: The largest READ forwarded (the kernel asks for at most 1 MiB with passthrough's connection settings).
-MAX_FORWARDED_READ = 2 << 20
-_BUFFER = MAX_FORWARDED_READ + 4096
+#: Socket buffers asked for: a forwarded READ's answer travels in one message, so a READ larger than what the
+#: buffer granted (``net.core.wmem_max`` caps it without CAP_NET_ADMIN) is asked for in parts (``Peers.read``).
+_BUFFER = (4 << 20) + 4096
+_SO_SNDBUFFORCE, _SO_RCVBUFFORCE = 32, 33  # <asm-generic/socket.h>; not in the socket module
 #: Seconds a forwarded READ or a loop's statistics are waited for before the request fails (EIO) or the loop is
 #: left out: a loop that does not answer in this long is stuck or gone.
 ANSWER_TIMEOUT = 30.0
@@ -78,14 +79,21 @@ class Peers:
     """Loop ``index`` of ``count``'s ends of the sockets between the loops (``Peers.made`` before the fork, then
     ``Peers.mine`` in each loop)."""
 
-    def __init__(self, pairs: list[tuple[socket.socket, socket.socket]], index: int) -> None:
+    def __init__(self, pairs: list[tuple[socket.socket, socket.socket]], index: int,
+                 first_pid: int | None = None) -> None:
         self.count = len(pairs)
         self.index = index
+        #: The first loop's pid: the mount's daemon, which the control file names in every loop (``umount`` waits
+        #: for it), whichever loop answers.
+        self.first_pid = os.getpid() if first_pid is None else first_pid
         self._send = [pair[0] for pair in pairs]
         self._receive = pairs[index][1]
         self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[int, _Waiting]] = {}
         self._gone: set[int] = set()
+        # The largest answer one message carries: a quarter of the send buffer granted (the kernel counts its own
+        # overhead against it), never less than a page.
+        self.max_answer = max(4096, min(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) for s in self._send) // 4)
         self.forwarded = 0  # requests sent to another loop
         self.answered = 0   # requests answered for another loop
 
@@ -97,21 +105,22 @@ class Peers:
             a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             for sock in (a, b):
                 sock.setblocking(False)
-                for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                    try:  # a forwarded READ's bytes in one message; SO_*BUFFORCE where root may exceed the cap
-                        sock.setsockopt(socket.SOL_SOCKET, option + 32, 2 * _BUFFER)
+                for forced, option in ((_SO_SNDBUFFORCE, socket.SO_SNDBUF), (_SO_RCVBUFFORCE, socket.SO_RCVBUF)):
+                    try:  # past net.core.[rw]mem_max where CAP_NET_ADMIN allows it, else up to it
+                        sock.setsockopt(socket.SOL_SOCKET, forced, _BUFFER)
                     except OSError:
-                        sock.setsockopt(socket.SOL_SOCKET, option, 2 * _BUFFER)
+                        sock.setsockopt(socket.SOL_SOCKET, option, _BUFFER)
             pairs.append((a, b))
         return pairs
 
     @classmethod
     def mine(cls, pairs: list[tuple[socket.socket, socket.socket]], index: int) -> Peers:
-        """Loop ``index``'s view after the fork: the other loops' reading ends closed here."""
+        """Loop ``index``'s view after the fork (in the child itself: its parent is the first loop): the other
+        loops' reading ends closed here."""
         for i, (_, receive) in enumerate(pairs):
             if i != index:
                 receive.close()
-        return cls(pairs, index)
+        return cls(pairs, index, os.getpid() if index == 0 else os.getppid())
 
     def owner(self, fh: int) -> int | None:
         """The loop that made ``fh`` where it is another than this one."""
@@ -124,14 +133,31 @@ class Peers:
         loop = self.owner(fh)
         if loop is None or loop in self._gone:
             return  # a gone loop's backings were reaped with it
-        await self._put(loop, _RELEASE + _FH.pack(fh))
+        try:
+            await self._put(loop, _RELEASE + _FH.pack(fh))
+        except PeerError as exc:  # nothing to answer the kernel but done: the backing stays until the loop goes
+            log.warning("release of a file of loop %d not forwarded: %s", loop, exc.strerror)
 
     async def read(self, fh: int, offset: int, size: int) -> bytes:
+        """``size`` bytes at ``offset`` of ``fh`` as its loop reads them, asked for in parts no larger than one
+        message carries; fewer only at the end of the file (a short READ is the end of the file to the kernel)."""
+        parts: list[bytes] = []
+        done = 0
+        while done < size:
+            want = min(size - done, self.max_answer)
+            part = await self._read_part(fh, offset + done, want)
+            parts.append(part)
+            done += len(part)
+            if len(part) < want:
+                break
+        return b"".join(parts)
+
+    async def _read_part(self, fh: int, offset: int, size: int) -> bytes:
         loop = self.owner(fh)
         if loop is None or loop in self._gone:
             raise PeerError(errno.EIO, "the loop that opened it is gone")
         ask = self._ask(loop)
-        await self._put(loop, _READ + _ASK.pack(ask[0], self.index, fh, offset, min(size, MAX_FORWARDED_READ)))
+        await self._put(loop, _READ + _ASK.pack(ask[0], self.index, fh, offset, size))
         return await self._answer(ask, ANSWER_TIMEOUT)
 
     async def statistics(self) -> list[dict[str, Any]]:
@@ -171,17 +197,25 @@ class Peers:
         return waiting.payload
 
     async def _put(self, loop: int, message: bytes) -> None:
+        """Send ``message`` to ``loop``, waiting at most ``ANSWER_TIMEOUT`` for room: a loop stuck so long that
+        its socket stays full must not take this loop's tasks with it (a release lost leaks one backing; a dead
+        mount is worse). Any failure is a ``PeerError``."""
         sock = self._send[loop]
-        while True:
-            try:
-                sock.send(message)
-                self.forwarded += 1
-                return
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
-            except (BrokenPipeError, ConnectionError) as exc:
-                self.gone(loop)
-                raise PeerError(errno.EIO, f"loop {loop} is gone") from exc
+        with trio.move_on_after(ANSWER_TIMEOUT):
+            while True:
+                try:
+                    sock.send(message)
+                    self.forwarded += 1
+                    return
+                except BlockingIOError:
+                    await trio.lowlevel.wait_writable(sock)
+                except (BrokenPipeError, ConnectionError) as exc:
+                    self.gone(loop)
+                    raise PeerError(errno.EIO, f"loop {loop} is gone") from exc
+                except OSError as exc:  # EMSGSIZE and the like: this request cannot be sent
+                    raise PeerError(exc.errno or errno.EIO, f"to loop {loop}: {exc.strerror}") from exc
+        log.warning("loop %d took no request for %.0f s: one left unsent", loop, ANSWER_TIMEOUT)
+        raise PeerError(errno.EIO, f"loop {loop} does not take requests")
 
     def gone(self, loop: int) -> None:
         """``loop`` ended: what waits for it fails, and nothing is sent to it again."""
@@ -236,13 +270,14 @@ class Peers:
     async def _read(self, served: Served, ask_id: int, loop: int, fh: int, offset: int, size: int) -> None:
         self.answered += 1
         try:
-            data = await served.read(fh, offset, size)
+            data = await served.read(fh, offset, min(size, self.max_answer))
             reply = _REPLY.pack(ask_id, 0) + bytes(data)
         except OSError as exc:
             reply = _REPLY.pack(ask_id, exc.errno or errno.EIO)
         except Exception as exc:  # pyfuse3.FUSEError: its errno
             reply = _REPLY.pack(ask_id, getattr(exc, "errno", errno.EIO) or errno.EIO)
-        await self._reply(loop, reply)
+        if not await self._reply(loop, reply) and len(reply) > _REPLY.size:
+            await self._reply(loop, _REPLY.pack(ask_id, errno.EIO))  # the bytes could not go: an error can
 
     def _stats(self, served: Served, ask_id: int, loop: int) -> None:
         self.answered += 1
@@ -254,18 +289,22 @@ class Peers:
         self._reply_soon(loop, reply)
 
     def _reply_soon(self, loop: int, reply: bytes) -> None:
+        if loop >= self.count:
+            return
         try:
             self._send[loop].send(_ANSWER + reply)
         except OSError as exc:  # full or gone: the asker's wait ends in its timeout
             log.debug("answer to loop %d: %s", loop, exc)
 
-    async def _reply(self, loop: int, reply: bytes) -> None:
+    async def _reply(self, loop: int, reply: bytes) -> bool:
         if loop >= self.count or loop in self._gone:
-            return
+            return False
         try:
             await self._put(loop, _ANSWER + reply)
+            return True
         except PeerError as exc:
             log.debug("answer to loop %d: %s", loop, exc)
+            return False
 
     def _answered(self, body: bytes) -> None:
         ask_id, error = _REPLY.unpack_from(body)
@@ -278,19 +317,20 @@ class Peers:
 
 
 def merged(values: list[dict[str, Any]]) -> dict[str, Any]:
-    """The statistics of every loop as one: counters summed, anything else (names, states, the dataset's totals,
-    the pid: the mount's daemon, which ``umount`` waits for) as the first loop (``loop`` 0) has it, whichever loop
-    answered; each loop's own under ``loops``, in order."""
+    """The statistics of every loop as one: counters summed, anything else (names, states, the dataset's totals)
+    as the first loop (``loop`` 0) has it, whichever loop answered (every loop names the mount's daemon as
+    ``pid``); each loop's own pid (``loop_pid``) and opens under ``loops``, in order."""
     values = sorted(values, key=lambda v: v.get("loop", 0))
     first = dict(values[0])
     for other in values[1:]:
         _add(first, other)
-    first["loops"] = [{"loop": v.get("loop", 0), "pid": v.get("pid"), "opens": v.get("opens")} for v in values]
+    first["loops"] = [{"loop": v.get("loop", 0), "pid": v.get("loop_pid", v.get("pid")), "opens": v.get("opens")}
+                      for v in values]
     return first
 
 
 #: Keys whose values are the mount's or the dataset's, not a loop's count.
-_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops", "loop"})
+_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops", "loop", "loop_pid"})
 
 
 def _add(into: dict[str, Any], other: dict[str, Any]) -> None:

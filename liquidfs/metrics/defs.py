@@ -253,7 +253,8 @@ METRICS: tuple[Metric, ...] = (
 NOT_EXPORTED: dict[str, str] = {
     "pid": "the control file's, to find the daemon: no measurement",
     "loops": "mount --loops: each loop's pid and opens, for the user (the counters are the loops' sums)",
-    "loop": "mount --loops: which loop's pid the control file names (0: the first, the mount's daemon)",
+    "loop": "mount --loops: which loop answered (0: the first, the mount's daemon)",
+    "loop_pid": "mount --loops: the answering loop's own pid: no measurement",
     "cluster_size_from": "a word for the user (--cluster-size, or the memcacheds' stats): no measurement",
     "source": "a path: metrics carry no paths",
     "store": "a path: metrics carry no paths",

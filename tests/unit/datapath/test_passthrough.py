@@ -626,3 +626,42 @@ def test_a_hit_whose_memfd_copy_is_held_up_past_keep_wait_is_served_from_storage
     summary = level.statistics().values()
     assert summary["cache_lost_hits"] == 1, summary
     assert set(level.held_items()) == set(level.policy.held)
+
+
+def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, Path]) -> None:
+    """mount --loops: opens of one file in two loops at once share the backing the first registered, where each
+    loop read the file whole into a memfd of its own (an original here, with --verify-reads; an object store's
+    files): the kernel allows one backing per inode, and one loop's later opens share its first one's too."""
+    from liquidfs.datapath.shared_inodes import SharedInodes
+    from liquidfs.fuse.peers import Peers
+
+    src, store = prepared
+    kernel = FakeKernel()
+    shared = SharedInodes(2)
+    pairs = Peers.made(2)
+    loops = []
+    for index in range(2):
+        catalog = Catalog.open(store, readonly=True)
+        ops = passthrough_operations(catalog, StoreReader(catalog.source, store), kernel, verify_reads=True)
+        ops.join_loops(Peers(pairs, index), shared)
+        assert ops.data_path is not None
+        ops.data_path.join_loops(shared, index)  # type: ignore[attr-defined]
+        loops.append(ops)
+    node = next(n for n in loops[0].catalog.files() if not n.object)
+
+    async def main() -> None:
+        first = await loops[0].open(node.id, os.O_RDONLY, CTX)
+        second = await loops[1].open(node.id, os.O_RDONLY, CTX)
+        assert second.backing_id == first.backing_id and kernel.registered == 1
+        assert kernel.read(first.backing_id) == (src / os.fsdecode(node.path)).read_bytes()
+        await loops[0].release(first.fh)
+        assert first.backing_id in kernel.files  # loop 1 still has it open
+        await loops[1].release(second.fh)
+        assert kernel.files == {}
+
+    try:
+        trio.run(main)
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()

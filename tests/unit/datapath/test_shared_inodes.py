@@ -145,3 +145,12 @@ def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
     attaching.start()
     attaching.join(10)
     assert got == [42], "the lock stayed held by a process that was killed (a semaphore would)"
+
+
+def test_sizes_of_files_no_loop_has_open_are_let_go_when_the_table_fills() -> None:
+    shared, kernel = SharedInodes(2, size_slots=8), Kernel()
+    shared.attach(1, 0, (1, 1), kernel.register)  # inode 1 is open
+    for inode in range(1, 30):
+        shared.tell(inode, 1000 + inode)  # never full: the closed ones' sizes go
+    assert shared.size(1) == 1001 and shared.size(29) == 1029
+    assert sum(shared.size(i) is not None for i in range(1, 30)) <= 8

@@ -76,3 +76,37 @@ def test_merged_statistics_sum_counters_and_keep_the_first_loops_own() -> None:
     assert values["opens"] == 6 and values["requests"]["open"]["count"] == 4
     assert values["files"] == 10 and values["pid"] == "a" and values["data_path"] == "x" and values["loop"] == 0
     assert values["loops"] == [{"loop": 0, "pid": "a", "opens": 3}, {"loop": 1, "pid": "b", "opens": 3}]
+
+
+def test_a_read_larger_than_a_message_is_asked_for_in_parts() -> None:
+    """Where the socket buffers granted are small (net.core.wmem_max without CAP_NET_ADMIN), a forwarded READ
+    still comes back whole: in parts, never cut short (a short READ is the end of the file to the kernel)."""
+    import socket
+
+    pairs = Peers.made(2)
+    for pair in pairs:
+        for sock in pair:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+    peers = [Peers(pairs, i) for i in range(2)]
+    assert peers[0].max_answer < 1 << 20
+
+    class Counting(Loop):
+        async def read(self, fh: int, off: int, size: int) -> bytes:
+            return bytes((off + i) % 251 for i in range(min(size, 3_000_000 - off)))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peers[0].serve, Loop("L0"))  # where the answers come back
+            nursery.start_soon(peers[1].serve, Counting("L1"))
+            got = await peers[0].read(fh_of(5, 1), 1000, 1 << 20)
+            assert got == bytes((1000 + i) % 251 for i in range(1 << 20))
+            tail = await peers[0].read(fh_of(5, 1), 3_000_000 - 10, 1 << 20)  # the file's end: what there is
+            assert len(tail) == 10
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
