@@ -113,6 +113,13 @@ class Peers:
             pairs.append((a, b))
         return pairs
 
+    @staticmethod
+    def close_pairs(pairs: list[tuple[socket.socket, socket.socket]]) -> None:
+        """Every end of ``pairs`` closed (what ``made`` made, where no loop was forked from it: tests)."""
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
     @classmethod
     def mine(cls, pairs: list[tuple[socket.socket, socket.socket]], index: int) -> Peers:
         """Loop ``index``'s view after the fork (in the child itself: its parent is the first loop): the other

@@ -662,6 +662,4 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
     try:
         trio.run(main)
     finally:
-        for pair in pairs:
-            for sock in pair:
-                sock.close()
+        Peers.close_pairs(pairs)

@@ -64,9 +64,7 @@ def test_release_read_and_statistics_reach_the_loop_that_opened() -> None:
     try:
         trio.run(main)
     finally:
-        for pair in pairs:
-            for sock in pair:
-                sock.close()
+        Peers.close_pairs(pairs)
 
 
 def test_merged_statistics_sum_counters_and_keep_the_first_loops_own() -> None:
@@ -107,6 +105,4 @@ def test_a_read_larger_than_a_message_is_asked_for_in_parts() -> None:
     try:
         trio.run(main)
     finally:
-        for pair in pairs:
-            for sock in pair:
-                sock.close()
+        Peers.close_pairs(pairs)

@@ -578,9 +578,7 @@ def every_statistics(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict
         ops.join_loops(Peers(pairs, 0), SharedInodes(2))
         found["loops"] = merged([ops.statistics(), ops.statistics()])
     finally:
-        for pair in pairs:
-            for sock in pair:
-                sock.close()
+        Peers.close_pairs(pairs)
     catalog.close()
     return found
 
