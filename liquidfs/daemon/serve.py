@@ -18,7 +18,6 @@ import trio
 
 from ..datapath import passthrough
 from ..datapath.base import warm_up as warm_up_path
-from ..datapath.storage_calls import FUSE_WORKERS
 from ..fuse.operations import CONTROL_NAME, Operations
 from ..metrics.server import serve_metrics
 from ..mix.controller import MixController
@@ -109,10 +108,7 @@ async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_
         if ops.mix is not None and ops.mix.mode == "adaptive":
             nursery.start_soon(_steer_mix, ops, config)
         nursery.start_soon(_signal_ready, config, ops, built, ready_fd)
-        # scripts/passthrough/build.sh patches pyfuse3's loop to take requests already queued without waiting
-        # through trio (~70 us of CPU less per small file opened); the stock loop serves as well, slower.
-        ops.stats.dispatch = "queued-first" if getattr(pyfuse3, "queued_requests_first", False) else "stock"
-        await pyfuse3.main(max_tasks=FUSE_WORKERS)
+        await loops.answer(ops)
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
         nursery.cancel_scope.cancel()
 
