@@ -79,6 +79,18 @@ class _Table:
             at = (at + 1) % self.slots
         return -1, None
 
+    def sweep(self, drop: Callable[[int], bool]) -> int:
+        """``drop(at)`` for each slot holding an entry (it may rewrite the entry); where it says True the slot is
+        freed and looked at again, as a later entry may have moved into it. Returns the slots freed."""
+        freed, at = 0, 0
+        while at < self.slots:
+            if self.inode_at(at) != _EMPTY and drop(at):
+                self.remove(at)
+                freed += 1
+            else:
+                at += 1
+        return freed
+
     def remove(self, at: int) -> None:
         """Free slot ``at``, moving back each later entry of the run whose home lies at or before the gap."""
         memory, size = self.memory, self.record.size
@@ -158,23 +170,21 @@ class SharedInodes:
     def reap(self, loop: int, unregister: Callable[[int], None]) -> int:
         """``loop`` is gone: its users are taken out of every backing, and those no loop uses any more are
         unregistered. Returns how many were."""
-        table, freed = self._backings, 0
+        table = self._backings
+
+        def drop(at: int) -> bool:
+            fields = list(_BACKING.unpack_from(self._map, table.offset(at)))
+            if not fields[4 + loop]:
+                return False
+            fields[4 + loop] = 0
+            if any(fields[4:]):
+                _BACKING.pack_into(self._map, table.offset(at), *fields)
+                return False
+            _unregister(unregister, fields[1])
+            return True
+
         with self._lock:
-            at = 0
-            while at < table.slots:
-                fields = list(_BACKING.unpack_from(self._map, table.offset(at)))
-                if fields[0] == _EMPTY or not fields[4 + loop]:
-                    at += 1
-                    continue
-                fields[4 + loop] = 0
-                if any(fields[4:]):
-                    _BACKING.pack_into(self._map, table.offset(at), *fields)
-                    at += 1
-                    continue
-                table.remove(at)  # a later entry may have moved here: look at this slot again
-                _unregister(unregister, fields[1])
-                freed += 1
-        return freed
+            return table.sweep(drop)
 
     def backings(self) -> int:
         """Inodes with a shared backing now (for ``stats``)."""
@@ -214,14 +224,8 @@ class SharedInodes:
 
     def _forget_closed_sizes(self) -> int:
         """Let go of the sizes of files no loop has open (the lock held); returns how many."""
-        table, freed, at = self._sizes, 0, 0
-        while at < table.slots:
-            inode = table.inode_at(at)
-            if inode != _EMPTY and self._backings.find(inode)[0] < 0:
-                table.remove(at)  # a later entry may have moved here: look at this slot again
-                freed += 1
-                continue
-            at += 1
+        table = self._sizes
+        freed = table.sweep(lambda at: self._backings.find(table.inode_at(at))[0] < 0)
         if freed:
             _HEADER.pack_into(self._map, 0, int(_HEADER.unpack_from(self._map, 0)[0]) - freed)
             log.info("let go of %d sizes told of files no loop has open", freed)
