@@ -259,7 +259,7 @@ class Peers:
                         elif kind == _READ:
                             nursery.start_soon(self._read, served, *_ASK.unpack(body))
                         elif kind == _STATS:
-                            self._stats(served, *_ASK_STATS.unpack(body))
+                            nursery.start_soon(self._stats, served, *_ASK_STATS.unpack(body))
                         elif kind == _ANSWER:
                             self._answered(body)
                         else:
@@ -286,22 +286,14 @@ class Peers:
         if not await self._reply(loop, reply) and len(reply) > _REPLY.size:
             await self._reply(loop, _REPLY.pack(ask_id, errno.EIO))  # the bytes could not go: an error can
 
-    def _stats(self, served: Served, ask_id: int, loop: int) -> None:
+    async def _stats(self, served: Served, ask_id: int, loop: int) -> None:
         self.answered += 1
         try:
             reply = _REPLY.pack(ask_id, 0) + json.dumps(served.statistics()).encode()
         except Exception:  # a counter that cannot be written: said here, the asker leaves this loop out
             log.exception("statistics for another loop")
             reply = _REPLY.pack(ask_id, errno.EIO)
-        self._reply_soon(loop, reply)
-
-    def _reply_soon(self, loop: int, reply: bytes) -> None:
-        if loop >= self.count:
-            return
-        try:
-            self._send[loop].send(_ANSWER + reply)
-        except OSError as exc:  # full or gone: the asker's wait ends in its timeout
-            log.debug("answer to loop %d: %s", loop, exc)
+        await self._reply(loop, reply)  # one that cannot go: the asker's wait ends in its timeout
 
     async def _reply(self, loop: int, reply: bytes) -> bool:
         if loop >= self.count or loop in self._gone:
