@@ -9,14 +9,10 @@
 #   bash scripts/gpu/kit.sh            # here, once
 #   bash scripts/gpu/loops.sh [IMAGES] # there (default 192 images)
 set -uo pipefail
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-out=${OUT:-out/gpu}
+source "$(dirname "$0")/common.sh"
 images=${1:-192}
-mkdir -p "$out"
-stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done; }
-bash scripts/gpu/setup.sh .gpukit || exit 1
-export PYTHONPATH=$repo/.gpukit/shim PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 LIQUIDFS_PHOTOS=$repo/.gpukit/shim/skimage/data
+kit_setup || exit 1
+export PYTHONPATH=$repo/.gpukit/shim
 work=/tmp/bench-opens
 nproc
 python3 scripts/gpu/dataset.py "$work" "$images" 2>&1 | stamp

@@ -7,13 +7,10 @@
 #   bash scripts/gpu/kit.sh            # here, once
 #   bash scripts/gpu/opens.sh [IMAGES] # there (default 192 images)
 set -euo pipefail
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-out=${OUT:-out/gpu}
+source "$(dirname "$0")/common.sh"
 images=${1:-192}
-mkdir -p "$out"
-bash scripts/gpu/setup.sh .gpukit
-export PYTHONPATH=$repo/.gpukit/shim PYTHONUNBUFFERED=1
+kit_setup
+export PYTHONPATH=$repo/.gpukit/shim
 work=/tmp/bench-opens
 nproc; free -g | head -2
 python3 scripts/gpu/dataset.py "$work" "$images"

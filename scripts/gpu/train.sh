@@ -9,14 +9,9 @@
 #   bash scripts/gpu/kit.sh                # here, once (+ the nvImageCodec wheels into .gpukit/nvwhl)
 #   bash scripts/gpu/train.sh [IMAGES]     # there (default 512 images)
 set -uo pipefail
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-out=${OUT:-out/gpu}
+source "$(dirname "$0")/common.sh"
 images=${1:-512}
-mkdir -p "$out"
-stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done; }
-bash scripts/gpu/setup.sh .gpukit || exit 1
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 LIQUIDFS_PHOTOS=$repo/.gpukit/shim/skimage/data
+kit_setup || exit 1
 if [ "${J2K_SECONDS:-200}" != 0 ] && compgen -G ".gpukit/nvwhl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/nv .gpukit/nvwhl/*.whl
     PYTHONPATH=/tmp/nv timeout -s ABRT "${J2K_SECONDS:-200}" python3 scripts/gpu/nvimgcodec_check.py --images 16 \

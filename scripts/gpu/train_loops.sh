@@ -6,14 +6,9 @@
 #   bash scripts/gpu/kit.sh                  # here, once
 #   bash scripts/gpu/train_loops.sh [IMAGES] # there
 set -uo pipefail
-repo=$(cd "$(dirname "$0")/../.." && pwd)
-cd "$repo"
-out=${OUT:-out/gpu}
+source "$(dirname "$0")/common.sh"
 images=${1:-256}
-mkdir -p "$out"
-stamp() { while IFS= read -r line; do printf '%s %s\n' "$(date +%T)" "$line"; done; }
-bash scripts/gpu/setup.sh .gpukit > /dev/null || exit 1
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 LIQUIDFS_PHOTOS=$repo/.gpukit/shim/skimage/data
+kit_setup > /dev/null || exit 1
 for configs in direct-bmp,liquidfs liquidfs,direct-bmp; do
     timeout -s ABRT "${TRAIN_SECONDS:-100}" python3 scripts/bench/bench_train.py --loader torch --cores 16 --ratio 1 \
         --images "$images" --epochs 2 --configs "$configs" --mount-options "--loops ${LOOPS:-8}" \
