@@ -100,6 +100,7 @@ def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepare
         t.start()
     for t in threads:
         t.join(300)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
     assert not errors, errors[:3]
     assert not wrong, sorted(set(wrong))[:5]
     # A decoder sees the source's pixels (the mount's contract), whichever loop served.
@@ -178,6 +179,7 @@ def test_metrics_count_every_loops_opens(prepared, mounter: Mount) -> None:
         t.start()
     for t in threads:
         t.join(120)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
     opened = 8 * len(want)
     assert len([loop for loop in stats(mnt)["loops"] if loop["opens"]]) >= 2
 
