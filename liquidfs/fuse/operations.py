@@ -418,8 +418,8 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
-        if fh not in self.open_files and self.peers is not None and self.peers.owner(fh) is not None:
-            await self.peers.release(fh)  # opened in another loop: released there
+        if self.peers is not None and self.peers.owner(fh) is not None:
+            await self.peers.release(fh)  # opened in another loop (its handle says which): released there
             return
         await self._release(fh)
 
