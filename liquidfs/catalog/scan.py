@@ -44,11 +44,15 @@ class Warmer:
     def start(self) -> None:
         if self._process is not None or self._failed:
             return
+        from ..sysio.reexec import isolated_env  # here: run as the helper, this file imports nothing of the package
+
         try:
             # -I -S: no site, no environment, no current directory: the script imports only the standard library.
+            # In / and without PYTHON* variables, as every re-exec of the package (``sysio.reexec``).
             self._process = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(self._threads)],
                                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.DEVNULL, close_fds=True)
+                                             stderr=subprocess.DEVNULL, close_fds=True, cwd="/",
+                                             env=isolated_env())
         except OSError as exc:
             log.info("no helper reads the tree ahead (%s): the build reads it alone", exc)
             self._failed = True
