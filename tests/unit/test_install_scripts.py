@@ -135,7 +135,7 @@ def test_test_sh_without_root_or_sudo_names_the_missing_tools_and_runs_the_tests
     box = _test_sh_sandbox(tmp_path, 1000)
     done = box.run("test.sh")
     assert done.returncode == 0, done.stderr
-    assert "python -m pytest -rs" in box.calls(), box.calls()
+    assert "python -m pytest -rs --durations=15" in box.calls(), box.calls()
     [line] = [line for line in done.stderr.splitlines() if "run as root or install" in line]
     assert "podman" in line and "command not found" not in done.stderr and "sudo" not in line, done.stderr
     missing = line.split("(", 1)[1].split(")", 1)[0].split()
