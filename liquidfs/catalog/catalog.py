@@ -134,6 +134,15 @@ class Catalog:
         ).fetchall()
         return [Node(*row) for row in rows]
 
+    def child_entries(self, parent: int, after_id: int = 0, limit: int = 128) -> list[tuple[int, bytes, int]]:
+        """One page of a directory's (id, name, mode) in id order: all a plain listing's entry carries, without
+        a ``Node`` of every column for each (most of a READDIRPLUS entry's cost at ten million files)."""
+        rows: list[tuple[int, bytes, int]] = self.db.execute(
+            "SELECT id, name, mode FROM nodes WHERE parent=? AND id>? AND id!=parent ORDER BY id LIMIT ?",
+            (parent, after_id, limit),
+        ).fetchall()
+        return rows
+
     def file_totals(self) -> tuple[int, int, int, int]:
         """(regular files, bytes served over them, bytes of their sources, highest id in the catalog). A scan of
         every row (~2 s at ten million files): an immutable catalog's are computed once."""

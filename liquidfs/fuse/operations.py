@@ -37,6 +37,7 @@ from ..metrics.stats import HasStatistics, MountStats, Statistics
 from ..mix.share import Mix
 from ..policy.jobs import JobLookups
 from ..stores.reader import Content
+from .listing import Listings, list_bare, list_plus
 from .lookahead import MetadataAhead
 from .open_budget import OpenBudget
 from .peers import Peers, fh_of, merged
@@ -112,6 +113,8 @@ class Operations(pyfuse3.Operations):
 
     supports_dot_lookup = False
     enable_writeback_cache = False
+    #: Plain READDIR pages once no lookup follows a listing's first one (``listing``; our pyfuse3 patch reads it).
+    readdirplus_auto = True
 
     def __init__(self, catalog: Catalog, stats: MountStats, calls: StorageCalls, notifier: Notifier,
                  data_path: DataPath | None, *, per_open: PerOpen | None = None,
@@ -142,6 +145,7 @@ class Operations(pyfuse3.Operations):
         self.time_requests = time_requests
         #: Warms a directory's metadata when a lookup shows it cold (None: a reader whose storage is remote).
         self.lookahead = lookahead
+        self.listings = Listings()
         per_open = per_open if per_open is not None else PerOpen()
         self.open_budget = per_open.budget
         self.open_budget.first_error = self.first_error  # one bound on what the mount logs of its errors
@@ -241,6 +245,7 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found
+            self.listings.looked_up(parent_inode)
             if self.lookahead is not None and node.kind == KIND_FILE:
                 self.lookahead.looked_up(parent_inode)
         self.inodes.looked_up(node)
@@ -271,19 +276,15 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # The offset handed to the kernel is the entry's id: stable across calls, so a listing interrupted
-        # by a full reply buffer resumes exactly after the last entry the kernel accepted.
-        after = start_id
-        while True:
-            page = self.catalog.children(fh, after_id=after)
-            if not page:
-                return
-            for node in page:
-                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), self._attrs(node), node.id):
-                    return
-                # readdirplus: every accepted entry counts as a lookup the kernel will forget.
-                self.inodes.looked_up(node)
-                after = node.id
+        # A plain READDIR (the kernel's READDIRPLUS_AUTO) can carry no attributes, whatever the directory wants.
+        if self.listings.with_attributes(fh) and getattr(token, "plus", True):
+            self.stats.listed_entries += list_plus(self.catalog, fh, start_id, token, self._attrs,
+                                                   self.inodes.looked_up)
+            return
+        with_attrs, bare = list_bare(self.catalog, fh, start_id, token, self._attrs, self.inodes.looked_up)
+        self.stats.listed_entries += with_attrs
+        self.stats.listed_plain += bare
+        self.listings.listed_bare(fh, bare)
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
         return None

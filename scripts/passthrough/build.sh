@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Install pyfuse3 with FUSE passthrough into a virtualenv: pyfuse3 3.5.0 from its PyPI sdist with
 # pyfuse3-passthrough.patch applied (FileInfo.backing_id, Operations.enable_passthrough,
-# pyfuse3.passthrough_enabled/open/close) and pyfuse3-queued-requests.patch (its main loop takes a request
+# pyfuse3.passthrough_enabled/open/close), pyfuse3-queued-requests.patch (its main loop takes a request
 # already queued on /dev/fuse without two trips through trio's scheduler: ~70 us less daemon CPU per
-# small file opened, BENCHMARKS.md) and pyfuse3-clone.patch (pyfuse3.handle_init/device_fd/set_operations: INIT answered
-# before main(), so processes forked after it serve clones of the one connection), built against libfuse >= 3.17 -- the system's when it has
-# one, else libfuse 3.17.2 built from Debian trixie's source package into VENV/libfuse (library,
+# small file opened, BENCHMARKS.md), pyfuse3-clone.patch (pyfuse3.handle_init/device_fd/set_operations: INIT
+# answered before main(), so processes forked after it serve clones of the one connection) and
+# pyfuse3-readdir.patch (plain READDIR answered, ReaddirToken.plus, READDIRPLUS_AUTO for operations that ask: a
+# listing no lookup follows costs the daemon no attributes and the kernel no inode per entry), built against
+# libfuse >= 3.17 -- the system's when it has one, else libfuse 3.17.2 built from Debian trixie's source package into VENV/libfuse (library,
 # headers and pkg-config file only; mounting still uses the system's fusermount3 when it needs it).
 #
 #   usage: bash scripts/passthrough/build.sh VENV
@@ -29,7 +31,7 @@ venv=$(cd "$1" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 py="$venv/bin/python"
 
-PATCHED_CHECK='import pyfuse3; pyfuse3.passthrough_open; pyfuse3.set_operations; assert pyfuse3.queued_requests_first'
+PATCHED_CHECK='import pyfuse3; pyfuse3.passthrough_open; pyfuse3.set_operations; assert pyfuse3.queued_requests_first and pyfuse3.plain_readdir'
 if "$py" -c "$PATCHED_CHECK" 2>/dev/null; then
     echo "pyfuse3 with passthrough already installed in $venv"
     exit 0
@@ -132,7 +134,7 @@ check_linkage() {
     libfuse=$(readlink -f "$path")
 }
 
-echo "building pyfuse3 $PYFUSE3_VERSION with $(basename "$here")/pyfuse3-{passthrough,queued-requests,clone}.patch"
+echo "building pyfuse3 $PYFUSE3_VERSION with $(basename "$here")/pyfuse3-{passthrough,queued-requests,clone,readdir}.patch"
 # --no-binary pyfuse3, not :all: -- the latter also builds the sdist's build requirements (Cython: minutes of
 # compiling) from source just to read its metadata, where their wheels do as well (times: docs/install.md).
 pip_quiet download -q --no-deps --no-binary pyfuse3 -d "$tmp/sdist" "pyfuse3==$PYFUSE3_VERSION" \
@@ -145,6 +147,8 @@ patch -d "$pysrc" -p1 --forward --quiet < "$here/pyfuse3-queued-requests.patch" 
     || die "pyfuse3-queued-requests.patch does not apply to pyfuse3 $PYFUSE3_VERSION with passthrough"
 patch -d "$pysrc" -p1 --forward --quiet < "$here/pyfuse3-clone.patch" \
     || die "pyfuse3-clone.patch does not apply to pyfuse3 $PYFUSE3_VERSION with the other two"
+patch -d "$pysrc" -p1 --forward --quiet < "$here/pyfuse3-readdir.patch" \
+    || die "pyfuse3-readdir.patch does not apply to pyfuse3 $PYFUSE3_VERSION with the other three"
 rm -f "$pysrc/src/pyfuse3/__init__.c"  # generated from the unpatched .pyx: make Cython regenerate it
 (
     if [ -n "$prefix" ]; then
@@ -172,5 +176,5 @@ pip_quiet install -q --no-deps --force-reinstall --no-cache-dir "${wheels[0]}" \
     || die "installing the patched pyfuse3 wheel failed"
 ext=$("$py" -c 'import importlib.util; print(importlib.util.find_spec("pyfuse3").origin)')
 check_linkage "$ext"
-"$py" -c "$PATCHED_CHECK" || die "the installed pyfuse3 lacks passthrough_open, queued_requests_first or handle_init"
+"$py" -c "$PATCHED_CHECK" || die "the installed pyfuse3 lacks passthrough_open, queued_requests_first, set_operations or plain_readdir"
 echo "pyfuse3 $PYFUSE3_VERSION+passthrough.queued installed in $venv (libfuse: $libfuse) in $((SECONDS - start))s"

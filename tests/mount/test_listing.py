@@ -1,0 +1,82 @@
+"""Listings through a real mount (issue 40's ``find``, ``fuse.listing``): a directory's regular files are listed
+without attributes (name, inode number, type) until lookups of its names follow a listing, so a ``find`` costs no
+inode per entry in the kernel or the daemon; then its listings carry them, as ``ls -l`` wants. Names, inode
+numbers and types are the same either way, and files listed bare open and read exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+from fusehelpers import Mount
+
+from liquidfs.catalog.build import build
+from liquidfs.daemon.control import read_control
+
+pytestmark = pytest.mark.fuse
+
+BIG = 3000  # entries of the big directory: a few pages with attributes hold a fraction of them
+
+
+def tree(src: Path) -> None:
+    big = src / "big"
+    big.mkdir(parents=True)
+    for i in range(BIG - 2):
+        (big / f"image_{i:05d}_of_a_longer_name.png").write_bytes(i.to_bytes(4, "little") * (i % 5))
+    (big / "sub").mkdir()
+    (big / "sub" / "inner.txt").write_bytes(b"inner\n")
+    os.symlink("image_00001_of_a_longer_name.png", big / "link")
+    (src / "small").mkdir()
+    for name in ("a", "b", "c"):
+        (src / "small" / name).write_bytes(name.encode() * 100)
+
+
+def test_find_lists_files_bare_and_ls_after_lookups_gets_attributes(tmp_path: Path, mounter: Mount) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    tree(src)
+    build(src, store)
+    mnt = mounter.mount(src, store=store)
+    before = read_control(mnt)
+
+    found = subprocess.run(["find", ".", "-print0"], cwd=mnt, capture_output=True, check=True).stdout
+    expected = subprocess.run(["find", ".", "-print0"], cwd=src, capture_output=True, check=True).stdout
+    assert sorted(found.split(b"\0")) == sorted(expected.split(b"\0"))
+    after = read_control(mnt)
+    plain = after["listed_plain"] - before["listed_plain"]
+    plus = after["listed_entries"] - before["listed_entries"]
+    # Every regular file came bare (the big directory's and the small one's), and the kernel holds no inode of
+    # them: the directories and the link came with their attributes.
+    assert plain == BIG - 2 + 1 + 3, (plain, plus)  # big/image_*, big/sub/inner.txt, small/{a,b,c}
+    assert plus == 4, (plain, plus)  # big, small, big/sub, big/link
+    assert after["known_inodes"] <= 5, after["known_inodes"]
+
+    # The same names, inodes and types as a lookup of each gives (the stat after the whole listing: a lookup
+    # during it would have the kernel ask for attributes again).
+    entries = list(os.scandir(mnt / "big"))
+    assert sorted(e.name for e in entries) == sorted(os.listdir(src / "big"))
+    for entry in entries:
+        st = os.lstat(entry.path)
+        assert entry.inode() == st.st_ino, entry.name
+        assert entry.is_dir(follow_symlinks=False) == stat.S_ISDIR(st.st_mode), entry.name
+        assert entry.is_symlink() == stat.S_ISLNK(st.st_mode), entry.name
+        assert entry.is_file(follow_symlinks=False) == stat.S_ISREG(st.st_mode), entry.name
+        source = os.lstat(src / "big" / entry.name)
+        assert (st.st_size, st.st_mtime_ns) == (source.st_size, source.st_mtime_ns), entry.name
+    # Files listed bare open and read exactly (a lookup of each first), sha256sum as the client.
+    names = sorted(e.name for e in entries if e.is_file(follow_symlinks=False))[::97]
+    summed = subprocess.run(["sha256sum", *names], cwd=mnt / "big", capture_output=True, text=True, check=True)
+    for line in summed.stdout.splitlines():
+        digest, name = line.split(maxsplit=1)
+        assert digest == hashlib.sha256((src / "big" / name).read_bytes()).hexdigest(), name
+    assert os.readlink(mnt / "big" / "link") == "image_00001_of_a_longer_name.png"
+    # Lookups followed the listing: the next one carries every entry's attributes (as ls -l wants them).
+    before = read_control(mnt)
+    assert sorted(os.listdir(mnt / "big")) == sorted(os.listdir(src / "big"))
+    after = read_control(mnt)
+    assert after["listed_entries"] - before["listed_entries"] == BIG
+    assert after["listed_plain"] == before["listed_plain"]
+    assert after["errors"] == 0

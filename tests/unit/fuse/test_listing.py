@@ -1,0 +1,146 @@
+"""Directory listings (``fuse.listing``) driven through ``Operations.readdir`` and ``lookup`` in-process, over a
+real catalog: regular files listed bare (name, inode, type: no lookup) until lookups of a directory's names follow
+a listing, then with their attributes (each a lookup the kernel will forget); directories always with theirs;
+plain READDIR pages all bare; every reply resumed from the offset of the last entry it took. The kernel's reply
+buffer is a fake that takes a set number of entries; the real one is driven by ``tests/mount/test_listing.py``."""
+
+from __future__ import annotations
+
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+from operations import daemon_operations
+
+from liquidfs.catalog.build import build
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.nodes import ROOT_ID
+from liquidfs.fuse import listing
+from liquidfs.fuse.operations import Operations
+from liquidfs.stores.local.reader import StoreReader
+
+CTX = pyfuse3.RequestContext()
+FILES = 300  # entries at the root: 299 files and a directory
+
+
+@dataclass
+class Reply:
+    """A reply buffer that takes ``room`` entries, then refuses (as pyfuse3.readdir_reply does when full)."""
+
+    plus: bool
+    room: int
+    entries: list[tuple[bytes, int, int, int, bool]] = field(default_factory=list)  # name, ino, mode, offset, lookup
+
+    def add(self, name: bytes, attr: pyfuse3.EntryAttributes, offset: int, lookup: bool) -> bool:
+        if len(self.entries) == self.room:
+            return False
+        assert lookup or attr.st_size == 0 or not self.plus, "a bare entry carries no attributes"
+        self.entries.append((bytes(name), attr.st_ino, attr.st_mode, offset, lookup))
+        return True
+
+
+@pytest.fixture
+def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Operations:
+    monkeypatch.setattr(pyfuse3, "readdir_reply",
+                        lambda token, name, attr, offset, lookup=True: token.add(name, attr, offset, lookup))
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)  # a directory among the files: listed with its attributes
+    for i in range(FILES - 1):
+        (src / f"f{i:04d}.bin").write_bytes(b"x" * (1 + i % 7))
+    build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    return daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"))
+
+
+def listed(ops: Operations, plus: bool, room: int) -> list[tuple[bytes, int, int, int, bool]]:
+    """Every entry of the root, in replies of ``room`` entries each resumed at the last offset."""
+    entries, offset = [], 0
+    while True:
+        reply = Reply(plus, room)
+        trio.run(ops.readdir, ROOT_ID, offset, reply)
+        if not reply.entries:
+            return entries
+        assert len(reply.entries) == min(room, FILES - len(entries))
+        entries += reply.entries
+        offset = reply.entries[-1][3]
+
+
+def same_as_lookups(ops: Operations, entries: list[tuple[bytes, int, int, int, bool]]) -> None:
+    names = [e[0] for e in entries]
+    assert len(names) == FILES and len(set(names)) == FILES
+    assert [e[3] for e in entries] == sorted(e[3] for e in entries)
+    for name, ino, mode, offset, _ in entries:
+        attr = trio.run(ops.lookup, ROOT_ID, name, CTX)  # the inode and type a lookup gives
+        assert (ino, stat.S_IFMT(mode)) == (attr.st_ino, stat.S_IFMT(attr.st_mode)) and offset == ino
+    assert {stat.S_IFMT(e[2]) for e in entries} == {stat.S_IFREG, stat.S_IFDIR}
+
+
+@pytest.mark.parametrize("room", [1, 25, 100, 5000])
+def test_files_listed_bare_until_lookups_follow_then_with_attributes(ops: Operations, room: int) -> None:
+    known = ops.inodes.known
+    entries = listed(ops, plus=True, room=room)
+    with_lookup = [e for e in entries if e[4]]
+    assert [stat.S_IFMT(e[2]) for e in with_lookup] == [stat.S_IFDIR]  # the directory alone
+    assert ops.inodes.known == known + 1
+    assert (ops.stats.listed_plain, ops.stats.listed_entries) == (FILES - 1, 1)
+    same_as_lookups(ops, entries)  # lookups of every name: the directory wants attributes now
+    again = listed(ops, plus=True, room=room)
+    assert all(e[4] for e in again)
+    assert [(n, i, stat.S_IFMT(m), o) for n, i, m, o, _ in again] == [(n, i, stat.S_IFMT(m), o)
+                                                                      for n, i, m, o, _ in entries]
+    assert ops.stats.listed_entries == 1 + FILES
+    for name, ino, mode, _, _ in again:
+        # the test's lookup and the listing's (and the first listing's, for the directory)
+        assert ops.inodes.lookups(ino) == (3 if stat.S_ISDIR(mode) else 2), name
+
+
+def test_a_plain_readdir_is_bare_whatever_the_directory_wants(ops: Operations) -> None:
+    ops.listings._wanting.add(ROOT_ID)
+    known = ops.inodes.known
+    entries = listed(ops, plus=False, room=100)
+    assert not any(e[4] for e in entries) and ops.inodes.known == known
+    assert ops.stats.listed_plain == FILES and ops.stats.listed_entries == 0
+    same_as_lookups(ops, entries)
+
+
+def test_a_few_lookups_do_not_make_a_large_directory_want_attributes(ops: Operations) -> None:
+    listed(ops, plus=True, room=5000)
+    for i in range(listing.LOOKUPS_TO_WANT - 1):
+        trio.run(ops.lookup, ROOT_ID, f"f{i:04d}.bin".encode(), CTX)
+    assert not ops.listings.with_attributes(ROOT_ID)
+    trio.run(ops.lookup, ROOT_ID, b"f0100.bin", CTX)
+    assert ops.listings.with_attributes(ROOT_ID)
+
+
+def test_listings_remember_a_bounded_number_of_directories() -> None:
+    listings = listing.Listings(lookups_to_want=2, remembered=3)
+    for directory in range(10):
+        listings.listed_bare(directory, files=100)
+        listings.looked_up(directory)
+        listings.looked_up(directory)
+    assert len(listings._wanting) <= 3 and len(listings._after) <= 3
+    assert listings.with_attributes(9) and not listings.with_attributes(0)
+    listings.listed_bare(20, files=2)  # a small directory: half its files' lookups
+    listings.looked_up(20)
+    assert listings.with_attributes(20)
+
+
+def test_a_reply_reads_rows_as_it_needs_them(ops: Operations, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small reply reads a first page of rows, a large one pages doubling up to MAX_ROWS; neither a last query
+    that finds nothing."""
+    asked: list[int] = []
+    entries = ops.catalog.child_entries
+
+    def counting(parent: int, after_id: int = 0, limit: int = 128) -> list[tuple[int, bytes, int]]:
+        asked.append(limit)
+        return entries(parent, after_id, limit)
+
+    monkeypatch.setattr(ops.catalog, "child_entries", counting)
+    trio.run(ops.readdir, ROOT_ID, 0, Reply(True, 10))
+    assert asked == [listing.FIRST_ROWS_PLAIN]
+    asked.clear()
+    trio.run(ops.readdir, ROOT_ID, 0, Reply(True, 5000))
+    assert asked == [128, 256]  # 300 rows: the second page is the last (short)
