@@ -22,7 +22,6 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 #: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
 TESTED_IN = {
     "catalog/scan.py": "`unit/catalog/test_build.py`",
-    "fuse/listing.py": "`unit/fuse/test_listing.py`; `mount/test_listing.py`",
     "cli/__init__.py": "(re-exports ``main``, the console entry point) `unit/cli/test_errors.py`",
     "cli/main.py": "`unit/cli/test_errors.py`, and every mount test through the command",
     "cli/mount.py": "`unit/cli/test_errors.py`, `unit/daemon/test_config.py`; every mount test",

@@ -3,17 +3,20 @@
 An entry listed with its attributes (READDIRPLUS) has the kernel make an inode and a dentry of it and hold a
 lookup the daemon counts until a FORGET: ~12 us per entry of the daemon's Python alone, where a ``find`` over the
 source takes 0.6 us (BENCHMARKS "Ten million files"). It pays only where something looks at the entries
-afterwards (``ls -l``, ``du``, ``tar``): otherwise a reader that opens a file later asks for its LOOKUP anyway.
-So ``Listings`` lists a directory's regular files without attributes (name, inode number and type, what
-``getdents`` returns: a ``find``, a loader's ``scandir``) until lookups of its names follow a listing; from then
-on its listings carry every entry's attributes, as the kernel's own READDIRPLUS_AUTO does for NFS-like use.
-Directories and links always carry theirs: few, and a walk looks each up to descend.
+afterwards (``ls -l``, ``du``, ``tar``); a reader that opens a file later asks for its LOOKUP anyway. So
+``Listings`` lists a directory's regular files bare (name, inode number and type, what ``getdents`` returns: a
+``find``, a loader's ``scandir``): in a READDIRPLUS reply as an entry of node id 0, of which the kernel makes no
+inode. Once lookups of its files follow a listing, the directory's next READDIRPLUS replies carry every entry's
+attributes. Directories and links carry theirs in every READDIRPLUS reply: few, and a walk looks each up to
+descend.
 
-The kernel's own READDIRPLUS_AUTO (``Operations.readdirplus_auto``) asks for plain pages (``list_plain``) after
-the first one of a listing; a kernel with a large readdir buffer (this one's takes a 3,000-entry directory in one
-reply) seldom does, hence the choice per entry. Both need our pyfuse3 patch (scripts/passthrough/pyfuse3-readdir
-.patch: ``readdir_reply(..., lookup=False)``, ``ReaddirToken.plus``); a stock pyfuse3 lists every entry with its
-attributes, as before.
+The kernel asks for plain READDIR pages too: with ``READDIRPLUS_AUTO`` (``Operations.readdirplus_auto``) every
+page after a listing's first one unless lookups came in between. Those carry no attributes at all, whatever the
+directory wants. A kernel whose reply follows the reader's buffer (6.16 on: a 3,000-entry directory in one reply
+here) seldom asks; one of 4 KiB replies asks for most pages of a large directory.
+
+Both need our pyfuse3 patch (scripts/passthrough/pyfuse3-readdir.patch: ``readdir_reply(..., lookup=False)``,
+``ReaddirToken.plus``); a stock pyfuse3 lists every entry with its attributes, as before (``SUPPORTED``).
 
 The offset handed to the kernel is the entry's id: stable across calls, so a listing interrupted by a full reply
 buffer resumes exactly after the last entry the kernel accepted.
@@ -29,16 +32,17 @@ import pyfuse3
 from ..catalog.catalog import Catalog
 from ..catalog.nodes import Node
 
-#: Rows of the catalog read by the first query of a reply: about what a one-page (4 KiB) reply holds, ~25
-#: entries with attributes or ~100 without. Each further query of the same reply reads twice as many, up to
-#: ``MAX_ROWS``: a large reply takes a few queries, and a small one reads few rows it cannot send (256 rows a
-#: query made 10 ``Node``s for each entry a page of READDIRPLUS took).
+#: Rows of the catalog read by the first query of a reply: about what a one-page (4 KiB) reply holds, ~22
+#: READDIRPLUS entries (a bare one takes as much room as one with attributes) or ~100 plain READDIR ones. Each
+#: further query of the same reply reads twice as many, up to ``MAX_ROWS``: a large reply takes a few queries,
+#: and a small one reads few rows it cannot send (256 rows a query made 10 ``Node``s for each entry a page of
+#: READDIRPLUS took).
 FIRST_ROWS_PLUS = 32
 FIRST_ROWS_PLAIN = 128
 MAX_ROWS = 1024
 
-#: Lookups of a directory's names after a listing without their attributes that make its next listings carry
-#: them (fewer for a directory of fewer files: half of them).
+#: Lookups of a directory's files after a bare listing that make its next listings carry attributes (fewer for a
+#: directory of fewer files listed bare: half of them).
 LOOKUPS_TO_WANT = 32
 #: Directories remembered either way; past it the memory starts afresh (a directory then lists without
 #: attributes again until lookups follow).
@@ -48,33 +52,37 @@ SUPPORTED = bool(getattr(pyfuse3, "plain_readdir", False))
 
 
 class Listings:
-    """Which directories' listings carry every entry's attributes: those whose names were looked up after a
-    listing without them. Plain Python: ``Operations`` tells it of listings and lookups."""
+    """Which directories' listings carry every entry's attributes: those whose files were looked up after a bare
+    listing. Plain Python: ``Operations`` tells it of listings and lookups."""
 
     def __init__(self, lookups_to_want: int = LOOKUPS_TO_WANT, remembered: int = REMEMBERED) -> None:
         self.lookups_to_want = lookups_to_want
         self.remembered = remembered
-        self._after: dict[int, tuple[int, int]] = {}  # directory listed bare -> (lookups since, lookups to want)
+        # directory listed bare -> (lookups of its files since, entries listed bare so far): the replies of one
+        # listing add up, so a short first or last page does not decide for the whole directory
+        self._after: dict[int, tuple[int, int]] = {}
         self._wanting: set[int] = set()
 
     def with_attributes(self, directory: int) -> bool:
         return not SUPPORTED or directory in self._wanting
 
-    def listed_bare(self, directory: int, files: int) -> None:
-        """``files`` regular files of ``directory`` went without attributes."""
-        if files and directory not in self._after:
-            if len(self._after) >= self.remembered:
-                self._after.clear()
-            self._after[directory] = (0, max(1, min(self.lookups_to_want, files // 2)))
+    def listed_bare(self, directory: int, entries: int) -> None:
+        """``entries`` of ``directory`` went without attributes in one reply."""
+        if not entries or directory in self._wanting:
+            return
+        lookups, bare = self._after.get(directory, (0, 0))
+        if not bare and len(self._after) >= self.remembered:
+            self._after.clear()
+        self._after[directory] = (lookups, bare + entries)
 
     def looked_up(self, directory: int) -> None:
-        """A LOOKUP of a name in ``directory`` (the kernel had no dentry of it)."""
+        """A LOOKUP of a regular file in ``directory`` (the kernel had no dentry of it)."""
         seen = self._after.get(directory)
         if seen is None:
             return
-        count, wanted = seen
-        if count + 1 < wanted:
-            self._after[directory] = (count + 1, wanted)
+        lookups, bare = seen[0] + 1, seen[1]
+        if lookups < min(self.lookups_to_want, max(1, bare // 2)):
+            self._after[directory] = (lookups, bare)
             return
         del self._after[directory]
         if len(self._wanting) >= self.remembered:
@@ -85,7 +93,8 @@ class Listings:
 def list_plus(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirToken,
               attrs: Callable[[Node], pyfuse3.EntryAttributes], looked_up: Callable[[Node], None]) -> int:
     """Entries of ``parent`` after the id ``after`` with their attributes, as many as the reply holds; each
-    accepted one counts as a lookup the kernel will forget. How many were listed."""
+    accepted one counts as a lookup the kernel will forget. For READDIRPLUS replies only (a plain one would take
+    the entries without the lookups). How many were listed."""
     listed, rows = 0, FIRST_ROWS_PLUS
     while True:
         page = catalog.children(parent, after_id=after, limit=rows)
@@ -106,11 +115,11 @@ def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     """Entries of ``parent`` after the id ``after``, as many as the reply holds: regular files as name, inode
     number and type only (no lookup taken), the others with their attributes where the reply can carry them
     (READDIRPLUS). How many were listed with attributes, and how many without."""
-    plus = token.plus
+    plus = token.plus  # type: ignore[attr-defined]  # our patch's (SUPPORTED)
     entry = pyfuse3.EntryAttributes()  # one for every bare entry: the reply copies what it needs at once
     reply = pyfuse3.readdir_reply
     with_attrs = bare = 0
-    rows = FIRST_ROWS_PLAIN
+    rows = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
     while True:
         page = catalog.child_entries(parent, after_id=after, limit=rows)
         for ident, name, mode in page:
@@ -118,7 +127,7 @@ def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
             if node is None:
                 entry.st_ino = ident
                 entry.st_mode = mode
-                if not reply(token, pyfuse3.FileNameT(name), entry, ident, lookup=False):
+                if not reply(token, pyfuse3.FileNameT(name), entry, ident, lookup=False):  # type: ignore[call-arg]
                     return with_attrs, bare
                 bare += 1
             else:

@@ -245,9 +245,10 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found
-            self.listings.looked_up(parent_inode)
-            if self.lookahead is not None and node.kind == KIND_FILE:
-                self.lookahead.looked_up(parent_inode)
+            if node.kind == KIND_FILE:
+                self.listings.looked_up(parent_inode)
+                if self.lookahead is not None:
+                    self.lookahead.looked_up(parent_inode)
         self.inodes.looked_up(node)
         return self._attrs(node)
 
@@ -276,14 +277,15 @@ class Operations(pyfuse3.Operations):
 
     @_handler
     async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
-        # A plain READDIR (the kernel's READDIRPLUS_AUTO) can carry no attributes, whatever the directory wants.
+        # A plain READDIR (the kernel's READDIRPLUS_AUTO) can carry no attributes, whatever the directory wants;
+        # a stock pyfuse3's token has no ``plus`` (it asks for READDIRPLUS only).
         if self.listings.with_attributes(fh) and getattr(token, "plus", True):
-            self.stats.listed_entries += list_plus(self.catalog, fh, start_id, token, self._attrs,
-                                                   self.inodes.looked_up)
+            self.stats.listed_with_attributes += list_plus(self.catalog, fh, start_id, token, self._attrs,
+                                                           self.inodes.looked_up)
             return
         with_attrs, bare = list_bare(self.catalog, fh, start_id, token, self._attrs, self.inodes.looked_up)
-        self.stats.listed_entries += with_attrs
-        self.stats.listed_plain += bare
+        self.stats.listed_with_attributes += with_attrs
+        self.stats.listed_bare += bare
         self.listings.listed_bare(fh, bare)
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:

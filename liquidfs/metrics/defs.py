@@ -100,10 +100,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_fallbacks_total", COUNTER, "", "fallbacks",
            "Files whose raw object was not served (missing, corrupt, stale source): served as their original."),
     Metric("liquidfs_errors_total", COUNTER, "", "errors", "Requests answered with an error other than ENOENT."),
-    Metric("liquidfs_listed_entries_total", COUNTER, "", {"plus": "listed_entries", "plain": "listed_plain"},
-           "Directory entries listed: with their attributes (READDIRPLUS, each a lookup the kernel holds) or "
-           "plain (name, inode and type: READDIR, which the kernel asks for once no lookup follows a listing).",
-           label="kind"),
+    Metric("liquidfs_listed_entries_total", COUNTER, "",
+           {"attributes": "listed_with_attributes", "bare": "listed_bare"},
+           "Directory entries listed: with their attributes (each a lookup the kernel holds) or bare (name, inode "
+           "number and type: a directory's files until lookups of them follow a listing, and plain READDIR "
+           "pages).", label="kind"),
     # -- bytes ---------------------------------------------------------------------------------------------------
     Metric("liquidfs_served_bytes_total", COUNTER, "bytes", SERVED_FROM,
            "Bytes of opened files by where they came from, on either data path: storage (the store or the "

@@ -61,8 +61,8 @@ class MountStats:
                                   # rose): the open reads raw, and the cache may hold that instead
     fallbacks: int = 0            # files whose raw object was not served (missing, corrupt, stale source)
     errors: int = 0               # requests answered with an error other than ENOENT
-    listed_entries: int = 0       # directory entries listed with their attributes (READDIRPLUS: each a lookup)
-    listed_plain: int = 0         # ... listed plain (name, inode, type: READDIR, once no lookup followed a page)
+    listed_with_attributes: int = 0  # directory entries listed with attributes (each a lookup the kernel holds)
+    listed_bare: int = 0          # ... listed bare: name, inode number and type (``fuse.listing``)
     data_path: str = "daemon"     # "passthrough": the kernel serves reads from backing files; "daemon": we do
     data_path_why: str = ""       # why the daemon path serves, when it does
     dispatch: str = "stock"       # "queued-first": pyfuse3's loop (our patch) takes requests already queued

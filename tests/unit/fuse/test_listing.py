@@ -37,13 +37,14 @@ class Reply:
     def add(self, name: bytes, attr: pyfuse3.EntryAttributes, offset: int, lookup: bool) -> bool:
         if len(self.entries) == self.room:
             return False
-        assert lookup or attr.st_size == 0 or not self.plus, "a bare entry carries no attributes"
         self.entries.append((bytes(name), attr.st_ino, attr.st_mode, offset, lookup))
         return True
 
 
 @pytest.fixture
 def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Operations:
+    # As our patched pyfuse3 (whichever this test runs with): bare entries, and a token that says its kind.
+    monkeypatch.setattr(listing, "SUPPORTED", True)
     monkeypatch.setattr(pyfuse3, "readdir_reply",
                         lambda token, name, attr, offset, lookup=True: token.add(name, attr, offset, lookup))
     src = tmp_path / "src"
@@ -85,13 +86,13 @@ def test_files_listed_bare_until_lookups_follow_then_with_attributes(ops: Operat
     with_lookup = [e for e in entries if e[4]]
     assert [stat.S_IFMT(e[2]) for e in with_lookup] == [stat.S_IFDIR]  # the directory alone
     assert ops.inodes.known == known + 1
-    assert (ops.stats.listed_plain, ops.stats.listed_entries) == (FILES - 1, 1)
+    assert (ops.stats.listed_bare, ops.stats.listed_with_attributes) == (FILES - 1, 1)
     same_as_lookups(ops, entries)  # lookups of every name: the directory wants attributes now
     again = listed(ops, plus=True, room=room)
     assert all(e[4] for e in again)
     assert [(n, i, stat.S_IFMT(m), o) for n, i, m, o, _ in again] == [(n, i, stat.S_IFMT(m), o)
                                                                       for n, i, m, o, _ in entries]
-    assert ops.stats.listed_entries == 1 + FILES
+    assert ops.stats.listed_with_attributes == 1 + FILES
     for name, ino, mode, _, _ in again:
         # the test's lookup and the listing's (and the first listing's, for the directory)
         assert ops.inodes.lookups(ino) == (3 if stat.S_ISDIR(mode) else 2), name
@@ -102,12 +103,16 @@ def test_a_plain_readdir_is_bare_whatever_the_directory_wants(ops: Operations) -
     known = ops.inodes.known
     entries = listed(ops, plus=False, room=100)
     assert not any(e[4] for e in entries) and ops.inodes.known == known
-    assert ops.stats.listed_plain == FILES and ops.stats.listed_entries == 0
+    assert ops.stats.listed_bare == FILES and ops.stats.listed_with_attributes == 0
     same_as_lookups(ops, entries)
 
 
-def test_a_few_lookups_do_not_make_a_large_directory_want_attributes(ops: Operations) -> None:
-    listed(ops, plus=True, room=5000)
+@pytest.mark.parametrize("room", [1, 25, 5000])
+def test_a_few_lookups_do_not_make_a_large_directory_want_attributes(ops: Operations, room: int) -> None:
+    """However many replies the listing took (one entry each: the bare entries of a listing add up), and the
+    lookup of a directory does not count."""
+    listed(ops, plus=True, room=room)
+    trio.run(ops.lookup, ROOT_ID, b"sub", CTX)
     for i in range(listing.LOOKUPS_TO_WANT - 1):
         trio.run(ops.lookup, ROOT_ID, f"f{i:04d}.bin".encode(), CTX)
     assert not ops.listings.with_attributes(ROOT_ID)
@@ -115,22 +120,44 @@ def test_a_few_lookups_do_not_make_a_large_directory_want_attributes(ops: Operat
     assert ops.listings.with_attributes(ROOT_ID)
 
 
-def test_listings_remember_a_bounded_number_of_directories() -> None:
+def test_listings_remember_a_bounded_number_of_directories(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(listing, "SUPPORTED", True)
     listings = listing.Listings(lookups_to_want=2, remembered=3)
-    for directory in range(10):
-        listings.listed_bare(directory, files=100)
+    for directory in range(10):  # listed, never looked up in
+        listings.listed_bare(directory, entries=100)
+        assert 1 <= len(listings._after) <= 3
+    for directory in range(10, 20):  # listed, then looked up in
+        listings.listed_bare(directory, entries=100)
         listings.looked_up(directory)
         listings.looked_up(directory)
-    assert len(listings._wanting) <= 3 and len(listings._after) <= 3
-    assert listings.with_attributes(9) and not listings.with_attributes(0)
-    listings.listed_bare(20, files=2)  # a small directory: half its files' lookups
+        assert 1 <= len(listings._wanting) <= 3
+    assert listings.with_attributes(19) and not listings.with_attributes(10)
+    listings.listed_bare(20, entries=2)  # a small directory: half its bare entries' lookups
     listings.looked_up(20)
     assert listings.with_attributes(20)
 
 
+def test_a_stock_pyfuse3_lists_every_entry_with_its_attributes(ops: Operations,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without our patch: no ``lookup`` argument, a token without ``plus``, never a bare entry."""
+    monkeypatch.setattr(listing, "SUPPORTED", False)
+    monkeypatch.setattr(pyfuse3, "readdir_reply", lambda token, name, attr, offset: token.add(name, attr, offset, True))
+
+    class StockToken(Reply):
+        def __getattribute__(self, name: str):  # type: ignore[no-untyped-def]
+            if name == "plus":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    token = StockToken(True, 5000)
+    trio.run(ops.readdir, ROOT_ID, 0, token)
+    assert len(token.entries) == FILES and ops.stats.listed_with_attributes == FILES
+    assert ops.stats.listed_bare == 0
+
+
 def test_a_reply_reads_rows_as_it_needs_them(ops: Operations, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small reply reads a first page of rows, a large one pages doubling up to MAX_ROWS; neither a last query
-    that finds nothing."""
+    """A small reply reads a first page of rows, a large one pages doubling up to MAX_ROWS, and a short page ends
+    it."""
     asked: list[int] = []
     entries = ops.catalog.child_entries
 
@@ -140,7 +167,10 @@ def test_a_reply_reads_rows_as_it_needs_them(ops: Operations, monkeypatch: pytes
 
     monkeypatch.setattr(ops.catalog, "child_entries", counting)
     trio.run(ops.readdir, ROOT_ID, 0, Reply(True, 10))
-    assert asked == [listing.FIRST_ROWS_PLAIN]
+    assert asked == [listing.FIRST_ROWS_PLUS]
     asked.clear()
     trio.run(ops.readdir, ROOT_ID, 0, Reply(True, 5000))
-    assert asked == [128, 256]  # 300 rows: the second page is the last (short)
+    assert asked == [32, 64, 128, 256]  # 300 rows: the fourth page is the last (short)
+    asked.clear()
+    trio.run(ops.readdir, ROOT_ID, 0, Reply(False, 5000))
+    assert asked == [128, 256]
