@@ -51,8 +51,9 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     tuning.add_argument("--loops", type=argument(options.loops), default="auto", metavar="N|auto",
                    help="processes that answer the mount's requests, each on a core of its own: one answers a few "
                    "thousand opens a second, so loaders with many workers opening files want more. Needs the "
-                   "passthrough data path, and none of --cache-size, --disk-cache, --cluster, --mix, --warmup, "
-                   f"--verify-reads (each loop would hold its own). Default auto: one per {options.CORES_PER_LOOP} "
+                   "passthrough data path, and none of --cache-size, --disk-cache, --cluster, --mix adaptive, "
+                   f"--warmup, --verify-reads (each loop would hold or decide its own; a fixed --mix is the same "
+                   f"in every loop). Default auto: one per {options.CORES_PER_LOOP} "
                    f"cores this mount may use, at most {options.AUTO_LOOPS}, where those options allow; else 1")
     m.add_argument("--cache-size", default=os.environ.get("LIQUIDFS_CACHE_SIZE") or None, metavar="SIZE",
                    help="memory for the next-epoch cache: bytes (24G, 512M) or a percentage (30%%) of what "

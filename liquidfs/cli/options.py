@@ -191,13 +191,15 @@ def loops(text: str) -> int | str:
 
 def _loops(args: argparse.Namespace) -> int:
     """``--loops N``: each loop has its own memory, so whatever is held or decided across opens (the caches, the
-    mix) must stay in one; reads go through the kernel (passthrough) so that no READ needs the loop that opened.
-    "auto": as many as the cores allow, where those options leave more than one possible."""
+    adaptive mix's share) must stay in one; reads go through the kernel (passthrough) so that no READ needs the
+    loop that opened. A fixed ``--mix`` share is the same in every loop, and so is each image's choice at it (its
+    rank: a hash of its path). "auto": as many as the cores allow, where those options leave more than one
+    possible."""
     from ..datapath.shared_inodes import MAX_LOOPS
     from ..expand.workers import usable_cores
 
     clashes = [flag for flag, given in (("--cache-size", args.cache_size), ("--disk-cache", args.disk_cache),
-                                        ("--cluster", args.cluster), ("--mix", args.mix != "prepared"),
+                                        ("--cluster", args.cluster), ("--mix adaptive", args.mix == "adaptive"),
                                         ("--warmup", args.warmup), ("--data-path daemon", args.data_path == "daemon"),
                                         ("--page-cache direct", args.page_cache == "direct"),
                                         ("--verify-reads", args.verify_reads)) if given]

@@ -328,8 +328,10 @@ def merged(values: list[dict[str, Any]]) -> dict[str, Any]:
     return first
 
 
-#: Keys whose values are the mount's or the dataset's, not a loop's count.
-_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops", "loop", "loop_pid"})
+#: Keys whose values are the mount's or the dataset's, not a loop's count (``share`` and ``prepared``: the mix's,
+#: the same in every loop).
+_NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops", "loop", "loop_pid", "share",
+                         "prepared"})
 
 
 def _add(into: dict[str, Any], other: dict[str, Any]) -> None:

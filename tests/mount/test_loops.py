@@ -120,6 +120,58 @@ def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepare
     assert values["loop_requests_forwarded"] > 0  # releases reached other loops than their open's
 
 
+def test_a_fixed_mix_serves_each_file_alike_in_every_loop(prepared, mounter: Mount) -> None:
+    """``--mix 0.5`` with four loops: each file is served as one loop serves it at that share (its raw object or
+    its source, by its rank), whichever loop opens it; with every file open in 16 readers at once, opens of one
+    file in several loops share one backing, which two representations could not (EIO); the mix's counts sum
+    every loop's and its share is the one asked."""
+    src, store = prepared
+    raw = expected_bytes(src, store)  # a raw object where the file has one (every image), else the source
+    images = [name for name in raw if raw[name] != (src / name).read_bytes()]
+    one = mounter.mount(src, "--loops", "1", "--mix", "0.5", "--data-path", "passthrough", store=store)
+    want = {name: (one / name).read_bytes() for name in raw}
+    served_raw = sum(want[name] == raw[name] for name in images)
+    assert 0 < served_raw < len(images), served_raw  # both representations at 0.5
+    mnt = mounter.mount(src, "--loops", str(LOOPS), "--mix", "0.5", "--data-path", "passthrough", store=store)
+    assert len(stats(mnt)["loops"]) == LOOPS
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(16)
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        names = sorted(want)
+        try:
+            start.wait()
+            for _ in range(3):
+                rng.shuffle(names)
+                files = [open(mnt / name, "rb") for name in names]
+                try:
+                    wrong.extend(name for name, f in zip(names, files) if f.read() != want[name])
+                finally:
+                    for f in files:
+                        f.close()
+        except BaseException as exc:  # reported below, with the others'
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert not errors, errors[:3]
+    assert not wrong, sorted(set(wrong))[:5]
+    values = stats(mnt)
+    assert values["errors"] == 0 and values["fallbacks"] == 0
+    assert len([loop for loop in values["loops"] if loop["opens"]]) >= 2, values["loops"]
+    mix = values["mix"]
+    assert (mix["mode"], mix["share"], mix["prepared"]) == ("fixed", 0.5, 1.0)
+    # every open of an image is the mix's, in whichever loop it was (the other files have no raw object)
+    assert values["opens"] == len(want) * 16 * 3
+    assert mix["opens_raw"] == served_raw * 16 * 3 and mix["opens_original"] == (len(images) - served_raw) * 16 * 3
+
+
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -196,7 +248,7 @@ def test_metrics_count_every_loops_opens(prepared, mounter: Mount) -> None:
     wait_for(lambda: scraped_opens() >= opened, 30, what="/metrics to count the opens of every loop")
 
 
-@pytest.mark.parametrize("flags", [["--cache-size", "10%"], ["--mix", "0.5"], ["--data-path", "daemon"],
+@pytest.mark.parametrize("flags", [["--cache-size", "10%"], ["--mix", "adaptive"], ["--data-path", "daemon"],
                                    ["--loops", "33"]])
 def test_options_one_loop_needs_are_refused(prepared, tmp_path: Path, flags: list[str]) -> None:
     src, store = prepared

@@ -93,16 +93,21 @@ def test_loops_reach_the_config_and_refuse_what_one_loop_must_hold(key_file: Pat
     assert config.loops == 3 and MountConfig.from_json(config.to_json()) == config
     with pytest.raises(options.OptionError) as refused:
         options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file), "--loops", "3"]), STORAGE)
-    for flag in ("--cache-size", "--disk-cache", "--cluster", "--mix", "--warmup", "--data-path daemon",
+    for flag in ("--cache-size", "--disk-cache", "--cluster", "--warmup", "--data-path daemon",
                  "--verify-reads"):
         assert flag in str(refused.value)
+    assert "--mix" not in str(refused.value)  # a fixed share (NON_DEFAULT's 0.25) is the same in every loop
+    with pytest.raises(options.OptionError, match="--mix adaptive"):
+        options.mount_config(_parse(["--mix", "adaptive", "--loops", "3"]), STORAGE)
+    assert options.mount_config(_parse(["--mix", "0.25", "--loops", "3"]), STORAGE).loops == 3
     for loops in ("0", "33"):
         with pytest.raises(options.OptionError, match="--loops must be in 1..32"):
             options.mount_config(_parse(["--loops", loops]), STORAGE)
 
 
 @pytest.mark.parametrize(("cores", "flags", "chosen"), [(16, [], 4), (64, [], 8), (7, [], 1), (2, [], 1),
-                                                         (16, ["--cache-size", "10%"], 1), (16, ["--mix", "0.5"], 1)])
+                                                         (16, ["--cache-size", "10%"], 1), (16, ["--mix", "adaptive"], 1),
+                                                         (16, ["--mix", "0.5"], 4)])
 def test_loops_auto_follow_the_cores_and_the_options(monkeypatch: pytest.MonkeyPatch, cores: int, flags: list[str],
                                                       chosen: int) -> None:
     from liquidfs.expand import workers

@@ -74,6 +74,11 @@ def test_merged_statistics_sum_counters_and_keep_the_first_loops_own() -> None:
     assert values["opens"] == 6 and values["requests"]["open"]["count"] == 4
     assert values["files"] == 10 and values["pid"] == "a" and values["data_path"] == "x" and values["loop"] == 0
     assert values["loops"] == [{"loop": 0, "pid": "a", "opens": 3}, {"loop": 1, "pid": "b", "opens": 3}]
+    # a fixed mix: its counts summed, its share (the same in every loop) as it is
+    for value in (a, b):
+        value["mix"] = {"mode": "fixed", "share": 0.5, "prepared": 1.0, "opens_raw": 2, "opens_original": 1}
+    values = merged([a, b])
+    assert values["mix"] == {"mode": "fixed", "share": 0.5, "prepared": 1.0, "opens_raw": 4, "opens_original": 2}
 
 
 def test_a_read_larger_than_a_message_is_asked_for_in_parts() -> None:
