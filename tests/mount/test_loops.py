@@ -1,7 +1,8 @@
 """``mount --loops N``: several processes answer one mount (clones of its FUSE device). Real mounts read by real
 clients: the bytes are the single loop's, opens of one file in several loops at once share its backing, a RELEASE
 reaching another loop than the OPEN frees it, the sizes told agree across loops, a loop killed leaves the others
-serving, and the options that would need one loop's memory are refused."""
+serving, a fixed mix serves each file alike in every loop, and the options that would need one loop's memory
+are refused."""
 
 from __future__ import annotations
 
@@ -61,6 +62,40 @@ def mount_loops(mounter: Mount, src: Path, store: Path, loops: int = LOOPS) -> P
     return mnt
 
 
+def every_file_open_at_once(mnt: Path, want: dict[str, bytes], readers: int = 16, rounds: int = 3) -> None:
+    """``readers`` threads, each ``rounds`` times holding every file open at once in its own order, then reading
+    each whole: each inode has opens in several loops together, which the kernel allows only if they share one
+    backing (EBUSY otherwise). Every file's bytes must be ``want``'s; a reader that fails or hangs fails."""
+    wrong: list[str] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(readers)
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        names = sorted(want)
+        try:
+            start.wait()
+            for _ in range(rounds):
+                rng.shuffle(names)
+                files = [open(mnt / name, "rb") for name in names]
+                try:
+                    wrong.extend(name for name, f in zip(names, files) if f.read() != want[name])
+                finally:
+                    for f in files:
+                        f.close()
+        except BaseException as exc:  # reported below, with the others'
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(readers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert not errors, errors[:3]
+    assert not wrong, sorted(set(wrong))[:5]
+
+
 def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepared, mounter: Mount) -> None:
     src, store = prepared
     want = expected_bytes(src, store)
@@ -71,38 +106,7 @@ def test_many_readers_get_the_single_loops_bytes_and_every_release_frees(prepare
         found = stats(mnt)
         children = [loop["pid"] for loop in found["loops"] if loop["loop"]]
         assert all(_parent(pid) == found["pid"] for pid in children) and found["loops"][0]["pid"] == found["pid"]
-    wrong: list[str] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(16)
-
-    def reader(seed: int) -> None:
-        rng = random.Random(seed)
-        names = sorted(want)
-        try:
-            start.wait()
-            for _ in range(3):
-                rng.shuffle(names)
-                # Every file open at once in every reader: each inode has opens in several loops together, which
-                # the kernel allows only if they share one backing (EBUSY otherwise).
-                files = [open(mnt / name, "rb") for name in names]
-                try:
-                    for name, f in zip(names, files):
-                        if f.read() != want[name]:
-                            wrong.append(name)
-                finally:
-                    for f in files:
-                        f.close()
-        except BaseException as exc:  # reported below, with the others'
-            errors.append(exc)
-
-    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a reader hung"
-    assert not errors, errors[:3]
-    assert not wrong, sorted(set(wrong))[:5]
+    every_file_open_at_once(mnt, want)
     # A decoder sees the source's pixels (the mount's contract), whichever loop served.
     png = next(name for name in sorted(want) if name.endswith(".png"))
     with Image.open(mnt / png) as served, Image.open(src / png) as source:
@@ -134,34 +138,7 @@ def test_a_fixed_mix_serves_each_file_alike_in_every_loop(prepared, mounter: Mou
     assert 0 < served_raw < len(images), served_raw  # both representations at 0.5
     mnt = mounter.mount(src, "--loops", str(LOOPS), "--mix", "0.5", "--data-path", "passthrough", store=store)
     assert len(stats(mnt)["loops"]) == LOOPS
-    wrong: list[str] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(16)
-
-    def reader(seed: int) -> None:
-        rng = random.Random(seed)
-        names = sorted(want)
-        try:
-            start.wait()
-            for _ in range(3):
-                rng.shuffle(names)
-                files = [open(mnt / name, "rb") for name in names]
-                try:
-                    wrong.extend(name for name, f in zip(names, files) if f.read() != want[name])
-                finally:
-                    for f in files:
-                        f.close()
-        except BaseException as exc:  # reported below, with the others'
-            errors.append(exc)
-
-    threads = [threading.Thread(target=reader, args=(seed,)) for seed in range(16)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not any(t.is_alive() for t in threads), "a reader hung"
-    assert not errors, errors[:3]
-    assert not wrong, sorted(set(wrong))[:5]
+    every_file_open_at_once(mnt, want)
     values = stats(mnt)
     assert values["errors"] == 0 and values["fallbacks"] == 0
     assert len([loop for loop in values["loops"] if loop["opens"]]) >= 2, values["loops"]
