@@ -22,6 +22,7 @@ import struct
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyfuse3
 import trio
@@ -93,6 +94,7 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
 
 def _child(index: int, device: int, config: MountConfig, store: Store, first: build.Mount,
            shared: SharedInodes, pairs: list[tuple[socket.socket, socket.socket]]) -> int:
+    _name_the_loop(index)
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -114,6 +116,19 @@ def _child(index: int, device: int, config: MountConfig, store: Store, first: bu
         pyfuse3.set_operations(ops)  # type: ignore[attr-defined]
         trio.run(_serve, ops, peers)
     return 0
+
+
+def _name_the_loop(index: int) -> None:
+    """This process's log lines name their loop (``liquidfs.daemon.build[loop 2]: ...``): the loops write one
+    log, and a line of the first loop's is told from another's."""
+    make = logging.getLogRecordFactory()
+
+    def record(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        made = make(*args, **kwargs)
+        made.name = f"{made.name}[loop {index}]"
+        return made
+
+    logging.setLogRecordFactory(record)
 
 
 async def _serve(ops: Operations, peers: Peers) -> None:

@@ -138,6 +138,9 @@ def test_a_fixed_mix_serves_each_file_alike_in_every_loop(prepared, mounter: Mou
     assert 0 < served_raw < len(images), served_raw  # both representations at 0.5
     mnt = mounter.mount(src, "--loops", str(LOOPS), "--mix", "0.5", "--data-path", "passthrough", store=store)
     assert len(stats(mnt)["loops"]) == LOOPS
+    # each loop built its own mix, and its log line says which loop it is (the loops share the mount's log)
+    logged = (store / "mount.log").read_text()
+    assert all(f"liquidfs.daemon.build[loop {i}]: mix: fixed, raw share 0.500" in logged for i in range(1, LOOPS))
     every_file_open_at_once(mnt, want)
     values = stats(mnt)
     assert values["errors"] == 0 and values["fallbacks"] == 0
