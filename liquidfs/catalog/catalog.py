@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 CATALOG_NAME = "catalog.sqlite"
 #: A regular file's size as served: its raw object's where it has one, else its source's.
 _SERVED = "CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size ELSE size END"
+#: A page of a directory's entries in id order after the id given (the root is its own parent: not its entry).
+_PAGE_OF_CHILDREN = "FROM nodes WHERE parent=? AND id>? AND id!=parent ORDER BY id LIMIT ?"
 
 
 def default_store_dir(source: str | os.PathLike[str]) -> Path:
@@ -128,19 +130,14 @@ class Catalog:
 
     def children(self, parent: int, after_id: int = 0, limit: int = 256) -> list[Node]:
         """One page of a directory in id order; ``after_id`` is the last id of the previous page."""
-        rows = self.db.execute(
-            f"SELECT {NODE_COLUMNS} FROM nodes WHERE parent=? AND id>? AND id!=parent ORDER BY id LIMIT ?",
-            (parent, after_id, limit),
-        ).fetchall()
+        rows = self.db.execute(f"SELECT {NODE_COLUMNS} {_PAGE_OF_CHILDREN}", (parent, after_id, limit)).fetchall()
         return [Node(*row) for row in rows]
 
     def child_entries(self, parent: int, after_id: int = 0, limit: int = 128) -> list[tuple[int, bytes, int]]:
         """One page of a directory's (id, name, mode) in id order: all a plain listing's entry carries, without
         a ``Node`` of every column for each (most of a READDIRPLUS entry's cost at ten million files)."""
         rows: list[tuple[int, bytes, int]] = self.db.execute(
-            "SELECT id, name, mode FROM nodes WHERE parent=? AND id>? AND id!=parent ORDER BY id LIMIT ?",
-            (parent, after_id, limit),
-        ).fetchall()
+            f"SELECT id, name, mode {_PAGE_OF_CHILDREN}", (parent, after_id, limit)).fetchall()
         return rows
 
     def file_totals(self) -> tuple[int, int, int, int]:

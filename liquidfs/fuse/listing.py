@@ -25,7 +25,8 @@ buffer resumes exactly after the last entry the kernel accepted.
 from __future__ import annotations
 
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import TypeVar
 
 import pyfuse3
 
@@ -49,6 +50,8 @@ LOOKUPS_TO_WANT = 32
 REMEMBERED = 65_536
 
 SUPPORTED = bool(getattr(pyfuse3, "plain_readdir", False))
+
+Row = TypeVar("Row")
 
 
 class Listings:
@@ -95,18 +98,13 @@ def list_plus(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     """Entries of ``parent`` after the id ``after`` with their attributes, as many as the reply holds; each
     accepted one counts as a lookup the kernel will forget. For READDIRPLUS replies only (a plain one would take
     the entries without the lookups). How many were listed."""
-    listed, rows = 0, FIRST_ROWS_PLUS
-    while True:
-        page = catalog.children(parent, after_id=after, limit=rows)
-        for node in page:
-            if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
-                return listed
-            looked_up(node)
-            listed += 1
-            after = node.id
-        if len(page) < rows:
-            return listed  # the directory's end: no query to find nothing
-        rows = min(2 * rows, MAX_ROWS)
+    listed = 0
+    for node in _rows(catalog.children, parent, after, FIRST_ROWS_PLUS, lambda node: node.id):
+        if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
+            break
+        looked_up(node)
+        listed += 1
+    return listed
 
 
 def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirToken,
@@ -119,23 +117,33 @@ def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     entry = pyfuse3.EntryAttributes()  # one for every bare entry: the reply copies what it needs at once
     reply = pyfuse3.readdir_reply
     with_attrs = bare = 0
-    rows = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
+    first = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
+    for ident, name, mode in _rows(catalog.child_entries, parent, after, first, lambda row: row[0]):
+        node = None if not plus or stat.S_ISREG(mode) else catalog.get(ident)
+        if node is None:
+            entry.st_ino = ident
+            entry.st_mode = mode
+            if not reply(token, pyfuse3.FileNameT(name), entry, ident, lookup=False):  # type: ignore[call-arg]
+                break
+            bare += 1
+        else:
+            if not reply(token, pyfuse3.FileNameT(name), attrs(node), ident):
+                break
+            looked_up(node)
+            with_attrs += 1
+    return with_attrs, bare
+
+
+def _rows(fetch: Callable[[int, int, int], Sequence[Row]], parent: int, after: int, first: int,
+          ident: Callable[[Row], int]) -> Iterator[Row]:
+    """The rows of ``parent`` after the id ``after``, read as a reply takes them: ``first`` rows, then pages twice
+    as large up to ``MAX_ROWS``; a short page is the directory's end (no query to find nothing). A reply that is
+    full stops taking them, and no further page is read."""
+    rows = first
     while True:
-        page = catalog.child_entries(parent, after_id=after, limit=rows)
-        for ident, name, mode in page:
-            node = None if not plus or stat.S_ISREG(mode) else catalog.get(ident)
-            if node is None:
-                entry.st_ino = ident
-                entry.st_mode = mode
-                if not reply(token, pyfuse3.FileNameT(name), entry, ident, lookup=False):  # type: ignore[call-arg]
-                    return with_attrs, bare
-                bare += 1
-            else:
-                if not reply(token, pyfuse3.FileNameT(name), attrs(node), ident):
-                    return with_attrs, bare
-                looked_up(node)
-                with_attrs += 1
-            after = ident
+        page = fetch(parent, after, rows)
+        yield from page
         if len(page) < rows:
-            return with_attrs, bare
+            return
+        after = ident(page[-1])
         rows = min(2 * rows, MAX_ROWS)
