@@ -99,7 +99,7 @@ def list_plus(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     accepted one counts as a lookup the kernel will forget. For READDIRPLUS replies only (a plain one would take
     the entries without the lookups). How many were listed."""
     listed = 0
-    for node in _rows(catalog.children, parent, after, FIRST_ROWS_PLUS, lambda node: node.id):
+    for node in child_rows(catalog.children, parent, after, FIRST_ROWS_PLUS, lambda node: node.id):
         if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
             break
         looked_up(node)
@@ -118,7 +118,7 @@ def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     reply = pyfuse3.readdir_reply
     with_attrs = bare = 0
     first = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
-    for ident, name, mode in _rows(catalog.child_entries, parent, after, first, lambda row: row[0]):
+    for ident, name, mode in child_rows(catalog.child_entries, parent, after, first, lambda row: row[0]):
         node = None if not plus or stat.S_ISREG(mode) else catalog.get(ident)
         if node is None:
             entry.st_ino = ident
@@ -134,8 +134,8 @@ def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     return with_attrs, bare
 
 
-def _rows(fetch: Callable[[int, int, int], Sequence[Row]], parent: int, after: int, first: int,
-          ident: Callable[[Row], int]) -> Iterator[Row]:
+def child_rows(fetch: Callable[[int, int, int], Sequence[Row]], parent: int, after: int, first: int,
+               ident: Callable[[Row], int]) -> Iterator[Row]:
     """The rows of ``parent`` after the id ``after``, read as a reply takes them: ``first`` rows, then pages twice
     as large up to ``MAX_ROWS``; a short page is the directory's end (no query to find nothing). A reply that is
     full stops taking them, and no further page is read."""

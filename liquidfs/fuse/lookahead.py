@@ -26,6 +26,7 @@ from pathlib import Path
 from ..catalog.catalog import Catalog
 from ..catalog.nodes import KIND_FILE, Node
 from ..metrics.stats import Statistics
+from .listing import MAX_ROWS, child_rows
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +107,13 @@ class MetadataAhead:
             catalog.close()
 
     def _warm_directory(self, catalog: Catalog, parent: int) -> None:
-        after = 0
-        while page := catalog.children(parent, after_id=after):
-            for node in page:
-                if node.kind == KIND_FILE:
-                    try:
-                        self.warm(node)
-                        self.files += 1
-                    except OSError:
-                        pass  # gone, changed, refused: the open will say so
-                after = node.id
+        for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id):
+            if node.kind == KIND_FILE:
+                try:
+                    self.warm(node)
+                    self.files += 1
+                except OSError:
+                    pass  # gone, changed, refused: the open will say so
         self.directories += 1
 
     def statistics(self) -> LookaheadStatistics:
