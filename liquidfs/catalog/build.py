@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..sysio.locks import HeldLock, abandoned, unique
 from .catalog import CATALOG_NAME, Catalog, connect
+from . import listings
 from .identity import file_version
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
@@ -39,6 +40,7 @@ _INSERT = f"INSERT INTO nodes({SCANNED_COLUMNS}) VALUES ({','.join('?' * 15)})"
 _INSERT_ENTRY = ("INSERT INTO nodes(id, parent, name, path, kind, mode, size, mtime_ns, target, etag, nsubdirs, repr) "
                  f"VALUES (?,?,?,?,?,?,?,?,?,?,0,{REPR_ORIGINAL})")
 _NAME = operator.attrgetter("name")
+_RECORD = listings.RECORD.pack
 #: Rows bound in one ``executemany``.
 _BATCH = 10_000
 
@@ -63,6 +65,7 @@ class _Writer:
         self.db.execute("BEGIN")
         self.rows: list[tuple[object, ...]] = []
         self.entries: list[tuple[object, ...]] = []
+        self.listings: list[tuple[int, int, bytes]] = []
 
     def add(self, row: tuple[object, ...]) -> None:
         """A row of every scanned column (``SCANNED_COLUMNS``)."""
@@ -76,11 +79,19 @@ class _Writer:
         if len(self.entries) >= _BATCH:
             self.flush()
 
+    def add_listing(self, parent: int, first_id: int, records: list[bytes]) -> None:
+        """A directory's packed entries (``listings.record``), whose ids are ``first_id`` on, one each."""
+        self.listings.extend((parent, last, chunk) for last, chunk in listings.chunks(first_id, records))
+        if len(self.listings) >= _BATCH // listings.CHUNK:
+            self.flush()
+
     def flush(self) -> None:
         self.db.executemany(_INSERT, self.rows)
         self.db.executemany(_INSERT_ENTRY, self.entries)
+        self.db.executemany("INSERT INTO listings(parent, last, entries) VALUES (?, ?, ?)", self.listings)
         self.rows.clear()
         self.entries.clear()
+        self.listings.clear()
 
     def finish(self, meta: dict[str, str], previous: Path | None = None) -> None:
         """Index, commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced),
@@ -161,6 +172,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
 
     Ids are given depth first, each directory's entries in name order. A helper reads the inodes of the
     directories the walk wants next (``scan.Warmer``): it only makes them warm; every row is what this walk read.
+    Each directory's entries are packed for its listings too (``listings``): a local catalog has them whole.
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
@@ -193,6 +205,8 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
                 entries = []
             seen += len(entries)
             subdirs = 0
+            first_id = next_id
+            records: list[bytes] = []  # the directory's listing (catalog.listings): an id each, from first_id on
             for entry in entries:
                 name = entry.name
                 row: tuple[int, int, int, int, bytes | None, str | None] | None
@@ -216,6 +230,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
                     report.ignored += 1
                     continue
                 rel = rel_dir + b"/" + name if rel_dir else name
+                records.append(_RECORD(next_id, mode, len(name)) + name)
                 if row is None:
                     subdirs += 1
                     dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
@@ -224,10 +239,12 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
                     writer.add_entry((next_id, dir_id, name, rel, *row))
                 next_id += 1
             nsubdirs[dir_id] = subdirs
+            writer.add_listing(dir_id, first_id, records)
     report.directories, report.files = len(dir_rows) - 1, files
     for r in dir_rows.values():
         writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
-    writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME})
+    writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME,
+                   listings.META_KEY: listings.FORMAT})
     report.seconds = time.monotonic() - started
     log.info(
         "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",

@@ -10,6 +10,7 @@ directory at a time, so a 1.28 M-file ImageNet tree costs a few MB of daemon mem
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sqlite3
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..sysio.home import cache_home
+from . import listings
 from .nodes import REPR_RAW, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      CatalogError, migrate)
@@ -139,6 +141,26 @@ class Catalog:
         rows: list[tuple[int, bytes, int]] = self.db.execute(
             f"SELECT id, name, mode {_PAGE_OF_CHILDREN}", (parent, after_id, limit)).fetchall()
         return rows
+
+    @functools.cached_property
+    def has_listings(self) -> bool:
+        """Whether every directory's entries are packed in ``listings`` (``catalog.listings``)."""
+        try:
+            return self.meta(listings.META_KEY) == listings.FORMAT and self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type='table' AND name='listings'").fetchone() is not None
+        except sqlite3.DatabaseError:
+            return False
+
+    def listing_chunks(self, parent: int, after_id: int = 0) -> Iterator[bytes]:
+        """The packed chunks of ``parent`` that hold entries after the id ``after_id``, one query each as the
+        listing takes them (``has_listings`` catalogs only)."""
+        while True:
+            row = self.db.execute("SELECT last, entries FROM listings WHERE parent=? AND last>? ORDER BY last LIMIT 1",
+                                  (parent, after_id)).fetchone()
+            if row is None or not isinstance(row[1], bytes):
+                return
+            after_id = row[0]
+            yield row[1]
 
     def file_totals(self) -> tuple[int, int, int, int]:
         """(regular files, bytes served over them, bytes of their sources, highest id in the catalog). A scan of

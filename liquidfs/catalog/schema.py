@@ -51,11 +51,19 @@ CREATE TABLE expansions (
     src_etag TEXT,               -- the source's version when it was expanded (as nodes.etag)
     object_stamp TEXT            -- the object's identity when it was written or its bytes last checked
 );
+-- A directory's entries packed for its listings (catalog/listings.py), where meta 'listings' says so.
+CREATE TABLE listings (
+    parent INTEGER NOT NULL,
+    last INTEGER NOT NULL,       -- the id of the chunk's last entry
+    entries BLOB NOT NULL
+);
 """
-#: The indexes of ``nodes``: a build makes them once its rows are in (one sort, instead of a B-tree insert per row).
+#: The indexes of ``nodes`` and ``listings``: a build makes them once its rows are in (one sort, instead of a
+#: B-tree insert per row).
 INDEXES = (
     "CREATE UNIQUE INDEX nodes_parent_name ON nodes(parent, name)",
     "CREATE INDEX nodes_parent ON nodes(parent)",
+    "CREATE UNIQUE INDEX listings_parent_last ON listings(parent, last)",
 )
 
 

@@ -283,9 +283,10 @@ class Operations(pyfuse3.Operations):
             self.stats.listed_with_attributes += list_plus(self.catalog, fh, start_id, token, self._attrs,
                                                            self.inodes.looked_up)
             return
-        with_attrs, bare = list_bare(self.catalog, fh, start_id, token, self._attrs, self.inodes.looked_up)
+        with_attrs, bare, packed = list_bare(self.catalog, fh, start_id, token, self._attrs, self.inodes.looked_up)
         self.stats.listed_with_attributes += with_attrs
         self.stats.listed_bare += bare
+        self.stats.listed_packed += packed
         self.listings.listed_bare(fh, bare)
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:

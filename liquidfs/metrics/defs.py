@@ -105,6 +105,9 @@ METRICS: tuple[Metric, ...] = (
            "Directory entries listed: with their attributes (each a lookup the kernel holds) or bare (name, inode "
            "number and type: a directory's files until lookups of them follow a listing, and plain READDIR "
            "pages).", label="kind"),
+    Metric("liquidfs_listed_packed_entries_total", COUNTER, "", "listed_packed",
+           "Entries listed bare from the catalog's packed listings (a local tree's build writes them; the other bare "
+           "entries came from its rows)."),
     # -- bytes ---------------------------------------------------------------------------------------------------
     Metric("liquidfs_served_bytes_total", COUNTER, "bytes", SERVED_FROM,
            "Bytes of opened files by where they came from, on either data path: storage (the store or the "

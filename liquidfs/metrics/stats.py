@@ -63,6 +63,7 @@ class MountStats:
     errors: int = 0               # requests answered with an error other than ENOENT
     listed_with_attributes: int = 0  # directory entries listed with attributes (each a lookup the kernel holds)
     listed_bare: int = 0          # ... listed bare: name, inode number and type (``fuse.listing``)
+    listed_packed: int = 0        # ... of those, from the catalog's packed listings (``catalog.listings``)
     data_path: str = "daemon"     # "passthrough": the kernel serves reads from backing files; "daemon": we do
     data_path_why: str = ""       # why the daemon path serves, when it does
     dispatch: str = "stock"       # "queued-first": pyfuse3's loop (our patch) takes requests already queued

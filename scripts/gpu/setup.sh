@@ -39,7 +39,7 @@ cp "$kit"/pyfuse3/pyfuse3/{_pyfuse3.py,asyncio.py,__init__.pyi,py.typed} "$dest/
 gcc -shared -fPIC -O2 -DFUSE_USE_VERSION=32 -I"$kit/pyfuse3/Include" -I"$kit/pyfuse3/pyfuse3" -I"$include" \
     -I"$lib/include/fuse3" "$kit/pyfuse3/pyfuse3/__init__.c" -o "$dest/__init__$suffix" \
     -L"$lib/lib" -Wl,-rpath,"$lib/lib" -lfuse3 -lpthread -lrt || die "compiling pyfuse3 failed"
-"$py" -c 'import pyfuse3; pyfuse3.passthrough_open; pyfuse3.set_operations; assert pyfuse3.queued_requests_first and pyfuse3.plain_readdir' \
+"$py" -c 'import pyfuse3; pyfuse3.passthrough_open; pyfuse3.set_operations; assert pyfuse3.queued_requests_first and pyfuse3.plain_readdir; pyfuse3.readdir_reply_packed' \
     || die "the compiled pyfuse3 lacks the passthrough patches"
 
 rm -rf "$site/liquidfs" && cp -a "$repo/liquidfs" "$site/liquidfs"

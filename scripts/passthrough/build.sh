@@ -6,7 +6,8 @@
 # small file opened, BENCHMARKS.md), pyfuse3-clone.patch (pyfuse3.handle_init/device_fd/set_operations: INIT
 # answered before main(), so processes forked after it serve clones of the one connection) and
 # pyfuse3-readdir.patch (plain READDIR answered, ReaddirToken.plus, READDIRPLUS_AUTO for operations that ask: a
-# listing no lookup follows costs the daemon no attributes and the kernel no inode per entry), built against
+# listing no lookup follows costs the daemon no attributes and the kernel no inode per entry; and
+# readdir_reply_packed: a catalog's packed listing added to a reply in C), built against
 # libfuse >= 3.17 -- the system's when it has one, else libfuse 3.17.2 built from Debian trixie's source package into VENV/libfuse (library,
 # headers and pkg-config file only; mounting still uses the system's fusermount3 when it needs it).
 #
@@ -31,7 +32,7 @@ venv=$(cd "$1" && pwd)
 here=$(cd "$(dirname "$0")" && pwd)
 py="$venv/bin/python"
 
-PATCHED_CHECK='import pyfuse3; pyfuse3.passthrough_open; pyfuse3.set_operations; assert pyfuse3.queued_requests_first and pyfuse3.plain_readdir'
+PATCHED_CHECK='import pyfuse3; pyfuse3.passthrough_open; pyfuse3.set_operations; assert pyfuse3.queued_requests_first and pyfuse3.plain_readdir; pyfuse3.readdir_reply_packed'
 if "$py" -c "$PATCHED_CHECK" 2>/dev/null; then
     echo "pyfuse3 with passthrough already installed in $venv"
     exit 0

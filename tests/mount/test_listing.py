@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sqlite3
 import stat
 import subprocess
 from pathlib import Path
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from fusehelpers import Mount
+from liquidfs.catalog import listings
 from liquidfs.catalog.build import build
 from liquidfs.daemon.control import read_control
 from liquidfs.fuse import listing
@@ -38,7 +40,8 @@ def tree(src: Path) -> None:
 
 
 def test_find_lists_files_bare_and_ls_after_lookups_gets_attributes(tmp_path: Path, mounter: Mount) -> None:
-    assert listing.SUPPORTED, "this pyfuse3 lacks pyfuse3-readdir.patch: run scripts/install.sh as root"
+    assert listing.SUPPORTED and listing.PACKED, \
+        "this pyfuse3 lacks pyfuse3-readdir.patch: run scripts/install.sh as root"
     src, store = tmp_path / "src", tmp_path / "store"
     tree(src)
     build(src, store)
@@ -56,6 +59,7 @@ def test_find_lists_files_bare_and_ls_after_lookups_gets_attributes(tmp_path: Pa
     # plain READDIR page of a kernel with 4 KiB replies holds none).
     assert bare + plus == 2 + BIG + 1 + 3, (bare, plus)  # /, big/, big/sub/, small/
     assert BIG - 2 + 1 + 3 <= bare, (bare, plus)
+    assert after["listed_packed"] - before["listed_packed"] == bare  # in C, from the build's packed listings
     assert after["known_inodes"] <= 5, after["known_inodes"]
 
     # The same names, inodes and types as a lookup of each gives (the stat after the whole listing: a lookup
@@ -88,3 +92,50 @@ def test_find_lists_files_bare_and_ls_after_lookups_gets_attributes(tmp_path: Pa
     one_reply = tuple(int(part) for part in os.uname().release.split(".")[:2]) >= (6, 16)
     assert plus == BIG if one_reply else plus >= 16, (plus, bare)
     assert after["errors"] == 0
+
+
+def test_a_malformed_packed_listing_lists_from_the_rows(tmp_path: Path, mounter: Mount) -> None:
+    """The store's writer rewrites the packed listings (``catalog.listings``, read in C by our pyfuse3 patch):
+    cut short in a record's head, cut in a name, a name with a '/' (the kernel would fail the whole reply), a
+    record naming a file of another directory. Every directory still lists exactly as the source, and the daemon
+    answers no error."""
+    assert listing.PACKED, "this pyfuse3 lacks pyfuse3-readdir.patch: run scripts/install.sh as root"
+    src, store = tmp_path / "src", tmp_path / "store"
+    tree(src)
+    for name in ("cut_head", "cut_name", "slash", "zalias"):
+        (src / name).mkdir()
+        for i in range(40):
+            (src / name / f"file_{i:03d}.png").write_bytes(bytes([i]))
+    build(src, store)
+    db = sqlite3.connect(store / "catalog.sqlite")
+    with db:
+        def chunk_of(name: str) -> tuple[int, bytes]:
+            (parent,) = db.execute("SELECT id FROM nodes WHERE parent=1 AND name=?", (name.encode(),)).fetchone()
+            (chunk,) = db.execute("SELECT entries FROM listings WHERE parent=?", (parent,)).fetchone()
+            return parent, chunk
+
+        def rewrite(name: str, change: bytes) -> None:
+            db.execute("UPDATE listings SET entries=? WHERE parent=?", (change, chunk_of(name)[0]))
+
+        rewrite("cut_head", chunk_of("cut_head")[1][:listings.RECORD.size * 10 + 5])
+        rewrite("cut_name", chunk_of("cut_name")[1][:-3])
+        rewrite("slash", chunk_of("slash")[1].replace(b"file_020.png", b"file/020.png"))
+        # zalias is listed first by the walk: small/'s files come after it, so the record still ascends
+        (other,) = db.execute("SELECT max(id) FROM nodes WHERE name=?", (b"a",)).fetchone()
+        records = list(listings.read(chunk_of("zalias")[1]))
+        assert other > records[-1][0]
+        rewrite("zalias", b"".join(listings.record(other, 0o40755, name) if i == len(records) - 1
+                                   else listings.record(ident, mode, name)
+                                   for i, (ident, mode, name, _, _) in enumerate(records)))
+    db.close()
+    mnt = mounter.mount(src, store=store)
+    found = subprocess.run(["find", ".", "-print0"], cwd=mnt, capture_output=True, check=True).stdout
+    expected = subprocess.run(["find", ".", "-print0"], cwd=src, capture_output=True, check=True).stdout
+    assert sorted(found.split(b"\0")) == sorted(expected.split(b"\0"))
+    for name in ("cut_head", "cut_name", "slash", "zalias"):
+        entries = {e.name: (e.inode(), e.is_file(follow_symlinks=False)) for e in os.scandir(mnt / name)}
+        assert sorted(entries) == sorted(os.listdir(src / name)), name
+        for entry_name, (ino, is_file) in entries.items():
+            assert is_file and os.lstat(mnt / name / entry_name).st_ino == ino, (name, entry_name)
+    control = read_control(mnt)
+    assert control["errors"] == 0 and control["listed_packed"] < control["listed_bare"]

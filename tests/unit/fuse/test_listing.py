@@ -6,7 +6,9 @@ buffer is a fake that takes a set number of entries; the real one is driven by `
 
 from __future__ import annotations
 
+import sqlite3
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import pytest
 import trio
 from operations import daemon_operations
 
+from liquidfs.catalog import listings
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.nodes import ROOT_ID
@@ -41,14 +44,36 @@ class Reply:
         return True
 
 
-@pytest.fixture
-def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Operations:
+def packed_reply(token: Reply, chunk: bytes, pos: int, after: int, stop: bool) -> tuple[int, int, int, int]:
+    """``pyfuse3.readdir_reply_packed`` (our patch's C) over the fake reply, from its reference reader."""
+    listed, last = 0, after
+    try:
+        for ident, mode, name, start, _ in listings.read(chunk, pos, after):
+            if stop and not stat.S_ISREG(mode):
+                return listed, start, last, 2
+            entry = pyfuse3.EntryAttributes()
+            entry.st_ino, entry.st_mode = ident, mode
+            if not token.add(name, entry, ident, False):
+                return listed, start, last, 1
+            listed, last = listed + 1, ident
+    except listings.MalformedRecord as exc:
+        return listed, exc.pos, last, -1
+    return listed, len(chunk), last, 0
+
+
+@pytest.fixture(params=["packed", "rows"])
+def ops(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Operations:
+    """Every test twice: bare entries from the catalog's packed listings, and from its rows."""
     # As our patched pyfuse3 (whichever this test runs with): bare entries, and a token that says its kind.
     monkeypatch.setattr(listing, "SUPPORTED", True)
+    monkeypatch.setattr(listing, "PACKED", request.param == "packed")
     monkeypatch.setattr(pyfuse3, "readdir_reply",
                         lambda token, name, attr, offset, lookup=True: token.add(name, attr, offset, lookup))
+    monkeypatch.setattr(pyfuse3, "readdir_reply_packed", packed_reply, raising=False)
+    monkeypatch.setattr(listing, "_WARNED", set())
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)  # a directory among the files: listed with its attributes
+    (src / "sub" / "inner.bin").write_bytes(b"y")  # the first id after the root's entries
     for i in range(FILES - 1):
         (src / f"f{i:04d}.bin").write_bytes(b"x" * (1 + i % 7))
     build(src, tmp_path / "store")
@@ -87,6 +112,7 @@ def test_files_listed_bare_until_lookups_follow_then_with_attributes(ops: Operat
     assert [stat.S_IFMT(e[2]) for e in with_lookup] == [stat.S_IFDIR]  # the directory alone
     assert ops.inodes.known == known + 1
     assert (ops.stats.listed_bare, ops.stats.listed_with_attributes) == (FILES - 1, 1)
+    assert ops.stats.listed_packed == (FILES - 1 if listing.PACKED else 0)
     same_as_lookups(ops, entries)  # lookups of every name: the directory wants attributes now
     again = listed(ops, plus=True, room=room)
     assert all(e[4] for e in again)
@@ -166,6 +192,7 @@ def test_a_reply_reads_rows_as_it_needs_them(ops: Operations, monkeypatch: pytes
         return entries(parent, after_id, limit)
 
     monkeypatch.setattr(ops.catalog, "child_entries", counting)
+    monkeypatch.setattr(ops.catalog, "has_listings", False)
     trio.run(ops.readdir, ROOT_ID, 0, Reply(True, 10))
     assert asked == [listing.FIRST_ROWS_PLUS]
     asked.clear()
@@ -174,3 +201,42 @@ def test_a_reply_reads_rows_as_it_needs_them(ops: Operations, monkeypatch: pytes
     asked.clear()
     trio.run(ops.readdir, ROOT_ID, 0, Reply(False, 5000))
     assert asked == [128, 256]
+
+
+def tamper(ops: Operations, change: Callable[[bytes], bytes]) -> None:
+    """The root's packed listing rewritten by ``change``, as whoever can write the store could."""
+    db = sqlite3.connect(ops.catalog.path)
+    with db:
+        (chunk,) = db.execute("SELECT entries FROM listings WHERE parent=?", (ROOT_ID,)).fetchone()
+        db.execute("UPDATE listings SET entries=? WHERE parent=?", (change(chunk), ROOT_ID))
+    db.close()
+
+
+@pytest.mark.parametrize("plus", [True, False])
+@pytest.mark.parametrize("cut", [7, 2000, -3])
+def test_a_malformed_packed_listing_goes_on_from_the_rows(ops: Operations, caplog: pytest.LogCaptureFixture,
+                                                          plus: bool, cut: int) -> None:
+    """A chunk cut short (in a record's head, in its name) still lists every entry once, in order."""
+    assert ops.catalog.has_listings
+    tamper(ops, lambda chunk: chunk[:cut])
+    entries = listed(ops, plus=plus, room=40)
+    assert [e[0] for e in entries] == sorted(e[0] for e in entries)
+    same_as_lookups(ops, entries)
+    assert not listing.PACKED or "malformed" in caplog.text
+
+
+def test_a_packed_record_never_names_another_node(ops: Operations) -> None:
+    """The directory's record given the id of a file elsewhere (ascending, as a check of the bytes alone would
+    pass): listed from its rows with its own attributes, never as an alias of that file."""
+    inner = ops.catalog.lookup(ops.catalog.lookup(ROOT_ID, b"sub").id, b"inner.bin")
+    assert inner is not None
+
+    def point_sub_at_inner(chunk: bytes) -> bytes:
+        *_, start, _ = next(r for r in listings.read(chunk) if r[2] == b"sub")
+        _, mode, length = listings.RECORD.unpack_from(chunk, start)
+        return chunk[:start] + listings.RECORD.pack(inner.id, mode, length) + chunk[start + listings.RECORD.size:]
+
+    tamper(ops, point_sub_at_inner)
+    entries = listed(ops, plus=True, room=5000)
+    same_as_lookups(ops, entries)
+    assert inner.id not in {e[1] for e in entries}
