@@ -5,8 +5,9 @@ An open on the loop walks the source (and the raw object) with ``RESOLVE_CACHED`
 not in memory it goes to a worker thread, which costs the loop a thread hop and the reader the disk's latency in
 line with its open. A LOOKUP reaching the daemon means the kernel had no entry for the name: the loader is
 reading a directory whose metadata is cold. The first such lookup in a directory queues it; one worker thread
-walks its files in catalog order (``warm``: a stat of the source, and of the raw object, below their roots, as
-the opens walk them), with its own connection to the catalog. An open that still finds its source's inode cold
+takes the directories in turn, with its own connection to the catalog, and has ``WARMERS`` threads warm each
+one's files at once (``warm``: a stat of the source, and of the raw object, below their roots, as the opens walk
+them): a cold inode is a read of the disk, and the disk answers several at once. An open that still finds its source's inode cold
 (the kernel dropped what the last warm brought in: a drop of the caches, pressure between epochs) warms its
 directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per ``AGAIN_AFTER`` seconds, a
 cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is never queued twice, and at
@@ -15,11 +16,13 @@ most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +40,9 @@ AGAIN_AFTER = 60.0
 AGAIN_COLD = 1.0
 #: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
 MAX_QUEUED = 16
+#: Threads that warm one directory's files: inodes cold on disk come in parallel (a virtio disk answers many
+#: reads at once), so the opens that follow a LOOKUP find more of them warm.
+WARMERS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,7 @@ class MetadataAhead:
         self._busy: set[int] = set()              # directories queued or being warmed (under _lock): <= MAX_QUEUED
         self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
         self._thread: threading.Thread | None = None
+        self._warmers: ThreadPoolExecutor | None = None  # the warming thread's own, made at its first directory
         self.directories = 0  # directories warmed
         self.files = 0        # files warmed
 
@@ -107,14 +114,23 @@ class MetadataAhead:
             catalog.close()
 
     def _warm_directory(self, catalog: Catalog, parent: int) -> None:
-        for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id):
-            if node.kind == KIND_FILE:
-                try:
-                    self.warm(node)
-                    self.files += 1
-                except OSError:
-                    pass  # gone, changed, refused: the open will say so
+        files = (node for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id)
+                 if node.kind == KIND_FILE)
+        while batch := list(itertools.islice(files, MAX_ROWS)):  # a bounded number of files in flight
+            self.files += sum(self._pool().map(self._warm_one, batch))
         self.directories += 1
+
+    def _warm_one(self, node: Node) -> int:
+        try:
+            self.warm(node)
+            return 1
+        except OSError:
+            return 0  # gone, changed, refused: the open will say so
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._warmers is None:
+            self._warmers = ThreadPoolExecutor(WARMERS, thread_name_prefix="liquidfs-lookahead")
+        return self._warmers
 
     def statistics(self) -> LookaheadStatistics:
         return LookaheadStatistics(directories=self.directories, files=self.files)
@@ -124,3 +140,6 @@ class MetadataAhead:
             self._queue.put(None)
             self._thread.join()
             self._thread = None
+        if self._warmers is not None:
+            self._warmers.shutdown(wait=True)
+            self._warmers = None

@@ -33,7 +33,7 @@ def _dir(catalog: Catalog, name: bytes) -> int:
     return found.id
 
 
-def test_a_cold_directory_is_warmed_once_file_by_file(tmp_path: Path) -> None:
+def test_a_cold_directory_is_warmed_once(tmp_path: Path) -> None:
     catalog = _tree(tmp_path)
     warmed: list[bytes] = []
     ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path))
@@ -44,6 +44,24 @@ def test_a_cold_directory_is_warmed_once_file_by_file(tmp_path: Path) -> None:
     ahead.stop()
     assert sorted(warmed) == sorted([b"d0/f%d.bin" % i for i in range(5)] + [b"d1/f%d.bin" % i for i in range(5)])
     assert ahead.statistics().values() == {"lookahead_directories": 2, "lookahead_files": 10}
+
+
+def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
+    """Each warm waits until ``WARMERS`` of them wait together: warmed one after another, the first would wait
+    alone until its barrier broke."""
+    catalog = _tree(tmp_path, dirs=1, files=3 * lookahead.WARMERS)
+    together = threading.Barrier(lookahead.WARMERS, timeout=20)
+    warmed: list[bytes] = []
+
+    def warm(node) -> None:
+        together.wait()
+        warmed.append(node.path)
+
+    ahead = MetadataAhead(catalog.path, warm)
+    ahead.looked_up(_dir(catalog, b"d0"))
+    ahead.stop()
+    assert not together.broken and len(warmed) == 3 * lookahead.WARMERS
+    assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 3 * lookahead.WARMERS}
 
 
 def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_path: Path,
