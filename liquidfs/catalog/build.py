@@ -43,6 +43,8 @@ _NAME = operator.attrgetter("name")
 _RECORD = listings.RECORD.pack
 #: Rows bound in one ``executemany``.
 _BATCH = 10_000
+#: Bytes of packed listings held before they are written (about the rows' ``_BATCH``).
+_LISTING_BYTES = 1 << 20
 
 
 class _Writer:
@@ -66,6 +68,7 @@ class _Writer:
         self.rows: list[tuple[object, ...]] = []
         self.entries: list[tuple[object, ...]] = []
         self.listings: list[tuple[int, int, bytes]] = []
+        self.listing_bytes = 0
 
     def add(self, row: tuple[object, ...]) -> None:
         """A row of every scanned column (``SCANNED_COLUMNS``)."""
@@ -81,8 +84,17 @@ class _Writer:
 
     def add_listing(self, parent: int, first_id: int, records: list[bytes]) -> None:
         """A directory's packed entries (``listings.record``), whose ids are ``first_id`` on, one each."""
-        self.listings.extend((parent, last, chunk) for last, chunk in listings.chunks(first_id, records))
-        if len(self.listings) >= _BATCH // listings.CHUNK:
+        self._add_chunks(parent, listings.chunks(first_id, records))
+
+    def add_listing_of(self, parent: int, entries: list[tuple[int, int, bytes]]) -> None:
+        """A directory's ``(id, mode, name)`` entries, in ascending id order."""
+        self._add_chunks(parent, listings.chunks_of(entries))
+
+    def _add_chunks(self, parent: int, chunks: Iterable[tuple[int, bytes]]) -> None:
+        for last, chunk in chunks:
+            self.listings.append((parent, last, chunk))
+            self.listing_bytes += len(chunk)
+        if self.listing_bytes >= _LISTING_BYTES or len(self.listings) >= _BATCH:
             self.flush()
 
     def flush(self) -> None:
@@ -92,6 +104,7 @@ class _Writer:
         self.rows.clear()
         self.entries.clear()
         self.listings.clear()
+        self.listing_bytes = 0
 
     def finish(self, meta: dict[str, str], previous: Path | None = None) -> None:
         """Index, commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced),
@@ -318,12 +331,22 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
             if not walk:
                 break
             walk = walk.rpartition(b"/")[0]
+    # Each directory's entries for its packed listing: an object store's are not numbered one directory at a time,
+    # so they are gathered here (~1 us an object).
+    children: dict[int, list[tuple[int, int, bytes]]] = {}
     for row in files.values():
         writer.add(row)
+        children.setdefault(row[1], []).append((row[0], OBJECT_FILE_MODE, row[2]))  # type: ignore[arg-type]
     for path, (node_id, parent_id, mtime_ns, subdirs) in dirs.items():
-        writer.add((node_id, parent_id, path.rpartition(b"/")[2], path, KIND_DIR, OBJECT_DIR_MODE, 0, mtime_ns,
+        name = path.rpartition(b"/")[2]
+        writer.add((node_id, parent_id, name, path, KIND_DIR, OBJECT_DIR_MODE, 0, mtime_ns,
                     subdirs, None, REPR_ORIGINAL, None, None, None, None))
-    writer.finish({"source": source, "source_kind": "s3"}, previous)
+        if node_id != ROOT_ID:
+            children.setdefault(parent_id, []).append((node_id, OBJECT_DIR_MODE, name))
+    for parent_id, entries in children.items():
+        entries.sort()
+        writer.add_listing_of(parent_id, entries)
+    writer.finish({"source": source, "source_kind": "s3", listings.META_KEY: listings.FORMAT}, previous)
     report.seconds = time.monotonic() - started
     log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,
              report.seconds)

@@ -151,13 +151,19 @@ class Catalog:
         except sqlite3.DatabaseError:
             return False
 
-    def listing_chunks(self, parent: int, after_id: int = 0) -> Iterator[bytes]:
+    def listing_chunks(self, parent: int, after_id: int = 0) -> Iterator[bytes | None]:
         """The packed chunks of ``parent`` that hold entries after the id ``after_id``, one query each as the
-        listing takes them (``has_listings`` catalogs only)."""
+        listing takes them (``has_listings`` catalogs only). None for a chunk that is not one (longer than a build
+        writes, not a blob, a key that is not an integer): the listing is to go on another way."""
         while True:
-            row = self.db.execute("SELECT last, entries FROM listings WHERE parent=? AND last>? ORDER BY last LIMIT 1",
-                                  (parent, after_id)).fetchone()
-            if row is None or not isinstance(row[1], bytes):
+            row = self.db.execute(
+                "SELECT last, CASE WHEN length(entries) <= ? THEN entries END FROM listings "
+                "WHERE parent=? AND last>? ORDER BY last LIMIT 1", (listings.longest_chunk(), parent, after_id)
+            ).fetchone()
+            if row is None:
+                return
+            if not isinstance(row[0], int) or not isinstance(row[1], bytes):
+                yield None
                 return
             after_id = row[0]
             yield row[1]

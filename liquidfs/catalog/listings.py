@@ -9,11 +9,15 @@ us: a Python tuple, a ``bytes`` and two ints per row) and adding each to the rep
 A record is ``RECORD`` (an 8-byte id, a 4-byte mode and a 2-byte name length, little-endian), then the name.
 A chunk holds up to ``CHUNK`` records of one directory in ascending id order, keyed by its directory and the id
 of its last record (``listings`` table). Only a catalog whose meta says ``listings = FORMAT`` has them, whole
-(a local tree's build; an object store's catalog and older ones do not): other catalogs are listed from their
+(every build writes them; a catalog built by an older liquidfs has none): other catalogs are listed from their
 rows, as every catalog was before.
 
-The catalog may be written by whoever can write the store: a record is checked before it is used (its length,
-its name's, ids ascending), and a malformed one makes the listing go on from the rows (``fuse.listing``).
+The catalog may be written by whoever can write the store: a chunk longer than a build writes is not read, a
+record is checked before it is used (its length, its name's, ids ascending), and a malformed one makes the
+listing go on from the rows (``fuse.listing``). What a record says of an entry listed bare (its inode number and
+type) is not checked against the rows: the kernel makes no inode or dentry of a bare entry, so a tampered record
+can show a wrong number or type in a listing, never a file under another's name, and a LOOKUP of the name reads
+the rows. A directory's or link's record, which is listed with attributes, must name the node of that name.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ FORMAT = "1"
 NAME_MAX = 255
 
 
+def longest_chunk() -> int:
+    """Bytes of the longest chunk a build writes: a longer one is not read (a reply reads its chunk whole)."""
+    return CHUNK * (RECORD.size + NAME_MAX)
+
+
 def chunks(first_id: int, records: list[bytes]) -> Iterator[tuple[int, bytes]]:
     """``records`` (``record``'s) of one directory whose ids are ``first_id``, ``first_id + 1``, ... as (id of
     the last record, chunk) items of up to ``CHUNK`` records each."""
@@ -39,6 +48,15 @@ def chunks(first_id: int, records: list[bytes]) -> Iterator[tuple[int, bytes]]:
     for start in range(0, len(records), size):
         part = records[start:start + size]
         yield first_id + start + len(part) - 1, b"".join(part)
+
+
+def chunks_of(entries: list[tuple[int, int, bytes]]) -> Iterator[tuple[int, bytes]]:
+    """A directory's ``(id, mode, name)`` entries in ascending id order as (id of the last record, chunk) items
+    of up to ``CHUNK`` records each."""
+    size = CHUNK
+    for start in range(0, len(entries), size):
+        part = entries[start:start + size]
+        yield part[-1][0], b"".join(record(*entry) for entry in part)
 
 
 def record(ident: int, mode: int, name: bytes) -> bytes:
@@ -58,7 +76,7 @@ def read(chunk: bytes, pos: int = 0, after: int = 0) -> Iterator[tuple[int, int,
     """The records of ``chunk`` from byte ``pos`` on whose id is above ``after``: (id, mode, name, the record's
     first byte, the byte after it). The reference for ``pyfuse3.readdir_reply_packed``, which reads the same
     records in C; raises ``MalformedRecord`` where it says -1."""
-    last = 0
+    previous = 0  # the record's before, listed or passed over: ids ascend
     while pos < len(chunk):
         if len(chunk) - pos < RECORD.size:
             raise MalformedRecord(pos, "is cut short")
@@ -68,9 +86,9 @@ def read(chunk: bytes, pos: int = 0, after: int = 0) -> Iterator[tuple[int, int,
         if (not 0 < length <= NAME_MAX or len(name) != length or b"\0" in name or b"/" in name
                 or name in (b".", b"..") or ident >= 2**63):
             raise MalformedRecord(pos, "has a malformed name or id")
+        if ident <= previous:
+            raise MalformedRecord(pos, f"does not ascend (id {ident} after {previous})")
+        previous = ident
         if ident > after:
-            if ident <= last:
-                raise MalformedRecord(pos, f"does not ascend (id {ident} after {last})")
-            last = ident
             yield ident, mode, name, pos, end
         pos = end

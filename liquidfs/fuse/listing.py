@@ -151,6 +151,9 @@ def _bare_from_packed(catalog: Catalog, parent: int, after: int, token: pyfuse3.
     reply = pyfuse3.readdir_reply_packed  # type: ignore[attr-defined]
     with_attrs = bare = 0
     for chunk in catalog.listing_chunks(parent, after):
+        if chunk is None:
+            _malformed(catalog, parent, 0)
+            return with_attrs, bare, after
         pos = 0
         while True:
             listed, pos, after, why = reply(token, chunk, pos, after, plus)

@@ -1,4 +1,4 @@
-"""Metadata read ahead: the kernel's dentries and inodes of a directory's files warmed in a worker thread when a
+"""Metadata read ahead: the kernel's dentries and inodes of a directory's files warmed in worker threads when a
 lookup there shows they are cold, so the opens that follow are answered on the loop.
 
 An open on the loop walks the source (and the raw object) with ``RESOLVE_CACHED``; where a dentry or an inode is
@@ -7,11 +7,11 @@ line with its open. A LOOKUP reaching the daemon means the kernel had no entry f
 reading a directory whose metadata is cold. The first such lookup in a directory queues it; one worker thread
 takes the directories in turn, with its own connection to the catalog, and has ``WARMERS`` threads warm each
 one's files at once (``warm``: a stat of the source, and of the raw object, below their roots, as the opens walk
-them): a cold inode is a read of the disk, and the disk answers several at once. An open that still finds its source's inode cold
-(the kernel dropped what the last warm brought in: a drop of the caches, pressure between epochs) warms its
-directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per ``AGAIN_AFTER`` seconds, a
-cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is never queued twice, and at
-most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
+them): a cold inode is a read of the disk, and the disk answers several at once. An open that still finds its
+source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure between
+epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
+``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is
+never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ class MetadataAhead:
         self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
         self._thread: threading.Thread | None = None
         self._warmers: ThreadPoolExecutor | None = None  # the warming thread's own, made at its first directory
+        self._stopped = False
         self.directories = 0  # directories warmed
         self.files = 0        # files warmed
 
@@ -89,7 +90,7 @@ class MetadataAhead:
 
     def _queue_directory(self, parent: int) -> bool:
         with self._lock:
-            if len(self._busy) >= MAX_QUEUED or parent in self._busy:
+            if self._stopped or len(self._busy) >= MAX_QUEUED or parent in self._busy:
                 return False
             self._busy.add(parent)
         if self._thread is None:
@@ -126,6 +127,9 @@ class MetadataAhead:
             return 1
         except OSError:
             return 0  # gone, changed, refused: the open will say so
+        except Exception:  # a read-ahead is a hint (a path no open could walk either): the rest go on
+            log.debug("metadata read-ahead of %r failed", node.path, exc_info=True)
+            return 0
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._warmers is None:
@@ -136,6 +140,8 @@ class MetadataAhead:
         return LookaheadStatistics(directories=self.directories, files=self.files)
 
     def stop(self) -> None:
+        with self._lock:
+            self._stopped = True  # a lookup after this queues nothing: no thread or pool is made again
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join()

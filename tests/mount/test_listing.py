@@ -96,13 +96,14 @@ def test_find_lists_files_bare_and_ls_after_lookups_gets_attributes(tmp_path: Pa
 
 def test_a_malformed_packed_listing_lists_from_the_rows(tmp_path: Path, mounter: Mount) -> None:
     """The store's writer rewrites the packed listings (``catalog.listings``, read in C by our pyfuse3 patch):
-    cut short in a record's head, cut in a name, a name with a '/' (the kernel would fail the whole reply), a
-    record naming a file of another directory. Every directory still lists exactly as the source, and the daemon
+    cut short in a record's head, cut in a name, a name with a '/' (the kernel would fail the whole reply), '..',
+    a name with a NUL, a chunk longer than a build writes, a record twice, a directory's record naming a file of
+    another directory. Every directory still lists exactly as the source, and the daemon
     answers no error."""
     assert listing.PACKED, "this pyfuse3 lacks pyfuse3-readdir.patch: run scripts/install.sh as root"
     src, store = tmp_path / "src", tmp_path / "store"
     tree(src)
-    for name in ("cut_head", "cut_name", "slash", "zalias"):
+    for name in ("cut_head", "cut_name", "slash", "dotdot", "nul", "long", "twice", "zalias"):
         (src / name).mkdir()
         for i in range(40):
             (src / name / f"file_{i:03d}.png").write_bytes(bytes([i]))
@@ -120,6 +121,13 @@ def test_a_malformed_packed_listing_lists_from_the_rows(tmp_path: Path, mounter:
         rewrite("cut_head", chunk_of("cut_head")[1][:listings.RECORD.size * 10 + 5])
         rewrite("cut_name", chunk_of("cut_name")[1][:-3])
         rewrite("slash", chunk_of("slash")[1].replace(b"file_020.png", b"file/020.png"))
+        for name, renamed in (("dotdot", b".."), ("nul", b"file_\x0020.png")):
+            rewrite(name, b"".join(listings.record(ident, mode, renamed if i == 20 else entry)
+                                   for i, (ident, mode, entry, _, _) in enumerate(listings.read(chunk_of(name)[1]))))
+        rewrite("long", chunk_of("long")[1] + b"x" * listings.longest_chunk())
+        twice = list(listings.read(chunk_of("twice")[1]))
+        rewrite("twice", b"".join(listings.record(ident, mode, name) for ident, mode, name, _, _ in
+                                  twice[:21] + twice[20:]))  # the 21st record twice: its id does not ascend
         # zalias is listed first by the walk: small/'s files come after it, so the record still ascends
         (other,) = db.execute("SELECT max(id) FROM nodes WHERE name=?", (b"a",)).fetchone()
         records = list(listings.read(chunk_of("zalias")[1]))
@@ -132,7 +140,7 @@ def test_a_malformed_packed_listing_lists_from_the_rows(tmp_path: Path, mounter:
     found = subprocess.run(["find", ".", "-print0"], cwd=mnt, capture_output=True, check=True).stdout
     expected = subprocess.run(["find", ".", "-print0"], cwd=src, capture_output=True, check=True).stdout
     assert sorted(found.split(b"\0")) == sorted(expected.split(b"\0"))
-    for name in ("cut_head", "cut_name", "slash", "zalias"):
+    for name in ("cut_head", "cut_name", "slash", "dotdot", "nul", "long", "twice", "zalias"):
         entries = {e.name: (e.inode(), e.is_file(follow_symlinks=False)) for e in os.scandir(mnt / name)}
         assert sorted(entries) == sorted(os.listdir(src / name)), name
         for entry_name, (ino, is_file) in entries.items():

@@ -61,11 +61,21 @@ def test_a_listing_resumed_anywhere_starts_after_that_entry(catalog: Catalog) ->
         assert packed_of(catalog, a.id, ident) == rows[i + 1:]
 
 
-def test_catalogs_without_packed_listings_say_so(tmp_path: Path, catalog: Catalog) -> None:
-    build_from_objects(iter([("d/a.png", 10, '"e1"', 1)]), tmp_path / "s3", "s3://b/x")
-    objects = Catalog.open(tmp_path / "s3", readonly=True)
-    assert not objects.has_listings and packed_of(objects, 1) == []
-    # a catalog of before (no table, no meta): listed from its rows
+def test_an_object_stores_catalog_is_packed_as_its_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its ids are not given one directory at a time (a key's directories get theirs when first seen)."""
+    monkeypatch.setattr(listings, "CHUNK", 3)
+    keys = [f"train/c{i % 3}/img{i:02d}.png" for i in range(20)] + ["README", "val/a.png", "train/zz.png"]
+    build_from_objects(iter((key, 10, f'"e{i}"', 1) for i, key in enumerate(keys)), tmp_path, "s3://b/x")
+    objects = Catalog.open(tmp_path, readonly=True)
+    assert objects.has_listings
+    directories = [row[0] for row in objects.db.execute("SELECT id FROM nodes WHERE kind=1")]
+    assert len(directories) == 6  # the root, train, its three cities, val
+    for parent in directories:
+        assert packed_of(objects, parent) == rows_of(objects, parent) != [], parent
+
+
+def test_a_catalog_of_before_is_listed_from_its_rows(catalog: Catalog) -> None:
+    """No table, no meta: as a catalog an older liquidfs built."""
     path = Path(catalog.path)
     catalog.close()
     db = sqlite3.connect(path)
@@ -92,3 +102,10 @@ def test_a_malformed_record_is_refused(chunk: bytes) -> None:
     with pytest.raises(listings.MalformedRecord) as refused:
         list(listings.read(chunk))
     assert 0 <= refused.value.pos < len(chunk)
+
+
+def test_records_ascend_where_they_are_passed_over_too() -> None:
+    """As the C reader: a record below the one before is malformed even where both lie at or below ``after``."""
+    chunk = listings.record(5, 0o100644, b"a") + listings.record(3, 0o100644, b"b") + listings.record(9, 0, b"c")
+    with pytest.raises(listings.MalformedRecord):
+        list(listings.read(chunk, after=6))

@@ -71,6 +71,7 @@ def ops(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monk
                         lambda token, name, attr, offset, lookup=True: token.add(name, attr, offset, lookup))
     monkeypatch.setattr(pyfuse3, "readdir_reply_packed", packed_reply, raising=False)
     monkeypatch.setattr(listing, "_WARNED", set())
+    monkeypatch.setattr(listings, "CHUNK", 7)  # replies that end amid a chunk, at its end, across several
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)  # a directory among the files: listed with its attributes
     (src / "sub" / "inner.bin").write_bytes(b"y")  # the first id after the root's entries
@@ -203,22 +204,30 @@ def test_a_reply_reads_rows_as_it_needs_them(ops: Operations, monkeypatch: pytes
     assert asked == [128, 256]
 
 
-def tamper(ops: Operations, change: Callable[[bytes], bytes]) -> None:
-    """The root's packed listing rewritten by ``change``, as whoever can write the store could."""
+def tamper(ops: Operations, change: Callable[[bytes], bytes | str], nth: int = -1) -> None:
+    """The ``nth`` of the root's packed chunks rewritten by ``change``, as whoever can write the store could."""
     db = sqlite3.connect(ops.catalog.path)
     with db:
-        (chunk,) = db.execute("SELECT entries FROM listings WHERE parent=?", (ROOT_ID,)).fetchone()
-        db.execute("UPDATE listings SET entries=? WHERE parent=?", (change(chunk), ROOT_ID))
+        last, chunk = db.execute("SELECT last, entries FROM listings WHERE parent=? ORDER BY last",
+                                 (ROOT_ID,)).fetchall()[nth]
+        db.execute("UPDATE listings SET entries=? WHERE parent=? AND last=?", (change(chunk), ROOT_ID, last))
     db.close()
 
 
 @pytest.mark.parametrize("plus", [True, False])
-@pytest.mark.parametrize("cut", [7, 2000, -3])
+@pytest.mark.parametrize("change", ["head", "name", "ascending", "long", "text"])
 def test_a_malformed_packed_listing_goes_on_from_the_rows(ops: Operations, caplog: pytest.LogCaptureFixture,
-                                                          plus: bool, cut: int) -> None:
-    """A chunk cut short (in a record's head, in its name) still lists every entry once, in order."""
+                                                          plus: bool, change: str) -> None:
+    """A chunk amid the listing cut short (in a record's head, in its name), with a record twice (its id not
+    ascending), longer than a build writes, or not a blob: every entry is still listed once, in order."""
     assert ops.catalog.has_listings
-    tamper(ops, lambda chunk: chunk[:cut])
+
+    def changed(chunk: bytes) -> bytes | str:
+        first = listings.RECORD.size + listings.RECORD.unpack_from(chunk)[2]
+        return {"head": chunk[:first + 5], "name": chunk[:-3], "ascending": chunk[:first] + chunk,
+                "long": chunk + b"x" * listings.longest_chunk(), "text": "not a blob"}[change]
+
+    tamper(ops, changed, nth=3)
     entries = listed(ops, plus=plus, room=40)
     assert [e[0] for e in entries] == sorted(e[0] for e in entries)
     same_as_lookups(ops, entries)
@@ -236,7 +245,7 @@ def test_a_packed_record_never_names_another_node(ops: Operations) -> None:
         _, mode, length = listings.RECORD.unpack_from(chunk, start)
         return chunk[:start] + listings.RECORD.pack(inner.id, mode, length) + chunk[start + listings.RECORD.size:]
 
-    tamper(ops, point_sub_at_inner)
+    tamper(ops, point_sub_at_inner)  # the last chunk: sub's name sorts after the files'
     entries = listed(ops, plus=True, room=5000)
     same_as_lookups(ops, entries)
     assert inner.id not in {e[1] for e in entries}
