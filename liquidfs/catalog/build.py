@@ -10,7 +10,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,16 +82,9 @@ class _Writer:
         if len(self.entries) >= _BATCH:
             self.flush()
 
-    def add_listing(self, parent: int, first_id: int, records: list[bytes]) -> None:
-        """A directory's packed entries (``listings.record``), whose ids are ``first_id`` on, one each."""
-        self._add_chunks(parent, listings.chunks(first_id, records))
-
-    def add_listing_of(self, parent: int, entries: list[tuple[int, int, bytes]]) -> None:
-        """A directory's ``(id, mode, name)`` entries, in ascending id order."""
-        self._add_chunks(parent, listings.chunks_of(entries))
-
-    def _add_chunks(self, parent: int, chunks: Iterable[tuple[int, bytes]]) -> None:
-        for last, chunk in chunks:
+    def add_listing(self, parent: int, ids: Sequence[int], records: Sequence[bytes]) -> None:
+        """A directory's packed entries (``listings.record``), of the ascending ``ids``, one each."""
+        for last, chunk in listings.chunks(ids, records):
             self.listings.append((parent, last, chunk))
             self.listing_bytes += len(chunk)
         if self.listing_bytes >= _LISTING_BYTES or len(self.listings) >= _BATCH:
@@ -185,7 +178,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
 
     Ids are given depth first, each directory's entries in name order. A helper reads the inodes of the
     directories the walk wants next (``scan.Warmer``): it only makes them warm; every row is what this walk read.
-    Each directory's entries are packed for its listings too (``listings``): a local catalog has them whole.
+    Each directory's entries are packed for its listings too (``listings``).
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
@@ -252,7 +245,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
                     writer.add_entry((next_id, dir_id, name, rel, *row))
                 next_id += 1
             nsubdirs[dir_id] = subdirs
-            writer.add_listing(dir_id, first_id, records)
+            writer.add_listing(dir_id, range(first_id, next_id), records)
     report.directories, report.files = len(dir_rows) - 1, files
     for r in dir_rows.values():
         writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
@@ -345,7 +338,7 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
             children.setdefault(parent_id, []).append((node_id, OBJECT_DIR_MODE, name))
     for parent_id, entries in children.items():
         entries.sort()
-        writer.add_listing_of(parent_id, entries)
+        writer.add_listing(parent_id, [entry[0] for entry in entries], [listings.record(*entry) for entry in entries])
     writer.finish({"source": source, "source_kind": "s3", listings.META_KEY: listings.FORMAT}, previous)
     report.seconds = time.monotonic() - started
     log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,

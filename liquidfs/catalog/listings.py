@@ -23,7 +23,7 @@ the rows. A directory's or link's record, which is listed with attributes, must 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 #: A record's head: id, mode, name length.
 RECORD = struct.Struct("<QIH")
@@ -41,22 +41,13 @@ def longest_chunk() -> int:
     return CHUNK * (RECORD.size + NAME_MAX)
 
 
-def chunks(first_id: int, records: list[bytes]) -> Iterator[tuple[int, bytes]]:
-    """``records`` (``record``'s) of one directory whose ids are ``first_id``, ``first_id + 1``, ... as (id of
-    the last record, chunk) items of up to ``CHUNK`` records each."""
+def chunks(ids: Sequence[int], records: Sequence[bytes]) -> Iterator[tuple[int, bytes]]:
+    """One directory's ``records`` (``record``'s), whose ids ``ids`` ascend one for one, as (id of the last
+    record, chunk) items of up to ``CHUNK`` records each."""
     size = CHUNK
     for start in range(0, len(records), size):
-        part = records[start:start + size]
-        yield first_id + start + len(part) - 1, b"".join(part)
-
-
-def chunks_of(entries: list[tuple[int, int, bytes]]) -> Iterator[tuple[int, bytes]]:
-    """A directory's ``(id, mode, name)`` entries in ascending id order as (id of the last record, chunk) items
-    of up to ``CHUNK`` records each."""
-    size = CHUNK
-    for start in range(0, len(entries), size):
-        part = entries[start:start + size]
-        yield part[-1][0], b"".join(record(*entry) for entry in part)
+        end = min(start + size, len(records))
+        yield ids[end - 1], b"".join(records[start:end])
 
 
 def record(ident: int, mode: int, name: bytes) -> bytes:

@@ -15,8 +15,8 @@ page after a listing's first one unless lookups came in between. Those carry no 
 directory wants. A kernel whose reply follows the reader's buffer (6.16 on: a 3,000-entry directory in one reply
 here) seldom asks; one of 4 KiB replies asks for most pages of a large directory.
 
-A bare entry is read from the catalog's packed listing of the directory where it has one (a local tree's,
-``catalog.listings``): a chunk of 1,024 entries is one SQLite row, whose regular files
+A bare entry is read from the catalog's packed listing of the directory where it has one (every build writes
+them, ``catalog.listings``): a chunk of 1,024 entries is one SQLite row, whose regular files
 ``pyfuse3.readdir_reply_packed`` adds to the reply in C (~1.2 us an entry from rows, in Python).
 
 All this needs our pyfuse3 patch (scripts/passthrough/pyfuse3-readdir.patch: ``readdir_reply(...,
