@@ -1,7 +1,7 @@
 """Several loops on one FUSE connection: do opens/s grow with the daemon's processes? (issue 40's design question)
 
     python scripts/bench/bench_loops.py [--files 2000] [--readers 16] [--loops 1,2,4,8] [--seconds 3]
-        [--repeats 3] [--work DIR] [--json PATH]
+        [--repeats 3] [--liquidfs] [--work DIR] [--json PATH]
 
 liquidfs answers every request on one trio loop: on a 16-core GPU node its opens stop at one core's worth (4.8-6.0
 k/s warm against 24-99 k/s direct, BENCHMARKS.md). The way past one core is more loops on the one connection:
@@ -18,6 +18,12 @@ medians of ``--repeats``. Needs root and a passthrough-capable kernel and pyfuse
 
 The mirror does none of liquidfs's own work per open (the identity check, the catalog, the budget): what it shows
 is the ceiling the mechanism allows and whether it scales, not liquidfs's rate.
+
+``--liquidfs``: a liquidfs mount of the same files (``mount --loops N``; a store prepared at ratio 0, so every
+open serves its source) is measured beside the mirror in each repeat, and each daemon's CPU per open is split
+into its loops' own threads (the trio loop of each process) and its other threads (the closer, the read-ahead,
+worker threads), and into user and system time: what liquidfs's own work per open costs beyond the mechanism's
+(issue 40: "where each microsecond goes").
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import ctypes
 import errno
 import fcntl
+import importlib
 import json
 import multiprocessing as mp
 import os
@@ -155,8 +162,9 @@ def _reader(paths: list[str], seconds: float, start: Any, out: Any) -> None:
     out.put(done)
 
 
-def opens_per_s(root: Path, names: list[str], readers: int, seconds: float) -> float:
-    """Files/s that ``readers`` processes open and close, each its own share of ``names`` under ``root``."""
+def open_close(root: Path, names: list[str], readers: int, seconds: float) -> tuple[int, float]:
+    """How many files ``readers`` processes opened and closed, each its own share of ``names`` under ``root``,
+    in how many seconds."""
     ctx = mp.get_context("fork")
     start, out = ctx.Event(), ctx.Queue()
     shares = [[str(root / n) for n in names[i::readers]] for i in range(readers)]
@@ -170,15 +178,82 @@ def opens_per_s(root: Path, names: list[str], readers: int, seconds: float) -> f
     elapsed = time.monotonic() - began
     for p in procs:
         p.join()
+    return total, elapsed
+
+
+def opens_per_s(root: Path, names: list[str], readers: int, seconds: float) -> float:
+    """Files/s that ``readers`` processes open and close, each its own share of ``names`` under ``root``."""
+    total, elapsed = open_close(root, names, readers, seconds)
     return total / elapsed
 
 
 def cpu_of(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+    return sum(cpu_split(pids).values())
+
+
+def _ticks(stat_path: Path) -> tuple[int, int]:
+    fields = stat_path.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
+def cpu_split(pids: list[int], *, children: bool = False) -> dict[str, float]:
+    """CPU seconds of ``pids`` (and, with ``children``, the processes they started: a liquidfs mount's other
+    loops and its watchdog), by kind of thread: ``loop_user``/``loop_sys`` for each process's main thread (where
+    its trio loop runs), ``other_user``/``other_sys`` for the rest."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"loop_user": 0.0, "loop_sys": 0.0, "other_user": 0.0, "other_sys": 0.0}
+    seen: set[int] = set()
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                user, system = _ticks(task / "stat")
+                if children:
+                    todo.extend(int(c) for c in (task / "children").read_text().split())
+            except (OSError, ValueError):
+                continue  # ended meanwhile
+            kind = "loop" if task.name == str(pid) else "other"
+            out[f"{kind}_user"] += user / tick
+            out[f"{kind}_sys"] += system / tick
+    return out
+
+
+def _per_open(before: dict[str, float], after: dict[str, float], opened: float) -> dict[str, float]:
+    """Microseconds of each kind of CPU per open + close."""
+    return {k: (after[k] - before[k]) / max(opened, 1) * 1e6 for k in before}
+
+
+def timed_opens(root: Path, names: list[str], readers: int, seconds: float, pids: list[int],
+                children: bool) -> tuple[float, dict[str, float]]:
+    """Files/s the readers open and close under ``root``, and the daemon's CPU per open by kind (``cpu_split``)."""
+    before = cpu_split(pids, children=children)
+    opened, elapsed = open_close(root, names, readers, seconds)
+    return opened / elapsed, _per_open(before, cpu_split(pids, children=children), opened)
+
+
+def _mirror(source: Path, mnt: Path, loops: int) -> tuple[subprocess.Popen[str], list[int]]:
+    """The mirror served by ``loops`` processes on ``mnt``, and their pids."""
+    daemon = subprocess.Popen([sys.executable, __file__, "--serve", str(source), str(mnt), str(loops)],
+                              stdout=subprocess.PIPE, text=True)
+    line = daemon.stdout.readline() if daemon.stdout else ""
+    if not line.startswith("ready"):
+        raise SystemExit(f"bench_loops: the mirror did not start ({daemon.wait()})")
+    return daemon, [int(v) for v in line.split()[1:]]
+
+
+def _stop_mirror(daemon: subprocess.Popen[str], mnt: Path) -> None:
+    subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+    daemon.wait(timeout=60)
+    if daemon.stdout:
+        daemon.stdout.close()
+
+
+def _median_split(splits: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in splits) for k in splits[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", default="1,2,4,8", help="daemon processes, a list (default 1,2,4,8)")
     parser.add_argument("--seconds", type=float, default=3.0, help="each measurement's time (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per row, the median reported (default 3)")
+    parser.add_argument("--liquidfs", action="store_true",
+                        help="measure a liquidfs mount of the same files beside the mirror (mount --loops N), its "
+                             "CPU per open split by thread and into user and system time")
     parser.add_argument("--work", type=Path, help="scratch (default: a new directory in the system's temp)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="default WORK/loops.json")
     parser.add_argument("--serve", nargs=3, metavar=("SRC", "MNT", "LOOPS"), help=argparse.SUPPRESS)
@@ -197,51 +275,79 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("needs root (passthrough registers backing files: CAP_SYS_ADMIN)")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-loops-"))
-    source, mnt = work / "src", work / "mnt"
+    source, mnt, liquid_mnt = work / "src", work / "mnt", work / "mnt-liquidfs"
     source.mkdir(parents=True, exist_ok=True)
     mnt.mkdir(exist_ok=True)
     names = [f"{i:06d}.bin" for i in range(args.files)]
     for n in names:
         if not (source / n).exists():
             (source / n).write_bytes(os.urandom(4096))
+    bench: Any = None  # scripts/bench/_bench.py, which imports this checkout's liquidfs: only where it is measured
+    store = None
+    if args.liquidfs:
+        bench = importlib.import_module("_bench")
+        store = bench.store_for(work, source, 0.0)
     rows = []
     print(f"{args.files} files, {args.readers} readers, {os.cpu_count()} cores; opens + closes, warm, "
-          f"{args.seconds:.0f} s each, median of {args.repeats}")
-    print("| loops | direct files/s | mount files/s | mount/direct | daemon CPU us/open |")
-    print("|---|---|---|---|---|")
+          f"{args.seconds:g} s each, median of {args.repeats}")
+    head = "| loops | direct files/s | mirror files/s | mirror/direct | mirror CPU us/open |"
+    if args.liquidfs:
+        head += (" liquidfs files/s | liquidfs/direct | liquidfs CPU us/open | its loops' threads (user + sys) |"
+                 " its other threads (user + sys) |")
+    print(head)
+    print("|---" * (head.count("|") - 1) + "|")
     for loops in [int(v) for v in args.loops.split(",")]:
-        daemon = subprocess.Popen([sys.executable, __file__, "--serve", str(source), str(mnt), str(loops)],
-                                  stdout=subprocess.PIPE, text=True)
+        daemon, pids = _mirror(source, mnt, loops)
+        liquid = None
         try:
-            line = daemon.stdout.readline() if daemon.stdout else ""
-            if not line.startswith("ready"):
-                raise SystemExit(f"bench_loops: the daemon did not start ({daemon.wait()})")
-            pids = [int(v) for v in line.split()[1:]]
-            for n in names:  # warm: every entry looked up once
-                os.stat(mnt / n)
-            direct, mount, cpu = [], [], []
-            for _ in range(args.repeats):
+            if bench is not None:
+                liquid = bench.mount(source, store, liquid_mnt, "--loops", str(loops))
+            for root in [mnt] + ([liquid_mnt] if liquid else []):
+                for n in names:  # warm: every entry looked up once
+                    os.stat(root / n)
+            direct: list[float] = []
+            mirror: list[float] = []
+            mirror_cpu: list[dict[str, float]] = []
+            ours: list[float] = []
+            ours_cpu: list[dict[str, float]] = []
+            for _ in range(args.repeats):  # direct, the mirror, liquidfs: side by side in each repeat
                 direct.append(opens_per_s(source, names, args.readers, args.seconds))
-                before = cpu_of(pids)
-                began = time.monotonic()
-                rate = opens_per_s(mnt, names, args.readers, args.seconds)
-                opened = rate * (time.monotonic() - began)
-                cpu.append((cpu_of(pids) - before) / max(opened, 1) * 1e6)
-                mount.append(rate)
+                rate, cpu = timed_opens(mnt, names, args.readers, args.seconds, pids, children=False)
+                mirror.append(rate)
+                mirror_cpu.append(cpu)
+                if liquid is not None:
+                    rate, cpu = timed_opens(liquid_mnt, names, args.readers, args.seconds, [liquid.pid],
+                                            children=True)
+                    ours.append(rate)
+                    ours_cpu.append(cpu)
         finally:
-            subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
-            daemon.wait(timeout=60)
-            if daemon.stdout:
-                daemon.stdout.close()
-        row = {"loops": loops, "direct": statistics.median(direct), "mount": statistics.median(mount),
-               "cpu_us_per_open": statistics.median(cpu), "direct_runs": direct, "mount_runs": mount}
+            if liquid is not None:
+                liquid.close(check=False)
+            _stop_mirror(daemon, mnt)
+        m_cpu = _median_split(mirror_cpu)
+        row: dict[str, Any] = {
+            "loops": loops, "direct": statistics.median(direct), "mount": statistics.median(mirror),
+            "cpu_us_per_open": statistics.median(sum(c.values()) for c in mirror_cpu), "cpu_split": m_cpu,
+            "direct_runs": direct, "mount_runs": mirror}
+        line = (f"| {loops} | {row['direct']:,.0f} | {row['mount']:,.0f} | {row['mount'] / row['direct']:.2f} | "
+                f"{row['cpu_us_per_open']:.0f} |")
+        if ours:
+            split = _median_split(ours_cpu)
+            row["liquidfs"] = {"rate": statistics.median(ours), "runs": ours,
+                               "cpu_us_per_open": statistics.median(sum(c.values()) for c in ours_cpu),
+                               "cpu_split": split}
+            ld = row["liquidfs"]
+            line += (f" {ld['rate']:,.0f} | {ld['rate'] / row['direct']:.2f} | {ld['cpu_us_per_open']:.0f} |"
+                     f" {split['loop_user'] + split['loop_sys']:.0f} ({split['loop_user']:.0f} + "
+                     f"{split['loop_sys']:.0f}) | {split['other_user'] + split['other_sys']:.0f} "
+                     f"({split['other_user']:.0f} + {split['other_sys']:.0f}) |")
         rows.append(row)
-        print(f"| {loops} | {row['direct']:,.0f} | {row['mount']:,.0f} | {row['mount'] / row['direct']:.2f} | "
-              f"{row['cpu_us_per_open']:.0f} |", flush=True)
+        print(line, flush=True)
     out = args.json or work / "loops.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": {"argv": sys.argv, "cores": os.cpu_count(), "files": args.files,
-                                        "readers": args.readers, "seconds": args.seconds}, "rows": rows}, indent=1))
+                                        "readers": args.readers, "seconds": args.seconds,
+                                        "liquidfs": args.liquidfs}, "rows": rows}, indent=1))
     print(f"(JSON {out})")
     return 0
 
