@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Where a warm open's microseconds go on a lent GPU host (issue 40), as one prepared run of ~3 minutes, each step
+# under a timeout: the kit installed (scripts/gpu/setup.sh), then bench_loops.py --liquidfs at 1 and 16 readers
+# with 1 and 8 loops (LOOPS): the bare pyfuse3 mirror and a liquidfs mount of the same 4 KB files side by side in
+# each repeat, liquidfs's CPU per open split into its loops' own threads and its other threads, user and system.
+# Lines are stamped; JSON and the log go to $OUT (or out/gpu).
+#
+#   bash scripts/gpu/kit.sh          # here, once
+#   bash scripts/gpu/open_cost.sh    # there
+set -uo pipefail
+source "$(dirname "$0")/common.sh"
+kit_setup || exit 1
+export PYTHONPATH=$repo/.gpukit/shim
+nproc
+for readers in ${READERS:-1 16}; do
+    echo "== $readers readers" | stamp
+    timeout -s ABRT "${COST_SECONDS:-100}" python3 scripts/bench/bench_loops.py --files 4000 --readers "$readers" \
+        --loops "${LOOPS:-1,8}" --seconds 2 --repeats 2 --liquidfs --work /tmp/bench-cost \
+        --json "$out/open-cost-r$readers.json" 2>&1 | stamp
+done
