@@ -23,7 +23,8 @@ is the ceiling the mechanism allows and whether it scales, not liquidfs's rate.
 open serves its source) is measured beside the mirror in each repeat, and each daemon's CPU per open is split
 into its loops' own threads (the trio loop of each process) and its other threads (the closer, the read-ahead,
 worker threads), and into user and system time: what liquidfs's own work per open costs beyond the mechanism's
-(issue 40: "where each microsecond goes").
+(issue 40: "where each microsecond goes"). In the JSON, a row's ``mount`` is the mirror's files/s, its
+``liquidfs`` what the liquidfs mount did.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import argparse
 import ctypes
 import errno
 import fcntl
-import importlib
 import json
 import multiprocessing as mp
 import os
@@ -187,38 +187,42 @@ def opens_per_s(root: Path, names: list[str], readers: int, seconds: float) -> f
     return total / elapsed
 
 
-def cpu_of(pids: list[int]) -> float:
-    return sum(cpu_split(pids).values())
-
-
-def _ticks(stat_path: Path) -> tuple[int, int]:
-    fields = stat_path.read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]), int(fields[12])
+def _stat_fields(path: Path) -> list[str]:
+    return path.read_text().rsplit(")", 1)[1].split()
 
 
 def cpu_split(pids: list[int], *, children: bool = False) -> dict[str, float]:
     """CPU seconds of ``pids`` (and, with ``children``, the processes they started: a liquidfs mount's other
-    loops and its watchdog), by kind of thread: ``loop_user``/``loop_sys`` for each process's main thread (where
-    its trio loop runs), ``other_user``/``other_sys`` for the rest."""
+    loops, and its watchdog), by kind of thread: ``loop_user``/``loop_sys`` for the main thread of each process
+    of the first one's session (where each loop's trio loop runs), ``other_user``/``other_sys`` for the rest
+    (worker threads, the closer, the read-ahead; a process of another session, such as the watchdog, whole).
+    A process's total is its own /proc stat, which keeps the time of threads that ended meanwhile."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {"loop_user": 0.0, "loop_sys": 0.0, "other_user": 0.0, "other_sys": 0.0}
+    session = None
     seen: set[int] = set()
-    todo = list(pids)
+    todo = list(reversed(pids))
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
         seen.add(pid)
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                user, system = _ticks(task / "stat")
-                if children:
+        try:
+            whole = _stat_fields(Path(f"/proc/{pid}/stat"))
+            main = _stat_fields(Path(f"/proc/{pid}/task/{pid}/stat"))
+            if children:
+                for task in Path(f"/proc/{pid}/task").glob("*"):
                     todo.extend(int(c) for c in (task / "children").read_text().split())
-            except (OSError, ValueError):
-                continue  # ended meanwhile
-            kind = "loop" if task.name == str(pid) else "other"
-            out[f"{kind}_user"] += user / tick
-            out[f"{kind}_sys"] += system / tick
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        if session is None:
+            session = whole[3]
+        user, system = int(whole[11]), int(whole[12])
+        loop_user, loop_sys = (int(main[11]), int(main[12])) if whole[3] == session else (0, 0)
+        out["loop_user"] += loop_user / tick
+        out["loop_sys"] += loop_sys / tick
+        out["other_user"] += (user - loop_user) / tick
+        out["other_sys"] += (system - loop_sys) / tick
     return out
 
 
@@ -285,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     bench: Any = None  # scripts/bench/_bench.py, which imports this checkout's liquidfs: only where it is measured
     store = None
     if args.liquidfs:
-        bench = importlib.import_module("_bench")
+        import _bench
+
+        bench = _bench
         store = bench.store_for(work, source, 0.0)
     rows = []
     print(f"{args.files} files, {args.readers} readers, {os.cpu_count()} cores; opens + closes, warm, "
@@ -321,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                     ours.append(rate)
                     ours_cpu.append(cpu)
         finally:
-            if liquid is not None:
-                liquid.close(check=False)
-            _stop_mirror(daemon, mnt)
+            try:
+                if liquid is not None:
+                    liquid.close(check=False)
+            finally:
+                _stop_mirror(daemon, mnt)
         m_cpu = _median_split(mirror_cpu)
         row: dict[str, Any] = {
             "loops": loops, "direct": statistics.median(direct), "mount": statistics.median(mirror),

@@ -17,4 +17,7 @@ for readers in ${READERS:-1 16}; do
     timeout -s ABRT "${COST_SECONDS:-100}" python3 scripts/bench/bench_loops.py --files 4000 --readers "$readers" \
         --loops "${LOOPS:-1,8}" --seconds 2 --repeats 2 --liquidfs --work /tmp/bench-cost \
         --json "$out/open-cost-r$readers.json" 2>&1 | stamp
+    # A pass cut short by its timeout leaves its mounts behind (SIGABRT runs no cleanup): never under the next.
+    fusermount3 -u -z /tmp/bench-cost/mnt 2>/dev/null
+    fusermount3 -u -z /tmp/bench-cost/mnt-liquidfs 2>/dev/null
 done

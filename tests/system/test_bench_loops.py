@@ -33,8 +33,9 @@ def test_the_mirror_serves_from_several_loops_and_reports(tmp_path: Path) -> Non
 
 def test_liquidfs_is_measured_beside_the_mirror_its_cpu_split_by_thread(tmp_path: Path) -> None:
     out = tmp_path / "loops.json"
+    work = tmp_path / "w"
     done = subprocess.run([sys.executable, str(BENCH), "--files", "40", "--readers", "2", "--loops", "1,2",
-                           "--seconds", "0.3", "--repeats", "1", "--liquidfs", "--work", str(tmp_path / "w"),
+                           "--seconds", "1", "--repeats", "1", "--liquidfs", "--work", str(work),
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())["rows"]
@@ -44,13 +45,13 @@ def test_liquidfs_is_measured_beside_the_mirror_its_cpu_split_by_thread(tmp_path
         assert ours["rate"] > 0
         split = ours["cpu_split"]
         assert set(split) == {"loop_user", "loop_sys", "other_user", "other_sys"}
-        # The loops' own threads answered every request: some CPU of theirs per open, and the parts add up.
-        assert split["loop_user"] + split["loop_sys"] > 0
-        assert abs(sum(split.values()) - ours["cpu_us_per_open"]) < 1e-6 * max(1.0, ours["cpu_us_per_open"])
+        # No part is negative (each process's total is its own, the ended threads' time included), and the
+        # loops' own threads answered every request: a second of opens costs them some CPU.
+        assert all(v >= 0 for v in split.values()), split
+        assert split["loop_user"] + split["loop_sys"] > 0, split
     assert "liquidfs files/s" in done.stdout
-    # Both mounts are gone afterwards.
-    mounts = Path("/proc/self/mounts").read_text()
-    assert str(tmp_path / "w" / "mnt") not in mounts
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    assert str(work / "mnt") not in mounts and str(work / "mnt-liquidfs") not in mounts
 
 
 def test_the_mirror_serves_each_files_bytes(tmp_path: Path) -> None:
