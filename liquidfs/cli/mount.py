@@ -127,8 +127,9 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    "(size and inode unchanged since). Costs a copy in memory per open file")
     tuning.add_argument("--lookahead", action=argparse.BooleanOptionalAction, default=True,
                    help="local stores: when a lookup shows a directory's metadata is not in memory, warm it (a "
-                   "stat of each file's source and raw object, in catalog order, in one worker thread) so the "
-                   "opens that follow are answered without a thread hop (default on)")
+                   "stat of each file's source and raw object, eight at once, in a helper process each loop "
+                   "starts, or the daemon's own threads should it fail) so the opens that follow are answered "
+                   "without a thread hop (default on)")
     tuning.add_argument("--time-requests", action="store_true",
                    help="profiling: also time the CPU each FUSE request costs the daemon's loop, per request "
                    "type (`liquidfs stats` shows count, wall and CPU seconds of each; count and wall are always "

@@ -27,6 +27,7 @@ from ..datapath.notifier import Notifier
 from ..datapath.passthrough import Kernel, PassthroughPath
 from ..datapath.storage_calls import StorageCalls
 from ..fuse.lookahead import MetadataAhead
+from ..fuse.warm_helper import Walks
 from ..fuse.open_budget import MAX_OPEN_FILES, OpenBudget
 from ..fuse.operations import Operations, PerOpen
 from ..held.base import PAGE, MemfdLevel, MemoryLevel, held_descriptors
@@ -119,14 +120,16 @@ def over_catalog(config: MountConfig, store: Store, catalog: Catalog, stack: Exi
         cluster = make_cluster_level(totals, catalog, config, disk or base_reader)
         stack.callback(cluster.close)
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
-    warm = base_reader.warm if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
+    lender = base_reader if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
+    warm = lender if config.lookahead else None
     serving = stack.enter_context(ExitStack())
     ops, parts = operations(config, catalog, cluster or disk or base_reader, stats, serving, policy=policy,
                             data_path="daemon" if daemon_only(config) else "at init",
                             mix=make_mix(catalog, config, store), descriptors=descriptor_budget(),
                             may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
                             levels=[level for level in (disk, cluster) if level is not None],
-                            warm=warm if config.lookahead else None)
+                            warm=warm.warm if warm else None, warm_walks=warm.warm_walks if warm else None,
+                            warm_descriptors=warm.warm_descriptors if warm else ())
     return Mount(config, catalog, ops, parts, serving)
 
 
@@ -135,18 +138,22 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
                mix: Mix | None = None, descriptors: int | None = None,
                may_read: Callable[[Node, int, int, int], bool] | None = None,
                levels: Sequence[HasStatistics] = (),
-               warm: Callable[[Node], None] | None = None) -> tuple[Operations, Parts]:
+               warm: Callable[[Node], None] | None = None,
+               warm_walks: Callable[[Node], Walks] | None = None,
+               warm_descriptors: Sequence[int] = ()) -> tuple[Operations, Parts]:
     """The finished ``Operations`` of ``config`` over ``reader``, and the parts its data path is built from.
     ``data_path``: "daemon", "passthrough" (over ``kernel``), or "at init": chosen once the connection's INIT
     says whether the kernel grants passthrough (``serve.choose_data_path``). ``descriptors``: the files the
-    mount may hold open (``descriptor_budget``; None: ``MAX_OPEN_FILES``, no memfds capped)."""
+    mount may hold open (``descriptor_budget``; None: ``MAX_OPEN_FILES``, no memfds capped). ``warm``: a file's
+    metadata read ahead (``fuse.lookahead``; None: none), by a helper process where ``warm_walks`` names its walks
+    below ``warm_descriptors``."""
     why_not = daemon_only(config)
     # Held memfds are descriptors too: where passthrough may hold them, a share of the budget is theirs and open
     # files have the rest, so the two together never reach RLIMIT_NOFILE (an EMFILE for every open).
     held_files = held_descriptors(descriptors) if descriptors and policy is not None and not why_not else None
     lookahead = None
     if warm is not None:
-        lookahead = MetadataAhead(catalog.path, warm)
+        lookahead = MetadataAhead(catalog.path, warm, walks=warm_walks, descriptors=warm_descriptors)
         stack.callback(lookahead.stop)
     built: list[Operations] = []
     # The data path is chosen after INIT where passthrough may be granted: whichever serves by then is closed,

@@ -144,6 +144,8 @@ async def answer(ops: Operations) -> None:
     # scripts/passthrough/build.sh patches pyfuse3's loop to take requests already queued without waiting
     # through trio (~70 us of CPU less per small file opened); the stock loop serves as well, slower.
     ops.stats.dispatch = "queued-first" if getattr(pyfuse3, "queued_requests_first", False) else "stock"
+    if ops.lookahead is not None:
+        ops.lookahead.start()  # its helper process, this loop's own
     await pyfuse3.main(max_tasks=FUSE_WORKERS)
 
 

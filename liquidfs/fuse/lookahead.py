@@ -1,5 +1,5 @@
-"""Metadata read ahead: the kernel's dentries and inodes of a directory's files warmed in worker threads when a
-lookup there shows they are cold, so the opens that follow are answered on the loop.
+"""Metadata read ahead: the kernel's dentries and inodes of a directory's files warmed ahead (by a helper process,
+else worker threads) when a lookup there shows they are cold, so the opens that follow are answered on the loop.
 
 An open on the loop walks the source (and the raw object) with ``RESOLVE_CACHED``; where a dentry or an inode is
 not in memory it goes to a worker thread, which costs the loop a thread hop and the reader the disk's latency in
@@ -7,9 +7,11 @@ line with its open. A LOOKUP reaching the daemon means the kernel had no entry f
 reading a directory whose metadata is cold. The first such lookup in a directory queues it; one worker thread
 takes the directories in turn, with its own connection to the catalog, and has ``WARMERS`` threads warm each
 one's files at once (``warm``: a stat of the source, and of the raw object, below their roots, as the opens walk
-them): a cold inode is a read of the disk, and the disk answers several at once. An open that still finds its
-source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure between
-epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
+them): a cold inode is a read of the disk, and the disk answers several at once. Where the reader names its walks
+(``warm_walks``), those threads are a helper process's (``fuse.warm_helper``): in this process each of their waits
+for the disk ended in a wait for the GIL the loop holds; should the helper fail, the warms go on in this process's
+own threads. An open that still finds its source's inode cold (the kernel dropped what the last warm brought in: a
+drop of the caches, pressure between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
 ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is
 never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
 """
@@ -21,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ from ..catalog.catalog import Catalog
 from ..catalog.nodes import KIND_FILE, Node
 from ..metrics.stats import Statistics
 from .listing import MAX_ROWS, child_rows
+from .warm_helper import STOP_WAIT, HelperFailed, Walks, WarmHelper
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +54,23 @@ class LookaheadStatistics(Statistics):
 
     directories: int  # directories whose files' metadata was warmed
     files: int        # ... and their files
+    helper: int       # 1 while the warms go to a helper process (fuse.warm_helper), else 0
 
 
 class MetadataAhead:
     """Warms the metadata of the directories the loader is about to open files in (see the module)."""
 
-    def __init__(self, catalog_path: Path, warm: Callable[[Node], None]) -> None:
+    def __init__(self, catalog_path: Path, warm: Callable[[Node], None], *,
+                 walks: Callable[[Node], Walks] | None = None, descriptors: Sequence[int] = ()) -> None:
+        """``warm``: one file's warm in this process. ``walks`` (with the ``descriptors`` it names): one file's
+        walks, for a helper process to warm instead (None: the warms stay in this process)."""
         self.catalog_path = catalog_path
         self.warm = warm
+        self.walks = walks
+        self.descriptors = tuple(descriptors)
+        self._helper: WarmHelper | None = None  # the warming thread's, started at its first directory
+        self._in_process = walks is None  # no walks, or the helper failed
+        self._killed = False  # the helper was killed by ``stop``, a warm stuck
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
@@ -113,13 +125,35 @@ class MetadataAhead:
                         self._done_at[parent] = time.monotonic()
         finally:
             catalog.close()
+            if self._helper is not None:
+                self._helper.close()
+                self._helper = None
 
     def _warm_directory(self, catalog: Catalog, parent: int) -> None:
         files = (node for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id)
                  if node.kind == KIND_FILE)
         while batch := list(itertools.islice(files, MAX_ROWS)):  # a bounded number of files in flight
-            self.files += sum(self._pool().map(self._warm_one, batch))
+            self.files += self._in_helper(batch) if not self._in_process else \
+                sum(self._pool().map(self._warm_one, batch))
         self.directories += 1
+
+    def _in_helper(self, batch: list[Node]) -> int:
+        """``batch`` warmed by the helper process (started at the first); where it fails, in this process."""
+        assert self.walks is not None
+        try:
+            if self._helper is None:
+                self._helper = WarmHelper(self.descriptors, WARMERS)
+                log.debug("metadata read-ahead in helper process %d", self._helper.pid)
+            return self._helper.warm([self.walks(node) for node in batch])
+        except HelperFailed as exc:
+            if self._killed:
+                return 0  # killed at unmount (``stop``), stuck: nothing more is warmed
+            log.warning("%s: the metadata read-ahead goes on in the daemon's own threads", exc)
+            self._in_process = True
+            if self._helper is not None:
+                self._helper.close()
+                self._helper = None
+            return sum(self._pool().map(self._warm_one, batch))
 
     def _warm_one(self, node: Node) -> int:
         try:
@@ -137,15 +171,35 @@ class MetadataAhead:
         return self._warmers
 
     def statistics(self) -> LookaheadStatistics:
-        return LookaheadStatistics(directories=self.directories, files=self.files)
+        return LookaheadStatistics(directories=self.directories, files=self.files, helper=int(self._helper is not None))
+
+    def start(self) -> None:
+        """The helper process started now, before the first lookup (on the loop, once the process that serves
+        exists: each loop forked after INIT starts its own): started at the first cold directory instead, it
+        took ~70 ms (an interpreter's start), and that directory's opens went cold meanwhile."""
+        if self._in_process or self._helper is not None or self._stopped:
+            return
+        try:
+            self._helper = WarmHelper(self.descriptors, WARMERS)
+            log.debug("metadata read-ahead in helper process %d", self._helper.pid)
+        except HelperFailed as exc:
+            log.warning("%s: the metadata read-ahead warms in the daemon's own threads", exc)
+            self._in_process = True
 
     def stop(self) -> None:
         with self._lock:
             self._stopped = True  # a lookup after this queues nothing: no thread or pool is made again
         if self._thread is not None:
             self._queue.put(None)
+            self._thread.join(timeout=STOP_WAIT)
+            if self._thread.is_alive() and (helper := self._helper) is not None:
+                self._killed = True
+                helper.kill()  # a warm stuck in the kernel: the thread's wait for the helper ends with it
             self._thread.join()
             self._thread = None
+        if self._helper is not None:  # started, and no directory warmed since
+            self._helper.close()
+            self._helper = None
         if self._warmers is not None:
             self._warmers.shutdown(wait=True)
             self._warmers = None

@@ -251,6 +251,8 @@ METRICS: tuple[Metric, ...] = (
            "Directories whose metadata was warmed ahead of their opens (mount --lookahead)."),
     Metric("liquidfs_lookahead_files_total", COUNTER, "", "lookahead_files",
            "Files whose source (and raw object) metadata was warmed ahead of their opens."),
+    Metric("liquidfs_lookahead_helper", GAUGE, "", "lookahead_helper",
+           "1 while the metadata read-ahead warms in a helper process, 0 while in the daemon's own threads."),
     # -- the warm-up (mount --warmup) -----------------------------------------------------------------------------
     Metric("liquidfs_warmup_files_total", COUNTER, "", "warmup_files", "Files the warm-up has put in the cache."),
     Metric("liquidfs_warmup_bytes_total", COUNTER, "bytes", "warmup_bytes",

@@ -294,6 +294,13 @@ class LendsDescriptors(Protocol):
         """Bring what an open of ``node`` walks into the kernel's caches, reading no byte (``lookahead``)."""
         ...
 
+    def warm_walks(self, node: Node) -> list[tuple[int, bytes]]:
+        """What ``warm`` walks: (a directory descriptor of ``warm_descriptors``, a path below it), each."""
+        ...
+
+    @property
+    def warm_descriptors(self) -> tuple[int, ...]: ...
+
 
 @runtime_checkable
 class ChecksCallers(Protocol):

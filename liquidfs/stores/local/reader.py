@@ -54,6 +54,11 @@ class StoreReader:
 
     def open_object_stat(self, node: Node, *, cached_only: bool = False) -> tuple[int, os.stat_result]:
         """``open_object``, and the object's stat."""
+        return open_below_stat(self.objects_fd, self._object_below(node), self._objects_where,
+                               cached_only=cached_only)
+
+    def _object_below(self, node: Node) -> bytes:
+        """The path of ``node``'s raw object below the objects directory: a name prepare gives, this file's own."""
         assert node.object is not None
         name = OBJECT_NAME.fullmatch(node.object)
         if name is None:
@@ -64,15 +69,30 @@ class StoreReader:
             raise OSError(errno.EIO, "not the object of this file's source: refused", node.object)
         if self.objects_fd < 0:
             raise FileNotFoundError(errno.ENOENT, "the store had no objects directory at mount", node.object)
-        return open_below_stat(self.objects_fd, os.fsencode(name.group(1)), self._objects_where,
-                               cached_only=cached_only)
+        return os.fsencode(name.group(1))
 
     def warm(self, node: Node) -> None:
         """Bring the dentries and inodes an open of ``node`` walks into the kernel's caches (the source's, and
         the raw object's), reading no byte of either: ``lookahead`` calls it ahead of the opens."""
-        stat_below(self.root_fd, node.path, self.source_root)
+        for dir_fd, rel in self.warm_walks(node):
+            stat_below(dir_fd, rel)
+
+    def warm_walks(self, node: Node) -> list[tuple[int, bytes]]:
+        """The walks an open of ``node`` makes, each a directory held since mount and a path below it: what
+        ``warm`` stats, and what a helper process given ``warm_descriptors`` stats instead (``fuse.warm_helper``).
+        An object whose name an open would refuse is not walked."""
+        walks = [(self.root_fd, node.path)]
         if node.served_raw and node.object is not None:
-            os.close(self.open_object(node))
+            try:
+                walks.append((self.objects_fd, self._object_below(node)))
+            except OSError:
+                pass  # the open refuses it, and serves the original: its source is walked
+        return walks
+
+    @property
+    def warm_descriptors(self) -> tuple[int, ...]:
+        """The directories ``warm_walks`` names."""
+        return tuple(fd for fd in (self.root_fd, self.objects_fd) if fd >= 0)
 
     def close(self) -> None:
         for fd in (self.root_fd, self.objects_fd):

@@ -43,7 +43,8 @@ def test_a_cold_directory_is_warmed_once(tmp_path: Path) -> None:
     ahead.looked_up(d1)
     ahead.stop()
     assert sorted(warmed) == sorted([b"d0/f%d.bin" % i for i in range(5)] + [b"d1/f%d.bin" % i for i in range(5)])
-    assert ahead.statistics().values() == {"lookahead_directories": 2, "lookahead_files": 10}
+    assert ahead.statistics().values() == {"lookahead_directories": 2, "lookahead_files": 10,
+                                          "lookahead_helper": 0}
 
 
 def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
@@ -61,7 +62,8 @@ def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
     ahead.looked_up(_dir(catalog, b"d0"))
     ahead.stop()
     assert not together.broken and len(warmed) == 3 * lookahead.WARMERS
-    assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 3 * lookahead.WARMERS}
+    assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 3 * lookahead.WARMERS,
+                                          "lookahead_helper": 0}
 
 
 def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_path: Path,
@@ -126,7 +128,8 @@ def test_a_warm_that_fails_costs_only_the_hint(tmp_path: Path) -> None:
     ahead = MetadataAhead(catalog.path, broken)
     ahead.looked_up(_dir(catalog, b"d0"))
     ahead.stop()
-    assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 0}
+    assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 0,
+                                          "lookahead_helper": 0}
 
 
 @pytest.mark.needs_root("/proc/sys/vm/drop_caches")

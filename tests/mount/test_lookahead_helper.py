@@ -1,0 +1,107 @@
+"""The metadata read-ahead's helper process through real mounts (``fuse.warm_helper``): each loop starts its own
+when it begins to serve, lookups in cold directories have it warm their files, the bytes read are the source's
+whatever it does, a helper killed leaves the read-ahead to the daemon's threads, and none outlives its mount."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fusehelpers import PASSTHROUGH_NEEDS_ROOT, Mount, daemon_pid, wait_for
+
+from liquidfs.catalog.build import build
+from liquidfs.daemon.control import read_control
+
+pytestmark = [pytest.mark.fuse]
+
+HELPER = b"liquidfs.fuse.warm_helper"
+
+
+def _tree(src: Path, dirs: int = 3, files: int = 20) -> dict[str, bytes]:
+    made = {}
+    for d in range(dirs):
+        (src / f"d{d}").mkdir(parents=True)
+        for f in range(files):
+            data = os.urandom(1000 + 37 * f + d)
+            (src / f"d{d}" / f"f{f:02d}.bin").write_bytes(data)
+            made[f"d{d}/f{f:02d}.bin"] = data
+    return made
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def _helpers(pid: int) -> list[int]:
+    """The read-ahead's helper processes among ``pid``'s descendants (a mount's loops each have one)."""
+    out = []
+    for child in _descendants(pid):
+        try:
+            if HELPER in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0"):
+                out.append(child)
+        except OSError:
+            pass
+    return out
+
+
+def _read_all(mnt: Path, made: dict[str, bytes], prefix: str) -> None:
+    for rel, data in made.items():
+        if rel.startswith(prefix):
+            assert hashlib.sha256((mnt / rel).read_bytes()).digest() == hashlib.sha256(data).digest(), rel
+
+
+def test_the_helper_warms_cold_directories_and_a_killed_one_leaves_it_to_threads(tmp_path: Path,
+                                                                                mounter: Mount) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    made = _tree(src)
+    build(src, store)
+    mnt = mounter.mount(src, store=store)
+    pid = daemon_pid(mnt)
+    wait_for(lambda: len(_helpers(pid)) == 1, what="the read-ahead's helper process")
+    assert read_control(mnt)["lookahead_helper"] == 1
+
+    _read_all(mnt, made, "d0/")  # its first lookup warms d0's files in the helper
+    wait_for(lambda: read_control(mnt)["lookahead_files"] >= 20, what="d0 warmed")
+    assert read_control(mnt)["lookahead_helper"] == 1
+
+    (helper,) = _helpers(pid)
+    os.kill(helper, signal.SIGKILL)
+    _read_all(mnt, made, "d1/")  # the next directory's warm finds it gone: the daemon's threads warm it
+    wait_for(lambda: read_control(mnt)["lookahead_files"] >= 40, what="d1 warmed in the daemon's threads")
+    values = read_control(mnt)
+    assert values["lookahead_helper"] == 0 and values["lookahead_directories"] >= 2
+    _read_all(mnt, made, "")  # every byte the source's, throughout
+    assert "the metadata read-ahead goes on in the daemon's own threads" in (store / "mount.log").read_text()
+
+
+@PASSTHROUGH_NEEDS_ROOT
+def test_each_loop_has_its_own_helper_and_none_outlives_the_mount(tmp_path: Path, mounter: Mount) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    made = _tree(src, dirs=2)
+    build(src, store)
+    mnt = mounter.mount(src, "--loops", "2", "--data-path", "passthrough", store=store)
+    pid = daemon_pid(mnt)
+    wait_for(lambda: len(_helpers(pid)) == 2, what="a helper process per loop")
+    helpers = _helpers(pid)
+    _read_all(mnt, made, "")
+    subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True, timeout=120)
+
+    def gone() -> bool:
+        return not any(Path(f"/proc/{h}").exists() and HELPER in Path(f"/proc/{h}/cmdline").read_bytes()
+                       for h in helpers)
+
+    wait_for(gone, timeout=30, what="the helpers to end with their mount")
