@@ -41,9 +41,10 @@ def filesystem_type(path: bytes | str, mountinfo: str | None = None) -> str | No
 
 def catalog_parts(rel: bytes) -> list[bytes]:
     """The components of a path read from a catalog, which whoever writes the store controls: refused (EIO)
-    unless every component names an entry below its directory (no '..', '.', empty or absolute component)."""
+    unless every component names an entry below its directory (no '..', '.', empty or absolute component, no NUL:
+    the system calls would read the path only up to it, a name the row does not say)."""
     parts = rel.split(b"/")
-    if not rel or any(part in (b"", b".", b"..") for part in parts):
+    if not rel or b"\0" in rel or any(part in (b"", b".", b"..") for part in parts):
         raise OSError(errno.EIO, "a catalog path that leaves its root: refused", os.fsdecode(rel))
     return parts
 

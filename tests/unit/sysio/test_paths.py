@@ -17,3 +17,26 @@ def test_the_filesystem_under_a_source_decides_where_it_is_checked() -> None:
     assert found == {"/": "ext4", "/data/a": "nfs", "/data/my set/b": "fuse.sshfs", "/data/my": "nfs",
                      "/data2/x": "nfs4"}  # the innermost mount, the last one mounted over the same point
     assert {t for t in found.values() if t in LOCAL_FILESYSTEMS} == {"ext4"}
+
+
+def test_a_catalog_path_that_leaves_its_root_or_hides_a_nul_is_refused(tmp_path) -> None:
+    import errno
+    import os
+
+    import pytest
+
+    from liquidfs.sysio.paths import open_below, open_dir, stat_below
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f.bin").write_bytes(b"x")
+    root = open_dir(tmp_path)
+    try:
+        os.close(open_below(root, b"d/f.bin"))
+        # "d/f.bin\0junk" would reach d/f.bin through a system call: a row naming a file it does not say
+        for rel in (b"d/f.bin\0junk", b"d/../d/f.bin", b"/d/f.bin", b"d//f.bin", b"./d/f.bin", b""):
+            for walk in (open_below, stat_below):
+                with pytest.raises(OSError) as refused:
+                    walk(root, rel)
+                assert refused.value.errno == errno.EIO, (rel, walk)
+    finally:
+        os.close(root)
