@@ -68,7 +68,7 @@ class MetadataAhead:
         self.warm = warm
         self.walks = walks
         self.descriptors = tuple(descriptors)
-        self._helper: WarmHelper | None = None  # the warming thread's, started at its first directory
+        self._helper: WarmHelper | None = None  # started by ``start`` (else at the first directory), the thread's
         self._in_process = walks is None  # no walks, or the helper failed
         self._killed = False  # the helper was killed by ``stop``, a warm stuck
         self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
@@ -195,7 +195,13 @@ class MetadataAhead:
             if self._thread.is_alive() and (helper := self._helper) is not None:
                 self._killed = True
                 helper.kill()  # a warm stuck in the kernel: the thread's wait for the helper ends with it
-            self._thread.join()
+                self._thread.join(timeout=STOP_WAIT)
+            if self._thread.is_alive():
+                # A warm stuck in the kernel (storage that no longer answers) even so: the thread is a daemon
+                # thread, and the unmount goes on without it.
+                log.warning("the metadata read-ahead has not ended its warms within %g s (storage slow or not "
+                            "answering): the unmount goes on without it", 2 * STOP_WAIT)
+                return
             self._thread = None
         if self._helper is not None:  # started, and no directory warmed since
             self._helper.close()

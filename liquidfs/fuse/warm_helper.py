@@ -23,6 +23,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
 
+from ..sysio import reexec
 from ..sysio.paths import stat_below
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,10 @@ class WarmHelper:
 
     def __init__(self, descriptors: Sequence[int], threads: int) -> None:
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-I", "-m", __name__, str(threads), *map(str, descriptors)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=tuple(descriptors))
+            # Isolated and in / as every re-exec of the daemon (``sysio.reexec``), in a session of its own: a
+            # terminal's Ctrl-C for a --foreground mount is the daemon's to handle, and it ends the helper.
+            self._process = reexec.popen(__name__, [str(threads), *map(str, descriptors)], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, pass_fds=tuple(descriptors), start_new_session=True)
         except OSError as exc:
             raise HelperFailed(f"the read-ahead's helper process could not start: {exc}") from exc
         assert self._process.stdin is not None and self._process.stdout is not None
@@ -73,12 +75,12 @@ class WarmHelper:
         return warmed
 
     def kill(self) -> None:
-        """Ends the helper at once (a warm stuck in the kernel must not hold up the unmount); ``close`` still
-        follows."""
+        """Sends the helper SIGKILL (a warm stuck in the kernel must not hold up the unmount)."""
         self._process.kill()
 
     def close(self) -> None:
-        """Ends the helper: its input closed, then, should it not end within ``STOP_WAIT`` seconds, killed."""
+        """Ends the helper: its input closed, then, should it not end within ``STOP_WAIT`` seconds, killed; one
+        that a stuck system call keeps from dying even then is left to end on its own, never waited for."""
         try:
             self._to.close()
         except OSError:
@@ -87,7 +89,12 @@ class WarmHelper:
             self._process.wait(timeout=STOP_WAIT)
         except subprocess.TimeoutExpired:
             self._process.kill()
-            self._process.wait()
+            try:
+                self._process.wait(timeout=STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                log.warning("the read-ahead's helper process %d is stuck in the kernel: left to end on its own",
+                            self._process.pid)
+                return
         self._from.close()
 
 
@@ -118,7 +125,7 @@ def warm(walks: Walks | None) -> int:
     try:
         for dir_fd, rel in walks:
             stat_below(dir_fd, rel)
-    except OSError:
+    except Exception:  # noqa: BLE001 -- a path no open could walk either (a NUL without openat2): not warmed
         return 0
     return 1
 

@@ -252,7 +252,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_lookahead_files_total", COUNTER, "", "lookahead_files",
            "Files whose source (and raw object) metadata was warmed ahead of their opens."),
     Metric("liquidfs_lookahead_helper", GAUGE, "", "lookahead_helper",
-           "1 while the metadata read-ahead warms in a helper process, 0 while in the daemon's own threads."),
+           "Loops whose metadata read-ahead warms in a helper process (the others' warm in their own threads)."),
     # -- the warm-up (mount --warmup) -----------------------------------------------------------------------------
     Metric("liquidfs_warmup_files_total", COUNTER, "", "warmup_files", "Files the warm-up has put in the cache."),
     Metric("liquidfs_warmup_bytes_total", COUNTER, "bytes", "warmup_bytes",

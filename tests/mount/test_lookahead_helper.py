@@ -79,11 +79,17 @@ def test_the_helper_warms_cold_directories_and_a_killed_one_leaves_it_to_threads
     assert read_control(mnt)["lookahead_helper"] == 1
 
     (helper,) = _helpers(pid)
+    # It holds what it was handed and nothing else: its pipes, stderr, and the directories its arguments name.
+    words = [w for w in Path(f"/proc/{helper}/cmdline").read_bytes().split(b"\0") if w]
+    handed = {int(word) for word in words[words.index(HELPER) + 2:]}  # after the module and its thread count
+    assert handed and sorted(int(fd) for fd in os.listdir(f"/proc/{helper}/fd")) == [0, 1, 2, *sorted(handed)]
+    # The source's root (no objects directory: nothing was prepared raw), never /dev/fuse or another file.
+    assert {os.readlink(f"/proc/{helper}/fd/{fd}") for fd in handed} == {str(src)}
+
     os.kill(helper, signal.SIGKILL)
     _read_all(mnt, made, "d1/")  # the next directory's warm finds it gone: the daemon's threads warm it
-    wait_for(lambda: read_control(mnt)["lookahead_files"] >= 40, what="d1 warmed in the daemon's threads")
-    values = read_control(mnt)
-    assert values["lookahead_helper"] == 0 and values["lookahead_directories"] >= 2
+    wait_for(lambda: read_control(mnt)["lookahead_helper"] == 0, what="the read-ahead in the daemon's threads")
+    wait_for(lambda: read_control(mnt)["lookahead_files"] >= 40, what="d1 warmed")
     _read_all(mnt, made, "")  # every byte the source's, throughout
     assert "the metadata read-ahead goes on in the daemon's own threads" in (store / "mount.log").read_text()
 
@@ -101,7 +107,12 @@ def test_each_loop_has_its_own_helper_and_none_outlives_the_mount(tmp_path: Path
     subprocess.run([sys.executable, "-m", "liquidfs", "umount", str(mnt)], check=True, timeout=120)
 
     def gone() -> bool:
-        return not any(Path(f"/proc/{h}").exists() and HELPER in Path(f"/proc/{h}/cmdline").read_bytes()
-                       for h in helpers)
+        for h in helpers:
+            try:
+                if HELPER in Path(f"/proc/{h}/cmdline").read_bytes():
+                    return False
+            except OSError:
+                pass  # ended
+        return True
 
     wait_for(gone, timeout=30, what="the helpers to end with their mount")

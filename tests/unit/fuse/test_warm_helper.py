@@ -7,6 +7,9 @@ from __future__ import annotations
 import io
 import logging
 import os
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.nodes import KIND_FILE, ROOT_ID, Node
-from liquidfs.fuse import warm_helper
+from liquidfs.fuse import lookahead, warm_helper
 from liquidfs.fuse.lookahead import MetadataAhead
 from liquidfs.fuse.warm_helper import HelperFailed, WarmHelper, parse
 from liquidfs.stores.local.reader import StoreReader
@@ -49,6 +52,39 @@ def test_the_helper_warms_what_an_open_on_the_loop_walks(tmp_path: Path) -> None
         assert helper.warm([reader.warm_walks(node) for node in nodes]) == len(nodes)
         for node in nodes:
             os.close(reader.open_source(node, cached_only=True))  # warm: answered on the loop
+    finally:
+        helper.close()
+        reader.close()
+
+
+@pytest.mark.needs_root("/proc/sys/vm/drop_caches")
+def test_the_helper_warms_raw_objects_and_walks_no_object_an_open_would_refuse(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from liquidfs.prepare import prepare
+    from sample import make_sample
+
+    src = make_sample(tmp_path / "src", count=3, width=256, height=128, seed=8)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    raw = [n for n in catalog.files() if n.served_raw]
+    reader = StoreReader(catalog.source, store)
+    assert len(raw) == 3 and len(reader.warm_descriptors) == 2
+    # A row pointing at another image's object: an open refuses it, so the read-ahead walks only the source.
+    assert raw[1].object is not None
+    swapped = replace(raw[0], object=raw[1].object)
+    assert reader.warm_walks(swapped) == [(reader.root_fd, raw[0].path)]
+    helper = WarmHelper(reader.warm_descriptors, 4)
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("2\n")
+        with pytest.raises(BlockingIOError):
+            reader.open_object(raw[0], cached_only=True)
+        assert helper.warm([reader.warm_walks(node) for node in raw]) == 3
+        for node in raw:  # the source and the object, both as an open on the loop walks them
+            os.close(reader.open_source(node, cached_only=True))
+            os.close(reader.open_object(node, cached_only=True))
     finally:
         helper.close()
         reader.close()
@@ -102,8 +138,33 @@ def test_the_helper_ends_with_its_input(tmp_path: Path) -> None:
     helper = ahead._helper
     assert helper is not None and ahead.statistics().values()["lookahead_helper"] == 1
     ahead.stop()
-    assert helper._process.poll() is not None  # stop() waited for it
+    assert helper._process.poll() == 0  # it ended on the end of its input, and stop() waited for it
     assert ahead.statistics().values()["lookahead_helper"] == 0
+    reader.close()
+
+
+def test_a_helper_that_never_answers_holds_up_no_unmount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    catalog, reader = _tree(tmp_path, files=3)
+    started: list[subprocess.Popen[bytes]] = []
+
+    def mute(module: str, args: list[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], **kwargs)  # type: ignore
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(warm_helper.reexec, "popen", mute)
+    monkeypatch.setattr(lookahead, "STOP_WAIT", 0.5)
+    ahead = MetadataAhead(catalog.path, reader.warm, walks=reader.warm_walks, descriptors=reader.warm_descriptors)
+    ahead.start()
+    d0 = catalog.lookup(ROOT_ID, b"d0")
+    assert d0 is not None
+    ahead.looked_up(d0.id)
+    stopping = threading.Thread(target=ahead.stop)  # returns: the helper killed, its warm given up
+    stopping.start()
+    stopping.join(timeout=120)  # far past the 2 x 0.5 s stop() allows itself: a hang, not a slow machine
+    assert not stopping.is_alive(), "stop() waits for a helper that never answers"
+    assert started and started[0].poll() is not None
+    assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 0, "lookahead_helper": 0}
     reader.close()
 
 
