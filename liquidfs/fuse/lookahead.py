@@ -11,9 +11,10 @@ them): a cold inode is a read of the disk, and the disk answers several at once.
 (``warm_walks``), those threads are a helper process's (``fuse.warm_helper``): in this process each of their waits
 for the disk ended in a wait for the GIL the loop holds; should the helper fail, the warms go on in this process's
 own threads. An open that still finds its source's inode cold (the kernel dropped what the last warm brought in: a
-drop of the caches, pressure between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
-``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is
-never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
+drop of the caches, pressure between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a
+directory at most once per ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_COLD`` after the last warm
+ended, a directory is never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued
+without end.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ class MetadataAhead:
         return self._warmers
 
     def statistics(self) -> LookaheadStatistics:
-        return LookaheadStatistics(directories=self.directories, files=self.files, helper=int(self._helper is not None))
+        return LookaheadStatistics(directories=self.directories, files=self.files,
+                                   helper=int(self._helper is not None))
 
     def start(self) -> None:
         """The helper process started now, before the first lookup (on the loop, once the process that serves
@@ -192,15 +194,17 @@ class MetadataAhead:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=STOP_WAIT)
+            waited = STOP_WAIT
             if self._thread.is_alive() and (helper := self._helper) is not None:
                 self._killed = True
                 helper.kill()  # a warm stuck in the kernel: the thread's wait for the helper ends with it
                 self._thread.join(timeout=STOP_WAIT)
+                waited += STOP_WAIT
             if self._thread.is_alive():
                 # A warm stuck in the kernel (storage that no longer answers) even so: the thread is a daemon
                 # thread, and the unmount goes on without it.
                 log.warning("the metadata read-ahead has not ended its warms within %g s (storage slow or not "
-                            "answering): the unmount goes on without it", 2 * STOP_WAIT)
+                            "answering): the unmount goes on without it", waited)
                 return
             self._thread = None
         if self._helper is not None:  # started, and no directory warmed since
