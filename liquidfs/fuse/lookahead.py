@@ -126,35 +126,47 @@ class MetadataAhead:
                         self._done_at[parent] = time.monotonic()
         finally:
             catalog.close()
-            if self._helper is not None:
-                self._helper.close()
-                self._helper = None
+            self._close_helper()
 
     def _warm_directory(self, catalog: Catalog, parent: int) -> None:
         files = (node for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id)
                  if node.kind == KIND_FILE)
         while batch := list(itertools.islice(files, MAX_ROWS)):  # a bounded number of files in flight
-            self.files += self._in_helper(batch) if not self._in_process else \
-                sum(self._pool().map(self._warm_one, batch))
+            self.files += self._warm_batch(batch)
         self.directories += 1
 
-    def _in_helper(self, batch: list[Node]) -> int:
-        """``batch`` warmed by the helper process (started at the first); where it fails, in this process."""
-        assert self.walks is not None
-        try:
-            if self._helper is None:
+    def _warm_batch(self, batch: list[Node]) -> int:
+        """How many of ``batch``'s files were warmed: by the helper process, else (none, or it failed) here."""
+        if (helper := self._helper_now()) is not None:
+            assert self.walks is not None
+            try:
+                return helper.warm([self.walks(node) for node in batch])
+            except HelperFailed as exc:
+                if self._killed:
+                    return 0  # killed at unmount (``stop``), stuck: nothing more is warmed
+                self._fall_back(exc)
+        return sum(self._pool().map(self._warm_one, batch))
+
+    def _helper_now(self) -> WarmHelper | None:
+        """The helper process, started if it is not yet; None where the warms are this process's."""
+        if self._helper is None and not self._in_process:
+            try:
                 self._helper = WarmHelper(self.descriptors, WARMERS)
                 log.debug("metadata read-ahead in helper process %d", self._helper.pid)
-            return self._helper.warm([self.walks(node) for node in batch])
-        except HelperFailed as exc:
-            if self._killed:
-                return 0  # killed at unmount (``stop``), stuck: nothing more is warmed
-            log.warning("%s: the metadata read-ahead goes on in the daemon's own threads", exc)
-            self._in_process = True
-            if self._helper is not None:
-                self._helper.close()
-                self._helper = None
-            return sum(self._pool().map(self._warm_one, batch))
+            except HelperFailed as exc:
+                self._fall_back(exc)
+        return self._helper
+
+    def _fall_back(self, why: HelperFailed) -> None:
+        """The helper could not start, has gone or answered nonsense: this process's threads warm from now on."""
+        log.warning("%s: the metadata read-ahead goes on in the daemon's own threads", why)
+        self._in_process = True
+        self._close_helper()
+
+    def _close_helper(self) -> None:
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     def _warm_one(self, node: Node) -> int:
         try:
@@ -179,14 +191,8 @@ class MetadataAhead:
         """The helper process started now, before the first lookup (on the loop, once the process that serves
         exists: each loop forked after INIT starts its own): started at the first cold directory instead, it
         took ~70 ms (an interpreter's start), and that directory's opens went cold meanwhile."""
-        if self._in_process or self._helper is not None or self._stopped:
-            return
-        try:
-            self._helper = WarmHelper(self.descriptors, WARMERS)
-            log.debug("metadata read-ahead in helper process %d", self._helper.pid)
-        except HelperFailed as exc:
-            log.warning("%s: the metadata read-ahead warms in the daemon's own threads", exc)
-            self._in_process = True
+        if not self._stopped:
+            self._helper_now()
 
     def stop(self) -> None:
         with self._lock:
@@ -207,9 +213,7 @@ class MetadataAhead:
                             "answering): the unmount goes on without it", waited)
                 return
             self._thread = None
-        if self._helper is not None:  # started, and no directory warmed since
-            self._helper.close()
-            self._helper = None
+        self._close_helper()  # started, and no directory warmed since
         if self._warmers is not None:
             self._warmers.shutdown(wait=True)
             self._warmers = None
