@@ -64,13 +64,26 @@ def serve(source: Path, mountpoint: Path, loops: int) -> int:
 
         def __init__(self) -> None:
             super().__init__()
-            self.names = sorted(os.listdir(source))
-            self.by_name = {os.fsencode(n): i + 2 for i, n in enumerate(self.names)}
+            # The whole tree read once, before the mount: every request is then a dict's get, the least a daemon
+            # can do for it (bench_opens's --mirror serves directories of files, this script's one directory).
+            self.paths: dict[int, Path] = {pyfuse3.ROOT_INODE: source}
+            self.children: dict[int, list[tuple[bytes, int]]] = {}
+            self.by_name: dict[tuple[int, bytes], int] = {}
             self.attrs: dict[int, pyfuse3.EntryAttributes] = {}
-            for name, ino in self.by_name.items():
-                st = os.lstat(source / os.fsdecode(name))
-                self.attrs[ino] = self._entry(ino, st)
-            self.attrs[pyfuse3.ROOT_INODE] = self._entry(pyfuse3.ROOT_INODE, os.lstat(source))
+            todo = [pyfuse3.ROOT_INODE]
+            while todo:
+                parent = todo.pop()
+                path = self.paths[parent]
+                self.attrs[parent] = self._entry(parent, os.lstat(path))
+                if not stat.S_ISDIR(self.attrs[parent].st_mode):
+                    continue
+                listing = self.children[parent] = []
+                for name in sorted(os.listdir(path)):
+                    ino = len(self.paths) + pyfuse3.ROOT_INODE
+                    self.paths[ino] = path / name
+                    self.by_name[parent, os.fsencode(name)] = ino
+                    listing.append((os.fsencode(name), ino))
+                    todo.append(ino)
 
         @staticmethod
         def _entry(ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
@@ -84,7 +97,7 @@ def serve(source: Path, mountpoint: Path, loops: int) -> int:
             return e
 
         async def lookup(self, parent: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
-            ino = self.by_name.get(name) if parent == pyfuse3.ROOT_INODE else None
+            ino = self.by_name.get((parent, name))
             if ino is None:
                 raise pyfuse3.FUSEError(errno.ENOENT)
             return self.attrs[ino]
@@ -96,12 +109,14 @@ def serve(source: Path, mountpoint: Path, loops: int) -> int:
             return ino
 
         async def readdir(self, fh: int, start: int, token: Any) -> None:
-            for ino in range(max(start, 1) + 1, len(self.names) + 2):
-                if not pyfuse3.readdir_reply(token, os.fsencode(self.names[ino - 2]), self.attrs[ino], ino):
+            listing = self.children[fh]
+            for i in range(start, len(listing)):
+                name, ino = listing[i]
+                if not pyfuse3.readdir_reply(token, name, self.attrs[ino], i + 1):
                     return
 
         async def open(self, ino: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
-            fd = os.open(source / self.names[ino - 2], os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(self.paths[ino], os.O_RDONLY | os.O_CLOEXEC)
             try:
                 backing = pyfuse3.passthrough_open(fd)  # the connection's: any process may close it
             finally:
@@ -239,7 +254,7 @@ def timed_opens(root: Path, names: list[str], readers: int, seconds: float, pids
     return opened / elapsed, _per_open(before, cpu_split(pids, children=children), opened)
 
 
-def _mirror(source: Path, mnt: Path, loops: int) -> tuple[subprocess.Popen[str], list[int]]:
+def start_mirror(source: Path, mnt: Path, loops: int) -> tuple[subprocess.Popen[str], list[int]]:
     """The mirror served by ``loops`` processes on ``mnt``, and their pids."""
     daemon = subprocess.Popen([sys.executable, __file__, "--serve", str(source), str(mnt), str(loops)],
                               stdout=subprocess.PIPE, text=True)
@@ -249,7 +264,7 @@ def _mirror(source: Path, mnt: Path, loops: int) -> tuple[subprocess.Popen[str],
     return daemon, [int(v) for v in line.split()[1:]]
 
 
-def _stop_mirror(daemon: subprocess.Popen[str], mnt: Path) -> None:
+def stop_mirror(daemon: subprocess.Popen[str], mnt: Path) -> None:
     subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
     daemon.wait(timeout=60)
     if daemon.stdout:
@@ -303,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     print(head)
     print("|---" * (head.count("|") - 1) + "|")
     for loops in [int(v) for v in args.loops.split(",")]:
-        daemon, pids = _mirror(source, mnt, loops)
+        daemon, pids = start_mirror(source, mnt, loops)
         liquid = None
         try:
             if bench is not None:
@@ -331,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 if liquid is not None:
                     liquid.close(check=False)
             finally:
-                _stop_mirror(daemon, mnt)
+                stop_mirror(daemon, mnt)
         m_cpu = _median_split(mirror_cpu)
         row: dict[str, Any] = {
             "loops": loops, "direct": statistics.median(direct), "mount": statistics.median(mirror),

@@ -13,12 +13,19 @@ whole and closing its share of the files in a shuffled order, in two states:
   names and attributes from the kernel's caches: no LOOKUP reaches the daemon).
 
 Each reader times every open(2) it makes: the table gives their p50 and p99 directly and through the mount (an open
-that waits behind other opens shows in the tail). The mount runs with ``--time-requests``: the daemon's CPU per file (from /proc, its worker threads included)
-and, per request type, how many reached it, their wall time and the CPU they cost its loop. Medians of
-``--repeats``; direct and mount alternate within each repeat.
+that waits behind other opens shows in the tail). The mount runs with ``--time-requests``: the daemon's CPU per
+file (from /proc, its worker threads and helper process included) and, per request type, how many reached it,
+their wall time and the CPU they cost its loop. Medians of ``--repeats``; direct and mount alternate within each
+repeat.
+
+``--mirror``: a bare passthrough mirror of the same files in pyfuse3 (``bench_loops.py``'s: every name and
+attribute read before it mounts, each OPEN one open(2) and the backing registered, nothing checked) is measured
+beside them in each repeat, with the same states and readers: the ceiling any pyfuse3 daemon reaches here, against
+which the mount's own work shows (issue 40: how far the mount's ratio can go).
 
     python scripts/bench/bench_opens.py                          # 5,000 small files and 48 large, ~10 min
     python scripts/bench/bench_opens.py --shapes opens --readers 16 --large 256   # the opens alone, 16 readers
+    python scripts/bench/bench_opens.py --shapes small --mirror  # small files: direct, mirror and mount
     python scripts/bench/bench_opens.py --smoke                  # a few files: the script works, no figure
 """
 
@@ -32,10 +39,15 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import _bench as bench
+import bench_loops
+
 from liquidfs.catalog.catalog import Catalog
 
 STATES = ("cold", "warm")
@@ -118,29 +130,62 @@ def _requests_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, 
             for name in after if after[name]["count"] - before.get(name, {}).get("count", 0)}
 
 
+@dataclass
+class Mirror:
+    """The bare pyfuse3 mirror (``--mirror``) of a directory: where it is mounted, and its process."""
+
+    mnt: Path
+    pid: int
+
+
+@contextmanager
+def mirrored(source: Path, mnt: Path) -> Iterator[Mirror]:
+    """``source`` served by ``bench_loops.py``'s passthrough mirror (one loop) on ``mnt`` while in the block."""
+    mnt.mkdir(parents=True, exist_ok=True)
+    daemon, pids = bench_loops.start_mirror(source, mnt, 1)
+    try:
+        yield Mirror(mnt, pids[0])
+    finally:
+        bench_loops.stop_mirror(daemon, mnt)
+
+
 def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[str], readers: list[int],
-            repeats: int, read: bool = True) -> list[dict[str, Any]]:
+            repeats: int, read: bool = True, mirror: Mirror | None = None,
+            mirror_rel: list[str] | None = None) -> list[dict[str, Any]]:
     """Rows of ``rel`` (names below the mount) read through the mount against ``direct`` (the same bytes, file by
-    file) read directly; ``read`` False: only opened and closed (the opens' own cost)."""
+    file) read directly; ``read`` False: only opened and closed (the opens' own cost). ``mirror``: the same bytes
+    read through it too (``mirror_rel``, names below it; default ``rel``)."""
     rows = []
+    wheres = ("direct", "mirror", "mount") if mirror is not None else ("direct", "mount")
+    below = {"mount": rel, "mirror": mirror_rel or rel}
     for state in STATES:
         for n in readers:
-            runs: dict[str, list[float]] = {"direct": [], "mount": []}
-            latencies: dict[str, list[float]] = {"direct": [], "mount": []}
+            runs: dict[str, list[float]] = {where: [] for where in wheres}
+            latencies: dict[str, list[float]] = {where: [] for where in wheres}
             cpu_per_file: list[float] = []
+            mirror_cpu: list[float] = []
             requests: dict[str, dict[str, float]] = {}
             for _ in range(repeats):
                 order = list(range(len(rel)))
                 random.shuffle(order)
-                for where in ("direct", "mount"):
-                    paths = [str(direct[i] if where == "direct" else mounted.mnt / rel[i]) for i in order]
+                for where in wheres:
+                    if where == "direct":
+                        paths = [str(direct[i]) for i in order]
+                    else:
+                        root = mounted.mnt if where == "mount" else mirror.mnt  # type: ignore[union-attr]
+                        paths = [str(root / below[where][i]) for i in order]
                     prepare_state(state, paths)
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
                         cpu0, req0 = bench.cpu_seconds(mounted.pid), control0.get("requests", {})
+                    elif where == "mirror":
+                        mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
                     seconds, _, opens = read_files(paths, n, read)
                     runs[where].append(len(paths) / seconds)
                     latencies[where] += opens
+                    if where == "mirror":
+                        mirror_cpu.append((bench.cpu_seconds(mirror.pid) - mirror_cpu0)  # type: ignore[union-attr]
+                                          / len(paths) * 1e6)
                     if where == "mount":
                         cpu_per_file.append((bench.cpu_seconds(mounted.pid) - cpu0) / len(paths) * 1e6)
                         control1 = bench.control(mounted.mnt)
@@ -154,13 +199,22 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         for name, r in requests.items()}
             # Every open of every repeat, as the readers saw them: the tail is what waits behind other opens.
             opens_us = {f"{where}_open_{name}_us": percentile(latencies[where], q) * 1e6
-                        for where in ("direct", "mount") for name, q in (("p50", 0.5), ("p99", 0.99))}
-            rows.append({**opens_us, "shape": shape, "state": state, "readers": n, "files": len(rel),
-                         "direct_files_s": direct_rate, "mount_files_s": mount_rate,
-                         "ratio": mount_rate / direct_rate,
-                         "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
-                         "runs": runs, "requests_last_run": per_file, "cold_opens_per_file": cold_opens})
-            print(f"{shape:5} {state:4} {n} readers: direct {direct_rate:8.0f} files/s, mount {mount_rate:8.0f} "
+                        for where in wheres for name, q in (("p50", 0.5), ("p99", 0.99))}
+            row = {**opens_us, "shape": shape, "state": state, "readers": n, "files": len(rel),
+                   "direct_files_s": direct_rate, "mount_files_s": mount_rate, "ratio": mount_rate / direct_rate,
+                   "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
+                   "runs": runs, "requests_last_run": per_file, "cold_opens_per_file": cold_opens}
+            mirrored_line = ""
+            if mirror is not None:
+                mirror_rate = statistics.median(runs["mirror"])
+                row.update(mirror_files_s=mirror_rate, mirror_ratio=mirror_rate / direct_rate,
+                           mirror_cpu_us_per_file=statistics.median(mirror_cpu))
+                mirrored_line = (f"mirror {mirror_rate:8.0f} ({mirror_rate / direct_rate:.2f}x, open p50/p99 us "
+                                 f"{opens_us['mirror_open_p50_us']:.0f}/{opens_us['mirror_open_p99_us']:.0f}, "
+                                 f"{row['mirror_cpu_us_per_file']:.0f} us CPU/file), ")
+            rows.append(row)
+            print(f"{shape:5} {state:4} {n} readers: direct {direct_rate:8.0f} files/s, {mirrored_line}"
+                  f"mount {mount_rate:8.0f} "
                   f"({mount_rate / direct_rate:.2f}x), open p50/p99 us direct {opens_us['direct_open_p50_us']:.0f}/"
                   f"{opens_us['direct_open_p99_us']:.0f} mount {opens_us['mount_open_p50_us']:.0f}/"
                   f"{opens_us['mount_open_p99_us']:.0f}, daemon {statistics.median(cpu_per_file):6.0f} us CPU/file  "
@@ -170,18 +224,32 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| shape | metadata | readers | direct files/s | mount files/s | mount/direct "
-             "| open p50 / p99 us, direct | mount | daemon CPU us/file "
-             "| opens in a thread | loop CPU us per request (requests per file) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    mirror = any("mirror_files_s" in r for r in rows)
+    lines = ["| shape | metadata | readers | direct files/s | "
+             + ("mirror files/s | mirror/direct | mirror open p50 / p99 us | mirror CPU us/file | " if mirror else "")
+             + "mount files/s | mount/direct | open p50 / p99 us, direct | mount | daemon CPU us/file "
+             "| opens in a thread | loop CPU us per request (requests per file) |"]
+    lines.append("|---" * (lines[0].count("|") - 1) + "|")
     for r in rows:
         req = ", ".join(f"{k} {v['loop_cpu_us']:.0f} ({v['per_file']:.2f})" for k, v in r["requests_last_run"].items())
-        lines.append(f"| {r['shape']} | {r['state']} | {r['readers']} | {r['direct_files_s']:.0f} | "
+        mirrored = (f"{r['mirror_files_s']:.0f} | {r['mirror_ratio']:.2f} | {r['mirror_open_p50_us']:.0f} / "
+                    f"{r['mirror_open_p99_us']:.0f} | {r['mirror_cpu_us_per_file']:.0f} | ") if mirror else ""
+        lines.append(f"| {r['shape']} | {r['state']} | {r['readers']} | {r['direct_files_s']:.0f} | {mirrored}"
                      f"{r['mount_files_s']:.0f} | {r['ratio']:.2f} | {r['direct_open_p50_us']:.0f} / "
                      f"{r['direct_open_p99_us']:.0f} | {r['mount_open_p50_us']:.0f} / {r['mount_open_p99_us']:.0f} | "
                      f"{r['daemon_cpu_us_per_file']:.0f} | "
                      f"{r['cold_opens_per_file']:.0%} | {req} |")
     return "\n".join(lines)
+
+
+@contextmanager
+def optional_mirror(wanted: bool, source: Path, work: Path) -> Iterator[Mirror | None]:
+    """``mirrored`` where ``--mirror`` asks for it, else None."""
+    if not wanted:
+        yield None
+        return
+    with mirrored(source, work / "mnt-mirror") as mirror:
+        yield mirror
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="more options for liquidfs mount, space-separated (e.g. '--no-lookahead')")
     parser.add_argument("--no-time-requests", action="store_true",
                         help="mount without --time-requests (a version without it; no loop CPU per request)")
+    parser.add_argument("--mirror", action="store_true",
+                        help="also read the files through a bare pyfuse3 passthrough mirror (bench_loops.py's), "
+                             "beside direct and the mount: the ceiling of any pyfuse3 daemon here")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         parser.error("needs root: it drops the page cache, dentries and inodes between runs")
@@ -224,20 +295,22 @@ def main(argv: list[str] | None = None) -> int:
         src = small_dataset(work, args.small, args.small_size)
         store = bench.store_for(work, src, 0.0)
         rel = sorted(str(p.relative_to(src)) for p in src.rglob("*.bin"))
-        with bench.mounted(src, store, mnt, *options) as m:
+        with bench.mounted(src, store, mnt, *options) as m, optional_mirror(args.mirror, src, work) as mirror:
             data_path = bench.control(mnt)["data_path"]
-            rows += measure("small", [src / r for r in rel], m, rel, readers, args.repeats)
+            rows += measure("small", [src / r for r in rel], m, rel, readers, args.repeats, mirror=mirror)
     if args.large and {"large", "opens"} & set(shapes):
         big = bench.dataset(bench.dataset_dir(work, args.large, 2048, 1024), args.large, 2048, 1024)
         raw = bench.store_for(work / "large", big, 1.0)
         # Direct: each image's raw object, the very bytes the mount serves under the image's name.
         pairs = [(os.fsdecode(n.path), raw / n.object) for n in Catalog.open(raw).files() if n.object]
-        with bench.mounted(big, raw, mnt, *options) as m:
+        # The mirror serves the store itself: the objects, under their own names.
+        with bench.mounted(big, raw, mnt, *options) as m, optional_mirror(args.mirror, raw, work) as mirror:
             data_path = bench.control(mnt)["data_path"]
             for shape in ("large", "opens"):
                 if shape in shapes:
                     rows += measure(shape, [o for _, o in pairs], m, [p for p, _ in pairs], readers, args.repeats,
-                                    read=shape == "large")
+                                    read=shape == "large", mirror=mirror,
+                                    mirror_rel=[str(o.relative_to(raw)) for _, o in pairs])
     result = {"data_path": data_path, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -72,3 +72,25 @@ def test_the_mirror_serves_each_files_bytes(tmp_path: Path) -> None:
             subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
             daemon.wait(timeout=60)
     assert daemon.returncode == 0
+
+
+def test_the_mirror_serves_a_tree_of_directories(tmp_path: Path) -> None:
+    # bench_opens.py --mirror serves its datasets' directories of files through this mirror.
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    mnt.mkdir()
+    files = {f"d{i % 3}/e{i % 2}/{i:03d}.bin": bytes([i]) * (500 + i) for i in range(12)}
+    for name, data in files.items():
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_bytes(data)
+    with subprocess.Popen([sys.executable, str(BENCH), "--serve", str(src), str(mnt), "1"],
+                          stdout=subprocess.PIPE, text=True) as daemon:
+        try:
+            assert daemon.stdout is not None and daemon.stdout.readline().startswith("ready")
+            for name, data in files.items():
+                assert (mnt / name).read_bytes() == data
+            assert sorted(p.name for p in (mnt / "d0").iterdir()) == ["e0", "e1"]
+            assert not (mnt / "d0" / "000.bin").exists()  # a name of another directory is not found here
+        finally:
+            subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+            daemon.wait(timeout=60)
+    assert daemon.returncode == 0

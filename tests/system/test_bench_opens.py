@@ -1,0 +1,52 @@
+"""scripts/bench/bench_opens.py runs end to end on a small scale (as root: it drops caches; passthrough for its
+--mirror): every shape's rows come out for direct, the mount and the mirror, as table and JSON, and nothing stays
+mounted. That it works, never a figure (BENCHMARKS.md has those)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fusehelpers import PASSTHROUGH_NEEDS_ROOT
+
+BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench" / "bench_opens.py"
+
+pytestmark = [pytest.mark.fuse, PASSTHROUGH_NEEDS_ROOT]
+
+
+def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
+    out, work = tmp_path / "opens.json", tmp_path / "w"
+    done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--mirror", "--readers", "1,2",
+                           "--work", str(work), "--json", str(out)], capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert {(r["shape"], r["state"], r["readers"]) for r in rows} == {
+        (shape, state, n) for shape in ("small", "large", "opens") for state in ("cold", "warm") for n in (1, 2)}
+    for row in rows:
+        assert row["direct_files_s"] > 0 and row["mount_files_s"] > 0 and row["mirror_files_s"] > 0, row
+        assert row["mirror_ratio"] == pytest.approx(row["mirror_files_s"] / row["direct_files_s"])
+        assert row["mirror_open_p50_us"] <= row["mirror_open_p99_us"], row
+        # Every repeat read every file through each of the three.
+        assert [len(row["runs"][where]) for where in ("direct", "mirror", "mount")] == [1, 1, 1], row
+    # The mount's requests were counted: each file was opened through it.
+    small_cold = next(r for r in rows if (r["shape"], r["state"], r["readers"]) == ("small", "cold", 1))
+    assert small_cold["requests_last_run"]["open"]["per_file"] >= 1.0
+    assert "| mirror files/s |" in done.stdout
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    assert str(work / "mnt") not in mounts and str(work / "mnt-mirror") not in mounts
+
+
+def test_without_mirror_the_table_has_no_mirror_columns(tmp_path: Path) -> None:
+    out = tmp_path / "opens.json"
+    done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--shapes", "small",
+                           "--work", str(tmp_path / "w"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["shape"], r["state"]) for r in rows} == {("small", "cold"), ("small", "warm")}
+    assert all("mirror_files_s" not in r for r in rows)
+    assert "mirror" not in done.stdout
