@@ -19,7 +19,7 @@ from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.nodes import KIND_FILE, ROOT_ID, Node
 from liquidfs.fuse import lookahead, warm_helper
 from liquidfs.fuse.lookahead import MetadataAhead
-from liquidfs.fuse.warm_helper import HelperFailed, WarmHelper, parse
+from liquidfs.fuse.warm_helper import HelperFailed, WarmHelper, parse, runs
 from liquidfs.stores.local.reader import StoreReader
 
 
@@ -39,11 +39,13 @@ def _files(catalog: Catalog) -> list[Node]:
     return [node for node in catalog.children(d0.id) if node.kind == KIND_FILE]
 
 
+# One thread: the batch warmed in its order; more: each a run of neighbours (``warm_helper.runs``), at once.
 @pytest.mark.needs_root("/proc/sys/vm/drop_caches")
-def test_the_helper_warms_what_an_open_on_the_loop_walks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 4])
+def test_the_helper_warms_what_an_open_on_the_loop_walks(tmp_path: Path, threads: int) -> None:
     catalog, reader = _tree(tmp_path, files=3)
     nodes = _files(catalog)
-    helper = WarmHelper(reader.warm_descriptors, 4)
+    helper = WarmHelper(reader.warm_descriptors, threads)
     try:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("2\n")  # dentries and inodes
@@ -90,12 +92,13 @@ def test_the_helper_warms_raw_objects_and_walks_no_object_an_open_would_refuse(t
         reader.close()
 
 
-def test_the_helper_refuses_what_it_was_not_handed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_helper_refuses_what_it_was_not_handed(tmp_path: Path, threads: int) -> None:
     catalog, reader = _tree(tmp_path, files=1)
     (tmp_path / "src" / "d0" / "link").symlink_to(tmp_path / "store")  # a link an open never follows
     (tmp_path / "outside.bin").write_bytes(b"y")
     other = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)  # a descriptor the helper was not handed
-    helper = WarmHelper(reader.warm_descriptors, 2)
+    helper = WarmHelper(reader.warm_descriptors, threads)
     try:
         good = reader.warm_walks(_files(catalog)[0])
         batch = [[(other, b"outside.bin")], [(reader.root_fd, b"d0/../../outside.bin")],
@@ -106,6 +109,18 @@ def test_the_helper_refuses_what_it_was_not_handed(tmp_path: Path) -> None:
         helper.close()
         os.close(other)
         reader.close()
+
+
+def test_a_batch_is_cut_into_runs_of_neighbours_one_per_thread_at_most() -> None:
+    # Each thread warms files that are neighbours in the directory's order (their inodes share blocks on disk),
+    # not every n-th file: threads on the same blocks only contended for them.
+    batch = [[(3, b"f%d" % i)] for i in range(10)]
+    assert runs(batch, 1) == [batch]
+    assert runs(batch, 4) == [batch[0:3], batch[3:6], batch[6:9], batch[9:]]
+    assert runs(batch, 16) == [[walks] for walks in batch]
+    assert runs([], 8) == []
+    for count in (1, 3, 8):
+        assert [walks for run in runs(batch, count) for walks in run] == batch
 
 
 def test_a_line_is_read_as_no_more_than_it_says() -> None:
