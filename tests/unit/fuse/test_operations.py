@@ -48,6 +48,17 @@ def test_lookup_getattr_open_read_release(ops: Operations) -> None:
     run(ops.forget, [(a.st_ino, 1)])
     assert ops.inodes.get(a.st_ino) is None and ops.inodes.lookups(a.st_ino) == 0 and ops.inodes.known == 1
 
+def test_names_and_attributes_outlive_an_epoch_the_control_files_never_kept(ops: Operations) -> None:
+    # Past its entry timeout the kernel asks again at every open (a LOOKUP per file): an epoch of a large dataset
+    # lasts longer than the 300 s there were. A size that changes is dropped by the open that serves it.
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    for entry in (d, a, run(ops.getattr, a.st_ino, CTX)):
+        assert entry.entry_timeout >= 86_400 and entry.attr_timeout >= 86_400
+    control = run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX)
+    assert control.entry_timeout == 0 and control.attr_timeout == 0  # its statistics change at every read
+
+
 def test_missing_names_and_writes(ops: Operations) -> None:
     with pytest.raises(pyfuse3.FUSEError) as info:
         run(ops.lookup, ROOT_ID, b"nope", CTX)
