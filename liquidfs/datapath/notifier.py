@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import queue
 import threading
@@ -46,8 +47,11 @@ class Notifier:
             await trio.to_thread.run_sync(pyfuse3.invalidate_inode, pyfuse3.InodeT(inode), True,
                                           limiter=self._attrs)
             self.sent += 1
-        except OSError as exc:  # the kernel does not know the inode (yet): it has no attributes to drop
-            log.debug("invalidate attributes (%d): %s", inode, exc)
+        except OSError as exc:
+            # ENOENT: the kernel does not know the inode (yet), and has no attributes to drop. Anything else leaves
+            # it the old size for as long as it keeps attributes (a day): said.
+            log.log(logging.DEBUG if exc.errno == errno.ENOENT else logging.WARNING,
+                    "invalidate attributes (%d): %s", inode, exc)
 
     def store(self, inode: int, offset: int, data: memoryview, done: Callable[[bool], None]) -> None:
         """Put ``data`` in the kernel's page cache of ``inode`` at ``offset``; then ``done(ok)`` runs on this

@@ -32,8 +32,8 @@ MAX_LOOPS = 32
 #: EMFILE. A loader keeps at most its shuffle buffer open (DALI's 1,024 by default), far below.
 BACKING_SLOTS = 1 << 16
 #: Slots of the sizes' table: files served at another size than the catalog's (fallbacks). Past half of them the
-#: sizes of files no loop has open are let go, as one loop lets a size go when the kernel forgets the inode: the
-#: next open of such a file tells the kernel its size again before it is answered.
+#: sizes of files no loop has open are let go, and the kernel's attributes of them dropped (``tell``'s caller): it
+#: asks again, and hears the catalog's size, until an open of such a file tells it another before it is answered.
 SIZE_SLOTS = 65536
 
 _EMPTY = 0  # a slot's inode when it holds none (inode numbers start at 1)
@@ -79,14 +79,16 @@ class _Table:
             at = (at + 1) % self.slots
         return -1, None
 
-    def sweep(self, drop: Callable[[int], bool]) -> int:
+    def sweep(self, drop: Callable[[int], bool]) -> list[int]:
         """``drop(at)`` for each slot holding an entry (it may rewrite the entry); where it says True the slot is
-        freed and looked at again, as a later entry may have moved into it. Returns the slots freed."""
-        freed, at = 0, 0
+        freed and looked at again, as a later entry may have moved into it. Returns the inodes of the slots freed."""
+        freed: list[int] = []
+        at = 0
         while at < self.slots:
-            if self.inode_at(at) != _EMPTY and drop(at):
+            inode = self.inode_at(at)
+            if inode != _EMPTY and drop(at):
                 self.remove(at)
-                freed += 1
+                freed.append(inode)
             else:
                 at += 1
         return freed
@@ -184,7 +186,7 @@ class SharedInodes:
             return True
 
         with self._lock:
-            return table.sweep(drop)
+            return len(table.sweep(drop))
 
     def backings(self) -> int:
         """Inodes with a shared backing now (for ``stats``)."""
@@ -201,9 +203,12 @@ class SharedInodes:
             at, _ = self._sizes.find(inode)
             return None if at < 0 else int(_SIZE.unpack_from(self._map, self._sizes.offset(at))[1])
 
-    def tell(self, inode: int, size: int | None) -> None:
-        """Record (None: forget) the size the kernel is told of ``inode`` where it is not the catalog's."""
+    def tell(self, inode: int, size: int | None) -> list[int]:
+        """Record (None: forget) the size the kernel is told of ``inode`` where it is not the catalog's. Returns
+        the inodes whose sizes were let go to make room (``_forget_closed_sizes``): the kernel still holds the sizes
+        it was told of them, and must drop them (every loop now says the catalog's)."""
         table = self._sizes
+        let_go: list[int] = []
         with self._lock:
             at, free = table.find(inode)
             (count,) = _HEADER.unpack_from(self._map, 0)
@@ -215,20 +220,22 @@ class SharedInodes:
                 _SIZE.pack_into(self._map, table.offset(at), inode, size)
             else:
                 if count >= table.slots // 2:
-                    count -= self._forget_closed_sizes()
+                    let_go = self._forget_closed_sizes()
+                    count -= len(let_go)
                     at, free = table.find(inode)
                 if free is None:
                     raise TableFull(errno.EIO, "too many files served at another size than the catalog's")
                 _SIZE.pack_into(self._map, table.offset(free), inode, size)
                 _HEADER.pack_into(self._map, 0, count + 1)
+        return let_go
 
-    def _forget_closed_sizes(self) -> int:
-        """Let go of the sizes of files no loop has open (the lock held); returns how many."""
+    def _forget_closed_sizes(self) -> list[int]:
+        """Let go of the sizes of files no loop has open (the lock held); returns their inodes."""
         table = self._sizes
         freed = table.sweep(lambda at: self._backings.find(table.inode_at(at))[0] < 0)
         if freed:
-            _HEADER.pack_into(self._map, 0, int(_HEADER.unpack_from(self._map, 0)[0]) - freed)
-            log.info("let go of %d sizes told of files no loop has open", freed)
+            _HEADER.pack_into(self._map, 0, int(_HEADER.unpack_from(self._map, 0)[0]) - len(freed))
+            log.info("let go of %d sizes told of files no loop has open", len(freed))
         return freed
 
 

@@ -53,12 +53,13 @@ __all__ = ["CONTROL_ID", "CONTROL_NAME", "Operations"]
 #: A hidden entry at the root: found by lookup, never listed by readdir, so `ls -a` shows the tree unchanged.
 CONTROL_NAME = b".__liquidfs__"
 CONTROL_ID = 1 << 62
-#: How long the kernel may keep a name and its attributes: a day. The tree never changes under a mount, and a size
-#: that does (a fallback, the mix) is dropped from the kernel's caches before the open that serves it is answered
-#: (``_tell_size``), never left to expire. Past the timeout, each open of a name sends a LOOKUP again: with 300 s,
-#: every epoch longer than five minutes (ImageNet's 1.28 M files at 3,000 images/s: seven) paid one per file, and
-#: 3,000 files looked up more than the timeout before were read at 4.2-5.4 k files/s against 5.0-7.5 k, 147-207 us
-#: of the daemon's CPU a file against 93-170 (8 readers; BENCHMARKS.md, "Names that outlive an epoch").
+#: How long the kernel may keep a name and its attributes: a day. The tree never changes under a mount, and a size that
+#: does (a fallback, the mix) is dropped from the kernel's caches before the open that serves it is answered
+#: (``_tell_size``; with several loops, so is one their shared table lets go), never left to expire. Past the timeout,
+#: each open of a name sends a LOOKUP again: with 300 s, every epoch longer than five minutes (ImageNet's 1.28 M files
+#: at 3,000 images/s: seven) paid one per file, and 3,000 files looked up more than the timeout before were read at
+#: 4.2-5.4 k files/s against 5.0-7.5 k, 147-207 us of the daemon's CPU a file against 93-170 (8 readers; BENCHMARKS.md,
+#: "Names that outlive an epoch").
 ATTR_TIMEOUT = 86_400.0
 _BLOCK = 512
 #: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
@@ -376,7 +377,9 @@ class Operations(pyfuse3.Operations):
         if size != self.inodes.size_told(node):
             record.size = size
             if self.inodes.shared is not None:  # told by this loop: a GETATTR in another says the same
-                self.inodes.shared.tell(node.id, None if size == node.size_served else size)
+                for let_go in self.inodes.shared.tell(node.id, None if size == node.size_served else size):
+                    # Sizes let go to make room (files no loop has open): the kernel must not keep them.
+                    self.notifier.invalidate(let_go, attr_only=True)
             await self.notifier.new_size(node.id)
 
     async def _mixed(self, data: DataPath, node: Node, record: Inode) -> Node:

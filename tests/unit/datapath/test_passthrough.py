@@ -663,3 +663,51 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
         trio.run(main)
     finally:
         Peers.close_pairs(pairs)
+
+
+def test_sizes_let_go_across_loops_are_dropped_from_the_kernel(tmp_path: Path) -> None:
+    """mount --loops: where the shared table of sizes told fills, the sizes of files no loop has open are let go,
+    and every loop says the catalog's size of them again; the kernel, which keeps attributes for a day, is told
+    to drop the ones it holds (else a ``stat`` went on saying a size no loop says)."""
+    from liquidfs.catalog.build import build
+    from liquidfs.datapath.shared_inodes import SharedInodes
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(10):
+        (src / f"f{i}.bin").write_bytes(b"x" * 100)
+    build(src, tmp_path / "store")
+    for i in range(10):  # each changed in place since: served as it is now, 101 bytes, not the catalog's 100
+        with open(src / f"f{i}.bin", "ab") as f:
+            f.write(b"y")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    ops = passthrough_operations(catalog, StoreReader(catalog.source, tmp_path / "store"), FakeKernel())
+    shared = SharedInodes(2, size_slots=8)
+    ops.inodes.shared = shared
+    assert ops.data_path is not None
+    ops.data_path.join_loops(shared, 0)  # type: ignore[attr-defined]
+    dropped: list[int] = []
+
+    class Notifier:
+        def invalidate(self, inode: int, attr_only: bool = False) -> None:
+            assert attr_only
+            dropped.append(inode)
+
+        async def new_size(self, inode: int) -> None:
+            pass
+
+    ops.notifier = Notifier()  # type: ignore[assignment]
+    nodes = sorted((n for n in catalog.files()), key=lambda n: n.id)
+
+    async def main() -> None:
+        for node in nodes:
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            await ops.release(info.fh)
+
+    trio.run(main)
+    assert dropped, "the table never filled: nothing was let go"
+    for inode in dropped:
+        node = next(n for n in nodes if n.id == inode)
+        assert shared.size(inode) is None and ops.inodes.size_told(node) == 100  # what a GETATTR says now
+    assert sorted(dropped) == sorted(n.id for n in nodes if shared.size(n.id) is None)
+

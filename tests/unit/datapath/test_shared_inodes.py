@@ -150,7 +150,12 @@ def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
 def test_sizes_of_files_no_loop_has_open_are_let_go_when_the_table_fills() -> None:
     shared, kernel = SharedInodes(2, size_slots=8), Kernel()
     shared.attach(1, 0, (1, 1), kernel.register)  # inode 1 is open
+    let_go: list[int] = []
     for inode in range(1, 30):
-        shared.tell(inode, 1000 + inode)  # never full: the closed ones' sizes go
+        let_go += shared.tell(inode, 1000 + inode)  # never full: the closed ones' sizes go
     assert shared.size(1) == 1001 and shared.size(29) == 1029
     assert sum(shared.size(i) is not None for i in range(1, 30)) <= 8
+    # Each size let go is named, for the kernel to drop it (it still holds the size it was told): every one
+    # recorded and no longer there, and never the open file's.
+    assert 1 not in let_go and len(let_go) == len(set(let_go))
+    assert sorted(let_go) == [i for i in range(2, 30) if shared.size(i) is None]
