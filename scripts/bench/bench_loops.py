@@ -265,8 +265,15 @@ def start_mirror(source: Path, mnt: Path, loops: int) -> tuple[subprocess.Popen[
 
 
 def stop_mirror(daemon: subprocess.Popen[str], mnt: Path) -> None:
-    subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
-    daemon.wait(timeout=60)
+    """The mirror unmounted and its processes ended: detached lazily where the mount is busy, killed where they
+    do not end (a benchmark that failed must leave no mount behind, nor hide why it failed)."""
+    if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True, check=False).returncode:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True, check=False)
+    try:
+        daemon.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        daemon.kill()  # its other loops die with it (PR_SET_PDEATHSIG)
+        daemon.wait(timeout=60)
     if daemon.stdout:
         daemon.stdout.close()
 

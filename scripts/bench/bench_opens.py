@@ -35,8 +35,10 @@ import argparse
 import json
 import multiprocessing
 import os
+import queue
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -102,7 +104,15 @@ def read_files(paths: list[str], readers: int, read: bool = True) -> tuple[float
     time.sleep(0.2)  # every reader forked and waiting
     began = time.perf_counter()
     start.set()
-    results = [out.get() for _ in procs]
+    results = []
+    while len(results) < readers:  # a reader that failed (a path that cannot be opened) must not hang the run
+        try:
+            results.append(out.get(timeout=5))
+        except queue.Empty:
+            if any(p.exitcode for p in procs):
+                for p in procs:
+                    p.kill()
+                raise RuntimeError("a reader failed: " + ", ".join(f"exit {p.exitcode}" for p in procs)) from None
     elapsed = time.perf_counter() - began
     for p in procs:
         p.join()
@@ -142,6 +152,8 @@ class Mirror:
 def mirrored(source: Path, mnt: Path) -> Iterator[Mirror]:
     """``source`` served by ``bench_loops.py``'s passthrough mirror (one loop) on ``mnt`` while in the block."""
     mnt.mkdir(parents=True, exist_ok=True)
+    if bench.is_mounted(mnt):  # left by an interrupted run
+        subprocess.run([bench.FUSERMOUNT, "-u", "-z", str(mnt)], capture_output=True, check=False)
     daemon, pids = bench_loops.start_mirror(source, mnt, 1)
     try:
         yield Mirror(mnt, pids[0])
@@ -161,6 +173,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
     for state in STATES:
         for n in readers:
             runs: dict[str, list[float]] = {where: [] for where in wheres}
+            read_bytes: dict[str, int] = {}  # what each read in its last run: the same bytes everywhere
             latencies: dict[str, list[float]] = {where: [] for where in wheres}
             cpu_per_file: list[float] = []
             mirror_cpu: list[float] = []
@@ -180,7 +193,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         cpu0, req0 = bench.cpu_seconds(mounted.pid), control0.get("requests", {})
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
-                    seconds, _, opens = read_files(paths, n, read)
+                    seconds, read_bytes[where], opens = read_files(paths, n, read)
                     runs[where].append(len(paths) / seconds)
                     latencies[where] += opens
                     if where == "mirror":
@@ -203,7 +216,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
             row = {**opens_us, "shape": shape, "state": state, "readers": n, "files": len(rel),
                    "direct_files_s": direct_rate, "mount_files_s": mount_rate, "ratio": mount_rate / direct_rate,
                    "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
-                   "runs": runs, "requests_last_run": per_file, "cold_opens_per_file": cold_opens}
+                   "runs": runs, "bytes_read": read_bytes, "requests_last_run": per_file,
+                   "cold_opens_per_file": cold_opens}
             mirrored_line = ""
             if mirror is not None:
                 mirror_rate = statistics.median(runs["mirror"])

@@ -5,6 +5,7 @@ figure (BENCHMARKS.md has those)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,7 @@ def test_the_mirror_serves_a_tree_of_directories(tmp_path: Path) -> None:
     src, mnt = tmp_path / "src", tmp_path / "mnt"
     mnt.mkdir()
     files = {f"d{i % 3}/e{i % 2}/{i:03d}.bin": bytes([i]) * (500 + i) for i in range(12)}
+    files |= {f"many/{i:04d}-{'x' * 100}.bin": b"m" for i in range(2000)}  # a listing of several replies
     for name, data in files.items():
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         (src / name).write_bytes(data)
@@ -89,6 +91,7 @@ def test_the_mirror_serves_a_tree_of_directories(tmp_path: Path) -> None:
             for name, data in files.items():
                 assert (mnt / name).read_bytes() == data
             assert sorted(p.name for p in (mnt / "d0").iterdir()) == ["e0", "e1"]
+            assert sorted(os.listdir(mnt / "many")) == sorted(os.listdir(src / "many"))
             assert not (mnt / "d0" / "000.bin").exists()  # a name of another directory is not found here
         finally:
             subprocess.run(["fusermount3", "-u", str(mnt)], check=False)

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.fuse, PASSTHROUGH_NEEDS_ROOT]
 def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
     out, work = tmp_path / "opens.json", tmp_path / "w"
     done = subprocess.run([sys.executable, str(BENCH), "--smoke", "--mirror", "--readers", "1,2",
-                           "--work", str(work), "--json", str(out)], capture_output=True, text=True, timeout=600, check=False)
+                           "--work", str(work), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(out.read_text())
     rows = result["rows"]
@@ -30,8 +31,12 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
         assert row["direct_files_s"] > 0 and row["mount_files_s"] > 0 and row["mirror_files_s"] > 0, row
         assert row["mirror_ratio"] == pytest.approx(row["mirror_files_s"] / row["direct_files_s"])
         assert row["mirror_open_p50_us"] <= row["mirror_open_p99_us"], row
-        # Every repeat read every file through each of the three.
+        # Every repeat read every file through each of the three, the same bytes (the mirror serves the files
+        # themselves, the mount the bytes it promises); the opens-only shape reads none.
         assert [len(row["runs"][where]) for where in ("direct", "mirror", "mount")] == [1, 1, 1], row
+        read = row["bytes_read"]
+        assert read["direct"] == read["mirror"] == read["mount"], row
+        assert (read["direct"] > 0) == (row["shape"] != "opens"), row
     # The mount's requests were counted: each file was opened through it.
     small_cold = next(r for r in rows if (r["shape"], r["state"], r["readers"]) == ("small", "cold", 1))
     assert small_cold["requests_last_run"]["open"]["per_file"] >= 1.0
