@@ -46,8 +46,8 @@ MAX_QUEUED = 16
 #: Threads that warm one directory's files (the helper's, else the daemon's own), each a run of neighbours in the
 #: directory's order (``warm_helper.runs``): a cold inode is a read of the disk, and the disk answers several at
 #: once, but a directory's inodes are neighbours on disk, read in blocks, and threads taking every eighth file had
-#: contended for the same blocks. In runs, 3,000 cold 110 KB files read by 8-16 readers: 4.0-4.3 k files/s
-#: against 2.8-4.0 k, 240-283 us of the daemon's CPU a file against 260-393 (BENCHMARKS.md, "The read-ahead in
+#: contended for the same blocks. In runs, 3,000 cold 110 KB files read by 8-16 readers: 3.9-4.3 k files/s
+#: against 2.8-4.0 k, 237-283 us of the daemon's CPU a file against 260-393 (BENCHMARKS.md, "The read-ahead in
 #: runs of neighbours"). One thread alone cost the least CPU, but fell behind readers of 6.3 MB raw objects
 #: (their opens in worker threads 18-41 % -> 65-84 %).
 WARMERS = 8

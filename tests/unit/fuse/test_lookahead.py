@@ -66,6 +66,31 @@ def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
                                           "lookahead_helper": 0}
 
 
+def test_each_thread_warms_a_run_of_neighbours_in_the_directorys_order(tmp_path: Path) -> None:
+    """Threads on neighbouring files contend for the same inode blocks (``lookahead.WARMERS``): each thread takes
+    a run of the directory's files, one after another, not every n-th file."""
+    files = 5 * lookahead.WARMERS
+    catalog = _tree(tmp_path, dirs=1, files=files)
+    together = threading.Barrier(lookahead.WARMERS, timeout=20)  # and still all threads at once
+    by_thread: dict[int, list[int]] = {}
+
+    def warm(node) -> None:
+        mine = by_thread.setdefault(threading.get_ident(), [])
+        if not mine:
+            together.wait()
+        mine.append(node.id)
+
+    ahead = MetadataAhead(catalog.path, warm)
+    ahead.looked_up(_dir(catalog, b"d0"))
+    ahead.stop()
+    assert not together.broken and len(by_thread) == lookahead.WARMERS
+    order = sorted(i for ids in by_thread.values() for i in ids)  # the directory's order: its rows' ids
+    assert len(order) == files
+    for ids in by_thread.values():
+        start = order.index(ids[0])
+        assert ids == order[start:start + len(ids)] and len(ids) == 5, by_thread
+
+
 def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     catalog = _tree(tmp_path, dirs=lookahead.MAX_QUEUED + 10, files=1)
