@@ -155,9 +155,9 @@ def main(argv: list[str]) -> int:
 
 
 def runs(batch: list[T], count: int) -> list[list[T]]:
-    """``batch`` cut into at most ``count`` runs of neighbours, for a thread each. A directory's inodes are
-    neighbours on disk, read in blocks: threads given every n-th file all waited for the same blocks (and
-    contended for their locks), where each thread's run of neighbours is mostly in memory after its first."""
+    """``batch`` cut into at most ``count`` runs of neighbours, for a thread each. Files made one after another
+    (a dataset unpacked) have neighbouring inodes, read in blocks: threads given every n-th file waited for the
+    same blocks (and contended for their locks), where a thread's run is mostly in memory after its first."""
     size = -(-len(batch) // max(1, count))
     return [batch[i:i + size] for i in range(0, len(batch), size)] if batch else []
 
