@@ -247,7 +247,9 @@ class Operations(pyfuse3.Operations):
         elif name == b"..":
             node = self._node(self._node(parent_inode).parent)
         else:
-            found = self.catalog.lookup(parent_inode, name)
+            found = self.lookahead.row(parent_inode, name) if self.lookahead is not None else None
+            if found is None:
+                found = self.catalog.lookup(parent_inode, name)
             if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found

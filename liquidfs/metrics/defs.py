@@ -253,6 +253,8 @@ METRICS: tuple[Metric, ...] = (
            "Files whose source (and raw object) metadata was warmed ahead of their opens."),
     Metric("liquidfs_lookahead_helper", GAUGE, "", "lookahead_helper",
            "Loops whose metadata read-ahead warms in a helper process (the others' warm in their own threads)."),
+    Metric("liquidfs_lookahead_rows_hit_total", COUNTER, "", "lookahead_rows_hit",
+           "LOOKUPs answered from the catalog rows the metadata read-ahead had read, without a query."),
     # -- the warm-up (mount --warmup) -----------------------------------------------------------------------------
     Metric("liquidfs_warmup_files_total", COUNTER, "", "warmup_files", "Files the warm-up has put in the cache."),
     Metric("liquidfs_warmup_bytes_total", COUNTER, "bytes", "warmup_bytes",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,20 @@ def test_each_loop_has_its_own_helper_and_none_outlives_the_mount(tmp_path: Path
         return True
 
     wait_for(gone, timeout=30, what="the helpers to end with their mount")
+
+
+def test_lookups_answered_from_the_rows_read_ahead_say_what_the_source_is(tmp_path: Path, mounter: Mount) -> None:
+    # A cold directory's first lookup reads its rows ahead; the lookups of its other files take them (no query):
+    # `stat` and the bytes through the mount are the source's all the same.
+    src, store = tmp_path / "src", tmp_path / "store"
+    made = _tree(src, dirs=2, files=30)
+    build(src, store)
+    mnt = mounter.mount(src, store=store)
+    os.stat(mnt / "d0" / "f00.bin")
+    wait_for(lambda: read_control(mnt)["lookahead_files"] >= 30, what="d0 read ahead")
+    for rel in sorted(made):
+        seen, real = os.stat(mnt / rel), os.stat(src / rel)
+        assert (seen.st_size, seen.st_mtime_ns, stat.S_IFMT(seen.st_mode)) == \
+            (real.st_size, real.st_mtime_ns, stat.S_IFMT(real.st_mode)), rel
+    assert read_control(mnt)["lookahead_rows_hit"] >= 29  # d0's other files at least
+    _read_all(mnt, made, "")

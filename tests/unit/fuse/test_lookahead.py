@@ -44,7 +44,7 @@ def test_a_cold_directory_is_warmed_once(tmp_path: Path) -> None:
     ahead.stop()
     assert sorted(warmed) == sorted([b"d0/f%d.bin" % i for i in range(5)] + [b"d1/f%d.bin" % i for i in range(5)])
     assert ahead.statistics().values() == {"lookahead_directories": 2, "lookahead_files": 10,
-                                          "lookahead_helper": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
 
 
 def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
     ahead.stop()
     assert not together.broken and len(warmed) == 3 * lookahead.WARMERS
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 3 * lookahead.WARMERS,
-                                          "lookahead_helper": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
 
 
 def test_each_thread_warms_a_run_of_neighbours_in_the_directorys_order(tmp_path: Path) -> None:
@@ -154,7 +154,7 @@ def test_a_warm_that_fails_costs_only_the_hint(tmp_path: Path) -> None:
     ahead.looked_up(_dir(catalog, b"d0"))
     ahead.stop()
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 0,
-                                          "lookahead_helper": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
 
 
 @pytest.mark.needs_root("/proc/sys/vm/drop_caches")
@@ -170,3 +170,47 @@ def test_warm_brings_what_an_open_on_the_loop_walks_into_the_kernels_caches(tmp_
     reader.warm(node)
     os.close(reader.open_source(node, cached_only=True))  # warm: answered on the loop
     reader.close()
+
+
+def test_the_rows_read_ahead_answer_the_lookups_that_follow_once_each_and_bounded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    catalog = _tree(tmp_path, dirs=2, files=5)
+    ahead = MetadataAhead(catalog.path, lambda node: None)
+    d0, d1 = _dir(catalog, b"d0"), _dir(catalog, b"d1")
+    ahead.looked_up(d0)
+    ahead.stop()
+    for f in range(5):  # the very rows a query finds, each taken once
+        assert ahead.row(d0, b"f%d.bin" % f) == catalog.lookup(d0, b"f%d.bin" % f)
+        assert ahead.row(d0, b"f%d.bin" % f) is None
+    assert ahead.row(d1, b"f0.bin") is None  # a directory not read ahead
+    assert ahead.statistics().values()["lookahead_rows_hit"] == 5
+    monkeypatch.setattr(lookahead, "HOT_ROWS", 3)
+    bounded = MetadataAhead(catalog.path, lambda node: None)
+    bounded.looked_up(d0)
+    bounded.looked_up(d1)
+    bounded.stop()
+    kept = [(d, f) for d in (d0, d1) for f in range(5) if bounded.row(d, b"f%d.bin" % f) is not None]
+    assert kept == [(d1, 2), (d1, 3), (d1, 4)]  # the newest
+
+
+def test_a_lookup_after_the_read_ahead_asks_nothing_of_the_catalog(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyfuse3
+    import trio
+
+    from operations import daemon_operations
+
+    catalog = _tree(tmp_path, dirs=1, files=4)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"))
+    ops.lookahead = MetadataAhead(catalog.path, lambda node: None)
+    ctx = pyfuse3.RequestContext()
+    d0 = trio.run(ops.lookup, ROOT_ID, b"d0", ctx).st_ino
+    first = trio.run(ops.lookup, d0, b"f0.bin", ctx)  # a cold directory: read ahead, its rows kept
+    ops.lookahead.stop()
+    asked: list[bytes] = []
+    query = catalog.lookup
+    monkeypatch.setattr(catalog, "lookup", lambda parent, name: asked.append(name) or query(parent, name))
+    entries = [trio.run(ops.lookup, d0, b"f%d.bin" % f, ctx) for f in range(4)]
+    assert asked == []  # every file's row was read ahead when f0.bin's lookup found the directory cold
+    assert [e.st_ino for e in entries] == [n.id for n in sorted(catalog.children(d0), key=lambda n: n.name)]
+    assert entries[0].st_size == first.st_size == 100 and all(e.st_size == 100 for e in entries)
