@@ -61,14 +61,27 @@ def connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Conn
 
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class Catalog:
     """Read and write access to one catalog file."""
 
-    def __init__(self, path: Path, db: sqlite3.Connection, *, immutable: bool = False) -> None:
+    def __init__(self, path: Path, db: sqlite3.Connection, *, immutable: bool = False,
+                 file_id: tuple[int, int] | None = None) -> None:
         self.path = path
         self.db = db
         #: Never written in place while open (a mount's catalog): what is computed from it once holds.
         self.immutable = immutable
+        #: The (st_dev, st_ino) of the file this connection reads, where known for sure (``open_path``): prepare
+        #: renames a new catalog over the path while a mount runs, and a second connection opened by the path
+        #: later may read another file than the mount's (``MetadataAhead`` checks before its rows answer lookups).
+        self.file_id = file_id
         self._totals: tuple[int, int, int, int] | None = None
 
     # -- opening -----------------------------------------------------------------------------------
@@ -80,13 +93,17 @@ class Catalog:
     @classmethod
     def open_path(cls, path: Path, *, readonly: bool = False, immutable: bool = False) -> Catalog:
         """``immutable`` (with ``readonly``): the file is never written in place while open (a mount's)."""
-        if not path.exists():
+        before = _file_id(path)
+        if before is None:
             raise CatalogError(f"no catalog at {path}")
         try:
             db = connect(path, readonly, immutable and readonly)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
             raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
+        # The file the connection opened is the path's before and after it was opened: else a rename came between,
+        # and which file it reads is not known.
+        file_id = before if _file_id(path) == before else None
         if row is not None and row[0] in ("1", "2", "3", "4"):
             db.close()
             migrate(path, int(row[0]))
@@ -98,7 +115,7 @@ class Catalog:
                 f"{path} has catalog schema version {found}, this liquidfs reads version {SCHEMA_VERSION}; "
                 "remove it (or use another --store) and run prepare/mount again"
             )
-        return cls(path, db, immutable=immutable and readonly)
+        return cls(path, db, immutable=immutable and readonly, file_id=file_id)
 
     def close(self) -> None:
         self.db.close()

@@ -153,7 +153,8 @@ def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: Mou
     held_files = held_descriptors(descriptors) if descriptors and policy is not None and not why_not else None
     lookahead = None
     if warm is not None:
-        lookahead = MetadataAhead(catalog.path, warm, walks=warm_walks, descriptors=warm_descriptors)
+        lookahead = MetadataAhead(catalog.path, warm, walks=warm_walks, descriptors=warm_descriptors,
+                                  catalog_id=catalog.file_id)
         stack.callback(lookahead.stop)
     built: list[Operations] = []
     # The data path is chosen after INIT where passthrough may be granted: whichever serves by then is closed,

@@ -56,7 +56,7 @@ MAX_QUEUED = 16
 WARMERS = 8
 #: Rows of files the read-ahead read, kept for the LOOKUPs that follow in their directories (``row``): each such
 #: LOOKUP is a dict's pop instead of a query of the catalog (whose pages, cold, the loop waited for) and a ``Node``
-#: made. 3,000 cold 110 KB files at 8-16 readers: the LOOKUP's loop CPU 38-55 -> 12-18 us. The oldest go first
+#: made. 3,000 cold 110 KB files at 8-16 readers: the LOOKUP's loop CPU 33-55 -> 12-18 us. The oldest go first
 #: past the bound: ~10 MB of rows (~630 bytes each), per loop.
 HOT_ROWS = 16_384
 
@@ -75,10 +75,14 @@ class MetadataAhead:
     """Warms the metadata of the directories the loader is about to open files in (see the module)."""
 
     def __init__(self, catalog_path: Path, warm: Callable[[Node], None], *,
-                 walks: Callable[[Node], Walks] | None = None, descriptors: Sequence[int] = ()) -> None:
+                 walks: Callable[[Node], Walks] | None = None, descriptors: Sequence[int] = (),
+                 catalog_id: tuple[int, int] | None = None) -> None:
         """``warm``: one file's warm in this process. ``walks`` (with the ``descriptors`` it names): one file's
-        walks, for a helper process to warm instead (None: the warms stay in this process)."""
+        walks, for a helper process to warm instead (None: the warms stay in this process). ``catalog_id``: the
+        ``Catalog.file_id`` of the catalog the lookups answer from; the rows read ahead answer lookups only where
+        this thread's own connection reads that very file (None: never)."""
         self.catalog_path = catalog_path
+        self.catalog_id = catalog_id
         self.warm = warm
         self.walks = walks
         self.descriptors = tuple(descriptors)
@@ -109,8 +113,9 @@ class MetadataAhead:
             self._warmed_at[parent] = now
 
     def row(self, parent: int, name: bytes) -> Node | None:
-        """The catalog's row of ``name`` in ``parent`` where the read-ahead read it (the catalog never changes
-        under a mount: the very row a query would find), taken: a name looked up again is the kernel's to keep."""
+        """The catalog's row of ``name`` in ``parent`` where the read-ahead read it (from the very file the mount
+        reads, ``catalog_id``, which never changes under it: the row a query finds), taken: a name looked up
+        again is the kernel's to keep."""
         node = self._rows.pop((parent, name), None)
         if node is not None:
             self.rows_hit += 1
@@ -139,10 +144,16 @@ class MetadataAhead:
 
     def _run(self) -> None:
         catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's connection is the loop's
+        # prepare may have renamed a new catalog over the path since the mount opened its own (other ids, other
+        # sizes): its rows may still steer warms, never answer a lookup.
+        keep = self.catalog_id is not None and catalog.file_id == self.catalog_id
+        if not keep:
+            log.info("the store's catalog is not the one this mount opened (replaced since?): lookups are not "
+                     "answered from the rows the read-ahead reads")
         try:
             while (parent := self._queue.get()) is not None:
                 try:
-                    self._warm_directory(catalog, parent)
+                    self._warm_directory(catalog, parent, keep)
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:
@@ -153,11 +164,12 @@ class MetadataAhead:
             catalog.close()
             self._close_helper()
 
-    def _warm_directory(self, catalog: Catalog, parent: int) -> None:
+    def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool) -> None:
         files = (node for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id)
                  if node.kind == KIND_FILE)
         while batch := list(itertools.islice(files, MAX_ROWS)):  # a bounded number of files in flight
-            self._keep_rows(batch)
+            if keep_rows:
+                self._keep_rows(batch)
             self.files += self._warm_batch(batch)
         self.directories += 1
 

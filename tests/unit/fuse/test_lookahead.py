@@ -175,7 +175,7 @@ def test_warm_brings_what_an_open_on_the_loop_walks_into_the_kernels_caches(tmp_
 def test_the_rows_read_ahead_answer_the_lookups_that_follow_once_each_and_bounded(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     catalog = _tree(tmp_path, dirs=2, files=5)
-    ahead = MetadataAhead(catalog.path, lambda node: None)
+    ahead = MetadataAhead(catalog.path, lambda node: None, catalog_id=catalog.file_id)
     d0, d1 = _dir(catalog, b"d0"), _dir(catalog, b"d1")
     ahead.looked_up(d0)
     ahead.stop()
@@ -185,7 +185,7 @@ def test_the_rows_read_ahead_answer_the_lookups_that_follow_once_each_and_bounde
     assert ahead.row(d1, b"f0.bin") is None  # a directory not read ahead
     assert ahead.statistics().values()["lookahead_rows_hit"] == 5
     monkeypatch.setattr(lookahead, "HOT_ROWS", 3)
-    bounded = MetadataAhead(catalog.path, lambda node: None)
+    bounded = MetadataAhead(catalog.path, lambda node: None, catalog_id=catalog.file_id)
     bounded.looked_up(d0)
     bounded.looked_up(d1)
     bounded.stop()
@@ -202,7 +202,7 @@ def test_a_lookup_after_the_read_ahead_asks_nothing_of_the_catalog(tmp_path: Pat
 
     catalog = _tree(tmp_path, dirs=1, files=4)
     ops = daemon_operations(catalog, StoreReader(catalog.source, tmp_path / "store"))
-    ops.lookahead = MetadataAhead(catalog.path, lambda node: None)
+    ops.lookahead = MetadataAhead(catalog.path, lambda node: None, catalog_id=catalog.file_id)
     ctx = pyfuse3.RequestContext()
     d0 = trio.run(ops.lookup, ROOT_ID, b"d0", ctx).st_ino
     first = trio.run(ops.lookup, d0, b"f0.bin", ctx)  # a cold directory: read ahead, its rows kept
@@ -214,3 +214,23 @@ def test_a_lookup_after_the_read_ahead_asks_nothing_of_the_catalog(tmp_path: Pat
     assert asked == []  # every file's row was read ahead when f0.bin's lookup found the directory cold
     assert [e.st_ino for e in entries] == [n.id for n in sorted(catalog.children(d0), key=lambda n: n.name)]
     assert entries[0].st_size == first.st_size == 100 and all(e.st_size == 100 for e in entries)
+
+
+def test_rows_of_a_catalog_replaced_since_the_mount_opened_its_own_answer_no_lookup(tmp_path: Path) -> None:
+    # prepare renames a new catalog over the path while a mount runs: a file added before d0's shifts every id
+    # after it, and a row of the new file would hand the kernel another file's inode. The warms still happen.
+    catalog = _tree(tmp_path, dirs=1, files=3)
+    assert catalog.file_id is not None
+    d0 = _dir(catalog, b"d0")
+    (tmp_path / "src" / "a0.bin").write_bytes(b"new")
+    build(tmp_path / "src", tmp_path / "store")
+    warmed: list[bytes] = []
+    ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path), catalog_id=catalog.file_id)
+    ahead.looked_up(d0)  # d0's id in the mount's catalog; the new file's d0 has another
+    newer = Catalog.open(tmp_path / "store", readonly=True)
+    ahead.looked_up(_dir(newer, b"d0"))
+    ahead.stop()
+    assert sorted(warmed) == [b"d0/f%d.bin" % f for f in range(3)]  # warmed all the same
+    for parent in (d0, _dir(newer, b"d0")):
+        assert all(ahead.row(parent, b"f%d.bin" % f) is None for f in range(3))
+    assert newer.file_id != catalog.file_id
