@@ -10,6 +10,7 @@ directory at a time, so a 1.28 M-file ImageNet tree costs a few MB of daemon mem
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import os
@@ -62,10 +63,13 @@ def connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Conn
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``path``; None where there is no file (as ``Path.exists`` says False)."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
-        return None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.EBADF):
+            return None
+        raise
     return st.st_dev, st.st_ino
 
 
