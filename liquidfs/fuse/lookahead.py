@@ -35,7 +35,7 @@ from ..catalog.catalog import Catalog
 from ..catalog.nodes import KIND_FILE, Node
 from ..metrics.stats import Statistics
 from .listing import MAX_ROWS, child_rows
-from .warm_helper import STOP_WAIT, HelperFailed, Walks, WarmHelper, runs
+from .warm_helper import STOP_WAIT, HelperFailed, Walks, WarmHelper, warm_in_runs
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +47,12 @@ AGAIN_COLD = 1.0
 #: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
 MAX_QUEUED = 16
 #: Threads that warm one directory's files (the helper's, else the daemon's own), each a run of neighbours in the
-#: directory's order (``warm_helper.runs``): a cold inode is a read of the disk, and the disk answers several at
+#: directory's order (``warm_helper.warm_in_runs``): a cold inode is a read of the disk, and the disk answers several at
 #: once, but a directory's inodes are neighbours on disk, read in blocks, and threads taking every eighth file had
-#: contended for the same blocks. In runs, 3,000 cold 110 KB files read by 8-16 readers: 3.9-4.3 k files/s
-#: against 2.8-4.0 k, 237-283 us of the daemon's CPU a file against 260-393 (BENCHMARKS.md, "The read-ahead in
-#: runs of neighbours"). One thread alone cost the least CPU, but fell behind readers of 6.3 MB raw objects
-#: (their opens in worker threads 18-41 % -> 65-84 %).
+#: contended for the same blocks. In runs, 3,000 cold 110 KB files read by 8-16 readers: 3.9-4.3 k files/s against
+#: 2.8-4.0 k, 237-283 us of the daemon's CPU a file against 260-393 (BENCHMARKS.md, "The read-ahead in runs of
+#: neighbours"). One thread alone cost the least CPU, but fell behind readers of 6.3 MB raw objects (their opens in
+#: worker threads 18-41 % -> 65-84 %).
 WARMERS = 8
 #: Rows of files the read-ahead read, kept for the LOOKUPs that follow in their directories (``row``): each such
 #: LOOKUP is a dict's pop instead of a query of the catalog (whose pages, cold, the loop waited for) and a ``Node``
@@ -193,7 +193,7 @@ class MetadataAhead:
                 if self._killed:
                     return 0  # killed at unmount (``stop``), stuck: nothing more is warmed
                 self._fall_back(exc)
-        return sum(self._pool().map(self._warm_run, runs(batch, WARMERS)))
+        return warm_in_runs(self._pool(), self._warm_one, batch, WARMERS)
 
     def _helper_now(self) -> WarmHelper | None:
         """The helper process, started if it is not yet; None where the warms are this process's."""
@@ -215,9 +215,6 @@ class MetadataAhead:
         if self._helper is not None:
             self._helper.close()
             self._helper = None
-
-    def _warm_run(self, run: list[Node]) -> int:
-        return sum(map(self._warm_one, run))
 
     def _warm_one(self, node: Node) -> int:
         try:

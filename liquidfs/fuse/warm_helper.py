@@ -20,8 +20,8 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import IO, TypeVar
 
 from ..sysio import reexec
@@ -149,7 +149,7 @@ def main(argv: list[str]) -> int:
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     with ThreadPoolExecutor(max(1, threads)) as pool:
         for batch in batches(stdin, allowed):
-            stdout.write(b"%d\n" % sum(pool.map(warm_in_order, runs(batch, threads))))
+            stdout.write(b"%d\n" % warm_in_runs(pool, warm, batch, threads))
             stdout.flush()
     return 0
 
@@ -162,9 +162,10 @@ def runs(batch: list[T], count: int) -> list[list[T]]:
     return [batch[i:i + size] for i in range(0, len(batch), size)] if batch else []
 
 
-def warm_in_order(run: list[Walks | None]) -> int:
-    """How many of ``run``'s files were warmed, one after another."""
-    return sum(map(warm, run))
+def warm_in_runs(pool: Executor, warm_one: Callable[[T], int], batch: list[T], count: int) -> int:
+    """How many of ``batch``'s files ``warm_one`` warmed (1 or 0 each), in ``count`` runs of neighbours at once
+    (``runs``), each run one file after another: the helper's warms and the daemon's own where it has none."""
+    return sum(pool.map(lambda run: sum(map(warm_one, run)), runs(batch, count)))
 
 
 if __name__ == "__main__":
