@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40's goals on a lent GPU host, as one prepared run of ~7 minutes (each step under a timeout, so the
+# Issue 40's goals on a lent GPU host, as one prepared run of ~5 minutes (each step under a timeout, so the
 # session's device time is never overrun; lines stamped):
 #   1. opens: 192 raw 6.3 MB objects opened and closed by 16 readers, cold and warm, direct and through a mount at
 #      --loops auto (the default: one loop per 4 cores) and at --loops 8 (the figures of "Several loops");
@@ -19,7 +19,6 @@ export PYTHONPATH=$repo/.gpukit/shim
 {
 echo "== host: $(nproc) cores, kernel $(uname -r), $(free -g | awk '/Mem/ {print $2}') GiB, at $(git rev-parse --short HEAD 2>/dev/null)"
 python3 scripts/gpu/dataset.py /tmp/bench-opens 192
-python3 scripts/gpu/dataset.py /tmp/bench-train "$images"
 for loops in ${OPENS_LOOPS:-auto 8}; do
     echo "== opens, 16 readers, --loops $loops"
     timeout -s ABRT "${OPENS_SECONDS:-60}" python3 scripts/bench/bench_opens.py --shapes opens --readers 16 \
