@@ -177,12 +177,29 @@ class Run:
 
 
 def pin(pid: int, cores: set[int]) -> None:
-    """Every thread of ``pid`` (a daemon started before it was pinned has several) onto ``cores``."""
+    """Every thread of ``pid`` and of its children, theirs too, onto ``cores``: a mount's other loops (``mount
+    --loops``) and its read-ahead helper are processes of their own, and would run on the cores left free."""
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             os.sched_setaffinity(int(task.name), cores)
+            children = (task / "children").read_text().split()
         except OSError:  # the thread ended meanwhile
-            pass
+            continue
+        for child in children:
+            pin(int(child), cores)
+
+
+def mount_on(cores: set[int], src: Path, store: Path, mnt: Path, *extra: str) -> bench.Mounted:
+    """``bench.mount`` started on ``cores``: the daemon sizes itself by the cores it may use (``--loops auto``,
+    one loop per 4), and every process it starts inherits them; pinned again after, should one have escaped."""
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        mounted = bench.mount(src, store, mnt, *extra)
+    finally:
+        os.sched_setaffinity(0, own)
+    pin(mounted.pid, cores)
+    return mounted
 
 
 def trainer(root: Path, model: str, args: argparse.Namespace, cores: set[int]) -> list[str]:
@@ -239,9 +256,8 @@ def run_one(run: Run, roots: dict[str, Path], src: Path, stores: dict[str, Path]
     mnt = args.work / "mnt"
     extra = ["--cache-size", args.cache_size] if run.config == "liquidfs-cache" else []
     extra += args.mount_options.split()
-    mount = bench.mount(src, store, mnt, *extra)
+    mount = mount_on(cores, src, store, mnt, *extra)
     try:
-        pin(mount.pid, cores)
         train(run, mnt / bench.SUBDIR, args, cores, mount)
         stats = bench.control(mnt)
         run.mount = {key: stats.get(key) for key in ("data_path", "opens", "opens_raw", "bytes_from_storage",

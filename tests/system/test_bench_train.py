@@ -111,3 +111,48 @@ def test_bench_train_torch_smoke_trains_without_dali_scikit_image_matplotlib_or_
         said = log.read_text()
         assert "Traceback" not in said and "Exception ignored" not in said, (log.name, said[-2000:])
     assert "| tiny | 2 | liquidfs |" in proc.stdout and "no chart: matplotlib missing" in proc.stdout
+
+
+PINNED = """import json, os, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import bench_train
+
+def tree(pid, found):
+    found[pid] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found[pid][task.name] = sorted(os.sched_getaffinity(int(task.name)))
+        for child in (task / "children").read_text().split():
+            tree(int(child), found)
+    return found
+
+mounted = bench_train.mount_on({0}, *map(Path, sys.argv[2:5]), "--loops", "2")
+try:
+    print(json.dumps(tree(mounted.pid, {})))
+finally:
+    mounted.close()
+"""
+
+
+@pytest.mark.fuse
+def test_the_daemon_trains_on_the_runs_cores_every_process_of_it(tmp_path: Path) -> None:
+    # A run at N cores pins the trainer, its workers and the daemon to N cores: the daemon's other loops and its
+    # read-ahead helper too (processes of their own; pinned after the start, they ran on the cores left free)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.fail("needs two cores to tell a pinned process from a free one")
+    from PIL import Image
+
+    src = tmp_path / "src" / "leftImg8bit" / "train" / "city"
+    src.mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (16, 8), (i, 2 * i, 3 * i)).save(src / f"img_{i}.png")
+    store = tmp_path / "store"
+    subprocess.run([sys.executable, "-m", "liquidfs", "prepare", "--store", str(store), "--ratio", "1",
+                    "--no-progress", str(tmp_path / "src")], check=True, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", PINNED, str(REPO / "scripts" / "bench"), str(tmp_path / "src"),
+                           str(store), str(tmp_path / "mnt")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    processes = json.loads(proc.stdout)  # {pid: {tid: its cores}}
+    # the first loop, the second loop's process and the read-ahead helper
+    assert len(processes) >= 3, processes
+    assert all(cores == [0] for threads in processes.values() for cores in threads.values()), processes
