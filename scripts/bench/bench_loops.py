@@ -223,8 +223,9 @@ def cpu_split(pids: list[int], *, children: bool = False) -> dict[str, float]:
             continue
         seen.add(pid)
         try:
-            whole = _stat_fields(Path(f"/proc/{pid}/stat"))
+            # the main thread first: the whole read after it has at least its time (other threads never < 0)
             main = _stat_fields(Path(f"/proc/{pid}/task/{pid}/stat"))
+            whole = _stat_fields(Path(f"/proc/{pid}/stat"))
             if children:
                 for task in Path(f"/proc/{pid}/task").glob("*"):
                     todo.extend(int(c) for c in (task / "children").read_text().split())

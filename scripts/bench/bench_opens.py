@@ -176,6 +176,9 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
             read_bytes: dict[str, int] = {}  # what each read in its last run: the same bytes everywhere
             latencies: dict[str, list[float]] = {where: [] for where in wheres}
             cpu_per_file: list[float] = []
+            # where it went: the loops' own threads (each loop's trio loop) and every other thread and process
+            # of the daemon (worker threads, the closer, the read-ahead and its helper), microseconds a file
+            cpu_split: list[dict[str, float]] = []
             mirror_cpu: list[float] = []
             requests: dict[str, dict[str, float]] = {}
             for _ in range(repeats):
@@ -191,6 +194,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
                         cpu0, req0 = bench.cpu_seconds(mounted.pid), control0.get("requests", {})
+                        split0 = bench_loops.cpu_split([mounted.pid], children=True)
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
                     seconds, read_bytes[where], opens = read_files(paths, n, read)
@@ -201,6 +205,10 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                                           / len(paths) * 1e6)
                     if where == "mount":
                         cpu_per_file.append((bench.cpu_seconds(mounted.pid) - cpu0) / len(paths) * 1e6)
+                        split = bench_loops.cpu_split([mounted.pid], children=True)
+                        cpu_split.append({kind: sum(split[f"{kind}_{t}"] - split0[f"{kind}_{t}"]
+                                                    for t in ("user", "sys")) / len(paths) * 1e6
+                                          for kind in ("loop", "other")})
                         control1 = bench.control(mounted.mnt)
                         requests = _requests_delta(req0, control1.get("requests", {}))
                         # opens that went to a worker thread (their inodes not in memory) in the last run
@@ -216,6 +224,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
             row = {**opens_us, "shape": shape, "state": state, "readers": n, "files": len(rel),
                    "direct_files_s": direct_rate, "mount_files_s": mount_rate, "ratio": mount_rate / direct_rate,
                    "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
+                   "daemon_cpu_split_us_per_file": {kind: statistics.median(c[kind] for c in cpu_split)
+                                                    for kind in ("loop", "other")},
                    "runs": runs, "bytes_read": read_bytes, "requests_last_run": per_file,
                    "cold_opens_per_file": cold_opens}
             mirrored_line = ""
@@ -231,7 +241,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                   f"mount {mount_rate:8.0f} "
                   f"({mount_rate / direct_rate:.2f}x), open p50/p99 us direct {opens_us['direct_open_p50_us']:.0f}/"
                   f"{opens_us['direct_open_p99_us']:.0f} mount {opens_us['mount_open_p50_us']:.0f}/"
-                  f"{opens_us['mount_open_p99_us']:.0f}, daemon {statistics.median(cpu_per_file):6.0f} us CPU/file  "
+                  f"{opens_us['mount_open_p99_us']:.0f}, daemon {statistics.median(cpu_per_file):6.0f} us CPU/file "
+                  f"({_split(row)})  "
                   + " ".join(f"{k} {v['per_file']:.2f}x{v['loop_cpu_us']:.0f}us" for k, v in per_file.items()),
                   file=sys.stderr)
     return rows
@@ -241,7 +252,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     mirror = any("mirror_files_s" in r for r in rows)
     lines = ["| shape | metadata | readers | direct files/s | "
              + ("mirror files/s | mirror/direct | mirror open p50 / p99 us | mirror CPU us/file | " if mirror else "")
-             + "mount files/s | mount/direct | open p50 / p99 us, direct | mount | daemon CPU us/file "
+             + "mount files/s | mount/direct | open p50 / p99 us, direct | mount | daemon CPU us/file (its loops' "
+             "threads + the rest) "
              "| opens in a thread | loop CPU us per request (requests per file) |"]
     lines.append("|---" * (lines[0].count("|") - 1) + "|")
     for r in rows:
@@ -251,9 +263,15 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"| {r['shape']} | {r['state']} | {r['readers']} | {r['direct_files_s']:.0f} | {mirrored}"
                      f"{r['mount_files_s']:.0f} | {r['ratio']:.2f} | {r['direct_open_p50_us']:.0f} / "
                      f"{r['direct_open_p99_us']:.0f} | {r['mount_open_p50_us']:.0f} / {r['mount_open_p99_us']:.0f} | "
-                     f"{r['daemon_cpu_us_per_file']:.0f} | "
+                     f"{r['daemon_cpu_us_per_file']:.0f} ({_split(r)}) | "
                      f"{r['cold_opens_per_file']:.0%} | {req} |")
     return "\n".join(lines)
+
+
+def _split(row: dict[str, Any]) -> str:
+    """A row's daemon CPU per file as its loops' threads + the rest (JSON of a version without it: blank)."""
+    split = row.get("daemon_cpu_split_us_per_file")
+    return f"{split['loop']:.0f} + {split['other']:.0f}" if split else ""
 
 
 @contextmanager

@@ -5,6 +5,7 @@ mounted. That it works, never a figure (BENCHMARKS.md has those)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,16 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
         read = row["bytes_read"]
         assert read["direct"] == read["mirror"] == read["mount"], row
         assert (read["direct"] > 0) == (row["shape"] != "opens"), row
+        # The daemon's CPU split into its loops' threads and the rest adds up to its whole: each read from /proc
+        # in clock ticks (a thread's and its process's rounded apart), a tick or two apart at these few files
+        split = row["daemon_cpu_split_us_per_file"]
+        tick_per_file = 1e6 / os.sysconf("SC_CLK_TCK") / row["files"]
+        assert split["loop"] >= -2 * tick_per_file and split["other"] >= -2 * tick_per_file, row
+        assert abs(split["loop"] + split["other"] - row["daemon_cpu_us_per_file"]) <= 2 * tick_per_file, row
     # The mount's requests were counted: each file was opened through it.
     small_cold = next(r for r in rows if (r["shape"], r["state"], r["readers"]) == ("small", "cold", 1))
     assert small_cold["requests_last_run"]["open"]["per_file"] >= 1.0
-    assert "| mirror files/s |" in done.stdout
+    assert "| mirror files/s |" in done.stdout and "daemon CPU us/file (its loops' threads + the rest)" in done.stdout
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     assert str(work / "mnt") not in mounts and str(work / "mnt-mirror") not in mounts
 
