@@ -224,7 +224,8 @@ class PassthroughPath:
         else:
             st = os.fstat(backing.fd)
             identity = (st.st_dev, st.st_ino)
-        return self.shared.attach(node.id, self.loop, identity, lambda: self.kernel.register(backing.fd))
+        return self.shared.attach(node.id, self.loop, identity, lambda: self.kernel.register(backing.fd),
+                                  self.kernel.unregister)
 
     @staticmethod
     def _handle(node: Node, record: Inode, fh: int, entry: SharedBacking) -> Handle:

@@ -38,6 +38,12 @@ SIZE_SLOTS = 65536
 
 _EMPTY = 0  # a slot's inode when it holds none (inode numbers start at 1)
 _BACKING = struct.Struct(f"<qiqq{MAX_LOOPS}H")  # inode, backing id, st_dev, st_ino, users per loop
+# Parts of a backing slot, read and written alone (the whole slot is 36 fields: ~2 us each way in Python)
+_CLAIM = struct.Struct("<qiqq")  # inode, backing id, st_dev, st_ino
+_ID_FILE = struct.Struct("<iqq")  # backing id, st_dev, st_ino
+_ID_AT, _USERS_AT = 8, _CLAIM.size
+_USERS = struct.Struct("<H")
+_NO_USERS = bytes(2 * MAX_LOOPS)
 _SIZE = struct.Struct("<qq")  # inode, size told
 _HEADER = struct.Struct("<q")  # sizes recorded: none, the common case, is read without the lock
 
@@ -128,51 +134,68 @@ class SharedInodes:
 
     # -- backings --------------------------------------------------------------------------------------
 
-    def attach(self, inode: int, loop: int, identity: tuple[int, int], register: Callable[[], int]) -> int:
+    def attach(self, inode: int, loop: int, identity: tuple[int, int], register: Callable[[], int],
+               unregister: Callable[[int], None]) -> int:
         """One more user in ``loop`` of ``inode``'s backing, whose file is ``identity`` (st_dev, st_ino): the id
-        another loop registered for that very file, or ``register()``'s where none is. ``Conflict`` where another
-        loop's backing of the inode is another file."""
+        another loop registered for that very file, else ``register()``'s. ``Conflict`` where another loop's
+        backing of the inode is another file.
+
+        ``register()`` (an ioctl) runs before the lock, which every open and release of every loop takes: where
+        another loop turns out to have registered the file meanwhile (both opened it at once), its id is taken
+        and this one's is unregistered, after the lock."""
         table = self._backings
-        with self._lock:
-            at, free = table.find(inode)
-            if at >= 0:
-                offset = table.offset(at)
-                fields = list(_BACKING.unpack_from(self._map, offset))
-                if (fields[2], fields[3]) != identity:
-                    raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): reopen "
-                                   "once its other opens are closed")
-                fields[4 + loop] += 1
-                _BACKING.pack_into(self._map, offset, *fields)
-                return int(fields[1])
-            if free is None:
-                raise TableFull(errno.EMFILE, "too many files open across the mount's loops")
-            backing_id = register()
-            users = [0] * MAX_LOOPS
-            users[loop] = 1
-            _BACKING.pack_into(self._map, table.offset(free), inode, backing_id, *identity, *users)
-            return backing_id
+        mine = register()
+        spare = mine  # unregistered below unless the slot takes it
+        try:
+            with self._lock:
+                at, free = table.find(inode)
+                if at >= 0:
+                    offset = table.offset(at)
+                    backing_id, dev, ino = _ID_FILE.unpack_from(self._map, offset + _ID_AT)
+                    if (dev, ino) != identity:
+                        raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): "
+                                       "reopen once its other opens are closed")
+                else:
+                    if free is None:
+                        raise TableFull(errno.EMFILE, "too many files open across the mount's loops")
+                    offset, backing_id, spare = table.offset(free), mine, -1
+                    _CLAIM.pack_into(self._map, offset, inode, mine, *identity)
+                    self._map[offset + _USERS_AT:offset + _BACKING.size] = _NO_USERS  # a freed slot keeps its last
+                self._add_user(offset, loop, 1)
+        finally:
+            if spare >= 0:
+                _unregister(unregister, spare)
+        return int(backing_id)
 
     def detach(self, inode: int, loop: int, unregister: Callable[[int], None]) -> None:
-        """One user fewer in ``loop``; the last of every loop's unregisters the backing."""
+        """One user fewer in ``loop``; the last of every loop's unregisters the backing (outside the lock: the
+        kernel let go of the inode's backing when its last file closed, before this RELEASE was sent, so another
+        loop may register a new one for it at once)."""
         table = self._backings
         with self._lock:
             at, _ = table.find(inode)
             if at < 0:
                 log.warning("inode %d: no shared backing to let go (loop %d)", inode, loop)
                 return
-            fields = list(_BACKING.unpack_from(self._map, table.offset(at)))
-            if fields[4 + loop]:
-                fields[4 + loop] -= 1
-            if any(fields[4:]):
-                _BACKING.pack_into(self._map, table.offset(at), *fields)
+            offset = table.offset(at)
+            if self._map[offset + _USERS_AT + 2 * loop:offset + _USERS_AT + 2 * loop + 2] != b"\0\0":
+                self._add_user(offset, loop, -1)
+            if self._map[offset + _USERS_AT:offset + _BACKING.size] != _NO_USERS:
                 return
+            backing_id = int(struct.unpack_from("<i", self._map, offset + _ID_AT)[0])
             table.remove(at)
-            _unregister(unregister, fields[1])
+        _unregister(unregister, backing_id)
+
+    def _add_user(self, offset: int, loop: int, change: int) -> None:
+        at = offset + _USERS_AT + 2 * loop
+        (users,) = _USERS.unpack_from(self._map, at)
+        _USERS.pack_into(self._map, at, users + change)
 
     def reap(self, loop: int, unregister: Callable[[int], None]) -> int:
         """``loop`` is gone: its users are taken out of every backing, and those no loop uses any more are
         unregistered. Returns how many were."""
         table = self._backings
+        closing: list[int] = []
 
         def drop(at: int) -> bool:
             fields = list(_BACKING.unpack_from(self._map, table.offset(at)))
@@ -182,11 +205,14 @@ class SharedInodes:
             if any(fields[4:]):
                 _BACKING.pack_into(self._map, table.offset(at), *fields)
                 return False
-            _unregister(unregister, fields[1])
+            closing.append(fields[1])
             return True
 
         with self._lock:
-            return len(table.sweep(drop))
+            freed = len(table.sweep(drop))
+        for backing_id in closing:
+            _unregister(unregister, backing_id)
+        return freed
 
     def backings(self) -> int:
         """Inodes with a shared backing now (for ``stats``)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import random
 
@@ -26,31 +28,31 @@ class Kernel:
 
 def test_loops_share_one_backing_per_inode_and_the_last_user_closes_it() -> None:
     shared, kernel = SharedInodes(3), Kernel()
-    first = shared.attach(7, 0, (1, 70), kernel.register)
-    assert shared.attach(7, 2, (1, 70), kernel.register) == first  # the same file: its id, not a new one
-    assert shared.attach(7, 2, (1, 70), kernel.register) == first
+    first = shared.attach(7, 0, (1, 70), kernel.register, kernel.unregister)
+    assert shared.attach(7, 2, (1, 70), kernel.register, kernel.unregister) == first  # the same file: its id, not a new one
+    assert shared.attach(7, 2, (1, 70), kernel.register, kernel.unregister) == first
     assert kernel.open == {first} and shared.backings() == 1
     shared.detach(7, 0, kernel.unregister)
     shared.detach(7, 2, kernel.unregister)
     assert kernel.open == {first}  # loop 2 still has one user
     shared.detach(7, 2, kernel.unregister)
     assert kernel.open == set() and shared.backings() == 0
-    assert shared.attach(7, 1, (1, 71), kernel.register) != first  # a new file after the last release: new id
+    assert shared.attach(7, 1, (1, 71), kernel.register, kernel.unregister) != first  # a new file after the last release: new id
 
 
 def test_another_file_for_an_inode_in_use_is_refused() -> None:
     shared, kernel = SharedInodes(2), Kernel()
-    shared.attach(5, 0, (1, 50), kernel.register)
+    shared.attach(5, 0, (1, 50), kernel.register, kernel.unregister)
     with pytest.raises(Conflict):
-        shared.attach(5, 1, (1, 51), kernel.register)  # the source changed between the two loops' checks
+        shared.attach(5, 1, (1, 51), kernel.register, kernel.unregister)  # the source changed between the two loops' checks
     assert len(kernel.open) == 1
 
 
 def test_a_gone_loops_users_are_reaped() -> None:
     shared, kernel = SharedInodes(3), Kernel()
-    only_gone = shared.attach(1, 1, (1, 10), kernel.register)
-    both = shared.attach(2, 1, (1, 20), kernel.register)
-    shared.attach(2, 0, (1, 20), kernel.register)
+    only_gone = shared.attach(1, 1, (1, 10), kernel.register, kernel.unregister)
+    both = shared.attach(2, 1, (1, 20), kernel.register, kernel.unregister)
+    shared.attach(2, 0, (1, 20), kernel.register, kernel.unregister)
     assert shared.reap(1, kernel.unregister) == 1
     assert kernel.open == {both}
     shared.detach(2, 0, kernel.unregister)
@@ -70,9 +72,9 @@ def test_entries_stay_found_through_many_removals() -> None:
             shared.detach(inode, 0, kernel.unregister)
             del model[inode]
         elif len(model) < 60:
-            model[inode] = shared.attach(inode, 0, (1, inode), kernel.register)
+            model[inode] = shared.attach(inode, 0, (1, inode), kernel.register, kernel.unregister)
         for known, backing_id in list(model.items())[:8]:
-            assert shared.attach(known, 0, (1, known), kernel.register) == backing_id
+            assert shared.attach(known, 0, (1, known), kernel.register, kernel.unregister) == backing_id
             shared.detach(known, 0, kernel.unregister)
     assert kernel.open == set(model.values()) and shared.backings() == len(model)
 
@@ -80,9 +82,9 @@ def test_entries_stay_found_through_many_removals() -> None:
 def test_a_full_table_refuses() -> None:
     shared, kernel = SharedInodes(1, backing_slots=4), Kernel()
     for inode in range(1, 5):
-        shared.attach(inode, 0, (1, inode), kernel.register)
+        shared.attach(inode, 0, (1, inode), kernel.register, kernel.unregister)
     with pytest.raises(TableFull):
-        shared.attach(9, 0, (1, 9), kernel.register)
+        shared.attach(9, 0, (1, 9), kernel.register, kernel.unregister)
 
 
 def test_sizes_told_are_seen_by_every_process() -> None:
@@ -100,27 +102,74 @@ def test_sizes_told_are_seen_by_every_process() -> None:
     assert shared.size(3) is None
 
 
-def test_backings_attached_in_two_processes_are_registered_once() -> None:
+def test_backings_attached_in_two_processes_share_one_id_per_inode() -> None:
+    """Two loops opening the same files at once: each inode ends with one backing both use (the kernel allows
+    one per inode), and each id registered and not kept is unregistered again."""
     shared = SharedInodes(2)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        registered = []
+        ids, spare = [], []
         for inode in range(1, 200):
-            shared.attach(inode, 1, (1, inode), lambda: registered.append(1) or 1000 + inode)
-        os.write(w, str(len(registered)).encode())
+            ids.append(shared.attach(inode, 1, (1, inode), lambda: 2000 + inode, spare.append))
+        os.write(w, json.dumps([ids, spare]).encode())
         os._exit(0)
-    mine = []
+    ids, spare = [], []
     for inode in range(1, 200):
-        shared.attach(inode, 0, (1, inode), lambda: mine.append(1) or 1000 + inode)
+        ids.append(shared.attach(inode, 0, (1, inode), lambda: 1000 + inode, spare.append))
     os.waitpid(pid, 0)
-    theirs = int(os.read(r, 16))
-    assert len(mine) + theirs == 199  # each inode registered by exactly one of the two
-    closed = []
+    their_ids, their_spare = json.loads(os.read(r, 1 << 16))
+    assert ids == their_ids  # one id per inode, whichever loop registered first
+    for inode, backing_id in zip(range(1, 200), ids):
+        unkept = {1000 + inode, 2000 + inode} - {backing_id}
+        assert backing_id in (1000 + inode, 2000 + inode) and unkept <= set(spare) | set(their_spare)
+        assert {1000 + inode, 2000 + inode} - unkept == {backing_id}
+    closed: list[int] = []
     for inode in range(1, 200):
         shared.detach(inode, 0, closed.append)
     assert closed == []  # the other process's users remain
-    assert shared.reap(1, closed.append) == 199 and len(closed) == 199
+    assert shared.reap(1, closed.append) == 199 and sorted(closed) == sorted(ids)
+
+
+def _lock_is_free(shared: SharedInodes) -> bool:
+    """Whether another process could take ``shared``'s lock now (record locks are per process: a child asks)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fcntl.lockf(shared._lock._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1)
+        except OSError:
+            os._exit(1)
+        os._exit(0)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def test_registering_and_unregistering_happen_outside_the_lock() -> None:
+    """Every open and release of every loop takes the lock: the kernel's ioctls must not be made holding it."""
+    shared = SharedInodes(2)
+    free_while: list[bool] = []
+
+    def register() -> int:
+        free_while.append(_lock_is_free(shared))
+        return 41
+
+    def unregister(backing_id: int) -> None:
+        free_while.append(_lock_is_free(shared))
+
+    assert shared.attach(9, 0, (1, 9), register, unregister) == 41
+    shared.detach(9, 0, unregister)
+    assert free_while == [True, True]
+
+
+def test_an_id_registered_while_another_loop_did_the_same_is_unregistered() -> None:
+    shared, kernel = SharedInodes(2), Kernel()
+    theirs = shared.attach(4, 1, (1, 40), kernel.register, kernel.unregister)
+    # this loop's open found no backing before the lock (both opened at once) and registered its own
+    assert shared.attach(4, 0, (1, 40), kernel.register, kernel.unregister) == theirs
+    assert kernel.open == {theirs}
+    # a conflict unregisters it too
+    with pytest.raises(Conflict):
+        shared.attach(4, 0, (1, 41), kernel.register, kernel.unregister)
+    assert kernel.open == {theirs}
 
 
 def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
@@ -141,7 +190,7 @@ def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     got: list[int] = []
-    attaching = threading.Thread(target=lambda: got.append(shared.attach(3, 0, (1, 3), lambda: 42)), daemon=True)
+    attaching = threading.Thread(target=lambda: got.append(shared.attach(3, 0, (1, 3), lambda: 42, lambda backing_id: None)), daemon=True)
     attaching.start()
     attaching.join(10)
     assert got == [42], "the lock stayed held by a process that was killed (a semaphore would)"
@@ -149,7 +198,7 @@ def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
 
 def test_sizes_of_files_no_loop_has_open_are_let_go_when_the_table_fills() -> None:
     shared, kernel = SharedInodes(2, size_slots=8), Kernel()
-    shared.attach(1, 0, (1, 1), kernel.register)  # inode 1 is open
+    shared.attach(1, 0, (1, 1), kernel.register, kernel.unregister)  # inode 1 is open
     let_go: list[int] = []
     for inode in range(1, 30):
         let_go += shared.tell(inode, 1000 + inode)  # never full: the closed ones' sizes go
