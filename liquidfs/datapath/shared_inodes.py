@@ -7,11 +7,13 @@ first loop to open an inode registers its backing (ids are the connection's, usa
 others' opens of it share that id, where the file they checked themselves is the same one; the last loop to let
 it go closes it. Each loop's users are counted apart, so a loop that dies can be taken out of every count
 (``reap``). Sizes: a GETATTR may reach a loop other than the one whose open found a fallback of another size, and
-must say what that open said.
+must say what that open said. Directories: which loop's read-ahead warms a directory's inodes (``claim_directory``):
+the LOOKUPs of one directory reach every loop, and each would read the same inodes from the disk at once.
 
 Two open-addressed tables of fixed slots in one anonymous shared mapping made before the fork, under one lock (a
 record lock the kernel lets go of when its holder dies). Both hold few entries: the backings of the inodes open now (bounded by the opens in
-flight), the sizes of files whose raw object was not served.
+flight), the sizes of files whose raw object was not served. The directories' claims are a cache beside them
+(a slot per hash: a directory whose slot another took may be warmed twice, nothing worse).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ BACKING_SLOTS = 1 << 16
 #: sizes of files no loop has open are let go, and the kernel's attributes of them dropped (``tell``'s caller): it
 #: asks again, and hears the catalog's size, until an open of such a file tells it another before it is answered.
 SIZE_SLOTS = 65536
+#: Slots of the directories' claims (``claim_directory``): directories warmed within a claim's time at once.
+CLAIM_SLOTS = 4096
 
 _EMPTY = 0  # a slot's inode when it holds none (inode numbers start at 1)
 _BACKING = struct.Struct(f"<qiqq{MAX_LOOPS}H")  # inode, backing id, st_dev, st_ino, users per loop
@@ -46,6 +50,7 @@ _USERS = struct.Struct("<H")
 _NO_USERS = bytes(2 * MAX_LOOPS)
 _SIZE = struct.Struct("<qq")  # inode, size told
 _HEADER = struct.Struct("<q")  # sizes recorded: none, the common case, is read without the lock
+_DIRECTORY_CLAIM = struct.Struct("<qd")  # directory inode, when claimed (CLOCK_MONOTONIC: one clock for all loops)
 
 
 class Conflict(OSError):
@@ -122,12 +127,16 @@ class SharedInodes:
     """Per inode, across a mount's loops: its registered backing and users (``attach``/``detach``), and the size
     told (``size``/``tell``). Made before the fork; each loop then uses it with its own ``loop`` index."""
 
-    def __init__(self, loops: int, *, backing_slots: int = BACKING_SLOTS, size_slots: int = SIZE_SLOTS) -> None:
+    def __init__(self, loops: int, *, backing_slots: int = BACKING_SLOTS, size_slots: int = SIZE_SLOTS,
+                 claim_slots: int = CLAIM_SLOTS) -> None:
         if not 1 <= loops <= MAX_LOOPS:
             raise ValueError(f"loops must be in 1..{MAX_LOOPS}")
         self.loops = loops
         sizes_at = _HEADER.size + backing_slots * _BACKING.size
-        self._map = mmap.mmap(-1, sizes_at + size_slots * _SIZE.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self._claims_at = sizes_at + size_slots * _SIZE.size
+        self._claim_slots = claim_slots
+        self._map = mmap.mmap(-1, self._claims_at + claim_slots * _DIRECTORY_CLAIM.size,
+                              flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
         self._backings = _Table(self._map, _HEADER.size, _BACKING, backing_slots)
         self._sizes = _Table(self._map, sizes_at, _SIZE, size_slots)
         self._lock = _DeathSafeLock()
@@ -218,6 +227,19 @@ class SharedInodes:
         """Inodes with a shared backing now (for ``stats``)."""
         with self._lock:
             return sum(1 for at in range(self._backings.slots) if self._backings.inode_at(at) != _EMPTY)
+
+    # -- directories warmed -------------------------------------------------------------------------------
+
+    def claim_directory(self, inode: int, now: float, within: float) -> bool:
+        """Whether this loop is the one to warm directory ``inode``'s inodes now: no loop claimed it in the last
+        ``within`` seconds (``now``: ``time.monotonic()``, the same clock in every loop). The claim is recorded."""
+        offset = self._claims_at + _home(inode, self._claim_slots) * _DIRECTORY_CLAIM.size
+        with self._lock:
+            held, at = _DIRECTORY_CLAIM.unpack_from(self._map, offset)
+            if held == inode and now - at < within:
+                return False
+            _DIRECTORY_CLAIM.pack_into(self._map, offset, inode, now)
+            return True
 
     # -- sizes told --------------------------------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class LookaheadStatistics(Statistics):
     files: int        # ... and their files
     helper: int       # 1 while the warms go to a helper process (fuse.warm_helper), else 0
     rows_hit: int     # LOOKUPs answered from the rows the read-ahead read (``row``)
+    left_to_others: int  # directories whose inodes another loop was warming (``mount --loops``): rows read only
 
 
 class MetadataAhead:
@@ -89,7 +90,10 @@ class MetadataAhead:
         self._helper: WarmHelper | None = None  # started by ``start`` (else at the first directory), the thread's
         self._in_process = walks is None  # no walks, or the helper failed
         self._killed = False  # the helper was killed by ``stop``, a warm stuck
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()  # (directory, claim's time)
+        #: ``mount --loops``: whether this loop warms a directory's inodes, or another loop does (``join_loops``)
+        self._claim: Callable[[int, float], bool] | None = None
+        self.left_to_others = 0
         self._lock = threading.Lock()
         self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
         self._busy: set[int] = set()              # directories queued or being warmed (under _lock): <= MAX_QUEUED
@@ -109,7 +113,7 @@ class MetadataAhead:
         now = time.monotonic()
         if now - self._warmed_at.get(parent, -AGAIN_AFTER) < AGAIN_AFTER:
             return
-        if self._queue_directory(parent):
+        if self._queue_directory(parent, AGAIN_AFTER):
             self._warmed_at[parent] = now
 
     def row(self, parent: int, name: bytes) -> Node | None:
@@ -129,9 +133,17 @@ class MetadataAhead:
         with self._lock:
             if node.parent in self._busy or time.monotonic() - self._done_at.get(node.parent, -AGAIN_COLD) < AGAIN_COLD:
                 return
-        self._queue_directory(node.parent)
+        self._queue_directory(node.parent, AGAIN_COLD)
 
-    def _queue_directory(self, parent: int) -> bool:
+    def join_loops(self, claim: Callable[[int, float], bool]) -> None:
+        """One of several loops: ``claim(directory, within)`` says whether this loop warms a directory's inodes
+        (no loop claimed it in the last ``within`` seconds; ``SharedInodes.claim_directory``). Every loop still
+        reads the rows of the directories its lookups reach, for the lookups that follow there, but one reads the
+        inodes from the disk: with 8 loops each cold directory had been warmed 8 times at once, the helpers'
+        threads contending for the same inode blocks."""
+        self._claim = claim
+
+    def _queue_directory(self, parent: int, within: float) -> bool:
         with self._lock:
             if self._stopped or len(self._busy) >= MAX_QUEUED or parent in self._busy:
                 return False
@@ -139,7 +151,7 @@ class MetadataAhead:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="liquidfs-lookahead", daemon=True)
             self._thread.start()
-        self._queue.put(parent)
+        self._queue.put((parent, within))
         return True
 
     def _run(self) -> None:
@@ -151,9 +163,14 @@ class MetadataAhead:
             log.info("the store's catalog is not the one this mount opened (replaced since?): lookups are not "
                      "answered from the rows the read-ahead reads")
         try:
-            while (parent := self._queue.get()) is not None:
+            while (queued := self._queue.get()) is not None:
+                parent, within = queued
                 try:
-                    self._warm_directory(catalog, parent, keep)
+                    warm = self._claim is None or self._claim(parent, within)
+                    if not warm:
+                        self.left_to_others += 1
+                    if warm or keep:
+                        self._warm_directory(catalog, parent, keep, warm)
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:
@@ -164,14 +181,17 @@ class MetadataAhead:
             catalog.close()
             self._close_helper()
 
-    def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool) -> None:
+    def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool, warm: bool = True) -> None:
+        """``parent``'s files' rows kept (``keep_rows``) and their inodes warmed (``warm``; else another loop's)."""
         files = (node for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id)
                  if node.kind == KIND_FILE)
         while batch := list(itertools.islice(files, MAX_ROWS)):  # a bounded number of files in flight
             if keep_rows:
                 self._keep_rows(batch)
-            self.files += self._warm_batch(batch)
-        self.directories += 1
+            if warm:
+                self.files += self._warm_batch(batch)
+        if warm:
+            self.directories += 1
 
     def _keep_rows(self, batch: list[Node]) -> None:
         rows = self._rows
@@ -233,7 +253,8 @@ class MetadataAhead:
 
     def statistics(self) -> LookaheadStatistics:
         return LookaheadStatistics(directories=self.directories, files=self.files,
-                                   helper=int(self._helper is not None), rows_hit=self.rows_hit)
+                                   helper=int(self._helper is not None), rows_hit=self.rows_hit,
+                                   left_to_others=self.left_to_others)
 
     def start(self) -> None:
         """The helper process started now, before the first lookup (on the loop, once the process that serves

@@ -173,6 +173,9 @@ class Operations(pyfuse3.Operations):
         its passthrough path to them, ``PassthroughPath.join_loops``)."""
         self.peers = peers
         self.inodes.shared = shared
+        if self.lookahead is not None:  # one loop reads a directory's inodes from the disk, not every one at once
+            self.lookahead.join_loops(lambda directory, within: shared.claim_directory(directory, time.monotonic(),
+                                                                                        within))
 
     def serve_with(self, path: DataPath) -> None:
         """The data path every open is served by from now on: given at construction, or chosen once after INIT

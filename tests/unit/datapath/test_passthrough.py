@@ -666,6 +666,31 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
         Peers.close_pairs(pairs)
 
 
+def test_a_loop_joined_to_others_leaves_a_directory_another_claimed(prepared: tuple[Path, Path]) -> None:
+    """mount --loops: each loop's read-ahead asks the loops' shared memory whether it warms a directory's inodes
+    (``Operations.join_loops``); one another loop claimed is left to it, its rows still read."""
+    from liquidfs.datapath.shared_inodes import SharedInodes
+    from liquidfs.fuse.lookahead import AGAIN_AFTER, MetadataAhead
+    from liquidfs.fuse.peers import Peers
+
+    src, store = prepared
+    catalog = Catalog.open(store, readonly=True)
+    warmed: list[bytes] = []
+    ops = passthrough_operations(catalog, StoreReader(catalog.source, store), FakeKernel())
+    ops.lookahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path), catalog_id=catalog.file_id)
+    shared, pairs = SharedInodes(2), Peers.made(2)
+    try:
+        ops.join_loops(Peers(pairs, 0), shared)
+        node = next(iter(catalog.files()))
+        assert shared.claim_directory(node.parent, time.monotonic(), AGAIN_AFTER)  # loop 1 is warming it
+        ops.lookahead.looked_up(node.parent)
+        ops.lookahead.stop()
+        assert warmed == [] and ops.lookahead.row(node.parent, node.name) == node
+        assert ops.lookahead.statistics().values()["lookahead_left_to_others"] == 1
+    finally:
+        Peers.close_pairs(pairs)
+
+
 def test_sizes_let_go_across_loops_are_dropped_from_the_kernel(tmp_path: Path) -> None:
     """mount --loops: where the shared table of sizes told fills, the sizes of files no loop has open are let go,
     and every loop says the catalog's size of them again; the kernel, which keeps attributes for a day, is told

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from liquidfs.datapath.shared_inodes import Conflict, SharedInodes, TableFull
+from liquidfs.datapath.shared_inodes import Conflict, SharedInodes, TableFull, _home
 
 
 class Kernel:
@@ -208,3 +208,20 @@ def test_sizes_of_files_no_loop_has_open_are_let_go_when_the_table_fills() -> No
     # recorded and no longer there, and never the open file's.
     assert 1 not in let_go and len(let_go) == len(set(let_go))
     assert sorted(let_go) == [i for i in range(2, 30) if shared.size(i) is None]
+
+
+def test_a_directory_is_claimed_by_one_loop_at_a_time() -> None:
+    shared = SharedInodes(2, claim_slots=8)
+    assert shared.claim_directory(5, 100.0, 60.0)
+    assert not shared.claim_directory(5, 159.0, 60.0)  # another loop, within the minute
+    assert shared.claim_directory(5, 160.5, 60.0)  # past it: warmed again
+    assert not shared.claim_directory(5, 161.0, 1.0)
+    assert shared.claim_directory(5, 162.0, 1.0)
+    pid = os.fork()
+    if pid == 0:  # another process, the same memory and clock
+        os._exit(0 if not shared.claim_directory(5, 162.5, 60.0) else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    # a directory whose slot another took is claimed again (at worst warmed twice)
+    other = next(i for i in range(6, 10_000) if _home(i, 8) == _home(5, 8))
+    assert shared.claim_directory(other, 163.0, 60.0)
+    assert shared.claim_directory(5, 163.0, 60.0)

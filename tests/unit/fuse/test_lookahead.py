@@ -44,7 +44,8 @@ def test_a_cold_directory_is_warmed_once(tmp_path: Path) -> None:
     ahead.stop()
     assert sorted(warmed) == sorted([b"d0/f%d.bin" % i for i in range(5)] + [b"d1/f%d.bin" % i for i in range(5)])
     assert ahead.statistics().values() == {"lookahead_directories": 2, "lookahead_files": 10,
-                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0,
+                                          "lookahead_left_to_others": 0}
 
 
 def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
@@ -63,7 +64,8 @@ def test_a_directorys_files_are_warmed_in_parallel(tmp_path: Path) -> None:
     ahead.stop()
     assert not together.broken and len(warmed) == 3 * lookahead.WARMERS
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 3 * lookahead.WARMERS,
-                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0,
+                                          "lookahead_left_to_others": 0}
 
 
 def test_each_thread_warms_a_run_of_neighbours_in_the_directorys_order(tmp_path: Path) -> None:
@@ -154,7 +156,8 @@ def test_a_warm_that_fails_costs_only_the_hint(tmp_path: Path) -> None:
     ahead.looked_up(_dir(catalog, b"d0"))
     ahead.stop()
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 0,
-                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0,
+                                          "lookahead_left_to_others": 0}
 
 
 @pytest.mark.needs_root("/proc/sys/vm/drop_caches")
@@ -234,3 +237,39 @@ def test_rows_of_a_catalog_replaced_since_the_mount_opened_its_own_answer_no_loo
     for parent in (d0, _dir(newer, b"d0")):
         assert all(ahead.row(parent, b"f%d.bin" % f) is None for f in range(3))
     assert newer.file_id != catalog.file_id
+
+
+def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> None:
+    """mount --loops: the lookups of one directory reach every loop; one loop reads its inodes from the disk
+    (each had, at once, with its helper's threads contending for the same inode blocks), and every loop keeps the
+    rows for its own lookups that follow there. An open gone cold re-warms it past ``AGAIN_COLD``."""
+    from liquidfs.datapath.shared_inodes import SharedInodes
+
+    catalog = _tree(tmp_path, dirs=1, files=5)
+    shared = SharedInodes(2)
+    clock = [100.0]
+    warmed: list[tuple[int, bytes]] = []
+    loops = []
+    for index in range(2):
+        ahead = MetadataAhead(catalog.path, lambda node, index=index: warmed.append((index, node.path)),
+                              catalog_id=catalog.file_id)
+        ahead.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within))
+        loops.append(ahead)
+    d0 = _dir(catalog, b"d0")
+    loops[0].looked_up(d0)
+    loops[0].stop()
+    loops[1].looked_up(d0)
+    loops[1].stop()
+    assert sorted(path for _, path in warmed) == [b"d0/f%d.bin" % i for i in range(5)]
+    assert {index for index, _ in warmed} == {0}
+    for ahead in loops:  # both loops answer their lookups from the rows they read
+        assert ahead.row(d0, b"f1.bin") == catalog.lookup(d0, b"f1.bin")
+    assert loops[1].statistics().values()["lookahead_left_to_others"] == 1
+    assert loops[1].statistics().values()["lookahead_directories"] == 0
+    # an open in loop 1 found d0's inodes cold again, later than AGAIN_COLD after loop 0's claim: loop 1 warms
+    clock[0] += lookahead.AGAIN_COLD + 0.5
+    again = MetadataAhead(catalog.path, lambda node: warmed.append((1, node.path)))
+    again.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within))
+    again.went_cold(catalog.lookup(d0, b"f0.bin"))
+    again.stop()
+    assert len([1 for index, _ in warmed if index == 1]) == 5

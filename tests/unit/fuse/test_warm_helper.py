@@ -180,7 +180,8 @@ def test_a_helper_that_never_answers_holds_up_no_unmount(tmp_path: Path, monkeyp
     assert not stopping.is_alive(), "stop() waits for a helper that never answers"
     assert started and started[0].poll() is not None
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 0,
-                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0,
+                                          "lookahead_left_to_others": 0}
     reader.close()
 
 
@@ -205,7 +206,8 @@ def test_a_helper_gone_is_said_and_the_read_ahead_goes_on_in_threads(tmp_path: P
     ahead._helper._process.wait()
     said = _warm_d0_and_stop(ahead, catalog, caplog)  # start() again: the helper is there, though dead
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 5,
-                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0,
+                                          "lookahead_left_to_others": 0}
     assert "the metadata read-ahead goes on in the daemon's own threads" in said
     reader.close()
 
@@ -217,6 +219,7 @@ def test_a_helper_that_cannot_start_leaves_the_warms_to_threads(tmp_path: Path, 
     ahead = MetadataAhead(catalog.path, reader.warm, walks=reader.warm_walks, descriptors=reader.warm_descriptors)
     said = _warm_d0_and_stop(ahead, catalog, caplog)
     assert ahead.statistics().values() == {"lookahead_directories": 1, "lookahead_files": 3,
-                                          "lookahead_helper": 0, "lookahead_rows_hit": 0}
+                                          "lookahead_helper": 0, "lookahead_rows_hit": 0,
+                                          "lookahead_left_to_others": 0}
     assert "could not start" in said
     reader.close()
