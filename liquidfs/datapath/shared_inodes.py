@@ -3,9 +3,10 @@ memory they share: the backing its open files share, and the size the kernel was
 catalog's.
 
 The kernel allows one backing file per inode while any open of it exists, and an OPEN may reach any loop: the
-first loop to open an inode registers its backing (ids are the connection's, usable from every loop) and the
-others' opens of it share that id, where the file they checked themselves is the same one; the last loop to let
-it go closes it. Each loop's users are counted apart, so a loop that dies can be taken out of every count
+first loop to open an inode registers its backing (ids are the connection's, usable from every loop; where two
+open it at once, one's id is kept and the other's closed) and the others' opens of it share that id, where the
+file they checked themselves is the same one; the last loop to let it go closes it. The kernel's calls are made
+outside the lock. Each loop's users are counted apart, so a loop that dies can be taken out of every count
 (``reap``). Sizes: a GETATTR may reach a loop other than the one whose open found a fallback of another size, and
 must say what that open said. Directories: which loop's read-ahead warms a directory's inodes (``claim_directory``):
 the LOOKUPs of one directory reach every loop, and each would read the same inodes from the disk at once.
@@ -43,9 +44,8 @@ CLAIM_SLOTS = 4096
 _EMPTY = 0  # a slot's inode when it holds none (inode numbers start at 1)
 _BACKING = struct.Struct(f"<qiqq{MAX_LOOPS}H")  # inode, backing id, st_dev, st_ino, users per loop
 # Parts of a backing slot, read and written alone (the whole slot is 36 fields: ~2 us each way in Python)
-_CLAIM = struct.Struct("<qiqq")  # inode, backing id, st_dev, st_ino
 _ID_FILE = struct.Struct("<iqq")  # backing id, st_dev, st_ino
-_ID_AT, _USERS_AT = 8, _CLAIM.size
+_ID_AT, _USERS_AT = 8, struct.calcsize("<qiqq")  # after the inode; after inode, id, st_dev, st_ino
 _USERS = struct.Struct("<H")
 _NO_USERS = bytes(2 * MAX_LOOPS)
 _SIZE = struct.Struct("<qq")  # inode, size told
@@ -149,32 +149,51 @@ class SharedInodes:
         another loop registered for that very file, else ``register()``'s. ``Conflict`` where another loop's
         backing of the inode is another file.
 
-        ``register()`` (an ioctl) runs before the lock, which every open and release of every loop takes: where
-        another loop turns out to have registered the file meanwhile (both opened it at once), its id is taken
-        and this one's is unregistered, after the lock."""
-        table = self._backings
+        ``register()`` (an ioctl, ~20 us) is made outside the lock, which every open and release of every loop
+        takes: where no loop has the file, the lock is let go, the file registered, and the lock taken again;
+        should another loop have registered it meanwhile (both opened it at once), that id is taken and this one
+        unregistered, after the lock."""
+        found = self._join(inode, loop, identity, None)
+        if found is not None:
+            return found
         mine = register()
-        spare = mine  # unregistered below unless the slot takes it
         try:
-            with self._lock:
-                at, free = table.find(inode)
-                if at >= 0:
-                    offset = table.offset(at)
-                    backing_id, dev, ino = _ID_FILE.unpack_from(self._map, offset + _ID_AT)
-                    if (dev, ino) != identity:
-                        raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): "
-                                       "reopen once its other opens are closed")
-                else:
-                    if free is None:
-                        raise TableFull(errno.EMFILE, "too many files open across the mount's loops")
-                    offset, backing_id, spare = table.offset(free), mine, -1
-                    _CLAIM.pack_into(self._map, offset, inode, mine, *identity)
-                    self._map[offset + _USERS_AT:offset + _BACKING.size] = _NO_USERS  # a freed slot keeps its last
+            kept = self._join(inode, loop, identity, mine)
+        except BaseException:
+            _unregister(unregister, mine)
+            raise
+        assert kept is not None  # given an id, _join keeps it or another
+        if kept != mine:
+            _unregister(unregister, mine)
+        return kept
+
+    def _join(self, inode: int, loop: int, identity: tuple[int, int], mine: int | None) -> int | None:
+        """Under the lock: a user more of the inode's slot, its id; where there is none, a slot of id ``mine``
+        (None: nothing written, None returned)."""
+        table = self._backings
+        with self._lock:
+            at, free = table.find(inode)
+            if at >= 0:
+                offset = table.offset(at)
+                backing_id, dev, ino = _ID_FILE.unpack_from(self._map, offset + _ID_AT)
+                if (dev, ino) != identity:
+                    raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): reopen "
+                                   "once its other opens are closed")
                 self._add_user(offset, loop, 1)
-        finally:
-            if spare >= 0:
-                _unregister(unregister, spare)
-        return int(backing_id)
+                return int(backing_id)
+            if mine is None:
+                return None
+            if free is None:
+                raise TableFull(errno.EMFILE, "too many files open across the mount's loops")
+            # The whole slot made first (a value that does not fit raises here, nothing written), then written
+            # at once: a freed slot keeps its last entry's users, and a loop killed between two writes must not
+            # leave them in a slot of this inode.
+            users = [0] * MAX_LOOPS
+            users[loop] = 1
+            record = _BACKING.pack(inode, mine, *identity, *users)
+            offset = table.offset(free)
+            self._map[offset:offset + _BACKING.size] = record
+            return mine
 
     def detach(self, inode: int, loop: int, unregister: Callable[[int], None]) -> None:
         """One user fewer in ``loop``; the last of every loop's unregisters the backing (outside the lock: the

@@ -104,26 +104,29 @@ def test_sizes_told_are_seen_by_every_process() -> None:
 
 def test_backings_attached_in_two_processes_share_one_id_per_inode() -> None:
     """Two loops opening the same files at once: each inode ends with one backing both use (the kernel allows
-    one per inode), and each id registered and not kept is unregistered again."""
+    one per inode), registered once or, where both registered at once, the other id unregistered again."""
     shared = SharedInodes(2)
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
-        ids, spare = [], []
-        for inode in range(1, 200):
-            ids.append(shared.attach(inode, 1, (1, inode), lambda: 2000 + inode, spare.append))
-        os.write(w, json.dumps([ids, spare]).encode())
-        os._exit(0)
-    ids, spare = [], []
+        try:
+            ids, registered, spare = [], [], []
+            for inode in range(1, 200):
+                ids.append(shared.attach(inode, 1, (1, inode), lambda: registered.append(2000 + inode) or 2000 + inode,
+                                         spare.append))
+            os.write(w, json.dumps([ids, registered, spare]).encode())
+        finally:
+            os._exit(0)
+    ids, registered, spare = [], [], []
     for inode in range(1, 200):
-        ids.append(shared.attach(inode, 0, (1, inode), lambda: 1000 + inode, spare.append))
+        ids.append(shared.attach(inode, 0, (1, inode), lambda: registered.append(1000 + inode) or 1000 + inode,
+                                 spare.append))
     os.waitpid(pid, 0)
-    their_ids, their_spare = json.loads(os.read(r, 1 << 16))
+    their_ids, their_registered, their_spare = json.loads(os.read(r, 1 << 16))
     assert ids == their_ids  # one id per inode, whichever loop registered first
-    for inode, backing_id in zip(range(1, 200), ids):
-        unkept = {1000 + inode, 2000 + inode} - {backing_id}
-        assert backing_id in (1000 + inode, 2000 + inode) and unkept <= set(spare) | set(their_spare)
-        assert {1000 + inode, 2000 + inode} - unkept == {backing_id}
+    # every id registered is kept (once) or unregistered (once), never both
+    assert sorted(registered + their_registered) == sorted(ids + spare + their_spare)
+    assert not set(ids) & set(spare + their_spare)
     closed: list[int] = []
     for inode in range(1, 200):
         shared.detach(inode, 0, closed.append)
@@ -144,32 +147,42 @@ def _lock_is_free(shared: SharedInodes) -> bool:
 
 
 def test_registering_and_unregistering_happen_outside_the_lock() -> None:
-    """Every open and release of every loop takes the lock: the kernel's ioctls must not be made holding it."""
+    """Every open and release of every loop takes the lock: the kernel's ioctls must not be made holding it,
+    neither a first open's nor a release's, nor the unregistering of an id another loop's made spare, nor a
+    reap's."""
     shared = SharedInodes(2)
-    free_while: list[bool] = []
+    free_while: list[str] = []
 
-    def register() -> int:
-        free_while.append(_lock_is_free(shared))
-        return 41
+    def register(name: str, backing_id: int, then=lambda: None):
+        def call() -> int:
+            free_while.append(f"{name}:{_lock_is_free(shared)}")
+            then()
+            return backing_id
+        return call
 
     def unregister(backing_id: int) -> None:
-        free_while.append(_lock_is_free(shared))
+        free_while.append(f"unregister {backing_id}:{_lock_is_free(shared)}")
 
-    assert shared.attach(9, 0, (1, 9), register, unregister) == 41
+    assert shared.attach(9, 0, (1, 9), register("first", 41), unregister) == 41
     shared.detach(9, 0, unregister)
-    assert free_while == [True, True]
+    # loop 0 finds no backing and registers; meanwhile loop 1 registers and writes its slot first
+    assert shared.attach(8, 0, (1, 8), register("raced", 51, lambda: shared.attach(
+        8, 1, (1, 8), register("winner", 52), unregister)), unregister) == 52
+    shared.attach(7, 1, (1, 7), register("reaped", 61), unregister)
+    assert shared.reap(1, unregister) == 1
+    assert free_while == ["first:True", "unregister 41:True", "raced:True", "winner:True", "unregister 51:True",
+                          "reaped:True", "unregister 61:True"]
 
 
-def test_an_id_registered_while_another_loop_did_the_same_is_unregistered() -> None:
+def test_a_file_another_loop_has_open_is_joined_without_registering_it_again() -> None:
     shared, kernel = SharedInodes(2), Kernel()
     theirs = shared.attach(4, 1, (1, 40), kernel.register, kernel.unregister)
-    # this loop's open found no backing before the lock (both opened at once) and registered its own
+    registered = kernel.next
     assert shared.attach(4, 0, (1, 40), kernel.register, kernel.unregister) == theirs
-    assert kernel.open == {theirs}
-    # a conflict unregisters it too
-    with pytest.raises(Conflict):
+    assert kernel.open == {theirs} and kernel.next == registered  # no ioctl made
+    with pytest.raises(Conflict):  # another file for it: refused, nothing registered
         shared.attach(4, 0, (1, 41), kernel.register, kernel.unregister)
-    assert kernel.open == {theirs}
+    assert kernel.open == {theirs} and kernel.next == registered
 
 
 def test_a_process_killed_holding_the_lock_does_not_stop_the_others() -> None:
