@@ -25,6 +25,7 @@ import fcntl
 import mmap
 import os
 import struct
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -309,17 +310,28 @@ class SharedInodes:
 class _DeathSafeLock:
     """A lock between processes that the kernel releases when its holder dies (a POSIX record lock on a memfd
     made before the fork): a loop killed inside a section must not leave the others waiting for ever, as a
-    semaphore would. Record locks are a process's, so each process takes it from one thread only (its loop)."""
+    semaphore would. Record locks are a process's, not a thread's: a second thread of the holder would pass
+    straight in, and its unlock free the first's section for the other processes. So the threads of a process
+    (its loop, its read-ahead's ``claim_directory``) take a thread lock first."""
 
     def __init__(self) -> None:
         self._fd = os.memfd_create("liquidfs-shared-inodes", os.MFD_CLOEXEC)
         os.write(self._fd, b"\0")
+        self._threads = threading.Lock()  # made before the fork, free: each process has its own from then on
 
     def __enter__(self) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_EX, 1)
+        self._threads.acquire()
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX, 1)
+        except BaseException:
+            self._threads.release()
+            raise
 
     def __exit__(self, *exc: object) -> None:
-        fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1)
+        finally:
+            self._threads.release()
 
 
 def _unregister(unregister: Callable[[int], None], backing_id: int) -> None:

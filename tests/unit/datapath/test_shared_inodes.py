@@ -238,3 +238,18 @@ def test_a_directory_is_claimed_by_one_loop_at_a_time() -> None:
     other = next(i for i in range(6, 10_000) if _home(i, 8) == _home(5, 8))
     assert shared.claim_directory(other, 163.0, 60.0)
     assert shared.claim_directory(5, 163.0, 60.0)
+
+
+def test_a_second_thread_of_the_holder_waits_for_the_lock() -> None:
+    """A record lock is the process's: the read-ahead's thread (``claim_directory``) would pass straight into the
+    loop thread's section, and its unlock open that section to the other loops. It waits instead."""
+    import threading
+
+    shared = SharedInodes(2)
+    claimed = threading.Event()
+    with shared._lock:  # the loop, inside attach
+        other = threading.Thread(target=lambda: (shared.claim_directory(3, 1.0, 60.0), claimed.set()), daemon=True)
+        other.start()
+        assert not claimed.wait(1.0), "another thread of the process entered the section held"
+        assert not _lock_is_free(shared)  # and the other processes are still kept out
+    assert claimed.wait(10)
