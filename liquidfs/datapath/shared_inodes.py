@@ -125,8 +125,9 @@ class _Table:
 
 
 class SharedInodes:
-    """Per inode, across a mount's loops: its registered backing and users (``attach``/``detach``), and the size
-    told (``size``/``tell``). Made before the fork; each loop then uses it with its own ``loop`` index."""
+    """Per inode, across a mount's loops: its registered backing and users (``attach``/``detach``), the size
+    told (``size``/``tell``), and for a directory which loop warms its inodes (``claim_directory``). Made before
+    the fork; each loop then uses it with its own ``loop`` index."""
 
     def __init__(self, loops: int, *, backing_slots: int = BACKING_SLOTS, size_slots: int = SIZE_SLOTS,
                  claim_slots: int = CLAIM_SLOTS) -> None:
@@ -250,16 +251,25 @@ class SharedInodes:
 
     # -- directories warmed -------------------------------------------------------------------------------
 
-    def claim_directory(self, inode: int, now: float, within: float) -> bool:
+    def claim_directory(self, inode: int, now: float, within: float, busy_for: float = 0.0) -> bool:
         """Whether this loop is the one to warm directory ``inode``'s inodes now: no loop claimed it in the last
-        ``within`` seconds (``now``: ``time.monotonic()``, the same clock in every loop). The claim is recorded."""
+        ``within`` seconds, nor is warming it (``now``: ``time.monotonic()``, the same clock in every loop). The
+        claim is recorded as made ``busy_for`` seconds from now, so that it holds while the warm runs (at most
+        that long: a loop that died warming lets go then); ``directory_warmed`` says when it ended."""
         offset = self._claims_at + _home(inode, self._claim_slots) * _DIRECTORY_CLAIM.size
         with self._lock:
             held, at = _DIRECTORY_CLAIM.unpack_from(self._map, offset)
             if held == inode and now - at < within:
                 return False
-            _DIRECTORY_CLAIM.pack_into(self._map, offset, inode, now)
+            _DIRECTORY_CLAIM.pack_into(self._map, offset, inode, now + busy_for)
             return True
+
+    def directory_warmed(self, inode: int, now: float) -> None:
+        """The warm of directory ``inode`` this loop claimed ended ``now``: the others' windows count from it."""
+        offset = self._claims_at + _home(inode, self._claim_slots) * _DIRECTORY_CLAIM.size
+        with self._lock:
+            if _DIRECTORY_CLAIM.unpack_from(self._map, offset)[0] == inode:
+                _DIRECTORY_CLAIM.pack_into(self._map, offset, inode, now)
 
     # -- sizes told --------------------------------------------------------------------------------------
 

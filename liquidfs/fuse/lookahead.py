@@ -15,7 +15,9 @@ instead of querying the catalog on the loop, where a cold LOOKUP waited for the 
 finds its source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure
 between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
 ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is never
-queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end.
+queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
+each loop's (``mount --loops``); across the loops, the one that claims a directory warms its inodes (the kernel's
+caches serve every loop) and the others read only its rows (``join_loops``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ AGAIN_AFTER = 60.0
 #: Seconds after a warm of a directory ended before an open there that found its inodes cold warms it again: the
 #: kernel dropped them since (a drop of the caches, memory pressure between epochs).
 AGAIN_COLD = 1.0
+#: ``mount --loops``: seconds a loop's claim to warm a directory holds the others off while its warm runs, at most
+#: (a loop that died warming lets go then); its end is recorded when it ends (``MetadataAhead.join_loops``).
+WARM_CLAIM = 30.0
 #: Directories waiting to be warmed at most; more lookups in cold directories meanwhile are not queued.
 MAX_QUEUED = 16
 #: Threads that warm one directory's files (the helper's, else the daemon's own), each a run of neighbours in the
@@ -69,7 +74,7 @@ class LookaheadStatistics(Statistics):
     files: int        # ... and their files
     helper: int       # 1 while the warms go to a helper process (fuse.warm_helper), else 0
     rows_hit: int     # LOOKUPs answered from the rows the read-ahead read (``row``)
-    left_to_others: int  # directories whose inodes another loop was warming (``mount --loops``): rows read only
+    left_to_others: int  # directories another loop had claimed to warm (``mount --loops``): their rows read only
 
 
 class MetadataAhead:
@@ -91,8 +96,10 @@ class MetadataAhead:
         self._in_process = walks is None  # no walks, or the helper failed
         self._killed = False  # the helper was killed by ``stop``, a warm stuck
         self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()  # (directory, claim's time)
-        #: ``mount --loops``: whether this loop warms a directory's inodes, or another loop does (``join_loops``)
+        #: ``mount --loops``: whether this loop warms a directory's inodes, or another loop does, and the end of
+        #: a warm this loop claimed (``join_loops``)
         self._claim: Callable[[int, float], bool] | None = None
+        self._warmed: Callable[[int], None] = lambda directory: None
         self.left_to_others = 0
         self._lock = threading.Lock()
         self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
@@ -135,13 +142,13 @@ class MetadataAhead:
                 return
         self._queue_directory(node.parent, AGAIN_COLD)
 
-    def join_loops(self, claim: Callable[[int, float], bool]) -> None:
+    def join_loops(self, claim: Callable[[int, float], bool], warmed: Callable[[int], None]) -> None:
         """One of several loops: ``claim(directory, within)`` says whether this loop warms a directory's inodes
-        (no loop claimed it in the last ``within`` seconds; ``SharedInodes.claim_directory``). Every loop still
-        reads the rows of the directories its lookups reach, for the lookups that follow there, but one reads the
-        inodes from the disk: with 8 loops each cold directory had been warmed 8 times at once, the helpers'
-        threads contending for the same inode blocks."""
-        self._claim = claim
+        (no loop claimed it in the last ``within`` seconds, nor is warming it: ``SharedInodes.claim_directory``,
+        held for ``WARM_CLAIM`` seconds at most), and ``warmed(directory)`` that such a warm ended. Every loop
+        still reads the rows of the directories its lookups reach, for the lookups that follow there, but one
+        reads the inodes from the disk, where each loop had queued its own warm of a cold directory at once."""
+        self._claim, self._warmed = claim, warmed
 
     def _queue_directory(self, parent: int, within: float) -> bool:
         with self._lock:
@@ -169,8 +176,12 @@ class MetadataAhead:
                     warm = self._claim is None or self._claim(parent, within)
                     if not warm:
                         self.left_to_others += 1
-                    if warm or keep:
-                        self._warm_directory(catalog, parent, keep, warm)
+                    try:
+                        if warm or keep:
+                            self._warm_directory(catalog, parent, keep, warm)
+                    finally:
+                        if warm and self._claim is not None:
+                            self._warmed(parent)
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:

@@ -38,7 +38,7 @@ from ..mix.share import Mix
 from ..policy.jobs import JobLookups
 from ..stores.reader import Content
 from .listing import Listings, list_bare, list_plus
-from .lookahead import MetadataAhead
+from .lookahead import WARM_CLAIM, MetadataAhead
 from .open_budget import OpenBudget
 from .peers import Peers, fh_of, merged
 from .request_times import RequestTimes, on_loop_cpu
@@ -174,8 +174,9 @@ class Operations(pyfuse3.Operations):
         self.peers = peers
         self.inodes.shared = shared
         if self.lookahead is not None:  # one loop reads a directory's inodes from the disk, not every one at once
-            self.lookahead.join_loops(lambda directory, within: shared.claim_directory(directory, time.monotonic(),
-                                                                                        within))
+            self.lookahead.join_loops(
+                lambda directory, within: shared.claim_directory(directory, time.monotonic(), within, WARM_CLAIM),
+                lambda directory: shared.directory_warmed(directory, time.monotonic()))
 
     def serve_with(self, path: DataPath) -> None:
         """The data path every open is served by from now on: given at construction, or chosen once after INIT

@@ -256,7 +256,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_lookahead_rows_hit_total", COUNTER, "", "lookahead_rows_hit",
            "LOOKUPs answered from the catalog rows the metadata read-ahead had read, without a query."),
     Metric("liquidfs_lookahead_left_to_others_total", COUNTER, "", "lookahead_left_to_others",
-           "Directories whose inodes another of the mount's loops was warming (mount --loops): rows read only."),
+           "Directories another of the mount's loops had claimed to warm (mount --loops): their rows read only."),
     # -- the warm-up (mount --warmup) -----------------------------------------------------------------------------
     Metric("liquidfs_warmup_files_total", COUNTER, "", "warmup_files", "Files the warm-up has put in the cache."),
     Metric("liquidfs_warmup_bytes_total", COUNTER, "bytes", "warmup_bytes",

@@ -238,6 +238,16 @@ def test_a_directory_is_claimed_by_one_loop_at_a_time() -> None:
     other = next(i for i in range(6, 10_000) if _home(i, 8) == _home(5, 8))
     assert shared.claim_directory(other, 163.0, 60.0)
     assert shared.claim_directory(5, 163.0, 60.0)
+    # a warm's claim holds while it runs (busy_for at most), and the others' windows count from its end
+    assert shared.claim_directory(11, 200.0, 1.0, busy_for=30.0)
+    assert not shared.claim_directory(11, 229.0, 1.0)
+    shared.directory_warmed(11, 205.0)
+    assert not shared.claim_directory(11, 205.5, 1.0)
+    assert shared.claim_directory(11, 206.5, 1.0)
+    assert shared.claim_directory(11, 208.0, 1.0, busy_for=30.0)
+    mate = next(i for i in range(12, 10_000) if _home(i, 8) == _home(11, 8))
+    shared.directory_warmed(mate, 209.0)  # another directory's end changes not this one's claim
+    assert not shared.claim_directory(11, 210.5, 1.0)
 
 
 def test_a_second_thread_of_the_holder_waits_for_the_lock() -> None:

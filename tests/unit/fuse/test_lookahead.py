@@ -242,34 +242,54 @@ def test_rows_of_a_catalog_replaced_since_the_mount_opened_its_own_answer_no_loo
 def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> None:
     """mount --loops: the lookups of one directory reach every loop; one loop reads its inodes from the disk
     (each had, at once, with its helper's threads contending for the same inode blocks), and every loop keeps the
-    rows for its own lookups that follow there. An open gone cold re-warms it past ``AGAIN_COLD``."""
+    rows for its own lookups that follow there. An open gone cold in another loop re-warms it only once that
+    warm has ended, ``AGAIN_COLD`` after it."""
     from liquidfs.datapath.shared_inodes import SharedInodes
 
     catalog = _tree(tmp_path, dirs=1, files=5)
     shared = SharedInodes(2)
     clock = [100.0]
     warmed: list[tuple[int, bytes]] = []
-    loops = []
-    for index in range(2):
-        ahead = MetadataAhead(catalog.path, lambda node, index=index: warmed.append((index, node.path)),
-                              catalog_id=catalog.file_id)
-        ahead.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within))
-        loops.append(ahead)
+    first_warm_started, first_warm_may_end = threading.Event(), threading.Event()
+
+    def warm(index: int, node) -> None:
+        if index == 0:
+            first_warm_started.set()
+            first_warm_may_end.wait(20)
+        warmed.append((index, node.path))
+
+    def loop(index: int) -> MetadataAhead:
+        ahead = MetadataAhead(catalog.path, lambda node: warm(index, node), catalog_id=catalog.file_id)
+        ahead.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within,
+                                                                           lookahead.WARM_CLAIM),
+                         lambda directory: shared.directory_warmed(directory, clock[0]))
+        return ahead
+
     d0 = _dir(catalog, b"d0")
-    loops[0].looked_up(d0)
-    loops[0].stop()
-    loops[1].looked_up(d0)
-    loops[1].stop()
+    f0 = catalog.lookup(d0, b"f0.bin")
+    assert f0 is not None
+    first = loop(0)
+    first.looked_up(d0)
+    assert first_warm_started.wait(20)  # loop 0 claimed d0 and is warming it
+    second = loop(1)
+    second.looked_up(d0)  # the same directory's lookups reach the other loop: its rows only
+    second.stop()
+    assert second.row(d0, b"f1.bin") == catalog.lookup(d0, b"f1.bin")
+    assert second.statistics().values()["lookahead_left_to_others"] == 1
+    # loop 0's warm is still running, longer than AGAIN_COLD: an open gone cold in loop 1 leaves it to loop 0
+    clock[0] += lookahead.AGAIN_COLD + 0.5
+    cold = loop(1)
+    cold.went_cold(f0)
+    cold.stop()
+    assert warmed == []
+    first_warm_may_end.set()
+    first.stop()
     assert sorted(path for _, path in warmed) == [b"d0/f%d.bin" % i for i in range(5)]
     assert {index for index, _ in warmed} == {0}
-    for ahead in loops:  # both loops answer their lookups from the rows they read
-        assert ahead.row(d0, b"f1.bin") == catalog.lookup(d0, b"f1.bin")
-    assert loops[1].statistics().values()["lookahead_left_to_others"] == 1
-    assert loops[1].statistics().values()["lookahead_directories"] == 0
-    # an open in loop 1 found d0's inodes cold again, later than AGAIN_COLD after loop 0's claim: loop 1 warms
+    assert first.row(d0, b"f1.bin") == catalog.lookup(d0, b"f1.bin")
+    # once it ended, a cold open in loop 1 more than AGAIN_COLD later warms it there
     clock[0] += lookahead.AGAIN_COLD + 0.5
-    again = MetadataAhead(catalog.path, lambda node: warmed.append((1, node.path)))
-    again.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within))
-    again.went_cold(catalog.lookup(d0, b"f0.bin"))
+    again = loop(1)
+    again.went_cold(f0)
     again.stop()
     assert len([1 for index, _ in warmed if index == 1]) == 5
