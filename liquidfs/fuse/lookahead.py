@@ -95,7 +95,7 @@ class MetadataAhead:
         self._helper: WarmHelper | None = None  # started by ``start`` (else at the first directory), the thread's
         self._in_process = walks is None  # no walks, or the helper failed
         self._killed = False  # the helper was killed by ``stop``, a warm stuck
-        self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()  # (directory, claim's time)
+        self._queue: queue.SimpleQueue[tuple[int, float] | None] = queue.SimpleQueue()  # (directory, claim window)
         #: ``mount --loops``: whether this loop warms a directory's inodes, or another loop does, and the end of
         #: a warm this loop claimed (``join_loops``)
         self._claim: Callable[[int, float], bool] | None = None
