@@ -115,7 +115,7 @@ def test_a_percentage_of_tiny_files_hits_that_share_of_opens(tmp_path: Path, mou
     for e in ("2", "3"):
         ep = st["epochs"][e]
         # (a file read at one epoch's end and again at the next one's start passes for a retry: a few dozen)
-        assert ep["reads"] >= 1400, (st["epochs"], why)
+        assert ep["reads"] >= 1400, (why, st["epochs"])  # why first: pytest cuts a long message short
         if share == 1.0:
             assert ep["hits"] == ep["reads"], st["epochs"]
         else:  # sampling noise of 1,500 reads at 0.3: ~0.012
