@@ -214,6 +214,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         requests = _requests_delta(req0, control1.get("requests", {}))
                         # opens that went to a worker thread (their inodes not in memory) in the last run
                         cold_opens = (control1.get("cold_opens", 0) - control0.get("cold_opens", 0)) / len(paths)
+                        # inodes the read-ahead warmed per file (with --loops, each loop had warmed its own)
+                        warms = (control1.get("lookahead_files", 0) - control0.get("lookahead_files", 0)) / len(paths)
             direct_rate, mount_rate = statistics.median(runs["direct"]), statistics.median(runs["mount"])
             per_file = {name: {"per_file": r["count"] / len(rel),
                                "wall_us": r["wall_s"] / max(1, r["count"]) * 1e6,
@@ -228,7 +230,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                    "daemon_cpu_split_us_per_file": {kind: statistics.median(c[kind] for c in cpu_split)
                                                     for kind in ("loop", "other")},
                    "runs": runs, "bytes_read": read_bytes, "requests_last_run": per_file,
-                   "cold_opens_per_file": cold_opens}
+                   "cold_opens_per_file": cold_opens, "lookahead_warms_per_file": warms}
             mirrored_line = ""
             if mirror is not None:
                 mirror_rate = statistics.median(runs["mirror"])
@@ -243,7 +245,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                   f"({mount_rate / direct_rate:.2f}x), open p50/p99 us direct {opens_us['direct_open_p50_us']:.0f}/"
                   f"{opens_us['direct_open_p99_us']:.0f} mount {opens_us['mount_open_p50_us']:.0f}/"
                   f"{opens_us['mount_open_p99_us']:.0f}, daemon {statistics.median(cpu_per_file):6.0f} us CPU/file "
-                  f"({_split(row)})  "
+                  f"({_split(row)}), read-ahead warms {warms:.2f}/file  "
                   + " ".join(f"{k} {v['per_file']:.2f}x{v['loop_cpu_us']:.0f}us" for k, v in per_file.items()),
                   file=sys.stderr)
     return rows

@@ -44,6 +44,9 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
         tick_per_file = 1e6 / os.sysconf("SC_CLK_TCK") / row["files"]
         assert split["loop"] >= -2 * tick_per_file and split["other"] >= -2 * tick_per_file, row
         assert abs(split["loop"] + split["other"] - row["daemon_cpu_us_per_file"]) <= 2 * tick_per_file, row
+        assert row["lookahead_warms_per_file"] >= 0, row
+    # cold, the read-ahead warmed the files' inodes (once each, its own run's; at most twice with a re-warm)
+    assert any(r["lookahead_warms_per_file"] > 0 for r in rows if r["state"] == "cold"), rows
     # The mount's requests were counted: each file was opened through it.
     small_cold = next(r for r in rows if (r["shape"], r["state"], r["readers"]) == ("small", "cold", 1))
     assert small_cold["requests_last_run"]["open"]["per_file"] >= 1.0
