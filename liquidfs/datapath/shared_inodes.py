@@ -181,7 +181,8 @@ class SharedInodes:
                 if (dev, ino) != identity:
                     raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): reopen "
                                    "once its other opens are closed")
-                self._add_user(offset, loop, 1)
+                at_users = offset + _USERS_AT + 2 * loop
+                _USERS.pack_into(self._map, at_users, _USERS.unpack_from(self._map, at_users)[0] + 1)
                 return int(backing_id)
             if mine is None:
                 return None
@@ -208,18 +209,15 @@ class SharedInodes:
                 log.warning("inode %d: no shared backing to let go (loop %d)", inode, loop)
                 return
             offset = table.offset(at)
-            if self._map[offset + _USERS_AT + 2 * loop:offset + _USERS_AT + 2 * loop + 2] != b"\0\0":
-                self._add_user(offset, loop, -1)
+            at_users = offset + _USERS_AT + 2 * loop
+            (users,) = _USERS.unpack_from(self._map, at_users)
+            if users:
+                _USERS.pack_into(self._map, at_users, users - 1)
             if self._map[offset + _USERS_AT:offset + _BACKING.size] != _NO_USERS:
                 return
             backing_id = int(struct.unpack_from("<i", self._map, offset + _ID_AT)[0])
             table.remove(at)
         _unregister(unregister, backing_id)
-
-    def _add_user(self, offset: int, loop: int, change: int) -> None:
-        at = offset + _USERS_AT + 2 * loop
-        (users,) = _USERS.unpack_from(self._map, at)
-        _USERS.pack_into(self._map, at, users + change)
 
     def reap(self, loop: int, unregister: Callable[[int], None]) -> int:
         """``loop`` is gone: its users are taken out of every backing, and those no loop uses any more are
@@ -256,7 +254,7 @@ class SharedInodes:
         ``within`` seconds, nor is warming it (``now``: ``time.monotonic()``, the same clock in every loop). The
         claim is recorded as made ``busy_for`` seconds from now, so that it holds while the warm runs (at most
         that long: a loop that died warming lets go then); ``directory_warmed`` says when it ended."""
-        offset = self._claims_at + _home(inode, self._claim_slots) * _DIRECTORY_CLAIM.size
+        offset = self._claim_offset(inode)
         with self._lock:
             held, at = _DIRECTORY_CLAIM.unpack_from(self._map, offset)
             if held == inode and now - at < within:
@@ -266,10 +264,13 @@ class SharedInodes:
 
     def directory_warmed(self, inode: int, now: float) -> None:
         """The warm of directory ``inode`` this loop claimed ended ``now``: the others' windows count from it."""
-        offset = self._claims_at + _home(inode, self._claim_slots) * _DIRECTORY_CLAIM.size
+        offset = self._claim_offset(inode)
         with self._lock:
             if _DIRECTORY_CLAIM.unpack_from(self._map, offset)[0] == inode:
                 _DIRECTORY_CLAIM.pack_into(self._map, offset, inode, now)
+
+    def _claim_offset(self, inode: int) -> int:
+        return self._claims_at + _home(inode, self._claim_slots) * _DIRECTORY_CLAIM.size
 
     # -- sizes told --------------------------------------------------------------------------------------
 

@@ -173,15 +173,7 @@ class MetadataAhead:
             while (queued := self._queue.get()) is not None:
                 parent, within = queued
                 try:
-                    warm = self._claim is None or self._claim(parent, within)
-                    if not warm:
-                        self.left_to_others += 1
-                    try:
-                        if warm or keep:
-                            self._warm_directory(catalog, parent, keep, warm)
-                    finally:
-                        if warm and self._claim is not None:
-                            self._warmed(parent)
+                    self._take(catalog, parent, within, keep)
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:
@@ -191,6 +183,19 @@ class MetadataAhead:
         finally:
             catalog.close()
             self._close_helper()
+
+    def _take(self, catalog: Catalog, parent: int, within: float, keep_rows: bool) -> None:
+        """A directory dequeued: warmed here (its end told the other loops), or, where another loop claimed it
+        (``join_loops``), only its rows kept."""
+        if self._claim is not None and not self._claim(parent, within):
+            self.left_to_others += 1
+            if keep_rows:
+                self._warm_directory(catalog, parent, keep_rows, warm=False)
+            return
+        try:
+            self._warm_directory(catalog, parent, keep_rows)
+        finally:
+            self._warmed(parent)  # a no-op with one loop
 
     def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool, warm: bool = True) -> None:
         """``parent``'s files' rows kept (``keep_rows``) and their inodes warmed (``warm``; else another loop's)."""
