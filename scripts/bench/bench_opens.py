@@ -194,7 +194,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     prepare_state(state, paths)
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
-                        cpu0, req0 = bench.cpu_seconds(mounted.pid), control0.get("requests", {})
+                        req0 = control0.get("requests", {})
                         split0 = bench_loops.cpu_split([mounted.pid], children=True)
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
@@ -205,11 +205,11 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         mirror_cpu.append((bench.cpu_seconds(mirror.pid) - mirror_cpu0)  # type: ignore[union-attr]
                                           / len(paths) * 1e6)
                     if where == "mount":
-                        cpu_per_file.append((bench.cpu_seconds(mounted.pid) - cpu0) / len(paths) * 1e6)
                         split = bench_loops.cpu_split([mounted.pid], children=True)
                         cpu_split.append({kind: sum(split[f"{kind}_{t}"] - split0[f"{kind}_{t}"]
                                                     for t in ("user", "sys")) / len(paths) * 1e6
                                           for kind in ("loop", "other")})
+                        cpu_per_file.append(cpu_split[-1]["loop"] + cpu_split[-1]["other"])  # the daemon's whole
                         control1 = bench.control(mounted.mnt)
                         requests = _requests_delta(req0, control1.get("requests", {}))
                         # opens that went to a worker thread (their inodes not in memory) in the last run

@@ -22,9 +22,8 @@ use() {  # the daemon's package from tree $1, as scripts/gpu/setup.sh installs i
     find "$site/liquidfs" -name __pycache__ -prune -exec rm -rf {} +
 }
 {
-tree_sum() { (cd "$1" && find liquidfs -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16); }
-echo "== host: $(nproc) cores, kernel $(uname -r); --loops ${LOOPS:-8}; liquidfs/*.py sha256 old $(tree_sum "$old")" \
-    "new $(tree_sum "$repo")"
+echo "== host: $(nproc) cores, kernel $(uname -r); --loops ${LOOPS:-8}; liquidfs/*.py sha256 old" \
+    "$(package_sum "$old") new $(package_sum)"
 python3 scripts/gpu/dataset.py /tmp/bench-opens 192
 for round in 1 2; do
     for which in old new; do

@@ -17,9 +17,8 @@ images=${1:-512}
 kit_setup > /tmp/kit-setup.log 2>&1 || { cat /tmp/kit-setup.log; exit 1; }
 export PYTHONPATH=$repo/.gpukit/shim
 {
-# the package by its content: the checkout's .git travels stale to such a host (its HEAD named an older commit)
 echo "== host: $(nproc) cores, kernel $(uname -r), $(free -g | awk '/Mem/ {print $2}') GiB; liquidfs/*.py sha256" \
-    "$(find liquidfs -name '*.py' | sort | xargs cat | sha256sum | cut -c1-16)"
+    "$(package_sum)"
 python3 scripts/gpu/dataset.py /tmp/bench-opens 192
 for loops in ${OPENS_LOOPS:-auto 8}; do
     echo "== opens, 16 readers, --loops $loops"
