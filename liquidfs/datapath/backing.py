@@ -29,6 +29,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import trio
 
@@ -76,16 +77,19 @@ class SharedBacking:
 
 
 def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
-            vouch: bool = True) -> Backing | None:
+            vouch: bool = True, lends: bool | None = None) -> Backing | None:
     """The backing of ``node``, or None where none can be made (a file too large to be read whole from an
     object store: such a file is served by the daemon, in ranges, as before).
 
     A local store answers with the source or the object descriptor itself when a stat vouches for it; anything
     else (and everything with ``verify_reads``) is read whole by the reader, checked there (a raw object's
-    checksum, an object store's ETag and size), and copied into a sealed memfd.
+    checksum, an object store's ETag and size), and copied into a sealed memfd. ``lends``: whether ``reader``
+    is a ``LendsDescriptors``, as its caller found once (None: found here). An ``isinstance`` of a runtime
+    protocol reads every member the protocol names, a property included: 19 us of Python, which every cold open
+    paid in its worker thread, holding the interpreter's lock the loop wanted (issue 40).
     """
-    if vouch and isinstance(reader, LendsDescriptors) and not verify_reads:
-        found = vouched(reader, node)
+    if vouch and not verify_reads and (isinstance(reader, LendsDescriptors) if lends is None else lends):
+        found = vouched(cast(LendsDescriptors, reader), node)  # as found above, or by the caller
         if found is not None:
             return found
     content = reader.open(node)

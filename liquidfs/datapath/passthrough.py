@@ -149,9 +149,12 @@ class PassthroughPath:
         #: ``mount --loops``: the backings every loop shares, and this loop's index (``join_loops``).
         self.shared: SharedInodes | None = None
         self.loop = 0
+        #: Whether the reader lends its descriptors (``backing.resolve``), found once: an ``isinstance`` of a
+        #: runtime protocol costs ~19 us, more than the rest of a cold open's walk.
+        lends = reader if isinstance(reader, LendsDescriptors) else None
+        self.lends = lends is not None
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
-        self.lender = reader if isinstance(reader, LendsDescriptors) and reader.inline_check \
-            and not verify_reads else None
+        self.lender = lends if lends is not None and reader.inline_check and not verify_reads else None
 
     async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:
         """One more open of ``node``, answered with its inode's backing; a file without one is served by
@@ -293,7 +296,7 @@ class PassthroughPath:
         return backing
 
     def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
-        return resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch)
+        return resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch, lends=self.lends)
 
     def _release_entry(self, record: Inode, entry: SharedBacking) -> None:
         entry.opens -= 1

@@ -439,18 +439,24 @@ def test_the_closer_closes_a_batch_when_full_or_quiet_and_all_at_stop(tmp_path: 
     assert closer.pending == 0 and closer.closed == 5 and all(map(closed, fds))
 
 
-def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahead(prepared, monkeypatch) -> None:
-    """Where the kernel's caches cannot answer the walk, the open is done in a worker thread, counted, and the
-    metadata read-ahead is told (``on_cold_open``), so the directory's other files are warmed again."""
+def _all_cold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every open's walk on the loop finds its metadata cold (EAGAIN), as after a drop of the kernel's caches."""
     from liquidfs.datapath import passthrough
+
+    real = passthrough.vouched
 
     def cold(*args, **kwargs):
         if kwargs.get("cached_only"):
             raise BlockingIOError(11, "not in the kernel's caches")
         return real(*args, **kwargs)
 
-    real = passthrough.vouched
     monkeypatch.setattr(passthrough, "vouched", cold)
+
+
+def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahead(prepared, monkeypatch) -> None:
+    """Where the kernel's caches cannot answer the walk, the open is done in a worker thread, counted, and the
+    metadata read-ahead is told (``on_cold_open``), so the directory's other files are warmed again."""
+    _all_cold(monkeypatch)
     src, store = prepared
     ops, kernel = _ops(store)
     told: list[bytes] = []
@@ -458,6 +464,32 @@ def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahea
     nodes = _images(ops)
     _serve_each(ops, kernel, src, store, nodes)
     assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
+
+
+def test_a_cold_open_does_not_ask_the_reader_again_whether_it_lends_descriptors(prepared, monkeypatch) -> None:
+    """Whether the reader lends its descriptors is found once, when the data path is made: an ``isinstance`` of
+    the runtime protocol reads each of its members (19 us of Python), and every cold open, in a worker thread
+    holding the interpreter's lock, had paid it. A reader that counts the reads of one of those members (a
+    property ``isinstance`` reads) serves every file cold without one read more."""
+    reads = []
+
+    class Counting(StoreReader):
+        @property
+        def warm_descriptors(self) -> tuple[int, ...]:
+            reads.append(1)
+            return super().warm_descriptors
+
+    _all_cold(monkeypatch)
+    src, store = prepared
+    catalog = Catalog.open(store, readonly=True)
+    kernel = FakeKernel()
+    ops = passthrough_operations(catalog, Counting(catalog.source, store), kernel)
+    before = len(reads)
+    assert before >= 1  # found when the path was made
+    nodes = _images(ops)
+    _serve_each(ops, kernel, src, store, nodes)
+    assert ops.stats.cold_opens == len(nodes) and ops.stats.backing_object + ops.stats.backing_source == len(nodes)
+    assert len(reads) == before
 
 
 def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:
