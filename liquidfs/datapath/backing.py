@@ -35,6 +35,7 @@ import trio
 
 from ..catalog.nodes import Node
 from ..stores.reader import LendsDescriptors, Reader, stamp
+from ..sysio.thread_names import CLOSER, name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +246,7 @@ class Closer:
         self._files.append((fd, drop))
 
     def _run(self) -> None:
+        name_this_thread(CLOSER)
         while True:
             why = self._wake.get()
             if why == _FIRST:  # a batch begins: closed when full or quiet

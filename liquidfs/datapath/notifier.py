@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
+from ..sysio.thread_names import NOTIFIER, name_this_thread
+
 log = logging.getLogger(__name__)
 
 #: Worker threads dropping attributes at once (``Notifier.new_size``), on a limiter of their own: an open that
@@ -65,6 +67,7 @@ class Notifier:
         self._queue.put(item)
 
     def _run(self) -> None:
+        name_this_thread(NOTIFIER)
         while (item := self._queue.get()) is not None:
             ok = False
             try:

@@ -36,6 +36,7 @@ from pathlib import Path
 from ..catalog.catalog import Catalog
 from ..catalog.nodes import KIND_FILE, Node
 from ..metrics.stats import Statistics
+from ..sysio.thread_names import READ_AHEAD, WARMER, name_this_thread
 from .listing import MAX_ROWS, child_rows
 from .warm_helper import STOP_WAIT, HelperFailed, Walks, WarmHelper, warm_in_runs
 
@@ -162,6 +163,7 @@ class MetadataAhead:
         return True
 
     def _run(self) -> None:
+        name_this_thread(READ_AHEAD)
         catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's connection is the loop's
         # prepare may have renamed a new catalog over the path since the mount opened its own (other ids, other
         # sizes): its rows may still steer warms, never answer a lookup.
@@ -264,7 +266,8 @@ class MetadataAhead:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._warmers is None:
-            self._warmers = ThreadPoolExecutor(WARMERS, thread_name_prefix="liquidfs-lookahead")
+            self._warmers = ThreadPoolExecutor(WARMERS, thread_name_prefix="liquidfs-lookahead",
+                                               initializer=name_this_thread, initargs=(WARMER,))
         return self._warmers
 
     def statistics(self) -> LookaheadStatistics:

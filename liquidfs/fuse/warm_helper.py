@@ -26,6 +26,7 @@ from typing import IO, TypeVar
 
 from ..sysio import reexec
 from ..sysio.paths import stat_below
+from ..sysio.thread_names import WARMER, name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ def main(argv: list[str]) -> int:
     threads, *descriptors = (int(arg) for arg in argv)
     allowed = frozenset(descriptors)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
-    with ThreadPoolExecutor(max(1, threads)) as pool:
+    name_this_thread(WARMER)  # the process's name too (its main thread's): ``ps`` tells it from the daemon
+    with ThreadPoolExecutor(max(1, threads), initializer=name_this_thread, initargs=(WARMER,)) as pool:
         for batch in batches(stdin, allowed):
             stdout.write(b"%d\n" % warm_in_runs(pool, warm, batch, threads))
             stdout.flush()

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from ..sysio.thread_names import CLUSTER_DNS, name_this_thread
 from .memcached import TIMEOUT, MemcachedWire
 
 log = logging.getLogger(__name__)
@@ -244,6 +245,7 @@ class ResolvingClient:
         return addresses
 
     def _run(self) -> None:
+        name_this_thread(CLUSTER_DNS)
         while not self._stop.wait(self.every if len(self._last) == len(self._names) else
                                   min(self.every, RESOLVE_RETRY)):
             try:

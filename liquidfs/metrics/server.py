@@ -52,6 +52,7 @@ from typing import Any
 
 import trio
 
+from ..sysio.thread_names import METRICS, name_this_thread
 from .defs import prometheus_text
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,7 @@ class MetricsServer:
     # -- the accept thread -----------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        name_this_thread(METRICS)
         assert self._wakeup is not None
         selector = selectors.DefaultSelector()
         try:
@@ -333,6 +335,7 @@ class MetricsServer:
     # -- the worker threads ----------------------------------------------------------------------------------
 
     def _worker(self) -> None:
+        name_this_thread(METRICS)
         while (item := self._pending.get()) is not None:
             conn, peer, accepted = item
             try:
@@ -399,6 +402,7 @@ class MetricsServer:
 
     def _refresh_loop(self) -> None:
         """Computes the snapshots asked for, one at a time: ``values()`` on the loop, the text here."""
+        name_this_thread(METRICS)
         while True:
             with self._changed:
                 while not self._refreshing and not self._stopping:

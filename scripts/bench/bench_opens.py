@@ -51,8 +51,16 @@ import _bench as bench
 import bench_loops
 
 from liquidfs.catalog.catalog import Catalog
+from liquidfs.sysio.thread_names import CLOSER, READ_AHEAD, WARMER
 
 STATES = ("cold", "warm")
+#: Parts of the daemon's CPU beside its loops' own threads, by the names its threads carry (``thread_names``): the
+#: opens that went cold, in worker threads (trio's: those without a name of ours, since trio names its threads
+#: before they exist, and most keep their process's name); the closer's page drops and closes; the read-ahead (its
+#: thread, its warms, its helper process). The rest of ``other``: the notifier, threads that ended (trio's idle
+#: workers end after 10 s), the watchdog.
+PARTS = {"workers": ("Trio thread",), "closer": (CLOSER,), "read_ahead": (READ_AHEAD, WARMER)}
+UNNAMED = "workers"
 SHAPES = ("small", "large", "opens")
 _BUFFER = 1 << 20
 
@@ -195,7 +203,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
                         req0 = control0.get("requests", {})
-                        split0 = bench_loops.cpu_split([mounted.pid], children=True)
+                        split0 = bench_loops.cpu_split([mounted.pid], children=True, parts=PARTS, unnamed=UNNAMED)
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
                     seconds, read_bytes[where], opens = read_files(paths, n, read)
@@ -205,10 +213,12 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         mirror_cpu.append((bench.cpu_seconds(mirror.pid) - mirror_cpu0)  # type: ignore[union-attr]
                                           / len(paths) * 1e6)
                     if where == "mount":
-                        split = bench_loops.cpu_split([mounted.pid], children=True)
+                        split = bench_loops.cpu_split([mounted.pid], children=True, parts=PARTS, unnamed=UNNAMED)
                         cpu_split.append({kind: sum(split[f"{kind}_{t}"] - split0[f"{kind}_{t}"]
                                                     for t in ("user", "sys")) / len(paths) * 1e6
                                           for kind in ("loop", "other")})
+                        cpu_split[-1].update({kind: (split[kind] - split0[kind]) / len(paths) * 1e6
+                                              for kind in PARTS})
                         cpu_per_file.append(cpu_split[-1]["loop"] + cpu_split[-1]["other"])  # the daemon's whole
                         control1 = bench.control(mounted.mnt)
                         requests = _requests_delta(req0, control1.get("requests", {}))
@@ -228,7 +238,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                    "direct_files_s": direct_rate, "mount_files_s": mount_rate, "ratio": mount_rate / direct_rate,
                    "daemon_cpu_us_per_file": statistics.median(cpu_per_file),
                    "daemon_cpu_split_us_per_file": {kind: statistics.median(c[kind] for c in cpu_split)
-                                                    for kind in ("loop", "other")},
+                                                    for kind in ("loop", "other", *PARTS)},
                    "runs": runs, "bytes_read": read_bytes, "requests_last_run": per_file,
                    "cold_opens_per_file": cold_opens, "lookahead_warms_per_file": warms}
             mirrored_line = ""
@@ -256,7 +266,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| shape | metadata | readers | direct files/s | "
              + ("mirror files/s | mirror/direct | mirror open p50 / p99 us | mirror CPU us/file | " if mirror else "")
              + "mount files/s | mount/direct | open p50 / p99 us, direct | mount | daemon CPU us/file (its loops' "
-             "threads + the rest) "
+             "threads + the rest: of it worker threads, closer, read-ahead) "
              "| opens in a thread | loop CPU us per request (requests per file) |"]
     lines.append("|---" * (lines[0].count("|") - 1) + "|")
     for r in rows:
@@ -272,9 +282,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _split(row: dict[str, Any]) -> str:
-    """A row's daemon CPU per file as its loops' threads + the rest (JSON of a version without it: blank)."""
+    """A row's daemon CPU per file as its loops' threads + the rest, and the rest's parts (JSON of a version
+    without them: blank)."""
     split = row.get("daemon_cpu_split_us_per_file")
-    return f"{split['loop']:.0f} + {split['other']:.0f}" if split else ""
+    if not split:
+        return ""
+    parts = ", ".join(f"{split[kind]:.0f}" for kind in PARTS if kind in split)
+    return f"{split['loop']:.0f} + {split['other']:.0f}" + (f": {parts}" if parts else "")
 
 
 @contextmanager

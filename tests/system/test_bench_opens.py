@@ -45,6 +45,9 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
         tick_per_file = 1e6 / os.sysconf("SC_CLK_TCK") / row["files"]
         assert split["loop"] >= -2 * tick_per_file and split["other"] >= -2 * tick_per_file, row
         assert abs(split["loop"] + split["other"] - row["daemon_cpu_us_per_file"]) <= 2 * tick_per_file, row
+        # the rest's parts by the names of the threads (worker threads, the closer, the read-ahead): within it
+        parts = [split[kind] for kind in ("workers", "closer", "read_ahead")]
+        assert min(parts) >= -2 * tick_per_file and sum(parts) <= split["other"] + 4 * tick_per_file, row
         assert row["lookahead_warms_per_file"] >= 0, row
     # the split is read, not made up: the loops' threads answered every request of every run
     assert sum(r["daemon_cpu_split_us_per_file"]["loop"] for r in rows) > 0, rows
@@ -53,7 +56,7 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
     # The mount's requests were counted: each file was opened through it.
     small_cold = next(r for r in rows if (r["shape"], r["state"], r["readers"]) == ("small", "cold", 1))
     assert small_cold["requests_last_run"]["open"]["per_file"] >= 1.0
-    assert "| mirror files/s |" in done.stdout and "daemon CPU us/file (its loops' threads + the rest)" in done.stdout
+    assert "| mirror files/s |" in done.stdout and "daemon CPU us/file (its loops' threads + the rest: of it worker threads, closer, read-ahead)" in done.stdout
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     assert str(work / "mnt") not in mounts and str(work / "mnt-mirror") not in mounts
 
