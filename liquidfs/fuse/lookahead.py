@@ -14,8 +14,9 @@ files, read for that, are kept (``row``, at most ``HOT_ROWS``): the LOOKUPs that
 instead of querying the catalog on the loop, where a cold LOOKUP waited for the catalog's pages. An open that still
 finds its source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure
 between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
-``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_COLD`` after the last warm ended, a directory is never
-queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
+``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_DROPPED`` after the last warm ended where that warm
+warmed every file (and ``AGAIN_COLD`` where it left some cold: their opens go cold whatever is warmed), a directory
+is never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
 each loop's (``mount --loops``); across the loops, the one that claims a directory warms its inodes (the kernel's
 caches serve every loop) and the others read only its rows (``join_loops``).
 """
@@ -44,9 +45,15 @@ log = logging.getLogger(__name__)
 
 #: Seconds before a LOOKUP may warm a directory warmed once again (the kernel may have dropped its inodes since).
 AGAIN_AFTER = 60.0
-#: Seconds after a warm of a directory ended before an open there that found its inodes cold warms it again: the
-#: kernel dropped them since (a drop of the caches, memory pressure between epochs).
+#: Seconds after a warm of a directory that left some of its files cold (gone, refused: their opens go cold whatever is
+#: warmed) ended before an open there that found its inodes cold warms it again.
 AGAIN_COLD = 1.0
+#: The same after a warm that warmed every file: an open that finds its inodes cold now says the kernel dropped them
+#: since (a drop of the caches, memory pressure between epochs). With ``AGAIN_COLD`` only, every open of a directory
+#: whose caches were dropped within a second of its last warm went cold (bench_opens's cold runs, one in two: all
+#: 96 of their opens in worker threads, where the others had 9-24); the bound still keeps a directory's warms to
+#: ten a second where the kernel drops its inodes as fast as they are read.
+AGAIN_DROPPED = 0.1
 #: ``mount --loops``: seconds a loop's claim to warm a directory holds the others off while its warm runs, at most
 #: (a loop that died warming lets go then); its end is recorded when it ends (``MetadataAhead.join_loops``).
 WARM_CLAIM = 30.0
@@ -106,6 +113,7 @@ class MetadataAhead:
         self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
         self._busy: set[int] = set()              # directories queued or being warmed (under _lock): <= MAX_QUEUED
         self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
+        self._whole: set[int] = set()             # directories whose last warm here warmed every file (under _lock)
         self._thread: threading.Thread | None = None
         self._warmers: ThreadPoolExecutor | None = None  # the warming thread's own, made at its first directory
         self._stopped = False
@@ -137,11 +145,14 @@ class MetadataAhead:
         """An open of ``node`` found its metadata not in the kernel's memory (it went to a worker thread). A
         LOOKUP says only that the mount's own entry was missing, and warms a directory once a minute; an open
         gone cold says the source's inodes are: warm them again, unless a warm of this directory is under way or
-        ended less than ``AGAIN_COLD`` seconds ago."""
+        ended less than ``AGAIN_DROPPED`` seconds ago (``AGAIN_COLD`` where it left some files cold)."""
         with self._lock:
-            if node.parent in self._busy or time.monotonic() - self._done_at.get(node.parent, -AGAIN_COLD) < AGAIN_COLD:
+            if node.parent in self._busy:
                 return
-        self._queue_directory(node.parent, AGAIN_COLD)
+            wait = AGAIN_DROPPED if node.parent in self._whole else AGAIN_COLD
+            if time.monotonic() - self._done_at.get(node.parent, -wait) < wait:
+                return
+        self._queue_directory(node.parent, wait)
 
     def join_loops(self, claim: Callable[[int, float], bool], warmed: Callable[[int], None]) -> None:
         """One of several loops: ``claim(directory, within)`` says whether this loop warms a directory's inodes
@@ -174,42 +185,52 @@ class MetadataAhead:
         try:
             while (queued := self._queue.get()) is not None:
                 parent, within = queued
+                whole = False
                 try:
-                    self._take(catalog, parent, within, keep)
+                    whole = self._take(catalog, parent, within, keep)
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:
                     with self._lock:
                         self._busy.discard(parent)
                         self._done_at[parent] = time.monotonic()
+                        if whole:
+                            self._whole.add(parent)
+                        else:
+                            self._whole.discard(parent)
         finally:
             catalog.close()
             self._close_helper()
 
-    def _take(self, catalog: Catalog, parent: int, within: float, keep_rows: bool) -> None:
+    def _take(self, catalog: Catalog, parent: int, within: float, keep_rows: bool) -> bool:
         """A directory dequeued: warmed here (its end told the other loops), or, where another loop claimed it
-        (``join_loops``), only its rows kept."""
+        (``join_loops``), only its rows kept. Whether every one of its files was warmed here."""
         if self._claim is not None and not self._claim(parent, within):
             self.left_to_others += 1
             if keep_rows:
                 self._warm_directory(catalog, parent, keep_rows, warm=False)
-            return
+            return False
         try:
-            self._warm_directory(catalog, parent, keep_rows)
+            return self._warm_directory(catalog, parent, keep_rows)
         finally:
             self._warmed(parent)  # a no-op with one loop
 
-    def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool, warm: bool = True) -> None:
-        """``parent``'s files' rows kept (``keep_rows``) and their inodes warmed (``warm``; else another loop's)."""
+    def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool, warm: bool = True) -> bool:
+        """``parent``'s files' rows kept (``keep_rows``) and their inodes warmed (``warm``; else another loop's).
+        Whether every file was warmed."""
         files = (node for node in child_rows(catalog.children, parent, 0, MAX_ROWS, lambda node: node.id)
                  if node.kind == KIND_FILE)
+        whole = warm
         while batch := list(itertools.islice(files, MAX_ROWS)):  # a bounded number of files in flight
             if keep_rows:
                 self._keep_rows(batch)
             if warm:
-                self.files += self._warm_batch(batch)
+                warmed = self._warm_batch(batch)
+                self.files += warmed
+                whole = whole and warmed == len(batch)
         if warm:
             self.directories += 1
+        return whole
 
     def _keep_rows(self, batch: list[Node]) -> None:
         rows = self._rows

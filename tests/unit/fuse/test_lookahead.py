@@ -116,33 +116,68 @@ def test_a_directory_is_warmed_again_after_a_while_and_the_queue_is_bounded(tmp_
     assert warmed.count(b"d0/f0.bin") == 1
 
 
+def _settle(ahead: MetadataAhead) -> None:
+    """The warms queued done: the worker ends after what is queued, and starts anew at the next."""
+    ahead._queue.put(None)
+    assert ahead._thread is not None
+    ahead._thread.join(10)
+    ahead._thread = None
+
+
 def test_an_open_gone_cold_warms_its_directory_again_unless_warmed_just_now(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A LOOKUP warms a directory once a minute; an open that found its source's inode cold (the kernel dropped
-    what the last warm brought in) warms it again, once the last warm ended ``AGAIN_COLD`` seconds ago."""
+    what the last warm brought in) warms it again, once the last warm ended ``AGAIN_DROPPED`` seconds ago (not
+    ``AGAIN_COLD``: that warm warmed every file, so the kernel dropped them since)."""
     catalog = _tree(tmp_path, dirs=1, files=2)
     warmed: list[bytes] = []
     ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path))
     d0 = _dir(catalog, b"d0")
     [f0, _] = catalog.children(d0)
-
-    def settle() -> None:
-        ahead._queue.put(None)  # the worker ends after what is queued: wait for it, then let it start anew
-        assert ahead._thread is not None
-        ahead._thread.join(10)
-        ahead._thread = None
-
+    monkeypatch.setattr(lookahead, "AGAIN_DROPPED", 60.0)
+    monkeypatch.setattr(lookahead, "AGAIN_COLD", 60.0)
     ahead.looked_up(d0)
-    settle()
+    _settle(ahead)
     ahead.looked_up(d0)  # within AGAIN_AFTER: no second warm for a LOOKUP
-    ahead.went_cold(f0)  # within AGAIN_COLD of the warm's end: none either
+    ahead.went_cold(f0)  # within AGAIN_DROPPED of the warm's end: none either
     if ahead._thread is not None:
-        settle()
+        _settle(ahead)
     assert len(warmed) == 2
-    monkeypatch.setattr(lookahead, "AGAIN_COLD", 0.0)
-    ahead.went_cold(f0)
-    settle()
+    monkeypatch.setattr(lookahead, "AGAIN_DROPPED", 0.0)
+    ahead.went_cold(f0)  # AGAIN_COLD has not passed: a whole warm's drop is not held to it
+    _settle(ahead)
     assert len(warmed) == 4 and ahead.statistics().values()["lookahead_directories"] == 2
+    ahead.stop()
+
+
+def test_a_directory_whose_warm_left_a_file_cold_is_warmed_again_only_after_again_cold(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose warm fails (gone, refused) has every open go cold, whatever is warmed: after such a warm, an
+    open gone cold warms the directory again only ``AGAIN_COLD`` after it, not ``AGAIN_DROPPED``, or each of
+    those opens would warm the whole directory again."""
+    catalog = _tree(tmp_path, dirs=1, files=3)
+    warmed: list[bytes] = []
+
+    def warm(node) -> None:
+        if node.path.endswith(b"f1.bin"):
+            raise OSError(2, "gone")
+        warmed.append(node.path)
+
+    ahead = MetadataAhead(catalog.path, warm)
+    d0 = _dir(catalog, b"d0")
+    f1 = catalog.lookup(d0, b"f1.bin")
+    assert f1 is not None
+    monkeypatch.setattr(lookahead, "AGAIN_DROPPED", 0.0)
+    monkeypatch.setattr(lookahead, "AGAIN_COLD", 60.0)
+    ahead.looked_up(d0)
+    _settle(ahead)
+    assert len(warmed) == 2
+    ahead.went_cold(f1)
+    assert ahead._thread is None and len(warmed) == 2  # nothing queued
+    monkeypatch.setattr(lookahead, "AGAIN_COLD", 0.0)
+    ahead.went_cold(f1)
+    _settle(ahead)
+    assert len(warmed) == 4
     ahead.stop()
 
 
