@@ -86,8 +86,9 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
     else (and everything with ``verify_reads``) is read whole by the reader, checked there (a raw object's
     checksum, an object store's ETag and size), and copied into a sealed memfd. ``lends``: whether ``reader``
     is a ``LendsDescriptors``, as its caller found once (None: found here). An ``isinstance`` of a runtime
-    protocol reads every member the protocol names, a property included: 19 us of Python, which every cold open
-    paid in its worker thread, holding the interpreter's lock the loop wanted (issue 40).
+    protocol looks up every member the protocol names (on Python 3.11 a property's getter included): 19 us of
+    Python there, which every cold open paid in its worker thread, holding the interpreter's lock the loop wanted
+    (issue 40).
     """
     if vouch and not verify_reads and (isinstance(reader, LendsDescriptors) if lends is None else lends):
         found = vouched(cast(LendsDescriptors, reader), node)  # as found above, or by the caller
@@ -239,7 +240,7 @@ class Closer:
 
     def _add(self, fd: int, drop: bool) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="liquidfs-close", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=CLOSER, daemon=True)
             self._thread.start()
         with self._lock:
             self.pending += 1

@@ -62,7 +62,7 @@ class Notifier:
 
     def _put(self, item: _Invalidate | _Store) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="liquidfs-notify", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=NOTIFIER, daemon=True)
             self._thread.start()
         self._queue.put(item)
 

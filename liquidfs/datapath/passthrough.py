@@ -25,6 +25,7 @@ from ..held.base import MemfdLevel
 from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import Content, LendsDescriptors, Reader
+from ..sysio.paths import HAS_OPENAT2
 from .backing import Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
 from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
@@ -150,11 +151,14 @@ class PassthroughPath:
         self.shared: SharedInodes | None = None
         self.loop = 0
         #: Whether the reader lends its descriptors (``backing.resolve``), found once: an ``isinstance`` of a
-        #: runtime protocol costs ~19 us, more than the rest of a cold open's walk.
+        #: runtime protocol cost 19 us on Python 3.11, more than the rest of a cold open's Python.
         lends = reader if isinstance(reader, LendsDescriptors) else None
         self.lends = lends is not None
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
-        self.lender = lends if lends is not None and reader.inline_check and not verify_reads else None
+        # Without openat2 no walk can ask for the kernel's caches only: each would fail at once, count as a cold
+        # open and have the read-ahead warm its directory again, for nothing.
+        self.lender = lends if lends is not None and reader.inline_check and not verify_reads and HAS_OPENAT2 \
+            else None
 
     async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:
         """One more open of ``node``, answered with its inode's backing; a file without one is served by

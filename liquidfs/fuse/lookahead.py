@@ -15,8 +15,9 @@ instead of querying the catalog on the loop, where a cold LOOKUP waited for the 
 finds its source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure
 between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
 ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_DROPPED`` after the last warm ended where that warm
-warmed every file (and ``AGAIN_COLD`` where it left some cold: their opens go cold whatever is warmed), a directory
-is never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
+warmed every file (twice that after each re-warm asked for right at its bound, up to ``AGAIN_COLD``), and
+``AGAIN_COLD`` where it left some cold (their opens go cold whatever is warmed), a directory is never queued twice,
+and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
 each loop's (``mount --loops``); across the loops, the one that claims a directory warms its inodes (the kernel's
 caches serve every loop) and the others read only its rows (``join_loops``).
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -51,8 +53,9 @@ AGAIN_COLD = 1.0
 #: The same after a warm that warmed every file: an open that finds its inodes cold now says the kernel dropped them
 #: since (a drop of the caches, memory pressure between epochs). With ``AGAIN_COLD`` only, every open of a directory
 #: whose caches were dropped within a second of its last warm went cold (bench_opens's cold runs, one in two: all
-#: 96 of their opens in worker threads, where the others had 9-24); the bound still keeps a directory's warms to
-#: ten a second where the kernel drops its inodes as fast as they are read.
+#: 96 of their opens in worker threads, where the others had 9-24). Where the kernel drops a directory's inodes as
+#: fast as they are read, the re-warms are asked for right at the bound, one after another: each such doubles it,
+#: up to ``AGAIN_COLD`` (no more warms than before), and one asked for well after the bound starts it anew.
 AGAIN_DROPPED = 0.1
 #: ``mount --loops``: seconds a loop's claim to warm a directory holds the others off while its warm runs, at most
 #: (a loop that died warming lets go then); its end is recorded when it ends (``MetadataAhead.join_loops``).
@@ -114,6 +117,8 @@ class MetadataAhead:
         self._busy: set[int] = set()              # directories queued or being warmed (under _lock): <= MAX_QUEUED
         self._done_at: dict[int, float] = {}      # when the last warm of each directory ended (under _lock)
         self._whole: set[int] = set()             # directories whose last warm here warmed every file (under _lock)
+        self._again: dict[int, float] = {}        # the bound of a whole directory's next re-warm, where not
+                                                  # AGAIN_DROPPED (under _lock)
         self._thread: threading.Thread | None = None
         self._warmers: ThreadPoolExecutor | None = None  # the warming thread's own, made at its first directory
         self._stopped = False
@@ -145,14 +150,20 @@ class MetadataAhead:
         """An open of ``node`` found its metadata not in the kernel's memory (it went to a worker thread). A
         LOOKUP says only that the mount's own entry was missing, and warms a directory once a minute; an open
         gone cold says the source's inodes are: warm them again, unless a warm of this directory is under way or
-        ended less than ``AGAIN_DROPPED`` seconds ago (``AGAIN_COLD`` where it left some files cold)."""
+        ended less than ``AGAIN_DROPPED`` seconds ago (twice that after a re-warm asked for right at its bound, up
+        to ``AGAIN_COLD``; ``AGAIN_COLD`` where it left some files cold)."""
+        parent = node.parent
         with self._lock:
-            if node.parent in self._busy:
+            whole = parent in self._whole
+            wait = self._again.get(parent, AGAIN_DROPPED) if whole else AGAIN_COLD
+            since = time.monotonic() - self._done_at.get(parent, -math.inf)
+            if parent in self._busy or since < wait:
                 return
-            wait = AGAIN_DROPPED if node.parent in self._whole else AGAIN_COLD
-            if time.monotonic() - self._done_at.get(node.parent, -wait) < wait:
-                return
-        self._queue_directory(node.parent, wait)
+            if whole and since < 2 * wait:  # right at the bound: the kernel may drop them as fast as they are read
+                self._again[parent] = min(2 * wait, AGAIN_COLD)
+            elif whole:  # a drop of its own, well after the last warm
+                self._again.pop(parent, None)
+        self._queue_directory(parent, wait)
 
     def join_loops(self, claim: Callable[[int, float], bool], warmed: Callable[[int], None]) -> None:
         """One of several loops: ``claim(directory, within)`` says whether this loop warms a directory's inodes
@@ -168,7 +179,7 @@ class MetadataAhead:
                 return False
             self._busy.add(parent)
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="liquidfs-lookahead", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=READ_AHEAD, daemon=True)
             self._thread.start()
         self._queue.put((parent, within))
         return True
@@ -287,7 +298,7 @@ class MetadataAhead:
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._warmers is None:
-            self._warmers = ThreadPoolExecutor(WARMERS, thread_name_prefix="liquidfs-lookahead",
+            self._warmers = ThreadPoolExecutor(WARMERS, thread_name_prefix=WARMER,
                                                initializer=name_this_thread, initargs=(WARMER,))
         return self._warmers
 

@@ -151,7 +151,7 @@ class ResolvingClient:
         log.info("cluster: %d memcacheds: %s", len(self._servers), ", ".join(f"{h}:{p}" for h, p in self._servers))
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(target=self._run, name="liquidfs-cluster-dns", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=CLUSTER_DNS, daemon=True)
             self._thread.start()
 
     # -- the client interface --------------------------------------------------------------------------------

@@ -206,68 +206,110 @@ def _stat_fields(path: Path) -> list[str]:
     return path.read_text().rsplit(")", 1)[1].split()
 
 
-def cpu_split(pids: list[int], *, children: bool = False, parts: dict[str, tuple[str, ...]] | None = None,
-              unnamed: str | None = None) -> dict[str, float]:
+def cpu_split(pids: list[int], *, children: bool = False) -> dict[str, float]:
     """CPU seconds of ``pids`` (and, with ``children``, the processes they started: a liquidfs mount's other
     loops, its read-ahead's helper and its watchdog), by kind of thread: ``loop_user``/``loop_sys`` for the main
     thread of each process of the first one's session (where each loop's trio loop runs), ``other_user``/
     ``other_sys`` for the rest (worker threads, the closer, the read-ahead; a process of another session, such as
-    the watchdog, whole). A process's total is its own /proc stat, which keeps the time of threads that ended
-    meanwhile. ``parts``: kinds of the rest (seconds on a CPU, each also in ``other_*``) by the names the system
-    knows threads by (/proc/PID/task/TID/comm, prefixes): a thread so named (its schedstat, in nanoseconds), or a
-    whole process whose main thread is (the read-ahead's helper; its stat), is counted in its part; a thread
-    that ended, only in ``other_*``. ``unnamed``: the part of the threads that carry their process's name (none
-    of their own), where a daemon names every thread it starts itself."""
+    the watchdog or the read-ahead's helper, whole). A process's total is its own /proc stat, which keeps the time
+    of threads that ended meanwhile."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {"loop_user": 0.0, "loop_sys": 0.0, "other_user": 0.0, "other_sys": 0.0}
-    out.update({kind: 0.0 for kind in parts or {}})
-
-    def part(task: Path, process_name: str | None = None) -> str | None:
-        name = (task / "comm").read_text().rstrip("\n")
-        if name == process_name:
-            return unnamed
-        return next((kind for kind, names in (parts or {}).items() if name.startswith(names)), None)
-
     session = None
-    seen: set[int] = set()
-    todo = list(reversed(pids))
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        threads: dict[str, float] = {}  # the parts' threads of this process, seconds
+    for pid in _processes(pids, children):
         try:
             # the main thread first: the whole read after it has at least its time (other threads never < 0)
             main = _stat_fields(Path(f"/proc/{pid}/task/{pid}/stat"))
             whole = _stat_fields(Path(f"/proc/{pid}/stat"))
-            if session is None:
-                session = whole[3]
-            whole_part = part(Path(f"/proc/{pid}/task/{pid}"))
-            # the daemon's own unnamed threads (not the watchdog's, a process of its own session)
-            process_name = Path(f"/proc/{pid}/comm").read_text().rstrip("\n") if whole[3] == session else None
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                if children:
-                    todo.extend(int(c) for c in (task / "children").read_text().split())
-                if parts and task.name != str(pid) and (kind := part(task, process_name)) is not None:
-                    # nanoseconds on a CPU (schedstat): a thread's ticks are rounded down each, and 16 worker
-                    # threads with a few ms each counted 0
-                    ran_ns = int((task / "schedstat").read_text().split()[0])
-                    threads[kind] = threads.get(kind, 0.0) + ran_ns / 1e9
         except (OSError, ValueError):
             continue  # ended meanwhile
+        if session is None:
+            session = whole[3]
         user, system = int(whole[11]), int(whole[12])
-        loop_user, loop_sys = (int(main[11]), int(main[12])) \
-            if whole[3] == session and whole_part is None else (0, 0)
+        loop_user, loop_sys = (int(main[11]), int(main[12])) if whole[3] == session else (0, 0)
         out["loop_user"] += loop_user / tick
         out["loop_sys"] += loop_sys / tick
         out["other_user"] += (user - loop_user) / tick
         out["other_sys"] += (system - loop_sys) / tick
-        if whole_part is not None:
-            out[whole_part] += (user + system) / tick
-        else:
-            for kind, seconds in threads.items():
-                out[kind] += seconds
+    return out
+
+
+def _processes(pids: list[int], children: bool) -> list[int]:
+    """``pids``, and with ``children`` every process they started, theirs too (each once, parents first)."""
+    found: list[int] = []
+    todo = list(reversed(pids))
+    while todo:
+        pid = todo.pop()
+        if pid in found:
+            continue
+        found.append(pid)
+        if children:
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    todo.extend(int(c) for c in (task / "children").read_text().split())
+                except (OSError, ValueError):
+                    continue  # a thread that ended meanwhile
+    return found
+
+
+#: A thread as ``thread_times`` names it: (process id, thread id, the thread's start in clock ticks since boot).
+ThreadKey = tuple[int, int, int]
+
+
+def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed: str | None = None,
+                 children: bool = True) -> dict[ThreadKey, tuple[str | None, float]]:
+    """Each thread of ``pids`` (and their children) other than a process's main thread, with the part its name
+    puts it in (``parts``: part -> prefixes of /proc/PID/task/TID/comm; ``unnamed``: the part of threads that
+    carry their process's name, none of their own, in the first one's session) and its seconds on a CPU
+    (schedstat: nanoseconds, where the ticks of 16 worker threads with a few ms each were 0 each). A process
+    whose main thread's name puts it in a part (the read-ahead's helper) is one entry, its whole (its stat,
+    which keeps its ended threads' time). ``parts_between`` makes the parts' CPU of two of these."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def part(name: str, process_name: str | None) -> str | None:
+        if name == process_name:
+            return unnamed
+        return next((kind for kind, names in parts.items() if name.startswith(names)), None)
+
+    out: dict[ThreadKey, tuple[str | None, float]] = {}
+    session = None
+    for pid in _processes(pids, children):
+        try:
+            whole = _stat_fields(Path(f"/proc/{pid}/stat"))
+            name = Path(f"/proc/{pid}/comm").read_text().rstrip("\n")
+        except (OSError, ValueError):
+            continue  # ended meanwhile
+        if session is None:
+            session = whole[3]
+        if (kind := part(name, None)) is not None:
+            out[pid, pid, int(whole[19])] = (kind, (int(whole[11]) + int(whole[12])) / tick)
+            continue
+        process_name = name if whole[3] == session else None  # not the watchdog's (a session of its own)
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            if task.name == str(pid):
+                continue
+            try:
+                thread = _stat_fields(task / "stat")
+                kind = part((task / "comm").read_text().rstrip("\n"), process_name)
+                ran = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                continue  # ended meanwhile
+            out[pid, int(task.name), int(thread[19])] = (kind, ran)
+    return out
+
+
+def parts_between(before: dict[ThreadKey, tuple[str | None, float]],
+                  after: dict[ThreadKey, tuple[str | None, float]], parts: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """Seconds each part's threads spent on a CPU from ``before`` to ``after`` (``thread_times``), thread by
+    thread: one that began meanwhile from 0; one that ended meanwhile (trio's idle workers end after 10 s) not
+    at all, where subtracting its whole would have made a part less than 0; one renamed for a while (trio names
+    a worker after the call it runs) in the part either look gave it."""
+    out = {kind: 0.0 for kind in parts}
+    for key, (kind, seconds) in after.items():
+        was_kind, was = before.get(key, (None, 0.0))
+        kind = kind or was_kind
+        if kind is not None:
+            out[kind] += seconds - was
     return out
 
 

@@ -57,8 +57,8 @@ STATES = ("cold", "warm")
 #: Parts of the daemon's CPU beside its loops' own threads, by the names its threads carry (``thread_names``): the
 #: opens that went cold, in worker threads (trio's: those without a name of ours, since trio names its threads
 #: before they exist, and most keep their process's name); the closer's page drops and closes; the read-ahead (its
-#: thread, its warms, its helper process). The rest of ``other``: the notifier, threads that ended (trio's idle
-#: workers end after 10 s), the watchdog.
+#: thread, its warms, its helper process). The rest of ``other``: the notifier, the metrics and DNS threads,
+#: threads that ended (trio's idle workers end after 10 s), the watchdog.
 PARTS = {"workers": ("Trio thread",), "closer": (CLOSER,), "read_ahead": (READ_AHEAD, WARMER)}
 UNNAMED = "workers"
 SHAPES = ("small", "large", "opens")
@@ -203,7 +203,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
                         req0 = control0.get("requests", {})
-                        split0 = bench_loops.cpu_split([mounted.pid], children=True, parts=PARTS, unnamed=UNNAMED)
+                        split0 = bench_loops.cpu_split([mounted.pid], children=True)
+                        threads0 = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED)
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
                     seconds, read_bytes[where], opens = read_files(paths, n, read)
@@ -213,12 +214,13 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         mirror_cpu.append((bench.cpu_seconds(mirror.pid) - mirror_cpu0)  # type: ignore[union-attr]
                                           / len(paths) * 1e6)
                     if where == "mount":
-                        split = bench_loops.cpu_split([mounted.pid], children=True, parts=PARTS, unnamed=UNNAMED)
+                        split = bench_loops.cpu_split([mounted.pid], children=True)
+                        threads = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED)
                         cpu_split.append({kind: sum(split[f"{kind}_{t}"] - split0[f"{kind}_{t}"]
                                                     for t in ("user", "sys")) / len(paths) * 1e6
                                           for kind in ("loop", "other")})
-                        cpu_split[-1].update({kind: (split[kind] - split0[kind]) / len(paths) * 1e6
-                                              for kind in PARTS})
+                        cpu_split[-1].update({kind: seconds / len(paths) * 1e6 for kind, seconds
+                                              in bench_loops.parts_between(threads0, threads, PARTS).items()})
                         cpu_per_file.append(cpu_split[-1]["loop"] + cpu_split[-1]["other"])  # the daemon's whole
                         control1 = bench.control(mounted.mnt)
                         requests = _requests_delta(req0, control1.get("requests", {}))

@@ -1,6 +1,8 @@
-"""``bench_loops.cpu_split``, which ``bench_opens.py`` splits a daemon's CPU with: a thread is counted in the part
-its name says (one without a name of its own in the worker threads'), a process whose main thread is so named (the
-read-ahead's helper) whole, and no part's time is counted as the loop's. Measured on this test's own threads and children, never on the machine's counters."""
+"""``bench_loops.thread_times`` and ``parts_between``, which ``bench_opens.py`` splits a daemon's CPU with: a thread
+is counted in the part its name says (one without a name of its own in the worker threads'), a process whose main
+thread is so named (the read-ahead's helper, a session of its own) whole, a thread that ended between the two
+looks not at all; and ``cpu_split`` counts none of them as the loop's. Measured on this test's own threads and
+children, never on the machine's counters."""
 
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _look() -> tuple[dict[str, float], dict]:
+    return (bench_loops.cpu_split([os.getpid()], children=True),
+            bench_loops.thread_times([os.getpid()], PARTS, unnamed=UNNAMED))
+
+
 def test_threads_and_a_helper_process_are_counted_in_the_parts_their_names_say() -> None:
     ready, spun, done = threading.Event(), threading.Event(), threading.Event()
 
@@ -37,32 +44,38 @@ def test_threads_and_a_helper_process_are_counted_in_the_parts_their_names_say()
         spun.set()
         done.wait(30)
 
-    # A child of this process named as the read-ahead's helper names itself: counted whole, never as a loop.
+    ended = threading.Thread(target=lambda: (name_this_thread(CLOSER), _spin(0.3), done.wait(30)))
+    ended.start()  # a thread alive at the first look that ends before the second: it must not make a part < 0
+    time.sleep(0.5)
+    before_split, before = _look()
+    done.set()
+    ended.join()
+    done.clear()
+    # The read-ahead's helper names itself, in a session of its own (as the daemon starts it): counted whole.
     helper = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
                                "from liquidfs.sysio.thread_names import WARMER, name_this_thread\n"
                                "name_this_thread(WARMER); end = time.process_time() + 0.3\n"
                                "while time.process_time() < end: pass\n"
                                "print('spun', flush=True); sys.stdin.read()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
     threads = [threading.Thread(target=closer), threading.Thread(target=worker)]
     try:
-        before = bench_loops.cpu_split([os.getpid()], children=True, parts=PARTS, unnamed=UNNAMED)
         for thread in threads:
             thread.start()
         assert helper.stdout is not None and helper.stdout.readline() == "spun\n"
         assert ready.wait(30) and spun.wait(30)
         assert Path(f"/proc/{helper.pid}/comm").read_text().strip() == WARMER
-        after = bench_loops.cpu_split([os.getpid()], children=True, parts=PARTS, unnamed=UNNAMED)
+        after_split, after = _look()
     finally:
         done.set()
         for thread in threads:
             thread.join()
         helper.communicate("")
-    spent = {kind: after[kind] - before[kind] for kind in after}
-    assert spent["closer"] >= 0.2, spent
-    assert spent["read_ahead"] >= 0.2, spent  # the helper's whole: its start (an interpreter's) and its spin
-    assert spent["workers"] >= 0.2, spent
+    parts = bench_loops.parts_between(before, after, PARTS)
+    assert 0.2 <= parts["closer"] < 0.5, parts  # the new closer's 0.3 s, not less the ended one's 0.3 s
+    assert parts["read_ahead"] >= 0.2, parts    # the helper's whole: its start (an interpreter's) and its spin
+    assert parts["workers"] >= 0.2, parts
+    spent = {kind: after_split[kind] - before_split[kind] for kind in after_split}
     # This process's main thread is the only "loop": it waited meanwhile; the parts are in "other", not there.
     assert spent["loop_user"] + spent["loop_sys"] < 0.2, spent
-    assert spent["other_user"] + spent["other_sys"] >= spent["closer"] + spent["read_ahead"] + spent["workers"] - 0.05, \
-        spent
+    assert spent["other_user"] + spent["other_sys"] >= sum(parts.values()) - 0.05, (spent, parts)

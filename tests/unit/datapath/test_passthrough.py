@@ -453,43 +453,65 @@ def _all_cold(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(passthrough, "vouched", cold)
 
 
-def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahead(prepared, monkeypatch) -> None:
-    """Where the kernel's caches cannot answer the walk, the open is done in a worker thread, counted, and the
-    metadata read-ahead is told (``on_cold_open``), so the directory's other files are warmed again."""
-    _all_cold(monkeypatch)
+def _served_telling_cold_opens(prepared: tuple[Path, Path]) -> tuple[Operations, list[bytes], list]:
+    """Every image served once (``_serve_each``), and the paths the read-ahead was told went cold, in order."""
     src, store = prepared
     ops, kernel = _ops(store)
     told: list[bytes] = []
     ops.data_path.on_cold_open = lambda node: told.append(node.path)
     nodes = _images(ops)
     _serve_each(ops, kernel, src, store, nodes)
+    return ops, told, nodes
+
+
+def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahead(prepared, monkeypatch) -> None:
+    """Where the kernel's caches cannot answer the walk, the open is done in a worker thread, counted, and the
+    metadata read-ahead is told (``on_cold_open``), so the directory's other files are warmed again."""
+    _all_cold(monkeypatch)
+    ops, told, nodes = _served_telling_cold_opens(prepared)
     assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
 
 
 def test_a_cold_open_does_not_ask_the_reader_again_whether_it_lends_descriptors(prepared, monkeypatch) -> None:
     """Whether the reader lends its descriptors is found once, when the data path is made: an ``isinstance`` of
-    the runtime protocol reads each of its members (19 us of Python), and every cold open, in a worker thread
-    holding the interpreter's lock, had paid it. A reader that counts the reads of one of those members (a
-    property ``isinstance`` reads) serves every file cold without one read more."""
-    reads = []
+    the runtime protocol looks up each of its members (19 us of Python on 3.11), and every cold open, in a worker
+    thread holding the interpreter's lock, had paid it. Every ``isinstance`` against the protocol counted: one
+    when the path is made, none more while every file is served cold."""
+    from liquidfs.datapath import backing, passthrough
+    from liquidfs.stores.reader import LendsDescriptors
 
-    class Counting(StoreReader):
-        @property
-        def warm_descriptors(self) -> tuple[int, ...]:
-            reads.append(1)
-            return super().warm_descriptors
+    checks = []
 
+    class Counting(type):
+        def __instancecheck__(cls, instance: object) -> bool:
+            checks.append(1)
+            return isinstance(instance, LendsDescriptors)
+
+    class CountedLendsDescriptors(metaclass=Counting):
+        pass
+
+    monkeypatch.setattr(backing, "LendsDescriptors", CountedLendsDescriptors)
+    monkeypatch.setattr(passthrough, "LendsDescriptors", CountedLendsDescriptors)
     _all_cold(monkeypatch)
     src, store = prepared
-    catalog = Catalog.open(store, readonly=True)
-    kernel = FakeKernel()
-    ops = passthrough_operations(catalog, Counting(catalog.source, store), kernel)
-    before = len(reads)
-    assert before >= 1  # found when the path was made
+    ops, kernel = _ops(store)
+    assert len(checks) == 1  # found when the path was made
     nodes = _images(ops)
     _serve_each(ops, kernel, src, store, nodes)
     assert ops.stats.cold_opens == len(nodes) and ops.stats.backing_object + ops.stats.backing_source == len(nodes)
-    assert len(reads) == before
+    assert len(checks) == 1
+
+
+def test_without_openat2_no_open_is_tried_on_the_loop_nor_counted_cold(prepared, monkeypatch) -> None:
+    """Without openat2 a walk cannot ask for the kernel's caches only: tried on the loop, each open failed at once,
+    counted as cold, and had the read-ahead warm its directory again, for nothing. Such a kernel's opens go to a
+    worker thread as they are, and serve the same bytes."""
+    from liquidfs.datapath import passthrough
+
+    monkeypatch.setattr(passthrough, "HAS_OPENAT2", False)
+    ops, told, nodes = _served_telling_cold_opens(prepared)
+    assert ops.data_path.lender is None
+    assert told == [] and ops.stats.cold_opens == 0 and ops.stats.opens == len(nodes)
 
 
 def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:

@@ -328,3 +328,46 @@ def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> 
     again.went_cold(f0)
     again.stop()
     assert len([1 for index, _ in warmed if index == 1]) == 5
+
+
+def test_re_warms_asked_for_right_at_their_bound_back_off_and_start_anew_after_a_quiet_while(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernel drops a directory's inodes as fast as they are read, every open there goes cold right
+    after each warm: each re-warm asked for within twice its bound doubles it (``AGAIN_DROPPED`` up to
+    ``AGAIN_COLD``: never more warms than one a second), and one asked for well after it (a drop of its own) is
+    held to ``AGAIN_DROPPED`` again."""
+    from types import SimpleNamespace
+
+    catalog = _tree(tmp_path, dirs=1, files=2)
+    clock = [100.0]
+    monkeypatch.setattr(lookahead, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    warms: list[float] = []  # when each warm of the directory ran (its first file)
+    ahead = MetadataAhead(catalog.path, lambda node: node.name == b"f0.bin" and warms.append(clock[0]))
+    d0 = _dir(catalog, b"d0")
+    f0 = catalog.lookup(d0, b"f0.bin")
+    assert f0 is not None
+    ahead.looked_up(d0)
+    _settle(ahead)  # a whole warm, ended at 100.0
+
+    def cold_at(moment: float) -> bool:
+        """Whether an open gone cold at ``moment`` warms the directory again."""
+        clock[0] = moment
+        before = len(warms)
+        ahead.went_cold(f0)
+        if ahead._thread is not None:
+            _settle(ahead)
+        return len(warms) > before
+
+    assert not cold_at(100.05)       # within AGAIN_DROPPED (0.1)
+    assert cold_at(100.15)           # right at it: the bound doubles to 0.2
+    assert not cold_at(100.3)        # 0.15 after that warm's end
+    assert cold_at(100.36)           # 0.21: the bound doubles to 0.4
+    assert not cold_at(100.7)
+    assert cold_at(100.77)           # 0.41: 0.8
+    assert cold_at(101.6)            # 0.83: 1.0, AGAIN_COLD, and no more
+    assert not cold_at(102.5)
+    assert cold_at(102.65)           # 1.05: still 1.0
+    assert cold_at(110.0)            # well after: a drop of its own, the bound back to 0.1
+    assert cold_at(110.15)
+    ahead.stop()
+    assert len(warms) == 8

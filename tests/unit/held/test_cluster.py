@@ -25,6 +25,7 @@ from liquidfs.held.cluster import ClusterLevel, EveryoneReads, in_share, key_of
 from liquidfs.held.sealing import ClusterKey, Sealer
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
+from liquidfs.sysio.thread_names import CLUSTER_DNS
 from sample import make_sample
 
 
@@ -266,10 +267,10 @@ def test_the_name_is_resolved_again_in_a_thread_of_its_own_until_closed() -> Non
         while len(client.servers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
-        assert threading.current_thread().name != "liquidfs-cluster-dns"
+        assert threading.current_thread().name != CLUSTER_DNS
     finally:
         client.close()
-    assert not any(t.name == "liquidfs-cluster-dns" for t in threading.enumerate())
+    assert not any(t.name == CLUSTER_DNS for t in threading.enumerate())
     asked = len(dns.asked)
     time.sleep(0.1)
     assert len(dns.asked) == asked  # stopped at close

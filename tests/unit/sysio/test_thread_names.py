@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 from liquidfs.datapath.backing import Closer
@@ -33,9 +34,12 @@ def test_a_thread_named_is_named_for_the_system_cut_to_what_the_kernel_keeps() -
 
 def test_the_closer_and_the_read_aheads_helper_carry_their_names(tmp_path: Path) -> None:
     closer = Closer()
-    closer.close_soon(os.open(tmp_path, os.O_RDONLY), drop=False)
+    closer.close(os.open(tmp_path, os.O_RDONLY), drop=False)  # at once: its thread names itself before it closes
     try:
-        assert closer._thread is not None and closer._thread.native_id is not None
+        deadline = time.monotonic() + 30
+        while closer.closed < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert closer._thread is not None and closer._thread.native_id is not None and closer.closed == 1
         assert _comm(os.getpid(), closer._thread.native_id) == CLOSER
     finally:
         closer.stop()
