@@ -28,7 +28,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import trio
@@ -74,7 +74,23 @@ class SharedBacking:
     backing_id: int = 0
     keep: bool = False            # the policy decided at the first open to hold it for the next epoch
     failed: int | None = None     # the errno the first open failed with (concurrent opens fail too)
-    ready: trio.Event = field(default_factory=trio.Event)
+    settled: bool = False         # the first open has decided (its backing, or its failure)
+    #: Made by the first open that waits for the decision: most inodes have one open at a time, and an Event
+    #: made and set for each cost every open ~1 us of the loop's time.
+    _decided: trio.Event | None = None
+
+    async def wait_settled(self) -> None:
+        """Until the first open has decided (``settle``)."""
+        if not self.settled:
+            if self._decided is None:
+                self._decided = trio.Event()
+            await self._decided.wait()
+
+    def settle(self) -> None:
+        """The first open has decided: the opens waiting for it go on."""
+        self.settled = True
+        if self._decided is not None:
+            self._decided.set()
 
 
 def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,

@@ -166,7 +166,7 @@ class PassthroughPath:
         entry = record.shared
         if entry is not None:
             entry.opens += 1  # counted before waiting, so a release meanwhile does not close it under us
-            await entry.ready.wait()
+            await entry.wait_settled()
             if entry.backing is None:
                 self._release_entry(record, entry)
                 if entry.failed is not None:
@@ -205,7 +205,7 @@ class PassthroughPath:
             self._release_entry(record, entry)
             raise
         finally:
-            entry.ready.set()
+            entry.settle()
         if backing is None:
             self._release_entry(record, entry)
             return await self.ranges.open(node, record, fh, job)

@@ -472,6 +472,41 @@ def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahea
     assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
 
 
+def test_opens_that_arrive_while_the_first_waits_for_storage_wait_for_its_decision(prepared, monkeypatch) -> None:
+    """The first open of an inode decides its backing; opens of it that arrive while that open waits for storage
+    (cold: in a worker thread) wait for the decision and share it, its backing or its failure."""
+    _all_cold(monkeypatch)
+    src, store = prepared
+    node = next(n for n in _images(Catalog.open(store, readonly=True)) if n.object)
+
+    async def opened_at_once(ops: Operations) -> list:
+        outcomes: list = []
+
+        async def one() -> None:
+            try:
+                outcomes.append(await ops.open(node.id, os.O_RDONLY, CTX))
+            except pyfuse3.FUSEError as exc:
+                outcomes.append(exc.errno)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one)
+        return outcomes
+
+    ops, kernel = _ops(store)
+    infos = trio.run(opened_at_once, ops)
+    assert len({i.backing_id for i in infos}) == 1 and kernel.registered == 1 and ops.stats.cold_opens == 1
+    assert kernel.read(infos[0].backing_id) == _expected(src, store, node)
+
+    def refuse(fd: int) -> int:
+        raise OSError(errno.EPERM, "no")
+
+    ops, kernel = _ops(store)
+    kernel.register = refuse  # type: ignore[method-assign]
+    assert trio.run(opened_at_once, ops) == [errno.EPERM] * 3
+    assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
+
+
 def test_a_cold_open_does_not_ask_the_reader_again_whether_it_lends_descriptors(prepared, monkeypatch) -> None:
     """Whether the reader lends its descriptors is found once, when the data path is made: an ``isinstance`` of
     the runtime protocol looks up each of its members (19 us of Python on 3.11), and every cold open, in a worker
