@@ -166,7 +166,11 @@ class PassthroughPath:
         entry = record.shared
         if entry is not None:
             entry.opens += 1  # counted before waiting, so a release meanwhile does not close it under us
-            await entry.wait_settled()
+            try:
+                await entry.wait_settled()
+            except BaseException:  # cancelled while the first open decides: this one is not counted
+                self._release_entry(record, entry)
+                raise
             if entry.backing is None:
                 self._release_entry(record, entry)
                 if entry.failed is not None:

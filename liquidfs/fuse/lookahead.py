@@ -15,7 +15,7 @@ instead of querying the catalog on the loop, where a cold LOOKUP waited for the 
 finds its source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure
 between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
 ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_DROPPED`` after the last warm ended where that warm
-warmed every file (twice that after each re-warm asked for right at its bound, up to ``AGAIN_COLD``), and
+warmed every file (twice that after each re-warm asked for within 2 ``AGAIN_COLD`` of the last, up to it), and
 ``AGAIN_COLD`` where it left some cold (their opens go cold whatever is warmed), a directory is never queued twice,
 and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
 each loop's (``mount --loops``); across the loops, the one that claims a directory warms its inodes (the kernel's
@@ -54,8 +54,9 @@ AGAIN_COLD = 1.0
 #: since (a drop of the caches, memory pressure between epochs). With ``AGAIN_COLD`` only, every open of a directory
 #: whose caches were dropped within a second of its last warm went cold (bench_opens's cold runs, one in two: all
 #: 96 of their opens in worker threads, where the others had 9-24). Where the kernel drops a directory's inodes as
-#: fast as they are read, the re-warms are asked for right at the bound, one after another: each such doubles it,
-#: up to ``AGAIN_COLD`` (no more warms than before), and one asked for well after the bound starts it anew.
+#: fast as they are read, the re-warms are asked for soon after one another: each within twice ``AGAIN_COLD`` of the
+#: last warm's end doubles the bound, up to ``AGAIN_COLD`` (four warms in the first 1.5 s, then no more than before:
+#: one a second, however the opens are spaced), and one asked for later starts it anew.
 AGAIN_DROPPED = 0.1
 #: ``mount --loops``: seconds a loop's claim to warm a directory holds the others off while its warm runs, at most
 #: (a loop that died warming lets go then); its end is recorded when it ends (``MetadataAhead.join_loops``).
@@ -150,8 +151,9 @@ class MetadataAhead:
         """An open of ``node`` found its metadata not in the kernel's memory (it went to a worker thread). A
         LOOKUP says only that the mount's own entry was missing, and warms a directory once a minute; an open
         gone cold says the source's inodes are: warm them again, unless a warm of this directory is under way or
-        ended less than ``AGAIN_DROPPED`` seconds ago (twice that after a re-warm asked for right at its bound, up
-        to ``AGAIN_COLD``; ``AGAIN_COLD`` where it left some files cold)."""
+        ended less than ``AGAIN_DROPPED`` seconds ago (twice that after each re-warm asked for within twice
+        ``AGAIN_COLD`` of the last warm's end, up to ``AGAIN_COLD``; ``AGAIN_COLD`` where it left some files
+        cold)."""
         parent = node.parent
         with self._lock:
             whole = parent in self._whole
@@ -159,9 +161,9 @@ class MetadataAhead:
             since = time.monotonic() - self._done_at.get(parent, -math.inf)
             if parent in self._busy or since < wait:
                 return
-            if whole and since < 2 * wait:  # right at the bound: the kernel may drop them as fast as they are read
+            if whole and since < 2 * AGAIN_COLD:  # soon after: the kernel may drop them as fast as they are read
                 self._again[parent] = min(2 * wait, AGAIN_COLD)
-            elif whole:  # a drop of its own, well after the last warm
+            elif whole:  # a while after it: a drop of its own
                 self._again.pop(parent, None)
         self._queue_directory(parent, wait)
 

@@ -257,19 +257,23 @@ ThreadKey = tuple[int, int, int]
 
 
 def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed: str | None = None,
-                 children: bool = True) -> dict[ThreadKey, tuple[str | None, float]]:
+                 others: tuple[str, ...] = (), children: bool = True) -> dict[ThreadKey, tuple[str | None, float]]:
     """Each thread of ``pids`` (and their children) other than a process's main thread, with the part its name
-    puts it in (``parts``: part -> prefixes of /proc/PID/task/TID/comm; ``unnamed``: the part of threads that
-    carry their process's name, none of their own, in the first one's session) and its seconds on a CPU
-    (schedstat: nanoseconds, where the ticks of 16 worker threads with a few ms each were 0 each). A process
+    puts it in (``parts``: part -> prefixes of /proc/PID/task/TID/comm; ``unnamed``: the part of the threads of
+    the first one's session that no part names, nor ``others``, names of its threads in no part: a daemon naming
+    every thread it starts did not start them) and its seconds on a CPU (schedstat: nanoseconds, where the ticks
+    of 16 worker threads with a few ms each were 0 each). A process
     whose main thread's name puts it in a part (the read-ahead's helper) is one entry, its whole (its stat,
     which keeps its ended threads' time). ``parts_between`` makes the parts' CPU of two of these."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def part(name: str, process_name: str | None) -> str | None:
-        if name == process_name:
+        named = next((kind for kind, names in parts.items() if name.startswith(names)), None)
+        # In the first one's session, a thread no part names is one the daemon did not name: its process's name,
+        # or the name trio gives a worker for the length of a call (``to_thread``: "fn from task")
+        if named is None and process_name is not None and not name.startswith(others):
             return unnamed
-        return next((kind for kind, names in parts.items() if name.startswith(names)), None)
+        return named
 
     out: dict[ThreadKey, tuple[str | None, float]] = {}
     session = None

@@ -51,7 +51,7 @@ import _bench as bench
 import bench_loops
 
 from liquidfs.catalog.catalog import Catalog
-from liquidfs.sysio.thread_names import CLOSER, READ_AHEAD, WARMER
+from liquidfs.sysio import thread_names as names
 
 STATES = ("cold", "warm")
 #: Parts of the daemon's CPU beside its loops' own threads, by the names its threads carry (``thread_names``): the
@@ -59,8 +59,10 @@ STATES = ("cold", "warm")
 #: before they exist, and most keep their process's name); the closer's page drops and closes; the read-ahead (its
 #: thread, its warms, its helper process). The rest of ``other``: the notifier, the metrics and DNS threads,
 #: threads that ended (trio's idle workers end after 10 s), the watchdog.
-PARTS = {"workers": ("Trio thread",), "closer": (CLOSER,), "read_ahead": (READ_AHEAD, WARMER)}
+PARTS = {"workers": ("Trio thread",), "closer": (names.CLOSER,), "read_ahead": (names.READ_AHEAD, names.WARMER)}
 UNNAMED = "workers"
+#: The daemon's other threads, in no part: not workers, though no part names them.
+OTHERS = (names.NOTIFIER, names.METRICS, names.CLUSTER_DNS)
 SHAPES = ("small", "large", "opens")
 _BUFFER = 1 << 20
 
@@ -204,7 +206,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                         control0 = bench.control(mounted.mnt)
                         req0 = control0.get("requests", {})
                         split0 = bench_loops.cpu_split([mounted.pid], children=True)
-                        threads0 = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED)
+                        threads0 = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED, others=OTHERS)
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
                     seconds, read_bytes[where], opens = read_files(paths, n, read)
@@ -215,7 +217,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                                           / len(paths) * 1e6)
                     if where == "mount":
                         split = bench_loops.cpu_split([mounted.pid], children=True)
-                        threads = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED)
+                        threads = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED, others=OTHERS)
                         cpu_split.append({kind: sum(split[f"{kind}_{t}"] - split0[f"{kind}_{t}"]
                                                     for t in ("user", "sys")) / len(paths) * 1e6
                                           for kind in ("loop", "other")})

@@ -504,6 +504,7 @@ def test_opens_that_arrive_while_the_first_waits_for_storage_wait_for_its_decisi
     ops, kernel = _ops(store)
     kernel.register = refuse  # type: ignore[method-assign]
     assert trio.run(opened_at_once, ops) == [errno.EPERM] * 3
+    assert ops.stats.cold_opens == 1  # the waiters failed with the first's failure, not with their own
     assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
 
 

@@ -3,6 +3,7 @@ bounded; and what ``warm`` does for the opens that follow."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from pathlib import Path
@@ -330,12 +331,13 @@ def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> 
     assert len([1 for index, _ in warmed if index == 1]) == 5
 
 
-def test_re_warms_asked_for_right_at_their_bound_back_off_and_start_anew_after_a_quiet_while(
+def test_re_warms_asked_for_soon_after_one_another_back_off_and_start_anew_after_a_quiet_while(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the kernel drops a directory's inodes as fast as they are read, every open there goes cold right
-    after each warm: each re-warm asked for within twice its bound doubles it (``AGAIN_DROPPED`` up to
-    ``AGAIN_COLD``: never more warms than one a second), and one asked for well after it (a drop of its own) is
-    held to ``AGAIN_DROPPED`` again."""
+    """Where the kernel drops a directory's inodes as fast as they are read, every open there goes cold soon
+    after each warm: each re-warm asked for within twice ``AGAIN_COLD`` of the last warm's end doubles the bound
+    (``AGAIN_DROPPED`` up to ``AGAIN_COLD``: then no more warms than one a second), and one asked for later (a
+    drop of its own) is held to ``AGAIN_DROPPED`` again. Cold opens every 0.25 s (or every 0.9 s) for 20 s warm
+    it at most once a second once the bound has grown."""
     from types import SimpleNamespace
 
     catalog = _tree(tmp_path, dirs=1, files=2)
@@ -367,7 +369,15 @@ def test_re_warms_asked_for_right_at_their_bound_back_off_and_start_anew_after_a
     assert cold_at(101.6)            # 0.83: 1.0, AGAIN_COLD, and no more
     assert not cold_at(102.5)
     assert cold_at(102.65)           # 1.05: still 1.0
-    assert cold_at(110.0)            # well after: a drop of its own, the bound back to 0.1
+    assert not cold_at(103.5)
+    assert cold_at(110.0)            # well after (two seconds or more): a drop of its own, the bound back to 0.1
     assert cold_at(110.15)
-    ahead.stop()
     assert len(warms) == 8
+    # The kernel drops the directory constantly, and its opens come every 0.25 s, or every 0.9 s, for 20 s.
+    for start, spacing, opens in ((120.0, 0.25, 81), (150.0, 0.9, 23)):
+        warmed_before = len(warms)
+        rewarmed = [moment for moment in (start + spacing * i for i in range(opens)) if cold_at(moment)]
+        assert len(warms) - warmed_before == len(rewarmed)
+        assert len(rewarmed) <= 20 + 4, rewarmed  # one a second, and the bound's growth at first
+        assert all(later - earlier >= 0.99 for earlier, later in itertools.pairwise(rewarmed[4:])), rewarmed
+    ahead.stop()
