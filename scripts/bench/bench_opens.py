@@ -51,9 +51,15 @@ import _bench as bench
 import bench_loops
 
 from liquidfs.catalog.catalog import Catalog
+from liquidfs.fuse import lookahead
 from liquidfs.sysio import thread_names as names
 
 STATES = ("cold", "warm")
+#: Seconds between the mount's last run and a cold one's drop of the caches, at least: an epoch's caches are dropped
+#: long after the last warm of its directories, and the read-ahead holds a directory whose inodes the kernel drops
+#: again within twice ``AGAIN_COLD`` of its last warm to one warm a second (``fuse.lookahead``): cold runs a second
+#: apart, as they came, would measure that bound, not a cold epoch.
+COLD_QUIET = 2 * lookahead.AGAIN_COLD + 0.5
 #: Parts of the daemon's CPU beside its loops' own threads, by the names its threads carry (``thread_names``): the
 #: opens that went cold, in worker threads (trio's: those without a name of ours, since trio names its threads
 #: before they exist, and most keep their process's name); the closer's page drops and closes; the read-ahead (its
@@ -179,6 +185,7 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
     file) read directly; ``read`` False: only opened and closed (the opens' own cost). ``mirror``: the same bytes
     read through it too (``mirror_rel``, names below it; default ``rel``)."""
     rows = []
+    mount_ended = -COLD_QUIET
     wheres = ("direct", "mirror", "mount") if mirror is not None else ("direct", "mount")
     below = {"mount": rel, "mirror": mirror_rel or rel}
     for state in STATES:
@@ -201,6 +208,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     else:
                         root = mounted.mnt if where == "mount" else mirror.mnt  # type: ignore[union-attr]
                         paths = [str(root / below[where][i]) for i in order]
+                    if where == "mount" and state == "cold":
+                        time.sleep(max(0.0, mount_ended + COLD_QUIET - time.monotonic()))
                     prepare_state(state, paths)
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
@@ -210,6 +219,8 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     elif where == "mirror":
                         mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
                     seconds, read_bytes[where], opens = read_files(paths, n, read)
+                    if where == "mount":
+                        mount_ended = time.monotonic()
                     runs[where].append(len(paths) / seconds)
                     latencies[where] += opens
                     if where == "mirror":
