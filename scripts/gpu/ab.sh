@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40's opens before and after a change, on a lent GPU host, as one prepared run of ~4 minutes: the package of
+# Issue 40's opens before and after a change, on a lent GPU host, as one prepared run of ~5 minutes: the package of
 # an earlier commit (OLD: its tree, `git archive`d here into a folder git ignores) and this checkout's, each copied
 # in turn into the interpreter's site-packages, where the daemon (`python -I -m liquidfs`) finds it: old, new, old,
 # new. In each, bench_opens (this checkout's) over 192 raw 6.3 MB objects opened and closed by 16 readers
@@ -29,7 +29,7 @@ for round in 1 2; do
     for which in old new; do
         if [ "$which" = old ]; then use "$old"; else use "$repo"; fi
         echo "== round $round: $which"
-        timeout -s ABRT "${AB_SECONDS:-100}" python3 scripts/bench/bench_opens.py --shapes opens,small --small 3000 \
+        timeout -s ABRT "${AB_SECONDS:-120}" python3 scripts/bench/bench_opens.py --shapes opens,small --small 3000 \
             --large 192 --readers 16 --repeats 3 --work /tmp/bench-opens --mount-options "--loops ${LOOPS:-8}" \
             --json "$out/ab-$which-$round.json" 2>&1 | grep -v '^reusing'
         fusermount3 -u -z /tmp/bench-opens/mnt 2>/dev/null

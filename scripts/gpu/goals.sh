@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40's goals on a lent GPU host, as one prepared run of ~5 minutes (each step under a timeout, so the
+# Issue 40's goals on a lent GPU host, as one prepared run of ~6 minutes (each step under a timeout, so the
 # session's device time is never overrun; lines stamped):
 #   1. opens: 192 raw 6.3 MB objects opened and closed by 16 readers, cold and warm, direct and through a mount at
 #      --loops auto (the default: one loop per 4 cores) and at --loops 8 (the figures of "Several loops");
@@ -22,13 +22,13 @@ echo "== host: $(nproc) cores, kernel $(uname -r), $(free -g | awk '/Mem/ {print
 python3 scripts/gpu/dataset.py /tmp/bench-opens 192
 for loops in ${OPENS_LOOPS:-auto 8}; do
     echo "== opens, 16 readers, --loops $loops"
-    timeout -s ABRT "${OPENS_SECONDS:-60}" python3 scripts/bench/bench_opens.py --shapes opens --readers 16 \
+    timeout -s ABRT "${OPENS_SECONDS:-80}" python3 scripts/bench/bench_opens.py --shapes opens --readers 16 \
         --large 192 --repeats 5 --work /tmp/bench-opens --mount-options "--loops $loops" \
         --json "$out/opens-loops-$loops.json" 2>&1 | grep -v '^reusing'
     fusermount3 -u -z /tmp/bench-opens/mnt 2>/dev/null
 done
 echo "== small files: direct, the bare mirror, the mount"
-timeout -s ABRT "${SMALL_SECONDS:-150}" python3 scripts/bench/bench_opens.py --shapes small --small 3000 \
+timeout -s ABRT "${SMALL_SECONDS:-180}" python3 scripts/bench/bench_opens.py --shapes small --small 3000 \
     --large 0 --readers 1,8,16 --repeats 3 --mirror --work /tmp/bench-small --json "$out/small-mirror.json" 2>&1
 fusermount3 -u -z /tmp/bench-small/mnt 2>/dev/null
 fusermount3 -u -z /tmp/bench-small/mnt-mirror 2>/dev/null

@@ -18,7 +18,7 @@ nproc
 python3 scripts/gpu/dataset.py "$work" "$images" 2>&1 | stamp
 for loops in ${LOOPS:-1 4 8}; do
     echo "== --loops $loops" | stamp
-    timeout -s ABRT "${OPENS_SECONDS:-60}" python3 scripts/bench/bench_opens.py --shapes opens --readers 16 \
+    timeout -s ABRT "${OPENS_SECONDS:-70}" python3 scripts/bench/bench_opens.py --shapes opens --readers 16 \
         --large "$images" --repeats 3 --work "$work" --json "$out/opens-loops$loops.json" \
         --mount-options "--loops $loops" 2>&1 | grep -v '^reusing' | stamp
 done
