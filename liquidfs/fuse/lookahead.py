@@ -15,7 +15,7 @@ instead of querying the catalog on the loop, where a cold LOOKUP waited for the 
 finds its source's inode cold (the kernel dropped what the last warm brought in: a drop of the caches, pressure
 between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
 ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_DROPPED`` after the last warm ended where that warm
-warmed every file (twice that after each re-warm asked for within 2 ``AGAIN_COLD`` of the last, up to it), and
+warmed every file (twice that after each re-warm asked for within twice ``AGAIN_COLD`` of the last, up to it), and
 ``AGAIN_COLD`` where it left some cold (their opens go cold whatever is warmed), a directory is never queued twice,
 and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
 each loop's (``mount --loops``); across the loops, the one that claims a directory warms its inodes (the kernel's
@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 #: Seconds before a LOOKUP may warm a directory warmed once again (the kernel may have dropped its inodes since).
 AGAIN_AFTER = 60.0
 #: Seconds after a warm of a directory that left some of its files cold (gone, refused: their opens go cold whatever is
-#: warmed) ended before an open there that found its inodes cold warms it again.
+#: warmed) ended before an open there that found its inodes cold warms it again; and the most ``AGAIN_DROPPED``
+#: grows to.
 AGAIN_COLD = 1.0
 #: The same after a warm that warmed every file: an open that finds its inodes cold now says the kernel dropped them
 #: since (a drop of the caches, memory pressure between epochs). With ``AGAIN_COLD`` only, every open of a directory
