@@ -262,9 +262,9 @@ def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed:
     puts it in (``parts``: part -> prefixes of /proc/PID/task/TID/comm; ``unnamed``: the part of the threads of
     the first one's session that no part names, nor ``others``, names of its threads in no part: a daemon naming
     every thread it starts did not start them) and its seconds on a CPU (schedstat: nanoseconds, where the ticks
-    of 16 worker threads with a few ms each were 0 each). A process
-    whose main thread's name puts it in a part (the read-ahead's helper) is one entry, its whole (its stat,
-    which keeps its ended threads' time). ``parts_between`` makes the parts' CPU of two of these."""
+    of 16 worker threads with a few ms each were 0 each). A process whose main thread's name puts it in a part
+    (the read-ahead's helper) is one entry, its whole (its stat, which keeps its ended threads' time).
+    ``parts_between`` makes the parts' CPU of two of these."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def part(name: str, process_name: str | None) -> str | None:
@@ -302,8 +302,8 @@ def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed:
     return out
 
 
-def parts_between(before: dict[ThreadKey, tuple[str | None, float]],
-                  after: dict[ThreadKey, tuple[str | None, float]], parts: dict[str, tuple[str, ...]]) -> dict[str, float]:
+def parts_between(before: dict[ThreadKey, tuple[str | None, float]], after: dict[ThreadKey, tuple[str | None, float]],
+                  parts: dict[str, tuple[str, ...]]) -> dict[str, float]:
     """Seconds each part's threads spent on a CPU from ``before`` to ``after`` (``thread_times``), thread by
     thread: one that began meanwhile from 0; one that ended meanwhile (trio's idle workers end after 10 s) not
     at all, where subtracting its whole would have made a part less than 0; one renamed for a while (trio names

@@ -56,7 +56,8 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
     # The mount's requests were counted: each file was opened through it.
     small_cold = next(r for r in rows if (r["shape"], r["state"], r["readers"]) == ("small", "cold", 1))
     assert small_cold["requests_last_run"]["open"]["per_file"] >= 1.0
-    assert "| mirror files/s |" in done.stdout and "daemon CPU us/file (its loops' threads + the rest: of it worker threads, closer, read-ahead)" in done.stdout
+    assert "| mirror files/s |" in done.stdout
+    assert "daemon CPU us/file (its loops' threads + the rest: of it worker threads, closer, read-ahead)" in done.stdout
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     assert str(work / "mnt") not in mounts and str(work / "mnt-mirror") not in mounts
 
