@@ -247,6 +247,12 @@ LIES = ("huge", "trickle", "garbage-body", "silent", "garbage", "endless-line")
 HOLD = 30.0
 #: Connections served at once; past them a connection is closed at once (a peer never grows without bound).
 MAX_CONNECTIONS = 64
+#: The least share of the cluster's keys each of the two (memcached and peer) is placed: the peer's port is drawn
+#: until the mount's own placement (rendezvous hashing of HOST:PORT) splits them so. Left to chance, a small
+#: sample's keys can all go to one: CI's soak once had 8, and the peer got no call (1 in 256).
+LEAST_SHARE = 0.25
+#: Ports drawn at most for that split (each draw meets it with odds near 0.9 at 8 keys).
+PORT_DRAWS = 200
 
 
 def expected_length(key: bytes) -> int:
@@ -259,9 +265,9 @@ def expected_length(key: bytes) -> int:
 class LyingPeer(Background):
     """A "memcached" on 127.0.0.1 that lies to every call: each connection the next of ``LIES``, in turn."""
 
-    def __init__(self) -> None:
+    def __init__(self, server: socket.socket | None = None) -> None:
         super().__init__()
-        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server = server if server is not None else socket.create_server(("127.0.0.1", 0))
         self.port = int(self.server.getsockname()[1])
         self.lock = threading.Lock()
         self.counts: dict[str, Any] = {"connections": 0, "refused": 0, "gets": 0, "sets": 0, "other": 0,
@@ -352,6 +358,40 @@ class LyingPeer(Background):
     def summary(self) -> dict[str, Any]:
         with self.lock:
             return dict(self.counts, port=self.port)
+
+
+def cluster_keys(store: Path, key_file: Path | None) -> list[str]:
+    """The keys a mount of ``store`` at ``--cluster-size 100%`` asks the cluster for (sealed under the key of
+    ``key_file``, else in the clear), as the mount makes them (``held.cluster``)."""
+    from liquidfs.catalog.catalog import Catalog
+    from liquidfs.held.cluster import in_share, key_of
+    from liquidfs.held.sealing import read_key_file
+
+    keyed = read_key_file(key_file).id if key_file is not None else ""
+    catalog = Catalog.open(store, readonly=True)
+    try:
+        return [key_of(node, keyed) for node in catalog.files() if in_share(node, 1.0)]
+    finally:
+        catalog.close()
+
+
+def splitting_listener(memcached_port: int, keys: list[str]) -> tuple[socket.socket, int]:
+    """A listening socket on 127.0.0.1 whose port, beside the memcached's, gets the peer at least ``LEAST_SHARE``
+    of ``keys`` and leaves the memcached as much, by the mount's own placement (``MemcachedWire.peer_of``); and
+    how many of ``keys`` the peer got."""
+    from liquidfs.held.memcached import MemcachedWire
+
+    need = LEAST_SHARE * len(keys)
+    for _ in range(PORT_DRAWS):
+        server = socket.create_server(("127.0.0.1", 0))
+        port = int(server.getsockname()[1])
+        wire = MemcachedWire([("127.0.0.1", memcached_port), ("127.0.0.1", port)])
+        to_peer = sum(getattr(wire.peer_of(key), "port", None) == port for key in keys)
+        if min(to_peer, len(keys) - to_peer) >= need:
+            return server, to_peer
+        server.close()
+    raise RuntimeError(f"no port in {PORT_DRAWS} draws splits the cluster's {len(keys)} keys between the memcached "
+                       "and the lying peer")
 
 
 # -- a job-hopping user --------------------------------------------------------------------------------------
@@ -473,17 +513,21 @@ class Neighbours:
     (with the lying peer beside it in ``--cluster``), what the mount needs (``mount_flags``) and its readers
     (``reader_env``); started once the mount serves (``start``), summarised before it is unmounted
     (``finish``), the memcached and the peer stopped after (``close``). ``script``: soak.py, whose hidden
-    ``cluster-writer`` and ``job-hopper`` commands run the attackers as processes of nobody."""
+    ``cluster-writer`` and ``job-hopper`` commands run the attackers as processes of nobody. ``store``: the
+    prepared store the mount serves, whose keys the peer's port is drawn to get a share of."""
 
-    def __init__(self, attacks: list[str], work: Path, tag: str, script: str, seed: int, keyed: bool) -> None:
+    def __init__(self, attacks: list[str], work: Path, tag: str, script: str, seed: int, keyed: bool,
+                 store: Path) -> None:
         self.attacks = [a for a in NEIGHBOURS if a in attacks]
         self.work = work
+        self.store = store
         self.script = script
         self.seed = seed
         self.keyed = keyed
         self.job_name = f"soak-readers-{tag}" if "job-hopper" in self.attacks else None
         self.memcached: Any = None
         self.liar: LyingPeer | None = None
+        self.liar_keys = (0, 0)  # of the cluster's keys: the peer's, all
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.watch: JobWatch | None = None
         self.daemon_pid: int | None = None
@@ -500,8 +544,19 @@ class Neighbours:
             self.memcached = Memcached(binary, 64, "2m")
             self.memcached.start()
         if "lying-peer" in self.attacks:
-            self.liar = LyingPeer().__enter__()
+            keys = cluster_keys(self.store, self._key_file())
+            server, placed = splitting_listener(self.memcached.port, keys)
+            self.liar_keys = (placed, len(keys))
+            self.liar = LyingPeer(server).__enter__()
         return self
+
+    def _key_file(self) -> Path | None:
+        """The job's cluster key (made once in the work dir), None without one."""
+        if not self.keyed:
+            return None
+        from bench_cluster import cluster_key
+
+        return cluster_key(self.work)
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -511,10 +566,9 @@ class Neighbours:
         if self.memcached is not None:
             peers = [f"127.0.0.1:{self.memcached.port}"] + ([f"127.0.0.1:{self.liar.port}"] if self.liar else [])
             flags += ["--cluster", "memcached://" + ",".join(peers), "--cluster-size", "100%"]
-            if self.keyed:
-                from bench_cluster import cluster_key
-
-                flags += ["--cluster-key-file", str(cluster_key(self.work))]
+            key_file = self._key_file()
+            if key_file is not None:
+                flags += ["--cluster-key-file", str(key_file)]
         if self.job_name is not None:
             flags.append("--allow-other")  # nobody must enter the mount
         return flags
@@ -556,7 +610,7 @@ class Neighbours:
             self.watch.__exit__()
             out["readers_job"] = self.watch.summary()
         if self.liar is not None:
-            out["lying-peer"] = self.liar.summary()
+            out["lying-peer"] = self.liar.summary() | {"keys_placed": self.liar_keys[0], "keys": self.liar_keys[1]}
         if self.memcached is not None:
             out["memcached"] = self.memcached.stats()
         if self.daemon_pid is not None:

@@ -1270,7 +1270,8 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
     mountpoint = work / f"mnt-{data_path}"
     mountpoint.mkdir(exist_ok=True)
     spec = with_objects(fixture, store, work, data_path)
-    near = neighbours.Neighbours(args.attacks, work, data_path, __file__, seed, keyed=args.cluster_key == "file")
+    near = neighbours.Neighbours(args.attacks, work, data_path, __file__, seed, keyed=args.cluster_key == "file",
+                                 store=store)
     spec.update(mount=str(mountpoint), source=str(source), store=str(store), work=str(work), tag=data_path,
                 evil=str(work / "evil"), object_writer=args.object_writer, attacks=args.attacks)
     spec_path = work / f"spec-{data_path}.json"
