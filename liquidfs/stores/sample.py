@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 #: Files each reader gets at least, before a sample may stop at its bytes (``sample_full``): with fewer, a
 #: reader's rate is its first few files' (their open, a cold start of the device's queue).
 FILES_PER_READER = 4
+#: A direct read's lengths are multiples of this (the largest logical block size in use; the buffer is page-aligned).
+_BLOCK = 4096
 
 
 class ProfileError(Exception):
@@ -76,11 +78,17 @@ def _read_direct(file: Below, buf: mmap.mmap) -> int:
             n = len(os.pread(fd, 1 << 30, 0))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return n
+        # Each read asks for what is left of the file by its size (to the next block), never the whole buffer: a
+        # direct read costs the kernel by the length asked for, not read (6.18: 64 MiB asked of a 180 KB file cost
+        # ~10 ms of CPU, and the profile timed this machine's storage at 26 MB/s where it reads 600).
+        view = memoryview(buf)
+        size = os.fstat(fd).st_size
         total = 0
         while True:
-            got = os.preadv(fd, [memoryview(buf)], total)
+            want = min(len(view), max(_BLOCK, -(-(size - total) // _BLOCK) * _BLOCK))
+            got = os.preadv(fd, [view[:want]], total)
             total += got
-            if got < len(buf):
+            if got < want:  # the end of the file (one that grew since the fstat is read on to its end)
                 return total
     finally:
         os.close(fd)
