@@ -257,14 +257,18 @@ ThreadKey = tuple[int, int, int]
 
 
 def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed: str | None = None,
-                 others: tuple[str, ...] = (), children: bool = True) -> dict[ThreadKey, tuple[str | None, float]]:
+                 others: tuple[str, ...] = (), children: bool = True,
+                 main: str | None = None) -> dict[ThreadKey, tuple[str | None, float]]:
     """Each thread of ``pids`` (and their children) other than a process's main thread, with the part its name
     puts it in (``parts``: part -> prefixes of /proc/PID/task/TID/comm; ``unnamed``: the part of the threads of
     the first one's session that no part names, nor ``others``, names of its threads in no part: a daemon naming
     every thread it starts did not start them) and its seconds on a CPU (schedstat: nanoseconds, where the ticks
     of 16 worker threads with a few ms each were 0 each). A process whose main thread's name puts it in a part
-    (the read-ahead's helper) is one entry, its whole (its stat, which keeps its ended threads' time).
-    ``parts_between`` makes the parts' CPU of two of these."""
+    (the read-ahead's helper) is one entry, its whole (its stat, which keeps its ended threads' time, in clock
+    ticks). ``main``: the part of each process's main thread in the first one's session (a mount's loops: each
+    its trio loop), in nanoseconds too, where ``cpu_split`` reads it in ticks (104 us a file at 96 files); the
+    main thread of a process of another session (the watchdog) is in no part. ``parts_between`` makes the parts'
+    CPU of two of these."""
     tick = os.sysconf("SC_CLK_TCK")
 
     def part(name: str, process_name: str | None) -> str | None:
@@ -290,11 +294,13 @@ def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed:
             continue
         process_name = name if whole[3] == session else None  # not the watchdog's (a session of its own)
         for task in Path(f"/proc/{pid}/task").glob("*"):
-            if task.name == str(pid):
+            is_main = task.name == str(pid)
+            if is_main and main is None:
                 continue
             try:
                 thread = _stat_fields(task / "stat")
-                kind = part((task / "comm").read_text().rstrip("\n"), process_name)
+                kind = (main if process_name is not None else None) if is_main else \
+                    part((task / "comm").read_text().rstrip("\n"), process_name)
                 ran = int((task / "schedstat").read_text().split()[0]) / 1e9
             except (OSError, ValueError, IndexError):
                 continue  # ended meanwhile
@@ -303,17 +309,20 @@ def thread_times(pids: list[int], parts: dict[str, tuple[str, ...]], *, unnamed:
 
 
 def parts_between(before: dict[ThreadKey, tuple[str | None, float]], after: dict[ThreadKey, tuple[str | None, float]],
-                  parts: dict[str, tuple[str, ...]]) -> dict[str, float]:
+                  parts: dict[str, tuple[str, ...]], *, whole: str | None = None) -> dict[str, float]:
     """Seconds each part's threads spent on a CPU from ``before`` to ``after`` (``thread_times``), thread by
     thread: one that began meanwhile from 0; one that ended meanwhile (trio's idle workers end after 10 s) not
     at all, where subtracting its whole would have made a part less than 0; one renamed for a while (trio names
-    a worker after the call it runs) in the part either look gave it."""
-    out = {kind: 0.0 for kind in parts}
+    a worker after the call it runs) in the part either look gave it. The part of ``thread_times``'s ``main``
+    too, where it was given; ``whole``: the key of every thread's seconds together, those in no part too."""
+    out = dict.fromkeys(parts, 0.0) | ({whole: 0.0} if whole is not None else {})
     for key, (kind, seconds) in after.items():
         was_kind, was = before.get(key, (None, 0.0))
         kind = kind or was_kind
         if kind is not None:
-            out[kind] += seconds - was
+            out[kind] = out.get(kind, 0.0) + seconds - was
+        if whole is not None:
+            out[whole] = out.get(whole, 0.0) + seconds - was
     return out
 
 

@@ -63,9 +63,12 @@ COLD_QUIET = 2 * lookahead.AGAIN_COLD + 0.5
 #: Parts of the daemon's CPU beside its loops' own threads, by the names its threads carry (``thread_names``): the
 #: opens that went cold, in worker threads (trio's: those without a name of ours, since trio names its threads
 #: before they exist, and most keep their process's name); the closer's page drops and closes; the read-ahead (its
-#: thread, its warms, its helper process). The rest of ``other``: the notifier, the metrics and DNS threads,
-#: threads that ended (trio's idle workers end after 10 s), the watchdog.
+#: thread, its warms, its helper process). The rest of ``other``: the notifier, the metrics and DNS threads, the
+#: watchdog. Each thread's time is its schedstat's nanoseconds (the helper's whole its stat's clock ticks), and a
+#: thread that began and ended within a run is in none (trio's workers stay 10 s after their last call).
 PARTS = {"workers": ("Trio thread",), "closer": (names.CLOSER,), "read_ahead": (names.READ_AHEAD, names.WARMER)}
+#: The loops' own threads (each process's main thread: its trio loop), and every thread of the daemon together.
+LOOP, WHOLE = "loop", "daemon"
 UNNAMED = "workers"
 #: The daemon's other threads, in no part: not workers, though no part names them.
 OTHERS = (names.NOTIFIER, names.METRICS, names.CLUSTER_DNS)
@@ -214,27 +217,28 @@ def measure(shape: str, direct: list[Path], mounted: bench.Mounted, rel: list[st
                     if where == "mount":
                         control0 = bench.control(mounted.mnt)
                         req0 = control0.get("requests", {})
-                        split0 = bench_loops.cpu_split([mounted.pid], children=True)
-                        threads0 = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED, others=OTHERS)
+                        threads0 = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED, others=OTHERS,
+                                                            main=LOOP)
                     elif where == "mirror":
-                        mirror_cpu0 = bench.cpu_seconds(mirror.pid)  # type: ignore[union-attr]
+                        mirror0 = bench_loops.thread_times([mirror.pid], {}, main=LOOP)  # type: ignore[union-attr]
                     seconds, read_bytes[where], opens = read_files(paths, n, read)
                     if where == "mount":
                         mount_ended = time.monotonic()
                     runs[where].append(len(paths) / seconds)
                     latencies[where] += opens
                     if where == "mirror":
-                        mirror_cpu.append((bench.cpu_seconds(mirror.pid) - mirror_cpu0)  # type: ignore[union-attr]
+                        mirror1 = bench_loops.thread_times([mirror.pid], {}, main=LOOP)  # type: ignore[union-attr]
+                        mirror_cpu.append(bench_loops.parts_between(mirror0, mirror1, {}, whole=WHOLE)[WHOLE]
                                           / len(paths) * 1e6)
                     if where == "mount":
-                        split = bench_loops.cpu_split([mounted.pid], children=True)
-                        threads = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED, others=OTHERS)
-                        cpu_split.append({kind: sum(split[f"{kind}_{t}"] - split0[f"{kind}_{t}"]
-                                                    for t in ("user", "sys")) / len(paths) * 1e6
-                                          for kind in ("loop", "other")})
-                        cpu_split[-1].update({kind: seconds / len(paths) * 1e6 for kind, seconds
-                                              in bench_loops.parts_between(threads0, threads, PARTS).items()})
-                        cpu_per_file.append(cpu_split[-1]["loop"] + cpu_split[-1]["other"])  # the daemon's whole
+                        threads = bench_loops.thread_times([mounted.pid], PARTS, unnamed=UNNAMED, others=OTHERS,
+                                                           main=LOOP)
+                        spent = {kind: seconds / len(paths) * 1e6 for kind, seconds
+                                 in bench_loops.parts_between(threads0, threads, PARTS, whole=WHOLE).items()}
+                        loop = spent.get(LOOP, 0.0)
+                        cpu_split.append({"loop": loop, "other": spent[WHOLE] - loop,
+                                          **{kind: spent[kind] for kind in PARTS}})
+                        cpu_per_file.append(spent[WHOLE])  # the daemon's whole
                         control1 = bench.control(mounted.mnt)
                         requests = _requests_delta(req0, control1.get("requests", {}))
                         # opens that went to a worker thread (their inodes not in memory) in the last run
