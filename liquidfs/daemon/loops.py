@@ -138,15 +138,24 @@ async def _serve(ops: Operations, peers: Peers) -> None:
         nursery.cancel_scope.cancel()
 
 
+#: pyfuse3's worker tasks kept waiting for requests (``main(min_tasks=...)``; 1 by default). A worker that takes a
+#: request while none waits starts another, and each that finds more than ``min_tasks`` waiting retires: at 1, a
+#: loop with requests queued started and retired a trio task for about every request (py-spy of a loop during cold
+#: reads: ~6 % of its samples in spawning tasks and naming them), 15-20 % of its CPU a small file (BENCHMARKS.md,
+#: "Worker tasks kept"). A waiting task costs a few KiB and nothing a request; 8, 32 and 128 measured alike.
+IDLE_WORKERS = 64
+
+
 async def answer(ops: Operations) -> None:
     """What every loop runs, the first and the others alike: pyfuse3's loop over ``ops`` with ``FUSE_WORKERS``
-    requests at most at once (the open budget's bounds count on them), until the mount ends."""
+    requests at most at once (the open budget's bounds count on them), ``IDLE_WORKERS`` kept waiting, until the
+    mount ends."""
     # scripts/passthrough/build.sh patches pyfuse3's loop to take requests already queued without waiting
     # through trio (~70 us of CPU less per small file opened); the stock loop serves as well, slower.
     ops.stats.dispatch = "queued-first" if getattr(pyfuse3, "queued_requests_first", False) else "stock"
     if ops.lookahead is not None:
         ops.lookahead.start()  # its helper process, this loop's own
-    await pyfuse3.main(max_tasks=FUSE_WORKERS)
+    await pyfuse3.main(min_tasks=IDLE_WORKERS, max_tasks=FUSE_WORKERS)
 
 
 async def watch(loops: Loops, ops: Operations) -> None:
