@@ -85,10 +85,12 @@ def _read_direct(file: Below, buf: mmap.mmap) -> int:
         size = os.fstat(fd).st_size
         total = 0
         while True:
+            if total >= size:  # read to its size: one that grew since is read on, sized by its size now
+                size = os.fstat(fd).st_size
             want = min(len(view), max(_BLOCK, -(-(size - total) // _BLOCK) * _BLOCK))
             got = os.preadv(fd, [view[:want]], total)
             total += got
-            if got < want:  # the end of the file (one that grew since the fstat is read on to its end)
+            if got < want:  # the end of the file
                 return total
     finally:
         os.close(fd)

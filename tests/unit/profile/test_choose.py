@@ -3,6 +3,7 @@ with a fake GPU decoder (the one fake here: no GPU is lent to CI) over a real st
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -141,6 +142,15 @@ def test_a_timed_read_asks_for_the_file_not_the_buffer(tmp_path: Path, monkeypat
 
     data = os.urandom(size)
     (tmp_path / "f").write_bytes(data)
+    probe = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        fcntl.fcntl(probe, fcntl.F_SETFL, os.O_DIRECT)
+    except OSError as exc:  # tmpfs before 6.6: read buffered, no length to check
+        if os.environ.get("CI"):
+            pytest.fail(f"no direct I/O where the test's files are: {exc}")
+        pytest.skip(f"no direct I/O here: {exc}")
+    finally:
+        os.close(probe)
     asked: list[int] = []
     real = os.preadv
 
@@ -159,6 +169,23 @@ def test_a_timed_read_asks_for_the_file_not_the_buffer(tmp_path: Path, monkeypat
         small = mmap.mmap(-1, 64 << 10, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         assert timedreads._read_direct(timedreads.Below(dir_fd, b"f"), small) == size
         assert len(asked) >= size // (64 << 10) and max(asked) <= 64 << 10, asked
+        # a file that grew after its size was read is read to its new end, in lengths sized by it
+        asked.clear()
+        real_fstat = os.fstat
+
+        looks: list[int] = []
+
+        def fstat_then_grow(fd: int) -> os.stat_result:
+            st = real_fstat(fd)
+            looks.append(st.st_size)
+            if len(looks) == 2:  # the open's check, then the read's look at the size: the file grows after it
+                with open(tmp_path / "f", "ab") as f:
+                    f.write(data)
+            return st
+
+        monkeypatch.setattr(os, "fstat", fstat_then_grow)
+        assert timedreads._read_direct(timedreads.Below(dir_fd, b"f"), big) == 2 * size
+        assert len(asked) <= 4 and max(asked) <= -(-2 * size // 4096) * 4096 + 4096, asked
     finally:
         os.close(dir_fd)
 
