@@ -362,15 +362,18 @@ class LyingPeer(Background):
 
 def cluster_keys(store: Path, key_file: Path | None) -> list[str]:
     """The keys a mount of ``store`` at ``--cluster-size 100%`` asks the cluster for (sealed under the key of
-    ``key_file``, else in the clear), as the mount makes them (``held.cluster``)."""
+    ``key_file``; else in the clear, and only of files everyone may read), as the mount makes them
+    (``held.cluster``)."""
     from liquidfs.catalog.catalog import Catalog
-    from liquidfs.held.cluster import in_share, key_of
+    from liquidfs.held.cluster import EveryoneReads, in_share, key_of
     from liquidfs.held.sealing import read_key_file
 
     keyed = read_key_file(key_file).id if key_file is not None else ""
     catalog = Catalog.open(store, readonly=True)
     try:
-        return [key_of(node, keyed) for node in catalog.files() if in_share(node, 1.0)]
+        public = EveryoneReads(catalog.get) if key_file is None else None
+        return [key_of(node, keyed) for node in catalog.files()
+                if in_share(node, 1.0) and (public is None or public(node))]
     finally:
         catalog.close()
 
@@ -381,7 +384,7 @@ def splitting_listener(memcached_port: int, keys: list[str]) -> tuple[socket.soc
     how many of ``keys`` the peer got."""
     from liquidfs.held.memcached import MemcachedWire
 
-    need = LEAST_SHARE * len(keys)
+    need = LEAST_SHARE * len(keys) if len(keys) >= 2 else 0  # one key cannot be split: it goes where it goes
     for _ in range(PORT_DRAWS):
         server = socket.create_server(("127.0.0.1", 0))
         port = int(server.getsockname()[1])
@@ -544,8 +547,12 @@ class Neighbours:
             self.memcached = Memcached(binary, 64, "2m")
             self.memcached.start()
         if "lying-peer" in self.attacks:
-            keys = cluster_keys(self.store, self._key_file())
-            server, placed = splitting_listener(self.memcached.port, keys)
+            try:
+                keys = cluster_keys(self.store, self._key_file())
+                server, placed = splitting_listener(self.memcached.port, keys)
+            except BaseException:
+                self.close()  # the memcached started above is not left running
+                raise
             self.liar_keys = (placed, len(keys))
             self.liar = LyingPeer(server).__enter__()
         return self

@@ -319,10 +319,13 @@ def parts_between(before: dict[ThreadKey, tuple[str | None, float]], after: dict
     for key, (kind, seconds) in after.items():
         was_kind, was = before.get(key, (None, 0.0))
         kind = kind or was_kind
+        # never less than 0: a thread's time only grows, but the read-ahead's helper seen before it named itself
+        # was its main thread in nanoseconds, and after it its whole in clock ticks
+        spent = max(0.0, seconds - was)
         if kind is not None:
-            out[kind] = out.get(kind, 0.0) + seconds - was
+            out[kind] = out.get(kind, 0.0) + spent
         if whole is not None:
-            out[whole] = out.get(whole, 0.0) + seconds - was
+            out[whole] = out.get(whole, 0.0) + spent
     return out
 
 

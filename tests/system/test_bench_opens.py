@@ -38,11 +38,11 @@ def test_direct_the_mirror_and_the_mount_side_by_side(tmp_path: Path) -> None:
         read = row["bytes_read"]
         assert read["direct"] == read["mirror"] == read["mount"], row
         assert (read["direct"] > 0) == (row["shape"] != "opens"), row
-        # The daemon's CPU split into its loops' threads and the rest, and its whole their sum: each thread's
-        # nanoseconds (schedstat), never less than before, so no part below 0
+        # The daemon's CPU split into its loops' threads and the rest: each thread's nanoseconds (schedstat),
+        # never less than before, so no part below 0, and the loops' within the daemon's whole
         split = row["daemon_cpu_split_us_per_file"]
         assert split["loop"] >= 0 and split["other"] >= 0, row
-        assert split["loop"] + split["other"] == pytest.approx(row["daemon_cpu_us_per_file"]), row
+        assert split["loop"] <= row["daemon_cpu_us_per_file"] + 1e-6, row
         # the rest's parts by the names of the threads (worker threads, the closer, the read-ahead): within it
         # (the read-ahead's helper process whole from its stat, in clock ticks: two of them either way)
         tick_per_file = 1e6 / os.sysconf("SC_CLK_TCK") / row["files"]
