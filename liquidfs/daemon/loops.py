@@ -142,7 +142,9 @@ async def _serve(ops: Operations, peers: Peers) -> None:
 #: request while none waits starts another, and each that finds more than ``min_tasks`` waiting retires: at 1, a
 #: loop with requests queued started and retired a trio task for about every request (py-spy of a loop during cold
 #: reads: ~6 % of its samples in spawning tasks and naming them), 15-20 % of its CPU a small file (BENCHMARKS.md,
-#: "Worker tasks kept"). A waiting task costs a few KiB and nothing a request; 8, 32 and 128 measured alike.
+#: "Worker tasks kept"). A waiting task costs nothing a request, and memory: its coroutine and the receive buffer
+#: libfuse gave it (a few resident pages of ~1 MiB mapped). 8, 32 and 128 measured alike; 64 leaves room for a
+#: GPU node's 16 readers with an open, a lookup and a release each in flight.
 IDLE_WORKERS = 64
 
 
