@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..sysio.paths import open_below
+from ..sysio.paths import open_below_stat
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def sample_full(images: int, raw_bytes: int, count: int, readers: int, max_bytes
 
 def _read_direct(file: Below, buf: mmap.mmap) -> int:
     # The open is timed too, as it was when files were opened by path: a mount opens each file this way.
-    fd = open_below(file.dir_fd, file.rel, file.where)
+    fd, st = open_below_stat(file.dir_fd, file.rel, file.where)  # its size from the open's own check
     try:
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
@@ -82,7 +82,7 @@ def _read_direct(file: Below, buf: mmap.mmap) -> int:
         # direct read costs the kernel by the length asked for, not read (6.18: 64 MiB asked of a 180 KB file cost
         # ~10 ms of CPU, and the profile timed this machine's storage at 26 MB/s where it reads 600).
         view = memoryview(buf)
-        size = os.fstat(fd).st_size
+        size = st.st_size
         total = 0
         while True:
             if total >= size:  # read to its size: one that grew since is read on, sized by its size now

@@ -178,7 +178,7 @@ def test_a_timed_read_asks_for_the_file_not_the_buffer(tmp_path: Path, monkeypat
         def fstat_then_grow(fd: int) -> os.stat_result:
             st = real_fstat(fd)
             looks.append(st.st_size)
-            if len(looks) == 2:  # the open's check, then the read's look at the size: the file grows after it
+            if len(looks) == 1:  # the open's check, which gave the read its size: the file grows after it
                 with open(tmp_path / "f", "ab") as f:
                     f.write(data)
             return st
