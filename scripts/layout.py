@@ -22,8 +22,10 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 #: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
 TESTED_IN = {
     "catalog/scan.py": "`unit/catalog/test_build.py`",
+    "datapath/limits.py": "`unit/cli/test_light_commands.py` (imports nothing); `unit/daemon/test_config.py`",
+    "mix/modes.py": "`unit/cli/test_light_commands.py` (imports nothing); `unit/cli/test_options.py`",
     "cli/__init__.py": "(re-exports ``main``, the console entry point) `unit/cli/test_errors.py`",
-    "cli/main.py": "`unit/cli/test_errors.py`, and every mount test through the command",
+    "cli/main.py": "`unit/cli/test_errors.py`, `unit/cli/test_light_commands.py`, and every mount test through the command",
     "cli/mount.py": "`unit/cli/test_errors.py`, `unit/daemon/test_config.py`; every mount test",
     "cli/prepare.py": "`unit/cli/test_errors.py`; `mount/test_prepare.py`",
     "cli/profile.py": "`unit/cli/test_errors.py`; `unit/profile/test_choose.py`",

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 ROOT_ID = 1  # pyfuse3.ROOT_INODE
+#: The mount's control file: a hidden entry at the root, found by lookup, never listed by readdir (so `ls -a`
+#: shows the tree unchanged), its inode far above any row's.
+CONTROL_NAME = b".__liquidfs__"
+CONTROL_ID = 1 << 62
 
 KIND_FILE = 0
 KIND_DIR = 1

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..datapath import passthrough
 from ..sysio.paths import filesystem_type
 from ..sysio.privileges import has_cap_sys_admin
+from .options import CommandParser
 
 #: Linux gained FUSE passthrough (read, write, splice and mmap) in 6.9.
 MIN_KERNEL = (6, 9)
@@ -92,6 +92,8 @@ def libfuse_check() -> Check:
 def pyfuse3_check() -> Check:
     import pyfuse3
 
+    from ..datapath import passthrough  # (imported here: every other command's parser is built without it)
+
     missing = passthrough.built_in()
     version = getattr(pyfuse3, "__version__", "?")
     return Check("pyfuse3 passthrough patch", missing is None,
@@ -134,7 +136,7 @@ def verdict(found: list[Check]) -> str:
     return "daemon path: " + "; ".join(f"{c.name} is {c.found} (needs {c.needed})" for c in blocking)
 
 
-def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                   add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """The parser of ``doctor``."""
     d = sub.add_parser("doctor", help="say whether this machine can serve through FUSE passthrough, and why not",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import __version__
 from . import doctor, mount, prepare, profile
-from .options import OptionError
+from .options import CommandParser, OptionError
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "mix of original and pre-expanded raw (BMP) images, for unmodified data loaders.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"liquidfs {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=CommandParser)
 
     mount.add_arguments(sub, _add_common)
     doctor.add_arguments(sub, _add_common)

@@ -10,16 +10,20 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..daemon.config import DATA_PATHS
 from ..daemon.control import UNMOUNT_TIMEOUT
-from ..datapath.daemon import PAGE_CACHE_MODES
+from ..datapath.limits import PAGE_CACHE_MODES
 from . import options
-from .options import MOUNT_DEFAULTS, argument
+from .options import MOUNT_DEFAULTS, CommandParser, argument
+
+if TYPE_CHECKING:
+    from ..daemon.config import MountConfig
+    from ..stores.base import Store
 
 
-def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                   add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     """The parsers of ``mount``, ``umount`` and ``stats``."""
     m = sub.add_parser("mount", help="mount a dataset (daemonizes; returns once the mount answers)",
@@ -182,7 +186,6 @@ def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
 def cmd_mount(args: argparse.Namespace) -> int:
     from ..daemon.config import MountConfig
     from ..daemon.control import check_allow_other, check_mountpoint
-    from ..daemon.serve import serve
     from ..daemon.spawn import spawn_daemon
     from ..stores import open_store
 
@@ -191,7 +194,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # that mount made ready.
         config = MountConfig.from_json(args.daemon_config)
         storage = open_store(config.source, config.store)
-        return serve(config, storage, storage.found_catalog(), ready_fd=args.ready_fd)
+        return _serve(config, storage, storage.found_catalog(), args.ready_fd)
     storage = open_store(args.source, args.store)
     config = options.mount_config(args, storage)
     check_allow_other(config.allow_other, list(config.fuse_options))
@@ -201,7 +204,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         # A --ready-fd is a starter's that has just made the catalog ready: found, never built, here.
         store = storage.found_catalog() if args.ready_fd is not None else \
             storage.mount_catalog(rescan=args.rescan or args.refresh)
-        return serve(config, storage, store, ready_fd=args.ready_fd)
+        return _serve(config, storage, store, args.ready_fd)
     store = storage.mount_catalog(rescan=args.rescan or args.refresh)
     log_file = Path(args.log_file).absolute() if args.log_file else store / "mount.log"
     # The daemon gets the parsed options whole (it runs in /: every path in them is absolute), and of the
@@ -213,6 +216,14 @@ def cmd_mount(args: argparse.Namespace) -> int:
     print(f"liquidfs: {config.source} mounted on {config.mountpoint} ({time.monotonic() - started:.1f} s; "
           f"log {log_file}); " + _data_path_said(config.mountpoint))
     return 0
+
+
+def _serve(config: MountConfig, storage: Store, store: Path, ready_fd: int | None) -> int:
+    """Serve the mount in this process (the daemon, or ``--foreground``). Its modules are imported here: a mount
+    that starts a daemon, like ``umount`` and ``stats``, runs without trio, pyfuse3 or NumPy."""
+    from ..daemon.serve import serve
+
+    return serve(config, storage, store, ready_fd=ready_fd)
 
 
 def _data_path_said(mountpoint: Path) -> str:

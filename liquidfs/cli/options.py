@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..daemon.config import Amount, MountConfig, Share
-from ..mix.share import MIX_MODES
+from ..mix.modes import MIX_MODES
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -26,6 +26,21 @@ T = TypeVar("T")
 
 #: ``MountConfig``'s defaults: the mount parser's, never written a second time.
 MOUNT_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(MountConfig)}
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser whose long description may be read only when its ``--help`` is shown: ``profile``'s
+    is the docstring of ``profile.choose``, which imports NumPy and the decoders (0.2 s of a CPU that ``umount``
+    and ``stats`` would pay to build the parser)."""
+
+    def __init__(self, *args: Any, describe: Callable[[], str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.describe = describe
+
+    def format_help(self) -> str:
+        if self.describe is not None:
+            self.description, self.describe = self.describe(), None
+        return super().format_help()
 
 
 class OptionError(ValueError):

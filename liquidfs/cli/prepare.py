@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 from . import options
-from .options import argument
+from .options import CommandParser, argument
 from .profile import FORMATS_METAVAR, add_loader_arguments, add_run_arguments, loader_options, run_options
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ def _formats_help() -> str:
             "that holds it exactly). Every object is checked to decode to the source's pixels under Pillow")
 
 
-def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
+def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                   add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(
         "prepare", help="expand a share of the images to raw BMP in a store",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 from . import options
-from .options import argument
+from .options import CommandParser, argument
 
 #: ``--formats``'s metavar: png, the default raw format, and the others optional.
 FORMATS_METAVAR = ",".join(["png", DEFAULT.name]) + "".join(f"[,{n}]" for n in sorted(RAW_FORMATS) if n != DEFAULT.name)
@@ -60,13 +60,17 @@ def loader_options(args: argparse.Namespace) -> dict[str, object]:
     return {"readers": args.readers, "gpu_train_rate": args.gpu_train_rate}
 
 
-def add_arguments(sub: argparse._SubParsersAction[argparse.ArgumentParser],
-                  add_common: Callable[[argparse.ArgumentParser], None]) -> None:
-    from ..profile.choose import __doc__ as profile_doc
+def _description() -> str:
+    from ..profile import choose
 
+    return choose.__doc__ or ""
+
+
+def add_arguments(sub: argparse._SubParsersAction[CommandParser],
+                  add_common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser(
         "profile", help="measure this machine and choose the share of images to serve raw",
-        description=profile_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+        describe=_description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source")
     p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
     p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")

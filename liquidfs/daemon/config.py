@@ -13,9 +13,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..datapath.daemon import MAX_OPEN_BYTES, PAGE_CACHE_MODES
-from ..datapath.storage_calls import IO_TIMEOUT, OPEN_THREADS
-from ..mix.share import MIX_MODES, STEER_INTERVAL
+from ..datapath.limits import IO_TIMEOUT, MAX_OPEN_BYTES, OPEN_THREADS, PAGE_CACHE_MODES
+from ..mix.modes import MIX_MODES, STEER_INTERVAL
 
 
 class MountError(Exception):

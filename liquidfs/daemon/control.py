@@ -12,7 +12,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ..fuse.operations import CONTROL_NAME
+from ..catalog.nodes import CONTROL_NAME
 from ..sysio.privileges import has_cap_sys_admin
 from ..sysio.safefiles import escape_controls
 from . import watchdog

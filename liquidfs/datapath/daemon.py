@@ -24,19 +24,12 @@ from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import WHOLE_FILE_LIMIT, ChunkDigests, Content, Reader, chunk_span
 from ..sysio.directio import POOL
 from .inodes import Handle, Inode, Pushes, note_fallback
+from .limits import MAX_OPEN_BYTES, PAGE_CACHE_MODES
 from .notifier import Notifier
 from .storage_calls import StorageCalls
 
 log = logging.getLogger(__name__)
 
-#: Bytes that open files may keep in the daemon beyond the cache's budget (files read whole at open, not yet
-#: served to the end); past it the oldest let go of theirs and read them again if asked (``DaemonPath._count_open``).
-MAX_OPEN_BYTES = 64 << 20
-#: ``mount --page-cache``: "drop" the pages of a file the daemon does not hold when it is closed (no second
-#: copy of the dataset in memory; the kernel's work of dropping them is charged to the daemon), "keep" them
-#: like any file's (the kernel reclaims them under pressure), or serve such files "direct" (direct_io: no pages
-#: at all, every read reaches the daemon).
-PAGE_CACHE_MODES = ("drop", "keep", "direct")
 #: The kernel marks a page it is handed (``notify_store``) up to date only when the page is whole.
 _PAGE = 4096
 #: Pieces of files read again (``DaemonPath._refetch``) kept for the reads of neighbouring pages that follow.

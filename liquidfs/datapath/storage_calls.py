@@ -16,11 +16,10 @@ from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Reader
 from ..sysio.paths import HAS_OPENAT2
+from .limits import IO_TIMEOUT, OPEN_THREADS
 
 R = TypeVar("R")
 
-#: Seconds a storage read may take before the reader gets EIO (``mount --io-timeout``).
-IO_TIMEOUT = 60.0
 #: Storage reads left stuck past their timeout before every new read fails at once: the storage is not answering,
 #: and each further try would only park one more thread in the kernel.
 MAX_STUCK = 64
@@ -32,13 +31,6 @@ FUSE_WORKERS = 512
 #: listings, reads and releases. Reads need no bound of their own: the kernel sends a page-cached file's reads
 #: as background requests, at most ``max_background`` (12) at a time. Opens are synchronous, one per caller.
 MAX_OPENS = FUSE_WORKERS - 128
-#: Storage calls of opens at once (``mount --open-threads``). An open's calls are metadata (the source's identity,
-#: the raw object's inode) that each wait on the disk's latency, not its bandwidth: under the reads' ``--threads``
-#: (4) a node's 16 loader workers could have only four opens in storage, and a slow one held a slot that reads
-#: wanted. Opens get a pool of their own, sized for a node's loader workers; threads idle for 10 s exit (trio's
-#: thread cache). (On a GPU node the four were not what made cold opens slow: the loop's CPU per open is,
-#: BENCHMARKS.md "Opens on a GPU node".)
-OPEN_THREADS = 64
 #: The share of MAX_OPENS one user other than root and the daemon's own may hold at once: one user's opens stuck
 #: on a slow source (an NFS server of theirs, a FUSE mount they serve themselves) leave the other half to everyone
 #: else, who would otherwise all get EAGAIN.

@@ -27,7 +27,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from ..catalog.catalog import Catalog
-from ..catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Node
+from ..catalog.nodes import CONTROL_ID, CONTROL_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Node
 from ..datapath.base import DataPath
 from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
 from ..datapath.notifier import Notifier
@@ -50,9 +50,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CONTROL_ID", "CONTROL_NAME", "Operations"]
 
-#: A hidden entry at the root: found by lookup, never listed by readdir, so `ls -a` shows the tree unchanged.
-CONTROL_NAME = b".__liquidfs__"
-CONTROL_ID = 1 << 62
 #: How long the kernel may keep a name and its attributes: a day. The tree never changes under a mount, and a size that
 #: does (a fallback, the mix) is dropped from the kernel's caches before the open that serves it is answered
 #: (``_tell_size``; with several loops, so is one their shared table lets go), never left to expire. Past the timeout,

@@ -30,11 +30,11 @@ import xxhash
 
 from ..catalog.nodes import REPR_ORIGINAL, REPR_RAW, Node
 from .controller import MixController, Observation
+from .modes import STEER_INTERVAL
 from .pressure import CpuBusy, Stalls
 
 log = logging.getLogger(__name__)
 
-MIX_MODES = ("prepared", "adaptive")
 _MIX_SALT = 0x6D6978  # "mix"
 _SEED_MASK = (1 << 64) - 1
 
@@ -162,10 +162,6 @@ def as_original(node: Node) -> Node:
     return dataclasses.replace(node, representation=REPR_ORIGINAL, served_size=None, object=None, checksum=None)
 
 
-#: Seconds between two decisions of the adaptive mix. The pressure is measured over exactly that interval
-#: (``Stalls``), so it says what the last move did; fewer than 5 s would hold too few of a loader's bursts of opens
-#: (DALI's opens per 5 s already swing from 7 to 35 in a steady phase).
-STEER_INTERVAL = 5.0
 
 
 async def steer(mix: Mix, controller: MixController, counters: Callable[[], tuple[int, int]], *,

@@ -1,0 +1,46 @@
+"""The commands that only talk to a running mount (``umount``, ``stats``) and the parser every command builds load
+none of the daemon's heavy modules: trio, pyfuse3, NumPy, Pillow and the hashes took 0.5 s of a CPU at every
+command (``liquidfs stats`` in a probe loop, a test suite's hundreds of mounts), of which the command used nothing.
+Each case runs in a fresh interpreter, the way a user's command does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("trio", "pyfuse3", "numpy", "PIL", "xxhash", "liquidfs.fuse.operations", "liquidfs.profile.choose")
+
+RUN = f"""
+import json, sys
+from liquidfs.cli import main
+status = main(sys.argv[1:]) if len(sys.argv) > 1 else 0
+print(json.dumps({{"status": status, "loaded": [m for m in {HEAVY!r} if m in sys.modules]}}))
+"""
+
+
+def _loaded_by(*argv: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", RUN, *argv], capture_output=True, text=True, timeout=60,
+                          check=False)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("argv", [(), ("umount", "/nonexistent/mnt"), ("stats", "/"), ("stats", "/", "--json")])
+def test_the_parser_umount_and_stats_load_none_of_the_daemons_modules(argv: tuple[str, ...]) -> None:
+    ran = _loaded_by(*argv)
+    assert ran["loaded"] == [], ran
+    assert ran["status"] == (0 if not argv else 1)  # not a mount: one line and status 1 (test_errors)
+
+
+def test_profiles_help_still_shows_its_long_description() -> None:
+    """``profile --help`` reads its description (``profile.choose``'s docstring) when it is shown."""
+    done = subprocess.run([sys.executable, "-m", "liquidfs", "profile", "--help"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    from liquidfs.profile import choose
+
+    first = (choose.__doc__ or "").strip().splitlines()[0]
+    assert first and first in done.stdout, done.stdout[:2000]
+    assert "Two estimates of the best mix" in done.stdout
