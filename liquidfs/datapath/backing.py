@@ -72,7 +72,7 @@ class SharedBacking:
     opens: int = 1
     backing: Backing | None = None
     backing_id: int = 0
-    keep: bool = False            # the policy decided at the first open to hold it for the next epoch
+    keep: bool = False            # the policy's latest decision of its opens: hold it for the next epoch
     failed: int | None = None     # the errno the first open failed with (concurrent opens fail too)
     settled: bool = False         # the first open has decided (its backing, or its failure)
     #: Made by the first open that waits for the decision: most inodes have one open at a time, and an Event

@@ -3,8 +3,8 @@
 With FUSE passthrough (kernel >= 6.9, libfuse >= 3.17, a pyfuse3 built with ``scripts/passthrough``, and
 CAP_SYS_ADMIN in the initial user namespace) no read or mmap of a file reaches the daemon: its work per file is
 one open and one release. The kernel allows one backing file per inode while any open of it exists, so an
-inode's backing is shared by its concurrent opens and closed at the last release; a decision that changes
-while the inode is open (a source edited, the cache letting it go) takes effect at its next first open. A file
+inode's backing is shared by its concurrent opens and closed at the last release; a source edited while the
+inode is open takes effect at its next first open, and the cache's latest decision at its last release. A file
 that cannot have a backing (one too large to read whole from an object store) is served by a daemon path beside.
 """
 
@@ -222,7 +222,9 @@ class PassthroughPath:
         """An open of a file open already is a read the policy counts like any: the kernel sends a RELEASE in
         the background after the reader's close returned, so the next epoch's open of a file read at the end of
         the last one may find that open still here (CI: 170 of an epoch's 1,500 tiny files went uncounted). It
-        shares the backing; its decision, the latest, says whether the last release keeps the file."""
+        shares the backing; its decision, the latest, says whether the last release keeps the file. A hit of a
+        file held by that open (its memfd is made at the release) counts as one: its bytes are the ones that open
+        has just had read, in the page cache until the last release, and no storage read is made for it."""
         if self.held is None:
             return
         decision = self.held.decide(node.id, record.size_told(node), job)

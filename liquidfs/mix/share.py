@@ -162,8 +162,6 @@ def as_original(node: Node) -> Node:
     return dataclasses.replace(node, representation=REPR_ORIGINAL, served_size=None, object=None, checksum=None)
 
 
-
-
 async def steer(mix: Mix, controller: MixController, counters: Callable[[], tuple[int, int]], *,
                 interval: float = STEER_INTERVAL,
                 pressure: Callable[[str], float | None] | None = None,

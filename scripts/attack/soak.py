@@ -1284,7 +1284,7 @@ def attack_one_path(work: Path, source: Path, fixture: dict[str, Any], data_path
 def attack_mounted(spec: dict[str, Any], spec_path: Path, fixture: dict[str, Any], near: neighbours.Neighbours,
                    flags: list[str], args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """``attack_one_path`` from the mount on (``flags``: what the mount adds for the cache and ``near``)."""
-    from liquidfs.fuse.operations import CONTROL_NAME
+    from liquidfs.catalog.nodes import CONTROL_NAME
 
     work, source, mountpoint, data_path = Path(spec["work"]), Path(spec["source"]), Path(spec["mount"]), spec["tag"]
     bench.liquidfs("mount", str(source), str(mountpoint), "--store", spec["store"], "--data-path", data_path,

@@ -15,6 +15,7 @@ started it).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -37,24 +38,29 @@ def timed(argv: list[str], checkout: Path) -> tuple[float, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run(argv, env=env, cwd=checkout, check=True, capture_output=True, timeout=120)
+    done = subprocess.run(argv, env=env, cwd=checkout, capture_output=True, text=True, timeout=120, check=False)
     wall = time.perf_counter() - started
+    if done.returncode != 0:  # what the command said, not only its status
+        raise bench.CommandFailed(done.returncode, argv, done.stdout, done.stderr)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def one_round(checkout: Path, index: int, src: Path, work: Path) -> dict[str, tuple[float, float]]:
+def one_round(checkout: Path, src: Path, work: Path) -> dict[str, tuple[float, float]]:
     cli = [sys.executable, "-m", "liquidfs"]
-    mnt, store = work / "mnt", work / f"store-{index}"  # each checkout its own: catalogs of one version
+    # each checkout its own store, by its path: a catalog is only ever opened by the version that made it
+    mnt, store = work / "mnt", work / f"store-{hashlib.sha256(str(checkout).encode()).hexdigest()[:12]}"
     mnt.mkdir(exist_ok=True)
     if bench.is_mounted(mnt):
         bench.unmount(mnt, check=False)
     times = {"help": timed([*cli, "--help"], checkout)}
-    times["mount"] = timed([*cli, "mount", str(src), str(mnt), "--store", str(store), "--loops", "1"], checkout)
     try:
+        times["mount"] = timed([*cli, "mount", str(src), str(mnt), "--store", str(store), "--loops", "1"], checkout)
         times["stats"] = timed([*cli, "stats", str(mnt), "--json"], checkout)
-    finally:
         times["umount"] = timed([*cli, "umount", str(mnt)], checkout)
+    finally:
+        if bench.is_mounted(mnt):  # a command failed or timed out: no mount is left behind
+            bench.unmount(mnt, check=False)
     return times
 
 
@@ -78,8 +84,8 @@ def main() -> int:
             path.write_bytes(os.urandom(4096))
     rounds: dict[str, list[dict[str, tuple[float, float]]]] = {str(c): [] for c in checkouts}
     for _ in range(repeats):
-        for index, checkout in enumerate(checkouts):  # alternated: a slower minute falls on each alike
-            rounds[str(checkout)].append(one_round(checkout, index, src.parent, work))
+        for checkout in checkouts:  # alternated: a slower minute of the machine falls on each alike
+            rounds[str(checkout)].append(one_round(checkout, src.parent, work))
     results = []
     for checkout, done in rounds.items():
         row: dict[str, object] = {"checkout": checkout, "repeats": len(done)}

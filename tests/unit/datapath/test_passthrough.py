@@ -828,7 +828,6 @@ def test_sizes_let_go_across_loops_are_dropped_from_the_kernel(tmp_path: Path) -
     assert sorted(dropped) == sorted(n.id for n in nodes if shared.size(n.id) is None)
 
 
-
 async def _read_each(ops: Operations, nodes: list) -> None:
     """Each of ``nodes`` opened and released, in order."""
     for node in nodes:

@@ -13,7 +13,8 @@ import trio
 
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.datapath import passthrough
-from liquidfs.datapath.storage_calls import OPEN_THREADS, in_thread
+from liquidfs.datapath.limits import OPEN_THREADS
+from liquidfs.datapath.storage_calls import in_thread
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
 from operations import FakeKernel, daemon_operations, passthrough_operations

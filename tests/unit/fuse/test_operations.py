@@ -16,9 +16,9 @@ import trio
 
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
-from liquidfs.catalog.nodes import ROOT_ID
+from liquidfs.catalog.nodes import CONTROL_ID, CONTROL_NAME, ROOT_ID
 from liquidfs.daemon import build as assemble
-from liquidfs.fuse.operations import CONTROL_ID, CONTROL_NAME, Operations
+from liquidfs.fuse.operations import Operations
 from liquidfs.metrics.stats import MountStats
 from liquidfs.stores.local.reader import StoreReader
 from operations import config, daemon_operations, ops_over, small_tree
