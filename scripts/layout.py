@@ -25,7 +25,8 @@ TESTED_IN = {
     "datapath/limits.py": "`unit/cli/test_light_commands.py` (imports nothing); `unit/daemon/test_config.py`",
     "mix/modes.py": "`unit/cli/test_light_commands.py` (imports nothing); `unit/cli/test_options.py`",
     "cli/__init__.py": "(re-exports ``main``, the console entry point) `unit/cli/test_errors.py`",
-    "cli/main.py": "`unit/cli/test_errors.py`, `unit/cli/test_light_commands.py`, and every mount test through the command",
+    "cli/main.py": "`unit/cli/test_errors.py`, `unit/cli/test_light_commands.py`, and every mount test through "
+                   "the command",
     "cli/mount.py": "`unit/cli/test_errors.py`, `unit/daemon/test_config.py`; every mount test",
     "cli/prepare.py": "`unit/cli/test_errors.py`; `mount/test_prepare.py`",
     "cli/profile.py": "`unit/cli/test_errors.py`; `unit/profile/test_choose.py`",

@@ -14,10 +14,10 @@ MAX_OPEN_BYTES = 64 << 20
 PAGE_CACHE_MODES = ("drop", "keep", "direct")
 #: Seconds a storage read may take before the reader gets EIO (``mount --io-timeout``).
 IO_TIMEOUT = 60.0
-#: Storage calls of opens at once (``mount --open-threads``; ``StorageCalls.opening``). An open's calls are metadata (the source's identity,
-#: the raw object's inode) that each wait on the disk's latency, not its bandwidth: under the reads' ``--threads``
-#: (4) a node's 16 loader workers could have only four opens in storage, and a slow one held a slot that reads
-#: wanted. Opens get a pool of their own, sized for a node's loader workers; threads idle for 10 s exit (trio's
-#: thread cache). (On a GPU node the four were not what made cold opens slow: the loop's CPU per open is,
-#: BENCHMARKS.md "Opens on a GPU node".)
+#: Storage calls of opens at once (``mount --open-threads``; ``StorageCalls.opening``). An open's calls are
+#: metadata (the source's identity, the raw object's inode) that each wait on the disk's latency, not its
+#: bandwidth: under the reads' ``--threads`` (4) a node's 16 loader workers could have only four opens in storage,
+#: and a slow one held a slot that reads wanted. Opens get a pool of their own, sized for a node's loader workers;
+#: threads idle for 10 s exit (trio's thread cache). (On a GPU node the four were not what made cold opens slow:
+#: the loop's CPU per open is, BENCHMARKS.md "Opens on a GPU node".)
 OPEN_THREADS = 64

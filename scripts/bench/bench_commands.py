@@ -7,9 +7,9 @@ of ``liquidfs --help``, ``liquidfs stats MNT --json``, ``liquidfs mount`` (until
 
 Each checkout's liquidfs is the one its directory holds (``PYTHONPATH``), run by this interpreter; an older commit
 is a ``git worktree add /tmp/old COMMIT``. The repeats alternate between the checkouts, and the table has the
-medians. The mount is of a source of 20 small files, one loop (``--loops 1``), on the machine's disk; the daemon it starts
-is not its child, and its CPU is not counted (it runs ``python -I``: the installed liquidfs, whichever checkout
-started it).
+medians. The mount is of a source of 20 small files, one loop (``--loops 1``), on the machine's disk; the daemon
+it starts is not its child, and its CPU is not counted (it runs ``python -I``: the installed liquidfs, whichever
+checkout started it).
 """
 
 from __future__ import annotations
