@@ -198,11 +198,7 @@ class PassthroughPath:
                     backing.close()
                     raise
             entry.backing = backing
-            entry.keep = decision.hold and backing is not None and backing.fallback is None \
-                and backing.size == node.size_served
-            if decision.hold and not entry.keep:
-                assert self.held is not None
-                self.held.could_not_keep(node.id)
+            self._decide_keep(node, entry, decision)
         except BaseException as exc:
             entry.failed = (exc.errno or errno.EIO) if isinstance(exc, OSError) else errno.EIO
             if decision.hold and self.held is not None:
@@ -230,10 +226,17 @@ class PassthroughPath:
         decision = self.held.decide(node.id, record.size_told(node), job)
         if decision.hit and node.id not in self.held.policy.held:
             self.held.release(node.id)  # not held again: the level's memfd goes, as at a hit in ``_backing``
+        self._decide_keep(node, entry, decision)
+
+    def _decide_keep(self, node: Node, entry: SharedBacking, decision: Decision) -> None:
+        """Whether the last release keeps ``entry``'s backing for the next epoch: where the policy holds the file
+        and the backing holds its bytes as served (not a fallback, nor another size). A hold that cannot be kept
+        gives its room back."""
         backing = entry.backing
-        assert backing is not None
-        entry.keep = decision.hold and backing.fallback is None and backing.size == node.size_served
+        entry.keep = decision.hold and backing is not None and backing.fallback is None \
+            and backing.size == node.size_served
         if decision.hold and not entry.keep:
+            assert self.held is not None
             self.held.could_not_keep(node.id)
 
     def join_loops(self, shared: SharedInodes, loop: int) -> None:
