@@ -16,9 +16,11 @@ the published profiler does:
 * with a next-epoch cache (``--cache-size``), from the first open of the second epoch, as the mount's cache
   counts epochs: the first epoch of a mount has no hits, the later ones hit its share, and training is those;
 * a binary search over the 11 shares compares two neighbours and keeps the half on the faster side; two rates
-  within noise are measured again (``repeats``), and still within noise end the search there. The model's choice
-  is the first midpoint. The chosen share is the fastest median measured; among shares within noise of it, the
-  smallest (it takes the least disk).
+  within noise are measured again (``repeats``); still within noise, the pair's outer neighbours are run once each,
+  and one beyond noise faster than the pair's slower member moves the search to its side (a gentle slope, not the
+  peak), else it ends there.
+  The model's choice is the first midpoint. The chosen share is the fastest median measured; among shares within
+  noise of it, the smallest (it takes the least disk).
 
 Plain Python over ``liquidfs mount``/``umount`` commands; ``search`` is a pure function that tests drive with
 simulated pipelines.
@@ -97,7 +99,8 @@ def search(measure: Callable[[float], float], *, first: float | None = None, rep
     """A binary search over ``shares`` for the fastest, ``measure(share)`` giving one run's images/s. The rate
     is taken to rise to one peak and fall after it (storage and decoding cross once). Each step compares a share
     with its right neighbour and keeps the half on the faster side; within noise, both are measured again up to
-    ``repeats`` runs each, and still within noise, the peak is taken to be there."""
+    ``repeats`` runs each; still within noise, an outer neighbour faster than the pair's slower member moves the
+    search to its side, and without one the peak is taken to be there."""
     result = SearchResult(chosen=shares[0])
 
     def rates(i: int) -> list[float]:
@@ -119,8 +122,18 @@ def search(measure: Callable[[float], float], *, first: float | None = None, rep
             left.append(measure(shares[mid]))
             right.append(measure(shares[mid + 1]))
         if within_noise(left, right, tolerance):
-            lo, hi = mid, mid + 1
-            break
+            # A pair within noise is a plateau at the peak, or a gentle slope beside it (storage-bound shares lose
+            # 3 % a step: a search begun at the model's 1.0 ended at 0.9 where 0.6 ran 15 % faster). One run each
+            # of the pair's outer neighbours tells which: one beyond noise faster than the pair's slower member
+            # puts the peak on its side, where the search goes on (the pair stays among the measured, so a peak
+            # in it still wins); neither, and the peak is here.
+            side = _faster_outside(rates, mid, lo, hi, min(left, right, key=statistics.median), tolerance)
+            if side is None:
+                lo, hi = mid, mid + 1
+                break
+            lo, hi = (lo, mid - 1) if side < mid else (mid + 2, hi)
+            mid = None
+            continue
         if statistics.median(right) > statistics.median(left):
             lo = mid + 1
         else:
@@ -134,6 +147,17 @@ def search(measure: Callable[[float], float], *, first: float | None = None, rep
     result.chosen = close[0] if close else best
     result.within_noise = [s for s in close if s != result.chosen]
     return result
+
+
+def _faster_outside(rates: Callable[[int], list[float]], mid: int, lo: int, hi: int, slower: list[float],
+                    tolerance: float) -> int | None:
+    """Which outer neighbour of the pair (mid, mid + 1) within [lo, hi] runs beyond noise faster than the pair's
+    slower member ``slower``: the rate has one peak, so the peak is on that side of the pair or in it. Two steps
+    apart, a slope too gentle for neighbours to tell shows. Where both do (noise), the faster."""
+    faster = [i for i in (mid - 1, mid + 2) if lo <= i <= hi
+              and statistics.median(rates(i)) > statistics.median(slower)
+              and not within_noise(rates(i), slower, tolerance)]
+    return max(faster, key=lambda i: statistics.median(rates(i)), default=None)
 
 
 def pace(samples: Sequence[tuple[float, int, int, int]], end: float) -> tuple[float, float, int]:

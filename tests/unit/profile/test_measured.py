@@ -55,7 +55,38 @@ def test_a_close_pair_is_measured_again_and_the_smaller_share_taken_on_a_plateau
 
     result = search(flat, repeats=3, first=0.5)
     assert calls.count(0.5) == 3 and calls.count(0.6) == 3  # within noise: repeated up to 3 runs each
-    assert result.chosen == 0.5 and result.within_noise == [0.6]
+    # still within noise: the pair's outer neighbours once each, no faster either, so the search ends here
+    assert calls.count(0.4) == 1 and calls.count(0.7) == 1 and len(calls) == 8
+    assert result.chosen == 0.4 and result.within_noise == [0.5, 0.6, 0.7]
+
+
+def _storage_bound_tail(share: float) -> float:
+    """The paced loader of tests/mount/test_profile_run.py: decode-bound to its peak at 0.6, then storage-bound
+    with a BMP 1.4x a PNG's bytes, so each step past the peak loses only ~3 %: 0.9 and 1.0 within noise."""
+    return min(1000 / (30 - 27 * share), 6290 / ((1 - share) * 70 + share * 98))
+
+
+@pytest.mark.parametrize("first", [None, 0.0, 0.5, 0.8, 0.9, 1.0])
+def test_a_gentle_slope_within_noise_is_not_taken_for_the_peak(first: float | None) -> None:
+    assert within_noise([_storage_bound_tail(0.9)], [_storage_bound_tail(1.0)])
+    calls: list[float] = []
+
+    def measure(share: float) -> float:
+        calls.append(share)
+        return _storage_bound_tail(share)
+
+    result = search(measure, first=first)
+    assert result.chosen == 0.6, (result.steps, result.rates)
+    assert len(set(calls)) < len(SHARES), calls
+
+
+def test_on_a_gentle_rise_the_search_goes_on_to_the_right() -> None:
+    def rising(share: float) -> float:  # 2 % a step to a peak at 0.8, falling fast after it
+        return 100 * 1.02 ** (share * 10) if share <= 0.8 else 60.0
+
+    result = search(rising, first=0.2)
+    assert result.steps[0] == (0.2, 0.3) and 0.8 in result.rates  # it went on from the first pair to the peak
+    assert result.chosen == 0.7 and result.within_noise == [0.8]  # the smallest share within 3 % of the fastest
 
 
 def test_noisy_pipeline_lands_within_three_percent_of_the_best() -> None:
