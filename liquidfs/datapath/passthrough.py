@@ -224,8 +224,8 @@ class PassthroughPath:
         if self.held is None:
             return
         decision = self.held.decide(node.id, record.size_told(node), job)
-        if decision.hit and node.id not in self.held.policy.held:
-            self.held.release(node.id)  # not held again: the level's memfd goes, as at a hit in ``_backing``
+        if decision.hit:
+            self.held.release(node.id)  # not held again, the level's memfd goes, as at a hit in ``_backing``
         self._decide_keep(node, entry, decision)
 
     def _decide_keep(self, node: Node, entry: SharedBacking, decision: Decision) -> None:
@@ -280,7 +280,7 @@ class PassthroughPath:
                     copied = keeping.done.is_set()
                 except BaseException:
                     # Cancelled (the reader was interrupted): a copy kept only for this open is let go.
-                    if keeping.done.is_set() and node.id not in self.held.policy.held:
+                    if keeping.done.is_set():
                         self.held.release(node.id)
                     raise
                 finally:
@@ -290,10 +290,9 @@ class PassthroughPath:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
                 # decision may let the held file go, and the level closes its descriptor then.
                 served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
-                if node.id not in self.held.policy.held:
-                    # Not held again at this hit, or let go while its copy was made (kept for this open): its
-                    # memfd lives as long as this open.
-                    self.held.release(node.id)
+                # Not held again at this hit, or let go while its copy was made (kept for this open): its memfd
+                # lives as long as this open.
+                self.held.release(node.id)
                 try:
                     changed = await self.calls.source_changed(node)
                 except BaseException:

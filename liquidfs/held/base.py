@@ -235,8 +235,10 @@ class MemfdLevel(InMemory[HeldFile]):
         self.drop(file)
 
     def release(self, file: int) -> None:
-        """The policy stopped holding ``file`` (a hit not kept again): close the level's memfd."""
-        self._forget(file)
+        """After a hit of ``file``: where the policy no longer holds it (not held again at this hit, or let go
+        since), close the level's memfd; the opens that took their own descriptor of it keep it alive."""
+        if file not in self.policy.held:
+            self._forget(file)
 
     def hold_now(self, file: int, fd: int, size: int, raw: bool) -> bool:
         """Warm-up: hold ``fd`` for ``file``'s next read if the budget allows (else the caller keeps ``fd``)."""
