@@ -19,7 +19,6 @@ from ..catalog.nodes import ExpansionRow, Node
 from ..sysio.directio import read_fd
 from ..sysio.locks import unique
 from ..sysio.paths import open_below, open_dir, open_regular, open_under
-from . import formats
 from . import workers as resources
 from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 
@@ -95,6 +94,8 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
     """Expand one image held in memory to the first of ``raw_formats`` that holds it exactly: (None, raw bytes,
     source format), or (the refusal, None, format). The raw bytes say what they are (``formats.sniff``).
     Never raises."""
+    from . import formats  # NumPy and Pillow load where an image is expanded, not in every mount that imports this
+
     pixels = formats.pixel_count(source)
     if pixels is not None and pixels <= formats.MAX_PIXELS:
         # Each format at its own need (a J2K encode takes three times a BMP's): one that would not fit is not
@@ -156,6 +157,8 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
     refused, raw, fmt = expand_bytes(rel, want_size, want_mtime, source, want_version, raw_formats)
     if raw is None:
         return refused  # type: ignore[return-value]
+    from . import formats  # loaded by expand_bytes already
+
     obj = _named_as(obj, formats.sniff(raw[:32]) or DEFAULT.name)
     try:
         sub_fd = _object_dir(store, obj)
@@ -253,6 +256,8 @@ def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
         return refused
     if checksum(raw) != want_checksum:
         return "checksum mismatch"
+    from . import formats  # NumPy and Pillow: loaded by the checks that decode, not by every mount
+
     try:
         # mode, size, samples, and for palette images the palette and transparency too
         same = formats.same_pixels(original, raw)

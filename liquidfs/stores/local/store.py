@@ -27,7 +27,6 @@ from ...catalog.build import WorkingCopy, open_or_build
 from ...catalog.catalog import CATALOG_NAME, Catalog, default_store_dir
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...expand import formats
 from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
@@ -319,6 +318,8 @@ class LocalStore:
     def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name,
                        max_bytes: int | None = None) -> Sample:
         """Expanded into a ``profile-sample-*`` directory of this run's own inside the store, on its device."""
+        from ...expand import formats  # NumPy and Pillow: the profile's, not every mount's that opens a store
+
         self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         _check_readable(self.store_dir / CATALOG_NAME)

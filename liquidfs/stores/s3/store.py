@@ -27,7 +27,6 @@ from ...catalog.catalog import CATALOG_NAME, Catalog
 from ...catalog.identity import checksum, is_digest
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...expand import formats
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
 from ...sysio.locks import unique
@@ -355,6 +354,8 @@ class BucketStore:
                        max_bytes: int | None = None) -> Sample:
         """``count`` random images, expanded and put under STORE/profile-sample-<unique>/ (deleted after), so
         storage is measured as the mount will read it: whole-object GETs, ``jobs`` at once."""
+        from ...expand import formats  # NumPy and Pillow: the profile's, not every mount's that opens a store
+
         if raw_format not in self.raw_formats:
             raise ProfileError(f"{self.label} holds only {', '.join(self.raw_formats)} objects")
         src, dst = self.source, self.store
