@@ -1,6 +1,8 @@
 """What a ``liquidfs`` command costs before it does anything: the wall time and the CPU (its own and its children's)
 of ``liquidfs --help``, ``liquidfs stats MNT --json``, ``liquidfs mount`` (until the mount answers) and
-``liquidfs umount`` (until the daemon has gone), for one checkout or several side by side in one run.
+``liquidfs umount`` (until the daemon has gone), for one checkout or several side by side in one run; and what the
+mount's daemon has cost once the mount answers: its CPU seconds (imports, the catalog, the FUSE session) and its
+resident memory.
 
     python scripts/bench/bench_commands.py [--checkouts PATH,PATH] [--repeats 5] [--json out/bench/commands.json]
     python scripts/bench/bench_commands.py --smoke     # this checkout, one repeat: the script works
@@ -8,8 +10,8 @@ of ``liquidfs --help``, ``liquidfs stats MNT --json``, ``liquidfs mount`` (until
 Each checkout's liquidfs is the one its directory holds (``PYTHONPATH``), run by this interpreter; an older commit
 is a ``git worktree add /tmp/old COMMIT``. The repeats alternate between the checkouts, and the table has the
 medians. The mount is of a source of 20 small files, one loop (``--loops 1``), on the machine's disk; the daemon
-it starts is not its child, and its CPU is not counted (it runs ``python -I``: the installed liquidfs, whichever
-checkout started it).
+it starts is not its child, and its CPU is not in the mount's column (it runs ``python -I``: the installed
+liquidfs, whichever checkout started it; its own columns are read from ``/proc`` once the mount answers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (the flags, the work directory, unmounting what a failed run left)
 
+from liquidfs.catalog.nodes import CONTROL_NAME  # noqa: E402  (a leaf module: the bench times no import of it)
+
 COMMANDS = ("help", "stats", "mount", "umount")
 
 
@@ -46,6 +50,16 @@ def timed(argv: list[str], checkout: Path) -> tuple[float, float]:
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
+def daemon_started(mnt: Path) -> tuple[float, float]:
+    """(CPU seconds, resident MB) of the daemon serving ``mnt``, from ``/proc``: what starting it cost."""
+    pid = int(json.loads((mnt / os.fsdecode(CONTROL_NAME)).read_bytes())["pid"])
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if line.startswith("VmRSS:"))
+    return cpu, rss / 1024
+
+
 def one_round(checkout: Path, src: Path, work: Path) -> dict[str, tuple[float, float]]:
     cli = [sys.executable, "-m", "liquidfs"]
     # each checkout its own store, by its path: a catalog is only ever opened by the version that made it
@@ -56,6 +70,7 @@ def one_round(checkout: Path, src: Path, work: Path) -> dict[str, tuple[float, f
     times = {"help": timed([*cli, "--help"], checkout)}
     try:
         times["mount"] = timed([*cli, "mount", str(src), str(mnt), "--store", str(store), "--loops", "1"], checkout)
+        times["daemon"] = daemon_started(mnt)
         times["stats"] = timed([*cli, "stats", str(mnt), "--json"], checkout)
         times["umount"] = timed([*cli, "umount", str(mnt)], checkout)
     finally:
@@ -92,12 +107,15 @@ def main() -> int:
         for command in COMMANDS:
             row[f"{command}_wall_s"] = statistics.median(r[command][0] for r in done)
             row[f"{command}_cpu_s"] = statistics.median(r[command][1] for r in done)
+        row["daemon_start_cpu_s"] = statistics.median(r["daemon"][0] for r in done)
+        row["daemon_rss_mb"] = statistics.median(r["daemon"][1] for r in done)
         results.append(row)
-    print("| checkout | " + " | ".join(f"{c} wall / CPU s" for c in COMMANDS) + " |")
-    print("|---|" + "---|" * len(COMMANDS))
+    print("| checkout | " + " | ".join(f"{c} wall / CPU s" for c in COMMANDS) + " | daemon at answer: CPU s / RSS MB |")
+    print("|---|" + "---|" * (len(COMMANDS) + 1))
     for row in results:
         print(f"| {row['checkout']} | " + " | ".join(f"{row[f'{c}_wall_s']:.2f} / {row[f'{c}_cpu_s']:.2f}"
-                                                    for c in COMMANDS) + " |")
+                                                    for c in COMMANDS)
+              + f" | {row['daemon_start_cpu_s']:.2f} / {row['daemon_rss_mb']:.0f} |")
     out = args.json or bench.REPO / "out" / "bench" / "commands.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"repeats": repeats, "results": results}, indent=1))

@@ -25,5 +25,6 @@ def test_bench_commands_smoke_times_every_command_of_a_real_mount(tmp_path: Path
     assert row["checkout"] == str(REPO) and row["repeats"] == 1
     for command in ("help", "stats", "mount", "umount"):
         assert row[f"{command}_wall_s"] > 0 and row[f"{command}_cpu_s"] > 0, row
+    assert row["daemon_start_cpu_s"] > 0 and 10 < row["daemon_rss_mb"] < 1000, row  # read from its daemon's /proc
     assert not is_mounted(tmp_path / "work" / "mnt")
     assert "| umount wall / CPU s |" in proc.stdout  # the table
