@@ -16,9 +16,9 @@ the published profiler does:
 * with a next-epoch cache (``--cache-size``), from the first open of the second epoch, as the mount's cache
   counts epochs: the first epoch of a mount has no hits, the later ones hit its share, and training is those;
 * a binary search over the 11 shares compares two neighbours and keeps the half on the faster side; two rates
-  within noise are measured again (``repeats``); still within noise, the pair's outer neighbours are run once each,
-  and one beyond noise faster than the pair's slower member moves the search to its side (a gentle slope, not the
-  peak), else it ends there.
+  within noise are measured again (``repeats``); still within noise, the pair's outer neighbours are run once
+  (the faster member's side first), and one beyond noise faster than the pair's slower member moves the search to
+  its side (a gentle slope, not the peak), else it ends there.
   The model's choice is the first midpoint. The chosen share is the fastest median measured; among shares within
   noise of it, the smallest (it takes the least disk).
 
@@ -127,7 +127,7 @@ def search(measure: Callable[[float], float], *, first: float | None = None, rep
             # of the pair's outer neighbours tells which: one beyond noise faster than the pair's slower member
             # puts the peak on its side, where the search goes on (the pair stays among the measured, so a peak
             # in it still wins); neither, and the peak is here.
-            side = _faster_outside(rates, mid, lo, hi, min(left, right, key=statistics.median), tolerance)
+            side = _faster_outside(rates, mid, lo, hi, left, right, tolerance)
             if side is None:
                 lo, hi = mid, mid + 1
                 break
@@ -149,15 +149,19 @@ def search(measure: Callable[[float], float], *, first: float | None = None, rep
     return result
 
 
-def _faster_outside(rates: Callable[[int], list[float]], mid: int, lo: int, hi: int, slower: list[float],
-                    tolerance: float) -> int | None:
+def _faster_outside(rates: Callable[[int], list[float]], mid: int, lo: int, hi: int, left: list[float],
+                    right: list[float], tolerance: float) -> int | None:
     """Which outer neighbour of the pair (mid, mid + 1) within [lo, hi] runs beyond noise faster than the pair's
-    slower member ``slower``: the rate has one peak, so the peak is on that side of the pair or in it. Two steps
-    apart, a slope too gentle for neighbours to tell shows. Where both do (noise), the faster."""
-    faster = [i for i in (mid - 1, mid + 2) if lo <= i <= hi
-              and statistics.median(rates(i)) > statistics.median(slower)
-              and not within_noise(rates(i), slower, tolerance)]
-    return max(faster, key=lambda i: statistics.median(rates(i)), default=None)
+    slower member: the rate has one peak, so the peak is on that side of the pair or in it. Two steps apart, a
+    slope too gentle for neighbours to tell shows. The side of the pair's faster member is run first (a slope
+    falls away from the peak), and one that tells spares the other's run."""
+    faster_left = statistics.median(left) >= statistics.median(right)
+    slower = right if faster_left else left
+    for i in ((mid - 1, mid + 2) if faster_left else (mid + 2, mid - 1)):
+        if lo <= i <= hi and statistics.median(rates(i)) > statistics.median(slower) \
+                and not within_noise(rates(i), slower, tolerance):
+            return i
+    return None
 
 
 def pace(samples: Sequence[tuple[float, int, int, int]], end: float) -> tuple[float, float, int]:
