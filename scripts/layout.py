@@ -42,7 +42,7 @@ TESTED_IN = {
     "datapath/backing.py": "`unit/datapath/test_passthrough.py`",
     "datapath/inodes.py": "`unit/fuse/test_operations.py`, `unit/datapath/test_daemon.py`",
     "datapath/storage_calls.py": "`unit/datapath/test_daemon.py`, `mount/test_faults.py`",
-    "policy/epochs.py": "`unit/policy/test_next_epoch.py`",
+    "policy/epochs.py": "`unit/policy/test_epochs.py`, `unit/policy/test_next_epoch.py`",
     "policy/shared_budget.py": "`unit/policy/test_next_epoch.py`",
     "metrics/defs.py": "`unit/metrics/test_metrics.py`; `system/test_prometheus.py`",
     "metrics/server.py": "`unit/metrics/test_metrics.py`",

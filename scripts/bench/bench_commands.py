@@ -110,7 +110,9 @@ def main() -> int:
         row["daemon_start_cpu_s"] = statistics.median(r["daemon"][0] for r in done)
         row["daemon_rss_mb"] = statistics.median(r["daemon"][1] for r in done)
         results.append(row)
-    print("| checkout | " + " | ".join(f"{c} wall / CPU s" for c in COMMANDS) + " | daemon at answer: CPU s / RSS MB |")
+    # the daemon is the installed liquidfs's whichever checkout started it: the same code in every row
+    print("| checkout | " + " | ".join(f"{c} wall / CPU s" for c in COMMANDS)
+          + " | daemon (installed liquidfs) at answer: CPU s / RSS MB |")
     print("|---|" + "---|" * (len(COMMANDS) + 1))
     for row in results:
         print(f"| {row['checkout']} | " + " | ".join(f"{row[f'{c}_wall_s']:.2f} / {row[f'{c}_cpu_s']:.2f}"
