@@ -12,6 +12,7 @@ import mmap
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 #: Reads per window: the stretch over which a hit ratio is measured.
 WINDOW = 64
@@ -53,7 +54,7 @@ def add_stats(into: CacheStats, other: CacheStats) -> None:
         setattr(into, name, getattr(into, name) + getattr(other, name))
 
 
-def zeros(code: str, count: int) -> memoryview:
+def zeros(code: Literal["i", "q"], count: int) -> memoryview:
     """``count`` zeros of the C type ``code`` ("i": int32, "q": int64) in anonymous memory, read and set one element
     at a time as Python ints. The kernel gives its pages zeroed where first touched: a new job's arrays (made on an
     open's path, for ten million files 120 MB) cost nothing until its reads reach them, and a job that reads a shard
