@@ -125,21 +125,21 @@ def _wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 def _accepted_fds(port: int) -> list[int]:
-    """This process's descriptors of connections accepted on ``port`` (TCP sockets whose local port it is, not
-    the listener): the server's own objects, where a count of all open descriptors would also move with
-    whatever else the process (an earlier test's thread, a logging handler) opens meanwhile."""
-    inodes = set()
+    """This process's descriptors of connections accepted on ``port`` (TCP sockets whose local address and port
+    are the listener's, not the listener itself): the server's own objects, where a count of all open descriptors
+    would also move with whatever else the process (an earlier test's thread, a logging handler) opens meanwhile.
+    The address too, not the port alone: a flood's client bound to 127.0.0.2 can get the listener's port number
+    as its own ephemeral port (CI counted 9 of 8 once)."""
+    rows: list[tuple[str, str, str]] = []  # (local endpoint as /proc writes it, state, inode)
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            with open(table) as rows:
-                next(rows)  # the header
-                for row in rows:
-                    fields = row.split()
-                    local_port, state, inode = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]
-                    if local_port == port and state != "0A":  # 0A: LISTEN
-                        inodes.add(f"socket:[{inode}]")
+            with open(table) as lines:
+                next(lines)  # the header
+                rows += [(fields[1], fields[3], fields[9]) for fields in map(str.split, lines)]
         except FileNotFoundError:  # no IPv6 on this host
             pass
+    listening = {local for local, state, _ in rows if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port}
+    inodes = {f"socket:[{inode}]" for local, state, inode in rows if local in listening and state != "0A"}
     fds = []
     for name in os.listdir("/proc/self/fd"):
         try:
