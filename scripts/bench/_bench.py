@@ -164,6 +164,16 @@ def root_problem(drops: str) -> str | None:
     return None
 
 
+def memory_mb(pid: int) -> dict[str, float]:
+    """VmRSS (now) and VmHWM (peak) of a process, in MB."""
+    values = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            values[key] = int(rest.split()[0]) / 1024
+    return {"rss_mb": values["VmRSS"], "hwm_mb": values["VmHWM"]}
+
+
 def control(mnt: Path) -> dict[str, Any]:
     return read_control(mnt)  # the mount's statistics, as `liquidfs stats` reads them
 

@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (the flags, the work directory, unmounting what a failed run left)
 
-from liquidfs.catalog.nodes import CONTROL_NAME  # noqa: E402  (a leaf module: the bench times no import of it)
-
 COMMANDS = ("help", "stats", "mount", "umount")
 
 
@@ -52,12 +50,11 @@ def timed(argv: list[str], checkout: Path) -> tuple[float, float]:
 
 def daemon_started(mnt: Path) -> tuple[float, float]:
     """(CPU seconds, resident MB) of the daemon serving ``mnt``, from ``/proc``: what starting it cost."""
-    pid = int(json.loads((mnt / os.fsdecode(CONTROL_NAME)).read_bytes())["pid"])
+    pid = int(bench.control(mnt)["pid"])
+    # its own utime + stime: bench.cpu_seconds would add the children it runs (the read-ahead's helper)
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-    rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
-    return cpu, rss / 1024
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return cpu, bench.memory_mb(pid)["rss_mb"]
 
 
 def one_round(checkout: Path, src: Path, work: Path) -> dict[str, tuple[float, float]]:

@@ -122,16 +122,6 @@ def measure_build(source: Path, store: Path) -> dict[str, Any]:
     return got
 
 
-def memory_mb(pid: int) -> dict[str, float]:
-    """VmRSS (now) and VmHWM (peak) of a process, in MB."""
-    values = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            values[key] = int(rest.split()[0]) / 1024
-    return {"rss_mb": values["VmRSS"], "hwm_mb": values["VmHWM"]}
-
-
 def measure_find(mountpoint: Path) -> dict[str, Any]:
     """`find` over the whole mount: wall time and the number of entries it printed (the root included)."""
     started = time.monotonic()
@@ -205,13 +195,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"mount ready: {', '.join(f'{s:.2f}' for s in ready)} s", flush=True)
     try:
         pid = mounted.pid
-        results["rss_after_mount"] = memory_mb(pid)
+        results["rss_after_mount"] = bench.memory_mb(pid)
         drop_dentries()
         results["find_source"] = measure_find(source)  # the same walk of the tree itself, for the ratio
         drop_dentries()
         results["find"] = measure_find(mountpoint)
         results["find"]["expected"] = layout.files + layout.dirs + 2  # root and the marker file
-        results["rss_after_find"] = memory_mb(pid)
+        results["rss_after_find"] = bench.memory_mb(pid)
         results["known_inodes_after_find"] = bench.control(mountpoint)["known_inodes"]
         print(f"find: {results['find']['entries']:,} entries in {results['find']['seconds']:.1f} s; "
               f"RSS {results['rss_after_find']['rss_mb']:.0f} MB", flush=True)
@@ -220,7 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         directory["matches_source"] = directory.pop("names") == expected
         directory.pop("stats")
         results["big_dir"] = directory
-        results["rss_end"] = memory_mb(pid)
+        results["rss_end"] = bench.memory_mb(pid)
         results["control"] = bench.control(mountpoint)
     finally:
         mounted.close(check=False, timeout=600)

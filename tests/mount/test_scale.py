@@ -34,7 +34,7 @@ def test_scale_tree_through_a_mount(tmp_path: Path, mounter: Mount) -> None:
     pid = daemon_pid(mnt)
     found = bench.measure_find(mnt)
     assert found["entries"] == FILES + DIRS + 2  # the root and the marker
-    memory = bench.memory_mb(pid)
+    memory = bench.bench.memory_mb(pid)  # bench_scale's _bench
 
     big = layout.big_dir()
     directory = bench.measure_directory(mnt / big)
