@@ -20,6 +20,7 @@ from . import listings
 from .identity import file_version
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
+from .sink import LocalSink, ProcessSink, Sink
 from .schema import FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES, CatalogError
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ _NAME = operator.attrgetter("name")
 _RECORD = listings.RECORD.pack
 #: Rows bound in one ``executemany``.
 _BATCH = 10_000
+_INSERT_LISTING = "INSERT INTO listings(parent, last, entries) VALUES (?, ?, ?)"
 #: Bytes of packed listings held before they are written (about the rows' ``_BATCH``).
 _LISTING_BYTES = 1 << 20
 
@@ -56,19 +58,31 @@ class _Writer:
         self.final = self.store / CATALOG_NAME
         _remove_abandoned(self.store)
         self.tmp, self.lock = _in_the_making(self.store)
-        self.db = sqlite3.connect(self.tmp, isolation_level=None)
-        # The previous catalog is ATTACHed to carry over what prepare learnt: it may be anyone's, and its schema
-        # must run nothing here (as every catalog read, ``connect``).
-        self.db.execute("PRAGMA trusted_schema=OFF")
-        self.db.execute("PRAGMA journal_mode=OFF")
-        self.db.execute("PRAGMA synchronous=OFF")
-        self.db.execute("PRAGMA threads=2")  # the sorts of the indexes made at the end, on two cores
-        self.db.executescript(TABLES)
-        self.db.execute("BEGIN")
+        self.sink: Sink | None = None  # made at the first flush, once the build's size says which
         self.rows: list[tuple[object, ...]] = []
         self.entries: list[tuple[object, ...]] = []
         self.listings: list[tuple[int, int, bytes]] = []
         self.listing_bytes = 0
+
+    def _open(self, large: bool) -> Sink:
+        """The sink of a build that filled a batch (``large``) is a helper process, where a second core is ours
+        to use; a small one's is SQLite here (a process costs more to start than its rows to insert)."""
+        sink: Sink | None = None
+        if large and len(os.sched_getaffinity(0)) > 1:
+            try:
+                sink = ProcessSink(self.tmp)
+            except OSError as exc:
+                log.info("the catalog is written in the builder's process (no helper: %s)", exc)
+        sink = sink or LocalSink(self.tmp)
+        # The previous catalog is ATTACHed to carry over what prepare learnt: it may be anyone's, and its schema
+        # must run nothing here (as every catalog read, ``connect``).
+        sink.execute("PRAGMA trusted_schema=OFF")
+        sink.execute("PRAGMA journal_mode=OFF")
+        sink.execute("PRAGMA synchronous=OFF")
+        sink.execute("PRAGMA threads=2")  # the sorts of the indexes made at the end, on two cores
+        sink.script(TABLES)
+        sink.execute("BEGIN")
+        return sink
 
     def add(self, row: tuple[object, ...]) -> None:
         """A row of every scanned column (``SCANNED_COLUMNS``)."""
@@ -90,28 +104,40 @@ class _Writer:
         if self.listing_bytes >= _LISTING_BYTES or len(self.listings) >= _BATCH:
             self.flush()
 
-    def flush(self) -> None:
-        self.db.executemany(_INSERT, self.rows)
-        self.db.executemany(_INSERT_ENTRY, self.entries)
-        self.db.executemany("INSERT INTO listings(parent, last, entries) VALUES (?, ?, ?)", self.listings)
-        self.rows.clear()
-        self.entries.clear()
-        self.listings.clear()
+    def flush(self, *, last: bool = False) -> None:
+        if self.sink is None:  # a build that fills a batch before its end is a large one
+            self.sink = self._open(large=not last)
+        for statement, rows in ((_INSERT, self.rows), (_INSERT_ENTRY, self.entries), (_INSERT_LISTING, self.listings)):
+            if rows:
+                self.sink.many(statement, rows)
+                rows.clear()
         self.listing_bytes = 0
 
     def finish(self, meta: dict[str, str], previous: Path | None = None) -> None:
         """Index, commit, carry over what prepare learnt from ``previous`` (default: the catalog being replaced),
         swap."""
-        self.flush()
+        self.flush(last=True)
+        assert self.sink is not None
         for index in INDEXES:  # in the transaction (``executescript`` would commit it first)
-            self.db.execute(index)
+            self.sink.execute(index)
         meta = {"schema_version": str(SCHEMA_VERSION), "scanned_at": str(time.time()), **meta}
-        self.db.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", list(meta.items()))
-        self.db.execute("COMMIT")
-        _carry_over_expansions(self.db, previous or self.final)
-        self.db.close()
+        self.sink.many("INSERT INTO meta(key, value) VALUES (?, ?)", list(meta.items()))
+        self.sink.commit()
+        db = sqlite3.connect(self.tmp, isolation_level=None)
+        try:
+            db.execute("PRAGMA trusted_schema=OFF")  # the previous catalog is ATTACHed: its schema runs nothing
+            _carry_over_expansions(db, previous or self.final)
+        finally:
+            db.close()
         # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
         os.replace(self.tmp, self.final)
+        self.lock.release()
+
+    def abort(self) -> None:
+        """The build failed: its catalog in the making goes, the current one stays."""
+        if self.sink is not None:
+            self.sink.abort()
+        self.tmp.unlink(missing_ok=True)
         self.lock.release()
 
 
@@ -186,6 +212,21 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
     if not stat.S_ISDIR(root_st.st_mode):
         raise NotADirectoryError(f"{source} is not a directory")
     writer = _Writer(store_dir)
+    try:
+        report = _walk(root, root_st, writer)
+    except BaseException:
+        writer.abort()
+        raise
+    report.seconds = time.monotonic() - started
+    log.info(
+        "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
+        os.fsdecode(root), report.files, report.directories, report.symlinks, report.seconds,
+    )
+    return report
+
+
+def _walk(root: bytes, root_st: os.stat_result, writer: _Writer) -> ScanReport:
+    """``build``'s walk of ``root`` into ``writer``, finished."""
     report = ScanReport()
     next_id = ROOT_ID + 1
     # Directories' rows wait for their subdirectory counts: one row per directory, few even at ten million files.
@@ -251,11 +292,6 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
         writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
     writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME,
                    listings.META_KEY: listings.FORMAT})
-    report.seconds = time.monotonic() - started
-    log.info(
-        "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
-        os.fsdecode(root), report.files, report.directories, report.symlinks, report.seconds,
-    )
     return report
 
 
@@ -274,6 +310,20 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
     """
     started = time.monotonic()
     writer = _Writer(store_dir)
+    try:
+        report = _objects_into(objects, writer, source, previous)
+    except BaseException:
+        writer.abort()
+        raise
+    report.seconds = time.monotonic() - started
+    log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,
+             report.seconds)
+    return report
+
+
+def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer, source: str,
+                  previous: Path | None) -> ScanReport:
+    """``build_from_objects``' listing into ``writer``, finished."""
     report = ScanReport()
     # path -> [id, parent id, newest mtime, subdirectory count]
     dirs: dict[bytes, list[int]] = {b"": [ROOT_ID, ROOT_ID, 0, 0]}
@@ -340,9 +390,6 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
         entries.sort()
         writer.add_listing(parent_id, [entry[0] for entry in entries], [listings.record(*entry) for entry in entries])
     writer.finish({"source": source, "source_kind": "s3", listings.META_KEY: listings.FORMAT}, previous)
-    report.seconds = time.monotonic() - started
-    log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,
-             report.seconds)
     return report
 
 

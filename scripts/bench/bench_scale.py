@@ -110,7 +110,8 @@ def measure_build(source: Path, store: Path) -> dict[str, Any]:
     """Catalog build in a fresh process, as the first `liquidfs mount` does it."""
     code = ("import json, resource, sys; from liquidfs.catalog.build import build; r = build(sys.argv[1], sys.argv[2]); "
             "print(json.dumps({'files': r.files, 'dirs': r.directories, 'seconds': r.seconds, "
-            "'maxrss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))")
+            "'maxrss_mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "
+            "'helper_maxrss_mb': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))")
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code, str(source), str(store)], capture_output=True, text=True,
                          check=True)
@@ -224,7 +225,7 @@ def table(results: dict[str, Any]) -> str:
     d = r["big_dir"]
     rows = [
         ("catalog build", f"{b['files_per_s']:,.0f} files/s ({b['seconds']:.1f} s, {b['catalog_mb']:.0f} MB "
-         f"catalog, builder peak RSS {b['maxrss_mb']:.0f} MB)", f">= {GOALS['build_files_per_s']:,}",
+         f"catalog, builder peak RSS {b['maxrss_mb']:.0f} MB, its helpers' {b['helper_maxrss_mb']:.0f} MB)", f">= {GOALS['build_files_per_s']:,}",
          b["files_per_s"] >= GOALS["build_files_per_s"]),
         ("mount ready (catalog built)", f"{r['mount_ready_s']['median']:.2f} s (runs: "
          + ", ".join(f"{s:.2f}" for s in r["mount_ready_s"]["runs"]) + ")",

@@ -17,6 +17,7 @@ from liquidfs.catalog.identity import file_version
 from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from liquidfs.catalog.scan import Warmer
 from liquidfs.catalog.schema import NODE_COLUMNS
+from liquidfs.catalog.sink import ProcessSink
 
 
 def _tree(cat: Catalog) -> dict[bytes, tuple[int, int, int | None]]:
@@ -91,8 +92,11 @@ def test_two_catalog_writers_on_one_store_in_one_pid_never_swap_each_others_work
 def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_path: Path) -> None:
     store = tmp_path / "store"
     alive = _Writer(store)
+    alive.flush(last=True)  # its catalog file is made at the first flush
     dead = _Writer(store)
-    dead.db.close()
+    dead.flush(last=True)
+    assert dead.sink is not None
+    dead.sink.abort()
     dead.lock.release(remove=False)  # as if its process died: the lock file stays, nobody holds it
     _Writer(store).finish({})
     names = {p.name for p in store.iterdir()}
@@ -168,14 +172,29 @@ def _rows(store: Path) -> list[tuple[object, ...]]:
 
 
 @pytest.mark.parametrize("ahead", [True, False], ids=["read-ahead", "alone"])
+@pytest.mark.parametrize("writer", ["small", "helper", "one-core"])
 def test_a_local_tree_is_recorded_as_the_walk_always_recorded_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 ahead: bool) -> None:
+                                                                 ahead: bool, writer: str) -> None:
     """Every row (ids, kinds, sizes, modes, mtimes, targets, file versions) as the plain walk gives it, whether the
-    helper reading inodes ahead runs (its threshold lowered to nothing) or not."""
+    helper reading inodes ahead runs (its threshold lowered to nothing) or not, and wherever the rows are written:
+    a small build in its own process, a large one (batches lowered to 8 rows) in a helper process where two cores
+    are the build's, in its own process where one is."""
     src = tmp_path / "src"
     _odd_tree(src)
     monkeypatch.setattr(build_module, "START_AFTER", 0 if ahead else 10**9)
+    if writer != "small":
+        monkeypatch.setattr(build_module, "_BATCH", 8)
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1} if writer == "helper" else {0})
+    helpers: list[ProcessSink] = []
+
+    def helper(path: Path) -> ProcessSink:
+        helpers.append(ProcessSink(path))
+        return helpers[-1]
+
+    monkeypatch.setattr(build_module, "ProcessSink", helper)
     report = build(src, tmp_path / "store")
+    assert len(helpers) == (writer == "helper")
+    assert all(h._process.returncode == 0 for h in helpers)
     rows = _rows(tmp_path / "store")
     assert rows == _walked(src)
     paths = {row[3] for row in rows}
