@@ -14,14 +14,15 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
-from .catalog import CATALOG_NAME, Catalog, connect
 from . import listings
+from .catalog import CATALOG_NAME, Catalog, connect
 from .identity import file_version
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
-from .sink import LocalSink, ProcessSink, Sink
 from .schema import FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES, CatalogError
+from .sink import LocalSink, ProcessSink, Sink
 
 log = logging.getLogger(__name__)
 
@@ -68,20 +69,22 @@ class _Writer:
         """The sink of a build that filled a batch (``large``) is a helper process, where a second core is ours
         to use; a small one's is SQLite here (a process costs more to start than its rows to insert)."""
         sink: Sink | None = None
-        if large and len(os.sched_getaffinity(0)) > 1:
+        if large and usable_cores() > 1:
             try:
                 sink = ProcessSink(self.tmp)
             except OSError as exc:
                 log.info("the catalog is written in the builder's process (no helper: %s)", exc)
         sink = sink or LocalSink(self.tmp)
-        # The previous catalog is ATTACHed to carry over what prepare learnt: it may be anyone's, and its schema
-        # must run nothing here (as every catalog read, ``connect``).
-        sink.execute("PRAGMA trusted_schema=OFF")
-        sink.execute("PRAGMA journal_mode=OFF")
-        sink.execute("PRAGMA synchronous=OFF")
-        sink.execute("PRAGMA threads=2")  # the sorts of the indexes made at the end, on two cores
-        sink.script(TABLES)
-        sink.execute("BEGIN")
+        try:
+            sink.execute("PRAGMA trusted_schema=OFF")  # as every catalog connection (``connect``)
+            sink.execute("PRAGMA journal_mode=OFF")
+            sink.execute("PRAGMA synchronous=OFF")
+            sink.execute("PRAGMA threads=2")  # the sorts of the indexes made at the end, on two cores
+            sink.script(TABLES)
+            sink.execute("BEGIN")
+        except BaseException:
+            sink.abort()
+            raise
         return sink
 
     def add(self, row: tuple[object, ...]) -> None:
@@ -101,8 +104,8 @@ class _Writer:
         for last, chunk in listings.chunks(ids, records):
             self.listings.append((parent, last, chunk))
             self.listing_bytes += len(chunk)
-        if self.listing_bytes >= _LISTING_BYTES or len(self.listings) >= _BATCH:
-            self.flush()
+            if self.listing_bytes >= _LISTING_BYTES or len(self.listings) >= _BATCH:
+                self.flush()  # within a directory too: a batch is bounded however many entries one has
 
     def flush(self, *, last: bool = False) -> None:
         if self.sink is None:  # a build that fills a batch before its end is a large one
@@ -125,7 +128,12 @@ class _Writer:
         self.sink.commit()
         db = sqlite3.connect(self.tmp, isolation_level=None)
         try:
-            db.execute("PRAGMA trusted_schema=OFF")  # the previous catalog is ATTACHed: its schema runs nothing
+            # The previous catalog is ATTACHed to carry over what prepare learnt: it may be anyone's, and its schema
+            # must run nothing here. A file nobody reads yet: no fsync, and a journal in memory only, which its
+            # ROLLBACK needs.
+            db.execute("PRAGMA trusted_schema=OFF")
+            db.execute("PRAGMA journal_mode=MEMORY")
+            db.execute("PRAGMA synchronous=OFF")
             _carry_over_expansions(db, previous or self.final)
         finally:
             db.close()

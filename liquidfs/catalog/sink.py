@@ -26,7 +26,9 @@ from typing import Any, BinaryIO, Protocol
 _LENGTH = struct.Struct("<Q")
 #: The pipe's size asked for: the default most (``/proc/sys/fs/pipe-max-size``) an unprivileged process may set.
 _PIPE_BYTES = 1 << 20
-#: Bytes of a helper's complaint kept for the builder's error.
+#: What the helper says once it has the catalog open.
+_READY = b"."
+#: Bytes of a helper's complaint read for the builder's error (its last line is the error).
 _ERROR_BYTES = 4096
 
 
@@ -74,8 +76,15 @@ class ProcessSink:
 
         # -I -S: no site, no environment, no current directory: the script imports only the standard library.
         self._process = subprocess.Popen([sys.executable, "-I", "-S", __file__, os.fsencode(os.path.abspath(path))],
-                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                          close_fds=True, cwd="/", env=isolated_env())
+        assert self._process.stdout is not None
+        # Its word that it runs and has the file open: a helper that cannot start is an OSError here, where the
+        # build writes in its own process instead, not a failure of the build later.
+        ready = self._process.stdout.read(1)
+        self._process.stdout.close()
+        if ready != _READY:
+            raise self._failure()
         assert self._process.stdin is not None
         try:
             # A batch in one write where the system allows it: each wake-up of the other side through a 64 KiB
@@ -99,7 +108,8 @@ class ProcessSink:
         self._close_stdin()
         self._process.wait()
         assert self._process.stderr is not None
-        said = self._process.stderr.read(_ERROR_BYTES).decode("utf-8", "replace").strip()
+        lines = self._process.stderr.read(_ERROR_BYTES).decode("utf-8", "replace").strip().splitlines()
+        said = lines[-1].strip() if lines else ""  # one line: a traceback's last (the helper prints no other)
         self._process.stderr.close()
         return HelperFailed(f"the catalog's writer exited with {self._process.returncode}: {said or 'no reason given'}")
 
@@ -142,9 +152,11 @@ def _read(stream: BinaryIO, size: int) -> bytes:
     return data
 
 
-def _serve(path: bytes, stream: BinaryIO) -> None:
+def _serve(path: bytes, stream: BinaryIO, ready: BinaryIO) -> None:
     """The helper's loop: each statement as it comes, until the commit."""
     db = sqlite3.connect(path, isolation_level=None)
+    ready.write(_READY)
+    ready.close()
     while True:
         message = marshal.loads(_read(stream, _LENGTH.unpack(_read(stream, _LENGTH.size))[0]))
         kind = message[0]
@@ -164,7 +176,7 @@ def _serve(path: bytes, stream: BinaryIO) -> None:
 
 if __name__ == "__main__":
     try:
-        _serve(os.fsencode(sys.argv[1]), sys.stdin.buffer)
+        _serve(os.fsencode(sys.argv[1]), sys.stdin.buffer, sys.stdout.buffer)
     except Exception as exc:  # noqa: BLE001 -- the builder raises it with this line; a traceback repeats it
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -211,7 +211,7 @@ def _loops(args: argparse.Namespace) -> int:
     rank: a hash of its path). "auto": as many as the cores allow, where those options leave more than one
     possible."""
     from ..datapath.shared_inodes import MAX_LOOPS
-    from ..expand.workers import usable_cores
+    from ..sysio.cgroups import usable_cores
 
     clashes = [flag for flag, given in (("--cache-size", args.cache_size), ("--disk-cache", args.disk_cache),
                                         ("--cluster", args.cluster), ("--mix adaptive", args.mix == "adaptive"),

@@ -9,13 +9,12 @@ for a pod's working set. The parsers take the files' text, so tests feed them an
 from __future__ import annotations
 
 import logging
-import math
-import os
 import posixpath
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from ..sysio.cgroups import CGROUP_ROOT, cpu_count, levels, parse_cgroup_paths, read_text
 from .rawformats import DEFAULT_FORMATS, RAW_FORMATS
 
 log = logging.getLogger(__name__)
@@ -31,25 +30,7 @@ WORKER_BASE_BYTES: Final = 64 << 20
 #: large.
 UNLIMITED: Final = 1 << 60
 
-CGROUP_ROOT: Final = "/sys/fs/cgroup"
-
-
 # -- parsers: the text of one file in, a number out -------------------------------------------------------
-
-
-def parse_cgroup_paths(text: str) -> tuple[str | None, str | None]:
-    """From /proc/self/cgroup: (the cgroup v2 path, the cgroup v1 memory controller's path), None where absent."""
-    v2 = v1 = None
-    for line in text.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2 = path
-        elif "memory" in controllers.split(","):
-            v1 = path
-    return v2, v1
 
 
 def parse_limit(text: str) -> int | None:
@@ -92,34 +73,15 @@ def headroom(limit_text: str, usage_text: str, stat_text: str = "", inactive_key
 # -- this machine ---------------------------------------------------------------------------------------
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
-
-
-def _levels(mount: str, path: str) -> list[str]:
-    """The directories of ``path`` and of each of its ancestors under ``mount``, deepest first. In a cgroup
-    namespace the path is "/" and the mount is the process's own cgroup; without one the path is the full one,
-    and a container may still see only its own part of the tree mounted: the levels that exist are the ones
-    that can be read."""
-    parts = [p for p in posixpath.normpath("/" + path).split("/") if p]
-    if ".." in parts:  # a cgroup outside this namespace: only the mount's root is known
-        parts = []
-    return [posixpath.join(mount, *parts[:n]) for n in range(len(parts), -1, -1)]
-
-
 def _cgroup_headroom(mount: str, path: str, limit: str, usage: str, inactive_key: str) -> list[int]:
     found = []
-    for level in _levels(mount, path):
-        limit_text = _read(posixpath.join(level, limit))
-        usage_text = _read(posixpath.join(level, usage))
+    for level in levels(mount, path):
+        limit_text = read_text(posixpath.join(level, limit))
+        usage_text = read_text(posixpath.join(level, usage))
         if limit_text is None or usage_text is None:
             continue
         try:
-            room = headroom(limit_text, usage_text, _read(posixpath.join(level, "memory.stat")) or "", inactive_key)
+            room = headroom(limit_text, usage_text, read_text(posixpath.join(level, "memory.stat")) or "", inactive_key)
         except ValueError:
             log.debug("unreadable memory limit in %s", level)
             continue
@@ -132,52 +94,16 @@ def available_memory(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int
     """Bytes this process may still use: the least of MemAvailable and every limiting cgroup's headroom; None
     when none of them can be read."""
     found = []
-    meminfo = _read(posixpath.join(proc, "meminfo"))
+    meminfo = read_text(posixpath.join(proc, "meminfo"))
     if meminfo is not None and (free := parse_meminfo(meminfo)) is not None:
         found.append(free)
-    v2, v1 = parse_cgroup_paths(_read(posixpath.join(proc, "self/cgroup")) or "")
+    v2, v1 = parse_cgroup_paths(read_text(posixpath.join(proc, "self/cgroup")) or "")
     if v2 is not None:
         found += _cgroup_headroom(cgroup_root, v2, "memory.max", "memory.current", "inactive_file")
     if v1 is not None:
         found += _cgroup_headroom(posixpath.join(cgroup_root, "memory"), v1, "memory.limit_in_bytes",
                                   "memory.usage_in_bytes", "total_inactive_file")
     return min(found, default=None)
-
-
-def cpu_count() -> int:
-    """The cores this process may run on (its affinity mask, which taskset and cpusets narrow)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def parse_cpu_max(text: str) -> float | None:
-    """cgroup v2's cpu.max ("QUOTA PERIOD"): the cores' worth it allows, or None for no limit ("max ...")."""
-    fields = text.split()
-    if not fields or fields[0] == "max":
-        return None
-    period = int(fields[1]) if len(fields) > 1 else 100_000
-    return int(fields[0]) / period if period > 0 else None
-
-
-def usable_cores(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int:
-    """The cores this process can keep busy: its affinity, or fewer where a cgroup (v2) above it allows less CPU
-    time (``cpu.max``, what a container's CPU limit sets; affinity alone shows the host's cores there)."""
-    cores = cpu_count()
-    v2, _ = parse_cgroup_paths(_read(posixpath.join(proc, "self/cgroup")) or "")
-    if v2 is None:
-        return cores
-    for level in _levels(cgroup_root, v2):
-        text = _read(posixpath.join(level, "cpu.max"))
-        try:
-            allowed = parse_cpu_max(text) if text is not None else None
-        except ValueError:
-            log.debug("unreadable cpu.max in %s", level)
-            continue
-        if allowed is not None:
-            cores = min(cores, max(1, math.ceil(allowed)))
-    return cores
 
 
 # -- the worker count -----------------------------------------------------------------------------------

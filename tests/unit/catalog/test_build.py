@@ -171,10 +171,22 @@ def _rows(store: Path) -> list[tuple[object, ...]]:
         cat.close()
 
 
+def _listings_and_meta(store: Path) -> tuple[list[tuple[object, ...]], dict[str, str]]:
+    """The packed listings in the order they were written, and the meta rows but the scan's time."""
+    cat = Catalog.open(store, readonly=True)
+    try:
+        chunks = cat.db.execute("SELECT rowid, parent, last, entries FROM listings ORDER BY rowid").fetchall()
+        meta = dict(cat.db.execute("SELECT key, value FROM meta WHERE key != 'scanned_at'").fetchall())
+        return chunks, meta
+    finally:
+        cat.close()
+
+
 @pytest.mark.parametrize("ahead", [True, False], ids=["read-ahead", "alone"])
 @pytest.mark.parametrize("writer", ["small", "helper", "one-core"])
 def test_a_local_tree_is_recorded_as_the_walk_always_recorded_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 ahead: bool, writer: str) -> None:
+                                                                 ahead: bool, writer: str,
+                                                                 helpers: list[ProcessSink]) -> None:
     """Every row (ids, kinds, sizes, modes, mtimes, targets, file versions) as the plain walk gives it, whether the
     helper reading inodes ahead runs (its threshold lowered to nothing) or not, and wherever the rows are written:
     a small build in its own process, a large one (batches lowered to 8 rows) in a helper process where two cores
@@ -184,18 +196,16 @@ def test_a_local_tree_is_recorded_as_the_walk_always_recorded_it(tmp_path: Path,
     monkeypatch.setattr(build_module, "START_AFTER", 0 if ahead else 10**9)
     if writer != "small":
         monkeypatch.setattr(build_module, "_BATCH", 8)
-        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1} if writer == "helper" else {0})
-    helpers: list[ProcessSink] = []
-
-    def helper(path: Path) -> ProcessSink:
-        helpers.append(ProcessSink(path))
-        return helpers[-1]
-
-    monkeypatch.setattr(build_module, "ProcessSink", helper)
+        monkeypatch.setattr(build_module, "usable_cores", lambda: 2 if writer == "helper" else 1)
     report = build(src, tmp_path / "store")
     assert len(helpers) == (writer == "helper")
     assert all(h._process.returncode == 0 for h in helpers)
     rows = _rows(tmp_path / "store")
+    if writer != "small":  # the listings and meta as a small build writes them, chunk for chunk
+        monkeypatch.undo()
+        monkeypatch.setattr(build_module, "START_AFTER", 10**9)
+        build(src, tmp_path / "small")
+        assert _listings_and_meta(tmp_path / "store") == _listings_and_meta(tmp_path / "small")
     assert rows == _walked(src)
     paths = {row[3] for row in rows}
     assert {b"not-utf8-\xff\xfe", b"new\nline", b"dir-\xe9/inner", b"train/bochum/deep/er/z", b"val/link"} <= paths

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from liquidfs.catalog import build as build_module
-from liquidfs.catalog.build import build
+from liquidfs.catalog import sink as sink_module
+from liquidfs.catalog.build import build, build_from_objects
 from liquidfs.catalog.catalog import CATALOG_NAME, Catalog
 from liquidfs.catalog.sink import HelperFailed, LocalSink, ProcessSink
 
@@ -45,7 +46,7 @@ def test_a_statement_the_helper_cannot_run_fails_the_build_with_its_reason(tmp_p
     before = sorted(p.name for p in store.iterdir())
     (src / "d" / "new.png").write_bytes(b"")
     monkeypatch.setattr(build_module, "_BATCH", 8)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(build_module, "usable_cores", lambda: 2)
     monkeypatch.setattr(build_module, "_INSERT_ENTRY", "INSERT INTO no_such_table VALUES (?)")
     with pytest.raises(HelperFailed, match="no such table: no_such_table"):
         build(src, store)
@@ -81,19 +82,13 @@ def test_a_helper_whose_builder_stops_before_the_commit_exits_having_committed_n
     db.close()
 
 
-def test_an_aborted_build_leaves_no_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_aborted_build_leaves_no_helper(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           helpers: list[ProcessSink]) -> None:
     """A build interrupted in its walk (here: a lstat that raises what no OSError handler catches) kills its
     helper and removes its catalog in the making."""
     src, store = _tree(tmp_path / "src", 30), tmp_path / "store"
-    helpers: list[ProcessSink] = []
-
-    def helper(path: Path) -> ProcessSink:
-        helpers.append(ProcessSink(path))
-        return helpers[-1]
-
-    monkeypatch.setattr(build_module, "ProcessSink", helper)
     monkeypatch.setattr(build_module, "_BATCH", 8)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(build_module, "usable_cores", lambda: 2)
     calls = iter(range(1000))
 
     def file_version(st: os.stat_result) -> str:
@@ -114,3 +109,42 @@ def test_a_small_build_writes_in_its_own_process(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(build_module, "LocalSink", lambda path: made.append("local") or LocalSink(path))
     build(_tree(tmp_path / "src", 30), tmp_path / "store")
     assert made == ["local"]
+
+
+def _everything(store: Path) -> list[list[tuple[object, ...]]]:
+    catalog = Catalog.open(store, readonly=True)
+    try:
+        return [catalog.db.execute(query).fetchall() for query in (
+            "SELECT * FROM nodes ORDER BY id", "SELECT rowid, * FROM listings ORDER BY rowid",
+            "SELECT * FROM meta WHERE key != 'scanned_at' ORDER BY key")]
+    finally:
+        catalog.close()
+
+
+def test_an_object_stores_large_listing_goes_through_the_helper_as_a_small_one_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers: list[ProcessSink]) -> None:
+    listing = [(f"train/c{i % 3}/{i:03d}.png", i, f'"e{i}"', 1_000 + i) for i in range(40)]
+    build_from_objects(iter(listing), tmp_path / "small", "s3://b/x")
+    monkeypatch.setattr(build_module, "_BATCH", 8)
+    monkeypatch.setattr(build_module, "usable_cores", lambda: 2)
+    build_from_objects(iter(listing), tmp_path / "large", "s3://b/x")
+    assert len(helpers) == 1 and helpers[0]._process.returncode == 0
+    assert _everything(tmp_path / "large") == _everything(tmp_path / "small")
+
+
+def test_a_helper_that_cannot_start_leaves_the_build_to_its_own_process(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interpreter starts but cannot run the script (here: a file that is not there): no word from it, so the
+    build writes its rows itself, the same rows."""
+    src = _tree(tmp_path / "src", 30)
+    build(src, tmp_path / "small")
+    monkeypatch.setattr(sink_module, "__file__", str(tmp_path / "no-such-helper.py"))
+    with pytest.raises(OSError, match="no-such-helper.py"):
+        ProcessSink(tmp_path / "c.sqlite")
+    made: list[str] = []
+    monkeypatch.setattr(build_module, "LocalSink", lambda path: made.append("local") or LocalSink(path))
+    monkeypatch.setattr(build_module, "_BATCH", 8)
+    monkeypatch.setattr(build_module, "usable_cores", lambda: 2)
+    build(src, tmp_path / "large")
+    assert made == ["local"]
+    assert _everything(tmp_path / "large")[:2] == _everything(tmp_path / "small")[:2]

@@ -110,20 +110,7 @@ def test_loops_reach_the_config_and_refuse_what_one_loop_must_hold(key_file: Pat
                                                          (16, ["--mix", "0.5"], 4)])
 def test_loops_auto_follow_the_cores_and_the_options(monkeypatch: pytest.MonkeyPatch, cores: int, flags: list[str],
                                                       chosen: int) -> None:
-    from liquidfs.expand import workers
+    from liquidfs.sysio import cgroups
 
-    monkeypatch.setattr(workers, "usable_cores", lambda: cores)
+    monkeypatch.setattr(cgroups, "usable_cores", lambda: cores)
     assert options.mount_config(_parse(flags), STORAGE).loops == chosen  # auto is the default
-
-
-def test_usable_cores_follow_a_cgroup_cpu_limit(tmp_path: Path) -> None:
-    from liquidfs.expand.workers import cpu_count, parse_cpu_max, usable_cores
-
-    assert parse_cpu_max("max 100000") is None and parse_cpu_max("250000 100000") == 2.5
-    proc, cgroup = tmp_path / "proc", tmp_path / "cgroup"
-    (proc / "self").mkdir(parents=True)
-    (proc / "self" / "cgroup").write_text("0::/kubepods/pod1\n")
-    (cgroup / "kubepods" / "pod1").mkdir(parents=True)
-    (cgroup / "kubepods" / "cpu.max").write_text("max 100000\n")
-    (cgroup / "kubepods" / "pod1" / "cpu.max").write_text("150000 100000\n")
-    assert usable_cores(str(cgroup), str(proc)) == min(cpu_count(), 2)

@@ -21,8 +21,9 @@ from liquidfs.expand import workers as resources
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.expand.expansion import expand_bytes
 from liquidfs.prepare import prepare
-from liquidfs.expand.workers import (WORKER_BASE_BYTES, available_memory, expansion_need, headroom, parse_cgroup_paths,
-                                parse_limit, parse_meminfo, parse_stat, plan_workers)
+from liquidfs.expand.workers import (WORKER_BASE_BYTES, available_memory, expansion_need, headroom, parse_limit,
+                                 parse_meminfo, parse_stat, plan_workers)
+from liquidfs.sysio.cgroups import parse_cgroup_paths
 from smallmachine import MiB, fake_machine, limit_for, photo_png, two_images
 
 GiB = 1 << 30

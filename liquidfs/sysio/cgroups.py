@@ -1,0 +1,85 @@
+"""What the cgroups above this process allow it: the files' paths (``/proc/self/cgroup``) and levels, and the
+cores it can keep busy (``cpu.max``). The memory they allow is ``expand.workers``'s. The parsers take the files'
+text, so tests feed them any machine's."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import posixpath
+from typing import Final
+
+log = logging.getLogger(__name__)
+
+CGROUP_ROOT: Final = "/sys/fs/cgroup"
+
+
+def parse_cgroup_paths(text: str) -> tuple[str | None, str | None]:
+    """From /proc/self/cgroup: (the cgroup v2 path, the cgroup v1 memory controller's path), None where absent."""
+    v2 = v1 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2 = path
+        elif "memory" in controllers.split(","):
+            v1 = path
+    return v2, v1
+
+
+def read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def levels(mount: str, path: str) -> list[str]:
+    """The directories of ``path`` and of each of its ancestors under ``mount``, deepest first. In a cgroup
+    namespace the path is "/" and the mount is the process's own cgroup; without one the path is the full one,
+    and a container may still see only its own part of the tree mounted: the levels that exist are the ones
+    that can be read."""
+    parts = [p for p in posixpath.normpath("/" + path).split("/") if p]
+    if ".." in parts:  # a cgroup outside this namespace: only the mount's root is known
+        parts = []
+    return [posixpath.join(mount, *parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def cpu_count() -> int:
+    """The cores this process may run on (its affinity mask, which taskset and cpusets narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """cgroup v2's cpu.max ("QUOTA PERIOD"): the cores' worth it allows, or None for no limit ("max ...")."""
+    fields = text.split()
+    if not fields or fields[0] == "max":
+        return None
+    period = int(fields[1]) if len(fields) > 1 else 100_000
+    return int(fields[0]) / period if period > 0 else None
+
+
+def usable_cores(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int:
+    """The cores this process can keep busy: its affinity, or fewer where a cgroup (v2) above it allows less CPU
+    time (``cpu.max``, what a container's CPU limit sets; affinity alone shows the host's cores there)."""
+    cores = cpu_count()
+    v2, _ = parse_cgroup_paths(read_text(posixpath.join(proc, "self/cgroup")) or "")
+    if v2 is None:
+        return cores
+    for level in levels(cgroup_root, v2):
+        text = read_text(posixpath.join(level, "cpu.max"))
+        try:
+            allowed = parse_cpu_max(text) if text is not None else None
+        except ValueError:
+            log.debug("unreadable cpu.max in %s", level)
+            continue
+        if allowed is not None:
+            cores = min(cores, max(1, math.ceil(allowed)))
+    return cores
