@@ -4,15 +4,18 @@ carried over."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import os
 import sqlite3
 import stat
+import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
@@ -43,6 +46,8 @@ _INSERT_ENTRY = ("INSERT INTO nodes(id, parent, name, path, kind, mode, size, mt
                  f"VALUES (?,?,?,?,?,?,?,?,?,?,0,{REPR_ORIGINAL})")
 _NAME = operator.attrgetter("name")
 _RECORD = listings.RECORD.pack
+#: Seconds a build's progress bar waits before it shows: a build done by then never shows one.
+PROGRESS_DELAY = 2.0
 #: Rows bound in one ``executemany``.
 _BATCH = 10_000
 _INSERT_LISTING = "INSERT INTO listings(parent, last, entries) VALUES (?, ?, ?)"
@@ -203,7 +208,7 @@ def _remove_abandoned(store: Path) -> None:
                 leftover.unlink(missing_ok=True)
 
 
-def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> ScanReport:
+def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, progress: bool = False) -> ScanReport:
     """Scan ``source`` into a new catalog in ``store_dir``, replacing any previous one atomically.
 
     What ``prepare`` learnt (the ``expansions`` table) is carried over, so a rescan never redoes expansions of
@@ -212,7 +217,8 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
 
     Ids are given depth first, each directory's entries in name order. A helper reads the inodes of the
     directories the walk wants next (``scan.Warmer``): it only makes them warm; every row is what this walk read.
-    Each directory's entries are packed for its listings too (``listings``).
+    Each directory's entries are packed for its listings too (``listings``). ``progress``: a bar of the entries
+    walked on stderr, where the walk is a long one.
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
@@ -221,7 +227,7 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
         raise NotADirectoryError(f"{source} is not a directory")
     writer = _Writer(store_dir)
     try:
-        report = _walk(root, root_st, writer)
+        report = _walk(root, root_st, writer, progress)
     except BaseException:
         writer.abort()
         raise
@@ -233,7 +239,15 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> 
     return report
 
 
-def _walk(root: bytes, root_st: os.stat_result, writer: _Writer) -> ScanReport:
+def _progress_bar(root: bytes, walked: int) -> Any:
+    """The entries walked, on stderr: shown only where the walk goes on for seconds after the bar's start."""
+    from tqdm import tqdm  # here: a build of a small tree never loads it
+
+    return tqdm(initial=walked, unit=" entries", desc=f"scanning {os.fsdecode(root)}", dynamic_ncols=True,
+                file=sys.stderr, delay=PROGRESS_DELAY)
+
+
+def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool) -> ScanReport:
     """``build``'s walk of ``root`` into ``writer``, finished."""
     report = ScanReport()
     next_id = ROOT_ID + 1
@@ -245,13 +259,17 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer) -> ScanReport:
     # Each stack item: (directory id, absolute path, relative path).
     stack: list[tuple[int, bytes, bytes]] = [(ROOT_ID, root, b"")]
     seen = files = 0
-    with Warmer() as warmer:
+    bar: Any = None  # a progress bar, once the build is large enough to start its helpers
+    with Warmer() as warmer, contextlib.ExitStack() as closing:
+        closing.callback(lambda: bar is not None and bar.close())
         while stack:
             dir_id, abs_dir, rel_dir = stack.pop()
             warmer.taken(abs_dir)
             if seen >= START_AFTER:
                 warmer.start()
                 warmer.expect(item[1] for item in reversed(stack[-warmer.ahead:]))
+                if progress and bar is None:
+                    bar = _progress_bar(root, seen)
             try:
                 with os.scandir(abs_dir) as found:
                     entries = sorted(found, key=_NAME)
@@ -259,6 +277,8 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer) -> ScanReport:
                 log.warning("cannot list %r: %s; shown empty", abs_dir, exc)
                 entries = []
             seen += len(entries)
+            if bar is not None:
+                bar.update(len(entries))
             subdirs = 0
             first_id = next_id
             records: list[bytes] = []  # the directory's listing (catalog.listings): an id each, from first_id on
@@ -446,7 +466,7 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
 
 
 def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str],
-                  *, rescan: bool = False) -> Catalog:
+                  *, rescan: bool = False, progress: bool = False) -> Catalog:
     """The catalog for ``source`` in ``store_dir``: reused when fresh, (re)built otherwise."""
     path = Path(store_dir) / CATALOG_NAME
     if path.exists() and not rescan:
@@ -462,5 +482,5 @@ def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[s
                 "use another --store"
             )
         log.info("source changed since the last scan: rescanning")
-    build(source, store_dir)
+    build(source, store_dir, progress=progress)
     return Catalog.open(store_dir)

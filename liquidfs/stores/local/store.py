@@ -186,7 +186,7 @@ class LocalStore:
         assert held is not None
         try:
             _check_readable(self.store_dir / CATALOG_NAME)
-            open_or_build(self.source, self.store_dir).close()
+            open_or_build(self.source, self.store_dir, progress=progress).close()
             work = WorkingCopy(self.store_dir)
             try:
                 # The copy prepare reads its source root from (``catalog.source``) must name this source: the
@@ -419,7 +419,7 @@ class LocalStore:
     def mount_catalog(self, *, rescan: bool, progress: bool = True) -> Path:
         self._check_source()
         _check_readable(self.store_dir / CATALOG_NAME)
-        open_or_build(self.source, self.store_dir, rescan=rescan).close()
+        open_or_build(self.source, self.store_dir, rescan=rescan, progress=progress).close()
         return self.store_dir
 
     def found_catalog(self) -> Path:

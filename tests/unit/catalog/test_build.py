@@ -271,3 +271,20 @@ def test_the_helper_that_reads_ahead_is_gone_when_the_build_is_done(tmp_path: Pa
         process = warmer._process
         assert process is not None
     assert process.poll() is not None
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_a_long_walk_shows_the_entries_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str], progress: bool) -> None:
+    """A bar on stderr once the walk is long (both thresholds lowered to nothing here), counting every entry listed;
+    none where the caller asks for none, nor for a tree walked before the threshold."""
+    src = tmp_path / "src"
+    _odd_tree(src)
+    monkeypatch.setattr(build_module, "PROGRESS_DELAY", 0)
+    build(src, tmp_path / "small", progress=progress)  # below START_AFTER: done before a bar would help
+    assert "scanning" not in capsys.readouterr().err
+    monkeypatch.setattr(build_module, "START_AFTER", 0)
+    build(src, tmp_path / "store", progress=progress)
+    said = capsys.readouterr().err
+    listed = sum(len(os.listdir(d)) for d, _, _ in os.walk(src))  # every directory's entries, the fifo's too
+    assert (f"scanning {src}: {listed} entries" in said) == progress, said
