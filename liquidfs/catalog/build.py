@@ -15,7 +15,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
@@ -153,6 +154,13 @@ class _Writer:
         self.tmp.unlink(missing_ok=True)
         self.lock.release()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is not None:  # a failed walk or listing, an interrupt included: nothing half-written stays
+            self.abort()
+
 
 class WorkingCopy:
     """A private copy of a store's catalog that ``publish`` puts in its place with one rename.
@@ -225,12 +233,8 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
     root_st = os.stat(root)
     if not stat.S_ISDIR(root_st.st_mode):
         raise NotADirectoryError(f"{source} is not a directory")
-    writer = _Writer(store_dir)
-    try:
+    with _Writer(store_dir) as writer:
         report = _walk(root, root_st, writer, progress)
-    except BaseException:
-        writer.abort()
-        raise
     report.seconds = time.monotonic() - started
     log.info(
         "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
@@ -337,12 +341,8 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
     components, a name that is also a directory, over 255 bytes) are left out with a warning, never renamed.
     """
     started = time.monotonic()
-    writer = _Writer(store_dir)
-    try:
+    with _Writer(store_dir) as writer:
         report = _objects_into(objects, writer, source, previous)
-    except BaseException:
-        writer.abort()
-        raise
     report.seconds = time.monotonic() - started
     log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,
              report.seconds)
