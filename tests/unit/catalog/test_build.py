@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from catalogs import written
 
 from liquidfs.catalog import build as build_module
 from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build, build_from_objects
@@ -16,7 +17,6 @@ from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.identity import file_version
 from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from liquidfs.catalog.scan import Warmer
-from liquidfs.catalog.schema import NODE_COLUMNS
 from liquidfs.catalog.sink import ProcessSink
 
 
@@ -163,25 +163,6 @@ def _odd_tree(src: Path) -> None:
     (src / os.fsdecode(b"dir-\xe9") / "inner").write_bytes(b"in")
 
 
-def _rows(store: Path) -> list[tuple[object, ...]]:
-    cat = Catalog.open(store, readonly=True)
-    try:
-        return cat.db.execute(f"SELECT {NODE_COLUMNS} FROM nodes ORDER BY id").fetchall()
-    finally:
-        cat.close()
-
-
-def _listings_and_meta(store: Path) -> tuple[list[tuple[object, ...]], dict[str, str]]:
-    """The packed listings in the order they were written, and the meta rows but the scan's time."""
-    cat = Catalog.open(store, readonly=True)
-    try:
-        chunks = cat.db.execute("SELECT rowid, parent, last, entries FROM listings ORDER BY rowid").fetchall()
-        meta = dict(cat.db.execute("SELECT key, value FROM meta WHERE key != 'scanned_at'").fetchall())
-        return chunks, meta
-    finally:
-        cat.close()
-
-
 @pytest.mark.parametrize("ahead", [True, False], ids=["read-ahead", "alone"])
 @pytest.mark.parametrize("writer", ["small", "helper", "one-core"])
 def test_a_local_tree_is_recorded_as_the_walk_always_recorded_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -200,12 +181,12 @@ def test_a_local_tree_is_recorded_as_the_walk_always_recorded_it(tmp_path: Path,
     report = build(src, tmp_path / "store")
     assert len(helpers) == (writer == "helper")
     assert all(h._process.returncode == 0 for h in helpers)
-    rows = _rows(tmp_path / "store")
+    rows = written(tmp_path / "store").nodes
     if writer != "small":  # the listings and meta as a small build writes them, chunk for chunk
         monkeypatch.undo()
         monkeypatch.setattr(build_module, "START_AFTER", 10**9)
         build(src, tmp_path / "small")
-        assert _listings_and_meta(tmp_path / "store") == _listings_and_meta(tmp_path / "small")
+        assert written(tmp_path / "store")[1:] == written(tmp_path / "small")[1:]
     assert rows == _walked(src)
     paths = {row[3] for row in rows}
     assert {b"not-utf8-\xff\xfe", b"new\nline", b"dir-\xe9/inner", b"train/bochum/deep/er/z", b"val/link"} <= paths
@@ -251,7 +232,7 @@ def test_what_changes_during_the_scan_is_recorded_as_the_lstat_saw_it(tmp_path: 
     monkeypatch.setattr(build_module, "START_AFTER", 10**9)
     monkeypatch.setattr(os, "scandir", _Changing)
     build(src, tmp_path / "store")
-    rows = {row[3]: row for row in _rows(tmp_path / "store")}
+    rows = {row[3]: row for row in written(tmp_path / "store").nodes}
     assert b"train/aachen/001.png" not in rows
     assert rows[b"train/aachen/002.png"][6] == len(b"replaced, longer")
     assert rows[b"val"][8] == 0 and not any(path.startswith(b"val/") for path in rows)

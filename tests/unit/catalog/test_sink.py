@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from catalogs import written
 
 from liquidfs.catalog import build as build_module
 from liquidfs.catalog import sink as sink_module
@@ -111,16 +112,6 @@ def test_a_small_build_writes_in_its_own_process(tmp_path: Path, monkeypatch: py
     assert made == ["local"]
 
 
-def _everything(store: Path) -> list[list[tuple[object, ...]]]:
-    catalog = Catalog.open(store, readonly=True)
-    try:
-        return [catalog.db.execute(query).fetchall() for query in (
-            "SELECT * FROM nodes ORDER BY id", "SELECT rowid, * FROM listings ORDER BY rowid",
-            "SELECT * FROM meta WHERE key != 'scanned_at' ORDER BY key")]
-    finally:
-        catalog.close()
-
-
 def test_an_object_stores_large_listing_goes_through_the_helper_as_a_small_one_is_written(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, helpers: list[ProcessSink]) -> None:
     listing = [(f"train/c{i % 3}/{i:03d}.png", i, f'"e{i}"', 1_000 + i) for i in range(40)]
@@ -129,7 +120,7 @@ def test_an_object_stores_large_listing_goes_through_the_helper_as_a_small_one_i
     monkeypatch.setattr(build_module, "usable_cores", lambda: 2)
     build_from_objects(iter(listing), tmp_path / "large", "s3://b/x")
     assert len(helpers) == 1 and helpers[0]._process.returncode == 0
-    assert _everything(tmp_path / "large") == _everything(tmp_path / "small")
+    assert written(tmp_path / "large") == written(tmp_path / "small")
 
 
 def test_a_helper_that_cannot_start_leaves_the_build_to_its_own_process(tmp_path: Path,
@@ -147,4 +138,4 @@ def test_a_helper_that_cannot_start_leaves_the_build_to_its_own_process(tmp_path
     monkeypatch.setattr(build_module, "usable_cores", lambda: 2)
     build(src, tmp_path / "large")
     assert made == ["local"]
-    assert _everything(tmp_path / "large")[:2] == _everything(tmp_path / "small")[:2]
+    assert written(tmp_path / "large")[:2] == written(tmp_path / "small")[:2]
