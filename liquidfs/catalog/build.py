@@ -10,16 +10,16 @@ import operator
 import os
 import sqlite3
 import stat
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Self
 
 from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
+from ..sysio.progress import Progress
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
 from .identity import file_version
@@ -47,7 +47,7 @@ _INSERT_ENTRY = ("INSERT INTO nodes(id, parent, name, path, kind, mode, size, mt
                  f"VALUES (?,?,?,?,?,?,?,?,?,?,0,{REPR_ORIGINAL})")
 _NAME = operator.attrgetter("name")
 _RECORD = listings.RECORD.pack
-#: Seconds a build's progress bar waits before it shows: a build done by then never shows one.
+#: Seconds a build's progress waits before it shows: a build done by then never shows any.
 PROGRESS_DELAY = 2.0
 #: Rows bound in one ``executemany``.
 _BATCH = 10_000
@@ -225,8 +225,8 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
 
     Ids are given depth first, each directory's entries in name order. A helper reads the inodes of the
     directories the walk wants next (``scan.Warmer``): it only makes them warm; every row is what this walk read.
-    Each directory's entries are packed for its listings too (``listings``). ``progress``: a bar of the entries
-    walked on stderr, where the walk is a long one.
+    Each directory's entries are packed for its listings too (``listings``). ``progress``: the entries walked on
+    stderr, where the walk is a long one (``sysio.progress``: a bar on a terminal, a line now and then on a log).
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
@@ -243,14 +243,6 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
     return report
 
 
-def _progress_bar(root: bytes, walked: int) -> Any:
-    """The entries walked, on stderr: shown only where the walk goes on for seconds after the bar's start."""
-    from tqdm import tqdm  # here: a build of a small tree never loads it
-
-    return tqdm(initial=walked, unit=" entries", desc=f"scanning {os.fsdecode(root)}", dynamic_ncols=True,
-                file=sys.stderr, delay=PROGRESS_DELAY)
-
-
 def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool) -> ScanReport:
     """``build``'s walk of ``root`` into ``writer``, finished."""
     report = ScanReport()
@@ -263,9 +255,8 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool)
     # Each stack item: (directory id, absolute path, relative path).
     stack: list[tuple[int, bytes, bytes]] = [(ROOT_ID, root, b"")]
     seen = files = 0
-    bar: Any = None  # a progress bar, once the build is large enough to start its helpers
+    bar: Progress | None = None  # once the build is large enough to start its helpers
     with Warmer() as warmer, contextlib.ExitStack() as closing:
-        closing.callback(lambda: bar is not None and bar.close())
         while stack:
             dir_id, abs_dir, rel_dir = stack.pop()
             warmer.taken(abs_dir)
@@ -273,7 +264,8 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool)
                 warmer.start()
                 warmer.expect(item[1] for item in reversed(stack[-warmer.ahead:]))
                 if progress and bar is None:
-                    bar = _progress_bar(root, seen)
+                    bar = closing.enter_context(
+                        Progress(f"scanning {os.fsdecode(root)}", "entries", initial=seen, delay=PROGRESS_DELAY))
             try:
                 with os.scandir(abs_dir) as found:
                     entries = sorted(found, key=_NAME)

@@ -53,7 +53,8 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                    help="with --ratio auto: a quick profile (a smaller sample, shorter measurements)")
     add_run_arguments(p, prefix="with --ratio auto: ")
     add_loader_arguments(p, prefix="with --ratio auto: ")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress on stderr (a bar on a terminal, a line every 30 s on a log)")
     add_common(p)
     p.set_defaults(func=cmd_prepare)
 
@@ -65,7 +66,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     v.add_argument("--sample", type=int, help="check only N random objects")
     v.add_argument("--jobs", "-j", type=int,
                    help="worker processes (default: the cores, fewer where memory is short; lowered to what fits)")
-    v.add_argument("--no-progress", action="store_true")
+    v.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     add_common(v)
     v.set_defaults(func=cmd_verify)
 

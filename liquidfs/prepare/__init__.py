@@ -17,7 +17,6 @@ import logging
 import multiprocessing
 import os
 import random
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from ..expand import workers as resources
 from ..expand.expansion import Outcome, is_image, object_name, rank, set_budget
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS, of_object, own_refusal
 from ..stores import Store, open_prepared, open_store
+from ..sysio.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -229,9 +229,7 @@ def _reason_key(reason: str | None) -> str:
 def _progress(enabled: bool, total: int) -> Callable[..., None]:
     if not enabled:
         return lambda n, close=False: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="img", desc="expanding", dynamic_ncols=True, file=sys.stderr)
+    bar = Progress("expanding", "images", total=total)
 
     def update(n: int, close: bool = False) -> None:
         bar.update(n)

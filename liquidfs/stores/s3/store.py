@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,6 +29,7 @@ from ...catalog.schema import CatalogError
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
 from ...sysio.locks import unique
+from ...sysio.progress import Progress
 from ..base import Job, Preparation
 from ..reader import Reader
 from ..sample import ProfileError, Sample, measure_get, sample_full
@@ -72,11 +72,7 @@ def bucket_pair(source: str, store: str | None) -> tuple[S3Url, S3Url]:
 
 
 def _listing(client: Any, source: S3Url, progress: bool) -> Iterator[tuple[str, int, str, int]]:
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(unit=" objects", desc=f"listing {source}", dynamic_ncols=True, file=sys.stderr)
+    bar = Progress(f"listing {source}", "objects") if progress else None
     for info in list_objects(client, source):
         if bar is not None:
             bar.update(1)
