@@ -3,9 +3,11 @@
 With FUSE passthrough (kernel >= 6.9, libfuse >= 3.17, a pyfuse3 built with ``scripts/passthrough``, and
 CAP_SYS_ADMIN in the initial user namespace) no read or mmap of a file reaches the daemon: its work per file is
 one open and one release. The kernel allows one backing file per inode while any open of it exists, so an
-inode's backing is shared by its concurrent opens and closed at the last release; a source edited while the
-inode is open takes effect at its next first open, and the cache's latest decision at its last release. A file
-that cannot have a backing (one too large to read whole from an object store) is served by a daemon path beside.
+inode's backing is shared by its concurrent opens and closed at the last release. Each open of a raw object
+checks the object and the source again: where either changed while the inode is open, that open fails (EIO,
+never the old image) and the next first open serves what the check then finds. The cache's latest decision
+takes effect at the last release. A file that cannot have a backing (one too large to read whole from an object
+store) is served by a daemon path beside.
 """
 
 from __future__ import annotations
@@ -176,7 +178,15 @@ class PassthroughPath:
                 if entry.failed is not None:
                     raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
                 return await self.ranges.open(node, record, fh, job)
-            changed = still_sound(entry.backing)
+            try:
+                changed = still_sound(entry.backing)
+                if changed is None and entry.backing.raw:
+                    # The source's identity is checked at every open that serves a raw object: the first open's
+                    # check vouched for that open only, and a source replaced since must not get the old image.
+                    changed = await self.calls.source_changed(node)
+            except BaseException:
+                self._release_entry(record, entry)
+                raise
             if changed is not None:  # one backing per inode while it is open: no other can be given now
                 self._release_entry(record, entry)
                 raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",

@@ -154,6 +154,40 @@ def test_a_changed_source_serves_the_original_at_its_new_size(tmp_path: Path) ->
     assert served == before + b"x" and size == len(before) + 1
 
 
+@pytest.mark.parametrize("change", ["replaced", "edited"])
+def test_an_open_that_joins_a_raw_backing_checks_the_source_again(tmp_path: Path, change: str) -> None:
+    """A raw object shared by the opens of its inode: an open made after the source changed (replaced by another
+    file, or edited in place) fails, never the old image; once the opens are closed, the next first open serves
+    the original."""
+    src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
+    ops, kernel = _ops(store)
+    node = next(n for n in _images(ops) if n.object)
+    path = src / os.fsdecode(node.path)
+    new = path.read_bytes() + b"new"
+
+    async def main() -> bytes:
+        first = await ops.open(node.id, os.O_RDONLY, CTX)
+        assert kernel.read(first.backing_id) == (store / node.object).read_bytes()
+        if change == "replaced":
+            (src / "replacement").write_bytes(new)
+            os.replace(src / "replacement", path)
+        else:
+            path.write_bytes(new)
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            await ops.open(node.id, os.O_RDONLY, CTX)
+        assert refused.value.errno == errno.EIO
+        await ops.release(first.fh)
+        assert not kernel.files and ops.open_budget.taken == 0 and not ops.open_files  # none left by the refusal
+        again = await ops.open(node.id, os.O_RDONLY, CTX)
+        try:
+            return kernel.read(again.backing_id)
+        finally:
+            await ops.release(again.fh)
+
+    assert trio.run(main) == new
+    assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
+
+
 def test_verify_reads_serves_checked_memfds(prepared) -> None:
     src, store = prepared
     ops, kernel = _ops(store, verify=True)
