@@ -347,6 +347,7 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EACCES)
         data = self.data_path if self.data_path is not None else await self._chosen_path()
         record = self.inodes[node.id]
+        record.opening += 1
         mixed = self.mix is not None and node.served_raw and not record.fell_back
         try:
             if mixed:
@@ -354,11 +355,13 @@ class Operations(pyfuse3.Operations):
             job = await self.jobs.job(ctx.pid, ctx.uid) if self.jobs is not None else 0
             handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
+            record.opening -= 1
             if mixed:
                 assert self.mix is not None
                 self.mix.release(node.id)
             self.inodes.tidy(record)
             raise
+        record.opening -= 1
         handle.mixed = mixed
         self.open_files[handle.fh] = handle
         self.stats.opens += 1

@@ -13,6 +13,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
@@ -321,3 +322,36 @@ def test_the_lookups_of_ten_million_ids_take_no_memory_until_touched() -> None:
     inodes = Inodes(MountStats(), 10_000_000)
     assert _resident_bytes() - before < 20 << 20
     assert inodes.lookups(9_999_999) == 0 and inodes.lookups(20_000_000) == 0
+
+
+def test_a_release_while_another_open_of_the_inode_waits_does_not_let_its_record_go(tmp_path: Path) -> None:
+    """A second open of a file waits for storage while the first is released: the record that open fills (its
+    page-cached handle, its size) stays the inode's, where a later open looks for it."""
+    ops = ops_over(tmp_path, {"f": b"F" * 3000}, None)
+    ino = run(ops.lookup, ROOT_ID, b"f", CTX).st_ino
+    assert ops.data_path is not None
+    real_open = ops.data_path.open
+    storage = trio.Event()
+
+    async def slow_open(*args, **kwargs):
+        await storage.wait()
+        return await real_open(*args, **kwargs)
+
+    async def main() -> None:
+        first = await ops.open(ino, os.O_RDONLY, CTX)
+        ops.data_path.open = slow_open  # type: ignore[method-assign]
+        second = []
+        async with trio.open_nursery() as nursery:
+            async def open_again() -> None:
+                second.append(await ops.open(ino, os.O_RDONLY, CTX))
+            nursery.start_soon(open_again)
+            await trio.testing.wait_all_tasks_blocked()
+            await ops.release(first.fh)
+            storage.set()
+        handle = ops.open_files[second[0].fh]
+        assert ops.inodes.get(ino) is handle.inode
+        assert bytes(await ops.read(second[0].fh, 0, 4096)) == b"F" * 3000
+        await ops.release(second[0].fh)
+        assert ops.inodes.get(ino) is None  # idle once released: let go as before
+
+    run(main)
