@@ -4,12 +4,14 @@ few at a time, each under ``--io-timeout``, so a hung disk or server fails one f
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import outcome  # trio's own: what a worker thread's call returned or raised
 import trio
 
 from ..catalog.nodes import Node
@@ -17,6 +19,8 @@ from ..metrics.stats import Statistics
 from ..stores.reader import Reader
 from ..sysio.paths import HAS_OPENAT2
 from .limits import IO_TIMEOUT, OPEN_THREADS
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
@@ -146,7 +150,7 @@ class StorageCalls:
         async with self.open_limiter if for_open else self.thread_limiter:
             with trio.move_on_after(self.io_timeout):
                 try:
-                    return await in_thread(run)
+                    return await in_thread(run, discard=close_abandoned)
                 except OSError as exc:
                     if exc.filename is None:  # a failed read names no file: name it, for the log and its dedup
                         raise OSError(exc.errno, exc.strerror, where) from exc
@@ -176,11 +180,24 @@ class StorageCalls:
         return await self.inline_or_run(node, self.reader.check_source, node, for_open=True)
 
 
-async def in_thread(fn: Callable[[], R]) -> R:
+def close_abandoned(value: object) -> None:
+    """What a storage call returned after its caller gave up on it (timed out, cancelled): a backing's descriptor,
+    a whole file in a memfd (``Backing``, ``Content``), closed here, since nobody else ever will."""
+    close = getattr(value, "close", None)
+    if close is None:
+        return
+    try:
+        close()
+    except OSError as exc:
+        log.warning("closing what an abandoned storage call returned: %s", exc)
+
+
+async def in_thread(fn: Callable[[], R], discard: Callable[[R], None] | None = None) -> R:
     """``fn()`` in one of trio's cached worker threads, abandoned (left to finish on its own) if the caller is
-    cancelled. What ``trio.to_thread.run_sync(fn, abandon_on_cancel=True)`` does, without what a storage call needs
-    none of (a limiter of its own, a context copy, the way back into trio from the thread): 75 against 127 us of
-    CPU per call on this kind of machine (issue 40), paid by every cold open."""
+    cancelled; ``discard`` is given what an abandoned call returns, on the loop. What
+    ``trio.to_thread.run_sync(fn, abandon_on_cancel=True)`` does, without what a storage call needs none of (a
+    limiter of its own, a context copy, the way back into trio from the thread): 75 against 127 us of CPU per
+    call on this kind of machine (issue 40), paid by every cold open."""
     token = trio.lowlevel.current_trio_token()
     task = trio.lowlevel.current_task()
     abandoned = False
@@ -189,6 +206,8 @@ async def in_thread(fn: Callable[[], R]) -> R:
         def wake() -> None:
             if not abandoned:
                 trio.lowlevel.reschedule(task, result)
+            elif discard is not None and isinstance(result, outcome.Value):
+                discard(result.value)
         try:
             token.run_sync_soon(wake)
         except trio.RunFinishedError:  # the loop ended while the call ran: nobody waits for it

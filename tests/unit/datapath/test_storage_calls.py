@@ -123,3 +123,39 @@ def test_the_hop_returns_raises_and_abandons_on_cancel() -> None:
         await trio.sleep(0.01)  # its late answer reaches the loop and is dropped, not delivered to this task
 
     trio.run(main)
+
+
+class _Descriptor:
+    """What a storage call hands back that holds a resource (a ``Backing``'s descriptor, a memfd)."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_what_a_call_returns_after_its_timeout_is_closed_not_leaked(prepared: Path) -> None:
+    """An open's storage call answers past ``--io-timeout`` (a stalled NFS server that recovers): the open failed
+    with EIO long before, and the descriptor the call returns at last is closed, not left open for good."""
+    catalog = Catalog.open(prepared, readonly=True)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, prepared))
+    ops.calls.io_timeout = 0.05
+    node = next(iter(catalog.files()))
+    release = threading.Event()
+    late = _Descriptor()
+
+    def stalled() -> _Descriptor:
+        release.wait(10)
+        return late
+
+    async def main() -> None:
+        with pytest.raises(OSError, match="did not answer"):
+            await ops.calls.run(node, stalled, for_open=True)
+        release.set()
+        await trio.to_thread.run_sync(late.closed.wait, 10)
+        answered = _Descriptor()
+        assert await ops.calls.run(node, lambda: answered) is answered and not answered.closed.is_set()
+
+    trio.run(main)
+    assert late.closed.is_set()
