@@ -5,6 +5,7 @@ carried over."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import operator
 import os
@@ -19,6 +20,7 @@ from typing import Self
 
 from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
+from ..sysio.paths import open_dir_below
 from ..sysio.progress import Progress
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
@@ -45,7 +47,7 @@ _INSERT = f"INSERT INTO nodes({SCANNED_COLUMNS}) VALUES ({','.join('?' * 15)})"
 #: fifth of an insert's time went to binding all 15 values).
 _INSERT_ENTRY = ("INSERT INTO nodes(id, parent, name, path, kind, mode, size, mtime_ns, target, etag, nsubdirs, repr) "
                  f"VALUES (?,?,?,?,?,?,?,?,?,?,0,{REPR_ORIGINAL})")
-_NAME = operator.attrgetter("name")
+_FIRST = operator.itemgetter(0)
 _RECORD = listings.RECORD.pack
 #: Seconds a build's progress waits before it shows: a build done by then never shows any.
 PROGRESS_DELAY = 2.0
@@ -230,11 +232,16 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
-    root_st = os.stat(root)
-    if not stat.S_ISDIR(root_st.st_mode):
+    if not stat.S_ISDIR(os.stat(root).st_mode):
         raise NotADirectoryError(f"{source} is not a directory")
-    with _Writer(store_dir) as writer:
-        report = _walk(root, root_st, writer, progress)
+    # The root as named (a link there is the user's choice); every directory below is reached from it, never
+    # through a link (``sysio.paths.open_dir_below``), as the mount reaches the files.
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with _Writer(store_dir) as writer:
+            report = _walk(root, root_fd, writer, progress)
+    finally:
+        os.close(root_fd)
     report.seconds = time.monotonic() - started
     log.info(
         "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
@@ -243,22 +250,28 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
     return report
 
 
-def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool) -> ScanReport:
-    """``build``'s walk of ``root`` into ``writer``, finished."""
+def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanReport:
+    """``build``'s walk of ``root`` (open at ``root_fd``) into ``writer``, finished.
+
+    The daemon reads what others write: the owner of a source may swap a directory for a link (to /root, to /)
+    while it is walked. Each directory is opened below the root without following any link, checked to be the
+    one its parent's listing found, and its entries are stat-ed and read relative to that descriptor: a swapped
+    directory is shown empty, and nothing outside the source is ever listed."""
     report = ScanReport()
+    root_st = os.fstat(root_fd)
     next_id = ROOT_ID + 1
     # Directories' rows wait for their subdirectory counts: one row per directory, few even at ten million files.
     nsubdirs: dict[int, int] = {}
     dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int]] = {
         ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns)
     }
-    # Each stack item: (directory id, absolute path, relative path).
-    stack: list[tuple[int, bytes, bytes]] = [(ROOT_ID, root, b"")]
+    # Each stack item: (directory id, absolute path, relative path, (st_dev, st_ino) as its parent's listing found it).
+    stack: list[tuple[int, bytes, bytes, tuple[int, int]]] = [(ROOT_ID, root, b"", (root_st.st_dev, root_st.st_ino))]
     seen = files = 0
     bar: Progress | None = None  # once the build is large enough to start its helpers
     with Warmer() as warmer, contextlib.ExitStack() as closing:
         while stack:
-            dir_id, abs_dir, rel_dir = stack.pop()
+            dir_id, abs_dir, rel_dir, listed_as = stack.pop()
             warmer.taken(abs_dir)
             if seen >= START_AFTER:
                 warmer.start()
@@ -266,20 +279,14 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool)
                 if progress and bar is None:
                     bar = closing.enter_context(
                         Progress(f"scanning {os.fsdecode(root)}", "entries", initial=seen, delay=PROGRESS_DELAY))
-            try:
-                with os.scandir(abs_dir) as found:
-                    entries = sorted(found, key=_NAME)
-            except OSError as exc:
-                log.warning("cannot list %r: %s; shown empty", abs_dir, exc)
-                entries = []
+            dir_fd, entries = _listing(root, root_fd, rel_dir, listed_as)
             seen += len(entries)
             if bar is not None:
                 bar.update(len(entries))
             subdirs = 0
             first_id = next_id
             records: list[bytes] = []  # the directory's listing (catalog.listings): an id each, from first_id on
-            for entry in entries:
-                name = entry.name
+            for name, entry in entries:
                 row: tuple[int, int, int, int, bytes | None, str | None] | None
                 try:
                     st = entry.stat(follow_symlinks=False)
@@ -290,14 +297,14 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool)
                     elif stat.S_ISDIR(mode):
                         row = None
                     elif stat.S_ISLNK(mode):
-                        target = os.readlink(entry.path)
+                        target = os.readlink(name, dir_fd=dir_fd)
                         row = (KIND_SYMLINK, mode, len(target), st.st_mtime_ns, target, None)
                         report.symlinks += 1
                     else:
                         report.ignored += 1
                         continue
                 except OSError as exc:
-                    log.warning("cannot read %r: %s; not shown", entry.path, exc)
+                    log.warning("cannot read %r: %s; not shown", abs_dir + b"/" + name, exc)
                     report.ignored += 1
                     continue
                 rel = rel_dir + b"/" + name if rel_dir else name
@@ -305,10 +312,12 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool)
                 if row is None:
                     subdirs += 1
                     dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
-                    stack.append((next_id, entry.path, rel))
+                    stack.append((next_id, abs_dir + b"/" + name, rel, (st.st_dev, st.st_ino)))
                 else:
                     writer.add_entry((next_id, dir_id, name, rel, *row))
                 next_id += 1
+            if dir_fd >= 0:
+                os.close(dir_fd)
             nsubdirs[dir_id] = subdirs
             writer.add_listing(dir_id, range(first_id, next_id), records)
     report.directories, report.files = len(dir_rows) - 1, files
@@ -317,6 +326,30 @@ def _walk(root: bytes, root_st: os.stat_result, writer: _Writer, progress: bool)
     writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME,
                    listings.META_KEY: listings.FORMAT})
     return report
+
+
+def _listing(root: bytes, root_fd: int, rel_dir: bytes,
+             listed_as: tuple[int, int]) -> tuple[int, list[tuple[bytes, os.DirEntry[str]]]]:
+    """The directory ``rel_dir`` opened (its descriptor, which the caller closes) and its entries by name in
+    name order (bytes: a descriptor's listing names them in str), each one's ``stat`` relative to it; (-1, [])
+    where it cannot be listed or is no longer the directory its parent's listing found (``listed_as``): shown
+    empty."""
+    try:
+        dir_fd = open_dir_below(root_fd, rel_dir, root)
+    except OSError as exc:
+        log.warning("cannot list %s: %s; shown empty", exc.filename, exc.strerror)
+        return -1, []
+    try:
+        st = os.fstat(dir_fd)
+        if (st.st_dev, st.st_ino) != listed_as:
+            raise OSError(errno.ESTALE, "replaced while the source was scanned")
+        with os.scandir(dir_fd) as found:
+            entries = sorted(((os.fsencode(entry.name), entry) for entry in found), key=_FIRST)
+        return dir_fd, entries
+    except OSError as exc:
+        os.close(dir_fd)
+        log.warning("cannot list %r: %s; shown empty", root + b"/" + rel_dir if rel_dir else root, exc)
+        return -1, []
 
 
 #: Files and directories of an object-store tree: read-only, as the mount shows them.

@@ -136,12 +136,18 @@ def stat_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
         os.close(fd)
 
 
-def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[os.DirEntry[str]]:
-    """The entries of the directory ``rel`` below the one held at ``dir_fd`` (b"": that one itself; it must be
-    open for reading), reached as ``open_below`` reaches a file: a directory swapped for a link since it was
-    listed is refused (ELOOP or ENOTDIR), never listed through. Each entry's type is the listing's (d_type)."""
+def open_dir_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:
+    """The directory ``rel`` below the one held at ``dir_fd`` (b"": that one itself, which must be open for
+    reading) opened for listing, reached as ``open_below`` reaches a file: a directory swapped for a link since
+    it was listed is refused (ELOOP or ENOTDIR), never listed through."""
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = _walk(dir_fd, rel, where, flags, False) if rel else os.dup(dir_fd)
+    return _walk(dir_fd, rel, where, flags, False) if rel else os.dup(dir_fd)
+
+
+def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[os.DirEntry[str]]:
+    """The entries of the directory ``rel`` below the one held at ``dir_fd`` (``open_dir_below``). Each entry's
+    type is the listing's (d_type)."""
+    fd = open_dir_below(dir_fd, rel, where)
     try:
         with os.scandir(fd) as listing:
             return list(listing)

@@ -206,13 +206,15 @@ def test_what_changes_during_the_scan_is_recorded_as_the_lstat_saw_it(tmp_path: 
     class _Changing:
         """A listing after which the tree changes, before any entry of it is stat-ed."""
 
-        def __init__(self, path: bytes) -> None:
-            if not isinstance(path, bytes):  # not the walk's (the store's own files)
-                self.entries = list(listing(path))
+        def __init__(self, where: int | bytes | str) -> None:
+            # The build lists the directory it opened, the plain walk (``_walked``) by path
+            path = os.readlink(f"/proc/self/fd/{where}".encode()) if isinstance(where, int) else where
+            if not isinstance(path, bytes):  # neither's (the store's own files)
+                self.entries = list(listing(where))
                 return
             if path.endswith(b"/val"):
                 raise PermissionError(13, "Permission denied", path)
-            self.entries = list(listing(path))
+            self.entries = list(listing(where))
             if path.endswith(b"/aachen") and not changed:
                 changed.append(path)
                 os.unlink(os.path.join(path, b"001.png"))
@@ -226,7 +228,7 @@ def test_what_changes_during_the_scan_is_recorded_as_the_lstat_saw_it(tmp_path: 
         def __exit__(self, *exc: object) -> None:
             pass
 
-        def __iter__(self) -> Iterator[os.DirEntry[bytes]]:
+        def __iter__(self) -> Iterator[os.DirEntry[str] | os.DirEntry[bytes]]:
             return iter(self.entries)
 
     monkeypatch.setattr(build_module, "START_AFTER", 10**9)
@@ -242,6 +244,39 @@ def test_what_changes_during_the_scan_is_recorded_as_the_lstat_saw_it(tmp_path: 
     masked = {b"train/aachen"}
     assert [row for row in sorted(rows.values()) if row[3] not in masked] == \
         [row for row in _walked(src) if row[3] not in masked]
+
+
+@pytest.mark.parametrize("swap", ["link", "directory"])
+def test_a_directory_swapped_while_the_source_is_scanned_is_never_listed_through(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, swap: str) -> None:
+    """The source's owner swaps a directory, once its parent was listed, for a link to a directory of root's (or
+    for such a directory itself, moved in): the scan, as root, shows it empty and lists nothing of root's."""
+    src, secret = tmp_path / "src", tmp_path / "root-only"
+    (src / "train" / "x").mkdir(parents=True)
+    (src / "train" / "x" / "img.png").write_bytes(b"png")
+    secret.mkdir(mode=0o700)
+    (secret / "id_rsa").write_bytes(b"key")
+    opening = build_module.open_dir_below
+    swapped: list[bytes] = []
+
+    def swapped_first(dir_fd: int, rel: bytes, where: bytes) -> int:
+        """``train/x`` swapped after its parent's listing and lstat, before the walk opens it."""
+        if rel == b"train/x":
+            swapped.append(rel)
+            os.rename(src / "train" / "x", tmp_path / "x-away")
+            if swap == "link":
+                os.symlink(secret, src / "train" / "x")
+            else:
+                os.rename(secret, src / "train" / "x")
+        return opening(dir_fd, rel, where)
+
+    monkeypatch.setattr(build_module, "START_AFTER", 10**9)
+    monkeypatch.setattr(build_module, "open_dir_below", swapped_first)
+    build(src, tmp_path / "store")
+    paths = {row[3]: row for row in written(tmp_path / "store").nodes}
+    assert swapped  # the walk opened it, as it opens every directory
+    assert not any(b"id_rsa" in path for path in paths), sorted(paths)
+    assert b"train/x/img.png" not in paths and paths[b"train/x"][8] == 0  # shown empty
 
 
 def test_the_helper_that_reads_ahead_is_gone_when_the_build_is_done(tmp_path: Path) -> None:
