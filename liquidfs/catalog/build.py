@@ -27,7 +27,8 @@ from .catalog import CATALOG_NAME, Catalog, connect
 from .identity import file_version
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
-from .schema import FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES, CatalogError
+from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES,
+                     CatalogError, schema_version)
 from .sink import LocalSink, ProcessSink, Sink
 
 log = logging.getLogger(__name__)
@@ -456,12 +457,14 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
         return
     try:
         db.execute("BEGIN")
-        version = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
-        if version is None or int(version[0]) not in (1, 2, 3, 4, SCHEMA_VERSION):
+        row = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
+        version = schema_version(row[0]) if row is not None else None
+        if version not in (1, 2, 3, 4, SCHEMA_VERSION):
             db.execute("ROLLBACK")
             return
-        etag = "src_etag" if int(version[0]) >= 2 else "NULL"
-        stamp = "object_stamp" if int(version[0]) >= 4 else "NULL"  # older objects: checked by their checksum
+        assert version is not None
+        etag = "src_etag" if version >= 2 else "NULL"
+        stamp = "object_stamp" if version >= 4 else "NULL"  # older objects: checked by their checksum
         db.execute(
             "INSERT INTO expansions(path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, "
             f"src_etag, object_stamp) SELECT path, src_size, src_mtime_ns, format, object, raw_size, checksum, "

@@ -24,7 +24,7 @@ from ..sysio.home import cache_home
 from . import listings
 from .nodes import REPR_RAW, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
-                     CatalogError, migrate)
+                     CatalogError, migrate, schema_version)
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +108,13 @@ class Catalog:
         # The file the connection opened is the path's before and after it was opened: else a rename came between,
         # and which file it reads is not known.
         file_id = before if _file_id(path) == before else None
-        if row is not None and row[0] in ("1", "2", "3", "4"):
+        version = schema_version(row[0]) if row is not None else None
+        if version in (1, 2, 3, 4):
             db.close()
-            migrate(path, int(row[0]))
+            migrate(path, version)
             return cls.open_path(path, readonly=readonly, immutable=immutable)
-        if row is None or int(row[0]) != SCHEMA_VERSION:
-            found = row[0] if row else "none"
+        if version != SCHEMA_VERSION:
+            found = repr(row[0])[:40] if row else "none"
             db.close()
             raise CatalogError(
                 f"{path} has catalog schema version {found}, this liquidfs reads version {SCHEMA_VERSION}; "

@@ -79,6 +79,17 @@ NODE_COLUMNS = SCANNED_COLUMNS + ", object_stamp"
 EXPANSION_COLUMNS = "src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag, object_stamp"
 
 
+def schema_version(value: object) -> int | None:
+    """A catalog's ``schema_version`` (its meta value) as a number; None where there is none or it is not one: a
+    catalog may be anyone's, and a value it holds is not taken for a number on its word."""
+    if not isinstance(value, str | int) or isinstance(value, bool):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
+
+
 def migrate(path: Path, found: int) -> None:
     """Version 2 added the ETags of object-store sources; version 3 records local files' versions there too;
     version 4 each raw object's own identity (``object_stamp``) instead of a store-wide seal time; version 5 raw
@@ -96,7 +107,9 @@ def migrate(path: Path, found: int) -> None:
     db.execute("PRAGMA trusted_schema=OFF")  # the catalog may be anyone's: its schema runs nothing here
     try:
         db.execute("BEGIN IMMEDIATE")
-        version = int(db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+        version = schema_version(db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+        if version is None:
+            raise sqlite3.DatabaseError("its schema version changed while it was upgraded")
         for table, column in (("nodes", "etag"), ("expansions", "src_etag"),
                               ("nodes", "object_stamp"), ("expansions", "object_stamp")):
             have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}

@@ -6,13 +6,14 @@ import os
 import sqlite3
 from pathlib import Path
 
+import pytest
 from forge import as_before_blake2b
 
 from liquidfs.catalog.build import build_from_objects, open_or_build
 from liquidfs.catalog.catalog import CATALOG_NAME, Catalog
 from liquidfs.catalog.identity import file_version
 from liquidfs.catalog.nodes import ROOT_ID
-from liquidfs.catalog.schema import FILE_IDENTITY, SCHEMA_VERSION
+from liquidfs.catalog.schema import FILE_IDENTITY, SCHEMA_VERSION, CatalogError
 
 
 def test_version_1_catalogs_are_upgraded(tmp_path: Path) -> None:
@@ -86,4 +87,25 @@ def test_a_catalog_with_xxh3_digests_serves_raw_only_objects_a_stamp_vouches_for
         assert int(catalog.meta("schema_version") or 0) > 4  # a liquidfs that checks xxh3 refuses it now
     finally:
         reader.close()
+        catalog.close()
+
+
+def test_a_catalog_whose_schema_version_is_no_number_is_refused_in_one_line_and_replaced(tmp_path: Path) -> None:
+    """The catalog may be anyone's: a version that is not a number is no version this liquidfs reads (a
+    CatalogError saying so, not a ValueError), and a rescan replaces it, carrying nothing over from it."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(b"png")
+    open_or_build(src, tmp_path / "store").close()
+    path = tmp_path / "store" / CATALOG_NAME
+    for value in ("x", "5.5", b"5"):
+        db = sqlite3.connect(path)
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (value,))
+        db.commit()
+        db.close()
+        with pytest.raises(CatalogError, match="schema version"):
+            Catalog.open(tmp_path / "store", readonly=True)
+        open_or_build(src, tmp_path / "store", rescan=True).close()  # the carry-over skips it
+        catalog = Catalog.open(tmp_path / "store", readonly=True)
+        assert catalog.meta("schema_version") == str(SCHEMA_VERSION) and catalog.lookup(ROOT_ID, b"a.png")
         catalog.close()
