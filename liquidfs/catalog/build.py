@@ -161,8 +161,11 @@ class _Writer:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if kind is not None:  # a failed walk or listing, an interrupt included: nothing half-written stays
-            self.abort()
+        if kind is None:
+            return
+        self.abort()  # a failed walk or listing, an interrupt included: nothing half-written stays
+        if isinstance(exc, sqlite3.Error):  # a full disk, most likely: said in one line, naming the store
+            raise CatalogError(f"cannot write the catalog in {self.store}: {exc}") from exc
 
 
 class WorkingCopy:

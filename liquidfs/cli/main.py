@@ -117,6 +117,11 @@ def _run(argv: Sequence[str] | None) -> int:
         if type(exc).__module__.startswith(("botocore", "boto3", "s3transfer")):
             print(f"liquidfs {args.command}: object store: {exc}", file=sys.stderr)
             return 1
+        # A catalog that cannot be read or written (a full disk, a corrupt file): the user's to fix as well.
+        if type(exc).__module__ == "sqlite3":
+            log.debug("%s failed", args.command, exc_info=True)
+            print(f"liquidfs {args.command}: catalog: {exc}", file=sys.stderr)
+            return 1
         raise
 
 

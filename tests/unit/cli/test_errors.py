@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -345,3 +346,32 @@ def test_prepare_takes_a_cache_share_only_to_choose_the_ratio(run: Run, tmp_path
                       "--cache-size", "30%")
     assert status == 2 and "--cache-size weighs the mount's cache for --ratio auto" in err
     assert not (tmp_path / "st").exists()
+
+
+def test_a_full_disk_while_the_catalog_is_written_is_one_line(run: Run, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLite's "database or disk is full" while a catalog is built (the build's writer) or updated (prepare's
+    records): one line that names the catalog's trouble, no traceback, and no catalog in the making left."""
+    from liquidfs.catalog import build as build_module
+    from liquidfs.catalog.catalog import Catalog
+
+    make_sample(tmp_path / "data", count=2, width=64, height=32, seed=5)
+
+    class _FullDisk(build_module.LocalSink):  # type: ignore[misc,valid-type]
+        def many(self, statement: str, rows: object) -> None:
+            raise sqlite3.OperationalError("database or disk is full")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(build_module, "LocalSink", _FullDisk)
+        err = _one_line(*run("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "st"), "--ratio", "1",
+                             "--no-progress"))
+    assert "disk is full" in err and str(tmp_path / "st") in err, err
+    assert [p.name for p in (tmp_path / "st").iterdir() if "new" in p.name] == []
+
+    def full(self: Catalog, *args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Catalog, "record_expansions", full)
+    err = _one_line(*run("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "st"), "--ratio", "1",
+                         "--no-progress"))
+    assert "catalog: database or disk is full" in err, err
