@@ -60,7 +60,11 @@ class Progress:
 
     def _say(self, now: float) -> None:
         of = f" of {self.total}" if self.total is not None else ""
-        print(f"{self.desc}: {self.done}{of} {self.unit}, {now - self.started:.0f} s", file=self.stream, flush=True)
+        try:
+            print(f"{self.desc}: {self.done}{of} {self.unit}, {now - self.started:.0f} s", file=self.stream,
+                  flush=True)
+        except OSError:  # a log whose reader has gone: the work goes on, saying nothing more
+            self._next_line = self.delay = float("inf")
 
     def __enter__(self) -> Self:
         return self

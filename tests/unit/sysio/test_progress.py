@@ -87,3 +87,20 @@ def test_prepare_on_a_log_says_where_it_stands_in_lines(tmp_path: Path, capsys: 
     err = capsys.readouterr().err
     assert status == 0, err
     assert "expanding: 4 of 4 images" in err and "\r" not in err, err
+
+
+def test_a_log_whose_reader_has_gone_stops_the_lines_not_the_work(clock: _Clock) -> None:
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w", encoding="utf-8") as gone:
+        progress = Progress("scanning /data", "entries", stream=gone)
+        clock.now += LINE_EVERY
+        progress.update(1)  # EPIPE (SIGPIPE is ignored by Python): caught
+        clock.now += LINE_EVERY
+        progress.update(1)
+        progress.close()
+        assert progress.done == 2
+        try:
+            gone.close()
+        except BrokenPipeError:  # what print left in the buffer
+            pass
