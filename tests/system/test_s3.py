@@ -197,8 +197,9 @@ def test_doubt_falls_back_to_the_original_and_a_changed_source_is_eio(dataset: A
     assert "all raw objects sound" in node.cli("verify", "--store", store, "--no-progress").stdout
     import sqlite3
 
-    cache = next((node.tmp / "cache" / "liquidfs").glob("s3-*"))
-    db = sqlite3.connect(cache / "catalog.sqlite")
+    published = node.tmp / "published.sqlite"  # the store's catalog, as prepare published it
+    client.download_file(bucket, "cs.liquid/catalog.sqlite", str(published))
+    db = sqlite3.connect(f"file:{published}?mode=ro", uri=True)
     raw = {p.decode(): o for p, o in db.execute("SELECT path, object FROM nodes WHERE repr=1 ORDER BY path")}
     db.close()
     names = sorted(raw)
@@ -229,7 +230,7 @@ def test_doubt_falls_back_to_the_original_and_a_changed_source_is_eio(dataset: A
         assert np.array_equal(_pixels(mnt / name), _pixels(root / name)), name
     stats = _stats(node, mnt)
     assert stats["fallbacks"] == 2 and stats["errors"] >= 2  # the changed one failed: nothing was served
-    log = (cache / "mount.log").read_text()
+    log = next((node.tmp / "cache" / "liquidfs").glob("s3-*/mount.log")).read_text()
     assert "raw object missing" in log and "fails its checksum" in log and "source object changed" in log
 
 
@@ -382,3 +383,28 @@ def test_disk_cache_level_serves_what_memory_misses(dataset: Any, nodes: Any, tm
     assert local >= 0.45, local
     node.cli("umount", str(mnt))
     assert not own.exists()
+
+
+def test_prepare_changes_a_catalog_of_its_own_never_the_mounts_copy(dataset: Any, s3_server: Any, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node's copy of the store's catalog is the mounts': they read it as a file nobody writes. A prepare on
+    that node builds and changes its catalog in a directory of its own, and a prepare that fails (here: killed
+    before it published) leaves the mounts' copy as it was, and nothing of its own behind."""
+    from liquidfs.catalog.catalog import CATALOG_NAME
+    from liquidfs.stores import open_store
+    from liquidfs.stores.s3.store import local_catalog
+
+    _, source, store, _ = dataset
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    local = local_catalog(source, store, progress=False)  # what a mount on this node reads
+    mounts_copy = local / CATALOG_NAME
+    before = (mounts_copy.stat().st_ino, mounts_copy.read_bytes())
+    with pytest.raises(RuntimeError, match="killed"):
+        with open_store(source, store).preparing(progress=False) as preparation:
+            assert preparation.catalog.path.parent != local
+            preparation.catalog.db.execute("UPDATE meta SET value='changed' WHERE key='source'")
+            raise RuntimeError("killed before publishing")
+    assert (mounts_copy.stat().st_ino, mounts_copy.read_bytes()) == before
+    assert sorted(p.name for p in local.iterdir() if p.name.startswith(("preparing-", "store-"))) == []

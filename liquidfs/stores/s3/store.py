@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -253,25 +255,33 @@ class BucketStore:
     @contextmanager
     def preparing(self, progress: bool) -> Iterator[Preparation]:
         """A catalog from a fresh listing, with what the store's catalog learnt; publishing uploads it, the
-        moment every node's next mount sees the new selection."""
-        local = work_dir(self.store, self.client)
-        stored = local / f"store-{CATALOG_NAME}"
-        previous = stored if download_catalog(self.client, self.store, stored) else None
-        build_from_objects(_listing(self.client, self.source, progress), local, str(self.source), previous=previous)
-        stored.unlink(missing_ok=True)
-        catalog = Catalog.open(local)
+        moment every node's next mount sees the new selection.
 
-        def publish() -> None:
-            catalog.close()
-            publish_catalog(self.client, self.store, local)
-
+        It is made and changed in a directory of this run's own: the node's copy of the store's catalog beside
+        it is the mounts' (``local_catalog``), read by them as a file nobody writes, and stays the store's as
+        published (a failed run leaves it so)."""
+        private = Path(tempfile.mkdtemp(prefix="preparing-", dir=work_dir(self.store, self.client)))
+        catalog: Catalog | None = None
         try:
+            stored = private / f"store-{CATALOG_NAME}"
+            previous = stored if download_catalog(self.client, self.store, stored) else None
+            build_from_objects(_listing(self.client, self.source, progress), private, str(self.source),
+                               previous=previous)
+            catalog = Catalog.open(private)
+            opened = catalog
+
+            def publish() -> None:
+                opened.close()
+                publish_catalog(self.client, self.store, private)
+
             # After a failure nothing is uploaded (the store's catalog stays the last one published): the next run
             # finds what this one put by the objects' metadata (``expand_one_s3``), and the upload that failed
             # would be tried again in vain.
             yield Preparation(catalog, publish, keep_after_failure=lambda: None)
         finally:
-            catalog.close()
+            if catalog is not None:
+                catalog.close()
+            shutil.rmtree(private, ignore_errors=True)
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         assert node.etag is not None and raw_formats == self.raw_formats
