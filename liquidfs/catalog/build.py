@@ -28,7 +28,7 @@ from .identity import file_version
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
 from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES,
-                     CatalogError, schema_version)
+                     UNLISTED, CatalogError, schema_version)
 from .sink import LocalSink, ProcessSink, Sink
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ class ScanReport:
     directories: int = 0
     symlinks: int = 0
     ignored: int = 0
+    unlisted: int = 0  # directories that could not be listed (shown empty)
     seconds: float = 0.0
 
 
@@ -284,6 +285,7 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                     bar = closing.enter_context(
                         Progress(f"scanning {os.fsdecode(root)}", "entries", initial=seen, delay=PROGRESS_DELAY))
             dir_fd, entries = _listing(root, root_fd, rel_dir, listed_as)
+            report.unlisted += dir_fd < 0
             seen += len(entries)
             if bar is not None:
                 bar.update(len(entries))
@@ -328,7 +330,7 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     for r in dir_rows.values():
         writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
     writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME,
-                   listings.META_KEY: listings.FORMAT})
+                   listings.META_KEY: listings.FORMAT, UNLISTED: str(report.unlisted)})
     return report
 
 

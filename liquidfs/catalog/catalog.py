@@ -24,7 +24,7 @@ from ..sysio.home import cache_home
 from . import listings
 from .nodes import REPR_RAW, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
-                     CatalogError, migrate, schema_version)
+                     UNLISTED, CatalogError, migrate, schema_version)
 
 log = logging.getLogger(__name__)
 
@@ -293,6 +293,8 @@ class Catalog:
         """
         if self.meta(FILE_IDENTITY) != IDENTITY_INO_CTIME:
             return False  # scanned by an older liquidfs: its files' identities are too weak to reuse
+        if self.meta(UNLISTED) not in (None, "0"):
+            return False  # a directory the scan could not list is shown empty: tried again
         root = self.source
         for rel, mtime_ns in self.directories():
             try:

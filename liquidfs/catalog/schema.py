@@ -17,6 +17,9 @@ SCHEMA_VERSION = 5
 #: files lack it (older than schema version 3) is rescanned before it is used.
 FILE_IDENTITY = "file_identity"
 IDENTITY_INO_CTIME = "size,mtime,ino,ctime"
+#: Meta key: the directories a local scan could not list (shown empty). A catalog with any is rescanned at its
+#: next use, even where no directory's mtime changed: a failure may be passing (EIO, EMFILE, a stale NFS handle).
+UNLISTED = "unlisted_directories"
 
 TABLES = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -3,6 +3,7 @@ rebuilds, and the writers of a catalog in the making."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator
@@ -12,7 +13,7 @@ import pytest
 from catalogs import written
 
 from liquidfs.catalog import build as build_module
-from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build, build_from_objects
+from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build, build_from_objects, open_or_build
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.identity import file_version
 from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
@@ -304,3 +305,29 @@ def test_a_long_walk_shows_the_entries_walked(tmp_path: Path, monkeypatch: pytes
     said = capsys.readouterr().err
     listed = sum(len(os.listdir(d)) for d, _, _ in os.walk(src))  # every directory's entries, the fifo's too
     assert (f"scanning {src}: {listed} entries" in said) == progress, said
+
+
+def test_a_directory_that_could_not_be_listed_is_listed_again_at_the_next_use(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A listing that failed (EIO, EMFILE: maybe passing) shows the directory empty, and its mtime did not change:
+    the catalog says so, and its next use scans again rather than showing it empty for good."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a.png").write_bytes(b"png")
+    opening = build_module.open_dir_below
+
+    def failing(dir_fd: int, rel: bytes, where: bytes) -> int:
+        if rel == b"d":
+            raise OSError(errno.EIO, "Input/output error", os.fsdecode(where) + "/d")
+        return opening(dir_fd, rel, where)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(build_module, "open_dir_below", failing)
+        open_or_build(src, tmp_path / "store").close()
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    assert b"d/a.png" not in {row[3] for row in written(tmp_path / "store").nodes}
+    assert catalog.meta("unlisted_directories") == "1" and not catalog.is_fresh()
+    catalog.close()
+    catalog = open_or_build(src, tmp_path / "store")  # no --rescan: the failure is reason enough
+    assert catalog.is_fresh() and b"d/a.png" in {row[3] for row in written(tmp_path / "store").nodes}
+    catalog.close()
