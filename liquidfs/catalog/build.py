@@ -144,11 +144,11 @@ class _Writer:
             db.execute("PRAGMA trusted_schema=OFF")
             db.execute("PRAGMA journal_mode=MEMORY")
             db.execute("PRAGMA synchronous=OFF")
-            _carry_over_expansions(db, previous or self.final)
+            carried = _carry_over_expansions(db, previous or self.final)
         finally:
             db.close()
         # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
-        os.replace(self.tmp, self.final)
+        _replace(self.tmp, self.final, durable=carried)
         self.lock.release()
 
     def abort(self) -> None:
@@ -196,7 +196,7 @@ class WorkingCopy:
 
     def publish(self) -> None:
         self.catalog.close()
-        os.replace(self.path, self.final)
+        _replace(self.path, self.final, durable=True)  # what a prepare learnt: hours of work, its only record
         self.lock.release()
 
     def discard(self) -> None:
@@ -204,6 +204,25 @@ class WorkingCopy:
             self.catalog.close()
         self.path.unlink(missing_ok=True)
         self.lock.release()
+
+
+def _replace(tmp: Path, final: Path, *, durable: bool) -> None:
+    """``tmp`` renamed over ``final``. ``durable``: its pages on disk before the rename, and the rename on disk
+    after, so a crash leaves the old catalog or the new one, never the new name on pages never written (a catalog
+    that holds what prepare learnt; one of a tree alone is scanned again in seconds, and is not waited for)."""
+    if durable:
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.replace(tmp, final)
+    if durable:
+        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
@@ -452,21 +471,22 @@ def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer,
     return report
 
 
-def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
-    """Copy prepare's knowledge from the catalog being replaced, and re-apply the chosen representations."""
+def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
+    """Copy prepare's knowledge from the catalog being replaced, and re-apply the chosen representations; whether
+    there was any."""
     if not previous.exists():
-        return
+        return False
     try:
         db.execute("ATTACH DATABASE ? AS old", (str(previous),))
     except sqlite3.DatabaseError:
-        return
+        return False
     try:
         db.execute("BEGIN")
         row = db.execute("SELECT value FROM old.meta WHERE key='schema_version'").fetchone()
         version = schema_version(row[0]) if row is not None else None
         if version not in (1, 2, 3, 4, SCHEMA_VERSION):
             db.execute("ROLLBACK")
-            return
+            return False
         assert version is not None
         etag = "src_etag" if version >= 2 else "NULL"
         stamp = "object_stamp" if version >= 4 else "NULL"  # older objects: checked by their checksum
@@ -490,10 +510,13 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> None:
                WHERE nodes.path=e.path AND nodes.kind=0
                  AND nodes.size=e.src_size AND nodes.mtime_ns=e.src_mtime_ns AND nodes.etag IS e.src_etag"""
         )
+        carried: bool = db.execute("SELECT EXISTS (SELECT 1 FROM expansions)").fetchone()[0] == 1
         db.execute("COMMIT")
+        return carried
     except sqlite3.DatabaseError as exc:
         log.warning("could not carry over prepare's state from %s: %s", previous, exc)
         db.execute("ROLLBACK")
+        return False
     finally:
         db.execute("DETACH DATABASE old")
 

@@ -331,3 +331,25 @@ def test_a_directory_that_could_not_be_listed_is_listed_again_at_the_next_use(tm
     catalog = open_or_build(src, tmp_path / "store")  # no --rescan: the failure is reason enough
     assert catalog.is_fresh() and b"d/a.png" in {row[3] for row in written(tmp_path / "store").nodes}
     catalog.close()
+
+
+def test_a_catalog_holding_what_prepare_learnt_is_on_disk_before_its_rename(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash after the rename must not leave the catalog's name on pages never written: where it holds what
+    prepare learnt (prepare's own, a rescan that carried it over), the file and then its directory are synced;
+    a catalog of the tree alone is not waited for (scanned again in seconds)."""
+    from liquidfs.prepare import prepare
+    from sample import make_sample
+
+    synced: list[str] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    src, store = tmp_path / "data", tmp_path / "store"
+    make_sample(src, count=2, width=32, height=16, seed=9)
+    open_or_build(src, store).close()
+    assert synced == []  # the tree alone
+    prepare(src, store, 1.0, progress=False)
+    assert ".new-" in synced[-2] and synced[-1] == str(store)  # the catalog in the making, then the rename
+    synced.clear()
+    open_or_build(src, store, rescan=True).close()  # carries prepare's state over
+    assert len(synced) == 2 and ".new-" in synced[0] and synced[1] == str(store)
