@@ -399,6 +399,11 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
     return report
 
 
+def _unshowable(part: bytes) -> bool:
+    """A component of an object's key that no directory entry can be named."""
+    return part in (b"", b".", b"..") or len(part) > 255
+
+
 def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer, source: str,
                   previous: Path | None) -> ScanReport:
     """``build_from_objects``' listing into ``writer``, finished."""
@@ -428,12 +433,12 @@ def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer,
     for rel, size, etag, mtime_ns in objects:
         path = rel.encode("utf-8", "surrogateescape")
         parts = path.split(b"/")
-        if path.endswith(b"/") and size == 0 and all(p not in (b"", b".", b"..") for p in parts[:-1]):
+        if path.endswith(b"/") and size == 0 and not any(map(_unshowable, parts[:-1])):
             directory(path[:-1])  # a "folder" marker object made by consoles and s3fs: an empty directory
             continue
         parent_path, _, name = path.rpartition(b"/")
-        if any(p in (b"", b".", b"..") or len(p) > 255 for p in parts) or path in dirs:
-            log.warning("object %r cannot be shown as a file; left out", rel)
+        if any(map(_unshowable, parts)) or path in dirs or size < 0:
+            log.warning("object %r (%d bytes) cannot be shown as a file; left out", rel, size)
             report.ignored += 1
             continue
         parent = directory(parent_path)

@@ -123,6 +123,9 @@ def list_objects(client: Any, url: S3Url) -> Iterator[ObjectInfo]:
     prefix = f"{url.prefix}/" if url.prefix else ""
     for page in paginator.paginate(Bucket=url.bucket, Prefix=prefix):
         for item in page.get("Contents", ()):
+            if not str(item["Key"]).startswith(prefix):  # the answer is the endpoint's: not taken on its word
+                log.warning("the listing of %s named %r, outside it; left out", url, item["Key"])
+                continue
             modified = item["LastModified"]
             yield ObjectInfo(item["Key"], int(item["Size"]), item["ETag"],
                              int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000)

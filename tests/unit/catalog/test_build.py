@@ -37,9 +37,11 @@ def test_catalog_from_a_listing(tmp_path: Path) -> None:
         ("bad/../escape", 1, '"x"', 1),
         ("README.txt/child", 1, '"x"', 1),           # below a file of the same name
         ("train", 1, '"x"', 1),                      # a file named like a directory
+        ("negative.png", -5, '"x"', 1),              # a size no file has (an endpoint's answer, not taken as is)
+        ("x" * 256 + "/", 0, '"d"', 1),              # a marker whose name no directory entry can have
     ]
     report = build_from_objects(iter(listing), tmp_path, "s3://b/cs")
-    assert (report.files, report.ignored) == (4, 4)
+    assert (report.files, report.ignored) == (4, 6)
     cat = Catalog.open(tmp_path)
     try:
         tree = _tree(cat)
@@ -48,6 +50,7 @@ def test_catalog_from_a_listing(tmp_path: Path) -> None:
         assert tree[b"train/aachen/b.png"] == (KIND_FILE, 20, 0, '"e2"')
         assert tree[b"empty-folder"][0] == KIND_DIR
         assert b"bad/../escape" not in tree and b"README.txt/child" not in tree
+        assert b"negative.png" not in tree and b"x" * 256 not in tree
         aachen = cat.lookup(cat.lookup(ROOT_ID, b"train").id, b"aachen")  # type: ignore[union-attr]
         assert aachen is not None and aachen.mtime_ns == 3_000  # a directory is as new as its newest object
         assert cat.meta("source") == "s3://b/cs" and cat.meta("source_kind") == "s3"

@@ -33,3 +33,26 @@ def test_store_and_source_must_not_nest() -> None:
         bucket_pair("s3://b/cs", "/local/store")
     with pytest.raises(CatalogError, match="--store s3://"):
         bucket_pair("s3://b/cs", None)
+
+
+def test_a_listing_that_names_keys_outside_its_prefix_is_not_taken_on_its_word() -> None:
+    """The endpoint's answer to a listing of ``cs/`` that holds another prefix's key (a buggy or hostile
+    S3-compatible server): that key is left out, never cut into a wrong path."""
+    import datetime
+
+    from liquidfs.stores.s3.client import list_objects
+
+    when = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    page = {"Contents": [{"Key": key, "Size": 3, "ETag": '"e"', "LastModified": when}
+                         for key in ("cs/a.png", "other/secret.png", "cs.liquid/catalog.sqlite", "cs/d/b.png")]}
+
+    class _Client:
+        def get_paginator(self, name: str) -> _Client:
+            return self
+
+        def paginate(self, Bucket: str, Prefix: str) -> list[dict[str, object]]:
+            assert (Bucket, Prefix) == ("b", "cs/")
+            return [page]
+
+    source = S3Url.parse("s3://b/cs")
+    assert [source.rel(info.key) for info in list_objects(_Client(), source)] == ["a.png", "d/b.png"]
