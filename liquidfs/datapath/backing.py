@@ -24,6 +24,7 @@ import collections
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import trio
+import xxhash
 
 from ..catalog.nodes import Node
 from ..stores.reader import LendsDescriptors, Reader, stamp
@@ -58,6 +60,8 @@ class Backing:
     #: Where its bytes came from (``stores.reader.Content.level``): "storage", or the level in front of it that
     #: had them.
     level: str = "storage"
+    #: A memfd's or disk copy's ``content_digest``, where the mount's loops share backings (else None).
+    digest: int | None = None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -192,6 +196,17 @@ def memfd_with(data: bytes | memoryview, name: bytes | str = b"liquidfs") -> int
             done += os.write(fd, view[done:])
 
     return _sealed_memfd(name, fill)
+
+
+def content_digest(fd: int, size: int) -> int:
+    """The xxh3-64 of the first ``size`` bytes of ``fd`` (a sealed memfd), as a signed 64-bit number: what tells
+    two loops' copies of one file apart (``PassthroughPath._register``). In a worker thread: ~0.3 ms a 6 MB file."""
+    if size:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
+            digest = xxhash.xxh3_64_intdigest(view)
+    else:
+        digest = xxhash.xxh3_64_intdigest(b"")
+    return digest - (1 << 64) if digest >= 1 << 63 else digest
 
 
 def memfd_copy(fd: int, size: int, name: bytes | str = b"liquidfs") -> int:

@@ -28,7 +28,8 @@ from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import Content, LendsDescriptors, Reader
 from ..sysio.paths import HAS_OPENAT2
-from .backing import Backing, Closer, SharedBacking, drop_pages, memfd_copy, memfd_with, resolve, still_sound, vouched
+from .backing import (Backing, Closer, SharedBacking, content_digest, drop_pages, memfd_copy, memfd_with, resolve,
+                      still_sound, vouched)
 from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
 from .shared_inodes import SharedInodes
@@ -260,10 +261,12 @@ class PassthroughPath:
         if self.shared is None:
             return self.kernel.register(backing.fd)
         if backing.kind in ("memfd", "disk"):
-            # Bytes read whole and checked (a raw object's against its checksum, an object store's against its
-            # ETag): each loop's memfd holds the file's bytes, and the first registered serves them all, as one
-            # loop's later opens share its first open's memfd without reading again.
-            identity = (-1, backing.size)
+            # Bytes read whole (and checked): where two loops' memfds hold the same bytes, the first registered
+            # serves them all, as one loop's later opens share its first open's memfd without reading again. The
+            # same bytes, which their digest says (a size alone did not: an original edited in place between two
+            # loops' reads, a raw object and an original of one size).
+            digest = backing.digest if backing.digest is not None else content_digest(backing.fd, backing.size)
+            identity = (-2 - backing.raw, digest)
         else:
             st = os.fstat(backing.fd)
             identity = (st.st_dev, st.st_ino)
@@ -299,7 +302,7 @@ class PassthroughPath:
             if held is not None:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
                 # decision may let the held file go, and the level closes its descriptor then.
-                served = Backing(os.dup(held.fd), held.size, held.raw, "memfd")
+                served = Backing(os.dup(held.fd), held.size, held.raw, "memfd", digest=held.digest)
                 # Not held again at this hit, or let go while its copy was made (kept for this open): its memfd
                 # lives as long as this open.
                 self.held.release(node.id)
@@ -335,7 +338,15 @@ class PassthroughPath:
         return backing
 
     def _resolve(self, node: Node, vouch: bool = True) -> Backing | None:
-        return resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch, lends=self.lends)
+        """``resolve``, in a worker thread; a memfd's digest taken here too, where loops share backings."""
+        backing = resolve(self.reader, node, verify_reads=self.verify_reads, vouch=vouch, lends=self.lends)
+        if backing is not None and self.shared is not None and backing.kind in ("memfd", "disk"):
+            try:
+                backing.digest = content_digest(backing.fd, backing.size)
+            except BaseException:
+                backing.close()
+                raise
+        return backing
 
     def _release_entry(self, record: Inode, entry: SharedBacking) -> None:
         entry.opens -= 1
@@ -404,7 +415,7 @@ class PassthroughPath:
         assert self.held is not None
         keeping = self._keeping[inode] = _Keeping()
         try:
-            fd = await self._memfd_of(backing)
+            fd, digest = await self._memfd_of(backing)
         except OSError as exc:
             log.warning("cannot keep inode %d for the next epoch: %s", inode, exc)
             self.held.could_not_keep(inode)
@@ -417,15 +428,23 @@ class PassthroughPath:
             # Let go while it was copied (another job's read took its room) and no open waits for it.
             os.close(fd)
             return
-        self.held.keep(inode, fd, backing.size, backing.raw)
+        self.held.keep(inode, fd, backing.size, backing.raw, digest)
         if self.drop_served_pages and backing.kind in ("source", "object"):
             drop_pages(backing.fd)  # the memfd is the copy the budget counts; no second one in the page cache
 
-    async def _memfd_of(self, backing: Backing) -> int:
-        """A sealed memfd of the backing's bytes, the caller's: the backing itself where it is one already."""
+    async def _memfd_of(self, backing: Backing) -> tuple[int, int | None]:
+        """A sealed memfd of the backing's bytes, the caller's (the backing itself where it is one already), and
+        its digest where loops share backings (``_register``)."""
         if backing.kind in ("memfd", "disk"):
-            return os.dup(backing.fd)
-        return await self.blocking_copy(backing)
+            return os.dup(backing.fd), backing.digest
+        fd = await self.blocking_copy(backing)
+        if self.shared is None:
+            return fd, None
+        try:
+            return fd, await trio.to_thread.run_sync(content_digest, fd, backing.size, limiter=self._copies)
+        except BaseException:
+            os.close(fd)
+            raise
 
     async def blocking_copy(self, backing: Backing) -> int:
         return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size, limiter=self._copies)
@@ -438,10 +457,10 @@ class PassthroughPath:
         try:
             if backing.fallback is not None or backing.size != node.size_served:
                 return None
-            fd = await self._memfd_of(backing)
+            fd, digest = await self._memfd_of(backing)
             if backing.kind in ("source", "object"):
                 drop_pages(backing.fd)
-            if not self.held.hold_now(node.id, fd, backing.size, backing.raw):
+            if not self.held.hold_now(node.id, fd, backing.size, backing.raw, digest):
                 os.close(fd)
                 return None
             return backing.size

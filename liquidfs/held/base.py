@@ -178,6 +178,7 @@ class HeldFile:
     fd: int      # a sealed memfd, owned by the level
     size: int
     raw: bool
+    digest: int | None = None  # its bytes' ``backing.content_digest``, where the mount's loops share backings
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,13 +220,13 @@ class MemfdLevel(InMemory[HeldFile]):
         found = self._held.get(node.id)
         return None if found is None else found.raw
 
-    def keep(self, file: int, fd: int, size: int, raw: bool) -> None:
+    def keep(self, file: int, fd: int, size: int, raw: bool, digest: int | None = None) -> None:
         """Hold ``fd`` (a sealed memfd, now the level's) for ``file``, as the policy decided at its open."""
         if self.max_files is not None and len(self._held) >= self.max_files and file not in self._held:
             os.close(fd)
             self.could_not_keep(file)
             return
-        self._put(file, HeldFile(fd, size, raw))
+        self._put(file, HeldFile(fd, size, raw, digest))
         self._bytes += size
         self._kept += 1
 
@@ -240,11 +241,11 @@ class MemfdLevel(InMemory[HeldFile]):
         if file not in self.policy.held:
             self._forget(file)
 
-    def hold_now(self, file: int, fd: int, size: int, raw: bool) -> bool:
+    def hold_now(self, file: int, fd: int, size: int, raw: bool, digest: int | None = None) -> bool:
         """Warm-up: hold ``fd`` for ``file``'s next read if the budget allows (else the caller keeps ``fd``)."""
         if not self.policy.hold(file, size):
             return False
-        self.keep(file, fd, size, raw)
+        self.keep(file, fd, size, raw, digest)
         return True
 
     def _forget(self, file: int) -> HeldFile | None:

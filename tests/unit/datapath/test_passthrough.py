@@ -752,15 +752,12 @@ def test_a_hit_whose_memfd_copy_is_held_up_past_keep_wait_is_served_from_storage
     assert set(level.held_items()) == set(level.policy.held)
 
 
-def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, Path]) -> None:
-    """mount --loops: opens of one file in two loops at once share the backing the first registered, where each
-    loop read the file whole into a memfd of its own (an original here, with --verify-reads; an object store's
-    files): the kernel allows one backing per inode, and one loop's later opens share its first one's too."""
+def _two_loops(store: Path, kernel: FakeKernel) -> tuple[list[Operations], list]:
+    """Two loops of one mount (``mount --loops 2``) over ``store``, files read whole (--verify-reads), and the
+    socket pairs between them (``Peers.close_pairs`` them)."""
     from liquidfs.datapath.shared_inodes import SharedInodes
     from liquidfs.fuse.peers import Peers
 
-    src, store = prepared
-    kernel = FakeKernel()
     shared = SharedInodes(2)
     pairs = Peers.made(2)
     loops = []
@@ -771,6 +768,18 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
         assert ops.data_path is not None
         ops.data_path.join_loops(shared, index)  # type: ignore[attr-defined]
         loops.append(ops)
+    return loops, pairs
+
+
+def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, Path]) -> None:
+    """mount --loops: opens of one file in two loops at once share the backing the first registered, where each
+    loop read the file whole into a memfd of its own (an original here, with --verify-reads; an object store's
+    files): the kernel allows one backing per inode, and one loop's later opens share its first one's too."""
+    from liquidfs.fuse.peers import Peers
+
+    src, store = prepared
+    kernel = FakeKernel()
+    loops, pairs = _two_loops(store, kernel)
     node = next(n for n in loops[0].catalog.files() if not n.object)
 
     async def main() -> None:
@@ -782,6 +791,39 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
         await loops[0].release(first.fh)
         assert first.backing_id in kernel.files  # loop 1 still has it open
         await loops[1].release(second.fh)
+        assert kernel.files == {}
+
+    try:
+        trio.run(main)
+    finally:
+        Peers.close_pairs(pairs)
+
+
+def test_two_loops_never_share_a_backing_of_other_bytes_of_one_size(tmp_path: Path) -> None:
+    """mount --loops, files read whole into memfds (--verify-reads, an object store): the second loop's open of a
+    file the first has open shares its backing only where its own copy holds the same bytes. An original edited
+    in place, same size, between the two loops' reads: the second open fails (EIO, its source changed), never
+    the first loop's older bytes; once the first is released it serves the new ones."""
+    from liquidfs.fuse.peers import Peers
+
+    src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
+    kernel = FakeKernel()
+    loops, pairs = _two_loops(store, kernel)
+    node = next(n for n in loops[0].catalog.files() if not n.object)
+    path = src / os.fsdecode(node.path)
+    old = path.read_bytes()
+    new = bytes(b ^ 0xFF for b in old)
+
+    async def main() -> None:
+        first = await loops[0].open(node.id, os.O_RDONLY, CTX)
+        path.write_bytes(new)  # in place: the same inode, the same size
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            await loops[1].open(node.id, os.O_RDONLY, CTX)
+        assert refused.value.errno == errno.EIO and kernel.read(first.backing_id) == old
+        await loops[0].release(first.fh)
+        again = await loops[1].open(node.id, os.O_RDONLY, CTX)
+        assert kernel.read(again.backing_id) == new
+        await loops[1].release(again.fh)
         assert kernel.files == {}
 
     try:
