@@ -228,9 +228,18 @@ def _replace(tmp: Path, final: Path, *, durable: bool) -> None:
 def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
     """A name of its own for a catalog being written, and a lock held while it is: two writers on one store (two
     prepares, a prepare and a mount's rescan), even in other PID namespaces, never touch each other's catalog in
-    the making, and one whose writer died is found by its free lock (``_remove_abandoned``)."""
+    the making, and one whose writer died is found by its free lock (``_remove_abandoned``).
+
+    The file is made here, empty, owner-only, where no file or link was (``O_EXCL | O_NOFOLLOW``): SQLite opens
+    a name and follows a link there, and in a store whose directory others may write, a link planted at the name
+    (seen from its lock file) would have had root make or write a file wherever it pointed."""
     path = store / unique(f"{CATALOG_NAME}.new-")
-    return path, HeldLock(Path(f"{path}.lock"))
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+    try:
+        return path, HeldLock(Path(f"{path}.lock"))
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
 
 def _remove_abandoned(store: Path) -> None:

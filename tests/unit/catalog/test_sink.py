@@ -139,3 +139,19 @@ def test_a_helper_that_cannot_start_leaves_the_build_to_its_own_process(tmp_path
     build(src, tmp_path / "large")
     assert made == ["local"]
     assert written(tmp_path / "large")[:2] == written(tmp_path / "small")[:2]
+
+
+def test_a_link_planted_at_the_name_of_a_catalog_in_the_making_is_never_followed(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store directory another user may write: they see the lock of a catalog in the making and plant a link at
+    its name, to a file root would then make (``/etc/nologin``). The build refuses the name (it makes the file
+    itself, where nothing was), and nothing is made where the link points."""
+    store = tmp_path / "store"
+    store.mkdir()
+    target = tmp_path / "nologin"
+    monkeypatch.setattr(build_module, "unique", lambda prefix: f"{prefix}0123456789abcdef")
+    os.symlink(target, store / f"{CATALOG_NAME}.new-0123456789abcdef")
+    with pytest.raises(FileExistsError):
+        build(_tree(tmp_path / "src", 3), store)
+    assert not target.exists() and not os.path.lexists(target)
+    assert sorted(p.name for p in store.iterdir()) == [f"{CATALOG_NAME}.new-0123456789abcdef"]  # the link, as it was
