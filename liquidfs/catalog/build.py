@@ -40,7 +40,7 @@ class ScanReport:
     directories: int = 0
     symlinks: int = 0
     ignored: int = 0
-    unlisted: int = 0  # directories that could not be listed (shown empty)
+    unlisted: int = 0  # directories that could not be listed for a reason that may pass (``_PASSING``)
     seconds: float = 0.0
 
 
@@ -277,8 +277,8 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
         os.close(root_fd)
     report.seconds = time.monotonic() - started
     log.info(
-        "catalog of %s: %d files, %d directories, %d symlinks in %.2f s",
-        os.fsdecode(root), report.files, report.directories, report.symlinks, report.seconds,
+        "catalog of %s: %d files, %d directories (%d could not be listed for now), %d symlinks in %.2f s",
+        os.fsdecode(root), report.files, report.directories, report.unlisted, report.symlinks, report.seconds,
     )
     return report
 
@@ -312,46 +312,48 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                 if progress and bar is None:
                     bar = closing.enter_context(
                         Progress(f"scanning {os.fsdecode(root)}", "entries", initial=seen, delay=PROGRESS_DELAY))
-            dir_fd, entries = _listing(root, root_fd, rel_dir, listed_as)
-            report.unlisted += dir_fd < 0
+            dir_fd, entries, failed = _listing(root, root_fd, rel_dir, listed_as)
+            report.unlisted += failed in _PASSING
             seen += len(entries)
             if bar is not None:
                 bar.update(len(entries))
             subdirs = 0
             first_id = next_id
             records: list[bytes] = []  # the directory's listing (catalog.listings): an id each, from first_id on
-            for name, entry in entries:
-                row: tuple[int, int, int, int, bytes | None, str | None] | None
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                    mode = st.st_mode
-                    if stat.S_ISREG(mode):
-                        row = (KIND_FILE, mode, st.st_size, st.st_mtime_ns, None, file_version(st))
-                        files += 1
-                    elif stat.S_ISDIR(mode):
-                        row = None
-                    elif stat.S_ISLNK(mode):
-                        target = os.readlink(name, dir_fd=dir_fd)
-                        row = (KIND_SYMLINK, mode, len(target), st.st_mtime_ns, target, None)
-                        report.symlinks += 1
-                    else:
+            try:
+                for name, entry in entries:
+                    row: tuple[int, int, int, int, bytes | None, str | None] | None
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        mode = st.st_mode
+                        if stat.S_ISREG(mode):
+                            row = (KIND_FILE, mode, st.st_size, st.st_mtime_ns, None, file_version(st))
+                            files += 1
+                        elif stat.S_ISDIR(mode):
+                            row = None
+                        elif stat.S_ISLNK(mode):
+                            target = os.readlink(name, dir_fd=dir_fd)
+                            row = (KIND_SYMLINK, mode, len(target), st.st_mtime_ns, target, None)
+                            report.symlinks += 1
+                        else:
+                            report.ignored += 1
+                            continue
+                    except OSError as exc:
+                        log.warning("cannot read %r: %s; not shown", abs_dir + b"/" + name, exc)
                         report.ignored += 1
                         continue
-                except OSError as exc:
-                    log.warning("cannot read %r: %s; not shown", abs_dir + b"/" + name, exc)
-                    report.ignored += 1
-                    continue
-                rel = rel_dir + b"/" + name if rel_dir else name
-                records.append(_RECORD(next_id, mode, len(name)) + name)
-                if row is None:
-                    subdirs += 1
-                    dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
-                    stack.append((next_id, abs_dir + b"/" + name, rel, (st.st_dev, st.st_ino)))
-                else:
-                    writer.add_entry((next_id, dir_id, name, rel, *row))
-                next_id += 1
-            if dir_fd >= 0:
-                os.close(dir_fd)
+                    rel = rel_dir + b"/" + name if rel_dir else name
+                    records.append(_RECORD(next_id, mode, len(name)) + name)
+                    if row is None:
+                        subdirs += 1
+                        dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
+                        stack.append((next_id, abs_dir + b"/" + name, rel, (st.st_dev, st.st_ino)))
+                    else:
+                        writer.add_entry((next_id, dir_id, name, rel, *row))
+                    next_id += 1
+            finally:  # however the entries' loop ends (a full disk at a flush, an interrupt)
+                if dir_fd >= 0:
+                    os.close(dir_fd)
             nsubdirs[dir_id] = subdirs
             writer.add_listing(dir_id, range(first_id, next_id), records)
     report.directories, report.files = len(dir_rows) - 1, files
@@ -362,28 +364,35 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     return report
 
 
+#: Errors of a directory's listing that may pass (a flaky disk or server, descriptors or memory short, a directory
+#: replaced while scanned): a catalog with one is scanned again at its next use. Others (EACCES, EXDEV for another
+#: filesystem inside the source, ELOOP) would fail every scan the same way: each would be a whole rescan for none.
+_PASSING = frozenset({errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN, errno.ESTALE,
+                      errno.ETIMEDOUT})
+
+
 def _listing(root: bytes, root_fd: int, rel_dir: bytes,
-             listed_as: tuple[int, int]) -> tuple[int, list[tuple[bytes, os.DirEntry[str]]]]:
+             listed_as: tuple[int, int]) -> tuple[int, list[tuple[bytes, os.DirEntry[str]]], int | None]:
     """The directory ``rel_dir`` opened (its descriptor, which the caller closes) and its entries by name in
-    name order (bytes: a descriptor's listing names them in str), each one's ``stat`` relative to it; (-1, [])
-    where it cannot be listed or is no longer the directory its parent's listing found (``listed_as``): shown
-    empty."""
+    name order (bytes: a descriptor's listing names them in str), each one's ``stat`` relative to it, and None;
+    (-1, [], errno) where it cannot be listed or is no longer the directory its parent's listing found
+    (``listed_as``, ESTALE): shown empty."""
     try:
         dir_fd = open_dir_below(root_fd, rel_dir, root)
     except OSError as exc:
         log.warning("cannot list %s: %s; shown empty", exc.filename, exc.strerror)
-        return -1, []
+        return -1, [], exc.errno
     try:
         st = os.fstat(dir_fd)
         if (st.st_dev, st.st_ino) != listed_as:
             raise OSError(errno.ESTALE, "replaced while the source was scanned")
         with os.scandir(dir_fd) as found:
             entries = sorted(((os.fsencode(entry.name), entry) for entry in found), key=_FIRST)
-        return dir_fd, entries
+        return dir_fd, entries, None
     except OSError as exc:
         os.close(dir_fd)
         log.warning("cannot list %r: %s; shown empty", root + b"/" + rel_dir if rel_dir else root, exc)
-        return -1, []
+        return -1, [], exc.errno
 
 
 #: Files and directories of an object-store tree: read-only, as the mount shows them.

@@ -114,7 +114,7 @@ class Catalog:
             migrate(path, version)
             return cls.open_path(path, readonly=readonly, immutable=immutable)
         if version != SCHEMA_VERSION:
-            found = repr(row[0])[:40] if row else "none"
+            found = str(row[0])[:40] if row else "none"
             db.close()
             raise CatalogError(
                 f"{path} has catalog schema version {found}, this liquidfs reads version {SCHEMA_VERSION}; "

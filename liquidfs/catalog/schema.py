@@ -17,8 +17,8 @@ SCHEMA_VERSION = 5
 #: files lack it (older than schema version 3) is rescanned before it is used.
 FILE_IDENTITY = "file_identity"
 IDENTITY_INO_CTIME = "size,mtime,ino,ctime"
-#: Meta key: the directories a local scan could not list (shown empty). A catalog with any is rescanned at its
-#: next use, even where no directory's mtime changed: a failure may be passing (EIO, EMFILE, a stale NFS handle).
+#: Meta key: the directories a local scan could not list (shown empty) for a reason that may pass (EIO, EMFILE, a
+#: stale NFS handle). A catalog with any is rescanned at its next use, even where no directory's mtime changed.
 UNLISTED = "unlisted_directories"
 
 TABLES = """

@@ -118,7 +118,9 @@ def _run(argv: Sequence[str] | None) -> int:
             print(f"liquidfs {args.command}: object store: {exc}", file=sys.stderr)
             return 1
         # A catalog that cannot be read or written (a full disk, a corrupt file): the user's to fix as well.
-        if type(exc).__module__ == "sqlite3":
+        import sqlite3
+
+        if isinstance(exc, sqlite3.Error):
             log.debug("%s failed", args.command, exc_info=True)
             print(f"liquidfs {args.command}: catalog: {exc}", file=sys.stderr)
             return 1

@@ -226,10 +226,10 @@ def _reason_key(reason: str | None) -> str:
     return (reason or "unknown").split(":")[0]
 
 
-def _progress(enabled: bool, total: int) -> Callable[..., None]:
+def _progress(enabled: bool, total: int, doing: str = "expanding") -> Callable[..., None]:
     if not enabled:
         return lambda n, close=False: None
-    bar = Progress("expanding", "images", total=total)
+    bar = Progress(doing, "images", total=total)
 
     def update(n: int, close: bool = False) -> None:
         bar.update(n)
@@ -269,7 +269,7 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     if sample is not None and sample < len(nodes):
         nodes = random.Random().sample(nodes, sample)
     failures: list[tuple[str, str]] = []
-    bar = _progress(progress, len(nodes))
+    bar = _progress(progress, len(nodes), "verifying")
     ctx = multiprocessing.get_context("forkserver")
     # A check decodes the original and the object: about what an expansion to the object's format takes
     # (resources; a J2K object is budgeted as its encoding was, at its measured peak).

@@ -393,6 +393,7 @@ def test_prepare_changes_a_catalog_of_its_own_never_the_mounts_copy(dataset: Any
     from liquidfs.catalog.catalog import CATALOG_NAME
     from liquidfs.stores import open_store
     from liquidfs.stores.s3.store import local_catalog
+    from liquidfs.sysio.locks import HeldLock
 
     _, source, store, _ = dataset
     for name, value in s3_server.env().items():
@@ -408,3 +409,17 @@ def test_prepare_changes_a_catalog_of_its_own_never_the_mounts_copy(dataset: Any
             raise RuntimeError("killed before publishing")
     assert (mounts_copy.stat().st_ino, mounts_copy.read_bytes()) == before
     assert sorted(p.name for p in local.iterdir() if p.name.startswith(("preparing-", "store-"))) == []
+    # What a prepare killed outright leaves (no finally ran: its lock free, its catalog there), the next one sweeps;
+    # one whose lock is held is another run's, left alone.
+    killed, running = local / "preparing-killed", local / "preparing-running"
+    for leftover in (killed, running):
+        leftover.mkdir()
+        (leftover / "catalog.sqlite").write_bytes(b"x" * 1000)
+        (leftover / "lock").touch()
+    held = HeldLock(running / "lock")
+    try:
+        with open_store(source, store).preparing(progress=False):
+            pass
+        assert not killed.exists() and (running / "catalog.sqlite").exists()
+    finally:
+        held.release()

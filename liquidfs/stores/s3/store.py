@@ -13,6 +13,7 @@ Only ``prepare`` writes to the store. A node's ``mount`` downloads the catalog i
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -30,7 +31,7 @@ from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
-from ...sysio.locks import unique
+from ...sysio.locks import HeldLock, abandoned, unique
 from ...sysio.progress import Progress
 from ..base import Job, Preparation
 from ..reader import Reader
@@ -73,14 +74,26 @@ def bucket_pair(source: str, store: str | None) -> tuple[S3Url, S3Url]:
     return src, dst
 
 
+#: The private directory of a prepare under the node's work directory (``BucketStore.preparing``).
+_PREPARING = "preparing-"
+
+
+def _sweep_killed_preparations(local: Path) -> None:
+    """The private directories that prepares killed on this node left (a whole catalog each): those whose lock
+    nobody holds. One without its lock yet is another run's, just made."""
+    for leftover in local.glob(f"{_PREPARING}*"):
+        lock = leftover / "lock"
+        if not leftover.is_symlink() and os.path.lexists(lock) and abandoned(lock):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def _listing(client: Any, source: S3Url, progress: bool) -> Iterator[tuple[str, int, str, int]]:
-    bar = Progress(f"listing {source}", "objects") if progress else None
-    for info in list_objects(client, source):
-        if bar is not None:
-            bar.update(1)
-        yield source.rel(info.key), info.size, info.etag, info.mtime_ns
-    if bar is not None:
-        bar.close()
+    with contextlib.ExitStack() as closing:
+        bar = closing.enter_context(Progress(f"listing {source}", "objects")) if progress else None
+        for info in list_objects(client, source):
+            if bar is not None:
+                bar.update(1)
+            yield source.rel(info.key), info.size, info.etag, info.mtime_ns
 
 
 def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
@@ -260,9 +273,13 @@ class BucketStore:
         It is made and changed in a directory of this run's own: the node's copy of the store's catalog beside
         it is the mounts' (``local_catalog``), read by them as a file nobody writes, and stays the store's as
         published (a failed run leaves it so)."""
-        private = Path(tempfile.mkdtemp(prefix="preparing-", dir=work_dir(self.store, self.client)))
+        local = work_dir(self.store, self.client)
+        _sweep_killed_preparations(local)
+        private = Path(tempfile.mkdtemp(prefix=_PREPARING, dir=local))
         catalog: Catalog | None = None
+        lock: HeldLock | None = None
         try:
+            lock = HeldLock(private / "lock")  # held while this run lives: a killed run's directory is swept
             stored = private / f"store-{CATALOG_NAME}"
             previous = stored if download_catalog(self.client, self.store, stored) else None
             build_from_objects(_listing(self.client, self.source, progress), private, str(self.source),
@@ -282,6 +299,8 @@ class BucketStore:
             if catalog is not None:
                 catalog.close()
             shutil.rmtree(private, ignore_errors=True)
+            if lock is not None:
+                lock.release(remove=False)
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         assert node.etag is not None and raw_formats == self.raw_formats

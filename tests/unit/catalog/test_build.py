@@ -336,6 +336,30 @@ def test_a_directory_that_could_not_be_listed_is_listed_again_at_the_next_use(tm
     catalog.close()
 
 
+def test_a_directory_that_can_never_be_listed_does_not_make_every_use_a_rescan(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another filesystem mounted inside the source (EXDEV: the mount could not open its files), a directory
+    root may not read (EACCES on a root-squashed NFS export): shown empty, and the catalog stays fresh; a scan of
+    ten million files at every mount would be the cost of saying so again."""
+    src = tmp_path / "src"
+    for name in ("other-fs", "squashed"):
+        (src / name).mkdir(parents=True)
+        (src / name / "a.png").write_bytes(b"png")
+    opening = build_module.open_dir_below
+    refusals = {b"other-fs": errno.EXDEV, b"squashed": errno.EACCES}
+
+    def refusing(dir_fd: int, rel: bytes, where: bytes) -> int:
+        if rel in refusals:
+            raise OSError(refusals[rel], os.strerror(refusals[rel]), os.fsdecode(where) + "/" + os.fsdecode(rel))
+        return opening(dir_fd, rel, where)
+
+    monkeypatch.setattr(build_module, "open_dir_below", refusing)
+    catalog = open_or_build(src, tmp_path / "store")
+    assert catalog.meta("unlisted_directories") == "0" and catalog.is_fresh()
+    assert not any(row[3].endswith(b"a.png") for row in written(tmp_path / "store").nodes)
+    catalog.close()
+
+
 def test_a_catalog_holding_what_prepare_learnt_is_on_disk_before_its_rename(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A crash after the rename must not leave the catalog's name on pages never written: where it holds what
