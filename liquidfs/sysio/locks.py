@@ -21,15 +21,22 @@ def unique(prefix: str) -> str:
 
 
 class HeldLock:
-    """An exclusive flock on ``path`` (created 0600), held until ``release`` or the process's end."""
+    """An exclusive flock on ``path`` (created 0600), held until ``release`` or the process's end.
+
+    The file is made and locked under a name of its own, then renamed to ``path``: a file at ``path`` is always
+    a held lock or a free one, never one made but not yet locked, which a sweeper (``abandoned``) would have taken
+    for its dead owner's and removed with what it guards."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        making = path.with_name(f".{path.name}-{secrets.token_hex(8)}")  # no sweeper's pattern ends so
+        self.fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(making, path)
         except BaseException:
             os.close(self.fd)
+            making.unlink(missing_ok=True)
             raise
 
     def release(self, *, remove: bool = True) -> None:

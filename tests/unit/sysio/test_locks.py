@@ -1,0 +1,40 @@
+"""Locks that say whether their owner lives (``sysio.locks``): a lock file is held from the moment it has its
+name, so a sweeper never takes a live writer's for a dead one's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from liquidfs.sysio import locks
+from liquidfs.sysio.locks import HeldLock, abandoned
+
+
+def test_a_lock_has_its_name_only_once_it_is_held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "catalog.sqlite.new-0123.lock"
+    named: list[bool] = []
+    rename = os.rename
+
+    def watched(src: Path, dst: Path) -> None:
+        # what a sweeper would see at the name, just before the lock has it: nothing
+        named.append(not os.path.lexists(dst) and not abandoned(Path(src)))
+        rename(src, dst)
+
+    monkeypatch.setattr(locks.os, "rename", watched)
+    lock = HeldLock(path)
+    assert named == [True] and not abandoned(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # nothing else left
+    lock.release()
+    assert not path.exists() and abandoned(path)
+
+
+def test_a_lock_whose_owner_died_is_abandoned(tmp_path: Path) -> None:
+    path = tmp_path / "x.lock"
+    code = (f"import os, pathlib; from liquidfs.sysio.locks import HeldLock; HeldLock(pathlib.Path({str(path)!r})); "
+            "os._exit(0)")  # dies holding it: no release ran
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert path.exists() and abandoned(path)
