@@ -437,17 +437,11 @@ class PassthroughPath:
         its digest where loops share backings (``_register``)."""
         if backing.kind in ("memfd", "disk"):
             return os.dup(backing.fd), backing.digest
-        fd = await self.blocking_copy(backing)
-        if self.shared is None:
-            return fd, None
-        try:
-            return fd, await trio.to_thread.run_sync(content_digest, fd, backing.size, limiter=self._copies)
-        except BaseException:
-            os.close(fd)
-            raise
+        return await self.blocking_copy(backing, digest=self.shared is not None)
 
-    async def blocking_copy(self, backing: Backing) -> int:
-        return await trio.to_thread.run_sync(memfd_copy, backing.fd, backing.size, limiter=self._copies)
+    async def blocking_copy(self, backing: Backing, digest: bool = False) -> tuple[int, int | None]:
+        """The copy (and its digest where asked) in one worker thread: one hop, not two."""
+        return await trio.to_thread.run_sync(_copy_of, backing.fd, backing.size, digest, limiter=self._copies)
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None
@@ -474,6 +468,18 @@ class PassthroughPath:
     def statistics(self) -> PassthroughStatistics:
         return PassthroughStatistics(passthrough_open_inodes=self._open_inodes, closes_pending=self._closer.pending,
                                      ranges=self.ranges.statistics())
+
+
+def _copy_of(fd: int, size: int, digest: bool) -> tuple[int, int | None]:
+    """``memfd_copy`` of ``fd`` and, where ``digest``, its ``content_digest`` (in the caller's worker thread)."""
+    copy = memfd_copy(fd, size)
+    if not digest:
+        return copy, None
+    try:
+        return copy, content_digest(copy, size)
+    except BaseException:
+        os.close(copy)
+        raise
 
 
 def _count_backing(stats: MountStats, kind: str) -> None:

@@ -654,12 +654,12 @@ def _reopen_while_kept(ops: Operations, kernel: FakeKernel, src: Path, store: Pa
     real_copy = path.blocking_copy
     first = [True]
 
-    async def slow_copy(backing):
+    async def slow_copy(backing, digest=False):
         if first[0]:  # the first file's copy only
             first[0] = False
             copying.set()
             await go_on.wait()
-        return await real_copy(backing)
+        return await real_copy(backing, digest)
 
     path.blocking_copy = slow_copy
     from_storage = [0]
