@@ -211,18 +211,18 @@ def _replace(tmp: Path, final: Path, *, durable: bool) -> None:
     after, so a crash leaves the old catalog or the new one, never the new name on pages never written (a catalog
     that holds what prepare learnt; one of a tree alone is scanned again in seconds, and is not waited for)."""
     if durable:
-        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp, os.O_RDONLY | os.O_NOFOLLOW)
     os.replace(tmp, final)
     if durable:
-        fd = os.open(final.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(final.parent, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
@@ -265,11 +265,12 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
-    if not stat.S_ISDIR(os.stat(root).st_mode):
-        raise NotADirectoryError(f"{source} is not a directory")
     # The root as named (a link there is the user's choice); every directory below is reached from it, never
     # through a link (``sysio.paths.open_dir_below``), as the mount reaches the files.
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        raise NotADirectoryError(f"{source} is not a directory") from None
     try:
         with _Writer(store_dir) as writer:
             report = _walk(root, root_fd, writer, progress)

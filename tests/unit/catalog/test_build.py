@@ -293,6 +293,14 @@ def test_the_helper_that_reads_ahead_is_gone_when_the_build_is_done(tmp_path: Pa
     assert process.poll() is not None
 
 
+def test_a_source_that_is_no_directory_is_named_in_the_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match=f"^{tmp_path / 'file'} is not a directory$"):
+        build(tmp_path / "file", tmp_path / "store")
+    with pytest.raises(FileNotFoundError):
+        build(tmp_path / "missing", tmp_path / "store")
+
+
 @pytest.mark.parametrize("progress", [True, False])
 def test_a_long_walk_shows_the_entries_walked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str], progress: bool) -> None:
