@@ -132,12 +132,12 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     fatal: str | None = None
     src_root = catalog.source
     ctx = multiprocessing.get_context("forkserver")
-    bar = _progress(progress, round(ratio * len(nodes)))
     queue = iter(nodes)
     in_flight: dict[cf.Future[Outcome], Node] = {}
     last_commit = time.monotonic()
-    with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=set_budget,
-                                initargs=(plan.budget,)) as pool:
+    with (cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=set_budget,
+                                 initargs=(plan.budget,)) as pool,
+          Progress("expanding", "images", total=round(ratio * len(nodes)), shown=progress) as bar):
         while True:
             # Keep enough work in flight to reach the target, in rank order.
             while fatal is None and len(chosen) + len(in_flight) < wanted() and len(in_flight) < 2 * jobs:
@@ -163,7 +163,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                                               prior.raw_size, prior.checksum, None, reused=True,
                                               src_etag=node.etag, object_stamp=prior.object_stamp))
                         report.reused += 1
-                        bar(1)
+                        bar.update(1)
                         continue
                 func, job_args = store.expansion_job(src_root, node, object_name(node), raw_formats)
                 future = pool.submit(func, *job_args)
@@ -182,7 +182,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                     chosen.append(outcome)
                     report.expanded += not outcome.reused
                     report.reused += outcome.reused
-                    bar(1)
+                    bar.update(1)
                 else:
                     refused += 1
                     report.skipped[_reason_key(outcome.reason)] += 1
@@ -191,7 +191,6 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                 pending.clear()
                 last_commit = time.monotonic()
     _record(catalog, pending)
-    bar(0, close=True)
     if fatal:
         raise PrepareError(
             f"{fatal} in {store.label} after {report.expanded} new expansions; the store is consistent and still "
@@ -226,19 +225,6 @@ def _reason_key(reason: str | None) -> str:
     return (reason or "unknown").split(":")[0]
 
 
-def _progress(enabled: bool, total: int, doing: str = "expanding") -> Callable[..., None]:
-    if not enabled:
-        return lambda n, close=False: None
-    bar = Progress(doing, "images", total=total)
-
-    def update(n: int, close: bool = False) -> None:
-        bar.update(n)
-        if close:
-            bar.close()
-
-    return update
-
-
 def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:
     """What the outcomes taught, except refusals worth trying again."""
     catalog.record_expansions((o.path, o.row()) for o in outcomes if not _transient(o.reason))
@@ -269,19 +255,18 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     if sample is not None and sample < len(nodes):
         nodes = random.Random().sample(nodes, sample)
     failures: list[tuple[str, str]] = []
-    bar = _progress(progress, len(nodes), "verifying")
     ctx = multiprocessing.get_context("forkserver")
     # A check decodes the original and the object: about what an expansion to the object's format takes
     # (resources; a J2K object is budgeted as its encoding was, at its measured peak).
     held = tuple(sorted({(of_object(str(n.object)) or DEFAULT).name for n in nodes})) or DEFAULT_FORMATS
     workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
                                      largest_source=max((n.size for n in nodes), default=0)).workers
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with (cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool,
+          Progress("verifying", "images", total=len(nodes), shown=progress) as bar):
         futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
         for future in cf.as_completed(futures):
             problem = future.result()
             if problem:
                 failures.append((os.fsdecode(futures[future].path), str(problem)))
-            bar(1)
-    bar(0, close=True)
+            bar.update(1)
     return failures

@@ -20,19 +20,20 @@ class Progress:
     """``update(n)`` as work is done, ``close()`` (or the end of a ``with``) when it is.
 
     ``desc`` says what is done, ``unit`` of what (``"entries"``), ``total`` how much is to be done where that is
-    known. ``delay``: nothing is shown before that many seconds, so short work says nothing.
+    known. ``delay``: nothing is shown before that many seconds, so short work says nothing. ``shown=False``:
+    nothing is ever shown (``--no-progress``), the work counted all the same.
     """
 
     def __init__(self, desc: str, unit: str, *, total: int | None = None, initial: int = 0, delay: float = 0.0,
-                 stream: IO[str] | None = None) -> None:
+                 shown: bool = True, stream: IO[str] | None = None) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.desc, self.unit, self.total = desc, unit, total
         self.done = initial
         self.started = time.monotonic()
-        self.delay = delay
-        self._next_line = self.started + max(delay, LINE_EVERY)
+        self.delay = delay if shown else float("inf")
+        self._next_line = self.started + max(self.delay, LINE_EVERY)
         self._bar: Any = None
-        if _is_terminal(self.stream):
+        if shown and _is_terminal(self.stream):
             from tqdm import tqdm  # here: work on a log, and short work, never loads it
 
             self._bar = tqdm(total=total, initial=initial, unit=f" {unit}", desc=desc, dynamic_ncols=True,

@@ -13,7 +13,6 @@ Only ``prepare`` writes to the store. A node's ``mount`` downloads the catalog i
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -88,11 +87,9 @@ def _sweep_killed_preparations(local: Path) -> None:
 
 
 def _listing(client: Any, source: S3Url, progress: bool) -> Iterator[tuple[str, int, str, int]]:
-    with contextlib.ExitStack() as closing:
-        bar = closing.enter_context(Progress(f"listing {source}", "objects")) if progress else None
+    with Progress(f"listing {source}", "objects", shown=progress) as bar:
         for info in list_objects(client, source):
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             yield source.rel(info.key), info.size, info.etag, info.mtime_ns
 
 

@@ -64,6 +64,15 @@ def test_work_done_within_the_delay_says_nothing_and_a_total_is_shown(clock: _Cl
     assert log.getvalue() == "expanding: 9 of 9 images, 2 s\n"
 
 
+def test_work_not_to_be_shown_is_counted_and_says_nothing(clock: _Clock) -> None:
+    log = io.StringIO()
+    with Progress("expanding", "images", total=3, shown=False, stream=log) as progress:
+        for _ in range(3):
+            clock.now += LINE_EVERY
+            progress.update(1)
+    assert progress.done == 3 and log.getvalue() == ""
+
+
 def test_a_terminal_gets_a_redrawn_bar() -> None:
     """A pseudo-terminal, as an interactive shell's stderr: tqdm's bar, which redraws its line."""
     master, slave = os.openpty()
