@@ -545,22 +545,34 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
         db.execute("DETACH DATABASE old")
 
 
+def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> Catalog | None:
+    """The catalog in ``store_dir`` where it describes ``source`` as it is now; None where there is none or it is
+    stale. CatalogError where it describes another source."""
+    path = Path(store_dir) / CATALOG_NAME
+    if not path.exists():
+        return None
+    catalog = Catalog.open(store_dir)
+    same_source = catalog.source == os.fsencode(os.path.abspath(source))
+    if same_source and catalog.is_fresh():
+        return catalog
+    catalog.close()
+    if not same_source:
+        raise CatalogError(
+            f"{path} describes {os.fsdecode(catalog.source)}, not {os.path.abspath(source)}; "
+            "use another --store"
+        )
+    return None
+
+
 def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str],
                   *, rescan: bool = False, progress: bool = False) -> Catalog:
     """The catalog for ``source`` in ``store_dir``: reused when fresh, (re)built otherwise."""
-    path = Path(store_dir) / CATALOG_NAME
-    if path.exists() and not rescan:
-        catalog = Catalog.open(store_dir)
-        same_source = catalog.source == os.fsencode(os.path.abspath(source))
-        if same_source and catalog.is_fresh():
-            log.info("reusing catalog %s", path)
+    if not rescan:
+        catalog = current_catalog(source, store_dir)
+        if catalog is not None:
+            log.info("reusing catalog %s", Path(store_dir) / CATALOG_NAME)
             return catalog
-        catalog.close()
-        if not same_source:
-            raise CatalogError(
-                f"{path} describes {os.fsdecode(catalog.source)}, not {os.path.abspath(source)}; "
-                "use another --store"
-            )
-        log.info("source changed since the last scan: rescanning")
+        if (Path(store_dir) / CATALOG_NAME).exists():
+            log.info("source changed since the last scan: rescanning")
     build(source, store_dir, progress=progress)
     return Catalog.open(store_dir)

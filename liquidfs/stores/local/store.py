@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ...catalog.build import WorkingCopy, open_or_build
+from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, Catalog, default_store_dir
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
@@ -181,7 +181,7 @@ class LocalStore:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         held = exclusive_lock(self.store_dir / PREPARE_LOCK, wait=False)
         if held is None:  # prepares of one store run one after another: the next reuses what the first did
-            log.warning("another prepare of %s is running: waiting for it", self.store_dir)
+            log.warning("another prepare (or a mount's scan) of %s is running: waiting for it", self.store_dir)
             held = exclusive_lock(self.store_dir / PREPARE_LOCK)
         assert held is not None
         try:
@@ -323,7 +323,7 @@ class LocalStore:
         self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
         _check_readable(self.store_dir / CATALOG_NAME)
-        open_or_build(self.source, self.store_dir).close()
+        self._catalog_ready(rescan=False, progress=False)
         catalog = Catalog.open(self.store_dir, readonly=True)
         try:
             root = self.source_root(catalog)
@@ -419,8 +419,37 @@ class LocalStore:
     def mount_catalog(self, *, rescan: bool, progress: bool = True) -> Path:
         self._check_source()
         _check_readable(self.store_dir / CATALOG_NAME)
-        open_or_build(self.source, self.store_dir, rescan=rescan, progress=progress).close()
+        self._catalog_ready(rescan=rescan, progress=progress)
         return self.store_dir
+
+    def _catalog_ready(self, *, rescan: bool, progress: bool) -> None:
+        """The store's catalog of the source, (re)built where it is stale or a rescan is asked for, by one writer
+        at a time. A scan beside a running prepare would rename its catalog over the one the prepare publishes
+        at its end, or be renamed over: what the prepare expanded and chose, or what the scan saw, forgotten.
+        So a scan takes the prepare's lock. Where a prepare (or another scan) holds it, a catalog that is there
+        is used as it stands, with a warning; a --rescan, or a store without a catalog yet, waits for it."""
+        if not rescan:
+            found = current_catalog(self.source, self.store_dir)
+            if found is not None:
+                found.close()
+                return
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        lock = self.store_dir / PREPARE_LOCK
+        held = exclusive_lock(lock, wait=False)
+        if held is None:
+            if not rescan and (self.store_dir / CATALOG_NAME).exists():
+                log.warning("%s: a prepare (or a scan) of this store is running; its catalog is used as it stands: "
+                            "what changed in the source since its last scan shows once that is done (mount "
+                            "--rescan)", self.store_dir)
+                return
+            log.warning("a prepare (or a scan) of %s is running: waiting for it before scanning the source",
+                        self.store_dir)
+            held = exclusive_lock(lock)
+            assert held is not None
+        try:
+            open_or_build(self.source, self.store_dir, rescan=rescan, progress=progress).close()
+        finally:
+            os.close(held)
 
     def found_catalog(self) -> Path:
         # The daemon a mount starts finds the catalog its parent made ready: checked here again, as the catalog
