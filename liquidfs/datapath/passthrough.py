@@ -178,6 +178,8 @@ class PassthroughPath:
                 self._release_entry(record, entry)
                 if entry.failed is not None:
                     raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
+                if entry.abandoned:
+                    return await self.open(node, record, fh, job)
                 return await self.ranges.open(node, record, fh, job)
             try:
                 changed = still_sound(entry.backing)
@@ -211,10 +213,16 @@ class PassthroughPath:
             entry.backing = backing
             self._decide_keep(node, entry, decision)
         except BaseException as exc:
-            entry.failed = (exc.errno or errno.EIO) if isinstance(exc, OSError) else errno.EIO
+            if isinstance(exc, OSError):
+                entry.failed = exc.errno or errno.EIO
+            else:  # cancelled (its reader was interrupted), or a fault: not the file's failure, nor theirs
+                entry.abandoned = True
             if decision.hold and self.held is not None:
                 self.held.could_not_keep(node.id)
-            self._release_entry(record, entry)
+            # The opens that waited take the outcome; one that comes later makes its own entry, never
+            # inheriting a failure of the past.
+            entry.opens -= 1
+            self._detach(record, entry)
             raise
         finally:
             entry.settle()
@@ -350,7 +358,12 @@ class PassthroughPath:
 
     def _release_entry(self, record: Inode, entry: SharedBacking) -> None:
         entry.opens -= 1
-        if entry.opens <= 0 and record.shared is entry:
+        if entry.opens <= 0:
+            self._detach(record, entry)
+
+    def _detach(self, record: Inode, entry: SharedBacking) -> None:
+        """``entry`` is no longer the inode's: the next open makes its own."""
+        if record.shared is entry:
             record.shared = None
             self._open_inodes -= 1
 

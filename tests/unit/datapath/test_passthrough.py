@@ -15,6 +15,7 @@ from pathlib import Path
 import pyfuse3
 import pytest
 import trio
+import trio.testing
 
 from liquidfs.datapath.backing import memfd_copy, memfd_with, resolve
 from liquidfs.policy.next_epoch import NextEpochCache
@@ -540,6 +541,54 @@ def test_opens_that_arrive_while_the_first_waits_for_storage_wait_for_its_decisi
     assert trio.run(opened_at_once, ops) == [errno.EPERM] * 3
     assert ops.stats.cold_opens == 1  # the waiters failed with the first's failure, not with their own
     assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
+
+
+def test_opens_that_waited_for_an_interrupted_first_open_open_for_themselves(prepared) -> None:
+    """The first open of an inode cancelled while it waits for storage (its reader interrupted): the opens that
+    waited for its decision are served (before: EIO, a failure of no file), and a later open of the inode never
+    takes a past failure."""
+    src, store = prepared
+    ops, kernel = _ops(store)
+    node = next(n for n in _images(ops) if n.object)
+    path = ops.data_path
+    real_backing = path._backing
+    stuck = trio.Event()
+    first = [True]
+
+    async def backing_stuck_once(*args):
+        if first[0]:
+            first[0] = False
+            stuck.set()
+            await trio.sleep_forever()
+        return await real_backing(*args)
+
+    path._backing = backing_stuck_once
+    served: list = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            interrupted = trio.CancelScope()
+
+            async def first_open() -> None:
+                with interrupted:
+                    await ops.open(node.id, os.O_RDONLY, CTX)
+
+            async def waiting_open() -> None:
+                served.append(await ops.open(node.id, os.O_RDONLY, CTX))
+
+            nursery.start_soon(first_open)
+            await stuck.wait()
+            for _ in range(2):
+                nursery.start_soon(waiting_open)
+            await trio.testing.wait_all_tasks_blocked()
+            interrupted.cancel()
+        assert len({i.backing_id for i in served}) == 1 and kernel.read(served[0].backing_id) == _expected(
+            src, store, node)
+        for info in served:
+            await ops.release(info.fh)
+        assert path.statistics().values()["passthrough_open_inodes"] == 0
+
+    trio.run(main)
 
 
 def test_a_cold_open_does_not_ask_the_reader_again_whether_it_lends_descriptors(prepared, monkeypatch) -> None:
