@@ -545,30 +545,38 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
         db.execute("DETACH DATABASE old")
 
 
-def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> Catalog | None:
-    """The catalog in ``store_dir`` where it describes ``source`` as it is now; None where there is none or it is
-    stale. CatalogError where it describes another source."""
+#: ``current_catalog``: the catalog describes the source as it is now.
+FRESH = "fresh"
+#: ``current_catalog``: the store has no catalog yet.
+MISSING = "missing"
+
+
+def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> tuple[Catalog | None, str]:
+    """(the catalog in ``store_dir``, ``FRESH``) where it describes ``source`` as it is now; else (None, why):
+    ``MISSING``, or ``Catalog.staleness``'s reason. CatalogError where it describes another source."""
     path = Path(store_dir) / CATALOG_NAME
     if not path.exists():
-        return None
+        return None, MISSING
     catalog = Catalog.open(store_dir)
     same_source = catalog.source == os.fsencode(os.path.abspath(source))
-    if same_source and catalog.is_fresh():
-        return catalog
+    stale = catalog.staleness() if same_source else None
+    if same_source and stale is None:
+        return catalog, FRESH
     catalog.close()
     if not same_source:
         raise CatalogError(
             f"{path} describes {os.fsdecode(catalog.source)}, not {os.path.abspath(source)}; "
             "use another --store"
         )
-    return None
+    assert stale is not None
+    return None, stale
 
 
 def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str],
                   *, rescan: bool = False, progress: bool = False) -> Catalog:
     """The catalog for ``source`` in ``store_dir``: reused when fresh, (re)built otherwise."""
     if not rescan:
-        catalog = current_catalog(source, store_dir)
+        catalog, _ = current_catalog(source, store_dir)
         if catalog is not None:
             log.info("reusing catalog %s", Path(store_dir) / CATALOG_NAME)
             return catalog

@@ -29,6 +29,11 @@ from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_
 log = logging.getLogger(__name__)
 
 CATALOG_NAME = "catalog.sqlite"
+#: ``Catalog.staleness``: a directory of the source changed since the scan (the catalog is behind, still sound).
+CHANGED = "changed"
+#: ``Catalog.staleness``: the catalog must be scanned again before it is used (an older liquidfs's, or a directory
+#: its scan could not list).
+MUST_RESCAN = "must-rescan"
 #: A regular file's size as served: its raw object's where it has one, else its source's.
 _SERVED = "CASE WHEN repr=1 AND served_size IS NOT NULL THEN served_size ELSE size END"
 #: A page of a directory's entries in id order after the id given (the root is its own parent: not its entry).
@@ -286,21 +291,27 @@ class Catalog:
         return {obj for obj, _ in rows}, sum(size or 0 for _, size in rows)
 
     def is_fresh(self) -> bool:
-        """True when no directory of the source gained, lost or renamed an entry since the scan.
+        """True when no directory of the source gained, lost or renamed an entry since the scan (``staleness``)."""
+        return self.staleness() is None
+
+    def staleness(self) -> str | None:
+        """None when no directory of the source gained, lost or renamed an entry since the scan; else why the
+        catalog is stale: ``CHANGED`` (a directory changed: the catalog is still sound, only behind), or
+        ``MUST_RESCAN`` (it must be scanned again before it is used).
 
         Adding, removing or renaming an entry changes its directory's mtime, so stat-ing the directories (not
         listing them) is enough; a file whose content changed in place is caught per file at open.
         """
         if self.meta(FILE_IDENTITY) != IDENTITY_INO_CTIME:
-            return False  # scanned by an older liquidfs: its files' identities are too weak to reuse
+            return MUST_RESCAN  # scanned by an older liquidfs: its files' identities are too weak to reuse
         if self.meta(UNLISTED) not in (None, "0"):
-            return False  # a directory the scan could not list is shown empty: tried again
+            return MUST_RESCAN  # a directory the scan could not list is shown empty: tried again
         root = self.source
         for rel, mtime_ns in self.directories():
             try:
                 st = os.stat(os.path.join(root, rel) if rel else root)
             except OSError:
-                return False
+                return CHANGED
             if st.st_mtime_ns != mtime_ns:
-                return False
-        return True
+                return CHANGED
+        return None

@@ -68,7 +68,8 @@ def abandoned(lock_path: Path) -> bool:
 #: In a store: held shared by every mount of it for its whole life, exclusive by prepare while it deletes
 #: objects (objects a running mount's catalog names are never deleted under it).
 MOUNTS_LOCK = "mounts.lock"
-#: In a store: held exclusive by a prepare for its whole run, so prepares of one store run one after another.
+#: In a store: held exclusive by a prepare for its whole run, and by a mount's scan of the source, so the
+#: writers of one store's catalog run one after another (``stores.local.store.LocalStore._one_writer``).
 PREPARE_LOCK = "prepare.lock"
 
 

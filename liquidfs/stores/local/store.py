@@ -5,7 +5,8 @@ Layout of a store directory::
     catalog.sqlite            the catalog mounts read (replaced whole by prepare: ``catalog.build.WorkingCopy``)
     objects/ab/<hash>.bmp     raw objects (.jp2 for JPEG 2000), written to a temporary name, fsynced, renamed
     profile.json              what ``prepare --ratio auto`` measured: ``mount --mix adaptive`` starts there
-    prepare.lock, mounts.lock prepares take turns; a running mount keeps prepare from deleting its objects
+    prepare.lock, mounts.lock prepares (and a mount's scans) take turns; a running mount keeps prepare from
+                              deleting its objects
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ import re
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
-from ...catalog.catalog import CATALOG_NAME, Catalog, default_store_dir
+from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
@@ -49,6 +51,22 @@ _DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SUBDIR = re.compile(r"[0-9a-f]{2}")
 #: What a killed expansion leaves of an object (``expand.expansion.expand_one``: ``<object>.<locks.unique("tmp-")>``).
 _LEFTOVER = re.compile(rf"objects/([0-9a-f]{{2}}/[0-9a-f]{{32}}{SUFFIX_PATTERN}\.tmp-[0-9a-f]{{16}})")
+
+
+#: Seconds a mount waits for a running prepare (or another scan) before it uses a catalog that is only behind the
+#: source as it stands (``LocalStore._one_writer``): another mount's scan is done by then, a prepare may take hours.
+AS_IT_STANDS_AFTER = 10.0
+#: Seconds between two looks at the prepare's lock and the catalog while waiting for them.
+LOCK_POLL = 0.5
+
+
+def _file_identity(path: Path) -> tuple[int, int, int] | None:
+    """What changes when a file is replaced or written: its inode, mtime and size (None: no file there)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _trusted_catalog(path: Path) -> os.stat_result:
@@ -426,28 +444,62 @@ class LocalStore:
         """The store's catalog of the source, (re)built where it is stale or a rescan is asked for, by one writer
         at a time. A scan beside a running prepare would rename its catalog over the one the prepare publishes
         at its end, or be renamed over: what the prepare expanded and chose, or what the scan saw, forgotten.
-        So a scan takes the prepare's lock. Where a prepare (or another scan) holds it, a catalog that is there
-        is used as it stands, with a warning; a --rescan, or a store without a catalog yet, waits for it."""
+        So a scan takes the prepare's lock (``_one_writer``)."""
+        state = CHANGED
         if not rescan:
-            found = current_catalog(self.source, self.store_dir)
+            found, state = current_catalog(self.source, self.store_dir)
             if found is not None:
                 found.close()
                 return
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        with self._one_writer(state, rescan=rescan) as scan:
+            if scan:
+                open_or_build(self.source, self.store_dir, rescan=rescan, progress=progress).close()
+
+    @contextmanager
+    def _one_writer(self, state: str, *, rescan: bool) -> Iterator[bool]:
+        """The prepare's lock held for a scan of the catalog in ``state`` (``current_catalog``'s): True to scan,
+        False where the catalog is used as it is.
+
+        While a prepare (or another scan) holds it, the catalog is looked at again whenever its file changes:
+        fresh (the other's scan is done), it is used. A catalog only behind the source (CHANGED) is used as it
+        stands after ``AS_IT_STANDS_AFTER`` seconds, with a warning, rather than waiting for a prepare of hours;
+        none yet, one that must be scanned again, or a --rescan waits. Where the lock cannot be had at all (a
+        filesystem without locks, a lock file of another user's), the scan runs without it, as it always did."""
         lock = self.store_dir / PREPARE_LOCK
-        held = exclusive_lock(lock, wait=False)
-        if held is None:
-            if not rescan and (self.store_dir / CATALOG_NAME).exists():
-                log.warning("%s: a prepare (or a scan) of this store is running; its catalog is used as it stands: "
-                            "what changed in the source since its last scan shows once that is done (mount "
-                            "--rescan)", self.store_dir)
+        since = time.monotonic()
+        seen = _file_identity(self.store_dir / CATALOG_NAME)
+        said = False
+        while True:
+            try:
+                held = exclusive_lock(lock, wait=False)
+            except OSError as exc:
+                log.warning("%s: %s; scanning the source without it", lock, exc.strerror)
+                yield True
                 return
-            log.warning("a prepare (or a scan) of %s is running: waiting for it before scanning the source",
-                        self.store_dir)
-            held = exclusive_lock(lock)
-            assert held is not None
+            if held is not None:
+                break
+            if not said:
+                log.warning("a prepare (or a scan) of %s is running: waiting for it before scanning the source",
+                            self.store_dir)
+                said = True
+            if not rescan:  # a --rescan waits in any case
+                now_seen = _file_identity(self.store_dir / CATALOG_NAME)
+                if now_seen != seen:
+                    seen = now_seen
+                    found, state = current_catalog(self.source, self.store_dir)
+                    if found is not None:
+                        found.close()
+                        yield False
+                        return
+            if not rescan and state == CHANGED and time.monotonic() - since >= AS_IT_STANDS_AFTER:
+                log.warning("%s: its catalog is used as it stands while the prepare runs: what changed in the "
+                            "source since its last scan shows after it (mount --rescan)", self.store_dir)
+                yield False
+                return
+            time.sleep(LOCK_POLL)
         try:
-            open_or_build(self.source, self.store_dir, rescan=rescan, progress=progress).close()
+            yield True
         finally:
             os.close(held)
 
