@@ -78,7 +78,7 @@ class SharedBacking:
     backing_id: int = 0
     keep: bool = False            # the policy's latest decision of its opens: hold it for the next epoch
     failed: int | None = None     # the errno the first open failed with (concurrent opens fail too)
-    abandoned: bool = False       # the first open ended undecided (cancelled): the opens that waited try again
+    abandoned: bool = False       # the first open was cancelled undecided: the opens that waited try again
     settled: bool = False         # the first open has decided (its backing, or its failure)
     #: Made by the first open that waits for the decision: most inodes have one open at a time, and an Event
     #: made and set for each cost every open ~1 us of the loop's time.

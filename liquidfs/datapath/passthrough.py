@@ -167,39 +167,15 @@ class PassthroughPath:
         """One more open of ``node``, answered with its inode's backing; a file without one is served by
         ``ranges``."""
         entry = record.shared
-        if entry is not None:
-            entry.opens += 1  # counted before waiting, so a release meanwhile does not close it under us
-            try:
-                await entry.wait_settled()
-            except BaseException:  # cancelled while the first open decides: this one is not counted
-                self._release_entry(record, entry)
-                raise
-            if entry.backing is None:
-                self._release_entry(record, entry)
-                if entry.failed is not None:
-                    raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
-                if entry.abandoned:
-                    return await self.open(node, record, fh, job)
-                return await self.ranges.open(node, record, fh, job)
-            try:
-                changed = still_sound(entry.backing)
-                if changed is None and entry.backing.raw:
-                    # The source's identity is checked at every open that serves a raw object: the first open's
-                    # check vouched for that open only, and a source replaced since must not get the old image.
-                    changed = await self.calls.source_changed(node)
-            except BaseException:
-                self._release_entry(record, entry)
-                raise
-            if changed is not None:  # one backing per inode while it is open: no other can be given now
-                self._release_entry(record, entry)
-                raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",
-                              os.fsdecode(node.path))
-            self._count_again(node, record, entry, job)
-            self.stats.passthrough_opens += 1
-            return self._handle(node, record, fh, entry)
+        while entry is not None:
+            handle = await self._join(node, record, entry, fh, job)
+            if handle is not None:
+                return handle
+            entry = record.shared  # the open it waited for was interrupted: this one decides, or joins who does
         entry = record.shared = SharedBacking()
         self._open_inodes += 1
         decision = NO_CACHE
+        backing: Backing | None = None
         try:
             if self.held is not None:
                 decision = self.held.decide(node.id, record.size_told(node), job)
@@ -213,12 +189,16 @@ class PassthroughPath:
             entry.backing = backing
             self._decide_keep(node, entry, decision)
         except BaseException as exc:
-            if isinstance(exc, OSError):
-                entry.failed = exc.errno or errno.EIO
-            else:  # cancelled (its reader was interrupted), or a fault: not the file's failure, nor theirs
+            if isinstance(exc, trio.Cancelled):  # its reader was interrupted: no failure of the file's
                 entry.abandoned = True
+            else:
+                entry.failed = (exc.errno or errno.EIO) if isinstance(exc, OSError) else errno.EIO
             if decision.hold and self.held is not None:
                 self.held.could_not_keep(node.id)
+            if backing is not None and entry.backing_id:  # registered, then failed: no open serves it
+                self._unregister(node.id, entry.backing_id)
+                backing.close()
+            entry.backing, entry.backing_id = None, 0
             # The opens that waited take the outcome; one that comes later makes its own entry, never
             # inheriting a failure of the past.
             entry.opens -= 1
@@ -231,6 +211,39 @@ class PassthroughPath:
             return await self.ranges.open(node, record, fh, job)
         self.stats.passthrough_opens += 1
         _count_backing(self.stats, backing.kind)
+        return self._handle(node, record, fh, entry)
+
+    async def _join(self, node: Node, record: Inode, entry: SharedBacking, fh: int, job: int) -> Handle | None:
+        """An open of an inode another open has decided (or is deciding) the backing of: it shares that
+        backing, or its failure; None where that open was interrupted before it decided."""
+        entry.opens += 1  # counted before waiting, so a release meanwhile does not close it under us
+        try:
+            await entry.wait_settled()
+        except BaseException:  # cancelled while the first open decides: this one is not counted
+            self._release_entry(record, entry)
+            raise
+        if entry.backing is None:
+            self._release_entry(record, entry)
+            if entry.failed is not None:
+                raise OSError(entry.failed, "the open it waited for failed", os.fsdecode(node.path))
+            if entry.abandoned:
+                return None
+            return await self.ranges.open(node, record, fh, job)
+        try:
+            changed = still_sound(entry.backing)
+            if changed is None and entry.backing.raw:
+                # The source's identity is checked at every open that serves a raw object: the first open's
+                # check vouched for that open only, and a source replaced since must not get the old image.
+                changed = await self.calls.source_changed(node)
+        except BaseException:
+            self._release_entry(record, entry)
+            raise
+        if changed is not None:  # one backing per inode while it is open: no other can be given now
+            self._release_entry(record, entry)
+            raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",
+                          os.fsdecode(node.path))
+        self._count_again(node, record, entry, job)
+        self.stats.passthrough_opens += 1
         return self._handle(node, record, fh, entry)
 
     def _count_again(self, node: Node, record: Inode, entry: SharedBacking, job: int) -> None:
@@ -367,6 +380,16 @@ class PassthroughPath:
             record.shared = None
             self._open_inodes -= 1
 
+    def _unregister(self, inode: int, backing_id: int) -> None:
+        """This loop lets go of the inode's backing id (with several loops, the last loop's user closes it)."""
+        if self.shared is not None:
+            self.shared.detach(inode, self.loop, self.kernel.unregister)
+            return
+        try:
+            self.kernel.unregister(backing_id)
+        except OSError as exc:
+            log.warning("closing backing %d of inode %d: %s", backing_id, inode, exc)
+
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
         if not handle.backing_id:
             return await self.ranges.read(handle, off, size)
@@ -398,13 +421,7 @@ class PassthroughPath:
         inode = record.id
         backing = entry.backing
         assert backing is not None
-        if self.shared is not None:
-            self.shared.detach(inode, self.loop, self.kernel.unregister)  # the last loop's user closes it
-        else:
-            try:
-                self.kernel.unregister(entry.backing_id)
-            except OSError as exc:
-                log.warning("closing backing %d of inode %d: %s", entry.backing_id, inode, exc)
+        self._unregister(inode, entry.backing_id)
         # Kept only if the policy still holds it: another job's read may have taken its room meanwhile.
         keep = entry.keep and self.held is not None and inode in self.held.policy.held
         if not keep and backing.kind in ("source", "object"):

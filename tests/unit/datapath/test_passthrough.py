@@ -507,6 +507,14 @@ def test_an_open_whose_metadata_is_cold_goes_to_a_thread_and_tells_the_read_ahea
     assert told == [n.path for n in nodes] and ops.stats.cold_opens == len(nodes)
 
 
+async def _opened(ops: Operations, node_id: int, outcomes: list) -> None:
+    """An open of ``node_id``: its FileInfo, or the errno it failed with, appended to ``outcomes``."""
+    try:
+        outcomes.append(await ops.open(node_id, os.O_RDONLY, CTX))
+    except pyfuse3.FUSEError as exc:
+        outcomes.append(exc.errno)
+
+
 def test_opens_that_arrive_while_the_first_waits_for_storage_wait_for_its_decision(prepared, monkeypatch) -> None:
     """The first open of an inode decides its backing; opens of it that arrive while that open waits for storage
     (cold: in a worker thread) wait for the decision and share it, its backing or its failure."""
@@ -516,16 +524,9 @@ def test_opens_that_arrive_while_the_first_waits_for_storage_wait_for_its_decisi
 
     async def opened_at_once(ops: Operations) -> list:
         outcomes: list = []
-
-        async def one() -> None:
-            try:
-                outcomes.append(await ops.open(node.id, os.O_RDONLY, CTX))
-            except pyfuse3.FUSEError as exc:
-                outcomes.append(exc.errno)
-
         async with trio.open_nursery() as nursery:
             for _ in range(3):
-                nursery.start_soon(one)
+                nursery.start_soon(_opened, ops, node.id, outcomes)
         return outcomes
 
     ops, kernel = _ops(store)
@@ -589,6 +590,53 @@ def test_opens_that_waited_for_an_interrupted_first_open_open_for_themselves(pre
         assert path.statistics().values()["passthrough_open_inodes"] == 0
 
     trio.run(main)
+
+
+def test_a_fault_of_the_first_open_fails_its_waiters_once_and_a_late_one_leaves_no_backing(prepared) -> None:
+    """Only an interrupted first open has its waiters open again: a fault (a bug) fails them with EIO, each
+    without trying the fault again. A failure after the backing was registered lets it go: nothing left in the
+    kernel, no descriptor."""
+    src, store = prepared
+    ops, kernel = _ops(store)
+    node = next(n for n in _images(ops) if n.object)
+    path = ops.data_path
+    real_backing = path._backing
+    calls = [0]
+    deciding = trio.Event()
+    go_on = trio.Event()
+
+    async def faulty_backing(*args):
+        calls[0] += 1
+        deciding.set()
+        await go_on.wait()
+        raise RuntimeError("a bug")
+
+    path._backing = faulty_backing
+    outcomes: list = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_opened, ops, node.id, outcomes)
+            await deciding.wait()
+            for _ in range(2):
+                nursery.start_soon(_opened, ops, node.id, outcomes)
+            await trio.testing.wait_all_tasks_blocked()
+            go_on.set()
+
+    trio.run(main)
+    assert outcomes == [errno.EIO] * 3 and calls[0] == 1
+    assert path.statistics().values()["passthrough_open_inodes"] == 0
+
+    path._backing = real_backing
+
+    def failing_keep(*args) -> None:
+        raise RuntimeError("a bug after the registration")
+
+    path._decide_keep = failing_keep
+    outcomes.clear()
+    trio.run(_opened, ops, node.id, outcomes)
+    assert outcomes == [errno.EIO] and kernel.registered == 1 and kernel.files == {}
+    assert path.statistics().values()["passthrough_open_inodes"] == 0
 
 
 def test_a_cold_open_does_not_ask_the_reader_again_whether_it_lends_descriptors(prepared, monkeypatch) -> None:
