@@ -51,11 +51,13 @@ TESTED_IN = {
     "stores/base.py": "`unit/stores/test_stores.py`",
     "stores/local/__init__.py": "`unit/stores/test_stores.py`",
     "stores/s3/__init__.py": "`unit/stores/test_s3.py`",
-    "stores/reader.py": "`unit/datapath/test_daemon.py`, `unit/datapath/test_passthrough.py`",
+    "stores/reader.py": "`unit/datapath/test_daemon.py`, `unit/datapath/test_passthrough.py`, "
+                        "`unit/stores/test_whole_reads.py`",
     "stores/sample.py": "`unit/profile/test_choose.py`",
     "stores/local/store.py": "`unit/stores/test_stores.py`, `unit/stores/test_writers.py`, "
                              "`unit/stores/test_catalog_scans.py`",
-    "stores/local/reader.py": "`unit/datapath/test_daemon.py`, `mount/test_trust.py`",
+    "stores/local/reader.py": "`unit/datapath/test_daemon.py`, `mount/test_trust.py`, "
+                              "`unit/stores/test_whole_reads.py`",
     "stores/s3/client.py": "`unit/stores/test_s3.py`, `unit/stores/test_s3_checks.py`",
     "stores/s3/store.py": "`unit/stores/test_s3.py`; `system/test_s3.py`",
     "stores/s3/reader.py": "`unit/stores/test_s3_checks.py`; `system/test_s3.py`",

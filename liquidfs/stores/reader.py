@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from ..catalog.identity import LEGACY_REASON, checksum, digest_refusal, same_version
 from ..catalog.nodes import Node
 from ..expand.rawformats import SUFFIX_PATTERN
-from ..sysio.directio import POOL, read_fd
+from ..sysio.directio import POOL, read_span
 
 log = logging.getLogger(__name__)
 
@@ -152,16 +152,20 @@ def stamp(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
-def read_settled(fd: int, st: os.stat_result, name: str = "") -> memoryview:
-    """The whole file at ``fd``, read while nobody wrote it: a write during the read changes its mtime and
-    ctime, and the mix of old and new bytes such a read returns (a torn image) is never served.  Read again
-    while the file keeps changing, then EIO."""
+def read_settled(fd: int, st: os.stat_result, name: str = "", limit: int = WHOLE_FILE_LIMIT) -> memoryview:
+    """The whole file at ``fd`` (``st``: its stat, its size checked by the caller), read while nobody wrote it: a
+    write during the read changes its mtime and ctime, and the mix of old and new bytes such a read returns (a
+    torn image) is never served. Read again while the file keeps changing, then EIO. No more than the size
+    checked is read: a file grown while it is read (to 50 GB, by whoever writes the source) is read again only
+    while it stays within ``limit``, else EIO (the next open streams it)."""
     for _ in range(SETTLE_TRIES):
-        data = read_fd(fd)
+        data = read_span(fd, 0, st.st_size)
         after = os.fstat(fd)
         if stamp(after) == stamp(st):
             return data
         POOL.give(data)
+        if after.st_size > limit:
+            raise OSError(errno.EIO, "source grew past what is read whole while it was read", name)
         st = after
     raise OSError(errno.EIO, "source kept changing while it was read", name)
 

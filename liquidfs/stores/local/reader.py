@@ -13,7 +13,7 @@ from pathlib import Path
 from ...catalog.identity import object_key, object_stamp
 from ...catalog.nodes import Node
 from ...sysio import access
-from ...sysio.directio import POOL, read_fd, read_span
+from ...sysio.directio import POOL, read_span
 from ...sysio.paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_below_stat, open_dir, stat_below
 from ..reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, FallbackLog, check_raw, read_settled, same_file
 
@@ -172,7 +172,7 @@ class StoreReader:
         chosen = self.choose(node)
         try:
             if chosen.raw:
-                problem, data = self._read_raw(node, chosen.fd, chosen.sealed)
+                problem, data = self._read_raw(node, chosen.fd, chosen.st, chosen.sealed)
                 if data is not None:
                     return Content(size=len(data), raw=True, data=data, pooled=True)
                 self.warn_once(node, problem)
@@ -216,11 +216,16 @@ class StoreReader:
             return "source changed since prepare" if node.served_raw else "source changed since the scan"
         return None
 
-    def _read_raw(self, node: Node, fd: int, sealed: bool) -> tuple[str | None, memoryview | None]:
-        """The raw object read whole and checked against its digest; else why not. ``sealed``: its stamp vouched
-        for it before the read, and must still after it (``check_raw``: nobody wrote it in between)."""
+    def _read_raw(self, node: Node, fd: int, st: os.stat_result,
+                  sealed: bool) -> tuple[str | None, memoryview | None]:
+        """The raw object (``st``: its stat at the open) read whole and checked against its digest; else why not.
+        ``sealed``: its stamp vouched for it before the read, and must still after it (``check_raw``: nobody wrote
+        it in between). One of another size is refused unread, and no more than the size recorded is read: an
+        object a store writer grew (a sparse file of 100 GB) never fills the daemon's memory."""
+        if st.st_size != node.served_size:
+            return f"raw object has {st.st_size} bytes, expected {node.served_size}", None
         try:
-            data = read_fd(fd)
+            data = read_span(fd, 0, node.served_size)
         except OSError as exc:
             return f"raw object unreadable ({exc.strerror})", None
         problem = check_raw(node, data, sealed=sealed and self.object_sealed(node, os.fstat(fd)))

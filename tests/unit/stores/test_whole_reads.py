@@ -1,0 +1,84 @@
+"""What a whole-file read of the local store reads (``stores.reader.read_settled``, ``StoreReader._read_raw``):
+no more than the size checked, whatever a writer of the source or of the store does to the file meanwhile. A file
+grown to 100 GB (sparse: it costs the writer nothing) must not be read into the daemon's memory; here it grows
+to twice the whole-file limit, which a read of the code before would still have survived."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from liquidfs.catalog.catalog import Catalog
+from liquidfs.prepare import prepare
+from liquidfs.stores import reader as reader_module
+from liquidfs.stores.local import reader as local_reader_module
+from liquidfs.stores.local.reader import StoreReader
+from liquidfs.stores.reader import WHOLE_FILE_LIMIT, read_settled
+from liquidfs.sysio import directio
+from sample import make_sample
+
+GROWN = 2 * WHOLE_FILE_LIMIT
+
+
+def _spans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths every whole-file read asks for (``directio.read_span``, wherever it was imported)."""
+    asked: list[int] = []
+    real = directio.read_span
+
+    def recorded(fd: int, start: int, end: int, **kwargs: object) -> memoryview:
+        asked.append(end - start)
+        return real(fd, start, end, **kwargs)
+
+    for module in (directio, reader_module, local_reader_module):
+        monkeypatch.setattr(module, "read_span", recorded, raising=False)
+    return asked
+
+
+def test_a_raw_object_grown_by_a_store_writer_is_refused_unread(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=3)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    node = next(n for n in catalog.files() if n.object)
+    os.truncate(store / str(node.object), GROWN)
+    asked = _spans(monkeypatch)
+    reader = StoreReader(catalog.source, store)
+    try:
+        content = reader.open(node)
+        try:
+            assert not content.raw and content.fallback and "bytes, expected" in content.fallback
+            assert bytes(content.data or b"") == (src / os.fsdecode(node.path)).read_bytes()  # the original
+        finally:
+            content.close()
+    finally:
+        reader.close()
+        catalog.close()
+    assert asked and max(asked) < WHOLE_FILE_LIMIT  # the original's read; none of the object
+
+
+def test_a_source_grown_while_it_is_read_is_read_no_further(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "image.png"
+    path.write_bytes(b"x" * 4096)
+    real = directio.read_span
+    asked: list[int] = []
+
+    def grows_while_read(fd: int, start: int, end: int, **kwargs: object) -> memoryview:
+        asked.append(end - start)
+        data = real(fd, start, end, **kwargs)
+        os.truncate(path, GROWN)  # its writer, during the read
+        return data
+
+    for module in (directio, reader_module):
+        monkeypatch.setattr(module, "read_span", grows_while_read, raising=False)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as failed:
+            read_settled(fd, os.fstat(fd), "image.png")
+    finally:
+        os.close(fd)
+    assert failed.value.errno == errno.EIO and "grew past" in str(failed.value)
+    assert asked == [4096]
