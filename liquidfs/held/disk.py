@@ -7,7 +7,9 @@ epoch: the two levels hold disjoint sets and together serve (memory + disk) / da
 
 It wraps the mount's reader (the local store's ``StoreReader`` or the S3 backend's ``S3Reader``) and runs in the
 same worker threads, so its bookkeeping is locked. Files are written once (temporary name, then rename) into a
-directory of this mount's own, removed at unmount; each hit is checked against the xxh3 digest taken when the file
+directory of this mount's own, removed at unmount, and reached only through its descriptor, held from the
+start (where others may write the directory it is in, they can rename it or put a link at its name: root then
+wrote files where the link pointed); each hit is checked against the xxh3 digest taken when the file
 was written (``stores.reader.private_digest``, not the BLAKE2b of raw objects: only this mount writes that directory, so
 the digest catches damage, not bytes anyone chose), and a file that fails (or went missing) is read from the store
 again: the disk never serves bytes the store did not. It is a level of held bytes like the memory levels
@@ -20,6 +22,7 @@ import errno
 import logging
 import os
 import shutil
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,13 +32,14 @@ from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..policy.next_epoch import NextEpochCache
 from ..stores.reader import Content, InFront, Reader, private_digest
-from ..sysio.directio import read_whole
+from ..sysio.directio import POOL, read_span
 from ..sysio.locks import HeldLock, abandoned, unique
 from .base import Level
 
 log = logging.getLogger(__name__)
 
 _PREFIX = "liquidfs-"
+_FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(slots=True)
@@ -71,8 +75,13 @@ class DiskLevel(Level[_Entry], InFront):
         _remove_stale(root)
         self.dir = root / unique(_PREFIX)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
+        self._dir_fd = _own_directory(self.dir)
         # held while this mount lives: another mount's _remove_stale leaves the directory alone
-        self._alive = HeldLock(root / f"{self.dir.name}.lock")
+        try:
+            self._alive = HeldLock(root / f"{self.dir.name}.lock")
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
         self._lock = threading.Lock()
         self.hits = 0
         self.hit_bytes = 0
@@ -120,15 +129,28 @@ class DiskLevel(Level[_Entry], InFront):
     # -- files ---------------------------------------------------------------------------------------------
 
     def _path(self, node_id: int) -> Path:
+        """What messages name (every file is reached through ``_dir_fd``)."""
         return self.dir / f"{node_id}"
 
     def _read(self, node: Node, entry: _Entry) -> Content | None:
         try:
-            data = read_whole(str(self._path(node.id)))
+            fd = os.open(f"{node.id}", os.O_RDONLY | _FILE_FLAGS, dir_fd=self._dir_fd)
         except OSError as exc:
-            log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc)
+            log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
             return None
-        if len(data) != entry.size or private_digest(data) != entry.digest:
+        try:
+            if os.fstat(fd).st_size != entry.size:
+                data = None
+            else:
+                data = read_span(fd, 0, entry.size)  # no further than what was written
+        except OSError as exc:
+            log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
+            return None
+        finally:
+            os.close(fd)
+        if data is None or len(data) != entry.size or private_digest(data) != entry.digest:
+            if data is not None:
+                POOL.give(data)  # never served: the buffer may take the next file
             log.warning("disk cache: %s changed on disk; reading the store", self._path(node.id))
             return None
         with self._lock:
@@ -138,27 +160,28 @@ class DiskLevel(Level[_Entry], InFront):
 
     def _write(self, node: Node, content: Content) -> bool:
         assert content.data is not None
-        path = self._path(node.id)
-        tmp = path.with_suffix(".tmp")
+        name = f"{node.id}"
+        tmp = unique(f"{name}.tmp-")  # two opens of one file write two files: the later rename wins
         try:
-            with open(tmp, "wb") as f:
-                f.write(content.data)
-            os.replace(tmp, path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=self._dir_fd)
+            try:
+                view = memoryview(content.data)
+                done = 0
+                while done < len(view):
+                    done += os.write(fd, view[done:])
+                # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages
+                # are let go so the page cache holds no third copy.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            self._unlink(tmp)
             with self._lock:
                 self.write_errors += 1
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) or self.write_errors == 1:
-                log.warning("disk cache: cannot write %s: %s", path, exc)
+                log.warning("disk cache: cannot write %s: %s", self._path(node.id), exc.strerror)
             return False
-        # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages are
-        # dropped so the page cache holds no third copy.
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-        except OSError:
-            pass
         with self._lock:
             self._held[node.id] = _Entry(private_digest(content.data), content.raw, content.size)
         return True
@@ -166,14 +189,31 @@ class DiskLevel(Level[_Entry], InFront):
     def _forget(self, file: int) -> _Entry | None:
         gone = super()._forget(file)
         if gone is not None:
-            self._path(file).unlink(missing_ok=True)
+            self._unlink(f"{file}")
         return gone
+
+    def _unlink(self, name: str) -> None:
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except OSError:
+            pass
 
     # -- lifecycle and statistics ------------------------------------------------------------------------
 
     def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self._alive.release()
+        """Its files removed through its descriptor, then the directory, if its name still names it."""
+        try:
+            for name in os.listdir(self._dir_fd):
+                self._unlink(name)
+            mine = os.fstat(self._dir_fd)
+            there = os.stat(self.dir, follow_symlinks=False)
+            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                os.rmdir(self.dir)
+        except OSError as exc:
+            log.warning("disk cache: removing %s: %s", self.dir, exc.strerror)
+        finally:
+            os.close(self._dir_fd)
+            self._alive.release()
 
     def statistics(self) -> DiskStatistics:
         with self._lock:
@@ -181,6 +221,17 @@ class DiskLevel(Level[_Entry], InFront):
                                   held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
                                   lost=self.lost, write_errors=self.write_errors,
                                   epochs=self.policy.summary()["epochs"])
+
+
+def _own_directory(path: Path) -> int:
+    """A descriptor of the directory this mount has just made at ``path``: no link, this user's, owner-only
+    (another user who renamed it and put a directory of theirs at its name is refused)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        os.close(fd)
+        raise OSError(errno.EPERM, "not the directory this mount made (replaced meanwhile?)", str(path))
+    return fd
 
 
 def _remove_stale(root: Path) -> None:

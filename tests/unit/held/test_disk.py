@@ -114,3 +114,26 @@ def test_a_hit_whose_source_changed_is_never_served(tmp_path: Path) -> None:
     _epoch(level, rng)  # every file is a hit but the changed one, which is read from the store again
     assert store.opens == opens + 1 and level.lost == 1 and level.hits == FILES - 1
 
+
+
+def test_a_link_put_at_the_levels_name_is_never_written_through(tmp_path: Path) -> None:
+    """Where others may write the directory the level's is in, they can rename it and put a link at its name
+    (to /etc/cron.d): every file is reached through the directory's descriptor, so nothing is written, read or
+    removed there, and the level goes on in its own directory."""
+    level, store = _level(tmp_path / "shared", 1.0)
+    rng = random.Random(5)
+    _epoch(level, rng)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "7").write_bytes(b"the victim's own")
+    moved = tmp_path / "shared" / "moved"
+    level.dir.rename(moved)
+    level.dir.symlink_to(victim)
+    before = store.opens
+    _epoch(level, rng)  # hits, still checked, from the renamed directory
+    assert store.opens == before and level.hits == FILES
+    level._forget(7)
+    level._write(_node(7), store.open(_node(7)))
+    assert sorted(p.name for p in victim.iterdir()) == ["7"] and (victim / "7").read_bytes() == b"the victim's own"
+    level.close()
+    assert (victim / "7").exists() and not list(moved.iterdir())
