@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import xxhash
 
 from ..catalog.identity import checksum, digest_refusal, object_key, object_stamp, same_version
 from ..catalog.nodes import ExpansionRow, Node
-from ..sysio.directio import read_fd
+from ..sysio.directio import read_span
 from ..sysio.locks import unique
 from ..sysio.paths import open_below, open_dir, open_regular, open_under
 from . import workers as resources
@@ -147,7 +148,9 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
         if not unchanged(os.fstat(fd)):
             return outcome("changed-during-prepare")
         try:
-            source = bytes(read_fd(fd))  # O_DIRECT: prepare does not fill the page cache with the source
+            # O_DIRECT: prepare does not fill the page cache with the source. No further than the size checked: a
+            # source grown meanwhile (a sparse 100 GB) is never read into the worker's memory.
+            source = bytes(read_span(fd, 0, want_size))
         except OSError as exc:
             return outcome(f"unreadable: {exc.strerror}")
         if not unchanged(os.fstat(fd)):
@@ -174,7 +177,11 @@ def _object_dir(store: str, obj: str) -> int:
     """The directory ``objects/<sub>`` of ``obj``, made if missing and held open, never through a link: a store
     writer who turns ``objects/<sub>`` into a link to /etc must not have root prepare write (or adopt) there.
     ``objects`` itself is taken as the store's owner set it up (it may be a link to another disk), as the
-    mount takes it."""
+    mount takes it.
+
+    ``objects/<sub>`` must be this user's, writable by nobody else: in a directory another user may write (one
+    they made there before the first prepare), they could rename the object of an image they cannot read to the
+    name of one they can, and a mount would serve its pixels as that file (``StoreReader.may_serve``)."""
     objects = os.path.join(store, OBJECTS)
     os.makedirs(objects, exist_ok=True)
     objects_fd = open_dir(objects)
@@ -184,9 +191,16 @@ def _object_dir(store: str, obj: str) -> int:
             os.mkdir(sub, 0o700, dir_fd=objects_fd)
         except FileExistsError:
             pass
-        return os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
+        sub_fd = os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
     finally:
         os.close(objects_fd)
+    st = os.fstat(sub_fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(sub_fd)
+        raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}: another user "
+                      "could rename the objects in it; remove it (or chown it to this user, chmod go-w)",
+                      os.path.join(objects, sub))
+    return sub_fd
 
 
 def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Outcome], fmt: str | None) -> Outcome:

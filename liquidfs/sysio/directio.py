@@ -1,5 +1,8 @@
 """Whole-file reads that leave no copy in the page cache (O_DIRECT, or drop-behind where the filesystem
 refuses it), into buffers reused from one file to the next (``POOL``).
+
+Every read is of a span its caller names: of a size it checked, never of whatever size the file has now (one a
+writer grew to 100 GB while it was read would fill the daemon's memory).
 """
 
 from __future__ import annotations
@@ -16,20 +19,6 @@ log = logging.getLogger(__name__)
 
 _ALIGN = 4096
 _HUGE = 2 << 20
-
-
-def read_whole(path: bytes | str, *, direct: bool = True) -> memoryview:
-    """The whole file at ``path``, read without leaving it in the page cache (see ``read_fd``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return read_fd(fd, direct=direct)
-    finally:
-        os.close(fd)
-
-
-def read_fd(fd: int, *, direct: bool = True) -> memoryview:
-    """The whole file open at ``fd``, read without leaving it in the page cache (``read_span``)."""
-    return read_span(fd, 0, os.fstat(fd).st_size, direct=direct)
 
 
 def read_span(fd: int, start: int, end: int, *, direct: bool = True) -> memoryview:

@@ -367,19 +367,19 @@ def test_a_source_written_while_it_is_read_is_not_served_torn(tmp_path: Path, mo
     catalog = open_or_build(src, tmp_path / "store")
     node = catalog.lookup(ROOT_ID, b"a.bin")
     assert node is not None
-    real_read = reader_mod.read_fd
+    real_read = reader_mod.read_span
     calls = []
 
-    def read_while_written(fd: int, **kw: object) -> memoryview:
+    def read_while_written(fd: int, start: int, end: int, **kw: object) -> memoryview:
         calls.append(fd)
         if len(calls) == 1:  # the writer rewrites the file while the first read is half done
-            first = bytes(real_read(fd))[:4096]
+            first = bytes(real_read(fd, start, end))[:4096]
             with open(src / "a.bin", "r+b") as f:
                 f.write(new)
-            return memoryview(first + bytes(real_read(fd))[4096:])
-        return real_read(fd)
+            return memoryview(first + bytes(real_read(fd, start, end))[4096:])
+        return real_read(fd, start, end)
 
-    monkeypatch.setattr(reader_mod, "read_fd", read_while_written)
+    monkeypatch.setattr(reader_mod, "read_span", read_while_written)
     reader = StoreReader(catalog.source, tmp_path / "store")
     try:
         content = reader.open(node)

@@ -16,10 +16,13 @@ import pytest
 
 from liquidfs import cli
 from liquidfs.cli.main import _setup_logging
-from liquidfs.catalog.catalog import CATALOG_NAME
+from liquidfs.catalog.catalog import CATALOG_NAME, Catalog
+from liquidfs.catalog.nodes import Node
 from liquidfs.catalog.schema import CatalogError
-from liquidfs.prepare import prepare, verify
+from liquidfs.prepare import PrepareError, prepare, verify
 from liquidfs.stores.local import PROFILE_NAME, LocalStore
+from liquidfs.stores.local.reader import StoreReader
+from liquidfs.stores.reader import Content
 from liquidfs.stores.sample import ProfileError
 from sample import make_sample
 
@@ -246,3 +249,70 @@ def test_profile_reads_no_fifo_a_dataset_writer_swaps_in(tmp_path: Path) -> None
         assert isinstance(results[1], ProfileError), results[1]
     finally:
         sample.cleanup()
+
+
+# -- objects moved to another image's name ------------------------------------------------------------------------
+
+
+def _first_raw(store: Path) -> tuple[Catalog, Node]:
+    catalog = Catalog.open(store, readonly=True)
+    return catalog, next(n for n in catalog.files() if n.object)
+
+
+def _served(src: Path, store: Path) -> Content:
+    catalog, node = _first_raw(store)
+    reader = StoreReader(catalog.source, store)
+    try:
+        return reader.open(node)
+    finally:
+        reader.close()
+        catalog.close()
+
+
+def test_an_object_in_a_directory_others_may_write_is_not_served(prepared: tuple[Path, Path]) -> None:
+    """There, a store writer could rename the object of an image they cannot read (root's prepare wrote it) to
+    the name of one they can: the mount serves the original instead."""
+    src, store = prepared
+    catalog, node = _first_raw(store)
+    catalog.close()
+    sub = store / str(node.object).rsplit("/", 1)[0]
+    content = _served(src, store)
+    assert content.raw
+    content.close()
+    sub.chmod(0o777)
+    content = _served(src, store)
+    try:
+        assert not content.raw and "another user may write" in str(content.fallback)
+        assert bytes(content.data or b"") == (src / os.fsdecode(node.path)).read_bytes()
+    finally:
+        content.close()
+
+
+def test_in_another_users_objects_directory_only_their_own_objects_are_served(prepared: tuple[Path, Path]) -> None:
+    """A store prepared as another user, mounted by root: their objects are served; one of root's, moved in
+    (the user may rename anything there), is not."""
+    src, store = prepared
+    catalog, node = _first_raw(store)
+    catalog.close()
+    obj = store / str(node.object)
+    for path in (store / "objects", obj.parent):
+        os.chown(path, NOBODY, NOBODY)
+    content = _served(src, store)
+    assert not content.raw and "another user may write" in str(content.fallback)
+    content.close()
+    os.chown(obj, NOBODY, NOBODY)
+    content = _served(src, store)
+    assert content.raw and bytes(content.data or b"") == obj.read_bytes()
+    content.close()
+
+
+def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Path) -> None:
+    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+    for i in range(256):  # made by another user before the first prepare: every object lands in one of them
+        sub = store / "objects" / f"{i:02x}"
+        sub.mkdir(parents=True)
+        sub.chmod(0o777)
+    with pytest.raises(PrepareError, match="could rename the objects"):
+        prepare(src, store, 1.0, progress=False)
+    assert not list((store / "objects").rglob("*.bmp"))
