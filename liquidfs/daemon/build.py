@@ -31,7 +31,7 @@ from ..fuse.warm_helper import Walks
 from ..fuse.open_budget import MAX_OPEN_FILES, OpenBudget
 from ..fuse.operations import Operations, PerOpen
 from ..held.base import PAGE, MemfdLevel, MemoryLevel, held_descriptors
-from ..held.cluster import ClusterLevel, EveryoneReads, call_timeout
+from ..held.cluster import ClusterLevel, EveryoneReads, EveryoneReadsNow, call_timeout
 from ..held.cluster_peers import memcached_client
 from ..held.disk import DiskLevel
 from ..held.sealing import KeyFileError, Sealer, read_key_file
@@ -117,7 +117,8 @@ def over_catalog(config: MountConfig, store: Store, catalog: Catalog, stack: Exi
         disk = make_disk_level(totals, config, base_reader, policy)
         stack.callback(disk.close)
     if config.cluster:
-        cluster = make_cluster_level(totals, catalog, config, disk or base_reader)
+        cluster = make_cluster_level(totals, catalog, config, disk or base_reader,
+                                     getattr(base_reader, "root_fd", None))
         stack.callback(cluster.close)
     # A local store's metadata may be warmed ahead of the opens (a disk level in front still walks it at a miss).
     lender = base_reader if isinstance(base_reader, LendsDescriptors) and base_reader.inline_check else None
@@ -252,9 +253,10 @@ def make_mix(catalog: Catalog, config: MountConfig, store: Store) -> Mix | None:
 
 
 def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, config: MountConfig,
-                      reader: Reader) -> ClusterLevel:
+                      reader: Reader, source_root_fd: int | None = None) -> ClusterLevel:
     """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together; ``totals``
-    are ``Catalog.file_totals()``."""
+    are ``Catalog.file_totals()``; ``source_root_fd``: a local source's root (whether anyone may read a file
+    is then asked of the source as it is, not of the catalog)."""
     assert config.cluster
     raw_bytes = catalog.raw_bytes()
     size: int | None = None
@@ -282,7 +284,8 @@ def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, conf
             client.close()
             raise MountError(str(exc)) from None
         return ClusterLevel(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
-    return ClusterLevel(reader, client, share, public=EveryoneReads(catalog.get), size=size, size_from=size_from)
+    public = EveryoneReadsNow(source_root_fd) if source_root_fd is not None else EveryoneReads(catalog.get)
+    return ClusterLevel(reader, client, share, public=public, size=size, size_from=size_from)
 
 
 #: Of what the memcacheds may hold (their ``-m``), what is counted on for values: memcached's slabs and item

@@ -14,7 +14,8 @@ Least trust: a memcached answers anyone who reaches it, and anyone may store any
 identity: a value that does not open was not stored by a mount of this job for this object, and is a miss; and
 only key holders can read one. Without a key, values are the object's bytes in the clear, checked against the
 catalog's BLAKE2b digest (no writer can choose other bytes that match it), and only objects whose source anyone
-may read go there at all (``EveryoneReads``). Either way a value is also checked
+may read go there at all (``EveryoneReadsNow``, from the source as it is; ``EveryoneReads``, from the catalog, for
+an object store's, which has no modes of its own). Either way a value is also checked
 against the catalog's checksum and size, so a wrong, short or foreign value is a miss, never served; and a source
 changed since the catalog was taken is checked first, as the store's reader checks it (the original is then served
 from storage). Faults cost hits only: every call to a memcached has one deadline for all of it and buffers no more
@@ -38,15 +39,19 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..catalog.identity import is_digest
+from ..catalog.identity import is_digest, object_key
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw
+from ..sysio.access import may_read
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
 from .sealing import OVERHEAD, Sealer
 
 log = logging.getLogger(__name__)
+
+#: The user ``EveryoneReadsNow`` asks for: one of no group, whom only the bits for others let in.
+NOBODY = 65534
 
 #: The format of what is stored (2: sealed values, or plaintext only of sources anyone may read): in every key, so
 #: mounts of another format never read these values, nor these mounts theirs.
@@ -75,13 +80,20 @@ def in_share(node: Node, share: float) -> bool:
     return point < share
 
 
-def key_of(node: Node, keyed: str = "") -> str:
+def key_of(node: Node, keyed: str = "", sealer: Sealer | None = None) -> str:
     """What the object holds, never where it is: prepare's checksum of its bytes and their size; ``keyed``: the
     id of the cluster key its values are sealed under ("" for plaintext), so two jobs of different keys sharing a
-    memcached each keep their own values."""
+    memcached each keep their own values.
+
+    A sealed value (``sealer``) is bound to its file too, by a name only key holders can make of the object's
+    own key (``catalog.identity.object_key``: its source's path and identity), which the key, and so the
+    sealing's associated data, holds: a writer of the catalog who gives a file they may read another's checksum
+    and size (one they may not read, whose value a mount of the job stored) fetches a value that does not open
+    for that file. Plaintext values are only of sources anyone may read: no such binding is needed there."""
     assert node.checksum is not None
-    prefix = f"{_KEY_PREFIX}s-{keyed}" if keyed else _KEY_PREFIX
-    return f"{prefix}:{node.checksum}:{node.size_served}"
+    if sealer is None:
+        return f"{_KEY_PREFIX}:{node.checksum}:{node.size_served}"
+    return f"{_KEY_PREFIX}s-{keyed}:{sealer.name(object_key(node).encode())}:{node.checksum}:{node.size_served}"
 
 
 class EveryoneReads:
@@ -120,6 +132,22 @@ class EveryoneReads:
             for walked_id in walked:
                 self._searchable[walked_id] = answer
             return answer
+
+
+class EveryoneReadsNow:
+    """Whether anyone may read a local file's source now, as the kernel decides it for a user of no group opening
+    it below the source root (``sysio.access.may_read`` as nobody): the modes the catalog recorded are its
+    writer's word, and a directory closed (chmod o-x) since the scan changes no ctime of the files below it. In
+    a worker thread, at each open that would fetch or store a plaintext value."""
+
+    def __init__(self, root_fd: int) -> None:
+        self.root_fd = root_fd
+
+    def __call__(self, node: Node) -> bool:
+        try:
+            return may_read(self.root_fd, node.path, NOBODY, NOBODY, [])
+        except (OSError, ValueError):  # a path the catalog should not hold: nothing of it is shared
+            return False
 
 
 @dataclass
@@ -213,7 +241,7 @@ class ClusterLevel(InFront):
     # -- memcached ---------------------------------------------------------------------------------------
 
     def _fetch(self, node: Node) -> bytearray | bytes | None:
-        key = key_of(node, self.key_id)
+        key = key_of(node, self.key_id, self.sealer)
         length = node.size_served + (OVERHEAD if self.sealer is not None else 0)
         try:
             value = self.client.get(key, length)
@@ -257,7 +285,7 @@ class ClusterLevel(InFront):
         return None
 
     def _store(self, node: Node, data: memoryview) -> None:
-        key = key_of(node, self.key_id)
+        key = key_of(node, self.key_id, self.sealer)
         try:
             value = self.sealer.seal(key.encode(), data) if self.sealer is not None else data
             done = self.client.set(key, value)

@@ -107,6 +107,13 @@ class Sealer:
 
     def __init__(self, key: ClusterKey) -> None:
         self._aead = AESGCM(key.secret)
+        # Names are MACs under a key of their own, derived from the cluster key: one key, one use.
+        self._names = hashlib.blake2b(b"liquidfs object names", key=key.secret).digest()
+
+    def name(self, identity: bytes) -> str:
+        """A short name of ``identity`` that only holders of the key can make or recognise: what binds a value to
+        the file it was stored for without putting anything of that file's path in a memcached key."""
+        return hashlib.blake2b(identity, key=self._names, digest_size=12).hexdigest()
 
     def seal(self, identity: bytes, data: bytes | memoryview) -> bytearray:
         """``data`` sealed: a fresh random nonce, then the ciphertext and its tag."""

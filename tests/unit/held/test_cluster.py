@@ -6,6 +6,7 @@ Real memcacheds and mounts: ``tests/system/test_cluster.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -21,7 +22,7 @@ from clusterfakes import FakeMemcached
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.held.cluster_peers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
                                    parse_cluster, resolve_addresses)
-from liquidfs.held.cluster import ClusterLevel, EveryoneReads, in_share, key_of
+from liquidfs.held.cluster import ClusterLevel, EveryoneReads, EveryoneReadsNow, in_share, key_of
 from liquidfs.held.sealing import ClusterKey, Sealer
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
@@ -295,7 +296,7 @@ def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(st
     assert client.sets == len(raw) and first.statistics().values()["cluster_sealed"] == 1
     for n in raw:
         real = (path / str(n.object)).read_bytes()
-        value = client.values[key_of(n, _key().id)]
+        value = client.values[key_of(n, _key().id, Sealer(_key()))]
         assert len(value) == len(real) + 28 and real[:64] not in value  # nonce + ciphertext + tag
     second = ClusterLevel(first.inner, client, 1.0, sealer=Sealer(_key()), key_id=_key().id)  # same key
     for n in raw:
@@ -312,13 +313,13 @@ def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store:
     node, other = raw[0], raw[1]
     level.open(node)
     level.open(other)
-    key = key_of(node, _key().id)
+    key = key_of(node, _key().id, Sealer(_key()))
     sealed = client.values[key]
     real = (path / str(node.object)).read_bytes()
     foreign = Sealer(_key(2)).seal(key.encode(), real)  # the right identity, another key
     flipped = bytearray(sealed)
     flipped[40] ^= 0x20
-    wrongs = [bytes(flipped), sealed[:12] + bytes(len(sealed) - 12), foreign, client.values[key_of(other, _key().id)],
+    wrongs = [bytes(flipped), sealed[:12] + bytes(len(sealed) - 12), foreign, client.values[key_of(other, _key().id, Sealer(_key()))],
               real + bytes(28), sealed[:-1]]
     for wrong in wrongs:
         client.values[key] = wrong
@@ -326,6 +327,18 @@ def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store:
         assert content.level == "storage" and bytes(content.data or b"") == real
     st = level.statistics().values()
     assert st["cluster_rejected"] == len(wrongs) and st["cluster_hits"] == 0
+
+
+def test_a_catalog_writer_cannot_have_another_files_sealed_value_served_as_theirs(store: tuple[Path, Path]) -> None:
+    """A file they may read given, in a catalog they write, another's checksum and size (one they may not read,
+    whose sealed value a mount of the job stored): the value is bound to its own file, and does not open."""
+    _, path = store
+    level, client, raw = _level(path, key=_key())
+    theirs, secret = raw[0], raw[1]
+    level.open(secret)  # stored, sealed, by a reader allowed to read it
+    forged = dataclasses.replace(theirs, checksum=secret.checksum, served_size=secret.served_size)
+    content = level.open(forged)
+    assert content.level != "cluster" and bytes(content.data or b"") != (path / str(secret.object)).read_bytes()
 
 
 def _private_store(tmp_path: Path) -> tuple[Path, Path, set[bytes]]:
@@ -368,6 +381,25 @@ def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path
     for n in raw:
         sealed.open(n)
     assert sealed_client.sets == len(raw) and sealed.statistics().values()["cluster_private"] == 0
+
+
+def test_a_file_closed_to_others_since_the_scan_never_goes_to_the_cluster_in_the_clear(tmp_path: Path) -> None:
+    """Whether anyone may read a local source is asked of the source as it is: the catalog's modes are its
+    writer's word, and a directory closed since the scan (chmod o-x) changes no file's ctime."""
+    src, path, private = _private_store(tmp_path)
+    catalog = Catalog.open(path, readonly=True)
+    reader = StoreReader(catalog.source, path)
+    client = FakeMemcached()
+    level = ClusterLevel(reader, client, 1.0, public=EveryoneReadsNow(reader.root_fd))
+    raw = [n for n in catalog.files() if n.served_raw]
+    closed = sorted((src / "leftImg8bit" / "train").iterdir())[-1]
+    closed.chmod(0o700)  # after the scan: the catalog still says everyone may search it
+    now_private = private | {n.path for n in raw if n.path.startswith(os.fsencode(closed.relative_to(src)) + b"/")}
+    assert now_private > private
+    for n in raw:
+        assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    assert {n.path for n in raw if key_of(n) in client.values} == {n.path for n in raw} - now_private
+    catalog.close()
 
 
 def test_everyone_reads_walks_the_catalogs_directories_once(tmp_path: Path) -> None:
