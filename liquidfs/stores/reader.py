@@ -171,8 +171,10 @@ def read_settled(fd: int, st: os.stat_result, name: str = "", limit: int = WHOLE
 
 
 def same_file(node: Node, st: os.stat_result) -> bool:
-    """True while the local file behind ``st`` is the one the catalog recorded (``same_version``)."""
-    return same_version(st, node.size, node.mtime_ns, node.etag)
+    """True while the local file behind ``st`` is the one the catalog recorded (``same_version``). A local scan
+    records every file's version (inode and ctime): a row without one (a writer of the catalog cleared it, so
+    that size and mtime put back with ``touch -d`` would keep a stale raw object in service) is a changed file."""
+    return node.etag is not None and same_version(st, node.size, node.mtime_ns, node.etag)
 
 
 def check_raw(node: Node, data: bytes | memoryview, *, sealed: bool = False) -> str | None:

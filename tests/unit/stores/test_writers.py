@@ -316,3 +316,19 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
     with pytest.raises(PrepareError, match="could rename the objects"):
         prepare(src, store, 1.0, progress=False)
     assert not list((store / "objects").rglob("*.bmp"))
+
+
+def test_a_row_whose_version_a_catalog_writer_cleared_is_a_changed_file(prepared: tuple[Path, Path]) -> None:
+    """Without the version (inode and ctime) only size and mtime would be compared, which ``touch -d`` puts back
+    after a rewrite: the raw object of the old image would stay in service. Such a row serves the source."""
+    src, store = prepared
+    catalog, node = _first_raw(store)
+    catalog.close()
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        db.execute("UPDATE nodes SET etag = NULL WHERE id = ?", (node.id,))
+    content = _served(src, store)
+    try:
+        assert not content.raw and content.fallback == "source changed since prepare"
+        assert bytes(content.data or b"") == (src / os.fsdecode(node.path)).read_bytes()
+    finally:
+        content.close()
