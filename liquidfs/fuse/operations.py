@@ -86,9 +86,14 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
             first = ops.first_error((name, code, exc.filename, exc.strerror))
             log.log(logging.WARNING if first else logging.DEBUG, "%s: %s", name, exc)
             raise FUSEError(code) from None
-        except Exception:
+        except Exception as exc:
             ops.stats.errors += 1
-            log.exception("unexpected error in %s; answering EIO", name)
+            # A fault met at every open of a file (a catalog row of the wrong type) must not write a traceback
+            # per open: the first of each kind has its traceback, the rest a line at debug level.
+            if ops.first_error((name, type(exc).__name__)):
+                log.exception("unexpected error in %s; answering EIO (more of this kind: at debug level)", name)
+            else:
+                log.debug("unexpected error in %s: %r; answering EIO", name, exc)
             raise FUSEError(errno.EIO) from None
         finally:
             times.wall_s += time.perf_counter() - started
