@@ -19,9 +19,9 @@ from ..catalog.identity import checksum, digest_refusal, object_key, object_stam
 from ..catalog.nodes import ExpansionRow, Node
 from ..sysio.directio import read_span
 from ..sysio.locks import unique
-from ..sysio.paths import open_below, open_dir, open_regular, open_under
+from ..sysio.paths import open_below, open_dir, open_regular, open_to_others, open_under, renamed_only_by_its_writer
 from . import workers as resources
-from .rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
+from .rawformats import DEFAULT, DEFAULT_FORMATS, MAX_OBJECT_BYTES, RAW_FORMATS
 
 #: Files considered for expansion; their real format is then detected from their content.
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
@@ -173,34 +173,34 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
         os.close(sub_fd)
 
 
+#: Why prepare writes no object where others may rename it, and what to do.
+_UNTRUSTED = ("a mount would not serve an object from there (another user could give it another image's name); "
+              "remove that directory, or chmod go-w it, and run prepare again")
+
+
 def _object_dir(store: str, obj: str) -> int:
     """The directory ``objects/<sub>`` of ``obj``, made if missing and held open, never through a link: a store
     writer who turns ``objects/<sub>`` into a link to /etc must not have root prepare write (or adopt) there.
     ``objects`` itself is taken as the store's owner set it up (it may be a link to another disk), as the
     mount takes it.
 
-    ``objects/<sub>`` must be this user's, writable by nobody else: in a directory another user may write (one
-    they made there before the first prepare), they could rename the object of an image they cannot read to the
-    name of one they can, and a mount would serve its pixels as that file (``StoreReader.may_serve``)."""
+    Where group or others may rename what is in ``objects`` (no sticky bit), no object is written: a mount would
+    not trust one there (``StoreReader.may_serve``, which ``_write_object`` asks of each subdirectory too)."""
     objects = os.path.join(store, OBJECTS)
     os.makedirs(objects, exist_ok=True)
     objects_fd = open_dir(objects)
     try:
+        if open_to_others(os.fstat(objects_fd)):
+            raise OSError(errno.EPERM, f"group or others may write it and rename what is in it: {_UNTRUSTED}",
+                          objects)
         sub = obj.split("/")[1]
         try:
             os.mkdir(sub, 0o700, dir_fd=objects_fd)
         except FileExistsError:
             pass
-        sub_fd = os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
+        return os.open(sub, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=objects_fd)
     finally:
         os.close(objects_fd)
-    st = os.fstat(sub_fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(sub_fd)
-        raise OSError(errno.EPERM, f"owned by uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}: another user "
-                      "could rename the objects in it; remove it (or chown it to this user, chmod go-w)",
-                      os.path.join(objects, sub))
-    return sub_fd
 
 
 def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Outcome], fmt: str | None) -> Outcome:
@@ -216,6 +216,13 @@ def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Out
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=sub_fd)
+        # Whom the object belongs to is known once it exists (root's, or whom an NFS server squashes root to):
+        # the directory must be one nobody else may rename in, as the mount asks (``StoreReader.may_serve``).
+        sub_st, owner = os.fstat(sub_fd), os.fstat(fd).st_uid
+        if not renamed_only_by_its_writer(sub_st, owner):
+            os.close(fd)
+            raise OSError(errno.EPERM, f"its directory (uid {sub_st.st_uid}, mode {stat.S_IMODE(sub_st.st_mode):o}) "
+                          f"lets others than uid {owner} rename what is in it: {_UNTRUSTED}")
         with open(fd, "wb") as f:
             f.write(raw)
             f.flush()
@@ -254,9 +261,12 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
         with open(open_under(root, rel), "rb") as f:
             if not same_version(os.fstat(f.fileno()), want_size, want_mtime, want_version):
                 return "source changed since prepare (it is served as the original)"
-            original = f.read()
+            original = bytes(read_span(f.fileno(), 0, want_size))  # no further than the size checked
         with open(open_regular(obj), "rb") as f:  # EIO: not a regular file
-            raw = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_OBJECT_BYTES:  # a sparse object a store writer grew: never read into memory
+                return f"raw object of {size} bytes, more than any prepare writes"
+            raw = bytes(read_span(f.fileno(), 0, size))
     except OSError as exc:
         return f"cannot read: {exc}"
     return judge(original, raw, want_checksum)

@@ -75,6 +75,7 @@ from .checks import Refuse, same_image
 from .jpeg import JPEG_SOI, expand_jpeg, scan_jpeg
 from .png import PNG_SIGNATURE, expand_png, png_header_size
 from .rawformats import BMP, DEFAULT, by_magic, by_name
+from .rawformats import MAX_PIXELS as _MAX_PIXELS
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,8 @@ __all__ = [
 ]
 
 EXPANDABLE: Final = ("png", "jpeg")
-#: expand's default bound: larger images are refused from their header (too-large).
-MAX_PIXELS: Final = 100_000_000
+# expand's default bound (larger images are refused from their header: too-large), defined with the raw formats.
+MAX_PIXELS: Final = _MAX_PIXELS
 
 
 @dataclass(frozen=True)

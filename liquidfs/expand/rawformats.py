@@ -17,6 +17,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
 
+#: ``expand``'s bound on an image's pixels: larger images are refused from their header (too-large).
+MAX_PIXELS: Final = 100_000_000
+#: The largest raw object ``prepare`` can write (every format: at most 8 bytes a pixel, and its headers): what a
+#: reader allocates for one is bounded by it, whatever size a catalog row claims.
+MAX_OBJECT_BYTES: Final = MAX_PIXELS * 8 + (1 << 20)
+
 __all__ = ["BMP", "DEFAULT", "DEFAULT_FORMATS", "J2K", "NAMES", "ORIGINAL_NAMES", "RAW_FORMATS", "SUFFIX_PATTERN",
            "RawFormat", "by_magic", "by_name", "known", "of_object", "own_refusal", "parse_formats"]
 

@@ -90,7 +90,7 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
             ops.stats.errors += 1
             # A fault met at every open of a file (a catalog row of the wrong type) must not write a traceback
             # per open: the first of each kind has its traceback, the rest a line at debug level.
-            if ops.first_error((name, type(exc).__name__)):
+            if ops.first_error((name, type(exc).__name__, _raised_at(exc))):
                 log.exception("unexpected error in %s; answering EIO (more of this kind: at debug level)", name)
             else:
                 log.debug("unexpected error in %s: %r; answering EIO", name, exc)
@@ -100,6 +100,14 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
 
     wrapper.fuse_request = True  # type: ignore[attr-defined]  # counted in Operations.requests
     return wrapper
+
+
+def _raised_at(exc: BaseException) -> tuple[str, int]:
+    """Where ``exc`` was raised (file and line): two faults of one type are two kinds where they differ."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else ("", 0)
 
 
 @dataclass

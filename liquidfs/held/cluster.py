@@ -39,19 +39,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..catalog.identity import is_digest, object_key
+from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
-from ..stores.reader import Content, InFront, Reader, check_raw
-from ..sysio.access import may_read
+from ..stores.reader import Content, InFront, Reader, check_raw, oversized
+from ..sysio.access import everyone_may_read
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
 from .sealing import OVERHEAD, Sealer
 
 log = logging.getLogger(__name__)
-
-#: The user ``EveryoneReadsNow`` asks for: one of no group, whom only the bits for others let in.
-NOBODY = 65534
 
 #: The format of what is stored (2: sealed values, or plaintext only of sources anyone may read): in every key, so
 #: mounts of another format never read these values, nor these mounts theirs.
@@ -71,7 +68,7 @@ def in_share(node: Node, share: float) -> bool:
     """Whether ``node``'s raw object is the cluster's: its checksum, prepare's, hashed below ``share`` (the same
     answer on every node of the job, from its catalog alone). Only an object with a BLAKE2b digest: one of a
     catalog from before them (xxh3) would be stored by every node and refused by every fetch (``check_raw``)."""
-    if not (node.served_raw and is_digest(node.checksum) and node.size_served):
+    if not (node.served_raw and is_digest(node.checksum) and node.size_served) or oversized(node) is not None:
         return False
     try:
         point = int(node.checksum[:8], 16) / 0x1_0000_0000
@@ -85,15 +82,16 @@ def key_of(node: Node, keyed: str = "", sealer: Sealer | None = None) -> str:
     id of the cluster key its values are sealed under ("" for plaintext), so two jobs of different keys sharing a
     memcached each keep their own values.
 
-    A sealed value (``sealer``) is bound to its file too, by a name only key holders can make of the object's
-    own key (``catalog.identity.object_key``: its source's path and identity), which the key, and so the
-    sealing's associated data, holds: a writer of the catalog who gives a file they may read another's checksum
-    and size (one they may not read, whose value a mount of the job stored) fetches a value that does not open
-    for that file. Plaintext values are only of sources anyone may read: no such binding is needed there."""
+    A sealed value (``sealer``) is bound to its file too, by a name only key holders can make of the file's path
+    in the dataset, which the key, and so the sealing's associated data, holds: a writer of the catalog who gives
+    a file they may read another's checksum and size (one they may not read, whose value a mount of the job
+    stored) fetches a value that does not open for that file. The path only: every node of a job has its own copy
+    of the dataset, whose inodes and ctimes (``catalog.identity.object_key``'s) differ. Plaintext values are only
+    of sources anyone may read: no such binding is needed there."""
     assert node.checksum is not None
     if sealer is None:
         return f"{_KEY_PREFIX}:{node.checksum}:{node.size_served}"
-    return f"{_KEY_PREFIX}s-{keyed}:{sealer.name(object_key(node).encode())}:{node.checksum}:{node.size_served}"
+    return f"{_KEY_PREFIX}s-{keyed}:{sealer.name(node.path)}:{node.checksum}:{node.size_served}"
 
 
 class EveryoneReads:
@@ -135,18 +133,18 @@ class EveryoneReads:
 
 
 class EveryoneReadsNow:
-    """Whether anyone may read a local file's source now, as the kernel decides it for a user of no group opening
-    it below the source root (``sysio.access.may_read`` as nobody): the modes the catalog recorded are its
-    writer's word, and a directory closed (chmod o-x) since the scan changes no ctime of the files below it. In
-    a worker thread, at each open that would fetch or store a plaintext value."""
+    """Whether anyone may read a local file's source now: the bits for others of the file and of every directory
+    above it below the source root, as they are (``sysio.access.everyone_may_read``). The modes the catalog
+    recorded are its writer's word, and a directory closed (chmod o-x) since the scan changes no ctime of the
+    files below it. In a worker thread, at each open that would fetch or store a plaintext value."""
 
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
 
     def __call__(self, node: Node) -> bool:
         try:
-            return may_read(self.root_fd, node.path, NOBODY, NOBODY, [])
-        except (OSError, ValueError):  # a path the catalog should not hold: nothing of it is shared
+            return everyone_may_read(self.root_fd, node.path)
+        except ValueError:  # a path the catalog should not hold: nothing of it is shared
             return False
 
 

@@ -18,6 +18,7 @@ again: the disk never serves bytes the store did not. It is a level of held byte
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -170,8 +171,9 @@ class DiskLevel(Level[_Entry], InFront):
                 while done < len(view):
                     done += os.write(fd, view[done:])
                 # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages
-                # are let go so the page cache holds no third copy.
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                # are let go so the page cache holds no third copy (where the filesystem can: else they stay).
+                with contextlib.suppress(OSError):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
             os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ..catalog.identity import LEGACY_REASON, checksum, digest_refusal, same_version
 from ..catalog.nodes import Node
-from ..expand.rawformats import SUFFIX_PATTERN
+from ..expand.rawformats import MAX_OBJECT_BYTES, SUFFIX_PATTERN
 from ..sysio.directio import POOL, read_span
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,14 @@ def same_file(node: Node, st: os.stat_result) -> bool:
     return node.etag is not None and same_version(st, node.size, node.mtime_ns, node.etag)
 
 
+def oversized(node: Node) -> str | None:
+    """Why ``node``'s raw object is not to be read whole: a size larger than any ``prepare`` writes (a catalog
+    row's claim, which a store writer chooses; a sparse object of that size costs them nothing); else None."""
+    if node.served_size is not None and node.served_size > MAX_OBJECT_BYTES:
+        return f"raw object of {node.served_size} bytes, more than any prepare writes ({MAX_OBJECT_BYTES})"
+    return None
+
+
 def check_raw(node: Node, data: bytes | memoryview, *, sealed: bool = False) -> str | None:
     """None when ``data`` is the raw object prepare recorded for ``node`` (size and BLAKE2b digest); else why not.
 
@@ -195,6 +203,13 @@ def check_raw(node: Node, data: bytes | memoryview, *, sealed: bool = False) -> 
     return refused
 
 
+#: Why a raw object is not served where another user may have put it at its name (``StoreReader.may_serve``).
+UNTRUSTED_REASON = ("in a directory of the store that others may write, or not its own owner's (chmod go-w the "
+                    "objects directory and its subdirectories; or prepare again into a store of your own)")
+#: Reasons that hold for many objects of a store at once: said once per reader, not once per file.
+STORE_WIDE = frozenset({LEGACY_REASON, UNTRUSTED_REASON})
+
+
 class FallbackLog:
     """Says why a raw object is not served: once per file, and once per reader for an xxh3 digest
     (``LEGACY_REASON``), which a catalog from before BLAKE2b has for every object."""
@@ -202,12 +217,12 @@ class FallbackLog:
     def __init__(self, logger: logging.Logger) -> None:
         self.log = logger  # the reader's own
         self._warned: set[int] = set()
-        self._legacy = False
+        self._said: set[str] = set()  # the reasons of a whole store said once
 
     def warn_once(self, node: Node, where: str, why: str | None) -> None:
-        if why == LEGACY_REASON:
-            if not self._legacy:
-                self._legacy = True
+        if why in STORE_WIDE:
+            if why not in self._said:
+                self._said.add(why)
                 self.log.warning("%s (and every raw object like it): %s; serving the originals", where, why)
             return
         if node.id not in self._warned:

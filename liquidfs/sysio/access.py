@@ -105,12 +105,33 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
             os.abort()
 
 
-def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
-    """The owner, group or other bits of every directory on the way (search) and of the file (read)."""
+def everyone_may_read(root_fd: int, rel: bytes) -> bool:
+    """Whether every user may open ``rel`` below ``root_fd`` for reading now, by the bits for others alone: each
+    directory on the way searchable (o+x) and the file readable (o+r). The owner's and group's bits, and an
+    ACL's named entries, let in only some; asking as some user (nobody) would be answered by them where that user
+    owns the file (an NFS server's squashed files, a container's unmapped ids). Blocks: a worker thread's."""
+    chain = _chain(root_fd, rel)
+    if chain is None:
+        return False
+    *dirs, file = chain
+    return (all(stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IXOTH for st in dirs)
+            and stat.S_ISREG(file.st_mode) and bool(file.st_mode & stat.S_IROTH))
+
+
+def _chain(root_fd: int, rel: bytes) -> list[os.stat_result] | None:
+    """The stats of the root, of every directory below it on the way to ``rel`` and of ``rel`` (None: one is
+    gone, or a link)."""
     parts = catalog_parts(rel)
     try:
-        chain = [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
+        return [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
     except OSError:
+        return None
+
+
+def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
+    """The owner, group or other bits of every directory on the way (search) and of the file (read)."""
+    chain = _chain(root_fd, rel)
+    if chain is None:
         return False
     *dirs, file = chain
     mine = {gid, *groups}

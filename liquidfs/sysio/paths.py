@@ -97,6 +97,19 @@ def _has_openat2() -> bool:
 HAS_OPENAT2 = _has_openat2()
 
 
+def renamed_only_by_its_writer(directory: os.stat_result, owner: int) -> bool:
+    """Whether, in the directory ``directory`` (its stat), nobody but root and ``owner`` (a file's owner, who
+    wrote it) may rename or replace entries: a store's objects are trusted at their names only there
+    (``stores.local.reader.StoreReader.may_serve``, ``expand.expansion``)."""
+    return stat.S_ISDIR(directory.st_mode) and not directory.st_mode & 0o022 and directory.st_uid in (0, owner)
+
+
+def open_to_others(directory: os.stat_result) -> bool:
+    """Whether users other than the owner may rename entries of ``directory`` they do not own: group or others
+    may write it, and no sticky bit keeps them to their own."""
+    return bool(directory.st_mode & 0o022) and not directory.st_mode & stat.S_ISVTX
+
+
 def open_dir(path: bytes | str | os.PathLike[str]) -> int:
     """A directory held open (O_PATH) for opening paths below it, resolved once."""
     return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)

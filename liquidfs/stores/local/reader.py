@@ -8,15 +8,34 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import stat
 from pathlib import Path
 
 from ...catalog.identity import object_key, object_stamp
 from ...catalog.nodes import Node
 from ...sysio import access
 from ...sysio.directio import POOL, read_span
-from ...sysio.paths import LOCAL_FILESYSTEMS, filesystem_type, open_below, open_below_stat, open_dir, stat_below
-from ..reader import OBJECT_NAME, WHOLE_FILE_LIMIT, Choice, Content, FallbackLog, check_raw, read_settled, same_file
+from ...sysio.paths import (
+    LOCAL_FILESYSTEMS,
+    filesystem_type,
+    open_below,
+    open_below_stat,
+    open_dir,
+    open_to_others,
+    renamed_only_by_its_writer,
+    stat_below,
+)
+from ..reader import (
+    OBJECT_NAME,
+    UNTRUSTED_REASON,
+    WHOLE_FILE_LIMIT,
+    Choice,
+    Content,
+    FallbackLog,
+    check_raw,
+    oversized,
+    read_settled,
+    same_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,13 +56,13 @@ class StoreReader:
             self.objects_fd = open_dir(store_dir / "objects")
         except FileNotFoundError:  # nothing prepared raw
             self.objects_fd = -1
-        # Who may have put each object at its name (``may_serve``): the objects directory's owner, and whether
-        # nobody else may write it; its subdirectories' verdicts, found once each.
-        objects = os.fstat(self.objects_fd) if self.objects_fd >= 0 else None
-        self._objects_owner = objects.st_uid if objects is not None else -1
-        self._objects_private = objects is not None and _private(objects)
-        self._objects_owner_only = objects is not None and not objects.st_mode & 0o022
-        self._subdirs: dict[str, bool] = {}
+        # Who may have put each object at its name (``may_serve``): where others may rename the objects
+        # directory's subdirectories, nobody's object is trusted; else each subdirectory's stat, taken once.
+        self._objects_open = self.objects_fd >= 0 and open_to_others(os.fstat(self.objects_fd))
+        if self._objects_open:
+            log.warning("%s: group or others may write it and rename what is in it: no raw object of it is "
+                        "served, the originals are (chmod go-w, or +t, the directory)", self._objects_where)
+        self._subdirs: dict[str, os.stat_result | None] = {}
         # An object's stamp (``catalog.identity.object_stamp``) vouches for it only where a stat is the inode's own, not
         # attributes a network or FUSE filesystem may have cached for seconds.
         self.stamps_vouch = filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS
@@ -175,28 +194,27 @@ class StoreReader:
             return f"raw object unreadable ({exc.strerror})"
         if not self.may_serve(node, ost):
             os.close(obj)
-            return "raw object in a directory another user may write"
+            return UNTRUSTED_REASON
         return Choice(obj, ost, raw=True, sealed=self.object_sealed(node, ost))
 
     def may_serve(self, node: Node, st: os.stat_result) -> bool:
         """Whether the raw object of ``node`` (``st``: its stat) can only have been put at its name by whoever
-        wrote it. Its name binds it to its source (``catalog.identity.object_key``), but a user who may write
-        the directory it is in can rename there an object of an image they cannot read (written by root's
-        prepare) to the name of one they can, and have its pixels served as that file: such a directory is not
-        trusted. In an objects directory of another user, nobody else writing it (a store prepared as them and
-        mounted by root), only their own objects are served, never one of root's moved in."""
-        if not self._objects_private:
-            return self._objects_owner_only and st.st_uid == self._objects_owner
+        wrote it. Its name binds it to its source (``catalog.identity.object_key``), but a user who may rename in
+        the directory it is in can move there an object of an image they cannot read (root's prepare wrote it)
+        under the name of one they can, and have its pixels served as that file. So the directory must be one
+        nobody but root and the object's owner may write (``sysio.paths.renamed_only_by_its_writer``): a store
+        prepared as another user and mounted by root serves their objects, never one of root's moved in."""
+        if self._objects_open:
+            return False
         sub = node.object[len("objects/"):len("objects/") + 2]  # type: ignore[index]  # a name checked at open
-        trusted = self._subdirs.get(sub)
-        if trusted is None:
-            # Found once per subdirectory: nobody else may write the objects directory, so none is swapped.
+        if sub not in self._subdirs:
+            # Taken once per subdirectory: nobody else may rename them (``_objects_open``), so none is swapped.
             try:
-                trusted = _private(os.stat(sub, dir_fd=self.objects_fd, follow_symlinks=False))
+                self._subdirs[sub] = os.stat(sub, dir_fd=self.objects_fd, follow_symlinks=False)
             except OSError:
                 return False
-            self._subdirs[sub] = trusted
-        return trusted
+        found = self._subdirs[sub]
+        return found is not None and renamed_only_by_its_writer(found, st.st_uid)
 
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (digest verified), else the source."""
@@ -255,6 +273,9 @@ class StoreReader:
         object a store writer grew (a sparse file of 100 GB) never fills the daemon's memory."""
         if st.st_size != node.served_size:
             return f"raw object has {st.st_size} bytes, expected {node.served_size}", None
+        too_large = oversized(node)
+        if too_large is not None:
+            return too_large, None
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:
@@ -286,7 +307,3 @@ class StoreReader:
     def warn_once(self, node: Node, why: str | None) -> None:
         self._fallbacks.warn_once(node, os.fsdecode(node.path), why)
 
-
-def _private(st: os.stat_result) -> bool:
-    """A directory nobody but this user (or root) may write."""
-    return stat.S_ISDIR(st.st_mode) and st.st_uid in (os.geteuid(), 0) and not st.st_mode & 0o022

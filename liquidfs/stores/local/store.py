@@ -31,6 +31,7 @@ from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
+from ...sysio.directio import read_span
 from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
 from ...sysio.paths import open_below, open_dir, open_regular
 from ...sysio.safefiles import replace_file
@@ -380,8 +381,7 @@ class LocalStore:
                     try:
                         if not same_file(node, os.fstat(fd)):
                             continue
-                        with open(fd, "rb", closefd=False) as f:
-                            data = f.read()
+                        data = bytes(read_span(fd, 0, node.size))  # no further than the size checked
                     finally:
                         os.close(fd)
                 except OSError as exc:

@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from ...catalog.nodes import Node
-from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw
+from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw, oversized
 from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)
@@ -85,6 +85,9 @@ class S3Reader:
 
     def _open_raw(self, node: Node) -> tuple[str | None, bytes | None]:
         assert node.object is not None
+        too_large = oversized(node)
+        if too_large is not None:
+            return too_large, None
         try:
             # Its size as recorded: a longer body is refused before more than that is read (whoever writes the
             # store chooses how long it is); check_raw then checks the bytes.

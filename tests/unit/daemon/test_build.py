@@ -98,3 +98,22 @@ def test_a_part_that_cannot_be_made_closes_those_made_before_it(tmp_path: Path,
         with ExitStack() as stack:
             mounted(stack)
     assert closed == ["notifier", "read-ahead", "disk level", "reader", "catalog"]
+
+
+def test_a_local_mounts_cluster_asks_the_source_as_it_is_whether_everyone_may_read_a_file(tmp_path: Path) -> None:
+    """Without a cluster key: the modes of the source now (``EveryoneReadsNow``), not the catalog's."""
+    from liquidfs.held.cluster import EveryoneReads, EveryoneReadsNow
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"x")
+    storage = open_store(src, tmp_path / "store")
+    store_dir = storage.mount_catalog(rescan=False, progress=False)
+    config = MountConfig(source=storage.source_label, mountpoint=tmp_path / "mnt", store=storage.label,
+                         cluster=(("127.0.0.1", 9),), cluster_size=1 << 20)
+    with ExitStack() as stack:
+        mount = build.mount(config, storage, store_dir, stack)
+        levels = [level for level in mount.ops.levels if type(level).__name__ == "ClusterLevel"]
+        assert len(levels) == 1
+        public = levels[0].public  # type: ignore[attr-defined]
+        assert isinstance(public, EveryoneReadsNow) and not isinstance(public, EveryoneReads)

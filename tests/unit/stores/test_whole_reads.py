@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import errno
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
 
-from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.catalog import CATALOG_NAME, Catalog
+from liquidfs.catalog.nodes import Node
+from liquidfs.expand.rawformats import MAX_OBJECT_BYTES
 from liquidfs.prepare import prepare
 from liquidfs.stores import reader as reader_module
 from liquidfs.stores.local import reader as local_reader_module
@@ -37,26 +40,44 @@ def _spans(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return asked
 
 
-def test_a_raw_object_grown_by_a_store_writer_is_refused_unread(tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=3)
+def _prepared(tmp_path: Path, seed: int) -> tuple[Path, Path, Node]:
+    """A prepared sample, and one of its files served raw."""
+    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=seed)
     store = tmp_path / "store"
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store, readonly=True)
-    node = next(n for n in catalog.files() if n.object)
-    os.truncate(store / str(node.object), GROWN)
-    asked = _spans(monkeypatch)
+    try:
+        return src, store, next(n for n in catalog.files() if n.object)
+    finally:
+        catalog.close()
+
+
+def _opened(store: Path, node_id: int) -> tuple[bool, str | None, bytes]:
+    """What the store's reader serves for ``node_id`` (its row as the catalog says now): raw or not, why not,
+    and the bytes."""
+    catalog = Catalog.open(store, readonly=True)
     reader = StoreReader(catalog.source, store)
     try:
+        node = catalog.get(node_id)
+        assert node is not None
         content = reader.open(node)
         try:
-            assert not content.raw and content.fallback and "bytes, expected" in content.fallback
-            assert bytes(content.data or b"") == (src / os.fsdecode(node.path)).read_bytes()  # the original
+            return content.raw, content.fallback, bytes(content.data or b"")
         finally:
             content.close()
     finally:
         reader.close()
         catalog.close()
+
+
+def test_a_raw_object_grown_by_a_store_writer_is_refused_unread(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    src, store, node = _prepared(tmp_path, 3)
+    os.truncate(store / str(node.object), GROWN)
+    asked = _spans(monkeypatch)
+    raw, fallback, data = _opened(store, node.id)
+    assert not raw and "bytes, expected" in str(fallback)
+    assert data == (src / os.fsdecode(node.path)).read_bytes()  # the original
     assert asked and max(asked) < WHOLE_FILE_LIMIT  # the original's read; none of the object
 
 
@@ -82,3 +103,17 @@ def test_a_source_grown_while_it_is_read_is_read_no_further(tmp_path: Path, monk
         os.close(fd)
     assert failed.value.errno == errno.EIO and "grew past" in str(failed.value)
     assert asked == [4096]
+
+
+def test_a_raw_object_larger_than_any_prepare_writes_is_never_read(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store writer who claims that size in the catalog row too (and makes a sparse object of it)."""
+    src, store, node = _prepared(tmp_path, 5)
+    os.truncate(store / str(node.object), MAX_OBJECT_BYTES + 1)
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        db.execute("UPDATE nodes SET served_size = ? WHERE id = ?", (MAX_OBJECT_BYTES + 1, node.id))
+    asked = _spans(monkeypatch)
+    raw, fallback, data = _opened(store, node.id)
+    assert not raw and "more than any prepare writes" in str(fallback)
+    assert data == (src / os.fsdecode(node.path)).read_bytes()
+    assert asked and max(asked) < WHOLE_FILE_LIMIT

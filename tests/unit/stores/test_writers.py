@@ -22,7 +22,7 @@ from liquidfs.catalog.schema import CatalogError
 from liquidfs.prepare import PrepareError, prepare, verify
 from liquidfs.stores.local import PROFILE_NAME, LocalStore
 from liquidfs.stores.local.reader import StoreReader
-from liquidfs.stores.reader import Content
+from liquidfs.stores.reader import UNTRUSTED_REASON, Content
 from liquidfs.stores.sample import ProfileError
 from sample import make_sample
 
@@ -282,12 +282,22 @@ def test_an_object_in_a_directory_others_may_write_is_not_served(prepared: tuple
     sub.chmod(0o777)
     content = _served(src, store)
     try:
-        assert not content.raw and "another user may write" in str(content.fallback)
+        assert not content.raw and content.fallback == UNTRUSTED_REASON
         assert bytes(content.data or b"") == (src / os.fsdecode(node.path)).read_bytes()
     finally:
         content.close()
+    sub.chmod(0o700)
+    (store / "objects").chmod(0o777)  # there the subdirectories themselves could be swapped
+    content = _served(src, store)
+    assert not content.raw and content.fallback == UNTRUSTED_REASON
+    content.close()
+    (store / "objects").chmod(0o1777)  # the sticky bit keeps each user to their own entries
+    content = _served(src, store)
+    assert content.raw
+    content.close()
 
 
+@pytest.mark.needs_root("a chown of the objects to another user")
 def test_in_another_users_objects_directory_only_their_own_objects_are_served(prepared: tuple[Path, Path]) -> None:
     """A store prepared as another user, mounted by root: their objects are served; one of root's, moved in
     (the user may rename anything there), is not."""
@@ -298,7 +308,7 @@ def test_in_another_users_objects_directory_only_their_own_objects_are_served(pr
     for path in (store / "objects", obj.parent):
         os.chown(path, NOBODY, NOBODY)
     content = _served(src, store)
-    assert not content.raw and "another user may write" in str(content.fallback)
+    assert not content.raw and content.fallback == UNTRUSTED_REASON
     content.close()
     os.chown(obj, NOBODY, NOBODY)
     content = _served(src, store)
@@ -313,9 +323,15 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
         sub = store / "objects" / f"{i:02x}"
         sub.mkdir(parents=True)
         sub.chmod(0o777)
-    with pytest.raises(PrepareError, match="could rename the objects"):
+    with pytest.raises(PrepareError, match="rename what is in it"):
         prepare(src, store, 1.0, progress=False)
-    assert not list((store / "objects").rglob("*.bmp"))
+    assert not list((store / "objects").rglob("*.bmp*"))
+    for sub in (store / "objects").iterdir():
+        sub.chmod(0o700)
+    (store / "objects").chmod(0o777)
+    with pytest.raises(PrepareError, match="rename what is in it"):
+        prepare(src, store, 1.0, progress=False)
+    assert not list((store / "objects").rglob("*.bmp*"))
 
 
 def test_a_row_whose_version_a_catalog_writer_cleared_is_a_changed_file(prepared: tuple[Path, Path]) -> None:

@@ -77,3 +77,28 @@ def test_caller_groups_come_from_proc() -> None:
     assert access.caller_groups(os.getpid()) == os.getgroups() or set(access.caller_groups(os.getpid()) or []) \
         == set(os.getgroups())
     assert access.caller_groups(0) is None
+
+
+@pytest.mark.needs_root("a chown to nobody")
+def test_everyone_may_read_by_the_bits_for_others_alone(tmp_path: Path) -> None:
+    """Asked as nobody, a file nobody owns would be judged by its owner's bits (an NFS server's squashed files):
+    only the bits for others say whether everyone may read it."""
+    source = tmp_path / "source"
+    (source / "d").mkdir(parents=True)
+    for directory in (source, source / "d"):
+        directory.chmod(0o755)
+    file = source / "d" / "f.png"
+    file.write_bytes(b"x")
+    file.chmod(0o644)
+    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.everyone_may_read(root, b"d/f.png")
+        os.chown(file, NOBODY, NOBODY)
+        file.chmod(0o600)
+        assert not access.everyone_may_read(root, b"d/f.png")
+        file.chmod(0o644)
+        (source / "d").chmod(0o750)
+        assert not access.everyone_may_read(root, b"d/f.png")
+        assert not access.everyone_may_read(root, b"d/missing.png")
+    finally:
+        os.close(root)
