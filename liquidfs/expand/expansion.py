@@ -168,14 +168,10 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
     except OSError as exc:
         return outcome("write-failed", fmt, fatal=f"cannot open the objects directory for {obj}: {exc}")
     try:
-        return _write_object(sub_fd, os.path.basename(obj), raw, outcome, fmt)
+        return _write_object(sub_fd, os.path.basename(obj), raw, outcome, fmt,
+                             where=os.path.join(store, os.path.dirname(obj)))
     finally:
         os.close(sub_fd)
-
-
-#: Why prepare writes no object where others may rename it, and what to do.
-_UNTRUSTED = ("a mount would not serve an object from there (another user could give it another image's name); "
-              "remove that directory, or chmod go-w it, and run prepare again")
 
 
 def _object_dir(store: str, obj: str) -> int:
@@ -187,12 +183,12 @@ def _object_dir(store: str, obj: str) -> int:
     Where group or others may rename what is in ``objects`` (no sticky bit), no object is written: a mount would
     not trust one there (``StoreReader.may_serve``, which ``_write_object`` asks of each subdirectory too)."""
     objects = os.path.join(store, OBJECTS)
-    os.makedirs(objects, exist_ok=True)
+    os.makedirs(objects, 0o700, exist_ok=True)
     objects_fd = open_dir(objects)
     try:
         if open_to_others(os.fstat(objects_fd)):
-            raise OSError(errno.EPERM, f"group or others may write it and rename what is in it: {_UNTRUSTED}",
-                          objects)
+            raise OSError(errno.EPERM, "group or others may write it and rename what is in it: a mount would not "
+                          "serve an object from there; chmod go-w (or +t) it, and run prepare again", objects)
         sub = obj.split("/")[1]
         try:
             os.mkdir(sub, 0o700, dir_fd=objects_fd)
@@ -203,9 +199,11 @@ def _object_dir(store: str, obj: str) -> int:
         os.close(objects_fd)
 
 
-def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Outcome], fmt: str | None) -> Outcome:
-    """``raw`` as the object ``name`` below ``sub_fd``: adopted if a previous run left exactly these bytes, else
-    written to a name of its own, fsynced and renamed into place, never through a link."""
+def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Outcome], fmt: str | None,
+                  where: str = "") -> Outcome:
+    """``raw`` as the object ``name`` below ``sub_fd`` (``where``: that directory, for messages): adopted if a
+    previous run left exactly these bytes, else written to a name of its own, fsynced and renamed into place,
+    never through a link."""
     held = _holds(sub_fd, name, raw)
     if held is not None:
         # A previous run (maybe killed before it recorded it) left exactly these bytes: nothing to write.  An
@@ -221,8 +219,12 @@ def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Out
         sub_st, owner = os.fstat(sub_fd), os.fstat(fd).st_uid
         if not renamed_only_by_its_writer(sub_st, owner):
             os.close(fd)
-            raise OSError(errno.EPERM, f"its directory (uid {sub_st.st_uid}, mode {stat.S_IMODE(sub_st.st_mode):o}) "
-                          f"lets others than uid {owner} rename what is in it: {_UNTRUSTED}")
+            os.unlink(tmp, dir_fd=sub_fd)
+            fix = "chmod go-w it" if sub_st.st_uid in (0, owner) else f"chown it to uid {owner}, or remove it"
+            return outcome("write-failed", fmt, fatal=(
+                f"{where or '.'} (owned by uid {sub_st.st_uid}, mode {stat.S_IMODE(sub_st.st_mode):o}) lets "
+                f"others than uid {owner} rename what is in it: a mount would not serve an object from there "
+                f"(another user could give it another image's name); {fix}, and run prepare again"))
         with open(fd, "wb") as f:
             f.write(raw)
             f.flush()
@@ -246,7 +248,10 @@ def _holds(sub_fd: int, name: str, data: bytes) -> str | None:
     ``data`` (never following a link), taken around the read: a write during it gives another stamp, and None."""
     try:
         with open(open_below(sub_fd, os.fsencode(name)), "rb") as f:
-            before = object_stamp(os.fstat(f.fileno()))
+            st = os.fstat(f.fileno())
+            if not renamed_only_by_its_writer(os.fstat(sub_fd), st.st_uid):
+                return None  # not adopted where a mount would not serve it: written anew (and refused there)
+            before = object_stamp(st)
             same = f.read(len(data) + 1) == data
             return before if same and object_stamp(os.fstat(f.fileno())) == before else None
     except OSError:

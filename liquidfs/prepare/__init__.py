@@ -192,10 +192,11 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                 last_commit = time.monotonic()
     _record(catalog, pending)
     if fatal:
+        advice = ("Free some space (or lower --ratio) and run prepare again" if fatal == "out of disk space" else
+                  "Mend that and run prepare again")
         raise PrepareError(
             f"{fatal} in {store.label} after {report.expanded} new expansions; the store is consistent and still "
-            "serves the previous selection. Free some space (or lower --ratio) and run prepare again: finished "
-            "work is kept."
+            f"serves the previous selection. {advice}: finished work is kept."
         )
     # Completion order is not rank order: keep the best-ranked, so a given seed always picks the same files.
     chosen.sort(key=lambda o: rank(seed, o.path))

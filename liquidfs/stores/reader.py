@@ -160,7 +160,11 @@ def read_settled(fd: int, st: os.stat_result, name: str = "", limit: int = WHOLE
     while it stays within ``limit``, else EIO (the next open streams it)."""
     for _ in range(SETTLE_TRIES):
         data = read_span(fd, 0, st.st_size)
-        after = os.fstat(fd)
+        try:
+            after = os.fstat(fd)
+        except BaseException:
+            POOL.give(data)
+            raise
         if stamp(after) == stamp(st):
             return data
         POOL.give(data)

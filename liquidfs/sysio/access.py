@@ -106,16 +106,19 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
 
 
 def everyone_may_read(root_fd: int, rel: bytes) -> bool:
-    """Whether every user may open ``rel`` below ``root_fd`` for reading now, by the bits for others alone: each
-    directory on the way searchable (o+x) and the file readable (o+r). The owner's and group's bits, and an
-    ACL's named entries, let in only some; asking as some user (nobody) would be answered by them where that user
-    owns the file (an NFS server's squashed files, a container's unmapped ids). Blocks: a worker thread's."""
+    """Whether every user may open ``rel`` below ``root_fd`` for reading now, by the bits for others and for the
+    group: each directory on the way searchable (o+x, g+x) and the file readable (o+r, g+r). Asking as some user
+    (nobody) would be answered by the owner's bits where that user owns the file (an NFS server's squashed files,
+    a container's unmapped ids). An ACL's named entries (one that shuts a user out) are not read. Blocks: a
+    worker thread's."""
     chain = _chain(root_fd, rel)
     if chain is None:
         return False
     *dirs, file = chain
-    return (all(stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_IXOTH for st in dirs)
-            and stat.S_ISREG(file.st_mode) and bool(file.st_mode & stat.S_IROTH))
+    # The group's bits too: a group whose bits lack what others have (0604) is shut out, so not everyone may.
+    search, read = stat.S_IXOTH | stat.S_IXGRP, stat.S_IROTH | stat.S_IRGRP
+    return (all(stat.S_ISDIR(st.st_mode) and st.st_mode & search == search for st in dirs)
+            and stat.S_ISREG(file.st_mode) and file.st_mode & read == read)
 
 
 def _chain(root_fd: int, rel: bytes) -> list[os.stat_result] | None:

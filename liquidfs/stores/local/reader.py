@@ -280,7 +280,11 @@ class StoreReader:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:
             return f"raw object unreadable ({exc.strerror})", None
-        problem = check_raw(node, data, sealed=sealed and self.object_sealed(node, os.fstat(fd)))
+        try:
+            problem = check_raw(node, data, sealed=sealed and self.object_sealed(node, os.fstat(fd)))
+        except BaseException:
+            POOL.give(data)
+            raise
         if problem:
             POOL.give(data)  # never served: the buffer may take the next file
             return problem, None

@@ -33,7 +33,7 @@ from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
 from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
-from ...sysio.paths import open_below, open_dir, open_regular
+from ...sysio.paths import open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer
 from ...sysio.safefiles import replace_file
 from ..base import Job, Preparation
 from ..reader import OBJECT_NAME, Reader, same_file
@@ -137,6 +137,7 @@ class LocalStore:
         self.source = source
         self.store_dir = store_dir if store_dir is not None else default_store_dir(source)
         self.label = str(self.store_dir)
+        self._subdirs: dict[str, os.stat_result] = {}  # objects/<sub>, stat-ed once by ``exists``
 
     @classmethod
     def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
@@ -205,6 +206,12 @@ class LocalStore:
         assert held is not None
         try:
             _check_readable(self.store_dir / CATALOG_NAME)
+            objects = self.store_dir / OBJECTS
+            if objects.is_dir() and open_to_others(objects.stat()):
+                # Checked before anything is reused: a run that writes nothing would not meet it in a worker.
+                raise OSError(errno.EPERM, "group or others may write it and rename what is in it: a mount would "
+                              "not serve an object from there; chmod go-w (or +t) it, and run prepare again",
+                              str(objects))
             open_or_build(self.source, self.store_dir, progress=progress).close()
             work = WorkingCopy(self.store_dir)
             try:
@@ -224,13 +231,18 @@ class LocalStore:
                             raw_formats)
 
     def exists(self, obj: str) -> bool:
-        # A catalog row names it: only a name prepare gives counts, never a path anywhere else.
+        # A catalog row names it: only a name prepare gives counts, never a path anywhere else. And only where a
+        # mount would serve it (``StoreReader.may_serve``): else a worker writes it anew, and says why it cannot.
         if OBJECT_NAME.fullmatch(obj) is None:
             return False
         try:
-            return stat.S_ISREG(os.stat(self.store_dir / obj, follow_symlinks=False).st_mode)
+            st = os.stat(self.store_dir / obj, follow_symlinks=False)
+            sub = obj.rsplit("/", 1)[0]
+            if sub not in self._subdirs:
+                self._subdirs[sub] = os.stat(self.store_dir / sub, follow_symlinks=False)
         except OSError:
             return False
+        return stat.S_ISREG(st.st_mode) and renamed_only_by_its_writer(self._subdirs[sub], st.st_uid)
 
     def delete(self, objs: list[str]) -> None:
         """Remove these objects (or leftovers of killed runs) from the objects directory, and nothing else.

@@ -329,9 +329,15 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
     for sub in (store / "objects").iterdir():
         sub.chmod(0o700)
     (store / "objects").chmod(0o777)
-    with pytest.raises(PrepareError, match="rename what is in it"):
+    with pytest.raises(OSError, match="rename what is in it"):  # before anything is reused or written
         prepare(src, store, 1.0, progress=False)
     assert not list((store / "objects").rglob("*.bmp*"))
+    (store / "objects").chmod(0o700)
+    prepare(src, store, 1.0, progress=False)
+    made = next((store / "objects").rglob("*.bmp"))
+    made.parent.chmod(0o777)  # after it was written: a run that would only reuse it says so too
+    with pytest.raises(PrepareError, match=f"{made.parent}.*rename what is in it.*chmod go-w it"):
+        prepare(src, store, 1.0, progress=False)
 
 
 def test_a_row_whose_version_a_catalog_writer_cleared_is_a_changed_file(prepared: tuple[Path, Path]) -> None:

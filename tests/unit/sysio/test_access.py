@@ -93,6 +93,9 @@ def test_everyone_may_read_by_the_bits_for_others_alone(tmp_path: Path) -> None:
     root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
     try:
         assert access.everyone_may_read(root, b"d/f.png")
+        file.chmod(0o604)  # its group shut out
+        assert not access.everyone_may_read(root, b"d/f.png")
+        file.chmod(0o644)
         os.chown(file, NOBODY, NOBODY)
         file.chmod(0o600)
         assert not access.everyone_may_read(root, b"d/f.png")
