@@ -558,17 +558,16 @@ def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike
     if not path.exists():
         return None, MISSING
     catalog = Catalog.open(store_dir)
-    same_source = catalog.source == os.fsencode(os.path.abspath(source))
-    stale = catalog.staleness() if same_source else None
-    if same_source and stale is None:
-        return catalog, FRESH
-    catalog.close()
-    if not same_source:
+    if catalog.source != os.fsencode(os.path.abspath(source)):
+        catalog.close()
         raise CatalogError(
             f"{path} describes {os.fsdecode(catalog.source)}, not {os.path.abspath(source)}; "
             "use another --store"
         )
-    assert stale is not None
+    stale = catalog.staleness()
+    if stale is None:
+        return catalog, FRESH
+    catalog.close()
     return None, stale
 
 
@@ -576,11 +575,11 @@ def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[s
                   *, rescan: bool = False, progress: bool = False) -> Catalog:
     """The catalog for ``source`` in ``store_dir``: reused when fresh, (re)built otherwise."""
     if not rescan:
-        catalog, _ = current_catalog(source, store_dir)
+        catalog, state = current_catalog(source, store_dir)
         if catalog is not None:
             log.info("reusing catalog %s", Path(store_dir) / CATALOG_NAME)
             return catalog
-        if (Path(store_dir) / CATALOG_NAME).exists():
+        if state != MISSING:
             log.info("source changed since the last scan: rescanning")
     build(source, store_dir, progress=progress)
     return Catalog.open(store_dir)

@@ -174,6 +174,11 @@ def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, wa
         os.close(sub_fd)
 
 
+#: Why prepare writes, adopts and reuses no object in an ``objects`` directory others may rename in, and the fix.
+OBJECTS_OPEN_TO_OTHERS = ("group or others may write it and rename what is in it: a mount would not serve an object "
+                          "from there; chmod go-w (or +t) it, and run prepare again")
+
+
 def _object_dir(store: str, obj: str) -> int:
     """The directory ``objects/<sub>`` of ``obj``, made if missing and held open, never through a link: a store
     writer who turns ``objects/<sub>`` into a link to /etc must not have root prepare write (or adopt) there.
@@ -187,8 +192,7 @@ def _object_dir(store: str, obj: str) -> int:
     objects_fd = open_dir(objects)
     try:
         if open_to_others(os.fstat(objects_fd)):
-            raise OSError(errno.EPERM, "group or others may write it and rename what is in it: a mount would not "
-                          "serve an object from there; chmod go-w (or +t) it, and run prepare again", objects)
+            raise OSError(errno.EPERM, OBJECTS_OPEN_TO_OTHERS, objects)
         sub = obj.split("/")[1]
         try:
             os.mkdir(sub, 0o700, dir_fd=objects_fd)

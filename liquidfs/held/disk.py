@@ -165,17 +165,13 @@ class DiskLevel(Level[_Entry], InFront):
         tmp = unique(f"{name}.tmp-")  # two opens of one file write two files: the later rename wins
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=self._dir_fd)
-            try:
-                view = memoryview(content.data)
-                done = 0
-                while done < len(view):
-                    done += os.write(fd, view[done:])
+            with open(fd, "wb") as f:
+                f.write(content.data)
+                f.flush()
                 # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages
                 # are let go so the page cache holds no third copy (where the filesystem can: else they stay).
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
             os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
         except OSError as exc:
             self._unlink(tmp)

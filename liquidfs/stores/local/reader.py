@@ -62,7 +62,7 @@ class StoreReader:
         if self._objects_open:
             log.warning("%s: group or others may write it and rename what is in it: no raw object of it is "
                         "served, the originals are (chmod go-w, or +t, the directory)", self._objects_where)
-        self._subdirs: dict[str, os.stat_result | None] = {}
+        self._subdirs: dict[str, os.stat_result] = {}
         # An object's stamp (``catalog.identity.object_stamp``) vouches for it only where a stat is the inode's own, not
         # attributes a network or FUSE filesystem may have cached for seconds.
         self.stamps_vouch = filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS
@@ -208,13 +208,13 @@ class StoreReader:
             return False
         sub = node.object[len("objects/"):len("objects/") + 2]  # type: ignore[index]  # a name checked at open
         if sub not in self._subdirs:
-            # Taken once per subdirectory: nobody else may rename them (``_objects_open``), so none is swapped.
+            # Taken once per subdirectory. Only the objects directory's owner (and root) may swap one for another
+            # (``_objects_open``); a swapped one holds objects under the names they had, each its own file's.
             try:
                 self._subdirs[sub] = os.stat(sub, dir_fd=self.objects_fd, follow_symlinks=False)
             except OSError:
                 return False
-        found = self._subdirs[sub]
-        return found is not None and renamed_only_by_its_writer(found, st.st_uid)
+        return renamed_only_by_its_writer(self._subdirs[sub], st.st_uid)
 
     def open(self, node: Node) -> Content:
         """What ``node`` serves, read whole: the raw object when sound (digest verified), else the source."""

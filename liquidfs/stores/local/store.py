@@ -29,7 +29,7 @@ from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...expand.expansion import OBJECTS, expand_one, is_image, verify_one
+from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
 from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
@@ -209,9 +209,7 @@ class LocalStore:
             objects = self.store_dir / OBJECTS
             if objects.is_dir() and open_to_others(objects.stat()):
                 # Checked before anything is reused: a run that writes nothing would not meet it in a worker.
-                raise OSError(errno.EPERM, "group or others may write it and rename what is in it: a mount would "
-                              "not serve an object from there; chmod go-w (or +t) it, and run prepare again",
-                              str(objects))
+                raise OSError(errno.EPERM, OBJECTS_OPEN_TO_OTHERS, str(objects))
             open_or_build(self.source, self.store_dir, progress=progress).close()
             work = WorkingCopy(self.store_dir)
             try:
