@@ -340,6 +340,29 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
         prepare(src, store, 1.0, progress=False)
 
 
+def test_a_store_directory_others_may_rename_in_gets_no_catalog_and_gives_none(tmp_path: Path) -> None:
+    """Whoever may rename in the store directory could swap a link in for the catalog in the making (or SQLite's
+    journal) once they see its name, and root would write where it pointed; and a catalog there is anyone's
+    word. Prepare, a mount's scan and its reuse of a catalog all refuse such a store, naming the fix; the sticky
+    bit (a /tmp-like directory) keeps others to their own entries, and is taken."""
+    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+    store.mkdir()
+    store.chmod(0o777)
+    with pytest.raises(CatalogError, match=f"{store}: group or others may write it.*chmod go-w"):
+        prepare(src, store, 1.0, progress=False)
+    assert not (store / CATALOG_NAME).exists() and not list(store.glob(f"{CATALOG_NAME}*"))
+    with pytest.raises(CatalogError, match="rename what is in it"):
+        LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
+    store.chmod(0o700)
+    prepare(src, store, 1.0, progress=False)
+    store.chmod(0o775)  # a fresh catalog is not taken either: the group may have put it there
+    with pytest.raises(CatalogError, match="rename what is in it"):
+        LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
+    store.chmod(0o1777)
+    assert LocalStore.given(src, store).mount_catalog(rescan=True, progress=False) == store
+
+
 def test_a_row_whose_version_a_catalog_writer_cleared_is_a_changed_file(prepared: tuple[Path, Path]) -> None:
     """Without the version (inode and ctime) only size and mtime would be compared, which ``touch -d`` puts back
     after a rewrite: the raw object of the old image would stay in service. Such a row serves the source."""
