@@ -272,13 +272,31 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
                 return "source changed since prepare (it is served as the original)"
             original = bytes(read_span(f.fileno(), 0, want_size))  # no further than the size checked
         with open(open_regular(obj), "rb") as f:  # EIO: not a regular file
-            size = os.fstat(f.fileno()).st_size
+            ost = os.fstat(f.fileno())
+            untrusted = _renamed_in_by_others(obj, ost.st_uid)
+            if untrusted is not None:  # a mount would serve the original: not "sound", whatever it holds
+                return untrusted
+            size = ost.st_size
             if size > MAX_OBJECT_BYTES:  # a sparse object a store writer grew: never read into memory
                 return f"raw object of {size} bytes, more than any prepare writes"
             raw = bytes(read_span(f.fileno(), 0, size))
     except OSError as exc:
         return f"cannot read: {exc}"
     return judge(original, raw, want_checksum)
+
+
+def _renamed_in_by_others(obj: str, owner: int) -> str | None:
+    """Why a mount would not serve the object at ``obj`` (``owner``: its owner) for where it is: an objects
+    directory open to others, or a subdirectory someone else than root and ``owner`` may rename in
+    (``StoreReader.may_serve``); None where it would."""
+    sub = os.path.dirname(obj)
+    objects = os.path.dirname(sub)
+    if open_to_others(os.stat(objects)):
+        return f"{objects}: {OBJECTS_OPEN_TO_OTHERS}"
+    if not renamed_only_by_its_writer(os.stat(sub, follow_symlinks=False), owner):
+        return (f"{sub}: someone else than root and the object's owner may rename in it: a mount serves the "
+                "original (chmod go-w it, or chown it to the object's owner)")
+    return None
 
 
 def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:

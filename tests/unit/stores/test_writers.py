@@ -316,6 +316,26 @@ def test_in_another_users_objects_directory_only_their_own_objects_are_served(pr
     content.close()
 
 
+def test_verify_calls_no_object_sound_that_a_mount_would_not_serve_for_where_it_is(
+        prepared: tuple[Path, Path]) -> None:
+    """An object in a subdirectory others may rename in (or below an objects directory open to others) holds the
+    right bytes, but a mount serves the original in its place: verify says so, naming the directory."""
+    src, store = prepared
+    assert verify(store, progress=False) == []
+    catalog, node = _first_raw(store)
+    catalog.close()
+    sub = (store / str(node.object)).parent
+    sub.chmod(0o777)
+    failures = verify(store, progress=False)
+    assert failures == [(os.fsdecode(node.path), failures[0][1])] and f"{sub}: someone else" in failures[0][1]
+    sub.chmod(0o700)
+    (store / "objects").chmod(0o777)
+    failures = verify(store, progress=False)
+    assert len(failures) == 4 and all("rename what is in it" in why for _, why in failures)
+    (store / "objects").chmod(0o1777)  # the sticky bit keeps others to their own entries
+    assert verify(store, progress=False) == []
+
+
 def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Path) -> None:
     src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
     store = tmp_path / "store"
