@@ -133,8 +133,8 @@ class EveryoneReads:
 
 
 class EveryoneReadsNow:
-    """Whether anyone may read a local file's source now: the bits for others of the file and of every directory
-    above it below the source root, as they are (``sysio.access.everyone_may_read``). The modes the catalog
+    """Whether anyone may read a local file's source now: the bits for others and the group and the ACLs of the
+    file and of every directory above it below the source root, as they are (``sysio.access.everyone_may_read``). The modes the catalog
     recorded are its writer's word, and a directory closed (chmod o-x) since the scan changes no ctime of the
     files below it. In a worker thread, at each open that would fetch or store a plaintext value."""
 

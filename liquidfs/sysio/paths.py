@@ -142,11 +142,17 @@ def stat_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only
     """The stat of ``rel`` below ``dir_fd`` (a link at its end is stat-ed as the link), walked as ``open_below``
     walks: no link on the way, never above the root or onto another filesystem. A path ``stat`` walks through
     links in every component but the last; this one never does."""
-    fd = _walk(dir_fd, rel, where, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, cached_only)
+    fd = path_below(dir_fd, rel, where, cached_only=cached_only)
     try:
         return os.fstat(fd)
     finally:
         os.close(fd)
+
+
+def path_below(dir_fd: int, rel: bytes, where: bytes | str = b"", *, cached_only: bool = False) -> int:
+    """An O_PATH descriptor of ``rel`` below ``dir_fd`` (a link at its end: the link), walked as ``stat_below``
+    walks."""
+    return _walk(dir_fd, rel, where, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, cached_only)
 
 
 def open_dir_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:

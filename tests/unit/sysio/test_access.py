@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,77 @@ def test_the_check_never_walks_through_a_link(tree: Path, tmp_path: Path) -> Non
         assert stat.S_ISLNK(stat_below(root_fd, b"d0/link").st_mode)
     finally:
         os.close(root_fd)
+
+
+def _set_acl(path: Path, entries: list[tuple[int, int, int]]) -> None:
+    """An extended access ACL in the kernel's format (what ``setfacl`` writes): (tag, bits, id) sorted by tag."""
+    any_id = 0xFFFFFFFF
+    value = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", tag, bits, any_id if who is None else who)
+                                            for tag, bits, who in entries)
+    os.setxattr(path, "system.posix_acl_access", value)
+
+
+@pytest.mark.needs_root("a check as nobody")
+def test_everyone_may_read_reads_an_acl_that_shuts_one_user_out(tmp_path: Path) -> None:
+    """``setfacl -m u:nobody:---`` on a file others may read: its bits say everyone, nobody is shut out (the
+    kernel says so: ``may_read`` as nobody), so it is not everyone's. A named group without search on a
+    directory on the way the same; an ACL whose named entries all grant is everyone's."""
+    user_obj, user, group_obj, group, mask, other = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+    source = tmp_path / "source"
+    (source / "d").mkdir(parents=True)
+    for directory in (source, source / "d"):
+        directory.chmod(0o755)
+    file = source / "d" / "f.png"
+    file.write_bytes(b"x")
+    file.chmod(0o644)
+    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.everyone_may_read(root, b"d/f.png")
+        _set_acl(file, [(user_obj, 6, None), (user, 0, NOBODY), (group_obj, 4, None), (mask, 4, None),
+                        (other, 4, None)])
+        assert not access.may_read(root, b"d/f.png", NOBODY, NOBODY, [])  # the kernel's word
+        assert not access.everyone_may_read(root, b"d/f.png")
+        _set_acl(file, [(user_obj, 6, None), (user, 4, NOBODY), (group_obj, 4, None), (group, 4, NOBODY),
+                        (mask, 4, None), (other, 4, None)])
+        assert access.everyone_may_read(root, b"d/f.png")
+        _set_acl(source / "d", [(user_obj, 7, None), (group_obj, 5, None), (group, 4, NOBODY), (mask, 5, None),
+                                (other, 5, None)])
+        assert not access.may_read(root, b"d/f.png", NOBODY, NOBODY, [])
+        assert not access.everyone_may_read(root, b"d/f.png")
+        os.removexattr(source / "d", "system.posix_acl_access")
+        assert access.everyone_may_read(root, b"d/f.png")
+    finally:
+        os.close(root)
+
+
+def test_an_acl_that_cannot_be_read_or_parsed_shuts_someone_out(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a filesystem's xattr says is its word: a value not in the kernel's format counts as an ACL that
+    shuts someone out; a filesystem without ACLs (EOPNOTSUPP) or a file without one (ENODATA) is judged by its
+    bits."""
+    file = tmp_path / "f.png"
+    file.write_bytes(b"x")
+    file.chmod(0o644)
+    tmp_path.chmod(0o755)
+    answers: list[bytes | OSError] = []
+
+    def getxattr(path: str, name: str) -> bytes:
+        answer = answers[0]
+        if isinstance(answer, OSError):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(access.os, "getxattr", getxattr)
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for answer, everyone in ((OSError(errno.ENODATA, "none"), True), (OSError(errno.EOPNOTSUPP, "no ACLs"), True),
+                                 (OSError(errno.EIO, "torn"), False), (b"\x02\x00\x00\x00\x01", False),
+                                 (struct.pack("<IHHI", 3, 0x20, 4, 0), False),
+                                 (struct.pack("<IHHI", 2, 0x20, 4, 0), True)):
+            answers[:] = [answer]
+            assert access.everyone_may_read(root, b"f.png") is everyone, answer
+    finally:
+        os.close(root)
 
 
 def test_caller_groups_come_from_proc() -> None:
