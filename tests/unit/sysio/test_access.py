@@ -74,6 +74,18 @@ def test_the_check_never_walks_through_a_link(tree: Path, tmp_path: Path) -> Non
         os.close(root_fd)
 
 
+def _readable_by_all(tmp_path: Path) -> tuple[Path, Path]:
+    """A source whose ``d/f.png`` every user may read by its modes."""
+    source = tmp_path / "source"
+    (source / "d").mkdir(parents=True)
+    for directory in (source, source / "d"):
+        directory.chmod(0o755)
+    file = source / "d" / "f.png"
+    file.write_bytes(b"x")
+    file.chmod(0o644)
+    return source, file
+
+
 def _set_acl(path: Path, entries: list[tuple[int, int, int]]) -> None:
     """An extended access ACL in the kernel's format (what ``setfacl`` writes): (tag, bits, id) sorted by tag."""
     any_id = 0xFFFFFFFF
@@ -88,13 +100,7 @@ def test_everyone_may_read_reads_an_acl_that_shuts_one_user_out(tmp_path: Path) 
     kernel says so: ``may_read`` as nobody), so it is not everyone's. A named group without search on a
     directory on the way the same; an ACL whose named entries all grant is everyone's."""
     user_obj, user, group_obj, group, mask, other = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
-    source = tmp_path / "source"
-    (source / "d").mkdir(parents=True)
-    for directory in (source, source / "d"):
-        directory.chmod(0o755)
-    file = source / "d" / "f.png"
-    file.write_bytes(b"x")
-    file.chmod(0o644)
+    source, file = _readable_by_all(tmp_path)
     root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
     try:
         assert access.everyone_may_read(root, b"d/f.png")
@@ -155,13 +161,7 @@ def test_caller_groups_come_from_proc() -> None:
 def test_everyone_may_read_by_the_bits_for_others_alone(tmp_path: Path) -> None:
     """Asked as nobody, a file nobody owns would be judged by its owner's bits (an NFS server's squashed files):
     only the bits for others say whether everyone may read it."""
-    source = tmp_path / "source"
-    (source / "d").mkdir(parents=True)
-    for directory in (source, source / "d"):
-        directory.chmod(0o755)
-    file = source / "d" / "f.png"
-    file.write_bytes(b"x")
-    file.chmod(0o644)
+    source, file = _readable_by_all(tmp_path)
     root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
     try:
         assert access.everyone_may_read(root, b"d/f.png")
