@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import stat
 import threading
 from collections.abc import Callable
@@ -43,7 +44,8 @@ from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw, oversized
-from ..sysio.access import everyone_may_read
+from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read
+from ..sysio.paths import filesystem_type
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
 from .sealing import OVERHEAD, Sealer
@@ -134,18 +136,22 @@ class EveryoneReads:
 
 class EveryoneReadsNow:
     """Whether anyone may read a local file's source now: the bits for others and the group and the ACLs of the
-    file and of every directory above it below the source root, as they are (``sysio.access.everyone_may_read``). The modes the catalog
-    recorded are its writer's word, and a directory closed (chmod o-x) since the scan changes no ctime of the
-    files below it. In a worker thread, at each open that would fetch or store a plaintext value."""
+    file and of every directory above it below the source root, as they are
+    (``sysio.access.everyone_may_read``). The modes the catalog recorded are its writer's word, and a directory
+    closed (chmod o-x) since the scan changes no ctime of the files below it. In a worker thread, at each open
+    that would fetch or store a plaintext value."""
 
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
+        # A walk never leaves the root's filesystem: its kind, once, says whether it has ACLs of its own.
+        try:
+            kind = filesystem_type(os.readlink(f"/proc/self/fd/{root_fd}"))
+        except OSError:
+            kind = None
+        self.posix_acls_only = kind in POSIX_ACLS_ONLY
 
     def __call__(self, node: Node) -> bool:
-        try:
-            return everyone_may_read(self.root_fd, node.path)
-        except ValueError:  # a path the catalog should not hold: nothing of it is shared
-            return False
+        return everyone_may_read(self.root_fd, node.path, posix_acls_only=self.posix_acls_only)
 
 
 @dataclass

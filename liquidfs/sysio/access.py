@@ -24,7 +24,7 @@ import stat
 import struct
 from collections.abc import Callable
 
-from .paths import catalog_parts, open_below, path_below, stat_below
+from .paths import LOCAL_FILESYSTEMS, catalog_parts, open_below, path_below, stat_below
 
 log = logging.getLogger(__name__)
 
@@ -107,60 +107,76 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
             os.abort()
 
 
-def everyone_may_read(root_fd: int, rel: bytes) -> bool:
+def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False) -> bool:
     """Whether every user may open ``rel`` below ``root_fd`` for reading now, by the bits for others and for the
     group: each directory on the way searchable (o+x, g+x) and the file readable (o+r, g+r), and by the entries
     of any extended POSIX ACL among them (``_acl_grants_all``). Asking as some user (nobody) would be answered
     by the owner's bits where that user owns the file (an NFS server's squashed files, a container's unmapped
-    ids). Blocks: a worker thread's."""
-    parts = catalog_parts(rel)
+    ids). ``posix_acls_only``: the filesystem has no ACLs but POSIX ones (``POSIX_ACLS_ONLY``), so one that
+    supports none has none; elsewhere (an NFSv4 or SMB mount has ACLs of its own, which these calls do not
+    read) nothing is everyone's unless it has a POSIX ACL to read. Blocks: a worker thread's."""
     # The group's bits too: a group whose bits lack what others have (0604) is shut out, so not everyone may.
     search, read = stat.S_IXOTH | stat.S_IXGRP, stat.S_IROTH | stat.S_IRGRP
     try:
-        if not _grants_all(root_fd, search, stat.S_ISDIR):
+        parts = catalog_parts(rel)
+        if not _grants_all(root_fd, search, stat.S_ISDIR, posix_acls_only):
             return False
         for i in range(1, len(parts) + 1):
             fd = path_below(root_fd, b"/".join(parts[:i]))
             try:
-                if not (_grants_all(fd, read, stat.S_ISREG) if i == len(parts) else
-                        _grants_all(fd, search, stat.S_ISDIR)):
+                if not (_grants_all(fd, read, stat.S_ISREG, posix_acls_only) if i == len(parts) else
+                        _grants_all(fd, search, stat.S_ISDIR, posix_acls_only)):
                     return False
             finally:
                 os.close(fd)
-    except OSError:  # gone, a link on the way, another filesystem
+    except OSError:  # gone, a link on the way, another filesystem, a path the catalog should not hold
         return False
     return True
 
 
-def _grants_all(fd: int, bits: int, kind: Callable[[int], bool]) -> bool:
+#: Filesystems with no ACLs but POSIX ones (or none at all): where one answers that it supports no POSIX ACL,
+#: the modes say all.
+POSIX_ACLS_ONLY = LOCAL_FILESYSTEMS
+
+
+def _grants_all(fd: int, bits: int, kind: Callable[[int], bool], posix_acls_only: bool) -> bool:
     """Whether what ``fd`` holds is of ``kind`` and its mode has ``bits``, and its ACL shuts nobody out."""
     mode = os.fstat(fd).st_mode
-    return kind(mode) and mode & bits == bits and _acl_grants_all(fd, bits & stat.S_IRWXO)
+    return kind(mode) and mode & bits == bits and _acl_grants_all(fd, bits & stat.S_IRWXO, posix_acls_only)
 
 
 #: The extended access ACL of a file, in the kernel's format (none where its mode bits say it all).
 _ACL_XATTR = "system.posix_acl_access"
 _ACL_VERSION = struct.Struct("<I")
 _ACL_ENTRY = struct.Struct("<HHI")  # tag, permission bits (r 4, w 2, x 1), uid or gid
+_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
 #: The entries a caller who is not the owner may be judged by before others' entry: a named user, the owning
 #: group, a named group. The mask and others' entry are the mode's group and other bits.
-_ACL_DECIDING = frozenset({0x02, 0x04, 0x08})
+_ACL_DECIDING = frozenset({_USER, _GROUP_OBJ, _GROUP})
 
 
-def _acl_grants_all(fd: int, bit: int) -> bool:
+def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
     """Whether the extended ACL of the file held at ``fd`` (O_PATH: read through /proc, as fgetxattr refuses
     one) gives ``bit`` in each of its named users' and groups' and its owning group's entries; True where it has
     none. A user named with ``---`` cannot read a file others may: an ACL that shuts anyone out is not
-    everyone's. An ACL that cannot be read or parsed counts as shutting someone out."""
+    everyone's. An ACL that cannot be read, or is not one the kernel would have made (an unknown tag, an entry
+    of the owner, the owning group or others missing or twice, named entries without a mask), counts as
+    shutting someone out."""
     try:
         value = os.getxattr(f"/proc/self/fd/{fd}", _ACL_XATTR)
     except OSError as exc:
-        return exc.errno in (errno.ENODATA, errno.EOPNOTSUPP)
+        return exc.errno == errno.ENODATA or (exc.errno == errno.EOPNOTSUPP and posix_acls_only)
     if len(value) < _ACL_VERSION.size or (len(value) - _ACL_VERSION.size) % _ACL_ENTRY.size \
             or _ACL_VERSION.unpack_from(value)[0] != 2:
         return False
-    return all(perm & bit for tag, perm, _ in _ACL_ENTRY.iter_unpack(value[_ACL_VERSION.size:])
-               if tag in _ACL_DECIDING)
+    entries = list(_ACL_ENTRY.iter_unpack(value[_ACL_VERSION.size:]))
+    tags = [tag for tag, _, _ in entries]
+    masks, named = tags.count(_MASK), tags.count(_USER) + tags.count(_GROUP)
+    if (not set(tags) <= {_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER}
+            or any(tags.count(tag) != 1 for tag in (_USER_OBJ, _GROUP_OBJ, _OTHER))
+            or masks > 1 or (named and not masks)):
+        return False
+    return all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
 
 
 def _chain(root_fd: int, rel: bytes) -> list[os.stat_result] | None:

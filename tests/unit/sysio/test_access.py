@@ -123,9 +123,10 @@ def test_everyone_may_read_reads_an_acl_that_shuts_one_user_out(tmp_path: Path) 
 
 def test_an_acl_that_cannot_be_read_or_parsed_shuts_someone_out(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """What a filesystem's xattr says is its word: a value not in the kernel's format counts as an ACL that
-    shuts someone out; a filesystem without ACLs (EOPNOTSUPP) or a file without one (ENODATA) is judged by its
-    bits."""
+    """What a filesystem's xattr says is its word: a value not in the kernel's format, or not an ACL the kernel
+    would make, counts as one that shuts someone out. A file without one (ENODATA) is judged by its bits; so is
+    one whose filesystem supports no POSIX ACL (EOPNOTSUPP) only where it has no ACLs of another kind (an NFSv4
+    mount's are not read)."""
     file = tmp_path / "f.png"
     file.write_bytes(b"x")
     file.chmod(0o644)
@@ -138,15 +139,33 @@ def test_an_acl_that_cannot_be_read_or_parsed_shuts_someone_out(tmp_path: Path,
             raise answer
         return answer
 
+    def acl(*entries: tuple[int, int, int], version: int = 2) -> bytes:
+        return struct.pack("<I", version) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+    # r-x: read for the file, search for the directory the answer is given for too
+    owner, group, other, user, named_group, mask = (0x01, 7, 0), (0x04, 5, 0), (0x20, 5, 0), (0x02, 5, 7), \
+        (0x08, 5, 7), (0x10, 5, 0)
     monkeypatch.setattr(access.os, "getxattr", getxattr)
     root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for answer, everyone in ((OSError(errno.ENODATA, "none"), True), (OSError(errno.EOPNOTSUPP, "no ACLs"), True),
-                                 (OSError(errno.EIO, "torn"), False), (b"\x02\x00\x00\x00\x01", False),
-                                 (struct.pack("<IHHI", 3, 0x20, 4, 0), False),
-                                 (struct.pack("<IHHI", 2, 0x20, 4, 0), True)):
+        for answer, everyone, posix_only in (
+                (OSError(errno.ENODATA, "none"), True, False),
+                (OSError(errno.EOPNOTSUPP, "no POSIX ACLs"), True, True),
+                (OSError(errno.EOPNOTSUPP, "no POSIX ACLs: NFSv4's own"), False, False),
+                (OSError(errno.EIO, "torn"), False, True),
+                (b"\x02\x00\x00\x00\x01", False, True),
+                (acl(owner, group, other), True, True),  # the minimal ACL: the modes
+                (acl(owner, group, other, version=3), False, True),
+                (acl(other), False, True),  # no owner's or owning group's entry
+                (acl(owner, group, group, other), False, True),
+                (acl(owner, user, group, other), False, True),  # a named user without a mask
+                (acl(owner, user, group, named_group, mask, other), True, True),
+                (acl(owner, user, group, mask, mask, other), False, True),
+                (acl(owner, group, (0x40, 4, 0), other), False, True),  # a tag the kernel has none of
+                (acl(owner, (0x04, 0, 0), mask, other), False, True)):  # the owning group shut out
             answers[:] = [answer]
-            assert access.everyone_may_read(root, b"f.png") is everyone, answer
+            assert access.everyone_may_read(root, b"f.png", posix_acls_only=posix_only) is everyone, answer
+        assert not access.everyone_may_read(root, b"../f.png", posix_acls_only=True)  # not a catalog's path
     finally:
         os.close(root)
 
