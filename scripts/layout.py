@@ -22,6 +22,7 @@ FOLDERS = ("cli", "profile", "prepare", "daemon", "fuse", "datapath", "held", "m
 #: Where a module without a unit test file of its own name (tests/unit/FOLDER/test_MODULE.py) is tested.
 TESTED_IN = {
     "catalog/scan.py": "`unit/catalog/test_build.py`",
+    "catalog/store_dir.py": "`unit/stores/test_writers.py`, `unit/catalog/test_schema.py`",
     "datapath/limits.py": "`unit/cli/test_light_commands.py` (imports nothing); `unit/daemon/test_config.py`",
     "mix/modes.py": "`unit/cli/test_light_commands.py` (imports nothing); `unit/cli/test_options.py`",
     "cli/__init__.py": "(re-exports ``main``, the console entry point) `unit/cli/test_errors.py`",

@@ -20,7 +20,7 @@ from typing import Self
 
 from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
-from ..sysio.paths import open_dir_below, open_to_others
+from ..sysio.paths import open_dir_below
 from ..sysio.progress import Progress
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
@@ -30,6 +30,7 @@ from .scan import START_AFTER, Warmer
 from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES,
                      UNLISTED, CatalogError, schema_version)
 from .sink import LocalSink, ProcessSink, Sink
+from .store_dir import check_store_dir
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class _Writer:
     def __init__(self, store_dir: str | os.PathLike[str]) -> None:
         self.store = Path(store_dir)
         self.store.mkdir(parents=True, exist_ok=True)
+        check_store_dir(self.store, writing=True)  # before a leftover is looked at
         self.final = self.store / CATALOG_NAME
         _remove_abandoned(self.store)
         self.tmp, self.lock = _in_the_making(self.store)
@@ -234,8 +236,8 @@ def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
     a name and follows a link there, and in a store whose directory others may write, a link planted at the name
     (seen from its lock file) would have had root make or write a file wherever it pointed. Where others may
     rename in the directory, they could swap the file made for a link after it is made: refused
-    (``refuse_open_store``)."""
-    refuse_open_store(store)
+    (``store_dir``)."""
+    check_store_dir(store, writing=True)
     path = store / unique(f"{CATALOG_NAME}.new-")
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
     try:
@@ -243,21 +245,6 @@ def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-
-
-def refuse_open_store(store: Path) -> None:
-    """CatalogError where group or others may write ``store`` and no sticky bit keeps them to their own entries.
-    They could rename a link in at the name of the catalog in the making once it is seen (or of SQLite's journal
-    beside a catalog opened to write), and root would write where it pointed; and a catalog there is anyone's
-    word. The store as named (a link to it is its user's choice); nothing is written or taken from it."""
-    try:
-        st = os.stat(store)
-    except FileNotFoundError:
-        return
-    if open_to_others(st):
-        raise CatalogError(f"{store}: group or others may write it and rename what is in it (mode "
-                           f"{stat.S_IMODE(st.st_mode):o}): no catalog is written there, nor taken from it; "
-                           "chmod go-w (or +t) it")
 
 
 def _remove_abandoned(store: Path) -> None:
@@ -573,7 +560,7 @@ def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike
     """(the catalog in ``store_dir``, ``FRESH``) where it describes ``source`` as it is now; else (None, why):
     ``MISSING``, or ``Catalog.staleness``'s reason. CatalogError where it describes another source."""
     path = Path(store_dir) / CATALOG_NAME
-    refuse_open_store(Path(store_dir))  # before it is opened to write (a migration)
+    check_store_dir(Path(store_dir), writing=False)
     if not path.exists():
         return None, MISSING
     catalog = Catalog.open(store_dir)

@@ -25,6 +25,7 @@ from . import listings
 from .nodes import REPR_RAW, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      UNLISTED, CatalogError, migrate, schema_version)
+from .store_dir import check_store_dir
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class Catalog:
         version = schema_version(row[0]) if row is not None else None
         if version in (1, 2, 3, 4):
             db.close()
+            check_store_dir(path.parent, writing=True)  # upgraded in place, its journal beside it
             migrate(path, version)
             return cls.open_path(path, readonly=readonly, immutable=immutable)
         if version != SCHEMA_VERSION:

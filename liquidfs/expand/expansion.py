@@ -286,17 +286,22 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
 
 
 def _renamed_in_by_others(obj: str, owner: int) -> str | None:
-    """Why a mount would not serve the object at ``obj`` (``owner``: its owner) for where it is: an objects
-    directory open to others, or a subdirectory someone else than root and ``owner`` may rename in
-    (``StoreReader.may_serve``); None where it would."""
+    """Why a mount would not serve the object at ``obj`` (``objects/<sub>/<name>`` below a store; ``owner``: its
+    owner) for where it is: an objects directory open to others, or a subdirectory someone else than root and
+    ``owner`` may rename in (``StoreReader.may_serve``); None where it would."""
     sub = os.path.dirname(obj)
     objects = os.path.dirname(sub)
     if open_to_others(os.stat(objects)):
-        return f"{objects}: {OBJECTS_OPEN_TO_OTHERS}"
-    if not renamed_only_by_its_writer(os.stat(sub, follow_symlinks=False), owner):
-        return (f"{sub}: someone else than root and the object's owner may rename in it: a mount serves the "
-                "original (chmod go-w it, or chown it to the object's owner)")
-    return None
+        return f"{objects}: group or others may write it and rename what is in it: a mount serves the originals"
+    sub_st = os.stat(sub, follow_symlinks=False)
+    if renamed_only_by_its_writer(sub_st, owner):
+        return None
+    if not stat.S_ISDIR(sub_st.st_mode):
+        return f"{sub}: not a directory (a link?): a mount serves the original"
+    if sub_st.st_mode & 0o022:
+        return f"{sub}: group or others may write it and rename what is in it: a mount serves the original"
+    return (f"{sub}: owned by uid {sub_st.st_uid}, not the object's owner (uid {owner}) or root, who may rename "
+            "what is in it: a mount serves the original")
 
 
 def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:

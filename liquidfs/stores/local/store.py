@@ -27,8 +27,11 @@ from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
+from ...catalog.identity import object_key
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
+from ...catalog.store_dir import check_store_dir
+from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
@@ -95,6 +98,11 @@ def _check_readable(path: Path) -> None:
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
 
+def _refused(why: str) -> str:
+    """A verify job's verdict, given before any file is opened (a function a worker process can be sent)."""
+    return why
+
+
 def _object_entry(obj: str) -> tuple[str, str] | None:
     """(subdirectory, file name) below the objects directory of a name prepare gives an object
     (``reader.OBJECT_NAME``) or of a killed run's leftover of one; None for anything else."""
@@ -152,6 +160,7 @@ class LocalStore:
         otherwise choose which root a root ``verify`` opens files below (``/``)."""
         store_dir = Path(store).absolute()
         path = store_dir / CATALOG_NAME
+        check_store_dir(store_dir, writing=False)
         try:
             before = _trusted_catalog(path)
         except FileNotFoundError:
@@ -199,6 +208,7 @@ class LocalStore:
     def preparing(self, progress: bool) -> Iterator[Preparation]:
         self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        check_store_dir(self.store_dir, writing=True)  # before its lock is made there
         held = exclusive_lock(self.store_dir / PREPARE_LOCK, wait=False)
         if held is None:  # prepares of one store run one after another: the next reuses what the first did
             log.warning("another prepare (or a mount's scan) of %s is running: waiting for it", self.store_dir)
@@ -337,8 +347,14 @@ class LocalStore:
             catalog.close()
 
         def job(n: Node) -> Job:
-            return verify_one, (root, n.path, str(self.store_dir / str(n.object)), str(n.checksum), n.size,
-                                n.mtime_ns, n.etag)
+            # The names the mount opens (``StoreReader._object_below``), nothing else below the store.
+            name = OBJECT_NAME.fullmatch(str(n.object))
+            if name is None:
+                return _refused, ("not an object name prepare gives: a mount serves the original",)
+            if name.group(2) != object_key(n):
+                return _refused, ("not the object of this file's source: a mount serves the original",)
+            return verify_one, (root, n.path, str(self.store_dir / OBJECTS / name.group(1)), str(n.checksum),
+                                n.size, n.mtime_ns, n.etag)
 
         return nodes, job
 
@@ -351,6 +367,7 @@ class LocalStore:
 
         self._check_source()
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        check_store_dir(self.store_dir, writing=True)  # the sample is expanded there
         _check_readable(self.store_dir / CATALOG_NAME)
         self._catalog_ready(rescan=False, progress=False)
         catalog = Catalog.open(self.store_dir, readonly=True)
@@ -454,13 +471,24 @@ class LocalStore:
         """The store's catalog of the source, (re)built where it is stale or a rescan is asked for, by one writer
         at a time. A scan beside a running prepare would rename its catalog over the one the prepare publishes
         at its end, or be renamed over: what the prepare expanded and chose, or what the scan saw, forgotten.
-        So a scan takes the prepare's lock (``_one_writer``)."""
+        So a scan takes the prepare's lock (``_one_writer``).
+
+        A catalog only behind the source in a store this process may not write (another user's: ``store_dir``)
+        is used as it stands, with a warning; one that must be scanned, or a --rescan, is refused there."""
+        check_store_dir(self.store_dir, writing=False)
         state = CHANGED
         if not rescan:
             found, state = current_catalog(self.source, self.store_dir)
             if found is not None:
                 found.close()
                 return
+        why = store_dir_refusal(self.store_dir, writing=True)
+        if why is not None:
+            if rescan or state != CHANGED:
+                raise CatalogError(why)
+            log.warning("%s: its catalog is behind the source and is used as it stands (what changed since its "
+                        "last scan shows after a scan by the store's owner): %s", self.store_dir, why)
+            return
         self.store_dir.mkdir(parents=True, exist_ok=True)
         with self._one_writer(state, rescan=rescan) as scan:
             if scan:

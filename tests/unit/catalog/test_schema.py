@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sqlite3
 from pathlib import Path
 
@@ -16,10 +17,10 @@ from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.catalog.schema import FILE_IDENTITY, SCHEMA_VERSION, CatalogError
 
 
-def test_version_1_catalogs_are_upgraded(tmp_path: Path) -> None:
-    build_from_objects(iter([("a.png", 10, '"e1"', 1)]), tmp_path, "s3://b/x")
-    path = tmp_path / CATALOG_NAME
-    db = sqlite3.connect(path)
+def _version_1(store: Path) -> None:
+    """A catalog in ``store`` as version 1 wrote it."""
+    build_from_objects(iter([("a.png", 10, '"e1"', 1)]), store, "s3://b/x")
+    db = sqlite3.connect(store / CATALOG_NAME)
     db.executescript(  # the tables as version 1 had them: without the ETag columns
         "CREATE TABLE n1 AS SELECT id, parent, name, path, kind, mode, size, mtime_ns, nsubdirs, target, repr, "
         "served_size, object, checksum FROM nodes; DROP TABLE nodes; ALTER TABLE n1 RENAME TO nodes; "
@@ -28,12 +29,35 @@ def test_version_1_catalogs_are_upgraded(tmp_path: Path) -> None:
     db.execute("UPDATE meta SET value='1' WHERE key='schema_version'")
     db.commit()
     db.close()
+
+
+def test_version_1_catalogs_are_upgraded(tmp_path: Path) -> None:
+    _version_1(tmp_path)
     cat = Catalog.open(tmp_path, readonly=True)
     try:
         assert cat.meta("schema_version") == str(SCHEMA_VERSION)
         assert cat.lookup(ROOT_ID, b"a.png").etag is None  # type: ignore[union-attr]
     finally:
         cat.close()
+
+
+@pytest.mark.needs_root("a chown of the store to another user")
+def test_a_catalog_is_upgraded_in_place_only_where_this_user_may_write_its_store(tmp_path: Path) -> None:
+    """An upgrade writes the catalog, and SQLite's journal beside it, by name: not in a store whose owner (or
+    group, or others) may make names there that root would write through."""
+    store = tmp_path / "store"
+    _version_1(store)
+    os.chown(store, 65534, 65534)
+    with pytest.raises(CatalogError, match=f"{re.escape(str(store))}: owned by uid 65534"):
+        Catalog.open(store, readonly=True)
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("1",)
+    os.chown(store, 0, 0)
+    store.chmod(0o770)
+    with pytest.raises(CatalogError, match="group or others may write it"):
+        Catalog.open(store, readonly=True)
+    store.chmod(0o700)
+    Catalog.open(store, readonly=True).close()
 
 
 def test_a_local_catalog_of_version_2_is_rescanned_for_file_versions(tmp_path: Path) -> None:

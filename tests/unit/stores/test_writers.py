@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sqlite3
 import stat
 import threading
@@ -320,20 +321,30 @@ def test_verify_calls_no_object_sound_that_a_mount_would_not_serve_for_where_it_
         prepared: tuple[Path, Path]) -> None:
     """An object in a subdirectory others may rename in (or below an objects directory open to others) holds the
     right bytes, but a mount serves the original in its place: verify says so, naming the directory."""
-    src, store = prepared
+    _, store = prepared
     assert verify(store, progress=False) == []
     catalog, node = _first_raw(store)
     catalog.close()
     sub = (store / str(node.object)).parent
     sub.chmod(0o777)
     failures = verify(store, progress=False)
-    assert failures == [(os.fsdecode(node.path), failures[0][1])] and f"{sub}: someone else" in failures[0][1]
+    why = f"{sub}: group or others may write it and rename what is in it: a mount serves the original"
+    assert failures == [(os.fsdecode(node.path), why)]
     sub.chmod(0o700)
     (store / "objects").chmod(0o777)
     failures = verify(store, progress=False)
     assert len(failures) == 4 and all("rename what is in it" in why for _, why in failures)
     (store / "objects").chmod(0o1777)  # the sticky bit keeps others to their own entries
     assert verify(store, progress=False) == []
+    # Names the mount would not open are not opened by verify either (a row a catalog writer pointed elsewhere).
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        (first, _), (second, other) = db.execute(
+            "SELECT path, object FROM nodes WHERE object IS NOT NULL ORDER BY path LIMIT 2").fetchall()
+        db.execute("UPDATE nodes SET object = ? WHERE path = ?", (other, first))
+        db.execute("UPDATE nodes SET object = 'objects/../../catalog.sqlite' WHERE path = ?", (second,))
+    assert sorted(verify(store, progress=False)) == [
+        (os.fsdecode(first), "not the object of this file's source: a mount serves the original"),
+        (os.fsdecode(second), "not an object name prepare gives: a mount serves the original")]
 
 
 def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Path) -> None:
@@ -360,27 +371,62 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
         prepare(src, store, 1.0, progress=False)
 
 
-def test_a_store_directory_others_may_rename_in_gets_no_catalog_and_gives_none(tmp_path: Path) -> None:
-    """Whoever may rename in the store directory could swap a link in for the catalog in the making (or SQLite's
-    journal) once they see its name, and root would write where it pointed; and a catalog there is anyone's
-    word. Prepare, a mount's scan and its reuse of a catalog all refuse such a store, naming the fix; the sticky
-    bit (a /tmp-like directory) keeps others to their own entries, and is taken."""
+def test_a_store_directory_others_may_write_gets_no_catalog_and_gives_none(tmp_path: Path) -> None:
+    """Whoever may make names in the store directory could put a link at the name of the catalog in the making
+    (or of SQLite's journal) once they see it, and root would write where it pointed; and a catalog there is
+    anyone's word. Prepare, a mount's scan and its reuse of a catalog, and verify all refuse such a store, naming
+    the fix, the sticky bit included (it keeps others from renaming root's entries, not from making new ones)."""
     src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
     store = tmp_path / "store"
     store.mkdir()
     store.chmod(0o777)
-    with pytest.raises(CatalogError, match=f"{store}: group or others may write it.*chmod go-w"):
+    with pytest.raises(CatalogError, match=f"{re.escape(str(store))}: group or others may write it.*chmod go-w"):
         prepare(src, store, 1.0, progress=False)
-    assert not (store / CATALOG_NAME).exists() and not list(store.glob(f"{CATALOG_NAME}*"))
-    with pytest.raises(CatalogError, match="rename what is in it"):
+    assert not list(store.iterdir())  # not even prepare's lock
+    with pytest.raises(CatalogError, match="group or others may write it"):
         LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
+    assert not list(store.iterdir())
     store.chmod(0o700)
     prepare(src, store, 1.0, progress=False)
-    store.chmod(0o775)  # a fresh catalog is not taken either: the group may have put it there
-    with pytest.raises(CatalogError, match="rename what is in it"):
-        LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
-    store.chmod(0o1777)
+    for mode in (0o775, 0o1777):  # a fresh catalog is not taken either: others may have put it there
+        store.chmod(mode)
+        with pytest.raises(CatalogError, match="group or others may write it"):
+            LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
+        with pytest.raises(CatalogError, match="group or others may write it"):
+            verify(store, progress=False)
+    store.chmod(0o700)
     assert LocalStore.given(src, store).mount_catalog(rescan=True, progress=False) == store
+
+
+@pytest.mark.needs_root("a chown of the store to another user")
+def test_a_store_another_user_owns_is_read_by_root_and_never_written(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Its owner may make names in it that root would write through: root's mount takes its fresh catalog, uses
+    one only behind the source as it stands, and refuses to scan it (a --rescan, a catalog to scan again);
+    root's prepare stops before its lock is made there. Its owner writes it."""
+    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    os.chown(store, NOBODY, NOBODY)
+    named = f"{re.escape(str(store))}: owned by uid {NOBODY}.*run this as its owner"
+    assert LocalStore.given(src, store).mount_catalog(rescan=False, progress=False) == store
+    with pytest.raises(CatalogError, match=named):
+        LocalStore.given(src, store).mount_catalog(rescan=True, progress=False)
+    (src / "new.txt").write_bytes(b"x")  # the catalog behind the source
+    with caplog.at_level(logging.WARNING):
+        assert LocalStore.given(src, store).mount_catalog(rescan=False, progress=False) == store
+    assert "behind the source and is used as it stands" in caplog.text
+    catalog = Catalog.open(store, readonly=True)
+    try:
+        assert b"new.txt" not in [n.path for n in catalog.files()]
+    finally:
+        catalog.close()
+    before = sorted(p.name for p in store.iterdir())
+    with pytest.raises(CatalogError, match=named):
+        prepare(src, store, 1.0, progress=False)
+    assert sorted(p.name for p in store.iterdir()) == before
+    os.chown(store, 0, 0)
+    prepare(src, store, 1.0, progress=False)
 
 
 def test_a_row_whose_version_a_catalog_writer_cleared_is_a_changed_file(prepared: tuple[Path, Path]) -> None:

@@ -1,0 +1,49 @@
+"""Whether a local store's directory may hold a catalog this process takes, or one it writes: by who else may put
+names in it.
+
+The daemon and prepare run as root and name their files in the store by path: SQLite opens a catalog, a
+catalog in the making and its journal by name, and follows a link there. Whoever else may make or rename
+entries in the directory could put a link at such a name once they see it (a catalog in the making is listed
+with its lock), or a journal SQLite would take as one to roll back into the catalog, and root would write where
+they chose. So nothing is taken from a directory group or others may write, sticky bit or not (the sticky bit
+keeps them from renaming root's entries, not from making new ones at the names SQLite will open); and nothing
+is written into one whose owner is someone else than root and this user (its owner may do all of that).
+A store another user prepared can still be read by root's mount: reading takes their catalog on its checks
+(``stores.local.store``), and the mount writes there only where its catalog must be scanned again.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from .schema import CatalogError
+
+
+def check_store_dir(store: Path, *, writing: bool) -> None:
+    """CatalogError where a catalog in ``store`` may not be taken (``writing`` False) or written (True), naming
+    the directory and the fix; nothing to check where it does not exist yet (this process makes it, under its
+    umask). The directory as named: a link to it is its user's choice."""
+    why = refusal(store, writing=writing)
+    if why is not None:
+        raise CatalogError(why)
+
+
+def refusal(store: Path, *, writing: bool) -> str | None:
+    """Why ``check_store_dir`` would refuse, or None."""
+    try:
+        st = os.stat(store)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{store}: {exc.strerror}"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        return (f"{store}: group or others may write it (mode {mode:o}) and make names in it that root would write "
+                "through: no catalog is written there, nor taken from it; chmod go-w it")
+    if writing and st.st_uid not in (0, os.geteuid()):
+        return (f"{store}: owned by uid {st.st_uid}, who may make names in it that this process (uid "
+                f"{os.geteuid()}) would write through: its catalog is written only by its owner or root; run this "
+                "as its owner, or chown the store to yourself")
+    return None
