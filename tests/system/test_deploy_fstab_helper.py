@@ -53,9 +53,15 @@ def test_helper_is_executable_posix_sh():
     (["-o", ("store=/nvme/liquid,cache_size=30%,allow_other,ro,nofail,_netdev,x-systemd.automount,"
              "x-systemd.requires=network-online.target")],
      ["--store", "/nvme/liquid", "--cache-size", "30%", "--allow-other"]),
-    (["-o", ("defaults,rw,auto,noauto,user,users,nouser,owner,group,user=alice,dev,nodev,suid,nosuid,exec,noexec,"
-             "comment=x-gvfs-show,x-gvfs-name=data")],
-     []),
+    (["-o", "defaults,rw,auto,noauto,nouser,nofail,_netdev,comment=x-gvfs-show,x-gvfs-name=data"], []),
+    # The kernel's flags: mount(8) leaves them to the helper (a `noexec` dropped would be an exec-able mount).
+    (["-o", "user,users,owner,group,user=alice,dev,nodev,suid,nosuid,exec,noexec"],
+     ["-o", "nosuid,nodev,noexec"]),
+    (["-o", "noexec,fsname=imagenet"], ["-o", "fsname=imagenet,noexec"]),
+    (["-o", "user"], ["-o", "nosuid,nodev,noexec"]),           # as mount(8): user implies all three
+    (["-o", "users,exec,dev"], ["-o", "nosuid"]),               # undone by what comes after
+    (["-o", "owner"], ["-o", "nosuid,nodev"]),
+    (["-o", "exec,suid,dev"], []),                             # never passed on: libfuse's defaults stand
     (["-o", "cache-size=24G,metrics_port=9180,log_level=debug,log_file=/var/log/liquidfs.log"],
      ["--cache-size", "24G", "--metrics-port", "9180", "--log-level", "debug", "--log-file", "/var/log/liquidfs.log"]),
     (["-o", "store=/a,fsname=imagenet,noatime", "-o", "allow_other,default_permissions"],  # -o given twice
@@ -185,10 +191,12 @@ def test_fstab_mount_real(sbin_helper: Path, tmp_path: Path):
     env = dict(os.environ, LIQUIDFS=f"{sys.executable} -m liquidfs")  # this interpreter's liquidfs
     try:
         proc = run(["mount", "-t", "fuse.liquidfs", str(src), str(mnt), "-o",
-                    f"store={store},allow_other,ro,nofail,_netdev,x-systemd.automount"], env=env, timeout=120)
+                    f"store={store},allow_other,ro,nofail,_netdev,x-systemd.automount,noexec"], env=env, timeout=120)
         assert proc.returncode == 0, f"mount failed:\n{proc.stdout}{proc.stderr}"
         # liquidfs mount (no --foreground) returns only once the mount answers: no waiting here
         assert ("fuse.liquidfs", ) == tuple(t for t, _ in mounts_at(mnt))[-1:], mounts_at(mnt)
+        flags = os.statvfs(mnt).f_flag
+        assert flags & os.ST_NOEXEC and flags & os.ST_NOSUID and flags & os.ST_RDONLY, flags  # as fstab asked
         assert_same_dataset(mnt, files)
         proc = run(["umount", str(mnt)], timeout=60)
         assert proc.returncode == 0, f"umount failed:\n{proc.stdout}{proc.stderr}"
