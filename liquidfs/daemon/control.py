@@ -91,9 +91,21 @@ def _has_cap_sys_admin() -> bool:
         return False
 
 
+#: The most bytes a control file is read for (``read_control``).
+CONTROL_MAX_BYTES = 1 << 20
+
+
 def read_control(mountpoint: Path) -> dict[str, object]:
+    # Any user can mount a FUSE filesystem of type fuse.liquidfs (-o subtype): what its file holds is read
+    # no further than a control file's size (a few hundred bytes) allows.
     with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
-        values = json.loads(f.read())
+        text = f.read(CONTROL_MAX_BYTES + 1)
+    if len(text) > CONTROL_MAX_BYTES:
+        raise ValueError(f"{mountpoint}: the control file holds more than a control file does")
+    try:
+        values = json.loads(text)
+    except RecursionError:  # nested past the interpreter's stack
+        raise ValueError(f"{mountpoint}: the control file holds no control file's JSON") from None
     if not isinstance(values, dict):
         raise ValueError(f"{mountpoint}: the control file holds no object")
     return values
@@ -169,10 +181,14 @@ FSTYPE = b"fuse.liquidfs"
 
 
 def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TIMEOUT) -> None:
-    mountpoint = mountpoint.absolute()
     # What is mounted there, from mountinfo: a stat would wait for a hung daemon. Only a liquidfs mount is
-    # unmounted: fusermount3 run by root unmounts any FUSE filesystem, someone else's included.
-    found = watchdog.topmost_mount(Path(os.path.realpath(mountpoint)))
+    # unmounted: fusermount3 run by root unmounts any FUSE filesystem, someone else's included, so it is
+    # given the path checked (the links above it resolved), not one a link could have moved since.
+    mountpoint = Path(os.fsdecode(watchdog.as_mountinfo_shows(mountpoint)))
+    found = watchdog.topmost_mount(mountpoint)
+    if found is None and not lazy and os.path.islink(mountpoint):  # the mount point named by a link to it
+        mountpoint = Path(os.path.realpath(mountpoint))
+        found = watchdog.topmost_mount(mountpoint)
     if found is None:
         if not os.path.lexists(mountpoint):
             raise MountError(f"{mountpoint} does not exist")
@@ -180,14 +196,16 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
     if found[0] != FSTYPE:
         raise MountError(f"{mountpoint} is a {os.fsdecode(found[0])} mount, not a liquidfs mount: left mounted "
                          "(unmount it with what mounted it)")
-    if is_stale(mountpoint):
-        clean_stale(mountpoint)
-        return
     pid = None
-    try:
-        pid = int(str(read_control(mountpoint)["pid"]))
-    except (OSError, ValueError, KeyError):
-        log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
+    if not lazy:  # --lazy touches nothing of the mount: its daemon may answer nothing any more
+        if is_stale(mountpoint):
+            clean_stale(mountpoint)
+            return
+        try:
+            pid = int(str(read_control(mountpoint)["pid"]))
+        except (OSError, ValueError, KeyError):
+            log.warning("%s: its control file does not answer; unmounting without waiting for its daemon",
+                        mountpoint)
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

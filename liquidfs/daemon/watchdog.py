@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,7 +37,7 @@ POLL_S = 0.2
 def topmost_mount(mountpoint: Path) -> tuple[bytes, int, int] | None:
     """(filesystem type, device, mount id) of what is mounted on top at ``mountpoint``, from /proc/self/mountinfo
     (a stat of a FUSE mount would wait for its daemon), or None."""
-    target = os.fsencode(os.path.abspath(mountpoint))
+    target = as_mountinfo_shows(mountpoint)
     found = None
     for mount_id, device, point, fstype in _mounts():
         if point == target:  # later lines are mounted on top of earlier ones
@@ -44,17 +45,36 @@ def topmost_mount(mountpoint: Path) -> tuple[bytes, int, int] | None:
     return found
 
 
+def as_mountinfo_shows(mountpoint: Path) -> bytes:
+    """``mountpoint`` as mountinfo names it: the links of the directories above it resolved (mountinfo shows the
+    real path), the last name as it is. Nothing of what is mounted there is touched: a stat of it would wait
+    for its daemon, and one that no longer answers would hold the caller for good."""
+    absolute = os.path.abspath(mountpoint)
+    return os.fsencode(os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute)))
+
+
 def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[int, int, bytes, bytes]]:
     """(mount id, device, mount point, filesystem type) of every mount this process (or the one whose
-    ``mountinfo`` is named) sees."""
+    ``mountinfo`` is named) sees. The device as the kernel numbers it (``kernel_device``): what fusectl names a
+    FUSE connection's directory after."""
     out = []
     with open(mountinfo, "rb") as f:
         for line in f:
             fields = line.split()
-            point = fields[4].replace(b"\\040", b" ").replace(b"\\011", b"\t").replace(b"\\012", b"\n")
+            point = _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])  # a space is \040, "\" \134
             major, minor = map(int, fields[2].split(b":"))
-            out.append((int(fields[0]), os.makedev(major, minor), point, fields[fields.index(b"-") + 1]))
+            out.append((int(fields[0]), kernel_device(major, minor), point, fields[fields.index(b"-") + 1]))
     return out
+
+
+_OCTAL = re.compile(rb"\\([0-7]{3})")
+
+
+def kernel_device(major: int, minor: int) -> int:
+    """A device number as the kernel holds it (``MKDEV``: 20 bits of minor), which is how fusectl names a
+    connection (``fc->dev``, printed with %u): a FUSE mount's anonymous device 0:300 is connection 300. glibc's
+    ``makedev`` packs the two otherwise above a minor of 255 (0:300 is 1048620), so it names no connection."""
+    return major << 20 | minor
 
 
 def sees_connection(pid: int, connection: int) -> bool:
@@ -147,7 +167,7 @@ def new_mount(mountpoint: Path, before: set[int]) -> tuple[bytes, int, int] | No
     Whatever is on top at the mount point is not necessarily ours: another mount may be stacked there a moment
     later, and a watchdog that took its connection would abort a stranger's. Ours is the mount that appeared
     while we mounted; if two did (another mount raced ours on the same point), neither is taken."""
-    target = os.fsencode(os.path.abspath(mountpoint))
+    target = as_mountinfo_shows(mountpoint)
     found = [(fstype, device, mount_id) for mount_id, device, point, fstype in _mounts()
              if point == target and mount_id not in before and fstype.startswith(b"fuse")]
     return found[0] if len(found) == 1 else None

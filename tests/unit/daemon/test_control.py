@@ -1,0 +1,55 @@
+"""What ``liquidfs umount`` and ``stats`` read of a mount (``daemon.control``): nothing of a mount that may not
+answer where it need not be touched, and no more of a control file than one holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from liquidfs.catalog.nodes import CONTROL_NAME
+from liquidfs.daemon import control, watchdog
+
+
+def test_a_control_file_is_read_no_further_than_one_holds(tmp_path: Path) -> None:
+    """Any user can mount a FUSE filesystem of type fuse.liquidfs, and root's `liquidfs stats` or `umount` reads
+    its control file: an endless or deeply nested one is refused as a ValueError (one line), never read whole
+    or a traceback."""
+    control_file = tmp_path / os.fsdecode(CONTROL_NAME)
+    control_file.write_text(json.dumps({"pid": 12}))
+    assert control.read_control(tmp_path) == {"pid": 12}
+    control_file.write_bytes(b'{"pad": "' + b"x" * control.CONTROL_MAX_BYTES + b'"}')
+    with pytest.raises(ValueError, match="more than a control file"):
+        control.read_control(tmp_path)
+    control_file.write_bytes(b"[" * (control.CONTROL_MAX_BYTES // 2) + b"]" * (control.CONTROL_MAX_BYTES // 2))
+    with pytest.raises(ValueError):
+        control.read_control(tmp_path)
+
+
+def test_a_lazy_umount_touches_nothing_of_the_mount(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`umount --lazy` is how a mount whose daemon answers nothing any more is cleared: a statfs or a read of
+    its control file would hold the command in the kernel for good. fusermount3 is given the path checked,
+    the links above it resolved."""
+    real = tmp_path / "real"
+    (real / "mnt").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real)
+    seen: list[bytes] = []
+
+    def topmost(path: Path) -> tuple[bytes, int, int]:
+        seen.append(os.fsencode(path))
+        return control.FSTYPE, 300, 1
+
+    def touched(*args: object) -> None:
+        raise AssertionError("the mount was touched")
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(watchdog, "topmost_mount", topmost)
+    monkeypatch.setattr(control, "is_stale", touched)
+    monkeypatch.setattr(control, "read_control", touched)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    control.unmount(tmp_path / "link" / "mnt", lazy=True)
+    assert seen == [os.fsencode(real / "mnt")]
+    assert ran == [["fusermount3", "-u", "-z", str(real / "mnt")]]

@@ -1,0 +1,29 @@
+"""The watchdog's reading of mountinfo (``daemon.watchdog``): which fusectl connection a mount is, and where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from liquidfs.daemon import watchdog
+
+
+def test_a_mount_is_the_connection_fusectl_names_after_its_device_past_minor_255(tmp_path: Path) -> None:
+    """fusectl names a connection after the kernel's device number (20 bits of minor): a node with hundreds of
+    anonymous superblocks (a host of pods) gives FUSE mounts minors past 255, where glibc's makedev numbers
+    differently (0:300 would be 1048620) and the watchdog found no connection to watch. Mount points come
+    back with every escape mountinfo writes decoded (a backslash is \\134)."""
+    mountinfo = tmp_path / "mountinfo"
+    mountinfo.write_bytes(
+        b"36 25 0:300 / /mnt/a\\040b rw,nosuid,nodev - fuse.liquidfs liquidfs rw,user_id=0,group_id=0\n"
+        b"37 25 0:45 / /mnt/back\\134slash rw - fuse.liquidfs liquidfs rw\n"
+        b"38 25 8:1 / /data rw shared:1 - ext4 /dev/sda1 rw\n")
+    assert watchdog._mounts(str(mountinfo)) == [
+        (36, 300, b"/mnt/a b", b"fuse.liquidfs"), (37, 45, b"/mnt/back\\slash", b"fuse.liquidfs"),
+        (38, 8 << 20 | 1, b"/data", b"ext4")]
+    assert watchdog.kernel_device(0, 300) == 300
+
+
+def test_this_machines_mounts_are_read_whole() -> None:
+    """Every line of the process's own mountinfo parses (optional fields and all)."""
+    mounts = watchdog._mounts()
+    assert mounts and any(point == b"/" for _, _, point, _ in mounts)
