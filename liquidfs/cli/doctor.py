@@ -11,6 +11,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,9 +47,10 @@ def _kernel_config() -> str | None:
     release = os.uname().release
     for path in (Path("/proc/config.gz"), Path(f"/boot/config-{release}")):
         try:
-            return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        except OSError:
+            data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        except (OSError, EOFError, zlib.error):  # unreadable, or a truncated or corrupt gzip
             continue
+        return data.decode(errors="replace")
     return None
 
 
@@ -73,7 +75,10 @@ def verity_check(config: str | None = None) -> Check:
 
 def libfuse_check() -> Check:
     """The libfuse this process's pyfuse3 is linked to (from the mapped library's file name)."""
-    import pyfuse3  # noqa: F401  (maps libfuse3 into this process)
+    try:
+        import pyfuse3  # noqa: F401  (maps libfuse3 into this process)
+    except ImportError as exc:  # libfuse3.so missing: what doctor is run to find
+        return Check("libfuse", False, f"pyfuse3 does not load: {exc}", ">= 3.17")
 
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -90,9 +95,12 @@ def libfuse_check() -> Check:
 
 
 def pyfuse3_check() -> Check:
-    import pyfuse3
+    try:
+        import pyfuse3
 
-    from ..datapath import passthrough  # (imported here: every other command's parser is built without it)
+        from ..datapath import passthrough  # (imported here: every other command's parser is built without it)
+    except ImportError as exc:
+        return Check("pyfuse3 passthrough patch", False, f"does not load: {exc}", "scripts/passthrough (install.sh)")
 
     missing = passthrough.built_in()
     version = getattr(pyfuse3, "__version__", "?")

@@ -42,7 +42,10 @@ class ClusterError(ValueError):
 
 def parse_cluster(url: str) -> list[tuple[str, int]]:
     """``memcached://HOST[:PORT],HOST[:PORT]...`` as (host, port) pairs."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL": a bracket not closed
+        raise ClusterError(f"--cluster {url!r}: {exc}") from None
     if parts.scheme != "memcached" or not parts.netloc or parts.path not in ("", "/") or parts.query:
         raise ClusterError(f"--cluster {url!r}: expected memcached://HOST:PORT[,HOST:PORT...]")
     servers = []
@@ -51,7 +54,7 @@ def parse_cluster(url: str) -> list[tuple[str, int]]:
         if not sep or host.endswith(":"):  # no port given (or a bare IPv6 address, which needs [brackets]:PORT)
             host, port_text = item.strip(), str(DEFAULT_PORT)
         host = host.removeprefix("[").removesuffix("]")
-        port = int(port_text) if port_text.isdigit() else 0
+        port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0  # not "²" (isdigit says so)
         if not host or not 0 < port < 65536 or any(c.isspace() or c in "/@" for c in host):
             raise ClusterError(f"--cluster {url!r}: {item!r} is not HOST:PORT")
         servers.append((host, port))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +57,32 @@ def test_the_command_says_the_same_as_json(tmp_path) -> None:
     assert values["verdict"].startswith("passthrough"), values
     text = run_cli("doctor").stdout
     assert "passthrough" in text.splitlines()[-1]
+
+
+def test_doctor_reports_what_it_cannot_load_or_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A machine without libfuse3 (pyfuse3 does not load) is what doctor is run on: each check says so, not a
+    traceback. A kernel config that is a torn gzip is no config; one in another encoding is read as it is."""
+    import builtins
+    import gzip
+
+    from liquidfs.cli import doctor
+
+    real_import = builtins.__import__
+
+    def no_pyfuse3(name: str, *args: object, **kwargs: object) -> object:
+        if name == "pyfuse3":
+            raise ImportError("libfuse3.so.3: cannot open shared object file")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patched:
+        patched.delitem(sys.modules, "pyfuse3", raising=False)
+        patched.setattr(builtins, "__import__", no_pyfuse3)
+        for check in (doctor.libfuse_check(), doctor.pyfuse3_check()):
+            assert check.ok is False and "libfuse3.so.3" in check.found
+    torn = tmp_path / "config.gz"
+    torn.write_bytes(gzip.compress(b"CONFIG_FUSE_PASSTHROUGH=y\n")[:-6])
+    latin = tmp_path / "config"
+    latin.write_bytes(b"# caf\xe9\nCONFIG_FUSE_PASSTHROUGH=y\n")
+    paths = iter([torn, latin])
+    monkeypatch.setattr(doctor, "Path", lambda *a: next(paths))
+    assert "CONFIG_FUSE_PASSTHROUGH=y" in (doctor._kernel_config() or "")

@@ -54,7 +54,8 @@ def _level(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tu
 def test_urls() -> None:
     assert parse_cluster("memcached://a:1,b,[::1]:5") == [("a", 1), ("b", 11211), ("::1", 5)]
     for bad in ("memcached://", "redis://a:1", "memcached://a:x", "memcached://a:1,a:1", "memcached://a:1/db",
-                "memcached://:5", "memcached://a:99999"):
+                "memcached://:5", "memcached://a:99999",
+                "memcached://[::1", "memcached://a:\u00b2"):  # a bracket not closed; a digit int() refuses
         with pytest.raises(ClusterError):
             parse_cluster(bad)
 
