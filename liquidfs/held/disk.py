@@ -74,14 +74,16 @@ class DiskLevel(Level[_Entry], InFront):
         InFront.__init__(self, inner)
         self.memory_holds = memory_holds
         _remove_stale(root)
+        root.mkdir(parents=True, exist_ok=True)
         self.dir = root / unique(_PREFIX)
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=False)
-        self._dir_fd = _own_directory(self.dir)
-        # held while this mount lives: another mount's _remove_stale leaves the directory alone
+        # Held while this mount lives, and from before its directory is made: another mount starting at the
+        # same moment sweeps (``_remove_stale``) no directory whose lock is not yet there.
+        self._alive = HeldLock(root / f"{self.dir.name}.lock")
         try:
-            self._alive = HeldLock(root / f"{self.dir.name}.lock")
+            self.dir.mkdir(mode=0o700, exist_ok=False)
+            self._dir_fd = _own_directory(self.dir)
         except BaseException:
-            os.close(self._dir_fd)
+            self._alive.release()
             raise
         self._lock = threading.Lock()
         self.hits = 0

@@ -5,10 +5,14 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
+from liquidfs.held import disk as disk_module
 from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.held.disk import DiskLevel
 from liquidfs.stores.reader import Content
+from liquidfs.sysio.locks import HeldLock
 
 SIZE = 1000
 FILES = 100
@@ -93,6 +97,24 @@ def test_stale_directories_of_dead_mounts_are_removed(tmp_path: Path) -> None:
     (dead / "3").write_bytes(b"x")
     level, _ = _level(tmp_path, 0.1)
     assert not dead.exists() and level.dir.exists()
+
+
+def test_a_levels_directory_never_exists_without_its_held_lock(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another mount starting at the same moment sweeps every directory whose lock it can take (or finds
+    missing): the lock is held before the directory is made, so no sweeper sees one of a live mount unlocked."""
+    seen: list[bool] = []
+
+    class SeeingLock(HeldLock):
+        def __init__(self, path: Path) -> None:
+            seen.append(any(p.is_dir() for p in tmp_path.iterdir()))  # a level's directory there already?
+            super().__init__(path)
+
+    monkeypatch.setattr(disk_module, "HeldLock", SeeingLock)
+    level, _ = _level(tmp_path, 0.1)
+    assert seen == [False] and level.dir.is_dir()
+    disk_module._remove_stale(tmp_path)  # a second mount's sweep
+    assert level.dir.is_dir()
 
 
 def test_parts_of_files_read_again_come_from_the_store(tmp_path: Path) -> None:
