@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 
 #: ``liquidfs umount --timeout``: seconds to wait for the daemon to exit once unmounted.
 UNMOUNT_TIMEOUT = 30.0
+#: Seconds ``unmount`` waits for a mount's daemon to answer a statfs before it says the daemon is stuck.
+ANSWER_TIMEOUT = 10.0
 
 
 def is_stale(mountpoint: Path) -> bool:
@@ -198,9 +201,13 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
                          "(unmount it with what mounted it)")
     pid = None
     if not lazy:  # --lazy touches nothing of the mount: its daemon may answer nothing any more
-        if is_stale(mountpoint):
+        state = _probe(mountpoint, ANSWER_TIMEOUT)
+        if state == "stale":
             clean_stale(mountpoint)
             return
+        if state == "silent":
+            raise MountError(f"{mountpoint}: its daemon answered nothing in {ANSWER_TIMEOUT:.0f} s (stuck?); "
+                             f"`liquidfs umount --lazy {mountpoint}` detaches the mount now")
         try:
             pid = int(str(read_control(mountpoint)["pid"]))
         except (OSError, ValueError, KeyError):
@@ -234,6 +241,18 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
                     + "\nit exits once those end (or unmount it in their namespace)")
             time.sleep(0.05)
         raise MountError(f"unmounted, but the daemon (pid {pid}) is still running after {timeout:.0f} s")
+
+
+def _probe(mountpoint: Path, timeout: float) -> str:
+    """"stale" (its daemon is gone), "answers", or "silent": no answer within ``timeout`` seconds. A statfs of
+    a mount whose daemon is stuck waits in the kernel for good, so it is asked from a thread of its own, left
+    waiting where it does not come back (the process's exit ends it)."""
+    said: list[str] = []
+    asking = threading.Thread(target=lambda: said.append("stale" if is_stale(mountpoint) else "answers"),
+                              name="liquidfs-umount-probe", daemon=True)
+    asking.start()
+    asking.join(timeout)
+    return said[0] if said else "silent"
 
 
 def _alive(pid: int) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,30 @@ def test_a_lazy_umount_touches_nothing_of_the_mount(tmp_path: Path, monkeypatch:
     control.unmount(tmp_path / "link" / "mnt", lazy=True)
     assert seen == [os.fsencode(real / "mnt")]
     assert ran == [["fusermount3", "-u", "-z", str(real / "mnt")]]
+
+
+def test_umount_of_a_mount_whose_daemon_answers_nothing_says_so_and_how_to_detach_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A statfs of a mount whose daemon is stuck waits in the kernel for good: `liquidfs umount` asks it from a
+    thread of its own, and past its time says the daemon answers nothing and that --lazy detaches it, running
+    nothing else."""
+    (tmp_path / "mnt").mkdir()
+    asked = threading.Event()
+    release = threading.Event()
+
+    def stuck(path: Path) -> bool:
+        asked.set()
+        release.wait(30)
+        return False
+
+    ran: list[list[str]] = []
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (control.FSTYPE, 300, 1))
+    monkeypatch.setattr(control, "is_stale", stuck)
+    monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.2)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    try:
+        with pytest.raises(control.MountError, match=r"answered nothing in 0 s.*umount --lazy"):
+            control.unmount(tmp_path / "mnt")
+    finally:
+        release.set()
+    assert asked.is_set() and ran == []
