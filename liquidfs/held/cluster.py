@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import stat
 import threading
 from collections.abc import Callable
@@ -45,7 +44,7 @@ from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw, oversized
 from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read
-from ..sysio.paths import filesystem_type
+from ..sysio.paths import filesystem_type_of
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
 from .sealing import OVERHEAD, Sealer
@@ -144,11 +143,7 @@ class EveryoneReadsNow:
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
         # A walk never leaves the root's filesystem: its kind, once, says whether it has ACLs of its own.
-        try:
-            kind = filesystem_type(os.readlink(f"/proc/self/fd/{root_fd}"))
-        except OSError:
-            kind = None
-        self.posix_acls_only = kind in POSIX_ACLS_ONLY
+        self.posix_acls_only = filesystem_type_of(root_fd) in POSIX_ACLS_ONLY
 
     def __call__(self, node: Node) -> bool:
         return everyone_may_read(self.root_fd, node.path, posix_acls_only=self.posix_acls_only)

@@ -24,7 +24,7 @@ import stat
 import struct
 from collections.abc import Callable
 
-from .paths import LOCAL_FILESYSTEMS, catalog_parts, open_below, path_below, stat_below
+from .paths import catalog_parts, open_below, path_below, stat_below
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +135,8 @@ def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False
 
 
 #: Filesystems with no ACLs but POSIX ones (or none at all): where one answers that it supports no POSIX ACL,
-#: the modes say all.
-POSIX_ACLS_ONLY = LOCAL_FILESYSTEMS
+#: the modes say all. Not overlay (its lower layer may be an NFSv4 one) nor ZFS (NFSv4 ACLs where built so).
+POSIX_ACLS_ONLY = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "ramfs"})
 
 
 def _grants_all(fd: int, bits: int, kind: Callable[[int], bool], posix_acls_only: bool) -> bool:

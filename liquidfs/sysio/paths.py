@@ -39,6 +39,23 @@ def filesystem_type(path: bytes | str, mountinfo: str | None = None) -> str | No
     return found
 
 
+def filesystem_type_of(fd: int, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem the file held at ``fd`` is on, by its device in /proc/self/mountinfo (not by
+    a path, which may name something else by now); None where no mount shows that device."""
+    device = os.fstat(fd).st_dev
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    if mountinfo is None:
+        try:
+            mountinfo = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
+            return fields[fields.index("-") + 1]
+    return None
+
+
 def catalog_parts(rel: bytes) -> list[bytes]:
     """The components of a path read from a catalog, which whoever writes the store controls: refused (EIO)
     unless every component names an entry below its directory (no '..', '.', empty or absolute component, no NUL:

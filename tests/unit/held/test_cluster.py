@@ -384,6 +384,22 @@ def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path
     assert sealed_client.sets == len(raw) and sealed.statistics().values()["cluster_private"] == 0
 
 
+def test_a_source_with_acls_of_its_own_shares_nothing_in_the_clear_that_has_no_posix_acl(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An NFSv4 (or SMB) source answers that it supports no POSIX ACL and keeps ACLs of its own, which are not
+    read: nothing there is everyone's without a key. The kind is the root descriptor's filesystem's."""
+    import liquidfs.held.cluster as cluster_module
+
+    src, _, _ = _private_store(tmp_path)
+    root = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert EveryoneReadsNow(root).posix_acls_only  # this machine's ext4 (or tmpfs)
+        monkeypatch.setattr(cluster_module, "filesystem_type_of", lambda fd: "nfs4")
+        assert not EveryoneReadsNow(root).posix_acls_only
+    finally:
+        os.close(root)
+
+
 def test_a_file_closed_to_others_since_the_scan_never_goes_to_the_cluster_in_the_clear(tmp_path: Path) -> None:
     """Whether anyone may read a local source is asked of the source as it is: the catalog's modes are its
     writer's word, and a directory closed since the scan (chmod o-x) changes no file's ctime."""

@@ -1,7 +1,12 @@
-"""Where a path lies (``paths.filesystem_type``): what decides whether a source is checked on the loop."""
+"""Where a path lies (``paths.filesystem_type``, ``filesystem_type_of``): what decides whether a source is
+checked on the loop, and whether it may have ACLs of its own."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from liquidfs.sysio import paths
 
 MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
 30 22 0:40 / /data rw - nfs srv:/x rw
@@ -40,3 +45,17 @@ def test_a_catalog_path_that_leaves_its_root_or_hides_a_nul_is_refused(tmp_path)
                 assert refused.value.errno == errno.EIO, (rel, walk)
     finally:
         os.close(root)
+
+
+def test_a_descriptors_filesystem_is_found_by_its_device_not_a_path(tmp_path: Path) -> None:
+    """Whether a source has ACLs of its own (NFSv4's) is asked of what the daemon holds open: a path may name
+    another filesystem by now (a link swapped in, a mount over it)."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        device = os.fstat(fd).st_dev
+        line = f"36 25 {os.major(device)}:{os.minor(device)} / {tmp_path} rw shared:1 - nfs4 server:/x rw\n"
+        assert paths.filesystem_type_of(fd, "1 0 0:1 / / rw - ext4 /dev/root rw\n" + line) == "nfs4"
+        assert paths.filesystem_type_of(fd, "1 0 0:1 / / rw - ext4 /dev/root rw\n") is None
+        assert paths.filesystem_type_of(fd) == paths.filesystem_type(str(tmp_path))  # this machine's own
+    finally:
+        os.close(fd)
