@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import fields
@@ -266,7 +267,8 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")
     return MountConfig(
-        source=storage.source_label, mountpoint=Path(args.mountpoint).absolute(), store=storage.label,
+        # As mountinfo will show it (links resolved): what the watchdog and umount find the mount by.
+        source=storage.source_label, mountpoint=Path(os.path.realpath(args.mountpoint)), store=storage.label,
         allow_other=args.allow_other, fuse_options=tuple(o for opts in args.options for o in opts.split(",") if o),
         threads=threads, open_threads=args.open_threads, loops=loop_count, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         cache_size=cache_size, warmup=args.warmup, readahead_kb=args.readahead_kb,

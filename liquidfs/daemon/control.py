@@ -189,8 +189,8 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
     # given the path checked (the links above it resolved), not one a link could have moved since.
     mountpoint = Path(os.fsdecode(watchdog.as_mountinfo_shows(mountpoint)))
     found = watchdog.topmost_mount(mountpoint)
-    if found is None and not lazy and os.path.islink(mountpoint):  # the mount point named by a link to it
-        mountpoint = Path(os.path.realpath(mountpoint))
+    if found is None and os.path.islink(mountpoint):  # the mount point named by a link to it (not mounted on)
+        mountpoint = Path(os.fsdecode(watchdog.as_mountinfo_shows(mountpoint.parent / os.readlink(mountpoint))))
         found = watchdog.topmost_mount(mountpoint)
     if found is None:
         if not os.path.lexists(mountpoint):
@@ -201,18 +201,13 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
                          "(unmount it with what mounted it)")
     pid = None
     if not lazy:  # --lazy touches nothing of the mount: its daemon may answer nothing any more
-        state = _probe(mountpoint, ANSWER_TIMEOUT)
+        state, pid = _probe(mountpoint, ANSWER_TIMEOUT)
         if state == "stale":
             clean_stale(mountpoint)
             return
         if state == "silent":
             raise MountError(f"{mountpoint}: its daemon answered nothing in {ANSWER_TIMEOUT:.0f} s (stuck?); "
                              f"`liquidfs umount --lazy {mountpoint}` detaches the mount now")
-        try:
-            pid = int(str(read_control(mountpoint)["pid"]))
-        except (OSError, ValueError, KeyError):
-            log.warning("%s: its control file does not answer; unmounting without waiting for its daemon",
-                        mountpoint)
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
@@ -243,16 +238,29 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
         raise MountError(f"unmounted, but the daemon (pid {pid}) is still running after {timeout:.0f} s")
 
 
-def _probe(mountpoint: Path, timeout: float) -> str:
-    """"stale" (its daemon is gone), "answers", or "silent": no answer within ``timeout`` seconds. A statfs of
-    a mount whose daemon is stuck waits in the kernel for good, so it is asked from a thread of its own, left
-    waiting where it does not come back (the process's exit ends it)."""
-    said: list[str] = []
-    asking = threading.Thread(target=lambda: said.append("stale" if is_stale(mountpoint) else "answers"),
-                              name="liquidfs-umount-probe", daemon=True)
+def _probe(mountpoint: Path, timeout: float) -> tuple[str, int | None]:
+    """("stale", None): its daemon is gone; ("answers", the daemon's pid from its control file, None where that
+    does not say); or ("silent", None): no answer within ``timeout`` seconds. A statfs or a read of a mount
+    whose daemon is stuck waits in the kernel for good, so they are asked from a thread of their own, left
+    waiting where they do not come back (the process's exit ends it)."""
+    said: list[tuple[str, int | None]] = []
+
+    def ask() -> None:
+        if is_stale(mountpoint):
+            said.append(("stale", None))
+            return
+        pid = None
+        try:
+            pid = int(str(read_control(mountpoint)["pid"]))
+        except (OSError, ValueError, KeyError):
+            log.warning("%s: its control file does not answer; unmounting without waiting for its daemon",
+                        mountpoint)
+        said.append(("answers", pid))
+
+    asking = threading.Thread(target=ask, name="liquidfs-umount-probe", daemon=True)
     asking.start()
     asking.join(timeout)
-    return said[0] if said else "silent"
+    return said[0] if said else ("silent", None)
 
 
 def _alive(pid: int) -> bool:

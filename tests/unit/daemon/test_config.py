@@ -114,3 +114,14 @@ def test_loops_auto_follow_the_cores_and_the_options(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(cgroups, "usable_cores", lambda: cores)
     assert options.mount_config(_parse(flags), STORAGE).loops == chosen  # auto is the default
+
+
+def test_the_mount_point_is_taken_as_mountinfo_will_show_it(tmp_path: Path) -> None:
+    """Links on the way resolved, the last one too: the watchdog finds its mount, and `umount`, by that path
+    (a mount point named through a link was mounted on where the link pointed, and no watchdog was started)."""
+    (tmp_path / "real" / "mnt").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "to-mnt").symlink_to(tmp_path / "real" / "mnt")
+    for named in (tmp_path / "link" / "mnt", tmp_path / "to-mnt", tmp_path / "link" / ".." / "real" / "mnt"):
+        args = cli.build_parser().parse_args(["mount", "/data", str(named)])
+        assert options.mount_config(args, STORAGE).mountpoint == tmp_path / "real" / "mnt", named

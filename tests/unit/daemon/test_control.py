@@ -54,25 +54,35 @@ def test_a_lazy_umount_touches_nothing_of_the_mount(tmp_path: Path, monkeypatch:
     control.unmount(tmp_path / "link" / "mnt", lazy=True)
     assert seen == [os.fsencode(real / "mnt")]
     assert ran == [["fusermount3", "-u", "-z", str(real / "mnt")]]
+    # The mount point named by a link to it: the link is read, not followed into the mount.
+    (tmp_path / "to-mnt").symlink_to("link/mnt")
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: topmost(path) if path == real / "mnt" else None)
+    seen.clear()
+    ran.clear()
+    control.unmount(tmp_path / "to-mnt", lazy=True)
+    assert ran == [["fusermount3", "-u", "-z", str(real / "mnt")]]
 
 
+@pytest.mark.parametrize("stuck_at", ["is_stale", "read_control"])
 def test_umount_of_a_mount_whose_daemon_answers_nothing_says_so_and_how_to_detach_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A statfs of a mount whose daemon is stuck waits in the kernel for good: `liquidfs umount` asks it from a
-    thread of its own, and past its time says the daemon answers nothing and that --lazy detaches it, running
-    nothing else."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stuck_at: str) -> None:
+    """A statfs or a read of a mount whose daemon is stuck waits in the kernel for good: `liquidfs umount` asks
+    them from a thread of its own, and past its time says the daemon answers nothing and that --lazy detaches
+    it, running nothing else."""
     (tmp_path / "mnt").mkdir()
     asked = threading.Event()
     release = threading.Event()
 
-    def stuck(path: Path) -> bool:
+    def stuck(path: Path) -> object:
         asked.set()
         release.wait(30)
-        return False
+        return {"pid": 1} if stuck_at == "read_control" else False  # what a late answer would say
 
     ran: list[list[str]] = []
     monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (control.FSTYPE, 300, 1))
-    monkeypatch.setattr(control, "is_stale", stuck)
+    monkeypatch.setattr(control, "is_stale", lambda path: False)
+    monkeypatch.setattr(control, "read_control", lambda path: {"pid": 1})
+    monkeypatch.setattr(control, stuck_at, stuck)
     monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.2)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     try:
