@@ -72,7 +72,6 @@ TESTED_IN = {
     "expand/encoders.py": "`unit/expand/test_rawformats.py`, `unit/expand/test_formats.py`",
     "prepare/__init__.py": "`mount/test_prepare.py`",
     "profile/decoders.py": "`unit/profile/test_choose.py`",
-    "sysio/safefiles.py": "`unit/stores/test_writers.py`; `mount/test_log_links.py`",
     "sysio/directio.py": "`unit/datapath/test_daemon.py`",
     "sysio/locks.py": "`unit/stores/test_stores.py`",
     "sysio/privileges.py": "`unit/cli/test_doctor.py`",

@@ -31,6 +31,7 @@ from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS
                      UNLISTED, CatalogError, schema_version)
 from .sink import LocalSink, ProcessSink, Sink
 from .store_dir import check_store_dir
+from .store_dir import refusal as store_dir_refusal
 
 log = logging.getLogger(__name__)
 
@@ -563,7 +564,8 @@ def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike
     check_store_dir(Path(store_dir), writing=False)
     if not path.exists():
         return None, MISSING
-    catalog = Catalog.open(store_dir)
+    # Read-write (an old schema is upgraded in place) only where this process may write the store.
+    catalog = Catalog.open(store_dir, readonly=store_dir_refusal(Path(store_dir), writing=True) is not None)
     if catalog.source != os.fsencode(os.path.abspath(source)):
         catalog.close()
         raise CatalogError(

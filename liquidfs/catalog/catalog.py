@@ -26,6 +26,7 @@ from .nodes import REPR_RAW, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      UNLISTED, CatalogError, migrate, schema_version)
 from .store_dir import check_store_dir
+from .store_dir import refusal as store_dir_refusal
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +103,11 @@ class Catalog:
 
     @classmethod
     def open_path(cls, path: Path, *, readonly: bool = False, immutable: bool = False) -> Catalog:
-        """``immutable`` (with ``readonly``): the file is never written in place while open (a mount's)."""
+        """``immutable`` (with ``readonly``): the file is never written in place while open (a mount's). A catalog
+        read in a store this process may not write (another user's: ``store_dir``) is always read so: SQLite then
+        neither rolls back a journal it finds beside it nor makes a WAL's files there, as this process."""
+        if readonly and not immutable and store_dir_refusal(path.parent, writing=True) is not None:
+            immutable = True
         before = _file_id(path)
         if before is None:
             raise CatalogError(f"no catalog at {path}")

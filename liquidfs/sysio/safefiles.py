@@ -59,8 +59,9 @@ def open_append(path: str | os.PathLike[str]) -> int:
     """``path`` opened for appending (and reading back), created 0600 if missing, never through a link.
 
     Refused with a message that names the path (``OSError``): a symbolic link at its end (ELOOP), anything but
-    a regular file (EIO; O_NONBLOCK keeps a FIFO there from blocking the open), or a file with other hard links
-    (EMLINK: a link to a file of someone else's, where the kernel allows one). The directories on the way are the
+    a regular file (EIO; O_NONBLOCK keeps a FIFO there from blocking the open), a file with other hard links
+    (EMLINK: a link to a file of someone else's, where the kernel allows one), or one another user owns (EPERM:
+    made there by a writer of the directory, who would read root's log). The directories on the way are the
     caller's choice; the last component is the one a writer of that directory controls.
     """
     name = os.fsdecode(path)
@@ -78,6 +79,9 @@ def open_append(path: str | os.PathLike[str]) -> int:
             raise OSError(errno.EIO, "not a regular file: refused", name)
         if st.st_nlink > 1:
             raise OSError(errno.EMLINK, "has other hard links: refused (it may be someone else's file)", name)
+        if st.st_uid != os.geteuid():  # its owner reads (and may truncate) what is written: root's log, say
+            raise OSError(errno.EPERM, f"is uid {st.st_uid}'s file, not this user's: refused (remove it, or give "
+                          "another file)", name)
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)

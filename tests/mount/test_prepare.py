@@ -367,7 +367,9 @@ def test_out_of_disk_space_is_clear_and_consistent(tmp_path: Path) -> None:
     src = make_sample(tmp_path / "data", count=12, width=512, height=256, seed=2)
     store = tmp_path / "small"
     store.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(store)], capture_output=True)
+    # mode: a tmpfs's root is 1777 by default, a store others may make names in (refused)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(store)],
+                             capture_output=True)
     if mounted.returncode != 0:
         if os.environ.get("CI"):
             pytest.fail(f"cannot make a small tmpfs for the ENOSPC test: {mounted.stderr!r}")

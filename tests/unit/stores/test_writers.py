@@ -407,9 +407,14 @@ def test_a_store_another_user_owns_is_read_by_root_and_never_written(tmp_path: P
     src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
     store = tmp_path / "store"
     prepare(src, store, 1.0, progress=False)
+    with sqlite3.connect(store / CATALOG_NAME) as db:  # its owner's choice: SQLite would make files beside it
+        db.execute("PRAGMA journal_mode=WAL")
     os.chown(store, NOBODY, NOBODY)
-    named = f"{re.escape(str(store))}: owned by uid {NOBODY}.*run this as its owner"
+    named = f"{re.escape(str(store))}: owned by uid {NOBODY}.*run this as that user"
+    listed = sorted(p.name for p in store.iterdir())
     assert LocalStore.given(src, store).mount_catalog(rescan=False, progress=False) == store
+    assert sorted(p.name for p in store.iterdir()) == listed  # read as it is: no WAL's files made there
+    assert verify(store, progress=False) == [] and sorted(p.name for p in store.iterdir()) == listed
     with pytest.raises(CatalogError, match=named):
         LocalStore.given(src, store).mount_catalog(rescan=True, progress=False)
     (src / "new.txt").write_bytes(b"x")  # the catalog behind the source
