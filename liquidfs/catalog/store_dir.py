@@ -48,26 +48,6 @@ def refusal(store: Path, *, writing: bool) -> str | None:
         return (f"{store}: owned by uid {st.st_uid}, who may make names in it that this process (uid "
                 f"{os.geteuid()}) would write through: it writes no catalog there (a mount without --rescan uses one "
                 "only behind the source as it stands); run this as that user, or chown -R the store to this one")
-    if writing and os.geteuid() == 0:
-        steered = _steered_by(store)
-        if steered is not None:
-            return (f"{store}: another user may move or swap names in {steered}, on its way (a link put there, "
-                    "and root would write where it points): root writes no catalog there; use a store whose "
-                    "directories above it are root's, or run this as that user")
-    return None
-
-
-def _steered_by(store: Path) -> Path | None:
-    """The first directory above ``store`` (as named, the root first) in which another user may make, move or
-    swap names without the sticky bit, or that another user owns: where the path root writes by could be made
-    to lead elsewhere. None where there is none."""
-    for parent in reversed(Path(os.path.abspath(store)).parents):
-        try:
-            st = os.stat(parent)  # the directory the next name is looked up in (through a link, its target)
-        except OSError:
-            return None  # made by this process from here on
-        if not _writes_as(st.st_uid, parent) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-            return parent
     return None
 
 
