@@ -108,6 +108,12 @@ class Catalog:
         neither rolls back a journal it finds beside it nor makes a WAL's files there, as this process."""
         if readonly and not immutable and store_dir_refusal(path.parent, writing=True) is not None:
             immutable = True
+            # Read as it is, a catalog with a write of its owner's left beside it (a journal to roll back, a WAL
+            # not yet folded in) would show rows never committed, or old ones: refused until its owner opens it.
+            for side in (f"{path}-journal", f"{path}-wal"):
+                if os.path.lexists(side) and os.lstat(side).st_size:
+                    raise CatalogError(f"{path}: a write of its owner's is left beside it ({os.path.basename(side)}): "
+                                       "not read until its owner opens it once (mount or prepare it as that user)")
         before = _file_id(path)
         if before is None:
             raise CatalogError(f"no catalog at {path}")

@@ -18,7 +18,6 @@ import os
 import stat
 from pathlib import Path
 
-from ..sysio.paths import filesystem_type
 from .schema import CatalogError
 
 
@@ -32,34 +31,22 @@ def check_store_dir(store: Path, *, writing: bool) -> None:
 
 
 def refusal(store: Path, *, writing: bool) -> str | None:
-    """Why ``check_store_dir`` would refuse, or None (also where the directory cannot be looked at: what is done
-    with it next fails with its own error, naming it)."""
+    """Why ``check_store_dir`` would refuse, or None (also where the directory is not there or cannot be looked
+    at by this user: what is done with it next fails with its own error, naming it)."""
     try:
         st = os.stat(store)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
         return None
+    except OSError as exc:  # ESTALE, EIO: not known, so not written
+        return f"{store}: {exc.strerror}: cannot tell who may make names in it"
     if not stat.S_ISDIR(st.st_mode):
         return f"{store}: not a directory (--store names a directory)"
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o022:
         return (f"{store}: group or others may write it (mode {mode:o}) and make names in it that would be written "
                 "through: no catalog is written there, nor taken from it; chmod go-w it")
-    if writing and not _writes_as(st.st_uid, store):
+    if writing and st.st_uid not in (0, os.geteuid()):
         return (f"{store}: owned by uid {st.st_uid}, who may make names in it that this process (uid "
                 f"{os.geteuid()}) would write through: it writes no catalog there (a mount without --rescan uses one "
                 "only behind the source as it stands); run this as that user, or chown -R the store to this one")
     return None
-
-
-#: The user root is on an NFS server that squashes it (``anonuid``'s default): what root makes in a store there
-#: is this user's, and so is the directory root made.
-NFS_SQUASHED = 65534
-
-
-def _writes_as(owner: int, store: Path) -> bool:
-    """Whether ``owner`` is this process as the store's filesystem sees it: root, this user, or for root on an
-    NFS mount, the user the server squashes root to."""
-    me = os.geteuid()
-    if owner in (0, me):
-        return True
-    return me == 0 and owner == NFS_SQUASHED and (filesystem_type(str(store)) or "").startswith("nfs")

@@ -65,9 +65,14 @@ def open_append(path: str | os.PathLike[str]) -> int:
     caller's choice; the last component is the one a writer of that directory controls.
     """
     name = os.fsdecode(path)
+    flags = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    made = False
     try:
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     0o600)
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+            made = True  # this call's own, whoever the filesystem says owns it (a CIFS uid=, an NFS squash)
+        except FileExistsError:
+            fd = os.open(path, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise OSError(errno.ELOOP, "is a symbolic link: refused (liquidfs never writes through a link; "
@@ -79,7 +84,7 @@ def open_append(path: str | os.PathLike[str]) -> int:
             raise OSError(errno.EIO, "not a regular file: refused", name)
         if st.st_nlink > 1:
             raise OSError(errno.EMLINK, "has other hard links: refused (it may be someone else's file)", name)
-        if st.st_uid != os.geteuid():  # its owner reads (and may truncate) what is written: root's log, say
+        if not made and st.st_uid != os.geteuid():  # its owner reads what is written: root's log, say
             raise OSError(errno.EPERM, f"is uid {st.st_uid}'s file, not this user's: refused (remove it, or give "
                           "another file)", name)
         os.set_blocking(fd, True)

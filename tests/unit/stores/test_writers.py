@@ -415,6 +415,11 @@ def test_a_store_another_user_owns_is_read_by_root_and_never_written(tmp_path: P
     assert LocalStore.given(src, store).mount_catalog(rescan=False, progress=False) == store
     assert sorted(p.name for p in store.iterdir()) == listed  # read as it is: no WAL's files made there
     assert verify(store, progress=False) == [] and sorted(p.name for p in store.iterdir()) == listed
+    journal = store / f"{CATALOG_NAME}-journal"  # a write of its owner's left beside it: rows never committed
+    journal.write_bytes(b"\xd9\xd5\x05\xf9\x20\xa1\x63\xd7" + bytes(504))
+    with pytest.raises(CatalogError, match="a write of its owner's is left beside it"):
+        LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
+    journal.unlink()
     with pytest.raises(CatalogError, match=named):
         LocalStore.given(src, store).mount_catalog(rescan=True, progress=False)
     (src / "new.txt").write_bytes(b"x")  # the catalog behind the source
