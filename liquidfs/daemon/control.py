@@ -8,8 +8,9 @@ import errno
 import json
 import logging
 import os
+import select
+import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -241,26 +242,43 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
 def _probe(mountpoint: Path, timeout: float) -> tuple[str, int | None]:
     """("stale", None): its daemon is gone; ("answers", the daemon's pid from its control file, None where that
     does not say); or ("silent", None): no answer within ``timeout`` seconds. A statfs or a read of a mount
-    whose daemon is stuck waits in the kernel for good, so they are asked from a thread of their own, left
-    waiting where they do not come back (the process's exit ends it)."""
-    said: list[tuple[str, int | None]] = []
-
-    def ask() -> None:
-        if is_stale(mountpoint):
-            said.append(("stale", None))
-            return
-        pid = None
+    whose daemon is stuck waits in the kernel for good, past SIGKILL once the daemon has read the request: they
+    are asked from a child process, left behind where it does not answer (this process can still exit)."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: asks, says, and ends without running anything of the parent's
+        code = 0
         try:
-            pid = int(str(read_control(mountpoint)["pid"]))
-        except (OSError, ValueError, KeyError):
-            log.warning("%s: its control file does not answer; unmounting without waiting for its daemon",
-                        mountpoint)
-        said.append(("answers", pid))
-
-    asking = threading.Thread(target=ask, name="liquidfs-umount-probe", daemon=True)
-    asking.start()
-    asking.join(timeout)
-    return said[0] if said else ("silent", None)
+            os.close(read_end)
+            if is_stale(mountpoint):
+                said = "stale"
+            else:
+                try:
+                    said = f"answers {int(str(read_control(mountpoint)['pid']))}"
+                except (OSError, ValueError, KeyError):
+                    said = "answers -"
+            os.write(write_end, said.encode())
+        except BaseException:  # noqa: BLE001  (the child ends here, whatever happened: never in the parent's code)
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        ready, _, _ = select.select([read_end], [], [], timeout)
+        said = os.read(read_end, 64).decode(errors="replace") if ready else ""
+    finally:
+        os.close(read_end)
+    if not ready:
+        os.kill(child, signal.SIGKILL)  # not waited for: a child stuck in the kernel is reaped by init
+        return "silent", None
+    os.waitpid(child, 0)
+    if said == "stale":
+        return "stale", None
+    pid = said.removeprefix("answers ")
+    if not pid.isdigit():
+        log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
+        return "answers", None
+    return "answers", int(pid)
 
 
 def _alive(pid: int) -> bool:

@@ -49,8 +49,12 @@ def as_mountinfo_shows(mountpoint: Path) -> bytes:
     """``mountpoint`` as mountinfo names it: the links of the directories above it resolved (mountinfo shows the
     real path), the last name as it is. Nothing of what is mounted there is touched: a stat of it would wait
     for its daemon, and one that no longer answers would hold the caller for good."""
-    absolute = os.path.abspath(mountpoint)
-    return os.fsencode(os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute)))
+    # Not abspath: it would drop "link/.." by its text, where the kernel goes up from where the link led.
+    path = os.path.join(os.getcwd(), os.fspath(mountpoint)).rstrip("/") or "/"
+    head, last = os.path.split(path)
+    if last in ("", ".", ".."):  # a name that is no entry of its own: the directory it names, resolved
+        return os.fsencode(os.path.realpath(path))
+    return os.fsencode(os.path.join(os.path.realpath(head), last))
 
 
 def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[int, int, bytes, bytes]]:

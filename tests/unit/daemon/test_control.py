@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -66,28 +66,39 @@ def test_a_lazy_umount_touches_nothing_of_the_mount(tmp_path: Path, monkeypatch:
 @pytest.mark.parametrize("stuck_at", ["is_stale", "read_control"])
 def test_umount_of_a_mount_whose_daemon_answers_nothing_says_so_and_how_to_detach_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stuck_at: str) -> None:
-    """A statfs or a read of a mount whose daemon is stuck waits in the kernel for good: `liquidfs umount` asks
-    them from a thread of its own, and past its time says the daemon answers nothing and that --lazy detaches
-    it, running nothing else."""
+    """A statfs or a read of a mount whose daemon is stuck waits in the kernel for good (past SIGKILL once the
+    daemon has read the request): `liquidfs umount` asks them from a child process, and past its time says
+    the daemon answers nothing and that --lazy detaches it, running nothing else; the child is left behind."""
     (tmp_path / "mnt").mkdir()
-    asked = threading.Event()
-    release = threading.Event()
+    asked = tmp_path / "asked"
 
     def stuck(path: Path) -> object:
-        asked.set()
-        release.wait(30)
-        return {"pid": 1} if stuck_at == "read_control" else False  # what a late answer would say
+        asked.touch()
+        time.sleep(30)  # killed long before
+        return {"pid": 1} if stuck_at == "read_control" else False
 
     ran: list[list[str]] = []
     monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (control.FSTYPE, 300, 1))
     monkeypatch.setattr(control, "is_stale", lambda path: False)
     monkeypatch.setattr(control, "read_control", lambda path: {"pid": 1})
     monkeypatch.setattr(control, stuck_at, stuck)
-    monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.2)
+    monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.5)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
-    try:
-        with pytest.raises(control.MountError, match=r"answered nothing in 0 s.*umount --lazy"):
-            control.unmount(tmp_path / "mnt")
-    finally:
-        release.set()
-    assert asked.is_set() and ran == []
+    started = time.monotonic()
+    with pytest.raises(control.MountError, match=r"answered nothing in 0 s.*umount --lazy"):
+        control.unmount(tmp_path / "mnt")
+    assert asked.exists() and ran == [] and time.monotonic() - started < 20
+
+
+def test_a_daemon_that_answers_is_waited_for_by_its_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The child's answer reaches the parent: the daemon's pid, then fusermount3, then the wait for that pid."""
+    (tmp_path / "mnt").mkdir()
+    ran: list[list[str]] = []
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (control.FSTYPE, 300, 1))
+    monkeypatch.setattr(control, "is_stale", lambda path: False)
+    monkeypatch.setattr(control, "read_control", lambda path: {"pid": 424242})
+    waited: list[int] = []
+    monkeypatch.setattr(control, "_alive", lambda pid: waited.append(pid) or False)
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    control.unmount(tmp_path / "mnt")
+    assert ran == [["fusermount3", "-u", str(tmp_path / "mnt")]] and waited == [424242]

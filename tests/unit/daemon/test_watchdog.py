@@ -27,3 +27,15 @@ def test_this_machines_mounts_are_read_whole() -> None:
     """Every line of the process's own mountinfo parses (optional fields and all)."""
     mounts = watchdog._mounts()
     assert mounts and any(point == b"/" for _, _, point, _ in mounts)
+
+
+def test_a_mount_point_is_named_as_mountinfo_shows_it_without_touching_it(tmp_path: Path) -> None:
+    """The links above it resolved in the kernel's order ("link/.." goes up from where the link led, not back
+    to where it was written), its own name kept as it is (a stat of it would wait for its daemon)."""
+    (tmp_path / "real" / "deep" / "mnt").mkdir(parents=True)
+    (tmp_path / "real" / "mnt").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "deep")
+    shows = watchdog.as_mountinfo_shows
+    assert shows(tmp_path / "link" / "mnt") == bytes(tmp_path / "real" / "deep" / "mnt")
+    assert shows(Path(f"{tmp_path}/link/../mnt")) == bytes(tmp_path / "real" / "mnt")
+    assert shows(Path(f"{tmp_path}/real/mnt/")) == bytes(tmp_path / "real" / "mnt")
