@@ -179,20 +179,12 @@ def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
     return all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
 
 
-def _chain(root_fd: int, rel: bytes) -> list[os.stat_result] | None:
-    """The stats of the root, of every directory below it on the way to ``rel`` and of ``rel`` (None: one is
-    gone, or a link)."""
-    parts = catalog_parts(rel)
-    try:
-        return [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
-    except OSError:
-        return None
-
-
 def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
     """The owner, group or other bits of every directory on the way (search) and of the file (read)."""
-    chain = _chain(root_fd, rel)
-    if chain is None:
+    parts = catalog_parts(rel)
+    try:
+        chain = [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
+    except OSError:
         return False
     *dirs, file = chain
     mine = {gid, *groups}

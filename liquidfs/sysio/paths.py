@@ -20,19 +20,9 @@ LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "
 
 def filesystem_type(path: bytes | str, mountinfo: str | None = None) -> str | None:
     """The type of the filesystem ``path`` lives on (the longest mount point above it in /proc/self/mountinfo)."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return None
     real = os.path.realpath(os.fsdecode(path))
     best, found = -1, None
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if "-" not in fields:
-            continue
-        mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is \040
-        fstype = fields[fields.index("-") + 1]
+    for _, mount, fstype in _mounts(mountinfo):
         inside = real == mount or real.startswith(mount.rstrip("/") + "/")
         if inside and len(mount) >= best:  # later lines are mounted over earlier ones at the same point
             best, found = len(mount), fstype
@@ -44,16 +34,24 @@ def filesystem_type_of(fd: int, mountinfo: str | None = None) -> str | None:
     a path, which may name something else by now); None where no mount shows that device."""
     device = os.fstat(fd).st_dev
     wanted = f"{os.major(device)}:{os.minor(device)}"
+    return next((fstype for shown, _, fstype in _mounts(mountinfo) if shown == wanted), None)
+
+
+def _mounts(mountinfo: str | None) -> list[tuple[str, str, str]]:
+    """(device as major:minor, mount point, filesystem type) of each line of ``mountinfo`` (default: this
+    process's; none where it cannot be read)."""
     if mountinfo is None:
         try:
             mountinfo = Path("/proc/self/mountinfo").read_text()
         except OSError:
-            return None
+            return []
+    found = []
     for line in mountinfo.splitlines():
         fields = line.split()
-        if len(fields) > 2 and fields[2] == wanted and "-" in fields:
-            return fields[fields.index("-") + 1]
-    return None
+        if len(fields) > 4 and "-" in fields[5:]:
+            mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is \040
+            found.append((fields[2], mount, fields[fields.index("-", 5) + 1]))
+    return found
 
 
 def catalog_parts(rel: bytes) -> list[bytes]:
