@@ -221,14 +221,14 @@ def _write_object(sub_fd: int, name: str, raw: bytes, outcome: Callable[..., Out
         # Whom the object belongs to is known once it exists (root's, or whom an NFS server squashes root to):
         # the directory must be one nobody else may rename in, as the mount asks (``StoreReader.may_serve``).
         sub_st, owner = os.fstat(sub_fd), os.fstat(fd).st_uid
-        if not renamed_only_by_its_writer(sub_st, owner):
+        untrusted = _untrusted_directory(sub_st, owner, where or ".")
+        if untrusted is not None:
             os.close(fd)
             os.unlink(tmp, dir_fd=sub_fd)
             fix = "chmod go-w it" if sub_st.st_uid in (0, owner) else f"chown it to uid {owner}, or remove it"
             return outcome("write-failed", fmt, fatal=(
-                f"{where or '.'} (owned by uid {sub_st.st_uid}, mode {stat.S_IMODE(sub_st.st_mode):o}) lets "
-                f"others than uid {owner} rename what is in it: a mount would not serve an object from there "
-                f"(another user could give it another image's name); {fix}, and run prepare again"))
+                f"{untrusted}: a mount would not serve an object from there (another user could give it another "
+                f"image's name); {fix}, and run prepare again"))
         with open(fd, "wb") as f:
             f.write(raw)
             f.flush()
@@ -293,15 +293,21 @@ def _renamed_in_by_others(obj: str, owner: int) -> str | None:
     objects = os.path.dirname(sub)
     if open_to_others(os.stat(objects)):
         return f"{objects}: group or others may write it and rename what is in it: a mount serves the originals"
-    sub_st = os.stat(sub, follow_symlinks=False)
-    if renamed_only_by_its_writer(sub_st, owner):
+    untrusted = _untrusted_directory(os.stat(sub, follow_symlinks=False), owner, sub)
+    return None if untrusted is None else f"{untrusted}: a mount serves the original"
+
+
+def _untrusted_directory(directory: os.stat_result, owner: int, where: str) -> str | None:
+    """Why an object of uid ``owner`` is not trusted at its name in the directory ``where`` (``directory``: its
+    stat; ``sysio.paths.renamed_only_by_its_writer``), for prepare's and verify's messages; None where it is."""
+    if renamed_only_by_its_writer(directory, owner):
         return None
-    if not stat.S_ISDIR(sub_st.st_mode):
-        return f"{sub}: not a directory (a link?): a mount serves the original"
-    if sub_st.st_mode & 0o022:
-        return f"{sub}: group or others may write it and rename what is in it: a mount serves the original"
-    return (f"{sub}: owned by uid {sub_st.st_uid}, not the object's owner (uid {owner}) or root, who may rename "
-            "what is in it: a mount serves the original")
+    if not stat.S_ISDIR(directory.st_mode):
+        return f"{where}: not a directory (a link?)"
+    if directory.st_mode & 0o022:
+        return f"{where}: group or others may write it and rename what is in it"
+    return (f"{where}: owned by uid {directory.st_uid}, not the object's owner (uid {owner}) or root, who may "
+            "rename what is in it")
 
 
 def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
