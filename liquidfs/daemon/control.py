@@ -24,7 +24,8 @@ log = logging.getLogger(__name__)
 
 #: ``liquidfs umount --timeout``: seconds to wait for the daemon to exit once unmounted.
 UNMOUNT_TIMEOUT = 30.0
-#: Seconds ``unmount`` waits for a mount's daemon to answer a statfs before it says the daemon is stuck.
+#: Seconds ``unmount`` (and ``check_mountpoint``, for a FUSE mount already there) waits for a mount's daemon to
+#: answer a statfs before it says the daemon is stuck.
 ANSWER_TIMEOUT = 10.0
 
 
@@ -45,9 +46,18 @@ def clean_stale(mountpoint: Path) -> None:
 
 
 def check_mountpoint(mountpoint: Path) -> None:
-    """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount."""
-    if is_stale(mountpoint):
-        clean_stale(mountpoint)
+    """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount.
+
+    A FUSE mount already there is asked its statfs from a child process (``_probe``), never from this one: a
+    mount whose daemon is stuck would hold `liquidfs mount` in the kernel for good, as it holds any reader."""
+    if _fuse_mounted(mountpoint):
+        state, _ = _probe(mountpoint, ANSWER_TIMEOUT, control=False)
+        if state == "stale":
+            clean_stale(mountpoint)
+        elif state == "silent":
+            raise MountError(f"{mountpoint}: a FUSE mount is there whose daemon answered nothing in "
+                             f"{ANSWER_TIMEOUT:.0f} s (stuck?); `liquidfs umount --lazy {mountpoint}` (a liquidfs "
+                             "mount) or `fusermount3 -u -z` detaches it")
     if not mountpoint.exists():
         raise MountError(f"mount point {mountpoint} does not exist (mkdir it first)")
     if not mountpoint.is_dir():
@@ -239,11 +249,12 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
         raise MountError(f"unmounted, but the daemon (pid {pid}) is still running after {timeout:.0f} s")
 
 
-def _probe(mountpoint: Path, timeout: float) -> tuple[str, int | None]:
+def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str, int | None]:
     """("stale", None): its daemon is gone; ("answers", the daemon's pid from its control file, None where that
-    does not say); or ("silent", None): no answer within ``timeout`` seconds. A statfs or a read of a mount
-    whose daemon is stuck waits in the kernel for good, past SIGKILL once the daemon has read the request: they
-    are asked from a child process, left behind where it does not answer (this process can still exit)."""
+    does not say or ``control`` is False: its statfs alone is asked); or ("silent", None): no answer within
+    ``timeout`` seconds. A statfs or a read of a mount whose daemon is stuck waits in the kernel for good, past
+    SIGKILL once the daemon has read the request: they are asked from a child process, left behind where it does
+    not answer (this process can still exit)."""
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # the child: asks, says, and ends without running anything of the parent's
@@ -252,6 +263,8 @@ def _probe(mountpoint: Path, timeout: float) -> tuple[str, int | None]:
             os.close(read_end)
             if is_stale(mountpoint):
                 said = "stale"
+            elif not control:
+                said = "answers"
             else:
                 try:
                     said = f"answers {int(str(read_control(mountpoint)['pid']))}"
@@ -275,6 +288,8 @@ def _probe(mountpoint: Path, timeout: float) -> tuple[str, int | None]:
     if said == "stale":
         return "stale", None
     pid = said.removeprefix("answers ")
+    if not control:
+        return "answers", None
     if not pid.isdigit():
         log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
         return "answers", None

@@ -290,6 +290,26 @@ def test_kill_9_then_mount_again(tree: Path, mounter: Mount) -> None:
     assert (mnt / "README.txt").read_bytes() == (tree / "README.txt").read_bytes()
 
 
+def test_a_stuck_daemon_holds_neither_mount_nor_umount(tree: Path, mounter: Mount, tmp_path: Path) -> None:
+    """A mount whose daemon answers nothing (stopped here; a deadlock or a stuck storage call on a node) holds
+    every statfs in the kernel: `liquidfs mount` on its mount point and `liquidfs umount` of it say so and
+    name --lazy, each within its own answer timeout, instead of hanging with it."""
+    mnt = mounter.mount(tree)
+    pid = daemon_pid(mnt)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        again = run_cli("mount", str(tree), str(mnt), "--store", str(tmp_path / "st"), check=False, timeout=60)
+        assert again.returncode == 1 and "answered nothing" in again.stderr, again.stderr
+        assert f"umount --lazy {mnt}" in again.stderr
+        off = run_cli("umount", str(mnt), check=False, timeout=60)
+        assert off.returncode == 1 and "answered nothing" in off.stderr and "--lazy" in off.stderr, off.stderr
+        assert "Traceback" not in again.stderr + off.stderr
+        assert is_mounted(mnt)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (mnt / "README.txt").read_bytes() == (tree / "README.txt").read_bytes()  # it answers again
+
+
 def test_catalog_reused_until_the_source_changes(tmp_path: Path, mounter: Mount) -> None:
     src = dataset_tree(tmp_path / "data", count=4)
     store = tmp_path / "store2"

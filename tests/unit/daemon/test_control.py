@@ -102,3 +102,37 @@ def test_a_daemon_that_answers_is_waited_for_by_its_pid(tmp_path: Path, monkeypa
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     control.unmount(tmp_path / "mnt")
     assert ran == [["fusermount3", "-u", str(tmp_path / "mnt")]] and waited == [424242]
+
+
+def test_mount_over_a_fuse_mount_whose_daemon_answers_nothing_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`liquidfs mount` asks a FUSE mount already at its mount point whether its daemon is gone from a child
+    process: one whose daemon is stuck is named, with how to detach it, instead of holding the command in the
+    kernel for good; a stale one is cleaned, one that answers is already mounted."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    asked = tmp_path / "asked"
+
+    def stuck(path: Path) -> bool:
+        asked.touch()
+        time.sleep(30)  # killed long before
+        return False
+
+    cleaned: list[Path] = []
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.sshfs", 300, 1))
+    monkeypatch.setattr(control, "is_stale", stuck)
+    monkeypatch.setattr(control, "clean_stale", cleaned.append)
+    monkeypatch.setattr(control, "ANSWER_TIMEOUT", 0.5)
+    started = time.monotonic()
+    with pytest.raises(control.MountError, match=r"answered nothing in 0 s.*umount --lazy .*fusermount3 -u -z"):
+        control.check_mountpoint(mnt)
+    assert asked.exists() and cleaned == [] and time.monotonic() - started < 20
+    monkeypatch.setattr(control, "is_stale", lambda path: False)
+    with pytest.raises(control.MountError, match="already mounted"):
+        control.check_mountpoint(mnt)
+    # A stale mount is cleaned; then nothing FUSE is there, and the empty directory is mounted on.
+    monkeypatch.setattr(control, "is_stale", lambda path: True)
+    monkeypatch.setattr(control, "clean_stale", lambda path: cleaned.append(path) or monkeypatch.setattr(
+        watchdog, "topmost_mount", lambda path: (b"ext4", 2, 1)))
+    control.check_mountpoint(mnt)
+    assert cleaned == [mnt]
