@@ -98,7 +98,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                    "no mount with the key stored for that object is a miss, and only they can read one, whatever "
                    "the source's modes. FILE: exactly 32 random bytes (head -c 32 /dev/urandom > FILE), root's, "
                    "mode 0400 or 0600, the same on every node of the job. Without it only objects whose source "
-                   "everyone may read go to the cluster")
+                   "everyone may read go to the cluster (none of an object store's: there it is needed)")
     tuning.add_argument("--cluster-size", metavar="SIZE",
                    help="what the memcacheds of --cluster hold together: a percentage of the dataset as served or "
                    "bytes; the share of the raw objects they hold follows (default: what they say they hold, "

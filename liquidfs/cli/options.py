@@ -231,7 +231,7 @@ def _loops(args: argparse.Namespace) -> int:
 
 def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     """``mount``'s options as a ``MountConfig``, every value checked; an OptionError names the flag refused."""
-    from ..held.cluster_peers import ClusterError, parse_cluster
+    from ..held.cluster_peers import CLUSTER_NEEDS_KEY, ClusterError, parse_cluster
     from ..held.sealing import KeyFileError, read_key_file
 
     threads = storage.default_threads if args.threads is None else args.threads
@@ -263,6 +263,8 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
             read_key_file(key_file)
         except KeyFileError as exc:
             raise OptionError(str(exc)) from None
+    if cluster and key_file is None and not storage.shares_by_modes:
+        raise OptionError(CLUSTER_NEEDS_KEY)
     loop_count = _loops(args)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")

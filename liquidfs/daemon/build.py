@@ -31,8 +31,8 @@ from ..fuse.warm_helper import Walks
 from ..fuse.open_budget import MAX_OPEN_FILES, OpenBudget
 from ..fuse.operations import Operations, PerOpen
 from ..held.base import PAGE, MemfdLevel, MemoryLevel, held_descriptors
-from ..held.cluster import ClusterLevel, EveryoneReads, EveryoneReadsNow, call_timeout
-from ..held.cluster_peers import memcached_client
+from ..held.cluster import ClusterLevel, EveryoneReadsNow, call_timeout
+from ..held.cluster_peers import CLUSTER_NEEDS_KEY, memcached_client
 from ..held.disk import DiskLevel
 from ..held.sealing import KeyFileError, Sealer, read_key_file
 from ..metrics.stats import HasStatistics, MountStats
@@ -256,8 +256,11 @@ def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, conf
                       reader: Reader, source_root_fd: int | None = None) -> ClusterLevel:
     """The cluster level: the share of the raw objects the memcacheds of ``--cluster`` hold together; ``totals``
     are ``Catalog.file_totals()``; ``source_root_fd``: a local source's root (whether anyone may read a file
-    is then asked of the source as it is, not of the catalog)."""
+    is asked of the source as it is). A source without one (an object store's) has nothing everyone may read:
+    its cluster needs the key (``cli.options.mount_config`` says so first)."""
     assert config.cluster
+    if config.cluster_key_file is None and source_root_fd is None:
+        raise MountError(CLUSTER_NEEDS_KEY)
     raw_bytes = catalog.raw_bytes()
     size: int | None = None
     if config.cluster_size is not None:
@@ -284,8 +287,9 @@ def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, conf
             client.close()
             raise MountError(str(exc)) from None
         return ClusterLevel(reader, client, share, sealer=Sealer(key), key_id=key.id, size=size, size_from=size_from)
-    public = EveryoneReadsNow(source_root_fd) if source_root_fd is not None else EveryoneReads(catalog.get)
-    return ClusterLevel(reader, client, share, public=public, size=size, size_from=size_from)
+    assert source_root_fd is not None
+    return ClusterLevel(reader, client, share, public=EveryoneReadsNow(source_root_fd), size=size,
+                        size_from=size_from)
 
 
 #: Of what the memcacheds may hold (their ``-m``), what is counted on for values: memcached's slabs and item

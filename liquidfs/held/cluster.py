@@ -14,8 +14,9 @@ Least trust: a memcached answers anyone who reaches it, and anyone may store any
 identity: a value that does not open was not stored by a mount of this job for this object, and is a miss; and
 only key holders can read one. Without a key, values are the object's bytes in the clear, checked against the
 catalog's BLAKE2b digest (no writer can choose other bytes that match it), and only objects whose source anyone
-may read go there at all (``EveryoneReadsNow``, from the source as it is; ``EveryoneReads``, from the catalog, for
-an object store's, which has no modes of its own). Either way a value is also checked
+may read go there at all (``EveryoneReadsNow``, from the source as it is). An object store's source has no modes of
+its own (its catalog's are made up): whoever holds the bucket's credentials reads it, so nothing of it is
+everyone's, and a mount of one takes a cluster only with a key (``mount_config``). Either way a value is also checked
 against the catalog's checksum and size, so a wrong, short or foreign value is a miss, never served; and a source
 changed since the catalog was taken is checked first, as the store's reader checks it (the original is then served
 from storage). Faults cost hits only: every call to a memcached has one deadline for all of it and buffers no more
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,44 +93,6 @@ def key_of(node: Node, keyed: str = "", sealer: Sealer | None = None) -> str:
     if sealer is None:
         return f"{_KEY_PREFIX}:{node.checksum}:{node.size_served}"
     return f"{_KEY_PREFIX}s-{keyed}:{sealer.name(node.path)}:{node.checksum}:{node.size_served}"
-
-
-class EveryoneReads:
-    """Whether anyone may read a file's source as the catalog recorded it: others may read the file (o+r) and
-    search every directory above it in the catalog (o+x). Without a cluster key only such objects go to the cluster:
-    memcached has no authentication, so what it holds in the clear is readable by anyone who reaches it.
-
-    ``directory(id)``: a directory's node (``Catalog.get``). Each directory is looked up once (a dataset has few)."""
-
-    def __init__(self, directory: Callable[[int], Node | None]) -> None:
-        self._directory = directory
-        self._searchable: dict[int, bool] = {}
-        self._lock = threading.Lock()  # one lookup of the catalog at a time, from the level's worker threads
-
-    def __call__(self, node: Node) -> bool:
-        return bool(node.mode & stat.S_IROTH) and self._searchable_to(node.parent)
-
-    def _searchable_to(self, dir_id: int) -> bool:
-        """Whether others may search ``dir_id`` and every directory above it."""
-        with self._lock:
-            walked: list[int] = []
-            answer = False
-            while (known := self._searchable.get(dir_id)) is None:
-                found = self._directory(dir_id)
-                if found is None or dir_id in walked:  # a catalog that is not a tree shares nothing
-                    break
-                walked.append(dir_id)
-                if not found.mode & stat.S_IXOTH:
-                    break
-                if found.parent == dir_id:  # the root
-                    answer = True
-                    break
-                dir_id = found.parent
-            else:
-                answer = known
-            for walked_id in walked:
-                self._searchable[walked_id] = answer
-            return answer
 
 
 class EveryoneReadsNow:

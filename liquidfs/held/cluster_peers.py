@@ -35,6 +35,11 @@ MAX_SERVERS = 64
 #: ``resolve(host, port)``: the addresses of ``host`` (anything else in the answer is dropped).
 Resolve = Callable[[str, int], list[str]]
 
+#: Why a mount of an object store's source takes ``--cluster`` only with ``--cluster-key-file``.
+CLUSTER_NEEDS_KEY = ("--cluster with an object-store source needs --cluster-key-file: whoever holds the bucket's "
+                     "credentials reads its objects, and a memcached answers anyone who reaches it, so none of "
+                     "them may go there in the clear")
+
 
 class ClusterError(ValueError):
     """A --cluster URL that names no usable memcached."""

@@ -45,6 +45,9 @@ class Store(Protocol):
     #: Whether its objects carry a stamp that lets a stat vouch for them (``catalog.identity.object_stamp``): an object
     #: reused without one is read and checked again by its worker, so that it gains one.
     stamps_objects: bool
+    #: Whether the source's own modes say who may read each file (a local directory's: a cluster without a key
+    #: shares what everyone may read). An object store's files are read by whoever holds its credentials.
+    shares_by_modes: bool
 
     @property
     def source_label(self) -> str:

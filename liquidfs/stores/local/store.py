@@ -140,6 +140,7 @@ class LocalStore:
     default_threads = 4
     raw_formats: tuple[str, ...] = NAMES  # every one, in the order prepare tries them
     stamps_objects = True
+    shares_by_modes = True
 
     def __init__(self, source: Path, store_dir: Path | None = None) -> None:
         self.source = source

@@ -218,6 +218,7 @@ class BucketStore:
     default_threads = 16  # GETs wait on the network, not the CPU: more in flight
     raw_formats: tuple[str, ...] = (BMP.name,)  # the others: local stores only for now
     stamps_objects = False  # every GET is checked (ETag, size, digest): no stat vouches for anything
+    shares_by_modes = False
 
     def __init__(self, source: S3Url, store: S3Url) -> None:
         self.source = source

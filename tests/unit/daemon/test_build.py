@@ -100,9 +100,18 @@ def test_a_part_that_cannot_be_made_closes_those_made_before_it(tmp_path: Path,
     assert closed == ["notifier", "read-ahead", "disk level", "reader", "catalog"]
 
 
+def test_a_cluster_without_a_key_over_a_source_without_modes_is_refused(tmp_path: Path) -> None:
+    """The daemon's own check behind the command's: a source with no root of its own to ask (an object store's)
+    has nothing everyone may read, so no cluster level in the clear is made for it."""
+    config = MountConfig(source="s3://b/data", mountpoint=tmp_path / "mnt", store="s3://b/store",
+                         cluster=(("127.0.0.1", 9),), cluster_size=1 << 20)
+    with pytest.raises(build.MountError, match="needs --cluster-key-file"):
+        build.make_cluster_level((0, 0, 0, 0), Any, config, Any, None)  # type: ignore[arg-type]
+
+
 def test_a_local_mounts_cluster_asks_the_source_as_it_is_whether_everyone_may_read_a_file(tmp_path: Path) -> None:
     """Without a cluster key: the modes of the source now (``EveryoneReadsNow``), not the catalog's."""
-    from liquidfs.held.cluster import EveryoneReads, EveryoneReadsNow
+    from liquidfs.held.cluster import EveryoneReadsNow
 
     src = tmp_path / "src"
     src.mkdir()
@@ -116,4 +125,4 @@ def test_a_local_mounts_cluster_asks_the_source_as_it_is_whether_everyone_may_re
         levels = [level for level in mount.ops.levels if type(level).__name__ == "ClusterLevel"]
         assert len(levels) == 1
         public = levels[0].public  # type: ignore[attr-defined]
-        assert isinstance(public, EveryoneReadsNow) and not isinstance(public, EveryoneReads)
+        assert isinstance(public, EveryoneReadsNow)

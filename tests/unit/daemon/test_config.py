@@ -18,7 +18,7 @@ from liquidfs.cli import options
 from liquidfs.daemon.config import MountConfig, Share
 from liquidfs.stores import Store
 
-STORAGE = cast(Store, SimpleNamespace(default_threads=4, source_label="/data", label="/srv/store"))
+STORAGE = cast(Store, SimpleNamespace(default_threads=4, source_label="/data", label="/srv/store", shares_by_modes=True))
 
 # A value other than the default for every option the daemon is given (the parent's own are left out).
 NON_DEFAULT = ["--store", "/srv/store", "--allow-other", "-o", "ro,noatime", "-o", "max_read=131072",
@@ -125,3 +125,15 @@ def test_the_mount_point_is_taken_as_mountinfo_will_show_it(tmp_path: Path) -> N
     for named in (tmp_path / "link" / "mnt", tmp_path / "to-mnt", tmp_path / "link" / ".." / "real" / "mnt"):
         args = cli.build_parser().parse_args(["mount", "/data", str(named)])
         assert options.mount_config(args, STORAGE).mountpoint == tmp_path / "real" / "mnt", named
+
+
+def test_a_cluster_of_an_object_stores_source_needs_the_key(key_file: Path) -> None:
+    """Nothing of a bucket is everyone's (its catalog's modes are made up: every object 0444): without a key its
+    raw objects would go to a memcached anyone may read, so the mount is refused, naming the flag."""
+    bucket = cast(Store, SimpleNamespace(default_threads=16, source_label="s3://b/data", label="s3://b/store",
+                                         shares_by_modes=False))
+    cluster = ["--cluster", "memcached://10.0.0.1:11211"]
+    with pytest.raises(options.OptionError, match="object-store source needs --cluster-key-file"):
+        options.mount_config(_parse(cluster), bucket)
+    assert options.mount_config(_parse([*cluster, "--cluster-key-file", str(key_file)]), bucket).cluster
+    assert options.mount_config(_parse(cluster), STORAGE).cluster  # a local source: what everyone may read

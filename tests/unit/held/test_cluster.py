@@ -22,7 +22,7 @@ from clusterfakes import FakeMemcached
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.held.cluster_peers import (MAX_SERVERS, ClusterError, ResolvingClient, hash_client, memcached_client,
                                    parse_cluster, resolve_addresses)
-from liquidfs.held.cluster import ClusterLevel, EveryoneReads, EveryoneReadsNow, in_share, key_of
+from liquidfs.held.cluster import ClusterLevel, EveryoneReadsNow, in_share, key_of
 from liquidfs.held.sealing import ClusterKey, Sealer
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
@@ -47,7 +47,7 @@ def _level(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tu
     if key is not None:
         level = ClusterLevel(reader, client, share, sealer=Sealer(key), key_id=key.id)
     else:
-        level = ClusterLevel(reader, client, share, public=EveryoneReads(catalog.get))
+        level = ClusterLevel(reader, client, share, public=EveryoneReadsNow(reader.root_fd))
     return level, client, [n for n in catalog.files() if n.served_raw]
 
 
@@ -252,7 +252,8 @@ def test_a_name_that_never_resolved_is_a_miss_never_a_failed_read(store: tuple[P
     catalog = Catalog.open(path, readonly=True)
     client = ResolvingClient([("memcached", 11211)], resolve=FakeDNS(socket.gaierror("no such name")),
                              background=False)  # a real HashClient over no memcached at all
-    level = ClusterLevel(StoreReader(catalog.source, path), client, 1.0, public=EveryoneReads(catalog.get))
+    reader = StoreReader(catalog.source, path)
+    level = ClusterLevel(reader, client, 1.0, public=EveryoneReadsNow(reader.root_fd))
     raw = [n for n in catalog.files() if n.served_raw]
     for n in raw:
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
@@ -417,20 +418,3 @@ def test_a_file_closed_to_others_since_the_scan_never_goes_to_the_cluster_in_the
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
     assert {n.path for n in raw if key_of(n) in client.values} == {n.path for n in raw} - now_private
     catalog.close()
-
-
-def test_everyone_reads_walks_the_catalogs_directories_once(tmp_path: Path) -> None:
-    _, path, private = _private_store(tmp_path)
-    catalog = Catalog.open(path, readonly=True)
-    asked: list[int] = []
-
-    def directory(node_id: int):  # type: ignore[no-untyped-def]
-        asked.append(node_id)
-        return catalog.get(node_id)
-
-    public = EveryoneReads(directory)
-    files = [n for n in catalog.files() if n.served_raw]
-    assert [not public(n) for n in files] == [n.path in private for n in files]
-    assert len(asked) == len(set(asked))  # each directory once
-    assert [not public(n) for n in files] == [n.path in private for n in files] and len(asked) == len(set(asked))
-    assert not EveryoneReads(lambda node_id: None)(files[0])  # a directory the catalog lacks: not shared
