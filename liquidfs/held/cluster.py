@@ -18,8 +18,8 @@ may read go there at all (``EveryoneReadsNow``, from the source as it is). An ob
 its own (its catalog's are made up): whoever holds the bucket's credentials reads it, so nothing of it is
 everyone's, and a mount of one takes a cluster only with a key (``mount_config``). Either way a value is also checked
 against the catalog's checksum and size, so a wrong, short or foreign value is a miss, never served; and a source
-changed since the catalog was taken is checked first, as the store's reader checks it (the original is then served
-from storage). Faults cost hits only: every call to a memcached has one deadline for all of it and buffers no more
+changed since the catalog was taken is checked first, asked of storage itself (``stores.reader.source_changed_now``:
+an object store's HEAD too), and the original is then served from storage. Faults cost hits only: every call to a memcached has one deadline for all of it and buffers no more
 than the object (``held.memcached``), a memcached that fails repeatedly is left out for a while, and no error of the
 cluster ever fails a read.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
-from ..stores.reader import Content, InFront, Reader, check_raw, oversized
+from ..stores.reader import Content, InFront, Reader, check_raw, oversized, source_changed_now
 from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read
 from ..sysio.paths import filesystem_type_of
 from .cluster_peers import Client
@@ -175,7 +175,9 @@ class ClusterLevel(InFront):
             self._count("private", f"cluster: {node.path!r} is not readable by everyone: without "
                         "--cluster-key-file such objects never go to the cluster (counted as cluster_private)")
             return self.inner.open(node)
-        if self.inner.check_source(node) is None:
+        # Asked of storage itself: a value any node stored is every node's hit, so no miss would check it again
+        # (an object store's check_source asks nothing).
+        if source_changed_now(self.inner, node) is None:
             fetched = self._fetch(node)
             if fetched is not None:
                 return Content(size=len(fetched), raw=True, data=memoryview(fetched), level="cluster")

@@ -304,6 +304,30 @@ class InFront:
         # Part of a file the level may no longer have: the store has it, checked by the caller.
         return self.inner.read_span(node, raw, start, end)
 
+    def source_changed_now(self, node: Node) -> str | None:
+        return source_changed_now(self.inner, node)
+
+
+@runtime_checkable
+class AsksStorage(Protocol):
+    """A reader whose ``check_source`` asks nothing of storage (an object store's: a request at every hit of
+    this node's own cache would cost more than the hit saves, and its next miss checks again), with the request
+    that does ask (``source_changed_now``)."""
+
+    def source_changed_now(self, node: Node) -> str | None:
+        """None while the source is the object the catalog describes (one request); else what changed. OSError
+        (FileNotFoundError where it is gone) where storage does not say."""
+        ...
+
+
+def source_changed_now(reader: Reader, node: Node) -> str | None:
+    """Whether ``node``'s source changed, asked of storage itself: for bytes another node read into a level all
+    nodes share (the cluster), which no miss of this node's ever checks again. A reader's ``check_source``
+    where that asks storage already (a local stat). In a worker thread."""
+    if isinstance(reader, AsksStorage):
+        return reader.source_changed_now(node)
+    return reader.check_source(node)
+
 
 @runtime_checkable
 class LendsDescriptors(Protocol):

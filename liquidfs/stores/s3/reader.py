@@ -46,7 +46,7 @@ class S3Reader:
         """What ``node`` serves, read whole (or, above WHOLE_FILE_LIMIT, in ranges as the reader asks)."""
         fallback = None
         if node.served_raw:
-            fallback = self._source_changed(node)
+            fallback = self.source_changed_now(node)
             if fallback is None:
                 fallback, data = self._open_raw(node)
                 if data is not None:
@@ -69,10 +69,12 @@ class S3Reader:
 
     def check_source(self, node: Node, st: object = None, *, cached_only: bool = False) -> str | None:
         """Bytes held in memory were checked when they were read; an object store is not asked again per hit
-        (a request per hit would cost more than the hit saves). A changed object is caught at the next miss."""
+        (a request per hit would cost more than the hit saves). A changed object is caught at the next miss.
+        What every node's misses may find in the cluster asks ``source_changed_now``."""
         return None
 
-    def _source_changed(self, node: Node) -> str | None:
+    def source_changed_now(self, node: Node) -> str | None:
+        """One HEAD of the source object: None while it has the ETag and size the catalog recorded."""
         try:
             found = head(self.client, self.source.bucket, self.source.key(node.path))
         except Exception as exc:

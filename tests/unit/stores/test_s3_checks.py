@@ -405,3 +405,27 @@ def test_verify_fails_an_object_whose_recorded_digest_is_xxh3(s3: FakeS3, monkey
     assert verdict(hashlib.blake2b(raw, digest_size=32).hexdigest()) is None
     legacy = verdict(xxhash.xxh3_64_hexdigest(raw))
     assert legacy is not None and "liquidfs prepare" in legacy
+
+
+def test_a_cluster_hit_of_a_bucket_asks_the_source_first(s3: FakeS3) -> None:
+    """A value any node stored is every node's hit, so no miss of this node's would ever check its source again:
+    the cluster asks the bucket (a HEAD) before it serves one. A source replaced since is never served its old
+    image (the original's If-Match GET fails: EIO), a deleted one is ENOENT."""
+    from clusterfakes import FakeMemcached
+
+    from liquidfs.held.cluster import ClusterLevel
+
+    data = b"0123456789" * 50
+    reader, node = _reader(s3, data, raw=data[::-1] + b"!")
+    level = ClusterLevel(reader, FakeMemcached(), 1.0, public=lambda n: True)
+    assert level.open(node).level == "storage"  # the miss: read from the store, stored to the cluster
+    hit = level.open(node)
+    assert hit.level == "cluster" and bytes(hit.data or b"") == data[::-1] + b"!"
+    s3.objects[SOURCE.key("f.bin")] = data.upper().replace(b"0", b"o")  # same size, other bytes
+    with pytest.raises(OSError) as err:
+        level.open(node)
+    assert err.value.errno == errno.EIO
+    del s3.objects[SOURCE.key("f.bin")]
+    with pytest.raises(FileNotFoundError):
+        level.open(node)
+    assert level.statistics().values()["cluster_hits"] == 1
