@@ -60,6 +60,8 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         raise Refuse("corrupt", f"bad colour type/depth {ctype}/{depth}")
     view = memoryview(data)
     chunks: dict[bytes, list[bytes]] = {}
+    idat: list[memoryview] = []
+    last, seen_plte = b"", False
     pos, n = 8, len(data)
     while True:
         if pos + 12 > n:
@@ -80,6 +82,14 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         if name[:1].isupper() and name not in (b"IHDR", b"PLTE", b"IDAT"):
             # An unknown critical chunk is a hard error for libpng.
             raise Refuse("corrupt", f"unknown critical chunk {name!r}")
+        if name == b"IDAT":
+            if idat and last != b"IDAT":  # libpng reads one run of IDATs
+                raise Refuse("corrupt", "IDAT chunks not consecutive")
+            idat.append(view[pos + 8 : end - 4])
+        elif name == b"PLTE" and (seen_plte or idat):  # libpng: "duplicate", "out of place"
+            raise Refuse("corrupt", "PLTE repeated or after IDAT")
+        seen_plte = seen_plte or name == b"PLTE"
+        last = name
         pos = end
     if b"IDAT" not in chunks or len(chunks[b"IHDR"]) != 1:
         raise Refuse("corrupt", "no IDAT or repeated IHDR")
@@ -87,7 +97,59 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
     has_plte = b"PLTE" in chunks
     if (ctype == 3 and not has_plte) or (ctype in (0, 4) and has_plte):
         raise Refuse("corrupt", "PLTE missing or not allowed")
+    _check_image_data(idat, _image_data_size(w, h, depth, ctype, interlace))
     return w, h, depth, ctype, chunks
+
+
+#: Samples per pixel of each colour type.
+_CHANNELS: Final = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+#: Adam7's passes: (first column, first row, column step, row step).
+_ADAM7: Final = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+#: Bytes of inflated image data asked for at a time: the check holds no more than this of it.
+_INFLATE_STEP: Final = 1 << 20
+
+
+def _image_data_size(w: int, h: int, depth: int, ctype: int, interlace: int) -> int:
+    """The bytes a PNG's IDAT stream inflates to: each row of each pass, its filter byte and its samples."""
+    bits = depth * _CHANNELS[ctype]
+
+    def rows(width: int, height: int) -> int:
+        return 0 if width == 0 or height == 0 else height * (1 + (width * bits + 7) // 8)
+
+    if not interlace:
+        return rows(w, h)
+    return sum(rows((w - x + dx - 1) // dx, (h - y + dy - 1) // dy) for x, y, dx, dy in _ADAM7)
+
+
+def _check_image_data(idat: list[memoryview], expected: int) -> None:
+    """The IDAT stream is one whole zlib stream (its Adler-32 checked) of exactly the image's bytes, and nothing
+    after it. Pillow stops reading once the image is full, so it decodes a stream cut before its checksum, or
+    one with more data than the image holds, which libpng (OpenCV, DALI) refuses: when in doubt, the original.
+    Inflated a step at a time and never past ``expected``: a small file of a long stream costs no memory."""
+    inflate = zlib.decompressobj()
+    total = after = 0
+    try:
+        for part in idat:
+            if inflate.eof:
+                after += len(part)
+                continue
+            pending = bytes(part)
+            while pending and not inflate.eof:
+                total += len(inflate.decompress(pending, _INFLATE_STEP))
+                if total > expected:
+                    raise Refuse("corrupt", "more image data than the image holds")
+                pending = inflate.unconsumed_tail
+        while not inflate.eof:  # output the last input left inside the inflater
+            out = inflate.decompress(b"", _INFLATE_STEP)
+            if not out:
+                break
+            total += len(out)
+            if total > expected:
+                raise Refuse("corrupt", "more image data than the image holds")
+    except zlib.error as exc:
+        raise Refuse("corrupt", f"image data: {exc}") from None
+    if not inflate.eof or inflate.unused_data or after or total != expected:
+        raise Refuse("corrupt", "image data cut short, or more than one zlib stream")
 
 
 def _check_png_policy(depth: int, ctype: int, chunks: dict[bytes, list[bytes]]) -> str:

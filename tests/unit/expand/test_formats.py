@@ -317,6 +317,54 @@ def _png_with_oob_palette_index() -> bytes:
     return png(_IDX, 3, plte=_PAL6[:2])
 
 
+def _chunks_of(data: bytes) -> list[tuple[bytes, bytes]]:
+    """A PNG's chunks: (name, body), each."""
+    found, pos = [], 8
+    while pos < len(data):
+        length, name = struct.unpack_from(">I4s", data, pos)
+        found.append((name, data[pos + 8 : pos + 8 + length]))
+        pos += 12 + length
+    return found
+
+
+def _rebuilt(chunks: list[tuple[bytes, bytes]]) -> bytes:
+    return b"\x89PNG\r\n\x1a\n" + b"".join(_chunk(name, body) for name, body in chunks)
+
+
+def _png_image_data(stream: Callable[[bytes], bytes], split: bool = False) -> bytes:
+    """An RGB PNG whose IDAT stream is ``stream(the whole zlib stream)`` (in two IDATs with a tEXt between where
+    ``split``): what Pillow decodes and libpng refuses."""
+    chunks = _chunks_of(save(Image.fromarray(_RGB)))
+    data = stream(b"".join(body for name, body in chunks if name == b"IDAT"))
+    idat = [(b"IDAT", data[:20]), (b"tEXt", b"k\0v"), (b"IDAT", data[20:])] if split else [(b"IDAT", data)]
+    head = [c for c in chunks if c[0] not in (b"IDAT", b"IEND")]
+    return _rebuilt([*head, *idat, (b"IEND", b"")])
+
+
+def _png_extra_image_data() -> bytes:
+    """Image data past what the image holds (a row too many): libpng's "Too much image data"."""
+    h, w = _RGB.shape[:2]
+    rows = b"".join(b"\0" + _RGB[y].tobytes() for y in range(h)) + b"\0" + _RGB[0].tobytes()
+    return _png_image_data(lambda stream: zlib.compress(rows))
+
+
+def _png_plte(where: str) -> bytes:
+    """A palette PNG with its PLTE twice, or an RGB one with a (suggested) PLTE after its IDAT."""
+    if where == "twice":
+        chunks = _chunks_of(png(_IDX, 3, plte=_PAL6))
+        at = next(i for i, (name, _) in enumerate(chunks) if name == b"PLTE")
+        return _rebuilt(chunks[: at + 1] + [chunks[at]] + chunks[at + 1 :])
+    chunks = _chunks_of(save(Image.fromarray(_RGB)))
+    return _rebuilt([*chunks[:-1], (b"PLTE", bytes(range(6))), chunks[-1]])
+
+
+def _jpeg_many_scans() -> bytes:
+    """A progressive JPEG whose last scan is repeated 150 times: a few KB whose decode costs pixels times scans."""
+    real = save(Image.fromarray(_RGB), "JPEG", progressive=True)
+    last = real.rindex(b"\xff\xda")
+    return real[:last] + real[last:-2] * 150 + b"\xff\xd9"
+
+
 # name -> (original bytes, expected reason, expected source_format)
 REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "empty": (lambda: b"", "empty", None),
@@ -357,6 +405,14 @@ REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "png-bad-zlib": (_bad_zlib_good_crc, "corrupt", "png"),
     "png-garbage": (lambda: b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4, "corrupt", "png"),
     "png-bomb": (_png_bomb, "too-large", "png"),
+    "png-zlib-no-adler": (lambda: _png_image_data(lambda stream: stream[:-4]), "corrupt", "png"),
+    "png-zlib-cut": (lambda: _png_image_data(lambda stream: stream[:-30]), "corrupt", "png"),
+    "png-zlib-then-more": (lambda: _png_image_data(lambda stream: stream + b"\0" * 8), "corrupt", "png"),
+    "png-two-zlib-streams": (lambda: _png_image_data(lambda stream: stream + stream), "corrupt", "png"),
+    "png-too-much-image-data": (_png_extra_image_data, "corrupt", "png"),
+    "png-idat-split": (lambda: _png_image_data(lambda stream: stream, split=True), "corrupt", "png"),
+    "png-plte-twice": (lambda: _png_plte("twice"), "corrupt", "png"),
+    "png-plte-after-idat": (lambda: _png_plte("after"), "corrupt", "png"),
     "jpeg-exif-orientation-6": (lambda: save(Image.fromarray(_RGB), "JPEG", exif=_exif(6)), "exif-orientation", "jpeg"),
     "jpeg-xmp-orientation-3": (_jpeg_with_xmp_orientation, "exif-orientation", "jpeg"),
     "jpeg-icc": (lambda: save(Image.fromarray(_RGB), "JPEG", icc_profile=_icc_srgb()), "icc-profile", "jpeg"),
@@ -366,6 +422,7 @@ REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "jpeg-truncated": (lambda: save(Image.fromarray(_RGB), "JPEG")[:400], "truncated", "jpeg"),
     "jpeg-garbage": (lambda: b"\xff\xd8\xff" + bytes(range(7, 256)), "truncated", "jpeg"),
     "jpeg-bomb": (_jpeg_bomb, "too-large", "jpeg"),
+    "jpeg-many-scans": (_jpeg_many_scans, "too-many-scans", "jpeg"),
 }
 
 
