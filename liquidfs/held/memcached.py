@@ -301,6 +301,12 @@ class MemcachedWire:
                     sock.close()
                 if reused and stream is not None and stream.received == 0 and _dropped(exc):
                     continue  # an idle connection the memcached let go of (a restart): a new one, same deadline
+                if isinstance(exc, WrongLength):
+                    # The memcached answered as one: the value is what someone stored there, and anyone may. Held
+                    # against the peer, three such values would have left it out for everyone's keys (and its
+                    # stores out, so nothing would overwrite them). Its connection goes: the body is left unread.
+                    peer.answered()
+                    raise
                 peer.failed(self.clock(), str(exc))
                 if isinstance(exc, PeerError):
                     raise

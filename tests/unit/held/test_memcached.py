@@ -176,6 +176,24 @@ def test_a_length_other_than_the_expected_is_refused_before_its_body(peers, anno
     assert peak < 32 * 1024  # a header's buffer, never the announced body
 
 
+def test_values_of_another_length_never_leave_their_memcached_out(peers) -> None:  # type: ignore[no-untyped-def]
+    """Anyone who reaches a memcached may store a value of any length at a key they can guess: each is refused
+    (``WrongLength``: the cluster counts it as rejected), and the memcached, which answered as one, is still
+    asked, however many there are; the next value of the right length is read on a new connection."""
+    answers = [b"hello!", b"hello!", b"hello!", b"hello!", b"hello"]
+
+    def planted(peer: FakePeer, conn: socket.socket, request: bytes) -> None:
+        body = answers.pop(0)
+        peer.send(conn, b"VALUE %s 0 %d\r\n%s\r\nEND\r\n" % (KEY.encode(), len(body), body))
+
+    peer = peers(planted)
+    wire = _wire(peer)
+    for _ in range(FAILURES_TO_SKIP + 1):
+        with pytest.raises(WrongLength):
+            wire.get(KEY, 5)
+    assert wire.get(KEY, 5) == b"hello" and not answers
+
+
 def test_the_reader_allocates_no_more_than_the_expected_size(peers) -> None:  # type: ignore[no-untyped-def]
     body = bytes(range(256)) * 4096  # 1 MiB
     peer = peers(_value(body))
