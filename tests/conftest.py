@@ -93,6 +93,18 @@ def public_dir() -> Iterator[Path]:
         shutil.rmtree(path)
 
 
+@pytest.fixture
+def reachable_tmp() -> Iterator[Path]:
+    """A temporary directory every user may search down to (pytest's tmp_path is private to its user, and so
+    is what is in it): where a cluster without a key may share a source in the clear."""
+    path = Path(tempfile.mkdtemp(prefix="liquidfs-open-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
 @pytest.fixture(scope="session")
 def liquidfs_cmd() -> list[str]:
     return [sys.executable, "-m", "liquidfs"]

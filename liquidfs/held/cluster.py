@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw, oversized, source_changed_now
-from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read
+from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read, everyone_may_search_above
 from ..sysio.paths import filesystem_type_of
 from .cluster_peers import Client
 from .memcached import TIMEOUT, Skipped, WrongLength
@@ -97,18 +98,32 @@ def key_of(node: Node, keyed: str = "", sealer: Sealer | None = None) -> str:
 
 class EveryoneReadsNow:
     """Whether anyone may read a local file's source now: the bits for others and the group and the ACLs of the
-    file and of every directory above it below the source root, as they are
-    (``sysio.access.everyone_may_read``). The modes the catalog recorded are its writer's word, and a directory
-    closed (chmod o-x) since the scan changes no ctime of the files below it. In a worker thread, at each open
-    that would fetch or store a plaintext value."""
+    file and of every directory above it, up to /, as they are (``sysio.access.everyone_may_read`` below the
+    source root, ``everyone_may_search_above`` above it: a source in a home only its owner may enter is nobody
+    else's). The modes the catalog recorded are its writer's word, and a directory closed (chmod o-x) since the
+    scan changes no ctime of the files below it. In a worker thread, at each open that would fetch or store a
+    plaintext value."""
 
     def __init__(self, root_fd: int) -> None:
         self.root_fd = root_fd
-        # A walk never leaves the root's filesystem: its kind, once, says whether it has ACLs of its own.
+        # A walk below the root never leaves its filesystem: its kind, once, says whether it has ACLs of its own.
         self.posix_acls_only = filesystem_type_of(root_fd) in POSIX_ACLS_ONLY
+        self._kinds: dict[int, bool] = {}  # the same of each filesystem above it, by device, found once each
+        self._kinds_lock = threading.Lock()
 
     def __call__(self, node: Node) -> bool:
-        return everyone_may_read(self.root_fd, node.path, posix_acls_only=self.posix_acls_only)
+        return everyone_may_search_above(self.root_fd, self._posix_acls_only) and \
+            everyone_may_read(self.root_fd, node.path, posix_acls_only=self.posix_acls_only)
+
+    def _posix_acls_only(self, fd: int) -> bool:
+        device = os.fstat(fd).st_dev
+        with self._kinds_lock:
+            known = self._kinds.get(device)
+        if known is None:
+            known = filesystem_type_of(fd) in POSIX_ACLS_ONLY
+            with self._kinds_lock:
+                self._kinds[device] = known
+        return known
 
 
 @dataclass

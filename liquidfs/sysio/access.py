@@ -134,6 +134,35 @@ def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False
     return True
 
 
+def everyone_may_search_above(root_fd: int, posix_acls_only: Callable[[int], bool]) -> bool:
+    """Whether every user may search each directory above the one ``root_fd`` holds, up to /, now (the bits for
+    others and the group, and any POSIX ACL, as ``everyone_may_read`` judges the directories below it): a source
+    below a directory only its owner may enter (``/home/alice``, 0700) is nobody else's, whatever its own modes.
+    Each step is the kernel's ``..`` of the last, so the directories are the ones the source is in now (moved or
+    not). ``posix_acls_only(fd)``: whether ``fd``'s filesystem has no ACLs but POSIX ones (``POSIX_ACLS_ONLY``).
+    Blocks: a worker thread's."""
+    search = stat.S_IXOTH | stat.S_IXGRP
+    try:
+        fd = os.open("..", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
+    except OSError:
+        return False
+    try:
+        below = os.fstat(root_fd)
+        while True:
+            here = os.fstat(fd)
+            if (here.st_dev, here.st_ino) == (below.st_dev, below.st_ino):  # / is its own ..
+                return True
+            if not _grants_all(fd, search, stat.S_ISDIR, posix_acls_only(fd)):
+                return False
+            parent = os.open("..", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd, below = parent, here
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
 #: Filesystems with no ACLs but POSIX ones (or none at all): where one answers that it supports no POSIX ACL,
 #: the modes say all. Not overlay (its lower layer may be an NFSv4 one) nor ZFS (NFSv4 ACLs where built so).
 POSIX_ACLS_ONLY = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "ramfs"})

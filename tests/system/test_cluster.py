@@ -78,7 +78,8 @@ def memcacheds(memcached_binary: str) -> Iterator[list[Memcached]]:
 
 
 def _all_raw(tmp_path: Path, *, count: int, width: int, height: int, seed: int) -> tuple[Path, Path, dict[str, bytes]]:
-    """A sample prepared all raw: (source, store, each raw-served file's path -> its raw object's bytes)."""
+    """A sample prepared all raw: (source, store, each raw-served file's path -> its raw object's bytes). Without
+    a cluster key only a source every user may reach is shared: ``tmp_path`` is then ``reachable_tmp``."""
     src = tmp_path / "src"
     make_sample(src, count=count, width=width, height=height, seed=seed)
     store = tmp_path / "store"
@@ -89,9 +90,9 @@ def _all_raw(tmp_path: Path, *, count: int, width: int, height: int, seed: int) 
     return src, store, raw
 
 
-def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tmp_path: Path, mounter: Mount,
+def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(reachable_tmp: Path, mounter: Mount,
                                                                           memcacheds: list[Memcached]) -> None:
-    src, store, raw = _all_raw(tmp_path, count=12, width=256, height=128, seed=29)
+    src, store, raw = _all_raw(reachable_tmp, count=12, width=256, height=128, seed=29)
     assert len(raw) >= 8
     url = "memcached://" + ",".join(f"127.0.0.1:{m.port}" for m in memcacheds)
     node_a = mounter.mount(src, "--cluster", url, "--cluster-size", "100%", store=store)
@@ -128,12 +129,12 @@ def test_a_node_hits_what_another_read_and_a_killed_memcached_costs_only_hits(tm
     assert a2["errors"] == b3["errors"] == 0
 
 
-def test_without_cluster_size_the_mount_holds_what_the_memcacheds_say_they_hold(tmp_path: Path, mounter: Mount,
+def test_without_cluster_size_the_mount_holds_what_the_memcacheds_say_they_hold(reachable_tmp: Path, mounter: Mount,
                                                                              memcacheds: list[Memcached]) -> None:
     """No --cluster-size: the size is the smaller of the memcacheds' limit_maxbytes together (less their overhead)
     and the raw objects' bytes, told in ``liquidfs stats``; a cluster where no memcached answers is refused at
     mount, naming the flag to give."""
-    src, store, raw = _all_raw(tmp_path, count=6, width=128, height=64, seed=31)
+    src, store, raw = _all_raw(reachable_tmp, count=6, width=128, height=64, seed=31)
     wire = MemcachedWire([("127.0.0.1", server.port) for server in memcacheds])
     assert wire.limits() == {f"127.0.0.1:{server.port}": 64 * 2**20 for server in memcacheds}  # their -m 64
     wire.close()
@@ -154,9 +155,9 @@ def test_without_cluster_size_the_mount_holds_what_the_memcacheds_say_they_hold(
         mounter.mount(src, "--cluster", url, store=store)
 
 
-def test_a_cluster_named_by_a_dns_name_reaches_the_memcacheds_it_resolves_to(tmp_path: Path, mounter: Mount,
+def test_a_cluster_named_by_a_dns_name_reaches_the_memcacheds_it_resolves_to(reachable_tmp: Path, mounter: Mount,
                                                                              memcached_binary: str) -> None:
-    src, store, raw = _all_raw(tmp_path, count=6, width=128, height=64, seed=30)
+    src, store, raw = _all_raw(reachable_tmp, count=6, width=128, height=64, seed=30)
     # One memcached on every address localhost has here (127.0.0.1, ::1 where it is listed): each is a server of
     # the client, and each must answer for every object to be a hit.
     server = Memcached(memcached_binary, listen=sorted(set(resolve_addresses("localhost", 0))))
@@ -252,9 +253,9 @@ def test_a_value_rewritten_without_the_key_is_never_served(tmp_path: Path, mount
         server.kill()
 
 
-def test_without_a_key_an_image_others_may_not_read_never_goes_to_memcached(tmp_path: Path, mounter: Mount,
+def test_without_a_key_an_image_others_may_not_read_never_goes_to_memcached(reachable_tmp: Path, mounter: Mount,
                                                                             memcached_binary: str) -> None:
-    src = tmp_path / "src"
+    src = reachable_tmp / "src"
     make_sample(src, count=8, width=128, height=64, seed=39)
     for path in [src, *src.rglob("*")]:  # whatever the umask: everyone may read the tree but what is made private
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -262,7 +263,7 @@ def test_without_a_key_an_image_others_may_not_read_never_goes_to_memcached(tmp_
     secret = sorted(cities[1].iterdir())[0]
     secret.chmod(0o600)  # a 0600 image
     cities[0].chmod(0o700)  # and a 0700 directory of images
-    store = tmp_path / "store"
+    store = reachable_tmp / "store"
     prepare(src, store, 1.0, progress=False)
     catalog = Catalog.open(store, readonly=True)
     nodes = [n for n in catalog.files() if n.served_raw]

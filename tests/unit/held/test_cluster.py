@@ -31,7 +31,9 @@ from sample import make_sample
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> tuple[Path, Path]:
+def store(reachable_tmp: Path) -> tuple[Path, Path]:
+    """A source every user may read, down from / (a cluster without a key shares only such), and its store."""
+    tmp_path = reachable_tmp
     src = tmp_path / "src"
     make_sample(src, count=8, width=64, height=32, seed=4)
     store = tmp_path / "store"
@@ -363,8 +365,8 @@ def _private_store(tmp_path: Path) -> tuple[Path, Path, set[bytes]]:
     return src, store, private
 
 
-def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(tmp_path: Path) -> None:
-    _, path, private = _private_store(tmp_path)
+def test_without_a_key_only_objects_everyone_may_read_go_to_the_cluster(reachable_tmp: Path) -> None:
+    _, path, private = _private_store(reachable_tmp)
     assert len(private) >= 2
     level, client, raw = _level(path)
     for n in raw:
@@ -401,10 +403,10 @@ def test_a_source_with_acls_of_its_own_shares_nothing_in_the_clear_that_has_no_p
         os.close(root)
 
 
-def test_a_file_closed_to_others_since_the_scan_never_goes_to_the_cluster_in_the_clear(tmp_path: Path) -> None:
+def test_a_file_closed_to_others_since_the_scan_never_goes_to_the_cluster_in_the_clear(reachable_tmp: Path) -> None:
     """Whether anyone may read a local source is asked of the source as it is: the catalog's modes are its
     writer's word, and a directory closed since the scan (chmod o-x) changes no file's ctime."""
-    src, path, private = _private_store(tmp_path)
+    src, path, private = _private_store(reachable_tmp)
     catalog = Catalog.open(path, readonly=True)
     reader = StoreReader(catalog.source, path)
     client = FakeMemcached()
@@ -418,3 +420,25 @@ def test_a_file_closed_to_others_since_the_scan_never_goes_to_the_cluster_in_the
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
     assert {n.path for n in raw if key_of(n) in client.values} == {n.path for n in raw} - now_private
     catalog.close()
+
+
+def test_a_source_below_a_directory_only_its_owner_may_enter_is_nobody_elses(reachable_tmp: Path) -> None:
+    """Others reach a source through every directory above it: one in a home only its owner may enter (0700)
+    shares nothing in the clear, whatever the modes below its root say; opened to others' search, it does. As
+    the directories are now, at each open."""
+    home = reachable_tmp / "home"
+    home.mkdir(mode=0o700)
+    src = home / "src"
+    make_sample(src, count=4, width=64, height=32, seed=5)
+    path = home / "store"
+    prepare(src, path, 1.0, progress=False)
+    level, client, raw = _level(path)
+    for n in raw:
+        assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    assert client.sets == 0 and level.statistics().values()["cluster_private"] == len(raw)
+    home.chmod(0o711)
+    for n in raw:
+        level.open(n)
+    assert client.sets == len(raw)
+    home.chmod(0o701)  # others may search, the group may not: not everyone
+    assert not level.public(raw[0])  # type: ignore[misc]

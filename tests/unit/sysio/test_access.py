@@ -196,3 +196,30 @@ def test_everyone_may_read_by_the_bits_for_others_alone(tmp_path: Path) -> None:
         assert not access.everyone_may_read(root, b"d/missing.png")
     finally:
         os.close(root)
+
+
+def test_everyone_may_search_above_walks_the_kernels_parents_up_to_the_root(reachable_tmp: Path) -> None:
+    """Each directory above a source, up to /, as the kernel's .. finds it now: / itself has nothing above it;
+    a source moved under a directory only its owner may enter is shut to others from then on."""
+    asked: list[int] = []
+
+    def kind(fd: int) -> bool:
+        asked.append(fd)
+        return True
+
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.everyone_may_search_above(root, kind) and asked == []
+    finally:
+        os.close(root)
+    (reachable_tmp / "src").mkdir()
+    closed = reachable_tmp / "closed"
+    closed.mkdir(mode=0o700)
+    src = os.open(reachable_tmp / "src", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.everyone_may_search_above(src, kind)
+        assert len(asked) == len(reachable_tmp.parts)  # reachable_tmp, /tmp, /
+        (reachable_tmp / "src").rename(closed / "src")
+        assert not access.everyone_may_search_above(src, kind)
+    finally:
+        os.close(src)
