@@ -20,6 +20,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from ..catalog.catalog import Catalog
@@ -134,62 +135,89 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     ctx = multiprocessing.get_context("forkserver")
     queue = iter(nodes)
     in_flight: dict[cf.Future[Outcome], Node] = {}
+    jobs_of: dict[cf.Future[Outcome], tuple[Callable[..., Outcome], tuple[object, ...]]] = {}
     last_commit = time.monotonic()
-    with (cf.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=set_budget,
-                                 initargs=(plan.budget,)) as pool,
-          Progress("expanding", "images", total=round(ratio * len(nodes)), shown=progress) as bar):
-        while True:
-            # Keep enough work in flight to reach the target, in rank order.
-            while fatal is None and len(chosen) + len(in_flight) < wanted() and len(in_flight) < 2 * jobs:
-                node = next(queue, None)
-                if node is None:
+
+    def new_pool(workers: int) -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=set_budget,
+                                      initargs=(plan.budget,))
+
+    def take(outcome: Outcome) -> None:
+        nonlocal fatal, refused
+        if outcome.fatal:
+            fatal = fatal or outcome.fatal
+            return
+        pending.append(outcome)
+        if outcome.object is not None:
+            chosen.append(outcome)
+            report.expanded += not outcome.reused
+            report.reused += outcome.reused
+            bar.update(1)
+        else:
+            refused += 1
+            report.skipped[_reason_key(outcome.reason)] += 1
+
+    pool = new_pool(jobs)
+    with Progress("expanding", "images", total=round(ratio * len(nodes)), shown=progress) as bar:
+        try:
+            while True:
+                # Keep enough work in flight to reach the target, in rank order.
+                while fatal is None and len(chosen) + len(in_flight) < wanted() and len(in_flight) < 2 * jobs:
+                    node = next(queue, None)
+                    if node is None:
+                        break
+                    prior = known.get(node.path)
+                    if prior is not None and prior.describes(node):
+                        if prior.object is None and prior.reason is not None:  # refused before, for a lasting reason
+                            refused += 1
+                            report.skipped[_reason_key(prior.reason)] += 1
+                            continue
+                        # Reused as is only in the format tried first: one of a later format is made again, as
+                        # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
+                        # object keeps the stamp it had: what vouches for it is evidence about it, never this
+                        # run's say-so. One without a stamp (an older store), or with an xxh3 digest (recorded
+                        # before BLAKE2b: it is never carried forward), is made again by a worker, who adopts the
+                        # object only if it holds exactly the expansion's bytes, and records their digest.
+                        if (prior.object and of_object(prior.object) is RAW_FORMATS[raw_formats[0]]
+                                and (prior.object_stamp is not None or not store.stamps_objects)
+                                and is_digest(prior.checksum) and store.exists(prior.object)):
+                            chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior.format, prior.object,
+                                                  prior.raw_size, prior.checksum, None, reused=True,
+                                                  src_etag=node.etag, object_stamp=prior.object_stamp))
+                            report.reused += 1
+                            bar.update(1)
+                            continue
+                    func, job_args = store.expansion_job(src_root, node, object_name(node), raw_formats)
+                    future = pool.submit(func, *job_args)
+                    in_flight[future], jobs_of[future] = node, (func, tuple(job_args))
+                if not in_flight:
                     break
-                prior = known.get(node.path)
-                if prior is not None and prior.describes(node):
-                    if prior.object is None and prior.reason is not None:  # refused before, for a lasting reason
-                        refused += 1
-                        report.skipped[_reason_key(prior.reason)] += 1
+                done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+                broken = False
+                for future in done:
+                    if isinstance(future.exception(), BrokenProcessPool):
+                        broken = True
                         continue
-                    # Reused as is only in the format tried first: one of a later format is made again, as
-                    # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
-                    # object keeps the stamp it had: what vouches for it is evidence about it, never this
-                    # run's say-so. One without a stamp (an older store), or with an xxh3 digest (recorded
-                    # before BLAKE2b: it is never carried forward), is made again by a worker, who adopts the
-                    # object only if it holds exactly the expansion's bytes, and records their digest.
-                    if (prior.object and of_object(prior.object) is RAW_FORMATS[raw_formats[0]]
-                            and (prior.object_stamp is not None or not store.stamps_objects)
-                            and is_digest(prior.checksum) and store.exists(prior.object)):
-                        chosen.append(Outcome(node.path, node.size, node.mtime_ns, prior.format, prior.object,
-                                              prior.raw_size, prior.checksum, None, reused=True,
-                                              src_etag=node.etag, object_stamp=prior.object_stamp))
-                        report.reused += 1
-                        bar.update(1)
-                        continue
-                func, job_args = store.expansion_job(src_root, node, object_name(node), raw_formats)
-                future = pool.submit(func, *job_args)
-                in_flight[future] = node
-            if not in_flight:
-                break
-            done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
-            for future in done:
-                in_flight.pop(future)
-                outcome = future.result()
-                if outcome.fatal:
-                    fatal = fatal or outcome.fatal
-                    continue
-                pending.append(outcome)
-                if outcome.object is not None:
-                    chosen.append(outcome)
-                    report.expanded += not outcome.reused
-                    report.reused += outcome.reused
-                    bar.update(1)
-                else:
-                    refused += 1
-                    report.skipped[_reason_key(outcome.reason)] += 1
-            if pending and (time.monotonic() - last_commit > 1.0 or not in_flight):
-                _record(catalog, pending)
-                pending.clear()
-                last_commit = time.monotonic()
+                    in_flight.pop(future)
+                    jobs_of.pop(future)
+                    take(future.result())
+                if broken:
+                    # A worker died (the kernel's OOM killer, a decoder that crashed on a file): the pool and
+                    # every job still in it are lost. Each of them runs again alone, so the one that kills its
+                    # worker is known and refused for good (until its source changes); a new pool goes on.
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    for future, node in list(in_flight.items()):
+                        func, job_args = jobs_of.pop(future)
+                        finished = future.done() and future.exception() is None
+                        take(future.result() if finished else _alone(new_pool, node, func, job_args))
+                    in_flight.clear()
+                    pool = new_pool(jobs)
+                if pending and (time.monotonic() - last_commit > 1.0 or not in_flight):
+                    _record(catalog, pending)
+                    pending.clear()
+                    last_commit = time.monotonic()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     _record(catalog, pending)
     if fatal:
         advice = ("Free some space (or lower --ratio) and run prepare again" if fatal == "out of disk space" else
@@ -214,6 +242,24 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
         publish()
     report.seconds = time.monotonic() - started
     return report
+
+
+def _alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], node: Node, func: Callable[..., Outcome],
+           job_args: tuple[object, ...]) -> Outcome:
+    """``func(*job_args)``, the expansion of ``node``, in a pool of one worker of its own: its outcome, or a
+    refusal where it kills that worker too."""
+    with new_pool(1) as pool:
+        try:
+            return pool.submit(func, *job_args).result()
+        except BrokenProcessPool:
+            log.warning("%s: expanding it killed the worker process (out of memory, or a decoder crashed); it is "
+                        "served as its original", os.fsdecode(node.path))
+            return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, WORKER_DIED,
+                           src_etag=node.etag)
+
+
+#: The refusal of an image whose expansion killed its worker process, alone: remembered until its source changes.
+WORKER_DIED = "worker-died"
 
 
 def _transient(reason: str | None) -> bool:
@@ -262,12 +308,26 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     held = tuple(sorted({(of_object(str(n.object)) or DEFAULT).name for n in nodes})) or DEFAULT_FORMATS
     workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
                                      largest_source=max((n.size for n in nodes), default=0)).workers
+    lost: list[Node] = []
     with (cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool,
           Progress("verifying", "images", total=len(nodes), shown=progress) as bar):
         futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
         for future in cf.as_completed(futures):
+            if isinstance(future.exception(), BrokenProcessPool):
+                lost.append(futures[future])  # a worker died: every check still in the pool with it
+                continue
             problem = future.result()
             if problem:
                 failures.append((os.fsdecode(futures[future].path), str(problem)))
+            bar.update(1)
+        for node in lost:  # each alone, so only the one that kills its worker fails for it
+            with cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as alone:
+                func, func_args = job(node)
+                try:
+                    problem = alone.submit(func, *func_args).result()
+                except BrokenProcessPool:
+                    problem = "checking it killed the worker process (out of memory, or a decoder crashed)"
+            if problem:
+                failures.append((os.fsdecode(node.path), str(problem)))
             bar.update(1)
     return failures

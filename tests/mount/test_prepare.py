@@ -392,3 +392,67 @@ def test_prepare_cli_summary_and_bad_ratio(sample: Path, tmp_path: Path) -> None
         assert word in out.stdout
     bad = run_cli("prepare", str(sample), "--store", str(tmp_path / "s"), "--ratio", "1.5", check=False)
     assert bad.returncode == 2 and "ratio" in bad.stderr
+
+
+def test_an_image_that_kills_its_worker_is_refused_and_the_rest_expanded(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed mid-expansion (a decoder that crashes on a crafted file, the OOM killer) loses prepare's
+    whole pool: every job in it runs again alone, the one that kills its worker is refused for good (served as
+    its original), and the others are expanded. The next run does not try it again; a change of it does."""
+    from crashers import expand_or_die
+
+    from liquidfs.stores.local.store import LocalStore
+
+    src = make_sample(tmp_path / "data", count=6, width=64, height=32, seed=7)
+    store = tmp_path / "store"
+    images = sorted(p.relative_to(src) for p in src.rglob("*.png"))
+    doomed = os.fsencode(images[2])
+    job = LocalStore.expansion_job
+
+    def deadly(self: LocalStore, *args: object) -> object:
+        func, job_args = job(self, *args)  # type: ignore[arg-type]
+        return expand_or_die, (doomed, func, *job_args)
+
+    monkeypatch.setattr(LocalStore, "expansion_job", deadly)
+    report = prepare(src, store, 1.0, progress=False, jobs=2)
+    assert report.skipped == {"worker-died": 1} and report.expanded == len(images) - 1, report
+    catalog = Catalog.open(store, readonly=True)
+    served = {n.path: n.served_raw for n in catalog.files() if n.path.endswith(b".png")}
+    catalog.close()
+    assert served == {os.fsencode(p): os.fsencode(p) != doomed for p in images}
+    again = prepare(src, store, 1.0, progress=False, jobs=2)  # remembered: no worker is lost to it again
+    assert again.skipped == {"worker-died": 1} and again.expanded == 0 and again.reused == len(images) - 1
+    monkeypatch.setattr(LocalStore, "expansion_job", job)
+    fresh = src / "fresh.tmp"
+    fresh.write_bytes((src / images[0]).read_bytes())
+    fresh.replace(src / os.fsdecode(doomed))  # replaced (as a dataset's files are): tried anew
+    assert prepare(src, store, 1.0, progress=False, jobs=2).expanded == 1
+
+
+def test_verify_of_an_object_whose_check_kills_its_worker_names_that_one_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same in `verify`: the checks lost with a dead worker's pool run again alone, and only the one whose
+    check kills its worker is a failure, said in a line, never a traceback."""
+    from crashers import expand_or_die
+
+    from liquidfs.stores.local.store import LocalStore
+
+    src = make_sample(tmp_path / "data", count=6, width=64, height=32, seed=8)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False, jobs=2)
+    verify_jobs = LocalStore.verify_jobs
+    doomed: list[bytes] = []
+
+    def deadly(self: LocalStore) -> object:
+        nodes, job = verify_jobs(self)
+        doomed.append(nodes[1].path)
+
+        def wrapped(node: object) -> object:
+            func, job_args = job(node)  # type: ignore[arg-type]
+            return expand_or_die, (doomed[0], func, *job_args)
+        return nodes, wrapped
+
+    monkeypatch.setattr(LocalStore, "verify_jobs", deadly)
+    failures = verify(store, jobs=2, progress=False)
+    assert [path for path, _ in failures] == [os.fsdecode(doomed[0])], failures
+    assert "killed the worker process" in failures[0][1]
