@@ -73,8 +73,9 @@ class DiskLevel(Level[_Entry], InFront):
         Level.__init__(self, policy)
         InFront.__init__(self, inner)
         self.memory_holds = memory_holds
-        _remove_stale(root)
         root.mkdir(parents=True, exist_ok=True)
+        _check_root(root)
+        _remove_stale(root)
         self.dir = root / unique(_PREFIX)
         # Held while this mount lives, and from before its directory is made: another mount starting at the
         # same moment sweeps (``_remove_stale``) no directory whose lock is not yet there.
@@ -182,9 +183,16 @@ class DiskLevel(Level[_Entry], InFront):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) or self.write_errors == 1:
                 log.warning("disk cache: cannot write %s: %s", self._path(node.id), exc.strerror)
             return False
+        entry = _Entry(private_digest(content.data), content.raw, content.size)
         with self._lock:
-            self._held[node.id] = _Entry(private_digest(content.data), content.raw, content.size)
-        return True
+            # The policy may have let it go while it was read and written (another job's read took its room):
+            # kept then, it would lie on disk outside the budget, where no eviction removes it.
+            kept = node.id in self.policy.held
+            if kept:
+                self._held[node.id] = entry
+        if not kept:
+            self._unlink(name)
+        return kept
 
     def _forget(self, file: int) -> _Entry | None:
         gone = super()._forget(file)
@@ -223,12 +231,27 @@ class DiskLevel(Level[_Entry], InFront):
                                   epochs=self.policy.summary()["epochs"])
 
 
+def _check_root(root: Path) -> None:
+    """Refuse a ``--disk-cache`` directory where someone else could swap this mount's directory for another (a
+    live mount's, renamed in at its name): one another user owns, or one group or others may write without the
+    sticky bit (with it, only an entry's owner renames it)."""
+    st = os.stat(root)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "--disk-cache: not a directory", str(root))
+    if st.st_uid not in (0, os.geteuid()):
+        raise PermissionError(errno.EPERM, f"--disk-cache: owned by another user (uid {st.st_uid}), who may swap "
+                              "what is in it; give a directory of this user's (or root's)", str(root))
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise PermissionError(errno.EPERM, "--disk-cache: group or others may write it and rename what is in it; "
+                              "chmod go-w (or +t) it, or give another", str(root))
+
+
 def _own_directory(path: Path) -> int:
-    """A descriptor of the directory this mount has just made at ``path``: no link, this user's, owner-only
-    (another user who renamed it and put a directory of theirs at its name is refused)."""
+    """A descriptor of the directory this mount has just made at ``path``: no link, this user's, owner-only and
+    empty (another mount's directory, or another user's, renamed to its name is refused)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077:
+    if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077 or os.listdir(fd):
         os.close(fd)
         raise OSError(errno.EPERM, "not the directory this mount made (replaced meanwhile?)", str(path))
     return fd

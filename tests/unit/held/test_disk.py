@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -159,3 +160,48 @@ def test_a_link_put_at_the_levels_name_is_never_written_through(tmp_path: Path) 
     assert sorted(p.name for p in victim.iterdir()) == ["7"] and (victim / "7").read_bytes() == b"the victim's own"
     level.close()
     assert (victim / "7").exists() and not list(moved.iterdir())
+
+
+def test_a_file_let_go_while_it_was_read_is_not_left_on_disk(tmp_path: Path) -> None:
+    """Another job's read may take a file's room while its bytes are read from storage and written: the level
+    then keeps no file of it, which nothing would evict, outside the budget."""
+    level, store = _level(tmp_path, 1.0)
+    node = _node(5)
+    read = store.open
+
+    def let_go_meanwhile(n: Node) -> Content:
+        level.drop(n.id)  # the policy's room given to another read, as decide's eviction does
+        return read(n)
+
+    store.open = let_go_meanwhile  # type: ignore[method-assign]
+    assert bytes(level.open(node).data or b"") == bytes([5]) * SIZE
+    assert list(level.dir.iterdir()) == [] and level.held_items() == {}
+    store.open = read  # type: ignore[method-assign]
+    level.open(_node(6))
+    assert [f.name for f in level.dir.iterdir()] == ["6"]
+    level.close()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_cache_directory_others_may_rename_in_is_refused(tmp_path: Path, mode: int) -> None:
+    """Where group or others may write the --disk-cache directory (without the sticky bit), someone could put
+    another mount's directory at this one's name: refused, naming the fix. Sticky (/tmp) is fine."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(mode)
+    with pytest.raises(PermissionError, match="chmod go-w"):
+        _level(root, 1.0)
+    root.chmod(mode | 0o1000)
+    level, _ = _level(root, 1.0)
+    level.close()
+
+
+def test_a_directory_renamed_to_the_levels_name_is_refused_unless_empty(tmp_path: Path) -> None:
+    """Between the mkdir and the open, a directory with files in it (a live mount's) put at the name is not the
+    one this mount made."""
+    made = tmp_path / "liquidfs-x"
+    made.mkdir(mode=0o700)
+    os.close(disk_module._own_directory(made))
+    (made / "7").write_bytes(b"x")
+    with pytest.raises(OSError, match="not the directory this mount made"):
+        disk_module._own_directory(made)
