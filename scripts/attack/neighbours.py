@@ -365,16 +365,21 @@ def cluster_keys(store: Path, key_file: Path | None) -> list[str]:
     ``key_file``; else in the clear, and only of files everyone may read), as the mount makes them
     (``held.cluster``)."""
     from liquidfs.catalog.catalog import Catalog
-    from liquidfs.held.cluster import EveryoneReads, in_share, key_of
+    from liquidfs.held.cluster import EveryoneReadsNow, in_share, key_of
     from liquidfs.held.sealing import read_key_file
 
     keyed = read_key_file(key_file).id if key_file is not None else ""
     catalog = Catalog.open(store, readonly=True)
+    root = -1
     try:
-        public = EveryoneReads(catalog.get) if key_file is None else None
+        if key_file is None:  # as the mount asks it: of the source as it is, every directory above it included
+            root = os.open(catalog.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        public = EveryoneReadsNow(root) if key_file is None else None
         return [key_of(node, keyed) for node in catalog.files()
                 if in_share(node, 1.0) and (public is None or public(node))]
     finally:
+        if root >= 0:
+            os.close(root)
         catalog.close()
 
 
