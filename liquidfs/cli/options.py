@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import re
 from collections.abc import Callable
 from dataclasses import fields
@@ -231,6 +230,7 @@ def _loops(args: argparse.Namespace) -> int:
 
 def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     """``mount``'s options as a ``MountConfig``, every value checked; an OptionError names the flag refused."""
+    from ..daemon.control import mount_point_named
     from ..held.cluster_peers import CLUSTER_NEEDS_KEY, ClusterError, parse_cluster
     from ..held.sealing import KeyFileError, read_key_file
 
@@ -270,7 +270,7 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
         raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")
     return MountConfig(
         # As mountinfo will show it (links resolved): what the watchdog and umount find the mount by.
-        source=storage.source_label, mountpoint=Path(os.path.realpath(args.mountpoint)), store=storage.label,
+        source=storage.source_label, mountpoint=mount_point_named(Path(args.mountpoint)), store=storage.label,
         allow_other=args.allow_other, fuse_options=tuple(o for opts in args.options for o in opts.split(",") if o),
         threads=threads, open_threads=args.open_threads, loops=loop_count, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         cache_size=cache_size, warmup=args.warmup, readahead_kb=args.readahead_kb,

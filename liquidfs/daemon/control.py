@@ -45,6 +45,22 @@ def clean_stale(mountpoint: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
 
 
+#: Links followed to a mount point at most, as the kernel follows them (ELOOP past it).
+MAX_LINKS = 40
+
+
+def mount_point_named(path: Path) -> Path:
+    """``path`` as mountinfo shows a mount on it: the links above it resolved, and the last name read where it
+    is a link nothing is mounted on (a mount point named by a link to it). What is mounted there is never
+    touched: a stat of its root would wait for its daemon, and one stuck would hold the caller for good."""
+    shown = Path(os.fsdecode(watchdog.as_mountinfo_shows(path)))
+    for _ in range(MAX_LINKS):
+        if watchdog.topmost_mount(shown) is not None or not os.path.islink(shown):
+            return shown
+        shown = Path(os.fsdecode(watchdog.as_mountinfo_shows(shown.parent / os.readlink(shown))))
+    raise MountError(f"{path}: too many levels of links")
+
+
 def check_mountpoint(mountpoint: Path) -> None:
     """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount.
 
@@ -198,11 +214,8 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
     # What is mounted there, from mountinfo: a stat would wait for a hung daemon. Only a liquidfs mount is
     # unmounted: fusermount3 run by root unmounts any FUSE filesystem, someone else's included, so it is
     # given the path checked (the links above it resolved), not one a link could have moved since.
-    mountpoint = Path(os.fsdecode(watchdog.as_mountinfo_shows(mountpoint)))
+    mountpoint = mount_point_named(mountpoint)
     found = watchdog.topmost_mount(mountpoint)
-    if found is None and os.path.islink(mountpoint):  # the mount point named by a link to it (not mounted on)
-        mountpoint = Path(os.fsdecode(watchdog.as_mountinfo_shows(mountpoint.parent / os.readlink(mountpoint))))
-        found = watchdog.topmost_mount(mountpoint)
     if found is None:
         if not os.path.lexists(mountpoint):
             raise MountError(f"{mountpoint} does not exist")

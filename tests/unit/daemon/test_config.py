@@ -137,3 +137,33 @@ def test_a_cluster_of_an_object_stores_source_needs_the_key(key_file: Path) -> N
         options.mount_config(_parse(cluster), bucket)
     assert options.mount_config(_parse([*cluster, "--cluster-key-file", str(key_file)]), bucket).cluster
     assert options.mount_config(_parse(cluster), STORAGE).cluster  # a local source: what everyone may read
+
+
+def test_the_mount_point_is_named_without_touching_what_is_mounted_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stat of a mount's root waits for its daemon (once its cached attributes expire: a second on sshfs):
+    the mount point the daemon is handed is found from mountinfo and the links above it, and a link at its name
+    is read only where nothing is mounted on it; ``check_mountpoint`` then asks a stuck one from a child."""
+    from liquidfs.daemon import watchdog
+
+    real = tmp_path / "real"
+    (real / "mnt").mkdir(parents=True)
+    (tmp_path / "up").symlink_to(real)
+    (tmp_path / "named").symlink_to(real / "mnt")
+    stuck = os.fsencode(real / "mnt")
+    lstat = os.lstat
+
+    def never_the_mount(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        assert os.fsencode(os.fspath(path)) != stuck, "the mount's root was stat-ed"  # type: ignore[arg-type]
+        return lstat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.sshfs", 30, 1) if os.fsencode(path) == stuck
+                        else None)
+    monkeypatch.setattr(os, "lstat", never_the_mount)
+    config = options.mount_config(cli.build_parser().parse_args(["mount", "/data", str(tmp_path / "up" / "mnt")]),
+                                  STORAGE)
+    assert config.mountpoint == real / "mnt"
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: None)  # nothing mounted: a link's name is read
+    monkeypatch.setattr(os, "lstat", lstat)
+    config = options.mount_config(cli.build_parser().parse_args(["mount", "/data", str(tmp_path / "named")]), STORAGE)
+    assert config.mountpoint == real / "mnt"

@@ -52,7 +52,7 @@ def test_a_lazy_umount_touches_nothing_of_the_mount(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(control, "read_control", touched)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     control.unmount(tmp_path / "link" / "mnt", lazy=True)
-    assert seen == [os.fsencode(real / "mnt")]
+    assert seen and set(seen) == {os.fsencode(real / "mnt")}
     assert ran == [["fusermount3", "-u", "-z", str(real / "mnt")]]
     # The mount point named by a link to it: the link is read, not followed into the mount.
     (tmp_path / "to-mnt").symlink_to("link/mnt")
