@@ -35,7 +35,8 @@ alpha; OpenCV UNCHANGED gives 4 channels for the PNG); APNG [animated]; MPO
 / Ultra HDR JPEG [multi-picture]; CMYK/YCCK JPEG [unsupported-mode:CMYK]; a JPEG of more than
 ``jpeg.MAX_SCANS`` scans [too-many-scans] (its decode costs pixels times scans); a PNG whose
 image data is not one whole zlib stream of exactly the image's bytes, or whose PLTE is repeated or after IDAT,
-or whose IDATs are not consecutive [corrupt] (libpng, under OpenCV and DALI, refuses what Pillow decodes);
+or whose IDATs are not consecutive [corrupt] (Pillow decodes them; libpng, under OpenCV and DALI, refuses a
+stream cut before its checksum and a PLTE repeated, and only warns about the rest);
 embedded ICC profiles [icc-profile] -- Pillow, DALI and OpenCV all ignore
 them (tested), but ICC-aware loaders (ImageCms) would see a profile in the
 original and none in the BMP; gAMA not within libpng's 5 % "no correction"

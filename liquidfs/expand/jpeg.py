@@ -73,8 +73,9 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
             # raises.  Requiring EOI after the scan keeps us off such files.
             if data.rfind(b"\xff\xd9") < pos + length:
                 raise Refuse("truncated", "no EOI after scan")
-            # Every later SOS is a marker: entropy-coded bytes stuff each 0xFF with a 0x00.
-            scans = 1 + data.count(b"\xff\xda", pos + length)
+            # Every later SOS before the image's EOI is a marker: entropy-coded bytes stuff each 0xFF with a
+            # 0x00, so the first EOI after the scan is the image's (what trails it, a motion photo's video, is not).
+            scans = 1 + data.count(b"\xff\xda", pos + length, data.find(b"\xff\xd9", pos + length))
             if scans > MAX_SCANS:
                 raise Refuse("too-many-scans", f"{scans} scans")
             return sof

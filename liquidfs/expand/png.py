@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from dataclasses import dataclass
 from typing import Final
 
 from PIL import PngImagePlugin
@@ -49,10 +50,12 @@ def png_header_size(data: bytes) -> tuple[int, int]:
     return w, h
 
 
-def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]]:
+def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]], _ImageData]:
     """Walk the chunks: structure, CRCs (libpng rejects bad ones even in IDAT,
-    which Pillow does not read), IEND present.  Returns IHDR fields and the
-    small chunks the policy looks at."""
+    which Pillow does not read), IEND present.  Returns IHDR fields, the
+    small chunks the policy looks at, and the image data's parts with the
+    size they must inflate to (``_check_image_data``: after the policy's
+    cheap refusals)."""
     w, h, depth, ctype, comp, filt, interlace = struct.unpack_from(">IIBBBBB", data, 16)
     if w == 0 or h == 0 or comp != 0 or filt != 0 or interlace > 1:
         raise Refuse("corrupt", "bad IHDR")
@@ -86,7 +89,7 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
             if idat and last != b"IDAT":  # libpng reads one run of IDATs
                 raise Refuse("corrupt", "IDAT chunks not consecutive")
             idat.append(view[pos + 8 : end - 4])
-        elif name == b"PLTE" and (seen_plte or idat):  # libpng: "duplicate", "out of place"
+        elif name == b"PLTE" and (seen_plte or idat):  # libpng: "duplicate" (an error), "out of place" (a warning)
             raise Refuse("corrupt", "PLTE repeated or after IDAT")
         seen_plte = seen_plte or name == b"PLTE"
         last = name
@@ -97,16 +100,23 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
     has_plte = b"PLTE" in chunks
     if (ctype == 3 and not has_plte) or (ctype in (0, 4) and has_plte):
         raise Refuse("corrupt", "PLTE missing or not allowed")
-    _check_image_data(idat, _image_data_size(w, h, depth, ctype, interlace))
-    return w, h, depth, ctype, chunks
+    return w, h, depth, ctype, chunks, _ImageData(idat, _image_data_size(w, h, depth, ctype, interlace))
+
+
+@dataclass(frozen=True)
+class _ImageData:
+    """A PNG's IDAT bodies, in order, and the bytes they must inflate to."""
+
+    parts: list[memoryview]
+    size: int
 
 
 #: Samples per pixel of each colour type.
 _CHANNELS: Final = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
 #: Adam7's passes: (first column, first row, column step, row step).
 _ADAM7: Final = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
-#: Bytes of inflated image data asked for at a time: the check holds no more than this of it.
-_INFLATE_STEP: Final = 1 << 20
+#: Bytes of image data fed, and of inflated data asked for, at a time: the check holds no more than this of it.
+_INFLATE_STEP: Final = 1 << 16
 
 
 def _image_data_size(w: int, h: int, depth: int, ctype: int, interlace: int) -> int:
@@ -121,24 +131,29 @@ def _image_data_size(w: int, h: int, depth: int, ctype: int, interlace: int) -> 
     return sum(rows((w - x + dx - 1) // dx, (h - y + dy - 1) // dy) for x, y, dx, dy in _ADAM7)
 
 
-def _check_image_data(idat: list[memoryview], expected: int) -> None:
+def _check_image_data(image_data: _ImageData) -> None:
     """The IDAT stream is one whole zlib stream (its Adler-32 checked) of exactly the image's bytes, and nothing
-    after it. Pillow stops reading once the image is full, so it decodes a stream cut before its checksum, or
-    one with more data than the image holds, which libpng (OpenCV, DALI) refuses: when in doubt, the original.
-    Inflated a step at a time and never past ``expected``: a small file of a long stream costs no memory."""
+    after it. Pillow stops reading once the image is full, so it decodes a stream cut before its checksum, which
+    libpng (under OpenCV and DALI) refuses, and one with more data than the image holds or more after it, which
+    libpng only warns about: when in doubt, the original. Inflated a step at a time and never past the image's
+    size: a small file of a long stream costs no memory."""
+    expected = image_data.size
     inflate = zlib.decompressobj()
     total = after = 0
     try:
-        for part in idat:
-            if inflate.eof:
-                after += len(part)
-                continue
-            pending = bytes(part)
-            while pending and not inflate.eof:
-                total += len(inflate.decompress(pending, _INFLATE_STEP))
-                if total > expected:
-                    raise Refuse("corrupt", "more image data than the image holds")
-                pending = inflate.unconsumed_tail
+        for part in image_data.parts:
+            for start in range(0, len(part), _INFLATE_STEP):
+                if inflate.eof:
+                    after += len(part) - start
+                    break
+                # A step of input at a time: each output step copies what input is left (unconsumed_tail),
+                # and one IDAT of 64 MB fed whole cost seconds in those copies.
+                pending = bytes(part[start : start + _INFLATE_STEP])
+                while pending and not inflate.eof:
+                    total += len(inflate.decompress(pending, _INFLATE_STEP))
+                    if total > expected:
+                        raise Refuse("corrupt", "more image data than the image holds")
+                    pending = inflate.unconsumed_tail
         while not inflate.eof:  # output the last input left inside the inflater
             out = inflate.decompress(b"", _INFLATE_STEP)
             if not out:
@@ -192,8 +207,9 @@ def expand_png(data: bytes, max_pixels: int, to: str) -> bytes:
     w, h = png_header_size(data)
     if w * h > max_pixels:
         raise Refuse("too-large", f"{w}x{h}")
-    _, _, depth, ctype, chunks = _scan_png(data)
+    _, _, depth, ctype, chunks, image_data = _scan_png(data)
     mode = _check_png_policy(depth, ctype, chunks)
+    _check_image_data(image_data)
     # The plugin class directly, not Image.open: our max_pixels check above
     # replaces Pillow's process-wide MAX_IMAGE_PIXELS check, which would warn
     # (or raise) on legitimately large images.

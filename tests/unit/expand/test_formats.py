@@ -811,3 +811,26 @@ def test_expand_decodes_the_source_once_and_its_bmp_once(source_format: str, mon
     decoded.clear()  # what saving the source may have loaded
     assert expand(data).reason is None
     assert sorted(decoded) == sorted([f"{source_format.title()}ImageFile", "BmpImageFile"]), decoded
+
+
+def test_scans_are_counted_up_to_the_images_end() -> None:
+    """What trails a JPEG's EOI (a motion photo's video) is no scan of it: its bytes may hold FF DA by chance."""
+    real = save(Image.fromarray(_RGB), "JPEG", progressive=True)
+    trailer = b"\xff\xda" * (jpeg.MAX_SCANS + 1)
+    assert jpeg.scan_jpeg(real + trailer, 10**8)[:2] == (_RGB.shape[1], _RGB.shape[0])
+
+
+@pytest.mark.parametrize("split", ["whole", "bytes", "empty-parts"])
+def test_image_data_in_any_split_of_idat_chunks_is_expanded(split: str) -> None:
+    """One stream in one IDAT larger than the check's step, in IDATs of a few bytes each, or with empty IDATs
+    among them: all libpng reads, and all expanded to the same pixels."""
+    pixels = rng(9).integers(0, 256, (300, 400, 3), dtype=np.uint8)  # a stream of ~360 KB: several steps
+    chunks = _chunks_of(save(Image.fromarray(pixels)))
+    stream = b"".join(body for name, body in chunks if name == b"IDAT")
+    parts = {"whole": [stream], "bytes": [stream[i:i + 997] for i in range(0, len(stream), 997)],
+             "empty-parts": [b"", stream[:1000], b"", stream[1000:], b""]}[split]
+    head = [c for c in chunks if c[0] not in (b"IDAT", b"IEND")]
+    data = _rebuilt([*head, *((b"IDAT", p) for p in parts), (b"IEND", b"")])
+    e = expand(data)
+    assert e.data is not None, e.reason
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(e.data))), pixels)
