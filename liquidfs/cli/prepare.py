@@ -113,11 +113,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..catalog.schema import CatalogError
-    from ..prepare import verify
+    from ..prepare import PrepareError, verify
 
     try:
         failures = verify(args.store, sample=args.sample, jobs=args.jobs, progress=not args.no_progress)
-    except CatalogError as exc:
+    except (CatalogError, PrepareError) as exc:
         print(f"liquidfs verify: {exc}", file=sys.stderr)
         return 2
     for path, problem in failures:

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from ..catalog.catalog import Catalog
 from ..catalog.identity import is_digest
@@ -34,6 +35,10 @@ from ..stores import Store, open_prepared, open_store
 from ..sysio.progress import Progress
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+V = TypeVar("V")
 
 
 class PrepareError(Exception):
@@ -134,8 +139,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     src_root = catalog.source
     ctx = multiprocessing.get_context("forkserver")
     queue = iter(nodes)
-    in_flight: dict[cf.Future[Outcome], Node] = {}
-    jobs_of: dict[cf.Future[Outcome], tuple[Callable[..., Outcome], tuple[object, ...]]] = {}
+    in_flight: dict[cf.Future[Outcome], tuple[Node, Callable[..., Outcome], tuple[object, ...]]] = {}
     last_commit = time.monotonic()
 
     def new_pool(workers: int) -> cf.ProcessPoolExecutor:
@@ -188,28 +192,22 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                             bar.update(1)
                             continue
                     func, job_args = store.expansion_job(src_root, node, object_name(node), raw_formats)
-                    future = pool.submit(func, *job_args)
-                    in_flight[future], jobs_of[future] = node, (func, tuple(job_args))
+                    in_flight[pool.submit(func, *job_args)] = (node, func, tuple(job_args))
                 if not in_flight:
                     break
-                done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
-                broken = False
-                for future in done:
-                    if isinstance(future.exception(), BrokenProcessPool):
-                        broken = True
-                        continue
-                    in_flight.pop(future)
-                    jobs_of.pop(future)
-                    take(future.result())
+                finished, broken = _settled(in_flight)
+                for _, outcome in finished:
+                    take(outcome)
                 if broken:
                     # A worker died (the kernel's OOM killer, a decoder that crashed on a file): the pool and
                     # every job still in it are lost. Each of them runs again alone, so the one that kills its
                     # worker is known and refused for good (until its source changes); a new pool goes on.
                     pool.shutdown(wait=True, cancel_futures=True)
-                    for future, node in list(in_flight.items()):
-                        func, job_args = jobs_of.pop(future)
-                        finished = future.done() and future.exception() is None
-                        take(future.result() if finished else _alone(new_pool, node, func, job_args))
+                    for future, (node, func, job_args) in list(in_flight.items()):
+                        if future.done() and future.exception() is None:
+                            take(future.result())
+                        elif fatal is None:  # once workers die idle, what is left is tried by the next run
+                            take(_alone(new_pool, node, func, job_args))
                     in_flight.clear()
                     pool = new_pool(jobs)
                 if pending and (time.monotonic() - last_commit > 1.0 or not in_flight):
@@ -244,20 +242,53 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     return report
 
 
+def _settled(in_flight: dict[cf.Future[R], V]) -> tuple[list[tuple[V, R]], bool]:
+    """At least one job of ``in_flight`` done: what each that finished was given and gave back, taken out of
+    ``in_flight``; and whether a worker died (the pool's jobs are then lost, and stay in ``in_flight``)."""
+    done, _ = cf.wait(in_flight, return_when=cf.FIRST_COMPLETED)
+    finished: list[tuple[V, R]] = []
+    broken = False
+    for future in done:
+        if isinstance(future.exception(), BrokenProcessPool):
+            broken = True
+        else:
+            finished.append((in_flight.pop(future), future.result()))
+    return finished, broken
+
+
 def _alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], node: Node, func: Callable[..., Outcome],
            job_args: tuple[object, ...]) -> Outcome:
-    """``func(*job_args)``, the expansion of ``node``, in a pool of one worker of its own: its outcome, or a
-    refusal where it kills that worker too."""
+    """``func(*job_args)``, the expansion of ``node``, in a pool of one worker of its own: its outcome; a refusal
+    where it kills that worker too; or, where a worker dies even with nothing to do (out of memory, a broken
+    interpreter), no verdict on the image but a stop of the run (``Outcome.fatal``)."""
+    died, outcome = _in_a_worker_alone(new_pool, func, job_args)
+    if not died:
+        return outcome
+    if not _workers_live(new_pool):
+        return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, None, fatal=WORKERS_DIE)
+    log.warning("%s: expanding it killed the worker process (out of memory, or a decoder crashed); it is "
+                "served as its original", os.fsdecode(node.path))
+    return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, WORKER_DIED, src_etag=node.etag)
+
+
+def _in_a_worker_alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], func: Callable[..., T],
+                       job_args: tuple[object, ...]) -> tuple[bool, T]:
+    """(False, ``func(*job_args)``) run in a pool of one worker of its own; (True, None) where that worker died."""
     with new_pool(1) as pool:
         try:
-            return pool.submit(func, *job_args).result()
+            return False, pool.submit(func, *job_args).result()
         except BrokenProcessPool:
-            log.warning("%s: expanding it killed the worker process (out of memory, or a decoder crashed); it is "
-                        "served as its original", os.fsdecode(node.path))
-            return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, WORKER_DIED,
-                           src_etag=node.etag)
+            return True, None  # type: ignore[return-value]
 
 
+def _workers_live(new_pool: Callable[[int], cf.ProcessPoolExecutor]) -> bool:
+    """Whether a new worker survives doing nothing: else a job that died in one says nothing of its image."""
+    died, _ = _in_a_worker_alone(new_pool, os.getpid, ())
+    return not died
+
+
+#: Why a run stops where its workers die with nothing to do.
+WORKERS_DIE = "worker processes die before doing any work (out of memory? the kernel log says)"
 #: The refusal of an image whose expansion killed its worker process, alone: remembered until its source changes.
 WORKER_DIED = "worker-died"
 
@@ -308,26 +339,44 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     held = tuple(sorted({(of_object(str(n.object)) or DEFAULT).name for n in nodes})) or DEFAULT_FORMATS
     workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
                                      largest_source=max((n.size for n in nodes), default=0)).workers
-    lost: list[Node] = []
-    with (cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool,
-          Progress("verifying", "images", total=len(nodes), shown=progress) as bar):
-        futures = {pool.submit(func, *func_args): n for n in nodes for func, func_args in [job(n)]}
-        for future in cf.as_completed(futures):
-            if isinstance(future.exception(), BrokenProcessPool):
-                lost.append(futures[future])  # a worker died: every check still in the pool with it
-                continue
-            problem = future.result()
-            if problem:
-                failures.append((os.fsdecode(futures[future].path), str(problem)))
-            bar.update(1)
-        for node in lost:  # each alone, so only the one that kills its worker fails for it
-            with cf.ProcessPoolExecutor(max_workers=1, mp_context=ctx) as alone:
-                func, func_args = job(node)
-                try:
-                    problem = alone.submit(func, *func_args).result()
-                except BrokenProcessPool:
-                    problem = "checking it killed the worker process (out of memory, or a decoder crashed)"
-            if problem:
-                failures.append((os.fsdecode(node.path), str(problem)))
-            bar.update(1)
+    def new_pool(count: int) -> cf.ProcessPoolExecutor:
+        return cf.ProcessPoolExecutor(max_workers=count, mp_context=ctx)
+
+    def check(node: Node, problem: object) -> None:
+        if problem:
+            failures.append((os.fsdecode(node.path), str(problem)))
+        bar.update(1)
+
+    queue = iter(nodes)
+    in_flight: dict[cf.Future[str | None], Node] = {}
+    pool = new_pool(workers)
+    with Progress("verifying", "images", total=len(nodes), shown=progress) as bar:
+        try:
+            while True:
+                # A window of checks in flight, not every one: where a worker dies, the checks lost with its
+                # pool are few, and each runs again alone (so only the one that kills its worker fails).
+                while len(in_flight) < 2 * workers and (node := next(queue, None)) is not None:
+                    func, func_args = job(node)
+                    in_flight[pool.submit(func, *func_args)] = node
+                if not in_flight:
+                    break
+                finished, broken = _settled(in_flight)
+                for node, problem in finished:
+                    check(node, problem)
+                if broken:
+                    pool.shutdown(wait=True, cancel_futures=True)
+                    for future, node in list(in_flight.items()):
+                        if future.done() and future.exception() is None:
+                            check(node, future.result())
+                            continue
+                        func, func_args = job(node)
+                        died, problem = _in_a_worker_alone(new_pool, func, func_args)
+                        if died and not _workers_live(new_pool):
+                            raise PrepareError(f"verify: {WORKERS_DIE}")
+                        check(node, "checking it killed the worker process (out of memory, or a decoder "
+                                    "crashed)" if died else problem)
+                    in_flight.clear()
+                    pool = new_pool(workers)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     return failures

@@ -456,3 +456,31 @@ def test_verify_of_an_object_whose_check_kills_its_worker_names_that_one_alone(
     failures = verify(store, jobs=2, progress=False)
     assert [path for path, _ in failures] == [os.fsdecode(doomed[0])], failures
     assert "killed the worker process" in failures[0][1]
+
+
+def test_workers_that_die_with_nothing_to_do_stop_prepare_and_refuse_no_image(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a new worker dies even with nothing to do (the node out of memory), a job lost with it says nothing
+    of its image: prepare stops, saying so, and refuses none of them for good; the next run tries them."""
+    from crashers import expand_or_die
+
+    import liquidfs.prepare as preparing
+    from liquidfs.stores.local.store import LocalStore
+
+    src = make_sample(tmp_path / "data", count=4, width=64, height=32, seed=9)
+    store = tmp_path / "store"
+    doomed = os.fsencode(sorted(p.relative_to(src) for p in src.rglob("*.png"))[0])
+    job = LocalStore.expansion_job
+
+    def deadly(self: LocalStore, *args: object) -> object:
+        func, job_args = job(self, *args)  # type: ignore[arg-type]
+        return expand_or_die, (doomed, func, *job_args)
+
+    monkeypatch.setattr(LocalStore, "expansion_job", deadly)
+    monkeypatch.setattr(preparing, "_workers_live", lambda new_pool: False)
+    with pytest.raises(preparing.PrepareError, match="worker processes die before doing any work"):
+        prepare(src, store, 1.0, progress=False, jobs=1)
+    monkeypatch.setattr(LocalStore, "expansion_job", job)
+    monkeypatch.undo()
+    report = prepare(src, store, 1.0, progress=False, jobs=1)
+    assert not report.skipped and report.raw_served == 4, report
