@@ -73,9 +73,8 @@ class DiskLevel(Level[_Entry], InFront):
         Level.__init__(self, policy)
         InFront.__init__(self, inner)
         self.memory_holds = memory_holds
-        root.mkdir(parents=True, exist_ok=True)
-        _check_root(root)
         _remove_stale(root)
+        root.mkdir(parents=True, exist_ok=True)
         self.dir = root / unique(_PREFIX)
         # Held while this mount lives, and from before its directory is made: another mount starting at the
         # same moment sweeps (``_remove_stale``) no directory whose lock is not yet there.
@@ -163,6 +162,9 @@ class DiskLevel(Level[_Entry], InFront):
         return Content(size=len(data), raw=entry.raw, data=data, level="disk", pooled=True)
 
     def _write(self, node: Node, content: Content) -> bool:
+        """Whether nothing is left to undo: the file written and held, or let go by the policy while it was read
+        and written (then not kept: it would lie on disk outside the budget, where no eviction removes it).
+        False: it could not be written."""
         assert content.data is not None
         name = f"{node.id}"
         tmp = unique(f"{name}.tmp-")  # two opens of one file write two files: the later rename wins
@@ -175,7 +177,13 @@ class DiskLevel(Level[_Entry], InFront):
                 # are let go so the page cache holds no third copy (where the filesystem can: else they stay).
                 with contextlib.suppress(OSError):
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            entry = _Entry(private_digest(content.data), content.raw, content.size)
+            with self._lock:
+                # Decided and renamed under the lock: an eviction (``decide``) sees the file held or not there.
+                kept = node.id in self.policy.held
+                if kept:
+                    os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+                    self._held[node.id] = entry
         except OSError as exc:
             self._unlink(tmp)
             with self._lock:
@@ -183,16 +191,9 @@ class DiskLevel(Level[_Entry], InFront):
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) or self.write_errors == 1:
                 log.warning("disk cache: cannot write %s: %s", self._path(node.id), exc.strerror)
             return False
-        entry = _Entry(private_digest(content.data), content.raw, content.size)
-        with self._lock:
-            # The policy may have let it go while it was read and written (another job's read took its room):
-            # kept then, it would lie on disk outside the budget, where no eviction removes it.
-            kept = node.id in self.policy.held
-            if kept:
-                self._held[node.id] = entry
         if not kept:
-            self._unlink(name)
-        return kept
+            self._unlink(tmp)
+        return True
 
     def _forget(self, file: int) -> _Entry | None:
         gone = super()._forget(file)
@@ -229,21 +230,6 @@ class DiskLevel(Level[_Entry], InFront):
                                   held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
                                   lost=self.lost, write_errors=self.write_errors,
                                   epochs=self.policy.summary()["epochs"])
-
-
-def _check_root(root: Path) -> None:
-    """Refuse a ``--disk-cache`` directory where someone else could swap this mount's directory for another (a
-    live mount's, renamed in at its name): one another user owns, or one group or others may write without the
-    sticky bit (with it, only an entry's owner renames it)."""
-    st = os.stat(root)
-    if not stat.S_ISDIR(st.st_mode):
-        raise NotADirectoryError(errno.ENOTDIR, "--disk-cache: not a directory", str(root))
-    if st.st_uid not in (0, os.geteuid()):
-        raise PermissionError(errno.EPERM, f"--disk-cache: owned by another user (uid {st.st_uid}), who may swap "
-                              "what is in it; give a directory of this user's (or root's)", str(root))
-    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-        raise PermissionError(errno.EPERM, "--disk-cache: group or others may write it and rename what is in it; "
-                              "chmod go-w (or +t) it, or give another", str(root))
 
 
 def _own_directory(path: Path) -> int:

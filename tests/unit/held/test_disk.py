@@ -182,20 +182,6 @@ def test_a_file_let_go_while_it_was_read_is_not_left_on_disk(tmp_path: Path) -> 
     level.close()
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
-def test_a_cache_directory_others_may_rename_in_is_refused(tmp_path: Path, mode: int) -> None:
-    """Where group or others may write the --disk-cache directory (without the sticky bit), someone could put
-    another mount's directory at this one's name: refused, naming the fix. Sticky (/tmp) is fine."""
-    root = tmp_path / "cache"
-    root.mkdir()
-    root.chmod(mode)
-    with pytest.raises(PermissionError, match="chmod go-w"):
-        _level(root, 1.0)
-    root.chmod(mode | 0o1000)
-    level, _ = _level(root, 1.0)
-    level.close()
-
-
 def test_a_directory_renamed_to_the_levels_name_is_refused_unless_empty(tmp_path: Path) -> None:
     """Between the mkdir and the open, a directory with files in it (a live mount's) put at the name is not the
     one this mount made."""
