@@ -407,17 +407,22 @@ def test_verify_fails_an_object_whose_recorded_digest_is_xxh3(s3: FakeS3, monkey
     assert legacy is not None and "liquidfs prepare" in legacy
 
 
-def test_a_cluster_hit_of_a_bucket_asks_the_source_first(s3: FakeS3) -> None:
+@pytest.mark.parametrize("disk", [False, True], ids=["over-the-bucket", "over-a-disk-level"])
+def test_a_cluster_hit_of_a_bucket_asks_the_source_first(s3: FakeS3, tmp_path: Any, disk: bool) -> None:
     """A value any node stored is every node's hit, so no miss of this node's would ever check its source again:
-    the cluster asks the bucket (a HEAD) before it serves one. A source replaced since is never served its old
-    image (the original's If-Match GET fails: EIO), a deleted one is ENOENT."""
+    the cluster asks the bucket (a HEAD) before it serves one, through a --disk-cache level too. A source
+    replaced since is never served its old image (the original's If-Match GET fails: EIO), a deleted one is
+    ENOENT."""
     from clusterfakes import FakeMemcached
 
     from liquidfs.held.cluster import ClusterLevel
+    from liquidfs.held.disk import DiskLevel
+    from liquidfs.policy.next_epoch import NextEpochCache
 
     data = b"0123456789" * 50
     reader, node = _reader(s3, data, raw=data[::-1] + b"!")
-    level = ClusterLevel(reader, FakeMemcached(), 1.0, public=lambda n: True)
+    inner = DiskLevel(reader, tmp_path, NextEpochCache(0, 10**6, 10, max_id=100)) if disk else reader
+    level = ClusterLevel(inner, FakeMemcached(), 1.0, public=lambda n: True)
     assert level.open(node).level == "storage"  # the miss: read from the store, stored to the cluster
     hit = level.open(node)
     assert hit.level == "cluster" and bytes(hit.data or b"") == data[::-1] + b"!"
