@@ -54,7 +54,7 @@ def mount_point_named(path: Path) -> Path:
     is a link nothing is mounted on (a mount point named by a link to it). What is mounted there is never
     touched: a stat of its root would wait for its daemon, and one stuck would hold the caller for good."""
     shown = Path(os.fsdecode(watchdog.as_mountinfo_shows(path)))
-    for _ in range(MAX_LINKS):
+    for _ in range(MAX_LINKS + 1):  # the path given, then each of the links it leads through
         if watchdog.topmost_mount(shown) is not None or not os.path.islink(shown):
             return shown
         shown = Path(os.fsdecode(watchdog.as_mountinfo_shows(shown.parent / os.readlink(shown))))

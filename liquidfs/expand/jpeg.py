@@ -73,13 +73,40 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
             # raises.  Requiring EOI after the scan keeps us off such files.
             if data.rfind(b"\xff\xd9") < pos + length:
                 raise Refuse("truncated", "no EOI after scan")
-            # Every later SOS before the image's EOI is a marker: entropy-coded bytes stuff each 0xFF with a
-            # 0x00, so the first EOI after the scan is the image's (what trails it, a motion photo's video, is not).
-            scans = 1 + data.count(b"\xff\xda", pos + length, data.find(b"\xff\xd9", pos + length))
+            scans = _scans(data, pos + length)
             if scans > MAX_SCANS:
                 raise Refuse("too-many-scans", f"{scans} scans")
             return sof
         pos += length
+
+
+def _scans(data: bytes, pos: int) -> int:
+    """The scans of a JPEG whose first scan's header ends at ``pos``, up to its EOI, by a walk of its markers:
+    entropy-coded bytes hold no marker (each 0xFF is stuffed with a 0x00), but a segment between two scans (a
+    comment, a table) may hold any bytes, FF DA and FF D9 too, so each is skipped by its length; what trails
+    the EOI (a motion photo's video) is not walked. Past ``MAX_SCANS`` it stops counting."""
+    scans, n = 1, len(data)
+    while scans <= MAX_SCANS:
+        pos = data.find(b"\xff", pos)  # C speed through the entropy-coded data
+        if pos < 0 or pos + 1 >= n:
+            raise Refuse("truncated", "no EOI after the scans")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # a fill byte before a marker
+            pos += 1
+            continue
+        if marker == 0x00 or marker in _STANDALONE_MARKERS:  # a stuffed byte, a restart marker
+            pos += 2
+            continue
+        if marker == 0xD9:
+            return scans
+        if pos + 4 > n:
+            raise Refuse("truncated", "segment length past end")
+        length = struct.unpack_from(">H", data, pos + 2)[0]
+        if length < 2:
+            raise Refuse("corrupt", "bad segment length")
+        scans += marker == 0xDA
+        pos += 2 + length
+    return scans
 
 
 def expand_jpeg(data: bytes, max_pixels: int, to: str) -> bytes:

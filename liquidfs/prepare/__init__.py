@@ -372,7 +372,8 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
                         func, func_args = job(node)
                         died, problem = _in_a_worker_alone(new_pool, func, func_args)
                         if died and not _workers_live(new_pool):
-                            raise PrepareError(f"verify: {WORKERS_DIE}")
+                            raise PrepareError(f"{WORKERS_DIE}; the checks made so far found {len(failures)} "
+                                               "problems")
                         check(node, "checking it killed the worker process (out of memory, or a decoder "
                                     "crashed)" if died else problem)
                     in_flight.clear()

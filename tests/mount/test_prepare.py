@@ -484,3 +484,35 @@ def test_workers_that_die_with_nothing_to_do_stop_prepare_and_refuse_no_image(
     monkeypatch.undo()
     report = prepare(src, store, 1.0, progress=False, jobs=1)
     assert not report.skipped and report.raw_served == 4, report
+
+
+def test_verify_where_workers_die_with_nothing_to_do_says_so_in_a_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        restore_logging: None) -> None:
+    """`liquidfs verify` on a node where new workers die even idle: no object is blamed, and the command ends
+    with one line that says why (exit 2), never a traceback."""
+    from crashers import expand_or_die
+
+    import liquidfs.prepare as preparing
+    from liquidfs.cli.main import main
+    from liquidfs.stores.local.store import LocalStore
+
+    src = make_sample(tmp_path / "data", count=4, width=64, height=32, seed=10)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False, jobs=1)
+    verify_jobs = LocalStore.verify_jobs
+
+    def deadly(self: LocalStore) -> object:
+        nodes, job = verify_jobs(self)
+
+        def wrapped(node: object) -> object:
+            func, job_args = job(node)  # type: ignore[arg-type]
+            return expand_or_die, (nodes[0].path, func, *job_args)
+        return nodes, wrapped
+
+    monkeypatch.setattr(LocalStore, "verify_jobs", deadly)
+    monkeypatch.setattr(preparing, "_workers_live", lambda new_pool: False)
+    assert main(["verify", "--store", str(store), "--no-progress", "--jobs", "1"]) == 2
+    said = capsys.readouterr()
+    assert "liquidfs verify: worker processes die before doing any work" in said.err, said.err
+    assert "Traceback" not in said.err + said.out and "FAIL" not in said.out

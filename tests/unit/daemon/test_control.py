@@ -136,3 +136,19 @@ def test_mount_over_a_fuse_mount_whose_daemon_answers_nothing_says_so(
         watchdog, "topmost_mount", lambda path: (b"ext4", 2, 1)))
     control.check_mountpoint(mnt)
     assert cleaned == [mnt]
+
+
+def test_a_mount_point_is_found_through_as_many_links_as_the_kernel_follows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """40 links lead to it (the kernel's limit); one more is a loop's message, never a hang."""
+    (tmp_path / "mnt").mkdir()
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: None)
+    previous = tmp_path / "mnt"
+    for i in range(control.MAX_LINKS):
+        link = tmp_path / f"l{i}"
+        link.symlink_to(previous.name)
+        previous = link
+    assert control.mount_point_named(previous) == tmp_path / "mnt"
+    (tmp_path / "one-more").symlink_to(previous.name)
+    with pytest.raises(control.MountError, match="too many levels of links"):
+        control.mount_point_named(tmp_path / "one-more")

@@ -32,6 +32,7 @@ from PIL import Image, ImageCms, ImageFile
 from liquidfs.expand import bmp, jpeg
 from liquidfs.expand import png as png_format
 from liquidfs.expand.bmp import BMP_MAGIC
+from liquidfs.expand.checks import Refuse
 from liquidfs.expand.formats import EXPANDABLE, Expansion, decode, expand, same_pixels, sniff
 
 try:
@@ -813,11 +814,19 @@ def test_expand_decodes_the_source_once_and_its_bmp_once(source_format: str, mon
     assert sorted(decoded) == sorted([f"{source_format.title()}ImageFile", "BmpImageFile"]), decoded
 
 
-def test_scans_are_counted_up_to_the_images_end() -> None:
-    """What trails a JPEG's EOI (a motion photo's video) is no scan of it: its bytes may hold FF DA by chance."""
+def test_scans_are_counted_by_a_walk_of_the_markers_up_to_the_images_end() -> None:
+    """What trails a JPEG's EOI (a motion photo's video) is no scan of it: its bytes may hold FF DA by chance. And a
+    segment between two scans (a comment) may hold FF D9: the walk skips it by its length, so a comment cannot
+    end the count early and let thousands of scans through."""
     real = save(Image.fromarray(_RGB), "JPEG", progressive=True)
     trailer = b"\xff\xda" * (jpeg.MAX_SCANS + 1)
     assert jpeg.scan_jpeg(real + trailer, 10**8)[:2] == (_RGB.shape[1], _RGB.shape[0])
+    many = _jpeg_many_scans()
+    second = many.index(b"\xff\xda", many.index(b"\xff\xda") + 2)
+    hidden = many[:second] + b"\xff\xfe\x00\x04\xff\xd9" + many[second:]  # a comment holding an EOI's bytes
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(hidden))), np.asarray(Image.open(io.BytesIO(many))))
+    with pytest.raises(Refuse, match="too-many-scans"):
+        jpeg.scan_jpeg(hidden, 10**8)
 
 
 @pytest.mark.parametrize("split", ["whole", "bytes", "empty-parts"])

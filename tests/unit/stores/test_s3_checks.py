@@ -434,3 +434,5 @@ def test_a_cluster_hit_of_a_bucket_asks_the_source_first(s3: FakeS3, tmp_path: A
     with pytest.raises(FileNotFoundError):
         level.open(node)
     assert level.statistics().values()["cluster_hits"] == 1
+    if isinstance(inner, DiskLevel):
+        inner.close()
