@@ -300,9 +300,9 @@ def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str,
     os.waitpid(child, 0)
     if said == "stale":
         return "stale", None
-    pid = said.removeprefix("answers ")
     if not control:
         return "answers", None
+    pid = said.removeprefix("answers ")
     if not pid.isdigit():
         log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
         return "answers", None

@@ -207,7 +207,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                         if future.done() and future.exception() is None:
                             take(future.result())
                         elif fatal is None:  # once workers die idle, what is left is tried by the next run
-                            take(_alone(new_pool, node, func, job_args))
+                            take(_expanded_alone(new_pool, node, func, job_args))
                     in_flight.clear()
                     pool = new_pool(jobs)
                 if pending and (time.monotonic() - last_commit > 1.0 or not in_flight):
@@ -256,41 +256,48 @@ def _settled(in_flight: dict[cf.Future[R], V]) -> tuple[list[tuple[V, R]], bool]
     return finished, broken
 
 
-def _alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], node: Node, func: Callable[..., Outcome],
-           job_args: tuple[object, ...]) -> Outcome:
-    """``func(*job_args)``, the expansion of ``node``, in a pool of one worker of its own: its outcome; a refusal
-    where it kills that worker too; or, where a worker dies even with nothing to do (out of memory, a broken
-    interpreter), no verdict on the image but a stop of the run (``Outcome.fatal``)."""
-    died, outcome = _in_a_worker_alone(new_pool, func, job_args)
-    if not died:
-        return outcome
-    if not _workers_live(new_pool):
-        return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, None, fatal=WORKERS_DIE)
-    log.warning("%s: expanding it killed the worker process (out of memory, or a decoder crashed); it is "
-                "served as its original", os.fsdecode(node.path))
-    return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, WORKER_DIED, src_etag=node.etag)
-
-
-def _in_a_worker_alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], func: Callable[..., T],
-                       job_args: tuple[object, ...]) -> tuple[bool, T]:
-    """(False, ``func(*job_args)``) run in a pool of one worker of its own; (True, None) where that worker died."""
+def _alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], func: Callable[..., T],
+           job_args: tuple[object, ...]) -> tuple[T | None, str | None]:
+    """``func(*job_args)`` (a job lost with a pool whose worker died) run again in a pool of one worker of its
+    own: (its result, None); (None, ``WORKER_DIED``) where it kills that worker too; or (None, ``WORKERS_DIE``)
+    where a new worker dies even doing nothing (out of memory): then its death says nothing of the job."""
     with new_pool(1) as pool:
         try:
-            return False, pool.submit(func, *job_args).result()
+            return pool.submit(func, *job_args).result(), None
         except BrokenProcessPool:
-            return True, None  # type: ignore[return-value]
+            pass
+    return None, (WORKER_DIED if _workers_live(new_pool) else WORKERS_DIE)
 
 
 def _workers_live(new_pool: Callable[[int], cf.ProcessPoolExecutor]) -> bool:
-    """Whether a new worker survives doing nothing: else a job that died in one says nothing of its image."""
-    died, _ = _in_a_worker_alone(new_pool, os.getpid, ())
-    return not died
+    """Whether a new worker survives doing nothing."""
+    with new_pool(1) as pool:
+        try:
+            pool.submit(os.getpid).result()
+        except BrokenProcessPool:
+            return False
+    return True
 
 
 #: Why a run stops where its workers die with nothing to do.
 WORKERS_DIE = "worker processes die before doing any work (out of memory? the kernel log says)"
 #: The refusal of an image whose expansion killed its worker process, alone: remembered until its source changes.
 WORKER_DIED = "worker-died"
+
+
+def _expanded_alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], node: Node, func: Callable[..., Outcome],
+                    job_args: tuple[object, ...]) -> Outcome:
+    """The expansion of ``node`` run again alone (``_alone``): its outcome; a refusal where it kills its worker;
+    or a stop of the run (``Outcome.fatal``) where workers die doing nothing."""
+    outcome, death = _alone(new_pool, func, job_args)
+    if death is None:
+        assert outcome is not None
+        return outcome
+    if death == WORKERS_DIE:
+        return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, None, fatal=WORKERS_DIE)
+    log.warning("%s: expanding it killed the worker process (out of memory, or a decoder crashed); it is "
+                "served as its original", os.fsdecode(node.path))
+    return Outcome(node.path, node.size, node.mtime_ns, None, None, None, None, WORKER_DIED, src_etag=node.etag)
 
 
 def _transient(reason: str | None) -> bool:
@@ -370,12 +377,12 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
                             check(node, future.result())
                             continue
                         func, func_args = job(node)
-                        died, problem = _in_a_worker_alone(new_pool, func, func_args)
-                        if died and not _workers_live(new_pool):
+                        problem, death = _alone(new_pool, func, func_args)
+                        if death == WORKERS_DIE:
                             raise PrepareError(f"{WORKERS_DIE}; the checks made so far found {len(failures)} "
                                                "problems")
                         check(node, "checking it killed the worker process (out of memory, or a decoder "
-                                    "crashed)" if died else problem)
+                                    "crashed)" if death else problem)
                     in_flight.clear()
                     pool = new_pool(workers)
         finally:
