@@ -101,10 +101,12 @@ class Level(Generic[T]):
         return self.policy.budget
 
     def decide(self, file: int, size: int, job: int = 0) -> Decision:
+        # The evicted files let go in the hold that evicted them: after it, one another open re-admitted in
+        # between would lose its new copy while the policy holds it.
         with self._lock:
             decision = self.policy.read(file, size, job)
-        for gone in decision.evicted:
-            self._forget(gone)
+            for gone in decision.evicted:
+                self._forget_held(gone)
         return decision
 
     def get(self, file: int) -> T | None:
@@ -120,8 +122,8 @@ class Level(Generic[T]):
             return dict(self._held)
 
     def drop(self, file: int) -> None:
-        self._forget(file)
-        with self._lock:
+        with self._lock:  # one hold: a re-admission in between would leave a value the policy does not hold
+            self._forget_held(file)
             self.policy.drop(file)
 
     def lost_hit(self, decision: Decision, size: int) -> None:
@@ -137,14 +139,24 @@ class Level(Generic[T]):
         raise NotImplementedError
 
     def _put(self, file: int, value: T) -> None:
-        self._forget(file)
         with self._lock:
+            self._forget_held(file)
             self._held[file] = value
 
     def _forget(self, file: int) -> T | None:
-        """Let go of what is held of ``file`` (and return it, for a level that must close or remove it)."""
+        """Let go of what is held of ``file`` (and return it)."""
         with self._lock:
-            return self._held.pop(file, None)
+            return self._forget_held(file)
+
+    def _forget_held(self, file: int) -> T | None:
+        """``_forget`` with ``_lock`` held."""
+        found = self._held.pop(file, None)
+        if found is not None:
+            self._let_go(file, found)
+        return found
+
+    def _let_go(self, file: int, value: T) -> None:
+        """What else goes with a held value that is let go (a descriptor closed, a file removed), under ``_lock``."""
 
 
 class InMemory(Level[T]):
@@ -248,12 +260,9 @@ class MemfdLevel(InMemory[HeldFile]):
         self.keep(file, fd, size, raw, digest)
         return True
 
-    def _forget(self, file: int) -> HeldFile | None:
-        found = super()._forget(file)
-        if found is not None:
-            self._bytes -= found.size
-            os.close(found.fd)
-        return found
+    def _let_go(self, file: int, value: HeldFile) -> None:
+        self._bytes -= value.size
+        os.close(value.fd)
 
     def statistics(self) -> MemfdStatistics:
         return MemfdStatistics(

@@ -195,11 +195,10 @@ class DiskLevel(Level[_Entry], InFront):
             self._unlink(tmp)
         return True
 
-    def _forget(self, file: int) -> _Entry | None:
-        gone = super()._forget(file)
-        if gone is not None:
-            self._unlink(f"{file}")
-        return gone
+    def _let_go(self, file: int, value: _Entry) -> None:
+        # Under the lock that popped the entry: ``_write``'s rename (under it too) is before both or after both,
+        # so a file another open re-admitted is never removed with the entry of the copy it replaced.
+        self._unlink(f"{file}")
 
     def _unlink(self, name: str) -> None:
         try:

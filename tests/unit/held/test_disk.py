@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,53 @@ def test_a_directory_renamed_to_the_levels_name_is_refused_unless_empty(tmp_path
     (made / "7").write_bytes(b"x")
     with pytest.raises(OSError, match="not the directory this mount made"):
         disk_module._own_directory(made)
+
+
+class _ThenOnce:
+    """The level's lock, running ``meanwhile`` once right after the next hold of it ends: another thread's open
+    that takes the lock next."""
+
+    def __init__(self, level: DiskLevel, meanwhile: Callable[[], None]) -> None:
+        self._lock, self._meanwhile, self._level = level._lock, meanwhile, level
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+        self._level._lock = self._lock  # once
+        self._meanwhile()
+
+
+def _readmit(level: DiskLevel, node: Node, data: bytes) -> Callable[[], None]:
+    """Another open of ``node`` that read it from the store and writes it (``_write``: renamed under the lock if the
+    policy holds it then)."""
+    return lambda: level._write(node, Content(size=len(data), raw=False, data=memoryview(data)))
+
+
+def test_a_file_readmitted_while_another_open_evicts_it_keeps_its_new_copy(tmp_path: Path) -> None:
+    """The evicted files of one open are let go in the lock hold that evicted them: let go after it, the file
+    another open re-admitted (and renamed into place) in between would lose its new copy while the policy holds it."""
+    level, _ = _level(tmp_path, 1.0)
+    level.open(_node(5))
+    read = level.policy.read
+    level.policy.read = lambda file, size, job=0: dataclasses.replace(  # type: ignore[method-assign]
+        read(file, size, job), evicted=(5,))
+    new = bytes([99]) * SIZE
+    level._lock = _ThenOnce(level, _readmit(level, _node(5), new))  # type: ignore[assignment]
+    level.decide(6, SIZE)
+    assert 5 in level.policy.held and 5 in level.held_items()
+    assert (level.dir / "5").read_bytes() == new
+    level.close()
+
+
+def test_a_file_readmitted_while_it_is_dropped_is_not_left_behind(tmp_path: Path) -> None:
+    """A drop lets go of the entry, the file and the policy's room in one hold: a re-admission between them would
+    leave an entry the policy does not hold (outside the budget, never evicted)."""
+    level, _ = _level(tmp_path, 1.0)
+    level.open(_node(5))
+    level._lock = _ThenOnce(level, _readmit(level, _node(5), bytes([99]) * SIZE))  # type: ignore[assignment]
+    level.drop(5)
+    assert 5 not in level.policy.held
+    assert level.held_items() == {} and list(level.dir.iterdir()) == []
+    level.close()
