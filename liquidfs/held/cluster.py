@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
-from ..stores.reader import Content, InFront, Reader, check_raw, oversized, source_changed_now
+from ..stores.reader import Content, InFront, Reader, check_raw, oversized, source_changed_now, source_checked
 from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read, everyone_may_search_above
 from ..sysio.paths import filesystem_type_of
 from .cluster_peers import Client
@@ -196,7 +196,10 @@ class ClusterLevel(InFront):
             fetched = self._fetch(node)
             if fetched is not None:
                 return Content(size=len(fetched), raw=True, data=memoryview(fetched), level="cluster")
-        content = self.inner.open(node)
+            with source_checked(node):  # a miss: the store's read need not ask a second time
+                content = self.inner.open(node)
+        else:
+            content = self.inner.open(node)
         if content.raw and content.data is not None and not content.fallback and content.size == node.size_served:
             self._store(node, content.data)
         return content

@@ -23,7 +23,9 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -327,6 +329,26 @@ def source_changed_now(reader: Reader, node: Node) -> str | None:
     if isinstance(reader, AsksStorage):
         return reader.source_changed_now(node)
     return reader.check_source(node)
+
+
+#: The node whose source the open running in this thread found unchanged a moment ago (``source_checked``).
+_CHECKED: ContextVar[tuple[int, str | None] | None] = ContextVar("liquidfs_source_checked", default=None)
+
+
+@contextmanager
+def source_checked(node: Node) -> Iterator[None]:
+    """Around the read of a cluster miss, whose source ``source_changed_now`` found unchanged just before: the
+    reader behind asks storage no second time (``asked_already``) in the same open."""
+    token = _CHECKED.set((node.id, node.etag))
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def asked_already(node: Node) -> bool:
+    """Whether this open found ``node``'s source unchanged already (``source_checked``)."""
+    return _CHECKED.get() == (node.id, node.etag)
 
 
 @runtime_checkable

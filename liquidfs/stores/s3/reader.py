@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from ...catalog.nodes import Node
-from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, check_raw, oversized
+from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, asked_already, check_raw, oversized
 from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,10 @@ class S3Reader:
         return None
 
     def source_changed_now(self, node: Node) -> str | None:
-        """One HEAD of the source object: None while it has the ETag and size the catalog recorded."""
+        """One HEAD of the source object: None while it has the ETag and size the catalog recorded (or where the
+        cluster's miss asked it a moment ago in this open)."""
+        if asked_already(node):
+            return None
         try:
             found = head(self.client, self.source.bucket, self.source.key(node.path))
         except Exception as exc:

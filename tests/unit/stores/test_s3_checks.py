@@ -52,6 +52,7 @@ class FakeS3:
         self.spoil: Callable[[Answer, bytes, int], Answer] | None = None  # (answer, object, first byte)
         self.uploads: list[str] = []
         self.metadata: dict[str, dict[str, str]] = {}
+        self.heads = 0
 
     def get_object(self, *, Bucket: str, Key: str, IfMatch: str | None = None, Range: str | None = None) -> Answer:
         if Key not in self.objects:
@@ -72,6 +73,7 @@ class FakeS3:
         return self.spoil(answer, self.objects[Key], first) if self.spoil else answer
 
     def head_object(self, *, Bucket: str, Key: str) -> Answer:
+        self.heads += 1
         if Key not in self.objects:
             raise _error("404", 404)
         data = self.objects[Key]
@@ -434,5 +436,29 @@ def test_a_cluster_hit_of_a_bucket_asks_the_source_first(s3: FakeS3, tmp_path: A
     with pytest.raises(FileNotFoundError):
         level.open(node)
     assert level.statistics().values()["cluster_hits"] == 1
+    if isinstance(inner, DiskLevel):
+        inner.close()
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["over-the-bucket", "over-a-disk-level"])
+def test_a_cluster_miss_asks_the_bucket_once(s3: FakeS3, tmp_path: Any, disk: bool) -> None:
+    """The cluster's HEAD before its fetch stands for the raw read of its miss (a moment later, in the same open):
+    one HEAD an open, hit or miss; a source changed since is still refused at the next open."""
+    from clusterfakes import FakeMemcached
+
+    from liquidfs.held.cluster import ClusterLevel
+    from liquidfs.held.disk import DiskLevel
+    from liquidfs.policy.next_epoch import NextEpochCache
+
+    data = b"0123456789" * 50
+    reader, node = _reader(s3, data, raw=data[::-1] + b"!")
+    inner = DiskLevel(reader, tmp_path, NextEpochCache(0, 10**6, 10, max_id=100)) if disk else reader
+    level = ClusterLevel(inner, FakeMemcached(), 1.0, public=lambda n: True)
+    assert level.open(node).level == "storage" and s3.heads == 1
+    assert level.open(node).level == "cluster" and s3.heads == 2
+    assert reader.source_changed_now(node) is None and s3.heads == 3  # outside an open: asked
+    s3.objects[SOURCE.key("f.bin")] = data.upper().replace(b"0", b"o")
+    with pytest.raises(OSError):
+        level.open(node)
     if isinstance(inner, DiskLevel):
         inner.close()
