@@ -15,14 +15,16 @@ import functools
 import logging
 import os
 import sqlite3
+import stat
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from ..sysio.home import cache_home
+from ..sysio.paths import catalog_parts, open_dir, path_below
 from . import listings
-from .nodes import REPR_RAW, ExpansionRow, Node
+from .nodes import CONTROL_ID, REPR_RAW, ROOT_ID, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      UNLISTED, CatalogError, migrate, schema_version)
 from .store_dir import check_store_dir
@@ -78,6 +80,25 @@ def _file_id(path: Path) -> tuple[int, int] | None:
             return None
         raise
     return st.st_dev, st.st_ino
+
+
+#: Ids a catalog's rows may leave unused past twice their count (a build leaves none).
+_ID_SLACK = 1024
+
+
+def _entry_stat(root: int, rel: bytes) -> os.stat_result:
+    """The stat the scan took of the entry ``rel`` below ``root``: its directory reached without a link, then the
+    entry's own stat from there, not followed (a directory another filesystem is mounted on stats as the scan saw
+    it, which a walk that refuses to cross filesystems could not reach)."""
+    catalog_parts(rel)
+    parent, _, name = rel.rpartition(b"/")
+    if not parent:
+        return os.stat(name, dir_fd=root, follow_symlinks=False)
+    parent_fd = path_below(root, parent)
+    try:
+        return os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    finally:
+        os.close(parent_fd)
 
 
 class Catalog:
@@ -155,7 +176,8 @@ class Catalog:
     @property
     def source(self) -> bytes:
         value = self.meta("source")
-        assert value is not None
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise CatalogError(f"{self.path}: names no source it describes (a damaged or foreign catalog)")
         return os.fsencode(value)
 
     # -- queries used by the mount -----------------------------------------------------------------
@@ -213,10 +235,16 @@ class Catalog:
         every row (~2 s at ten million files): an immutable catalog's are computed once."""
         if self._totals is not None:
             return self._totals
-        files, served, source = self.db.execute(
-            f"SELECT count(*), coalesce(sum({_SERVED}), 0), coalesce(sum(size), 0) FROM nodes WHERE kind=0"
-        ).fetchone()
-        max_id = self.db.execute("SELECT coalesce(max(id), 1) FROM nodes").fetchone()[0]
+        # One scan of every row: the files' sums, and the ids' range and count beside them.
+        files, served, source, rows, min_id, max_id = self.db.execute(
+            f"SELECT coalesce(sum(kind=0), 0), coalesce(sum(CASE WHEN kind=0 THEN {_SERVED} END), 0), "
+            "coalesce(sum(CASE WHEN kind=0 THEN size END), 0), count(*), coalesce(min(id), 1), coalesce(max(id), 1) "
+            "FROM nodes").fetchone()
+        # Ids index the mount's per-file arrays (``datapath.inodes``, the cache policy's): a build numbers its rows
+        # from the root on, so an id far past their count is a row someone else wrote, not an array to map.
+        if min_id < ROOT_ID or max_id > 2 * rows + _ID_SLACK or max_id >= CONTROL_ID:
+            raise CatalogError(f"{self.path}: node ids {min_id}..{max_id} for {rows} rows: not numbered as a build "
+                               "numbers them (a damaged or foreign catalog); remove it and mount or prepare again")
         if self.immutable:
             self._totals = files, served, source, max_id
         return files, served, source, max_id
@@ -245,8 +273,9 @@ class Catalog:
         for row in cursor:
             yield Node(*row)
 
-    def directories(self) -> list[tuple[bytes, int]]:
-        """(path, mtime_ns) of every directory: few enough to hold even for ImageNet (1,000)."""
+    def directories(self) -> list[tuple[object, object]]:
+        """(path, mtime_ns) of every directory as its row holds them (not checked: a path should be bytes): few
+        enough to hold even for ImageNet (1,000)."""
         return self.db.execute("SELECT path, mtime_ns FROM nodes WHERE kind=1").fetchall()
 
     # -- what prepare learnt and chose ---------------------------------------------------------------
@@ -319,12 +348,23 @@ class Catalog:
             return MUST_RESCAN  # scanned by an older liquidfs: its files' identities are too weak to reuse
         if self.meta(UNLISTED) not in (None, "0"):
             return MUST_RESCAN  # a directory the scan could not list is shown empty: tried again
-        root = self.source
-        for rel, mtime_ns in self.directories():
-            try:
-                st = os.stat(os.path.join(root, rel) if rel else root)
-            except OSError:
-                return CHANGED
-            if st.st_mtime_ns != mtime_ns:
-                return CHANGED
+        try:
+            root = open_dir(self.source)
+        except OSError:
+            return CHANGED
+        try:
+            for rel, mtime_ns in self.directories():
+                # Below the root as the scan walks (whoever writes the source or the store chooses the names): no
+                # link followed (one into a FUSE mount that never answers would hang this root command for good),
+                # never above the root or onto another filesystem; a row no walk takes is a change.
+                if not isinstance(rel, bytes):
+                    return CHANGED
+                try:
+                    st = os.fstat(root) if rel == b"" else _entry_stat(root, rel)
+                except OSError:  # catalog_parts refuses a path that leaves the root (EIO)
+                    return CHANGED
+                if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns != mtime_ns:
+                    return CHANGED
+        finally:
+            os.close(root)
         return None

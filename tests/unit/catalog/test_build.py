@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from catalogs import written
 
 from liquidfs.catalog import build as build_module
 from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build, build_from_objects, open_or_build
-from liquidfs.catalog.catalog import Catalog
+from liquidfs.catalog.catalog import Catalog, CatalogError
 from liquidfs.catalog.identity import file_version
 from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from liquidfs.catalog.scan import Warmer
@@ -388,3 +389,82 @@ def test_a_catalog_holding_what_prepare_learnt_is_on_disk_before_its_rename(tmp_
     synced.clear()
     open_or_build(src, store, rescan=True).close()  # carries prepare's state over
     assert len(synced) == 2 and ".new-" in synced[0] and synced[1] == str(store)
+
+
+def _fresh_catalog(tmp_path: Path) -> tuple[Path, Path]:
+    src = tmp_path / "src"
+    (src / "d" / "e").mkdir(parents=True)
+    (src / "d" / "e" / "a.png").write_bytes(b"png")
+    open_or_build(src, tmp_path / "store").close()
+    return src, tmp_path / "store"
+
+
+def test_a_directory_swapped_for_a_link_since_the_scan_is_a_change_never_followed(tmp_path: Path) -> None:
+    """The freshness check stats the catalog's directories as the scan walked them: a link put in place of one (its
+    target's mtime and the parent's put back as they were) is a change, never stat-ed through (a link into a FUSE
+    mount that never answers would hang root's mount or prepare for good)."""
+    src, store = _fresh_catalog(tmp_path)
+    recorded = os.stat(src / "d" / "e").st_mtime_ns
+    parent = os.stat(src / "d").st_mtime_ns
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (src / "d" / "e" / "a.png").unlink()
+    (src / "d" / "e").rmdir()
+    (src / "d" / "e").symlink_to(elsewhere)
+    os.utime(elsewhere, ns=(recorded, recorded))
+    os.utime(src / "d", ns=(parent, parent))
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.staleness() == "changed"
+    catalog.close()
+
+
+@pytest.mark.parametrize("path", [b"../src/d", b"/etc", b"d/../d", b"d\0x", "d"], ids=repr)
+def test_a_directory_row_no_walk_below_the_root_takes_is_a_change(tmp_path: Path, path: object) -> None:
+    """Whoever writes the store writes the rows: a directory's path that leaves the source root, holds a NUL or is
+    no bytes is a change (a rescan), never a stat outside the source or a traceback."""
+    _, store = _fresh_catalog(tmp_path)
+    catalog = Catalog.open(store)
+    with catalog.transaction():
+        catalog.db.execute("UPDATE nodes SET path=? WHERE path=?", (path, b"d/e"))
+    assert catalog.staleness() == "changed"
+    catalog.close()
+
+
+def test_a_catalog_that_names_no_source_is_refused_with_a_message(tmp_path: Path) -> None:
+    src, store = _fresh_catalog(tmp_path)
+    catalog = Catalog.open(store)
+    with catalog.transaction():
+        catalog.db.execute("DELETE FROM meta WHERE key='source'")
+    catalog.close()
+    with pytest.raises(CatalogError, match="names no source"):
+        open_or_build(src, store)
+
+
+@pytest.mark.needs_root("mount(2) of a tmpfs inside the source")
+def test_a_filesystem_mounted_inside_the_source_keeps_the_catalog_fresh(tmp_path: Path) -> None:
+    """The scan shows a directory another filesystem is mounted on (empty); the freshness check stats it as the
+    scan did, or every mount of such a source would scan it all again."""
+    src = tmp_path / "src"
+    (src / "inner").mkdir(parents=True)
+    (src / "a.png").write_bytes(b"png")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "liquidfs-test", str(src / "inner")], check=True)
+    try:
+        open_or_build(src, tmp_path / "store").close()
+        catalog = Catalog.open(tmp_path / "store", readonly=True)
+        assert b"inner" in {row[3] for row in written(tmp_path / "store").nodes} and catalog.staleness() is None
+        catalog.close()
+    finally:
+        subprocess.run(["umount", str(src / "inner")], check=True)
+
+
+@pytest.mark.parametrize("new_id", [1 << 40, 0, -5, (1 << 62) + 1], ids=str)
+def test_a_row_whose_id_no_build_gives_is_refused_with_a_message(tmp_path: Path, new_id: int) -> None:
+    """Ids index the mount's per-file arrays: one far past the rows' count (an array of terabytes to map), below the
+    root's or at the control file's is a catalog no build wrote, refused at mount with a message."""
+    _, store = _fresh_catalog(tmp_path)
+    catalog = Catalog.open(store)
+    with catalog.transaction():
+        catalog.db.execute("UPDATE nodes SET id=? WHERE path=?", (new_id, b"d/e/a.png"))
+    with pytest.raises(CatalogError, match="not numbered as a build numbers them"):
+        catalog.file_totals()
+    catalog.close()
