@@ -56,16 +56,17 @@ class Inode:
     #: Daemon path: its opens that read through the kernel's page cache, by fh (``DaemonPath._serving_other_bytes``).
     page_cached: dict[int, Handle] | None = None
     pushes: Pushes | None = None  # daemon path: page stores not yet taken by the kernel
-    #: Opens of it under way (``Operations._open_file``): a release meanwhile must not let the record go, or the
-    #: open would fill one nobody finds (a later open could not see its page-cached handle to supersede it).
-    opening: int = 0
+    #: Its opens under way or open (``Operations._open_file`` to its release): the record stays while any is, or
+    #: an open would fill one nobody finds (a later open could not see its page-cached handle to supersede it,
+    #: nor the fallback a direct_io open's first read found).
+    opens: int = 0
 
     def size_told(self, node: Node) -> int:
         return node.size_served if self.size is None else self.size
 
     def idle(self) -> bool:
         return not (self.size is not None or self.fell_back or self.shared is not None
-                    or self.page_cached or self.pushes is not None or self.opening)
+                    or self.page_cached or self.pushes is not None or self.opens)
 
 
 def note_fallback(record: Inode, stats: MountStats) -> None:

@@ -360,21 +360,21 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EACCES)
         data = self.data_path if self.data_path is not None else await self._chosen_path()
         record = self.inodes[node.id]
-        record.opening += 1
+        record.opens += 1  # until its release (``_release``)
         mixed = self.mix is not None and node.served_raw and not record.fell_back
+        row = node  # the catalog's: what a GETATTR says where no other size was told (the mix's view is not)
         try:
             if mixed:
                 node = await self._mixed(data, node, record)
             job = await self.jobs.job(ctx.pid, ctx.uid) if self.jobs is not None else 0
             handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
-            record.opening -= 1
+            record.opens -= 1
             if mixed:
                 assert self.mix is not None
                 self.mix.release(node.id)
             self.inodes.tidy(record)
             raise
-        record.opening -= 1
         handle.mixed = mixed
         self.open_files[handle.fh] = handle
         self.stats.opens += 1
@@ -384,9 +384,11 @@ class Operations(pyfuse3.Operations):
         # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the new
         # size too (DALI maps as many bytes as stat says). (Checked here first: most opens tell nothing, and the
         # coroutine's call and await cost each open ~0.5 us of the loop's time.)
-        if handle.content.size != self.inodes.size_told(node):
+        # Against the catalog's row, not the mix's view: a size the mix told may have been let go meanwhile (with
+        # --loops, by another loop's tell), and a GETATTR then says the row's.
+        if handle.content.size != self.inodes.size_told(row):
             try:
-                await self._tell_size(node, record, handle.content.size)
+                await self._tell_size(row, record, handle.content.size)
             except BaseException:
                 await self._release(handle.fh)
                 raise
@@ -471,6 +473,7 @@ class Operations(pyfuse3.Operations):
         try:
             await self.data_path.release(handle)
         finally:
+            handle.inode.opens -= 1
             self.inodes.tidy(handle.inode)
 
     def statistics(self) -> dict[str, Any]:

@@ -374,7 +374,7 @@ def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) ->
 
 # -- files opened now and read at their first read -----------------------------------------------------------
 
-def _raw_ops(tmp_path: Path) -> tuple[Operations, list, Path]:
+def _raw_ops(tmp_path: Path, **options: object) -> tuple[Operations, list, Path]:
     """Every image of a small sample served raw, each object stamped by the prepare that wrote it."""
     from liquidfs.prepare import prepare
     from sample import make_sample
@@ -386,7 +386,7 @@ def _raw_ops(tmp_path: Path) -> tuple[Operations, list, Path]:
     raw = [n for n in catalog.files() if n.served_raw]
     assert len(raw) == 3 and all(n.object_stamp for n in raw)
     reader = StoreReader(catalog.source, store)
-    return daemon_operations(catalog, reader), raw, store
+    return daemon_operations(catalog, reader, **options), raw, store
 
 def _set_stamp(store: Path, node, stamp: str | None) -> None:
     """Write ``stamp`` into ``node``'s catalog row, as a store writer (or an older liquidfs) could."""
@@ -396,6 +396,16 @@ def _set_stamp(store: Path, node, stamp: str | None) -> None:
     with db:
         db.execute("UPDATE nodes SET object_stamp=? WHERE id=?", (stamp, node.id))
     db.close()
+
+def _break_unseen(store: Path, node) -> None:
+    """Damage no stat shows (a bad disk sector) in ``node``'s raw object: its stamp as if taken after it."""
+    from liquidfs.catalog.identity import object_stamp
+
+    obj = store / str(node.object)
+    changed = bytearray(obj.read_bytes())
+    changed[-10] ^= 0xFF
+    obj.write_bytes(changed)
+    _set_stamp(store, node, object_stamp(obj.stat()))
 
 def _open_node(ops: Operations, node) -> int:
     return run(ops.open, node.id, os.O_RDONLY, CTX).fh
@@ -428,15 +438,9 @@ def test_an_object_changed_after_prepare_is_checked_at_open_and_the_original_ser
 def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_the_original(
         tmp_path: Path) -> None:
     """Damage no stat shows (a bad disk sector): as if the object's stamp had been taken after it."""
-    from liquidfs.catalog.identity import object_stamp
-
     ops, raw, store = _raw_ops(tmp_path)
     node = raw[0]
-    obj = store / str(node.object)
-    changed = bytearray(obj.read_bytes())
-    changed[-10] ^= 0xFF
-    obj.write_bytes(changed)
-    _set_stamp(store, node, object_stamp(obj.stat()))
+    _break_unseen(store, node)
     fh = _open_node(ops, node)
     assert ops.open_files[fh].content.deferred
     with pytest.raises(pyfuse3.FUSEError) as info:
@@ -447,6 +451,22 @@ def test_an_object_broken_unseen_fails_its_first_read_and_the_next_open_serves_t
     with pytest.raises(pyfuse3.FUSEError):  # the kernel retries page by page: failed at once, not read again
         run(ops.read, fh, 4096, 4096)
     assert ops.stats.bytes_from_storage == read and ops.stats.errors == 1
+    fh = _open_node(ops, node)
+    assert not ops.open_files[fh].content.deferred
+    assert bytes(run(ops.read, fh, 0, 1 << 22)) == (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()
+
+def test_a_fallback_at_the_first_read_of_a_direct_io_open_outlives_another_opens_release(tmp_path: Path) -> None:
+    """--page-cache direct: the inode's record stays while any open of it is open (not only page-cached ones), so
+    the fallback its first read finds is the next open's too: served the original, not deferred to EIO again."""
+    ops, raw, store = _raw_ops(tmp_path, page_cache="direct")
+    node = raw[0]
+    _break_unseen(store, node)
+    first, second = _open_node(ops, node), _open_node(ops, node)
+    assert ops.open_files[first].direct_io and ops.open_files[first].content.deferred
+    run(ops.release, second)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, first, 0, 4096)
+    assert info.value.errno == errno.EIO and ops.stats.fallbacks == 1
     fh = _open_node(ops, node)
     assert not ops.open_files[fh].content.deferred
     assert bytes(run(ops.read, fh, 0, 1 << 22)) == (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()

@@ -1066,3 +1066,39 @@ def test_a_shared_open_not_held_again_lets_the_levels_memfd_go(prepared) -> None
     assert epochs["3"]["reads"] == epochs["3"]["hits"] == len(nodes), epochs
     assert level.get(last.id) is None and set(level.held_items()) == set(level.policy.held)
     assert not kernel.files
+
+
+def test_a_raw_file_served_as_its_original_by_the_mix_is_told_its_size_again_if_its_told_size_was_let_go(
+        prepared: tuple[Path, Path]) -> None:
+    """mount --loops with a fixed --mix below the store's: a file the mix serves as its original is told the
+    original's size in the shared table; another loop's tell may let that size go (no loop has a backing of it
+    yet) while this open waits for storage. The open then compares what it serves with what the kernel would say
+    now (the catalog's raw size), tells it again: a stat never says the raw size of an original's bytes (a DALI
+    mmap of that many bytes faults past the end)."""
+    from liquidfs.datapath.shared_inodes import SharedInodes
+    from liquidfs.mix.share import Mix
+
+    _, store = prepared
+    ops, _ = _ops(store)
+    shared = SharedInodes(2)
+    ops.inodes.shared = shared
+    assert ops.data_path is not None
+    ops.data_path.join_loops(shared, 0)  # type: ignore[attr-defined]
+    ops.mix = Mix(0.0, 0.5)  # every prepared file served as its original
+    raw = next(n for n in _images(ops) if n.served_raw)
+    opening = ops.data_path.open
+
+    async def let_go_meanwhile(node, record, fh, job):  # type: ignore[no-untyped-def]
+        shared.tell(raw.id, None)  # as another loop's sweep (``_forget_closed_sizes``) lets it go
+        return await opening(node, record, fh, job)
+
+    ops.data_path.open = let_go_meanwhile  # type: ignore[method-assign]
+
+    async def main() -> None:
+        info = await ops.open(raw.id, os.O_RDONLY, CTX)
+        served = ops.open_files[info.fh].content.size
+        assert served == raw.size != raw.size_served
+        assert shared.size(raw.id) == served and ops.inodes.size_told(raw) == served
+        await ops.release(info.fh)
+
+    trio.run(main)
