@@ -149,7 +149,12 @@ async def warm_up(ops: Operations) -> None:
 
     started = time.monotonic()
     assert ops.data_path is not None
-    files, total = await warm_up_path(ops.data_path, list(ops.catalog.files()), progress)
+    try:
+        files, total = await warm_up_path(ops.data_path, list(ops.catalog.files()), progress)
+    except Exception as exc:  # the warm-up is an optimisation: whatever stops it, the mount goes on answering
+        log.warning("warm-up stopped: %s", exc)
+        stats.warmup = "failed"
+        return
     progress(files, total)
     stats.warmup = "done"
     log.info("warm-up: %d files, %.0f MB in %.1f s", files, total / 1e6, time.monotonic() - started)

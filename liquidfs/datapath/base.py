@@ -65,7 +65,7 @@ async def warm_up(path: DataPath, files: list[Node],
         node = nodes[node_id]
         try:
             size = await path.warm_one(node)
-        except OSError as exc:
+        except Exception as exc:  # one file's fault (a read, a row of the wrong type) is that file's: never the mount's
             log.warning("warm-up: %s: %s", os.fsdecode(node.path), exc)
             continue
         if size is None:

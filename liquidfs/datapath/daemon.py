@@ -79,21 +79,26 @@ class DaemonPath:
             await pushes.done.wait()
         decision = self._decide(node, record, job)
         held = self.held.get(inode) if self.held is not None and decision.hit else None
-        if held is not None:
-            content = await self._open_held(node, held)
-            if content.data is not held:
-                # The source changed since the bytes were held: the kernel must not keep the pages of the old
-                # bytes (keep_cache) beside the new ones it reads from this open on.
-                held = None
-        else:
-            if await self._read_later(node, record, decision):
-                self.stats.deferred += 1
-                content = Content(size=record.size_told(node), raw=node.served_raw, deferred=True)
+        try:
+            if held is not None:
+                content = await self._open_held(node, held)
+                if content.data is not held:
+                    # The source changed since the bytes were held: the kernel must not keep the pages of the old
+                    # bytes (keep_cache) beside the new ones it reads from this open on.
+                    held = None
             else:
-                content = await self._open_from_storage(node)
-            if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
-                assert self.held is not None
-                self.held.lost_hit(decision, content.size)
+                if await self._read_later(node, record, decision):
+                    self.stats.deferred += 1
+                    content = Content(size=record.size_told(node), raw=node.served_raw, deferred=True)
+                else:
+                    content = await self._open_from_storage(node)
+                if decision.hit:  # held by the policy but the bytes were lost (dropped after a fallback)
+                    assert self.held is not None
+                    self.held.lost_hit(decision, content.size)
+        except BaseException:
+            if decision.hold and self.held is not None:
+                self.held.drop(node.id)  # the room the policy gave it, with no bytes to fill it (a failed read)
+            raise
         direct_io = self.page_cache == "direct" and held is None
         if content.size != record.size_told(node):
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads

@@ -64,7 +64,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_mount_info", INFO, "", {"data_path": "data_path", "mix_mode": "mix.mode", "warmup": "warmup",
                                               "dispatch": "dispatch"},
            "Always 1. data_path: passthrough or daemon; mix_mode: fixed or adaptive (absent: every raw object "
-           "served); warmup: running or done (absent without --warmup); dispatch: queued-first (pyfuse3 with "
+           "served); warmup: running, done or failed (absent without --warmup); dispatch: queued-first (pyfuse3 with "
            "liquidfs's patch) or stock."),
     Metric("liquidfs_start_time_seconds", GAUGE, "seconds", "started_at",
            "When the mount started, in seconds since the Unix epoch."),

@@ -498,6 +498,32 @@ def test_a_held_file_whose_source_changed_is_opened_without_keep_cache(ops: Oper
     assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == b"HELLO\n"
     run(ops.release, fi.fh)
 
+def test_an_open_whose_storage_read_fails_gives_back_the_room_the_policy_gave_it(ops: Operations) -> None:
+    """The policy makes room for a file at its open; where the read then fails (EIO, a timeout), no bytes fill
+    it: the room is given back at once, not charged to the budget until the file's next open an epoch later."""
+    assert ops.data_path is not None and ops.data_path.held is not None
+    policy = ops.data_path.held.policy
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    reader = ops.data_path.reader  # type: ignore[attr-defined]
+    opening = reader.open
+
+    def failing(node):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EIO, "Input/output error")
+
+    async def read_now(node, record, decision):  # type: ignore[no-untyped-def]
+        return False  # read at open (as an object store's file, or past the open-bytes bound), not deferred
+
+    ops.data_path._read_later = read_now  # type: ignore[attr-defined]
+    reader.open = failing
+    with pytest.raises(pyfuse3.FUSEError):
+        run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    assert a.st_ino not in policy.held and policy.held_bytes == 0
+    reader.open = opening
+    fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    assert bytes(run(ops.read, fi.fh, 0, 1 << 20)) == b"A" * 5000
+    run(ops.release, fi.fh)
+
 def test_direct_io_opens_count_against_the_open_bytes_bound(tmp_path: Path) -> None:
     """--page-cache direct keeps each open file's bytes in the daemon (every read reaches it); those bytes were
     outside the open-bytes bound, so open files could hold any amount of memory."""
@@ -629,3 +655,30 @@ def test_a_user_holds_at_most_its_share_root_and_the_mounts_user_the_whole() -> 
     with ExitStack() as again:  # every place given back: the user has its whole share again
         for _ in range(share):
             again.enter_context(calls.opening(1000))
+
+def test_a_file_the_warm_up_cannot_read_costs_only_that_file(ops: Operations, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--warmup runs in the mount's nursery after ready: a fault of one file (a row of the wrong type from a store
+    someone else wrote, a failed read) skips that file; one that stops the whole warm-up leaves it "failed", and
+    the mount answering."""
+    from liquidfs.daemon import serve
+    from liquidfs.datapath.base import warm_up
+
+    path = ops.data_path
+    assert path is not None
+    warm = path.warm_one
+
+    async def broken_row(node):  # type: ignore[no-untyped-def]
+        if node.path == b"d/a.bin":
+            raise TypeError("unsupported operand type(s) for +: 'int' and 'str'")
+        return await warm(node)
+
+    path.warm_one = broken_row  # type: ignore[method-assign]
+    files, total = run(warm_up, path, list(ops.catalog.files()))
+    assert files == 1 and total == len(b"hello\n")
+
+    async def stopped(*args: object) -> tuple[int, int]:
+        raise ValueError("no files to choose from")
+
+    monkeypatch.setattr(serve, "warm_up_path", stopped)
+    run(serve.warm_up, ops)
+    assert ops.stats.warmup == "failed"
