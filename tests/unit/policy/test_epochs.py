@@ -1,12 +1,11 @@
 """A job's per-file arrays (``policy.epochs.zeros``): zeros read and set one element at a time as Python ints, in
-memory that is resident only where its reads reached (measured on the arrays' own mapping in this process's
-smaps), private to a process forked after them."""
+memory that is resident only where its reads reached (measured over the arrays' own pages with
+mincore), private to a process forked after them."""
 
 from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import pytest
 
@@ -14,16 +13,18 @@ from liquidfs.policy.epochs import Job, zeros
 
 
 def _resident_kb(view: memoryview) -> int:
-    """The Rss of the mapping that holds ``view`` (its own, from /proc/self/smaps)."""
+    """The KiB of ``view``'s own pages that are resident (mincore(2) over exactly its bytes: the smaps entry of
+    its mapping may also hold the next array's, where the kernel merged two neighbouring mappings into one)."""
+    page = os.sysconf("SC_PAGE_SIZE")
     address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            low, high = (int(x, 16) for x in head.split("-"))
-            if low <= address < high:
-                return next(int(entry.split()[1]) for entry in lines[i + 1:] if entry.startswith("Rss:"))
-    raise AssertionError(f"no mapping holds {address:#x}")
+    start = address - address % page
+    pages = -(-(address + view.nbytes - start) // page)
+    flags = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(pages * page), flags) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(flag & 1 for flag in flags) * page // 1024
 
 
 def test_zeros_hold_python_ints_of_their_type_and_their_count() -> None:

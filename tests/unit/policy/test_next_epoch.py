@@ -108,6 +108,41 @@ def test_same_epoch_reads_and_partial_reads_do_not_break_epochs() -> None:
     assert abs(byte_ratio - 0.3) <= 0.03
 
 
+def test_a_file_read_twice_mid_epoch_never_takes_the_job_two_epochs_on() -> None:
+    """A sampler that draws with replacement (or a label file opened now and then) reads one file again mid-epoch:
+    its first read again opens epoch 2 (indistinguishable from a real one then), but its second, within an epoch
+    of one read, is a read of that epoch, not the start of a third; the files of the real epoch 1 still count in
+    it, and the job's next real epochs come as they would."""
+    rng = random.Random(5)
+    sizes = _dataset(1000, rng)
+    total = sum(sizes.values())
+    cache = NextEpochCache(int(0.3 * total), total, len(sizes), max_id=max(sizes))
+    files = list(sizes)
+    rng.shuffle(files)
+    for i, f in enumerate(files):
+        assert cache.read(f, sizes[f]).epoch == 1, i
+        if i in (399, 499, 599):  # the first file, read again after each hundred reads
+            cache.read(files[0], sizes[files[0]])
+    assert cache.newest_epoch == 2
+    for epoch in (2, 3):  # (the file read again may open the next one early, as any first read of it would)
+        rng.shuffle(files)
+        labels = [cache.read(f, sizes[f]).epoch for f in files]
+        assert sum(label == epoch for label in labels) >= len(files) - 1
+
+
+def test_a_reader_that_makes_an_epoch_every_few_reads_keeps_the_latest_epochs_counters_only() -> None:
+    """Two files opened in turn: each read again opens an epoch. The per-epoch counters are kept for the latest
+    EPOCHS_KEPT, not one more every two reads for as long as the mount lives (and sorted at every stats)."""
+    from liquidfs.policy.epochs import EPOCHS_KEPT
+
+    cache = NextEpochCache(10_000, 2_000, 2, max_id=3)
+    for i in range(2_000):
+        cache.read(1 + i % 2, 1_000)
+    assert cache.newest_epoch > 100
+    epochs = cache.summary()["epochs"]
+    assert len(epochs) <= EPOCHS_KEPT and str(cache.newest_epoch) in epochs
+
+
 def test_next_epoch_may_start_before_the_last_drains() -> None:
     """Two reader processes: one still finishing epoch e while the other starts e+1."""
     rng = random.Random(4)
