@@ -95,6 +95,10 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
 def _child(index: int, device: int, config: MountConfig, store: Store, first: build.Mount,
            shared: SharedInodes, pairs: list[tuple[socket.socket, socket.socket]]) -> int:
     _name_the_loop(index)
+    # The first loop's own handlers (``serve._note_stop``) are not this one's: ``stop`` ends it with SIGTERM.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -36,6 +36,20 @@ log = logging.getLogger(__name__)
 METRICS_LOOPS_INTERVAL = 2.0
 
 
+#: The signals that unmount (``_stop_on_signals``).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Those that came while no loop listened (from the mount to the loop's start, and while it unmounts).
+_stops_noted: list[int] = []
+
+
+def _note_stop(signum: int, frame: object) -> None:
+    """Outside the loop's receiver: noted (the loop, once it runs, unmounts), never the default action, which
+    would end the process between its mount and its unmount and leave a dead mount."""
+    if not _stops_noted:
+        log.info("received %s: unmounting", signal.Signals(signum).name)
+    _stops_noted.append(signum)
+
+
 def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int | None = None) -> int:
     """Mount ``config`` over ``store`` (its catalog in ``store_dir``) and serve in this process until unmounted
     or signalled; returns the exit status."""
@@ -43,6 +57,8 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
     with ExitStack() as stack:
         stack.callback(log.info, "unmounted %s", config.mountpoint)
         mount = build.mount(config, store, store_dir, stack)
+        for signum in STOP_SIGNALS:  # from the mount on (before it, the default action leaves nothing behind);
+            signal.signal(signum, _note_stop)  # to the process's end: it serves this mount alone
         start_session(config, mount.ops, stack)
         more = loops.fork(config, store, mount) if config.loops > 1 else None
         if more is not None:
@@ -54,6 +70,12 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
         except BaseException:
             log.exception("the filesystem loop failed; unmounting")
             raise
+        finally:
+            # From here the mount only unmounts: further signals are ignored, neither a handler's EINTR in the
+            # unmount's wait for fusermount3 nor, at the interpreter's exit (which puts its handlers back to the
+            # default action), a death by the next one.
+            for signum in STOP_SIGNALS:
+                signal.signal(signum, signal.SIG_IGN)
     if config.data_path == "passthrough" and mount.ops.stats.data_path != "passthrough":
         return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
@@ -114,11 +136,15 @@ async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_
 
 
 async def _stop_on_signals(scope: trio.CancelScope) -> None:
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-        async for signum in signals:
-            log.info("received %s: unmounting", signal.Signals(signum).name)
+    # The receiver puts ``_note_stop`` back when the loop ends: a signal while the mount unmounts is noted too.
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        if _stops_noted:  # before the loop ran (terminate before pyfuse3's main: it returns at once)
             pyfuse3.terminate()
-            return
+        async for signum in signals:
+            if not _stops_noted:
+                log.info("received %s: unmounting", signal.Signals(signum).name)
+            _stops_noted.append(signum)
+            pyfuse3.terminate()
 
 
 async def _signal_ready(config: MountConfig, ops: Operations, built: build.Parts,

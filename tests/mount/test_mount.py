@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -274,6 +275,18 @@ def test_sigterm_unmounts_foreground(tree: Path, mounter: Mount) -> None:
     assert (mnt / "README.txt").read_bytes() == (tree / "README.txt").read_bytes()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 0
+    assert not is_mounted(mnt)
+
+
+def test_signals_that_keep_coming_while_it_unmounts_never_leave_a_dead_mount(tree: Path, mounter: Mount) -> None:
+    """A pod deleted twice, a `kill` sent again: every SIGTERM after the first (while the loop stops, while the
+    session closes) is noted, not the default action's death before the unmount."""
+    mnt, proc = mounter.mount_foreground(tree)
+    assert (mnt / "README.txt").read_bytes() == (tree / "README.txt").read_bytes()
+    while proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    assert proc.returncode == 0
     assert not is_mounted(mnt)
 
 
