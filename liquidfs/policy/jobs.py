@@ -52,9 +52,11 @@ JOBS_KEPT = 1024
 UNKNOWN = "an opener not told apart"
 #: Seconds an open waits for its opener's job to be read from /proc (``JobOf.read_key``).
 JOB_LOOKUP = 1.0
-#: Worker threads reading /proc for jobs at once, on a limiter of their own: a lookup stuck on an opener's
-#: environment (its memory map's lock, held while it faults on this mount) keeps its thread and its token until
-#: it returns, and must not starve the storage reads, memfd copies or notifications of theirs.
+#: Worker threads reading /proc for jobs at once, for the openers of one uid, on limiters of their own: a lookup
+#: stuck on an opener's environment (its memory map's lock, held while it faults on this mount, or on a FUSE
+#: mount of its owner's that never answers) keeps its thread and its token until it returns, and must not starve
+#: the storage reads, memfd copies or notifications, nor another user's lookups (whose every open would wait
+#: JOB_LOOKUP for a token).
 JOB_LOOKUP_THREADS = 8
 
 
@@ -221,7 +223,7 @@ class JobLookups:
 
     def __init__(self, job_of: JobOf) -> None:
         self.job_of = job_of
-        self._limiter = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
+        self._limiters: dict[int, trio.CapacityLimiter] = {}  # by the openers' uid
 
     async def job(self, pid: int, uid: int = 0) -> int:
         """The job of the opener ``pid`` run by ``uid``."""
@@ -230,9 +232,19 @@ class JobLookups:
             found = None
             with trio.move_on_after(JOB_LOOKUP):
                 found = await trio.to_thread.run_sync(self.job_of.read_key, pid, abandon_on_cancel=True,
-                                                      limiter=self._limiter)
+                                                      limiter=self._limiter_of(uid))
             job = self.job_of.register(pid, uid, found)
         return job
+
+    def _limiter_of(self, uid: int) -> trio.CapacityLimiter:
+        """The lookups' limiter of ``uid``'s openers (those of uids with no lookup under way let go, past a few)."""
+        limiter = self._limiters.get(uid)
+        if limiter is None:
+            if len(self._limiters) >= 64:
+                for idle in [u for u, held in self._limiters.items() if not held.borrowed_tokens]:
+                    del self._limiters[idle]
+            limiter = self._limiters[uid] = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
+        return limiter
 
     def name_openers(self, jobs: object) -> None:
         """Each job in the policy's statistics (``jobs``: its summary's ``{job: entry}``) told whose openers it

@@ -286,3 +286,44 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
         os.close(source)
     assert copied == [b"held bytes"] and invalidated == [5]
     assert len(entered) <= jobs_module.JOB_LOOKUP_THREADS  # the lookups' own threads: the rest never got one
+
+
+def test_lookups_one_users_processes_keep_stuck_never_make_another_users_opens_wait(monkeypatch) -> None:
+    """A user on an --allow-other mount can keep the lookups of their own openers stuck (their environment mapped
+    from a FUSE mount of theirs that never answers): those take that uid's threads only. Another user's new opener
+    still has its /proc read, and its job is its own, not the uid's job of openers not told apart that a lookup
+    waiting past JOB_LOOKUP for a thread falls back to."""
+    import threading
+
+    import trio
+
+    release = threading.Event()
+    host = _Host()
+    host.procs = {pid: (pid, "/attacker") for pid in range(2000, 2000 + 2 * jobs_module.JOB_LOOKUP_THREADS)}
+    host.procs[99] = (99, "/trainer")
+    entered: list[int] = []
+
+    def cgroup(pid: int) -> str:
+        if pid != 99:
+            entered.append(pid)
+            release.wait(30)
+        return host.cgroup(pid)
+
+    job_of = JobOf(getsid=host.getsid, cgroup_of=cgroup, variables_of=host.variables_of)
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.5)
+
+    async def main() -> int:
+        lookups = JobLookups(job_of)
+        async with trio.open_nursery() as nursery:
+            for pid in host.procs:
+                if pid != 99:
+                    nursery.start_soon(lookups.job, pid, 1001)
+            await trio.sleep(0.1)  # the attacker's lookups hold every thread theirs may have
+            return await lookups.job(99, 1002)
+
+    try:
+        job = trio.run(main)
+    finally:
+        release.set()
+    assert job != job_of.unknown(1002) and job_of.owner(job) == 1002 and "/trainer" in job_of.labels[job]
+    assert len(entered) <= jobs_module.JOB_LOOKUP_THREADS
