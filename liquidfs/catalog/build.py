@@ -566,12 +566,13 @@ def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike
         return None, MISSING
     # Read-write (an old schema is upgraded in place) only where this process may write the store.
     catalog = Catalog.open(store_dir, readonly=store_dir_refusal(Path(store_dir), writing=True) is not None)
-    if catalog.source != os.fsencode(os.path.abspath(source)):
+    try:
+        described = catalog.source
+        if described != os.fsencode(os.path.abspath(source)):
+            raise _of_another_source(path, described, source)
+    except CatalogError:
         catalog.close()
-        raise CatalogError(
-            f"{path} describes {os.fsdecode(catalog.source)}, not {os.path.abspath(source)}; "
-            "use another --store"
-        )
+        raise
     stale = catalog.staleness()
     if stale is None:
         return catalog, FRESH
@@ -579,9 +580,35 @@ def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike
     return None, stale
 
 
+def _of_this_source(source: str | os.PathLike[str], store_dir: str | os.PathLike[str]) -> None:
+    """CatalogError where the catalog in ``store_dir`` describes another source: a rescan must not put this
+    source's in its place (a prepare of this source would then take the other's objects for surplus and remove
+    them). One that cannot be read is replaced (a rescan is the way out of a damaged catalog)."""
+    path = Path(store_dir) / CATALOG_NAME
+    if not path.exists():
+        return
+    try:
+        catalog = Catalog.open(store_dir, readonly=True, immutable=True)
+        try:
+            described = catalog.source
+        finally:
+            catalog.close()
+    except CatalogError:
+        return
+    if described != os.fsencode(os.path.abspath(source)):
+        raise _of_another_source(path, described, source)
+
+
+def _of_another_source(path: Path, described: bytes, source: str | os.PathLike[str]) -> CatalogError:
+    return CatalogError(f"{path} describes {os.fsdecode(described)}, not {os.path.abspath(source)}; "
+                        "use another --store")
+
+
 def open_or_build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str],
                   *, rescan: bool = False, progress: bool = False) -> Catalog:
     """The catalog for ``source`` in ``store_dir``: reused when fresh, (re)built otherwise."""
+    if rescan:
+        _of_this_source(source, store_dir)
     if not rescan:
         catalog, state = current_catalog(source, store_dir)
         if catalog is not None:

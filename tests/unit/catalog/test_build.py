@@ -468,3 +468,21 @@ def test_a_row_whose_id_no_build_gives_is_refused_with_a_message(tmp_path: Path,
     with pytest.raises(CatalogError, match="not numbered as a build numbers them"):
         catalog.file_totals()
     catalog.close()
+
+
+def test_a_rescan_never_puts_one_sources_catalog_in_place_of_anothers(tmp_path: Path) -> None:
+    """`mount B --store A's --rescan` is refused as a mount without it is: B's catalog in A's store would make a
+    later prepare of B take A's objects for surplus and remove them. A catalog no one can read is scanned anew."""
+    a, store = _fresh_catalog(tmp_path)
+    b = tmp_path / "other"
+    b.mkdir()
+    with pytest.raises(CatalogError, match="describes"):
+        open_or_build(b, store, rescan=True)
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.source == os.fsencode(a)
+    catalog.close()
+    (store / "catalog.sqlite").write_bytes(b"")  # torn by a crash
+    open_or_build(b, store, rescan=True).close()
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.source == os.fsencode(b)
+    catalog.close()
