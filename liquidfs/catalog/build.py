@@ -309,13 +309,13 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     stack: list[tuple[int, bytes, bytes, tuple[int, int]]] = [(ROOT_ID, root, b"", (root_st.st_dev, root_st.st_ino))]
     seen = files = 0
     bar: Progress | None = None  # once the build is large enough to start its helpers
-    with Warmer() as warmer, contextlib.ExitStack() as closing:
+    with Warmer(root_fd) as warmer, contextlib.ExitStack() as closing:
         while stack:
             dir_id, abs_dir, rel_dir, listed_as = stack.pop()
-            warmer.taken(abs_dir)
+            warmer.taken(rel_dir)
             if seen >= START_AFTER:
                 warmer.start()
-                warmer.expect(item[1] for item in reversed(stack[-warmer.ahead:]))
+                warmer.expect(item[2] for item in reversed(stack[-warmer.ahead:]))
                 if progress and bar is None:
                     bar = closing.enter_context(
                         Progress(f"scanning {os.fsdecode(root)}", "entries", initial=seen, delay=PROGRESS_DELAY))

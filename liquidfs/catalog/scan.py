@@ -31,10 +31,17 @@ AHEAD = 32
 START_AFTER = 20_000
 
 
-class Warmer:
-    """The parent's side: ``expect`` names the directories the build will want, nearest first."""
+#: Seconds the build waits for a helper it killed: one stuck in a request the kernel cannot interrupt (a FUSE
+#: mount that never answers, mounted on a directory of the source by its owner) is left to die on its own.
+STOP_WAIT = 5.0
 
-    def __init__(self, ahead: int = AHEAD, threads: int = THREADS) -> None:
+
+class Warmer:
+    """The parent's side: ``expect`` names the directories the build will want (relative to the root held at
+    ``root``), nearest first."""
+
+    def __init__(self, root: int, ahead: int = AHEAD, threads: int = THREADS) -> None:
+        self.root = root  # the build's descriptor of the source's root: the helper's too
         self.ahead = ahead
         self._threads = threads
         self._process: subprocess.Popen[bytes] | None = None
@@ -49,10 +56,11 @@ class Warmer:
         try:
             # -I -S: no site, no environment, no current directory: the script imports only the standard library.
             # In / and without PYTHON* variables, as every re-exec of the package (``sysio.reexec``).
-            self._process = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(self._threads)],
+            self._process = subprocess.Popen([sys.executable, "-I", "-S", __file__, str(self._threads),
+                                              str(self.root)],
                                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.DEVNULL, close_fds=True, cwd="/",
-                                             env=isolated_env())
+                                             stderr=subprocess.DEVNULL, close_fds=True, pass_fds=(self.root,),
+                                             cwd="/", env=isolated_env())
         except OSError as exc:
             log.info("no helper reads the tree ahead (%s): the build reads it alone", exc)
             self._failed = True
@@ -94,7 +102,11 @@ class Warmer:
         except OSError:
             pass
         process.kill()  # what it has not warmed yet is of no use any more
-        process.wait()
+        try:
+            process.wait(STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            log.warning("the helper that read the tree ahead (pid %d) is stuck in the kernel: left to end on its "
+                        "own", process.pid)
 
     def close(self) -> None:
         self._stop()
@@ -106,25 +118,43 @@ class Warmer:
         self.close()
 
 
-def _warm(path: bytes) -> None:
+def _warm(root: int, device: int, rel: bytes) -> None:
+    """``rel`` below the directory held at ``root`` listed and its entries lstat-ed: reached a component at a time,
+    never through a link nor onto another filesystem (a directory swapped for a link to /root, or into a FUSE mount
+    of its owner's, since the build listed its parent), as the build reaches it."""
+    fd = root
     try:
-        with os.scandir(path) as entries:
+        for part in rel.split(b"/"):
+            if part in (b"", b".", b".."):
+                return
+            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            if fd != root:
+                os.close(fd)
+            fd = inner
+            if os.fstat(fd).st_dev != device:
+                return
+        with os.scandir(fd) as entries:
             for entry in entries:
                 entry.stat(follow_symlinks=False)
     except OSError:
         pass  # the build meets the same error itself, and says so
+    finally:
+        if fd != root:
+            os.close(fd)
 
 
-def _helper(threads: int) -> None:
-    """The helper's loop: each directory named on stdin is listed and its entries lstat-ed, then forgotten."""
+def _helper(threads: int, root: int) -> None:
+    """The helper's loop: each directory named on stdin (below the root held at ``root``, the build's) is listed
+    and its entries lstat-ed, then forgotten."""
     # Only a core the build leaves idle: where the tree is warm the helper's lstats are of no use, and on a busy
     # machine each of its wake-ups took the build's core (a second of a 1 M-file build's 8.6).
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     limiter = threading.BoundedSemaphore(threads * 2)  # a few queued at most: the newest names are the nearest
+    device = os.fstat(root).st_dev
 
     def warm(path: bytes) -> None:
         try:
-            _warm(path)
+            _warm(root, device, path)
         finally:
             limiter.release()
 
@@ -138,4 +168,4 @@ def _helper(threads: int) -> None:
 
 
 if __name__ == "__main__":
-    _helper(int(sys.argv[1]))
+    _helper(int(sys.argv[1]), int(sys.argv[2]))

@@ -286,12 +286,43 @@ def test_a_directory_swapped_while_the_source_is_scanned_is_never_listed_through
 
 def test_the_helper_that_reads_ahead_is_gone_when_the_build_is_done(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
-    with Warmer() as warmer:
-        warmer.start()
-        warmer.expect([os.fsencode(tmp_path / "d"), b"/no/such/directory"])
-        process = warmer._process
-        assert process is not None
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with Warmer(root) as warmer:
+            warmer.start()
+            warmer.expect([b"d", b"no/such/directory", b"../.."])
+            process = warmer._process
+            assert process is not None
+    finally:
+        os.close(root)
     assert process.poll() is not None
+
+
+def test_the_helper_lists_directories_below_the_root_never_through_a_link(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory the build will list next, swapped for a link (to /root, or into a FUSE mount of its owner's that
+    never answers) since its parent was listed: the helper, root, reaches it as the build does, a component at a
+    time, and lists nothing through the link."""
+    from liquidfs.catalog import scan
+
+    (tmp_path / "src" / "a" / "b").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "src" / "a" / "c").symlink_to(tmp_path / "outside")
+    listed: list[int] = []
+    scandir = os.scandir
+
+    def recording(fd):  # type: ignore[no-untyped-def]
+        listed.append(os.fstat(fd).st_ino)
+        return scandir(fd)
+
+    monkeypatch.setattr(scan.os, "scandir", recording)
+    root = os.open(tmp_path / "src", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for rel in (b"a/b", b"a/c", b"a/c/..", b"../outside"):
+            scan._warm(root, os.fstat(root).st_dev, rel)
+    finally:
+        os.close(root)
+    assert listed == [os.stat(tmp_path / "src" / "a" / "b").st_ino]
 
 
 def test_a_source_that_is_no_directory_is_named_in_the_error(tmp_path: Path) -> None:
