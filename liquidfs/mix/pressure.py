@@ -57,7 +57,12 @@ def read_pressure(text: str) -> tuple[float, int]:
     for line in text.splitlines():
         if line.startswith("some "):
             fields = dict(part.split("=", 1) for part in line.split()[1:])
-            return float(fields.get("avg10", 0.0)) / 100, int(fields.get("total", 0))
+            avg10, total = float(fields.get("avg10", 0.0)) / 100, int(fields.get("total", 0))
+            # A delegated directory's file is its user's: "nan" or "-1e9" would steer the mix (a NaN gap reads as
+            # "decode binds" at every look, and took the share to the bottom of the prepared range).
+            if not 0.0 <= avg10 <= 1.0 or total < 0:
+                raise ValueError(f"a pressure file's 'some' line out of range: avg10={avg10 * 100}, total={total}")
+            return avg10, total
     raise ValueError("no 'some' line in a pressure file")
 
 

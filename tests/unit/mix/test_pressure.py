@@ -24,6 +24,17 @@ def test_pressure_files_are_read_as_shares() -> None:
         read_pressure("")
 
 
+@pytest.mark.parametrize("fields", ["avg10=nan total=1", "avg10=inf total=1", "avg10=-5 total=1",
+                                    "avg10=100.5 total=1", "avg10=1.00 total=-7"])
+def test_a_pressure_file_out_of_range_is_no_reading(tmp_path: Path, fields: str) -> None:
+    """A delegated --pressure-dir's files are its user's: a NaN read as a stall steered the mix to the bottom of
+    its range. Out of range, it is no reading (the controller holds)."""
+    with pytest.raises(ValueError, match="out of range"):
+        read_pressure(f"some {fields}\n")
+    (tmp_path / "cpu.pressure").write_text(f"some {fields}\n")
+    assert Stalls(tmp_path)("cpu") is None
+
+
 def test_pressure_files_of_the_node_and_of_a_cgroup(tmp_path: Path) -> None:
     line = "some avg10={} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
     (tmp_path / "cpu").write_text(line.format("42.00"))

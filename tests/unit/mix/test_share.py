@@ -183,3 +183,21 @@ def test_a_held_original_is_let_go_when_the_share_wants_the_file_raw_unless_it_i
     view, swapped = mix.view_held(other, held)
     assert not swapped and held.dropped == [node.id] and view.representation == first.representation
     assert mix.view_held(raw_node(3), None) == (raw_node(3), False)  # nothing held: the share decides
+
+
+def test_what_the_mix_remembers_of_each_file_is_a_byte_of_it() -> None:
+    """The switches count remembers each file's last representation for as long as the mount lives: a byte a file
+    (a dict's entry took 74, 740 MB a loop at ten million files, for a statistic)."""
+    import tracemalloc
+
+    nodes = [raw_node(i) for i in range(50_000)]
+    mix = Mix(0.3, prepared=0.6, seed=7)
+    tracemalloc.start()
+    try:
+        for node in nodes:
+            mix.view(node)
+            mix.release(node.id)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * (100 + len(nodes)) + 100_000, peak
