@@ -271,8 +271,9 @@ class Operations(pyfuse3.Operations):
                 self.listings.looked_up(parent_inode)
                 if self.lookahead is not None:
                     self.lookahead.looked_up(parent_inode)
+        entry = self._attrs(node)  # first: a row that fails here is EIO, and no reference the kernel never forgets
         self.inodes.looked_up(node)
-        return self._attrs(node)
+        return entry
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
         for inode, count in inode_list:

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -163,19 +164,17 @@ class Peers:
         loop = self.owner(fh)
         if loop is None or loop in self._gone:
             raise PeerError(errno.EIO, "the loop that opened it is gone")
-        ask = self._ask(loop)
-        await self._put(loop, _READ + _ASK.pack(ask[0], self.index, fh, offset, size))
-        return await self._answer(ask, ANSWER_TIMEOUT)
+        return await self._request(loop, lambda ask_id: _READ + _ASK.pack(ask_id, self.index, fh, offset, size),
+                                   ANSWER_TIMEOUT)
 
     async def statistics(self) -> list[dict[str, Any]]:
         """Every other loop's statistics that came within ``STATS_TIMEOUT``."""
         found: list[dict[str, Any]] = []
 
         async def one(loop: int) -> None:
-            ask = self._ask(loop)
             try:
-                await self._put(loop, _STATS + _ASK_STATS.pack(ask[0], self.index))
-                found.append(json.loads(await self._answer(ask, STATS_TIMEOUT)))
+                found.append(json.loads(await self._request(
+                    loop, lambda ask_id: _STATS + _ASK_STATS.pack(ask_id, self.index), STATS_TIMEOUT)))
             except (OSError, ValueError) as exc:
                 log.debug("loop %d's statistics: %s", loop, exc)
 
@@ -185,14 +184,14 @@ class Peers:
                     nursery.start_soon(one, loop)
         return found
 
-    def _ask(self, loop: int) -> tuple[int, _Waiting]:
+    async def _request(self, loop: int, message: Callable[[int], bytes], timeout: float) -> bytes:
+        """``message`` (made for its ask id) sent to ``loop``, and its answer within ``timeout``. Waited for from
+        before the send (an answer may come before the send returns), and no longer once it fails or is answered:
+        a send that failed (a stuck loop's full socket) left its entry for good."""
         ask_id, waiting = next(self._ids), _Waiting()
         self._waiting[ask_id] = (loop, waiting)
-        return ask_id, waiting
-
-    async def _answer(self, ask: tuple[int, _Waiting], timeout: float) -> bytes:
-        ask_id, waiting = ask
         try:
+            await self._put(loop, message(ask_id))
             with trio.move_on_after(timeout):
                 await waiting.done.wait()
         finally:

@@ -93,6 +93,23 @@ def test_unexpected_exceptions_become_eio(ops: Operations, caplog: pytest.LogCap
             assert info.value.errno == errno.EIO
     assert ops.stats.errors == 4 and caplog.text.count("Traceback") == 1
 
+def test_a_lookup_whose_row_cannot_be_answered_counts_no_reference(ops: Operations) -> None:
+    """A row whose attributes fail (a mode of the wrong type, from a store another user wrote) answers the LOOKUP
+    with EIO: the kernel holds no reference to forget, so none is counted (it would keep the inode's record for
+    good, and the count of inodes known wrong)."""
+    import dataclasses
+
+    b = ops.catalog.lookup(ROOT_ID, b"b.txt")
+    assert b is not None
+    known = ops.inodes.known
+    lookup = ops.catalog.lookup
+    ops.catalog.lookup = lambda parent, name: dataclasses.replace(  # type: ignore[method-assign]
+        lookup(parent, name), mode="0o100644")
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    assert info.value.errno == errno.EIO
+    assert ops.inodes.lookups(b.id) == 0 and ops.inodes.known == known
+
 def test_source_deleted_is_enoent(ops: Operations, tmp_path: Path) -> None:
     b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
     (tmp_path / "src" / "b.txt").unlink()

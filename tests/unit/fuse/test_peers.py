@@ -111,3 +111,27 @@ def test_a_read_larger_than_a_message_is_asked_for_in_parts() -> None:
         trio.run(main)
     finally:
         Peers.close_pairs(pairs)
+
+
+def test_a_request_whose_send_fails_leaves_nothing_waiting() -> None:
+    """A send that fails (a stuck loop's full socket past its timeout, a broken pipe) is no request waited for:
+    its entry went with it, not one more every read and every statistics gathering for as long as the mount lives."""
+    pairs = Peers.made(2)
+    peers = Peers(pairs, 0)
+
+    async def failing(loop: int, message: bytes) -> None:
+        raise PeerError(errno.EIO, "the loop's socket stayed full")
+
+    peers._put = failing  # type: ignore[method-assign]
+
+    async def main() -> None:
+        for _ in range(3):
+            with pytest.raises(PeerError):
+                await peers.read(fh_of(1, 1), 0, 10)
+        assert await peers.statistics() == []
+
+    try:
+        trio.run(main)
+    finally:
+        Peers.close_pairs(pairs)
+    assert peers._waiting == {}
