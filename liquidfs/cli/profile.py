@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable
 
@@ -29,7 +28,7 @@ def add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    help=prefix + "images in the mounted sample (default 256, --quick 64)")
     p.add_argument("--repeats", type=argument(options.positive_int), default=3, metavar="N",
                    help=prefix + "runs per share at most, where two shares' rates are within noise (default 3)")
-    p.add_argument("--run-timeout", type=float, default=600.0, metavar="SECONDS",
+    p.add_argument("--run-timeout", type=argument(options.positive_float), default=600.0, metavar="SECONDS",
                    help=prefix + "the longest one run of the command may take (default 600)")
     p.add_argument("--model-only", action="store_true",
                    help=prefix + "no measured search: choose by the cost model alone (no mount; seconds)")
@@ -74,8 +73,10 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     p.add_argument("source")
     p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
     p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="decoder threads (default: all cores)")
-    p.add_argument("--sample", type=int,
+    p.add_argument("--threads", type=argument(options.positive_int), metavar="N",
+                   help="decoder threads (default: the cores this process may use: its CPU affinity, or fewer "
+                   "where a container's CPU limit allows less)")
+    p.add_argument("--sample", type=argument(options.positive_int), metavar="N",
                    help="images in the sample (default 64 or 512 MiB of BMPs, --quick 16 or 128 MiB, whichever "
                    "comes first, but at least 4 a reader)")
     p.add_argument("--quick", action="store_true",
@@ -87,7 +88,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                    + ", ".join(f"{f.name} ({f.about})" for f in on_gpu)
                    + f"; {'/'.join(f.label for f in on_gpu)} weighed only where a GPU decoder decodes it here "
                    "(DALI's 'mixed' for --decoder dali, nvImageCodec for pil), and chosen where predicted faster")
-    p.add_argument("--target-rate", type=float, metavar="IMG_PER_S",
+    p.add_argument("--target-rate", type=argument(options.positive_float), metavar="IMG_PER_S",
                    help="choose the smallest raw share that reaches this rate (saves disk space)")
     add_run_arguments(p)
     add_loader_arguments(p)

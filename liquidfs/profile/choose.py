@@ -48,6 +48,7 @@ from pathlib import Path
 from ..expand.rawformats import BMP, RAW_FORMATS, RawFormat
 from ..stores import Store
 from ..stores.sample import FILES_PER_READER, ProfileError
+from ..sysio.cgroups import usable_cores
 from ..sysio.safefiles import replace_file
 from . import decoders as decoderates
 from . import measured as runprofile
@@ -111,7 +112,10 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     choose by what the mount counted (``measured``). Where that cannot run, the model's choice stands with a
     note; with ``run`` given, that is an error instead."""
     started = time.monotonic()
-    threads = threads or os.cpu_count() or 1
+    # The cores this process may use (its affinity, a container's CPU limit), not the host's: the sample, the
+    # readers and the CPU's share of the costs are sized by it (os.cpu_count() in a pod limited to 4 of 64
+    # cores timed storage at 64 readers and spread decoding over 64 cores: a choice with too much raw).
+    threads = threads or usable_cores()
     decoder = decoder or ("dali" if dali_available() else "pil")
     readers = readers or threads
     step = seconds if seconds is not None else (0.6 if quick else 2.5)

@@ -340,6 +340,35 @@ def test_profile_and_prepare_take_a_cache_share_from_0_to_100_percent_only(tmp_p
     assert "Traceback" not in done.stderr and not (tmp_path / "st").exists()
 
 
+@pytest.mark.parametrize("flag", ["--threads=-1", "--threads=0", "--sample=0", "--run-timeout=nan",
+                                  "--run-timeout=inf", "--target-rate=-3"])
+def test_profile_refuses_counts_and_times_out_of_range_with_a_message(tmp_path: Path, flag: str) -> None:
+    """A thread count below one, a NaN time-out: a message at once, never a traceback from deep in the run."""
+    done = subprocess.run([sys.executable, "-m", "liquidfs", "profile", str(tmp_path / "data"), "--store",
+                           str(tmp_path / "st"), flag], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and flag.split("=")[0] in done.stderr and "a positive" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "st").exists()
+
+
+def test_profiles_threads_are_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not os.cpu_count(): in a pod limited to 4 of 64 cores, 64 readers and 64 cores of decoding chose too much
+    raw. The default is ``sysio.cgroups.usable_cores`` (affinity, then the cgroup's cpu.max)."""
+    from liquidfs.profile import choose
+
+    asked: list[tuple[object, object]] = []
+    monkeypatch.setattr(choose, "usable_cores", lambda: 3)
+
+    def measured(store: object, count: object, max_bytes: object, decoder: object, threads: object,
+                 readers: object, *rest: object, **kw: object) -> None:
+        asked.append((threads, readers))
+        raise RuntimeError("measured enough")
+
+    monkeypatch.setattr(choose, "_measure_bmp", measured)
+    with pytest.raises(RuntimeError, match="measured enough"):
+        choose.profile_store(object(), decoder="pil")  # type: ignore[arg-type]
+    assert asked == [(3, 3)]
+
+
 def test_prepare_takes_a_cache_share_only_to_choose_the_ratio(run: Run, tmp_path: Path) -> None:
     make_sample(tmp_path / "data", count=2, width=64, height=32, seed=5)
     status, err = run("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "st"), "--ratio", "0.5",
