@@ -84,6 +84,25 @@ def test_cpu_busy_from_the_node_and_from_a_cgroup(tmp_path: Path) -> None:
     assert CpuBusy(group, proc_stat=tmp_path / "missing")() is None
 
 
+def test_cpu_busy_of_a_group_is_over_the_cores_its_cpu_max_allows(tmp_path: Path) -> None:
+    """A pod limited to half a core (its cpu.max, or its parent's) on a node of many: its usage over that much
+    time, not over every core of the affinity (then it never passed 1/cores, and "decode binds" never showed)."""
+    pod = tmp_path / "pod"
+    container = pod / "container"
+    container.mkdir(parents=True)
+    for level in (pod, container):
+        (level / "cgroup.controllers").write_text("cpu io memory\n")
+    (pod / "cpu.max").write_text("50000 100000\n")  # half a core
+    (container / "cpu.max").write_text("max 100000\n")
+    (container / "cpu.stat").write_text("usage_usec 0\n")
+    now = [100.0]
+    busy = CpuBusy(container, clock=lambda: now[0])
+    assert busy.cores == 0.5
+    now[0] += 10.0
+    (container / "cpu.stat").write_text("usage_usec 5000000\n")  # all it may use, throughout
+    assert busy() == pytest.approx(1.0)
+
+
 def _in_thread_with_deadline(call: Callable[[], T], seconds: float = 30.0) -> T:
     """``call()`` in a thread of its own, failing (not hanging the suite) when it does not return in time."""
     with ThreadPoolExecutor(1) as pool:
