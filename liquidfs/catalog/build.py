@@ -302,8 +302,11 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     next_id = ROOT_ID + 1
     # Directories' rows wait for their subdirectory counts: one row per directory, few even at ten million files.
     nsubdirs: dict[int, int] = {}
-    dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int]] = {
-        ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns)
+    # (A directory's version, as a file's: its inode and ctime, which a listing's change moves and a `touch -d`
+    # that puts the mtime back cannot: ``Catalog.staleness``.)
+    dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int, str]] = {
+        ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns,
+                  file_version(root_st))
     }
     # Each stack item: (directory id, absolute path, relative path, (st_dev, st_ino) as its parent's listing found it).
     stack: list[tuple[int, bytes, bytes, tuple[int, int]]] = [(ROOT_ID, root, b"", (root_st.st_dev, root_st.st_ino))]
@@ -353,7 +356,8 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                     records.append(_RECORD(next_id, mode, len(name)) + name)
                     if row is None:
                         subdirs += 1
-                        dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns)
+                        dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns,
+                                             file_version(st))
                         stack.append((next_id, abs_dir + b"/" + name, rel, (st.st_dev, st.st_ino)))
                     else:
                         writer.add_entry((next_id, dir_id, name, rel, *row))
@@ -365,7 +369,7 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
             writer.add_listing(dir_id, range(first_id, next_id), records)
     report.directories, report.files = len(dir_rows) - 1, files
     for r in dir_rows.values():
-        writer.add((*r, nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, None))
+        writer.add((*r[:8], nsubdirs.get(r[0], 0), None, REPR_ORIGINAL, None, None, None, r[8]))
     writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME,
                    listings.META_KEY: listings.FORMAT, UNLISTED: str(report.unlisted)})
     return report

@@ -24,6 +24,7 @@ from pathlib import Path
 from ..sysio.home import cache_home
 from ..sysio.paths import catalog_parts, open_dir, path_below
 from . import listings
+from .identity import file_version
 from .nodes import CONTROL_ID, REPR_RAW, ROOT_ID, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      UNLISTED, CatalogError, migrate, schema_version)
@@ -273,10 +274,10 @@ class Catalog:
         for row in cursor:
             yield Node(*row)
 
-    def directories(self) -> list[tuple[object, object]]:
-        """(path, mtime_ns) of every directory as its row holds them (not checked: a path should be bytes): few
-        enough to hold even for ImageNet (1,000)."""
-        return self.db.execute("SELECT path, mtime_ns FROM nodes WHERE kind=1").fetchall()
+    def directories(self) -> list[tuple[object, object, object]]:
+        """(path, mtime_ns, version) of every directory as its row holds them (not checked: a path should be bytes;
+        no version in a catalog of an older liquidfs): few enough to hold even for ImageNet (1,000)."""
+        return self.db.execute("SELECT path, mtime_ns, etag FROM nodes WHERE kind=1").fetchall()
 
     # -- what prepare learnt and chose ---------------------------------------------------------------
 
@@ -353,7 +354,7 @@ class Catalog:
         except OSError:
             return CHANGED
         try:
-            for rel, mtime_ns in self.directories():
+            for rel, mtime_ns, version in self.directories():
                 # Below the root as the scan walks (whoever writes the source or the store chooses the names): no
                 # link followed (one into a FUSE mount that never answers would hang this root command for good),
                 # never above the root or onto another filesystem; a row no walk takes is a change.
@@ -365,6 +366,8 @@ class Catalog:
                     return CHANGED
                 if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns != mtime_ns:
                     return CHANGED
+                if version is not None and version != file_version(st):
+                    return CHANGED  # its mtime put back (`touch -d`, a restore), or its modes changed
         finally:
             os.close(root)
         return None

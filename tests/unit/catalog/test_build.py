@@ -115,7 +115,8 @@ def _walked(root: Path) -> list[tuple[object, ...]]:
     after it), entries that fail it or are neither file, directory nor symlink left out without an id."""
     top = os.stat(root)
     rows: list[tuple[object, ...]] = []
-    directories = {ROOT_ID: [ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, top.st_mode, top.st_size, top.st_mtime_ns, 0]}
+    directories = {ROOT_ID: [ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, top.st_mode, top.st_size, top.st_mtime_ns, 0,
+                             file_version(top)]}
     stack, next_id = [(ROOT_ID, os.fsencode(root), b"")], ROOT_ID + 1
     while stack:
         parent, path, rel_dir = stack.pop()
@@ -132,7 +133,8 @@ def _walked(root: Path) -> list[tuple[object, ...]]:
                 continue
             if stat.S_ISDIR(st.st_mode):
                 directories[parent][8] += 1
-                directories[next_id] = [next_id, parent, name, rel, KIND_DIR, st.st_mode, st.st_size, st.st_mtime_ns, 0]
+                directories[next_id] = [next_id, parent, name, rel, KIND_DIR, st.st_mode, st.st_size, st.st_mtime_ns, 0,
+                                        file_version(st)]
                 stack.append((next_id, full, rel))
             elif stat.S_ISREG(st.st_mode):
                 rows.append((next_id, parent, name, rel, KIND_FILE, st.st_mode, st.st_size, st.st_mtime_ns, 0, None,
@@ -143,7 +145,7 @@ def _walked(root: Path) -> list[tuple[object, ...]]:
             else:
                 continue
             next_id += 1
-    rows += [(*row, None, REPR_ORIGINAL, None, None, None, None, None) for row in directories.values()]
+    rows += [(*row[:9], None, REPR_ORIGINAL, None, None, None, row[9], None) for row in directories.values()]
     return sorted(rows, key=lambda row: row[0])  # type: ignore[arg-type, return-value]
 
 
@@ -516,4 +518,21 @@ def test_a_rescan_never_puts_one_sources_catalog_in_place_of_anothers(tmp_path: 
     open_or_build(b, store, rescan=True).close()
     catalog = Catalog.open(store, readonly=True)
     assert catalog.source == os.fsencode(b)
+    catalog.close()
+
+
+@pytest.mark.parametrize("change", ["entry-added-mtime-put-back", "modes-changed"])
+def test_a_directory_changed_with_its_mtime_put_back_is_a_change(tmp_path: Path, change: str) -> None:
+    """A directory's version is its inode and ctime, as a file's: an entry added and the mtime put back (`touch
+    -d`, a restore tool) or its modes changed (one the scan could not list, made readable since) is a change."""
+    src, store = _fresh_catalog(tmp_path)
+    directory = src / "d" / "e"
+    st = os.stat(directory)
+    if change == "modes-changed":
+        os.chmod(directory, 0o700)
+    else:
+        (directory / "b.png").write_bytes(b"png")
+    os.utime(directory, ns=(st.st_atime_ns, st.st_mtime_ns))
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.staleness() == "changed"
     catalog.close()
