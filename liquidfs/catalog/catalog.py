@@ -143,7 +143,8 @@ class Catalog:
             db = connect(path, readonly, immutable and readonly)
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         except sqlite3.DatabaseError as exc:
-            raise CatalogError(f"{path} is not a liquidfs catalog: {exc}") from exc
+            raise CatalogError(f"{path} is not a liquidfs catalog ({exc}): a damaged one (a crash while it was "
+                               "written) is made again by `liquidfs mount --rescan`, or removed") from exc
         # The file the connection opened is the path's before and after it was opened: else a rename came between,
         # and which file it reads is not known.
         file_id = before if _file_id(path) == before else None

@@ -515,6 +515,8 @@ def test_a_rescan_never_puts_one_sources_catalog_in_place_of_anothers(tmp_path: 
     assert catalog.source == os.fsencode(a)
     catalog.close()
     (store / "catalog.sqlite").write_bytes(b"")  # torn by a crash
+    with pytest.raises(CatalogError, match="made again by `liquidfs mount --rescan`"):
+        open_or_build(a, store)
     open_or_build(b, store, rescan=True).close()
     catalog = Catalog.open(store, readonly=True)
     assert catalog.source == os.fsencode(b)
