@@ -24,7 +24,6 @@ from pathlib import Path
 from ..sysio.home import cache_home
 from ..sysio.paths import catalog_parts, open_dir, path_below
 from . import listings
-from .identity import file_version
 from .nodes import CONTROL_ID, REPR_RAW, ROOT_ID, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      UNLISTED, CatalogError, migrate, schema_version)
@@ -350,6 +349,8 @@ class Catalog:
             return MUST_RESCAN  # scanned by an older liquidfs: its files' identities are too weak to reuse
         if self.meta(UNLISTED) not in (None, "0"):
             return MUST_RESCAN  # a directory the scan could not list is shown empty: tried again
+        from .identity import file_version  # here: `umount` and `stats` read no catalog, and load no xxhash
+
         try:
             root = open_dir(self.source)
         except OSError:
