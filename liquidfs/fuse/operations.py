@@ -399,8 +399,11 @@ class Operations(pyfuse3.Operations):
         """Where ``size`` is not what the kernel was told of ``node``, it is from now on: the kernel's attributes
         are dropped before the open is answered."""
         if size != self.inodes.size_told(node):
-            record.size = size
-            if self.inodes.shared is not None:  # told by this loop: a GETATTR in another says the same
+            if self.inodes.shared is None:
+                record.size = size
+            else:  # told by this loop: a GETATTR in another says the same
+                # (In the shared table alone: the kernel's FORGET may reach another loop than its LOOKUP did, so a
+                # size kept in this loop's record would keep the record for good.)
                 for let_go in self.inodes.shared.tell(node.id, None if size == node.size_served else size):
                     # Sizes let go to make room (files no loop has open): the kernel must not keep them.
                     self.notifier.invalidate(let_go, attr_only=True)
