@@ -43,19 +43,26 @@ log = logging.getLogger(__name__)
 class StoreReader:
     """Opens the content of catalog nodes: the raw object when it is sound, the source otherwise."""
 
-    def __init__(self, source_root: bytes, store_dir: Path) -> None:
+    def __init__(self, source_root: bytes, store_dir: Path, *, held: tuple[int, int] | None = None) -> None:
+        """``held``: the (root, objects) descriptors of a reader of this mount made before (another loop's, of
+        ``mount --loops``): the same directories, never the paths resolved again (duplicates of them, this
+        reader's to close)."""
         self.source_root = source_root
         self.store_dir = store_dir
         self._objects_where = os.fsencode(store_dir / "objects")  # what an object's error names (once, not per open)
-        # Held from mount time: every path of the catalog is resolved below these, never through the paths
-        # again (a root renamed or swapped for a link while the mount runs serves nothing else).
-        self.root_fd = open_dir(source_root)
-        # The objects directory as the store's owner set it up at mount time (it may be a link to another
-        # disk); names below it are resolved without links.
-        try:
-            self.objects_fd = open_dir(store_dir / "objects")
-        except FileNotFoundError:  # nothing prepared raw
-            self.objects_fd = -1
+        if held is not None:
+            self.root_fd = os.dup(held[0])
+            self.objects_fd = os.dup(held[1]) if held[1] >= 0 else -1
+        else:
+            # Held from mount time: every path of the catalog is resolved below these, never through the paths
+            # again (a root renamed or swapped for a link while the mount runs serves nothing else).
+            self.root_fd = open_dir(source_root)
+            # The objects directory as the store's owner set it up at mount time (it may be a link to another
+            # disk); names below it are resolved without links.
+            try:
+                self.objects_fd = open_dir(store_dir / "objects")
+            except FileNotFoundError:  # nothing prepared raw
+                self.objects_fd = -1
         # Who may have put each object at its name (``may_serve``): where others may rename the objects
         # directory's subdirectories, nobody's object is trusted; else each subdirectory's stat, taken once.
         self._objects_open = self.objects_fd >= 0 and open_to_others(os.fstat(self.objects_fd))

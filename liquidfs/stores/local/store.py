@@ -147,6 +147,7 @@ class LocalStore:
         self.store_dir = store_dir if store_dir is not None else default_store_dir(source)
         self.label = str(self.store_dir)
         self._subdirs: dict[str, os.stat_result] = {}  # objects/<sub>, stat-ed once by ``exists``
+        self._held: tuple[int, int] | None = None  # the first reader's directories (``reader``), for the process
 
     @classmethod
     def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
@@ -564,4 +565,10 @@ class LocalStore:
                         catalog_dir / MOUNTS_LOCK, exc.strerror)
 
     def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
-        return StoreReader(self.source_root(catalog), self.store_dir)
+        """A reader over the directories the first reader of this process opened (each loop of ``mount --loops``,
+        forked after the first loop's, makes its own): every loop serves the same tree, whatever was renamed since
+        (the paths are resolved once, at mount)."""
+        made = StoreReader(self.source_root(catalog), self.store_dir, held=self._held)
+        if self._held is None:
+            self._held = (os.dup(made.root_fd), os.dup(made.objects_fd) if made.objects_fd >= 0 else -1)
+        return made

@@ -65,3 +65,33 @@ def test_the_adaptive_mix_starts_at_the_share_the_kept_profile_chose(tmp_path: P
         store.keep_profile(bad)
         assert store.profile_choice() is None, bad
     assert open_store("s3://src/data", "s3://dst/data.liquid").profile_choice() is None
+
+
+def test_each_reader_of_a_mount_serves_the_directories_the_first_opened(tmp_path: Path) -> None:
+    """mount --loops: each loop after the first makes its reader in a process forked after the mount. Its source
+    root and objects directory are the first reader's, not the paths resolved again (a root renamed, or another put
+    at its name, since the mount would have one loop serve another tree)."""
+    import os
+
+    from liquidfs.catalog.build import build
+    from liquidfs.catalog.catalog import Catalog
+
+    src, store_dir = tmp_path / "src", tmp_path / "store"
+    (src / "d").mkdir(parents=True)
+    (store_dir / "objects").mkdir(parents=True)
+    build(src, store_dir)
+    store = LocalStore(src, store_dir)
+    catalog = Catalog.open(store_dir, readonly=True)
+    first = store.reader(catalog, 4, 30.0)
+    src.rename(tmp_path / "moved")
+    src.mkdir()
+    (store_dir / "objects").rename(store_dir / "objects.old")
+    (store_dir / "objects").mkdir()
+    second = store.reader(catalog, 4, 30.0)
+    try:
+        for a, b in ((first.root_fd, second.root_fd), (first.objects_fd, second.objects_fd)):  # type: ignore[attr-defined]
+            assert a != b and os.fstat(a).st_ino == os.fstat(b).st_ino
+    finally:
+        first.close()
+        second.close()
+        catalog.close()
