@@ -25,9 +25,6 @@ JOB_EPOCHS_SHOWN = 8
 #: A job's latest epochs whose counters are kept (the policy asks of the newest three; the rest are for stats):
 #: a reader that makes an epoch every few reads (two files opened in turn) must not grow them without end.
 EPOCHS_KEPT = 16
-#: The reads its epoch must have had, as a share of the one before's, before a file read again opens the next
-#: one (two epochs begun by one file read twice mid-epoch took the whole job to a third: ``NextEpochCache.read``).
-EPOCH_MIN_SHARE = 0.25
 
 
 @dataclass
@@ -124,14 +121,6 @@ class Job:
             del self.kept_for[old]
         for old in [e for e in self.stats.epochs if e <= epoch - EPOCHS_KEPT]:
             del self.stats.epochs[old]
-
-    def may_begin_after(self, epoch: int) -> bool:
-        """Whether a file of ``epoch`` (the newest) read again may open the next: ``epoch`` has had a share
-        (EPOCH_MIN_SHARE) of the reads of the one before. One file read twice mid-epoch (a sampler that draws
-        with replacement, a label file opened now and then) opened an epoch at its first read again, and at its
-        second, within an epoch of one read, a third: every fresh file of the real epoch then counted in it."""
-        before = self.reads_of(epoch - 1)
-        return not before or self.reads_of(epoch) >= EPOCH_MIN_SHARE * before
 
     def clock_pace(self, now: float) -> None:
         """A read at ``now`` (monotonic seconds): the pace is measured again every PACE_READS reads."""

@@ -188,8 +188,7 @@ class NextEpochCache:
             epoch = current + 1
             if epoch < state.newest_epoch and state.has_passed(epoch):
                 epoch = state.newest_epoch
-        elif state.reads - int(state.read_at[file]) >= self._gap_needed(state, current) \
-                and state.may_begin_after(current):
+        elif state.reads - int(state.read_at[file]) >= self._gap_needed(state, current):
             epoch = current + 1
         else:
             state.stats.same_epoch_reads += 1

@@ -108,26 +108,21 @@ def test_same_epoch_reads_and_partial_reads_do_not_break_epochs() -> None:
     assert abs(byte_ratio - 0.3) <= 0.03
 
 
-def test_a_file_read_twice_mid_epoch_never_takes_the_job_two_epochs_on() -> None:
-    """A sampler that draws with replacement (or a label file opened now and then) reads one file again mid-epoch:
-    its first read again opens epoch 2 (indistinguishable from a real one then), but its second, within an epoch
-    of one read, is a read of that epoch, not the start of a third; the files of the real epoch 1 still count in
-    it, and the job's next real epochs come as they would."""
-    rng = random.Random(5)
-    sizes = _dataset(1000, rng)
-    total = sum(sizes.values())
-    cache = NextEpochCache(int(0.3 * total), total, len(sizes), max_id=max(sizes))
-    files = list(sizes)
-    rng.shuffle(files)
-    for i, f in enumerate(files):
-        assert cache.read(f, sizes[f]).epoch == 1, i
-        if i in (399, 499, 599):  # the first file, read again after each hundred reads
-            cache.read(files[0], sizes[files[0]])
-    assert cache.newest_epoch == 2
-    for epoch in (2, 3):  # (the file read again may open the next one early, as any first read of it would)
-        rng.shuffle(files)
-        labels = [cache.read(f, sizes[f]).epoch for f in files]
-        assert sum(label == epoch for label in labels) >= len(files) - 1
+@pytest.mark.parametrize("nodes", [1, 2, 4, 8])
+def test_a_node_reading_a_new_random_shard_each_epoch_follows_the_epochs(nodes: int) -> None:
+    """DistributedSampler reshuffled each epoch over several nodes: each node's mount reads a new random 1/nodes of
+    the files each epoch, so few of its reads are files it read the epoch before. Its epochs still follow the
+    job's, every read counted in one (a guard that asked the newest epoch for a share of the one before's reads
+    before a file read again could open the next held these nodes back an epoch or more)."""
+    rng = random.Random(11)
+    files = list(range(2, 2002))
+    sizes = {f: 1000 for f in files}
+    cache = NextEpochCache(300 * len(files), 1000 * len(files), len(files), max_id=max(files))
+    for epoch in range(1, 9):
+        shard = rng.sample(files, len(files) // nodes)
+        seen = [cache.read(f, sizes[f]) for f in shard]
+        assert cache.newest_epoch == epoch, (nodes, epoch)
+        assert sum(d.same_epoch for d in seen) <= 1
 
 
 def test_a_reader_that_makes_an_epoch_every_few_reads_keeps_the_latest_epochs_counters_only() -> None:
