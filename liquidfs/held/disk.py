@@ -106,7 +106,7 @@ class DiskLevel(Level[_Entry], InFront):
             content = self._read(node, entry)
             if content is not None:
                 if not decision.hold:
-                    self._forget(node.id)
+                    self._forget_unless_held(node.id)
                 return content
             self.lost_hit(decision, node.size_served)
         content = self.inner.open(node)
@@ -117,8 +117,15 @@ class DiskLevel(Level[_Entry], InFront):
         if decision.hold:
             self.drop(node.id)
         else:
-            self._forget(node.id)
+            self._forget_unless_held(node.id)
         return content
+
+    def _forget_unless_held(self, file: int) -> None:
+        """Let go of ``file``'s copy, which this open's decision did not hold, unless the policy holds it again
+        (another open re-admitted and wrote it while this one read: its copy is the new one)."""
+        with self._lock:
+            if file not in self.policy.held:
+                self._forget_held(file)
 
     # -- the level interface (``held.base.Level``'s, but for these) -----------------------------------------
 

@@ -243,3 +243,25 @@ def test_a_file_readmitted_while_it_is_dropped_is_not_left_behind(tmp_path: Path
     assert 5 not in level.policy.held
     assert level.held_items() == {} and list(level.dir.iterdir()) == []
     level.close()
+
+
+def test_an_open_not_held_leaves_the_copy_another_open_readmitted_meanwhile(tmp_path: Path) -> None:
+    """An open whose decision holds nothing lets the file's copy go after its read; another open that re-admitted
+    the file and wrote it while this one read keeps its copy."""
+    from liquidfs.policy.next_epoch import Decision
+
+    level, store = _level(tmp_path, 1.0)
+    node = _node(5)
+    read, opening = level.policy.read, store.open
+    level.policy.read = lambda file, size, job=0: Decision(hit=False, hold=False, epoch=1)  # type: ignore[method-assign]
+
+    def readmitted_meanwhile(n: Node) -> Content:
+        level.policy.read = read  # type: ignore[method-assign]
+        assert level.decide(n.id, SIZE).hold
+        _readmit(level, n, bytes([5]) * SIZE)()
+        return opening(n)
+
+    store.open = readmitted_meanwhile  # type: ignore[method-assign]
+    level.open(node)
+    assert 5 in level.policy.held and 5 in level.held_items() and (level.dir / "5").exists()
+    level.close()
