@@ -50,6 +50,14 @@ def _note_stop(signum: int, frame: object) -> None:
     _stops_noted.append(signum)
 
 
+def _ignore_stops() -> None:
+    """From here the mount only unmounts: further signals are ignored, neither a handler's EINTR in the unmount's
+    wait for fusermount3 nor, at the interpreter's exit (which puts its handlers back to the default action), a
+    death by the next one."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int | None = None) -> int:
     """Mount ``config`` over ``store`` (its catalog in ``store_dir``) and serve in this process until unmounted
     or signalled; returns the exit status."""
@@ -60,6 +68,7 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
         for signum in STOP_SIGNALS:  # from the mount on (before it, the default action leaves nothing behind);
             signal.signal(signum, _note_stop)  # to the process's end: it serves this mount alone
         start_session(config, mount.ops, stack)
+        stack.callback(_ignore_stops)  # (before the session closes: where the loop never ran, too)
         more = loops.fork(config, store, mount) if config.loops > 1 else None
         if more is not None:
             stack.callback(loops.stop, more)
@@ -71,11 +80,7 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
             log.exception("the filesystem loop failed; unmounting")
             raise
         finally:
-            # From here the mount only unmounts: further signals are ignored, neither a handler's EINTR in the
-            # unmount's wait for fusermount3 nor, at the interpreter's exit (which puts its handlers back to the
-            # default action), a death by the next one.
-            for signum in STOP_SIGNALS:
-                signal.signal(signum, signal.SIG_IGN)
+            _ignore_stops()
     if config.data_path == "passthrough" and mount.ops.stats.data_path != "passthrough":
         return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
