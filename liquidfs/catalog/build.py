@@ -591,16 +591,17 @@ def _of_this_source(source: str | os.PathLike[str], store_dir: str | os.PathLike
     path = Path(store_dir) / CATALOG_NAME
     if not path.exists():
         return
-    try:
-        catalog = Catalog.open(store_dir, readonly=True, immutable=True)
+    try:  # its meta row alone, whatever its schema's version (a newer liquidfs's catalog is not a damaged one)
+        db = connect(path, readonly=True, immutable=True)
         try:
-            described = catalog.source
+            row = db.execute("SELECT value FROM meta WHERE key='source'").fetchone()
         finally:
-            catalog.close()
-    except CatalogError:
+            db.close()
+    except sqlite3.DatabaseError:
         return
-    if described != os.fsencode(os.path.abspath(source)):
-        raise _of_another_source(path, described, source)
+    described = row[0] if row is not None else None
+    if isinstance(described, str) and described and os.fsencode(described) != os.fsencode(os.path.abspath(source)):
+        raise _of_another_source(path, os.fsencode(described), source)
 
 
 def _of_another_source(path: Path, described: bytes, source: str | os.PathLike[str]) -> CatalogError:

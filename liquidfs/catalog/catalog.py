@@ -176,7 +176,10 @@ class Catalog:
 
     @property
     def source(self) -> bytes:
-        value = self.meta("source")
+        try:
+            value = self.meta("source")
+        except sqlite3.DatabaseError as exc:  # a meta table damaged past the page its version was read from
+            raise CatalogError(f"{self.path} is not a liquidfs catalog ({exc})") from exc
         if not isinstance(value, str) or not value or "\0" in value:
             raise CatalogError(f"{self.path}: names no source it describes (a damaged or foreign catalog)")
         return os.fsencode(value)

@@ -511,9 +511,13 @@ def test_a_rescan_never_puts_one_sources_catalog_in_place_of_anothers(tmp_path: 
     b.mkdir()
     with pytest.raises(CatalogError, match="describes"):
         open_or_build(b, store, rescan=True)
-    catalog = Catalog.open(store, readonly=True)
+    catalog = Catalog.open(store)
     assert catalog.source == os.fsencode(a)
+    with catalog.transaction():  # a newer liquidfs's catalog is not a damaged one: still A's
+        catalog.db.execute("UPDATE meta SET value='99' WHERE key='schema_version'")
     catalog.close()
+    with pytest.raises(CatalogError, match="describes"):
+        open_or_build(b, store, rescan=True)
     (store / "catalog.sqlite").write_bytes(b"")  # torn by a crash
     with pytest.raises(CatalogError, match="made again by `liquidfs mount --rescan`"):
         open_or_build(a, store)
