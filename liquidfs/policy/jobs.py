@@ -58,6 +58,10 @@ JOB_LOOKUP = 1.0
 #: the storage reads, memfd copies or notifications, nor another user's lookups (whose every open would wait
 #: JOB_LOOKUP for a token).
 JOB_LOOKUP_THREADS = 8
+#: Worker threads reading /proc for jobs at once, all uids together: each uid's stuck lookups keep their threads,
+#: and a user with many uids (a subordinate range) must not pin thousands of the daemon's. Past it, an opener's
+#: job is read no more until threads come back (``JobOf.register`` of nothing: its job as before, or its uid's).
+JOB_LOOKUP_THREADS_ALL = 64
 
 
 #: The variables that name a job, each group in the order tried (the first group a process has all of wins).
@@ -224,15 +228,19 @@ class JobLookups:
     def __init__(self, job_of: JobOf) -> None:
         self.job_of = job_of
         self._limiters: dict[int, trio.CapacityLimiter] = {}  # by the openers' uid
+        self._all = trio.CapacityLimiter(JOB_LOOKUP_THREADS_ALL)
 
     async def job(self, pid: int, uid: int = 0) -> int:
         """The job of the opener ``pid`` run by ``uid``."""
         job = self.job_of.known(pid, uid)
         if job is None:
             found = None
-            with trio.move_on_after(JOB_LOOKUP):
-                found = await trio.to_thread.run_sync(self.job_of.read_key, pid, abandon_on_cancel=True,
-                                                      limiter=self._limiter_of(uid))
+            if self._all.available_tokens:
+                with trio.move_on_after(JOB_LOOKUP):
+                    # (trio takes any limiter with these two methods; its hints name CapacityLimiter alone)
+                    both = _Both(self._limiter_of(uid), self._all)
+                    found = await trio.to_thread.run_sync(self.job_of.read_key, pid, abandon_on_cancel=True,
+                                                          limiter=both)  # type: ignore[arg-type]
             job = self.job_of.register(pid, uid, found)
         return job
 
@@ -254,3 +262,23 @@ class JobLookups:
         for job, entry in jobs.items():
             if isinstance(entry, dict):
                 entry["openers"] = self.job_of.labels.get(int(job), "?")
+
+
+class _Both:
+    """A token of ``first`` (waited for), then one of ``second``: a lookup's thread counts in its uid's limiter
+    and in the limiter of all lookups (trio's ``to_thread`` limiter interface)."""
+
+    def __init__(self, first: trio.CapacityLimiter, second: trio.CapacityLimiter) -> None:
+        self.first, self.second = first, second
+
+    async def acquire_on_behalf_of(self, borrower: object) -> None:
+        await self.first.acquire_on_behalf_of(borrower)
+        try:
+            await self.second.acquire_on_behalf_of(borrower)
+        except BaseException:
+            self.first.release_on_behalf_of(borrower)
+            raise
+
+    def release_on_behalf_of(self, borrower: object) -> None:
+        self.second.release_on_behalf_of(borrower)
+        self.first.release_on_behalf_of(borrower)

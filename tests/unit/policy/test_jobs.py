@@ -327,3 +327,39 @@ def test_lookups_one_users_processes_keep_stuck_never_make_another_users_opens_w
         release.set()
     assert job != job_of.unknown(1002) and job_of.owner(job) == 1002 and "/trainer" in job_of.labels[job]
     assert len(entered) <= jobs_module.JOB_LOOKUP_THREADS
+
+
+def test_lookups_of_every_uid_together_hold_a_bounded_number_of_threads(monkeypatch) -> None:
+    """Each uid's stuck lookups keep their threads: a user with many uids (a subordinate range) must not pin the
+    daemon's threads without end. Past JOB_LOOKUP_THREADS_ALL, a new opener's job is not read (its uid's job of
+    openers not told apart), at once, until threads come back."""
+    import threading
+
+    import trio
+
+    release = threading.Event()
+    host = _Host()
+    host.procs = {pid: (pid, "/stuck") for pid in range(3000, 3012)}
+    entered: list[int] = []
+
+    def cgroup(pid: int) -> str:
+        entered.append(pid)
+        release.wait(30)
+        return host.cgroup(pid)
+
+    job_of = JobOf(getsid=host.getsid, cgroup_of=cgroup, variables_of=host.variables_of)
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.3)
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP_THREADS", 2)
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP_THREADS_ALL", 4)
+
+    async def main() -> None:
+        lookups = JobLookups(job_of)
+        async with trio.open_nursery() as nursery:
+            for i, pid in enumerate(host.procs):
+                nursery.start_soon(lookups.job, pid, 2000 + i // 2)  # six uids, two openers each
+        assert len(entered) == 4  # the cap of all, not six uids' two each
+
+    try:
+        trio.run(main)
+    finally:
+        release.set()
