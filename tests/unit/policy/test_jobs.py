@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -39,6 +40,21 @@ class _Host:
 
 def _job_of(host: _Host) -> JobOf:
     return JobOf(getsid=host.getsid, cgroup_of=host.cgroup, variables_of=host.variables_of)
+
+
+def _stuck(host: _Host, free: tuple[int, ...] = ()) -> tuple[JobOf, list[int], threading.Event]:
+    """A JobOf over ``host`` whose /proc reads of every pid but ``free`` stay stuck until the event is set; the
+    pids whose read began, in order."""
+    release = threading.Event()
+    entered: list[int] = []
+
+    def cgroup(pid: int) -> str:
+        if pid not in free:
+            entered.append(pid)
+            release.wait(30)
+        return host.cgroup(pid)
+
+    return JobOf(getsid=host.getsid, cgroup_of=cgroup, variables_of=host.variables_of), entered, release
 
 
 def test_ranks_of_one_job_share_an_id_and_other_jobs_get_their_own() -> None:
@@ -234,25 +250,15 @@ def test_the_mount_reads_proc_off_its_loop_and_gives_up_after_a_while(monkeypatc
 def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypatch, tmp_path) -> None:
     """More lookups stuck in /proc than trio's default limiter has threads (40) take only the lookups' own
     threads: a memfd copy and an attribute drop, each on a limiter of its own, finish while they are stuck."""
-    import threading
-
     import pyfuse3
     import trio
     from liquidfs.datapath.backing import memfd_with
     from liquidfs.datapath.notifier import Notifier
     from liquidfs.datapath.passthrough import PassthroughPath
 
-    release = threading.Event()
     host = _Host()
     host.procs = {pid: (pid, "/a") for pid in range(1000, 1050)}
-    entered: list[int] = []
-
-    def stuck_cgroup(pid: int) -> str:
-        entered.append(pid)
-        release.wait(30)
-        return "/a"
-
-    job_of = JobOf(getsid=host.getsid, cgroup_of=stuck_cgroup, variables_of=host.variables_of)
+    job_of, entered, release = _stuck(host)
     monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.2)
     invalidated: list[int] = []
     monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda inode, attr_only: invalidated.append(inode))
@@ -293,23 +299,12 @@ def test_lookups_one_users_processes_keep_stuck_never_make_another_users_opens_w
     from a FUSE mount of theirs that never answers): those take that uid's threads only. Another user's new opener
     still has its /proc read, and its job is its own, not the uid's job of openers not told apart that a lookup
     waiting past JOB_LOOKUP for a thread falls back to."""
-    import threading
-
     import trio
 
-    release = threading.Event()
     host = _Host()
     host.procs = {pid: (pid, "/attacker") for pid in range(2000, 2000 + 2 * jobs_module.JOB_LOOKUP_THREADS)}
     host.procs[99] = (99, "/trainer")
-    entered: list[int] = []
-
-    def cgroup(pid: int) -> str:
-        if pid != 99:
-            entered.append(pid)
-            release.wait(30)
-        return host.cgroup(pid)
-
-    job_of = JobOf(getsid=host.getsid, cgroup_of=cgroup, variables_of=host.variables_of)
+    job_of, entered, release = _stuck(host, free=(99,))
     monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.5)
 
     async def main() -> int:
@@ -333,21 +328,11 @@ def test_lookups_of_every_uid_together_hold_a_bounded_number_of_threads(monkeypa
     """Each uid's stuck lookups keep their threads: a user with many uids (a subordinate range) must not pin the
     daemon's threads without end. Past JOB_LOOKUP_THREADS_ALL, a new opener's job is not read (its uid's job of
     openers not told apart), at once, until threads come back."""
-    import threading
-
     import trio
 
-    release = threading.Event()
     host = _Host()
     host.procs = {pid: (pid, "/stuck") for pid in range(3000, 3012)}
-    entered: list[int] = []
-
-    def cgroup(pid: int) -> str:
-        entered.append(pid)
-        release.wait(30)
-        return host.cgroup(pid)
-
-    job_of = JobOf(getsid=host.getsid, cgroup_of=cgroup, variables_of=host.variables_of)
+    job_of, entered, release = _stuck(host)
     monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.3)
     monkeypatch.setattr(jobs_module, "JOB_LOOKUP_THREADS", 2)
     monkeypatch.setattr(jobs_module, "JOB_LOOKUP_THREADS_ALL", 4)
