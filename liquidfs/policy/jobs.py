@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 PIDS_KEPT = 4096
 #: Jobs remembered by what tells them apart; past them the oldest is forgotten (a job seen again gets a new id).
 JOBS_KEPT = 1024
+#: Jobs remembered of one uid; past them its own oldest is forgotten: a user who opens from a new session or
+#: ``LIQUIDFS_JOB`` per process pushes out their own jobs, never other users' (who would get new ids, and new epochs).
+JOBS_KEPT_PER_UID = JOBS_KEPT // 4
 #: What names the job of a uid's openers that cannot be told apart (``JobOf.unknown``).
 UNKNOWN = "an opener not told apart"
 #: Seconds an open waits for its opener's job to be read from /proc (``JobOf.read_key``).
@@ -131,6 +134,7 @@ class JobOf:
         # pid -> (session, uid, job, when read)
         self._pids: OrderedDict[int, tuple[int, int, int, float]] = OrderedDict()
         self._ids: OrderedDict[Key, int] = OrderedDict()   # (uid, cgroup, variables or session) -> job
+        self._keys_of: dict[int, OrderedDict[Key, None]] = {}  # uid -> its keys, oldest first
         self._next = 1
         #: Each job's (cgroup, session), for ``liquidfs stats``: which processes a job id stands for.
         self.labels: dict[int, str] = {}
@@ -211,13 +215,25 @@ class JobOf:
             self.labels[job] = f"uid {uid}, {_printable(names)}, cgroup {cgroup}"
             self.owners[job] = uid
             log.info("job %d: the openers with %s", job, self.labels[job])
-            if len(self._ids) > JOBS_KEPT:
-                _, old = self._ids.popitem(last=False)
-                self.labels.pop(old, None)
-                self.owners.pop(old, None)
+            mine = self._keys_of.setdefault(uid, OrderedDict())
+            mine[key] = None
+            if len(mine) > JOBS_KEPT_PER_UID:
+                self._forget_key(next(iter(mine)))
+            elif len(self._ids) > JOBS_KEPT:
+                self._forget_key(next(iter(self._ids)))
         else:
             self._ids.move_to_end(key)
+            self._keys_of[key[0]].move_to_end(key)
         return job
+
+    def _forget_key(self, key: Key) -> None:
+        old = self._ids.pop(key)
+        self.labels.pop(old, None)
+        self.owners.pop(old, None)
+        mine = self._keys_of[key[0]]
+        del mine[key]
+        if not mine:
+            del self._keys_of[key[0]]
 
 
 class JobLookups:

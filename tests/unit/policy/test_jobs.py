@@ -348,3 +348,17 @@ def test_lookups_of_every_uid_together_hold_a_bounded_number_of_threads(monkeypa
         trio.run(main)
     finally:
         release.set()
+
+
+def test_a_user_opening_from_ever_new_sessions_pushes_out_only_their_own_jobs() -> None:
+    """Job keys are remembered for JOBS_KEPT jobs; a user who opens from a new session per process (thousands)
+    pushes out their own oldest, never another user's: that one's reads keep their job id (its epochs go on)."""
+    host = _Host()
+    host.procs = {1: (1, "/trainer")}
+    job_of = _job_of(host)
+    trainer = job_of(1, 2000)
+    for pid in range(100, 100 + 2 * jobs_module.JOBS_KEPT):
+        host.procs[pid] = (pid, "/hopper")  # a session of its own each
+        job_of(pid, 1000)
+    assert job_of._job((2000, "/trainer", "session 1")) == trainer and job_of.owner(trainer) == 2000
+    assert len(job_of._ids) <= jobs_module.JOBS_KEPT
