@@ -20,7 +20,7 @@ from typing import Self
 
 from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
-from ..sysio.paths import open_dir_below
+from ..sysio.paths import MountsBelow, open_dir_below
 from ..sysio.progress import Progress
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
@@ -313,9 +313,11 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     seen = files = 0
     bar: Progress | None = None  # once the build is large enough to start its helpers
     with Warmer(root_fd) as warmer, contextlib.ExitStack() as closing:
+        mounts = _mounts_below(root, closing)
         while stack:
             dir_id, abs_dir, rel_dir, listed_as = stack.pop()
             warmer.taken(rel_dir)
+            mounted = mounts.refresh() if mounts is not None else frozenset()
             if seen >= START_AFTER:
                 warmer.start()
                 warmer.expect(item[2] for item in reversed(stack[-warmer.ahead:]))
@@ -333,6 +335,11 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
             try:
                 for name, entry in entries:
                     row: tuple[int, int, int, int, bytes | None, str | None] | None
+                    rel = rel_dir + b"/" + name if rel_dir else name
+                    if rel in mounted:  # (its stat would go to the filesystem mounted there: never, as root)
+                        log.warning("%r: another filesystem is mounted there; not shown", abs_dir + b"/" + name)
+                        report.ignored += 1
+                        continue
                     try:
                         st = entry.stat(follow_symlinks=False)
                         mode = st.st_mode
@@ -352,7 +359,6 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                         log.warning("cannot read %r: %s; not shown", abs_dir + b"/" + name, exc)
                         report.ignored += 1
                         continue
-                    rel = rel_dir + b"/" + name if rel_dir else name
                     records.append(_RECORD(next_id, mode, len(name)) + name)
                     if row is None:
                         subdirs += 1
@@ -373,6 +379,15 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     writer.finish({"source": os.fsdecode(root), FILE_IDENTITY: IDENTITY_INO_CTIME,
                    listings.META_KEY: listings.FORMAT, UNLISTED: str(report.unlisted)})
     return report
+
+
+def _mounts_below(root: bytes, closing: contextlib.ExitStack) -> MountsBelow | None:
+    """The mount points below ``root``, followed through the walk (None where /proc cannot tell: then none)."""
+    try:
+        return closing.enter_context(contextlib.closing(MountsBelow(root)))
+    except OSError as exc:
+        log.debug("no mount table to read (%s): mount points below the source are not told apart", exc)
+        return None
 
 
 #: Errors of a directory's listing that may pass (a flaky disk or server, descriptors or memory short, a directory

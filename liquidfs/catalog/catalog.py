@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..sysio.home import cache_home
-from ..sysio.paths import catalog_parts, open_dir, path_below
+from ..sysio.paths import catalog_parts, mounted_below, open_dir, path_below
 from . import listings
 from .nodes import CONTROL_ID, REPR_RAW, ROOT_ID, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
@@ -358,12 +358,13 @@ class Catalog:
             root = open_dir(self.source)
         except OSError:
             return CHANGED
+        mounted = mounted_below(self.source)  # the scan shows none: one there now is a change, never stat-ed
         try:
             for rel, mtime_ns, version in self.directories():
                 # Below the root as the scan walks (whoever writes the source or the store chooses the names): no
                 # link followed (one into a FUSE mount that never answers would hang this root command for good),
                 # never above the root or onto another filesystem; a row no walk takes is a change.
-                if not isinstance(rel, bytes):
+                if not isinstance(rel, bytes) or rel in mounted:
                     return CHANGED
                 try:
                     st = os.fstat(root) if rel == b"" else _entry_stat(root, rel)

@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import re
+import select
 import stat
 from pathlib import Path
 
@@ -35,6 +36,43 @@ def filesystem_type_of(fd: int, mountinfo: str | None = None) -> str | None:
     device = os.fstat(fd).st_dev
     wanted = f"{os.major(device)}:{os.minor(device)}"
     return next((fstype for shown, _, fstype in _mounts(mountinfo) if shown == wanted), None)
+
+
+def mounted_below(root: bytes | str, mountinfo: str | None = None) -> frozenset[bytes]:
+    """The paths, relative to ``root``, of the mount points strictly below it (in this process's mount namespace):
+    directories another filesystem is mounted on. A walk of a tree never stats one: the stat goes to the filesystem
+    mounted there, and one of a user's FUSE mounts (on a directory of theirs in a dataset) may never answer."""
+    prefix = os.fsencode(os.path.realpath(os.fsdecode(root))).rstrip(b"/") + b"/"
+    return frozenset(point[len(prefix):] for point in (os.fsencode(mount) for _, mount, _ in _mounts(mountinfo))
+                     if point.startswith(prefix) and len(point) > len(prefix))
+
+
+class MountsBelow:
+    """``mounted_below(root)``, read again where the mount table changed (a poll of /proc/self/mountinfo, which
+    the kernel marks at every mount and unmount of the namespace): for a walk that lasts minutes."""
+
+    def __init__(self, root: bytes | str) -> None:
+        self.root = root
+        self._fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLPRI | select.POLLERR)
+        self.rels = self._read()
+
+    def _read(self) -> frozenset[bytes]:
+        os.lseek(self._fd, 0, os.SEEK_SET)
+        chunks = []
+        while chunk := os.read(self._fd, 1 << 16):
+            chunks.append(chunk)
+        return mounted_below(self.root, b"".join(chunks).decode("utf-8", "surrogateescape"))
+
+    def refresh(self) -> frozenset[bytes]:
+        """The mount points below the root now (one poll where nothing changed)."""
+        if self._poll.poll(0):
+            self.rels = self._read()
+        return self.rels
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _mounts(mountinfo: str | None) -> list[tuple[str, str, str]]:

@@ -24,6 +24,14 @@ def test_the_filesystem_under_a_source_decides_where_it_is_checked() -> None:
     assert {t for t in found.values() if t in LOCAL_FILESYSTEMS} == {"ext4"}
 
 
+def test_the_mount_points_below_a_root_are_named_relative_to_it() -> None:
+    """Strictly below the root (not the root itself, nor a sibling that shares its prefix: /data2 is not below
+    /data), escaped spaces read as spaces."""
+    assert paths.mounted_below("/data", MOUNTINFO) == frozenset({b"my set"})
+    assert paths.mounted_below("/", MOUNTINFO) == frozenset({b"data", b"data/my set", b"data2"})
+    assert paths.mounted_below("/data/my set", MOUNTINFO) == frozenset()
+
+
 def test_a_catalog_path_that_leaves_its_root_or_hides_a_nul_is_refused(tmp_path) -> None:
     import errno
     import os
