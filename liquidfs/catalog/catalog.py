@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..sysio.home import cache_home
-from ..sysio.paths import catalog_parts, mounted_below, open_dir, path_below
+from ..sysio.paths import mounted_below, open_dir, stat_below
 from . import listings
 from .nodes import CONTROL_ID, REPR_RAW, ROOT_ID, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
@@ -84,21 +84,6 @@ def _file_id(path: Path) -> tuple[int, int] | None:
 
 #: Ids a catalog's rows may leave unused past twice their count (a build leaves none).
 _ID_SLACK = 1024
-
-
-def _entry_stat(root: int, rel: bytes) -> os.stat_result:
-    """The stat the scan took of the entry ``rel`` below ``root``: its directory reached without a link, then the
-    entry's own stat from there, not followed (a directory another filesystem is mounted on stats as the scan saw
-    it, which a walk that refuses to cross filesystems could not reach)."""
-    catalog_parts(rel)
-    parent, _, name = rel.rpartition(b"/")
-    if not parent:
-        return os.stat(name, dir_fd=root, follow_symlinks=False)
-    parent_fd = path_below(root, parent)
-    try:
-        return os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-    finally:
-        os.close(parent_fd)
 
 
 class Catalog:
@@ -367,7 +352,7 @@ class Catalog:
                 if not isinstance(rel, bytes) or rel in mounted:
                     return CHANGED
                 try:
-                    st = os.fstat(root) if rel == b"" else _entry_stat(root, rel)
+                    st = os.fstat(root) if rel == b"" else stat_below(root, rel)
                 except OSError:  # catalog_parts refuses a path that leaves the root (EIO)
                     return CHANGED
                 if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns != mtime_ns:
