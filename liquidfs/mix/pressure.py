@@ -4,13 +4,14 @@ interval (``Stalls``: ``/proc/pressure/*`` or a cgroup v2 group's), and the shar
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..sysio.cgroups import parse_cpu_max
+from ..sysio.cgroups import cpu_count, least_cpu_max
 from ..sysio.paths import open_regular
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,11 @@ class CpuBusy:
         self.group_stat = where / "cpu.stat"
         self.proc_stat = proc_stat
         self.clock = clock
-        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        affinity = cpu_count()
         allowed = _group_allowance(where)
         # A group's usage over the cores' worth of time it may use: in a pod limited to 4 of 64 cores, over the
         # affinity's 64 it could never pass 0.06, and "decode binds" (``controller.BUSY_FLOOR``) never showed.
-        self.cores: float = min(affinity, allowed) if allowed is not None else affinity
+        self.cores: float = min(affinity, allowed) if allowed is not None and allowed > 0 else affinity
         self._last = self._sample()
 
     def _sample(self) -> tuple[float, float] | None:
@@ -58,19 +59,11 @@ class CpuBusy:
 
 def _group_allowance(group: Path, levels: int = 16) -> float | None:
     """The cores' worth of CPU time the cgroup v2 group ``group`` and the groups above it allow (the least of
-    their ``cpu.max``); None where none limits it (or ``group`` is no cgroup)."""
-    allowed: float | None = None
-    for level in [group, *group.parents][:levels]:
-        if _read_regular(level / "cgroup.controllers") is None:
-            break  # above the hierarchy's root (or no cgroup at all)
-        text = _read_regular(level / "cpu.max")
-        try:
-            limit = parse_cpu_max(text) if text is not None else None
-        except ValueError:
-            limit = None
-        if limit is not None and limit > 0:
-            allowed = limit if allowed is None else min(allowed, limit)
-    return allowed
+    their ``cpu.max``, read as the pressure files are: the directory may be its user's); None where none limits
+    it (or ``group`` is no cgroup)."""
+    groups = itertools.takewhile(lambda level: _read_regular(level / "cgroup.controllers") is not None,
+                                 [group, *group.parents][:levels])  # (up to the hierarchy's root)
+    return least_cpu_max((str(level) for level in groups), lambda path: _read_regular(Path(path)))
 
 
 def read_pressure(text: str) -> tuple[float, int]:

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import posixpath
+from collections.abc import Callable, Iterable
 from typing import Final
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,22 @@ def parse_cpu_max(text: str) -> float | None:
     return int(fields[0]) / period if period > 0 else None
 
 
+def least_cpu_max(groups: Iterable[str], read: Callable[[str], str | None] = read_text) -> float | None:
+    """The least cores' worth the ``cpu.max`` of ``groups`` (cgroup v2 directories) allow, each read by ``read``;
+    None where none limits (or none can be read)."""
+    least: float | None = None
+    for group in groups:
+        text = read(posixpath.join(group, "cpu.max"))
+        try:
+            allowed = parse_cpu_max(text) if text is not None else None
+        except ValueError:
+            log.debug("unreadable cpu.max in %s", group)
+            continue
+        if allowed is not None:
+            least = allowed if least is None else min(least, allowed)
+    return least
+
+
 def usable_cores(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int:
     """The cores this process can keep busy: its affinity, or fewer where a cgroup (v2) above it allows less CPU
     time (``cpu.max``, what a container's CPU limit sets; affinity alone shows the host's cores there)."""
@@ -73,13 +90,5 @@ def usable_cores(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int:
     v2, _ = parse_cgroup_paths(read_text(posixpath.join(proc, "self/cgroup")) or "")
     if v2 is None:
         return cores
-    for level in levels(cgroup_root, v2):
-        text = read_text(posixpath.join(level, "cpu.max"))
-        try:
-            allowed = parse_cpu_max(text) if text is not None else None
-        except ValueError:
-            log.debug("unreadable cpu.max in %s", level)
-            continue
-        if allowed is not None:
-            cores = min(cores, max(1, math.ceil(allowed)))
-    return cores
+    allowed = least_cpu_max(levels(cgroup_root, v2))
+    return cores if allowed is None else min(cores, max(1, math.ceil(allowed)))
