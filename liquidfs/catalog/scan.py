@@ -120,8 +120,9 @@ class Warmer:
 
 def _warm(root: int, device: int, rel: bytes) -> None:
     """``rel`` below the directory held at ``root`` listed and its entries lstat-ed: reached a component at a time,
-    never through a link nor onto another filesystem (a directory swapped for a link to /root, or into a FUSE mount
-    of its owner's, since the build listed its parent), as the build reaches it."""
+    never through a link (a directory swapped for a link to /root since the build listed its parent), and
+    nothing listed on another filesystem (the build names no mount point; one mounted since on a directory it
+    named is opened, then left: a helper stuck there is left by the build, ``STOP_WAIT``)."""
     fd = root
     try:
         for part in rel.split(b"/"):

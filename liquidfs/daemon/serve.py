@@ -146,9 +146,7 @@ async def _stop_on_signals(scope: trio.CancelScope) -> None:
         if _stops_noted:  # before the loop ran (terminate before pyfuse3's main: it returns at once)
             pyfuse3.terminate()
         async for signum in signals:
-            if not _stops_noted:
-                log.info("received %s: unmounting", signal.Signals(signum).name)
-            _stops_noted.append(signum)
+            _note_stop(signum, None)
             pyfuse3.terminate()
 
 
