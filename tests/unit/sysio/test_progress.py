@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import io
 import os
+import select
 import struct
 import termios
 from pathlib import Path
@@ -83,10 +84,29 @@ def test_a_terminal_gets_a_redrawn_bar() -> None:
             with Progress("expanding", "images", total=3, stream=terminal) as progress:
                 progress.update(1)
                 progress.update(2)
-        drawn = os.read(master, 65536).decode()
+        drawn = _read_all(master)
     finally:
         os.close(master)
     assert "\r" in drawn and "expanding" in drawn and "3/3" in drawn, drawn
+
+
+def _read_all(master: int) -> str:
+    """All the terminal was given: the kernel hands a pty's output to its master in pieces, pushed by a worker,
+    so one read right after the writes may see only the first redraw (it did, in CI). With the slave closed, a
+    read past the last piece is EIO; a bound on the wait keeps a lost piece a failure, not a hang."""
+    pieces: list[bytes] = []
+    for _ in range(100):
+        ready, _, _ = select.select([master], [], [], 0.1)
+        if not ready:
+            continue
+        try:
+            piece = os.read(master, 65536)
+        except OSError:  # EIO: the slave is closed and everything was read
+            break
+        if not piece:
+            break
+        pieces.append(piece)
+    return b"".join(pieces).decode()
 
 
 def test_prepare_on_a_log_says_where_it_stands_in_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
