@@ -235,14 +235,15 @@ class PassthroughPath:
                 # The source's identity is checked at every open that serves a raw object: the first open's
                 # check vouched for that open only, and a source replaced since must not get the old image.
                 changed = await self.calls.source_changed(node)
-        except BaseException:
+            if changed is None:
+                self._count_again(node, record, entry, job)
+        except BaseException:  # the count taken above goes with this open, or the backing outlives every reader
             self._release_entry(record, entry)
             raise
         if changed is not None:  # one backing per inode while it is open: no other can be given now
             self._release_entry(record, entry)
             raise OSError(errno.EIO, f"{changed}: reopen once its other opens are closed",
                           os.fsdecode(node.path))
-        self._count_again(node, record, entry, job)
         self.stats.passthrough_opens += 1
         return self._handle(node, record, fh, entry)
 

@@ -189,6 +189,33 @@ def test_an_open_that_joins_a_raw_backing_checks_the_source_again(tmp_path: Path
     assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
 
 
+def test_an_open_that_joins_and_fails_to_be_counted_leaves_no_backing_behind(
+        prepared, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy failing on a second open of an open file (a defect of ours, never the reader's): that open is an
+    EIO, and the backing goes with the first open's release, not kept for an open that was never answered."""
+    _, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    node = _images(ops)[0]
+    held = ops.data_path.held
+
+    async def main() -> None:
+        first = await ops.open(node.id, os.O_RDONLY, CTX)
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("a defect in the policy")
+
+        monkeypatch.setattr(held, "decide", broken)
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            await ops.open(node.id, os.O_RDONLY, CTX)
+        assert refused.value.errno == errno.EIO
+        monkeypatch.undo()
+        await ops.release(first.fh)
+
+    trio.run(main)
+    assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
+    assert not ops.open_files and ops.open_budget.taken == 0
+
+
 def test_verify_reads_serves_checked_memfds(prepared) -> None:
     src, store = prepared
     ops, kernel = _ops(store, verify=True)
