@@ -256,6 +256,13 @@ class Catalog:
                               "served_size IS NOT NULL", (REPR_RAW,)).fetchone()
         return int(row[0])
 
+    def served_sizes(self, after_id: int = 0, limit: int = 65536) -> list[tuple[int, int]]:
+        """One page of (id, bytes served) of the regular files in id order, after the id ``after_id``: a choice
+        among every file (``warm_up``) without a ``Node`` of each (6.6 s and 650 MB a million files)."""
+        rows: list[tuple[int, int]] = self.db.execute(
+            f"SELECT id, {_SERVED} FROM nodes WHERE kind=0 AND id>? ORDER BY id LIMIT ?", (after_id, limit)).fetchall()
+        return rows
+
     def files(self) -> Iterator[Node]:
         """Every regular file, in id order (streamed, not loaded at once)."""
         cursor = self.db.execute(f"SELECT {NODE_COLUMNS} FROM nodes WHERE kind=0 ORDER BY id")

@@ -179,7 +179,7 @@ async def warm_up(ops: Operations) -> None:
     started = time.monotonic()
     assert ops.data_path is not None
     try:
-        files, total = await warm_up_path(ops.data_path, list(ops.catalog.files()), progress)
+        files, total = await warm_up_path(ops.data_path, ops.catalog, progress)
     except Exception as exc:  # the warm-up is an optimisation: whatever stops it, the mount goes on answering
         log.warning("warm-up stopped: %s", exc)
         stats.warmup = "failed"

@@ -40,8 +40,9 @@ import os
 import random
 import statistics
 import time
+from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .budget import DatasetCost, ShareOfCost
@@ -458,18 +459,23 @@ class NextEpochCache:
 
     # -- warm-up ---------------------------------------------------------------------------------------
 
-    def warmup_choice(self, files: list[tuple[int, int]]) -> list[int]:
-        """A random set of (file, size) filling the budget by ``share`` of the bytes, held for epoch 1."""
-        rng = random.Random(self.seed)
-        order = files[:]
-        rng.shuffle(order)
+    def warmup_choice(self, files: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """A random set of ``files`` (``sizes[i]`` bytes each) filling the budget by ``share`` of the bytes, held
+        for epoch 1. Plain arithmetic on its arguments and constants of the policy: a worker thread may run it
+        (ten million files take seconds), the loop serving meanwhile."""
+        order = array("q", range(len(files)))  # positions, 8 bytes each, not a tuple per file
+        random.Random(self.seed).shuffle(order)
         chosen = []
         total = 0
-        for file, size in order:
+        least = self.charge(0)
+        for at in order:
+            size = sizes[at]
             cost = self.charge(size)
             if total + cost > self.budget or total + size / 2 > self.share * self.dataset_bytes:
+                if total + least > self.budget or total > self.share * self.dataset_bytes:
+                    break  # full: no file, however small, fits any more
                 continue
-            chosen.append(file)
+            chosen.append(files[at])
             total += cost
         return chosen
 

@@ -656,6 +656,23 @@ def test_a_user_holds_at_most_its_share_root_and_the_mounts_user_the_whole() -> 
         for _ in range(share):
             again.enter_context(calls.opening(1000))
 
+@pytest.mark.parametrize("page", [1, 2, 65536])
+def test_the_warm_up_reads_the_catalog_a_page_at_a_time_and_chooses_among_every_file(
+        ops: Operations, monkeypatch: pytest.MonkeyPatch, page: int) -> None:
+    """The ids and sizes read in pages (the loop answers between them): a page of one row, or two, gives the
+    choice every file, as one page does; what is chosen is held."""
+    from liquidfs.datapath import base
+
+    path = ops.data_path
+    assert path is not None and path.held is not None
+    monkeypatch.setattr(base, "WARM_UP_PAGE", page)
+    everything = [(n.id, n.size_served) for n in ops.catalog.files()]
+    assert len(everything) >= 2
+    files, total = run(base.warm_up, path, ops.catalog)
+    assert (files, total) == (len(everything), sum(size for _, size in everything))
+    assert set(path.held.held_items()) == {file for file, _ in everything}
+
+
 def test_a_file_the_warm_up_cannot_read_costs_only_that_file(ops: Operations, monkeypatch: pytest.MonkeyPatch) -> None:
     """--warmup runs in the mount's nursery after ready: a fault of one file (a row of the wrong type from a store
     someone else wrote, a failed read) skips that file; one that stops the whole warm-up leaves it "failed", and
@@ -673,7 +690,7 @@ def test_a_file_the_warm_up_cannot_read_costs_only_that_file(ops: Operations, mo
         return await warm(node)
 
     path.warm_one = broken_row  # type: ignore[method-assign]
-    files, total = run(warm_up, path, list(ops.catalog.files()))
+    files, total = run(warm_up, path, ops.catalog)
     assert files == 1 and total == len(b"hello\n")
 
     async def stopped(*args: object) -> tuple[int, int]:

@@ -183,7 +183,7 @@ def test_warmup_fills_the_budget_for_epoch_one() -> None:
     sizes = _dataset(1000, rng)
     total = sum(sizes.values())
     cache = NextEpochCache(int(0.3 * total), total, len(sizes), max_id=max(sizes))
-    for f in cache.warmup_choice(list(sizes.items())):
+    for f in cache.warmup_choice(list(sizes), list(sizes.values())):
         assert cache.hold(f, sizes[f])
     assert 0.27 * total <= cache.held_bytes <= 0.3 * total
     epochs = _run_epochs(cache, sizes, 2, rng)
