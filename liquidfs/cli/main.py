@@ -44,9 +44,13 @@ def _setup_logging(level: str, log_file: str | None) -> None:
         logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLevelName(level.upper())))
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default=os.environ.get("LIQUIDFS_LOG_LEVEL", "warning"),
-                   choices=["debug", "info", "warning", "error"], help="logging verbosity (default: warning)")
+    # argparse checks a flag's value against its choices, never a default: the environment's is checked in _run.
+    p.add_argument("--log-level", default=os.environ.get("LIQUIDFS_LOG_LEVEL", "warning"), choices=LOG_LEVELS,
+                   help="logging verbosity (default: warning, or $LIQUIDFS_LOG_LEVEL)")
     p.add_argument("--log-file", help="log to this file instead of stderr")
 
 
@@ -88,6 +92,12 @@ def _run(argv: Sequence[str] | None) -> int:
     # of a 0600 image, or the names of a 0700 directory, must not become readable by every local user.
     os.umask(0o077)
     args = build_parser().parse_args(argv)
+    if args.log_level not in LOG_LEVELS:  # a typo in a sidecar's environment: said, never every command broken
+        from ..sysio.safefiles import escape_controls
+
+        print(f"liquidfs {args.command}: LIQUIDFS_LOG_LEVEL={escape_controls(args.log_level)[:40]} is none of "
+              f"{', '.join(LOG_LEVELS)}: warning used", file=sys.stderr)
+        args.log_level = "warning"
     try:
         _setup_logging(args.log_level, args.log_file)
     except OSError as exc:  # a --log-file that is a link, or cannot be written

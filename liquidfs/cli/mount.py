@@ -165,7 +165,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                        "refused with the list of processes holding it, unless --lazy.")
     u.add_argument("mountpoint")
     u.add_argument("--lazy", "-z", action="store_true", help="detach now, finish when the last user lets go")
-    u.add_argument("--timeout", type=float, default=UNMOUNT_TIMEOUT,
+    u.add_argument("--timeout", type=argument(options.positive_float), default=UNMOUNT_TIMEOUT,
                    help=f"seconds to wait for the daemon (default {UNMOUNT_TIMEOUT:g})")
     add_common(u)
     u.set_defaults(func=cmd_umount)
@@ -175,7 +175,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                        "hidden control file).")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print JSON")
-    s.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
+    s.add_argument("--watch", type=argument(options.positive_float), nargs="?", const=2.0, metavar="SECONDS",
                    help="repeat every SECONDS (default 2) until Ctrl-C")
     s.add_argument("--probe", action="store_true",
                    help="print nothing; exit 0 only if the mount answers (for readiness probes)")
@@ -272,21 +272,35 @@ def cmd_stats(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"liquidfs stats: cannot read {mountpoint}: {exc.strerror}", file=sys.stderr)
             return 1
+        except ValueError as exc:  # a file of that name that holds no statistics of ours
+            print(f"liquidfs stats: {mountpoint}: not a liquidfs mount's statistics ({exc})", file=sys.stderr)
+            return 1
         if args.json:
             print(json.dumps(values, indent=1, sort_keys=True))
         else:
-            jobs = values.pop("jobs", None)
-            width = max(len(k) for k in values)
-            for key in sorted(values):
-                print(f"{key:<{width}}  {values[key]}")
-            if isinstance(jobs, dict):
-                for job, entry in sorted(jobs.items(), key=lambda item: int(item[0])):
-                    print(_job_line(job, entry))
+            print(_table(values))
         if not args.watch:
             return 0
         sys.stdout.flush()
         time.sleep(args.watch)
         print()
+
+
+def _table(values: dict[str, Any]) -> str:
+    """A mount's statistics in lines, escaped: any user can mount something that answers as a liquidfs mount,
+    and a root's terminal must not take its escape sequences."""
+    from ..sysio.safefiles import escape_controls
+
+    jobs = values.pop("jobs", None)
+    width = max((len(k) for k in values), default=0)
+    lines = [f"{key:<{width}}  {values[key]}" for key in sorted(values)]
+    if isinstance(jobs, dict):
+        for job, entry in sorted(jobs.items(), key=lambda item: str(item[0]).zfill(20)):
+            try:
+                lines.append(_job_line(job, entry))
+            except (AttributeError, TypeError, ValueError):  # not the entry a mount writes: shown as it is
+                lines.append(f"job {job}: {entry}")
+    return "\n".join(escape_controls(line) for line in lines)
 
 
 def _job_line(job: str, entry: dict[str, Any]) -> str:

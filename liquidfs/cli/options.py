@@ -83,7 +83,10 @@ def share_or_size(text: str, *, sizes: bool = True, percent: bool = True, fracti
                 raise OutOfRange(f"{text}: a share is within [0, 1]") from None
     match = _SIZE.match(text) if sizes else None
     if match:
-        return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+        amount = float(match.group(1)) * _UNITS[match.group(2).upper()]
+        if not math.isfinite(amount):  # digits past a float's range: inf, which no int is
+            raise ValueError(f"{text[:40]!r}: more bytes than any machine holds")
+        return int(amount)
     forms = [form for form, takes in (("a percentage (30%)", percent), ("a share in [0, 1]", fraction),
                                       ("bytes (512M, 24G)", sizes)) if takes]
     raise ValueError(f"{text!r}: use {' or '.join(forms)}")

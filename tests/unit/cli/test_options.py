@@ -62,6 +62,11 @@ def test_mix_and_ratio_are_shares_too() -> None:
     (["mount", "/d", "/m", "--mix", "1.5"], "--mix"),
     (["mount", "/d", "/m", "--page-cache", "some"], "--page-cache"),
     (["mount", "/d", "/m", "--data-path", "kernel"], "--data-path"),
+    (["verify", "--store", "/s", "--sample", "0"], "--sample"),  # checked nothing, and said all was sound
+    (["verify", "--store", "/s", "--sample", "-1"], "--sample"),
+    (["prepare", "/d", "--store", "/s", "--ratio", "1", "--jobs", "0"], "--jobs"),
+    (["umount", "/m", "--timeout", "-1"], "--timeout"),
+    (["stats", "/m", "--watch", "nan"], "--watch"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_a_value_argparse_refuses_names_its_flag(argv: list[str], flag: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -89,6 +94,7 @@ def _mount_args(*flags: str) -> argparse.Namespace:
     (["--io-timeout", "nan"], "--io-timeout must be a positive number of seconds"),
     (["--mix-interval", "-1"], "--mix-interval must be a positive number of seconds"),
     (["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
+    (["--cache-size", "1" + "0" * 400], "more bytes than any machine holds"),  # inf, not an OverflowError
     (["--cluster-key-file", "/nonexistent"], "--cluster-key-file goes with --cluster"),
     (["--cluster", "memcached://h:1", "--cluster-key-file", "/nonexistent/key"], "--cluster-key-file"),
 ])
@@ -113,3 +119,36 @@ def test_the_mount_parser_defaults_are_the_configs(monkeypatch: pytest.MonkeyPat
     given = {"source": "/data", "mountpoint": Path("/mnt"), "store": "/srv/store"}
     assert config == MountConfig(**{**defaults, **given})
     assert os.environ.get("LIQUIDFS_CACHE_SIZE") is None
+
+
+def test_an_unknown_log_level_in_the_environment_is_said_and_warning_used(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A typo in a sidecar's LIQUIDFS_LOG_LEVEL broke every command with a traceback, its probe included."""
+    monkeypatch.setenv("LIQUIDFS_LOG_LEVEL", "verbose")
+    assert cli.main(["stats", str(tmp_path), "--probe"]) == 1  # no mount there: the probe's answer, no traceback
+    assert "LIQUIDFS_LOG_LEVEL=verbose is none of debug, info, warning, error: warning used" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("held, said", [
+    (b"{}", ""),
+    (b"[1]", "not a liquidfs mount's statistics"),
+    (b"not json", "not a liquidfs mount's statistics"),
+])
+def test_stats_of_a_file_that_holds_no_statistics_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], held: bytes, said: str) -> None:
+    """Any user can mount something of type fuse.liquidfs: whatever its control file holds is a line, never a
+    traceback."""
+    (tmp_path / ".__liquidfs__").write_bytes(held)
+    status = cli.main(["stats", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert status == (1 if said else 0) and said in err and "Traceback" not in err, err
+
+
+def test_stats_prints_what_a_mount_wrote_escaped_and_jobs_it_cannot_read_as_they_are(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / ".__liquidfs__").write_text(
+        '{"title": "\\u001b]0;owned\\u0007", "jobs": {"x": 1, "2": {"epoch": 1, "window_hit_ratio_mean": "a"}}}')
+    assert cli.main(["stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\x1b]0;owned\\x07" in out, out
+    assert "job x: 1" in out and "job 2: {" in out, out
