@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from ..catalog.identity import is_digest
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
-from ..stores.reader import Content, InFront, Reader, check_raw, oversized, source_changed_now, source_checked
+from ..stores.reader import Content, InFront, Reader, check_raw, unfit_raw_row, source_changed_now, source_checked
 from ..sysio.access import POSIX_ACLS_ONLY, everyone_may_read, everyone_may_search_above
 from ..sysio.paths import filesystem_type_of
 from .cluster_peers import Client
@@ -70,7 +70,7 @@ def in_share(node: Node, share: float) -> bool:
     """Whether ``node``'s raw object is the cluster's: its checksum, prepare's, hashed below ``share`` (the same
     answer on every node of the job, from its catalog alone). Only an object with a BLAKE2b digest: one of a
     catalog from before them (xxh3) would be stored by every node and refused by every fetch (``check_raw``)."""
-    if not (node.served_raw and is_digest(node.checksum) and node.size_served) or oversized(node) is not None:
+    if not (node.served_raw and is_digest(node.checksum) and node.size_served) or unfit_raw_row(node) is not None:
         return False
     try:
         point = int(node.checksum[:8], 16) / 0x1_0000_0000
@@ -238,7 +238,12 @@ class ClusterLevel(InFront):
             self._count("unanswered")
             value = None
         if value is not None:
-            value = self._opened(node, key, value)
+            try:
+                value = self._opened(node, key, value)
+            except Exception as exc:  # a value this node cannot even open: rejected, the read goes to storage
+                self._count("rejected", f"cluster: a memcached value for {key} could not be opened ({exc!r}); read "
+                            "from storage instead (further ones are counted as cluster_rejected)")
+                value = None
         if value is None:
             self._count("misses")
             return None

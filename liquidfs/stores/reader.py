@@ -183,10 +183,14 @@ def same_file(node: Node, st: os.stat_result) -> bool:
     return node.etag is not None and same_version(st, node.size, node.mtime_ns, node.etag)
 
 
-def oversized(node: Node) -> str | None:
-    """Why ``node``'s raw object is not to be read whole: a size larger than any ``prepare`` writes (a catalog
-    row's claim, which a store writer chooses; a sparse object of that size costs them nothing); else None."""
-    if node.served_size is not None and node.served_size > MAX_OBJECT_BYTES:
+def unfit_raw_row(node: Node) -> str | None:
+    """Why ``node``'s row names no raw object to read whole: no object or no size (a damaged or foreign row: an
+    object store's GET without a size is one of any length), or a size larger than any ``prepare`` writes (a
+    catalog row's claim, which a store writer chooses; a sparse object of that size costs them nothing); else
+    None. Its original is served instead."""
+    if node.object is None or not isinstance(node.served_size, int):
+        return "no raw object recorded in the catalog's row"
+    if node.served_size > MAX_OBJECT_BYTES:
         return f"raw object of {node.served_size} bytes, more than any prepare writes ({MAX_OBJECT_BYTES})"
     return None
 

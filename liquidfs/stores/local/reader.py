@@ -32,7 +32,7 @@ from ..reader import (
     Content,
     FallbackLog,
     check_raw,
-    oversized,
+    unfit_raw_row,
     read_settled,
     same_file,
 )
@@ -93,7 +93,8 @@ class StoreReader:
 
     def _object_below(self, node: Node) -> bytes:
         """The path of ``node``'s raw object below the objects directory: a name prepare gives, this file's own."""
-        assert node.object is not None
+        if node.object is None:  # a raw row without its object's name: ``unfit_raw_row`` refuses it before
+            raise OSError(errno.EIO, "no raw object recorded in the catalog's row", os.fsdecode(node.path))
         name = OBJECT_NAME.fullmatch(node.object)
         if name is None:
             raise OSError(errno.EIO, "not an object name prepare gives: refused", node.object)
@@ -191,6 +192,9 @@ class StoreReader:
 
     def _raw_choice(self, node: Node, cached_only: bool) -> Choice | str:
         """The raw object of ``node`` (its source checked), or why it cannot be served."""
+        unfit = unfit_raw_row(node)
+        if unfit is not None:
+            return unfit
         try:
             obj, ost = self.open_object_stat(node, cached_only=cached_only)
         except BlockingIOError:
@@ -280,9 +284,9 @@ class StoreReader:
         object a store writer grew (a sparse file of 100 GB) never fills the daemon's memory."""
         if st.st_size != node.served_size:
             return f"raw object has {st.st_size} bytes, expected {node.served_size}", None
-        too_large = oversized(node)
-        if too_large is not None:
-            return too_large, None
+        unfit = unfit_raw_row(node)
+        if unfit is not None:
+            return unfit, None
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:

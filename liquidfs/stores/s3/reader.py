@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from ...catalog.nodes import Node
-from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, asked_already, check_raw, oversized
+from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, asked_already, check_raw, unfit_raw_row
 from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,10 @@ class S3Reader:
         return None
 
     def _open_raw(self, node: Node) -> tuple[str | None, bytes | None]:
-        assert node.object is not None
-        too_large = oversized(node)
-        if too_large is not None:
-            return too_large, None
+        unfit = unfit_raw_row(node)
+        if unfit is not None:
+            return unfit, None
+        assert node.object is not None  # a row without one is unfit
         try:
             # Its size as recorded: a longer body is refused before more than that is read (whoever writes the
             # store chooses how long it is); check_raw then checks the bytes.

@@ -333,6 +333,25 @@ def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store:
     assert st["cluster_rejected"] == len(wrongs) and st["cluster_hits"] == 0
 
 
+def test_a_value_this_node_cannot_open_is_a_miss_never_a_failed_open(store: tuple[Path, Path],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsealing that raises (a ``cryptography`` without ``decrypt_into``, on a node of a job whose others have
+    it): the open reads storage, as for any value the cluster gets wrong; it failed with EIO."""
+    _, path = store
+    level, client, raw = _level(path, key=_key())
+    node = raw[0]
+    level.open(node)  # stored
+    assert client.sets == 1
+
+    def cannot(*args: object) -> None:
+        raise AttributeError("'AESGCM' object has no attribute 'decrypt_into'")
+
+    monkeypatch.setattr(level.sealer, "open", cannot)
+    content = level.open(node)
+    assert content.level == "storage" and bytes(content.data or b"") == (path / str(node.object)).read_bytes()
+    assert level.statistics().values()["cluster_rejected"] == 1
+
+
 def test_a_catalog_writer_cannot_have_another_files_sealed_value_served_as_theirs(store: tuple[Path, Path]) -> None:
     """A file they may read given, in a catalog they write, another's checksum and size (one they may not read,
     whose sealed value a mount of the job stored): the value is bound to its own file, and does not open."""

@@ -368,6 +368,27 @@ def test_a_catalog_row_with_an_xxh3_digest_vouches_for_no_object(s3: FakeS3, cap
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize("column", ["object", "served_size"])
+def test_a_raw_row_without_its_object_or_its_size_gets_no_get_and_serves_the_original(s3: FakeS3, column: str) -> None:
+    """A GET without a size reads a body of any length: a row that names no size (whoever writes the store's
+    catalog chooses) must not have a 20 GB object downloaded into the daemon's memory."""
+    data = b"the original image " * 64
+    raw = bytes(range(256)) * 8
+    reader, node = _reader(s3, data, raw=raw)
+    asked: list[str] = []
+    real = s3.get_object
+
+    def recorded(**kwargs: Any) -> Answer:
+        asked.append(kwargs["Key"])
+        return real(**kwargs)
+
+    s3.get_object = recorded  # type: ignore[method-assign]
+    content = reader.open(dataclasses.replace(node, **{column: None}))
+    assert not content.raw and bytes(content.data or b"") == data
+    assert content.fallback is not None and "no raw object recorded" in content.fallback
+    assert STORE.key("objects/ab/x.bmp") not in asked
+
+
 @pytest.mark.parametrize("digest", ["xxh3", "none", "garbage"])
 def test_prepare_reuses_no_object_whose_metadata_has_no_blake2b_digest(
         s3: FakeS3, monkeypatch: pytest.MonkeyPatch, digest: str) -> None:

@@ -117,3 +117,14 @@ def test_a_raw_object_larger_than_any_prepare_writes_is_never_read(tmp_path: Pat
     assert not raw and "more than any prepare writes" in str(fallback)
     assert data == (src / os.fsdecode(node.path)).read_bytes()
     assert asked and max(asked) < WHOLE_FILE_LIMIT
+
+
+@pytest.mark.parametrize("column", ["object", "served_size"])
+def test_a_raw_row_without_its_object_or_its_size_serves_the_original(tmp_path: Path, column: str) -> None:
+    """A damaged or foreign row: an assertion made it an EIO (and a traceback in the log); the original is served."""
+    src, store, node = _prepared(tmp_path, 7)
+    with sqlite3.connect(store / CATALOG_NAME) as db:
+        db.execute(f"UPDATE nodes SET {column} = NULL WHERE id = ?", (node.id,))
+    raw, fallback, data = _opened(store, node.id)
+    assert not raw and "no raw object recorded" in str(fallback)
+    assert data == (src / os.fsdecode(node.path)).read_bytes()
