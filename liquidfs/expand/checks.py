@@ -69,6 +69,12 @@ def checked_samples(im: ImageFile.ImageFile, mode: str, size: tuple[int, int]) -
         raise Refuse("exif-orientation", f"Pillow sees orientation {orientation}")
     if im.info.get("transparency") is not None:
         raise Refuse("transparency")
+    # What the walk of each format refuses, as Pillow sees it too: a walk steered past a segment (junk bytes a
+    # lenient reader skips) must not be the only check of what decoders act on.
+    if im.info.get("icc_profile"):
+        raise Refuse("icc-profile", "Pillow sees one")
+    if "mp" in im.info or getattr(im, "n_frames", 1) != 1:
+        raise Refuse("multi-picture", "Pillow sees more than one picture")
     # Pillow's packed samples: what np.asarray(im) would wrap, without the
     # extra copies (a 6 MB buffer costs ms here), and a cheap memcmp later.
     raw = im.tobytes()

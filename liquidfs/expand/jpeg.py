@@ -38,6 +38,8 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
             raise Refuse("truncated", "no SOS")
         marker = data[pos]
         pos += 1
+        if marker == 0x00:  # FF 00: no marker, junk that libjpeg and Pillow skip (a length read here steered past ICC)
+            continue
         if marker in _STANDALONE_MARKERS:
             continue
         if marker == 0xD9:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -38,6 +40,12 @@ _EXIF_TEXT_KEYS: Final = (b"Raw profile type exif", b"Raw profile type APP1")
 _TEXT_CHUNKS: Final = frozenset({b"tEXt", b"zTXt", b"iTXt"})
 # Chunks whose content the policy reads; of all others only presence counts.
 _POLICY_CHUNKS: Final = frozenset({b"IHDR", b"gAMA", b"cHRM", b"eXIf"})
+#: libpng's default limit on a width or a height (PNG_USER_WIDTH_MAX, PNG_USER_HEIGHT_MAX): past it OpenCV and
+#: DALI refuse the PNG ("exceeds user limit in IHDR"), which a raw file must not turn into pixels.
+PNG_USER_LIMIT: Final = 1_000_000
+#: The most chunks a PNG is walked for: a file of 12-byte chunks held ~17 times its size in the walk's lists
+#: (a 1 GB one would take 17 GB). A million is 60 times the IDATs of a 100 Mpx image in libpng's 8 KB chunks.
+MAX_CHUNKS: Final = 1 << 20
 
 
 def png_header_size(data: bytes) -> tuple[int, int]:
@@ -61,12 +69,14 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         raise Refuse("corrupt", "bad IHDR")
     if depth not in _PNG_VALID_DEPTHS.get(ctype, ()):
         raise Refuse("corrupt", f"bad colour type/depth {ctype}/{depth}")
+    if w > PNG_USER_LIMIT or h > PNG_USER_LIMIT:
+        raise Refuse("too-large", f"{w}x{h}: past libpng's limit of {PNG_USER_LIMIT} a side")
     view = memoryview(data)
     chunks: dict[bytes, list[bytes]] = {}
-    idat: list[memoryview] = []
+    idat = _ImageData(view, array("q"), 0)  # the IDATs' spans: 16 bytes each, not a memoryview's 180
     last, seen_plte = b"", False
     pos, n = 8, len(data)
-    while True:
+    for _ in range(MAX_CHUNKS):
         if pos + 12 > n:
             raise Refuse("truncated", "chunk header past end of file")
         length, name = struct.unpack_from(">I4s", data, pos)
@@ -77,7 +87,9 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
             raise Refuse("corrupt", f"CRC mismatch in {name!r}")
         bodies = chunks.setdefault(name, [])
         if name in _TEXT_CHUNKS:
-            bodies.append(bytes(view[pos + 8 : min(end - 4, pos + 8 + 80)]))  # keyword only
+            keyword = bytes(view[pos + 8 : min(end - 4, pos + 8 + 80)]).split(b"\0", 1)[0]
+            if keyword in _EXIF_TEXT_KEYS:  # the only keywords the policy looks for: no list of every one
+                bodies.append(keyword)
         elif name in _POLICY_CHUNKS:
             bodies.append(bytes(view[pos + 8 : end - 4]))
         if name == b"IEND":
@@ -86,29 +98,41 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
             # An unknown critical chunk is a hard error for libpng.
             raise Refuse("corrupt", f"unknown critical chunk {name!r}")
         if name == b"IDAT":
-            if idat and last != b"IDAT":  # libpng reads one run of IDATs
+            if idat.spans and last != b"IDAT":  # libpng reads one run of IDATs
                 raise Refuse("corrupt", "IDAT chunks not consecutive")
-            idat.append(view[pos + 8 : end - 4])
-        elif name == b"PLTE" and (seen_plte or idat):  # libpng: "duplicate" (an error), "out of place" (a warning)
-            raise Refuse("corrupt", "PLTE repeated or after IDAT")
+            idat.spans.extend((pos + 8, end - 4))
+        elif name == b"PLTE":
+            if seen_plte or idat.spans:  # libpng: "duplicate" (an error), "out of place" (a warning)
+                raise Refuse("corrupt", "PLTE repeated or after IDAT")
+            if length % 3 or not 3 <= length <= 3 * 256:  # libpng: "PLTE: invalid", an error for a palette image
+                raise Refuse("corrupt", f"PLTE of {length} bytes")
         seen_plte = seen_plte or name == b"PLTE"
         last = name
         pos = end
+    else:
+        raise Refuse("too-large", f"more than {MAX_CHUNKS} chunks")
     if b"IDAT" not in chunks or len(chunks[b"IHDR"]) != 1:
         raise Refuse("corrupt", "no IDAT or repeated IHDR")
     # libpng: PLTE is required for palette images and forbidden for gray ones.
     has_plte = b"PLTE" in chunks
     if (ctype == 3 and not has_plte) or (ctype in (0, 4) and has_plte):
         raise Refuse("corrupt", "PLTE missing or not allowed")
-    return w, h, depth, ctype, chunks, _ImageData(idat, _image_data_size(w, h, depth, ctype, interlace))
+    return w, h, depth, ctype, chunks, _ImageData(view, idat.spans, _image_data_size(w, h, depth, ctype, interlace))
 
 
 @dataclass(frozen=True)
 class _ImageData:
-    """A PNG's IDAT bodies, in order, and the bytes they must inflate to."""
+    """A PNG's IDAT bodies, in order (``spans``: start, end of each in ``data``), and the bytes they must inflate
+    to."""
 
-    parts: list[memoryview]
+    data: memoryview
+    spans: array[int]
     size: int
+
+    def parts(self) -> Iterator[memoryview]:
+        spans = iter(self.spans)
+        for start, end in zip(spans, spans):
+            yield self.data[start:end]
 
 
 #: Samples per pixel of each colour type.
@@ -141,7 +165,7 @@ def _check_image_data(image_data: _ImageData) -> None:
     inflate = zlib.decompressobj()
     total = after = 0
     try:
-        for part in image_data.parts:
+        for part in image_data.parts():
             for start in range(0, len(part), _INFLATE_STEP):
                 if inflate.eof:
                     after += len(part) - start
@@ -194,12 +218,9 @@ def _check_png_policy(depth: int, ctype: int, chunks: dict[bytes, list[bytes]]) 
         # Some writers wrongly keep the JPEG "Exif\0\0" prefix; lenient
         # readers skip it, so look past it too.
         check_exif(e[6:] if e.startswith(b"Exif\0\0") else e)
-    for name in _TEXT_CHUNKS:
-        for t in chunks.get(name, []):
-            key = t.split(b"\0", 1)[0]
-            if key in _EXIF_TEXT_KEYS:
-                # ImageMagick-style EXIF; Pillow's getexif() reads it.
-                raise Refuse("exif-orientation", "EXIF in a text chunk")
+    if any(chunks.get(name) for name in _TEXT_CHUNKS):  # the walk keeps only the keywords of EXIF in text
+        # ImageMagick-style EXIF; Pillow's getexif() reads it.
+        raise Refuse("exif-orientation", "EXIF in a text chunk")
     return _PNG_MODES[(ctype, depth)]
 
 

@@ -359,6 +359,42 @@ def _png_plte(where: str) -> bytes:
     return _rebuilt([*chunks[:-1], (b"PLTE", bytes(range(6))), chunks[-1]])
 
 
+def _png_plte_of(extra: int) -> bytes:
+    """A palette PNG whose PLTE holds ``extra`` bytes more than its six colours: not whole entries (libpng's
+    "PLTE: invalid", fatal for a palette image, which Pillow trims), or past 256 entries."""
+    chunks = _chunks_of(png(_IDX, 3, plte=_PAL6))
+    return _rebuilt([(name, body + bytes(extra) if name == b"PLTE" else body) for name, body in chunks])
+
+
+def _png_past_libpngs_limit() -> bytes:
+    """1,000,001 pixels in a row: one pixel past libpng's user limit (OpenCV and DALI refuse it), within
+    max_pixels."""
+    return png(np.zeros((1, 1_000_001), np.uint8), 0)
+
+
+def _png_of_many_chunks(count: int) -> bytes:
+    """An image whose data is cut into ``count`` IDATs and ``count`` text chunks: each a few bytes."""
+    chunks = _chunks_of(save(Image.fromarray(_RGB)))
+    data = b"".join(body for name, body in chunks if name == b"IDAT")
+    pieces = [data[i * len(data) // count:(i + 1) * len(data) // count] for i in range(count)]
+    head = [c for c in chunks if c[0] not in (b"IDAT", b"IEND")]
+    text = [(b"tEXt", b"Comment\0x")] * count
+    return _rebuilt([*head, *text, *[(b"IDAT", piece) for piece in pieces], (b"IEND", b"")])
+
+
+def _jpeg_icc_behind_junk() -> bytes:
+    """FF 00 (junk libjpeg and Pillow skip) after SOI, then the ICC profile, then a comment sized so that a walk
+    reading FF 00 as a marker with a length lands on the next real marker, past the ICC profile unseen."""
+    plain = save(Image.fromarray(_RGB), "JPEG")
+    icc = _icc_srgb()[:4000]
+    app2 = b"\xff\xe2" + struct.pack(">H", 2 + 12 + 2 + len(icc)) + b"ICC_PROFILE\0\x01\x01" + icc
+    start = 4  # the bogus length is read at 4 (the APP2 marker's own bytes, FF E2), and leads to 4 + 0xFFE2
+    comment_at = start + len(app2)
+    comment_length = start + 0xFFE2 - comment_at - 2
+    comment = b"\xff\xfe" + struct.pack(">H", comment_length) + bytes(comment_length - 2)
+    return plain[:2] + b"\xff\x00" + app2 + comment + plain[2:]
+
+
 def _jpeg_many_scans() -> bytes:
     """A progressive JPEG whose last scan is repeated 150 times: a few KB whose decode costs pixels times scans."""
     real = save(Image.fromarray(_RGB), "JPEG", progressive=True)
@@ -414,9 +450,13 @@ REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "png-idat-split": (lambda: _png_image_data(lambda stream: stream, split=True), "corrupt", "png"),
     "png-plte-twice": (lambda: _png_plte("twice"), "corrupt", "png"),
     "png-plte-after-idat": (lambda: _png_plte("after"), "corrupt", "png"),
+    "png-plte-not-whole-entries": (lambda: _png_plte_of(1), "corrupt", "png"),
+    "png-plte-past-256-entries": (lambda: _png_plte_of(3 * 251), "corrupt", "png"),
+    "png-past-libpngs-width-limit": (_png_past_libpngs_limit, "too-large", "png"),
     "jpeg-exif-orientation-6": (lambda: save(Image.fromarray(_RGB), "JPEG", exif=_exif(6)), "exif-orientation", "jpeg"),
     "jpeg-xmp-orientation-3": (_jpeg_with_xmp_orientation, "exif-orientation", "jpeg"),
     "jpeg-icc": (lambda: save(Image.fromarray(_RGB), "JPEG", icc_profile=_icc_srgb()), "icc-profile", "jpeg"),
+    "jpeg-icc-behind-junk": (_jpeg_icc_behind_junk, "icc-profile", "jpeg"),
     "jpeg-real-rocket-icc": (lambda: skimage_file("rocket.jpg"), "icc-profile", "jpeg"),
     "jpeg-cmyk": (lambda: save(Image.frombytes("CMYK", (31, 21), _RGBA.tobytes()), "JPEG"), "unsupported-mode:CMYK", "jpeg"),
     "jpeg-mpo": (_mpo, "multi-picture", "jpeg"),
@@ -843,3 +883,14 @@ def test_image_data_in_any_split_of_idat_chunks_is_expanded(split: str) -> None:
     e = expand(data)
     assert e.data is not None, e.reason
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(e.data))), pixels)
+
+
+def test_a_png_of_many_small_chunks_is_walked_within_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """IDATs of a few bytes each, between text chunks: expanded as any other (each IDAT's span is kept, not a
+    view of it), and past ``MAX_CHUNKS`` refused rather than walked into memory many times the file's size."""
+    data = _png_of_many_chunks(60)
+    e = expand(data)
+    assert e.reason is None and e.data is not None
+    assert same_pixels(data, e.data)
+    monkeypatch.setattr(png_format, "MAX_CHUNKS", 100)
+    assert expand(data).reason == "too-large"
