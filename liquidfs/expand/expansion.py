@@ -8,6 +8,7 @@ suffix of what they hold; nothing here knows the catalog's tables or which kind 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from .rawformats import DEFAULT, DEFAULT_FORMATS, MAX_OBJECT_BYTES, RAW_FORMATS
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif")
 _IMAGE_SUFFIXES_B = tuple(s.encode() for s in IMAGE_SUFFIXES)
 OBJECTS = "objects"
+
+log = logging.getLogger(__name__)
 
 
 def is_image(name: bytes) -> bool:
@@ -111,8 +114,8 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
             result = formats.expand(source, to=raw_format)
             if result.data is not None or not RAW_FORMATS[raw_format].owns(result.reason):
                 break  # accepted, or refused for a reason no other raw format would change
-    except MemoryError:
-        return Outcome(rel, size, mtime_ns, None, None, None, None, "too-large", src_etag=etag), None, None
+    except MemoryError:  # this run's memory, not the image's size (refused above): tried again by the next run
+        return Outcome(rel, size, mtime_ns, None, None, None, None, "no-memory", src_etag=etag), None, None
     if result.data is None:
         return Outcome(rel, size, mtime_ns, result.source_format, None, None, None, result.reason,
                        src_etag=etag), None, result.source_format
@@ -121,7 +124,22 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
 
 def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
                want_version: str | None, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> Outcome:
-    """Runs in a worker process: expand one image into the store, or say why not. Never raises.
+    """Runs in a worker process: expand one image into the store, or say why not. Never raises: a fault of ours
+    on one image (``worker-error``, tried again by the next run) must not end a prepare of millions."""
+    try:
+        return _expand_one(root, rel, store, obj, want_size, want_mtime, want_version, raw_formats)
+    except MemoryError:
+        return Outcome(rel, want_size, want_mtime, None, None, None, None, "no-memory", src_etag=want_version)
+    except Exception as exc:
+        # The reason names the fault in prepare's report; its traceback is for --log-level debug.
+        log.debug("expanding %s: %r", os.fsdecode(rel), exc, exc_info=True)
+        return Outcome(rel, want_size, want_mtime, None, None, None, None, f"worker-error:{type(exc).__name__}",
+                       src_etag=want_version)
+
+
+def _expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
+                want_version: str | None, raw_formats: tuple[str, ...]) -> Outcome:
+    """``expand_one``'s work.
 
     The source is opened below its root without following any link (as the mount opens it) and must be the
     file the catalog recorded, before and after it is read: root reads it, and another user may be able to

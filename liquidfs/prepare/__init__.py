@@ -160,6 +160,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
         else:
             refused += 1
             report.skipped[_reason_key(outcome.reason)] += 1
+            bar.set_total(wanted())  # a share of the images that can be expanded: one fewer to reach
 
     pool = new_pool(jobs)
     with Progress("expanding", "images", total=round(ratio * len(nodes)), shown=progress) as bar:
@@ -175,6 +176,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                         if prior.object is None and prior.reason is not None:  # refused before, for a lasting reason
                             refused += 1
                             report.skipped[_reason_key(prior.reason)] += 1
+                            bar.set_total(wanted())
                             continue
                         # Reused as is only in the format tried first: one of a later format is made again, as
                         # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
@@ -303,7 +305,7 @@ def _expanded_alone(new_pool: Callable[[int], cf.ProcessPoolExecutor], node: Nod
 def _transient(reason: str | None) -> bool:
     """A refusal not worth remembering: the next run tries the image again (no-memory: maybe with more)."""
     return reason is not None and (reason in ("changed-during-prepare", "no-memory")
-                                   or reason.startswith("unreadable") or own_refusal(reason))  # another may hold it
+                                   or reason.startswith(("unreadable", "worker-error")) or own_refusal(reason))  # another may hold it
 
 
 def _reason_key(reason: str | None) -> str:

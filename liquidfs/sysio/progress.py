@@ -49,6 +49,14 @@ class Progress:
             self._say(now)
             self._next_line = now + LINE_EVERY
 
+    def set_total(self, total: int) -> None:
+        """The work turned out to be ``total`` (a refused image lowers how many prepare expands): shown with the
+        next draw, and the bar of the work done is not left short of its end."""
+        self.total = total
+        if self._bar is not None:
+            self._bar.total = total
+        self.update(0)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -198,6 +199,35 @@ def test_an_image_over_the_budget_is_refused_before_it_is_decoded(monkeypatch: p
     monkeypatch.setattr(formats, "expand", lambda data, **kw: formats.Expansion(None, "png", "reached-expand"))
     refusal, raw, _ = expand_bytes(b"bomb.png", len(bomb), 0, bomb)
     assert raw is None and refusal is not None and refusal.reason == "reached-expand"
+
+
+def test_memory_short_while_decoding_and_a_fault_of_ours_are_tried_again_by_the_next_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A MemoryError while decoding is this run's memory (it was "too-large", remembered until the source
+    changed); any other exception in a worker is one image's, never the whole prepare's traceback."""
+    small = photo_png(64, 32, 2)
+
+    def short(data: bytes, **kw: object) -> None:
+        raise MemoryError
+
+    with monkeypatch.context() as m:
+        m.setattr(formats, "expand", short)
+        refusal, raw, _ = expand_bytes(b"small.png", len(small), 0, small)
+    assert raw is None and refusal is not None and refusal.reason == "no-memory"
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "a.png").write_bytes(small)
+
+    def broken(*args: object, **kw: object) -> None:
+        raise TypeError("a defect of ours")
+
+    st = (src / "a.png").stat()
+    with monkeypatch.context() as m:
+        m.setattr(expansion, "expand_bytes", broken)
+        outcome = expansion.expand_one(os.fsencode(src), b"a.png", str(tmp_path / "store"), "objects/ab/a",
+                                       st.st_size, st.st_mtime_ns, None)
+    assert outcome.reason == "worker-error:TypeError" and outcome.object is None
+    assert prepare_mod._transient(outcome.reason)  # not remembered: the next run tries the image again
 
 
 def test_prepare_under_a_small_limit_skips_what_does_not_fit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -11,7 +11,9 @@ import struct
 import termios
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from liquidfs import cli
 from liquidfs.sysio import progress as progress_module
@@ -116,6 +118,18 @@ def test_prepare_on_a_log_says_where_it_stands_in_lines(tmp_path: Path, capsys: 
     err = capsys.readouterr().err
     assert status == 0, err
     assert "expanding: 4 of 4 images" in err and "\r" not in err, err
+
+
+def test_prepare_ends_its_progress_at_its_end_when_images_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A refused image lowers how many are expanded (a share of those that can be): the progress ends at what
+    was reached, not short of a total set before any was refused (it looked like a stop at 80 %)."""
+    make_sample(tmp_path / "data", count=4, width=64, height=32, seed=3)
+    Image.fromarray(np.arange(64 * 32, dtype=np.uint16).reshape(32, 64) * 31).save(tmp_path / "data" / "deep.png")
+    status = cli.main(["prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "1"])
+    err = capsys.readouterr().err
+    assert status == 0, err
+    assert "expanding: 4 of 4 images" in err, err
 
 
 def test_a_log_whose_reader_has_gone_stops_the_lines_not_the_work(clock: _Clock) -> None:
