@@ -4,6 +4,7 @@ started with it (or served in the foreground), and a running mount unmounted or 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -198,7 +199,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     storage = open_store(args.source, args.store)
     config = options.mount_config(args, storage)
     check_allow_other(config.allow_other, list(config.fuse_options))
-    check_mountpoint(config.mountpoint)
+    config = dataclasses.replace(config, mountpoint_seen=check_mountpoint(config.mountpoint))
     started = time.monotonic()
     if args.foreground:
         # A --ready-fd is a starter's that has just made the catalog ready: found, never built, here.

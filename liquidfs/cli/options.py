@@ -143,6 +143,25 @@ def mix(text: str) -> str | float:
                   unreadable=f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}")
 
 
+#: Mount options liquidfs sets itself: the mount is read-only, and umount and stats know it by its type and name.
+OWN_FUSE_OPTIONS = ("rw", "subtype", "fsname")
+
+
+def _fuse_options(given: list[str]) -> tuple[str, ...]:
+    """``-o`` options, one each. ``allow_other`` is ``--allow-other`` (with the check of every other user's open
+    that it turns on: as an option passed through, others read by the modes the scan saw); one that overrides
+    what liquidfs sets is refused."""
+    options: list[str] = []
+    for option in (o.strip() for opts in given for o in opts.split(",")):
+        if not option or option in options:
+            continue
+        if option.split("=", 1)[0] in OWN_FUSE_OPTIONS:
+            raise OptionError(f"-o {option}: liquidfs sets it (a read-only mount of type fuse.liquidfs, which "
+                              "umount and stats find it by)")
+        options.append(option)
+    return tuple(options)
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -269,12 +288,14 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     if cluster and key_file is None and not storage.shares_by_modes:
         raise OptionError(CLUSTER_NEEDS_KEY)
     loop_count = _loops(args)
+    given_options = _fuse_options(args.options)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")
     return MountConfig(
         # As mountinfo will show it (links resolved): what the watchdog and umount find the mount by.
         source=storage.source_label, mountpoint=mount_point_named(Path(args.mountpoint)), store=storage.label,
-        allow_other=args.allow_other, fuse_options=tuple(o for opts in args.options for o in opts.split(",") if o),
+        allow_other=args.allow_other or "allow_other" in given_options,
+        fuse_options=tuple(o for o in given_options if o != "allow_other"),
         threads=threads, open_threads=args.open_threads, loops=loop_count, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
         cache_size=cache_size, warmup=args.warmup, readahead_kb=args.readahead_kb,
         io_timeout=_positive_seconds("--io-timeout", args.io_timeout), page_cache=args.page_cache,

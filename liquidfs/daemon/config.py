@@ -61,6 +61,9 @@ class MountConfig:
     source: str  # the source as the store names it (a directory or an s3:// URL): to open it, and for messages
     mountpoint: Path
     store: str  # the store as ``stores.open_store`` opens it (``Store.label``)
+    #: (device, inode) of the mount point when the command checked it (``control.check_mountpoint``), which the
+    #: daemon mounts on only if it is still that directory (``control.still_the_mount_point``); () unchecked.
+    mountpoint_seen: tuple[int, ...] = ()
     allow_other: bool = False
     fuse_options: tuple[str, ...] = ()
     threads: int = 4
@@ -154,6 +157,12 @@ def _strings(value: object) -> tuple[str, ...]:
     return tuple(_typed(str)(item) for item in value)
 
 
+def _identity(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) not in (0, 2):
+        raise ValueError("a mount config identity that is not [device, inode]")
+    return tuple(_typed(int)(item) for item in value)
+
+
 def _cluster(value: object) -> tuple[tuple[str, int], ...] | None:
     if value is None:
         return None
@@ -180,7 +189,7 @@ def _mix(value: object) -> str | float:
 
 
 _DECODE: dict[str, Any] = {
-    "source": _typed(str), "mountpoint": _path(), "store": _typed(str), "allow_other": _typed(bool),
+    "source": _typed(str), "mountpoint": _path(), "mountpoint_seen": _identity, "store": _typed(str), "allow_other": _typed(bool),
     "fuse_options": _strings, "threads": _typed(int), "open_threads": _typed(int), "loops": _typed(int), "metrics_port": _typed(int, none=True),
     "metrics_address": _typed(str), "cache_size": _amount, "warmup": _typed(bool), "readahead_kb": _typed(int),
     "io_timeout": _typed(float), "page_cache": _choice(PAGE_CACHE_MODES), "open_bytes": _typed(int),

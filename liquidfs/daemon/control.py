@@ -61,8 +61,9 @@ def mount_point_named(path: Path) -> Path:
     raise MountError(f"{path}: too many levels of links")
 
 
-def check_mountpoint(mountpoint: Path) -> None:
-    """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount.
+def check_mountpoint(mountpoint: Path) -> tuple[int, int]:
+    """Refuse what cannot be mounted on, with a message that says what to do; clean a stale mount. The mount
+    point's (device, inode), which the daemon mounts on only if it is still there (``still_the_mount_point``).
 
     A FUSE mount already there is asked its statfs from a child process (``_probe``), never from this one: a
     mount whose daemon is stuck would hold `liquidfs mount` in the kernel for good, as it holds any reader."""
@@ -80,7 +81,32 @@ def check_mountpoint(mountpoint: Path) -> None:
         raise MountError(f"mount point {mountpoint} is not a directory")
     if _fuse_mounted(mountpoint):
         raise MountError(f"{mountpoint} is already mounted; run `liquidfs umount {mountpoint}` first")
-    if any(os.scandir(mountpoint)):
+    if not _empty(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not empty")
+    st = os.stat(mountpoint)
+    return st.st_dev, st.st_ino
+
+
+def _empty(directory: Path) -> bool:
+    with os.scandir(directory) as entries:  # closed at once, not when collected
+        return next(entries, None) is None
+
+
+def still_the_mount_point(mountpoint: Path, seen: tuple[int, ...]) -> None:
+    """Right before the mount: ``mountpoint`` is the directory the command checked (``seen``; a first mount scans
+    the source for minutes in between), and empty. mount(2) follows a link, and root mounts it: a user who may
+    write the directory above could otherwise swap the mount point for a link to /etc and have a dataset of
+    theirs mounted over it."""
+    try:
+        st = os.stat(mountpoint)
+        empty = _empty(mountpoint)
+    except OSError as exc:
+        raise MountError(f"mount point {mountpoint}: {exc.strerror} (it was there when `liquidfs mount` checked "
+                         "it)") from None
+    if seen and (st.st_dev, st.st_ino) != tuple(seen):
+        raise MountError(f"mount point {mountpoint} is no longer the directory `liquidfs mount` checked "
+                         "(replaced meanwhile): not mounted")
+    if not empty:
         raise MountError(f"mount point {mountpoint} is not empty")
 
 

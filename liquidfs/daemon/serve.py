@@ -28,6 +28,7 @@ from . import build
 from . import loops
 from . import watchdog
 from .config import MountConfig, MountError
+from .control import still_the_mount_point
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
 def start_session(config: MountConfig, ops: Operations, stack: ExitStack) -> None:
     """The FUSE session of ``ops`` on the mount point, and its watchdog, each on ``stack``."""
     before = watchdog.mount_ids()
+    still_the_mount_point(config.mountpoint, config.mountpoint_seen)
     try:
         pyfuse3.init(ops, str(config.mountpoint), fuse_options(config))
     except RuntimeError as exc:

@@ -95,6 +95,8 @@ def _mount_args(*flags: str) -> argparse.Namespace:
     (["--mix-interval", "-1"], "--mix-interval must be a positive number of seconds"),
     (["--metrics-port", "70000"], "--metrics-port must be a TCP port"),
     (["--cache-size", "1" + "0" * 400], "more bytes than any machine holds"),  # inf, not an OverflowError
+    (["-o", "noexec,subtype=sshfs"], "-o subtype=sshfs: liquidfs sets it"),
+    (["-o", "rw"], "-o rw: liquidfs sets it"),
     (["--cluster-key-file", "/nonexistent"], "--cluster-key-file goes with --cluster"),
     (["--cluster", "memcached://h:1", "--cluster-key-file", "/nonexistent/key"], "--cluster-key-file"),
 ])
@@ -152,3 +154,11 @@ def test_stats_prints_what_a_mount_wrote_escaped_and_jobs_it_cannot_read_as_they
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b]0;owned\\x07" in out, out
     assert "job x: 1" in out and "job 2: {" in out, out
+
+
+def test_allow_other_given_as_a_fuse_option_is_allow_other() -> None:
+    """``-o allow_other`` as other FUSE tools take it: the same as --allow-other, with its check of every other
+    user's open against the source as it is now (passed through, others read by the modes the scan saw)."""
+    config = options.mount_config(_mount_args("-o", "allow_other,noexec", "-o", "noexec"), STORAGE)
+    assert config.allow_other and config.fuse_options == ("noexec",)
+    assert not options.mount_config(_mount_args("-o", "noexec"), STORAGE).allow_other

@@ -61,7 +61,7 @@ def test_every_option_reaches_the_config_as_a_value(key_file: Path) -> None:
     default = MountConfig(source="/data", mountpoint=Path("/mnt"), store="/srv/store")
     same = [f.name for f in dataclasses.fields(MountConfig)
             if getattr(config, f.name) == getattr(default, f.name)
-            and f.name not in {"source", "mountpoint", "store", *APART}]
+            and f.name not in {"source", "mountpoint", "mountpoint_seen", "store", *APART}]
     assert not same, f"mount options that never reach MountConfig: {same}"
     assert config.cache_size == Share(0.3) and config.cluster_size == Share(0.6)
     assert config.cluster == (("10.0.0.1", 11211), ("10.0.0.2", 11211)) and config.cluster_key_file == key_file
@@ -72,12 +72,15 @@ def test_every_value_survives_the_trip_to_the_daemon(key_file: Path) -> None:
     assert MountConfig.from_json(given.to_json()) == given
     defaults = options.mount_config(_parse([]), STORAGE)
     assert MountConfig.from_json(defaults.to_json()) == defaults
+    checked = dataclasses.replace(defaults, mountpoint_seen=(2049, 1234567))  # as the command's check sets it
+    assert MountConfig.from_json(checked.to_json()) == checked
 
 
 @pytest.mark.parametrize("change", [
     {"threads": True}, {"threads": "4"}, {"cache_size": "30%"}, {"cache_size": {"share": 1.5}},
     {"cache_size": -1}, {"page_cache": "some"}, {"data_path": "kernel"}, {"mix": 2.0}, {"mix": "most"},
     {"io_timeout": "60"}, {"cluster": [["h"]]}, {"fuse_options": "ro"}, {"unknown": 1}, {"metrics_port": 1.5},
+    {"mountpoint_seen": [1]}, {"mountpoint_seen": ["1", "2"]}, {"mountpoint_seen": 12},
 ], ids=str)
 def test_the_daemon_takes_no_config_but_one_of_values_of_the_right_kind(change: dict[str, object]) -> None:
     values = json.loads(MountConfig(source="/data", mountpoint=Path("/mnt"), store="/s").to_json())

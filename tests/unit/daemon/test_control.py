@@ -152,3 +152,29 @@ def test_a_mount_point_is_found_through_as_many_links_as_the_kernel_follows(
     (tmp_path / "one-more").symlink_to(previous.name)
     with pytest.raises(control.MountError, match="too many levels of links"):
         control.mount_point_named(tmp_path / "one-more")
+
+
+def test_the_daemon_mounts_only_on_the_directory_the_command_checked(tmp_path: Path) -> None:
+    """Between the command's check and the mount a first mount scans the source (minutes): a mount point swapped
+    meanwhile for a link to another directory (root's mount(2) follows it: /etc, say), or filled, is refused;
+    the same directory reached through a link the user gave is the same directory."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    seen = control.check_mountpoint(mnt)
+    control.still_the_mount_point(mnt, seen)
+    (tmp_path / "link").symlink_to(mnt)
+    control.still_the_mount_point(tmp_path / "link", seen)
+    elsewhere = tmp_path / "etc"
+    elsewhere.mkdir()
+    mnt.rmdir()
+    mnt.symlink_to(elsewhere)
+    assert not any(elsewhere.iterdir())  # empty too: only its identity tells it from the one checked
+    with pytest.raises(control.MountError, match="no longer the directory `liquidfs mount` checked"):
+        control.still_the_mount_point(mnt, seen)
+    mnt.unlink()
+    with pytest.raises(control.MountError, match="it was there when"):
+        control.still_the_mount_point(mnt, seen)
+    mnt.mkdir()
+    (mnt / "file").write_text("x")
+    with pytest.raises(control.MountError, match="not empty"):
+        control.still_the_mount_point(mnt, ())
