@@ -93,6 +93,12 @@ def _too_large_for_memory(pixels: int, source_size: int, raw_formats: tuple[str,
     return _budget is not None and resources.expansion_need(pixels, source_size, raw_formats) > _budget
 
 
+def source_fits(size: int) -> bool:
+    """Whether a source of ``size`` bytes may be read into this worker at all (its decode is judged from its
+    header once read): a size whoever writes the source chooses, 60 GB as well."""
+    return not _too_large_for_memory(0, size)
+
+
 def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str | None = None,
                  raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> tuple[Outcome | None, bytes | None, str | None]:
     """Expand one image held in memory to the first of ``raw_formats`` that holds it exactly: (None, raw bytes,
@@ -153,7 +159,7 @@ def _expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, w
         return Outcome(rel, want_size, want_mtime, fmt, obj, len(raw), checksum(raw), None, reused=reused,
                        src_etag=want_version, object_stamp=stamp)
 
-    if _too_large_for_memory(0, want_size):
+    if not source_fits(want_size):
         return outcome("no-memory")  # reading it alone would not fit
     def unchanged(st: os.stat_result) -> bool:
         return same_version(st, want_size, want_mtime, want_version)

@@ -28,7 +28,7 @@ from ...catalog.catalog import CATALOG_NAME, Catalog
 from ...catalog.identity import checksum, is_digest
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge
+from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, source_fits
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
 from ...sysio.locks import HeldLock, abandoned, unique
 from ...sysio.progress import Progress
@@ -176,6 +176,8 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
         if found and meta.get(_META_ETAG) == etag.strip('"') and is_digest(meta.get(_META_CHECKSUM)):
             return Outcome(rel, size, mtime_ns, meta.get(_META_FORMAT), obj, int(found["ContentLength"]),
                            meta[_META_CHECKSUM], None, reused=True, src_etag=etag)
+        if not source_fits(size):  # as a local source: never downloaded into a worker it cannot fit
+            return refused("no-memory")
         source = get(client, src_bucket, src_key, if_match=etag, size=size)
     except Exception as exc:
         code = error_code(exc)
@@ -442,6 +444,11 @@ class BucketStore:
         pass  # no lock spans nodes: see ``deleting``
 
     def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
+        # Checked again where it is served: this node's mounts of one store share its copy of the catalog, which
+        # another source's `mount --refresh` may have rewritten since the command checked it.
+        if catalog.meta("source") != str(self.source):
+            raise CatalogError(f"the catalog in {self.store} describes {catalog.meta('source')}, not "
+                               f"{self.source}: another mount of this store rewrote this node's copy; mount again")
         # One connection per storage read in flight (--threads), and no single HTTP wait longer than --io-timeout.
         client = make_client(threads + 2, read_timeout=min(READ_TIMEOUT, io_timeout))
         return S3Reader(client, self.source, self.store)

@@ -56,3 +56,19 @@ def test_a_listing_that_names_keys_outside_its_prefix_is_not_taken_on_its_word()
 
     source = S3Url.parse("s3://b/cs")
     assert [source.rel(info.key) for info in list_objects(_Client(), source)] == ["a.png", "d/b.png"]
+
+
+def test_a_mount_serves_no_catalog_of_another_source() -> None:
+    """This node's copy of a store's catalog is shared by its mounts of that store: one rewritten by a mount of
+    another source (`--refresh`) between the command's check and the daemon's start is refused, not served as
+    this source's tree."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from liquidfs.catalog.catalog import Catalog
+    from liquidfs.stores.s3.store import BucketStore
+
+    rewritten = cast(Catalog, SimpleNamespace(meta={"source": "s3://b/B"}.get))
+    store = BucketStore(S3Url.parse("s3://b/A"), S3Url.parse("s3://b/st"))
+    with pytest.raises(CatalogError, match="describes s3://b/B, not s3://b/A"):
+        store.reader(rewritten, 4, 30.0)

@@ -53,8 +53,10 @@ class FakeS3:
         self.uploads: list[str] = []
         self.metadata: dict[str, dict[str, str]] = {}
         self.heads = 0
+        self.gets: list[str] = []  # the keys asked for, in order
 
     def get_object(self, *, Bucket: str, Key: str, IfMatch: str | None = None, Range: str | None = None) -> Answer:
+        self.gets.append(Key)
         if Key not in self.objects:
             raise _error("NoSuchKey", 404)
         data = self.objects[Key]
@@ -336,6 +338,21 @@ def test_prepare_and_verify_refuse_a_changed_object_served_despite_if_match(
     assert verdict is not None and verdict.startswith("source changed since prepare")
 
 
+def test_a_source_object_larger_than_a_worker_can_hold_is_never_downloaded(
+        s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A size the source bucket's writer chooses (a 60 GB "image"): refused for memory before its GET, as a local
+    source is before its read; tried again by the next run."""
+    from liquidfs.expand import expansion
+
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+    monkeypatch.setattr(expansion, "_budget", len(png) // 2)
+    outcome = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                         "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    assert outcome.reason == "no-memory" and outcome.object is None and s3.gets == [] and s3.uploads == []
+
+
 # -- a raw object is vouched for by its BLAKE2b digest, never by xxh3 (issue 38) ---------------------------
 
 def test_a_raw_object_rewritten_to_the_same_xxh3_is_refused_and_the_original_served(s3: FakeS3) -> None:
@@ -375,18 +392,10 @@ def test_a_raw_row_without_its_object_or_its_size_gets_no_get_and_serves_the_ori
     data = b"the original image " * 64
     raw = bytes(range(256)) * 8
     reader, node = _reader(s3, data, raw=raw)
-    asked: list[str] = []
-    real = s3.get_object
-
-    def recorded(**kwargs: Any) -> Answer:
-        asked.append(kwargs["Key"])
-        return real(**kwargs)
-
-    s3.get_object = recorded  # type: ignore[method-assign]
     content = reader.open(dataclasses.replace(node, **{column: None}))
     assert not content.raw and bytes(content.data or b"") == data
     assert content.fallback is not None and "no raw object recorded" in content.fallback
-    assert STORE.key("objects/ab/x.bmp") not in asked
+    assert STORE.key("objects/ab/x.bmp") not in s3.gets
 
 
 @pytest.mark.parametrize("digest", ["xxh3", "none", "garbage"])
