@@ -186,7 +186,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
 
 def cmd_mount(args: argparse.Namespace) -> int:
     from ..daemon.config import MountConfig
-    from ..daemon.control import check_allow_other, check_mountpoint
+    from ..daemon.control import check_allow_other, check_metrics_listen, check_mountpoint
     from ..daemon.spawn import spawn_daemon
     from ..stores import open_store
 
@@ -199,6 +199,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     storage = open_store(args.source, args.store)
     config = options.mount_config(args, storage)
     check_allow_other(config.allow_other, list(config.fuse_options))
+    check_metrics_listen(config.metrics_port, config.metrics_address)
     config = dataclasses.replace(config, mountpoint_seen=check_mountpoint(config.mountpoint))
     started = time.monotonic()
     if args.foreground:

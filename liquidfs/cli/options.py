@@ -143,21 +143,25 @@ def mix(text: str) -> str | float:
                   unreadable=f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}")
 
 
-#: Mount options liquidfs sets itself: the mount is read-only, and umount and stats know it by its type and name.
-OWN_FUSE_OPTIONS = ("rw", "subtype", "fsname")
+#: Mount options liquidfs sets itself: the mount is read-only, and umount and stats know it by its type.
+OWN_FUSE_OPTIONS = ("rw", "subtype")
 
 
 def _fuse_options(given: list[str]) -> tuple[str, ...]:
     """``-o`` options, one each. ``allow_other`` is ``--allow-other`` (with the check of every other user's open
     that it turns on: as an option passed through, others read by the modes the scan saw); one that overrides
-    what liquidfs sets is refused."""
+    what liquidfs sets is refused. Of ``fsname=`` (the source mountinfo shows: liquidfs's own unless given) the
+    last one given."""
     options: list[str] = []
     for option in (o.strip() for opts in given for o in opts.split(",")):
         if not option or option in options:
             continue
-        if option.split("=", 1)[0] in OWN_FUSE_OPTIONS:
+        name = option.split("=", 1)[0]
+        if name in OWN_FUSE_OPTIONS:
             raise OptionError(f"-o {option}: liquidfs sets it (a read-only mount of type fuse.liquidfs, which "
                               "umount and stats find it by)")
+        if name == "fsname":
+            options = [o for o in options if not o.startswith("fsname=")]
         options.append(option)
     return tuple(options)
 

@@ -10,6 +10,7 @@ import logging
 import os
 import select
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -85,6 +86,22 @@ def check_mountpoint(mountpoint: Path) -> tuple[int, int]:
         raise MountError(f"mount point {mountpoint} is not empty")
     st = os.stat(mountpoint)
     return st.st_dev, st.st_ino
+
+
+def check_metrics_listen(port: int | None, address: str) -> None:
+    """Refuse a --metrics-port that cannot be listened on (taken, an address not this host's), said here before
+    a catalog is built and a mount made: the daemon binds it only once mounted, and then it is its last words.
+    A port taken between this check and the daemon's bind still fails the mount, in the daemon's log."""
+    if not port:  # none, or 0: any free port
+        return
+    try:
+        found = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, where in found:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemon's listener does
+                probe.bind(where)
+    except OSError as exc:  # socket.gaierror included: a name that does not resolve
+        raise MountError(f"--metrics-port {port}: cannot listen on {address}: {exc.strerror or exc}") from None
 
 
 def _empty(directory: Path) -> bool:

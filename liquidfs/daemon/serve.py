@@ -77,14 +77,24 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
         stack.enter_context(mount.serving.pop_all())  # the parts that answer requests stop before the session
         try:
             trio.run(_main, config, mount.ops, mount.parts, ready_fd, more)
-        except BaseException:
+        except BaseException as exc:
             log.exception("the filesystem loop failed; unmounting")
+            leaf = _only_leaf(exc)
+            if leaf is not exc:  # one error in a nursery's group: said as itself (a port taken: one line, not a
+                raise leaf from None  # traceback on a terminal, nor a group's frame as the daemon's last words)
             raise
         finally:
             _ignore_stops()
     if config.data_path == "passthrough" and mount.ops.stats.data_path != "passthrough":
         return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
+
+
+def _only_leaf(exc: BaseException) -> BaseException:
+    """The one exception a group of trio's nurseries holds, however nested; else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 def start_session(config: MountConfig, ops: Operations, stack: ExitStack) -> None:
@@ -105,7 +115,9 @@ def start_session(config: MountConfig, ops: Operations, stack: ExitStack) -> Non
 
 def fuse_options(config: MountConfig) -> set[str]:
     options = set(pyfuse3.default_options)  # default_permissions: the kernel enforces file modes
-    options |= {"ro", "fsname=liquidfs", "subtype=liquidfs", "noatime"}
+    options |= {"ro", "subtype=liquidfs", "noatime"}
+    if not any(option.startswith("fsname=") for option in config.fuse_options):
+        options.add("fsname=liquidfs")  # one fsname, the user's where given: a set of two mounts either
     if config.allow_other:
         options.add("allow_other")
     options.update(config.fuse_options)

@@ -80,14 +80,29 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
     else:
         shown = f"; nothing from it in {log_file}"
     if proc.returncode is None:
-        proc.kill()
-        proc.wait()
+        _stop(proc)
         what = (f"did not answer within {timeout:.0f} s" if time.monotonic() >= deadline
                 else "gave up before the mount answered but did not exit")
-        raise MountError(f"the daemon {what}: killed" + shown)
+        raise MountError(f"the daemon {what}: stopped" + shown)
     status = f"the daemon exited with status {proc.returncode} before the mount answered" + shown
     reason = failure_reason(lines)
     raise MountError(f"{reason}\n{status}" if reason else status)
+
+
+#: How long a daemon asked to stop (SIGTERM) gets to unmount before it is killed.
+STOP_WAIT = 5.0
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a daemon that never said ready: SIGTERM first, which unmounts what it may have mounted (its handlers
+    are set from the mount on); SIGKILL at once would leave a mount whose daemon is gone (ENOTCONN to every
+    reader, until someone unmounts it by hand). Killed if it does not exit."""
+    proc.terminate()
+    try:
+        proc.wait(STOP_WAIT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 #: A log record of the daemon's at ERROR or above (``sysio.safefiles.LOG_FORMAT``: date, time, level, logger, message).

@@ -159,6 +159,18 @@ def test_stats_prints_what_a_mount_wrote_escaped_and_jobs_it_cannot_read_as_they
 def test_allow_other_given_as_a_fuse_option_is_allow_other() -> None:
     """``-o allow_other`` as other FUSE tools take it: the same as --allow-other, with its check of every other
     user's open against the source as it is now (passed through, others read by the modes the scan saw)."""
-    config = options.mount_config(_mount_args("-o", "allow_other,noexec", "-o", "noexec"), STORAGE)
-    assert config.allow_other and config.fuse_options == ("noexec",)
+    config = options.mount_config(_mount_args("-o", "allow_other,noexec,fsname=a", "-o", "noexec,fsname=b"),
+                                  STORAGE)
+    assert config.allow_other and config.fuse_options == ("noexec", "fsname=b")  # one fsname: the last
     assert not options.mount_config(_mount_args("-o", "noexec"), STORAGE).allow_other
+
+
+def test_the_daemon_mounts_with_one_fsname_and_its_own_type() -> None:
+    """A set of options with liquidfs's fsname and the user's mounted with either, as the set ordered them."""
+    from liquidfs.daemon.serve import fuse_options
+
+    given = options.mount_config(_mount_args("-o", "fsname=imagenet,noexec"), STORAGE)
+    mounted = fuse_options(given)
+    assert {o for o in mounted if o.startswith("fsname=")} == {"fsname=imagenet"}
+    assert "subtype=liquidfs" in mounted and "ro" in mounted and "noexec" in mounted
+    assert "fsname=liquidfs" in fuse_options(options.mount_config(_mount_args(), STORAGE))

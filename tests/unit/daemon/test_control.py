@@ -178,3 +178,30 @@ def test_the_daemon_mounts_only_on_the_directory_the_command_checked(tmp_path: P
     (mnt / "file").write_text("x")
     with pytest.raises(control.MountError, match="not empty"):
         control.still_the_mount_point(mnt, ())
+
+
+def test_a_metrics_port_that_cannot_be_listened_on_is_refused_before_the_mount() -> None:
+    """The daemon binds it once mounted: a port taken was an exception group's traceback on a terminal, or
+    "uncaught exception: +----" as the daemon's last words. Said by the command, in one line, first."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(control.MountError, match=rf"--metrics-port {port}: cannot listen on 127.0.0.1: "):
+            control.check_metrics_listen(port, "127.0.0.1")
+    control.check_metrics_listen(port, "127.0.0.1")  # free again
+    control.check_metrics_listen(0, "127.0.0.1")  # any port
+    control.check_metrics_listen(None, "127.0.0.1")
+    with pytest.raises(control.MountError, match="cannot listen on no-such-host.invalid"):
+        control.check_metrics_listen(9100, "no-such-host.invalid")
+
+
+def test_one_error_of_the_loops_nurseries_is_raised_as_itself() -> None:
+    from liquidfs.daemon.serve import _only_leaf
+
+    taken = OSError(98, "Address already in use")
+    assert _only_leaf(ExceptionGroup("outer", [ExceptionGroup("inner", [taken])])) is taken
+    two = ExceptionGroup("two", [taken, ValueError("x")])
+    assert _only_leaf(two) is two and _only_leaf(taken) is taken
