@@ -185,8 +185,10 @@ def read_control(mountpoint: Path) -> dict[str, object]:
 
 
 def holders(mountpoint: Path) -> list[str]:
-    """Processes with a file, cwd or root inside ``mountpoint`` (what fuser -m would show)."""
-    prefix = str(mountpoint.resolve())
+    """Processes with a file, cwd or root inside ``mountpoint`` (what fuser -m would show). ``mountpoint`` as
+    mountinfo shows it (``mount_point_named``): a resolve() would stat the mount's root, and wait for a daemon
+    that may answer nothing."""
+    prefix = os.fspath(mountpoint)
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         paths = []

@@ -205,3 +205,26 @@ def test_one_error_of_the_loops_nurseries_is_raised_as_itself() -> None:
     assert _only_leaf(ExceptionGroup("outer", [ExceptionGroup("inner", [taken])])) is taken
     two = ExceptionGroup("two", [taken, ValueError("x")])
     assert _only_leaf(two) is two and _only_leaf(taken) is taken
+
+
+def test_the_holders_of_a_busy_mount_are_found_without_touching_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resolve() of the mount point stats the mount's root: with a daemon that answers nothing, `liquidfs
+    umount` would hang where it should name who holds the mount."""
+    import subprocess
+    import sys
+
+    inside = tmp_path / "mnt"
+    (inside / "sub").mkdir(parents=True)
+
+    def touched(self: Path, strict: bool = False) -> Path:
+        raise AssertionError("the mount point was resolved")
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], cwd=inside / "sub")
+    try:
+        monkeypatch.setattr(Path, "resolve", touched)
+        found = control.holders(inside)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert any(line.startswith(f"{holder.pid} ") for line in found), found
