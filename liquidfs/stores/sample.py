@@ -8,6 +8,7 @@ or whole-object GETs), as many readers at once as the loader has.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import fcntl
 import itertools
 import logging
@@ -47,6 +48,10 @@ class Below:
     dir_fd: int
     rel: bytes
     where: bytes = b""  # the directory's path, for messages
+    #: Its size when sampled: a file of another size at the open is skipped, and none is read past it (the
+    #: owner's `truncate -s 10T` of a sampled image would have the profile read terabytes of zeros as root).
+    #: None: the open's size.
+    size: int | None = None
 
 
 @dataclass
@@ -72,26 +77,28 @@ def _read_direct(file: Below, buf: mmap.mmap) -> int:
     # The open is timed too, as it was when files were opened by path: a mount opens each file this way.
     fd, st = open_below_stat(file.dir_fd, file.rel, file.where)  # its size from the open's own check
     try:
+        size = st.st_size if file.size is None else file.size
+        if st.st_size != size:
+            raise OSError(errno.ESTALE, f"{st.st_size} bytes, {size} when sampled: changed since",
+                          os.fsdecode(os.path.join(file.where, file.rel)))
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         except OSError:  # no direct I/O here (tmpfs): read, then drop the pages the read left
-            n = len(os.pread(fd, 1 << 30, 0))
+            n = len(os.pread(fd, size, 0))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return n
         # Each read asks for what is left of the file by its size (to the next block), never the whole buffer: a
         # direct read costs the kernel by the length asked for, not read (6.18: 64 MiB asked of a 180 KB file cost
         # ~10 ms of CPU, and the profile timed this machine's storage at 26 MB/s where it reads 600).
         view = memoryview(buf)
-        size = st.st_size
         total = 0
-        while True:
-            if total >= size:  # read to its size: one that grew since is read on, sized by its size now
-                size = os.fstat(fd).st_size
-            want = min(len(view), max(_BLOCK, -(-(size - total) // _BLOCK) * _BLOCK))
+        while total < size:  # to its size, never past: one that grew since is read no further
+            want = min(len(view), -(-(size - total) // _BLOCK) * _BLOCK)  # what is left, to the next block
             got = os.preadv(fd, [view[:want]], total)
             total += got
             if got < want:  # the end of the file
-                return total
+                break
+        return min(total, size)
     finally:
         os.close(fd)
 

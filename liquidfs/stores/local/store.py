@@ -426,8 +426,8 @@ class LocalStore:
                 with open(out, "wb") as written:
                     written.write(result.data)
                 # Timed where the mount will read it, opened as the mount opens it.
-                sample.originals.append(Below(root_fd, node.path, root))
-                sample.raws.append(Below(scratch_fd, os.fsencode(name), os.fsencode(scratch)))
+                sample.originals.append(Below(root_fd, node.path, root, size=len(data)))
+                sample.raws.append(Below(scratch_fd, os.fsencode(name), os.fsencode(scratch), size=len(result.data)))
                 sample.original_data.append(data)
                 sample.raw_data.append(result.data)
         except BaseException:
