@@ -29,6 +29,8 @@ def test_scale_tree_through_a_mount(tmp_path: Path, mounter: Mount) -> None:
     store = tmp_path / "store"
     build = bench.measure_build(source, store)
     assert build["files"] == FILES + 1 and build["dirs"] == DIRS  # the marker is a file of the tree
+    warm = bench.measure_warmup_choice(store)
+    assert warm["files"] == FILES + 1 and warm["chosen"] >= 1 and warm["longest_gap_ms"] > 0, warm
 
     mnt = mounter.mount(source, store=store)
     pid = daemon_pid(mnt)
