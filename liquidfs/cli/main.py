@@ -92,6 +92,7 @@ def _run(argv: Sequence[str] | None) -> int:
     # of a 0600 image, or the names of a 0700 directory, must not become readable by every local user.
     os.umask(0o077)
     args = build_parser().parse_args(argv)
+    args.log_level = args.log_level.lower()  # LIQUIDFS_LOG_LEVEL=INFO as well (argparse checks flags only)
     if args.log_level not in LOG_LEVELS:  # a typo in a sidecar's environment: said, never every command broken
         from ..sysio.safefiles import escape_controls
 

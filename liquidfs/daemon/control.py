@@ -11,6 +11,7 @@ import os
 import select
 import signal
 import socket
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -94,14 +95,34 @@ def check_metrics_listen(port: int | None, address: str) -> None:
     A port taken between this check and the daemon's bind still fails the mount, in the daemon's log."""
     if not port:  # none, or 0: any free port
         return
+    # Bound as trio's open_tcp_listeners binds the daemon's: each address apart (IPv6 ones IPv6 only), a family
+    # this host lacks skipped, one bound enough.
     try:
         found = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        for family, kind, proto, _, where in found:
-            with socket.socket(family, kind, proto) as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemon's listener does
-                probe.bind(where)
-    except OSError as exc:  # socket.gaierror included: a name that does not resolve
+    except OSError as exc:  # socket.gaierror: a name that does not resolve
         raise MountError(f"--metrics-port {port}: cannot listen on {address}: {exc.strerror or exc}") from None
+    refused: OSError | None = None
+    bound = False
+    for family, kind, proto, _, where in found:
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError as exc:
+            if exc.errno == errno.EAFNOSUPPORT:
+                continue
+            refused = exc
+            continue
+        with probe:
+            try:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(where)
+                bound = True
+            except OSError as exc:
+                refused = exc
+    if refused is not None or not bound:
+        why = refused.strerror if refused is not None and refused.strerror else str(refused or "no address")
+        raise MountError(f"--metrics-port {port}: cannot listen on {address}: {why}")
 
 
 def _empty(directory: Path) -> bool:
@@ -115,12 +136,14 @@ def still_the_mount_point(mountpoint: Path, seen: tuple[int, ...]) -> None:
     write the directory above could otherwise swap the mount point for a link to /etc and have a dataset of
     theirs mounted over it."""
     try:
-        st = os.stat(mountpoint)
-        empty = _empty(mountpoint)
+        # Not followed: the mount point is named with its links resolved (``mount_point_named``), so a link
+        # there now is one put in its place since.
+        st = os.stat(mountpoint, follow_symlinks=False)
+        empty = stat.S_ISDIR(st.st_mode) and _empty(mountpoint)
     except OSError as exc:
         raise MountError(f"mount point {mountpoint}: {exc.strerror} (it was there when `liquidfs mount` checked "
                          "it)") from None
-    if seen and (st.st_dev, st.st_ino) != tuple(seen):
+    if not stat.S_ISDIR(st.st_mode) or (seen and (st.st_dev, st.st_ino) != tuple(seen)):
         raise MountError(f"mount point {mountpoint} is no longer the directory `liquidfs mount` checked "
                          "(replaced meanwhile): not mounted")
     if not empty:

@@ -104,7 +104,9 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         elif name == b"PLTE":
             if seen_plte or idat.spans:  # libpng: "duplicate" (an error), "out of place" (a warning)
                 raise Refuse("corrupt", "PLTE repeated or after IDAT")
-            if length % 3 or not 3 <= length <= 3 * 256:  # libpng: "PLTE: invalid", an error for a palette image
+            # libpng: an empty one is an error for any image; one of no whole number of entries, or past 256,
+            # ("PLTE: invalid") for a palette image (elsewhere a warning, and the palette unused)
+            if length == 0 or (ctype == 3 and (length % 3 or length > 3 * 256)):
                 raise Refuse("corrupt", f"PLTE of {length} bytes")
         seen_plte = seen_plte or name == b"PLTE"
         last = name

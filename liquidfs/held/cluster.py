@@ -242,7 +242,8 @@ class ClusterLevel(InFront):
                 value = self._opened(node, key, value)
             except Exception as exc:  # a value this node cannot even open: rejected, the read goes to storage
                 self._count("rejected", f"cluster: a memcached value for {key} could not be opened ({exc!r}); read "
-                            "from storage instead (further ones are counted as cluster_rejected)")
+                            "from storage instead (further ones are counted as cluster_rejected)",
+                            warned_as="unopenable")
                 value = None
         if value is None:
             self._count("misses")
@@ -288,12 +289,14 @@ class ClusterLevel(InFront):
             else:
                 self.counts.unanswered += 1
 
-    def _count(self, what: str, first: str = "") -> None:
-        """One more of counter ``what``; ``first`` logged as a warning the first time only."""
+    def _count(self, what: str, first: str = "", *, warned_as: str | None = None) -> None:
+        """One more of counter ``what``; ``first`` logged as a warning the first time only (the first of
+        ``warned_as``'s, where one counter has warnings of several causes)."""
+        key = warned_as or what
         with self._lock:
             setattr(self.counts, what, getattr(self.counts, what) + 1)
-            warn = bool(first) and what not in self._warned
-            self._warned.add(what)
+            warn = bool(first) and key not in self._warned
+            self._warned.add(key)
         if warn:
             log.warning("%s", first)
 

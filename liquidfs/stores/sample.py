@@ -84,7 +84,7 @@ def _read_direct(file: Below, buf: mmap.mmap) -> int:
         try:
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
         except OSError:  # no direct I/O here (tmpfs): read, then drop the pages the read left
-            n = len(os.pread(fd, size, 0))
+            n = len(os.pread(fd, min(size, 1 << 30), 0))
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return n
         # Each read asks for what is left of the file by its size (to the next block), never the whole buffer: a

@@ -129,6 +129,9 @@ def test_an_unknown_log_level_in_the_environment_is_said_and_warning_used(
     monkeypatch.setenv("LIQUIDFS_LOG_LEVEL", "verbose")
     assert cli.main(["stats", str(tmp_path), "--probe"]) == 1  # no mount there: the probe's answer, no traceback
     assert "LIQUIDFS_LOG_LEVEL=verbose is none of debug, info, warning, error: warning used" in capsys.readouterr().err
+    monkeypatch.setenv("LIQUIDFS_LOG_LEVEL", "INFO")  # as it was read before the check: any case
+    assert cli.main(["stats", str(tmp_path), "--probe"]) == 1
+    assert "LIQUIDFS_LOG_LEVEL" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("held, said", [

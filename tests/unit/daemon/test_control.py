@@ -156,14 +156,19 @@ def test_a_mount_point_is_found_through_as_many_links_as_the_kernel_follows(
 
 def test_the_daemon_mounts_only_on_the_directory_the_command_checked(tmp_path: Path) -> None:
     """Between the command's check and the mount a first mount scans the source (minutes): a mount point swapped
-    meanwhile for a link to another directory (root's mount(2) follows it: /etc, say), or filled, is refused;
-    the same directory reached through a link the user gave is the same directory."""
+    meanwhile for a link to another directory (root's mount(2) follows it: /etc, say), or even to the very
+    directory checked, moved (mountinfo would then show another path than the one umount and the watchdog know),
+    or filled, is refused. The mount point is named with its links resolved: a link there is one put since."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     seen = control.check_mountpoint(mnt)
     control.still_the_mount_point(mnt, seen)
-    (tmp_path / "link").symlink_to(mnt)
-    control.still_the_mount_point(tmp_path / "link", seen)
+    mnt.rename(tmp_path / "moved")
+    mnt.symlink_to(tmp_path / "moved")
+    with pytest.raises(control.MountError, match="no longer the directory"):
+        control.still_the_mount_point(mnt, seen)
+    mnt.unlink()
+    (tmp_path / "moved").rename(mnt)
     elsewhere = tmp_path / "etc"
     elsewhere.mkdir()
     mnt.rmdir()
@@ -191,6 +196,11 @@ def test_a_metrics_port_that_cannot_be_listened_on_is_refused_before_the_mount()
         port = taken.getsockname()[1]
         with pytest.raises(control.MountError, match=rf"--metrics-port {port}: cannot listen on 127.0.0.1: "):
             control.check_metrics_listen(port, "127.0.0.1")
+        if socket.has_ipv6:  # IPv6 only, as trio binds it: the IPv4 listener on that port is no obstacle
+            try:
+                control.check_metrics_listen(port, "::1")
+            except control.MountError as exc:
+                assert "Cannot assign requested address" in str(exc), exc  # no ::1 on this host
     control.check_metrics_listen(port, "127.0.0.1")  # free again
     control.check_metrics_listen(0, "127.0.0.1")  # any port
     control.check_metrics_listen(None, "127.0.0.1")

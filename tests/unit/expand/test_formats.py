@@ -366,6 +366,14 @@ def _png_plte_of(extra: int) -> bytes:
     return _rebuilt([(name, body + bytes(extra) if name == b"PLTE" else body) for name, body in chunks])
 
 
+def _rgb_with_plte(plte: bytes) -> bytes:
+    """An RGB PNG with a PLTE before its IDAT (a suggested palette: libpng and Pillow decode the image without
+    it), of ``plte``'s bytes."""
+    chunks = _chunks_of(save(Image.fromarray(_RGB)))
+    at = next(i for i, (name, _) in enumerate(chunks) if name == b"IDAT")
+    return _rebuilt([*chunks[:at], (b"PLTE", plte), *chunks[at:]])
+
+
 def _png_past_libpngs_limit() -> bytes:
     """1,000,001 pixels in a row: one pixel past libpng's user limit (OpenCV and DALI refuse it), within
     max_pixels."""
@@ -452,6 +460,7 @@ REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "png-plte-after-idat": (lambda: _png_plte("after"), "corrupt", "png"),
     "png-plte-not-whole-entries": (lambda: _png_plte_of(1), "corrupt", "png"),
     "png-plte-past-256-entries": (lambda: _png_plte_of(3 * 251), "corrupt", "png"),
+    "png-plte-empty-in-rgb": (lambda: _rgb_with_plte(b""), "corrupt", "png"),  # libpng: "Invalid palette"
     "png-past-libpngs-width-limit": (_png_past_libpngs_limit, "too-large", "png"),
     "jpeg-exif-orientation-6": (lambda: save(Image.fromarray(_RGB), "JPEG", exif=_exif(6)), "exif-orientation", "jpeg"),
     "jpeg-xmp-orientation-3": (_jpeg_with_xmp_orientation, "exif-orientation", "jpeg"),
@@ -894,3 +903,12 @@ def test_a_png_of_many_small_chunks_is_walked_within_a_bound(monkeypatch: pytest
     assert same_pixels(data, e.data)
     monkeypatch.setattr(png_format, "MAX_CHUNKS", 100)
     assert expand(data).reason == "too-large"
+
+
+@pytest.mark.parametrize("length", [4, 900])
+def test_an_rgb_png_with_a_palette_of_odd_length_is_expanded(length: int) -> None:
+    """A suggested palette in an RGB image that is no whole number of entries, or too long: libpng warns and
+    decodes the image, as Pillow does, so it is expanded as any other (only a palette image's is refused)."""
+    data = _rgb_with_plte(bytes(length))
+    e = expand(data)
+    assert e.reason is None and e.data is not None and same_pixels(data, e.data)

@@ -334,22 +334,31 @@ def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store:
 
 
 def test_a_value_this_node_cannot_open_is_a_miss_never_a_failed_open(store: tuple[Path, Path],
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
     """Unsealing that raises (a ``cryptography`` without ``decrypt_into``, on a node of a job whose others have
-    it): the open reads storage, as for any value the cluster gets wrong; it failed with EIO."""
+    it): the open reads storage, as for any value the cluster gets wrong; it failed with EIO. Said once, even
+    after a value of other bytes was (both are counted as rejected)."""
     _, path = store
     level, client, raw = _level(path, key=_key())
     node = raw[0]
     level.open(node)  # stored
     assert client.sets == 1
+    stored = dict(client.values)
 
     def cannot(*args: object) -> None:
         raise AttributeError("'AESGCM' object has no attribute 'decrypt_into'")
 
-    monkeypatch.setattr(level.sealer, "open", cannot)
-    content = level.open(node)
+    with caplog.at_level(logging.WARNING):
+        client.values = {key: b"x" * len(value) for key, value in stored.items()}
+        level.open(node)  # other bytes: rejected, and said
+        client.values = stored
+        monkeypatch.setattr(level.sealer, "open", cannot)
+        content = level.open(node)
     assert content.level == "storage" and bytes(content.data or b"") == (path / str(node.object)).read_bytes()
-    assert level.statistics().values()["cluster_rejected"] == 1
+    assert level.statistics().values()["cluster_rejected"] == 2
+    said = [r.getMessage() for r in caplog.records]
+    assert any("with other bytes" in m for m in said) and any("could not be opened" in m for m in said), said
 
 
 def test_a_catalog_writer_cannot_have_another_files_sealed_value_served_as_theirs(store: tuple[Path, Path]) -> None:
