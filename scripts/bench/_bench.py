@@ -59,6 +59,13 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, results: str, work: Pa
         parser.add_argument("--smoke", action="store_true", help=f"{smoke}: for tests of the script, not a measurement")
 
 
+def write_results(path: Path | None, results: object) -> None:
+    """``--json PATH``: ``results`` written there as JSON (its directory made); nothing where none was given."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+
+
 def display(path: Path) -> str:
     """``path`` as the help shows it: relative to the checkout when inside it."""
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)

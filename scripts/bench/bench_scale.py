@@ -36,6 +36,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _bench as bench  # noqa: E402  (mount, page cache: one copy of each)
+import bench_warmup  # noqa: E402
 
 #: Issue 28's goals at 10 M files (issue 10's build goal was 20,000 files/s at ImageNet's 1.28 M).
 GOALS = {"build_files_per_s": 100_000, "mount_ready_s": 3.0, "rss_after_find_mb": 300, "find_over_source": 1.5}
@@ -123,52 +124,10 @@ def measure_build(source: Path, store: Path) -> dict[str, Any]:
     return got
 
 
-#: The warm-up's choice among every file (``datapath.base.warm_up``) over the built catalog, in a fresh process,
-#: under a budget of every file and a path that holds none of them (what is measured is the choice, not reads),
-#: while a task on the same trio loop ticks every millisecond: its longest gap is how long requests would wait.
-_WARMUP_CODE = """
-import json, resource, sys, time, trio
-from liquidfs.catalog.catalog import Catalog
-from liquidfs.datapath import base
-from liquidfs.policy.next_epoch import NextEpochCache
-catalog = Catalog.open(sys.argv[1], readonly=True, immutable=True)
-files, served, _, max_id = catalog.file_totals()
-class Held:
-    policy = NextEpochCache(1 << 62, max(served, 1), files, max_id=max_id)
-class Path:
-    held = Held()
-    chosen = 0
-    async def warm_one(self, node):
-        Path.chosen += 1
-        return None
-gaps = []
-async def main():
-    async def ticker():
-        last = time.perf_counter()
-        while True:
-            await trio.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ticker)
-        started = time.perf_counter()
-        await base.warm_up(Path(), catalog)
-        seconds = time.perf_counter() - started
-        nursery.cancel_scope.cancel()
-    return seconds
-seconds = trio.run(main)
-print(json.dumps({"seconds": seconds, "longest_gap_ms": max(gaps) * 1000, "files": files, "chosen": Path.chosen,
-                  "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
-"""
-
-
 def measure_warmup_choice(store: Path) -> dict[str, Any]:
-    """``mount --warmup``'s choice of files over the whole catalog: its time, the longest the loop went without
-    answering meanwhile, and the process's peak RSS."""
-    out = subprocess.run([sys.executable, "-c", _WARMUP_CODE, str(store)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout)
+    """``mount --warmup``'s choice of files over the whole catalog (``bench_warmup``): its time, the longest the
+    loop went without answering meanwhile, and the process's peak RSS."""
+    return bench_warmup.measure(store)
 
 
 def measure_find(mountpoint: Path) -> dict[str, Any]:
@@ -319,9 +278,7 @@ def main() -> int:
     results = run(args)
     print()
     print(table(results))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=1) + "\n")
+    bench.write_results(args.json, results)
     return 0
 
 

@@ -31,6 +31,8 @@ def test_scale_tree_through_a_mount(tmp_path: Path, mounter: Mount) -> None:
     assert build["files"] == FILES + 1 and build["dirs"] == DIRS  # the marker is a file of the tree
     warm = bench.measure_warmup_choice(store)
     assert warm["files"] == FILES + 1 and warm["chosen"] >= 1 and warm["longest_gap_ms"] > 0, warm
+    side_by_side = bench.bench_warmup.run(store, bench.bench.REPO, 1)  # --against: this checkout, as another
+    assert set(side_by_side) == {"this", "against"} and "against" in bench.bench_warmup.table(side_by_side)
 
     mnt = mounter.mount(source, store=store)
     pid = daemon_pid(mnt)
