@@ -912,3 +912,17 @@ def test_an_rgb_png_with_a_palette_of_odd_length_is_expanded(length: int) -> Non
     data = _rgb_with_plte(bytes(length))
     e = expand(data)
     assert e.reason is None and e.data is not None and same_pixels(data, e.data)
+
+
+def test_comparing_an_image_past_pillows_bomb_warning_warns_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`verify` compares images expanded under our own limit (MAX_PIXELS, above Pillow's 89.5 Mpx warning): a
+    warning per worker would have cluttered its progress."""
+    import warnings
+
+    data = save(Image.fromarray(_RGB))
+    raw = expand(data).data
+    assert raw is not None
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", _RGB.shape[0] * _RGB.shape[1] - 1)  # this one is past it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning given would fail the comparison
+        assert same_pixels(data, raw)
