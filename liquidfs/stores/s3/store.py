@@ -98,15 +98,33 @@ def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
     found = head(client, store.bucket, store.key(CATALOG_NAME))
     if found is None:
         return None
-    _fetch_catalog(client, store, dest)
-    return str(found["ETag"])
+    return _fetch_catalog(client, store, dest, str(found["ETag"]))
 
 
-def _fetch_catalog(client: Any, store: S3Url, dest: Path) -> None:
-    tmp = dest.with_name(f"{dest.name}.{unique('part-')}")
+def _fetch_catalog(client: Any, store: S3Url, dest: Path, etag: str) -> str:
+    """The store's catalog, whose ETag a HEAD said was ``etag``, into ``dest``; the ETag of what was downloaded.
+    A catalog over 8 MB comes in ranged GETs, which an older s3transfer sends without If-Match: one published
+    meanwhile would give a copy of old and new pages, then taken for ``etag``'s until the next publish. So the
+    ETag is asked again once the copy is whole: another means the catalog changed during the download, which is
+    made again (twice at most)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    client.download_file(store.bucket, store.key(CATALOG_NAME), str(tmp))
-    os.replace(tmp, dest)
+    key = store.key(CATALOG_NAME)
+    for _ in range(3):
+        tmp = dest.with_name(f"{dest.name}.{unique('part-')}")
+        try:
+            client.download_file(store.bucket, key, str(tmp))
+            after = head(client, store.bucket, key)
+            if after is not None and str(after["ETag"]) == etag:
+                os.replace(tmp, dest)
+                return etag
+        finally:
+            tmp.unlink(missing_ok=True)
+        if after is None:
+            break  # deleted meanwhile: no catalog to download
+        log.info("the catalog of %s changed while it was downloaded: again", store)
+        etag = str(after["ETag"])
+    raise CatalogError(f"the catalog of {store} changed during each of three downloads (prepare publishing?): "
+                       "mount again once it is published")
 
 
 def local_catalog(source: str, store: str | None, *, refresh: bool = False, progress: bool = True) -> Path:
@@ -121,7 +139,7 @@ def local_catalog(source: str, store: str | None, *, refresh: bool = False, prog
     if refresh or current != have or not (local / CATALOG_NAME).exists():
         if found is not None:
             log.info("downloading the catalog of %s", dst)
-            _fetch_catalog(client, dst, local / CATALOG_NAME)  # its ETag is ``current``, from the HEAD above
+            current = _fetch_catalog(client, dst, local / CATALOG_NAME, current)
         if refresh or found is None:
             if found is None:
                 log.warning("%s has no catalog (prepare has not run): every image is served as stored", dst)

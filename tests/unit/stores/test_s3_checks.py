@@ -15,6 +15,7 @@ import hashlib
 import io
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from forge import xxh3_twins
 from PIL import Image
 
 from liquidfs.catalog.identity import checksum
+from liquidfs.catalog.schema import CatalogError
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.stores.s3 import reader as s3reader
 from liquidfs.stores.s3 import store as bucket_store
@@ -492,3 +494,38 @@ def test_a_cluster_miss_asks_the_bucket_once(s3: FakeS3, tmp_path: Any, disk: bo
         level.open(node)
     if isinstance(inner, DiskLevel):
         inner.close()
+
+
+class _Publishing(FakeS3):
+    """A store whose catalog is published anew during the first ``times`` downloads of it (a prepare finishing
+    while a mount downloads): what each download gets is torn, old pages and new."""
+
+    def __init__(self, times: int) -> None:
+        super().__init__()
+        self.times = times
+        self.downloads = 0
+
+    def download_file(self, bucket: str, key: str, path: str) -> None:
+        self.downloads += 1
+        old = self.objects[key]
+        if self.downloads <= self.times:
+            self.objects[key] = bytes(reversed(old))  # published meanwhile
+        Path(path).write_bytes(old[: len(old) // 2] + self.objects[key][len(old) // 2:])
+
+
+@pytest.mark.parametrize("times", [0, 1, 3])
+def test_a_catalog_published_during_its_download_is_downloaded_again(tmp_path: Path, times: int) -> None:
+    """The copy is kept only where the store's catalog is the same once the copy is whole, and its ETag is the
+    copy's; one that changed during every download is an error, not a torn copy taken for the store's."""
+    s3 = _Publishing(times)
+    store = S3Url.parse(f"s3://{BUCKET}/store")
+    s3.objects[store.key("catalog.sqlite")] = bytes(range(200))
+    dest = tmp_path / "catalog.sqlite"
+    if times >= 3:
+        with pytest.raises(CatalogError, match="changed during each of three downloads"):
+            bucket_store.download_catalog(s3, store, dest)
+        assert not dest.exists() and list(tmp_path.iterdir()) == []  # no part left behind
+        return
+    etag = bucket_store.download_catalog(s3, store, dest)
+    now = s3.objects[store.key("catalog.sqlite")]
+    assert dest.read_bytes() == now and etag == _etag(now) and s3.downloads == times + 1
