@@ -137,7 +137,7 @@ async def _steer_mix(ops: Operations, config: MountConfig) -> None:
 async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_fd: int | None,
                 more: loops.Loops | None = None) -> None:
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_stop_on_signals, nursery.cancel_scope)
+        nursery.start_soon(_stop_on_signals)
         if more is not None:
             nursery.start_soon(more.peers.serve, ops)
             nursery.start_soon(loops.watch, more, ops)
@@ -154,8 +154,9 @@ async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_
         nursery.cancel_scope.cancel()
 
 
-async def _stop_on_signals(scope: trio.CancelScope) -> None:
-    # The receiver puts ``_note_stop`` back when the loop ends: a signal while the mount unmounts is noted too.
+async def _stop_on_signals() -> None:
+    # pyfuse3.terminate() ends the loop's main, and ``_main`` cancels the nursery then. The receiver puts
+    # ``_note_stop`` back when the loop ends: a signal while the mount unmounts is noted too.
     with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
         if _stops_noted:  # before the loop ran (terminate before pyfuse3's main: it returns at once)
             pyfuse3.terminate()

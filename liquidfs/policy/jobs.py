@@ -65,6 +65,8 @@ JOB_LOOKUP_THREADS = 8
 #: and a user with many uids (a subordinate range) must not pin thousands of the daemon's. Past it, an opener's
 #: job is read no more until threads come back (``JobOf.register`` of nothing: its job as before, or its uid's).
 JOB_LOOKUP_THREADS_ALL = 64
+#: Per-uid limiters kept before those of uids with no lookup under way are let go (``_limiter_of``).
+LOOKUP_LIMITERS_KEPT = 64
 
 
 #: The variables that name a job, each group in the order tried (the first group a process has all of wins).
@@ -264,7 +266,7 @@ class JobLookups:
         """The lookups' limiter of ``uid``'s openers (those of uids with no lookup under way let go, past a few)."""
         limiter = self._limiters.get(uid)
         if limiter is None:
-            if len(self._limiters) >= 64:
+            if len(self._limiters) >= LOOKUP_LIMITERS_KEPT:
                 for idle in [u for u, held in self._limiters.items() if not held.borrowed_tokens]:
                     del self._limiters[idle]
             limiter = self._limiters[uid] = trio.CapacityLimiter(JOB_LOOKUP_THREADS)
