@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from ..sysio import reexec
+from ..sysio import mountinfo, reexec
 from ..sysio.safefiles import LogFileHandler
 
 log = logging.getLogger("liquidfs.daemon.watchdog")  # also when run as __main__
@@ -57,21 +56,11 @@ def as_mountinfo_shows(mountpoint: Path) -> bytes:
     return os.fsencode(os.path.join(os.path.realpath(head), last))
 
 
-def _mounts(mountinfo: str = "/proc/self/mountinfo") -> list[tuple[int, int, bytes, bytes]]:
+def _mounts(table: str = mountinfo.SELF) -> list[tuple[int, int, bytes, bytes]]:
     """(mount id, device, mount point, filesystem type) of every mount this process (or the one whose
-    ``mountinfo`` is named) sees. The device as the kernel numbers it (``kernel_device``): what fusectl names a
-    FUSE connection's directory after."""
-    out = []
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            point = _OCTAL.sub(lambda m: bytes([int(m.group(1), 8)]), fields[4])  # a space is \040, "\" \134
-            major, minor = map(int, fields[2].split(b":"))
-            out.append((int(fields[0]), kernel_device(major, minor), point, fields[fields.index(b"-") + 1]))
-    return out
-
-
-_OCTAL = re.compile(rb"\\([0-7]{3})")
+    mountinfo ``table`` is named) sees. The device as the kernel numbers it (``kernel_device``): what fusectl
+    names a FUSE connection's directory after."""
+    return [(m.mount_id, kernel_device(m.major, m.minor), m.point, m.fstype) for m in mountinfo.mounts(table)]
 
 
 def kernel_device(major: int, minor: int) -> int:

@@ -9,10 +9,10 @@ import ctypes
 import errno
 import fcntl
 import os
-import re
 import select
 import stat
-from pathlib import Path
+
+from . import mountinfo
 
 #: Filesystems on which a stat of a file looked up moments before is answered from the kernel's caches, never by a
 #: device or a server that may hang: a source on one of them is checked at open on the trio thread.
@@ -75,21 +75,11 @@ class MountsBelow:
         os.close(self._fd)
 
 
-def _mounts(mountinfo: str | None) -> list[tuple[str, str, str]]:
-    """(device as major:minor, mount point, filesystem type) of each line of ``mountinfo`` (default: this
-    process's; none where it cannot be read)."""
-    if mountinfo is None:
-        try:
-            mountinfo = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return []
-    found = []
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if len(fields) > 4 and "-" in fields[5:]:
-            mount = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # a space is \040
-            found.append((fields[2], mount, fields[fields.index("-", 5) + 1]))
-    return found
+def _mounts(table: str | None) -> list[tuple[str, str, str]]:
+    """(device as major:minor, mount point, filesystem type) of each line of the mountinfo ``table`` (default:
+    this process's; none where it cannot be read). A mount point that is no UTF-8 as its bytes escaped."""
+    found = mountinfo.mounts() if table is None else mountinfo.parse(table.encode("utf-8", "surrogateescape"))
+    return [(f"{m.major}:{m.minor}", os.fsdecode(m.point), m.fstype.decode("utf-8", "replace")) for m in found]
 
 
 def catalog_parts(rel: bytes) -> list[bytes]:
