@@ -149,6 +149,12 @@ class AnswerMismatch(Exception):
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 
+def same_etag(one: object, other: object) -> bool:
+    """Whether two ETags are the same: S3 quotes them, and a proxy or another store may quote one and not the
+    other (compared as given, every raw object of such a store was served as its original)."""
+    return _bare(one) == _bare(other)
+
+
 def _bare(etag: object) -> str:
     return str(etag).strip().strip('"')
 
@@ -197,7 +203,7 @@ def get(client: Any, bucket: str, key: str, *, if_match: str | None = None,
         data = _read_body(body, _most_bytes(start, length, size), f"{bucket}/{key}")
     finally:
         body.close()
-    if if_match and _bare(answer.get("ETag", "")) != _bare(if_match):
+    if if_match and not same_etag(answer.get("ETag", ""), if_match):
         raise AnswerMismatch("PreconditionFailed", "the object store answered with ETag "
                              f"{answer.get('ETag')}, not the {if_match} asked for (If-Match ignored on the way?)")
     if start is None:  # S3 sends no Content-Range for a whole GET; if anything does, it must be the whole

@@ -23,7 +23,7 @@ from typing import Any
 
 from ...catalog.nodes import Node
 from ..reader import WHOLE_FILE_LIMIT, Content, FallbackLog, asked_already, check_raw, unfit_raw_row
-from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head
+from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head, same_etag
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class S3Reader:
             raise as_oserror(exc, self._where(node)) from exc
         if found is None:
             raise FileNotFoundError(errno.ENOENT, "source object deleted", self._where(node))
-        if found.get("ETag") != node.etag or int(found.get("ContentLength", -1)) != node.size:
+        if not same_etag(found.get("ETag"), node.etag) or int(found.get("ContentLength", -1)) != node.size:
             return "source object changed since prepare"
         return None
 
