@@ -332,6 +332,17 @@ class Catalog:
         """True when no directory of the source gained, lost or renamed an entry since the scan (``staleness``)."""
         return self.staleness() is None
 
+    def _names(self, rel: bytes) -> bool:
+        """Whether the catalog has an entry at ``rel`` (a lookup per component, by the index a LOOKUP uses)."""
+        node: Node | None = None
+        parent = ROOT_ID
+        for name in rel.split(b"/"):
+            node = self.lookup(parent, name)
+            if node is None:
+                return False
+            parent = node.id
+        return node is not None
+
     def staleness(self) -> str | None:
         """None when no directory of the source gained, lost or renamed an entry since the scan; else why the
         catalog is stale: ``CHANGED`` (a directory changed: the catalog is still sound, only behind), or
@@ -346,11 +357,13 @@ class Catalog:
             return MUST_RESCAN  # a directory the scan could not list is shown empty: tried again
         from .identity import file_version  # here: `umount` and `stats` read no catalog, and load no xxhash
 
+        mounted = mounted_below(self.source)  # the scan shows none: one there now is a change, never stat-ed
+        if any(self._names(rel) for rel in mounted):  # on a file too (a bind mount, a user's FUSE mount)
+            return CHANGED
         try:
             root = open_dir(self.source)
         except OSError:
             return CHANGED
-        mounted = mounted_below(self.source)  # the scan shows none: one there now is a change, never stat-ed
         try:
             for rel, mtime_ns, version in self.directories():
                 # Below the root as the scan walks (whoever writes the source or the store chooses the names): no

@@ -551,3 +551,30 @@ def test_a_directory_changed_with_its_mtime_put_back_is_a_change(tmp_path: Path,
     catalog = Catalog.open(store, readonly=True)
     assert catalog.staleness() == "changed"
     catalog.close()
+
+
+@pytest.mark.needs_root("mount(2) of a file over a file inside the source")
+def test_a_file_another_file_is_mounted_on_is_left_out_and_one_mounted_since_is_a_change(tmp_path: Path) -> None:
+    """A bind mount of a file over a file of the source (a mount point need not be a directory): a stat of it is
+    the mounted file's, whatever filesystem serves it. Left out by the scan as a directory one is; one mounted
+    on a file of the catalog since is a change."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        (src / name).write_bytes(name.encode())
+    (tmp_path / "other").write_bytes(b"another file")
+    mounted = [src / "b.png"]
+    subprocess.run(["mount", "--bind", str(tmp_path / "other"), str(src / "b.png")], check=True)
+    try:
+        open_or_build(src, tmp_path / "store").close()
+        shown = {row[3] for row in written(tmp_path / "store").nodes}
+        assert b"b.png" not in shown and {b"a.png", b"c.png"} <= shown, shown
+        catalog = Catalog.open(tmp_path / "store", readonly=True)
+        assert catalog.staleness() is None
+        subprocess.run(["mount", "--bind", str(tmp_path / "other"), str(src / "c.png")], check=True)
+        mounted.append(src / "c.png")
+        assert catalog.staleness() == "changed"
+        catalog.close()
+    finally:
+        for point in reversed(mounted):
+            subprocess.run(["umount", str(point)], check=True)
