@@ -3,6 +3,7 @@ rebuilds, and the writers of a catalog in the making."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -473,32 +474,6 @@ def test_a_catalog_that_names_no_source_is_refused_with_a_message(tmp_path: Path
         open_or_build(src, store)
 
 
-@pytest.mark.needs_root("mount(2) of a tmpfs inside the source")
-def test_a_directory_another_filesystem_is_mounted_on_is_never_stat_ed(tmp_path: Path) -> None:
-    """A user's FUSE mount on a directory of theirs in the source may never answer: neither the scan nor the
-    freshness check stats it (nor anything below it). The scan leaves it out, and the catalog stays fresh while it
-    is mounted; one mounted since the scan on a directory of the catalog is a change (scanned again: left out)."""
-    src = tmp_path / "src"
-    for name in ("inner", "later"):
-        (src / name).mkdir(parents=True)
-    (src / "a.png").write_bytes(b"png")
-    mounted = [src / "inner"]
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "liquidfs-test", str(src / "inner")], check=True)
-    try:
-        open_or_build(src, tmp_path / "store").close()
-        shown = {row[3] for row in written(tmp_path / "store").nodes}
-        assert b"inner" not in shown and b"later" in shown and b"a.png" in shown
-        catalog = Catalog.open(tmp_path / "store", readonly=True)
-        assert catalog.staleness() is None
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "liquidfs-test", str(src / "later")], check=True)
-        mounted.append(src / "later")
-        assert catalog.staleness() == "changed"
-        catalog.close()
-    finally:
-        for point in reversed(mounted):
-            subprocess.run(["umount", str(point)], check=True)
-
-
 @pytest.mark.parametrize("new_id", [1 << 40, 0, -5, (1 << 62) + 1], ids=str)
 def test_a_row_whose_id_no_build_gives_is_refused_with_a_message(tmp_path: Path, new_id: int) -> None:
     """Ids index the mount's per-file arrays: one far past the rows' count (an array of terabytes to map), below the
@@ -553,6 +528,47 @@ def test_a_directory_changed_with_its_mtime_put_back_is_a_change(tmp_path: Path,
     catalog.close()
 
 
+@contextlib.contextmanager
+def _mounted(source: Path, store: Path, before: list[list[str]], since: list[str]) -> Iterator[set[bytes]]:
+    """Each mount(8) argument list of ``before`` made, the catalog of ``source`` built into ``store``, its
+    freshness checked (fresh), ``since`` mounted, and its freshness checked again (a change); the paths the
+    catalog shows; every mount undone at the end, the last first."""
+    made: list[str] = []
+    try:
+        for args in before:
+            subprocess.run(["mount", *args], check=True)
+            made.append(args[-1])
+        open_or_build(source, store).close()
+        catalog = Catalog.open(store, readonly=True)
+        try:
+            assert catalog.staleness() is None
+            subprocess.run(["mount", *since], check=True)
+            made.append(since[-1])
+            assert catalog.staleness() == "changed"
+        finally:
+            catalog.close()
+        yield {row[3] for row in written(store).nodes}
+    finally:
+        for point in reversed(made):
+            subprocess.run(["umount", point], check=True)
+
+
+TMPFS = ["-t", "tmpfs", "-o", "size=1m", "liquidfs-test"]
+
+
+@pytest.mark.needs_root("mount(2) of a tmpfs inside the source")
+def test_a_directory_another_filesystem_is_mounted_on_is_never_stat_ed(tmp_path: Path) -> None:
+    """A user's FUSE mount on a directory of theirs in the source may never answer: neither the scan nor the
+    freshness check stats it (nor anything below it). The scan leaves it out, and the catalog stays fresh while it
+    is mounted; one mounted since the scan on a directory of the catalog is a change (scanned again: left out)."""
+    src = tmp_path / "src"
+    for name in ("inner", "later"):
+        (src / name).mkdir(parents=True)
+    (src / "a.png").write_bytes(b"png")
+    with _mounted(src, tmp_path / "store", [[*TMPFS, str(src / "inner")]], [*TMPFS, str(src / "later")]) as shown:
+        assert b"inner" not in shown and b"later" in shown and b"a.png" in shown
+
+
 @pytest.mark.needs_root("mount(2) of a file over a file inside the source")
 def test_a_file_another_file_is_mounted_on_is_left_out_and_one_mounted_since_is_a_change(tmp_path: Path) -> None:
     """A bind mount of a file over a file of the source (a mount point need not be a directory): a stat of it is
@@ -562,19 +578,8 @@ def test_a_file_another_file_is_mounted_on_is_left_out_and_one_mounted_since_is_
     src.mkdir()
     for name in ("a.png", "b.png", "c.png"):
         (src / name).write_bytes(name.encode())
-    (tmp_path / "other").write_bytes(b"another file")
-    mounted = [src / "b.png"]
-    subprocess.run(["mount", "--bind", str(tmp_path / "other"), str(src / "b.png")], check=True)
-    try:
-        open_or_build(src, tmp_path / "store").close()
-        shown = {row[3] for row in written(tmp_path / "store").nodes}
+    other = str(tmp_path / "other")
+    Path(other).write_bytes(b"another file")
+    with _mounted(src, tmp_path / "store", [["--bind", other, str(src / "b.png")]],
+                  ["--bind", other, str(src / "c.png")]) as shown:
         assert b"b.png" not in shown and {b"a.png", b"c.png"} <= shown, shown
-        catalog = Catalog.open(tmp_path / "store", readonly=True)
-        assert catalog.staleness() is None
-        subprocess.run(["mount", "--bind", str(tmp_path / "other"), str(src / "c.png")], check=True)
-        mounted.append(src / "c.png")
-        assert catalog.staleness() == "changed"
-        catalog.close()
-    finally:
-        for point in reversed(mounted):
-            subprocess.run(["umount", str(point)], check=True)
