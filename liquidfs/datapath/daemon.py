@@ -131,20 +131,20 @@ class DaemonPath:
     @staticmethod
     def _serving_other_bytes(record: Inode, content: Content) -> list[Handle]:
         """The open handles of the inode that read through the page cache and serve other bytes than
-        ``content`` (the other representation, or another size)."""
+        ``content``: the other representation, another size, or another version of the source (one rewritten
+        in place keeps its size, and older opens serve what it was)."""
         if not record.page_cached:
             return []
+        serves = (content.raw, content.size, content.version)
         return [h for h in record.page_cached.values()
-                if not h.superseded and (h.content.raw, h.content.size) != (content.raw, content.size)]
+                if not h.superseded and (h.content.raw, h.content.size, h.content.version) != serves]
 
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
         fh = handle.fh
-        if handle.superseded:
-            assert handle.node is not None
-            raise OSError(errno.EIO, "changed while open, and opened again since: reopen the file",
-                          os.fsdecode(handle.node.path))
+        _refuse_if_superseded(handle)
         if handle.content.deferred:  # still so after a failed first read: ``handle.failed`` answers it
             await self._first_read_once(handle)
+            _refuse_if_superseded(handle)  # after every wait: an open that superseded it may have come meanwhile
             if fh not in self._open_bytes_of and not handle.released:
                 # Being read now: let go once served to its end; a direct_io open is never seen to reach
                 # its end, so it makes room now by letting go of the files opened longest ago.
@@ -153,11 +153,13 @@ class DaemonPath:
         data: bytes | memoryview
         if handle.chunks is not None:
             data = await self._refetch(fh, handle, off, size)
+            _refuse_if_superseded(handle)
             self.stats.lost_page_reads += 1
             self.stats.bytes_of_lost_pages += len(data)
         elif content.data is None:
             assert handle.node is not None  # only files are streamed
             data = await self.calls.run(handle.node, content.read, off, size)
+            _refuse_if_superseded(handle)
         else:
             data = content.read(off, size)
             if handle.node is not None and not handle.direct_io and data:
@@ -476,3 +478,12 @@ class _Piece:
         if self.pooled:
             POOL.give(self.data)
             self.pooled = False
+
+
+def _refuse_if_superseded(handle: Handle) -> None:
+    """EIO for a read of an open that another has superseded (``_serving_other_bytes``), before or after any
+    wait: its bytes, answered after the superseding open was, would reach the one page cache of the inode."""
+    if handle.superseded:
+        assert handle.node is not None
+        raise OSError(errno.EIO, "changed while open, and opened again since: reopen the file",
+                      os.fsdecode(handle.node.path))

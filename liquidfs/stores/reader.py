@@ -122,6 +122,10 @@ class Content:
     pooled: bool = False
     #: Not read yet: read whole at the first read (``datapath.daemon.DaemonPath._read_later``).
     deferred: bool = False
+    #: Where the source changed since the scan: its ``stamp`` as read (None: the version the catalog describes).
+    #: Two opens of one size may then serve other bytes (a file rewritten in place): they never share the
+    #: inode's page cache unless their versions are the same.
+    version: tuple[int, int, int, int] | None = None
 
     def read(self, offset: int, length: int) -> bytes | memoryview:
         if self.data is not None:

@@ -35,6 +35,7 @@ from ..reader import (
     unfit_raw_row,
     read_settled,
     same_file,
+    stamp,
 )
 
 log = logging.getLogger(__name__)
@@ -240,9 +241,11 @@ class StoreReader:
                 chosen = self._original(node, problem)
             if chosen.st.st_size > WHOLE_FILE_LIMIT:
                 streamed = chosen.take()  # the content owns it now
-                return Content(size=chosen.st.st_size, raw=False, fd=streamed, fallback=chosen.fallback)
+                return Content(size=chosen.st.st_size, raw=False, fd=streamed, fallback=chosen.fallback,
+                               version=None if chosen.sealed else stamp(chosen.st))
             data = read_settled(chosen.fd, chosen.st, os.fsdecode(node.path))
-            return Content(size=len(data), raw=False, data=data, fallback=chosen.fallback, pooled=True)
+            return Content(size=len(data), raw=False, data=data, fallback=chosen.fallback, pooled=True,
+                           version=None if chosen.sealed else stamp(chosen.st))
         finally:
             chosen.close()
 

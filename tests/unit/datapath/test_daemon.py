@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -699,3 +700,76 @@ def test_a_file_the_warm_up_cannot_read_costs_only_that_file(ops: Operations, mo
     monkeypatch.setattr(serve, "warm_up_path", stopped)
     run(serve.warm_up, ops)
     assert ops.stats.warmup == "failed"
+
+
+def test_an_open_of_a_source_rewritten_in_place_at_its_size_supersedes_the_older_opens(tmp_path: Path) -> None:
+    """An open held in the cache (pages kept) serves the file as it was; the source rewritten in place, same
+    size: a new open reads the new bytes, and the two never share the inode's page cache (the older one's next
+    read is EIO, the new one bypasses it). They did: (raw, size) alike, a torn image for the new reader."""
+    ops = small_tree(tmp_path)
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    a = run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    for _ in range(3):  # held by the cache
+        info = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+        run(ops.read, info.fh, 0, 1 << 20)
+        run(ops.release, info.fh)
+    first = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    before = bytes(run(ops.read, first.fh, 0, 4096))
+    path = tmp_path / "src" / "d" / "a.bin"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.write(b"Z" * size)
+    second = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    try:
+        assert second.direct_io and bytes(run(ops.read, second.fh, 0, size)) == b"Z" * size
+        assert before != b"Z" * 4096
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            run(ops.read, first.fh, 4096, 904)
+        assert refused.value.errno == errno.EIO
+    finally:
+        run(ops.release, first.fh)
+        run(ops.release, second.fh)
+
+
+def test_a_read_of_a_superseded_open_in_flight_answers_no_bytes_and_pushes_none(tmp_path: Path) -> None:
+    """A first read waiting on storage with the old bytes in hand while the file changes and another open
+    supersedes it: answered EIO, and nothing of it is pushed into the page cache the new open reads."""
+    ops = ops_over(tmp_path, {"x": b"A" * 300_000}, None)
+    reader = ops.data_path.reader
+    real_open = reader.open
+    slow = [True]
+
+    def open_slowly(node):  # type: ignore[no-untyped-def]
+        content = real_open(node)
+        if slow[0]:
+            slow[0] = False
+            time.sleep(0.5)  # in a worker thread: the old bytes in hand, the reply still to come
+        return content
+
+    reader.open = open_slowly
+    stored: list[int] = []
+    ops.notifier.store = lambda ino, off, data, done: stored.append(off)  # type: ignore[method-assign]
+
+    async def main() -> BaseException | None:
+        x = await ops.lookup(ROOT_ID, b"x", CTX)
+        first = await ops.open(x.st_ino, os.O_RDONLY, CTX)
+        failed: list[BaseException] = []
+
+        async def read_first() -> None:
+            try:
+                await ops.read(first.fh, 0, 4096)
+            except pyfuse3.FUSEError as exc:
+                failed.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_first)
+            await trio.sleep(0.2)
+            (tmp_path / "src" / "x").write_bytes(b"Z" * 200_000)  # another size: the next open supersedes
+            second = await ops.open(x.st_ino, os.O_RDONLY, CTX)
+        await ops.release(first.fh)
+        await ops.release(second.fh)
+        return failed[0] if failed else None
+
+    failed = trio.run(main)
+    assert isinstance(failed, pyfuse3.FUSEError) and failed.errno == errno.EIO, failed
+    assert stored == []
