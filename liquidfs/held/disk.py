@@ -96,6 +96,12 @@ class DiskLevel(Level[_Entry], InFront):
     def open(self, node: Node) -> Content:
         decision = self.decide(node.id, node.size_served)
         entry = self.get(node.id) if decision.hit else None
+        if entry is not None and (entry.raw, entry.size) != (node.served_raw, node.size_served):
+            # Held as the other representation (the mix moved since it was stored): not what this open serves
+            # (a deferred open of the original would fail its first read on the raw bytes, every epoch)
+            self._forget(node.id)
+            entry = None
+            self.lost_hit(decision, node.size_served)
         if entry is not None and self.inner.check_source(node) is not None:
             # the source changed after this level stored its bytes: they are stale, never served
             log.info("disk cache: %s changed since it was stored; reading it again", os.fsdecode(node.path))

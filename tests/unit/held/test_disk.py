@@ -141,6 +141,23 @@ def test_a_hit_whose_source_changed_is_never_served(tmp_path: Path) -> None:
 
 
 
+def test_a_file_held_as_the_other_representation_is_no_hit(tmp_path: Path) -> None:
+    """Under --mix the share moves: a file stored while served as its original, opened once served raw (or the
+    other way), is read from the store, never served as the bytes of the other representation (a deferred open
+    failed its first read on them, every epoch)."""
+    from liquidfs.catalog.nodes import REPR_RAW
+
+    level, store = _level(tmp_path, 1.0)
+    rng = random.Random(4)
+    _epoch(level, rng)
+    opens = store.opens
+    as_raw = dataclasses.replace(_node(7), representation=REPR_RAW, served_size=SIZE * 3, object="objects/x")
+    store.open = lambda node: Content(size=SIZE * 3, raw=True, data=memoryview(b"r" * SIZE * 3))  # type: ignore[method-assign]
+    content = level.open(as_raw)
+    assert content.raw and content.size == SIZE * 3 and content.level == "storage"
+    assert store.opens == opens and level.lost == 1  # (the replaced open counts nothing)
+
+
 def test_a_link_put_at_the_levels_name_is_never_written_through(tmp_path: Path) -> None:
     """Where others may write the directory the level's is in, they can rename it and put a link at its name
     (to /etc/cron.d): every file is reached through the directory's descriptor, so nothing is written, read or
