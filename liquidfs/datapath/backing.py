@@ -62,6 +62,9 @@ class Backing:
     level: str = "storage"
     #: A memfd's or disk copy's ``content_digest``, where the mount's loops share backings (else None).
     digest: int | None = None
+    #: An original's source version where it changed since the scan (``Content.version``); None: the version
+    #: the catalog describes, which a later open sharing this backing checks the source against again.
+    version: tuple[int, int, int, int] | None = None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -120,10 +123,12 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
         if content.data is not None:
             fd = memfd_with(content.data, node.path)
             kind = "disk" if content.level == "disk" else "memfd"
-            return Backing(fd, content.size, content.raw, kind, content.fallback, level=content.level)
+            return Backing(fd, content.size, content.raw, kind, content.fallback, level=content.level,
+                           version=content.version)
         if content.fd is not None:  # a local file too large to read whole: the source itself
             fd, content.fd = content.fd, None
-            return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(os.fstat(fd)))
+            return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(os.fstat(fd)),
+                           version=content.version)
         return None
     finally:
         content.close()
@@ -138,7 +143,7 @@ def vouched(reader: LendsDescriptors, node: Node, *, cached_only: bool = False) 
     try:
         if not chosen.raw:
             return Backing(chosen.take(), chosen.st.st_size, raw=False, kind="source", fallback=chosen.fallback,
-                           stamp=stamp(chosen.st))
+                           stamp=stamp(chosen.st), version=None if chosen.sealed else stamp(chosen.st))
         if chosen.sealed and only_we_write(chosen.st):
             return Backing(chosen.take(), chosen.st.st_size, raw=True, kind="object", stamp=stamp(chosen.st))
         return None  # touched since prepare, or writable by others: read whole, checksum checked

@@ -231,9 +231,10 @@ class PassthroughPath:
             return await self.ranges.open(node, record, fh, job)
         try:
             changed = still_sound(entry.backing)
-            if changed is None and entry.backing.raw:
-                # The source's identity is checked at every open that serves a raw object: the first open's
-                # check vouched for that open only, and a source replaced since must not get the old image.
+            if changed is None and (entry.backing.raw or entry.backing.version is None):
+                # The source's identity is checked at every open that serves a raw object, or an original of
+                # the catalog's version (a copy in a memfd, or the source's old inode: a source replaced since
+                # must not get the old image); the first open's check vouched for that open only.
                 changed = await self.calls.source_changed(node)
             if changed is None:
                 self._count_again(node, record, entry, job)

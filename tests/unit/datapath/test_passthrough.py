@@ -156,19 +156,21 @@ def test_a_changed_source_serves_the_original_at_its_new_size(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change", ["replaced", "edited"])
-def test_an_open_that_joins_a_raw_backing_checks_the_source_again(tmp_path: Path, change: str) -> None:
-    """A raw object shared by the opens of its inode: an open made after the source changed (replaced by another
-    file, or edited in place) fails, never the old image; once the opens are closed, the next first open serves
-    the original."""
+@pytest.mark.parametrize("served", ["raw", "original", "original-in-memory"])
+def test_an_open_that_joins_a_backing_checks_the_source_again(tmp_path: Path, change: str, served: str) -> None:
+    """A backing shared by the opens of its inode (a raw object, an original's own descriptor, or a copy of it in
+    a memfd): an open made after the source changed (replaced by another file, or edited in place) fails, never
+    the old image; once the opens are closed, the next first open serves the new file. A replaced original's
+    descriptor (its old inode, unchanged) or a memfd copy said nothing of the change: joined, it served the old."""
     src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
-    ops, kernel = _ops(store)
-    node = next(n for n in _images(ops) if n.object)
+    ops, kernel = _ops(store, verify=served == "original-in-memory")  # verify_reads: every backing a memfd
+    node = next(n for n in _images(ops) if bool(n.object) == (served == "raw"))
     path = src / os.fsdecode(node.path)
     new = path.read_bytes() + b"new"
 
     async def main() -> bytes:
         first = await ops.open(node.id, os.O_RDONLY, CTX)
-        assert kernel.read(first.backing_id) == (store / node.object).read_bytes()
+        assert kernel.read(first.backing_id) == _expected(src, store, node)
         if change == "replaced":
             (src / "replacement").write_bytes(new)
             os.replace(src / "replacement", path)
