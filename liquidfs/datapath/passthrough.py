@@ -230,8 +230,12 @@ class PassthroughPath:
                 return None
             return await self.ranges.open(node, record, fh, job)
         try:
-            changed = still_sound(entry.backing)
-            if changed is None and (entry.backing.raw or entry.backing.version is None):
+            backing = entry.backing
+            if backing.stamp is None or self.reader.inline_check:
+                changed = still_sound(backing)  # no stat (a memfd), or one the local kernel answers
+            else:  # an fstat of a source on NFS or FUSE may wait on its server: never on the loop
+                changed = await self.calls.run(node, still_sound, backing, for_open=True)
+            if changed is None and (backing.raw or backing.version is None):
                 # The source's identity is checked at every open that serves a raw object, or an original of
                 # the catalog's version (a copy in a memfd, or the source's old inode: a source replaced since
                 # must not get the old image); the first open's check vouched for that open only.

@@ -191,6 +191,38 @@ def test_an_open_that_joins_a_backing_checks_the_source_again(tmp_path: Path, ch
     assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
 
 
+def test_a_join_checks_a_source_descriptor_on_a_remote_filesystem_off_the_loop(
+        prepared, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fstat of a source on NFS or FUSE may wait on its server: a second open of an open file re-checks its
+    backing in a worker thread there, never on the loop every request waits for (a local one: inline)."""
+    import threading
+
+    from liquidfs.datapath import passthrough as passthrough_module
+
+    _, store = prepared
+    ops, _ = _ops(store)
+    node = next(n for n in _images(ops) if not n.object)  # an original: its backing is the source's descriptor
+    where: list[bool] = []
+    real = passthrough_module.still_sound
+
+    def recorded(backing):  # type: ignore[no-untyped-def]
+        where.append(threading.current_thread() is threading.main_thread())
+        return real(backing)
+
+    monkeypatch.setattr(passthrough_module, "still_sound", recorded)
+
+    async def twice() -> None:
+        first = await ops.open(node.id, os.O_RDONLY, CTX)
+        second = await ops.open(node.id, os.O_RDONLY, CTX)
+        await ops.release(second.fh)
+        await ops.release(first.fh)
+
+    trio.run(twice)
+    monkeypatch.setattr(ops.data_path.reader, "inline_check", False)
+    trio.run(twice)
+    assert where == [True, False], where
+
+
 def test_an_open_that_joins_and_fails_to_be_counted_leaves_no_backing_behind(
         prepared, monkeypatch: pytest.MonkeyPatch) -> None:
     """The policy failing on a second open of an open file (a defect of ours, never the reader's): that open is an
