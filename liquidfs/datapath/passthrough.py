@@ -235,11 +235,12 @@ class PassthroughPath:
                 changed = still_sound(backing)  # no stat (a memfd), or one the local kernel answers
             else:  # an fstat of a source on NFS or FUSE may wait on its server: never on the loop
                 changed = await self.calls.run(node, still_sound, backing, for_open=True)
-            if changed is None and (backing.raw or backing.version is None):
-                # The source's identity is checked at every open that serves a raw object, or an original of
-                # the catalog's version (a copy in a memfd, or the source's old inode: a source replaced since
-                # must not get the old image); the first open's check vouched for that open only.
-                changed = await self.calls.source_changed(node)
+            if changed is None:
+                # The source's identity is checked at every open that serves a raw object, or an original (a
+                # copy in a memfd, or the source's old inode: a source replaced since must not get the old
+                # image), against the catalog or, for a source changed since the scan, the version the first
+                # open read; that open's check vouched for that open only.
+                changed = await self.calls.source_changed(node, backing.version)
             if changed is None:
                 self._count_again(node, record, entry, job)
         except BaseException:  # the count taken above goes with this open, or the backing outlives every reader

@@ -4,6 +4,7 @@ few at a time, each under ``--io-timeout``, so a hung disk or server fails one f
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import threading
@@ -174,10 +175,12 @@ class StorageCalls:
                 pass
         return await self.run(node, fn, *args, for_open=for_open)
 
-    async def source_changed(self, node: Node) -> str | None:
-        """None while ``node``'s source is the file the catalog describes (``check_source``), else what changed;
-        an open's check (under the opens' limiter)."""
-        return await self.inline_or_run(node, self.reader.check_source, node, for_open=True)
+    async def source_changed(self, node: Node, version: tuple[int, int, int, int] | None = None) -> str | None:
+        """None while ``node``'s source is the file the catalog describes (``check_source``), or the changed one
+        of ``version`` an earlier open served; else what changed. An open's check (under the opens' limiter)."""
+        check = self.reader.check_source if version is None else functools.partial(self.reader.check_source,
+                                                                                   version=version)
+        return await self.inline_or_run(node, check, node, for_open=True)
 
 
 def close_abandoned(value: object) -> None:

@@ -281,7 +281,12 @@ class Reader(Protocol):
 
     def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None: ...
 
-    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None: ...
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False,
+                     version: tuple[int, int, int, int] | None = None) -> str | None:
+        """None while the source is the file the catalog describes, or, given ``version``, the one of that
+        ``stamp`` (``Content.version``: a source changed since the scan, which an earlier open served); else
+        what changed."""
+        ...
 
     @property
     def inline_check(self) -> bool:
@@ -300,8 +305,9 @@ class InFront:
     def __init__(self, inner: Reader) -> None:
         self.inner = inner
 
-    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False) -> str | None:
-        return self.inner.check_source(node, st, cached_only=cached_only)
+    def check_source(self, node: Node, st: Any = None, *, cached_only: bool = False,
+                     version: tuple[int, int, int, int] | None = None) -> str | None:
+        return self.inner.check_source(node, st, cached_only=cached_only, version=version)
 
     @property
     def inline_check(self) -> bool:

@@ -268,13 +268,17 @@ class StoreReader:
         return (self.stamps_vouch and node.object_stamp is not None and st.st_size == node.served_size
                 and object_stamp(st) == node.object_stamp)
 
-    def check_source(self, node: Node, st: os.stat_result | None = None, *, cached_only: bool = False) -> str | None:
-        """None while the source is the file the catalog describes; else what changed. The path is walked below
+    def check_source(self, node: Node, st: os.stat_result | None = None, *, cached_only: bool = False,
+                     version: tuple[int, int, int, int] | None = None) -> str | None:
+        """None while the source is the file the catalog describes (or, given ``version``, the changed source an
+        earlier open was served: ``Content.version``); else what changed. The path is walked below
         the held root as every open walks it (``sysio.paths.stat_below``: no link, no other filesystem), never by a
         path ``stat``, which follows links on the way (a directory swapped for a link into the mount would make
         the daemon wait for itself). ``cached_only``: BlockingIOError where the walk would wait for the disk."""
         if st is None:
             st = stat_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)
+        if version is not None:
+            return None if stamp(st) == version else "source changed again since an open read it"
         if not same_file(node, st):
             return "source changed since prepare" if node.served_raw else "source changed since the scan"
         return None

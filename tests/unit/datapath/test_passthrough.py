@@ -157,20 +157,27 @@ def test_a_changed_source_serves_the_original_at_its_new_size(tmp_path: Path) ->
 
 @pytest.mark.parametrize("change", ["replaced", "edited"])
 @pytest.mark.parametrize("served", ["raw", "original", "original-in-memory"])
-def test_an_open_that_joins_a_backing_checks_the_source_again(tmp_path: Path, change: str, served: str) -> None:
+@pytest.mark.parametrize("since_scan", [False, True], ids=["catalog-version", "changed-since-scan"])
+def test_an_open_that_joins_a_backing_checks_the_source_again(tmp_path: Path, change: str, served: str,
+                                                              since_scan: bool) -> None:
     """A backing shared by the opens of its inode (a raw object, an original's own descriptor, or a copy of it in
     a memfd): an open made after the source changed (replaced by another file, or edited in place) fails, never
     the old image; once the opens are closed, the next first open serves the new file. A replaced original's
-    descriptor (its old inode, unchanged) or a memfd copy said nothing of the change: joined, it served the old."""
+    descriptor (its old inode, unchanged) or a memfd copy said nothing of the change: joined, it served the old.
+    ``since_scan``: the first open already served a source changed since the scan (its original, of a version
+    the catalog does not describe), which the join checks the source against: the join served it unchecked."""
     src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
     ops, kernel = _ops(store, verify=served == "original-in-memory")  # verify_reads: every backing a memfd
     node = next(n for n in _images(ops) if bool(n.object) == (served == "raw"))
     path = src / os.fsdecode(node.path)
+    if since_scan:
+        path.write_bytes(path.read_bytes() + b"since the scan")
+    first_served = path.read_bytes() if since_scan else _expected(src, store, node)
     new = path.read_bytes() + b"new"
 
     async def main() -> bytes:
         first = await ops.open(node.id, os.O_RDONLY, CTX)
-        assert kernel.read(first.backing_id) == _expected(src, store, node)
+        assert kernel.read(first.backing_id) == first_served
         if change == "replaced":
             (src / "replacement").write_bytes(new)
             os.replace(src / "replacement", path)
