@@ -177,7 +177,12 @@ async def steer(mix: Mix, controller: MixController, counters: Callable[[], tupl
     the node's, ``Stalls`` and ``CpuBusy``)."""
     pressure = pressure if pressure is not None else Stalls()
     busy = busy if busy is not None else CpuBusy()
-    pressure("cpu"), pressure("io")  # the counters' starting point, as ``busy``'s was taken when it was made
+    failed = False
+    try:
+        pressure("cpu"), pressure("io")  # the counters' starting point, as ``busy``'s was taken when it was made
+    except Exception as exc:  # as an interval's, below: the first interval then compares with nothing
+        log.warning("mix: the pressure could not be read (%s: %s)", type(exc).__name__, exc, exc_info=True)
+        failed = True
     opens_before, bytes_before = counters()
     before = trio.current_time()
     while True:
@@ -185,18 +190,34 @@ async def steer(mix: Mix, controller: MixController, counters: Callable[[], tupl
         opens, taken = counters()
         now = trio.current_time()
         elapsed = max(now - before, 1e-9)
-        cpu, io = pressure("cpu"), pressure("io")
-        cpu_busy = busy()
-        if cpu is None or io is None:
-            mix.set_share(mix.share, "hold: this kernel shows no pressure stall information (/proc/pressure)")
-        elif opens == opens_before:
-            # Nobody reads: the node's pressure says nothing about this mount's balance.
-            mix.set_share(mix.share, "hold: no opens in the last interval")
-        else:
-            seen = Observation(images_per_s=(opens - opens_before) / elapsed,
-                               storage_bytes_per_s=(taken - bytes_before) / elapsed,
-                               cpu_pressure=cpu, io_pressure=io, cpu_busy=cpu_busy or 0.0)
-            decision = controller.observe(seen)
-            mix.set_share(decision.share, f"{decision.reason}; {seen.images_per_s:.1f} opens/s")
+        try:
+            _observe(mix, controller, pressure, busy, (opens - opens_before) / elapsed,
+                     (taken - bytes_before) / elapsed)
+            failed = False
+        except Exception as exc:
+            # The steering runs in the mount's nursery: anything it raises would end the mount, every reader's
+            # files with it, over what is only a choice of representation. The share holds; a warning (with
+            # its traceback) where the previous interval was sound, and the reason in `liquidfs stats`.
+            log.log(logging.DEBUG if failed else logging.WARNING, "mix: this interval could not be judged "
+                    "(%s: %s); the share holds", type(exc).__name__, exc, exc_info=not failed)
+            failed = True
+            mix.set_share(mix.share, f"hold: the interval could not be judged ({type(exc).__name__})")
         log.info("mix: raw share %.3f: %s", mix.share, mix.reason)
         opens_before, bytes_before, before = opens, taken, now
+
+
+def _observe(mix: Mix, controller: MixController, pressure: Callable[[str], float | None],
+             busy: Callable[[], float | None], images_per_s: float, storage_bytes_per_s: float) -> None:
+    """One interval of ``steer``: what the node showed, given to ``controller``, its decision applied to ``mix``."""
+    cpu, io = pressure("cpu"), pressure("io")
+    cpu_busy = busy()
+    if cpu is None or io is None:
+        mix.set_share(mix.share, "hold: this kernel shows no pressure stall information (/proc/pressure)")
+    elif images_per_s == 0:
+        # Nobody reads: the node's pressure says nothing about this mount's balance.
+        mix.set_share(mix.share, "hold: no opens in the last interval")
+    else:
+        seen = Observation(images_per_s=images_per_s, storage_bytes_per_s=storage_bytes_per_s,
+                           cpu_pressure=cpu, io_pressure=io, cpu_busy=cpu_busy or 0.0)
+        decision = controller.observe(seen)
+        mix.set_share(decision.share, f"{decision.reason}; {seen.images_per_s:.1f} opens/s")

@@ -58,13 +58,27 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+#: Past any counter or quota the kernel writes (a u64): a larger number in a file is no reading.
+COUNTER_LIMIT: Final = 1 << 64
+
+
+def parse_counter(text: str) -> int:
+    """A non-negative kernel counter or quota in a file another user may write (a delegated cgroup's): ValueError
+    past a u64, where a number of a thousand digits would make the float arithmetic after it raise
+    OverflowError, which no caller expects (it ended the mix's steering, and the mount with it)."""
+    value = int(text)
+    if not 0 <= value < COUNTER_LIMIT:
+        raise ValueError(f"a counter out of range: {text[:40]}")
+    return value
+
+
 def parse_cpu_max(text: str) -> float | None:
     """cgroup v2's cpu.max ("QUOTA PERIOD"): the cores' worth it allows, or None for no limit ("max ...")."""
     fields = text.split()
     if not fields or fields[0] == "max":
         return None
-    period = int(fields[1]) if len(fields) > 1 else 100_000
-    return int(fields[0]) / period if period > 0 else None
+    period = parse_counter(fields[1]) if len(fields) > 1 else 100_000
+    return parse_counter(fields[0]) / period if period > 0 else None
 
 
 def least_cpu_max(groups: Iterable[str], read: Callable[[str], str | None] = read_text) -> float | None:

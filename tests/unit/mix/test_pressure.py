@@ -13,6 +13,7 @@ from typing import TypeVar
 import pytest
 
 from liquidfs.mix.pressure import CpuBusy, Stalls, read_pressure
+from liquidfs.sysio.cgroups import cpu_count
 
 T = TypeVar("T")
 
@@ -25,7 +26,7 @@ def test_pressure_files_are_read_as_shares() -> None:
 
 
 @pytest.mark.parametrize("fields", ["avg10=nan total=1", "avg10=inf total=1", "avg10=-5 total=1",
-                                    "avg10=100.5 total=1", "avg10=1.00 total=-7"])
+                                    "avg10=100.5 total=1", "avg10=1.00 total=-7", f"avg10=1.00 total=1{'0' * 400}"])
 def test_a_pressure_file_out_of_range_is_no_reading(tmp_path: Path, fields: str) -> None:
     """A delegated --pressure-dir's files are its user's: a NaN read as a stall steered the mix to the bottom of
     its range. Out of range, it is no reading (the controller holds)."""
@@ -101,6 +102,22 @@ def test_cpu_busy_of_a_group_is_over_the_cores_its_cpu_max_allows(tmp_path: Path
     now[0] += 10.0
     (container / "cpu.stat").write_text("usage_usec 5000000\n")  # all it may use, throughout
     assert busy() == pytest.approx(1.0)
+
+
+def test_counters_past_a_u64_are_no_reading(tmp_path: Path) -> None:
+    """A delegated group's cpu.stat or cpu.max is its user's: a usage of 400 digits made the division after it
+    raise OverflowError, which no caller caught (the mix's steering ended, and the mount with it)."""
+    group = tmp_path / "group"
+    group.mkdir()
+    (group / "cgroup.controllers").write_text("cpu\n")
+    (group / "cpu.max").write_text(f"1{'0' * 400} 100000\n")
+    (group / "cpu.stat").write_text(f"usage_usec 1{'0' * 400}\n")
+    busy = CpuBusy(group)
+    assert busy.cores == cpu_count()  # the quota is no reading: the affinity's cores
+    assert busy() is None
+    stat = tmp_path / "stat"
+    stat.write_text(f"cpu  1{'0' * 400} 0 100 700 100 0 0 0 0 0\n")
+    assert CpuBusy(tmp_path / "none", proc_stat=stat)() is None
 
 
 def _in_thread_with_deadline(call: Callable[[], T], seconds: float = 30.0) -> T:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import trio
@@ -132,6 +133,40 @@ def test_steer_holds_without_pressure_information() -> None:
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert mix.share == 0.5 and "no pressure stall information" in mix.reason
+
+
+def test_steer_holds_the_share_when_an_interval_cannot_be_judged(caplog: pytest.LogCaptureFixture) -> None:
+    """The steering runs in the mount's nursery: an exception of one interval (a reading no parser expected)
+    ended the mount. The share holds, the steering goes on, and the next sound interval is judged again."""
+    mix = Mix("adaptive", prepared=1.0, start=0.5)
+    controller = MixController(0.0, 1.0, mix.share, step=0.1, patience=1)
+    opens = [0]
+    broken = [True]
+
+    def pressure(kind: str) -> float | None:
+        if broken[0]:
+            raise OverflowError("integer division result too large for a float")
+        return {"cpu": 0.6, "io": 0.05}[kind]
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: steer(mix, controller, lambda: (opens[0], 0), interval=1.0,
+                                             pressure=pressure, busy=lambda: 0.1))
+            await trio.sleep(0.5)
+            for _ in range(3):
+                opens[0] += 50
+                await trio.sleep(1.0)
+            assert mix.share == 0.5 and "could not be judged (OverflowError)" in mix.reason
+            broken[0] = False
+            for _ in range(4):
+                opens[0] += 50
+                await trio.sleep(1.0)
+            assert mix.share > 0.5  # judged again
+            nursery.cancel_scope.cancel()
+
+    with caplog.at_level(logging.WARNING, logger="liquidfs.mix.share"):
+        trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(caplog.records) == 1 and caplog.records[0].exc_info  # at the first failure, not every interval
 
 
 def test_statistics_are_json() -> None:
