@@ -58,6 +58,10 @@ __all__ = ["CONTROL_ID", "CONTROL_NAME", "Operations"]
 #: 4.2-5.4 k files/s against 5.0-7.5 k, 147-207 us of the daemon's CPU a file against 93-170 (8 readers; BENCHMARKS.md,
 #: "Names that outlive an epoch").
 ATTR_TIMEOUT = 86_400.0
+#: The file type shown for each kind of row.
+_TYPE_OF_KIND = {KIND_FILE: stat.S_IFREG, KIND_DIR: stat.S_IFDIR, KIND_SYMLINK: stat.S_IFLNK}
+#: The bits of a row's mode shown (``Operations._attrs``): read, execute and the sticky bit.
+_MODE_SHOWN = 0o1555
 _BLOCK = 512
 #: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
 _MAX_LOGGED = 10_000
@@ -215,9 +219,10 @@ class Operations(pyfuse3.Operations):
         entry.generation = 0
         entry.entry_timeout = ATTR_TIMEOUT
         entry.attr_timeout = ATTR_TIMEOUT
-        mode = node.mode
-        # Read-only: no write bits, whatever the source says.
-        entry.st_mode = mode & ~(stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH)
+        # The type the row's kind says (a row whose mode names a device would make the kernel an inode of one),
+        # read and execute bits only: no write bits (read-only), and no set-user-ID or set-group-ID bit, which
+        # over the daemon's owner (root) would make a source user's program run as root on a mount with -o suid.
+        entry.st_mode = _TYPE_OF_KIND[node.kind] | (node.mode & _MODE_SHOWN)
         entry.st_nlink = node.nlink
         entry.st_uid = self.uid
         entry.st_gid = self.gid

@@ -3,10 +3,12 @@ errors as errnos, the open-file budget, over a real catalog and store."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
 import os
+import stat
 import threading
 from contextlib import ExitStack
 from pathlib import Path
@@ -59,6 +61,19 @@ def test_names_and_attributes_outlive_an_epoch_the_control_files_never_kept(ops:
         assert entry.entry_timeout >= 86_400 and entry.attr_timeout >= 86_400
     control = run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX)
     assert control.entry_timeout == 0 and control.attr_timeout == 0  # its statistics change at every read
+
+
+@pytest.mark.parametrize("kind", ["file", "directory"])
+def test_attributes_show_the_rows_kind_and_no_write_or_set_id_bits(ops: Operations, kind: str) -> None:
+    """Shown with the daemon's owner (root), a source user's set-user-ID program ran as root on a mount made
+    with -o suid; a row (the store's writer's) whose mode names a device made the kernel an inode of one. The
+    row's kind gives the type, and its read, execute and sticky bits alone are shown."""
+    d = run(ops.lookup, ROOT_ID, b"d", CTX)
+    entry = d if kind == "directory" else run(ops.lookup, d.st_ino, b"a.bin", CTX)
+    node = ops.catalog.get(entry.st_ino)
+    assert node is not None
+    shown = ops._attrs(dataclasses.replace(node, mode=stat.S_IFCHR | 0o7777))
+    assert shown.st_mode == (stat.S_IFDIR if kind == "directory" else stat.S_IFREG) | 0o1555
 
 
 def test_missing_names_and_writes(ops: Operations) -> None:
