@@ -50,6 +50,13 @@ def chunks(ids: Sequence[int], records: Sequence[bytes]) -> Iterator[tuple[int, 
         yield ids[end - 1], b"".join(records[start:end])
 
 
+def fit_name(name: bytes) -> bool:
+    """Whether a catalog's ``name`` can be a directory entry: 1 to ``NAME_MAX`` bytes, no NUL or '/', not '.'
+    or '..'. The catalog may be written by whoever can write the store: a '/' in a listed name makes the kernel
+    fail the whole listing (EIO), and libfuse cuts a name at a NUL (an alias of another entry)."""
+    return 0 < len(name) <= NAME_MAX and b"\0" not in name and b"/" not in name and name not in (b".", b"..")
+
+
 def record(ident: int, mode: int, name: bytes) -> bytes:
     return RECORD.pack(ident, mode, len(name)) + name
 
@@ -74,8 +81,7 @@ def read(chunk: bytes, pos: int = 0, after: int = 0) -> Iterator[tuple[int, int,
         ident, mode, length = RECORD.unpack_from(chunk, pos)
         end = pos + RECORD.size + length
         name = chunk[pos + RECORD.size:end]
-        if (not 0 < length <= NAME_MAX or len(name) != length or b"\0" in name or b"/" in name
-                or name in (b".", b"..") or ident >= 2**63):
+        if len(name) != length or not fit_name(name) or ident >= 2**63:
             raise MalformedRecord(pos, "has a malformed name or id")
         if ident <= previous:
             raise MalformedRecord(pos, f"does not ascend (id {ident} after {previous})")

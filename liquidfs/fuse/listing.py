@@ -63,7 +63,8 @@ SUPPORTED = bool(getattr(pyfuse3, "plain_readdir", False))
 PACKED = SUPPORTED and hasattr(pyfuse3, "readdir_reply_packed")
 #: Why ``pyfuse3.readdir_reply_packed`` stopped.
 _END_OF_CHUNK, _REPLY_FULL, _WANTS_ATTRIBUTES = 0, 1, 2
-#: Directories whose malformed packed listing was logged (once each, for so many).
+#: Directories whose malformed packed listing (their id), or a row of an unfit name (minus their id), was logged
+#: (once each, for so many).
 _WARNED: set[int] = set()
 _WARNED_AT_MOST = 100
 
@@ -116,6 +117,9 @@ def list_plus(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     the entries without the lookups). How many were listed."""
     listed = 0
     for node in child_rows(catalog.children, parent, after, FIRST_ROWS_PLUS, lambda node: node.id):
+        if not listings.fit_name(node.name):
+            _unfit(catalog, parent, node.name)
+            continue
         if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
             break
         looked_up(node)
@@ -186,6 +190,15 @@ def _malformed(catalog: Catalog, parent: int, pos: int) -> None:
                     "from its rows", parent, catalog.path, pos)
 
 
+def _unfit(catalog: Catalog, parent: int, name: bytes) -> None:
+    """A row whose name no directory entry can have (``listings.fit_name``): left out of the listing, said once a
+    directory (for so many)."""
+    if len(_WARNED) < _WARNED_AT_MOST and -parent not in _WARNED:
+        _WARNED.add(-parent)
+        log.warning("directory %d in %s has an entry named %r, which no file can be named; it is left out of the "
+                    "listing", parent, catalog.path, name[:300])
+
+
 def _bare_from_rows(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirToken,
                     attrs: Callable[[Node], pyfuse3.EntryAttributes], looked_up: Callable[[Node], None]
                     ) -> tuple[int, int]:
@@ -195,6 +208,9 @@ def _bare_from_rows(catalog: Catalog, parent: int, after: int, token: pyfuse3.Re
     with_attrs = bare = 0
     first = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
     for ident, name, mode in child_rows(catalog.child_entries, parent, after, first, lambda row: row[0]):
+        if not listings.fit_name(name):
+            _unfit(catalog, parent, name)
+            continue
         node = None if not plus or stat.S_ISREG(mode) else catalog.get(ident)
         if node is None:
             entry.st_ino = ident
