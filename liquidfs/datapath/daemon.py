@@ -79,6 +79,11 @@ class DaemonPath:
             await pushes.done.wait()
         decision = self._decide(node, record, job)
         held = self.held.get(inode) if self.held is not None and decision.hit else None
+        if held is not None and self.held is not None and self.held.held_raw(node) != node.served_raw:
+            # Held as the other representation than this open serves (the one another open of the file, served
+            # meanwhile, gets): not served under its label, where its pages would share the inode's page cache
+            # with that open's other bytes. Read from storage, as a hit whose bytes were not there.
+            held = None
         try:
             if held is not None:
                 content = await self._open_held(node, held)
@@ -96,8 +101,11 @@ class DaemonPath:
                     assert self.held is not None
                     self.held.lost_hit(decision, content.size)
         except BaseException:
-            if decision.hold and self.held is not None:
-                self.held.drop(node.id)  # the room the policy gave it, with no bytes to fill it (a failed read)
+            if (decision.hold or decision.hit) and self.held is not None:
+                # The room the policy gave it, with no bytes to fill it (a failed read); or a hit's bytes, which
+                # the policy let go at this read where it does not hold the file again, and which nothing else
+                # lets go (outside the budget until this file's next sound open).
+                self.held.drop(node.id)
             raise
         direct_io = self.page_cache == "direct" and held is None
         if content.size != record.size_told(node):
@@ -261,7 +269,7 @@ class DaemonPath:
         if content.pooled:
             content.pooled = False
             POOL.forget(content.data)
-        self.held.hold(node_id, content.data)
+        self.held.hold(node_id, content.data, content.raw)
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None

@@ -177,12 +177,22 @@ class InMemory(Level[T]):
 class MemoryLevel(InMemory[memoryview]):
     """The daemon data path's held files: their bytes in this process, safe from page-cache reclaim."""
 
-    def held_raw(self, node: Node) -> bool | None:
-        data = self._held.get(node.id)
-        return None if data is None else len(data) == node.served_size
+    def __init__(self, policy: NextEpochCache, stats: MountStats) -> None:
+        super().__init__(policy, stats)
+        #: The held files whose bytes are their raw objects (the rest: their originals). Recorded at the hold:
+        #: told from the size, an original padded to its raw object's size was taken for it.
+        self._raw: set[int] = set()
 
-    def hold(self, file: int, data: memoryview) -> None:
+    def held_raw(self, node: Node) -> bool | None:
+        return None if node.id not in self._held else node.id in self._raw
+
+    def hold(self, file: int, data: memoryview, raw: bool) -> None:
         self._put(file, data)
+        if raw:
+            self._raw.add(file)
+
+    def _let_go(self, file: int, value: memoryview) -> None:
+        self._raw.discard(file)
 
 
 @dataclass(frozen=True, slots=True)

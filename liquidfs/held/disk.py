@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
-from ..policy.next_epoch import NextEpochCache
+from ..policy.next_epoch import Decision, NextEpochCache
 from ..stores.reader import Content, InFront, Reader, private_digest
 from ..sysio.directio import POOL, read_span
 from ..sysio.locks import HeldLock, abandoned, unique
@@ -95,6 +95,20 @@ class DiskLevel(Level[_Entry], InFront):
 
     def open(self, node: Node) -> Content:
         decision = self.decide(node.id, node.size_served)
+        try:
+            return self._open_decided(node, decision)
+        except BaseException:
+            # (a source gone at the check of a hit, a failed read from storage) The room the policy gave it, with
+            # no copy to fill it; or a hit's copy the policy let go at this read, which nothing else would remove
+            # from the disk (no later open of the file is a hit that looks at it again).
+            if decision.hold:
+                self.drop(node.id)
+            else:
+                self._forget_unless_held(node.id)
+            raise
+
+    def _open_decided(self, node: Node, decision: Decision) -> Content:
+        """``open`` once the policy has counted it."""
         entry = self.get(node.id) if decision.hit else None
         if entry is not None and (entry.raw, entry.size) != (node.served_raw, node.size_served):
             # Held as the other representation (the mix moved since it was stored): not what this open serves

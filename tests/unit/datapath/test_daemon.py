@@ -773,3 +773,50 @@ def test_a_read_of_a_superseded_open_in_flight_answers_no_bytes_and_pushes_none(
     failed = trio.run(main)
     assert isinstance(failed, pyfuse3.FUSEError) and failed.errno == errno.EIO, failed
     assert stored == []
+
+
+def test_a_hit_held_as_the_other_representation_is_read_from_storage(tmp_path: Path) -> None:
+    """A hit whose held bytes are the other representation than the open serves (an original held, where the
+    open is served raw: as another open of the file, served meanwhile, is) is not served under this open's label,
+    where its pages would share the inode's page cache with that open's other bytes: the open reads storage."""
+    from liquidfs.policy.next_epoch import NextEpochCache
+
+    ops, raw, store = _raw_ops(tmp_path, cache=NextEpochCache(1 << 26, 1 << 26, 8, max_id=64))
+    node = raw[0]
+    level = ops.data_path.held
+    assert level is not None
+    for _ in range(2):  # two epochs: the policy holds it
+        fh = _open_node(ops, node)
+        run(ops.read, fh, 0, 1 << 22)
+        run(ops.release, fh)
+    assert node.id in level.held_items()
+    original = (tmp_path / "src" / os.fsdecode(node.path)).read_bytes()
+    padded = original + b"\0" * (int(node.served_size) - len(original))  # an original at the raw object's size
+    level.hold(node.id, memoryview(padded), raw=False)
+    fh = _open_node(ops, node)
+    assert bytes(run(ops.read, fh, 0, 1 << 22)) == (store / str(node.object)).read_bytes()
+    run(ops.release, fh)
+
+
+@pytest.mark.parametrize("held_again", [True, False])
+def test_a_hit_whose_open_fails_leaves_no_bytes_held(ops: Operations, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch, held_again: bool) -> None:
+    """A hit whose source is gone fails (ENOENT): the held bytes go with it, whether the policy holds the file
+    again (its room, now empty) or not (it let the file go at this read: the bytes stayed held, counted by no
+    budget, until the file's next sound open)."""
+    import dataclasses
+
+    a = run(ops.lookup, run(ops.lookup, ROOT_ID, b"d", CTX).st_ino, b"a.bin", CTX)
+    for _ in range(2):
+        fi = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+        run(ops.read, fi.fh, 0, 1 << 20)
+        run(ops.release, fi.fh)
+    data = ops.data_path
+    assert data is not None and data.held is not None and a.st_ino in data.held.held_items()
+    decide = data._decide
+    monkeypatch.setattr(data, "_decide", lambda *args: dataclasses.replace(decide(*args), hold=held_again))
+    (tmp_path / "src" / "d" / "a.bin").unlink()
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, a.st_ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.ENOENT
+    assert a.st_ino not in data.held.held_items() and a.st_ino not in data.held.policy.held

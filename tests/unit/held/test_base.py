@@ -3,6 +3,8 @@ questions the same way, each over the real next-epoch policy."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 
 from liquidfs.datapath.backing import memfd_with
 from liquidfs.policy.next_epoch import NextEpochCache
-from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
+from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
 from liquidfs.held.disk import DiskLevel
 from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, HeldLevel, Level, MemfdLevel, MemoryLevel
 from liquidfs.stores.reader import Content
@@ -45,7 +47,7 @@ def _policy() -> NextEpochCache:
 
 def _memory(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
     level = MemoryLevel(_policy(), MountStats())
-    return level, lambda i: level.hold(i, memoryview(bytes([i]) * SIZE))
+    return level, lambda i: level.hold(i, memoryview(bytes([i]) * SIZE), raw=False)
 
 
 def _memfd(tmp_path: Path) -> tuple[HeldLevel, Callable[[int], None]]:
@@ -141,3 +143,18 @@ def test_held_memfds_cost_their_pages_and_never_pass_the_descriptor_cap() -> Non
     assert policy.held_bytes <= policy.budget
     assert policy.charge(tiny) >= PAGE + MEMFD_OVERHEAD
     level.close()
+
+
+def test_the_memory_level_says_which_representation_it_holds_whatever_the_size() -> None:
+    """Told from its size, an original padded to its raw object's size (a source writer's choice) was taken for
+    the raw object, and served under that label beside opens of the raw object's bytes."""
+    level = MemoryLevel(_policy(), MountStats())
+    node = dataclasses.replace(_node(1), representation=REPR_RAW, served_size=SIZE, object="objects/x", checksum="c")
+    level.hold(1, memoryview(b"o" * SIZE), raw=False)
+    assert level.held_raw(node) is False
+    level.hold(1, memoryview(b"r" * SIZE), raw=True)
+    assert level.held_raw(node) is True
+    level.drop(1)
+    assert level.held_raw(node) is None
+    level.hold(1, memoryview(b"o" * SIZE), raw=False)
+    assert level.held_raw(node) is False  # not raw from an earlier hold

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from liquidfs.held import disk as disk_module
-from liquidfs.policy.next_epoch import NextEpochCache
+from liquidfs.policy.next_epoch import Decision, NextEpochCache
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.held.disk import DiskLevel
 from liquidfs.stores.reader import Content
@@ -282,3 +282,33 @@ def test_an_open_not_held_leaves_the_copy_another_open_readmitted_meanwhile(tmp_
     level.open(node)
     assert 5 in level.policy.held and 5 in level.held_items() and (level.dir / "5").exists()
     level.close()
+
+
+@pytest.mark.parametrize("held_again", [True, False])
+def test_a_hit_whose_open_fails_leaves_no_copy_on_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        held_again: bool) -> None:
+    """A hit whose source is gone fails (FileNotFoundError): its copy goes with it, whether the policy holds the
+    file again (its room, now empty) or not (it let the file go at this read: the copy stayed on the disk,
+    counted by no budget, as no later open of the file was a hit that looked at it again)."""
+    level, store = _level(tmp_path, 1.0)
+    _epoch(level, random.Random(5))
+    assert 9 in level.held_items()
+    read = level.policy.read
+
+    def read_of_9_not_held_again(file: int, *args: object) -> Decision:
+        decision = read(file, *args)
+        if file == 9 and not held_again:  # the policy lets it go at this read (its next use is too far)
+            level.policy.drop(file)
+            decision = dataclasses.replace(decision, hold=False)
+        return decision
+
+    monkeypatch.setattr(level.policy, "read", read_of_9_not_held_again)
+
+    def gone(node: Node, st: object = None) -> str | None:
+        raise FileNotFoundError(2, "No such file or directory", os.fsdecode(node.path))
+
+    store.check_source = gone  # type: ignore[method-assign]
+    with pytest.raises(FileNotFoundError):
+        level.open(_node(9))
+    assert 9 not in level.held_items() and 9 not in level.policy.held
+    assert not any(p.name == "9" for p in tmp_path.rglob("*"))
