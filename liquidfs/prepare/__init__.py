@@ -231,15 +231,22 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     chosen = chosen[: wanted()]
     catalog.select_raw(((o.path, o.row()) for o in chosen), ratio)
     with store.deleting() as allowed:
+        surplus = catalog.surplus_objects()
         if allowed:
-            report.deleted = _delete_surplus(catalog, store)
+            catalog.forget_expansions(path for path, _ in surplus)
         else:
-            report.kept_for_mounts = len(catalog.surplus_objects())
+            report.kept_for_mounts = len(surplus)
         report.raw_served = len(chosen)
         report.target = wanted()
         _, report.bytes_served, report.bytes_source, _ = catalog.file_totals()
-        _, report.bytes_objects = catalog.expanded_objects()
-        publish()
+        kept, report.bytes_objects = catalog.expanded_objects()
+        publish()  # (the catalog is closed)
+        if allowed:
+            # Only once the catalog that names none of them is the one in place: a run killed between the two
+            # left the catalog mounts read naming deleted objects (each served as its original, at another
+            # size than its lookup said, until the next prepare). Killed after it, the objects are strays the
+            # next run removes.
+            report.deleted = _delete_surplus(store, [obj for _, obj in surplus], kept)
     report.seconds = time.monotonic() - started
     return report
 
@@ -317,12 +324,10 @@ def _record(catalog: Catalog, outcomes: list[Outcome]) -> None:
     catalog.record_expansions((o.path, o.row()) for o in outcomes if not _transient(o.reason))
 
 
-def _delete_surplus(catalog: Catalog, store: Store) -> int:
-    """Objects no node points at any more, and leftovers of killed runs; only after the selection commits."""
-    surplus = catalog.surplus_objects()
-    store.delete([obj for _, obj in surplus])
-    catalog.forget_expansions(path for path, _ in surplus)
-    kept, _ = catalog.expanded_objects()
+def _delete_surplus(store: Store, surplus: list[str], kept: set[str]) -> int:
+    """The ``surplus`` objects no node points at any more (their expansions forgotten), and leftovers of killed
+    runs (any object but those ``kept``); only after the catalog that names none of them is published."""
+    store.delete(surplus)
     store.delete(store.stray(kept))
     return len(surplus)
 

@@ -453,3 +453,30 @@ def test_a_row_whose_version_a_catalog_writer_cleared_is_a_changed_file(prepared
         assert bytes(content.data or b"") == (src / os.fsdecode(node.path)).read_bytes()
     finally:
         content.close()
+
+
+def test_surplus_objects_are_deleted_only_once_the_catalog_in_place_names_none_of_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lowering the ratio deleted the objects no node serves any more before the catalog that drops them was put
+    in place: a run killed between the two left mounts a catalog naming deleted objects. At each deletion, the
+    catalog in place names none of the objects deleted."""
+    src = make_sample(tmp_path / "src", count=8, width=64, height=32, seed=2)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    deleted: list[str] = []
+    delete = LocalStore.delete
+
+    def checked_delete(self: LocalStore, objs: list[str]) -> None:
+        catalog = Catalog.open(store, readonly=True)
+        try:
+            named = {n.object for n in catalog.files() if n.served_raw}
+        finally:
+            catalog.close()
+        assert not named & set(objs), "deleted while the catalog in place still names them"
+        deleted.extend(objs)
+        delete(self, objs)
+
+    monkeypatch.setattr(LocalStore, "delete", checked_delete)
+    report = prepare(src, store, 0.5, progress=False)
+    assert report.deleted == 4 and len(deleted) == 4
+    assert not any((store / obj).exists() for obj in deleted)
