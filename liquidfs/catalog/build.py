@@ -592,7 +592,13 @@ def current_catalog(source: str | os.PathLike[str], store_dir: str | os.PathLike
     except CatalogError:
         catalog.close()
         raise
-    stale = catalog.staleness()
+    try:
+        stale = catalog.staleness()
+    except sqlite3.DatabaseError as exc:
+        # Pages a crash left unwritten, past the few the open read: said as the open says it, never a traceback.
+        catalog.close()
+        raise CatalogError(f"{path} is damaged ({exc}): a damaged catalog (a crash while it was written) is made "
+                           "again by `liquidfs mount --rescan`, or removed") from exc
     if stale is None:
         return catalog, FRESH
     catalog.close()

@@ -583,3 +583,23 @@ def test_a_file_another_file_is_mounted_on_is_left_out_and_one_mounted_since_is_
     with _mounted(src, tmp_path / "store", [["--bind", other, str(src / "b.png")]],
                   ["--bind", other, str(src / "c.png")]) as shown:
         assert b"b.png" not in shown and {b"a.png", b"c.png"} <= shown, shown
+
+
+def test_a_catalog_damaged_past_the_pages_its_open_reads_is_a_clear_error(tmp_path: Path) -> None:
+    """A crash while a catalog was written can leave pages past the few its open reads damaged: the freshness
+    check's query met them, and the mount or prepare ended in sqlite3's traceback. The same error as a damaged
+    catalog's open, which says what makes it again."""
+    src = tmp_path / "src"
+    for d in range(30):
+        (src / f"d{d}").mkdir(parents=True)
+        for i in range(30):
+            (src / f"d{d}" / f"f{i}.bin").write_bytes(b"x")
+    build(src, tmp_path / "store")
+    path = tmp_path / "store" / "catalog.sqlite"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        for offset in range(size // 2, size, 4096):  # the later half's pages (the meta row is in the first)
+            f.seek(offset + 100)
+            f.write(b"\xa5" * 2000)
+    with pytest.raises(CatalogError, match="damaged.*--rescan"):
+        open_or_build(src, tmp_path / "store")
