@@ -271,6 +271,11 @@ def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, 
     """
     started = time.monotonic()
     root = os.fsencode(os.path.abspath(source))
+    try:  # the catalog names its source as text: said now, not after a walk of ten million files
+        root.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CatalogError(f"{os.fsdecode(root)!r}: the source's path is not UTF-8, which a catalog cannot name; "
+                           "give it through a link of a UTF-8 name (names below it may be any bytes)") from None
     # The root as named (a link there is the user's choice); every directory below is reached from it, never
     # through a link (``sysio.paths.open_dir_below``), as the mount reaches the files.
     try:

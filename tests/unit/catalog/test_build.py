@@ -603,3 +603,17 @@ def test_a_catalog_damaged_past_the_pages_its_open_reads_is_a_clear_error(tmp_pa
             f.write(b"\xa5" * 2000)
     with pytest.raises(CatalogError, match="damaged.*--rescan"):
         open_or_build(src, tmp_path / "store")
+
+
+def test_a_source_whose_path_is_not_utf8_is_refused_before_the_walk_and_a_link_to_it_serves(tmp_path: Path) -> None:
+    """The catalog names its source as text: a path of other bytes failed in sqlite3 (UnicodeEncodeError) after
+    the whole walk. Refused at once, saying what works; names below the source may be any bytes."""
+    source = os.fsencode(tmp_path) + b"/caf\xe9"
+    os.makedirs(source + b"/d\xff")
+    with open(source + b"/d\xff/a.bin", "wb") as f:
+        f.write(b"x")
+    with pytest.raises(CatalogError, match="not UTF-8"):
+        build(os.fsdecode(source), tmp_path / "store")
+    (tmp_path / "link").symlink_to(os.fsdecode(source))
+    report = build(tmp_path / "link", tmp_path / "store")
+    assert report.files == 1
