@@ -182,6 +182,9 @@ class WorkingCopy:
 
     def __init__(self, store_dir: Path) -> None:
         self.final = store_dir / CATALOG_NAME
+        # Copies of killed prepares (as large as the catalog each: gigabytes at ten million files), which only a
+        # scan's writer removed, and a fresh catalog is not scanned again.
+        _remove_abandoned(store_dir)
         self.path, self.lock = _in_the_making(store_dir)
         try:
             source = connect(self.final, readonly=True)

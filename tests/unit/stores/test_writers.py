@@ -480,3 +480,26 @@ def test_surplus_objects_are_deleted_only_once_the_catalog_in_place_names_none_o
     report = prepare(src, store, 0.5, progress=False)
     assert report.deleted == 4 and len(deleted) == 4
     assert not any((store / obj).exists() for obj in deleted)
+
+
+def test_the_catalog_copies_of_killed_prepares_are_removed_by_the_next(tmp_path: Path) -> None:
+    """A prepare killed midway leaves its private copy of the catalog (as large as the catalog): only a scan's
+    writer removed such copies, and the next prepare of an unchanged source scans nothing. A copy whose writer
+    lives (its lock held) is left alone."""
+    from liquidfs.sysio.locks import HeldLock
+
+    src = make_sample(tmp_path / "src", count=4, width=64, height=32, seed=3)
+    store = tmp_path / "store"
+    prepare(src, store, 0.5, progress=False)
+    dead = store / f"{CATALOG_NAME}.new-killed"
+    dead.write_bytes(b"a copy" * 1000)
+    (store / f"{CATALOG_NAME}.new-killed.lock").write_bytes(b"")
+    live = store / f"{CATALOG_NAME}.new-running"
+    live.write_bytes(b"a copy")
+    held = HeldLock(Path(f"{live}.lock"))
+    try:
+        prepare(src, store, 1.0, progress=False)
+        assert not dead.exists() and not (store / f"{CATALOG_NAME}.new-killed.lock").exists()
+        assert live.exists()
+    finally:
+        held.release()
