@@ -24,7 +24,7 @@ from pathlib import Path
 from ..sysio.home import cache_home
 from ..sysio.paths import mounted_below, open_dir, stat_below
 from . import listings
-from .nodes import CONTROL_ID, REPR_RAW, ROOT_ID, ExpansionRow, Node
+from .nodes import CONTROL_ID, KIND_FILE, REPR_RAW, ROOT_ID, ExpansionRow, Node
 from .schema import (EXPANSION_COLUMNS, FILE_IDENTITY, IDENTITY_INO_CTIME, NODE_COLUMNS, SCHEMA_VERSION,
                      UNLISTED, CatalogError, migrate, schema_version)
 from .store_dir import check_store_dir
@@ -313,6 +313,13 @@ class Catalog:
                 "WHERE path=? AND kind=0",
                 [(x.raw_size, x.object, x.checksum, x.object_stamp, path) for path, x in chosen])
             self.set_meta("ratio", repr(ratio))
+
+    def refresh_file(self, node: Node) -> None:
+        """Record a file's size, mtime and version as ``node`` says them now (a file changed in place since the
+        scan, which its directory's mtime does not show: ``Store.since_scan``)."""
+        with self.transaction():
+            self.db.execute("UPDATE nodes SET size=?, mtime_ns=?, etag=? WHERE id=? AND kind=?",
+                            (node.size, node.mtime_ns, node.etag, node.id, KIND_FILE))
 
     def surplus_objects(self) -> list[tuple[bytes, str]]:
         """(path, object) of the expansions no node serves any more."""

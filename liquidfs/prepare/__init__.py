@@ -171,6 +171,10 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                     node = next(queue, None)
                     if node is None:
                         break
+                    now = store.since_scan(node)
+                    if now is not None:  # changed in place: its row said what it was at the scan
+                        catalog.refresh_file(now)
+                        node = now
                     prior = known.get(node.path)
                     if prior is not None and prior.describes(node):
                         if prior.object is None and prior.reason is not None:  # refused before, for a lasting reason

@@ -65,6 +65,12 @@ class Store(Protocol):
 
     def exists(self, obj: str) -> bool: ...
 
+    def since_scan(self, node: Node) -> Node | None:
+        """``node`` as its source is now, where the file was changed in place since the catalog's scan (a write,
+        a truncation, its mtime put back: nothing its directory's mtime shows, so the catalog stays fresh); None
+        where it is as the row says, or where only a new scan or listing can tell (gone, replaced, an object
+        store's). Prepare refreshes the row and expands what the file holds now, in a prepare's block only."""
+
     def delete(self, objs: list[str]) -> None: ...
 
     def stray(self, kept: set[str]) -> list[str]:

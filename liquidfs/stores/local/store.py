@@ -11,6 +11,7 @@ Layout of a store directory::
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
-from ...catalog.identity import object_key
+from ...catalog.identity import file_version, object_key
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...catalog.store_dir import check_store_dir
@@ -36,7 +37,8 @@ from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
 from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
-from ...sysio.paths import open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer
+from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer,
+                            stat_below)
 from ...sysio.safefiles import replace_file
 from ..base import Job, Preparation
 from ..reader import OBJECT_NAME, Reader, same_file
@@ -148,6 +150,7 @@ class LocalStore:
         self.label = str(self.store_dir)
         self._subdirs: dict[str, os.stat_result] = {}  # objects/<sub>, stat-ed once by ``exists``
         self._held: tuple[int, int] | None = None  # the first reader's directories (``reader``), for the process
+        self._root_fd: int | None = None  # the source root, held while a prepare runs (``since_scan``)
 
     @classmethod
     def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
@@ -227,14 +230,29 @@ class LocalStore:
             try:
                 # The copy prepare reads its source root from (``catalog.source``) must name this source: the
                 # catalog may have been replaced since open_or_build checked it.
-                self.source_root(work.catalog)
+                self._root_fd = open_dir(self.source_root(work.catalog))
                 # After a failure the catalog is published all the same: the selection is unchanged, and what was
                 # expanded is known to the next run.
                 yield Preparation(work.catalog, work.publish, keep_after_failure=work.publish)
             finally:
+                if self._root_fd is not None:
+                    os.close(self._root_fd)
+                    self._root_fd = None
                 work.discard()  # after a publish: nothing left to do
         finally:
             os.close(held)
+
+    def since_scan(self, node: Node) -> Node | None:
+        """One stat of the file, walked below the source root as every open walks it (no link followed)."""
+        if self._root_fd is None:
+            return None
+        try:
+            st = stat_below(self._root_fd, node.path, os.fsencode(self.source))
+        except OSError:
+            return None  # gone, or a directory on the way replaced: its directory changed, a scan will say
+        if not stat.S_ISREG(st.st_mode) or same_file(node, st):
+            return None
+        return dataclasses.replace(node, size=st.st_size, mtime_ns=st.st_mtime_ns, etag=file_version(st))
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         return expand_one, (root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,

@@ -335,6 +335,11 @@ class BucketStore:
     def exists(self, obj: str) -> bool:
         return obj in self._objects()
 
+    def since_scan(self, node: Node) -> Node | None:
+        """None: a HEAD per image would cost what the listing saves; an object rewritten since is caught by the
+        listing of the next prepare (``--refresh``) and by every mount's read (its ETag)."""
+        return None
+
     def delete(self, objs: list[str]) -> None:
         delete_keys(self.client, self.store.bucket, [self.store.key(obj) for obj in objs])
         if self._listed is not None:

@@ -503,3 +503,40 @@ def test_the_catalog_copies_of_killed_prepares_are_removed_by_the_next(tmp_path:
         assert live.exists()
     finally:
         held.release()
+
+
+def test_an_image_rewritten_in_place_is_expanded_again_by_the_next_prepare(tmp_path: Path) -> None:
+    """A write in place (its mtime put back, as `cp -p` or `rsync -t` does) changes nothing its directory shows:
+    the catalog stayed fresh, the next prepare reused the row and the stale object of what the file held at the
+    scan, and the mount served the original forever (its identity check refused the object). The next prepare
+    refreshes the row and expands the image as it is now; the rest is reused."""
+    import io
+
+    from PIL import Image
+
+    from liquidfs.expand import formats
+
+    src = make_sample(tmp_path / "src", count=4, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    node = next(n for n in catalog.files() if n.served_raw)
+    catalog.close()
+    path = src / os.fsdecode(node.path)
+    folder = path.parent.stat().st_mtime_ns
+    st = path.stat()
+    other = io.BytesIO()
+    Image.new("RGB", (64, 32), (200, 10, 30)).save(other, "PNG")
+    with open(path, "r+b") as f:  # in place: the same inode
+        f.truncate(0)
+        f.write(other.getvalue())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.parent.stat().st_mtime_ns == folder  # nothing a scan's freshness check sees
+    report = prepare(src, store, 1.0, progress=False)
+    assert report.expanded == 1 and report.reused == 3
+    catalog = Catalog.open(store, readonly=True)
+    now = catalog.get(node.id)
+    catalog.close()
+    assert now is not None and now.served_raw and now.size == len(other.getvalue()) and now.etag != node.etag
+    assert formats.same_pixels(path.read_bytes(), (store / str(now.object)).read_bytes())
+    assert verify(store, progress=False) == []
