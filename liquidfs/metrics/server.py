@@ -24,10 +24,10 @@ The threads share the GIL with the loop, so everything they may cost is still bo
   back soon; a request is read up to 8 KiB;
 - one peer (an IPv4 address, or an IPv6 /64: one host's) holds at most ``max_per_peer`` connections at once, so
   a client that keeps connections open and idle cannot hold every slot and make every scrape wait. At the cap a
-  new connection closes that peer's oldest one that has sent nothing yet, never itself: on the default loopback
-  address every local user is one peer, and a scraper (which sends its request as soon as it is connected) must
-  not be turned away because another user holds idle connections. Only where all of the peer's connections are
-  mid-request is the new one closed as it is accepted;
+  new connection closes that peer's oldest one that has not sent its whole request head (idle, or trickling it),
+  never itself: on the default loopback address every local user is one peer, and a scraper (which sends its
+  request as soon as it is connected) must not be turned away because another user holds such connections. Only
+  where all of the peer's connections are being answered is the new one closed as it is accepted;
 - accept failing for want of descriptors or memory (EMFILE, ENFILE, ENOMEM, ENOBUFS) is waited out (100 ms),
   not fatal.
 
@@ -133,7 +133,9 @@ class MetricsServer:
         self._stopping = False
         self._open: set[socket.socket] = set()
         self._per_peer: dict[str, int] = {}  # connections open now per peer (those with any)
-        # Open connections that have sent nothing yet, and their peers, oldest first: those closed at a peer's cap.
+        # Open connections that have not sent their whole request head yet, and their peers, oldest first: those
+        # closed at a peer's cap. (Those that had sent nothing, at first: a local user holding its peer's
+        # connections each one byte into a request refused every local scrape.)
         self._silent: dict[socket.socket, str] = {}
         self._turned_away = 0
         self._address: tuple[str, int] = ("", 0)
@@ -309,8 +311,8 @@ class MetricsServer:
         return None
 
     def _close_oldest_silent(self, peer: str) -> bool:
-        """Shut ``peer``'s oldest connection that has sent nothing (its worker then closes it and gives its slot
-        back); False where it has none. Under the lock, so its worker has not closed it yet."""
+        """Shut ``peer``'s oldest connection that has not sent its whole request head (its worker then closes it
+        and gives its slot back); False where it has none. Under the lock, so its worker has not closed it yet."""
         oldest = next((conn for conn, owner in self._silent.items() if owner == peer), None)
         if oldest is None:
             return False
@@ -369,10 +371,11 @@ class MetricsServer:
             chunk = conn.recv(min(4096, _MAX_REQUEST - len(request)))
             if not chunk:
                 return
-            if not request:  # it spoke: no longer the one closed for its peer's next connection
-                with self._lock:
-                    self._silent.pop(conn, None)
             request += chunk
+        # Its request is whole: no longer one closed for its peer's next connection (one that trickles its bytes
+        # is, as one that sends none).
+        with self._lock:
+            self._silent.pop(conn, None)
         path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b"/"
         found = path.split(b"?")[0] in (b"/", b"/metrics")
         with self._lock:

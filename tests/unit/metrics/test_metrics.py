@@ -515,6 +515,29 @@ def test_scrapes_from_the_peer_of_idle_connections_close_its_oldest_idle_one() -
     _with_server(client, CountingValues(), time_limit=60)
 
 
+def test_connections_that_trickle_their_request_are_closed_for_a_scrape_of_their_peer() -> None:
+    """One byte sent into each of the peer's four connections and no more: none was idle, so each local scrape
+    was closed unanswered at the cap, until those connections' request deadline (a local user could renew them
+    for good). A connection whose request head is not whole is closed for its peer's next one, as an idle one."""
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        trickling: list[socket.socket] = []
+        try:
+            _idle_from("127.0.0.1", port, 4, trickling)
+            for sock in trickling:
+                sock.sendall(b"G")
+            _wait_for(lambda: _stats(server).connections == 4)
+            time.sleep(0.2)  # each worker has read its byte
+            reply = _get_from("127.0.0.1", port, timeout=10)
+            assert reply.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in reply
+            assert trickling[0].recv(1) == b"" and _stats(server).turned_away == 1
+        finally:
+            for sock in trickling:
+                sock.close()
+
+    _with_server(client, CountingValues(), time_limit=60, request_timeout=30)
+
+
 def test_a_connection_that_does_not_send_its_request_in_time_is_dropped() -> None:
     """The request line and headers have a deadline of their own, shorter than the connection's time limit:
     idle connections, and ones that trickle a byte at a time, give their slot back at it."""
