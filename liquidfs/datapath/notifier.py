@@ -16,6 +16,8 @@ from ..sysio.thread_names import NOTIFIER, name_this_thread
 
 log = logging.getLogger(__name__)
 
+#: Seconds ``Notifier.stop`` waits for the thread to finish the call it is in.
+STOP_WAIT = 5.0
 #: Worker threads dropping attributes at once (``Notifier.new_size``), on a limiter of their own: an open that
 #: waits for one must not wait behind storage reads, memfd copies or /proc lookups in trio's default limiter.
 ATTR_THREADS = 4
@@ -32,6 +34,8 @@ class Notifier:
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[_Invalidate | _Store | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        #: Set at unmount: what is still queued is never sent (the session is about to close).
+        self._stopping = False
         self.sent = 0
         self._attrs = trio.CapacityLimiter(ATTR_THREADS)
 
@@ -61,6 +65,8 @@ class Notifier:
         self._put(_Store(inode, offset, data, done, trio.lowlevel.current_trio_token()))
 
     def _put(self, item: _Invalidate | _Store) -> None:
+        if self._stopping:
+            return
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=NOTIFIER, daemon=True)
             self._thread.start()
@@ -69,6 +75,8 @@ class Notifier:
     def _run(self) -> None:
         name_this_thread(NOTIFIER)
         while (item := self._queue.get()) is not None:
+            if self._stopping:
+                continue  # unmounting: pages and attributes of a mount going away need no word
             ok = False
             try:
                 if isinstance(item, _Store):
@@ -89,9 +97,18 @@ class Notifier:
                     pass
 
     def stop(self) -> None:
+        """At unmount, before the session closes: nothing queued is sent any more, and the thread ends once out of
+        the call it is in. A call made after ``pyfuse3.close`` would use the session it frees; a long queue of
+        stores (a pushed file each) once took longer than the wait, and was still being sent as it closed."""
+        self._stopping = True
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(5)
+            self._thread.join(STOP_WAIT)
+            if self._thread.is_alive():
+                # In the kernel still: a store waits for a page a read holds locked, which the stopped loop will
+                # never answer (the watchdog aborts the connection where the process cannot end).
+                log.warning("the notifier is still in a kernel call after %g s; closing the session regardless",
+                            STOP_WAIT)
 
 
 def _guarded(done: Callable[[bool], None], ok: bool) -> None:
