@@ -369,14 +369,22 @@ class Operations(pyfuse3.Operations):
         record.opens += 1  # until its release (``_release``)
         mixed = self.mix is not None and node.served_raw and not record.fell_back
         row = node  # the catalog's: what a GETATTR says where no other size was told (the mix's view is not)
+        viewed = False  # this open counted by the mix (``Mix.view``): released with it, never another's count
         try:
             if mixed:
-                node = await self._mixed(data, node, record)
+                assert self.mix is not None
+                view, swapped = self.mix.view_held(node, data.held)
+                viewed = True
+                self.stats.held_swapped += swapped
+                # Where the view is another size than the kernel was told, its attributes are dropped before the
+                # open is answered.
+                await self._tell_size(node, record, view.size_served)
+                node = view
             job = await self.jobs.job(ctx.pid, ctx.uid) if self.jobs is not None else 0
             handle = await data.open(node, record, self._new_fh(), job)
         except BaseException:
             record.opens -= 1
-            if mixed:
+            if viewed:
                 assert self.mix is not None
                 self.mix.release(node.id)
             self.inodes.tidy(record)
@@ -413,15 +421,6 @@ class Operations(pyfuse3.Operations):
                     # Sizes let go to make room (files no loop has open): the kernel must not keep them.
                     self.notifier.invalidate(let_go, attr_only=True)
             await self.notifier.new_size(node.id)
-
-    async def _mixed(self, data: DataPath, node: Node, record: Inode) -> Node:
-        """``node`` as the mix serves this open (its raw object, or its original); where that is another size
-        than the kernel was told, the kernel's attributes of it are dropped before the open is answered."""
-        assert self.mix is not None
-        view, swapped = self.mix.view_held(node, data.held)
-        self.stats.held_swapped += swapped
-        await self._tell_size(node, record, view.size_served)
-        return view
 
     def _new_fh(self) -> int:
         fh = self._next_fh

@@ -1173,3 +1173,34 @@ def test_a_raw_file_served_as_its_original_by_the_mix_is_told_its_size_again_if_
     # The size is the shared table's alone: the kernel's FORGET may reach another loop, so a size kept in this
     # loop's record would keep the record for as long as the mount lives.
     assert raw.id not in ops.inodes._records and ops.inodes.size_told(raw) == raw.size
+
+
+def test_an_open_that_fails_before_the_mix_counted_it_releases_no_other_opens_count(
+        prepared: tuple[Path, Path]) -> None:
+    """An open whose view failed before the mix counted it released the mix's count all the same: another open of
+    the file, still served, lost its count, and the next open could be given the other representation (another
+    size) beside it."""
+    from liquidfs.mix.share import Mix
+
+    _, store = prepared
+    ops, _ = _ops(store)
+    ops.mix = Mix(1.0, 1.0)
+    raw = next(n for n in _images(ops) if n.served_raw)
+
+    async def main() -> None:
+        first = await ops.open(raw.id, os.O_RDONLY, CTX)
+        assert ops.mix is not None and ops.mix.is_open(raw.id)
+        view_held = ops.mix.view_held
+
+        def broken(node, held):  # type: ignore[no-untyped-def]
+            raise RuntimeError("a bug before the view")
+
+        ops.mix.view_held = broken  # type: ignore[method-assign]
+        with pytest.raises(pyfuse3.FUSEError):
+            await ops.open(raw.id, os.O_RDONLY, CTX)
+        ops.mix.view_held = view_held  # type: ignore[method-assign]
+        assert ops.mix.is_open(raw.id)  # the first open's count stands
+        await ops.release(first.fh)
+        assert not ops.mix.is_open(raw.id)
+
+    trio.run(main)
