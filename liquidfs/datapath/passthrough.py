@@ -330,10 +330,12 @@ class PassthroughPath:
             if held is not None:
                 # This open's own descriptor of the memfd, taken before the wait below: meanwhile another open's
                 # decision may let the held file go, and the level closes its descriptor then.
-                served = Backing(os.dup(held.fd), held.size, held.raw, "memfd", digest=held.digest)
-                # Not held again at this hit, or let go while its copy was made (kept for this open): its memfd
-                # lives as long as this open.
-                self.held.release(node.id)
+                try:
+                    served = Backing(os.dup(held.fd), held.size, held.raw, "memfd", digest=held.digest)
+                finally:
+                    # Not held again at this hit, or let go while its copy was made (kept for this open): its
+                    # memfd lives as long as this open (where the dup failed, EMFILE: not at all).
+                    self.held.release(node.id)
                 try:
                     changed = await self.calls.source_changed(node)
                 except BaseException:

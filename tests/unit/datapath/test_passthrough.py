@@ -5,6 +5,7 @@ The kernel is a fake that records registrations; the mount suite shows the real 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import time
@@ -1204,3 +1205,39 @@ def test_an_open_that_fails_before_the_mix_counted_it_releases_no_other_opens_co
         assert not ops.mix.is_open(raw.id)
 
     trio.run(main)
+
+
+def test_a_hit_whose_descriptor_cannot_be_taken_leaves_no_memfd_held(prepared, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A hit not held again lets the level's memfd go once the open has its own descriptor of it: where that dup
+    failed (EMFILE), the memfd stayed held, counted by no budget, until the file was next kept."""
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    nodes = _images(ops)
+    _serve_each(ops, kernel, src, store, nodes)  # epoch 1: every file kept in a memfd
+    node = nodes[0]
+    level = ops.data_path.held
+    held = level.get(node.id)
+    assert held is not None
+    read = level.policy.read
+
+    def not_held_again(file, *args):  # type: ignore[no-untyped-def]
+        decision = read(file, *args)
+        if file == node.id:
+            level.policy.drop(file)
+            decision = dataclasses.replace(decision, hold=False)
+        return decision
+
+    monkeypatch.setattr(level.policy, "read", not_held_again)
+    dup = os.dup
+
+    def no_more_descriptors(fd: int) -> int:
+        if fd == held.fd:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return dup(fd)
+
+    monkeypatch.setattr(os, "dup", no_more_descriptors)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        trio.run(ops.open, node.id, os.O_RDONLY, CTX)
+    monkeypatch.setattr(os, "dup", dup)
+    assert info.value.errno == errno.EMFILE
+    assert level.get(node.id) is None and node.id not in level.policy.held
