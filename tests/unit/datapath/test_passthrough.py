@@ -23,7 +23,7 @@ from liquidfs.policy.next_epoch import NextEpochCache
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.nodes import ROOT_ID
 from liquidfs.fuse.operations import Operations
-from liquidfs.held.base import MEMFD_OVERHEAD, PAGE
+from liquidfs.held.base import MEMFD_OVERHEAD, PAGE, MemfdLevel
 from liquidfs.prepare import prepare
 from liquidfs.stores.local.reader import StoreReader
 from operations import FakeKernel, passthrough_operations
@@ -767,16 +767,23 @@ def test_assembled_with_a_read_ahead_cold_opens_reach_it(prepared) -> None:
             assert ops.lookahead is not None and path.on_cold_open == ops.lookahead.went_cold
 
 
+def _every_file_kept(prepared: tuple[Path, Path]) -> tuple[Operations, FakeKernel, list, MemfdLevel]:
+    """A cached mount's operations after an epoch that kept every file in a memfd: its kernel, images and level."""
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    nodes = _images(ops)
+    _serve_each(ops, kernel, src, store, nodes)
+    assert ops.data_path is not None and isinstance(ops.data_path.held, MemfdLevel)
+    return ops, kernel, nodes, ops.data_path.held
+
+
 def test_a_hit_whose_memfd_is_let_go_while_its_source_is_checked_still_serves_its_bytes(prepared) -> None:
     """While a hit waits for its source's check, another job's read may take the held file's room and the level
     closes its memfd: the open serves its own descriptor of the memfd, taken before the wait. (It dup'ed the
     level's descriptor after the wait: EBADF, or, had the number been reused meanwhile, another file's bytes.)"""
     src, store = prepared
-    ops, kernel = _ops(store, cache=True)
-    nodes = _images(ops)
-    _serve_each(ops, kernel, src, store, nodes)  # epoch 1: every file kept in a memfd
+    ops, kernel, nodes, level = _every_file_kept(prepared)
     node = nodes[0]
-    level = ops.data_path.held
     assert level.get(node.id) is not None
     checking = trio.Event()
     go_on = trio.Event()
@@ -1210,12 +1217,8 @@ def test_an_open_that_fails_before_the_mix_counted_it_releases_no_other_opens_co
 def test_a_hit_whose_descriptor_cannot_be_taken_leaves_no_memfd_held(prepared, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """A hit not held again lets the level's memfd go once the open has its own descriptor of it: where that dup
     failed (EMFILE), the memfd stayed held, counted by no budget, until the file was next kept."""
-    src, store = prepared
-    ops, kernel = _ops(store, cache=True)
-    nodes = _images(ops)
-    _serve_each(ops, kernel, src, store, nodes)  # epoch 1: every file kept in a memfd
+    ops, kernel, nodes, level = _every_file_kept(prepared)
     node = nodes[0]
-    level = ops.data_path.held
     held = level.get(node.id)
     assert held is not None
     read = level.policy.read
