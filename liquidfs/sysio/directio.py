@@ -106,12 +106,36 @@ class BufferPool:
         return self._idle
 
     def forget(self, view: memoryview) -> None:
-        """``view``'s buffer is kept elsewhere for good (the cache holds it): stop tracking it."""
+        """``view``'s buffer is kept elsewhere for good (the cache holds it): stop tracking it, and give the
+        kernel back the pages of the buffer past ``view``. A buffer may be up to 1.5x (+ one huge page) the need,
+        reused from a larger file whose pages are still in it: a held 110 KB file pinned 2 MB of memory where
+        the cache's budget counted 110 KB."""
         with self._lock:
-            self._maps.pop(id(view.obj), None)
+            found = self._maps.pop(id(view.obj), None)
+        buf = view.obj
+        if found is not None and isinstance(buf, mmap.mmap):
+            _drop_past(buf, view)
 
 
 POOL = BufferPool()
+
+
+def _drop_past(buf: mmap.mmap, view: memoryview) -> None:
+    """Give back the pages of ``buf`` after the last one ``view`` (a part of it) touches; the kernel hands fresh
+    zeroed pages to a later access, which nobody makes."""
+    try:
+        base = ctypes.c_char.from_buffer(buf)
+        start = ctypes.c_char.from_buffer(view)
+    except (TypeError, ValueError):  # a read-only or empty view: nothing to compute its place from
+        return
+    end = ctypes.addressof(start) - ctypes.addressof(base) + view.nbytes
+    del base, start  # their exports of the map
+    tail = -(-end // mmap.PAGESIZE) * mmap.PAGESIZE
+    if tail < len(buf):
+        try:
+            buf.madvise(mmap.MADV_DONTNEED, tail, len(buf) - tail)
+        except (OSError, AttributeError):
+            pass
 
 
 def _new_buffer(capacity: int) -> tuple[mmap.mmap, int]:
