@@ -25,7 +25,7 @@ import os
 import shutil
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +86,12 @@ class DiskLevel(Level[_Entry], InFront):
             self._alive.release()
             raise
         self._lock = threading.Lock()
+        #: Worker threads using ``_dir_fd`` now (``_directory``), and whether ``close`` has run: the descriptor is
+        #: closed by whichever ends last. A storage call abandoned at its timeout may still be writing when the
+        #: mount closes; closed under it, its number could name another directory by then, where root would
+        #: make or remove files.
+        self._users = 0
+        self._closed = False
         self.hits = 0
         self.hit_bytes = 0
         self.lost = 0
@@ -162,9 +168,30 @@ class DiskLevel(Level[_Entry], InFront):
         """What messages name (every file is reached through ``_dir_fd``)."""
         return self.dir / f"{node_id}"
 
+    @contextlib.contextmanager
+    def _directory(self) -> Iterator[int]:
+        """``_dir_fd``, not closed until the caller is done with it; OSError (EBADF) once the level is closed."""
+        with self._lock:
+            if self._closed:
+                raise OSError(errno.EBADF, "the disk cache is closed", str(self.dir))
+            self._users += 1
+        try:
+            yield self._dir_fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                self._close_if_unused()
+
+    def _close_if_unused(self) -> None:
+        """Under ``_lock``: the descriptor closed once the level is and nobody uses it."""
+        if self._closed and self._users == 0 and self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
     def _read(self, node: Node, entry: _Entry) -> Content | None:
         try:
-            fd = os.open(f"{node.id}", os.O_RDONLY | _FILE_FLAGS, dir_fd=self._dir_fd)
+            with self._directory() as dir_fd:
+                fd = os.open(f"{node.id}", os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
             log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
             return None
@@ -196,58 +223,68 @@ class DiskLevel(Level[_Entry], InFront):
         name = f"{node.id}"
         tmp = unique(f"{name}.tmp-")  # two opens of one file write two files: the later rename wins
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=self._dir_fd)
-            with open(fd, "wb") as f:
-                f.write(content.data)
-                f.flush()
-                # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages
-                # are let go so the page cache holds no third copy (where the filesystem can: else they stay).
-                with contextlib.suppress(OSError):
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            entry = _Entry(private_digest(content.data), content.raw, content.size)
-            with self._lock:
-                # Decided and renamed under the lock: an eviction (``decide``) sees the file held or not there.
-                kept = node.id in self.policy.held
-                if kept:
-                    os.replace(tmp, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-                    self._held[node.id] = entry
+            with self._directory() as dir_fd:
+                try:
+                    kept = self._write_in(dir_fd, node.id, name, tmp, content)
+                except OSError:
+                    _unlink(tmp, dir_fd)
+                    raise
+                if not kept:
+                    _unlink(tmp, dir_fd)
         except OSError as exc:
-            self._unlink(tmp)
             with self._lock:
                 self.write_errors += 1
             if exc.errno in (errno.ENOSPC, errno.EDQUOT) or self.write_errors == 1:
                 log.warning("disk cache: cannot write %s: %s", self._path(node.id), exc.strerror)
             return False
-        if not kept:
-            self._unlink(tmp)
         return True
+
+    def _write_in(self, dir_fd: int, node_id: int, name: str, tmp: str, content: Content) -> bool:
+        """``_write``'s file, written as ``tmp`` and renamed to ``name`` where the policy still holds it."""
+        assert content.data is not None
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+        with open(fd, "wb") as f:
+            f.write(content.data)
+            f.flush()
+            # The file need not survive a crash (the directory is this mount's own): no fsync, and its pages
+            # are let go so the page cache holds no third copy (where the filesystem can: else they stay).
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        entry = _Entry(private_digest(content.data), content.raw, content.size)
+        with self._lock:
+            # Decided and renamed under the lock: an eviction (``decide``) sees the file held or not there.
+            kept = node_id in self.policy.held
+            if kept:
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                self._held[node_id] = entry
+        return kept
 
     def _let_go(self, file: int, value: _Entry) -> None:
         # Under the lock that popped the entry: ``_write``'s rename (under it too) is before both or after both,
-        # so a file another open re-admitted is never removed with the entry of the copy it replaced.
-        self._unlink(f"{file}")
-
-    def _unlink(self, name: str) -> None:
-        try:
-            os.unlink(name, dir_fd=self._dir_fd)
-        except OSError:
-            pass
+        # so a file another open re-admitted is never removed with the entry of the copy it replaced. (Under
+        # it, the descriptor is not closed meanwhile: ``_close_if_unused``.)
+        if self._dir_fd >= 0:
+            _unlink(f"{file}", self._dir_fd)
 
     # -- lifecycle and statistics ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Its files removed through its descriptor, then the directory, if its name still names it."""
+        """Its files removed through its descriptor, then the directory, if its name still names it; the
+        descriptor closed once no worker thread uses it any more (one abandoned at its timeout may)."""
         try:
-            for name in os.listdir(self._dir_fd):
-                self._unlink(name)
-            mine = os.fstat(self._dir_fd)
-            there = os.stat(self.dir, follow_symlinks=False)
-            if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
-                os.rmdir(self.dir)
+            with self._directory() as dir_fd:
+                for name in os.listdir(dir_fd):
+                    _unlink(name, dir_fd)
+                mine = os.fstat(dir_fd)
+                there = os.stat(self.dir, follow_symlinks=False)
+                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
+                    os.rmdir(self.dir)
         except OSError as exc:
             log.warning("disk cache: removing %s: %s", self.dir, exc.strerror)
         finally:
-            os.close(self._dir_fd)
+            with self._lock:
+                self._closed = True
+                self._close_if_unused()
             self._alive.release()
 
     def statistics(self) -> DiskStatistics:
@@ -256,6 +293,13 @@ class DiskLevel(Level[_Entry], InFront):
                                   held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
                                   lost=self.lost, write_errors=self.write_errors,
                                   epochs=self.policy.summary()["epochs"])
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def _own_directory(path: Path) -> int:

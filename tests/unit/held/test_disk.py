@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import random
 from collections.abc import Callable
@@ -312,3 +313,19 @@ def test_a_hit_whose_open_fails_leaves_no_copy_on_disk(tmp_path: Path, monkeypat
         level.open(_node(9))
     assert 9 not in level.held_items() and 9 not in level.policy.held
     assert not any(p.name == "9" for p in tmp_path.rglob("*"))
+
+
+def test_the_levels_directory_stays_open_until_a_write_under_way_ends(tmp_path: Path) -> None:
+    """A storage call abandoned at its timeout may still be writing a file when the mount closes the level: its
+    directory's descriptor, closed under it, could by then be the number of another directory, where root would
+    make or remove files. Closed once that write ends; a write after the close is refused."""
+    level, _ = _level(tmp_path, 1.0)
+    writing = level._directory()
+    dir_fd = writing.__enter__()  # a worker thread's write, under way
+    level.close()
+    os.fstat(dir_fd)  # still open: the write goes on where it began
+    writing.__exit__(None, None, None)
+    with pytest.raises(OSError) as info:
+        os.fstat(dir_fd)
+    assert info.value.errno == errno.EBADF
+    assert not level._write(_node(3), Content(size=SIZE, raw=False, data=memoryview(b"x" * SIZE)))
