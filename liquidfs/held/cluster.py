@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 #: The format of what is stored (2: sealed values, or plaintext only of sources anyone may read): in every key, so
 #: mounts of another format never read these values, nor these mounts theirs.
 _KEY_PREFIX = "liquidfs2"
+#: A sealed value's key: its format (``key_of``; "liquidfs2s" named the object's checksum and size in the clear).
+_SEALED_PREFIX = "liquidfs3s"
 #: The share of ``--io-timeout`` one call to a memcached may take at most: an open that misses the cluster still
 #: reads storage, and stores what it read, within the same timeout.
 IO_TIMEOUT_SHARE = 0.25
@@ -88,12 +90,15 @@ def key_of(node: Node, keyed: str = "", sealer: Sealer | None = None) -> str:
     in the dataset, which the key, and so the sealing's associated data, holds: a writer of the catalog who gives
     a file they may read another's checksum and size (one they may not read, whose value a mount of the job
     stored) fetches a value that does not open for that file. The path only: every node of a job has its own copy
-    of the dataset, whose inodes and ctimes (``catalog.identity.object_key``'s) differ. Plaintext values are only
-    of sources anyone may read: no such binding is needed there."""
+    of the dataset, whose inodes and ctimes (``catalog.identity.object_key``'s) differ. The checksum and size are
+    in that name, not beside it: a key listed by anyone who reaches memcached (``lru_crawler metadump``) showed
+    each object's digest, which says which known images a job holds and is what a catalog writer would copy into
+    a row of theirs. Plaintext values are only of sources anyone may read: no such binding is needed there."""
     assert node.checksum is not None
     if sealer is None:
         return f"{_KEY_PREFIX}:{node.checksum}:{node.size_served}"
-    return f"{_KEY_PREFIX}s-{keyed}:{sealer.name(node.path)}:{node.checksum}:{node.size_served}"
+    identity = b"\0".join((node.path, node.checksum.encode(), str(node.size_served).encode()))  # (no NUL in a path)
+    return f"{_SEALED_PREFIX}-{keyed}:{sealer.name(identity)}"
 
 
 class EveryoneReadsNow:

@@ -255,11 +255,13 @@ LEAST_SHARE = 0.25
 PORT_DRAWS = 200
 
 
-def expected_length(key: bytes) -> int:
-    """The length a mount expects for ``key``: its object's size (the key's last field), plus the sealing's
-    nonce and tag (28 bytes) for a sealed value (``liquidfs2s-`` keys). A liar can read it off the key."""
-    size = int(key.rsplit(b":", 1)[1])
-    return size + 28 if key.startswith(b"liquidfs2s-") else size
+def expected_length(key: bytes, seen: dict[bytes, int]) -> int:
+    """The length a mount expects for ``key``, as far as a liar can know it: a plaintext key's last field (its
+    object's size); a sealed key's (``liquidfs3s-``, which shows nothing of its object) from the ``set`` of it the
+    liar was sent (``seen``), else a guess that is wrong (and refused before its body is read)."""
+    if key.startswith(b"liquidfs3s-"):
+        return seen.get(key, 100)
+    return int(key.rsplit(b":", 1)[1])
 
 
 class LyingPeer(Background):
@@ -273,6 +275,7 @@ class LyingPeer(Background):
         self.counts: dict[str, Any] = {"connections": 0, "refused": 0, "gets": 0, "sets": 0, "other": 0,
                                        "rejectable_sent": 0} | {lie: 0 for lie in LIES}
         self.active = 0
+        self.lengths: dict[bytes, int] = {}  # sealed keys' value lengths, from the sets it was sent
 
     def wake(self) -> None:
         self.server.close()  # accept() returns
@@ -312,6 +315,10 @@ class LyingPeer(Background):
             self._count("gets" if command == b"get" else "sets" if command == b"set" else "other")
             self._count(lie)
             key = words[1] if len(words) > 1 else b"x"
+            if command == b"set" and len(words) >= 5 and words[4].isdigit():
+                with self.lock:
+                    if len(self.lengths) < 100_000:
+                        self.lengths[key] = int(words[4])  # what a sealed key's get must answer (seen by a liar)
             self._lie(conn, lie, key, command == b"get")
         except (OSError, ValueError, IndexError):
             pass  # the client gave up on it, as it must
@@ -322,7 +329,7 @@ class LyingPeer(Background):
 
     def _lie(self, conn: socket.socket, lie: str, key: bytes, is_get: bool) -> None:
         ends = time.monotonic() + HOLD
-        length = expected_length(key) if is_get and b":" in key else 100
+        length = expected_length(key, self.lengths) if is_get and b":" in key else 100
         if lie == "huge":
             send(conn, b"VALUE %s 0 %d\r\n" % (key, 1 << 40))
             self._count("rejectable_sent")

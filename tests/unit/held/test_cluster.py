@@ -309,6 +309,23 @@ def test_sealed_values_hit_on_another_node_and_hold_none_of_the_objects_bytes(st
     assert second.statistics().values()["cluster_hits"] == len(raw) and second.statistics().values()["cluster_rejected"] == 0
 
 
+def test_a_sealed_values_key_shows_nothing_of_its_object(store: tuple[Path, Path]) -> None:
+    """Anyone who reaches memcached lists its keys: a sealed value's key named the object's checksum and size,
+    which says which known images a job holds and is what a catalog writer copies into a row of theirs. Only a
+    name only key holders can make, of the file and its object together."""
+    _, path = store
+    level, client, raw = _level(path, key=_key())
+    for n in raw:
+        level.open(n)
+    assert len(client.values) == len(raw)
+    for key in client.values:
+        assert key.startswith(f"liquidfs3s-{_key().id}:")
+        assert not any(n.checksum[:16] in key or f":{n.size_served}" in key for n in raw)
+    node = raw[0]
+    assert key_of(node, _key().id, Sealer(_key())) != key_of(dataclasses.replace(node, path=b"other/" + node.path),
+                                                             _key().id, Sealer(_key()))
+
+
 def test_a_value_not_sealed_under_the_key_for_that_object_is_never_served(store: tuple[Path, Path]) -> None:
     """What a writer without the key can do to a value (change any bytes, keep its length; put another object's
     sealed value, or one sealed under another key, in its place) is a miss, read from storage."""
