@@ -379,9 +379,19 @@ class PassthroughPath:
         return backing
 
     def _release_entry(self, record: Inode, entry: SharedBacking) -> None:
+        """An open that is not served (it failed, was cancelled, or is served by ``ranges``) lets go of ``entry``;
+        where it was the last, and the entry holds a backing, the backing goes as at a release: an open that
+        joined, and failed its check of the source after the first open's release, was the last, and nothing
+        else let go of the backing (its descriptor and id for good, and with several loops its slot, so that every
+        later open of the file in any loop failed with EIO)."""
         entry.opens -= 1
         if entry.opens <= 0:
             self._detach(record, entry)
+            backing = entry.backing
+            if backing is not None and entry.backing_id:
+                self._unregister(record.id, entry.backing_id)
+                entry.backing, entry.backing_id = None, 0
+                self._close_served(backing)
 
     def _detach(self, record: Inode, entry: SharedBacking) -> None:
         """``entry`` is no longer the inode's: the next open makes its own."""
@@ -433,21 +443,26 @@ class PassthroughPath:
         self._unregister(inode, entry.backing_id)
         # Kept only if the policy still holds it: another job's read may have taken its room meanwhile.
         keep = entry.keep and self.held is not None and inode in self.held.policy.held
-        if not keep and backing.kind in ("source", "object"):
-            # A file of the source or the store: its pages dropped and it closed off the loop, a large one at once,
-            # small ones in batches. (A memfd is closed here: the memory it holds is counted, and must be given
-            # back by the time the next open is answered.)
-            fd, backing.fd = backing.fd, -1
-            if backing.size >= CLOSE_OFF_LOOP:
-                self._closer.close(fd, drop=self.drop_served_pages)
-            else:
-                self._closer.close_soon(fd, drop=self.drop_served_pages)
+        if not keep:
+            self._close_served(backing)
             return
         try:
-            if keep:
-                await self._keep(inode, backing)
+            await self._keep(inode, backing)
         finally:
             backing.close()
+
+    def _close_served(self, backing: Backing) -> None:
+        """A backing no open serves any more, not kept. A file of the source or the store: its pages dropped and
+        it closed off the loop, a large one at once, small ones in batches. A memfd is closed here: the memory it
+        holds is counted, and must be given back by the time the next open is answered."""
+        if backing.kind not in ("source", "object"):
+            backing.close()
+            return
+        fd, backing.fd = backing.fd, -1
+        if backing.size >= CLOSE_OFF_LOOP:
+            self._closer.close(fd, drop=self.drop_served_pages)
+        else:
+            self._closer.close_soon(fd, drop=self.drop_served_pages)
 
     async def _keep(self, inode: int, backing: Backing) -> None:
         """Copy ``backing`` into a memfd the level keeps for ``inode`` (the caller saw the policy still holds it)."""

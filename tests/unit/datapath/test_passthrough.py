@@ -189,14 +189,19 @@ def test_an_open_that_joins_a_backing_checks_the_source_again(tmp_path: Path, ch
         assert refused.value.errno == errno.EIO
         await ops.release(first.fh)
         assert not kernel.files and ops.open_budget.taken == 0 and not ops.open_files  # none left by the refusal
-        again = await ops.open(node.id, os.O_RDONLY, CTX)
-        try:
-            return kernel.read(again.backing_id)
-        finally:
-            await ops.release(again.fh)
+        return await _served_by_a_new_open(ops, kernel, node)
 
     assert trio.run(main) == new
     assert ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
+
+
+async def _served_by_a_new_open(ops: Operations, kernel: FakeKernel, node) -> bytes:  # type: ignore[no-untyped-def]
+    """What an open of ``node`` made now serves, read from its backing; released."""
+    again = await ops.open(node.id, os.O_RDONLY, CTX)
+    try:
+        return kernel.read(again.backing_id)
+    finally:
+        await ops.release(again.fh)
 
 
 def test_a_join_checks_a_source_descriptor_on_a_remote_filesystem_off_the_loop(
@@ -1244,3 +1249,43 @@ def test_a_hit_whose_descriptor_cannot_be_taken_leaves_no_memfd_held(prepared, m
     monkeypatch.setattr(os, "dup", dup)
     assert info.value.errno == errno.EMFILE
     assert level.get(node.id) is None and node.id not in level.policy.held
+
+
+def test_an_open_that_joins_and_fails_after_the_first_open_closed_lets_the_backing_go(tmp_path: Path) -> None:
+    """The first open of a raw object is released while a second open, joined to its backing, checks the source;
+    the source changed meanwhile and the second open fails. It was the backing's last open, and nothing let the
+    backing go: its id stayed registered and its descriptor open (with several loops, the slot too: every later
+    open of the file, in any loop, failed with EIO). Now the next open serves the changed source."""
+    src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
+    ops, kernel = _ops(store)
+    node = next(n for n in _images(ops) if n.object)
+    path = src / os.fsdecode(node.path)
+    new = path.read_bytes() + b"new"
+    assert ops.data_path is not None
+    checking, go_on = trio.Event(), trio.Event()
+    real = ops.data_path.calls.source_changed
+
+    async def slow_check(checked, version=None):  # type: ignore[no-untyped-def]
+        checking.set()
+        await go_on.wait()
+        return await real(checked, version)
+
+    async def main() -> bytes:
+        first = await ops.open(node.id, os.O_RDONLY, CTX)
+        ops.data_path.calls.source_changed = slow_check  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            async def second() -> None:
+                with pytest.raises(pyfuse3.FUSEError) as refused:
+                    await ops.open(node.id, os.O_RDONLY, CTX)
+                assert refused.value.errno == errno.EIO
+            nursery.start_soon(second)
+            await checking.wait()
+            await ops.release(first.fh)  # the first open closed: the second is the backing's last
+            path.write_bytes(new)
+            go_on.set()
+        ops.data_path.calls.source_changed = real  # type: ignore[method-assign]
+        assert not kernel.files  # the backing let go: its id and descriptor
+        return await _served_by_a_new_open(ops, kernel, node)
+
+    assert trio.run(main) == new
+    assert not kernel.files and ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
