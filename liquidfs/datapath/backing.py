@@ -38,6 +38,7 @@ import xxhash
 from ..catalog.nodes import Node
 from ..stores.reader import LendsDescriptors, Reader, stamp
 from ..sysio.thread_names import CLOSER, name_this_thread
+from .shared_inodes import signed64
 
 log = logging.getLogger(__name__)
 
@@ -213,8 +214,7 @@ def content_digest(fd: int, size: int) -> int:
     if size:
         with mmap.mmap(fd, size, prot=mmap.PROT_READ) as view:
             digest.update(view)
-    value = digest.intdigest()
-    return value - (1 << 64) if value >= 1 << 63 else value
+    return signed64(digest.intdigest())
 
 
 def memfd_copy(fd: int, size: int, name: bytes | str = b"liquidfs") -> int:

@@ -32,7 +32,7 @@ from .backing import (Backing, Closer, SharedBacking, content_digest, drop_pages
                       still_sound, vouched)
 from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
-from .shared_inodes import SharedInodes
+from .shared_inodes import SharedInodes, signed64
 from .storage_calls import StorageCalls
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class PassthroughPath:
             identity = (-2 - backing.raw, digest)
         else:
             st = os.fstat(backing.fd)
-            identity = (st.st_dev, st.st_ino)
+            identity = (signed64(st.st_dev), signed64(st.st_ino))
         return self.shared.attach(node.id, self.loop, identity, lambda: self.kernel.register(backing.fd),
                                   self.kernel.unregister)
 

@@ -1289,3 +1289,33 @@ def test_an_open_that_joins_and_fails_after_the_first_open_closed_lets_the_backi
 
     assert trio.run(main) == new
     assert not kernel.files and ops.data_path.statistics().values()["passthrough_open_inodes"] == 0
+
+
+def test_a_source_whose_inode_number_passes_2_63_is_served_with_several_loops(
+        prepared: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An inode number at or past 2**63 (overlayfs with xino, some NFS and FUSE sources): the loops' shared table
+    packs a backing's identity as signed 64-bit numbers, and every open of such a file under --loops failed
+    (struct.error, EIO)."""
+    from liquidfs.datapath.shared_inodes import SharedInodes
+
+    src, store = prepared
+    ops, kernel = _ops(store)
+    assert ops.data_path is not None
+    ops.data_path.join_loops(SharedInodes(2), 0)  # type: ignore[attr-defined]
+    node = next(n for n in _images(ops) if not n.object)  # served from the source's own descriptor
+    real_fstat = os.fstat
+    source_ino = os.stat(src / os.fsdecode(node.path)).st_ino
+
+    def big_inode(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        if st.st_ino != source_ino:
+            return st
+        fields = list(st)
+        fields[stat.ST_INO] = (1 << 64) - 5
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "fstat", big_inode)
+    info = trio.run(ops.open, node.id, os.O_RDONLY, CTX)
+    monkeypatch.setattr(os, "fstat", real_fstat)
+    assert kernel.read(info.backing_id) == (src / os.fsdecode(node.path)).read_bytes()
+    trio.run(ops.release, info.fh)
