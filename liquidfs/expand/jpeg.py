@@ -4,6 +4,7 @@ JPEG's expansion to a raw file of Pillow's decode."""
 from __future__ import annotations
 
 import io
+import re
 import struct
 from typing import Final
 
@@ -14,11 +15,19 @@ from .encoders import to_raw
 
 JPEG_SOI: Final = b"\xff\xd8\xff"
 _SOF_MARKERS: Final = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-_STANDALONE_MARKERS: Final = frozenset({0x01, 0xD8, *range(0xD0, 0xD8)})
 #: The most scans a JPEG expanded may have. A decode costs its pixels times its scans: libjpeg's progressive
 #: scripts write 10 or fewer, and a file of a few KB repeating one scan thousands of times held a prepare worker
 #: for minutes (a 4000x4000 with 1,000: 12.8 s here). Past it the original is served.
 MAX_SCANS: Final = 100
+#: The most marker segments walked before the first scan, and between scans: a real JPEG has tens. A file of
+#: millions of 4-byte comments would hold a worker for a Python step each.
+MAX_SEGMENTS: Final = 10_000
+#: The next marker that starts a segment or ends the image: 0xFF, then a byte that is none of a stuffed zero, a
+#: fill byte or a standalone marker (RSTn, TEM, SOI). Found in C: the walk libjpeg makes (skip to 0xFF, skip the
+#: fill bytes, a zero after them is junk) stepped a Python loop per byte of fill, stuffing or restart markers,
+#: and a few KB of image padded with 5 MB of them held a worker for seconds (1 GB: minutes). Two bytes, no
+#: quantifier: a linear search whatever the input.
+_SEGMENT_MARKER: Final = re.compile(rb"\xff[^\x00\x01\xd0-\xd8\xff]")
 
 
 def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
@@ -28,20 +37,14 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
     n = len(data)
     pos = 2
     sof: tuple[int, int, int] | None = None
-    while True:
-        pos = data.find(b"\xff", pos)  # skip junk (C speed: junk may be long)
-        if pos < 0:
+    for _ in range(MAX_SEGMENTS):
+        # Junk, fill bytes, FF 00 (junk libjpeg and Pillow skip: a length read there steered past ICC) and
+        # standalone markers passed over as libjpeg passes them.
+        found = _SEGMENT_MARKER.search(data, pos)
+        if found is None:
             raise Refuse("truncated", "no SOS")
-        while pos < n and data[pos] == 0xFF:  # fill bytes
-            pos += 1
-        if pos >= n:
-            raise Refuse("truncated", "no SOS")
-        marker = data[pos]
-        pos += 1
-        if marker == 0x00:  # FF 00: no marker, junk that libjpeg and Pillow skip (a length read here steered past ICC)
-            continue
-        if marker in _STANDALONE_MARKERS:
-            continue
+        marker = data[found.start() + 1]
+        pos = found.end()
         if marker == 0xD9:
             raise Refuse("corrupt", "EOI before SOS")
         if pos + 2 > n:
@@ -80,6 +83,7 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
                 raise Refuse("too-many-scans", f"{scans} scans")
             return sof
         pos += length
+    raise Refuse("corrupt", f"more than {MAX_SEGMENTS} segments before the first scan")
 
 
 def _scans(data: bytes, pos: int) -> int:
@@ -88,17 +92,13 @@ def _scans(data: bytes, pos: int) -> int:
     comment, a table) may hold any bytes, FF DA and FF D9 too, so each is skipped by its length; what trails
     the EOI (a motion photo's video) is not walked. Past ``MAX_SCANS`` it stops counting."""
     scans, n = 1, len(data)
-    while scans <= MAX_SCANS:
-        pos = data.find(b"\xff", pos)  # C speed through the entropy-coded data
-        if pos < 0 or pos + 1 >= n:
+    for _ in range(MAX_SEGMENTS):
+        # In C through the entropy-coded data, its stuffed bytes, fill bytes and restart markers.
+        found = _SEGMENT_MARKER.search(data, pos)
+        if found is None:
             raise Refuse("truncated", "no EOI after the scans")
+        pos = found.start()
         marker = data[pos + 1]
-        if marker == 0xFF:  # a fill byte before a marker
-            pos += 1
-            continue
-        if marker == 0x00 or marker in _STANDALONE_MARKERS:  # a stuffed byte, a restart marker
-            pos += 2
-            continue
         if marker == 0xD9:
             return scans
         if pos + 4 > n:
@@ -107,8 +107,10 @@ def _scans(data: bytes, pos: int) -> int:
         if length < 2:
             raise Refuse("corrupt", "bad segment length")
         scans += marker == 0xDA
+        if scans > MAX_SCANS:
+            return scans
         pos += 2 + length
-    return scans
+    raise Refuse("corrupt", f"more than {MAX_SEGMENTS} segments between its scans")
 
 
 def expand_jpeg(data: bytes, max_pixels: int, to: str) -> bytes:

@@ -926,3 +926,35 @@ def test_comparing_an_image_past_pillows_bomb_warning_warns_nothing(monkeypatch:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a warning given would fail the comparison
         assert same_pixels(data, raw)
+
+
+@pytest.mark.parametrize("padding", ["fill", "stuffed", "restarts"])
+def test_a_jpeg_padded_with_bytes_libjpeg_passes_over_is_walked_as_libjpeg_walks_it(padding: str) -> None:
+    """Fill bytes, FF 00 pairs and restart markers between segments (and before the EOI) are passed over as
+    libjpeg passes them: the walk finds the frame, counts the scans, and the image is expanded to Pillow's
+    pixels. (Stepped a byte at a time in Python, 5 MB of them held a worker for seconds.)"""
+    real = save(Image.fromarray(_RGB), "JPEG", progressive=True)
+    pad = {"fill": b"\xff" * 300_000, "stuffed": b"\xff\x00" * 150_000, "restarts": b"\xff\xd0" * 150_000}[padding]
+    sos = real.index(b"\xff\xda")
+    eoi = real.rindex(b"\xff\xd9")
+    padded = real[:sos] + pad + real[sos:eoi] + pad + real[eoi:]
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(padded))), np.asarray(Image.open(io.BytesIO(real))))
+    assert jpeg.scan_jpeg(padded, 10**8) == jpeg.scan_jpeg(real, 10**8)
+    e = expand(padded)
+    assert e.reason is None and e.data is not None and same_pixels(padded, e.data)
+
+
+def test_a_jpeg_of_more_segments_than_any_image_has_is_refused() -> None:
+    """Millions of 4-byte comments would hold a worker for a Python step each: past ``MAX_SEGMENTS`` before the
+    first scan, or between scans, the original is served."""
+    real = save(Image.fromarray(_RGB), "JPEG")
+    comments = b"\xff\xfe\x00\x02" * (jpeg.MAX_SEGMENTS + 1)
+    sos = real.index(b"\xff\xda")
+    with pytest.raises(Refuse) as before:
+        jpeg.scan_jpeg(real[:2] + comments + real[2:], 10**8)
+    assert before.value.reason == "corrupt" and "before the first scan" in before.value.detail
+    eoi = real.rindex(b"\xff\xd9")
+    with pytest.raises(Refuse) as between:
+        jpeg.scan_jpeg(real[:eoi] + comments + real[eoi:], 10**8)
+    assert between.value.reason == "corrupt" and "between its scans" in between.value.detail
+    assert sos > 2
