@@ -130,17 +130,24 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
 
 def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
                want_version: str | None, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> Outcome:
-    """Runs in a worker process: expand one image into the store, or say why not. Never raises: a fault of ours
-    on one image (``worker-error``, tried again by the next run) must not end a prepare of millions."""
+    """Runs in a worker process: expand one image into the store, or say why not. Never raises."""
+    return never_raising(lambda: _expand_one(root, rel, store, obj, want_size, want_mtime, want_version,
+                                             raw_formats), rel, want_size, want_mtime, want_version)
+
+
+def never_raising(work: Callable[[], Outcome], rel: bytes, size: int, mtime_ns: int, etag: str | None) -> Outcome:
+    """``work()``, a worker's expansion of one image, or the refusal that says why it raised: a fault of ours on
+    one image (``worker-error``, tried again by the next run), or this run's memory (``no-memory``), must not
+    end a prepare of millions, as an exception out of a worker's job does."""
     try:
-        return _expand_one(root, rel, store, obj, want_size, want_mtime, want_version, raw_formats)
+        return work()
     except MemoryError:
-        return Outcome(rel, want_size, want_mtime, None, None, None, None, "no-memory", src_etag=want_version)
+        return Outcome(rel, size, mtime_ns, None, None, None, None, "no-memory", src_etag=etag)
     except Exception as exc:
         # The reason names the fault in prepare's report; its traceback is for --log-level debug.
         log.debug("expanding %s: %r", os.fsdecode(rel), exc, exc_info=True)
-        return Outcome(rel, want_size, want_mtime, None, None, None, None, f"worker-error:{type(exc).__name__}",
-                       src_etag=want_version)
+        return Outcome(rel, size, mtime_ns, None, None, None, None, f"worker-error:{type(exc).__name__}",
+                       src_etag=etag)
 
 
 def _expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,

@@ -28,7 +28,7 @@ from ...catalog.catalog import CATALOG_NAME, Catalog
 from ...catalog.identity import checksum, is_digest
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, source_fits
+from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, never_raising, source_fits
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
 from ...sysio.locks import HeldLock, abandoned, unique
 from ...sysio.progress import Progress
@@ -177,12 +177,20 @@ def _worker() -> Any:
 
 def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns: int, etag: str,
                   store_bucket: str, store_key: str, obj: str) -> Outcome:
-    """Runs in a worker process: expand one source object into the store, or say why not. Never raises.
+    """Runs in a worker process: expand one source object into the store, or say why not. Never raises (a
+    MemoryError of the expansion's header walk ended the whole prepare).
 
     An object already in the store with this source ETag and a BLAKE2b digest is reused without downloading the
     source (a previous run, maybe on another node, finished it): prepare resumes anywhere. One with an xxh3
     digest (a prepare before BLAKE2b) is made and put again: that digest is never carried forward.
     """
+    return never_raising(lambda: _expand_one_s3(src_bucket, src_key, rel, size, mtime_ns, etag, store_bucket,
+                                                store_key, obj), rel, size, mtime_ns, etag)
+
+
+def _expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns: int, etag: str,
+                   store_bucket: str, store_key: str, obj: str) -> Outcome:
+    """``expand_one_s3``'s work."""
     client = _worker()
 
     def refused(reason: str) -> Outcome:

@@ -366,6 +366,27 @@ def test_a_source_object_larger_than_a_worker_can_hold_is_never_downloaded(
     assert outcome.reason == "no-memory" and outcome.object is None and s3.gets == [] and s3.uploads == []
 
 
+@pytest.mark.parametrize("fault", [MemoryError, RuntimeError])
+def test_a_fault_of_an_objects_expansion_is_its_refusal_never_the_end_of_the_prepare(
+        s3: FakeS3, monkeypatch: pytest.MonkeyPatch, fault: type[Exception]) -> None:
+    """The expansion's header walk ran outside the worker's catch-all: a MemoryError there reached the prepare
+    (``future.result()``) and ended the run. It is this image's refusal, tried again by the next run."""
+    from liquidfs.expand import formats
+
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+
+    def failing(source: bytes) -> int:
+        raise fault("the header walk failed")
+
+    monkeypatch.setattr(formats, "pixel_count", failing)
+    outcome = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                         "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+    assert outcome.object is None and s3.uploads == []
+    assert outcome.reason == ("no-memory" if fault is MemoryError else "worker-error:RuntimeError")
+
+
 # -- a raw object is vouched for by its BLAKE2b digest, never by xxh3 (issue 38) ---------------------------
 
 def test_a_raw_object_rewritten_to_the_same_xxh3_is_refused_and_the_original_served(s3: FakeS3) -> None:
