@@ -60,6 +60,15 @@ Known limits, not fixable by any BMP layout:
   up to ~100), while the BMP path uses cvtColor-style weights.
 * DALI output_type=ANY_DATA cannot decode any 32 bpp BMP (it raises), while
   it gives 4 channels for an RGBA PNG.  RGB output (DALI's default) is exact.
+* A JPEG decoded at a reduced size (Pillow's ``draft``, which ``thumbnail``
+  uses; OpenCV's IMREAD_REDUCED_*) is scaled in the DCT by libjpeg: its BMP is
+  decoded at full size and scaled afterwards, tens of levels apart.
+* TensorFlow's BMP decoder reads no palette: a palette image's BMP comes back
+  as its indices (gray), its PNG as colours.  TensorFlow loaders read the
+  source, or a mount with ``--mix 0``.
+* A JPEG whose entropy data is damaged but ends in an EOI decodes under
+  libjpeg with a warning (the damaged part filled in): its BMP holds that
+  decode, where a strict decoder (nvJPEG) would refuse the original.
 """
 
 from __future__ import annotations

@@ -74,8 +74,9 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
         elif marker == 0xDA:
             if sof is None:
                 raise Refuse("corrupt", "SOS before SOF")
-            # libjpeg fills a cut-off scan with gray and only warns; Pillow
-            # raises.  Requiring EOI after the scan keeps us off such files.
+            # A file cut off in its scan (no EOI after it): libjpeg fills the rest with gray and only warns, Pillow
+            # raises. Refused. (A scan damaged inside, with its EOI, decodes under both with that warning: its BMP
+            # holds that decode, a known limit of ``formats``.)
             if data.rfind(b"\xff\xd9") < pos + length:
                 raise Refuse("truncated", "no EOI after scan")
             scans = _scans(data, pos + length)
