@@ -212,18 +212,19 @@ class SharedInodes:
         table = self._backings
         with self._lock:
             at, _ = table.find(inode)
-            if at < 0:
-                log.warning("inode %d: no shared backing to let go (loop %d)", inode, loop)
-                return
-            offset = table.offset(at)
-            at_users = offset + _USERS_AT + 2 * loop
-            (users,) = _USERS.unpack_from(self._map, at_users)
-            if users:
-                _USERS.pack_into(self._map, at_users, users - 1)
-            if self._map[offset + _USERS_AT:offset + _BACKING.size] != _NO_USERS:
-                return
-            backing_id = int(struct.unpack_from("<i", self._map, offset + _ID_AT)[0])
-            table.remove(at)
+            if at >= 0:
+                offset = table.offset(at)
+                at_users = offset + _USERS_AT + 2 * loop
+                (users,) = _USERS.unpack_from(self._map, at_users)
+                if users:
+                    _USERS.pack_into(self._map, at_users, users - 1)
+                if self._map[offset + _USERS_AT:offset + _BACKING.size] != _NO_USERS:
+                    return
+                backing_id = int(struct.unpack_from("<i", self._map, offset + _ID_AT)[0])
+                table.remove(at)
+        if at < 0:  # said outside the lock every loop takes: a log write that waits must not stall them all
+            log.warning("inode %d: no shared backing to let go (loop %d)", inode, loop)
+            return
         _unregister(unregister, backing_id)
 
     def reap(self, loop: int, unregister: Callable[[int], None]) -> int:
@@ -321,7 +322,8 @@ class SharedInodes:
         freed = table.sweep(lambda at: self._backings.find(table.inode_at(at))[0] < 0)
         if freed:
             _HEADER.pack_into(self._map, 0, int(_HEADER.unpack_from(self._map, 0)[0]) - len(freed))
-            log.info("let go of %d sizes told of files no loop has open", len(freed))
+            # (at debug level: under the lock every loop takes, a log write that waits would stall them all)
+            log.debug("let go of %d sizes told of files no loop has open", len(freed))
         return freed
 
 

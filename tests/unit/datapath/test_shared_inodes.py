@@ -263,3 +263,25 @@ def test_a_second_thread_of_the_holder_waits_for_the_lock() -> None:
         assert not claimed.wait(1.0), "another thread of the process entered the section held"
         assert not _lock_is_free(shared)  # and the other processes are still kept out
     assert claimed.wait(10)
+
+
+def test_a_warning_is_written_outside_the_lock_every_loop_takes() -> None:
+    """A log write may wait (a full pipe, a slow disk): written under the lock every loop's requests take, it
+    stalled them all."""
+    import logging
+
+    shared = SharedInodes(2)
+    free_at_write: list[bool] = []
+
+    class Probe(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            free_at_write.append(_lock_is_free(shared))
+
+    probe = Probe(logging.WARNING)
+    logger = logging.getLogger("liquidfs.datapath.shared_inodes")
+    logger.addHandler(probe)
+    try:
+        shared.detach(12345, 0, lambda backing_id: None)  # no such backing: said
+    finally:
+        logger.removeHandler(probe)
+    assert free_at_write == [True]
