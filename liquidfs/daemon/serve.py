@@ -209,6 +209,11 @@ def choose_data_path(config: MountConfig, ops: Operations, built: build.Parts) -
     line of the log and in ``stats``. False when ``--data-path passthrough`` cannot be had (the mount stops)."""
     if ops.data_path is not None:  # the daemon's from the start (``daemon_only``)
         why: str | None = ops.stats.data_path_why
+    elif ops.peers is not None:
+        # One of several loops (``loops.fork``, which forks them only where passthrough engaged): every loop
+        # serves through it. Probed again, a failure of the moment (EMFILE, ENOMEM) had this loop serve through
+        # the daemon beside the others' backings, and the kernel refuses an inode opened both ways (EIO).
+        why = None
     else:
         why = passthrough.engaged()
     if why is not None:

@@ -28,3 +28,38 @@ def test_each_loop_keeps_idle_workers_waiting_and_bounds_them(monkeypatch: pytes
     assert asked == {"min_tasks": loops.IDLE_WORKERS, "max_tasks": FUSE_WORKERS}
     assert 8 <= loops.IDLE_WORKERS < FUSE_WORKERS
     assert ops.stats.dispatch in ("queued-first", "stock")
+
+
+def test_each_loop_serves_through_passthrough_once_the_fork_found_it_engaged(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loops are forked only where passthrough engaged; each then probed it again, and a failure of the
+    moment (EMFILE, ENOMEM) had that loop serve through the daemon beside the others' backings, an inode opened
+    both ways being refused by the kernel (EIO). One of several loops serves through passthrough, unprobed."""
+    from contextlib import ExitStack
+
+    from liquidfs.catalog.build import build as build_catalog
+    from liquidfs.catalog.catalog import Catalog
+    from liquidfs.daemon import build as assemble
+    from liquidfs.daemon import serve
+    from liquidfs.datapath import passthrough
+    from liquidfs.datapath.passthrough import PassthroughPath
+    from liquidfs.fuse.peers import Peers
+    from liquidfs.metrics.stats import MountStats
+    from liquidfs.stores.local.reader import StoreReader
+    from operations import FakeKernel, config
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.bin").write_bytes(b"a")
+    build_catalog(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    with ExitStack() as stack:
+        ops, parts = assemble.operations(config(), catalog, StoreReader(catalog.source, tmp_path / "store"),
+                                         MountStats(), stack, data_path="at init")
+        pairs = Peers.made(2)
+        stack.callback(Peers.close_pairs, pairs)
+        ops.peers = Peers.mine(pairs, 0)
+        monkeypatch.setattr(passthrough, "engaged", lambda kernel=None: "registering a backing file failed: EMFILE")
+        monkeypatch.setattr(passthrough, "FuseKernel", FakeKernel)
+        assert serve.choose_data_path(config(), ops, parts)
+        assert isinstance(ops.data_path, PassthroughPath)
