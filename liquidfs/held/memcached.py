@@ -8,7 +8,8 @@ for as long as the peer liked. Here each call has one deadline for all of it (co
 every socket wait is bounded by the time left, a value's announced length is checked against the one expected
 before a byte of it is read, and the body is read into a buffer of exactly that size. Anything else a peer says is
 an error of that call (``PeerError``) and its connection is closed; a peer that fails ``FAILURES_TO_SKIP`` calls in
-a row is left out for ``SKIP_FOR`` seconds (``Skipped``), then tried again.
+a row (an answer past ``SLOW_SHARE`` of the deadline counts, though it is used) is left out for ``SKIP_FOR``
+seconds (``Skipped``), then tried again.
 
 Objects are placed as pymemcache's ``HashClient`` places them (its ``RendezvousHash`` over ``HOST:PORT`` names),
 so mounts of two versions agree on where each object is.
@@ -36,6 +37,10 @@ TIMEOUT = 1.0
 #: Calls failed in a row after which a memcached is left out, and the seconds it is left out for.
 FAILURES_TO_SKIP = 3
 SKIP_FOR = 5.0
+#: The share of its deadline past which a call that succeeded counts as a failure all the same: a memcached that
+#: answers every call just inside it (a slow or hostile one) cost each open of its keys two deadlines (a fetch
+#: and a store) without ever being left out.
+SLOW_SHARE = 0.5
 #: Idle connections kept to each memcached (about one per worker thread of the mount).
 MAX_IDLE = 16
 #: The longest line a memcached answers with ("VALUE <key of at most 250> <flags> <bytes>", "STORED"): a longer
@@ -315,8 +320,13 @@ class MemcachedWire:
                 if sock is not None:
                     sock.close()
                 raise
-            peer.answered()
-            peer.give_back(sock)
+            took = self.clock() - now
+            if took > self.timeout * SLOW_SHARE:
+                sock.close()
+                peer.failed(self.clock(), f"answered in {took:.2f} s, past {SLOW_SHARE:.0%} of its deadline")
+            else:
+                peer.answered()
+                peer.give_back(sock)
             return result
 
 

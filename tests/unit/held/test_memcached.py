@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from liquidfs.held.memcached import (FAILURES_TO_SKIP, MAX_LINE, SKIP_FOR, MemcachedWire, PeerError, Skipped,
-                                    WrongLength)
+from liquidfs.held.memcached import (FAILURES_TO_SKIP, MAX_LINE, SKIP_FOR, SLOW_SHARE, MemcachedWire, PeerError,
+                                    Skipped, WrongLength)
 
 #: Seconds a call may take in these tests: short, so a stalled call is seen; a trickle takes far longer in all.
 DEADLINE = 0.3
@@ -257,6 +257,25 @@ def test_a_peer_that_fails_repeatedly_is_left_out_for_a_while_then_tried_again(p
         with pytest.raises(PeerError) as failed:
             wire.get(KEY, 5)
         assert not isinstance(failed.value, Skipped)
+
+
+def test_a_peer_that_answers_just_inside_its_deadline_is_left_out_for_a_while(peers) -> None:  # type: ignore[no-untyped-def]
+    """A memcached that answered every call just inside its deadline cost each open of its keys two deadlines (a
+    fetch and a store), and was never left out. Its answers are used, and count as failures: after
+    ``FAILURES_TO_SKIP`` of them it is left out as one that fails."""
+    now = [100.0]
+    good = _value(b"hello")
+
+    def slow(p: FakePeer, conn: socket.socket, request: bytes) -> None:
+        now[0] += DEADLINE * (SLOW_SHARE + 0.1)  # the time the answer took, on the wire's clock
+        good(p, conn, request)
+
+    peer = peers(slow)
+    wire = _wire(peer, clock=lambda: now[0])
+    for _ in range(FAILURES_TO_SKIP):
+        assert wire.get(KEY, 5) == b"hello"
+    with pytest.raises(Skipped):
+        wire.get(KEY, 5)
 
 
 def test_a_dead_peer_is_a_failure_and_an_idle_connection_it_dropped_is_not(peers) -> None:  # type: ignore[no-untyped-def]
