@@ -309,3 +309,29 @@ def test_keys_memcached_would_not_take_are_never_sent() -> None:
     for key in ("a b", "a\r\nflush_all", "", "x" * 251, "é"):
         with pytest.raises(ValueError):
             wire.get(key, 5)
+
+
+def test_a_store_sends_its_header_value_and_end_in_order_whatever_the_socket_takes_at_once() -> None:
+    """A value is sent beside its header (no joined copy of a sealed object): parts larger than the socket's
+    buffer, sent in pieces, reach the peer whole and in order."""
+    from liquidfs.held.memcached import _Stream
+
+    ours, theirs = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    value = bytes(range(256)) * 12_000  # ~3 MB, many times the buffer
+    received = bytearray()
+
+    def read_all() -> None:
+        while chunk := theirs.recv(65536):
+            received.extend(chunk)
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    try:
+        _Stream(ours, time.monotonic() + 30, time.monotonic).send(b"set k 0 0 %d\r\n" % len(value),
+                                                                   memoryview(value), b"", b"\r\n")
+    finally:
+        ours.close()
+        reader.join(30)
+        theirs.close()
+    assert bytes(received) == b"set k 0 0 %d\r\n" % len(value) + value + b"\r\n"
