@@ -233,7 +233,8 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     # Completion order is not rank order: keep the best-ranked, so a given seed always picks the same files.
     chosen.sort(key=lambda o: rank(seed, o.path))
     chosen = chosen[: wanted()]
-    catalog.select_raw(((o.path, o.row()) for o in chosen), ratio)
+    ids = {node.path: node.id for node in nodes}
+    catalog.select_raw(((ids[o.path], o.row()) for o in chosen), ratio)
     with store.deleting() as allowed:
         surplus = catalog.surplus_objects()
         if allowed:
