@@ -57,6 +57,17 @@ def file_version(st: os.stat_result) -> str:
     return f"ino:{st.st_ino}:ctime:{st.st_ctime_ns}"
 
 
+def version_inode(version: str | None) -> int | None:
+    """The inode number ``file_version`` recorded in ``version``; None for another kind of version (an object
+    store's ETag) or none."""
+    if version is None or not version.startswith("ino:"):
+        return None
+    try:
+        return int(version.split(":", 2)[1])
+    except ValueError:
+        return None
+
+
 def object_key(node: Node) -> str:
     """The hex digest a raw object of ``node`` is named by (``expansion.object_name``): the path and identity of
     its source, so a changed source gets a new object, and a catalog row can only name the object of its own

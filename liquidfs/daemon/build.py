@@ -127,7 +127,7 @@ def over_catalog(config: MountConfig, store: Store, catalog: Catalog, stack: Exi
     ops, parts = operations(config, catalog, cluster or disk or base_reader, stats, serving, policy=policy,
                             data_path="daemon" if daemon_only(config) else "at init",
                             mix=make_mix(catalog, config, store), descriptors=descriptor_budget(),
-                            may_read=base_reader.may_read if isinstance(base_reader, ChecksCallers) else None,
+                            may_read=base_reader.readable_inode if isinstance(base_reader, ChecksCallers) else None,
                             levels=[level for level in (disk, cluster) if level is not None],
                             warm=warm.warm if warm else None, warm_walks=warm.warm_walks if warm else None,
                             warm_descriptors=warm.warm_descriptors if warm else ())
@@ -137,7 +137,7 @@ def over_catalog(config: MountConfig, store: Store, catalog: Catalog, stack: Exi
 def operations(config: MountConfig, catalog: Catalog, reader: Reader, stats: MountStats, stack: ExitStack, *,
                policy: NextEpochCache | None = None, data_path: str = "daemon", kernel: Kernel | None = None,
                mix: Mix | None = None, descriptors: int | None = None,
-               may_read: Callable[[Node, int, int, int], bool] | None = None,
+               may_read: Callable[[Node, int, int, int], int | None] | None = None,
                levels: Sequence[HasStatistics] = (),
                warm: Callable[[Node], None] | None = None,
                warm_walks: Callable[[Node], Walks] | None = None,

@@ -305,7 +305,7 @@ class PassthroughPath:
     def _handle(node: Node, record: Inode, fh: int, entry: SharedBacking) -> Handle:
         backing = entry.backing
         assert backing is not None
-        content = Content(size=backing.size, raw=backing.raw, fallback=backing.fallback)
+        content = Content(size=backing.size, raw=backing.raw, fallback=backing.fallback, version=backing.version)
         return Handle(content, node, fh=fh, inode=record, backing_id=entry.backing_id)
 
     async def _backing(self, node: Node, decision: Decision) -> Backing | None:

@@ -27,6 +27,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from ..catalog.catalog import Catalog
+from ..catalog.identity import version_inode
 from ..catalog.nodes import CONTROL_ID, CONTROL_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK, ROOT_ID, Node
 from ..datapath.base import DataPath
 from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
@@ -68,6 +69,12 @@ _MAX_LOGGED = 10_000
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+def served_inode(row: Node, content: Content) -> int | None:
+    """The inode number of the source version ``content`` serves: the one it read where the source changed since
+    the scan (``Content.version``), else the catalog's (a raw object, a held copy, the source as scanned)."""
+    return content.version[0] if content.version is not None else version_inode(row.etag)
+
 
 def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine[Any, Any, R]]:
     name = func.__name__
@@ -125,7 +132,8 @@ class PerOpen:
     #: The job of an opener, for a next-epoch policy that counts each job's epochs (None: no policy).
     jobs: JobLookups | None = None
     #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
-    may_read: Callable[[Node, int, int, int], bool] | None = None
+    #: --allow-other: the inode number of a file's source that a caller may read now (None: may not).
+    may_read: Callable[[Node, int, int, int], int | None] | None = None
 
 
 class Operations(pyfuse3.Operations):
@@ -360,9 +368,11 @@ class Operations(pyfuse3.Operations):
 
     async def _open_file(self, node: Node, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         """The open of a file, its slot of the budget taken."""
+        checked: int | None = None
         if self.may_read is not None and ctx.uid not in (0, self.uid):
             # --allow-other: the kernel checked the modes of the scan; the source's own, now, decide too.
-            if not await self.calls.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True):
+            checked = await self.calls.run(node, self.may_read, node, ctx.uid, ctx.gid, ctx.pid, for_open=True)
+            if checked is None:
                 raise FUSEError(errno.EACCES)
         data = self.data_path if self.data_path is not None else await self._chosen_path()
         record = self.inodes[node.id]
@@ -395,6 +405,13 @@ class Operations(pyfuse3.Operations):
         self.stats.opens_raw += handle.content.raw
         if handle.content.fallback:
             note_fallback(record, self.stats)
+        if checked is not None and served_inode(row, handle.content) not in (None, checked):
+            # The file the caller was found to may read is not the one served: the path led elsewhere between the
+            # check and this open (a file renamed over the one checked by whoever may rename in its directory).
+            await self._release(handle.fh)
+            log.warning("open of %s: the source changed between the caller's check and the open; refused",
+                        os.fsdecode(row.path))
+            raise FUSEError(errno.EACCES)
         # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the new
         # size too (DALI maps as many bytes as stat says). (Checked here first: most opens tell nothing, and the
         # coroutine's call and await cost each open ~0.5 us of the loop's time.)

@@ -390,6 +390,6 @@ class LendsDescriptors(Protocol):
 @runtime_checkable
 class ChecksCallers(Protocol):
     """A reader that can tell whether a user may read a file as the source is now (an --allow-other mount
-    asks it at every open by another user)."""
+    asks it at every open by another user): the inode number they may read, None where they may not."""
 
-    def may_read(self, node: Node, uid: int, gid: int, pid: int = 0) -> bool: ...
+    def readable_inode(self, node: Node, uid: int, gid: int, pid: int = 0) -> int | None: ...

@@ -68,15 +68,28 @@ def may_read(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int] | N
     """Whether ``uid``/``gid`` (with supplementary ``groups``, None where unknown: none) may open ``rel`` below
     ``root_fd`` for reading now: every directory on the way searchable and the file readable, as the kernel
     decides for that caller. Blocks: run it in a worker thread. Links and other filesystems are never crossed."""
+    return uid == 0 or readable_inode(root_fd, rel, uid, gid, groups) is not None
+
+
+def readable_inode(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int] | None) -> int | None:
+    """The inode number of the file at ``rel`` below ``root_fd`` that ``uid``/``gid`` may open for reading now
+    (``may_read``), None where they may not. The caller serves that inode's bytes only: a check and an open that
+    are two walks of a path let a user who may rename in a directory swap another's file in between (an open of
+    their own file, checked; then the other's, served). The directories above the root are not the dataset's:
+    an --allow-other mount shares its root wherever it lies (a home only root may enter, a kubelet's volume
+    directory), and only the modes below it bind."""
     if uid == 0:
-        return True
+        try:
+            return stat_below(root_fd, rel).st_ino
+        except OSError:
+            return None
     catalog_parts(rel)
     if not can_switch():
         return _modes_permit(root_fd, rel, uid, gid, groups or [])
     return _open_as(root_fd, rel, uid, gid, groups or [])
 
 
-def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
+def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> int | None:
     saved_groups = os.getgroups()
     _setgroups(groups)
     try:
@@ -86,15 +99,17 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
             try:
                 if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:  # -1: asks without changing
                     log.warning("cannot take uid %d's credentials to check an open: refused", uid)
-                    return False
+                    return None
                 fd = open_below(root_fd, rel)
             except OSError as exc:
                 if exc.errno not in (errno.EACCES, errno.EPERM):
                     log.debug("permission check of %r for uid %d: %s", rel, uid, exc)
-                return False
+                return None
             else:
-                os.close(fd)
-                return True
+                try:
+                    return os.fstat(fd).st_ino
+                finally:
+                    os.close(fd)
             finally:
                 _libc.setfsuid(previous_uid)
         finally:
@@ -208,13 +223,14 @@ def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
     return all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
 
 
-def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> bool:
-    """The owner, group or other bits of every directory on the way (search) and of the file (read)."""
+def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> int | None:
+    """The owner, group or other bits of every directory on the way (search) and of the file (read): its inode
+    number where they permit."""
     parts = catalog_parts(rel)
     try:
         chain = [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
     except OSError:
-        return False
+        return None
     *dirs, file = chain
     mine = {gid, *groups}
 
@@ -222,5 +238,7 @@ def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int
         shift = 6 if uid == st.st_uid else 3 if st.st_gid in mine else 0
         return bool(st.st_mode >> shift & bit)
 
-    return (all(stat.S_ISDIR(st.st_mode) and permits(st, 1) for st in dirs)
-            and stat.S_ISREG(file.st_mode) and permits(file, 4))
+    if (all(stat.S_ISDIR(st.st_mode) and permits(st, 1) for st in dirs)
+            and stat.S_ISREG(file.st_mode) and permits(file, 4)):
+        return file.st_ino
+    return None

@@ -136,11 +136,13 @@ class StoreReader:
                 os.close(fd)
         self.root_fd = self.objects_fd = -1
 
-    def may_read(self, node: Node, uid: int, gid: int, pid: int = 0) -> bool:
-        """Whether the caller (``uid``/``gid``, the groups of process ``pid``) may read ``node``'s source as it
-        is now, as the kernel would decide for them (``sysio.access.may_read``). The catalog's modes are those of the
-        scan: a ``chmod 600`` or a denying ACL since then must bind other users of an --allow-other mount."""
-        return access.may_read(self.root_fd, node.path, uid, gid, access.caller_groups(pid))
+    def readable_inode(self, node: Node, uid: int, gid: int, pid: int = 0) -> int | None:
+        """The inode number of ``node``'s source as the caller (``uid``/``gid``, the groups of process ``pid``)
+        may read it now, as the kernel would decide for them below the source root; None where they may not
+        (``sysio.access.readable_inode``). The catalog's modes are those of the scan: a ``chmod 600`` or a
+        denying ACL since then must bind other users of an --allow-other mount; and the open serves only that
+        inode (a file swapped in after the check is not the one checked)."""
+        return access.readable_inode(self.root_fd, node.path, uid, gid, access.caller_groups(pid))
 
     def choose(self, node: Node, *, cached_only: bool = False) -> Choice:
         """What an open of ``node`` serves, and how far a stat vouches for it: the one decision both data paths

@@ -201,10 +201,12 @@ def test_one_users_opens_stuck_on_storage_never_refuse_another_users(tmp_path: P
     catalog = Catalog.open(tmp_path / "store", readonly=True)
     gate = threading.Event()
 
-    def may_read(node: object, uid: int, gid: int, pid: int) -> bool:
+    source_inode = (src / "f").stat().st_ino
+
+    def may_read(node: object, uid: int, gid: int, pid: int) -> int:
         if uid == 1000:
             gate.wait(10)  # the stuck source (a bound only so that a failing run ends)
-        return True
+        return source_inode
 
     ops, _ = assemble.operations(config(allow_other=True), catalog, StoreReader(catalog.source, tmp_path / "store"),
                                  MountStats(), ExitStack(), may_read=may_read)
@@ -392,3 +394,44 @@ def test_a_release_while_another_open_of_the_inode_waits_does_not_let_its_record
         assert ops.inodes.get(ino) is None  # idle once released: let go as before
 
     run(main)
+
+
+@pytest.mark.needs_root("the caller's check takes another user's credentials")
+@pytest.mark.parametrize("data_path", ["daemon", "passthrough"])
+def test_a_file_renamed_over_the_one_checked_is_never_served_to_the_caller(reachable_tmp: Path, data_path: str) -> None:
+    """--allow-other: the caller's check opened the path as the caller, and the open served whatever the path led
+    to a moment later. A user who may rename in the directory opened their own file and, once it was checked,
+    renamed another user's 0600 file over it: served. Only the inode checked is served; the rest is EACCES."""
+    from liquidfs.stores.local.reader import StoreReader
+    from operations import FakeKernel
+
+    tmp_path = reachable_tmp  # the caller must reach the source's root: pytest's own directories are root's
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "mine.txt").write_bytes(b"nobody's own\n")
+    (src / "secret.txt").write_bytes(b"root's alone\n")
+    (src / "secret.txt").chmod(0o600)
+    os.chmod(src, 0o777)  # anyone may rename in it (no sticky bit)
+    build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    reader = StoreReader(catalog.source, tmp_path / "store")
+    swap = [False]
+
+    def checked_then_swapped(node: object, uid: int, gid: int, pid: int) -> int | None:
+        found = reader.readable_inode(node, uid, gid, pid)  # type: ignore[arg-type]
+        if swap[0]:
+            os.replace(src / "secret.txt", src / "mine.txt")  # between the check and the open
+        return found
+
+    ops, _ = assemble.operations(config(allow_other=True), catalog, reader, MountStats(), ExitStack(),
+                                 may_read=checked_then_swapped, data_path=data_path,
+                                 kernel=FakeKernel() if data_path == "passthrough" else None)
+    mine = run(ops.lookup, ROOT_ID, b"mine.txt", CTX).st_ino
+    nobody = _As(65534)
+    info = run(ops.open, mine, os.O_RDONLY, nobody)  # its own file, as it is: served
+    run(ops.release, info.fh)
+    swap[0] = True
+    with pytest.raises(pyfuse3.FUSEError) as refused:
+        run(ops.open, mine, os.O_RDONLY, nobody)
+    assert refused.value.errno == errno.EACCES
+    assert not ops.open_files and ops.open_budget.taken == 0

@@ -223,3 +223,20 @@ def test_everyone_may_search_above_walks_the_kernels_parents_up_to_the_root(reac
         assert not access.everyone_may_search_above(src, kind)
     finally:
         os.close(src)
+
+
+
+@NEEDS_ROOT
+@pytest.mark.parametrize("switch", [True, False], ids=["kernel", "modes"])
+def test_a_check_answers_the_inode_the_caller_may_read(tree: Path, switch: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the open then serves, and only that: a file renamed over the one checked is another inode."""
+    if not switch:
+        monkeypatch.setattr(access, "can_switch", lambda: False)
+    root_fd = open_dir(tree)
+    try:
+        assert access.readable_inode(root_fd, b"d/all.txt", NOBODY, NOBODY, None) == (tree / "d/all.txt").stat().st_ino
+        assert access.readable_inode(root_fd, b"d/group.txt", NOBODY, NOBODY, None) is None
+        assert access.readable_inode(root_fd, b"d/none.txt", NOBODY, NOBODY, None) is None
+    finally:
+        os.close(root_fd)
