@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The exit status: 0, 1 for an error said in one line, 130 interrupted, 141 when stdout's reader left."""
+    # Names are bytes, not text: one that is no UTF-8 (os.fsdecode's surrogates) is written as its own bytes. A
+    # strict stream raised UnicodeEncodeError at the line that said a mount was made, and `mount` exited 1 with a
+    # traceback over a daemon that served.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="surrogateescape")
     try:
         try:
             return _run(argv)

@@ -115,6 +115,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from ..catalog.schema import CatalogError
     from ..prepare import PrepareError, verify
+    from ..sysio.safefiles import escape_controls
 
     try:
         failures = verify(args.store, sample=args.sample, jobs=args.jobs, progress=not args.no_progress)
@@ -122,7 +123,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"liquidfs verify: {exc}", file=sys.stderr)
         return 2
     for path, problem in failures:
-        print(f"FAIL {path}: {problem}")
+        print(f"FAIL {escape_controls(path)}: {escape_controls(problem)}")  # names the dataset's writer chose
     print("verify: " + ("all raw objects sound" if not failures else f"{len(failures)} problems"))
     return 1 if failures else 0
 

@@ -540,3 +540,34 @@ def test_an_image_rewritten_in_place_is_expanded_again_by_the_next_prepare(tmp_p
     assert now is not None and now.served_raw and now.size == len(other.getvalue()) and now.etag != node.etag
     assert formats.same_pixels(path.read_bytes(), (store / str(now.object)).read_bytes())
     assert verify(store, progress=False) == []
+
+
+def test_verify_names_a_file_of_any_bytes_on_one_line_without_a_traceback(tmp_path: Path) -> None:
+    """A name that is no UTF-8 made the line that names it raise UnicodeEncodeError on a strict stdout (the
+    verify, or a mount made, ended in a traceback with status 1); control characters a writer put in a name
+    reached the terminal as they are. Written on one line, its undecodable bytes and control characters as
+    visible escapes."""
+    import io
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    name = b"bad\xff\x1b[31m.png"
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 8), (1, 2, 3)).save(buffer, "PNG")
+    with open(os.fsencode(src) + b"/" + name, "wb") as f:
+        f.write(buffer.getvalue())
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    obj = next((store / "objects").rglob("*.bmp"))
+    data = bytearray(obj.read_bytes())
+    data[-1] ^= 0xFF
+    obj.write_bytes(bytes(data))
+    result = subprocess.run([sys.executable, "-m", "liquidfs", "verify", "--store", str(store), "--no-progress"],
+                            capture_output=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert result.returncode == 1, result.stderr
+    assert b"Traceback" not in result.stderr and b"\x1b" not in result.stdout
+    assert b"FAIL bad\\xff\\x1b[31m.png" in result.stdout, result.stdout  # both as visible escapes
