@@ -43,8 +43,13 @@ def is_stale(mountpoint: Path) -> bool:
 
 
 def clean_stale(mountpoint: Path) -> None:
+    """A stale mount detached; MountError where fusermount3 could not (a user's `umount` of root's mount): its
+    result was dropped, and `umount` said nothing and exited 0 over a mount still there."""
     log.warning("%s is a stale mount (its daemon died); unmounting it lazily", mountpoint)
-    subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True)
+    done = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = done.stderr.strip() or f"fusermount3 exited with status {done.returncode}"
+        raise MountError(f"{mountpoint} is a stale mount (its daemon died) and could not be unmounted: {why}")
 
 
 #: Links followed to a mount point at most, as the kernel follows them (ELOOP past it).

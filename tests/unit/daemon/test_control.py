@@ -238,3 +238,25 @@ def test_the_holders_of_a_busy_mount_are_found_without_touching_it(tmp_path: Pat
         holder.kill()
         holder.wait()
     assert any(line.startswith(f"{holder.pid} ") for line in found), found
+
+
+def test_a_stale_mount_that_cannot_be_detached_is_said_never_a_silent_success(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`liquidfs umount` of a dead mount ran fusermount3 and dropped its result: a user's umount of root's mount
+    (refused) said nothing and exited 0 over a mount still there."""
+    import subprocess
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (control.FSTYPE, 300, 1))
+    monkeypatch.setattr(control, "_probe", lambda path, timeout, control=True: ("stale", None))
+    ran: list[list[str]] = []
+
+    def refused(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 1, "", f"fusermount3: entry for {mnt} not found in /etc/mtab")
+
+    monkeypatch.setattr(control.subprocess, "run", refused)
+    with pytest.raises(control.MountError, match="stale mount .* could not be unmounted: fusermount3: entry"):
+        control.unmount(mnt)
+    assert ran and ran[0][:3] == ["fusermount3", "-u", "-z"]
