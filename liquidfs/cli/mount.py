@@ -256,18 +256,21 @@ def cmd_umount(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from ..daemon.control import read_control
+    from ..daemon.control import read_control_within
 
     mountpoint = Path(args.mountpoint)
     if args.probe:
         try:
-            read_control(mountpoint)
+            read_control_within(mountpoint)
         except (OSError, ValueError):
             return 1
         return 0
     while True:
         try:
-            values = read_control(mountpoint)
+            values = read_control_within(mountpoint)
+        except TimeoutError as exc:
+            print(f"liquidfs stats: {mountpoint}: {exc.strerror} (stuck?)", file=sys.stderr)
+            return 1
         except FileNotFoundError:
             print(f"liquidfs stats: {mountpoint} is not a liquidfs mount", file=sys.stderr)
             return 1

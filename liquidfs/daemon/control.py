@@ -14,6 +14,7 @@ import socket
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..catalog.nodes import CONTROL_NAME
@@ -201,6 +202,71 @@ def read_control(mountpoint: Path) -> dict[str, object]:
     # no further than a control file's size (a few hundred bytes) allows.
     with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
         text = f.read(CONTROL_MAX_BYTES + 1)
+    return _control_values(mountpoint, text)
+
+
+def read_control_within(mountpoint: Path, timeout: float = ANSWER_TIMEOUT) -> dict[str, object]:
+    """``read_control``, asked from a child process (``_in_child``, as ``_probe`` asks): TimeoutError where the
+    mount answers nothing within ``timeout`` seconds. Read in this process, a mount whose daemon is stuck held
+    `liquidfs stats` in the kernel for good, past SIGKILL, and a pod's liveness probe (`stats --probe`) left one
+    such process behind at each try."""
+    def read() -> bytes:
+        try:
+            with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
+                return b"+" + f.read(CONTROL_MAX_BYTES + 1)
+        except OSError as exc:
+            return b"-%d" % (exc.errno or errno.EIO)
+
+    said = _in_child(read, timeout)
+    if said is None:
+        raise TimeoutError(errno.ETIMEDOUT, f"its daemon answered nothing in {timeout:.0f} s", os.fspath(mountpoint))
+    if said[:1] == b"-" and said[1:].isdigit():
+        code = int(said[1:])
+        raise OSError(code, os.strerror(code), os.fspath(mountpoint))
+    if said[:1] != b"+":
+        raise OSError(errno.EIO, "the control file could not be read", os.fspath(mountpoint))
+    return _control_values(mountpoint, said[1:])
+
+
+def _in_child(work: Callable[[], bytes], timeout: float) -> bytes | None:
+    """What ``work()`` returns, run in a child process; None where it says nothing within ``timeout`` seconds
+    (or fails). A statfs or a read of a mount whose daemon is stuck waits in the kernel for good, past SIGKILL
+    once the daemon has read the request: the child is left behind (killed, reaped by init when it can be), and
+    this process can still exit."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: works, says, and ends without running anything of the parent's
+        code = 0
+        try:
+            os.close(read_end)
+            view = memoryview(work())
+            while view:
+                view = view[os.write(write_end, view):]
+        except BaseException:  # noqa: BLE001  (the child ends here, whatever happened: never in the parent's code)
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    parts: list[bytes] = []
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([read_end], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                os.kill(child, signal.SIGKILL)  # not waited for: a child stuck in the kernel is reaped by init
+                return None
+            part = os.read(read_end, 1 << 16)
+            if not part:
+                break
+            parts.append(part)
+    finally:
+        os.close(read_end)
+    _, status = os.waitpid(child, 0)
+    return b"".join(parts) if status == 0 else None
+
+
+def _control_values(mountpoint: Path, text: bytes) -> dict[str, object]:
+    """The statistics a control file's ``text`` holds; ValueError where it holds none of ours."""
     if len(text) > CONTROL_MAX_BYTES:
         raise ValueError(f"{mountpoint}: the control file holds more than a control file does")
     try:
@@ -338,39 +404,22 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
 def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str, int | None]:
     """("stale", None): its daemon is gone; ("answers", the daemon's pid from its control file, None where that
     does not say or ``control`` is False: its statfs alone is asked); or ("silent", None): no answer within
-    ``timeout`` seconds. A statfs or a read of a mount whose daemon is stuck waits in the kernel for good, past
-    SIGKILL once the daemon has read the request: they are asked from a child process, left behind where it does
-    not answer (this process can still exit)."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # the child: asks, says, and ends without running anything of the parent's
-        code = 0
+    ``timeout`` seconds. Asked from a child process (``_in_child``): a mount whose daemon is stuck would hold
+    this one in the kernel for good."""
+    def ask() -> bytes:
+        if is_stale(mountpoint):
+            return b"stale"
+        if not control:
+            return b"answers"
         try:
-            os.close(read_end)
-            if is_stale(mountpoint):
-                said = "stale"
-            elif not control:
-                said = "answers"
-            else:
-                try:
-                    said = f"answers {int(str(read_control(mountpoint)['pid']))}"
-                except (OSError, ValueError, KeyError):
-                    said = "answers -"
-            os.write(write_end, said.encode())
-        except BaseException:  # noqa: BLE001  (the child ends here, whatever happened: never in the parent's code)
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    try:
-        ready, _, _ = select.select([read_end], [], [], timeout)
-        said = os.read(read_end, 64).decode(errors="replace") if ready else ""
-    finally:
-        os.close(read_end)
-    if not ready:
-        os.kill(child, signal.SIGKILL)  # not waited for: a child stuck in the kernel is reaped by init
+            return f"answers {int(str(read_control(mountpoint)['pid']))}".encode()
+        except (OSError, ValueError, KeyError):
+            return b"answers -"
+
+    answer = _in_child(ask, timeout)
+    if answer is None:
         return "silent", None
-    os.waitpid(child, 0)
+    said = answer.decode(errors="replace")
     if said == "stale":
         return "stale", None
     if not control:

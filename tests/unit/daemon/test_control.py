@@ -260,3 +260,23 @@ def test_a_stale_mount_that_cannot_be_detached_is_said_never_a_silent_success(
     with pytest.raises(control.MountError, match="stale mount .* could not be unmounted: fusermount3: entry"):
         control.unmount(mnt)
     assert ran and ran[0][:3] == ["fusermount3", "-u", "-z"]
+
+
+def test_statistics_are_read_from_a_child_and_a_mount_that_never_answers_is_said(tmp_path: Path) -> None:
+    """`liquidfs stats` (and a pod's `stats --probe`) read the control file in their own process: a mount whose
+    daemon is stuck held them in the kernel for good. Read from a child; no answer in time is a TimeoutError.
+    (A FIFO at the control file's name stands for the read that never returns.)"""
+    import json
+
+    from liquidfs.catalog.nodes import CONTROL_NAME
+
+    answering, stuck, empty = tmp_path / "answering", tmp_path / "stuck", tmp_path / "empty"
+    for d in (answering, stuck, empty):
+        d.mkdir()
+    (answering / os.fsdecode(CONTROL_NAME)).write_text(json.dumps({"pid": 42, "opens": 7}))
+    os.mkfifo(stuck / os.fsdecode(CONTROL_NAME))
+    assert control.read_control_within(answering, 10) == {"pid": 42, "opens": 7}
+    with pytest.raises(FileNotFoundError):
+        control.read_control_within(empty, 10)
+    with pytest.raises(TimeoutError, match="answered nothing"):
+        control.read_control_within(stuck, 0.5)
