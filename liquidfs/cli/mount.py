@@ -65,7 +65,8 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                    "holding every file would cost (on the passthrough path each file takes whole pages and "
                    "1.25 KB besides; on the daemon path its bytes); that share of every epoch is then served "
                    "from memory. "
-                   "Default: no cache (and the page cache keeps no copy of served files)")
+                   "Default: $LIQUIDFS_CACHE_SIZE where set (a sidecar's environment), else no cache (and the "
+                   "page cache keeps no copy of served files)")
     tuning.add_argument("--page-cache", choices=PAGE_CACHE_MODES, default=MOUNT_DEFAULTS["page_cache"],
                    help="what the kernel's page cache keeps of served files the daemon's cache does not hold: "
                    "drop their pages when closed (default: no second copy of the dataset in memory), keep them "
@@ -185,7 +186,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from ..daemon.config import MountConfig
+    from ..daemon.config import MountConfig, MountError
     from ..daemon.control import check_allow_other, check_metrics_listen, check_mountpoint
     from ..daemon.spawn import spawn_daemon
     from ..stores import open_store
@@ -193,7 +194,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.daemon_config is not None:
         # The daemon a mount started: its options were parsed and checked by that mount, and it finds the catalog
         # that mount made ready.
-        config = MountConfig.from_json(args.daemon_config)
+        try:
+            config = MountConfig.from_json(args.daemon_config)
+        except (ValueError, TypeError) as exc:  # (json's errors are ValueErrors) a line, never a traceback
+            raise MountError(f"--daemon-config: not a mount's config ({exc})") from None
         storage = open_store(config.source, config.store)
         return _serve(config, storage, storage.found_catalog(), args.ready_fd)
     storage = open_store(args.source, args.store)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import fields
@@ -211,6 +212,22 @@ def size_option(flag: str, text: str | None, *, percent: bool = True) -> Amount 
 def _positive_seconds(flag: str, value: float) -> float:
     if not value > 0 or not math.isfinite(value):
         raise OptionError(f"{flag} must be a positive number of seconds, not {value}")
+    if value < MIN_SECONDS:  # 1e-9: every read EIO, or a mix that steers without a pause
+        raise OptionError(f"{flag} must be at least {MIN_SECONDS:g} s, not {value:g}")
+    return value
+
+
+#: Bounds of the mount's numeric tuning flags: past them a value is a typo, never a setting (a thread per
+#: storage read by the hundred million; a readahead the kernel refuses, said only at info level).
+MAX_THREADS = 4096
+MAX_READAHEAD_KB = 1 << 20
+MIN_SECONDS = 0.01
+
+
+def _within(flag: str, value: int, low: int, high: int) -> int:
+    if not low <= value <= high:
+        raise OptionError(f"{flag} must be at least {low}, not {value}" if value < low else
+                          f"{flag} must be at most {high}, not {value}")
     return value
 
 
@@ -239,7 +256,9 @@ def _loops(args: argparse.Namespace) -> int:
     from ..datapath.shared_inodes import MAX_LOOPS
     from ..sysio.cgroups import usable_cores
 
-    clashes = [flag for flag, given in (("--cache-size", args.cache_size), ("--disk-cache", args.disk_cache),
+    cache_flag = "--cache-size" if os.environ.get("LIQUIDFS_CACHE_SIZE") != args.cache_size else \
+        "--cache-size (from $LIQUIDFS_CACHE_SIZE)"  # a flag the user never typed is named by where it came from
+    clashes = [flag for flag, given in ((cache_flag, args.cache_size), ("--disk-cache", args.disk_cache),
                                         ("--cluster", args.cluster), ("--mix adaptive", args.mix == "adaptive"),
                                         ("--warmup", args.warmup), ("--data-path daemon", args.data_path == "daemon"),
                                         ("--page-cache direct", args.page_cache == "direct"),
@@ -260,11 +279,9 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     from ..held.cluster_peers import CLUSTER_NEEDS_KEY, ClusterError, parse_cluster
     from ..held.sealing import KeyFileError, read_key_file
 
-    threads = storage.default_threads if args.threads is None else args.threads
-    if threads < 1:
-        raise OptionError(f"--threads must be at least 1, not {threads}")
-    if args.open_threads < 1:
-        raise OptionError(f"--open-threads must be at least 1, not {args.open_threads}")
+    threads = _within("--threads", storage.default_threads if args.threads is None else args.threads, 1, MAX_THREADS)
+    _within("--open-threads", args.open_threads, 1, MAX_THREADS)
+    _within("--readahead-kb", args.readahead_kb, 0, MAX_READAHEAD_KB)
     cache_size = size_option("--cache-size", args.cache_size)
     open_bytes = size_option("--open-bytes", args.open_bytes, percent=False)
     assert not isinstance(open_bytes, Share)  # bytes only: a share is refused

@@ -44,3 +44,12 @@ def test_profiles_help_still_shows_its_long_description() -> None:
     first = (choose.__doc__ or "").strip().splitlines()[0]
     assert first and first in done.stdout, done.stdout[:2000]
     assert "Two estimates of the best mix" in done.stdout
+
+
+@pytest.mark.parametrize("given", ["{not json", "[1, 2]", '{"source": "/data"}'])
+def test_a_daemon_config_that_is_none_is_one_line_never_a_traceback(given: str) -> None:
+    """The daemon's own flag, hidden: what it is given is said in a line when it is no mount's config."""
+    result = subprocess.run([sys.executable, "-m", "liquidfs", "mount", "--daemon-config", given, "/data", "/mnt"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "--daemon-config: not a mount's config" in result.stderr

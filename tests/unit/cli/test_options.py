@@ -90,6 +90,11 @@ def _mount_args(*flags: str) -> argparse.Namespace:
     (["--cluster", "memcached://h:1", "--cluster-size", "2Q"], "--cluster-size '2Q'"),
     (["--cluster-size", "5G"], "--cluster-size needs --cluster"),
     (["--threads", "0"], "--threads must be at least 1, not 0"),
+    (["--threads", "100000000"], "--threads must be at most 4096"),
+    (["--open-threads", "0"], "--open-threads must be at least 1, not 0"),
+    (["--readahead-kb", "-5"], "--readahead-kb must be at least 0, not -5"),
+    (["--io-timeout", "1e-9"], "--io-timeout must be at least 0.01 s"),
+    (["--mix-interval", "1e-300"], "--mix-interval must be at least 0.01 s"),
     (["--io-timeout", "0"], "--io-timeout must be a positive number of seconds"),
     (["--io-timeout", "nan"], "--io-timeout must be a positive number of seconds"),
     (["--mix-interval", "-1"], "--mix-interval must be a positive number of seconds"),
@@ -177,3 +182,12 @@ def test_the_daemon_mounts_with_one_fsname_and_its_own_type() -> None:
     assert {o for o in mounted if o.startswith("fsname=")} == {"fsname=imagenet"}
     assert "subtype=liquidfs" in mounted and "ro" in mounted and "noexec" in mounted
     assert "fsname=liquidfs" in fuse_options(options.mount_config(_mount_args(), STORAGE))
+
+
+def test_a_cache_size_from_the_environment_is_named_by_where_it_came_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$LIQUIDFS_CACHE_SIZE sets --cache-size (a sidecar's environment): --loops refused a flag the user never
+    typed, naming it as typed."""
+    monkeypatch.setenv("LIQUIDFS_CACHE_SIZE", "30%")
+    with pytest.raises(OptionError, match=r"cannot go with --cache-size \(from \$LIQUIDFS_CACHE_SIZE\)"):
+        options.mount_config(_mount_args("--loops", "4"), STORAGE)
+    assert "LIQUIDFS_CACHE_SIZE" in cli.build_parser()._subparsers._group_actions[0].choices["mount"].format_help()
