@@ -177,7 +177,8 @@ def open_below_stat(dir_fd: int, rel: bytes, where: bytes | str = b"", *,
                     cached_only: bool = False) -> tuple[int, os.stat_result]:
     """``open_below``, and the stat its check of the file took (an open that needs both makes one fstat, not two:
     issue 40, every syscall of an open on the loop counts)."""
-    file = _walk(dir_fd, rel, where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, cached_only)
+    file = _walk(dir_fd, rel, where, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC,
+                 cached_only)
     return _regular_stat(file, where, rel)
 
 
@@ -268,7 +269,8 @@ def open_under(root: bytes, rel: bytes) -> int:
 
 def open_regular(path: str | os.PathLike[str]) -> int:
     """Open ``path`` for reading if it is a regular file, never through a link at its end (EIO otherwise)."""
-    return _regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), os.fsdecode(path))
+    return _regular(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC),
+                    os.fsdecode(path))
 
 
 def _regular(file: int, path: str) -> int:
@@ -279,11 +281,15 @@ def _regular(file: int, path: str) -> int:
 def _regular_stat(file: int, where: bytes | str, rel: bytes | None = None) -> tuple[int, os.stat_result]:
     """``file`` and its stat if it is a regular file (no longer non-blocking); else closed and EIO (naming
     ``where``, or ``rel`` below it)."""
-    st = os.fstat(file)
-    if not stat.S_ISREG(st.st_mode):
+    try:
+        st = os.fstat(file)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EIO, "no longer a regular file",
+                          os.fsdecode(where) if rel is None else _named(where, rel))
+        # Of the status flags F_SETFL can change (O_APPEND, O_ASYNC, O_DIRECT, O_NOATIME, O_NONBLOCK) every file
+        # here was opened with O_NONBLOCK alone: clearing them all clears it, without an F_GETFL first.
+        fcntl.fcntl(file, fcntl.F_SETFL, 0)
+    except BaseException:  # (an fstat or fcntl that fails, too: the descriptor never outlives the refusal)
         os.close(file)
-        raise OSError(errno.EIO, "no longer a regular file", os.fsdecode(where) if rel is None else _named(where, rel))
-    # Of the status flags F_SETFL can change (O_APPEND, O_ASYNC, O_DIRECT, O_NOATIME, O_NONBLOCK) every file here
-    # was opened with O_NONBLOCK alone: clearing them all clears it, without an F_GETFL first.
-    fcntl.fcntl(file, fcntl.F_SETFL, 0)
+        raise
     return file, st
