@@ -77,8 +77,12 @@ class StoreReader:
         self._fallbacks = FallbackLog(log)
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
-        # hit's CPU). Anything else (NFS, FUSE) is checked in a worker thread, under --io-timeout.
-        self.inline_check = filesystem_type(source_root) in LOCAL_FILESYSTEMS
+        # hit's CPU). Anything else (NFS, FUSE) is checked in a worker thread, under --io-timeout. The raw objects
+        # too are opened on the loop where this says so (``choose(cached_only=True)``): a cached lookup still
+        # asks an NFS or FUSE filesystem at the open itself, so an objects directory elsewhere (a link to
+        # another disk) must be local as well, or a server that stops answering holds every request.
+        self.inline_check = filesystem_type(source_root) in LOCAL_FILESYSTEMS and \
+            (self.objects_fd < 0 or self.stamps_vouch)
 
     def open_source(self, node: Node, *, cached_only: bool = False) -> int:
         return open_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)

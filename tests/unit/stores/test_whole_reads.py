@@ -128,3 +128,23 @@ def test_a_raw_row_without_its_object_or_its_size_serves_the_original(tmp_path: 
     raw, fallback, data = _opened(store, node.id)
     assert not raw and "no raw object recorded" in str(fallback)
     assert data == (src / os.fsdecode(node.path)).read_bytes()
+
+
+@pytest.mark.parametrize("objects_on", ["ext4", "nfs4", "fuse.sshfs"])
+def test_objects_are_opened_on_the_loop_only_where_their_filesystem_is_local_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, objects_on: str) -> None:
+    """Whether the loop opens the raw objects itself was judged by the source's filesystem alone: an objects
+    directory linked to an NFS or FUSE filesystem was opened on the loop, where a server that stops answering
+    held every request (a cached lookup still asks the filesystem at the open)."""
+    from liquidfs.stores.local.reader import StoreReader
+
+    (tmp_path / "src").mkdir()
+    (tmp_path / "store" / "objects").mkdir(parents=True)
+    objects = os.fsencode(tmp_path / "store" / "objects")
+    monkeypatch.setattr(local_reader_module, "filesystem_type",
+                        lambda path: objects_on if os.fsencode(path) == objects else "ext4")
+    reader = StoreReader(os.fsencode(tmp_path / "src"), tmp_path / "store")
+    try:
+        assert reader.inline_check == (objects_on == "ext4")
+    finally:
+        reader.close()
