@@ -70,6 +70,7 @@ _MAX_LOGGED = 10_000
 P = ParamSpec("P")
 R = TypeVar("R")
 
+
 def served_inode(row: Node, content: Content) -> int | None:
     """The inode number of the source version ``content`` serves: the one it read where the source changed since
     the scan (``Content.version``), else the catalog's (a raw object, a held copy, the source as scanned)."""
@@ -131,8 +132,8 @@ class PerOpen:
     mix: Mix | None = None
     #: The job of an opener, for a next-epoch policy that counts each job's epochs (None: no policy).
     jobs: JobLookups | None = None
-    #: With --allow-other (local sources): whether the source, as it is now, lets a user read a file.
-    #: --allow-other: the inode number of a file's source that a caller may read now (None: may not).
+    #: With --allow-other (local sources): the inode number of a file's source that a caller may read as the
+    #: source is now (None: may not).
     may_read: Callable[[Node, int, int, int], int | None] | None = None
 
 
