@@ -218,7 +218,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     argv = ["mount", config.source, str(config.mountpoint), "--log-file", str(log_file),
             "--log-level", args.log_level if args.log_level != "warning" else "info",
             "--daemon-config", config.to_json()]
-    spawn_daemon(argv, log_file)
+    spawn_daemon(argv, log_file, mountpoint=config.mountpoint)
     print(f"liquidfs: {config.source} mounted on {config.mountpoint} ({time.monotonic() - started:.1f} s; "
           f"log {log_file}); " + _data_path_said(config.mountpoint))
     return 0

@@ -15,8 +15,9 @@ from ..sysio.safefiles import open_append
 from .config import MountError
 
 
-def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> None:
-    """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers."""
+def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0, mountpoint: Path | None = None) -> None:
+    """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers. ``mountpoint``
+    (as mountinfo shows it): where a daemon stopped for not answering may have left a mount."""
     log_file.parent.mkdir(parents=True, exist_ok=True)
     try:
         # STORE/mount.log is in a directory a store writer may write: a link there to a root-owned startup file
@@ -39,7 +40,7 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0) -> Non
                             stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                             pass_fds=(write_end,), start_new_session=True)
         os.close(write_end)
-        _wait_ready(proc, read_end, log_fd, log_file, timeout, start)
+        _wait_ready(proc, read_end, log_fd, log_file, timeout, start, mountpoint)
     finally:
         os.close(log_fd)
 
@@ -52,7 +53,7 @@ SHOWN_LINES = 15
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_file: Path, timeout: float,
-                start: int = 0) -> None:
+                start: int = 0, mountpoint: Path | None = None) -> None:
     """Return once the daemon says "ready" on ``read_end``; else a MountError whose first line says why (from
     the daemon's lines of the log, those past offset ``start``), then those lines."""
     deadline = time.monotonic() + timeout
@@ -80,7 +81,7 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
     else:
         shown = f"; nothing from it in {log_file}"
     if proc.returncode is None:
-        _stop(proc)
+        _stop(proc, mountpoint)
         what = (f"did not answer within {timeout:.0f} s" if time.monotonic() >= deadline
                 else "gave up before the mount answered but did not exit")
         raise MountError(f"the daemon {what}: stopped" + shown)
@@ -89,20 +90,34 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
     raise MountError(f"{reason}\n{status}" if reason else status)
 
 
-#: How long a daemon asked to stop (SIGTERM) gets to unmount before it is killed.
-STOP_WAIT = 5.0
+#: How long a daemon asked to stop (SIGTERM) gets to unmount before it is killed: past its own worst shutdown
+#: (its other loops' stop alone may take ``loops.STOP_WAIT``, 5 s, before the session closes).
+STOP_WAIT = 15.0
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
+def _stop(proc: subprocess.Popen[bytes], mountpoint: Path | None = None) -> None:
     """Stop a daemon that never said ready: SIGTERM first, which unmounts what it may have mounted (its handlers
     are set from the mount on); SIGKILL at once would leave a mount whose daemon is gone (ENOTCONN to every
-    reader, until someone unmounts it by hand). Killed if it does not exit."""
+    reader, until someone unmounts it by hand). Killed if it does not exit; then a liquidfs mount it left at
+    ``mountpoint`` (none was there before it started: ``check_mountpoint``) is detached."""
     proc.terminate()
     try:
         proc.wait(STOP_WAIT)
+        return
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+    if mountpoint is None:
+        return
+    from . import watchdog  # (here: a mount that starts, the common case, reads no mountinfo for it)
+
+    left = watchdog.topmost_mount(mountpoint)
+    if left is not None and left[0] == b"fuse.liquidfs":
+        done = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            raise MountError(f"the daemon was killed and left {mountpoint} mounted; `fusermount3 -u -z "
+                             f"{mountpoint}` failed: {done.stderr.strip()}")
 
 
 #: A log record of the daemon's at ERROR or above (``sysio.safefiles.LOG_FORMAT``: date, time, level, logger, message).

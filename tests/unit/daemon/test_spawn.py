@@ -42,3 +42,46 @@ def test_a_daemon_that_never_answers_gets_sigterm_first(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.returncode  # its own exit, from SIGTERM's handler: not -9
     assert "stopped by signal 15" in log_file.read_text()
     assert "mounted" in str(refused.value)  # its lines are shown
+
+
+#: A daemon that mounted and then stalled past SIGTERM (its shutdown stuck): it is killed.
+STUCK = """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("mounted", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_daemon_killed_after_it_mounted_leaves_no_dead_mount(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed past its SIGTERM's wait, a daemon that had mounted left a mount whose daemon was gone: every
+    reader got ENOTCONN until someone unmounted it by hand. Its mount is detached."""
+    from liquidfs.daemon import watchdog
+
+    mnt = tmp_path / "mnt"
+    monkeypatch.setattr(spawn, "STOP_WAIT", 0.5)
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    ran: list[list[str]] = []
+    real_run = subprocess.run
+
+    def recorded(cmd, **kwargs):  # type: ignore[no-untyped-def]
+        if cmd[0] == "fusermount3":
+            ran.append(cmd)
+            return subprocess.CompletedProcess(cmd, 0, "", "")
+        return real_run(cmd, **kwargs)
+
+    monkeypatch.setattr(spawn.subprocess, "run", recorded)
+    log_file = tmp_path / "mount.log"
+    log_fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    read_end, write_end = os.pipe()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=log_fd, stderr=log_fd, pass_fds=(write_end,))
+        os.close(write_end)
+        with pytest.raises(MountError, match="did not answer within 1 s: stopped"):
+            spawn._wait_ready(proc, read_end, log_fd, log_file, 1.0, mountpoint=mnt)
+    finally:
+        os.close(log_fd)
+    assert proc.returncode == -9
+    assert ran == [["fusermount3", "-u", "-z", str(mnt)]]
