@@ -43,6 +43,7 @@ fi
 helper=$DESTDIR$SBINDIR/mount.fuse.liquidfs
 unit=$DESTDIR$UNITDIR/liquidfs@.service
 conf=$DESTDIR$CONFDIR
+dropin=$conf/liquidfs-cluster.conf
 
 mkdir -p "$DESTDIR$SBINDIR" "$DESTDIR$UNITDIR" "$conf"
 
@@ -58,6 +59,13 @@ sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" \
 grep -q "^ExecStart=$LIQUIDFS_BIN mount --foreground " "$tmp" || die "could not set the liquidfs command in the unit"
 install -m 0644 "$tmp" "$unit"
 
+# The --cluster drop-in repeats the unit's command (with the key's flag): the same liquidfs, or a venv's install
+# ran /usr/local/bin/liquidfs there and the unit restarted for good (203/EXEC). Copied from here by the admin.
+sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" \
+    "$here/systemd/liquidfs-cluster.conf" > "$tmp"
+grep -q "^ExecStart=$LIQUIDFS_BIN mount --foreground " "$tmp" || die "could not set the liquidfs command in the drop-in"
+install -m 0644 "$tmp" "$dropin"
+
 # An example configuration; never overwrite a real one.
 if [ ! -e "$conf/example.env" ]; then
     install -m 0644 "$here/systemd/example.env" "$conf/example.env"
@@ -65,6 +73,7 @@ fi
 
 echo "installed $helper"
 echo "installed $unit"
+echo "installed $dropin (for a mount with --cluster: see its head)"
 echo "example config in $conf/example.env"
 
 if [ -z "$DESTDIR" ] && [ -d /run/systemd/system ] && command -v systemctl > /dev/null; then

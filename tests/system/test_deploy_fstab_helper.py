@@ -136,6 +136,11 @@ def test_install_host_destdir(tmp_path: Path):
     assert helper.stat().st_mode & 0o777 == 0o755
     assert unit.stat().st_mode & 0o777 == 0o644
     assert "ExecStart=/opt/liquidfs/bin/liquidfs mount --foreground " in unit.read_text()
+    # the --cluster drop-in runs the same liquidfs (a venv's install ran /usr/local/bin/liquidfs there: 203/EXEC)
+    dropin = dest / "etc" / "liquidfs" / "liquidfs-cluster.conf"
+    assert dropin.stat().st_mode & 0o777 == 0o644
+    assert "\nExecStart=/opt/liquidfs/bin/liquidfs mount --foreground " in dropin.read_text()
+    assert "/usr/local/bin/liquidfs mount" not in dropin.read_text()
     # the installed helper runs the baked-in liquidfs
     proc = run([str(helper), "/src", "/mnt/x", "-fv", "-o", "allow_other"], env={"PATH": os.environ["PATH"]})
     assert proc.returncode == 0, proc.stderr
