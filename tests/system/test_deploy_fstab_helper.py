@@ -67,6 +67,12 @@ def test_helper_is_executable_posix_sh():
     (["-o", "store=/a,fsname=imagenet,noatime", "-o", "allow_other,default_permissions"],  # -o given twice
      ["--store", "/a", "--allow-other", "-o", "fsname=imagenet,noatime,default_permissions"]),
     (["-o", "io_timeout=30,threads=8,warmup"], ["--io-timeout", "30", "--threads", "8", "--warmup"]),
+    # every flag of mount that takes a value (passed on to FUSE, mix=adaptive failed inside the daemon)
+    (["-o", "mix=adaptive,loops=4,data_path=passthrough,page-cache=keep,disk_cache=/d,disk_cache_size=10G"],
+     ["--mix", "adaptive", "--loops", "4", "--data-path", "passthrough", "--page-cache", "keep", "--disk-cache",
+      "/d", "--disk-cache-size", "10G"]),
+    (["-o", "cluster=memcached://h:11211,cluster_size=5G,verify_reads,no_lookahead"],
+     ["--cluster", "memcached://h:11211", "--cluster-size", "5G", "--verify-reads", "--no-lookahead"]),
     (["-ostore=/with space/x,,ro"], ["--store", "/with space/x"]),                       # attached -oOPTS
     (["-s", "-n", "-t", "fuse.liquidfs", "-o", "allow_other"], ["--allow-other"]),        # flags mount(8) passes
     (["-sn", "-tfuse.liquidfs"], []),
