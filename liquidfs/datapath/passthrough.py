@@ -27,7 +27,7 @@ from ..held.base import MemfdLevel
 from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
 from ..stores.reader import Content, LendsDescriptors, Reader
-from ..sysio.paths import HAS_OPENAT2
+from ..sysio.paths import CACHED_WALKS
 from .backing import (Backing, Closer, SharedBacking, content_digest, drop_pages, memfd_copy, memfd_with, resolve,
                       still_sound, vouched)
 from .daemon import DaemonPath, DaemonPathStatistics
@@ -160,7 +160,7 @@ class PassthroughPath:
         # A reader whose vouched backings are local descriptors opens them on the loop itself (see ``_backing``).
         # Without openat2 no walk can ask for the kernel's caches only: each would fail at once, count as a cold
         # open and have the read-ahead warm its directory again, for nothing.
-        self.lender = lends if lends is not None and reader.inline_check and not verify_reads and HAS_OPENAT2 \
+        self.lender = lends if lends is not None and reader.inline_check and not verify_reads and CACHED_WALKS \
             else None
 
     async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:

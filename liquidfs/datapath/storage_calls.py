@@ -18,7 +18,7 @@ import trio
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Reader
-from ..sysio.paths import HAS_OPENAT2
+from ..sysio.paths import CACHED_WALKS
 from .limits import IO_TIMEOUT, OPEN_THREADS
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,7 @@ class StorageCalls:
         BlockingIOError otherwise); else, and then, in a worker thread (``run``). A walk on the loop never
         waits: a dentry that is not cached, or a path that would cross into another filesystem (the mount
         itself, whose LOOKUP only this loop could answer), is not walked here."""
-        if self.reader.inline_check and HAS_OPENAT2:  # without it no walk can ask for the caches only
+        if self.reader.inline_check and CACHED_WALKS:  # without it no walk can ask for the caches only
             try:
                 return fn(*args, cached_only=True)
             except BlockingIOError:

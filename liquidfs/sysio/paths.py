@@ -129,15 +129,21 @@ def _openat2(dir_fd: int, rel: bytes, flags: int, resolve: int) -> int:
     return int(fd)
 
 
-def _has_openat2() -> bool:
+def _opens_with(resolve: int) -> bool:
+    """Whether openat2 takes ``resolve`` here (EINVAL where the kernel knows no flag of it, ENOSYS without it)."""
     try:
-        os.close(_openat2(-100, b".", os.O_PATH | os.O_CLOEXEC, _RESOLVE_CACHED))  # AT_FDCWD
+        os.close(_openat2(-100, b".", os.O_PATH | os.O_CLOEXEC, resolve))  # AT_FDCWD
     except OSError as exc:
         return exc.errno == errno.EAGAIN  # known, but "." was not cached
     return True
 
 
-HAS_OPENAT2 = _has_openat2()
+#: openat2 with the walk's flags (5.6). Probed apart from RESOLVE_CACHED (5.12): one probe of both took a 5.6-5.11
+#: kernel for one without openat2, and every walk there took the weaker one-component-at-a-time way.
+HAS_OPENAT2 = _opens_with(_RESOLVE_BELOW)
+#: A walk that asks for the kernel's caches only (EAGAIN where it would wait for the disk): what lets an open be
+#: made on the loop itself (``datapath.storage_calls.StorageCalls.inline_or_run``).
+CACHED_WALKS = HAS_OPENAT2 and _opens_with(_RESOLVE_CACHED)
 
 
 def renamed_only_by_its_writer(directory: os.stat_result, owner: int) -> bool:
@@ -227,6 +233,8 @@ def _walk(dir_fd: int, rel: bytes, where: bytes | str, flags: int, cached_only: 
     """``rel`` below ``dir_fd`` opened with ``flags``: one openat2 where the kernel has it, else one component at a
     time (O_NOFOLLOW, and the device compared with the root's at each step: no link, no other filesystem)."""
     *dirs, name = catalog_parts(rel)
+    if cached_only and not CACHED_WALKS:
+        raise BlockingIOError(errno.EAGAIN, "no cached-only walk here: opened in a worker thread", _named(where, rel))
     if HAS_OPENAT2:
         try:
             return _openat2(dir_fd, rel, flags, _RESOLVE_BELOW | (_RESOLVE_CACHED if cached_only else 0))
@@ -234,8 +242,6 @@ def _walk(dir_fd: int, rel: bytes, where: bytes | str, flags: int, cached_only: 
             if exc.errno == errno.EAGAIN:
                 raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", _named(where, rel)) from None
             raise OSError(exc.errno, exc.strerror, _named(where, rel)) from None
-    if cached_only:
-        raise BlockingIOError(errno.EAGAIN, "no openat2 here: opened in a worker thread", _named(where, rel))
     device = os.fstat(dir_fd).st_dev
     fd = dir_fd
     try:

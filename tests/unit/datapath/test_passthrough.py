@@ -743,13 +743,13 @@ def test_a_cold_open_does_not_ask_the_reader_again_whether_it_lends_descriptors(
     assert len(checks) == 1
 
 
-def test_without_openat2_no_open_is_tried_on_the_loop_nor_counted_cold(prepared, monkeypatch) -> None:
-    """Without openat2 a walk cannot ask for the kernel's caches only: tried on the loop, each open failed at once,
-    counted as cold, and had the read-ahead warm its directory again, for nothing. Such a kernel's opens go to a
-    worker thread as they are, and serve the same bytes."""
+def test_without_cached_walks_no_open_is_tried_on_the_loop_nor_counted_cold(prepared, monkeypatch) -> None:
+    """Without openat2's RESOLVE_CACHED (before 5.12) a walk cannot ask for the kernel's caches only: tried on the
+    loop, each open failed at once, counted as cold, and had the read-ahead warm its directory again, for nothing.
+    Such a kernel's opens go to a worker thread as they are, and serve the same bytes."""
     from liquidfs.datapath import passthrough
 
-    monkeypatch.setattr(passthrough, "HAS_OPENAT2", False)
+    monkeypatch.setattr(passthrough, "CACHED_WALKS", False)
     ops, told, nodes = _served_telling_cold_opens(prepared)
     assert ops.data_path.lender is None
     assert told == [] and ops.stats.cold_opens == 0 and ops.stats.opens == len(nodes)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from liquidfs.sysio import paths
 
 MOUNTINFO = """22 1 8:1 / / rw - ext4 /dev/sda1 rw
@@ -67,3 +69,34 @@ def test_a_descriptors_filesystem_is_found_by_its_device_not_a_path(tmp_path: Pa
         assert paths.filesystem_type_of(fd) == paths.filesystem_type(str(tmp_path))  # this machine's own
     finally:
         os.close(fd)
+
+
+def test_a_kernel_with_openat2_but_no_cached_walks_walks_with_openat2(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """One probe of openat2 and RESOLVE_CACHED together took a 5.6-5.11 kernel (openat2, no RESOLVE_CACHED) for
+    one without openat2: every walk there went one component at a time, the weaker way. openat2 walks there; a
+    walk asking for the caches only is sent to a worker thread at once."""
+    from liquidfs.sysio import paths
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_bytes(b"x")
+    if not paths.HAS_OPENAT2:
+        pytest.fail("this kernel has openat2 (5.6+): the probe of it must say so")
+    monkeypatch.setattr(paths, "CACHED_WALKS", False)
+    asked: list[int] = []
+    real = paths._openat2
+
+    def recorded(dir_fd: int, rel: bytes, flags: int, resolve: int) -> int:
+        asked.append(resolve)
+        return real(dir_fd, rel, flags, resolve)
+
+    monkeypatch.setattr(paths, "_openat2", recorded)
+    root = paths.open_dir(tmp_path)
+    try:
+        os.close(paths.open_below(root, b"d/f"))
+        assert asked and not asked[0] & paths._RESOLVE_CACHED
+        with pytest.raises(BlockingIOError):
+            paths.open_below(root, b"d/f", cached_only=True)
+        assert len(asked) == 1
+    finally:
+        os.close(root)
