@@ -100,6 +100,8 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
                 if _libc.setfsuid(-1) != uid or _libc.setfsgid(-1) != gid:  # -1: asks without changing
                     log.warning("cannot take uid %d's credentials to check an open: refused", uid)
                     return None
+                if not _dac_caps_dropped():
+                    return None
                 fd = open_below(root_fd, rel)
             except OSError as exc:
                 if exc.errno not in (errno.EACCES, errno.EPERM):
@@ -120,6 +122,31 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
             # Never seen; but a worker thread left with a user's credentials would serve others with them.
             log.critical("a worker thread kept another user's credentials: stopping the daemon")
             os.abort()
+
+
+#: Whether taking a user's filesystem ids drops the capabilities that override file modes (found once, in the
+#: first check: the process's secure bits decide it, and they do not change). None: not found yet.
+_DAC_CAPS_DROP: bool | None = None
+#: CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH, as bits of /proc's CapEff.
+_DAC_CAPS = (1 << 1) | (1 << 2)
+
+
+def _dac_caps_dropped() -> bool:
+    """With a user's fsuid taken (the caller's thread): whether the kernel dropped CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH, as it does unless the process's secure bits say otherwise (SECBIT_NO_SETUID_FIXUP,
+    systemd's SecureBits=no-setuid-fixup): kept, every open made as the caller passed, whatever the modes."""
+    global _DAC_CAPS_DROP
+    if _DAC_CAPS_DROP is None:
+        try:
+            with open("/proc/thread-self/status") as status:
+                line = next(line for line in status if line.startswith("CapEff:"))
+            _DAC_CAPS_DROP = not int(line.split()[1], 16) & _DAC_CAPS
+        except (OSError, StopIteration, ValueError, IndexError):
+            _DAC_CAPS_DROP = False
+        if not _DAC_CAPS_DROP:
+            log.critical("taking a user's filesystem ids keeps this daemon's capabilities over file modes "
+                         "(secure bits no-setuid-fixup?): every --allow-other open by another user is refused")
+    return _DAC_CAPS_DROP
 
 
 def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False) -> bool:

@@ -240,3 +240,20 @@ def test_a_check_answers_the_inode_the_caller_may_read(tree: Path, switch: bool,
         assert access.readable_inode(root_fd, b"d/none.txt", NOBODY, NOBODY, None) is None
     finally:
         os.close(root_fd)
+
+
+@NEEDS_ROOT
+def test_a_check_refuses_where_taking_the_callers_ids_keeps_the_daemons_capabilities(
+        tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under SECBIT_NO_SETUID_FIXUP (systemd's SecureBits=no-setuid-fixup) a daemon's fsuid change keeps its
+    CAP_DAC_OVERRIDE: every open made as the caller passed, whatever the modes. Found (here, where the kernel
+    drops them) and, where kept, every check refuses."""
+    monkeypatch.setattr(access, "_DAC_CAPS_DROP", None)
+    root_fd = open_dir(tree)
+    try:
+        assert access.readable_inode(root_fd, b"d/all.txt", NOBODY, NOBODY, None) is not None
+        assert access._DAC_CAPS_DROP is True  # found at the first switch: dropped, as the kernel does by default
+        monkeypatch.setattr(access, "_DAC_CAPS_DROP", False)  # as under no-setuid-fixup
+        assert access.readable_inode(root_fd, b"d/all.txt", NOBODY, NOBODY, None) is None
+    finally:
+        os.close(root_fd)
