@@ -12,6 +12,7 @@ the files that get no backing.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -295,6 +296,8 @@ def make_cluster_level(totals: tuple[int, int, int, int], catalog: Catalog, conf
 #: Of what the memcacheds may hold (their ``-m``), what is counted on for values: memcached's slabs and item
 #: headers take the rest (BENCHMARKS.md: 726 MiB allocated for 715 MiB of 5 MB values).
 CLUSTER_USABLE = 0.95
+#: How many times the lower median of the memcacheds' sizes one of them counts at most (``cluster_size_from_limits``).
+CLUSTER_SPREAD = 4
 
 
 def cluster_size_from_limits(limits: dict[str, int | None], raw_bytes: int) -> int | None:
@@ -306,7 +309,14 @@ def cluster_size_from_limits(limits: dict[str, int | None], raw_bytes: int) -> i
     silent = sorted(name for name, limit in limits.items() if limit is None)
     if silent:
         log.warning("cluster: %s did not tell their size; counting only the others'", ", ".join(silent))
-    return min(int(sum(told) * CLUSTER_USABLE), raw_bytes)
+    # Each counted at most as CLUSTER_SPREAD times the lower median of them: one peer (a lying one, one resolved
+    # by a spoofed name) saying it holds a petabyte took the share to every raw object, and every open of them
+    # to the cluster. (Honest memcacheds of other sizes, within that spread, count as they say.)
+    most = CLUSTER_SPREAD * statistics.median_low(told)
+    if max(told) > most:
+        log.warning("cluster: a memcached says it holds more than %d times the others' (lower median) size: "
+                    "counted as %d bytes", CLUSTER_SPREAD, most)
+    return min(int(sum(min(limit, most) for limit in told) * CLUSTER_USABLE), raw_bytes)
 
 
 def make_disk_level(totals: tuple[int, int, int, int], config: MountConfig, reader: Reader,

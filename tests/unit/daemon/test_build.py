@@ -126,3 +126,17 @@ def test_a_local_mounts_cluster_asks_the_source_as_it_is_whether_everyone_may_re
         assert len(levels) == 1
         public = levels[0].public  # type: ignore[attr-defined]
         assert isinstance(public, EveryoneReadsNow)
+
+
+def test_one_memcached_telling_a_huge_size_counts_as_the_others_do() -> None:
+    """A peer saying it holds a petabyte (a lying one, or one a spoofed name resolved to) took the cluster's share
+    to every raw object: each memcached counts at most as the lower median of what they say."""
+    from liquidfs.daemon.build import CLUSTER_USABLE, cluster_size_from_limits
+
+    mib = 2**20
+    assert cluster_size_from_limits({"a": 64 * mib, "b": 64 * mib, "liar": 2**50}, 10**15) == \
+        int((64 + 64 + 4 * 64) * mib * CLUSTER_USABLE)  # at most CLUSTER_SPREAD (4) times the lower median
+    assert cluster_size_from_limits({"a": 64 * mib, "liar": 2**50}, 10**15) == \
+        int((64 + 4 * 64) * mib * CLUSTER_USABLE)
+    assert cluster_size_from_limits({"a": 64 * mib, "b": 32 * mib, "c": 100 * mib, "d": None}, 10**15) == \
+        int(196 * mib * CLUSTER_USABLE)  # honest sizes of a spread unchanged
