@@ -202,6 +202,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         return _serve(config, storage, storage.found_catalog(), args.ready_fd)
     storage = open_store(args.source, args.store)
     config = options.mount_config(args, storage)
+    for line in options.ignored_flags(args):
+        print(f"liquidfs mount: {line}", file=sys.stderr)
     check_allow_other(config.allow_other, list(config.fuse_options))
     check_metrics_listen(config.metrics_port, config.metrics_address)
     config = dataclasses.replace(config, mountpoint_seen=check_mountpoint(config.mountpoint))

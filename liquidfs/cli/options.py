@@ -224,6 +224,25 @@ MAX_READAHEAD_KB = 1 << 20
 MIN_SECONDS = 0.01
 
 
+def ignored_flags(args: argparse.Namespace) -> list[str]:
+    """What ``mount`` was given that does nothing with the rest of its flags, each said in a line (the mount goes
+    on): a value given and silently dropped reads, to its user, as a setting that holds."""
+    said = []
+    if args.metrics_address != MOUNT_DEFAULTS["metrics_address"] and args.metrics_port is None:
+        said.append("--metrics-address does nothing without --metrics-port")
+    if args.mix != "adaptive":
+        for flag, value, default in (("--mix-interval", args.mix_interval, MOUNT_DEFAULTS["mix_interval"]),
+                                     ("--pressure-dir", args.pressure_dir, str(MOUNT_DEFAULTS["pressure_dir"]))):
+            if value != default:
+                said.append(f"{flag} does nothing without --mix adaptive")
+    if args.verify_reads and args.data_path == "daemon":
+        said.append("--verify-reads is the passthrough path's: the daemon path reads every file whole and checks "
+                    "it already")
+    if args.readahead_kb != MOUNT_DEFAULTS["readahead_kb"] and args.data_path == "passthrough":
+        said.append("--readahead-kb does nothing on the passthrough path (the kernel reads the backing files)")
+    return said
+
+
 def _within(flag: str, value: int, low: int, high: int) -> int:
     if not low <= value <= high:
         raise OptionError(f"{flag} must be at least {low}, not {value}" if value < low else

@@ -86,6 +86,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print("liquidfs prepare: --cache-size weighs the mount's cache for --ratio auto; give it to mount",
               file=sys.stderr)
         return 2
+    profiled = [flag for flag, given in (("--quick", args.quick), ("--model-only", args.model_only),
+                                         ("--run-images", args.run_images is not None)) if given]
+    if ratio != "auto" and profiled:
+        print(f"liquidfs prepare: {', '.join(profiled)} shape the profile of --ratio auto; with a given ratio "
+              "there is no profile", file=sys.stderr)
+        return 2
     if ratio == "auto":
         ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats,
                                            run_options={**run_options(args), **loader_options(args)})

@@ -53,3 +53,14 @@ def test_a_daemon_config_that_is_none_is_one_line_never_a_traceback(given: str) 
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert "--daemon-config: not a mount's config" in result.stderr
+
+
+@pytest.mark.parametrize("flag", [["--quick"], ["--model-only"], ["--run-images", "32"]])
+def test_prepare_with_a_given_ratio_refuses_the_flags_of_its_profile(tmp_path, flag: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """--quick, --model-only and --run-images shape the profile of --ratio auto: with a given ratio they did
+    nothing, and said nothing."""
+    (tmp_path / "src").mkdir()
+    result = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(tmp_path / "src"), "--store",
+                             str(tmp_path / "store"), "--ratio", "0.5", *flag], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and "shape the profile of --ratio auto" in result.stderr, result.stderr

@@ -191,3 +191,21 @@ def test_a_cache_size_from_the_environment_is_named_by_where_it_came_from(monkey
     with pytest.raises(OptionError, match=r"cannot go with --cache-size \(from \$LIQUIDFS_CACHE_SIZE\)"):
         options.mount_config(_mount_args("--loops", "4"), STORAGE)
     assert "LIQUIDFS_CACHE_SIZE" in cli.build_parser()._subparsers._group_actions[0].choices["mount"].format_help()
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--metrics-address", "0.0.0.0"], "--metrics-address does nothing without --metrics-port"),
+    (["--mix-interval", "9"], "--mix-interval does nothing without --mix adaptive"),
+    (["--mix", "50%", "--pressure-dir", "/sys/fs/cgroup/x"], "--pressure-dir does nothing without --mix adaptive"),
+    (["--verify-reads", "--data-path", "daemon"], "--verify-reads is the passthrough path's"),
+    (["--readahead-kb", "2048", "--data-path", "passthrough"], "--readahead-kb does nothing on the passthrough"),
+])
+def test_a_mount_flag_that_does_nothing_with_the_others_is_said(flags: list[str], said: str) -> None:
+    """Given and silently dropped, a value reads to its user as a setting that holds."""
+    assert any(said in line for line in options.ignored_flags(_mount_args(*flags)))
+
+
+def test_flags_that_go_together_say_nothing() -> None:
+    assert options.ignored_flags(_mount_args("--metrics-port", "9100", "--metrics-address", "0.0.0.0",
+                                             "--mix", "adaptive", "--mix-interval", "9")) == []
+    assert options.ignored_flags(_mount_args()) == []
