@@ -132,7 +132,7 @@ def _run(argv: Sequence[str] | None) -> int:
     except Exception as exc:
         # The object store's client errors (no credentials, endpoint unreachable, access denied) are the
         # user's to fix: one line that says which, not a traceback.
-        if type(exc).__module__.startswith(("botocore", "boto3", "s3transfer")):
+        if type(exc).__module__.startswith(("botocore", "boto3", "s3transfer", "liquidfs.stores.s3")):
             print(f"liquidfs {args.command}: object store: {exc}", file=sys.stderr)
             return 1
         # A catalog that cannot be read or written (a full disk, a corrupt file): the user's to fix as well.

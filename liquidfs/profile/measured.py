@@ -57,6 +57,9 @@ MOUNT_TOKEN = "{mount}"
 TOLERANCE = 0.03
 #: How often the mount's counters are read while the command runs.
 POLL = 0.05
+#: Seconds the scratch mount may take to answer a read of its control file once the command ended (past them its
+#: daemon is stuck: the profile stops, never waits in the kernel for good).
+STUCK_WAIT = 10.0
 #: Fewer opens than this in a run cannot give a pace.
 MIN_OPENS = 20
 SHARES = [i / 10 for i in range(11)]
@@ -209,7 +212,10 @@ def from_epoch(samples: Sequence[tuple[float, int, int, int]], epochs: Sequence[
 
 def command_for(run: str, mountpoint: Path) -> list[str]:
     """The command's words with ``{mount}`` replaced; run without a shell."""
-    words = shlex.split(run)
+    try:
+        words = shlex.split(run)
+    except ValueError as exc:  # an unclosed quote: the user's line to mend, said as such
+        raise ProfileError(f"--run: {exc} in {run!r}") from None
     if not any(MOUNT_TOKEN in w for w in words):
         raise ProfileError(f"--run: the command must name the mount point as {MOUNT_TOKEN} "
                            f"(e.g. --run 'python train.py --data {MOUNT_TOKEN}')")
@@ -389,9 +395,12 @@ class ScratchMounts:
                 returncode, output, said = self._run(words, share, timeout)
             finally:
                 stop.set()
-                poller.join()
+                poller.join(STUCK_WAIT)
+            if poller.is_alive():  # its read of the control file waits in the kernel: the mount answers nothing
+                raise ProfileError(f"the profile's scratch mount {self.mnt} answered nothing in "
+                                   f"{STUCK_WAIT:.0f} s (its daemon stuck?)")
             seconds = time.monotonic() - started
-            last = self._counters(seconds)  # at the exit: what the command did last
+            last = self._counters(seconds, bounded=True)  # at the exit: what the command did last
             if last is not None:
                 samples.append((*last[:3], 0))
                 epochs.append(last[4])
@@ -417,13 +426,15 @@ class ScratchMounts:
                 log.warning("%s", exc)
             raise
 
-    def _counters(self, at: float) -> tuple[float, int, int, int, int] | None:
+    def _counters(self, at: float, *, bounded: bool = False) -> tuple[float, int, int, int, int] | None:
         """(seconds, opens, bytes served, files open, the cache's newest epoch (0 without a cache)) from the
-        mount's control file; None if it cannot be read."""
-        from ..daemon.control import read_control
+        mount's control file; None if it cannot be read. ``bounded``: read from a child process within
+        ``STUCK_WAIT`` (``read_control_within``), where the caller must not wait for a stuck mount; the
+        poller reads in its own thread (a fork 20 times a second would weigh on what it measures)."""
+        from ..daemon.control import read_control, read_control_within
 
         try:
-            c = read_control(self.mnt)
+            c = read_control_within(self.mnt, STUCK_WAIT) if bounded else read_control(self.mnt)
         except (OSError, ValueError) as exc:
             log.debug("reading the mount's counters: %s", exc)
             return None

@@ -77,7 +77,12 @@ def make_client(max_connections: int = 10, *, connect_timeout: float = CONNECT_T
     ``AWS_MAX_ATTEMPTS`` and ``AWS_RETRY_MODE`` are honoured as the SDKs do (a value given in code would
     otherwise override them); liquidfs's defaults are the standard mode with MAX_ATTEMPTS.
     """
-    max_attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS)
+    try:
+        max_attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS)
+    except ValueError:  # a typo in an environment: said, never a traceback out of every command and mount
+        log.warning("AWS_MAX_ATTEMPTS=%r is no number: %d used", os.environ.get("AWS_MAX_ATTEMPTS", "")[:40],
+                    MAX_ATTEMPTS)
+        max_attempts = MAX_ATTEMPTS
     mode = os.environ.get("AWS_RETRY_MODE") or "standard"
     try:
         import boto3
@@ -85,7 +90,9 @@ def make_client(max_connections: int = 10, *, connect_timeout: float = CONNECT_T
     except ImportError as exc:  # pragma: no cover - boto3 is a dependency; a broken install says so clearly
         raise RuntimeError("s3:// sources need boto3 (pip install boto3)") from exc
     config = Config(
-        retries={"max_attempts": max_attempts, "mode": mode},
+        # total_max_attempts: every try, the first included, as AWS_MAX_ATTEMPTS counts them (botocore's
+        # max_attempts counts the retries after the first: one more try than asked).
+        retries={"total_max_attempts": max_attempts, "mode": mode},
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         max_pool_connections=max_connections,

@@ -150,6 +150,8 @@ def test_command_for_replaces_the_mount_and_needs_it() -> None:
     assert words == ["python", "my loader.py", "--data", "/tmp/m/train", "--steps", "40"]
     with pytest.raises(ProfileError, match=r"must name the mount point as \{mount\}"):
         command_for("python train.py --data /data", Path("/tmp/m"))
+    with pytest.raises(ProfileError, match="--run: No closing quotation"):  # shlex's ValueError was a traceback
+        command_for("python train.py --data {mount} --name 'x", Path("/tmp/m"))
 
 
 @pytest.mark.parametrize("augment", [True, False])

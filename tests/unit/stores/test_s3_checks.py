@@ -561,3 +561,34 @@ def test_a_catalog_published_during_its_download_is_downloaded_again(tmp_path: P
     etag = bucket_store.download_catalog(s3, store, dest)
     now = s3.objects[store.key("catalog.sqlite")]
     assert dest.read_bytes() == now and etag == _etag(now) and s3.downloads == times + 1
+
+
+def test_a_retry_count_that_is_no_number_is_said_and_the_default_used(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """AWS_MAX_ATTEMPTS=three raised ValueError out of every command and mount of an object store; and the tries are
+    counted as AWS_MAX_ATTEMPTS counts them, the first included (botocore's max_attempts made one more)."""
+    from liquidfs.stores.s3 import client as client_module
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "three")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    made = client_module.make_client()
+    assert made.meta.config.retries["total_max_attempts"] == client_module.MAX_ATTEMPTS  # every try, counted so
+    assert "AWS_MAX_ATTEMPTS='three' is no number" in caplog.text
+
+
+def test_an_answer_that_is_not_what_was_asked_is_one_line_of_the_cli(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    restore_logging: None) -> None:
+    """AnswerMismatch (an object store's answer of another ETag, range or length) is liquidfs's own class, not
+    botocore's: it reached the user as a traceback."""
+    from liquidfs import cli, prepare as prepare_module
+    from liquidfs.stores.s3.client import AnswerMismatch
+
+    def mismatched(*args: object, **kwargs: object) -> None:
+        raise AnswerMismatch("AnswerMismatch", "an answer of 7 bytes where 9 were asked")
+
+    monkeypatch.setattr(prepare_module, "verify", mismatched)
+    assert cli.main(["verify", "--store", "/nonexistent", "--no-progress"]) == 1
+    assert "object store: an answer of 7 bytes where 9 were asked" in capsys.readouterr().err
