@@ -229,8 +229,8 @@ def read_control_within(mountpoint: Path, timeout: float = ANSWER_TIMEOUT) -> di
 
 
 def _in_child(work: Callable[[], bytes], timeout: float) -> bytes | None:
-    """What ``work()`` returns, run in a child process; None where it says nothing within ``timeout`` seconds
-    (or fails). A statfs or a read of a mount whose daemon is stuck waits in the kernel for good, past SIGKILL
+    """What ``work()`` returns, run in a child process (b"" where the child ended without saying: it failed, or
+    was killed); None where it says nothing within ``timeout`` seconds. A statfs or a read of a mount whose daemon is stuck waits in the kernel for good, past SIGKILL
     once the daemon has read the request: the child is left behind (killed, reaped by init when it can be), and
     this process can still exit."""
     read_end, write_end = os.pipe()
@@ -262,7 +262,7 @@ def _in_child(work: Callable[[], bytes], timeout: float) -> bytes | None:
     finally:
         os.close(read_end)
     _, status = os.waitpid(child, 0)
-    return b"".join(parts) if status == 0 else None
+    return b"".join(parts) if status == 0 else b""  # it ended without saying (killed, failed): no answer, but not a silent mount
 
 
 def _control_values(mountpoint: Path, text: bytes) -> dict[str, object]:

@@ -456,7 +456,11 @@ class DaemonPath:
             node = handle.node
             assert node is not None
             content = await self._open_from_storage(node, for_open=False)
-            if content.size != handle.content.size or content.raw != handle.content.raw:
+            # The version too (None: the catalog's, which the open was vouched for): a file renamed over it, or
+            # rewritten in place at its size, since the open served another file's bytes under it (to an
+            # --allow-other caller, one their check never saw: the open's inode check passed on the old one).
+            if (content.size, content.raw, content.version) != \
+                    (handle.content.size, handle.content.raw, handle.content.version):
                 content.close()
                 if content.fallback and handle.inode is not None:  # the next open reads it now, as the original
                     note_fallback(handle.inode, self.stats)

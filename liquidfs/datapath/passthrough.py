@@ -392,6 +392,8 @@ class PassthroughPath:
                 self._unregister(record.id, entry.backing_id)
                 entry.backing, entry.backing_id = None, 0
                 self._close_served(backing)
+                if entry.keep and self.held is not None:  # not kept: the room the policy gave it goes back
+                    self.held.could_not_keep(record.id)
 
     def _detach(self, record: Inode, entry: SharedBacking) -> None:
         """``entry`` is no longer the inode's: the next open makes its own."""

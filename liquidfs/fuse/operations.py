@@ -410,8 +410,10 @@ class Operations(pyfuse3.Operations):
             # The file the caller was found to may read is not the one served: the path led elsewhere between the
             # check and this open (a file renamed over the one checked by whoever may rename in its directory).
             await self._release(handle.fh)
-            log.warning("open of %s: the source changed between the caller's check and the open; refused",
-                        os.fsdecode(row.path))
+            # (once a file: whoever may rename in its directory could make one a request)
+            log.log(logging.WARNING if self.first_error(("open", "swapped", row.path)) else logging.DEBUG,
+                    "open of %s: the source changed between the caller's check and the open; refused",
+                    os.fsdecode(row.path))
             raise FUSEError(errno.EACCES)
         # A fallback, or a source changed in place: the kernel reads to its own end, but stat must say the new
         # size too (DALI maps as many bytes as stat says). (Checked here first: most opens tell nothing, and the

@@ -252,8 +252,9 @@ class DiskLevel(Level[_Entry], InFront):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         entry = _Entry(private_digest(content.data), content.raw, content.size)
         with self._lock:
-            # Decided and renamed under the lock: an eviction (``decide``) sees the file held or not there.
-            kept = node_id in self.policy.held
+            # Decided and renamed under the lock: an eviction (``decide``) sees the file held or not there. Not
+            # after the close, which has emptied the directory (the caller removes the copy).
+            kept = node_id in self.policy.held and not self._closed
             if kept:
                 os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
                 self._held[node_id] = entry

@@ -140,9 +140,11 @@ def _dac_caps_dropped() -> bool:
         try:
             with open("/proc/thread-self/status") as status:
                 line = next(line for line in status if line.startswith("CapEff:"))
-            _DAC_CAPS_DROP = not int(line.split()[1], 16) & _DAC_CAPS
-        except (OSError, StopIteration, ValueError, IndexError):
-            _DAC_CAPS_DROP = False
+            effective = int(line.split()[1], 16)
+        except (OSError, StopIteration, ValueError, IndexError) as exc:  # asked again at the next check
+            log.warning("cannot read this thread's capabilities (%s): an --allow-other open refused", exc)
+            return False
+        _DAC_CAPS_DROP = not effective & _DAC_CAPS
         if not _DAC_CAPS_DROP:
             log.critical("taking a user's filesystem ids keeps this daemon's capabilities over file modes "
                          "(secure bits no-setuid-fixup?): every --allow-other open by another user is refused")

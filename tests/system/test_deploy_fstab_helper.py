@@ -73,6 +73,7 @@ def test_helper_is_executable_posix_sh():
       "/d", "--disk-cache-size", "10G"]),
     (["-o", "cluster=memcached://h:11211,cluster_size=5G,verify_reads,no_lookahead"],
      ["--cluster", "memcached://h:11211", "--cluster-size", "5G", "--verify-reads", "--no-lookahead"]),
+    (["-o", "time_requests"], ["--time-requests"]),
     (["-ostore=/with space/x,,ro"], ["--store", "/with space/x"]),                       # attached -oOPTS
     (["-s", "-n", "-t", "fuse.liquidfs", "-o", "allow_other"], ["--allow-other"]),        # flags mount(8) passes
     (["-sn", "-tfuse.liquidfs"], []),

@@ -280,3 +280,11 @@ def test_statistics_are_read_from_a_child_and_a_mount_that_never_answers_is_said
         control.read_control_within(empty, 10)
     with pytest.raises(TimeoutError, match="answered nothing"):
         control.read_control_within(stuck, 0.5)
+
+
+def test_a_child_that_fails_is_no_answer_but_no_silent_mount() -> None:
+    """A probe's child killed (the OOM killer) or failing read as a mount that answered nothing in time: umount
+    then refused with "stuck?" where it used to go on to fusermount3."""
+    assert control._in_child(lambda: b"answers 5", 10) == b"answers 5"
+    assert control._in_child(lambda: bytes(1 // 0), 10) == b""  # failed: no answer, at once
+    assert control._in_child(lambda: time.sleep(30) or b"late", 0.3) is None  # silent

@@ -820,3 +820,18 @@ def test_a_hit_whose_open_fails_leaves_no_bytes_held(ops: Operations, tmp_path: 
         run(ops.open, a.st_ino, os.O_RDONLY, CTX)
     assert info.value.errno == errno.ENOENT
     assert a.st_ino not in data.held.held_items() and a.st_ino not in data.held.policy.held
+
+
+def test_a_file_renamed_over_a_deferred_open_before_its_first_read_is_never_served(tmp_path: Path) -> None:
+    """An open vouched for by a stat reads the file at its first read: another file of the same size renamed over
+    it in between (or the file rewritten in place at its size) was served under the open, an --allow-other
+    caller's included, whose check had passed on the file it opened. The first read fails (EIO)."""
+    ops = ops_over(tmp_path, {"a.bin": b"A" * 100, "b.bin": b"B" * 100}, None)
+    a = run(ops.lookup, ROOT_ID, b"a.bin", CTX).st_ino
+    fi = run(ops.open, a, os.O_RDONLY, CTX)
+    assert ops.open_files[fi.fh].content.deferred
+    os.replace(tmp_path / "src" / "b.bin", tmp_path / "src" / "a.bin")
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.read, fi.fh, 0, 4096)
+    assert info.value.errno == errno.EIO
+    run(ops.release, fi.fh)

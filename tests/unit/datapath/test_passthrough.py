@@ -1251,13 +1251,16 @@ def test_a_hit_whose_descriptor_cannot_be_taken_leaves_no_memfd_held(prepared, m
     assert level.get(node.id) is None and node.id not in level.policy.held
 
 
-def test_an_open_that_joins_and_fails_after_the_first_open_closed_lets_the_backing_go(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", [False, True], ids=["no-cache", "cache"])
+def test_an_open_that_joins_and_fails_after_the_first_open_closed_lets_the_backing_go(tmp_path: Path,
+                                                                                        cache: bool) -> None:
     """The first open of a raw object is released while a second open, joined to its backing, checks the source;
     the source changed meanwhile and the second open fails. It was the backing's last open, and nothing let the
     backing go: its id stayed registered and its descriptor open (with several loops, the slot too: every later
-    open of the file, in any loop, failed with EIO). Now the next open serves the changed source."""
+    open of the file, in any loop, failed with EIO). Now the next open serves the changed source. With a cache,
+    the room the policy gave the file to keep goes back (nothing was kept)."""
     src, store = _prepared(tmp_path)  # its own: a changed source stays changed (ctime)
-    ops, kernel = _ops(store)
+    ops, kernel = _ops(store, cache=cache)
     node = next(n for n in _images(ops) if n.object)
     path = src / os.fsdecode(node.path)
     new = path.read_bytes() + b"new"
@@ -1285,6 +1288,8 @@ def test_an_open_that_joins_and_fails_after_the_first_open_closed_lets_the_backi
             go_on.set()
         ops.data_path.calls.source_changed = real  # type: ignore[method-assign]
         assert not kernel.files  # the backing let go: its id and descriptor
+        held = ops.data_path.held
+        assert held is None or (node.id not in held.policy.held and held.get(node.id) is None)
         return await _served_by_a_new_open(ops, kernel, node)
 
     assert trio.run(main) == new
