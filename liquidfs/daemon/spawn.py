@@ -109,15 +109,11 @@ def _stop(proc: subprocess.Popen[bytes], mountpoint: Path | None = None) -> None
         proc.wait()
     if mountpoint is None:
         return
-    from . import watchdog  # (here: a mount that starts, the common case, reads no mountinfo for it)
+    from . import control, watchdog  # (here: a mount that starts, the common case, reads no mountinfo for it)
 
     left = watchdog.topmost_mount(mountpoint)
-    if left is not None and left[0] == b"fuse.liquidfs":
-        done = subprocess.run(["fusermount3", "-u", "-z", str(mountpoint)], capture_output=True, text=True,
-                              check=False)
-        if done.returncode != 0:
-            raise MountError(f"the daemon was killed and left {mountpoint} mounted; `fusermount3 -u -z "
-                             f"{mountpoint}` failed: {done.stderr.strip()}")
+    if left is not None and left[0] == control.FSTYPE:
+        control.clean_stale(mountpoint)  # its daemon is dead: a stale mount, detached (MountError where it cannot be)
 
 
 #: A log record of the daemon's at ERROR or above (``sysio.safefiles.LOG_FORMAT``: date, time, level, logger, message).
