@@ -200,9 +200,12 @@ CONTROL_MAX_BYTES = 1 << 20
 def read_control(mountpoint: Path) -> dict[str, object]:
     # Any user can mount a FUSE filesystem of type fuse.liquidfs (-o subtype): what its file holds is read
     # no further than a control file's size (a few hundred bytes) allows.
+    return _control_values(mountpoint, _control_text(mountpoint))
+
+
+def _control_text(mountpoint: Path) -> bytes:
     with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
-        text = f.read(CONTROL_MAX_BYTES + 1)
-    return _control_values(mountpoint, text)
+        return f.read(CONTROL_MAX_BYTES + 1)
 
 
 def read_control_within(mountpoint: Path, timeout: float = ANSWER_TIMEOUT) -> dict[str, object]:
@@ -212,8 +215,7 @@ def read_control_within(mountpoint: Path, timeout: float = ANSWER_TIMEOUT) -> di
     such process behind at each try."""
     def read() -> bytes:
         try:
-            with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
-                return b"+" + f.read(CONTROL_MAX_BYTES + 1)
+            return b"+" + _control_text(mountpoint)
         except OSError as exc:
             return b"-%d" % (exc.errno or errno.EIO)
 
@@ -230,9 +232,9 @@ def read_control_within(mountpoint: Path, timeout: float = ANSWER_TIMEOUT) -> di
 
 def _in_child(work: Callable[[], bytes], timeout: float) -> bytes | None:
     """What ``work()`` returns, run in a child process (b"" where the child ended without saying: it failed, or
-    was killed); None where it says nothing within ``timeout`` seconds. A statfs or a read of a mount whose daemon is stuck waits in the kernel for good, past SIGKILL
-    once the daemon has read the request: the child is left behind (killed, reaped by init when it can be), and
-    this process can still exit."""
+    was killed); None where it says nothing within ``timeout`` seconds. A statfs or a read of a mount whose
+    daemon is stuck waits in the kernel for good, past SIGKILL once the daemon has read the request: the child is
+    left behind (killed, reaped by init when it can be), and this process can still exit."""
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # the child: works, says, and ends without running anything of the parent's
@@ -262,7 +264,8 @@ def _in_child(work: Callable[[], bytes], timeout: float) -> bytes | None:
     finally:
         os.close(read_end)
     _, status = os.waitpid(child, 0)
-    return b"".join(parts) if status == 0 else b""  # it ended without saying (killed, failed): no answer, but not a silent mount
+    # Ended without saying (killed, failed): no answer, but not a silent mount.
+    return b"".join(parts) if status == 0 else b""
 
 
 def _control_values(mountpoint: Path, text: bytes) -> dict[str, object]:
