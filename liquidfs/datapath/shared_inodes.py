@@ -48,13 +48,6 @@ _BACKING = struct.Struct(f"<qiqq{MAX_LOOPS}H")  # inode, backing id, st_dev, st_
 _ID_FILE = struct.Struct("<iqq")  # backing id, st_dev, st_ino
 _ID_AT, _USERS_AT = 8, struct.calcsize("<qiqq")  # after the inode; after inode, id, st_dev, st_ino
 _USERS = struct.Struct("<H")
-
-
-def signed64(value: int) -> int:
-    """An unsigned 64-bit number (an inode number, a device, a digest) as the signed one of the same bits, as the
-    shared table packs it: an inode number at or past 2**63 (overlayfs with xino, some NFS and FUSE sources)
-    made every open of its file under --loops fail (struct.error, EIO)."""
-    return value - (1 << 64) if value >= 1 << 63 else value
 _NO_USERS = bytes(2 * MAX_LOOPS)
 _SIZE = struct.Struct("<qq")  # inode, size told
 _HEADER = struct.Struct("<q")  # sizes recorded: none, the common case, is read without the lock
@@ -67,6 +60,13 @@ class Conflict(OSError):
 
 class TableFull(OSError):
     pass
+
+
+def signed64(value: int) -> int:
+    """An unsigned 64-bit number (an inode number, a device, a digest) as the signed one of the same bits, as the
+    shared table packs it: an inode number at or past 2**63 (overlayfs with xino, some NFS and FUSE sources)
+    made every open of its file under --loops fail (struct.error, EIO)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _home(inode: int, slots: int) -> int:
