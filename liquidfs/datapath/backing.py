@@ -144,7 +144,7 @@ def vouched(reader: LendsDescriptors, node: Node, *, cached_only: bool = False) 
     try:
         if not chosen.raw:
             return Backing(chosen.take(), chosen.st.st_size, raw=False, kind="source", fallback=chosen.fallback,
-                           stamp=stamp(chosen.st), version=None if chosen.sealed else stamp(chosen.st))
+                           stamp=stamp(chosen.st), version=chosen.version)
         if chosen.sealed and only_we_write(chosen.st):
             return Backing(chosen.take(), chosen.st.st_size, raw=True, kind="object", stamp=stamp(chosen.st))
         return None  # touched since prepare, or writable by others: read whole, checksum checked

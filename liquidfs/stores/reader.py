@@ -257,6 +257,12 @@ class Choice:
     sealed: bool
     fallback: str | None = None  # why a node with a raw object is served as its original
 
+    @property
+    def version(self) -> tuple[int, int, int, int] | None:
+        """Of an original: the source's ``stamp`` where it changed since the scan (``Content.version``); None
+        where the catalog describes it (a stat vouched for it)."""
+        return None if self.sealed else stamp(self.st)
+
     def take(self) -> int:
         """The descriptor, now the caller's."""
         fd, self.fd = self.fd, -1

@@ -248,10 +248,10 @@ class StoreReader:
             if chosen.st.st_size > WHOLE_FILE_LIMIT:
                 streamed = chosen.take()  # the content owns it now
                 return Content(size=chosen.st.st_size, raw=False, fd=streamed, fallback=chosen.fallback,
-                               version=None if chosen.sealed else stamp(chosen.st))
+                               version=chosen.version)
             data = read_settled(chosen.fd, chosen.st, os.fsdecode(node.path))
             return Content(size=len(data), raw=False, data=data, fallback=chosen.fallback, pooled=True,
-                           version=None if chosen.sealed else stamp(chosen.st))
+                           version=chosen.version)
         finally:
             chosen.close()
 
