@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..sysio.cgroups import COUNTER_LIMIT, cpu_count, least_cpu_max, parse_counter
+from ..sysio.cgroups import cpu_count, least_cpu_max, parse_counter
 from ..sysio.paths import open_regular
 
 log = logging.getLogger(__name__)
@@ -72,11 +72,11 @@ def read_pressure(text: str) -> tuple[float, int]:
     for line in text.splitlines():
         if line.startswith("some "):
             fields = dict(part.split("=", 1) for part in line.split()[1:])
-            avg10, total = float(fields.get("avg10", 0.0)) / 100, int(fields.get("total", 0))
             # A delegated directory's file is its user's: "nan" or "-1e9" would steer the mix (a NaN gap reads as
             # "decode binds" at every look, and took the share to the bottom of the prepared range), and a total
-            # of a thousand digits made the next interval's arithmetic raise OverflowError.
-            if not 0.0 <= avg10 <= 1.0 or not 0 <= total < COUNTER_LIMIT:
+            # of a thousand digits made the next interval's arithmetic raise OverflowError (``parse_counter``).
+            avg10, total = float(fields.get("avg10", 0.0)) / 100, parse_counter(fields.get("total", "0"))
+            if not 0.0 <= avg10 <= 1.0:
                 raise ValueError(f"a pressure file's 'some' line out of range: avg10={avg10 * 100}, total={total}")
             return avg10, total
     raise ValueError("no 'some' line in a pressure file")
