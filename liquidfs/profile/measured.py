@@ -38,7 +38,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -48,6 +47,7 @@ from pathlib import Path
 from ..expand.expansion import is_image
 from ..stores.sample import ProfileError
 from ..sysio import reexec
+from ..sysio.locks import abandoned_dirs, private_dir
 from ..sysio.paths import list_below, open_under
 
 log = logging.getLogger(__name__)
@@ -304,6 +304,28 @@ def forget_pages(root: Path) -> None:
                 os.close(fd)
 
 
+#: The scratch directories of measured searches, under the store's directory.
+SCRATCH_PREFIX = "profile-run-"
+
+
+def _remove_scratch(root: Path) -> None:
+    """A scratch directory, its mount detached first. Where the mount stays (an unmount that failed), the
+    directory does too: the removal would walk into the mounted tree."""
+    from ..daemon.control import unmount
+    from ..daemon.watchdog import topmost_mount
+
+    mnt = root / "mnt"
+    try:  # mountinfo, not a stat of the mount: its daemon may answer nothing
+        if topmost_mount(mnt) is not None:
+            unmount(mnt, lazy=True)
+    except Exception as exc:
+        log.warning("unmounting %s: %s", mnt, exc)
+    if topmost_mount(mnt) is not None:
+        log.warning("%s is still mounted: %s is left", mnt, root)
+        return
+    shutil.rmtree(root, ignore_errors=True)
+
+
 class ScratchMounts:
     """A sample of ``source`` copied into a private directory under ``parent``, prepared all raw, mounted at a
     share at a time."""
@@ -317,11 +339,14 @@ class ScratchMounts:
         self.timed_from_epoch = timed_from_epoch
         self.progress = progress
         parent.mkdir(parents=True, exist_ok=True)
-        # 0700 (mkdtemp): the copies are readable by no more people than the source files were.
-        self.root = Path(tempfile.mkdtemp(prefix="profile-run-", dir=parent))
+        for leftover in abandoned_dirs(parent, SCRATCH_PREFIX):
+            _remove_scratch(leftover)
+        # 0700 (mkdtemp): the copies are readable by no more people than the source files were. Its lock is held
+        # while this run lives: a run killed outright leaves the directory and its mount to the next one.
+        self.root, self._alive = private_dir(parent, SCRATCH_PREFIX)
         self.src, self.store, self.mnt = self.root / "data", self.root / "store", self.root / "mnt"
-        self.mnt.mkdir()
         try:
+            self.mnt.mkdir()
             self.images = self._copy(count, seed)
             self._prepare()
         except BaseException:
@@ -480,14 +505,8 @@ class ScratchMounts:
                                f"{(proc.stderr or proc.stdout).strip()[-1500:]}")
 
     def cleanup(self) -> None:
-        from ..daemon.control import is_stale, unmount
-
-        try:
-            if os.path.ismount(self.mnt) or is_stale(self.mnt):
-                unmount(self.mnt, lazy=True)
-        except Exception as exc:  # never leave the scratch behind for a failed unmount's sake
-            log.warning("unmounting %s: %s", self.mnt, exc)
-        shutil.rmtree(self.root, ignore_errors=True)
+        _remove_scratch(self.root)
+        self._alive.release(remove=False)
 
     def __enter__(self) -> ScratchMounts:
         return self

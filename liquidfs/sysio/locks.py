@@ -12,6 +12,8 @@ from __future__ import annotations
 import fcntl
 import os
 import secrets
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -63,6 +65,34 @@ def abandoned(lock_path: Path) -> bool:
     finally:
         os.close(fd)
     return True
+
+
+#: The lock inside a run's private directory (``private_dir``).
+DIR_LOCK = "lock"
+
+
+def private_dir(parent: Path, prefix: str) -> tuple[Path, HeldLock]:
+    """A new directory ``prefix<random>`` under ``parent`` (0700, mkdtemp's) and the lock in it, held while its run
+    lives: a run killed outright (SIGKILL, the OOM killer, a node's reboot) leaves the directory behind, which a
+    later run finds with ``abandoned_dirs``."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        return path, HeldLock(path / DIR_LOCK)
+    except BaseException:
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def abandoned_dirs(parent: Path, prefix: str) -> list[Path]:
+    """The ``prefix*`` directories under ``parent`` (none through a link) whose lock nobody holds: their runs
+    died. One without its lock yet is another run's, just made, and one from a version that made none is left
+    alone as well."""
+    found = []
+    for leftover in parent.glob(f"{prefix}*"):
+        lock = leftover / DIR_LOCK
+        if not leftover.is_symlink() and leftover.is_dir() and os.path.lexists(lock) and abandoned(lock):
+            found.append(leftover)
+    return found
 
 
 #: In a store: held shared by every mount of it for its whole life, exclusive by prepare while it deletes

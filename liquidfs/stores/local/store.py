@@ -20,7 +20,6 @@ import random
 import re
 import shutil
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
-from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, shared_lock
+from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, abandoned_dirs, exclusive_lock, private_dir, shared_lock
 from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer,
                             stat_below)
 from ...sysio.safefiles import replace_file
@@ -47,6 +46,8 @@ from .reader import StoreReader
 
 log = logging.getLogger(__name__)
 
+#: The directories of profiles' samples (``LocalStore.profile_sample``), in the store.
+SAMPLE_PREFIX = "profile-sample-"
 #: The profile ``prepare --ratio auto`` ran, kept in the store: the adaptive mix starts at its choice.
 PROFILE_NAME = "profile.json"
 
@@ -400,22 +401,26 @@ class LocalStore:
             raise ProfileError("no PNG/JPEG images in the source")
         random.Random(seed).shuffle(nodes)
         # A directory of this run's own: profiles run at once on one store (a Job's pods) must not share or
-        # delete each other's sample.
-        scratch = Path(tempfile.mkdtemp(prefix="profile-sample-", dir=self.store_dir))
-        # Both directories stay open for the sample's timed reads, which open each file below them as the mount
-        # does (``stores.sample.Below``): the dataset's owner may swap a file for a link to a FIFO or a device.
-        root_fd = open_dir(root)
-        try:
-            scratch_fd = os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except BaseException:
-            os.close(root_fd)
-            shutil.rmtree(scratch, ignore_errors=True)
-            raise
+        # delete each other's sample. Its lock is held while this run lives; a killed run's is removed here.
+        for leftover in abandoned_dirs(self.store_dir, SAMPLE_PREFIX):
+            shutil.rmtree(leftover, ignore_errors=True)
+        scratch, alive = private_dir(self.store_dir, SAMPLE_PREFIX)
+        opened: list[int] = []
 
         def cleanup() -> None:
-            for fd in (root_fd, scratch_fd):
+            for fd in opened:
                 os.close(fd)
             shutil.rmtree(scratch, ignore_errors=True)
+            alive.release(remove=False)
+
+        # Both directories stay open for the sample's timed reads, which open each file below them as the mount
+        # does (``stores.sample.Below``): the dataset's owner may swap a file for a link to a FIFO or a device.
+        try:
+            opened.append(root_fd := open_dir(root))
+            opened.append(scratch_fd := os.open(scratch, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC))
+        except BaseException:
+            cleanup()
+            raise
 
         sample = Sample([], [], scratch, load=lambda items, seconds: measure_load(items, seconds, jobs),
                         cleanup=cleanup)

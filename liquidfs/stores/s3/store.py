@@ -17,7 +17,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +29,7 @@ from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, never_raising, source_fits
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
-from ...sysio.locks import HeldLock, abandoned, unique
+from ...sysio.locks import abandoned_dirs, private_dir, unique
 from ...sysio.progress import Progress
 from ..base import Job, Preparation
 from ..reader import Reader
@@ -78,12 +77,9 @@ _PREPARING = "preparing-"
 
 
 def _sweep_killed_preparations(local: Path) -> None:
-    """The private directories that prepares killed on this node left (a whole catalog each): those whose lock
-    nobody holds. One without its lock yet is another run's, just made."""
-    for leftover in local.glob(f"{_PREPARING}*"):
-        lock = leftover / "lock"
-        if not leftover.is_symlink() and os.path.lexists(lock) and abandoned(lock):
-            shutil.rmtree(leftover, ignore_errors=True)
+    """The private directories that prepares killed on this node left (a whole catalog each)."""
+    for leftover in abandoned_dirs(local, _PREPARING):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _listing(client: Any, source: S3Url, progress: bool) -> Iterator[tuple[str, int, str, int]]:
@@ -301,11 +297,9 @@ class BucketStore:
         published (a failed run leaves it so)."""
         local = work_dir(self.store, self.client)
         _sweep_killed_preparations(local)
-        private = Path(tempfile.mkdtemp(prefix=_PREPARING, dir=local))
+        private, lock = private_dir(local, _PREPARING)  # a killed run's directory is swept by the next run's
         catalog: Catalog | None = None
-        lock: HeldLock | None = None
         try:
-            lock = HeldLock(private / "lock")  # held while this run lives: a killed run's directory is swept
             stored = private / f"store-{CATALOG_NAME}"
             previous = stored if download_catalog(self.client, self.store, stored) else None
             build_from_objects(_listing(self.client, self.source, progress), private, str(self.source),
@@ -325,8 +319,7 @@ class BucketStore:
             if catalog is not None:
                 catalog.close()
             shutil.rmtree(private, ignore_errors=True)
-            if lock is not None:
-                lock.release(remove=False)
+            lock.release(remove=False)
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         assert node.etag is not None and raw_formats == self.raw_formats

@@ -38,3 +38,19 @@ def test_a_lock_whose_owner_died_is_abandoned(tmp_path: Path) -> None:
             "os._exit(0)")  # dies holding it: no release ran
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert path.exists() and abandoned(path)
+
+
+def test_a_private_directory_is_swept_only_once_its_run_has_died(tmp_path: Path) -> None:
+    live, lock = locks.private_dir(tmp_path, "run-")
+    assert oct(live.stat().st_mode & 0o777) == "0o700" and (live / locks.DIR_LOCK).exists()
+    code = (f"import os, pathlib; from liquidfs.sysio.locks import private_dir; "
+            f"print(private_dir(pathlib.Path({str(tmp_path)!r}), 'run-')[0]); os._exit(0)")  # killed: no clean-up
+    dead = Path(subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True,
+                               text=True).stdout.strip())
+    (tmp_path / "run-justmade").mkdir()  # another run's, its lock not made yet
+    (tmp_path / "run-link").symlink_to(dead)  # a link at the pattern: never followed
+    (tmp_path / "other-x").mkdir()
+    (tmp_path / "other-x" / locks.DIR_LOCK).touch()  # another prefix's
+    assert locks.abandoned_dirs(tmp_path, "run-") == [dead]
+    lock.release(remove=False)  # its run has ended
+    assert sorted(locks.abandoned_dirs(tmp_path, "run-")) == sorted([dead, live])
