@@ -4,10 +4,13 @@ turned into one line for the user and an exit status."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .. import __version__
@@ -15,6 +18,48 @@ from . import doctor, mount, prepare, profile
 from .options import CommandParser, OptionError
 
 log = logging.getLogger(__name__)
+
+#: Commands whose end by SIGTERM or SIGHUP runs their clean-up as Ctrl-C's does (``Terminated``): what they make
+#: outside their process (a profile's scratch mount and sample copies) would outlive a process the signal killed.
+#: A mount's daemon has handlers of its own (``daemon.serve``).
+CLEANS_UP_ON_TERM = ("profile", "prepare", "verify")
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (`timeout`, a Job's deadline, a closed terminal), raised where the signal landed, so the
+    ``finally`` blocks and context managers that Ctrl-C runs run for it too."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    # Once: a second signal while the clean-up runs (a shell's kill repeated) must not cut it short.
+    for each in TERM_SIGNALS:
+        signal.signal(each, lambda *_: None)  # not SIG_IGN: an ignored signal stays ignored in children exec'd
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _terminated_raises(command: str) -> Iterator[None]:
+    """``Terminated`` raised by SIGTERM/SIGHUP for the command's run, where it cleans up (``CLEANS_UP_ON_TERM``)
+    and runs in the main thread (where Python runs handlers); the handlers before restored after it (``main``
+    called in a process that has its own)."""
+    if command not in CLEANS_UP_ON_TERM or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {each: signal.getsignal(each) for each in TERM_SIGNALS}
+    for each in TERM_SIGNALS:
+        signal.signal(each, _raise_terminated)
+    try:
+        yield
+    finally:
+        for each, handler in before.items():
+            signal.signal(each, handler)
 
 EPILOG = """\
 typical use:
@@ -70,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The exit status: 0, 1 for an error said in one line, 130 interrupted, 141 when stdout's reader left."""
+    """The exit status: 0, 1 for an error said in one line, 130 interrupted (143 by SIGTERM, 129 by SIGHUP), 141
+    when stdout's reader left."""
     # Names are bytes, not text: one that is no UTF-8 (os.fsdecode's surrogates) is written as its own bytes. A
     # strict stream raised UnicodeEncodeError at the line that said a mount was made, and `mount` exited 1 with a
     # traceback over a daemon that served.
@@ -116,10 +162,14 @@ def _run(argv: Sequence[str] | None) -> int:
     from ..stores.sample import ProfileError
 
     try:
-        return int(args.func(args))
+        with _terminated_raises(args.command):
+            return int(args.func(args))
     except (MountError, CatalogError, ProfileError, OptionError) as exc:
         print(f"liquidfs {args.command}: {exc}", file=sys.stderr)
         return 1
+    except Terminated as exc:
+        print(f"liquidfs {args.command}: terminated ({exc})", file=sys.stderr)
+        return 128 + exc.signum  # what a shell reports for a process the signal killed
     except KeyboardInterrupt:
         print(f"liquidfs {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -4,16 +4,20 @@ A loader whose pace is known (``tests/support/paced_loader.py``: decoding and lo
 peaking where they meet, at a share of 0.6 here) shows that the search lands on the peak and that the rate the
 mount counts is the loader's own; the built-in DALI pipeline runs through the mount when no command is given;
 ``prepare --ratio auto --run`` keeps and uses what the search chose; a command that fails, or never names the mount,
-is a clear error that leaves no mount and no scratch behind."""
+is a clear error that leaves no mount and no scratch behind; nor does a profile ended by SIGTERM, and what one killed
+outright left is removed by the next."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -196,3 +200,57 @@ def test_a_failing_command_or_one_without_the_mount_is_a_clear_error(dataset: tu
     ratio = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(src), "--store", str(store),
                             "--ratio", "0.5", "--run", "ls {mount}"], capture_output=True, text=True, timeout=60)
     assert ratio.returncode == 2 and "--run times a loader for --ratio auto" in ratio.stderr
+
+
+def _waiting_in_its_command(src: Path, store: Path, pidfile: Path) -> tuple[subprocess.Popen[str], int]:
+    """A profile whose measured search runs a command that waits, started: the profile, and the command's pid."""
+    command = f"sh -c 'echo $$ > {shlex.quote(str(pidfile))}; exec sleep 300' sh {{mount}}"
+    proc = subprocess.Popen([sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(store), "--quick",
+                             "--decoder", "pil", "--run", command, "--run-images", "32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the command never started: {proc.communicate()[1][-2000:]}")
+        time.sleep(0.1)
+    return proc, int(pidfile.read_text())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_profile_ended_by_sigterm_cleans_up_and_what_a_killed_one_left_goes_at_the_next(
+        dataset: tuple[Path, float], tmp_path: Path) -> None:
+    src, _ = dataset
+    store = tmp_path / "store"
+    # `timeout`, a Job's deadline: its command stopped, its mount and its copies gone, a status that says so
+    proc, command = _waiting_in_its_command(src, store, tmp_path / "term.pid")
+    assert list(store.glob("profile-run-*"))
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "liquidfs profile: terminated (SIGTERM)" in err and "Traceback" not in err
+    assert not _alive(command)
+    _no_leftovers(store)
+
+    # SIGKILL (the OOM killer): nothing of the profile runs; its mount and scratch stay until the next profile
+    proc, command = _waiting_in_its_command(src, store, tmp_path / "kill.pid")
+    proc.kill()
+    proc.communicate(timeout=60)
+    os.killpg(command, signal.SIGKILL)  # its command (a session of its own): the profile is not there to stop it
+    assert list(store.glob("profile-run-*")) and f" {store.resolve()}/profile-run-" in Path(
+        "/proc/self/mountinfo").read_text()
+    # and a model's sample that a killed profile left (the measured search came after it, here)
+    code = ("import os, pathlib, sys; from liquidfs.sysio.locks import private_dir; "
+            "private_dir(pathlib.Path(sys.argv[1]), 'profile-sample-'); os._exit(0)")
+    subprocess.run([sys.executable, "-c", code, str(store)], check=True, timeout=60)
+    next_one = _profile(src, store, "--run", "ls {mount}", "--run-images", "32")
+    assert next_one.returncode == 1 and "opened 0 files through the mount" in next_one.stderr, next_one.stderr
+    _no_leftovers(store)
+    assert not list(store.glob("profile-sample-*"))
