@@ -426,24 +426,31 @@ class BucketStore:
             delete_keys(client, dst.bucket, written)
 
         sample.cleanup = cleanup
-        for key in keys:
-            if sample_full(len(sample.raws), sum(map(len, sample.raw_data)), count, jobs, max_bytes):
-                break
-            data = get(client, src.bucket, key, size=sizes[(src.bucket, key)])
-            result = formats.expand(data, to=raw_format)
-            if result.data is None:
-                continue
-            raw_key = dst.key(f"{prefix}/{len(written)}{RAW_FORMATS[raw_format].suffix}")
-            put(client, dst.bucket, raw_key, result.data)
-            written.append(raw_key)
-            sizes[(dst.bucket, raw_key)] = len(result.data)
-            sample.originals.append((src.bucket, key))
-            sample.raws.append((dst.bucket, raw_key))
-            sample.original_data.append(data)
-            sample.raw_data.append(result.data)
-        if not sample.raws:
-            cleanup()
-            raise ProfileError("none of the sampled images can be expanded losslessly")
+        try:
+            for key in keys:
+                if sample_full(len(sample.raws), sum(map(len, sample.raw_data)), count, jobs, max_bytes):
+                    break
+                data = get(client, src.bucket, key, size=sizes[(src.bucket, key)])
+                result = formats.expand(data, to=raw_format)
+                if result.data is None:
+                    continue
+                raw_key = dst.key(f"{prefix}/{len(written)}{RAW_FORMATS[raw_format].suffix}")
+                written.append(raw_key)  # before the PUT: one that fails after the object landed leaves none
+                put(client, dst.bucket, raw_key, result.data)
+                sizes[(dst.bucket, raw_key)] = len(result.data)
+                sample.originals.append((src.bucket, key))
+                sample.raws.append((dst.bucket, raw_key))
+                sample.original_data.append(data)
+                sample.raw_data.append(result.data)
+            if not sample.raws:
+                raise ProfileError("none of the sampled images can be expanded losslessly")
+        except BaseException:
+            # A GET or PUT that failed, Ctrl-C: the objects put so far are deleted, as the profile's end would.
+            try:
+                cleanup()
+            except Exception as exc:  # the failure that ended the sample is the one said
+                log.warning("deleting the profile's sample objects under %s: %s", dst.key(prefix), exc)
+            raise
         return sample
 
     def keep_profile(self, text: str) -> None:

@@ -3,7 +3,14 @@ catalog it builds from listings: tests/unit/test_catalog.py)."""
 
 from __future__ import annotations
 
+import datetime
+import errno
+import io
+from pathlib import Path
+from typing import Any
+
 import pytest
+from PIL import Image
 
 from liquidfs.catalog.schema import CatalogError
 from liquidfs.stores.s3.client import S3Url
@@ -72,3 +79,51 @@ def test_a_mount_serves_no_catalog_of_another_source() -> None:
     store = BucketStore(S3Url.parse("s3://b/A"), S3Url.parse("s3://b/st"))
     with pytest.raises(CatalogError, match="describes s3://b/B, not s3://b/A"):
         store.reader(rewritten, 4, 30.0)
+
+
+class _Bucket:
+    """Enough of a boto3 client for ``BucketStore.profile_sample``: a listing, GETs, uploads (the ``fail_at``-th
+    fails after its object landed, as a dropped answer does) and deletes."""
+
+    def __init__(self, objects: dict[str, bytes], fail_at: int) -> None:
+        self.objects = dict(objects)
+        self.uploads = 0
+        self.fail_at = fail_at
+        self.meta = type("Meta", (), {"endpoint_url": "http://127.0.0.1:1"})()
+
+    def get_paginator(self, name: str) -> Any:
+        listing = [{"Key": k, "Size": len(v), "ETag": '"e"', "LastModified": datetime.datetime(2026, 1, 1)}
+                   for k, v in sorted(self.objects.items())]
+        return type("Pages", (), {"paginate": lambda _, **kw: [{"Contents": listing}]})()
+
+    def get_object(self, Bucket: str, Key: str) -> dict[str, Any]:
+        return {"Body": io.BytesIO(self.objects[Key]), "ETag": '"e"'}
+
+    def upload_fileobj(self, data: io.BytesIO, bucket: str, key: str, **kwargs: Any) -> None:
+        self.objects[key] = data.read()
+        self.uploads += 1
+        if self.uploads == self.fail_at:
+            raise OSError(errno.ECONNRESET, "connection reset")
+
+    def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> None:
+        for each in Delete["Objects"]:
+            self.objects.pop(each["Key"], None)
+
+
+def test_a_profile_sample_that_fails_midway_deletes_the_objects_it_put(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from liquidfs.stores.s3 import store as s3store
+
+    def png(seed: int) -> bytes:
+        out = io.BytesIO()
+        Image.new("RGB", (16, 8), (seed, 2 * seed, 3)).save(out, format="PNG")
+        return out.getvalue()
+
+    images = {f"data/{i}.png": png(i) for i in range(6)}
+    bucket = _Bucket(images, fail_at=3)
+    monkeypatch.setattr(s3store, "make_client", lambda *a, **kw: bucket)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    store = s3store.BucketStore.given("s3://b/data", "s3://b/store")
+    with pytest.raises(OSError, match="connection reset"):
+        store.profile_sample(6, jobs=1)
+    assert bucket.uploads == 3 and bucket.objects == images  # the three it put are gone, the dataset is not
