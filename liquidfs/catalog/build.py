@@ -24,7 +24,7 @@ from ..sysio.paths import MountsBelow, open_dir_below
 from ..sysio.progress import Progress
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
-from .identity import file_version
+from .identity import INT64_MAX, file_version, stored_ns
 from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
 from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES,
@@ -313,8 +313,8 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
     # (A directory's version, as a file's: its inode and ctime, which a listing's change moves and a `touch -d`
     # that puts the mtime back cannot: ``Catalog.staleness``.)
     dir_rows: dict[int, tuple[int, int, bytes, bytes, int, int, int, int, str]] = {
-        ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size, root_st.st_mtime_ns,
-                  file_version(root_st))
+        ROOT_ID: (ROOT_ID, ROOT_ID, b"", b"", KIND_DIR, root_st.st_mode, root_st.st_size,
+                  stored_ns(root_st.st_mtime_ns), file_version(root_st))
     }
     # Each stack item: (directory id, absolute path, relative path, (st_dev, st_ino) as its parent's listing found it).
     stack: list[tuple[int, bytes, bytes, tuple[int, int]]] = [(ROOT_ID, root, b"", (root_st.st_dev, root_st.st_ino))]
@@ -344,6 +344,10 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                 for name, entry in entries:
                     row: tuple[int, int, int, int, bytes | None, str | None] | None
                     rel = rel_dir + b"/" + name if rel_dir else name
+                    if not listings.fit_name(name):  # over NAME_MAX: a FUSE source's (sshfs) may list one
+                        log.warning("%r: a name no entry of the mount can have; not shown", abs_dir + b"/" + name)
+                        report.ignored += 1
+                        continue
                     if rel in mounted:  # (its stat would go to the filesystem mounted there: never, as root)
                         log.warning("%r: another filesystem is mounted there; not shown", abs_dir + b"/" + name)
                         report.ignored += 1
@@ -352,13 +356,13 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                         st = entry.stat(follow_symlinks=False)
                         mode = st.st_mode
                         if stat.S_ISREG(mode):
-                            row = (KIND_FILE, mode, st.st_size, st.st_mtime_ns, None, file_version(st))
+                            row = (KIND_FILE, mode, st.st_size, stored_ns(st.st_mtime_ns), None, file_version(st))
                             files += 1
                         elif stat.S_ISDIR(mode):
                             row = None
                         elif stat.S_ISLNK(mode):
                             target = os.readlink(name, dir_fd=dir_fd)
-                            row = (KIND_SYMLINK, mode, len(target), st.st_mtime_ns, target, None)
+                            row = (KIND_SYMLINK, mode, len(target), stored_ns(st.st_mtime_ns), target, None)
                             report.symlinks += 1
                         else:
                             report.ignored += 1
@@ -366,12 +370,13 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                     except OSError as exc:
                         log.warning("cannot read %r: %s; not shown", abs_dir + b"/" + name, exc)
                         report.ignored += 1
+                        report.unlisted += exc.errno in _PASSING  # (a hiccup: the next use scans again)
                         continue
                     records.append(_RECORD(next_id, mode, len(name)) + name)
                     if row is None:
                         subdirs += 1
-                        dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size, st.st_mtime_ns,
-                                             file_version(st))
+                        dir_rows[next_id] = (next_id, dir_id, name, rel, KIND_DIR, mode, st.st_size,
+                                             stored_ns(st.st_mtime_ns), file_version(st))
                         stack.append((next_id, abs_dir + b"/" + name, rel, (st.st_dev, st.st_ino)))
                     else:
                         writer.add_entry((next_id, dir_id, name, rel, *row))
@@ -408,9 +413,9 @@ _PASSING = frozenset({errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno
 def _listing(root: bytes, root_fd: int, rel_dir: bytes,
              listed_as: tuple[int, int]) -> tuple[int, list[tuple[bytes, os.DirEntry[str]]], int | None]:
     """The directory ``rel_dir`` opened (its descriptor, which the caller closes) and its entries by name in
-    name order (bytes: a descriptor's listing names them in str), each one's ``stat`` relative to it, and None;
-    (-1, [], errno) where it cannot be listed or is no longer the directory its parent's listing found
-    (``listed_as``, ESTALE): shown empty."""
+    name order (bytes: a descriptor's listing names them in str), each one's ``stat`` relative to it, and None
+    (EAGAIN where a name was listed twice, shown once); (-1, [], errno) where it cannot be listed or is no longer
+    the directory its parent's listing found (``listed_as``, ESTALE): shown empty."""
     try:
         dir_fd = open_dir_below(root_fd, rel_dir, root)
     except OSError as exc:
@@ -422,6 +427,13 @@ def _listing(root: bytes, root_fd: int, rel_dir: bytes,
             raise OSError(errno.ESTALE, "replaced while the source was scanned")
         with os.scandir(dir_fd) as found:
             entries = sorted(((os.fsencode(entry.name), entry) for entry in found), key=_FIRST)
+        once = [each for i, each in enumerate(entries) if i == 0 or each[0] != entries[i - 1][0]]
+        if len(once) < len(entries):
+            # A name deleted and made again while listed, which a directory's hash order may return twice (NFS,
+            # a FUSE source): one entry each (the catalog's names are unique), scanned again at the next use.
+            log.warning("%r listed a name twice (changed while listed): shown once, scanned again at the next use",
+                        root + b"/" + rel_dir if rel_dir else root)
+            return dir_fd, once, errno.EAGAIN
         return dir_fd, entries, None
     except OSError as exc:
         os.close(dir_fd)
@@ -453,7 +465,7 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
 
 def _unshowable(part: bytes) -> bool:
     """A component of an object's key that no directory entry can be named."""
-    return part in (b"", b".", b"..") or len(part) > 255
+    return part in (b"", b".", b"..") or len(part) > 255 or b"\0" in part
 
 
 def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer, source: str,
@@ -466,21 +478,21 @@ def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer,
     next_id = ROOT_ID + 1
 
     def directory(path: bytes) -> list[int] | None:
+        """The directory at ``path``, made with those missing above it; None below a file. A loop, not a call a
+        component: a store that takes long keys gives thousands ('a/' * 1200), past Python's recursion limit."""
         nonlocal next_id
-        found = dirs.get(path)
-        if found is not None:
-            return found
-        if path in files:
-            return None
-        parent_path, _, _ = path.rpartition(b"/")
-        parent = directory(parent_path)
-        if parent is None:
-            return None
-        parent[3] += 1
-        dirs[path] = [next_id, parent[0], 0, 0]
-        next_id += 1
-        report.directories += 1
-        return dirs[path]
+        missing: list[bytes] = []
+        while (found := dirs.get(path)) is None:
+            if path in files:
+                return None
+            missing.append(path)
+            path = path.rpartition(b"/")[0]
+        for each in reversed(missing):
+            found[3] += 1
+            dirs[each] = found = [next_id, found[0], 0, 0]
+            next_id += 1
+            report.directories += 1
+        return found
 
     for rel, size, etag, mtime_ns in objects:
         path = rel.encode("utf-8", "surrogateescape")
@@ -489,11 +501,12 @@ def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer,
             directory(path[:-1])  # a "folder" marker object made by consoles and s3fs: an empty directory
             continue
         parent_path, _, name = path.rpartition(b"/")
-        if any(map(_unshowable, parts)) or path in dirs or size < 0:
+        if any(map(_unshowable, parts)) or path in dirs or not 0 <= size <= INT64_MAX:
             log.warning("object %r (%d bytes) cannot be shown as a file; left out", rel, size)
             report.ignored += 1
             continue
         parent = directory(parent_path)
+        mtime_ns = stored_ns(mtime_ns)  # a LastModified after 2262
         if parent is None:
             log.warning("object %r lies below a file of the same name; left out", rel)
             report.ignored += 1

@@ -363,7 +363,7 @@ class Catalog:
             return MUST_RESCAN  # scanned by an older liquidfs: its files' identities are too weak to reuse
         if self.meta(UNLISTED) not in (None, "0"):
             return MUST_RESCAN  # a directory the scan could not list is shown empty: tried again
-        from .identity import file_version  # here: `umount` and `stats` read no catalog, and load no xxhash
+        from .identity import file_version, stored_ns  # here: `umount` and `stats` read no catalog, and load no xxhash
 
         mounted = mounted_below(self.source)  # the scan shows none: one there now is a change, never stat-ed
         if any(self._names(rel) for rel in mounted):  # on a file too (a bind mount, a user's FUSE mount)
@@ -383,7 +383,7 @@ class Catalog:
                     st = os.fstat(root) if rel == b"" else stat_below(root, rel)
                 except OSError:  # catalog_parts refuses a path that leaves the root (EIO)
                     return CHANGED
-                if not stat.S_ISDIR(st.st_mode) or st.st_mtime_ns != mtime_ns:
+                if not stat.S_ISDIR(st.st_mode) or stored_ns(st.st_mtime_ns) != mtime_ns:
                     return CHANGED
                 if version is not None and version != file_version(st):
                     return CHANGED  # its mtime put back (`touch -d`, a restore), or its modes changed

@@ -41,10 +41,23 @@ def checksum(data: bytes | memoryview) -> str:
     return hashlib.blake2b(data, digest_size=32).hexdigest()
 
 
+#: The range of an SQLite INTEGER (a signed 64-bit number).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def stored_ns(ns: int) -> int:
+    """A time in nanoseconds as the catalog records it and every comparison with a recorded one takes it: within
+    SQLite's range. A file dated after 2262 (``touch -d 2400-01-01``: ext4 keeps dates to 2446; an object's
+    LastModified) has an mtime past it, and one such file anyone may write failed every scan of the dataset with
+    an OverflowError."""
+    return min(max(ns, INT64_MIN), INT64_MAX)
+
+
 def same_version(st: os.stat_result, size: int, mtime_ns: int, version: str | None) -> bool:
     """True while the local file behind ``st`` has the recorded size, mtime and, where it was recorded, version
     (inode and ctime: ``file_version``)."""
-    return (st.st_size, st.st_mtime_ns) == (size, mtime_ns) and (version is None or version == file_version(st))
+    return ((st.st_size, stored_ns(st.st_mtime_ns)) == (size, mtime_ns)
+            and (version is None or version == file_version(st)))
 
 
 def file_version(st: os.stat_result) -> str:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
-from ...catalog.identity import file_version, object_key
+from ...catalog.identity import file_version, object_key, stored_ns
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...catalog.store_dir import check_store_dir
@@ -253,7 +253,7 @@ class LocalStore:
             return None  # gone, or a directory on the way replaced: its directory changed, a scan will say
         if not stat.S_ISREG(st.st_mode) or same_file(node, st):
             return None
-        return dataclasses.replace(node, size=st.st_size, mtime_ns=st.st_mtime_ns, etag=file_version(st))
+        return dataclasses.replace(node, size=st.st_size, mtime_ns=stored_ns(st.st_mtime_ns), etag=file_version(st))
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         return expand_one, (root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,

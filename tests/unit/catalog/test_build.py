@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sqlite3
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -15,9 +16,10 @@ import pytest
 from catalogs import written
 
 from liquidfs.catalog import build as build_module
-from liquidfs.catalog.build import OBJECT_FILE_MODE, _Writer, build, build_from_objects, open_or_build
+from liquidfs.catalog.build import (OBJECT_FILE_MODE, WorkingCopy, _Writer, build, build_from_objects,
+                                    open_or_build)
 from liquidfs.catalog.catalog import Catalog, CatalogError
-from liquidfs.catalog.identity import file_version
+from liquidfs.catalog.identity import file_version, same_version
 from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from liquidfs.catalog.scan import Warmer
 from liquidfs.catalog.sink import ProcessSink
@@ -617,3 +619,87 @@ def test_a_source_whose_path_is_not_utf8_is_refused_before_the_walk_and_a_link_t
     (tmp_path / "link").symlink_to(os.fsdecode(source))
     report = build(tmp_path / "link", tmp_path / "store")
     assert report.files == 1
+
+
+def test_a_file_dated_past_2262_is_recorded_and_stays_fresh(tmp_path: Path) -> None:
+    """Past SQLite's 64-bit integers (ext4 keeps dates to 2446; anyone who may write one file of the dataset can
+    `touch -d 2400-01-01` it): every scan failed with an OverflowError. Recorded at the range's end, and every
+    comparison takes the file's mtime so, so the catalog stays fresh and the file the same version."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a.png").write_bytes(b"png")
+    far = (1 << 63) + 10**18
+    for path in (src / "d" / "a.png", src / "d"):
+        os.utime(path, ns=(far, far))
+    catalog = open_or_build(src, tmp_path / "store")
+    try:
+        node = catalog.lookup(catalog.lookup(ROOT_ID, b"d").id, b"a.png")  # type: ignore[union-attr]
+        assert node is not None and node.mtime_ns == (1 << 63) - 1
+        assert same_version(os.stat(src / "d" / "a.png"), node.size, node.mtime_ns, node.etag)
+        assert catalog.is_fresh()
+    finally:
+        catalog.close()
+
+
+def test_keys_no_entry_can_be_named_or_too_deep_for_recursion_are_left_out_or_built(tmp_path: Path) -> None:
+    listing = [
+        ("a/x\0y.png", 1, '"x"', 1),                  # libfuse cuts a name at a NUL: another entry's alias
+        ("huge.png", 1 << 63, '"x"', 1),               # a size no file has
+        ("deep/" * 1200 + "x.png", 3, '"d"', 1),       # a store that takes long keys: 1,200 directories
+        ("late.png", 4, '"l"', (1 << 63) + 5),         # a LastModified past 2262
+    ]
+    report = build_from_objects(iter(listing), tmp_path, "s3://b/cs")
+    assert (report.files, report.ignored, report.directories) == (2, 2, 1200)
+    tree = _tree(catalog := Catalog.open(tmp_path))
+    try:
+        assert ("deep/" * 1200 + "x.png").encode() in tree and b"a/x\0y.png" not in tree and b"a" not in tree
+        assert catalog.lookup(ROOT_ID, b"late.png").mtime_ns == (1 << 63) - 1  # type: ignore[union-attr]
+    finally:
+        catalog.close()
+
+
+class _Listed:
+    """``os.scandir`` of a directory as a listing that changed meanwhile returns it: ``a.png`` twice, and a name
+    longer than NAME_MAX (a FUSE source may list one)."""
+
+    def __init__(self, real: os.DirEntry[str], fake_name: str) -> None:
+        self.real, self.name = real, fake_name
+
+    def stat(self, *, follow_symlinks: bool = True) -> os.stat_result:
+        return self.real.stat(follow_symlinks=follow_symlinks)
+
+
+def test_a_name_listed_twice_is_shown_once_and_scanned_again_as_is_an_entry_that_failed_for_now(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "a.png").write_bytes(b"png")
+    (src / "e").mkdir()
+    (src / "e" / "link").symlink_to("target")
+    scandir = os.scandir
+
+    @contextlib.contextmanager
+    def changing(fd: int) -> Iterator[list[object]]:
+        with scandir(fd) as found:
+            entries: list[object] = list(found)
+        for real in list(entries):
+            if real.name == "a.png":  # type: ignore[attr-defined]
+                entries += [real, _Listed(real, "n" * 256)]
+        yield entries
+
+    def failing(name: bytes, *, dir_fd: int) -> bytes:
+        raise OSError(errno.EIO, "Input/output error")  # a flaky disk: may pass
+
+    with monkeypatch.context() as patched:
+        patched.setattr(build_module.os, "scandir", changing)
+        patched.setattr(build_module.os, "readlink", failing)
+        open_or_build(src, tmp_path / "store").close()
+    rows = [row[3] for row in written(tmp_path / "store").nodes]
+    assert rows.count(b"d/a.png") == 1 and b"e/link" not in rows and not any(len(r) > 255 for r in rows)
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    assert catalog.meta("unlisted_directories") == "2" and not catalog.is_fresh()
+    catalog.close()
+    catalog = open_or_build(src, tmp_path / "store")  # scanned again, as it stands now
+    assert catalog.is_fresh() and b"e/link" in {row[3] for row in written(tmp_path / "store").nodes}
+    catalog.close()
+
