@@ -184,6 +184,7 @@ class WorkingCopy:
         self.final = store_dir / CATALOG_NAME
         # Copies of killed prepares (as large as the catalog each: gigabytes at ten million files), which only a
         # scan's writer removed, and a fresh catalog is not scanned again.
+        check_store_dir(store_dir, writing=True)  # before a leftover is looked at, as _Writer's
         _remove_abandoned(store_dir)
         self.path, self.lock = _in_the_making(store_dir)
         try:
@@ -541,6 +542,10 @@ def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer,
     return report
 
 
+#: SQLite's primary result code for a write that found no room (``sqlite3.Error.sqlite_errorcode`` & 0xFF).
+SQLITE_FULL = 13
+
+
 def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
     """Copy prepare's knowledge from the catalog being replaced, and re-apply the chosen representations; whether
     there was any."""
@@ -584,8 +589,12 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
         db.execute("COMMIT")
         return carried
     except sqlite3.DatabaseError as exc:
-        log.warning("could not carry over prepare's state from %s: %s", previous, exc)
         db.execute("ROLLBACK")
+        if getattr(exc, "sqlite_errorcode", 0) & 0xFF == SQLITE_FULL:
+            # The new catalog's disk is full (just after a prepare wrote its objects, likely): not a previous
+            # catalog to do without. Put in place, the new one would drop what every prepare learnt.
+            raise
+        log.warning("could not carry over prepare's state from %s: %s", previous, exc)
         return False
     finally:
         db.execute("DETACH DATABASE old")

@@ -112,6 +112,24 @@ def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_pat
     alive.finish({})
 
 
+def test_a_working_copy_touches_nothing_in_a_store_it_may_not_write(tmp_path: Path) -> None:
+    """Another user's store (theirs to make names in): refused before any of its lock files is opened or any
+    leftover unlinked, as a build refuses it."""
+    store = tmp_path / "store"
+    dead = _Writer(store)
+    dead.finish({})  # a catalog to copy
+    dead = _Writer(store)
+    dead.flush(last=True)
+    assert dead.sink is not None
+    dead.sink.abort()
+    dead.lock.release(remove=False)  # a killed writer's leftovers
+    before = sorted(p.name for p in store.iterdir())
+    os.chown(store, 65534, 65534)
+    with pytest.raises(CatalogError, match="owned by uid 65534"):
+        WorkingCopy(store)
+    assert sorted(p.name for p in store.iterdir()) == before
+
+
 def _walked(root: Path) -> list[tuple[object, ...]]:
     """The rows a local tree's catalog holds, by the walk every build so far has made: ids depth first, the last
     directory pushed listed first, each directory's entries by name; one lstat per entry (a symlink's target read
@@ -703,3 +721,28 @@ def test_a_name_listed_twice_is_shown_once_and_scanned_again_as_is_an_entry_that
     assert catalog.is_fresh() and b"e/link" in {row[3] for row in written(tmp_path / "store").nodes}
     catalog.close()
 
+
+def test_a_full_disk_while_carrying_over_what_prepare_learnt_keeps_the_catalog_that_holds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a previous catalog that cannot be read is done without: a new one with no room for the expansions
+    (SQLITE_FULL) put in place would drop what every prepare learnt, and the next prepare redo it all."""
+    listing = [("a.png", 10, '"e1"', 1), ("b.png", 10, '"e2"', 1)]
+    build_from_objects(iter(listing), tmp_path, "s3://b/x")
+    cat = Catalog.open(tmp_path)
+    cat.db.executemany("INSERT INTO expansions VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       [(f"{i}.png".encode(), 10, 1, "png", f"o/{i}" + "x" * 3000, 99, "c", None, f'"e{i}"', None)
+                        for i in range(400)])
+    cat.close()
+    carry = build_module._carry_over_expansions
+
+    def full(db: sqlite3.Connection, previous: Path) -> bool:
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count={pages}")  # the disk is full: no page more
+        return carry(db, previous)
+
+    monkeypatch.setattr(build_module, "_carry_over_expansions", full)
+    with pytest.raises(CatalogError, match="full"):
+        build_from_objects(iter(listing), tmp_path, "s3://b/x")
+    cat = Catalog.open(tmp_path, readonly=True)
+    assert cat.db.execute("SELECT count(*) FROM expansions").fetchone()[0] == 400
+    cat.close()
