@@ -218,7 +218,8 @@ class MetricsServer:
                 sock.close()
 
     def _fail(self, exc: BaseException) -> None:
-        """An error that must end ``serve_metrics`` (as it ended the mount when this ran on the loop)."""
+        """An error that ends ``serve_metrics``: the endpoint stops, the mount serves on (a KeyboardInterrupt
+        is raised on the loop)."""
         with self._lock:
             if self._error is None:
                 self._error = exc
@@ -463,7 +464,12 @@ async def serve_metrics(port: int, values: Callable[[], dict[str, object]], host
         task_status.started(server)
         await server._failed.wait()
         assert server._error is not None
-        raise server._error
+        if not isinstance(server._error, Exception):  # a KeyboardInterrupt met on the loop: the loop's
+            raise server._error
+        # An accept that fails for good (EBADF, EINVAL: a bug, or the kernel's): the endpoint ends, the mount
+        # serves on without it. A scraper sees the target down; a loader would have seen its files gone.
+        log.error("metrics: the endpoint on port %d stopped (%s); the mount serves on without it",
+                  server.statistics().port, server._error)
     finally:
         with trio.CancelScope(shield=True):
             # A limiter of its own: the default one's threads may all be busy (reads stuck on storage), and the
