@@ -76,6 +76,9 @@ JOBS_KEPT_BACK = max(1, MAX_JOBS // 8)
 #: Jobs a user other than root and the mount's own has at once: half of those not kept back, so one user with
 #: a `setsid cat` loop leaves the other half to everyone else (it displaces its own jobs past them).
 JOBS_PER_USER = max(1, (MAX_JOBS - JOBS_KEPT_BACK) // 2)
+#: The owner of a job whose uid the job table no longer knows: no user's, privileged never (its slots are one
+#: unprivileged user's).
+UNKNOWN_OWNER = -1
 #: Seconds without a read after which a job no longer counts as reading (its files are not held for it).
 JOB_IDLE = 300.0
 #: Seconds without a read after which another user's new job may take a job's slot when every slot is taken.
@@ -229,9 +232,14 @@ class NextEpochCache:
         """The record of ``job``, begun at its first read where it may have a slot; None: counted in no job."""
         state = self.jobs.get(job)
         if state is None:
-            owner = self.owner_of(job) if self.owner_of is not None else None
-            if owner is None:
+            if self.owner_of is None:  # no job table: every job is this process's user's
                 owner = os.getuid()
+            else:
+                # None: a job the table has forgotten (pushed out by many new ones) while an opener's pid still
+                # names it. Nobody's, never the daemon's root: a user who pushes their own job out of the table
+                # must not have it take root's slots.
+                known = self.owner_of(job)
+                owner = UNKNOWN_OWNER if known is None else known
             self._retire_idle(now)
             if not self._admit(owner, now):
                 self.jobs_refused += 1

@@ -417,3 +417,25 @@ def test_retiring_a_job_touches_only_its_own_held_files_a_slice_per_read() -> No
         cache.read(f, 100, 3)
     assert cache.files_reowned == few  # job 2's files, each once; none of job 1's 2,000
     assert not any(entry.job == 2 for entry in cache.held.values())
+
+
+def test_a_job_whose_owner_the_table_forgot_takes_no_privileged_slot() -> None:
+    """uid 1000 pushes its own job out of the job table (256 `setsid cat`s) while its pid still names it: the job
+    is nobody's, never the daemon's root's, and displaces none of root's jobs that read."""
+    from liquidfs.policy.next_epoch import DISPLACE_IDLE, MAX_JOBS, UNKNOWN_OWNER
+
+    clock = _Clock()
+    cache = NextEpochCache(10_000, 10_000, 100, max_id=101, clock=clock)
+    owners = {job: 0 for job in range(1, MAX_JOBS + 1)}  # root's trainings, all reading
+    cache.owner_of = owners.get
+    for job in owners:
+        cache.read(job, 100, job)
+    forgotten = MAX_JOBS + 1  # not in the table
+    assert cache.read(50, 100, forgotten).epoch == 0 and forgotten not in cache.jobs
+    assert sorted(cache.jobs) == sorted(owners) and cache.summary()["jobs_refused"] == 1
+    clock.now = DISPLACE_IDLE / 2
+    for job in range(2, MAX_JOBS + 1):
+        cache.read(60 + job, 100, job)
+    clock.now = DISPLACE_IDLE + 1  # job 1 idle past it: anyone's new job may take its place
+    assert cache.read(51, 100, forgotten).epoch == 1
+    assert cache.jobs[forgotten].owner == UNKNOWN_OWNER and 1 not in cache.jobs
