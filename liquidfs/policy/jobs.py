@@ -188,24 +188,32 @@ class JobOf:
             return self._as_before(pid, uid)
         session, (cgroup, names) = found
         job = self._job((uid, cgroup, names))
+        self._remember(pid, session, uid, job)
+        return job
+
+    def _remember(self, pid: int, session: int, uid: int, job: int) -> None:
         self._pids[pid] = (session, uid, job, self._clock())
         self._pids.move_to_end(pid)
         if len(self._pids) > PIDS_KEPT:
             self._pids.popitem(last=False)
-        return job
 
     def _as_before(self, pid: int, uid: int) -> int:
         """A pid whose ``/proc`` could not be read: the job it was read in before, where it is the same opener
         (same uid and session: only the RECHECK was missed), else its uid's ``unknown`` one. Lookups another
-        user's processes keep stuck (they share the lookups' threads) cannot move a known job's reads."""
-        known = self._pids.get(pid)
-        if known is None or known[1] != uid:
-            return self.unknown(uid)
+        user's processes keep stuck (they share the lookups' threads) cannot move a known job's reads.
+
+        Remembered as a lookup's result is, until its next RECHECK: a pid whose ``/proc`` stays stuck (its
+        memory-map lock held by a thread faulting on a stuck mount) would have had each of its opens wait
+        JOB_LOOKUP for it again."""
         try:
             session = self._getsid(pid)
         except OSError:
             return self.unknown(uid)
-        return known[2] if session == known[0] else self.unknown(uid)
+        known = self._pids.get(pid)
+        same = known is not None and known[:2] == (session, uid)
+        job = known[2] if same and known is not None else self.unknown(uid)
+        self._remember(pid, session, uid, job)
+        return job
 
     def _job(self, key: Key) -> int:
         job = self._ids.get(key)

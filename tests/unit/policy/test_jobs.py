@@ -362,3 +362,31 @@ def test_a_user_opening_from_ever_new_sessions_pushes_out_only_their_own_jobs() 
         job_of(pid, 1000)
     assert job_of._job((2000, "/trainer", "session 1")) == trainer and job_of.owner(trainer) == 2000
     assert len(job_of._ids) <= jobs_module.JOBS_KEPT
+
+
+def test_a_pid_whose_lookup_timed_out_is_not_waited_for_again_until_its_recheck(monkeypatch) -> None:
+    """Each open of a pid whose /proc stays stuck waited JOB_LOOKUP again (its lookups piling up on its uid's
+    threads): one wait, then its job as ``_as_before`` says, until RECHECK."""
+    import trio
+
+    from liquidfs.policy.jobs import RECHECK
+
+    host = _Host()
+    host.procs = {77: (77, "/a")}
+    now = [0.0]
+    job_of, entered, release = _stuck(host)
+    job_of._clock = lambda: now[0]
+    monkeypatch.setattr(jobs_module, "JOB_LOOKUP", 0.2)
+
+    async def opens(count: int) -> list[int]:
+        lookups = JobLookups(job_of)
+        return [await lookups.job(77, 1000) for _ in range(count)]
+
+    try:
+        assert trio.run(opens, 3) == [job_of.unknown(1000)] * 3
+        assert entered == [77]  # one lookup began, one wait
+        now[0] = RECHECK + 1
+        trio.run(opens, 1)
+        assert entered == [77, 77]  # tried again once its recheck is due
+    finally:
+        release.set()
