@@ -54,11 +54,18 @@ def parse_cluster(url: str) -> list[tuple[str, int]]:
     if parts.scheme != "memcached" or not parts.netloc or parts.path not in ("", "/") or parts.query:
         raise ClusterError(f"--cluster {url!r}: expected memcached://HOST:PORT[,HOST:PORT...]")
     servers = []
-    for item in parts.netloc.split(","):
-        host, sep, port_text = item.strip().rpartition(":")
-        if not sep or host.endswith(":"):  # no port given (or a bare IPv6 address, which needs [brackets]:PORT)
-            host, port_text = item.strip(), str(DEFAULT_PORT)
-        host = host.removeprefix("[").removesuffix("]")
+    for item in map(str.strip, parts.netloc.split(",")):
+        if item.startswith("["):  # [IPv6]:PORT or [IPv6]
+            host, sep, rest = item[1:].partition("]")
+            port_text = rest.removeprefix(":") if sep and rest.startswith(":") else ("" if rest else None)
+        elif item.count(":") > 1:
+            # 2001:db8::1:2 is an address, or an address and a port: never guessed (it was taken as host
+            # 2001:db8::1, port 2, and the cluster never resolved)
+            raise ClusterError(f"--cluster {url!r}: {item!r}: an IPv6 address is written [ADDRESS]:PORT")
+        else:
+            host, sep, port_text = item.partition(":")
+            port_text = port_text if sep else None
+        port_text = str(DEFAULT_PORT) if port_text is None else port_text
         port = int(port_text) if port_text.isascii() and port_text.isdigit() else 0  # not "²" (isdigit says so)
         if not host or not 0 < port < 65536 or any(c.isspace() or c in "/@" for c in host):
             raise ClusterError(f"--cluster {url!r}: {item!r} is not HOST:PORT")

@@ -54,12 +54,16 @@ def _level(store: Path, share: float = 1.0, key: ClusterKey | None = None) -> tu
 
 
 def test_urls() -> None:
-    assert parse_cluster("memcached://a:1,b,[::1]:5") == [("a", 1), ("b", 11211), ("::1", 5)]
+    assert parse_cluster("memcached://a:1,b,[::1]:5,[fe80::2]") == [("a", 1), ("b", 11211), ("::1", 5),
+                                                                      ("fe80::2", 11211)]
     for bad in ("memcached://", "redis://a:1", "memcached://a:x", "memcached://a:1,a:1", "memcached://a:1/db",
-                "memcached://:5", "memcached://a:99999",
-                "memcached://[::1", "memcached://a:\u00b2"):  # a bracket not closed; a digit int() refuses
-        with pytest.raises(ClusterError):
+                "memcached://:5", "memcached://a:99999", "memcached://a:", "memcached://[::1]:",
+                "memcached://[::1]x", "memcached://[::1", "memcached://a:\u00b2"):  # a bracket not closed; a
+        with pytest.raises(ClusterError):                                      # digit int() refuses
             parse_cluster(bad)
+    for unbracketed in ("memcached://2001:db8:0:0:0:0:0:1", "memcached://2001:db8::1:2", "memcached://::1"):
+        with pytest.raises(ClusterError, match=r"an IPv6 address is written \[ADDRESS\]:PORT"):
+            parse_cluster(unbracketed)
 
 
 def test_the_share_is_the_same_on_every_node_and_of_raw_objects_only(store: tuple[Path, Path]) -> None:
