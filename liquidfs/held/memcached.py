@@ -17,6 +17,7 @@ so mounts of two versions agree on where each object is.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import socket
@@ -38,7 +39,8 @@ TIMEOUT = 1.0
 FAILURES_TO_SKIP = 3
 SKIP_FOR = 5.0
 #: The share of its deadline past which a call that succeeded counts as a failure all the same, where that long
-#: passed between the request sent and the answer's first byte: a memcached that answers every call just inside
+#: passed between the request sent and the answer's first line (not its first byte: one byte at once and the rest
+#: of the line late was never slow): a memcached that answers every call just inside
 #: it (a slow or hostile one) cost each open of its keys two deadlines (a fetch and a store) without ever being
 #: left out. (The value's own time on the wire is not counted: 5 MB values at 16 threads over 1 GbE take 0.7 s.)
 SLOW_SHARE = 0.5
@@ -83,8 +85,8 @@ class _Stream:
         self.clock = clock
         self.pending = b""  # read past the last line, not yet asked for (at most MAX_LINE bytes)
         self.received = 0  # bytes the peer sent in this exchange
-        #: When the request was sent whole, and when the answer's first byte came: how long the memcached took to
-        #: answer, apart from the time the value took on the wire either way (``SLOW_SHARE``).
+        #: When the request was sent whole, and when the answer's first line was whole: how long the memcached took
+        #: to answer, apart from the time the value took on the wire either way (``SLOW_SHARE``).
         self.sent_at: float | None = None
         self.answered_at: float | None = None
 
@@ -114,8 +116,6 @@ class _Stream:
         got = self.sock.recv_into(view)
         if got == 0:
             raise Closed("connection closed")
-        if not self.received:
-            self.answered_at = self.clock()
         self.received += got
         return got
 
@@ -130,6 +130,8 @@ class _Stream:
                 raise PeerError("an answer line past %d bytes" % MAX_LINE)
             filled += self._recv_into(view[filled:])
         self.pending = bytes(buf[end + 2:filled])
+        if self.answered_at is None:
+            self.answered_at = self.clock()
         return bytes(buf[:end])
 
     def exactly(self, view: memoryview) -> None:
@@ -200,10 +202,10 @@ class Peer:
                             "until it answers", self.name, self.failures, why, SKIP_FOR)
 
     def answered(self) -> None:
-        if self.failures >= FAILURES_TO_SKIP:
+        with self._lock:  # (a failed() of another thread in between must not be lost)
+            again, self.failures, self.skip_until = self.failures >= FAILURES_TO_SKIP, 0, 0.0
+        if again:
             log.info("cluster: memcached %s answers again", self.name)
-        self.failures = 0
-        self.skip_until = 0.0
 
 
 class MemcachedWire:
@@ -326,9 +328,11 @@ class MemcachedWire:
                 if isinstance(exc, WrongLength):
                     # The memcached answered as one: the value is what someone stored there, and anyone may. Held
                     # against the peer, three such values would have left it out for everyone's keys (and its
-                    # stores out, so nothing would overwrite them). Its connection goes: the body is left unread.
-                    peer.answered()
+                    # stores out, so nothing would overwrite them). Nor does it clear the peer's failures: calls
+                    # that time out between such values still leave it out. Its connection goes: the body unread.
                     raise
+                if isinstance(exc, OSError) and exc.errno in _THIS_NODE_SHORT:
+                    raise PeerError(f"{peer.name}: {exc}") from exc  # this node's want, not the peer's fault
                 peer.failed(self.clock(), str(exc))
                 if isinstance(exc, PeerError):
                     raise
@@ -349,6 +353,10 @@ class MemcachedWire:
                 peer.answered()
                 peer.give_back(sock)
             return result
+
+
+#: Errors of a call that say this node is short (descriptors, memory), not that the memcached failed.
+_THIS_NODE_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 def _dropped(exc: BaseException) -> bool:

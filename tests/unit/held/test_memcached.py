@@ -340,3 +340,52 @@ def test_a_store_sends_its_header_value_and_end_in_order_whatever_the_socket_tak
         reader.join(30)
         theirs.close()
     assert bytes(received) == b"set k 0 0 %d\r\n" % len(value) + value + b"\r\n"
+
+
+def test_a_peer_that_sends_a_byte_at_once_and_the_rest_of_its_answer_late_is_slow(peers) -> None:  # type: ignore[no-untyped-def]
+    """The slow rule timed the answer's first byte: 'E' at once and 'ND' just inside the deadline was never slow,
+    and such a peer cost each open of its keys a deadline for good. Its first line whole is what is timed."""
+    def trickled(peer: FakePeer, conn: socket.socket, request: bytes) -> None:
+        peer.send(conn, b"E")
+        time.sleep(DEADLINE * (SLOW_SHARE + 0.2))
+        peer.send(conn, b"ND\r\n")
+
+    wire = _wire(peers(trickled))
+    for _ in range(FAILURES_TO_SKIP):
+        assert wire.get(KEY, 5) is None  # answered (a miss), used, and slow
+    with pytest.raises(Skipped):
+        wire.get(KEY, 5)
+
+
+def test_a_planted_value_between_failures_does_not_clear_them(peers) -> None:  # type: ignore[no-untyped-def]
+    """Anyone may store a value of another length at a guessable key: one fetched between a peer's failures is
+    no answer of a working peer, and the peer that keeps failing is left out all the same."""
+    answers = [b"HELLO\r\n", b"VALUE %s 0 6\r\nhello!\r\nEND\r\n" % KEY.encode(), b"HELLO\r\n", b"HELLO\r\n"]
+    peer = peers(lambda p, conn, request: p.send(conn, answers.pop(0)))
+    wire = _wire(peer)
+    with pytest.raises(PeerError):
+        wire.get(KEY, 5)
+    with pytest.raises(WrongLength):
+        wire.get(KEY, 5)
+    for _ in range(FAILURES_TO_SKIP - 1):
+        with pytest.raises(PeerError) as failed:
+            wire.get(KEY, 5)
+        assert not isinstance(failed.value, Skipped)
+    with pytest.raises(Skipped):
+        wire.get(KEY, 5)
+
+
+def test_this_node_out_of_descriptors_is_no_failure_of_the_peer(peers, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import errno
+
+    from liquidfs.held import memcached
+
+    wire = _wire(peers(_value(b"hello")))
+    monkeypatch.setattr(memcached.socket, "create_connection",
+                        lambda *a, **kw: (_ for _ in ()).throw(OSError(errno.EMFILE, "Too many open files")))
+    for _ in range(FAILURES_TO_SKIP + 1):
+        with pytest.raises(PeerError, match="Too many open files") as failed:
+            wire.get(KEY, 5)
+        assert not isinstance(failed.value, Skipped)
+    monkeypatch.undo()
+    assert wire.get(KEY, 5) == b"hello"
