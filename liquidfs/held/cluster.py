@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +61,11 @@ _SEALED_PREFIX = "liquidfs3s"
 #: The share of ``--io-timeout`` one call to a memcached may take at most: an open that misses the cluster still
 #: reads storage, and stores what it read, within the same timeout.
 IO_TIMEOUT_SHARE = 0.25
+#: Seconds a value size a memcached refused to store (past its -I, the largest item; or out of memory) keeps
+#: values of that size or more out of the cluster: each was sealed and sent whole, to be refused, at every miss of
+#: every node (Cityscapes' 6 MB raw objects against memcached's default 1 MB -I). Then tried again (a memcached
+#: restarted with a larger -I).
+REFUSED_FOR = 300.0
 
 
 def call_timeout(io_timeout: float) -> float:
@@ -142,6 +148,7 @@ class ClusterCounts:
     unanswered: int = 0  # fetches or stores a memcached did not answer as one, in time (a miss)
     skipped: int = 0  # fetches or stores not tried: their memcached failed repeatedly and is left out for a while
     private: int = 0  # opens of the share kept out of the cluster: no key, and not everyone may read the source
+    refused: int = 0  # stores a memcached refused (too large for it), and opens of values that large since
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +168,7 @@ class ClusterStatistics(Statistics):
     unanswered: int
     skipped: int
     private: int
+    refused: int
 
 
 class ClusterLevel(InFront):
@@ -184,6 +192,10 @@ class ClusterLevel(InFront):
         self.public = public
         self.counts = ClusterCounts()
         self._lock = threading.Lock()
+        #: The smallest value a memcached refused to store, and until when values that large are kept out.
+        self._refused_from: int | None = None
+        self._refused_until = 0.0
+        self.clock = time.monotonic
         self._warned: set[str] = set()  # what was logged once (further ones are counted)
 
     # -- the reader interface (the rest: ``InFront``'s) ------------------------------------------------------
@@ -194,6 +206,9 @@ class ClusterLevel(InFront):
         if self.sealer is None and not (self.public is not None and self.public(node)):
             self._count("private", f"cluster: {node.path!r} is not readable by everyone: without "
                         "--cluster-key-file such objects never go to the cluster (counted as cluster_private)")
+            return self.inner.open(node)
+        if self._too_large(node):
+            self._count("refused")
             return self.inner.open(node)
         # Asked of storage itself: a value any node stored is every node's hit, so no miss would check it again
         # (an object store's check_source asks nothing).
@@ -280,19 +295,41 @@ class ClusterLevel(InFront):
         key = key_of(node, self.key_id, self.sealer)
         try:
             value = self.sealer.seal(key.encode(), data) if self.sealer is not None else data
-            done = self.client.set(key, value)
+            done: bool | None = True if self.client.set(key, value) else None  # None: refused, answered as such
         except Skipped:
             self._count("skipped")
             return
         except Exception as exc:  # PeerError, or anything else: never into a read
             log.debug("cluster: storing %s: %s", key, exc)
             done = False
+        refused = done is None
         with self._lock:
             if done:
                 self.counts.stored += 1
                 self.counts.stored_bytes += len(data)
+            elif refused:
+                self.counts.refused += 1
+                self._refused_from = min(self._refused_from or len(value), len(value))
+                self._refused_until = self.clock() + REFUSED_FOR
             else:
                 self.counts.unanswered += 1
+        if refused and "refused" not in self._warned:
+            self._warned.add("refused")
+            log.warning("cluster: a memcached refused a value of %d bytes (past its -I, the largest item, or out of "
+                        "memory): values that large go to storage for %g s at a time (counted as cluster_refused)",
+                        len(value), REFUSED_FOR)
+
+    def _too_large(self, node: Node) -> bool:
+        """Whether ``node``'s value is as large as one a memcached refused lately (never asked, never stored)."""
+        with self._lock:
+            refused_from, until = self._refused_from, self._refused_until
+        if refused_from is None:
+            return False
+        if self.clock() >= until:
+            with self._lock:
+                self._refused_from = None
+            return False
+        return node.size_served + (OVERHEAD if self.sealer is not None else 0) >= refused_from
 
     def _count(self, what: str, first: str = "", *, warned_as: str | None = None) -> None:
         """One more of counter ``what``; ``first`` logged as a warning the first time only (the first of

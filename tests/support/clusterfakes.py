@@ -16,6 +16,7 @@ class FakeMemcached:
     def __init__(self) -> None:
         self.values: dict[str, bytes] = {}
         self.down = False
+        self.largest: int | None = None  # values past it refused as a memcached refuses one past its -I
         self.gets = 0
         self.sets = 0
         self.closed = False
@@ -30,6 +31,8 @@ class FakeMemcached:
         self.sets += 1
         if self.down:
             raise PeerError("down")
+        if self.largest is not None and len(value) > self.largest:
+            return False
         self.values[key] = bytes(value)
         return True
 

@@ -132,6 +132,29 @@ def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[P
     assert level.statistics().values()["cluster_stored"] == len(raw)
 
 
+def test_values_past_what_a_memcached_stores_are_kept_out_for_a_while(store: tuple[Path, Path]) -> None:
+    """A memcached with a smaller -I than the raw objects (memcached's default 1 MB, Cityscapes' 6 MB): each miss
+    sealed and sent a value to be refused, at every node. Once refused, values that large are neither asked nor
+    sent, counted as refused (not as unanswered), until REFUSED_FOR has passed."""
+    from liquidfs.held.cluster import REFUSED_FOR
+
+    _, path = store
+    level, client, raw = _level(path)
+    now = [100.0]
+    level.clock = lambda: now[0]
+    client.largest = 0
+    for n in raw:
+        assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
+    st = level.statistics().values()
+    assert (client.gets, client.sets) == (1, 1) and st["cluster_refused"] == len(raw)
+    assert st["cluster_unanswered"] == 0 and st["cluster_misses"] == 1
+    client.largest = None  # restarted with a larger -I
+    now[0] += REFUSED_FOR
+    for n in raw:
+        level.open(n)
+    assert level.statistics().values()["cluster_stored"] == len(raw)
+
+
 def test_files_outside_the_share_never_ask_the_cluster(store: tuple[Path, Path]) -> None:
     _, path = store
     level, client, raw = _level(path, share=0.0)
