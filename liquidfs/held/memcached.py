@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -222,6 +224,7 @@ class MemcachedWire:
             peer = Peer(host, port)
             self.clients[peer.name] = peer
         self.hasher = RendezvousHash(nodes=list(self.clients))
+        _WIRES.add(self)
 
     def limits(self) -> dict[str, int | None]:
         """Each memcached's ``limit_maxbytes`` (what its ``-m`` lets it hold, from ``stats``), None for one that
@@ -357,6 +360,25 @@ class MemcachedWire:
 
 #: Errors of a call that say this node is short (descriptors, memory), not that the memcached failed.
 _THIS_NODE_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+#: Every wire of this process, for ``_close_inherited``.
+_WIRES: weakref.WeakSet[MemcachedWire] = weakref.WeakSet()
+
+
+def _close_inherited() -> None:
+    """In a forked child (each loop of ``--loops`` builds a wire of its own): the parent's idle connections closed
+    here. A copy kept in the child held each open after the parent closed it, and the child held descriptors it
+    never uses. Their locks are new: another thread of the parent may have held one at the fork."""
+    for wire in list(_WIRES):
+        for peer in wire.clients.values():
+            peer._lock = threading.Lock()
+            idle, peer._idle = list(peer._idle), deque()
+            for sock in idle:
+                sock.close()
+
+
+os.register_at_fork(after_in_child=_close_inherited)
 
 
 def _dropped(exc: BaseException) -> bool:

@@ -389,3 +389,20 @@ def test_this_node_out_of_descriptors_is_no_failure_of_the_peer(peers, monkeypat
         assert not isinstance(failed.value, Skipped)
     monkeypatch.undo()
     assert wire.get(KEY, 5) == b"hello"
+
+
+def test_a_forked_child_keeps_no_copy_of_the_parents_idle_connections(peers) -> None:  # type: ignore[no-untyped-def]
+    """Each loop of --loops is a fork that builds a wire of its own: a copy of the parent's idle connection in it
+    kept the connection open after the parent closed it, and a descriptor it never uses."""
+    import os
+
+    peer = peers(_value(b"hello"))
+    wire = _wire(peer)
+    assert wire.get(KEY, 5) == b"hello"
+    (idle,) = next(iter(wire.clients.values()))._idle
+    pid = os.fork()
+    if pid == 0:  # the child: its copy closed at the fork (a closed socket's fileno() is -1)
+        os._exit(0 if idle.fileno() == -1 else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert wire.get(KEY, 5) == b"hello" and peer.connections == 1  # the parent's own, still in use
