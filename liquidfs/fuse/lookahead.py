@@ -77,6 +77,11 @@ WARMERS = 8
 #: made. 3,000 cold 110 KB files at 8-16 readers: the LOOKUP's loop CPU 33-55 -> 12-18 us. The oldest go first
 #: past the bound: ~10 MB of rows (~630 bytes each), per loop.
 HOT_ROWS = 16_384
+#: Directories remembered (when last queued, when last warmed) before those that no longer matter are dropped
+#: (``_forget_past``): a dataset of a directory a sample (video frames, a patient's slices) has millions, ~190 bytes
+#: each for good, per loop. Past AGAIN_AFTER (the loop's) and twice AGAIN_COLD (the thread's) an entry decides
+#: nothing: a directory without one is queued as it would have been with it.
+REMEMBERED_DIRECTORIES = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +126,7 @@ class MetadataAhead:
         self._whole: set[int] = set()             # directories whose last warm here warmed every file (under _lock)
         self._again: dict[int, float] = {}        # the bound of a whole directory's next re-warm, where not
                                                   # AGAIN_DROPPED (under _lock)
+        self._warmed_prune_at = self._done_prune_at = REMEMBERED_DIRECTORIES
         self._thread: threading.Thread | None = None
         self._warmers: ThreadPoolExecutor | None = None  # the warming thread's own, made at its first directory
         self._stopped = False
@@ -138,6 +144,8 @@ class MetadataAhead:
             return
         if self._queue_directory(parent, AGAIN_AFTER):
             self._warmed_at[parent] = now
+            if len(self._warmed_at) > self._warmed_prune_at:
+                self._warmed_prune_at = _forget_past(self._warmed_at, now - AGAIN_AFTER)
 
     def row(self, parent: int, name: bytes) -> Node | None:
         """The catalog's row of ``name`` in ``parent`` where the read-ahead read it (from the very file the mount
@@ -182,14 +190,31 @@ class MetadataAhead:
                 return False
             self._busy.add(parent)
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=READ_AHEAD, daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._run, name=READ_AHEAD, daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had (a pids limit): the read-ahead is a hint
+                self._give_up(f"cannot start its thread ({exc})")
+                return False
+            self._thread = thread
         self._queue.put((parent, within))
         return True
 
+    def _give_up(self, why: str) -> None:
+        """The read-ahead off for the mount's life (its lookups answered as without it), said once."""
+        log.warning("metadata read-ahead: %s; the mount goes on without it", why)
+        with self._lock:
+            self._stopped = True
+            self._busy.clear()
+
     def _run(self) -> None:
         name_this_thread(READ_AHEAD)
-        catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's connection is the loop's
+        try:
+            catalog = Catalog.open_path(self.catalog_path, readonly=True, immutable=True)  # the loop's is the loop's
+        except Exception as exc:  # (CatalogError, sqlite3.Error, OSError: descriptors short)
+            self._give_up(f"cannot open the catalog {self.catalog_path} ({exc})")
+            self._close_helper()
+            return
         # prepare may have renamed a new catalog over the path since the mount opened its own (other ids, other
         # sizes): its rows may still steer warms, never answer a lookup.
         keep = self.catalog_id is not None and catalog.file_id == self.catalog_id
@@ -212,6 +237,10 @@ class MetadataAhead:
                             self._whole.add(parent)
                         else:
                             self._whole.discard(parent)
+                        if len(self._done_at) > self._done_prune_at:
+                            self._done_prune_at = _forget_past(self._done_at, time.monotonic() - 2 * AGAIN_COLD)
+                            self._whole &= self._done_at.keys()
+                            self._again = {d: bound for d, bound in self._again.items() if d in self._done_at}
         finally:
             catalog.close()
             self._close_helper()
@@ -340,3 +369,11 @@ class MetadataAhead:
         if self._warmers is not None:
             self._warmers.shutdown(wait=True)
             self._warmers = None
+
+
+def _forget_past(when: dict[int, float], before: float) -> int:
+    """``when``'s entries older than ``before`` dropped; the size past which it is pruned next: twice what is
+    left (at least REMEMBERED_DIRECTORIES), so a prune is amortised over as many entries as it keeps."""
+    for directory in [d for d, at in when.items() if at < before]:
+        del when[directory]
+    return max(REMEMBERED_DIRECTORIES, 2 * len(when))

@@ -381,3 +381,56 @@ def test_re_warms_asked_for_soon_after_one_another_back_off_and_start_anew_after
         assert len(rewarmed) <= 20 + 4, rewarmed  # one a second, and the bound's growth at first
         assert all(later - earlier >= 0.99 for earlier, later in itertools.pairwise(rewarmed[4:])), rewarmed
     ahead.stop()
+
+
+def test_a_read_ahead_that_cannot_start_its_thread_or_open_the_catalog_is_off_never_a_failed_lookup(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A hint's failure costs the hint: no thread to be had (a pids limit), or a catalog its thread cannot open
+    (descriptors short). The lookup that asked goes on, nothing stays queued for good, and the unmount's stop
+    does not fail on a thread never started."""
+    catalog = _tree(tmp_path)
+    d0, d1 = _dir(catalog, b"d0"), _dir(catalog, b"d1")
+    warmed: list[bytes] = []
+    start = threading.Thread.start
+
+    def no_thread(thread: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    ahead = MetadataAhead(catalog.path, lambda node: warmed.append(node.path))
+    with monkeypatch.context() as patched:
+        patched.setattr(threading.Thread, "start", no_thread)
+        ahead.looked_up(d0)
+    ahead.looked_up(d1)  # off for good: no thread tried again at each lookup
+    ahead.stop()
+    assert warmed == [] and not ahead._busy and threading.Thread.start is start
+
+    ahead = MetadataAhead(tmp_path / "gone" / "catalog.sqlite", lambda node: warmed.append(node.path))
+    ahead.looked_up(d0)
+    assert ahead._thread is not None
+    ahead._thread.join(10)
+    ahead.looked_up(d1)
+    ahead.stop()
+    assert warmed == [] and not ahead._busy
+    assert sum("the mount goes on without it" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_directories_that_no_longer_decide_anything_are_forgotten(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory a sample: millions of them looked up once. Past REMEMBERED_DIRECTORIES, those looked up
+    longer than AGAIN_AFTER ago (and warmed longer than twice AGAIN_COLD ago) are dropped, recent ones kept."""
+    monkeypatch.setattr(lookahead, "REMEMBERED_DIRECTORIES", 4)
+    catalog = _tree(tmp_path, dirs=4, files=1)
+    dirs = [_dir(catalog, b"d%d" % d) for d in range(4)]
+    ahead = MetadataAhead(catalog.path, lambda node: None)
+    ahead._warmed_prune_at = ahead._done_prune_at = 4
+    long_ago = lookahead.time.monotonic() - lookahead.AGAIN_AFTER - 1
+    old = range(10_000, 10_004)  # directories of an hour before
+    ahead._warmed_at.update(dict.fromkeys(old, long_ago))
+    ahead._done_at.update(dict.fromkeys(old, long_ago))
+    ahead._whole.update(old)
+    ahead._again.update(dict.fromkeys(old, 0.2))
+    for d in dirs:
+        ahead.looked_up(d)
+    ahead.stop()
+    assert set(ahead._warmed_at) == set(dirs) and set(ahead._done_at) == set(dirs)
+    assert not ahead._whole & set(old) and not ahead._again.keys() & set(old)
