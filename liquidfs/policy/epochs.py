@@ -89,6 +89,7 @@ class Job:
     pace_since: tuple[float, int] = (0.0, 0)  # (time, reads) where the current pace sample began
     files_per_epoch: int = 0   # reads of its last complete epoch (0: none complete yet)
     recent_hits: float = 0.0   # hits per read, over about the last FAIR_READS reads
+    window_bytes: int = 0      # the bytes of its last window closed (``uncount_hit``)
 
     def __post_init__(self) -> None:
         # Per-file state in arrays indexed by id (ids are dense): 12 bytes a file and job, not ~200 in dicts.
@@ -149,11 +150,28 @@ class Job:
         self.window.append((hit, size))
         if len(self.window) == WINDOW:
             st.window_ratios.append(sum(h for h, _ in self.window) / WINDOW)
-            window_bytes = sum(s for _, s in self.window)  # 0 for a window of empty files
+            window_bytes = self.window_bytes = sum(s for _, s in self.window)  # 0 for a window of empty files
             st.window_byte_ratios.append(sum(s for h, s in self.window if h) / window_bytes if window_bytes
                                          else st.window_ratios[-1])
             st.window_epochs.append(epoch)
             self.window = []
+
+    def uncount_hit(self, epoch: int, size: int) -> None:
+        """A read of ``epoch`` that ``count`` counted as a hit was a miss (``NextEpochCache.correct_miss``: its
+        pages were reclaimed): its window and the share of recent reads that hit say so too. The read is the
+        newest of its size in the window, else in the window just closed (a correction follows its read within
+        a few reads)."""
+        self.recent_hits = max(0.0, self.recent_hits - 1 / FAIR_READS)
+        if epoch == self.window_epoch:
+            for i in range(len(self.window) - 1, -1, -1):
+                if self.window[i] == (True, size):
+                    self.window[i] = (False, size)
+                    return
+        st = self.stats
+        if st.window_epochs and st.window_epochs[-1] == epoch and st.window_ratios[-1] > 0:
+            st.window_ratios[-1] = max(0.0, st.window_ratios[-1] - 1 / WINDOW)
+            st.window_byte_ratios[-1] = (max(0.0, st.window_byte_ratios[-1] - size / self.window_bytes)
+                                         if self.window_bytes else st.window_ratios[-1])
 
     def summary(self) -> dict[str, object]:
         """Its epochs, its hits, and the bytes its misses read from the level below (storage; the disk or

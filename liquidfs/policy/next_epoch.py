@@ -519,6 +519,8 @@ class NextEpochCache:
         if ep is not None:
             ep.hits -= 1
             ep.hit_bytes -= size
+        if state is not None:
+            state.uncount_hit(epoch, size)
 
     def totals(self) -> CacheStats:
         """The counters of every job, those that stopped reading included (only the counters: no epochs)."""

@@ -439,3 +439,22 @@ def test_a_job_whose_owner_the_table_forgot_takes_no_privileged_slot() -> None:
     clock.now = DISPLACE_IDLE + 1  # job 1 idle past it: anyone's new job may take its place
     assert cache.read(51, 100, forgotten).epoch == 1
     assert cache.jobs[forgotten].owner == UNKNOWN_OWNER and 1 not in cache.jobs
+
+
+def test_hits_corrected_to_misses_leave_the_windows_and_the_fair_share() -> None:
+    """A predicted hit whose pages the kernel reclaimed is read from storage (``correct_miss``): the window's
+    ratio, the steadiness it is exported as and the job's share of recent hits (the shared budget's weight) count
+    it as the miss it was, as the hit counters do."""
+    cache = NextEpochCache(10_000, 10_000, 100, max_id=101)
+    for f in range(1, 101):
+        cache.read(f, 100, 1)
+    for f in range(1, 101):  # epoch 2: every file held, every read a hit, each corrected
+        decision = cache.read(f, 100, 1)
+        assert decision.hit and decision.epoch == 2
+        cache.correct_miss(2, 100, 1)
+    job = cache.jobs[1]
+    st = job.stats
+    assert st.hits == 0 and list(st.window_epochs) == [1, 2]  # a window of 64 closed in each epoch
+    assert list(st.window_ratios) == list(st.window_byte_ratios) == [0.0, 0.0]
+    assert job.window == [(False, 100)] * (100 - WINDOW)
+    assert job.recent_hits == 0.0
