@@ -49,4 +49,30 @@ def refusal(store: Path, *, writing: bool) -> str | None:
         return (f"{store}: owned by uid {st.st_uid}, who may make names in it that this process (uid "
                 f"{os.geteuid()}) would write through: it writes no catalog there (a mount without --rescan uses one "
                 "only behind the source as it stands); run this as that user, or chown -R the store to this one")
+    return _above_refusal(store, st) if writing else None
+
+
+def _above_refusal(store: Path, st: os.stat_result) -> str | None:
+    """Why the directories above ``store`` (``st``) let someone else than root and this user move it away and
+    put a directory of theirs at its name, between a check of it and the names SQLite opens there: one that
+    owns one of them, or may write one that is not sticky (a sticky one keeps others from renaming what root or
+    this user owns in it: /tmp). None where no one else can."""
+    trusted = (0, os.geteuid())
+    below = st
+    for above in Path(os.path.realpath(store)).parents:
+        try:
+            up = os.stat(above)
+        except OSError as exc:
+            return f"{store}: {above}: {exc.strerror}: cannot tell who may move the store"
+        mode = stat.S_IMODE(up.st_mode)
+        if up.st_uid not in trusted:
+            why = f"{above} is owned by uid {up.st_uid}"
+        elif mode & 0o022 and not (mode & stat.S_ISVTX and below.st_uid in trusted):
+            why = f"group or others may write {above} (mode {mode:o})"
+        else:
+            below = up
+            continue
+        return (f"{store}: {why}, who may move the store away and put a directory of theirs at its name, which "
+                f"this process (uid {os.geteuid()}) would write through: it writes no catalog there; put the "
+                "store where only root and this user may rename it")
     return None

@@ -133,3 +133,29 @@ def test_a_catalog_whose_schema_version_is_no_number_is_refused_in_one_line_and_
         catalog = Catalog.open(tmp_path / "store", readonly=True)
         assert catalog.meta("schema_version") == str(SCHEMA_VERSION) and catalog.lookup(ROOT_ID, b"a.png")
         catalog.close()
+
+
+@pytest.mark.needs_root("a chown of the directory above the store to another user")
+def test_no_catalog_is_written_in_a_store_another_user_may_move_away(tmp_path: Path) -> None:
+    """Root's store in a directory another user owns (their home), or one group or others may write without the
+    sticky bit: they may rename the store and put a directory of theirs at its name, with a link where SQLite opens
+    the catalog in the making by name. Refused for writing; a sticky directory (/tmp) does not let them."""
+    from liquidfs.catalog.build import open_or_build
+    from liquidfs.catalog.store_dir import refusal
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a\n")
+    home = tmp_path / "home"
+    store = home / "deeper" / "store"
+    store.mkdir(parents=True, mode=0o700)
+    os.chown(home, 65534, 65534)
+    with pytest.raises(CatalogError, match=f"{re.escape(str(home))} is owned by uid 65534, who may move the store"):
+        open_or_build(src, store)
+    assert not any(store.iterdir())
+    assert refusal(store, writing=False) is None  # taken as another user's store is: read, never written
+    os.chown(home, 0, 0)
+    home.chmod(0o777)
+    assert "group or others may write" in str(refusal(store, writing=True))
+    home.chmod(0o1777)  # sticky: others cannot rename root's directory in it
+    open_or_build(src, store).close()
