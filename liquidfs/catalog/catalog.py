@@ -381,7 +381,9 @@ class Catalog:
                     return CHANGED
                 try:
                     st = os.fstat(root) if rel == b"" else stat_below(root, rel)
-                except OSError:  # catalog_parts refuses a path that leaves the root (EIO)
+                except OSError as exc:  # catalog_parts refuses a path that leaves the root (EIO)
+                    if exc.errno == errno.ENAMETOOLONG:
+                        continue  # past PATH_MAX: the scan could not list it either (shown empty), every time
                     return CHANGED
                 if not stat.S_ISDIR(st.st_mode) or stored_ns(st.st_mtime_ns) != mtime_ns:
                     return CHANGED

@@ -746,3 +746,28 @@ def test_a_full_disk_while_carrying_over_what_prepare_learnt_keeps_the_catalog_t
     cat = Catalog.open(tmp_path, readonly=True)
     assert cat.db.execute("SELECT count(*) FROM expansions").fetchone()[0] == 400
     cat.close()
+
+
+def test_a_directory_past_path_max_is_shown_empty_and_does_not_make_every_use_a_rescan(tmp_path: Path) -> None:
+    """A path of the source longer than PATH_MAX (4,096 bytes: 17 directories of 250-byte names) cannot be opened
+    below the root in one call: shown empty, and the catalog stays fresh (each use scanned it again, in vain)."""
+    src = tmp_path / "src"
+    deep = src
+    for level in range(17):
+        deep = deep / (chr(ord("a") + level) * 250)
+    fd = os.open(tmp_path, os.O_RDONLY)  # made one level at a time (each mkdir's path stays short)
+    try:
+        for part in (src.relative_to(tmp_path), *deep.relative_to(src).parts):
+            os.mkdir(part, dir_fd=fd)
+            next_fd = os.open(part, os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+        os.close(os.open("a.png", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    catalog = open_or_build(src, tmp_path / "store")
+    try:
+        assert catalog.is_fresh()
+        assert not any(row[3].endswith(b"a.png") for row in written(tmp_path / "store").nodes)
+    finally:
+        catalog.close()
