@@ -229,9 +229,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def _serve(config: MountConfig, storage: Store, store: Path, ready_fd: int | None) -> int:
     """Serve the mount in this process (the daemon, or ``--foreground``). Its modules are imported here: a mount
     that starts a daemon, like ``umount`` and ``stats``, runs without trio, pyfuse3 or NumPy."""
-    from ..daemon.serve import serve
+    from ..daemon.serve import exit_past_stuck_threads, serve
 
-    return serve(config, storage, store, ready_fd=ready_fd)
+    code = serve(config, storage, store, ready_fd=ready_fd)
+    exit_past_stuck_threads(code)
+    return code
 
 
 def _data_path_said(mountpoint: Path) -> str:

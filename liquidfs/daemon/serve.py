@@ -9,7 +9,9 @@ import faulthandler
 import logging
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -88,6 +90,22 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
     if config.data_path == "passthrough" and mount.ops.stats.data_path != "passthrough":
         return 1  # --data-path passthrough could not be had: the mount was refused (logged why)
     return 0
+
+
+def exit_past_stuck_threads(code: int, *, leave: Callable[[int], object] = os._exit) -> None:
+    """The daemon's end, where threads of its own are still in the kernel (a metadata warm of storage that no
+    longer answers: ``fuse.lookahead``'s pool, whose workers the interpreter joins at its exit): said, the log
+    flushed, and the process left at once with ``code``. Waited for, the daemon never exited, and ``umount``
+    reported a daemon still running over a mount already gone. Nothing is done where none is left."""
+    stuck = [t.name for t in threading.enumerate()
+             if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if not stuck:
+        return
+    log.warning("threads still waiting on storage at the unmount (%s): the daemon exits without them",
+                ", ".join(sorted(stuck)))
+    for handler in logging.getLogger().handlers:  # what os._exit would drop
+        handler.flush()
+    leave(code)
 
 
 def _only_leaf(exc: BaseException) -> BaseException:

@@ -288,3 +288,25 @@ def test_a_child_that_fails_is_no_answer_but_no_silent_mount() -> None:
     assert control._in_child(lambda: b"answers 5", 10) == b"answers 5"
     assert control._in_child(lambda: bytes(1 // 0), 10) == b""  # failed: no answer, at once
     assert control._in_child(lambda: time.sleep(30) or b"late", 0.3) is None  # silent
+
+
+def test_the_daemon_leaves_past_threads_stuck_on_storage_and_only_then(caplog) -> None:  # type: ignore[no-untyped-def]
+    """A warm stuck in the kernel (storage that no longer answers) is a thread the interpreter would join at the
+    exit, for good: the daemon says so and leaves with its status. With none left, it exits as any process."""
+    import threading
+
+    from liquidfs.daemon.serve import exit_past_stuck_threads
+
+    left: list[int] = []
+    exit_past_stuck_threads(0, leave=left.append)
+    assert left == []
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, name="liquidfs-warm_0", daemon=False)
+    stuck.start()
+    try:
+        with caplog.at_level("WARNING", logger="liquidfs.daemon.serve"):
+            exit_past_stuck_threads(3, leave=left.append)
+    finally:
+        release.set()
+        stuck.join()
+    assert left == [3] and "(liquidfs-warm_0): the daemon exits without them" in caplog.text
