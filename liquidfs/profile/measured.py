@@ -29,6 +29,7 @@ simulated pipelines.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -471,15 +472,23 @@ class ScratchMounts:
         return at, opens, sum(served), held, newest
 
     def _run(self, words: list[str], share: float, timeout: float) -> tuple[int, str, dict[str, object] | None]:
-        """Run the command in a session of its own (its children too are stopped if it must be): its exit status,
-        its output, and what it said in a last JSON line, if it did."""
+        """Run the command in a session of its own (its children too are stopped once it exits, or if it must
+        be): its exit status, its output, and what it said in a last JSON line, if it did. Its exit ends the run,
+        not the end of its output: a worker it left behind (a loader's, orphaned) holds the pipe open, and the
+        run waited for it to the timeout, then failed as one that never finished."""
         try:
             proc = subprocess.Popen(words, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as exc:
             raise ProfileError(f"--run: cannot start {words[0]!r}: {exc.strerror}") from None
+        assert proc.stdout is not None
+        chunks: list[bytes] = []
+        fd = proc.stdout.fileno()
+        reader = threading.Thread(target=lambda: chunks.extend(iter(functools.partial(os.read, fd, 1 << 16), b"")),
+                                  name="profile-output", daemon=True)
+        reader.start()
         try:
-            out, _ = proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise ProfileError(f"--run: the command did not finish within {timeout:.0f} s at share {share:g} "
                                "(give it less work, or --run-timeout)") from None
@@ -488,6 +497,10 @@ class ScratchMounts:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            reader.join(STUCK_WAIT)  # its session gone, the pipe ends (a writer that left it keeps it open)
+            if not reader.is_alive():
+                proc.stdout.close()
+        out = b"".join(chunks)
         text = out.decode(errors="replace")
         said = None
         lines = text.strip().splitlines()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import random
 import shlex
+import time
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,30 @@ def test_the_sample_walk_never_lists_a_folder_swapped_for_a_link(tmp_path: Path,
     chosen = sample_paths(src, 10)
     assert listings >= 1 and (src / "b").is_symlink()
     assert chosen == [Path("a/a1.png")]
+
+
+def test_a_run_ends_at_the_commands_exit_not_when_a_worker_it_left_lets_go_of_its_output(tmp_path: Path) -> None:
+    """A loader's worker left running after its exit (orphaned, in the command's session) holds the output's pipe:
+    the run waited for the pipe's end, to the timeout, and failed as a command that never finished. Its exit ends
+    it; the session's leftovers are stopped."""
+    from liquidfs.profile.measured import ScratchMounts
+
+    pidfile = tmp_path / "worker.pid"
+    words = ["sh", "-c", f"sleep 60 & echo $! > {pidfile}; echo done; echo '{{\"steps\": 3}}'"]
+    status, output, said = ScratchMounts._run(object(), words, 0.5, timeout=20)  # type: ignore[arg-type]
+    assert status == 0 and output.splitlines()[0] == "done" and said == {"steps": 3}
+    worker = int(pidfile.read_text())
+    for _ in range(100):  # SIGKILL'd with its session: gone within moments
+        if not _running(worker):
+            break
+        time.sleep(0.05)
+    assert not _running(worker)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie that no init reaped, in a container, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
