@@ -131,13 +131,8 @@ class StorageCalls:
         once MAX_STUCK are stuck. Only the read itself is timed, not the wait for a slot: a busy mount is slow,
         not broken.
         """
-        with self._stuck_lock:
-            stuck = [call.node for call in self._stuck]
         where = os.fsdecode(node.path)
-        if node.id in stuck:
-            raise OSError(errno.EIO, "an earlier storage read of this file is still stuck", where)
-        if len(stuck) >= MAX_STUCK:
-            raise OSError(errno.EIO, f"{len(stuck)} storage reads are stuck: the storage does not answer", where)
+        self._refuse_if_stuck(node, where)  # at once: no wait for a slot to be refused after it
         call = _Call(node.id)
 
         def run() -> R:
@@ -149,6 +144,9 @@ class StorageCalls:
                     self._stuck.discard(call)
 
         async with self.open_limiter if for_open else self.thread_limiter:
+            # Again once a slot is had: the calls queued behind those that got stuck passed the check before them,
+            # and each would have parked one more thread on the storage that does not answer, past MAX_STUCK.
+            self._refuse_if_stuck(node, where)
             with trio.move_on_after(self.io_timeout):
                 try:
                     return await in_thread(run, discard=close_abandoned)
@@ -161,6 +159,14 @@ class StorageCalls:
                 self._stuck.add(call)
         raise OSError(errno.EIO, f"storage did not answer within {self.io_timeout:g} s", where)
 
+    def _refuse_if_stuck(self, node: Node, where: str) -> None:
+        """EIO where an earlier read of ``node`` is still stuck, or MAX_STUCK reads are."""
+        with self._stuck_lock:
+            stuck = [call.node for call in self._stuck]
+        if node.id in stuck:
+            raise OSError(errno.EIO, "an earlier storage read of this file is still stuck", where)
+        if len(stuck) >= MAX_STUCK:
+            raise OSError(errno.EIO, f"{len(stuck)} storage reads are stuck: the storage does not answer", where)
 
     async def inline_or_run(self, node: Node, fn: Callable[..., R], *args: Any, for_open: bool = False) -> R:
         """``fn(*args)`` on the loop itself where the reader's storage answers from the kernel's caches (a local

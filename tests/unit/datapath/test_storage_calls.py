@@ -159,3 +159,43 @@ def test_what_a_call_returns_after_its_timeout_is_closed_not_leaked(prepared: Pa
 
     trio.run(main)
     assert late.closed.is_set()
+
+
+def test_calls_queued_behind_stuck_ones_never_park_threads_past_max_stuck(prepared: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage hangs with many more calls in flight than threads: the queued ones passed the stuck checks before
+    a slot was theirs, then each parked one more thread on the hung storage when those ahead timed out (384
+    threads for 384 opens). Checked again once a slot is had: threads stuck stay at MAX_STUCK."""
+    from liquidfs.datapath import storage_calls
+
+    monkeypatch.setattr(storage_calls, "MAX_STUCK", 4)
+    catalog = Catalog.open(prepared, readonly=True)
+    ops = daemon_operations(catalog, StoreReader(catalog.source, prepared))
+    calls = storage_calls.StorageCalls(ops.calls.reader, io_timeout=0.05, open_threads=2)
+    nodes = list(catalog.files())[:12]
+    release = threading.Event()
+    entered = [0]
+
+    def hung() -> None:
+        entered[0] += 1
+        release.wait(20)
+
+    async def main() -> list[str]:
+        failures: list[str] = []
+
+        async def one(node) -> None:  # type: ignore[no-untyped-def]
+            with pytest.raises(OSError) as failed:
+                await calls.run(node, hung, for_open=True)
+            failures.append(str(failed.value))
+
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                nursery.start_soon(one, node)
+        return failures
+
+    try:
+        failures = trio.run(main)
+    finally:
+        release.set()
+    assert entered[0] == calls.stuck == 4  # two slots: two rounds of two, then every other call refused
+    assert sum("storage reads are stuck" in f for f in failures) == len(nodes) - 4
