@@ -204,7 +204,16 @@ def read_control(mountpoint: Path) -> dict[str, object]:
 
 
 def _control_text(mountpoint: Path) -> bytes:
-    with open(mountpoint / os.fsdecode(CONTROL_NAME), "rb") as f:
+    # Any user can mount a fuse.liquidfs: its control file may be a link (to /dev/watchdog, whose open by root
+    # arms a reset; to a file only root may read, which `stats` would print), or a FIFO. Only a regular file of
+    # the mount itself is read.
+    fd = os.open(mountpoint / os.fsdecode(CONTROL_NAME),
+                 os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "the control file is no regular file: not a liquidfs mount's",
+                          os.fspath(mountpoint))
+        os.set_blocking(fd, True)
         return f.read(CONTROL_MAX_BYTES + 1)
 
 
@@ -431,7 +440,28 @@ def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str,
     if not pid.isdigit():
         log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
         return "answers", None
+    if not _holds_fuse_device(int(pid)):
+        # The mount's word (any user can mount a fuse.liquidfs that names pid 1), or a daemon of another PID
+        # namespace (a sidecar's): nothing here to wait for.
+        log.info("%s: its control file names pid %s, which serves no FUSE mount here; unmounting without waiting "
+                 "for its daemon", mountpoint, pid)
+        return "answers", None
     return "answers", int(pid)
+
+
+def _holds_fuse_device(pid: int) -> bool:
+    """Whether process ``pid`` (of this PID namespace) has /dev/fuse open, as a daemon that serves a mount has."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/fuse":
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _alive(pid: int) -> bool:

@@ -3,6 +3,7 @@ answer where it need not be touched, and no more of a control file than one hold
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -99,9 +100,13 @@ def test_a_daemon_that_answers_is_waited_for_by_its_pid(tmp_path: Path, monkeypa
     monkeypatch.setattr(control, "read_control", lambda path: {"pid": 424242})
     waited: list[int] = []
     monkeypatch.setattr(control, "_alive", lambda pid: waited.append(pid) or False)
+    monkeypatch.setattr(control, "_holds_fuse_device", lambda pid: pid == 424242)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     control.unmount(tmp_path / "mnt")
     assert ran == [["fusermount3", "-u", str(tmp_path / "mnt")]] and waited == [424242]
+    monkeypatch.setattr(control, "read_control", lambda path: {"pid": 1})  # a pid that serves no FUSE mount
+    control.unmount(tmp_path / "mnt")
+    assert len(ran) == 2 and waited == [424242]  # unmounted, nothing waited for
 
 
 def test_mount_over_a_fuse_mount_whose_daemon_answers_nothing_says_so(
@@ -262,10 +267,11 @@ def test_a_stale_mount_that_cannot_be_detached_is_said_never_a_silent_success(
     assert ran and ran[0][:3] == ["fusermount3", "-u", "-z"]
 
 
-def test_statistics_are_read_from_a_child_and_a_mount_that_never_answers_is_said(tmp_path: Path) -> None:
+def test_statistics_are_read_from_a_child_and_a_mount_that_never_answers_is_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`liquidfs stats` (and a pod's `stats --probe`) read the control file in their own process: a mount whose
     daemon is stuck held them in the kernel for good. Read from a child; no answer in time is a TimeoutError.
-    (A FIFO at the control file's name stands for the read that never returns.)"""
+    (A read that sleeps, in the child, stands for the one that never returns.)"""
     import json
 
     from liquidfs.catalog.nodes import CONTROL_NAME
@@ -274,7 +280,8 @@ def test_statistics_are_read_from_a_child_and_a_mount_that_never_answers_is_said
     for d in (answering, stuck, empty):
         d.mkdir()
     (answering / os.fsdecode(CONTROL_NAME)).write_text(json.dumps({"pid": 42, "opens": 7}))
-    os.mkfifo(stuck / os.fsdecode(CONTROL_NAME))
+    text = control._control_text
+    monkeypatch.setattr(control, "_control_text", lambda where: time.sleep(30) if where == stuck else text(where))
     assert control.read_control_within(answering, 10) == {"pid": 42, "opens": 7}
     with pytest.raises(FileNotFoundError):
         control.read_control_within(empty, 10)
@@ -310,3 +317,41 @@ def test_the_daemon_leaves_past_threads_stuck_on_storage_and_only_then(caplog) -
         release.set()
         stuck.join()
     assert left == [3] and "(liquidfs-warm_0): the daemon exits without them" in caplog.text
+
+
+def test_a_control_file_that_is_a_link_or_a_fifo_is_never_opened_through(tmp_path: Path) -> None:
+    """Any user can mount a fuse.liquidfs whose control file is a link (to /dev/watchdog, whose open by root arms
+    a reset; to a file only root may read, which `stats --json` printed) or a FIFO (an open that never returns):
+    only a regular file of the mount itself is read."""
+    from liquidfs.daemon.control import read_control
+    from liquidfs.catalog.nodes import CONTROL_NAME
+
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"pid": 1, "root_only": true}')
+    secret.chmod(0o600)
+    fake = tmp_path / "mnt"
+    fake.mkdir()
+    control = fake / os.fsdecode(CONTROL_NAME)
+    control.symlink_to(secret)
+    with pytest.raises(OSError) as refused:
+        read_control(fake)
+    assert refused.value.errno == errno.ELOOP
+    control.unlink()
+    os.mkfifo(control)
+    with pytest.raises(OSError, match="no regular file"):
+        read_control(fake)  # at once: no writer ever comes
+    control.unlink()
+    control.write_text('{"pid": 7}')
+    assert read_control(fake) == {"pid": 7}
+
+
+def test_the_pid_a_control_file_names_is_waited_for_only_where_it_serves_fuse() -> None:
+    """The mount's word: any user's fuse.liquidfs may name pid 1 (umount waited 30 s for it, then failed)."""
+    from liquidfs.daemon.control import _holds_fuse_device
+
+    assert not _holds_fuse_device(os.getpid())
+    fuse = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        assert _holds_fuse_device(os.getpid())
+    finally:
+        os.close(fuse)
