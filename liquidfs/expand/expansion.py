@@ -302,6 +302,8 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
             if not same_version(os.fstat(f.fileno()), want_size, want_mtime, want_version):
                 return "source changed since prepare (it is served as the original)"
             original = bytes(read_span(f.fileno(), 0, want_size))  # no further than the size checked
+            if not same_version(os.fstat(f.fileno()), want_size, want_mtime, want_version):
+                return "source changed since prepare (it is served as the original)"  # while it was read
         with open(open_regular(obj), "rb") as f:  # EIO: not a regular file
             ost = os.fstat(f.fileno())
             untrusted = _renamed_in_by_others(obj, ost.st_uid)

@@ -139,6 +139,12 @@ def sniff(head: bytes) -> str | None:
     return None if raw is None else raw.name
 
 
+#: The Pillow formats liquidfs ever decodes (``sniff``'s: the sources', the raw formats'): the bytes compared may be
+#: whatever another user wrote (`verify` reads a source its writer may rewrite between its check and its read),
+#: and Pillow's other plugins run other programs (EPS: Ghostscript, as root).
+PILLOW_FORMATS = ("PNG", "JPEG", "BMP", "JPEG2000")
+
+
 def decode(data: bytes) -> np.ndarray:
     """Pixels as Pillow decodes the bytes (Image.open + load), as an array.
 
@@ -146,7 +152,7 @@ def decode(data: bytes) -> np.ndarray:
     limit (Image.MAX_IMAGE_PIXELS) included.  For mode P this is the palette
     indices; use same_pixels() to compare palettes too.
     """
-    with Image.open(io.BytesIO(data)) as im:
+    with Image.open(io.BytesIO(data), formats=PILLOW_FORMATS) as im:
         im.load()
         return np.array(im)
 
@@ -157,7 +163,8 @@ def same_pixels(a: bytes, b: bytes) -> bool:
     was expanded under ``MAX_PIXELS``, our limit (its 89.5 Mpx one warned once per worker in `verify`'s output)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        with Image.open(io.BytesIO(a)) as ia, Image.open(io.BytesIO(b)) as ib:
+        with Image.open(io.BytesIO(a), formats=PILLOW_FORMATS) as ia, \
+                Image.open(io.BytesIO(b), formats=PILLOW_FORMATS) as ib:
             ia.load()
             ib.load()
             return same_image(ia, ib)

@@ -571,3 +571,39 @@ def test_verify_names_a_file_of_any_bytes_on_one_line_without_a_traceback(tmp_pa
     assert result.returncode == 1, result.stderr
     assert b"Traceback" not in result.stderr and b"\x1b" not in result.stdout
     assert b"FAIL bad\\xff\\x1b[31m.png" in result.stdout, result.stdout  # both as visible escapes
+
+
+def test_verify_decodes_only_the_formats_liquidfs_serves_and_rechecks_a_source_rewritten_while_read(
+        prepared: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify (as root) read a source its writer may rewrite between the identity check and the read, then gave
+    the bytes to Pillow with every plugin: an EPS reached Ghostscript. The source is checked again after its
+    read, and only PNG, JPEG, BMP and JPEG 2000 are ever decoded."""
+    from PIL import EpsImagePlugin
+
+    from liquidfs.catalog.identity import checksum
+    from liquidfs.expand import expansion
+    from liquidfs.expand.expansion import judge, verify_one
+
+    ran: list[object] = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *args, **kwargs: ran.append(args))
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n%%EndComments\nshowpage\n"
+    raw = (prepared[1] / str(_first_raw(prepared[1])[1].object)).read_bytes()
+    assert str(judge(eps, raw, checksum(raw))).startswith("cannot decode") and ran == []
+
+    src, store = prepared
+    catalog, node = _first_raw(store)
+    catalog.close()
+    source = src / os.fsdecode(node.path)
+    read_span = expansion.read_span
+
+    def rewritten_meanwhile(fd: int, start: int, size: int) -> memoryview:
+        data = read_span(fd, start, size)
+        if os.fstat(fd).st_ino == os.stat(source).st_ino:
+            with open(source, "r+b") as f:  # its writer, in place, the same size
+                f.write(eps[:16])
+        return data
+
+    monkeypatch.setattr(expansion, "read_span", rewritten_meanwhile)
+    why = verify_one(os.fsencode(src), node.path, str(store / str(node.object)), str(node.checksum), node.size,
+                     node.mtime_ns, node.etag)
+    assert why == "source changed since prepare (it is served as the original)"
