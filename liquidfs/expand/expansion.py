@@ -315,7 +315,12 @@ def verify_one(root: bytes, rel: bytes, obj: str, want_checksum: str, want_size:
             raw = bytes(read_span(f.fileno(), 0, size))
     except OSError as exc:
         return f"cannot read: {exc}"
-    return judge(original, raw, want_checksum)
+    except MemoryError:  # (ulimit -v, no overcommit): this check's verdict, never the whole run's traceback
+        return "cannot check: not enough memory to read the source and the object"
+    try:
+        return judge(original, raw, want_checksum)
+    except MemoryError:
+        return "cannot check: not enough memory to decode the source and the object"
 
 
 def _renamed_in_by_others(obj: str, owner: int) -> str | None:

@@ -198,7 +198,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                             bar.update(1)
                             continue
                     func, job_args = store.expansion_job(src_root, node, object_name(node), raw_formats)
-                    in_flight[pool.submit(func, *job_args)] = (node, func, tuple(job_args))
+                    in_flight[_submitted(pool, func, job_args)] = (node, func, tuple(job_args))
                 if not in_flight:
                     break
                 finished, broken = _settled(in_flight)
@@ -210,7 +210,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                     # worker is known and refused for good (until its source changes); a new pool goes on.
                     pool.shutdown(wait=True, cancel_futures=True)
                     for future, (node, func, job_args) in list(in_flight.items()):
-                        if future.done() and future.exception() is None:
+                        if future.done() and not future.cancelled() and future.exception() is None:
                             take(future.result())
                         elif fatal is None:  # once workers die idle, what is left is tried by the next run
                             take(_expanded_alone(new_pool, node, func, job_args))
@@ -254,6 +254,18 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
             report.deleted = _delete_surplus(store, [obj for _, obj in surplus], kept)
     report.seconds = time.monotonic() - started
     return report
+
+
+def _submitted(pool: cf.ProcessPoolExecutor, func: Callable[..., R], args: tuple[object, ...]) -> cf.Future[R]:
+    """``pool.submit(func, *args)``; where the pool broke meanwhile (a worker died while this thread recorded or
+    looked at a file), a future failed as the pool's own are: the run's recovery (``_settled``) takes it as one
+    of them. Raised here, it ended prepare with a traceback and the run's work unpublished."""
+    try:
+        return pool.submit(func, *args)
+    except BrokenProcessPool as exc:
+        failed: cf.Future[R] = cf.Future()
+        failed.set_exception(exc)
+        return failed
 
 
 def _settled(in_flight: dict[cf.Future[R], V]) -> tuple[list[tuple[V, R]], bool]:
@@ -376,7 +388,7 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
                 # pool are few, and each runs again alone (so only the one that kills its worker fails).
                 while len(in_flight) < 2 * workers and (node := next(queue, None)) is not None:
                     func, func_args = job(node)
-                    in_flight[pool.submit(func, *func_args)] = node
+                    in_flight[_submitted(pool, func, func_args)] = node
                 if not in_flight:
                     break
                 finished, broken = _settled(in_flight)
@@ -385,7 +397,7 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
                 if broken:
                     pool.shutdown(wait=True, cancel_futures=True)
                     for future, node in list(in_flight.items()):
-                        if future.done() and future.exception() is None:
+                        if future.done() and not future.cancelled() and future.exception() is None:
                             check(node, future.result())
                             continue
                         func, func_args = job(node)

@@ -607,3 +607,46 @@ def test_verify_decodes_only_the_formats_liquidfs_serves_and_rechecks_a_source_r
     why = verify_one(os.fsencode(src), node.path, str(store / str(node.object)), str(node.checksum), node.size,
                      node.mtime_ns, node.etag)
     assert why == "source changed since prepare (it is served as the original)"
+
+
+def test_a_pool_that_broke_while_prepare_looked_elsewhere_is_recovered_not_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that dies while the main thread records or looks at a file breaks the pool before any of its
+    futures says so: the next submit raised BrokenProcessPool out of prepare (and verify) with a traceback, the
+    run's work unpublished. Taken as a lost job: run again alone, the run goes on."""
+    import concurrent.futures as cf
+    from concurrent.futures.process import BrokenProcessPool
+
+    src = make_sample(tmp_path / "data", count=6, width=64, height=32, seed=5)
+    submit = cf.ProcessPoolExecutor.submit
+    calls = [0]
+
+    def breaks_once(self: cf.ProcessPoolExecutor, *args: object, **kwargs: object) -> cf.Future[object]:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise BrokenProcessPool("A child process terminated abruptly, the process pool is not usable anymore")
+        return submit(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cf.ProcessPoolExecutor, "submit", breaks_once)
+    report = prepare(src, tmp_path / "store", 1.0, progress=False, jobs=2)
+    assert report.expanded == 6 and not report.skipped
+    calls[0] = 0
+    assert verify(tmp_path / "store", progress=False) == []
+
+
+def test_a_check_short_of_memory_is_its_verdict_never_verifys_traceback(prepared: tuple[Path, Path],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from liquidfs.expand import expansion
+    from liquidfs.expand.expansion import verify_one
+
+    src, store = prepared
+    catalog, node = _first_raw(store)
+    catalog.close()
+
+    def no_memory(*args: object) -> memoryview:
+        raise MemoryError
+
+    monkeypatch.setattr(expansion, "read_span", no_memory)  # ulimit -v, no overcommit: a 400 MB object's copy
+    why = verify_one(os.fsencode(src), node.path, str(store / str(node.object)), str(node.checksum), node.size,
+                     node.mtime_ns, node.etag)
+    assert why == "cannot check: not enough memory to read the source and the object"
