@@ -182,6 +182,7 @@ class WorkingCopy:
 
     def __init__(self, store_dir: Path) -> None:
         self.final = store_dir / CATALOG_NAME
+        self.published = False
         # Copies of killed prepares (as large as the catalog each: gigabytes at ten million files), which only a
         # scan's writer removed, and a fresh catalog is not scanned again.
         check_store_dir(store_dir, writing=True)  # before a leftover is looked at, as _Writer's
@@ -202,8 +203,13 @@ class WorkingCopy:
             raise
 
     def publish(self) -> None:
+        """The copy in the store's catalog's place; once (a second call, after a failure that came after the
+        first, does nothing)."""
+        if self.published:
+            return
         self.catalog.close()
         _replace(self.path, self.final, durable=True)  # what a prepare learnt: hours of work, its only record
+        self.published = True
         self.lock.release()
 
     def discard(self) -> None:

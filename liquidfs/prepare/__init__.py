@@ -109,7 +109,10 @@ def prepare_store(store: Store, ratio: float, *, seed: int = 0, jobs: int | None
         try:
             report = run(prep.catalog, store, ratio, seed, jobs, progress, started, raw_formats=raw_formats,
                          publish=prep.publish)
-        except PrepareError:
+        except (PrepareError, KeyboardInterrupt):
+            # Ctrl-C, SIGTERM (``cli.main.Terminated``) too: what the run learnt (its expansions, the images that
+            # kill a worker) is committed as it goes, and the selection changes in one transaction; thrown away,
+            # hours of work were done again by the next run, and a worker lost to the same image again.
             prep.keep_after_failure()
             raise
     return report

@@ -666,3 +666,36 @@ def test_an_object_an_older_prepare_left_readable_by_all_is_adopted_as_this_run_
     assert report.reused == len(objects) and report.expanded == 0  # adopted, not written again
     assert {oct(obj.stat().st_mode & 0o777) for obj in objects} == {"0o600"}
     assert verify(store, progress=False) == []
+
+
+def test_an_interrupted_prepare_keeps_what_it_learnt_for_the_next_run(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C or SIGTERM (`timeout`, a Job's deadline): the expansions made so far are published with the
+    selection unchanged; thrown away, the next run made every one of them again."""
+    src = make_sample(tmp_path / "data", count=4, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Catalog, "select_raw", interrupted)  # every image expanded, the selection not yet made
+        with pytest.raises(KeyboardInterrupt):
+            prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    assert not any(n.served_raw for n in catalog.files())  # the selection as it was: none raw
+    catalog.close()
+    jobs: list[object] = []
+    job = LocalStore.expansion_job
+    monkeypatch.setattr(LocalStore, "expansion_job", lambda self, *a: jobs.append(a) or job(self, *a))
+    again = prepare(src, store, 1.0, progress=False)
+    assert again.reused == 4 and jobs == []  # known: not one image decoded again (adopting one decodes it)
+    assert not list(store.glob(f"{CATALOG_NAME}.new-*"))  # no copy left behind
+    from liquidfs import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "_delete_surplus", interrupted)  # after its publish: published once
+    with pytest.raises(KeyboardInterrupt):
+        prepare(src, store, 0.5, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    assert sum(n.served_raw for n in catalog.files()) == 2
+    catalog.close()
