@@ -63,6 +63,9 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
+#: Decisions kept (``MixController.decisions``): a day of the default 5 s interval's is 17,280.
+DECISIONS_KEPT = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class Observation:
@@ -104,8 +107,12 @@ class MixController:
                  worse_limit: int = 24, forget_after: int = 120, probe_below: float = 0.4) -> None:
         if not 0 <= low <= high <= 1:
             raise ValueError(f"the range must be within [0, 1], got [{low}, {high}]")
-        self.low, self.high = low, high
-        self.share = min(high, max(low, start if start is not None else (low + high) / 2))
+        # At the 4 decimals every share is rounded to: a range end of more (`prepare --ratio 0.333333`) was never
+        # reached by a rounded share, and "more raw" was said (and the step grown) at every interval at the top.
+        self.low, self.high = math.ceil(low * 10_000) / 10_000, math.floor(high * 10_000) / 10_000
+        if self.low > self.high:  # a range narrower than the rounding: its one share
+            self.low = self.high = round((low + high) / 2, 4)
+        self.share = round(min(self.high, max(self.low, start if start is not None else (low + high) / 2)), 4)
         self.initial_step = self.step = step
         self.min_step = min_step
         self.max_step = max(max_step, step)
@@ -141,7 +148,8 @@ class MixController:
         self._probe_next = 1                                 # the way the next probe tries first
         self._probe: _Probe | None = None                    # the probe in flight
         self._worse: dict[float, tuple[float, int]] = {}     # share a probe showed worse: (better share, when)
-        self.decisions: list[ShareDecision] = []
+        #: The last decisions (the stats' history; every one of a long mount was kept, 3 MB a day).
+        self.decisions: deque[ShareDecision] = deque(maxlen=DECISIONS_KEPT)
 
     def observe(self, seen: Observation) -> ShareDecision:
         """The share to serve from now on, given what the last interval showed."""
@@ -230,8 +238,9 @@ class MixController:
             return ShareDecision(self.share, f"hold: {'decode' if verdict > 0 else 'storage'} binds, waiting to be "
                                         f"sure ({why})")
         if fresh:
-            # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step.
-            self.step, self._last_move = self.initial_step, 0
+            # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step,
+            # nor with a regret of an old phase's (which kept every move that way from being undone).
+            self.step, self._last_move, self._regretted = self.initial_step, 0, 0
         at_the_bound = self.share >= self.high if verdict > 0 else self.share <= self.low
         if at_the_bound:
             return ShareDecision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "

@@ -165,6 +165,7 @@ def test_a_changed_machine_is_followed_at_full_step_after_a_settled_while() -> N
     controller = MixController(0.0, 1.0, start=0.95, step=0.1, patience=2)
     controller.step = controller.min_step  # as the wobble left it
     controller._last_move = 1
+    controller._regretted = -1  # an early move down undone: not held against this phase's moves down
     for _ in range(12):  # a minute settled (balanced)
         controller.observe(Observation(80, 0.0, cpu_pressure=0.1, io_pressure=0.05, cpu_busy=0.5))
     assert controller.share == 0.95
@@ -172,7 +173,8 @@ def test_a_changed_machine_is_followed_at_full_step_after_a_settled_while() -> N
         controller.observe(Observation(30, 0.0, cpu_pressure=0.05, io_pressure=0.55, cpu_busy=0.3))
     assert controller.share < 0.4, [d.reason for d in controller.decisions]
     # the first move after the change (the settled minute, balanced with the pressures low, had a probe: issue 30)
-    assert "afresh" in next(d.reason for d in controller.decisions[12:] if d.share != 0.95)
+    assert "afresh" in next(d.reason for d in list(controller.decisions)[12:] if d.share != 0.95)
+    assert controller._regretted == 0  # a move down that costs throughput may be undone again
 
 
 def test_a_weak_verdict_after_a_settled_while_keeps_the_small_step() -> None:
@@ -324,7 +326,7 @@ def test_a_strong_pressure_ends_a_probe_and_the_pressure_rule_moves() -> None:
     assert controller.share == probe_share and controller.decisions[-1].reason.startswith("probing")
     for _ in range(2):
         controller.observe(Observation(60, 0.0, cpu_pressure=0.05, io_pressure=0.6, cpu_busy=0.3))
-    reasons = [d.reason for d in controller.decisions[-2:]]
+    reasons = [d.reason for d in list(controller.decisions)[-2:]]
     assert reasons[0].startswith("hold: storage binds") and reasons[1].startswith("fewer raw"), reasons
     assert controller.share == pytest.approx(probe_share - 0.1)
     assert controller._probe is None
@@ -366,3 +368,23 @@ def test_a_share_shown_worse_is_left_within_two_minutes_with_both_pressures_high
         shares.append(controller.share)
     assert 0.5 in shares and shares.index(0.5) < 24 and shares[-1] == 0.5, shares
     assert any(d.reason.startswith("back:") for d in controller.decisions)
+
+
+def test_a_range_end_of_more_decimals_than_a_share_is_reached_and_held_there() -> None:
+    """`prepare --ratio 0.333333`: the shares are rounded to 4 decimals, so the top was never reached; every
+    interval said "more raw" without a move, and grew the step. The range is taken at that rounding."""
+    controller = MixController(0.0, 0.333333, 0.3)
+    decode_binds = Observation(100, 0.0, cpu_pressure=0.9, io_pressure=0.0, cpu_busy=1.0)
+    for _ in range(6):
+        controller.observe(decode_binds)
+    assert controller.share == 0.3333
+    assert all(d.reason.startswith("hold: at the top") for d in list(controller.decisions)[-3:])
+
+
+def test_the_decisions_kept_are_bounded() -> None:
+    from liquidfs.mix.controller import DECISIONS_KEPT
+
+    controller = MixController(0.0, 1.0, 0.5)
+    for _ in range(DECISIONS_KEPT + 10):
+        controller.observe(_balanced(100))
+    assert len(controller.decisions) == DECISIONS_KEPT
