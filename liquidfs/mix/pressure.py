@@ -20,41 +20,69 @@ log = logging.getLogger(__name__)
 class CpuBusy:
     """The share of CPU time that was busy since the previous call: a cgroup v2 group's (its ``cpu.stat``
     ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's (``/proc/stat``; time
-    waiting for IO counts as idle). None where it cannot be read."""
+    waiting for IO counts as idle). None where it cannot be read, or where the two samples are not of one
+    source (the group's file gone since: a group's seconds over the node's ticks mean nothing)."""
 
     def __init__(self, where: Path = Path("/proc/pressure"), proc_stat: Path = Path("/proc/stat"),
                  clock: Callable[[], float] = time.monotonic) -> None:
+        self.where = where
         self.group_stat = where / "cpu.stat"
         self.proc_stat = proc_stat
         self.clock = clock
-        affinity = cpu_count()
-        allowed = _group_allowance(where)
-        # A group's usage over the cores' worth of time it may use: in a pod limited to 4 of 64 cores, over the
-        # affinity's 64 it could never pass 0.06, and "decode binds" (``controller.BUSY_FLOOR``) never showed.
-        self.cores: float = min(affinity, allowed) if allowed is not None and allowed > 0 else affinity
+        self.cores = self._group_cores()
         self._last = self._sample()
 
-    def _sample(self) -> tuple[float, float] | None:
-        """(busy seconds, total seconds) so far, as counters."""
+    def _group_cores(self) -> float:
+        """The cores' worth of time the group may use: the CPUs its cpuset gives it (``cpuset.cpus.effective``;
+        where it has none, this process's affinity), within the least ``cpu.max`` of it and the groups above.
+        Asked at each interval: a pod resized, or moved to another cpuset, is seen at the next."""
+        cpus = _cpuset_size(_read_regular(self.where / "cpuset.cpus.effective")) or cpu_count()
+        allowed = _group_allowance(self.where)
+        # A group's usage over the cores' worth of time it may use: in a pod limited to 4 of 64 cores, over the
+        # affinity's 64 it could never pass 0.06, and "decode binds" (``controller.BUSY_FLOOR``) never showed;
+        # over the daemon's own affinity (pinned to 2 cores), a loader of 8 busy at half was "saturated".
+        return min(cpus, allowed) if allowed is not None and allowed > 0 else cpus
+
+    def _sample(self) -> tuple[str, float, float] | None:
+        """(source, busy, total) so far, as counters: the group's seconds of CPU and of the clock, or the
+        node's ticks."""
         try:
             # Read as the pressure files are: only a regular file is the group's (--pressure-dir may be its user's).
             group = _read_regular(self.group_stat)
             if group is not None:
                 fields = dict(line.split() for line in group.splitlines() if line.strip())
-                return parse_counter(fields["usage_usec"]) / 1e6, self.clock() * self.cores
+                return "group", parse_counter(fields["usage_usec"]) / 1e6, self.clock()
             ticks = [parse_counter(v) for v in self.proc_stat.read_text().split("\n", 1)[0].split()[1:9]]
         except (OSError, ValueError, KeyError) as exc:
             log.debug("cpu busy: %s", exc)
             return None
         idle = ticks[3] + ticks[4]  # idle, iowait
-        return float(sum(ticks) - idle), float(sum(ticks))
+        return "node", float(sum(ticks) - idle), float(sum(ticks))
 
     def __call__(self) -> float | None:
         now, last = self._sample(), self._last
         self._last = now
-        if now is None or last is None or now[1] <= last[1]:
+        if now is None or last is None or now[0] != last[0] or now[2] <= last[2]:
             return None
-        return min(1.0, max(0.0, (now[0] - last[0]) / (now[1] - last[1])))
+        span = now[2] - last[2]
+        if now[0] == "group":
+            self.cores = self._group_cores()
+            span *= self.cores
+        return min(1.0, max(0.0, (now[1] - last[1]) / span))
+
+
+def _cpuset_size(text: str | None) -> int:
+    """The CPUs a cpuset list names ("0-3,8,10-11": 7); 0 for none, or for text that is no such list."""
+    count = 0
+    for part in (text or "").strip().split(","):
+        first, _, last = part.partition("-")
+        if not (first.isascii() and first.isdigit() and (not last or (last.isascii() and last.isdigit()))):
+            return 0
+        span = int(last or first) - int(first) + 1
+        if not 0 < span <= 1 << 16:
+            return 0
+        count += span
+    return count
 
 
 def _group_allowance(group: Path, levels: int = 16) -> float | None:
@@ -128,12 +156,18 @@ class Stalls:
         self.root = root
         self.clock = clock
         self._last: dict[str, tuple[int, float]] = {}
+        self._lost: set[str] = set()  # kinds whose file was read, then was gone (said once)
 
     def __call__(self, kind: str) -> float | None:
         text = _pressure_text(kind, self.root)
         if text is None:
+            if kind in self._last and kind not in self._lost:  # it was there: a group removed, or moved
+                self._lost.add(kind)
+                log.warning("mix: %s shows no %s pressure any more (its cgroup removed or moved?): the share holds "
+                            "until it does", self.root, kind)
             log.debug("no %s pressure file in %s", kind, self.root)
             return None
+        self._lost.discard(kind)
         try:
             avg10, total = read_pressure(text)
         except ValueError as exc:

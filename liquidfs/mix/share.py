@@ -212,7 +212,8 @@ def _observe(mix: Mix, controller: MixController, pressure: Callable[[str], floa
     cpu, io = pressure("cpu"), pressure("io")
     cpu_busy = busy()
     if cpu is None or io is None:
-        mix.set_share(mix.share, "hold: this kernel shows no pressure stall information (/proc/pressure)")
+        where = getattr(pressure, "root", "/proc/pressure")  # (--pressure-dir's, where given)
+        mix.set_share(mix.share, f"hold: no pressure stall information in {where}")
     elif images_per_s == 0:
         # Nobody reads: the node's pressure says nothing about this mount's balance.
         mix.set_share(mix.share, "hold: no opens in the last interval")

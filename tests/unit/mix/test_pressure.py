@@ -161,3 +161,57 @@ def test_only_regular_pressure_files_are_read(tmp_path: Path) -> None:
     # The group's cpu.stat, a FIFO here, is no reading either (never a blocked open): the node's /proc/stat is.
     busy = _in_thread_with_deadline(lambda: CpuBusy(tmp_path))
     assert busy._last is not None and busy._last[1] > 0
+
+
+def test_cpu_busy_of_a_group_is_over_its_own_cpuset_and_read_anew(tmp_path: Path) -> None:
+    """The daemon pinned to 2 cores watching a loader's pod of 8 (its cpuset): half the pod's CPU read as busy
+    1.0 over the daemon's affinity, and the mix went to the top for good. Over the group's cpuset, read at each
+    interval (a pod resized); a sample of the group's after one of the node's (its cpu.stat gone a while) is
+    no reading."""
+    group = tmp_path / "pod"
+    group.mkdir()
+    (group / "cgroup.controllers").write_text("cpu cpuset\n")
+    (group / "cpuset.cpus.effective").write_text("0-3,8-11\n")
+    (group / "cpu.stat").write_text("usage_usec 0\n")
+    now = [100.0]
+    busy = CpuBusy(group, proc_stat=tmp_path / "stat", clock=lambda: now[0])
+    assert busy.cores == 8
+    now[0] += 10.0
+    (group / "cpu.stat").write_text("usage_usec 40000000\n")  # 40 s of CPU in 10 s: half of 8 cores
+    assert busy() == pytest.approx(0.5)
+    (group / "cpuset.cpus.effective").write_text("0-3\n")  # resized to 4
+    now[0] += 10.0
+    (group / "cpu.stat").write_text("usage_usec 80000000\n")
+    assert busy() == pytest.approx(1.0) and busy.cores == 4
+    (group / "cpu.stat").unlink()
+    (tmp_path / "stat").write_text("cpu  100 0 100 700 100 0 0 0 0 0\n")
+    assert busy() is None  # no group's reading
+    (group / "cpu.stat").write_text("usage_usec 90000000\n")
+    now[0] += 10.0
+    assert busy() is None  # the group's again, after the node's: no pair of one source
+    now[0] += 10.0
+    (group / "cpu.stat").write_text("usage_usec 110000000\n")
+    assert busy() == pytest.approx(0.5)
+
+
+def test_a_pressure_file_that_goes_away_is_said_once_and_named_in_the_reason(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The watched cgroup removed or moved: the mix held for good behind a debug line, its reason blaming a
+    kernel without PSI. Said once as a warning, the reason naming the directory; read again once it is back."""
+    from liquidfs.mix.controller import MixController
+    from liquidfs.mix.share import Mix, _observe
+
+    line = "some avg10=10.00 avg60=0.00 avg300=0.00 total=1\n"
+    (tmp_path / "cpu.pressure").write_text(line)
+    (tmp_path / "io.pressure").write_text(line)
+    stalls = Stalls(tmp_path)
+    assert stalls("cpu") == pytest.approx(0.1)
+    (tmp_path / "cpu.pressure").unlink()
+    with caplog.at_level("WARNING", logger="liquidfs.mix.pressure"):
+        assert stalls("cpu") is None and stalls("cpu") is None
+    assert sum("shows no cpu pressure any more" in r.getMessage() for r in caplog.records) == 1
+    mix = Mix("adaptive", prepared=1.0)
+    _observe(mix, MixController(0.0, 1.0, 0.5), stalls, lambda: 0.5, 100.0, 1e6)
+    assert mix.reason == f"hold: no pressure stall information in {tmp_path}"
+    (tmp_path / "cpu.pressure").write_text(line)
+    assert stalls("cpu") is not None
