@@ -238,10 +238,10 @@ def _serve(config: MountConfig, storage: Store, store: Path, ready_fd: int | Non
 
 def _data_path_said(mountpoint: Path) -> str:
     """Which data path the new mount serves through, and why the daemon's where it is (its ``stats``)."""
-    from ..daemon.control import read_control
+    from ..daemon.control import read_control_within
 
-    try:
-        values = read_control(mountpoint)
+    try:  # from a child: a daemon that stops answering right after it said ready must not hold `mount` for good
+        values = read_control_within(mountpoint)
     except (OSError, ValueError):
         return "data path: see `liquidfs stats`"
     path, why = values.get("data_path"), values.get("data_path_why")

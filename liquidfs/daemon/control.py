@@ -440,7 +440,7 @@ def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str,
     if not pid.isdigit():
         log.warning("%s: its control file does not answer; unmounting without waiting for its daemon", mountpoint)
         return "answers", None
-    if not _holds_fuse_device(int(pid)):
+    if not watchdog.holds_fuse_device(int(pid)):
         # The mount's word (any user can mount a fuse.liquidfs that names pid 1), or a daemon of another PID
         # namespace (a sidecar's): nothing here to wait for.
         log.info("%s: its control file names pid %s, which serves no FUSE mount here; unmounting without waiting "
@@ -448,20 +448,6 @@ def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str,
         return "answers", None
     return "answers", int(pid)
 
-
-def _holds_fuse_device(pid: int) -> bool:
-    """Whether process ``pid`` (of this PID namespace) has /dev/fuse open, as a daemon that serves a mount has."""
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == "/dev/fuse":
-                return True
-        except OSError:
-            continue
-    return False
 
 
 def _alive(pid: int) -> bool:

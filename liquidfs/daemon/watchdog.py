@@ -49,7 +49,9 @@ def as_mountinfo_shows(mountpoint: Path) -> bytes:
     real path), the last name as it is. Nothing of what is mounted there is touched: a stat of it would wait
     for its daemon, and one that no longer answers would hold the caller for good."""
     # Not abspath: it would drop "link/.." by its text, where the kernel goes up from where the link led.
-    path = os.path.join(os.getcwd(), os.fspath(mountpoint)).rstrip("/") or "/"
+    given = os.fspath(mountpoint)
+    # (getcwd only for a relative one: run from a deleted directory it fails, naming no file)
+    path = (given if os.path.isabs(given) else os.path.join(os.getcwd(), given)).rstrip("/") or "/"
     head, last = os.path.split(path)
     if last in ("", ".", ".."):  # a name that is no entry of its own: the directory it names, resolved
         return os.fsencode(os.path.realpath(path))
@@ -74,7 +76,10 @@ def sees_connection(pid: int, connection: int) -> bool:
     """Whether process ``pid``'s mount namespace holds a mount of FUSE ``connection`` (its device); False where
     that cannot be read (the process is gone)."""
     try:
-        return any(device == connection for _, device, _, _ in _mounts(f"/proc/{pid}/mountinfo"))
+        # A FUSE mount's only: the anonymous device number a connection had is handed to the next mount made
+        # once it is gone (a container's tmpfs or overlay), whose processes were named as holding a copy.
+        return any(device == connection and fstype.split(b".")[0] == b"fuse"
+                   for _, device, _, fstype in _mounts(f"/proc/{pid}/mountinfo"))
     except (OSError, ValueError, IndexError):
         return False
 
@@ -104,18 +109,24 @@ def _still_ours(pid: int, connection: int, mount_id: int) -> bool:
     """The connection is still the daemon's: it holds /dev/fuse open (a process that finished exiting and waits
     to be reaped holds nothing), and the mount it made is still there. Connection numbers are reused: a later
     mount's must never be aborted."""
-    holds = False
+    return holds_fuse_device(pid) and any(m[0] == mount_id and m[1] == connection for m in _mounts())
+
+
+def holds_fuse_device(pid: int) -> bool:
+    """Whether process ``pid`` (of this PID namespace) holds /dev/fuse open, as a daemon that serves a mount does.
+    Asked per thread: a main thread that has exited shows no descriptors, a stuck thread still does."""
     try:
-        # per thread: a main thread that has exited shows no descriptors, the stuck thread still does
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            fds = f"/proc/{pid}/task/{tid}/fd"
-            try:
-                holds = holds or any(os.readlink(f"{fds}/{fd}") == "/dev/fuse" for fd in os.listdir(fds))
-            except OSError:
-                continue
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    return holds and any(m[0] == mount_id and m[1] == connection for m in _mounts())
+    for tid in tids:
+        fds = f"/proc/{pid}/task/{tid}/fd"
+        try:
+            if any(os.readlink(f"{fds}/{fd}") == "/dev/fuse" for fd in os.listdir(fds)):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def _statuses(pid: int) -> list[str] | None:

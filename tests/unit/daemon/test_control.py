@@ -100,7 +100,7 @@ def test_a_daemon_that_answers_is_waited_for_by_its_pid(tmp_path: Path, monkeypa
     monkeypatch.setattr(control, "read_control", lambda path: {"pid": 424242})
     waited: list[int] = []
     monkeypatch.setattr(control, "_alive", lambda pid: waited.append(pid) or False)
-    monkeypatch.setattr(control, "_holds_fuse_device", lambda pid: pid == 424242)
+    monkeypatch.setattr(watchdog, "holds_fuse_device", lambda pid: pid == 424242)
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     control.unmount(tmp_path / "mnt")
     assert ran == [["fusermount3", "-u", str(tmp_path / "mnt")]] and waited == [424242]
@@ -347,11 +347,11 @@ def test_a_control_file_that_is_a_link_or_a_fifo_is_never_opened_through(tmp_pat
 
 def test_the_pid_a_control_file_names_is_waited_for_only_where_it_serves_fuse() -> None:
     """The mount's word: any user's fuse.liquidfs may name pid 1 (umount waited 30 s for it, then failed)."""
-    from liquidfs.daemon.control import _holds_fuse_device
+    from liquidfs.daemon.watchdog import holds_fuse_device
 
-    assert not _holds_fuse_device(os.getpid())
+    assert not holds_fuse_device(os.getpid())
     fuse = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
     try:
-        assert _holds_fuse_device(os.getpid())
+        assert holds_fuse_device(os.getpid())
     finally:
         os.close(fuse)

@@ -39,3 +39,31 @@ def test_a_mount_point_is_named_as_mountinfo_shows_it_without_touching_it(tmp_pa
     assert shows(tmp_path / "link" / "mnt") == bytes(tmp_path / "real" / "deep" / "mnt")
     assert shows(Path(f"{tmp_path}/link/../mnt")) == bytes(tmp_path / "real" / "mnt")
     assert shows(Path(f"{tmp_path}/real/mnt/")) == bytes(tmp_path / "real" / "mnt")
+
+
+def test_a_namespace_holds_a_copy_of_the_mount_only_through_a_fuse_mount_of_its_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once unmounted here, the connection's anonymous device number goes to the next mount made (a starting
+    container's tmpfs): its processes were named as holding a copy of the mount, and umount failed."""
+    from liquidfs.daemon import watchdog
+
+    tables = {"tmpfs": [(7, 300, b"/run", b"tmpfs")], "copy": [(8, 300, b"/data", b"fuse.liquidfs")]}
+    monkeypatch.setattr(watchdog, "_mounts", lambda table: tables[table.split("/")[2]])
+    assert not watchdog.sees_connection("tmpfs", 300)  # type: ignore[arg-type]
+    assert watchdog.sees_connection("copy", 300)  # type: ignore[arg-type]
+
+
+def test_an_absolute_mount_point_is_named_from_a_deleted_working_directory(tmp_path: Path) -> None:
+    """`liquidfs umount /abs/path` run from a directory since deleted failed with a bare "No such file or
+    directory" (the working directory was asked for an absolute path too)."""
+    import os
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    here = os.getcwd()
+    os.chdir(gone)
+    gone.rmdir()
+    try:
+        assert watchdog.as_mountinfo_shows(tmp_path / "mnt") == os.fsencode(os.path.realpath(tmp_path) + "/mnt")
+    finally:
+        os.chdir(here)
