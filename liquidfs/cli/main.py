@@ -20,9 +20,10 @@ from .options import CommandParser, OptionError
 log = logging.getLogger(__name__)
 
 #: Commands whose end by SIGTERM or SIGHUP runs their clean-up as Ctrl-C's does (``Terminated``): what they make
-#: outside their process (a profile's scratch mount and sample copies) would outlive a process the signal killed.
-#: A mount's daemon has handlers of its own (``daemon.serve``).
-CLEANS_UP_ON_TERM = ("profile", "prepare", "verify")
+#: outside their process (a profile's scratch mount and sample copies, a mount's daemon still starting) would
+#: outlive a process the signal killed. Not a mount's daemon (``--foreground``): its handlers are its own
+#: (``daemon.serve``) to its last instant, where signals that keep coming must find no default action.
+CLEANS_UP_ON_TERM = ("profile", "prepare", "verify", "mount")
 
 
 class Terminated(KeyboardInterrupt):
@@ -45,11 +46,11 @@ def _raise_terminated(signum: int, frame: object) -> None:
 
 
 @contextlib.contextmanager
-def _terminated_raises(command: str) -> Iterator[None]:
-    """``Terminated`` raised by SIGTERM/SIGHUP for the command's run, where it cleans up (``CLEANS_UP_ON_TERM``)
-    and runs in the main thread (where Python runs handlers); the handlers before restored after it (``main``
-    called in a process that has its own)."""
-    if command not in CLEANS_UP_ON_TERM or threading.current_thread() is not threading.main_thread():
+def _terminated_raises(command: str, *, daemon: bool = False) -> Iterator[None]:
+    """``Terminated`` raised by SIGTERM/SIGHUP for the command's run, where it cleans up (``CLEANS_UP_ON_TERM``),
+    is no mount's daemon (``daemon``) and runs in the main thread (where Python runs handlers); the handlers
+    before restored after it (``main`` called in a process that has its own)."""
+    if command not in CLEANS_UP_ON_TERM or daemon or threading.current_thread() is not threading.main_thread():
         yield
         return
     before = {each: signal.getsignal(each) for each in TERM_SIGNALS}
@@ -162,7 +163,7 @@ def _run(argv: Sequence[str] | None) -> int:
     from ..stores.sample import ProfileError
 
     try:
-        with _terminated_raises(args.command):
+        with _terminated_raises(args.command, daemon=bool(getattr(args, "foreground", False))):
             return int(args.func(args))
     except (MountError, CatalogError, ProfileError, OptionError) as exc:
         print(f"liquidfs {args.command}: {exc}", file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -40,7 +41,14 @@ def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0, mountp
                             stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd,
                             pass_fds=(write_end,), start_new_session=True)
         os.close(write_end)
-        _wait_ready(proc, read_end, log_fd, log_file, timeout, start, mountpoint)
+        try:
+            _wait_ready(proc, read_end, log_fd, log_file, timeout, start, mountpoint)
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C, SIGTERM (`timeout`, a unit's stop): the daemon in its own session would go on, mount, find
+            # nobody to tell, and unmount with a traceback in its log, while a `mount` run again raced it.
+            if proc.poll() is None:
+                _stop(proc, mountpoint)
+            raise
     finally:
         os.close(log_fd)
 
@@ -85,7 +93,11 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
         what = (f"did not answer within {timeout:.0f} s" if time.monotonic() >= deadline
                 else "gave up before the mount answered but did not exit")
         raise MountError(f"the daemon {what}: stopped" + shown)
-    status = f"the daemon exited with status {proc.returncode} before the mount answered" + shown
+    # Killed outright once it had mounted (the OOM killer, a crash): its mount left dead, ENOTCONN to every reader.
+    _detach_left(mountpoint)
+    ended = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+             else f"exited with status {proc.returncode}")
+    status = f"the daemon {ended} before the mount answered" + shown
     reason = failure_reason(lines)
     raise MountError(f"{reason}\n{status}" if reason else status)
 
@@ -106,14 +118,23 @@ def _stop(proc: subprocess.Popen[bytes], mountpoint: Path | None = None) -> None
         return
     except subprocess.TimeoutExpired:
         proc.kill()
-        proc.wait()
+        try:
+            proc.wait(STOP_WAIT)
+        except subprocess.TimeoutExpired:  # stuck in the kernel past SIGKILL: its mount is detached all the same
+            pass
+    _detach_left(mountpoint)
+
+
+def _detach_left(mountpoint: Path | None) -> None:
+    """A liquidfs mount at ``mountpoint`` that a daemon gone before it said ready left (none was there before it
+    started: ``check_mountpoint``) detached: its daemon is dead, every reader's access fails with ENOTCONN."""
     if mountpoint is None:
         return
     from . import control, watchdog  # (here: a mount that starts, the common case, reads no mountinfo for it)
 
     left = watchdog.topmost_mount(mountpoint)
     if left is not None and left[0] == control.FSTYPE:
-        control.clean_stale(mountpoint)  # its daemon is dead: a stale mount, detached (MountError where it cannot be)
+        control.clean_stale(mountpoint)  # (MountError where it cannot be)
 
 
 #: A log record of the daemon's at ERROR or above (``sysio.safefiles.LOG_FORMAT``: date, time, level, logger, message).

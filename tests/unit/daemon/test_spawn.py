@@ -27,18 +27,26 @@ while True:
 """
 
 
-def test_a_daemon_that_never_answers_gets_sigterm_first(tmp_path: Path) -> None:
+def _waited_for(tmp_path: Path, script: str, timeout: float, mountpoint: Path | None = None
+                ) -> tuple[subprocess.Popen[bytes], pytest.ExceptionInfo[MountError], Path]:
+    """``script`` run as a daemon whose readiness ``_wait_ready`` waits for (it fails: none ever says ready): the
+    process, the MountError and the log file."""
     log_file = tmp_path / "mount.log"
     log_fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
     read_end, write_end = os.pipe()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", STALLED], stdout=log_fd, stderr=log_fd,
-                                pass_fds=(write_end,))
+        proc = subprocess.Popen([sys.executable, "-c", script], stdout=log_fd, stderr=log_fd, pass_fds=(write_end,))
         os.close(write_end)
-        with pytest.raises(MountError, match="did not answer within 2 s: stopped") as refused:
-            spawn._wait_ready(proc, read_end, log_fd, log_file, 2.0)
+        with pytest.raises(MountError) as refused:
+            spawn._wait_ready(proc, read_end, log_fd, log_file, timeout, mountpoint=mountpoint)
     finally:
         os.close(log_fd)
+    return proc, refused, log_file
+
+
+def test_a_daemon_that_never_answers_gets_sigterm_first(tmp_path: Path) -> None:
+    proc, refused, log_file = _waited_for(tmp_path, STALLED, 2.0)
+    assert refused.match("did not answer within 2 s: stopped")
     assert proc.returncode == 0, proc.returncode  # its own exit, from SIGTERM's handler: not -9
     assert "stopped by signal 15" in log_file.read_text()
     assert "mounted" in str(refused.value)  # its lines are shown
@@ -73,15 +81,50 @@ def test_a_daemon_killed_after_it_mounted_leaves_no_dead_mount(tmp_path: Path,
         return real_run(cmd, **kwargs)
 
     monkeypatch.setattr(spawn.subprocess, "run", recorded)
-    log_file = tmp_path / "mount.log"
-    log_fd = os.open(log_file, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-    read_end, write_end = os.pipe()
-    try:
-        proc = subprocess.Popen([sys.executable, "-c", STUCK], stdout=log_fd, stderr=log_fd, pass_fds=(write_end,))
-        os.close(write_end)
-        with pytest.raises(MountError, match="did not answer within 1 s: stopped"):
-            spawn._wait_ready(proc, read_end, log_fd, log_file, 1.0, mountpoint=mnt)
-    finally:
-        os.close(log_fd)
+    proc, refused, _ = _waited_for(tmp_path, STUCK, 1.0, mnt)
+    assert refused.match("did not answer within 1 s: stopped")
     assert proc.returncode == -9
     assert ran == [["fusermount3", "-u", "-z", str(mnt)]]
+
+
+#: A daemon killed outright once it had mounted (the OOM killer): gone before it said ready.
+KILLED = """
+import os, signal
+print("mounted", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_daemon_killed_outright_before_ready_has_its_dead_mount_detached_and_the_signal_said(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from liquidfs.daemon import watchdog
+
+    mnt = tmp_path / "mnt"
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    ran: list[list[str]] = []
+    monkeypatch.setattr(spawn.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0, "", ""))
+    _, refused, _ = _waited_for(tmp_path, KILLED, 30.0, mnt)
+    assert refused.match("the daemon was killed by SIGKILL before the mount answered")
+    assert ran == [["fusermount3", "-u", "-z", str(mnt)]]
+
+
+def test_an_interrupted_mount_stops_the_daemon_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or SIGTERM, `timeout`) of `liquidfs mount` while its daemon starts: the daemon, in a session of its
+    own, is stopped as one that never answers is, never left to mount for nobody."""
+    started: list[subprocess.Popen[bytes]] = []
+    popen = subprocess.Popen
+
+    def recorded(*args, **kwargs):  # type: ignore[no-untyped-def]
+        started.append(popen([sys.executable, "-c", STALLED], stdout=kwargs["stdout"], stderr=kwargs["stderr"]))
+        return started[-1]
+
+    monkeypatch.setattr(spawn.reexec, "popen", recorded)
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(spawn, "_wait_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        spawn.spawn_daemon(["mount", "x", "y"], tmp_path / "mount.log")
+    assert started[0].returncode is not None  # stopped (SIGTERM), not left running
