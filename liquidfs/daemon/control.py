@@ -383,6 +383,12 @@ def unmount(mountpoint: Path, *, lazy: bool = False, timeout: float = UNMOUNT_TI
         if state == "silent":
             raise MountError(f"{mountpoint}: its daemon answered nothing in {ANSWER_TIMEOUT:.0f} s (stuck?); "
                              f"`liquidfs umount --lazy {mountpoint}` detaches the mount now")
+        # Asked for as long as its daemon took to answer (seconds, where any user's fuse.liquidfs chooses): what
+        # is there must still be the mount checked, or root's fusermount3 unmounts whatever is there by then
+        # (a directory above swapped for a link: another mount of the same last name).
+        if watchdog.topmost_mount(mountpoint) != found:
+            raise MountError(f"{mountpoint}: what is mounted there changed while its daemon was asked; nothing "
+                             "was unmounted (run umount again)")
     cmd = ["fusermount3", "-u", *(["-z"] if lazy else []), str(mountpoint)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from ..sysio import reexec
-from ..sysio.safefiles import open_append
+from ..sysio.safefiles import escape_controls, open_append
 from .config import MountError
 
 
@@ -169,4 +169,6 @@ def _log_since(fd: int, start: int, size: int = 64 << 10) -> list[str]:
     lines = text.splitlines()
     if begin > start and lines:
         lines = lines[1:]  # cut in the middle
-    return [line for line in lines if line.strip()]
+    # Shown on the terminal of whoever mounts (root): libfuse's and the daemon's own words are not the log's
+    # escaped records, and may carry a name a store or bucket writer chose (escape sequences included).
+    return [escape_controls(line) for line in lines if line.strip()]

@@ -355,3 +355,33 @@ def test_the_pid_a_control_file_names_is_waited_for_only_where_it_serves_fuse() 
         assert holds_fuse_device(os.getpid())
     finally:
         os.close(fuse)
+
+
+def test_umount_runs_fusermount3_only_on_the_mount_it_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its daemon asked first (seconds, where any user's fuse.liquidfs answers slowly): a directory above swapped
+    for a link meanwhile would have root's fusermount3 unmount another mount of the same last name."""
+    (tmp_path / "mnt").mkdir()
+    asked: list[Path] = []
+
+    def mounted(path: Path) -> tuple[bytes, int, int]:  # the one checked, then another once its daemon was asked
+        return (control.FSTYPE, 301, 2) if asked else (control.FSTYPE, 300, 1)
+
+    monkeypatch.setattr(watchdog, "topmost_mount", mounted)
+    monkeypatch.setattr(control, "_probe", lambda path, timeout: asked.append(path) or ("answers", None))
+    ran: list[list[str]] = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    with pytest.raises(control.MountError, match="what is mounted there changed while its daemon was asked"):
+        control.unmount(tmp_path / "mnt")
+    assert ran == []
+
+
+def test_the_failed_daemons_lines_shown_are_escaped(tmp_path: Path) -> None:
+    from liquidfs.daemon.spawn import _log_since
+
+    log = tmp_path / "mount.log"
+    log.write_bytes(b"earlier\nliquidfs mount: catalog of s3://b/\x1b]0;owned\x07x: refused\n")
+    fd = os.open(log, os.O_RDONLY)
+    try:
+        assert _log_since(fd, len(b"earlier\n")) == ["liquidfs mount: catalog of s3://b/\\x1b]0;owned\\x07x: refused"]
+    finally:
+        os.close(fd)
