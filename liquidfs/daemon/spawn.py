@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..sysio import reexec
@@ -89,17 +90,27 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
     else:
         shown = f"; nothing from it in {log_file}"
     if proc.returncode is None:
-        _stop(proc, mountpoint)
+        left = _said(_stop, proc, mountpoint)
         what = (f"did not answer within {timeout:.0f} s" if time.monotonic() >= deadline
                 else "gave up before the mount answered but did not exit")
-        raise MountError(f"the daemon {what}: stopped" + shown)
+        raise MountError(f"the daemon {what}: stopped" + shown + left)
     # Killed outright once it had mounted (the OOM killer, a crash): its mount left dead, ENOTCONN to every reader.
-    _detach_left(mountpoint)
+    left = _said(_detach_left, mountpoint)
     ended = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
              else f"exited with status {proc.returncode}")
-    status = f"the daemon {ended} before the mount answered" + shown
+    status = f"the daemon {ended} before the mount answered" + shown + left
     reason = failure_reason(lines)
     raise MountError(f"{reason}\n{status}" if reason else status)
+
+
+def _said(clean_up: Callable[..., None], *args: object) -> str:
+    """``clean_up(*args)``; what it could not do, as a line for the error it comes before (its MountError in the
+    error's place lost the daemon's lines, which say why it failed)."""
+    try:
+        clean_up(*args)
+    except MountError as exc:
+        return f"\n{exc}"
+    return ""
 
 
 #: How long a daemon asked to stop (SIGTERM) gets to unmount before it is killed: past its own worst shutdown

@@ -128,3 +128,17 @@ def test_an_interrupted_mount_stops_the_daemon_it_started(tmp_path: Path, monkey
     with pytest.raises(KeyboardInterrupt):
         spawn.spawn_daemon(["mount", "x", "y"], tmp_path / "mount.log")
     assert started[0].returncode is not None  # stopped (SIGTERM), not left running
+
+
+def test_a_dead_mount_that_cannot_be_detached_is_said_after_the_daemons_own_lines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from liquidfs.daemon import watchdog
+
+    mnt = tmp_path / "mnt"
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    monkeypatch.setattr(spawn.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 1, "", "fusermount3: entry for mnt not found"))
+    _, refused, _ = _waited_for(tmp_path, KILLED, 30.0, mnt)
+    message = str(refused.value)
+    assert "killed by SIGKILL" in message and "  mounted" in message  # the daemon's lines kept
+    assert message.endswith("could not be unmounted: fusermount3: entry for mnt not found")
