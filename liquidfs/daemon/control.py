@@ -456,6 +456,12 @@ def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str,
 
 
 
+def probe_state(mountpoint: Path) -> str:
+    """"stale", "answers" or "silent": whether the mount's daemon is gone, answers a statfs, or answers nothing
+    within ``ANSWER_TIMEOUT`` (asked from a child, ``_probe``)."""
+    return _probe(mountpoint, ANSWER_TIMEOUT, control=False)[0]
+
+
 def _alive(pid: int) -> bool:
     """Running, and not a zombie (a container's PID 1 may never reap the detached daemon)."""
     try:

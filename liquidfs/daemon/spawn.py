@@ -144,7 +144,9 @@ def _detach_left(mountpoint: Path | None) -> None:
     from . import control, watchdog  # (here: a mount that starts, the common case, reads no mountinfo for it)
 
     left = watchdog.topmost_mount(mountpoint)
-    if left is not None and left[0] == control.FSTYPE:
+    # Only a dead one: another `liquidfs mount` of the same mount point, run at once, may have mounted there and
+    # serve (this daemon then failed for finding its mount point taken); asked from a child, as umount asks.
+    if left is not None and left[0] == control.FSTYPE and control.probe_state(mountpoint) == "stale":
         control.clean_stale(mountpoint)  # (MountError where it cannot be)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from liquidfs.daemon import spawn
+from liquidfs.daemon import control, spawn
 from liquidfs.daemon.config import MountError
 
 #: A daemon that mounted and then stalled: it never writes to its ready pipe, and on SIGTERM does what the real
@@ -71,6 +71,7 @@ def test_a_daemon_killed_after_it_mounted_leaves_no_dead_mount(tmp_path: Path,
     mnt = tmp_path / "mnt"
     monkeypatch.setattr(spawn, "STOP_WAIT", 0.5)
     monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    monkeypatch.setattr(control, "probe_state", lambda path: "stale")  # its daemon is dead
     ran: list[list[str]] = []
     real_run = subprocess.run
 
@@ -101,6 +102,7 @@ def test_a_daemon_killed_outright_before_ready_has_its_dead_mount_detached_and_t
 
     mnt = tmp_path / "mnt"
     monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    monkeypatch.setattr(control, "probe_state", lambda path: "stale")  # its daemon is dead
     ran: list[list[str]] = []
     monkeypatch.setattr(spawn.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
         cmd, 0, "", ""))
@@ -136,9 +138,27 @@ def test_a_dead_mount_that_cannot_be_detached_is_said_after_the_daemons_own_line
 
     mnt = tmp_path / "mnt"
     monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    monkeypatch.setattr(control, "probe_state", lambda path: "stale")  # its daemon is dead
     monkeypatch.setattr(spawn.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
         cmd, 1, "", "fusermount3: entry for mnt not found"))
     _, refused, _ = _waited_for(tmp_path, KILLED, 30.0, mnt)
     message = str(refused.value)
     assert "killed by SIGKILL" in message and "  mounted" in message  # the daemon's lines kept
     assert message.endswith("could not be unmounted: fusermount3: entry for mnt not found")
+
+
+def test_a_failed_daemon_never_detaches_a_live_mount_another_mount_made_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `liquidfs mount` of one mount point at once: the second's daemon fails (its mount point taken by the
+    first's mount), and its exit must leave the first's mount, which answers, serving its readers."""
+    from liquidfs.daemon import watchdog
+
+    mnt = tmp_path / "mnt"
+    monkeypatch.setattr(watchdog, "topmost_mount", lambda path: (b"fuse.liquidfs", 99, 7) if path == mnt else None)
+    monkeypatch.setattr(control, "probe_state", lambda path: "answers")
+    ran: list[list[str]] = []
+    monkeypatch.setattr(spawn.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or subprocess.CompletedProcess(
+        cmd, 0, "", ""))
+    _, refused, _ = _waited_for(tmp_path, "import sys; print('no longer the directory mount checked'); sys.exit(1)",
+                                30.0, mnt)
+    assert refused.match("exited with status 1") and ran == []
