@@ -41,7 +41,8 @@ TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 def _raise_terminated(signum: int, frame: object) -> None:
     # Once: a second signal while the clean-up runs (a shell's kill repeated) must not cut it short.
     for each in TERM_SIGNALS:
-        signal.signal(each, lambda *_: None)  # not SIG_IGN: an ignored signal stays ignored in children exec'd
+        if signal.getsignal(each) is not signal.SIG_IGN:  # (nohup's stays)
+            signal.signal(each, lambda *_: None)  # not SIG_IGN: an ignored signal stays ignored in children exec'd
     raise Terminated(signum)
 
 
@@ -53,8 +54,9 @@ def _terminated_raises(command: str, *, daemon: bool = False) -> Iterator[None]:
     if command not in CLEANS_UP_ON_TERM or daemon or threading.current_thread() is not threading.main_thread():
         yield
         return
-    before = {each: signal.getsignal(each) for each in TERM_SIGNALS}
-    for each in TERM_SIGNALS:
+    # A signal ignored already stays so (`nohup liquidfs prepare ... &`: a closed terminal must not stop it).
+    before = {each: handler for each in TERM_SIGNALS if (handler := signal.getsignal(each)) is not signal.SIG_IGN}
+    for each in before:
         signal.signal(each, _raise_terminated)
     try:
         yield

@@ -404,3 +404,26 @@ def test_a_full_disk_while_the_catalog_is_written_is_one_line(run: Run, tmp_path
     err = _one_line(*run("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "st"), "--ratio", "1",
                          "--no-progress"))
     assert "catalog: database or disk is full" in err, err
+
+
+def test_sigterm_ends_a_command_as_ctrl_c_does_and_nohup_keeps_sighup_ignored() -> None:
+    """SIGTERM in a command that cleans up (prepare, profile, verify, mount) raises where it lands, so its
+    clean-up runs; its status says which signal. A SIGHUP ignored when it started (`nohup liquidfs prepare &`)
+    stays ignored: closing the terminal must not stop hours of work. The handlers before are restored after."""
+    import signal
+
+    from liquidfs.cli.main import Terminated, _terminated_raises
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated) as ended, _terminated_raises("prepare"):
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert ended.value.signum == signal.SIGTERM and signal.getsignal(signal.SIGTERM) is before
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with _terminated_raises("prepare"):
+            os.kill(os.getpid(), signal.SIGHUP)  # nohup's: nothing happens
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    with _terminated_raises("mount", daemon=True):  # a mount's daemon: its own handlers, none of these
+        assert signal.getsignal(signal.SIGTERM) is before
