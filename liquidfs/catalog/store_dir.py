@@ -58,21 +58,25 @@ def _above_refusal(store: Path, st: os.stat_result) -> str | None:
     owns one of them, or may write one that is not sticky (a sticky one keeps others from renaming what root or
     this user owns in it: /tmp). None where no one else can."""
     trusted = (0, os.geteuid())
-    below = st
-    for above in Path(os.path.realpath(store)).parents:
-        try:
-            up = os.stat(above)
-        except OSError as exc:
-            return f"{store}: {above}: {exc.strerror}: cannot tell who may move the store"
-        mode = stat.S_IMODE(up.st_mode)
-        if up.st_uid not in trusted:
-            why = f"{above} is owned by uid {up.st_uid}"
-        elif mode & 0o022 and not (mode & stat.S_ISVTX and below.st_uid in trusted):
-            why = f"group or others may write {above} (mode {mode:o})"
-        else:
-            below = up
-            continue
-        return (f"{store}: {why}, who may move the store away and put a directory of theirs at its name, which "
-                f"this process (uid {os.geteuid()}) would write through: it writes no catalog there; put the "
-                "store where only root and this user may rename it")
+    # The directories above the path as named too (a link on the way: whoever may rename it in its directory
+    # may point it elsewhere), each with what is below it there, and those above where it leads.
+    named, real = Path(os.path.abspath(store)), Path(os.path.realpath(store))
+    for path in dict.fromkeys((named, real)):
+        below = os.lstat(path) if path == named else st
+        for above in path.parents:
+            try:
+                up = os.stat(above)
+            except OSError as exc:
+                return f"{store}: {above}: {exc.strerror}: cannot tell who may move the store"
+            mode = stat.S_IMODE(up.st_mode)
+            if up.st_uid not in trusted:
+                why = f"{above} is owned by uid {up.st_uid}"
+            elif mode & 0o022 and not (mode & stat.S_ISVTX and below.st_uid in trusted):
+                why = f"group or others may write {above} (mode {mode:o})"
+            else:
+                below = os.lstat(above)
+                continue
+            return (f"{store}: {why}, who may move the store away and put a directory of theirs at its name, "
+                    f"which this process (uid {os.geteuid()}) would write through: it writes no catalog there; put "
+                    "the store where only root and this user may rename it")
     return None

@@ -159,3 +159,8 @@ def test_no_catalog_is_written_in_a_store_another_user_may_move_away(tmp_path: P
     assert "group or others may write" in str(refusal(store, writing=True))
     home.chmod(0o1777)  # sticky: others cannot rename root's directory in it
     open_or_build(src, store).close()
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (shared / "link").symlink_to(store)  # the store named through a link others may replace
+    assert "group or others may write" in str(refusal(shared / "link", writing=True))
