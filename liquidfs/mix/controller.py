@@ -109,7 +109,9 @@ class MixController:
             raise ValueError(f"the range must be within [0, 1], got [{low}, {high}]")
         # At the 4 decimals every share is rounded to: a range end of more (`prepare --ratio 0.333333`) was never
         # reached by a rounded share, and "more raw" was said (and the step grown) at every interval at the top.
-        self.low, self.high = math.ceil(low * 10_000) / 10_000, math.floor(high * 10_000) / 10_000
+        # (rounded to 6 first: 0.57 * 10,000 is 5699.999...)
+        self.low = math.ceil(round(low * 10_000, 6)) / 10_000
+        self.high = math.floor(round(high * 10_000, 6)) / 10_000
         if self.low > self.high:  # a range narrower than the rounding: its one share
             self.low = self.high = round((low + high) / 2, 4)
         self.share = round(min(self.high, max(self.low, start if start is not None else (low + high) / 2)), 4)

@@ -381,6 +381,11 @@ def test_a_range_end_of_more_decimals_than_a_share_is_reached_and_held_there() -
     assert all(d.reason.startswith("hold: at the top") for d in list(controller.decisions)[-3:])
 
 
+def test_a_range_of_few_decimals_is_taken_as_it_is() -> None:
+    for end in (0.07, 0.14, 0.17, 0.28, 0.34, 0.56, 0.57, 0.68, 0.69, 0.81):  # end * 10,000 is no whole number
+        assert MixController(0.0, end).high == end and MixController(end, 1.0).low == end
+
+
 def test_the_decisions_kept_are_bounded() -> None:
     from liquidfs.mix.controller import DECISIONS_KEPT
 
