@@ -205,7 +205,7 @@ class WorkingCopy:
     def publish(self) -> None:
         """The copy in the store's catalog's place; once (a second call, after a failure that came after the
         first, does nothing)."""
-        if self.published:
+        if self.published or not self.path.exists():  # (an interrupt after the rename, before the flag)
             return
         self.catalog.close()
         _replace(self.path, self.final, durable=True)  # what a prepare learnt: hours of work, its only record
@@ -595,7 +595,8 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
         db.execute("COMMIT")
         return carried
     except sqlite3.DatabaseError as exc:
-        db.execute("ROLLBACK")
+        if db.in_transaction:  # (SQLite may have rolled back itself: a ROLLBACK then fails in its place)
+            db.execute("ROLLBACK")
         if getattr(exc, "sqlite_errorcode", 0) & 0xFF == SQLITE_FULL:
             # The new catalog's disk is full (just after a prepare wrote its objects, likely): not a previous
             # catalog to do without. Put in place, the new one would drop what every prepare learnt.

@@ -231,7 +231,11 @@ def _serve(config: MountConfig, storage: Store, store: Path, ready_fd: int | Non
     that starts a daemon, like ``umount`` and ``stats``, runs without trio, pyfuse3 or NumPy."""
     from ..daemon.serve import exit_past_stuck_threads, serve
 
-    code = serve(config, storage, store, ready_fd=ready_fd)
+    try:
+        code = serve(config, storage, store, ready_fd=ready_fd)
+    except BaseException:
+        exit_past_stuck_threads(1)  # (the failure is in the log already: serve said it)
+        raise
     exit_past_stuck_threads(code)
     return code
 

@@ -112,6 +112,7 @@ def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_pat
     alive.finish({})
 
 
+@pytest.mark.needs_root("a chown of the store to another user")
 def test_a_working_copy_touches_nothing_in_a_store_it_may_not_write(tmp_path: Path) -> None:
     """Another user's store (theirs to make names in): refused before any of its lock files is opened or any
     leftover unlinked, as a build refuses it."""
@@ -771,3 +772,16 @@ def test_a_directory_past_path_max_is_shown_empty_and_does_not_make_every_use_a_
         assert not any(row[3].endswith(b"a.png") for row in written(tmp_path / "store").nodes)
     finally:
         catalog.close()
+
+
+def test_a_working_copy_interrupted_in_its_publish_is_not_published_again(tmp_path: Path) -> None:
+    """Ctrl-C after the rename, before the copy knew it was published: the publish prepare calls on the way
+    out found no copy to rename and failed with FileNotFoundError in the interrupt's place."""
+    _, store = _fresh_catalog(tmp_path)
+    copy = WorkingCopy(store)
+    copy.publish()
+    copy.published = False  # as if interrupted right after the rename
+    copy.publish()
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.is_fresh()
+    catalog.close()
