@@ -345,6 +345,7 @@ def test_a_control_file_that_is_a_link_or_a_fifo_is_never_opened_through(tmp_pat
     assert read_control(fake) == {"pid": 7}
 
 
+@pytest.mark.fuse
 def test_the_pid_a_control_file_names_is_waited_for_only_where_it_serves_fuse() -> None:
     """The mount's word: any user's fuse.liquidfs may name pid 1 (umount waited 30 s for it, then failed)."""
     from liquidfs.daemon.watchdog import holds_fuse_device
