@@ -36,8 +36,12 @@ from typing import Any, Literal
 CROP = 224
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-#: What the loaders open: the suffixes ``prepare`` expands and serves raw under their own names.
-SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm", ".tif", ".tiff", ".webp")
+#: What the loaders open: the suffixes ``prepare`` expands and serves raw under their own names, and the raw
+#: formats' (the formats the PIL loader decodes, ``PIL_FORMATS``: another suffix's file would be refused there).
+SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".jp2")
+#: The Pillow formats the PIL loader opens (``expand.formats.PILLOW_FORMATS``): a file of the dataset another
+#: user wrote is never handed to Pillow's other plugins (EPS runs Ghostscript) by a profile run as root.
+PIL_FORMATS = ("PNG", "JPEG", "BMP", "JPEG2000")
 #: DALI's own default for the reader's ``initial_fill``: the files it opens ahead to shuffle among.
 DALI_SHUFFLE_BUFFER = 1024
 #: The name of a DALI pipeline's file reader (DALI's iterators and ``reader_meta`` ask for it by name).
@@ -57,9 +61,7 @@ def _pil_one(path: str, rng: random.Random, augment: bool) -> int:
     import numpy as np
     from PIL import Image
 
-    # The formats liquidfs decodes (``expand.formats.PILLOW_FORMATS``): a file of the dataset another user wrote
-    # is never handed to Pillow's other plugins (EPS runs Ghostscript) by a profile run as root.
-    with Image.open(path, formats=("PNG", "JPEG", "BMP", "JPEG2000")) as opened:
+    with Image.open(path, formats=PIL_FORMATS) as opened:
         im = opened.convert("RGB")
         if not augment:
             return im.width * im.height

@@ -270,3 +270,13 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def test_the_pil_loader_opens_the_formats_liquidfs_decodes_and_lists_only_their_files() -> None:
+    """Its own copy of the list (it imports nothing of the package): kept the same, and every suffix it lists is a
+    format it opens (a .webp listed and refused ended the loader with a traceback)."""
+    from liquidfs.expand.formats import PILLOW_FORMATS
+    from liquidfs.profile import loaders
+
+    assert loaders.PIL_FORMATS == PILLOW_FORMATS
+    assert set(loaders.SUFFIXES) == {".png", ".jpg", ".jpeg", ".bmp", ".jp2"}
