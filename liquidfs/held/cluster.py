@@ -295,28 +295,29 @@ class ClusterLevel(InFront):
         key = key_of(node, self.key_id, self.sealer)
         try:
             value = self.sealer.seal(key.encode(), data) if self.sealer is not None else data
-            done: bool | None = True if self.client.set(key, value) else None  # None: refused, answered as such
+            # True: stored; False: refused for now (NOT_STORED, out of memory); None: too large for it (its -I)
+            done = self.client.set(key, value)
         except Skipped:
             self._count("skipped")
             return
         except Exception as exc:  # PeerError, or anything else: never into a read
             log.debug("cluster: storing %s: %s", key, exc)
-            done = False
-        refused = done is None
+            with self._lock:
+                self.counts.unanswered += 1
+            return
         with self._lock:
             if done:
                 self.counts.stored += 1
                 self.counts.stored_bytes += len(data)
-            elif refused:
-                self.counts.refused += 1
+                return
+            self.counts.refused += 1
+            if done is None:  # a lasting refusal: that size kept out for a while
                 self._refused_from = min(self._refused_from or len(value), len(value))
                 self._refused_until = self.clock() + REFUSED_FOR
-            else:
-                self.counts.unanswered += 1
-        if refused and "refused" not in self._warned:
+        if done is None and "refused" not in self._warned:
             self._warned.add("refused")
-            log.warning("cluster: a memcached refused a value of %d bytes (past its -I, the largest item, or out of "
-                        "memory): values that large go to storage for %g s at a time (counted as cluster_refused)",
+            log.warning("cluster: a memcached refused a value of %d bytes as too large (past its -I, the largest "
+                        "item): values that large go to storage for %g s at a time (counted as cluster_refused)",
                         len(value), REFUSED_FOR)
 
     def _too_large(self, node: Node) -> bool:

@@ -81,7 +81,7 @@ class Client(Protocol):
 
     def get(self, key: str, length: int) -> bytearray | bytes | None: ...
 
-    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool: ...
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool | None: ...
 
     def limits(self) -> dict[str, int | None]: ...
 
@@ -174,7 +174,7 @@ class ResolvingClient:
     def get(self, key: str, length: int) -> bytearray | bytes | None:
         return self._client.get(key, length)
 
-    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool | None:
         return self._client.set(key, value)
 
     def close(self) -> None:

@@ -281,18 +281,20 @@ class MemcachedWire:
 
         return self._call(key, exchange)
 
-    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
-        """Whether the memcached stored ``value`` under ``key`` (one that refuses it, too large for its -I, says
-        so and is not at fault). Raises ``PeerError`` for anything else."""
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool | None:
+        """True where the memcached stored ``value`` under ``key``; False where it refused it for now (out of
+        memory, NOT_STORED), None where it is too large for it (past its -I): a memcached that refuses says so and
+        is not at fault. Raises ``PeerError`` for anything else."""
         wire_key = _checked(key)
 
-        def exchange(stream: _Stream) -> bool:
+        def exchange(stream: _Stream) -> bool | None:
             stream.send(b"set %s 0 0 %d\r\n" % (wire_key, len(value)), value, b"\r\n")
             answer = stream.line()
             if answer == b"STORED":
                 return True
-            if answer in (b"NOT_STORED", b"SERVER_ERROR out of memory storing object") or \
-                    answer.startswith(b"SERVER_ERROR object too large"):
+            if answer.startswith(b"SERVER_ERROR object too large"):
+                return None
+            if answer in (b"NOT_STORED", b"SERVER_ERROR out of memory storing object"):
                 return False
             raise PeerError(f"not an answer to set: {answer[:80]!r}")
 

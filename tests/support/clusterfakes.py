@@ -17,6 +17,7 @@ class FakeMemcached:
         self.values: dict[str, bytes] = {}
         self.down = False
         self.largest: int | None = None  # values past it refused as a memcached refuses one past its -I
+        self.full = False  # every value refused for now, as a memcached out of memory does
         self.gets = 0
         self.sets = 0
         self.closed = False
@@ -27,12 +28,14 @@ class FakeMemcached:
             raise PeerError("down")
         return self.values.get(key)
 
-    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool:
+    def set(self, key: str, value: bytes | bytearray | memoryview) -> bool | None:
         self.sets += 1
         if self.down:
             raise PeerError("down")
         if self.largest is not None and len(value) > self.largest:
-            return False
+            return None  # "SERVER_ERROR object too large for cache"
+        if self.full:
+            return False  # "SERVER_ERROR out of memory storing object": for now
         self.values[key] = bytes(value)
         return True
 

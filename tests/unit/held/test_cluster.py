@@ -155,6 +155,18 @@ def test_values_past_what_a_memcached_stores_are_kept_out_for_a_while(store: tup
     assert level.statistics().values()["cluster_stored"] == len(raw)
 
 
+def test_a_value_refused_for_now_keeps_no_size_out(store: tuple[Path, Path]) -> None:
+    """Out of memory for a moment (or NOT_STORED): refused, counted so, and the next values are tried (one such
+    answer for a small value had kept nearly every image out of the cluster for 5 minutes)."""
+    _, path = store
+    level, client, raw = _level(path)
+    client.full = True
+    for n in raw:
+        level.open(n)
+    st = level.statistics().values()
+    assert client.sets == len(raw) and st["cluster_refused"] == len(raw) and st["cluster_unanswered"] == 0
+
+
 def test_files_outside_the_share_never_ask_the_cluster(store: tuple[Path, Path]) -> None:
     _, path = store
     level, client, raw = _level(path, share=0.0)
