@@ -104,7 +104,10 @@ def exit_past_stuck_threads(code: int, *, leave: Callable[[int], object] = os._e
     log.warning("threads still waiting on storage at the unmount (%s): the daemon exits without them",
                 ", ".join(sorted(stuck)))
     for handler in logging.getLogger().handlers:  # what os._exit would drop
-        handler.flush()
+        try:
+            handler.flush()
+        except (OSError, ValueError):  # a stream gone (a closed stderr, a full disk): the exit goes on
+            pass
     leave(code)
 
 

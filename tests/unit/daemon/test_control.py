@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import subprocess
 import time
@@ -310,10 +311,15 @@ def test_the_daemon_leaves_past_threads_stuck_on_storage_and_only_then(caplog) -
     release = threading.Event()
     stuck = threading.Thread(target=release.wait, name="liquidfs-warm_0", daemon=False)
     stuck.start()
+    gone = open(os.devnull, "w")  # noqa: SIM115
+    gone.close()
+    closed = logging.StreamHandler(gone)  # a log whose stream is gone: its flush fails, the exit goes on
+    logging.getLogger().addHandler(closed)
     try:
         with caplog.at_level("WARNING", logger="liquidfs.daemon.serve"):
             exit_past_stuck_threads(3, leave=left.append)
     finally:
+        logging.getLogger().removeHandler(closed)
         release.set()
         stuck.join()
     assert left == [3] and "(liquidfs-warm_0): the daemon exits without them" in caplog.text
