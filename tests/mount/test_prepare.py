@@ -415,7 +415,9 @@ def test_an_image_that_kills_its_worker_is_refused_and_the_rest_expanded(tmp_pat
 
     monkeypatch.setattr(LocalStore, "expansion_job", deadly)
     report = prepare(src, store, 1.0, progress=False, jobs=2)
-    assert report.skipped == {"worker-died": 1} and report.expanded == len(images) - 1, report
+    # Expanded, or adopted: a job lost with the pool after its object was written is run again alone and finds
+    # exactly its bytes there (reused), as a killed run's next run does.
+    assert report.skipped == {"worker-died": 1} and report.expanded + report.reused == len(images) - 1, report
     catalog = Catalog.open(store, readonly=True)
     served = {n.path: n.served_raw for n in catalog.files() if n.path.endswith(b".png")}
     catalog.close()
