@@ -455,7 +455,6 @@ def _probe(mountpoint: Path, timeout: float, control: bool = True) -> tuple[str,
     return "answers", int(pid)
 
 
-
 def probe_state(mountpoint: Path) -> str:
     """"stale", "answers" or "silent": whether the mount's daemon is gone, answers a statfs, or answers nothing
     within ``ANSWER_TIMEOUT`` (asked from a child, ``_probe``)."""

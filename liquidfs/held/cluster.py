@@ -61,10 +61,10 @@ _SEALED_PREFIX = "liquidfs3s"
 #: The share of ``--io-timeout`` one call to a memcached may take at most: an open that misses the cluster still
 #: reads storage, and stores what it read, within the same timeout.
 IO_TIMEOUT_SHARE = 0.25
-#: Seconds a value size a memcached refused to store (past its -I, the largest item; or out of memory) keeps
-#: values of that size or more out of the cluster: each was sealed and sent whole, to be refused, at every miss of
-#: every node (Cityscapes' 6 MB raw objects against memcached's default 1 MB -I). Then tried again (a memcached
-#: restarted with a larger -I).
+#: Seconds a value size a memcached refused as too large (past its -I, the largest item) keeps values of that size
+#: or more out of the cluster: each was sealed and sent whole, to be refused, at every miss of every node
+#: (Cityscapes' 6 MB raw objects against memcached's default 1 MB -I). Then tried again (a memcached restarted
+#: with a larger -I). A refusal for now (out of memory, NOT_STORED) keeps nothing out.
 REFUSED_FOR = 300.0
 
 
@@ -148,7 +148,7 @@ class ClusterCounts:
     unanswered: int = 0  # fetches or stores a memcached did not answer as one, in time (a miss)
     skipped: int = 0  # fetches or stores not tried: their memcached failed repeatedly and is left out for a while
     private: int = 0  # opens of the share kept out of the cluster: no key, and not everyone may read the source
-    refused: int = 0  # stores a memcached refused (too large for it), and opens of values that large since
+    refused: int = 0  # stores a memcached refused, and opens of values as large as one refused as too large since
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,9 +42,9 @@ FAILURES_TO_SKIP = 3
 SKIP_FOR = 5.0
 #: The share of its deadline past which a call that succeeded counts as a failure all the same, where that long
 #: passed between the request sent and the answer's first line (not its first byte: one byte at once and the rest
-#: of the line late was never slow): a memcached that answers every call just inside
-#: it (a slow or hostile one) cost each open of its keys two deadlines (a fetch and a store) without ever being
-#: left out. (The value's own time on the wire is not counted: 5 MB values at 16 threads over 1 GbE take 0.7 s.)
+#: of the line late was never slow): a memcached that answers every call just inside it (a slow or hostile one)
+#: cost each open of its keys two deadlines (a fetch and a store) without ever being left out. (The value's own
+#: time on the wire is not counted: 5 MB values at 16 threads over 1 GbE take 0.7 s.)
 SLOW_SHARE = 0.5
 #: Idle connections kept to each memcached (about one per worker thread of the mount).
 MAX_IDLE = 16

@@ -202,8 +202,8 @@ METRICS: tuple[Metric, ...] = (
            "Fetches and stores not tried: the shared cache level's server failed repeatedly and is left out for a "
            "while (counted as misses).", label=_LEVEL),
     Metric("liquidfs_cache_refused_total", COUNTER, "", {"cluster": "cluster_refused"},
-           "Stores a shared cache level's server refused (a value past its largest item), and opens of values that "
-           "large kept out of it for a while since.", label=_LEVEL),
+           "Stores a shared cache level's server refused (out of memory, or a value past its largest item), and "
+           "opens of values as large as one past it, kept out of it for a while since.", label=_LEVEL),
     Metric("liquidfs_cache_private_total", COUNTER, "", {"cluster": "cluster_private"},
            "Opens kept out of a shared cache level without a cluster key: their source is not readable by "
            "everyone.", label=_LEVEL),
