@@ -186,6 +186,14 @@ class Peer:
         for sock in idle:
             sock.close()
 
+    def forget_inherited(self) -> None:
+        """In a forked child: the parent's idle connections closed here (``_close_inherited``), the lock new
+        (another thread of the parent may have held it at the fork)."""
+        self._lock = threading.Lock()
+        idle, self._idle = list(self._idle), deque()
+        for sock in idle:
+            sock.close()
+
     def skipped(self, now: float) -> bool:
         return now < self.skip_until
 
@@ -371,13 +379,10 @@ _WIRES: weakref.WeakSet[MemcachedWire] = weakref.WeakSet()
 def _close_inherited() -> None:
     """In a forked child (each loop of ``--loops`` builds a wire of its own): the parent's idle connections closed
     here. A copy kept in the child held each open after the parent closed it, and the child held descriptors it
-    never uses. Their locks are new: another thread of the parent may have held one at the fork."""
+    never uses."""
     for wire in list(_WIRES):
         for peer in wire.clients.values():
-            peer._lock = threading.Lock()
-            idle, peer._idle = list(peer._idle), deque()
-            for sock in idle:
-                sock.close()
+            peer.forget_inherited()
 
 
 os.register_at_fork(after_in_child=_close_inherited)
