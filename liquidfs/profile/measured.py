@@ -48,7 +48,7 @@ from pathlib import Path
 from ..expand.expansion import is_image
 from ..stores.sample import ProfileError
 from ..sysio import reexec
-from ..sysio.locks import abandoned_dirs, private_dir
+from ..sysio.locks import private_dir, remove_abandoned_dirs
 from ..sysio.paths import list_below, open_under
 
 log = logging.getLogger(__name__)
@@ -340,8 +340,7 @@ class ScratchMounts:
         self.timed_from_epoch = timed_from_epoch
         self.progress = progress
         parent.mkdir(parents=True, exist_ok=True)
-        for leftover in abandoned_dirs(parent, SCRATCH_PREFIX):
-            _remove_scratch(leftover)
+        remove_abandoned_dirs(parent, SCRATCH_PREFIX, _remove_scratch)
         # 0700 (mkdtemp): the copies are readable by no more people than the source files were. Its lock is held
         # while this run lives: a run killed outright leaves the directory and its mount to the next one.
         self.root, self._alive = private_dir(parent, SCRATCH_PREFIX)

@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -93,6 +94,14 @@ def abandoned_dirs(parent: Path, prefix: str) -> list[Path]:
         if not leftover.is_symlink() and leftover.is_dir() and os.path.lexists(lock) and abandoned(lock):
             found.append(leftover)
     return found
+
+
+def remove_abandoned_dirs(parent: Path, prefix: str,
+                          remove: Callable[[Path], None] = lambda path: shutil.rmtree(path, ignore_errors=True)
+                          ) -> None:
+    """Each of ``abandoned_dirs`` removed (``remove``: what else must go first, a mount in it)."""
+    for leftover in abandoned_dirs(parent, prefix):
+        remove(leftover)
 
 
 #: In a store: held shared by every mount of it for its whole life, exclusive by prepare while it deletes

@@ -35,7 +35,8 @@ from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
-from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, abandoned_dirs, exclusive_lock, private_dir, shared_lock
+from ...sysio.locks import (MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, private_dir, remove_abandoned_dirs,
+                            shared_lock)
 from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer,
                             stat_below)
 from ...sysio.safefiles import replace_file
@@ -402,8 +403,7 @@ class LocalStore:
         random.Random(seed).shuffle(nodes)
         # A directory of this run's own: profiles run at once on one store (a Job's pods) must not share or
         # delete each other's sample. Its lock is held while this run lives; a killed run's is removed here.
-        for leftover in abandoned_dirs(self.store_dir, SAMPLE_PREFIX):
-            shutil.rmtree(leftover, ignore_errors=True)
+        remove_abandoned_dirs(self.store_dir, SAMPLE_PREFIX)
         scratch, alive = private_dir(self.store_dir, SAMPLE_PREFIX)
         opened: list[int] = []
 

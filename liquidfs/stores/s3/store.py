@@ -29,7 +29,7 @@ from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, never_raising, source_fits
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
-from ...sysio.locks import abandoned_dirs, private_dir, unique
+from ...sysio.locks import private_dir, remove_abandoned_dirs, unique
 from ...sysio.progress import Progress
 from ..base import Job, Preparation
 from ..reader import Reader
@@ -74,12 +74,6 @@ def bucket_pair(source: str, store: str | None) -> tuple[S3Url, S3Url]:
 
 #: The private directory of a prepare under the node's work directory (``BucketStore.preparing``).
 _PREPARING = "preparing-"
-
-
-def _sweep_killed_preparations(local: Path) -> None:
-    """The private directories that prepares killed on this node left (a whole catalog each)."""
-    for leftover in abandoned_dirs(local, _PREPARING):
-        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _listing(client: Any, source: S3Url, progress: bool) -> Iterator[tuple[str, int, str, int]]:
@@ -296,7 +290,7 @@ class BucketStore:
         it is the mounts' (``local_catalog``), read by them as a file nobody writes, and stays the store's as
         published (a failed run leaves it so)."""
         local = work_dir(self.store, self.client)
-        _sweep_killed_preparations(local)
+        remove_abandoned_dirs(local, _PREPARING)  # what prepares killed on this node left: a whole catalog each
         private, lock = private_dir(local, _PREPARING)  # a killed run's directory is swept by the next run's
         catalog: Catalog | None = None
         try:
