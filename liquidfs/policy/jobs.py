@@ -210,8 +210,7 @@ class JobOf:
         except OSError:
             return self.unknown(uid)
         known = self._pids.get(pid)
-        same = known is not None and known[:2] == (session, uid)
-        job = known[2] if same and known is not None else self.unknown(uid)
+        job = known[2] if known is not None and known[:2] == (session, uid) else self.unknown(uid)
         self._remember(pid, session, uid, job)
         return job
 
