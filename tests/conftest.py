@@ -127,9 +127,11 @@ def run_cli(*args: str, check: bool = True, timeout: float = 120, **kw: object) 
                           check=check, timeout=timeout, **kw)  # type: ignore[call-overload]
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_logging() -> Iterator[None]:
-    """``cli.main`` sets up the root logger (and the excepthooks with --log-file): put back what pytest had."""
+    """``cli.main`` sets up the root logger (and the excepthooks with --log-file): put back what pytest had, after
+    every test (autouse): a test that ran ``main`` without asking left its handler on a stream pytest then closed,
+    and a later test's log record printed "--- Logging error ---" into its output."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     hooks = sys.excepthook, threading.excepthook
