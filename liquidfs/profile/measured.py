@@ -48,7 +48,7 @@ from pathlib import Path
 from ..expand.expansion import is_image
 from ..stores.sample import ProfileError
 from ..sysio import reexec
-from ..sysio.locks import private_dir, remove_abandoned_dirs
+from ..sysio.locks import PrivateDir
 from ..sysio.paths import list_below, open_under
 
 log = logging.getLogger(__name__)
@@ -340,10 +340,10 @@ class ScratchMounts:
         self.timed_from_epoch = timed_from_epoch
         self.progress = progress
         parent.mkdir(parents=True, exist_ok=True)
-        remove_abandoned_dirs(parent, SCRATCH_PREFIX, _remove_scratch)
         # 0700 (mkdtemp): the copies are readable by no more people than the source files were. Its lock is held
         # while this run lives: a run killed outright leaves the directory and its mount to the next one.
-        self.root, self._alive = private_dir(parent, SCRATCH_PREFIX)
+        self._private = PrivateDir(parent, SCRATCH_PREFIX, _remove_scratch)
+        self.root = self._private.path
         self.src, self.store, self.mnt = self.root / "data", self.root / "store", self.root / "mnt"
         try:
             self.mnt.mkdir()
@@ -517,8 +517,7 @@ class ScratchMounts:
                                f"{(proc.stderr or proc.stdout).strip()[-1500:]}")
 
     def cleanup(self) -> None:
-        _remove_scratch(self.root)
-        self._alive.release(remove=False)
+        self._private.remove()
 
     def __enter__(self) -> ScratchMounts:
         return self

@@ -18,6 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def unique(prefix: str) -> str:
     """``prefix`` and 16 random hex digits."""
     return f"{prefix}{secrets.token_hex(8)}"
@@ -68,20 +72,30 @@ def abandoned(lock_path: Path) -> bool:
     return True
 
 
-#: The lock inside a run's private directory (``private_dir``).
+#: The lock inside a run's private directory (``PrivateDir``).
 DIR_LOCK = "lock"
 
 
-def private_dir(parent: Path, prefix: str) -> tuple[Path, HeldLock]:
+class PrivateDir:
     """A new directory ``prefix<random>`` under ``parent`` (0700, mkdtemp's) and the lock in it, held while its run
-    lives: a run killed outright (SIGKILL, the OOM killer, a node's reboot) leaves the directory behind, which a
-    later run finds with ``abandoned_dirs``."""
-    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    try:
-        return path, HeldLock(path / DIR_LOCK)
-    except BaseException:
-        shutil.rmtree(path, ignore_errors=True)
-        raise
+    lives: a run killed outright (SIGKILL, the OOM killer, a node's reboot) leaves the directory behind, which the
+    next run's ``PrivateDir`` there removes (``abandoned_dirs``) before it makes its own. ``remove``: how one goes
+    (what else must go first: a mount in it), this run's own at its end (``remove``) as well as the leftovers."""
+
+    def __init__(self, parent: Path, prefix: str, remove: Callable[[Path], None] = _remove_tree) -> None:
+        remove_abandoned_dirs(parent, prefix, remove)
+        self.path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+        self._remove = remove
+        try:
+            self._alive = HeldLock(self.path / DIR_LOCK)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
+
+    def remove(self) -> None:
+        """The directory removed, then its lock let go (in that order: no sweeper takes it while it goes)."""
+        self._remove(self.path)
+        self._alive.release(remove=False)
 
 
 def abandoned_dirs(parent: Path, prefix: str) -> list[Path]:
@@ -96,9 +110,7 @@ def abandoned_dirs(parent: Path, prefix: str) -> list[Path]:
     return found
 
 
-def remove_abandoned_dirs(parent: Path, prefix: str,
-                          remove: Callable[[Path], None] = lambda path: shutil.rmtree(path, ignore_errors=True)
-                          ) -> None:
+def remove_abandoned_dirs(parent: Path, prefix: str, remove: Callable[[Path], None] = _remove_tree) -> None:
     """Each of ``abandoned_dirs`` removed (``remove``: what else must go first, a mount in it)."""
     for leftover in abandoned_dirs(parent, prefix):
         remove(leftover)

@@ -247,8 +247,8 @@ def test_a_profile_ended_by_sigterm_cleans_up_and_what_a_killed_one_left_goes_at
     assert list(store.glob("profile-run-*")) and f" {store.resolve()}/profile-run-" in Path(
         "/proc/self/mountinfo").read_text()
     # and a model's sample that a killed profile left (the measured search came after it, here)
-    code = ("import os, pathlib, sys; from liquidfs.sysio.locks import private_dir; "
-            "private_dir(pathlib.Path(sys.argv[1]), 'profile-sample-'); os._exit(0)")
+    code = ("import os, pathlib, sys; from liquidfs.sysio.locks import PrivateDir; "
+            "PrivateDir(pathlib.Path(sys.argv[1]), 'profile-sample-'); os._exit(0)")
     subprocess.run([sys.executable, "-c", code, str(store)], check=True, timeout=60)
     next_one = _profile(src, store, "--run", "ls {mount}", "--run-images", "32")
     assert next_one.returncode == 1 and "opened 0 files through the mount" in next_one.stderr, next_one.stderr

@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import re
-import shutil
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +34,7 @@ from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
-from ...sysio.locks import (MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, private_dir, remove_abandoned_dirs,
+from ...sysio.locks import (MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, PrivateDir,
                             shared_lock)
 from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer,
                             stat_below)
@@ -403,15 +402,14 @@ class LocalStore:
         random.Random(seed).shuffle(nodes)
         # A directory of this run's own: profiles run at once on one store (a Job's pods) must not share or
         # delete each other's sample. Its lock is held while this run lives; a killed run's is removed here.
-        remove_abandoned_dirs(self.store_dir, SAMPLE_PREFIX)
-        scratch, alive = private_dir(self.store_dir, SAMPLE_PREFIX)
+        private = PrivateDir(self.store_dir, SAMPLE_PREFIX)
+        scratch = private.path
         opened: list[int] = []
 
         def cleanup() -> None:
             for fd in opened:
                 os.close(fd)
-            shutil.rmtree(scratch, ignore_errors=True)
-            alive.release(remove=False)
+            private.remove()
 
         # Both directories stay open for the sample's timed reads, which open each file below them as the mount
         # does (``stores.sample.Below``): the dataset's owner may swap a file for a link to a FIFO or a device.

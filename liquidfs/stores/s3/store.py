@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +28,7 @@ from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, never_raising, source_fits
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
-from ...sysio.locks import private_dir, remove_abandoned_dirs, unique
+from ...sysio.locks import PrivateDir, unique
 from ...sysio.progress import Progress
 from ..base import Job, Preparation
 from ..reader import Reader
@@ -290,8 +289,9 @@ class BucketStore:
         it is the mounts' (``local_catalog``), read by them as a file nobody writes, and stays the store's as
         published (a failed run leaves it so)."""
         local = work_dir(self.store, self.client)
-        remove_abandoned_dirs(local, _PREPARING)  # what prepares killed on this node left: a whole catalog each
-        private, lock = private_dir(local, _PREPARING)  # a killed run's directory is swept by the next run's
+        # What prepares killed on this node left, a whole catalog each, is swept here; this one's is at the end.
+        work = PrivateDir(local, _PREPARING)
+        private = work.path
         catalog: Catalog | None = None
         try:
             stored = private / f"store-{CATALOG_NAME}"
@@ -312,8 +312,7 @@ class BucketStore:
         finally:
             if catalog is not None:
                 catalog.close()
-            shutil.rmtree(private, ignore_errors=True)
-            lock.release(remove=False)
+            work.remove()
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         assert node.etag is not None and raw_formats == self.raw_formats

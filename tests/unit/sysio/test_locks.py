@@ -41,10 +41,11 @@ def test_a_lock_whose_owner_died_is_abandoned(tmp_path: Path) -> None:
 
 
 def test_a_private_directory_is_swept_only_once_its_run_has_died(tmp_path: Path) -> None:
-    live, lock = locks.private_dir(tmp_path, "run-")
+    private = locks.PrivateDir(tmp_path, "run-")
+    live = private.path
     assert oct(live.stat().st_mode & 0o777) == "0o700" and (live / locks.DIR_LOCK).exists()
-    code = (f"import os, pathlib; from liquidfs.sysio.locks import private_dir; "
-            f"print(private_dir(pathlib.Path({str(tmp_path)!r}), 'run-')[0]); os._exit(0)")  # killed: no clean-up
+    code = (f"import os, pathlib; from liquidfs.sysio.locks import PrivateDir; "
+            f"print(PrivateDir(pathlib.Path({str(tmp_path)!r}), 'run-').path); os._exit(0)")  # killed: no clean-up
     dead = Path(subprocess.run([sys.executable, "-c", code], check=True, timeout=60, capture_output=True,
                                text=True).stdout.strip())
     (tmp_path / "run-justmade").mkdir()  # another run's, its lock not made yet
@@ -52,5 +53,10 @@ def test_a_private_directory_is_swept_only_once_its_run_has_died(tmp_path: Path)
     (tmp_path / "other-x").mkdir()
     (tmp_path / "other-x" / locks.DIR_LOCK).touch()  # another prefix's
     assert locks.abandoned_dirs(tmp_path, "run-") == [dead]
-    lock.release(remove=False)  # its run has ended
+    private._alive.release(remove=False)  # its run has ended (killed before its removal)
     assert sorted(locks.abandoned_dirs(tmp_path, "run-")) == sorted([dead, live])
+    after = locks.PrivateDir(tmp_path, "run-")  # the next run sweeps both, never what is not a dead run's
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([after.path.name, "run-justmade", "run-link",
+                                                                  "other-x"])
+    after.remove()
+    assert not after.path.exists() and not locks.abandoned_dirs(tmp_path, "run-")
