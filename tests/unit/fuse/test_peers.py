@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import struct
 from typing import Any
 
 import pytest
@@ -135,3 +136,40 @@ def test_a_request_whose_send_fails_leaves_nothing_waiting() -> None:
     finally:
         Peers.close_pairs(pairs)
     assert peers._waiting == {}
+
+
+def test_releases_that_find_a_loops_socket_full_all_reach_it_once_it_has_room() -> None:
+    """Every task of a loop sends to another on one socket; trio lets one task at a time wait for its room. Two
+    releases that both found it full each got there: without their turn, the second raised BusyResourceError,
+    a release lost (its backing leaked), and an answer's the same way ended the loop that sent it."""
+    pairs = Peers.made(2)
+    peers = Peers(pairs, 0)
+    full = 0
+    try:
+        while True:
+            pairs[1][0].send(b"x" * 4096)
+            full += 1
+    except BlockingIOError:
+        pass
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            for local in (1, 2, 3):
+                nursery.start_soon(peers.release, fh_of(local, 1))
+            await trio.sleep(0.05)  # each found the socket full and waits
+            assert peers.forwarded == 0
+            for _ in range(full):  # loop 1 reads what filled it
+                pairs[1][1].recv(1 << 16)
+        got = []
+        while True:
+            try:
+                got.append(pairs[1][1].recv(1 << 16))
+            except BlockingIOError:
+                break
+        assert sorted(got) == sorted(b"R" + struct.pack("<q", fh_of(local, 1)) for local in (1, 2, 3))
+
+    try:
+        trio.run(main)
+    finally:
+        Peers.close_pairs(pairs)
+    assert peers.forwarded == 3
