@@ -69,8 +69,10 @@ class Backing:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            # Forgotten first: Linux frees a descriptor whose close fails (a FUSE or NFS source's flush error), and
+            # a second close would close whatever file reused its number.
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 @dataclass(eq=False, slots=True)
@@ -127,8 +129,9 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
             return Backing(fd, content.size, content.raw, kind, content.fallback, level=content.level,
                            version=content.version)
         if content.fd is not None:  # a local file too large to read whole: the source itself
+            checked = stamp(os.fstat(content.fd))  # before the descriptor is taken: one that fails is closed below
             fd, content.fd = content.fd, None
-            return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(os.fstat(fd)),
+            return Backing(fd, content.size, content.raw, "source", content.fallback, checked,
                            version=content.version)
         return None
     finally:
@@ -296,14 +299,15 @@ class Closer:
                     pass
             while self._files:
                 fd, drop = self._files.popleft()
+                if drop:
+                    drop_pages(fd)
                 try:
-                    if drop:
-                        drop_pages(fd)
-                finally:
                     os.close(fd)
-                    with self._lock:
-                        self.pending -= 1
-                        self.closed += 1
+                except OSError as exc:  # freed all the same (a FUSE or NFS source's flush error): this thread goes on
+                    log.debug("closing a served file's descriptor: %s", exc)
+                with self._lock:
+                    self.pending -= 1
+                    self.closed += 1
             if why is None:
                 return
 

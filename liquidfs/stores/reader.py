@@ -136,13 +136,15 @@ class Content:
         return os.pread(self.fd, length, offset)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        if self.pooled and self.data is not None:
-            POOL.give(self.data)
-        self.pooled = False
-        self.data = None
+        try:
+            if self.fd is not None:
+                fd, self.fd = self.fd, None  # forgotten first: a close that fails frees it all the same
+                os.close(fd)
+        finally:
+            if self.pooled and self.data is not None:
+                POOL.give(self.data)
+            self.pooled = False
+            self.data = None
 
 
 #: What prepare names raw objects (``prepare.object_name``): anything else in a catalog row is refused.
@@ -270,8 +272,8 @@ class Choice:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+            fd, self.fd = self.fd, -1  # forgotten first: a close that fails frees it all the same
+            os.close(fd)
 
 
 class Reader(Protocol):

@@ -548,6 +548,25 @@ def test_the_closer_closes_a_batch_when_full_or_quiet_and_all_at_stop(tmp_path: 
     assert closer.pending == 0 and closer.closed == 5 and all(map(closed, fds))
 
 
+def test_a_close_that_fails_leaves_the_closer_closing_the_next(tmp_path: Path) -> None:
+    """A descriptor whose close fails (a FUSE or NFS source's flush error; here one that is no descriptor) is
+    counted and passed: the thread that closed it died with it before, and every descriptor handed over after
+    it stayed open until the mount ran out of them."""
+    from liquidfs.datapath import backing
+
+    closer = backing.Closer()
+    valid = os.open(tmp_path, os.O_RDONLY)
+    closer.close(1 << 20, drop=True)  # past fs.nr_open's default: never an open descriptor, EBADF
+    closer.close(valid, drop=True)
+    deadline = time.monotonic() + 10
+    while closer.pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closer.pending == 0 and closer.closed == 2
+    with pytest.raises(OSError):
+        os.fstat(valid)
+    closer.stop()
+
+
 def _all_cold(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every open's walk on the loop finds its metadata cold (EAGAIN), as after a drop of the kernel's caches."""
     from liquidfs.datapath import passthrough
