@@ -101,11 +101,7 @@ class DaemonPath:
                     assert self.held is not None
                     self.held.lost_hit(decision, content.size)
         except BaseException:
-            if (decision.hold or decision.hit) and self.held is not None:
-                # The room the policy gave it, with no bytes to fill it (a failed read); or a hit's bytes, which
-                # the policy let go at this read where it does not hold the file again, and which nothing else
-                # lets go (outside the budget until this file's next sound open).
-                self.held.drop(node.id)
+            self._unheld(node, decision)
             raise
         direct_io = self.page_cache == "direct" and held is None
         if content.size != record.size_told(node):
@@ -122,6 +118,7 @@ class DaemonPath:
             direct_io = True
             for other in superseded:
                 other.superseded = True
+            await self._stores_landed(node, record, decision, content)
         if not (content.deferred and decision.hold):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)
         # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
@@ -135,6 +132,29 @@ class DaemonPath:
                 record.page_cached = {}
             record.page_cached[fh] = handle
         return handle
+
+    def _unheld(self, node: Node, decision: Decision) -> None:
+        """An open that failed: the room the policy gave it, with no bytes to fill it (a failed read), or a hit's
+        bytes, which the policy let go at this read where it does not hold the file again, and which nothing else
+        lets go (outside the budget until this file's next sound open)."""
+        if (decision.hold or decision.hit) and self.held is not None:
+            self.held.drop(node.id)
+
+    async def _stores_landed(self, node: Node, record: Inode, decision: Decision, content: Content) -> None:
+        """Wait for the stores still queued for ``record``'s pages before an open that superseded others is
+        answered: one an older open queued while this one waited for storage (a read of it came meanwhile)
+        would land after the answer, and this open's private mapping of the file (which reads through the page
+        cache, direct_io or not) would find the other bytes' pages. None is queued after this: the superseded
+        opens' reads fail before they push."""
+        pushes = record.pushes
+        if pushes is None:
+            return
+        try:
+            await pushes.done.wait()
+        except BaseException:
+            content.close()
+            self._unheld(node, decision)
+            raise
 
     @staticmethod
     def _serving_other_bytes(record: Inode, content: Content) -> list[Handle]:

@@ -351,6 +351,55 @@ def test_an_open_waits_for_the_stores_queued_by_an_earlier_open(tmp_path: Path) 
 
     trio.run(scenario)
 
+def test_an_open_that_supersedes_another_waits_for_the_store_it_queued_meanwhile(tmp_path: Path) -> None:
+    """An older open's read while a newer open waits for storage queues a store of the old bytes; the newer open
+    supersedes it, and is answered only once that store has landed: after its answer, its private mapping of
+    the file (read through the page cache, direct_io or not) would have found the old bytes' pages."""
+    import threading
+
+    old = os.urandom(3_000_000)
+    ops, kernel = _push_ops(tmp_path, {"a": old})
+    ino = run(ops.lookup, ROOT_ID, b"a", CTX).st_ino
+    reader = ops.data_path.reader
+    real_open = reader.open
+    go = threading.Event()
+
+    def open_when_told(node):  # type: ignore[no-untyped-def]
+        go.wait(30)
+        return real_open(node)
+
+    opened: list[pyfuse3.FileInfo] = []
+
+    async def scenario() -> None:
+        first = (await ops.open(ino, os.O_RDONLY, CTX)).fh
+        await ops.read(first, 0, 4096)
+        kernel.deliver(ok=False)  # not taken: its bytes stay with the open, pushed again at its next read
+        (tmp_path / "src" / "a").write_bytes(os.urandom(len(old)))  # rewritten in place, same size
+        reader.open = open_when_told
+
+        async def second_open() -> None:
+            opened.append(await ops.open(ino, os.O_RDONLY, CTX))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(second_open)
+            await trio.testing.wait_all_tasks_blocked()  # the second open waits for storage
+            assert bytes(await ops.read(first, 4096, 4096)) == old[4096:8192]
+            assert kernel.pending  # the old bytes' store, queued
+            go.set()
+            with trio.move_on_after(10):
+                while not opened and not ops.inodes[ino].pushes.done.statistics().tasks_waiting:
+                    await trio.sleep(0.01)
+            assert not opened, "answered with the old bytes' store still to land"
+            kernel.deliver()
+        assert opened[0].direct_io
+        with pytest.raises(pyfuse3.FUSEError):  # superseded
+            await ops.read(first, 8192, 4096)
+        await ops.release(first)
+        await ops.release(opened[0].fh)
+
+    trio.run(scenario)
+
+
 def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) -> None:
     ops = ops_over(tmp_path, FILES, 1.0)
     for name, data in FILES.items():  # the cache now holds every file
