@@ -25,9 +25,12 @@ def read_span(fd: int, start: int, end: int, *, direct: bool = True) -> memoryvi
     """Bytes ``[start, end)`` of the file open at ``fd`` (``start`` page-aligned; fewer at the end of the file),
     read without leaving them in the page cache.
 
-    O_DIRECT, into a page-aligned pool buffer. Filesystems without O_DIRECT (tmpfs, some FUSE and network
-    filesystems) refuse it with EINVAL; they are read buffered and their pages dropped after.
+    O_DIRECT, into a page-aligned pool buffer (the descriptor is left so: its callers close it after).
+    Filesystems without O_DIRECT (tmpfs, some FUSE and network filesystems) refuse it with EINVAL; they are read
+    buffered and their pages dropped after.
     """
+    if end <= start:  # nothing: not a slice of a pool buffer up to a negative length, another file's bytes
+        return memoryview(b"")
     if direct and _set_direct(fd, True):
         view = POOL.take(max(_ALIGN, -(-(end - start) // _ALIGN) * _ALIGN))
         try:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+from pathlib import Path
 
-from liquidfs.sysio.directio import BufferPool
+from liquidfs.sysio.directio import POOL, BufferPool, read_span
 
 
 def _resident(buf: mmap.mmap) -> int:
@@ -42,3 +44,21 @@ def test_a_buffer_kept_for_good_gives_back_its_pages_past_the_bytes_kept() -> No
     after = _resident(buf)
     assert after <= 110_000 + 2 * mmap.PAGESIZE + (before - (2 << 20))  # what it keeps, and no page past it
     assert bytes(small) == b"s" * 110_000  # the bytes kept, untouched
+
+
+def test_a_span_that_ends_before_it_starts_is_no_bytes(tmp_path: Path) -> None:
+    """Never a slice of a pool buffer up to a negative length: the bytes of the file it held before."""
+    before = tmp_path / "before"
+    before.write_bytes(b"S" * 8192)
+    fd = os.open(before, os.O_RDONLY)
+    try:
+        POOL.give(read_span(fd, 0, 8192))  # the pool's buffer now holds another file's bytes
+    finally:
+        os.close(fd)
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert bytes(read_span(fd, 4096, 10)) == b"" and bytes(read_span(fd, 0, 0)) == b""
+    finally:
+        os.close(fd)
