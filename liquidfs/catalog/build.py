@@ -25,7 +25,7 @@ from ..sysio.progress import Progress
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
 from .identity import INT64_MAX, file_version, stored_ns
-from .nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
+from .nodes import CONTROL_NAME, KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from .scan import START_AFTER, Warmer
 from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES,
                      UNLISTED, CatalogError, schema_version)
@@ -355,6 +355,10 @@ def _walk(root: bytes, root_fd: int, writer: _Writer, progress: bool) -> ScanRep
                         log.warning("%r: a name no entry of the mount can have; not shown", abs_dir + b"/" + name)
                         report.ignored += 1
                         continue
+                    if rel == CONTROL_NAME:  # the mount's own control file: this entry could never be reached
+                        log.warning("%r: the mount's control file has this name; not shown", abs_dir + b"/" + name)
+                        report.ignored += 1
+                        continue
                     if rel in mounted:  # (its stat would go to the filesystem mounted there: never, as root)
                         log.warning("%r: another filesystem is mounted there; not shown", abs_dir + b"/" + name)
                         report.ignored += 1
@@ -470,6 +474,12 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
     return report
 
 
+def _unshowable_key(parts: Sequence[bytes]) -> bool:
+    """An object's key (its components) with one that no directory entry can be named, or that names the mount's
+    control file at its root (the mount answers that name itself: the object could never be reached)."""
+    return parts[0] == CONTROL_NAME or any(map(_unshowable, parts))
+
+
 def _unshowable(part: bytes) -> bool:
     """A component of an object's key that no directory entry can be named."""
     return part in (b"", b".", b"..") or len(part) > 255 or b"\0" in part
@@ -504,11 +514,11 @@ def _objects_into(objects: Iterable[tuple[str, int, str, int]], writer: _Writer,
     for rel, size, etag, mtime_ns in objects:
         path = rel.encode("utf-8", "surrogateescape")
         parts = path.split(b"/")
-        if path.endswith(b"/") and size == 0 and not any(map(_unshowable, parts[:-1])):
+        if path.endswith(b"/") and size == 0 and not _unshowable_key(parts[:-1]):
             directory(path[:-1])  # a "folder" marker object made by consoles and s3fs: an empty directory
             continue
         parent_path, _, name = path.rpartition(b"/")
-        if any(map(_unshowable, parts)) or path in dirs or not 0 <= size <= INT64_MAX:
+        if _unshowable_key(parts) or path in dirs or not 0 <= size <= INT64_MAX:
             log.warning("object %r (%d bytes) cannot be shown as a file; left out", rel, size)
             report.ignored += 1
             continue

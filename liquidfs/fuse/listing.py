@@ -38,7 +38,7 @@ import pyfuse3
 
 from ..catalog import listings
 from ..catalog.catalog import Catalog
-from ..catalog.nodes import Node
+from ..catalog.nodes import CONTROL_NAME, ROOT_ID, Node
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,7 @@ def list_plus(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     the entries without the lookups). How many were listed."""
     listed = 0
     for node in child_rows(catalog.children, parent, after, FIRST_ROWS_PLUS, lambda node: node.id):
-        if not listings.fit_name(node.name):
-            _unfit(catalog, parent, node.name)
+        if not _listable(catalog, parent, node.name):
             continue
         if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
             break
@@ -135,7 +134,9 @@ def list_bare(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     (READDIRPLUS). From the catalog's packed listing where it has one, else (or from a malformed record on)
     from its rows. How many were listed with attributes, how many without, and how many of those from the
     packed listing."""
-    if not (PACKED and catalog.has_listings):
+    if not (PACKED and catalog.has_listings) or (parent == ROOT_ID and catalog.lookup(ROOT_ID, CONTROL_NAME)):
+        # (the root of a catalog from before scans left out an entry named as the control file: its rows, which
+        # leave it out here)
         return (*_bare_from_rows(catalog, parent, after, token, attrs, looked_up), 0)
     with_attrs, packed, rest_after = _bare_from_packed(catalog, parent, after, token, attrs, looked_up)
     if rest_after is None:
@@ -190,6 +191,16 @@ def _malformed(catalog: Catalog, parent: int, pos: int) -> None:
                     "from its rows", parent, catalog.path, pos)
 
 
+def _listable(catalog: Catalog, parent: int, name: bytes) -> bool:
+    """Whether a row of ``parent`` named ``name`` is listed: never one whose name no directory entry can have
+    (``listings.fit_name``), nor an entry of the root named as the mount's control file, which a lookup never
+    reaches (a READDIRPLUS that carried its attributes would have the kernel take it for the control file)."""
+    if not listings.fit_name(name):
+        _unfit(catalog, parent, name)
+        return False
+    return not (parent == ROOT_ID and name == CONTROL_NAME)
+
+
 def _unfit(catalog: Catalog, parent: int, name: bytes) -> None:
     """A row whose name no directory entry can have (``listings.fit_name``): left out of the listing, said once a
     directory (for so many)."""
@@ -208,8 +219,7 @@ def _bare_from_rows(catalog: Catalog, parent: int, after: int, token: pyfuse3.Re
     with_attrs = bare = 0
     first = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
     for ident, name, mode in child_rows(catalog.child_entries, parent, after, first, lambda row: row[0]):
-        if not listings.fit_name(name):
-            _unfit(catalog, parent, name)
+        if not _listable(catalog, parent, name):
             continue
         node = None if not plus or stat.S_ISREG(mode) else catalog.get(ident)
         if node is None:

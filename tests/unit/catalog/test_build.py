@@ -43,9 +43,13 @@ def test_catalog_from_a_listing(tmp_path: Path) -> None:
         ("train", 1, '"x"', 1),                      # a file named like a directory
         ("negative.png", -5, '"x"', 1),              # a size no file has (an endpoint's answer, not taken as is)
         ("x" * 256 + "/", 0, '"d"', 1),              # a marker whose name no directory entry can have
+        (".__liquidfs__", 3, '"x"', 1),              # the mount's control file's name: it answers that itself
+        (".__liquidfs__/stats", 3, '"x"', 1),
+        (".__liquidfs__/", 0, '"d"', 1),
+        ("train/.__liquidfs__", 6, '"e5"', 1),       # below the root, a name like any other
     ]
     report = build_from_objects(iter(listing), tmp_path, "s3://b/cs")
-    assert (report.files, report.ignored) == (4, 6)
+    assert (report.files, report.ignored) == (5, 9)
     cat = Catalog.open(tmp_path)
     try:
         tree = _tree(cat)
@@ -55,6 +59,7 @@ def test_catalog_from_a_listing(tmp_path: Path) -> None:
         assert tree[b"empty-folder"][0] == KIND_DIR
         assert b"bad/../escape" not in tree and b"README.txt/child" not in tree
         assert b"negative.png" not in tree and b"x" * 256 not in tree
+        assert not [p for p in tree if p.startswith(b".__liquidfs__")] and b"train/.__liquidfs__" in tree
         aachen = cat.lookup(cat.lookup(ROOT_ID, b"train").id, b"aachen")  # type: ignore[union-attr]
         assert aachen is not None and aachen.mtime_ns == 3_000  # a directory is as new as its newest object
         assert cat.meta("source") == "s3://b/cs" and cat.meta("source_kind") == "s3"
@@ -785,3 +790,22 @@ def test_a_working_copy_interrupted_in_its_publish_is_not_published_again(tmp_pa
     catalog = Catalog.open(store, readonly=True)
     assert catalog.is_fresh()
     catalog.close()
+
+
+def test_an_entry_named_as_the_control_file_is_shown_only_below_the_root(tmp_path: Path) -> None:
+    """The mount answers ``.__liquidfs__`` at its root itself: an entry of the source's root of that name (made by
+    whoever writes the dataset) could never be reached, and listed with its attributes it took the control file's
+    name in the kernel's dentries (``stats --probe`` failed, ``umount`` read its bytes). Left out; one below the
+    root is an entry like any other."""
+    src = tmp_path / "src"
+    (src / ".__liquidfs__").mkdir(parents=True)
+    (src / ".__liquidfs__" / "x.png").write_bytes(b"png")
+    (src / "d").mkdir()
+    (src / "d" / ".__liquidfs__").write_bytes(b"png")
+    report = build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=True)
+    try:
+        assert catalog.lookup(ROOT_ID, b".__liquidfs__") is None and report.ignored == 1
+        assert {node.path for node in catalog.files()} == {b"d/.__liquidfs__"}
+    finally:
+        catalog.close()

@@ -20,7 +20,7 @@ from operations import daemon_operations
 from liquidfs.catalog import listings
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
-from liquidfs.catalog.nodes import ROOT_ID
+from liquidfs.catalog.nodes import CONTROL_ID, CONTROL_NAME, ROOT_ID
 from liquidfs.fuse import listing
 from liquidfs.fuse.operations import Operations
 from liquidfs.stores.local.reader import StoreReader
@@ -251,6 +251,18 @@ def test_a_packed_record_never_names_another_node(ops: Operations) -> None:
     assert inner.id not in {e[1] for e in entries}
 
 
+def _root_names(ops: Operations, plus: bool) -> list[bytes]:
+    """The names a whole listing of the root gives, in replies of 40 entries."""
+    entries, offset = [], 0
+    while True:
+        reply = Reply(plus, 40)
+        trio.run(ops.readdir, ROOT_ID, offset, reply)
+        if not reply.entries:
+            return [e[0] for e in entries]
+        entries += reply.entries
+        offset = reply.entries[-1][3]
+
+
 @pytest.mark.parametrize("plus", [True, False])
 def test_a_row_named_as_no_file_can_be_is_left_out_of_the_listing(ops: Operations, plus: bool,
                                                                     monkeypatch: pytest.MonkeyPatch,
@@ -265,15 +277,21 @@ def test_a_row_named_as_no_file_can_be_is_left_out_of_the_listing(ops: Operation
         for name, to in bad.items():
             db.execute("UPDATE nodes SET name=? WHERE parent=? AND name=?", (to, ROOT_ID, name))
     db.close()
-    entries, offset = [], 0
-    while True:
-        reply = Reply(plus, 40)
-        trio.run(ops.readdir, ROOT_ID, offset, reply)
-        if not reply.entries:
-            break
-        entries += reply.entries
-        offset = reply.entries[-1][3]
-    names = [e[0] for e in entries]
+    names = _root_names(ops, plus)
     assert len(names) == FILES - len(bad) and not set(bad.values()) & set(names)
     assert all(listings.fit_name(n) for n in names) and b"f0003.bin" in names
     assert "which no file can be named" in caplog.text
+
+
+@pytest.mark.parametrize("plus", [True, False])
+def test_a_root_row_named_as_the_control_file_is_never_listed(ops: Operations, plus: bool) -> None:
+    """A catalog from before scans left it out may have a root entry named ``.__liquidfs__``: the mount answers
+    that name itself (its control file), and a READDIRPLUS that listed the row with its attributes had the kernel
+    take the row's node for the control file. Left out of every listing, packed or from the rows."""
+    db = sqlite3.connect(ops.catalog.path)
+    with db:
+        db.execute("UPDATE nodes SET name=? WHERE parent=? AND name=?", (CONTROL_NAME, ROOT_ID, b"f0001.bin"))
+    db.close()
+    names = _root_names(ops, plus)
+    assert len(names) == FILES - 1 and CONTROL_NAME not in names and b"f0001.bin" not in names
+    assert trio.run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX).st_ino == CONTROL_ID
