@@ -67,6 +67,13 @@ _BLOCK = 512
 #: Distinct errors logged at warning level; repeats (a reader retrying a broken file) go to debug.
 _MAX_LOGGED = 10_000
 
+#: The errnos a storage error is answered with as it is; any other is EIO. ENOSYS to an OPEN tells the kernel
+#: that this filesystem has no OPEN at all, and it sends none, nor a RELEASE, for the rest of the mount (the reads
+#: that follow carry no handle: a dead mount); another to a request that may have none stops those for good too.
+#: A number no errno has (1000 or more: ERANGE from libfuse; 512 to 999: a reply the kernel refuses, leaving the
+#: caller waiting) is never passed on.
+_PASSED_ON = frozenset(errno.errorcode) - {errno.ENOSYS}
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -94,7 +101,7 @@ def _handler(func: Callable[P, Coroutine[Any, Any, R]]) -> Callable[P, Coroutine
             raise
         except OSError as exc:
             ops.stats.errors += 1
-            code = exc.errno or errno.EIO
+            code = exc.errno if exc.errno in _PASSED_ON else errno.EIO
             first = ops.first_error((name, code, exc.filename, exc.strerror))
             log.log(logging.WARNING if first else logging.DEBUG, "%s: %s", name, exc)
             raise FUSEError(code) from None
@@ -557,7 +564,15 @@ class Operations(pyfuse3.Operations):
         raise FUSEError(errno.EROFS)
 
     setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
-    write = create = setxattr = removexattr = fsync = fsyncdir = _read_only
+    write = create = setxattr = removexattr = _read_only
+
+    async def _nothing_to_sync(self, *args: Any, **kwargs: Any) -> None:
+        # As a read-only mount of a disk answers fsync of a file open for reading: done, nothing was written (EROFS
+        # failed a tool that syncs what it read, and its copy with it). ENOSYS tells the kernel so for good: it
+        # answers every later fsync itself.
+        raise FUSEError(errno.ENOSYS)
+
+    fsync = fsyncdir = _nothing_to_sync
 
     async def getxattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT,
                        ctx: pyfuse3.RequestContext) -> bytes:

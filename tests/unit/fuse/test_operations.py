@@ -108,6 +108,21 @@ def test_unexpected_exceptions_become_eio(ops: Operations, caplog: pytest.LogCap
             assert info.value.errno == errno.EIO
     assert ops.stats.errors == 4 and caplog.text.count("Traceback") == 1
 
+@pytest.mark.parametrize("code", [errno.ENOSYS, 700, 5000])
+def test_a_storage_error_the_kernel_would_take_for_more_is_answered_eio(ops: Operations, code: int) -> None:
+    """ENOSYS to an OPEN (a FUSE or network source's answer, a seccomp filter's) told the kernel this filesystem
+    has no OPEN: it sent none again, nor RELEASE, and every read after carried no handle. Numbers no errno has
+    were a reply the kernel refuses (the caller left waiting) or libfuse's ERANGE."""
+    def failing(node, **kwargs):
+        raise OSError(code, "from storage")
+
+    ops.data_path.reader.vouch = failing  # type: ignore[method-assign]
+    b = run(ops.lookup, ROOT_ID, b"b.txt", CTX)
+    with pytest.raises(pyfuse3.FUSEError) as info:
+        run(ops.open, b.st_ino, os.O_RDONLY, CTX)
+    assert info.value.errno == errno.EIO
+
+
 def test_a_lookup_whose_row_cannot_be_answered_counts_no_reference(ops: Operations) -> None:
     """A row whose attributes fail (a mode of the wrong type, from a store another user wrote) answers the LOOKUP
     with EIO: the kernel holds no reference to forget, so none is counted (it would keep the inode's record for
