@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..catalog.identity import is_digest
+from ..catalog.identity import is_digest, version_inode
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Content, InFront, Reader, check_raw, unfit_raw_row, source_changed_now, source_checked
@@ -123,8 +123,11 @@ class EveryoneReadsNow:
         self._kinds_lock = threading.Lock()
 
     def __call__(self, node: Node) -> bool:
-        return everyone_may_search_above(self.root_fd, self._posix_acls_only) and \
-            everyone_may_read(self.root_fd, node.path, posix_acls_only=self.posix_acls_only)
+        # The file judged is the source the catalog describes (its inode), whose object is served: never one
+        # swapped in for the judgement. A row that names no inode is nobody's to judge.
+        inode = version_inode(node.etag)
+        return inode is not None and everyone_may_search_above(self.root_fd, self._posix_acls_only) and \
+            everyone_may_read(self.root_fd, node.path, posix_acls_only=self.posix_acls_only, inode=inode)
 
     def _posix_acls_only(self, fd: int) -> bool:
         device = os.fstat(fd).st_dev

@@ -151,31 +151,42 @@ def _dac_caps_dropped() -> bool:
     return _DAC_CAPS_DROP
 
 
-def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False) -> bool:
+def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False, inode: int | None = None) -> bool:
     """Whether every user may open ``rel`` below ``root_fd`` for reading now, by the bits for others and for the
     group: each directory on the way searchable (o+x, g+x) and the file readable (o+r, g+r), and by the entries
     of any extended POSIX ACL among them (``_acl_grants_all``). Asking as some user (nobody) would be answered
     by the owner's bits where that user owns the file (an NFS server's squashed files, a container's unmapped
     ids). ``posix_acls_only``: the filesystem has no ACLs but POSIX ones (``POSIX_ACLS_ONLY``), so one that
     supports none has none; elsewhere (an NFSv4 or SMB mount has ACLs of its own, which these calls do not
-    read) nothing is everyone's unless it has a POSIX ACL to read. Blocks: a worker thread's."""
+    read) nothing is everyone's unless it has a POSIX ACL to read. ``inode``: the file judged must be this one
+    (the source the caller reads). Blocks: a worker thread's.
+
+    One walk, a component at a time from the directory judged last: each step judged is the one the next is
+    reached through. A walk per prefix judged one directory and reached the file through another: a writer of
+    a directory on the way swapped a private subdirectory for a public one of theirs between the two walks
+    (``renameat2(RENAME_EXCHANGE)``), and a file of the private one was judged everyone's."""
     # The group's bits too: a group whose bits lack what others have (0604) is shut out, so not everyone may.
     search, read = stat.S_IXOTH | stat.S_IXGRP, stat.S_IROTH | stat.S_IRGRP
     try:
         parts = catalog_parts(rel)
         if not _grants_all(root_fd, search, stat.S_ISDIR, posix_acls_only):
             return False
-        for i in range(1, len(parts) + 1):
-            fd = path_below(root_fd, b"/".join(parts[:i]))
-            try:
+        fd = root_fd
+        try:
+            for i, part in enumerate(parts, 1):
+                step = path_below(fd, part)  # one name: no link, never onto another filesystem
+                if fd != root_fd:
+                    os.close(fd)
+                fd = step
                 if not (_grants_all(fd, read, stat.S_ISREG, posix_acls_only) if i == len(parts) else
                         _grants_all(fd, search, stat.S_ISDIR, posix_acls_only)):
                     return False
-            finally:
+            return inode is None or os.fstat(fd).st_ino == inode
+        finally:
+            if fd != root_fd:
                 os.close(fd)
     except OSError:  # gone, a link on the way, another filesystem, a path the catalog should not hold
         return False
-    return True
 
 
 def everyone_may_search_above(root_fd: int, posix_acls_only: Callable[[int], bool]) -> bool:

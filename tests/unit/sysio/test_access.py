@@ -257,3 +257,50 @@ def test_a_check_refuses_where_taking_the_callers_ids_keeps_the_daemons_capabili
         assert access.readable_inode(root_fd, b"d/all.txt", NOBODY, NOBODY, None) is None
     finally:
         os.close(root_fd)
+
+
+def test_everyone_may_read_judges_the_directories_the_file_is_reached_through(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer of the source's root swaps a private directory (0700, a public file in it) for a public one of
+    theirs while the check runs: each directory judged is the one the walk goes on through, and the file judged
+    must be the one the caller reads (its inode). A walk per prefix judged the public directory, then reached the
+    file through the private one: the private file went to memcached in clear text."""
+    source = tmp_path / "src"
+    (source / "d").mkdir(parents=True)
+    (source / "theirs").mkdir()
+    for where in ("d", "theirs"):
+        (source / where / "f.png").write_bytes(b"png")
+        (source / where / "f.png").chmod(0o644)
+    source.chmod(0o755)
+    (source / "d").chmod(0o700)
+    (source / "theirs").chmod(0o755)
+    private = (source / "d" / "f.png").stat().st_ino
+
+    def swap() -> None:
+        os.rename(source / "d", source / "x")
+        os.rename(source / "theirs", source / "d")
+        os.rename(source / "x", source / "theirs")
+
+    real = access._grants_all
+    judged: list[int] = []
+
+    def swapping(fd: int, *args: object) -> bool:
+        judged.append(fd)
+        answer = real(fd, *args)  # type: ignore[arg-type]
+        if len(judged) == 2:  # "d" judged: swapped back before the file is reached
+            swap()
+        return answer
+
+    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert not access.everyone_may_read(root, b"d/f.png", inode=private)  # as it is: private
+        swap()  # "d" is theirs, public, when it is judged
+        monkeypatch.setattr(access, "_grants_all", swapping)
+        assert not access.everyone_may_read(root, b"d/f.png", inode=private)
+        assert len(judged) == 3
+        monkeypatch.setattr(access, "_grants_all", real)
+        (source / "d").chmod(0o755)  # opened up: the file is everyone's, and only that file is the one asked of
+        assert access.everyone_may_read(root, b"d/f.png", inode=private)
+        assert not access.everyone_may_read(root, b"d/f.png", inode=private + 1)
+    finally:
+        os.close(root)
