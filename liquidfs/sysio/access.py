@@ -15,6 +15,7 @@ deny nothing beyond the bits (``docs/guarantees.md``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
@@ -22,7 +23,7 @@ import os
 import platform
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 
 from .paths import catalog_parts, open_below, path_below, stat_below
 
@@ -169,24 +170,35 @@ def everyone_may_read(root_fd: int, rel: bytes, *, posix_acls_only: bool = False
     search, read = stat.S_IXOTH | stat.S_IXGRP, stat.S_IROTH | stat.S_IRGRP
     try:
         parts = catalog_parts(rel)
-        if not _grants_all(root_fd, search, stat.S_ISDIR, posix_acls_only):
-            return False
-        fd = root_fd
-        try:
-            for i, part in enumerate(parts, 1):
-                step = path_below(fd, part)  # one name: no link, never onto another filesystem
-                if fd != root_fd:
-                    os.close(fd)
-                fd = step
-                if not (_grants_all(fd, read, stat.S_ISREG, posix_acls_only) if i == len(parts) else
-                        _grants_all(fd, search, stat.S_ISDIR, posix_acls_only)):
-                    return False
-            return inode is None or os.fstat(fd).st_ino == inode
-        finally:
+        with contextlib.closing(_each_step(root_fd, parts)) as steps:
+            for depth, fd in enumerate(steps):
+                if depth < len(parts):
+                    if not _grants_all(fd, search, stat.S_ISDIR, posix_acls_only):
+                        return False
+                else:
+                    return _grants_all(fd, read, stat.S_ISREG, posix_acls_only) and (
+                        inode is None or os.fstat(fd).st_ino == inode)
+    except OSError:  # gone, a link on the way, another filesystem, a path the catalog should not hold
+        pass
+    return False
+
+
+def _each_step(root_fd: int, parts: list[bytes]) -> Generator[int, None, None]:
+    """``root_fd``, then a descriptor (O_PATH) of each of ``parts`` in turn, each reached from the one before it
+    by its name alone (``path_below``: no link, never onto another filesystem), and closed once the next is had:
+    what the caller judges at each step is what the walk goes on through."""
+    fd = root_fd
+    try:
+        yield fd
+        for part in parts:
+            step = path_below(fd, part)
             if fd != root_fd:
                 os.close(fd)
-    except OSError:  # gone, a link on the way, another filesystem, a path the catalog should not hold
-        return False
+            fd = step
+            yield fd
+    finally:
+        if fd != root_fd:
+            os.close(fd)
 
 
 def everyone_may_search_above(root_fd: int, posix_acls_only: Callable[[int], bool]) -> bool:
@@ -267,18 +279,21 @@ def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int
     """The owner, group or other bits of every directory on the way (search) and of the file (read): its inode
     number where they permit."""
     parts = catalog_parts(rel)
-    try:
-        chain = [os.fstat(root_fd)] + [stat_below(root_fd, b"/".join(parts[:i])) for i in range(1, len(parts) + 1)]
-    except OSError:
-        return None
-    *dirs, file = chain
     mine = {gid, *groups}
 
     def permits(st: os.stat_result, bit: int) -> bool:
         shift = 6 if uid == st.st_uid else 3 if st.st_gid in mine else 0
         return bool(st.st_mode >> shift & bit)
 
-    if (all(stat.S_ISDIR(st.st_mode) and permits(st, 1) for st in dirs)
-            and stat.S_ISREG(file.st_mode) and permits(file, 4)):
-        return file.st_ino
+    try:  # one walk, as ``everyone_may_read``'s: each directory judged is the one the file is reached through
+        with contextlib.closing(_each_step(root_fd, parts)) as steps:
+            for depth, fd in enumerate(steps):
+                st = os.fstat(fd)
+                if depth < len(parts):
+                    if not (stat.S_ISDIR(st.st_mode) and permits(st, 1)):
+                        return None
+                elif stat.S_ISREG(st.st_mode) and permits(st, 4):
+                    return st.st_ino
+    except OSError:
+        pass
     return None

@@ -259,48 +259,82 @@ def test_a_check_refuses_where_taking_the_callers_ids_keeps_the_daemons_capabili
         os.close(root_fd)
 
 
+class SwappedMidWalk:
+    """A source whose root another user may write: ``d`` is private (0700, a public file in it), ``theirs`` a
+    public directory of that user's with a file of the same name. ``swap`` exchanges the two names (as
+    ``renameat2(RENAME_EXCHANGE)`` does in one step); ``hook`` makes a walk's first step through ``d`` swap them
+    right after it, before the file is reached."""
+
+    def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.source = source = tmp_path / "src"
+        (source / "d").mkdir(parents=True)
+        (source / "theirs").mkdir()
+        for where in ("d", "theirs"):
+            (source / where / "f.png").write_bytes(b"png")
+            (source / where / "f.png").chmod(0o644)
+        source.chmod(0o755)
+        (source / "d").chmod(0o700)
+        (source / "theirs").chmod(0o755)
+        self.private = (source / "d" / "f.png").stat().st_ino
+        self.monkeypatch = monkeypatch
+        self.swaps = 0
+
+    def swap(self) -> None:
+        os.rename(self.source / "d", self.source / "x")
+        os.rename(self.source / "theirs", self.source / "d")
+        os.rename(self.source / "x", self.source / "theirs")
+        self.swaps += 1
+
+    def hook(self) -> None:
+        """Every walk of access's (a prefix's or a name's at a time) swaps back once ``d`` has been reached."""
+        for name in ("path_below", "stat_below"):
+            real = getattr(access, name)
+
+            def walking(dir_fd: int, rel: bytes, *args: object, _real=real, **kwargs: object) -> object:
+                found = _real(dir_fd, rel, *args, **kwargs)
+                if rel == b"d" and self.swaps == 1:
+                    self.swap()
+                return found
+
+            self.monkeypatch.setattr(access, name, walking)
+
+
+@NEEDS_ROOT
 def test_everyone_may_read_judges_the_directories_the_file_is_reached_through(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """A writer of the source's root swaps a private directory (0700, a public file in it) for a public one of
-    theirs while the check runs: each directory judged is the one the walk goes on through, and the file judged
-    must be the one the caller reads (its inode). A walk per prefix judged the public directory, then reached the
-    file through the private one: the private file went to memcached in clear text."""
-    source = tmp_path / "src"
-    (source / "d").mkdir(parents=True)
-    (source / "theirs").mkdir()
-    for where in ("d", "theirs"):
-        (source / where / "f.png").write_bytes(b"png")
-        (source / where / "f.png").chmod(0o644)
-    source.chmod(0o755)
-    (source / "d").chmod(0o700)
-    (source / "theirs").chmod(0o755)
-    private = (source / "d" / "f.png").stat().st_ino
-
-    def swap() -> None:
-        os.rename(source / "d", source / "x")
-        os.rename(source / "theirs", source / "d")
-        os.rename(source / "x", source / "theirs")
-
-    real = access._grants_all
-    judged: list[int] = []
-
-    def swapping(fd: int, *args: object) -> bool:
-        judged.append(fd)
-        answer = real(fd, *args)  # type: ignore[arg-type]
-        if len(judged) == 2:  # "d" judged: swapped back before the file is reached
-            swap()
-        return answer
-
-    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+    """A writer of the source's root swaps a private directory for a public one of theirs while the check runs:
+    each directory judged is the one the walk goes on through, and the file judged must be the one the caller
+    reads (its inode). A walk per prefix judged the public directory, then reached the private one's file: that
+    file went to memcached in clear text."""
+    tree = SwappedMidWalk(tmp_path, monkeypatch)
+    root = os.open(tree.source, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert not access.everyone_may_read(root, b"d/f.png", inode=private)  # as it is: private
-        swap()  # "d" is theirs, public, when it is judged
-        monkeypatch.setattr(access, "_grants_all", swapping)
-        assert not access.everyone_may_read(root, b"d/f.png", inode=private)
-        assert len(judged) == 3
-        monkeypatch.setattr(access, "_grants_all", real)
-        (source / "d").chmod(0o755)  # opened up: the file is everyone's, and only that file is the one asked of
-        assert access.everyone_may_read(root, b"d/f.png", inode=private)
-        assert not access.everyone_may_read(root, b"d/f.png", inode=private + 1)
+        assert not access.everyone_may_read(root, b"d/f.png", inode=tree.private)  # as it is: private
+        tree.swap()  # "d" is theirs, public, when it is judged
+        tree.hook()
+        assert not access.everyone_may_read(root, b"d/f.png", inode=tree.private)
+        assert tree.swaps == 2
+        monkeypatch.undo()
+        (tree.source / "d").chmod(0o755)  # opened up: everyone's, and only the file asked of is that one
+        assert access.everyone_may_read(root, b"d/f.png", inode=tree.private)
+        assert not access.everyone_may_read(root, b"d/f.png", inode=tree.private + 1)
+    finally:
+        os.close(root)
+
+
+@NEEDS_ROOT
+def test_a_check_by_modes_answers_the_inode_reached_through_the_directories_judged(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same swap against a daemon that cannot take the caller's ids (its modes judged): the inode answered,
+    the only one the open then serves, is the file of the directory judged, never the private one's."""
+    tree = SwappedMidWalk(tmp_path, monkeypatch)
+    monkeypatch.setattr(access, "can_switch", lambda: False)
+    root = os.open(tree.source, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.readable_inode(root, b"d/f.png", NOBODY, NOBODY, None) is None
+        tree.swap()
+        tree.hook()
+        assert access.readable_inode(root, b"d/f.png", NOBODY, NOBODY, None) != tree.private
+        assert tree.swaps == 2
     finally:
         os.close(root)
