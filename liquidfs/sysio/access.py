@@ -33,8 +33,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.setfsuid.restype = ctypes.c_int
 _libc.setfsgid.restype = ctypes.c_int
-#: setgroups(2) as a raw system call: per thread. The number differs by architecture; elsewhere the modes decide.
-_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}.get(platform.machine())
+#: setgroups(2) as a raw system call: per thread. The number differs by architecture (the generic table's, 159, is
+#: aarch64's, riscv64's and loongarch64's); elsewhere the modes decide, and a root daemon says so once.
+_SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159, "riscv64": 159, "loongarch64": 159}.get(platform.machine())
+_said_modes_only = False
 
 
 def caller_groups(pid: int) -> list[int] | None:
@@ -86,6 +88,11 @@ def readable_inode(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[in
             return None
     catalog_parts(rel)
     if not can_switch():
+        global _said_modes_only
+        if _SYS_SETGROUPS is None and os.geteuid() == 0 and not _said_modes_only:
+            _said_modes_only = True
+            log.warning("other users' opens are judged by the modes alone, ACLs not read: this daemon does not know "
+                        "setgroups(2)'s number on %s", platform.machine())
         return _modes_permit(root_fd, rel, uid, gid, groups or [])
     return _open_as(root_fd, rel, uid, gid, groups or [])
 
@@ -105,9 +112,9 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
                     return None
                 fd = open_below(root_fd, rel)
             except OSError as exc:
-                if exc.errno not in (errno.EACCES, errno.EPERM):
-                    log.debug("permission check of %r for uid %d: %s", rel, uid, exc)
-                return None
+                if exc.errno in _REFUSALS:
+                    return None
+                raise  # the file gone (ENOENT), the daemon out of descriptors: said as what it is, not EACCES
             else:
                 try:
                     return os.fstat(fd).st_ino
@@ -124,6 +131,11 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
             log.critical("a worker thread kept another user's credentials: stopping the daemon")
             os.abort()
 
+
+#: Errors of a caller's check that refuse the open (EACCES): the caller may not, or the walk met a link or another
+#: filesystem on the way (which no walk of the source crosses). Any other is the open's error as it is: a file
+#: deleted meanwhile is ENOENT, a daemon out of descriptors EMFILE, never a permission the caller lacks.
+_REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.ELOOP, errno.EXDEV})
 
 #: Whether taking a user's filesystem ids drops the capabilities that override file modes (found once, in the
 #: first check: the process's secure bits decide it, and they do not change). None: not found yet.
@@ -294,6 +306,7 @@ def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int
                         return None
                 elif stat.S_ISREG(st.st_mode) and permits(st, 4):
                     return st.st_ino
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno not in _REFUSALS:
+            raise  # as ``_open_as``
     return None
