@@ -17,6 +17,7 @@ from ...sysio.directio import POOL, read_span
 from ...sysio.paths import (
     LOCAL_FILESYSTEMS,
     filesystem_type,
+    filesystem_type_of,
     open_below,
     open_below_stat,
     open_dir,
@@ -51,19 +52,17 @@ class StoreReader:
         self.source_root = source_root
         self.store_dir = store_dir
         self._objects_where = os.fsencode(store_dir / "objects")  # what an object's error names (once, not per open)
-        if held is not None:
-            self.root_fd = os.dup(held[0])
-            self.objects_fd = os.dup(held[1]) if held[1] >= 0 else -1
-        else:
-            # Held from mount time: every path of the catalog is resolved below these, never through the paths
-            # again (a root renamed or swapped for a link while the mount runs serves nothing else).
-            self.root_fd = open_dir(source_root)
-            # The objects directory as the store's owner set it up at mount time (it may be a link to another
-            # disk); names below it are resolved without links.
-            try:
-                self.objects_fd = open_dir(store_dir / "objects")
-            except FileNotFoundError:  # nothing prepared raw
-                self.objects_fd = -1
+        self.root_fd = self.objects_fd = -1
+        try:
+            self._hold_directories(held)
+            self._judge_directories()
+        except BaseException:  # (an objects "directory" that is a file, EMFILE at a dup): none of them kept open
+            self.close()
+            raise
+
+    def _judge_directories(self) -> None:
+        """What the directories held say about serving from them: whether others may rename objects in, and
+        whether a stat is the inode's own (a local filesystem)."""
         # Who may have put each object at its name (``may_serve``): where others may rename the objects
         # directory's subdirectories, nobody's object is trusted; else each subdirectory's stat, taken once.
         self._objects_open = self.objects_fd >= 0 and open_to_others(os.fstat(self.objects_fd))
@@ -72,8 +71,11 @@ class StoreReader:
                         "served, the originals are (chmod go-w, or +t, the directory)", self._objects_where)
         self._subdirs: dict[str, os.stat_result] = {}
         # An object's stamp (``catalog.identity.object_stamp``) vouches for it only where a stat is the inode's own, not
-        # attributes a network or FUSE filesystem may have cached for seconds.
-        self.stamps_vouch = filesystem_type(str(store_dir / "objects")) in LOCAL_FILESYSTEMS
+        # attributes a network or FUSE filesystem may have cached for seconds. Of the directories held, not of
+        # their paths, which may name others by now (by path only where mountinfo shows no mount of the device
+        # held: a btrfs subvolume's).
+        self.stamps_vouch = self.objects_fd >= 0 and (
+            filesystem_type_of(self.objects_fd) or filesystem_type(str(self.store_dir / "objects"))) in LOCAL_FILESYSTEMS
         self._fallbacks = FallbackLog(log)
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
@@ -81,8 +83,24 @@ class StoreReader:
         # too are opened on the loop where this says so (``choose(cached_only=True)``): a cached lookup still
         # asks an NFS or FUSE filesystem at the open itself, so an objects directory elsewhere (a link to
         # another disk) must be local as well, or a server that stops answering holds every request.
-        self.inline_check = filesystem_type(source_root) in LOCAL_FILESYSTEMS and \
-            (self.objects_fd < 0 or self.stamps_vouch)
+        self.inline_check = (filesystem_type_of(self.root_fd) or filesystem_type(self.source_root)) \
+            in LOCAL_FILESYSTEMS and (self.objects_fd < 0 or self.stamps_vouch)
+
+    def _hold_directories(self, held: tuple[int, int] | None) -> None:
+        """The source root and the objects directory, opened (or ``held``'s, duplicated)."""
+        if held is not None:
+            self.root_fd = os.dup(held[0])
+            self.objects_fd = os.dup(held[1]) if held[1] >= 0 else -1
+            return
+        # Held from mount time: every path of the catalog is resolved below these, never through the paths
+        # again (a root renamed or swapped for a link while the mount runs serves nothing else).
+        self.root_fd = open_dir(self.source_root)
+        # The objects directory as the store's owner set it up at mount time (it may be a link to another
+        # disk); names below it are resolved without links.
+        try:
+            self.objects_fd = open_dir(self.store_dir / "objects")
+        except FileNotFoundError:  # nothing prepared raw
+            self.objects_fd = -1
 
     def open_source(self, node: Node, *, cached_only: bool = False) -> int:
         return open_below(self.root_fd, node.path, self.source_root, cached_only=cached_only)

@@ -140,11 +140,35 @@ def test_objects_are_opened_on_the_loop_only_where_their_filesystem_is_local_too
 
     (tmp_path / "src").mkdir()
     (tmp_path / "store" / "objects").mkdir(parents=True)
-    objects = os.fsencode(tmp_path / "store" / "objects")
-    monkeypatch.setattr(local_reader_module, "filesystem_type",
-                        lambda path: objects_on if os.fsencode(path) == objects else "ext4")
+    objects = (tmp_path / "store" / "objects").stat().st_ino
+    monkeypatch.setattr(local_reader_module, "filesystem_type_of",
+                        lambda fd: objects_on if os.fstat(fd).st_ino == objects else "ext4")
+    # The directories held decide, never what their paths name by now (they may have been swapped since)
+    monkeypatch.setattr(local_reader_module, "filesystem_type", lambda path: "ext4" if objects_on != "ext4" else "nfs")
     reader = StoreReader(os.fsencode(tmp_path / "src"), tmp_path / "store")
     try:
-        assert reader.inline_check == (objects_on == "ext4")
+        assert reader.inline_check == (objects_on == "ext4") and reader.stamps_vouch == (objects_on == "ext4")
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("objects", ["file", "unreadable"])
+def test_a_reader_that_cannot_be_made_keeps_no_directory_open(tmp_path: Path, objects: str,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The source root was left open where the objects directory could not be opened (a file of that name) or
+    judged."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "store").mkdir()
+    if objects == "file":
+        (tmp_path / "store" / "objects").write_bytes(b"")
+    else:
+        (tmp_path / "store" / "objects").mkdir()
+
+        def unreadable(fd: int) -> str:
+            raise OSError(errno.EIO, "no")
+
+        monkeypatch.setattr(local_reader_module, "filesystem_type_of", unreadable)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError):
+        StoreReader(os.fsencode(tmp_path / "src"), tmp_path / "store")
+    assert len(os.listdir("/proc/self/fd")) == before
