@@ -54,9 +54,13 @@ class MountsBelow:
     def __init__(self, root: bytes | str) -> None:
         self.root = root
         self._fd = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
-        self._poll = select.poll()
-        self._poll.register(self._fd, select.POLLPRI | select.POLLERR)
-        self.rels = self._read()
+        try:
+            self._poll = select.poll()
+            self._poll.register(self._fd, select.POLLPRI | select.POLLERR)
+            self.rels = self._read()
+        except BaseException:  # (an interrupt amid the read): the table's descriptor goes with it
+            os.close(self._fd)
+            raise
 
     def _read(self) -> frozenset[bytes]:
         os.lseek(self._fd, 0, os.SEEK_SET)

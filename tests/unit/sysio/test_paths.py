@@ -100,3 +100,14 @@ def test_a_kernel_with_openat2_but_no_cached_walks_walks_with_openat2(tmp_path: 
         assert len(asked) == 1
     finally:
         os.close(root)
+
+
+def test_a_mount_table_watch_that_cannot_be_made_keeps_no_descriptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(self: paths.MountsBelow) -> frozenset[bytes]:
+        raise KeyboardInterrupt  # amid the first read of the table
+
+    monkeypatch.setattr(paths.MountsBelow, "_read", failing)
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(KeyboardInterrupt):
+        paths.MountsBelow(b"/")
+    assert len(os.listdir("/proc/self/fd")) == before
