@@ -63,9 +63,9 @@ SUPPORTED = bool(getattr(pyfuse3, "plain_readdir", False))
 PACKED = SUPPORTED and hasattr(pyfuse3, "readdir_reply_packed")
 #: Why ``pyfuse3.readdir_reply_packed`` stopped.
 _END_OF_CHUNK, _REPLY_FULL, _WANTS_ATTRIBUTES = 0, 1, 2
-#: Directories whose malformed packed listing (their id), or a row of an unfit name (minus their id), was logged
-#: (once each, for so many).
-_WARNED: set[int] = set()
+#: What was logged of which directory (its malformed packed listing, a row of an unfit name, a row that cannot be
+#: answered): once each, for so many.
+_WARNED: set[tuple[str, int]] = set()
 _WARNED_AT_MOST = 100
 
 Row = TypeVar("Row")
@@ -117,9 +117,9 @@ def list_plus(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirT
     the entries without the lookups). How many were listed."""
     listed = 0
     for node in child_rows(catalog.children, parent, after, FIRST_ROWS_PLUS, lambda node: node.id):
-        if not _listable(catalog, parent, node.name):
+        if not _listable(catalog, parent, node.name) or (entry := _attributes(catalog, parent, node, attrs)) is None:
             continue
-        if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
+        if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), entry, node.id):
             break
         looked_up(node)
         listed += 1
@@ -176,17 +176,18 @@ def _bare_from_packed(catalog: Catalog, parent: int, after: int, token: pyfuse3.
             if node is None:
                 _malformed(catalog, parent, pos)
                 return with_attrs, bare, after
-            if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs(node), node.id):
-                return with_attrs, bare, None
-            looked_up(node)
-            with_attrs += 1
+            entry = _attributes(catalog, parent, node, attrs)
+            if entry is not None:
+                if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), entry, node.id):
+                    return with_attrs, bare, None
+                looked_up(node)
+                with_attrs += 1
             after, pos = node.id, end
     return with_attrs, bare, None
 
 
 def _malformed(catalog: Catalog, parent: int, pos: int) -> None:
-    if len(_WARNED) < _WARNED_AT_MOST and parent not in _WARNED:
-        _WARNED.add(parent)
+    if _first_time("malformed", parent):
         log.warning("the packed listing of directory %d in %s is malformed at byte %d of a chunk; listing it "
                     "from its rows", parent, catalog.path, pos)
 
@@ -201,11 +202,33 @@ def _listable(catalog: Catalog, parent: int, name: bytes) -> bool:
     return not (parent == ROOT_ID and name == CONTROL_NAME)
 
 
+def _first_time(what: str, parent: int) -> bool:
+    """Whether ``what`` of directory ``parent`` is logged now: the first time, for so many directories."""
+    if len(_WARNED) >= _WARNED_AT_MOST or (what, parent) in _WARNED:
+        return False
+    _WARNED.add((what, parent))
+    return True
+
+
+def _attributes(catalog: Catalog, parent: int, node: Node, attrs: Callable[[Node], pyfuse3.EntryAttributes]
+                ) -> pyfuse3.EntryAttributes | None:
+    """``attrs(node)``; None where its row cannot be answered (a kind or mode no row of a build has: whoever
+    writes the store wrote it), left out of the listing and said once a directory. Raised, it failed the whole
+    reply after the entries before it were counted as lookups the kernel never got (forgotten never), and every
+    later listing of the directory at that row."""
+    try:
+        return attrs(node)
+    except Exception as exc:
+        if _first_time("unanswerable", parent):
+            log.warning("directory %d in %s has an entry (%r) whose row cannot be answered (%r); it is left out of "
+                        "the listing", parent, catalog.path, node.name[:300], exc)
+        return None
+
+
 def _unfit(catalog: Catalog, parent: int, name: bytes) -> None:
     """A row whose name no directory entry can have (``listings.fit_name``): left out of the listing, said once a
     directory (for so many)."""
-    if len(_WARNED) < _WARNED_AT_MOST and -parent not in _WARNED:
-        _WARNED.add(-parent)
+    if _first_time("unfit", parent):
         log.warning("directory %d in %s has an entry named %r, which no file can be named; it is left out of the "
                     "listing", parent, catalog.path, name[:300])
 
@@ -228,8 +251,8 @@ def _bare_from_rows(catalog: Catalog, parent: int, after: int, token: pyfuse3.Re
             if not reply(token, pyfuse3.FileNameT(name), entry, ident, lookup=False):  # type: ignore[call-arg]
                 break
             bare += 1
-        else:
-            if not reply(token, pyfuse3.FileNameT(name), attrs(node), ident):
+        elif (attributes := _attributes(catalog, parent, node, attrs)) is not None:
+            if not reply(token, pyfuse3.FileNameT(name), attributes, ident):
                 break
             looked_up(node)
             with_attrs += 1

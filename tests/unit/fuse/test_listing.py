@@ -295,3 +295,23 @@ def test_a_root_row_named_as_the_control_file_is_never_listed(ops: Operations, p
     names = _root_names(ops, plus)
     assert len(names) == FILES - 1 and CONTROL_NAME not in names and b"f0001.bin" not in names
     assert trio.run(ops.lookup, ROOT_ID, CONTROL_NAME, CTX).st_ino == CONTROL_ID
+
+
+@pytest.mark.parametrize("plus", [True, False])
+def test_a_row_that_cannot_be_answered_is_left_out_and_counts_no_lookup(ops: Operations, plus: bool,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A row whose attributes fail (a kind no build writes: whoever writes the store wrote it) failed the whole
+    READDIRPLUS reply with EIO, after the entries before it were counted as lookups the kernel never got, and
+    every listing of the directory at it. Left out: the rest listed, and each lookup counted is one the kernel has.
+    (A plain READDIR lists it bare, by its mode: no attributes, no lookup.)"""
+    sub = ops.catalog.lookup(ROOT_ID, b"sub")
+    assert sub is not None
+    db = sqlite3.connect(ops.catalog.path)
+    with db:
+        db.execute("UPDATE nodes SET kind=7 WHERE id=?", (sub.id,))  # the only directory of the root
+    db.close()
+    names = _root_names(ops, plus)
+    assert len(names) == FILES - plus and (b"sub" in names) is not plus
+    looked_up = {node.name for node in ops.catalog.children(ROOT_ID, 0, FILES + 1) if ops.inodes.lookups(node.id)}
+    assert b"sub" not in looked_up and looked_up <= set(names)
+    assert ("cannot be answered" in caplog.text) is plus
