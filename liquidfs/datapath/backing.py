@@ -66,6 +66,9 @@ class Backing:
     #: An original's source version where it changed since the scan (``Content.version``); None: the version
     #: the catalog describes, which a later open sharing this backing checks the source against again.
     version: tuple[int, int, int, int] | None = None
+    #: A source's or object's (st_dev, st_ino), from the stat its check took (in a worker thread where a stat may
+    #: wait on a server): what the mount's loops share its backing by (``PassthroughPath._register``).
+    file_id: tuple[int, int] | None = None
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -129,10 +132,10 @@ def resolve(reader: Reader, node: Node, *, verify_reads: bool = False,
             return Backing(fd, content.size, content.raw, kind, content.fallback, level=content.level,
                            version=content.version)
         if content.fd is not None:  # a local file too large to read whole: the source itself
-            checked = stamp(os.fstat(content.fd))  # before the descriptor is taken: one that fails is closed below
+            st = os.fstat(content.fd)  # before the descriptor is taken: one that fails is closed below
             fd, content.fd = content.fd, None
-            return Backing(fd, content.size, content.raw, "source", content.fallback, checked,
-                           version=content.version)
+            return Backing(fd, content.size, content.raw, "source", content.fallback, stamp(st),
+                           version=content.version, file_id=(st.st_dev, st.st_ino))
         return None
     finally:
         content.close()
@@ -147,9 +150,11 @@ def vouched(reader: LendsDescriptors, node: Node, *, cached_only: bool = False) 
     try:
         if not chosen.raw:
             return Backing(chosen.take(), chosen.st.st_size, raw=False, kind="source", fallback=chosen.fallback,
-                           stamp=stamp(chosen.st), version=chosen.version)
+                           stamp=stamp(chosen.st), version=chosen.version,
+                           file_id=(chosen.st.st_dev, chosen.st.st_ino))
         if chosen.sealed and only_we_write(chosen.st):
-            return Backing(chosen.take(), chosen.st.st_size, raw=True, kind="object", stamp=stamp(chosen.st))
+            return Backing(chosen.take(), chosen.st.st_size, raw=True, kind="object", stamp=stamp(chosen.st),
+                           file_id=(chosen.st.st_dev, chosen.st.st_ino))
         return None  # touched since prepare, or writable by others: read whole, checksum checked
     finally:
         chosen.close()

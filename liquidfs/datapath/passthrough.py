@@ -13,6 +13,7 @@ store) is served by a daemon path beside.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -32,8 +33,8 @@ from .backing import (Backing, Closer, SharedBacking, content_digest, drop_pages
                       still_sound, vouched)
 from .daemon import DaemonPath, DaemonPathStatistics
 from .inodes import Handle, Inode
-from .shared_inodes import SharedInodes, signed64
-from .storage_calls import StorageCalls
+from .shared_inodes import Conflict, SharedInodes, signed64
+from .storage_calls import StorageCalls, in_thread
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +182,7 @@ class PassthroughPath:
                 decision = self.held.decide(node.id, record.size_told(node), job)
             backing = await self._backing(node, decision)
             if backing is not None:
-                try:
-                    entry.backing_id = self._register(node, backing)
-                except BaseException:
-                    backing.close()
-                    raise
+                backing, entry.backing_id = await self._registered(node, backing)
             entry.backing = backing
             self._decide_keep(node, entry, decision)
         except BaseException as exc:
@@ -283,6 +280,57 @@ class PassthroughPath:
         opens share (``shared_inodes``)."""
         self.shared, self.loop = shared, loop
 
+    async def _registered(self, node: Node, backing: Backing) -> tuple[Backing, int]:
+        """``backing`` registered (``_register``): the backing this open serves, and its id; where it fails, what it
+        was given is closed.
+
+        With several loops, another loop's open of the file may hold the other kind of backing: its memfd (a hit
+        of its cache) where this open has the file itself, or the file where this one read the bytes whole. Their
+        identities differ (a digest, an inode), but the bytes may well be the same: the next epoch's open of a
+        file read at the end of the last one finds that open's RELEASE still pending (CI: 170 of an epoch's
+        1,500 files), and such a pair failed with EIO. This open's bytes are made the other kind, then, and
+        share that backing where they are the same; only other bytes are refused (``Conflict``)."""
+        try:
+            return backing, self._register(node, backing)
+        except Conflict:
+            try:
+                other = await self._other_kind(node, backing)
+            except BaseException:
+                backing.close()
+                raise
+            if other is None:
+                backing.close()
+                raise
+        except BaseException:
+            backing.close()
+            raise
+        self._close_served(backing)
+        self.stats.backings_recast += 1
+        try:
+            return other, self._register(node, other)
+        except BaseException:
+            other.close()
+            raise
+
+    async def _other_kind(self, node: Node, backing: Backing) -> Backing | None:
+        """``backing``'s bytes as the other kind of backing (``_registered``): a file's copied into a sealed memfd
+        (its digest taken), or the file itself where a memfd holds them and the reader vouches for the file as it
+        is; None where there is no other kind (only loops share backings, and a reader that lends no
+        descriptors has no file to give)."""
+        if self.shared is None:
+            return None
+        if backing.kind in ("source", "object"):
+            fd, digest = await self.blocking_copy(backing, digest=True)
+            return Backing(fd, backing.size, backing.raw, "memfd", backing.fallback, level=backing.level,
+                           digest=digest, version=backing.version)
+        if not self.lends or self.verify_reads:
+            return None
+        found = await self.calls.run(node, vouched, self.reader, node, for_open=True)
+        if found is not None and (found.raw, found.size) != (backing.raw, backing.size):
+            found.close()  # another representation or size than this open decided on: not these bytes
+            return None
+        return found
+
     def _register(self, node: Node, backing: Backing) -> int:
         """The backing id of ``backing`` for this open: registered here, or, with several loops, the one another
         loop registered for the very same file (a backing of other bytes: ``Conflict``, EIO)."""
@@ -296,8 +344,13 @@ class PassthroughPath:
             digest = backing.digest if backing.digest is not None else content_digest(backing.fd, backing.size)
             identity = (-2 - backing.raw, digest)
         else:
-            st = os.fstat(backing.fd)
-            identity = (signed64(st.st_dev), signed64(st.st_ino))
+            # The stat the backing's check took off the loop (an fstat here waited on an NFS or FUSE source's
+            # server with the loop's every request behind it).
+            file_id = backing.file_id
+            if file_id is None:  # (every source or object backing is made with it)
+                st = os.fstat(backing.fd)
+                file_id = (st.st_dev, st.st_ino)
+            identity = (signed64(file_id[0]), signed64(file_id[1]))
         return self.shared.attach(node.id, self.loop, identity, lambda: self.kernel.register(backing.fd),
                                   self.kernel.unregister)
 
@@ -496,8 +549,14 @@ class PassthroughPath:
         return await self.blocking_copy(backing, digest=self.shared is not None)
 
     async def blocking_copy(self, backing: Backing, digest: bool = False) -> tuple[int, int | None]:
-        """The copy (and its digest where asked) in one worker thread: one hop, not two."""
-        return await trio.to_thread.run_sync(_copy_of, backing.fd, backing.size, digest, limiter=self._copies)
+        """The copy (and its digest where asked) in one worker thread: one hop, not two. Under ``--io-timeout``,
+        as every storage call: a copy stuck on a source that stopped answering is abandoned (EIO; its memfd
+        closed whenever it ends), never a RELEASE, nor the unmount after it, waiting for good."""
+        async with self._copies:
+            with trio.move_on_after(self.calls.io_timeout):
+                return await in_thread(functools.partial(_copy_of, backing.fd, backing.size, digest),
+                                       discard=_close_copy)
+        raise OSError(errno.EIO, f"copying a file into memory took more than {self.calls.io_timeout:g} s")
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None
@@ -536,6 +595,11 @@ def _copy_of(fd: int, size: int, digest: bool) -> tuple[int, int | None]:
     except BaseException:
         os.close(copy)
         raise
+
+
+def _close_copy(copied: tuple[int, int | None]) -> None:
+    """What an abandoned copy made (``blocking_copy``): its memfd, closed."""
+    os.close(copied[0])
 
 
 def _count_backing(stats: MountStats, kind: str) -> None:

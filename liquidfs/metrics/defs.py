@@ -89,6 +89,9 @@ METRICS: tuple[Metric, ...] = (
            "Opens whose file was read at its first read instead of at open."),
     Metric("liquidfs_cold_opens_total", COUNTER, "", "cold_opens",
            "Passthrough opens whose inodes were not in memory (opened in a worker thread)."),
+    Metric("liquidfs_backings_recast_total", COUNTER, "", "backings_recast",
+           "With several loops, first opens whose bytes were made the other kind of backing (a memfd, the file "
+           "itself) to share another loop's open's backing of the same bytes."),
     Metric("liquidfs_passthrough_opens_total", COUNTER, "", "passthrough_opens",
            "Opens answered with a backing file: the kernel serves their reads."),
     Metric("liquidfs_backing_opens_total", COUNTER, "", {"source": "backing_source", "object": "backing_object",

@@ -74,6 +74,8 @@ class MountStats:
     backing_memfd: int = 0        # ... from a memfd (a cache hit, an object-store download, a checked read)
     backing_disk: int = 0         # ... from the local disk level (copied into a memfd, checked)
     cold_opens: int = 0           # passthrough opens whose inodes were not in memory (opened in a worker thread)
+    backings_recast: int = 0      # --loops: first opens whose bytes were made the other kind of backing (a memfd,
+                                  # the file) to share another loop's backing of the same bytes
     warmup: str = ""              # mount --warmup: "running" (after the mount reported ready), then "done" or "failed"
     warmup_files: int = 0         # files the warm-up has put in the cache so far
     warmup_bytes: int = 0         # ... and their bytes

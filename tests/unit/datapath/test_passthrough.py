@@ -949,9 +949,54 @@ def test_a_hit_whose_memfd_copy_is_held_up_past_keep_wait_is_served_from_storage
     assert set(level.held_items()) == set(level.policy.held)
 
 
-def _two_loops(store: Path, kernel: FakeKernel) -> tuple[list[Operations], list]:
-    """Two loops of one mount (``mount --loops 2``) over ``store``, files read whole (--verify-reads), and the
-    socket pairs between them (``Peers.close_pairs`` them)."""
+def test_a_release_whose_copy_into_memory_is_stuck_gives_up_past_the_io_timeout(prepared, monkeypatch) -> None:
+    """The copy of a kept file into a memfd at its last release reads the source or object: one that stopped
+    answering held that RELEASE for good (and, past four, every kept file's, and the unmount). Abandoned past
+    --io-timeout: the release returns, the file is not kept, and the copy's memfd is closed once it ends."""
+    import threading
+
+    from liquidfs.datapath import passthrough
+
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    path = ops.data_path
+    path.calls.io_timeout = 0.2
+    entered, stuck, ended = threading.Event(), threading.Event(), threading.Event()
+    made: list[int] = []
+    real_copy = passthrough._copy_of
+
+    def stuck_copy(fd: int, size: int, digest: bool):  # type: ignore[no-untyped-def]
+        entered.set()
+        try:
+            stuck.wait(30)
+            copied = real_copy(fd, size, digest)
+            made.append(copied[0])
+            return copied
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(passthrough, "_copy_of", stuck_copy)
+    node = _images(ops)[0]
+
+    async def main() -> None:
+        info = await ops.open(node.id, os.O_RDONLY, CTX)  # epoch 1: kept for the next, copied at its release
+        with trio.fail_after(20):
+            await ops.release(info.fh)
+        assert entered.is_set() and path.held.get(node.id) is None and node.id not in path.held.policy.held
+        stuck.set()
+        ended.wait(30)
+        await trio.sleep(0.1)  # the abandoned copy's memfd is closed on the loop
+
+    trio.run(main)
+    # (its source closed by the release meanwhile, the late copy mostly fails: whatever it made is closed)
+    assert all(not os.path.exists(f"/proc/self/fd/{fd}") or "memfd:" not in os.readlink(f"/proc/self/fd/{fd}")
+               for fd in made)
+
+
+def _two_loops(store: Path, kernel: FakeKernel, verify_reads: tuple[bool, bool] = (True, True)
+               ) -> tuple[list[Operations], list]:
+    """Two loops of one mount (``mount --loops 2``) over ``store``, files read whole (--verify-reads; each loop's
+    as ``verify_reads`` says), and the socket pairs between them (``Peers.close_pairs`` them)."""
     from liquidfs.datapath.shared_inodes import SharedInodes
     from liquidfs.fuse.peers import Peers
 
@@ -960,7 +1005,8 @@ def _two_loops(store: Path, kernel: FakeKernel) -> tuple[list[Operations], list]
     loops = []
     for index in range(2):
         catalog = Catalog.open(store, readonly=True)
-        ops = passthrough_operations(catalog, StoreReader(catalog.source, store), kernel, verify_reads=True)
+        ops = passthrough_operations(catalog, StoreReader(catalog.source, store), kernel,
+                                     verify_reads=verify_reads[index])
         ops.join_loops(Peers(pairs, index), shared)
         assert ops.data_path is not None
         ops.data_path.join_loops(shared, index)  # type: ignore[attr-defined]
@@ -968,23 +1014,18 @@ def _two_loops(store: Path, kernel: FakeKernel) -> tuple[list[Operations], list]
     return loops, pairs
 
 
-def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, Path]) -> None:
-    """mount --loops: opens of one file in two loops at once share the backing the first registered, where each
-    loop read the file whole into a memfd of its own (an original here, with --verify-reads; an object store's
-    files): the kernel allows one backing per inode, and one loop's later opens share its first one's too."""
+def _shared_across_loops(loops: list[Operations], pairs: list, kernel: FakeKernel, node,  # type: ignore[no-untyped-def]
+                         src: Path, then: Callable[[], None] = lambda: None) -> None:
+    """``node`` opened in loop 0, then in loop 1: the second finds the first's backing (nothing registered again),
+    of the source's bytes (``then`` checks more); released in both, it goes with the last."""
     from liquidfs.fuse.peers import Peers
-
-    src, store = prepared
-    kernel = FakeKernel()
-    loops, pairs = _two_loops(store, kernel)
-    node = next(n for n in loops[0].catalog.files() if not n.object)
 
     async def main() -> None:
         first = await loops[0].open(node.id, os.O_RDONLY, CTX)
         second = await loops[1].open(node.id, os.O_RDONLY, CTX)
-        # the second loop's open found the first's backing: nothing registered again
         assert second.backing_id == first.backing_id and kernel.registered == 1
         assert kernel.read(first.backing_id) == (src / os.fsdecode(node.path)).read_bytes()
+        then()
         await loops[0].release(first.fh)
         assert first.backing_id in kernel.files  # loop 1 still has it open
         await loops[1].release(second.fh)
@@ -994,6 +1035,45 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
         trio.run(main)
     finally:
         Peers.close_pairs(pairs)
+
+
+def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, Path]) -> None:
+    """mount --loops: opens of one file in two loops at once share the backing the first registered, where each
+    loop read the file whole into a memfd of its own (an original here, with --verify-reads; an object store's
+    files): the kernel allows one backing per inode, and one loop's later opens share its first one's too."""
+    src, store = prepared
+    kernel = FakeKernel()
+    loops, pairs = _two_loops(store, kernel)
+    node = next(n for n in loops[0].catalog.files() if not n.object)
+    _shared_across_loops(loops, pairs, kernel, node, src)
+
+
+@pytest.mark.parametrize("memfd_first", [True, False], ids=["memfd-then-file", "file-then-memfd"])
+def test_two_loops_share_one_backing_of_the_same_bytes_in_a_memfd_and_the_file(prepared: tuple[Path, Path],
+                                                                              memfd_first: bool) -> None:
+    """mount --loops: one loop's open of a file holds a memfd of its bytes (a hit of its cache; here a checked
+    read) while another loop's holds the file itself (or the other way round): the next epoch's open of a file
+    read at the end of the last finds that open's RELEASE still pending. Their identities differ (a digest, an
+    inode) and the second failed with EIO; its bytes are made the other kind and share the backing."""
+    from liquidfs.datapath.backing import content_digest, resolve
+
+    src, store = prepared
+    kernel = FakeKernel()
+    loops, pairs = _two_loops(store, kernel, (False, False))
+    node = next(n for n in _images(loops[0]) if not n.object)  # its source serves it, as the file itself
+    memfd_loop = loops[0 if memfd_first else 1].data_path
+
+    async def read_whole(node, decision):  # type: ignore[no-untyped-def]  # as a hit of the loop's cache would
+        made = resolve(memfd_loop.reader, node, verify_reads=True)
+        made.digest = content_digest(made.fd, made.size)
+        return made
+
+    memfd_loop._backing = read_whole  # type: ignore[method-assign, union-attr]
+
+    def recast_once() -> None:
+        assert loops[1].stats.backings_recast == 1 and loops[0].stats.backings_recast == 0
+
+    _shared_across_loops(loops, pairs, kernel, node, src, recast_once)
 
 
 def test_two_loops_never_share_a_backing_of_other_bytes_of_one_size(tmp_path: Path) -> None:
