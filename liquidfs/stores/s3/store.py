@@ -23,7 +23,7 @@ from typing import Any
 
 from ...catalog.build import build_from_objects
 from ...catalog.catalog import CATALOG_NAME, Catalog
-from ...catalog.identity import checksum, is_digest
+from ...catalog.identity import checksum
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, judge, never_raising, source_fits
@@ -169,9 +169,10 @@ def expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_ns
     """Runs in a worker process: expand one source object into the store, or say why not. Never raises (a
     MemoryError of the expansion's header walk ended the whole prepare).
 
-    An object already in the store with this source ETag and a BLAKE2b digest is reused without downloading the
-    source (a previous run, maybe on another node, finished it): prepare resumes anywhere. One with an xxh3
-    digest (a prepare before BLAKE2b) is made and put again: that digest is never carried forward.
+    An object already in the store whose metadata says it holds this expansion (the source's ETag, the digest of
+    the bytes this run made) is not put again (a previous run, maybe on another node, put it): prepare resumes
+    anywhere, at the cost of the decode, never taking an object's metadata for its digest. One with an xxh3
+    digest (a prepare before BLAKE2b) is put again: that digest is never carried forward.
     """
     return never_raising(lambda: _expand_one_s3(src_bucket, src_key, rel, size, mtime_ns, etag, store_bucket,
                                                 store_key, obj), rel, size, mtime_ns, etag)
@@ -186,13 +187,9 @@ def _expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_n
         return Outcome(rel, size, mtime_ns, None, None, None, None, reason, src_etag=etag)
 
     try:
-        found = head(client, store_bucket, store_key)
-        meta = (found or {}).get("Metadata", {})
-        if found and meta.get(_META_ETAG) == etag.strip('"') and is_digest(meta.get(_META_CHECKSUM)):
-            return Outcome(rel, size, mtime_ns, meta.get(_META_FORMAT), obj, int(found["ContentLength"]),
-                           meta[_META_CHECKSUM], None, reused=True, src_etag=etag)
         if not source_fits(size):  # as a local source: never downloaded into a worker it cannot fit
             return refused("no-memory")
+        found = head(client, store_bucket, store_key)
         source = get(client, src_bucket, src_key, if_match=etag, size=size)
     except Exception as exc:
         code = error_code(exc)
@@ -204,6 +201,14 @@ def _expand_one_s3(src_bucket: str, src_key: str, rel: bytes, size: int, mtime_n
         assert refusal is not None
         return refusal
     digest = checksum(raw)
+    meta = (found or {}).get("Metadata", {})
+    if found and meta.get(_META_ETAG) == etag.strip('"') and meta.get(_META_CHECKSUM) == digest \
+            and found.get("ContentLength") == len(raw):
+        # The object there says it holds these very bytes (a run before, maybe on another node, put them): not
+        # put again. Its word is all that is: the digest recorded is this run's, of its own expansion, and an
+        # object that is not what its metadata says fails it at the mount (the original is served). Reused on
+        # its metadata alone, its writer's digest went into the catalog, and its bytes were served as the image.
+        return Outcome(rel, size, mtime_ns, fmt, obj, len(raw), digest, None, reused=True, src_etag=etag)
     try:
         put(client, store_bucket, store_key, raw,
             {_META_ETAG: etag.strip('"'), _META_CHECKSUM: digest, _META_FORMAT: str(fmt)})

@@ -27,6 +27,7 @@ from PIL import Image
 from liquidfs.catalog.identity import checksum
 from liquidfs.catalog.schema import CatalogError
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
+from liquidfs.expand.expansion import Outcome
 from liquidfs.stores.s3 import reader as s3reader
 from liquidfs.stores.s3 import store as bucket_store
 from liquidfs.stores.s3.client import AnswerMismatch, S3Url, as_oserror, error_code, get
@@ -454,6 +455,36 @@ def test_prepare_reuses_no_object_whose_metadata_has_no_blake2b_digest(
     again = bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
                                        "store/objects/ab/a.bmp", "objects/ab/a.bmp")
     assert again.reused and again.checksum == blake and len(s3.uploads) == 1  # now it is reused
+
+
+def test_prepare_never_takes_an_objects_metadata_for_its_digest(s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever may write the store's objects put other bytes at an image's object name, with metadata naming the
+    source's ETag and those bytes' own BLAKE2b digest: reused on its metadata, that digest went into the catalog
+    and the mount served those bytes as the image. The digest recorded is always of this run's own expansion:
+    such an object is put again; one whose metadata claims the expansion's digest falsely is left (not put
+    again) and fails that digest at the mount, which serves the original."""
+    png = _png((1, 2, 3))
+    s3.objects["src/a.png"] = png
+    monkeypatch.setattr(bucket_store, "_worker_client", s3)
+    raw = bucket_store.expand_bytes(b"a.png", len(png), 1, png)[1]
+    assert raw is not None
+    blake = hashlib.blake2b(raw, digest_size=32).hexdigest()
+    planted = b"B" * len(raw)
+    s3.objects["store/objects/ab/a.bmp"] = planted
+    meta = {"liquidfs-source-etag": _etag(png).strip('"'), "liquidfs-format": "png",
+            "liquidfs-checksum": hashlib.blake2b(planted, digest_size=32).hexdigest()}
+    s3.metadata["store/objects/ab/a.bmp"] = meta
+
+    def expanded() -> Outcome:
+        return bucket_store.expand_one_s3(BUCKET, "src/a.png", b"a.png", len(png), 1, _etag(png), BUCKET,
+                                          "store/objects/ab/a.bmp", "objects/ab/a.bmp")
+
+    outcome = expanded()
+    assert not outcome.reused and outcome.checksum == blake and s3.uploads == ["store/objects/ab/a.bmp"]
+    # (uploads are recorded, not stored: the planted bytes stay, their metadata now claiming the expansion's)
+    assert s3.metadata["store/objects/ab/a.bmp"]["liquidfs-checksum"] == blake
+    again = expanded()
+    assert again.reused and again.checksum == blake and len(s3.uploads) == 1
 
 
 def test_verify_fails_an_object_whose_recorded_digest_is_xxh3(s3: FakeS3, monkeypatch: pytest.MonkeyPatch) -> None:
