@@ -16,6 +16,7 @@ import errno
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,7 +28,7 @@ from ..catalog.nodes import Node
 from ..held.base import MemfdLevel
 from ..metrics.stats import MountStats, Statistics
 from ..policy.next_epoch import NO_CACHE, Decision
-from ..stores.reader import Content, LendsDescriptors, Reader
+from ..stores.reader import WHOLE_FILE_LIMIT, Content, LendsDescriptors, Reader
 from ..sysio.paths import CACHED_WALKS
 from .backing import (Backing, Closer, SharedBacking, content_digest, drop_pages, memfd_copy, memfd_with, resolve,
                       still_sound, vouched)
@@ -115,6 +116,15 @@ class _Keeping:
     waiting: int = 0
 
 
+@dataclass(slots=True)
+class _Copying:
+    """A copy into a memfd in its worker thread (``PassthroughPath.blocking_copy``): ended, or abandoned while
+    it runs."""
+
+    done: bool = False
+    abandoned: bool = False
+
+
 @dataclass(frozen=True, slots=True)
 class PassthroughStatistics(Statistics):
     passthrough_open_inodes: int  # inodes with a backing registered now
@@ -150,6 +160,8 @@ class PassthroughPath:
         #: the policy counts as a hit meanwhile waits for it, rather than reading storage (a lost hit).
         self._keeping: dict[int, _Keeping] = {}
         self._copies = trio.CapacityLimiter(COPY_THREADS)
+        self._copies_stuck = 0  # copies abandoned past --io-timeout whose threads have not ended yet
+        self._copies_lock = threading.Lock()
         self.on_cold_open = on_cold_open
         #: ``mount --loops``: the backings every loop shares, and this loop's index (``join_loops``).
         self.shared: SharedInodes | None = None
@@ -292,42 +304,46 @@ class PassthroughPath:
         share that backing where they are the same; only other bytes are refused (``Conflict``)."""
         try:
             return backing, self._register(node, backing)
-        except Conflict:
+        except Conflict as conflict:
             try:
-                other = await self._other_kind(node, backing)
+                other = await self._other_kind(node, backing, conflict.held_in_memory)
             except BaseException:
-                backing.close()
+                self._close_served(backing)
                 raise
             if other is None:
-                backing.close()
+                self._close_served(backing)
                 raise
         except BaseException:
-            backing.close()
+            self._close_served(backing)
             raise
         self._close_served(backing)
-        self.stats.backings_recast += 1
         try:
-            return other, self._register(node, other)
+            backing_id = self._register(node, other)
         except BaseException:
-            other.close()
+            self._close_served(other)
             raise
+        self.stats.backings_recast += 1
+        return other, backing_id
 
-    async def _other_kind(self, node: Node, backing: Backing) -> Backing | None:
-        """``backing``'s bytes as the other kind of backing (``_registered``): a file's copied into a sealed memfd
-        (its digest taken), or the file itself where a memfd holds them and the reader vouches for the file as it
-        is; None where there is no other kind (only loops share backings, and a reader that lends no
-        descriptors has no file to give)."""
+    async def _other_kind(self, node: Node, backing: Backing, held_in_memory: bool) -> Backing | None:
+        """``backing``'s bytes as the kind of backing another loop's open holds (``_registered``;
+        ``held_in_memory``: a memfd): a file's copied into a sealed memfd (its digest taken) where it is no larger
+        than what is read whole, or the file itself where this open's memfd holds them and the reader vouches
+        for the file as it is; None where the other loop's is the same kind (other bytes, then), or there is no
+        other kind (only loops share backings, and a reader that lends no descriptors has no file to give)."""
         if self.shared is None:
             return None
         if backing.kind in ("source", "object"):
+            if not held_in_memory or backing.size > WHOLE_FILE_LIMIT:
+                return None
             fd, digest = await self.blocking_copy(backing, digest=True)
             return Backing(fd, backing.size, backing.raw, "memfd", backing.fallback, level=backing.level,
                            digest=digest, version=backing.version)
-        if not self.lends or self.verify_reads:
+        if held_in_memory or not self.lends or self.verify_reads:
             return None
         found = await self.calls.run(node, vouched, self.reader, node, for_open=True)
         if found is not None and (found.raw, found.size) != (backing.raw, backing.size):
-            found.close()  # another representation or size than this open decided on: not these bytes
+            self._close_served(found)  # another representation or size than this open decided on: other bytes
             return None
         return found
 
@@ -504,7 +520,7 @@ class PassthroughPath:
         try:
             await self._keep(inode, backing)
         finally:
-            backing.close()
+            self._close_served(backing)  # off the loop: the close of a FUSE or NFS source waits on its server
 
     def _close_served(self, backing: Backing) -> None:
         """A backing no open serves any more, not kept. A file of the source or the store: its pages dropped and
@@ -538,8 +554,7 @@ class PassthroughPath:
             os.close(fd)
             return
         self.held.keep(inode, fd, backing.size, backing.raw, digest)
-        if self.drop_served_pages and backing.kind in ("source", "object"):
-            drop_pages(backing.fd)  # the memfd is the copy the budget counts; no second one in the page cache
+        # (the file's pages are dropped as it is closed, ``_close_served``: the memfd is the copy the budget counts)
 
     async def _memfd_of(self, backing: Backing) -> tuple[int, int | None]:
         """A sealed memfd of the backing's bytes, the caller's (the backing itself where it is one already), and
@@ -551,11 +566,36 @@ class PassthroughPath:
     async def blocking_copy(self, backing: Backing, digest: bool = False) -> tuple[int, int | None]:
         """The copy (and its digest where asked) in one worker thread: one hop, not two. Under ``--io-timeout``,
         as every storage call: a copy stuck on a source that stopped answering is abandoned (EIO; its memfd
-        closed whenever it ends), never a RELEASE, nor the unmount after it, waiting for good."""
+        closed whenever it ends), never a RELEASE, nor the unmount after it, waiting for good. It reads a
+        descriptor of its own, which its thread closes (the caller's may be closed and its number reused
+        meanwhile; the close of a FUSE or NFS file waits on its server). Once COPY_THREADS abandoned copies are
+        still stuck, further copies fail at once rather than park one more thread each."""
+        if self._copies_stuck >= COPY_THREADS:
+            raise OSError(errno.EIO, f"{self._copies_stuck} copies into memory are stuck: the storage does not "
+                                     "answer")
+        fd = os.dup(backing.fd)
+        copying = _Copying()
+
+        def copy() -> tuple[int, int | None]:
+            try:
+                return _copy_of(fd, backing.size, digest)
+            finally:
+                try:
+                    os.close(fd)
+                except OSError as exc:  # freed all the same (a flush error of a FUSE or NFS source)
+                    log.debug("closing a copied file's descriptor: %s", exc)
+                with self._copies_lock:
+                    copying.done = True
+                    if copying.abandoned:
+                        self._copies_stuck -= 1
+
         async with self._copies:
             with trio.move_on_after(self.calls.io_timeout):
-                return await in_thread(functools.partial(_copy_of, backing.fd, backing.size, digest),
-                                       discard=_close_copy)
+                return await in_thread(copy, discard=_close_copy)
+        with self._copies_lock:
+            if not copying.done:
+                copying.abandoned = True
+                self._copies_stuck += 1
         raise OSError(errno.EIO, f"copying a file into memory took more than {self.calls.io_timeout:g} s")
 
     async def warm_one(self, node: Node) -> int | None:
@@ -574,7 +614,7 @@ class PassthroughPath:
                 return None
             return backing.size
         finally:
-            backing.close()
+            self._close_served(backing)
 
     def close(self) -> None:
         """At unmount: the descriptors queued for closing are closed."""

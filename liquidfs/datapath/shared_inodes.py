@@ -55,7 +55,11 @@ _DIRECTORY_CLAIM = struct.Struct("<qd")  # directory inode, when claimed (CLOCK_
 
 
 class Conflict(OSError):
-    """Another loop's open of the inode serves other bytes than this open checked (a source changed meanwhile)."""
+    """Another loop's open of the inode serves other bytes than this open checked (a source changed meanwhile), or
+    the same bytes as the other kind of backing (``held_in_memory``: a memfd's, where this open has the file)."""
+
+    #: Whether the backing another loop registered is a memfd's (its identity a digest), not a file's.
+    held_in_memory = False
 
 
 class TableFull(OSError):
@@ -186,8 +190,10 @@ class SharedInodes:
                 offset = table.offset(at)
                 backing_id, dev, ino = _ID_FILE.unpack_from(self._map, offset + _ID_AT)
                 if (dev, ino) != identity:
-                    raise Conflict(errno.EIO, "another open of it serves other bytes (its source changed): reopen "
-                                   "once its other opens are closed")
+                    conflict = Conflict(errno.EIO, "another open of it serves other bytes (its source changed): "
+                                        "reopen once its other opens are closed")
+                    conflict.held_in_memory = dev < 0  # a memfd's identity: (-2 - raw, digest)
+                    raise conflict
                 at_users = offset + _USERS_AT + 2 * loop
                 _USERS.pack_into(self._map, at_users, _USERS.unpack_from(self._map, at_users)[0] + 1)
                 return int(backing_id)

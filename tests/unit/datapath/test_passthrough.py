@@ -988,9 +988,10 @@ def test_a_release_whose_copy_into_memory_is_stuck_gives_up_past_the_io_timeout(
         await trio.sleep(0.1)  # the abandoned copy's memfd is closed on the loop
 
     trio.run(main)
-    # (its source closed by the release meanwhile, the late copy mostly fails: whatever it made is closed)
-    assert all(not os.path.exists(f"/proc/self/fd/{fd}") or "memfd:" not in os.readlink(f"/proc/self/fd/{fd}")
-               for fd in made)
+    # its own descriptor of the file, whatever the release closed meanwhile: the late copy ends, and is closed
+    assert made and all(not os.path.exists(f"/proc/self/fd/{fd}") or "memfd:" not in os.readlink(
+        f"/proc/self/fd/{fd}") for fd in made)
+    assert path._copies_stuck == 0
 
 
 def _two_loops(store: Path, kernel: FakeKernel, verify_reads: tuple[bool, bool] = (True, True)
@@ -1074,6 +1075,77 @@ def test_two_loops_share_one_backing_of_the_same_bytes_in_a_memfd_and_the_file(p
         assert loops[1].stats.backings_recast == 1 and loops[0].stats.backings_recast == 0
 
     _shared_across_loops(loops, pairs, kernel, node, src, recast_once)
+
+
+def test_two_loops_holding_two_files_never_copy_one_into_memory(tmp_path: Path) -> None:
+    """A source replaced (another inode) while another loop's open holds the old file: both are files, so the bytes
+    differ, and the open fails (EIO) at once; it was copied whole into memory first, to the same end."""
+    from liquidfs.fuse.peers import Peers
+
+    src, store = _prepared(tmp_path)
+    kernel = FakeKernel()
+    loops, pairs = _two_loops(store, kernel, (False, False))
+    node = next(n for n in _images(loops[0]) if not n.object)
+    path = src / os.fsdecode(node.path)
+
+    copied: list[int] = []
+
+    async def never(backing, digest=False):  # type: ignore[no-untyped-def]
+        copied.append(backing.size)
+        raise OSError(errno.EIO, "copied into memory")
+
+    loops[1].data_path.blocking_copy = never  # type: ignore[union-attr]
+
+    async def main() -> None:
+        first = await loops[0].open(node.id, os.O_RDONLY, CTX)
+        replacement = path.with_name(path.name + ".new")
+        replacement.write_bytes(path.read_bytes())
+        os.utime(replacement, ns=(node.mtime_ns, node.mtime_ns))
+        replacement.rename(path)
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            await loops[1].open(node.id, os.O_RDONLY, CTX)
+        assert refused.value.errno == errno.EIO and copied == [] and loops[1].stats.backings_recast == 0
+        await loops[0].release(first.fh)
+
+    try:
+        trio.run(main)
+    finally:
+        Peers.close_pairs(pairs)
+
+
+def test_copies_into_memory_stuck_past_their_bound_refuse_the_next_at_once(prepared, monkeypatch) -> None:
+    """Copies abandoned past --io-timeout whose threads have not ended: past COPY_THREADS of them the next copy
+    fails at once (EIO) instead of parking one more thread on the storage that does not answer."""
+    import threading
+
+    from liquidfs.datapath import passthrough
+
+    src, store = prepared
+    ops, kernel = _ops(store)
+    path = ops.data_path
+    path.calls.io_timeout = 0.1
+    monkeypatch.setattr(passthrough, "COPY_THREADS", 1)
+    stuck = threading.Event()
+    real_copy = passthrough._copy_of
+    monkeypatch.setattr(passthrough, "_copy_of", lambda fd, size, digest: (stuck.wait(30), real_copy(fd, size,
+                                                                                                    digest))[1])
+    node = _images(ops)[0]
+
+    async def main() -> None:
+        backing = await ops.data_path.calls.run(node, path._resolve, node)
+        try:
+            for _ in range(2):  # the first is abandoned past the timeout, the second refused at once
+                with pytest.raises(OSError) as failed:
+                    await path.blocking_copy(backing)
+            assert "copies into memory are stuck" in str(failed.value) and path._copies_stuck == 1
+        finally:
+            backing.close()
+        stuck.set()
+        with trio.fail_after(30):
+            while path._copies_stuck:
+                await trio.sleep(0.01)
+
+    trio.run(main)
 
 
 def test_two_loops_never_share_a_backing_of_other_bytes_of_one_size(tmp_path: Path) -> None:
