@@ -108,7 +108,8 @@ class DaemonPath:
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
             # to that size, so this handle bypasses the page cache (the caller corrects the attributes).
             direct_io = True
-        superseded = self._serving_other_bytes(record, content)
+        others = self._serving_other_bytes(record, content)
+        superseded = [other for other in others if not other.superseded]
         if superseded:
             # The kernel keeps one page cache per inode, whatever each open serves: an older open still serving
             # the other representation (or a size from before a change) would fill it, through its readahead,
@@ -118,6 +119,7 @@ class DaemonPath:
             direct_io = True
             for other in superseded:
                 other.superseded = True
+        if others:  # (superseded by this open or by one before it, whose stores may still be queued)
             await self._stores_landed(node, record, decision, content)
         if not (content.deferred and decision.hold):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)
@@ -141,11 +143,11 @@ class DaemonPath:
             self.held.drop(node.id)
 
     async def _stores_landed(self, node: Node, record: Inode, decision: Decision, content: Content) -> None:
-        """Wait for the stores still queued for ``record``'s pages before an open that superseded others is
-        answered: one an older open queued while this one waited for storage (a read of it came meanwhile)
-        would land after the answer, and this open's private mapping of the file (which reads through the page
-        cache, direct_io or not) would find the other bytes' pages. None is queued after this: the superseded
-        opens' reads fail before they push."""
+        """Wait for the stores still queued for ``record``'s pages before an open beside others of other bytes is
+        answered: one such open queued while this one waited for storage (a read of it came meanwhile) would
+        land after the answer, and this open's reads through the page cache (a private mapping's too, direct_io
+        or not) would find the other bytes' pages; so would those of an open that waited beside the one that
+        superseded it. None is queued after this: superseded opens' reads fail before they push."""
         pushes = record.pushes
         if pushes is None:
             return
@@ -160,12 +162,12 @@ class DaemonPath:
     def _serving_other_bytes(record: Inode, content: Content) -> list[Handle]:
         """The open handles of the inode that read through the page cache and serve other bytes than
         ``content``: the other representation, another size, or another version of the source (one rewritten
-        in place keeps its size, and older opens serve what it was)."""
+        in place keeps its size, and older opens serve what it was); superseded already or not."""
         if not record.page_cached:
             return []
         serves = (content.raw, content.size, content.version)
         return [h for h in record.page_cached.values()
-                if not h.superseded and (h.content.raw, h.content.size, h.content.version) != serves]
+                if (h.content.raw, h.content.size, h.content.version) != serves]
 
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
         fh = handle.fh
