@@ -210,12 +210,15 @@ class Peers:
 
         Every task of this loop sends to ``loop`` on one socket, and trio lets one task at a time wait for a
         socket's room (a second raises ``BusyResourceError``): those that find it full wait their turn on
-        ``loop``'s lock. Most sends find room at once and take no lock (no checkpoint either)."""
+        ``loop``'s lock, and later ones queue behind them. Most sends find room at once, nobody waiting, and take
+        no lock (no checkpoint either)."""
         sock = self._send[loop]
+        room = self._room[loop]
         with trio.move_on_after(ANSWER_TIMEOUT):
-            if self._sent(loop, sock, message):
+            # (not ahead of one waiting for room: under load it would wait its whole timeout, its release lost)
+            if not room.locked() and self._sent(loop, sock, message):
                 return
-            async with self._room[loop]:
+            async with room:
                 while not self._sent(loop, sock, message):
                     await trio.lowlevel.wait_writable(sock)
                 return

@@ -133,9 +133,10 @@ def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) ->
 
 
 #: Errors of a caller's check that refuse the open (EACCES): the caller may not, or the walk met a link or another
-#: filesystem on the way (which no walk of the source crosses). Any other is the open's error as it is: a file
-#: deleted meanwhile is ENOENT, a daemon out of descriptors EMFILE, never a permission the caller lacks.
-_REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.ELOOP, errno.EXDEV})
+#: filesystem on the way (which no walk of the source crosses: ELOOP or EXDEV, or ENOTDIR where a kernel without
+#: openat2 walks a name at a time). Any other is the open's error as it is: a file deleted meanwhile is ENOENT, a
+#: daemon out of descriptors EMFILE, never a permission the caller lacks.
+_REFUSALS = frozenset({errno.EACCES, errno.EPERM, errno.ELOOP, errno.EXDEV, errno.ENOTDIR})
 
 #: Whether taking a user's filesystem ids drops the capabilities that override file modes (found once, in the
 #: first check: the process's secure bits decide it, and they do not change). None: not found yet.

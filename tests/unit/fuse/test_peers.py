@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from liquidfs.fuse.peers import PeerError, Peers, fh_of, loop_of, merged
 
@@ -173,3 +174,32 @@ def test_releases_that_find_a_loops_socket_full_all_reach_it_once_it_has_room() 
     finally:
         Peers.close_pairs(pairs)
     assert peers.forwarded == 3
+
+
+def test_a_send_never_overtakes_one_waiting_for_room() -> None:
+    """Under load a new send found room first, every time some was made, and the one waiting for room waited its
+    whole timeout (its release lost). One that finds a send waiting queues behind it."""
+    pairs = Peers.made(2)
+    peers = Peers(pairs, 0)
+    full = 0
+    try:
+        while True:
+            pairs[1][0].send(b"x" * 4096)
+            full += 1
+    except BlockingIOError:
+        pass
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(peers.release, fh_of(1, 1))
+            await trio.testing.wait_all_tasks_blocked()  # it waits for room, holding its turn
+            for _ in range(full):  # room now
+                pairs[1][1].recv(1 << 16)
+            await peers.release(fh_of(2, 1))  # at once, before the waiting one is woken
+        got = [pairs[1][1].recv(1 << 16) for _ in range(2)]
+        assert got == [b"R" + struct.pack("<q", fh_of(local, 1)) for local in (1, 2)]
+
+    try:
+        trio.run(main)
+    finally:
+        Peers.close_pairs(pairs)
