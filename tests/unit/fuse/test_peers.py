@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import socket
 import struct
 from typing import Any
 
@@ -139,19 +140,24 @@ def test_a_request_whose_send_fails_leaves_nothing_waiting() -> None:
     assert peers._waiting == {}
 
 
+def _filled(sock: socket.socket) -> int:
+    """``sock`` sent to until it has no room: how many messages that took."""
+    sent = 0
+    try:
+        while True:
+            sock.send(b"x" * 4096)
+            sent += 1
+    except BlockingIOError:
+        return sent
+
+
 def test_releases_that_find_a_loops_socket_full_all_reach_it_once_it_has_room() -> None:
     """Every task of a loop sends to another on one socket; trio lets one task at a time wait for its room. Two
     releases that both found it full each got there: without their turn, the second raised BusyResourceError,
     a release lost (its backing leaked), and an answer's the same way ended the loop that sent it."""
     pairs = Peers.made(2)
     peers = Peers(pairs, 0)
-    full = 0
-    try:
-        while True:
-            pairs[1][0].send(b"x" * 4096)
-            full += 1
-    except BlockingIOError:
-        pass
+    full = _filled(pairs[1][0])
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -181,13 +187,7 @@ def test_a_send_never_overtakes_one_waiting_for_room() -> None:
     whole timeout (its release lost). One that finds a send waiting queues behind it."""
     pairs = Peers.made(2)
     peers = Peers(pairs, 0)
-    full = 0
-    try:
-        while True:
-            pairs[1][0].send(b"x" * 4096)
-            full += 1
-    except BlockingIOError:
-        pass
+    full = _filled(pairs[1][0])
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
