@@ -58,6 +58,15 @@ def png_header_size(data: bytes) -> tuple[int, int]:
     return w, h
 
 
+#: The largest chunk length libpng takes (``png_get_uint_31``).
+_PNG_UINT_MAX = 0x7FFFFFFF
+
+
+def _chunk_name_valid(name: bytes) -> bool:
+    """Whether libpng takes a chunk of this type: four ASCII letters, the third (the reserved bit) upper case."""
+    return len(name) == 4 and name.isalpha() and name.isascii() and name[2:3].isupper()
+
+
 def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]], _ImageData]:
     """Walk the chunks: structure, CRCs (libpng rejects bad ones even in IDAT,
     which Pillow does not read), IEND present.  Returns IHDR fields, the
@@ -80,6 +89,12 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         if pos + 12 > n:
             raise Refuse("truncated", "chunk header past end of file")
         length, name = struct.unpack_from(">I4s", data, pos)
+        if length > _PNG_UINT_MAX:  # libpng: "PNG unsigned integer out of range"
+            raise Refuse("corrupt", f"chunk length {length} past 2**31 - 1")
+        if not _chunk_name_valid(name):
+            # libpng refuses the whole file ("invalid chunk type"); Pillow reads past it: a raw object of a PNG
+            # that OpenCV and DALI cannot decode would hand them pixels where the original is an error.
+            raise Refuse("corrupt", f"invalid chunk type {name!r}")
         end = pos + 12 + length
         if end > n:
             raise Refuse("truncated", f"{name!r} past end of file")

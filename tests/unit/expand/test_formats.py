@@ -958,3 +958,20 @@ def test_a_jpeg_of_more_segments_than_any_image_has_is_refused() -> None:
         jpeg.scan_jpeg(real[:eoi] + comments + real[eoi:], 10**8)
     assert between.value.reason == "corrupt" and "between its scans" in between.value.detail
     assert sos > 2
+
+
+@pytest.mark.parametrize("name", [b"ab1d", b"abcd", b"a_cd", b"1bCd", b"ab\xc9d"])
+def test_a_png_with_a_chunk_type_libpng_refuses_is_refused(name: bytes) -> None:
+    """libpng (OpenCV's, DALI's) refuses the whole file at a chunk type that is not four ASCII letters, or whose
+    reserved bit (the third letter's case) is set; Pillow reads past it. Expanded, the raw object handed them
+    pixels where the original is an error."""
+    import cv2
+
+    chunks = _chunks_of(save(Image.fromarray(_RGB)))
+    data = _rebuilt([*chunks[:-1], (name, b"x"), chunks[-1]])
+    assert np.asarray(Image.open(io.BytesIO(data))).shape == _RGB.shape  # Pillow decodes it
+    assert cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED) is None
+    assert expand(data).reason == "corrupt"
+    fine = _rebuilt([*chunks[:-1], (b"abCd", b"x"), chunks[-1]])  # an ancillary chunk libpng skips
+    assert cv2.imdecode(np.frombuffer(fine, np.uint8), cv2.IMREAD_UNCHANGED) is not None
+    assert expand(fine).reason is None
