@@ -286,9 +286,10 @@ def _holds(sub_fd: int, name: str, data: bytes) -> str | None:
             st = os.fstat(f.fileno())
             if not renamed_only_by_its_writer(os.fstat(sub_fd), st.st_uid):
                 return None  # not adopted where a mount would not serve it: written anew (and refused there)
-            if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            if st.st_mode & 0o077:
                 # Written by a prepare before objects were made 0600 (0644 then): a 0600 source's pixels readable
-                # by anyone who may enter the store. Adopted, it becomes what this run would write.
+                # by anyone who may enter the store. Adopted, it becomes what this run would write; one that
+                # cannot be made so (another user's, on an NFS store that squashes root) is written anew.
                 os.fchmod(f.fileno(), 0o600)
                 st = os.fstat(f.fileno())
             before = object_stamp(st)

@@ -654,13 +654,16 @@ def test_a_check_short_of_memory_is_its_verdict_never_verifys_traceback(prepared
 
 def test_an_object_an_older_prepare_left_readable_by_all_is_adopted_as_this_run_writes_it(tmp_path: Path) -> None:
     """Objects were once written 0644: adopted byte for byte by a later run, they kept it, and a 0600 source's
-    pixels stayed readable by anyone who may enter the store. Adopted, an object of this user's becomes 0600."""
+    pixels stayed readable by anyone who may enter the store. Adopted, an object becomes 0600, another user's too
+    (root's prepare of a store whose objects another user wrote: they kept their 0644)."""
     src = make_sample(tmp_path / "data", count=3, width=64, height=32, seed=6)
     store = tmp_path / "store"
     prepare(src, store, 1.0, progress=False)
     objects = [p for p in (store / "objects").rglob("*") if p.is_file()]
     for obj in objects:
         obj.chmod(0o644)
+    if os.geteuid() == 0:
+        os.chown(objects[0], 65534, 65534)
     (store / CATALOG_NAME).unlink()  # what it learnt lost (a run killed before it recorded them)
     report = prepare(src, store, 1.0, progress=False)
     assert report.reused == len(objects) and report.expanded == 0  # adopted, not written again
