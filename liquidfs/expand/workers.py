@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from ..sysio.cgroups import CGROUP_ROOT, cpu_count, levels, parse_cgroup_paths, read_text
-from .rawformats import DEFAULT_FORMATS, RAW_FORMATS
+from .rawformats import DEFAULT_FORMATS, MAX_PIXELS, RAW_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,18 @@ def expansion_need(pixels: int, source_size: int, raw_formats: Iterable[str] = D
     """Peak bytes that expanding one image of ``pixels`` and ``source_size`` bytes to ``raw_formats`` takes in a
     worker."""
     return SOURCE_COPIES * source_size + bytes_per_pixel(raw_formats) * pixels
+
+
+#: The largest source the workers' memory is planned for: no image expand accepts (``MAX_PIXELS``) is held in more
+#: bytes than its pixels at 8 bytes each (16-bit RGBA, stored). A larger one (a sparse file of a terabyte, which
+#: costs whoever writes the dataset nothing) is refused by its worker as too large for its memory, never planned
+#: for: one such file cut a whole prepare to a single worker.
+MAX_PLANNED_SOURCE: Final = 8 * MAX_PIXELS
+
+
+def largest_planned(sizes: Iterable[int]) -> int:
+    """The largest of the sources' ``sizes`` the workers are planned for (``plan_workers``' ``largest_source``)."""
+    return max((size for size in sizes if size <= MAX_PLANNED_SOURCE), default=0)
 
 
 @dataclass(frozen=True)

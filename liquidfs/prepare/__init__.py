@@ -127,7 +127,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
     report = PrepareReport()
     nodes = _candidates(catalog, seed)
     plan = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, raw_formats=raw_formats,
-                                  largest_source=max((n.size for n in nodes), default=0))
+                                  largest_source=resources.largest_planned(n.size for n in nodes))
     jobs = plan.workers
     known = catalog.expansions()
     report.candidates = len(nodes)
@@ -372,7 +372,7 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     # (resources; a J2K object is budgeted as its encoding was, at its measured peak).
     held = tuple(sorted({(of_object(str(n.object)) or DEFAULT).name for n in nodes})) or DEFAULT_FORMATS
     workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
-                                     largest_source=max((n.size for n in nodes), default=0)).workers
+                                     largest_source=resources.largest_planned(n.size for n in nodes)).workers
     def new_pool(count: int) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(max_workers=count, mp_context=ctx)
 

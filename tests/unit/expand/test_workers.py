@@ -263,3 +263,12 @@ def test_an_explicit_jobs_over_the_limit_is_lowered(tmp_path: Path, monkeypatch:
     report = prepare(tmp_path / "data", tmp_path / "store", 1.0, jobs=4, progress=False)
     assert "--jobs: 4 workers lowered to 1" in caplog.text
     assert report.skipped == {"no-memory": 1}
+
+
+def test_a_source_larger_than_any_image_expand_accepts_is_not_planned_for() -> None:
+    """One sparse file of a terabyte named *.png (it costs whoever writes the dataset nothing) cut a whole prepare
+    to a single worker, planned for as the largest image; it is refused by its worker instead."""
+    from liquidfs.expand.workers import MAX_PLANNED_SOURCE, largest_planned
+
+    assert largest_planned([5 * MiB, 1 << 40, 7 * MiB]) == 7 * MiB
+    assert largest_planned([MAX_PLANNED_SOURCE]) == MAX_PLANNED_SOURCE and largest_planned([]) == 0

@@ -702,3 +702,24 @@ def test_an_interrupted_prepare_keeps_what_it_learnt_for_the_next_run(tmp_path: 
     catalog = Catalog.open(store, readonly=True)
     assert sum(n.served_raw for n in catalog.files()) == 2
     catalog.close()
+
+
+def test_a_terabyte_named_png_leaves_prepare_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse file of a terabyte named *.png (it costs whoever writes the dataset nothing): planned for as the
+    largest image, it cut the run to one worker. Planned for are the images; it is refused, the rest expanded."""
+    from liquidfs.expand import workers
+
+    src = make_sample(tmp_path / "data", count=3, width=64, height=32, seed=8)
+    with open(src / "huge.png", "wb") as f:
+        f.truncate(1 << 40)
+    planned: list[int] = []
+    real = workers.plan_workers
+
+    def seen(*args, **kwargs):  # type: ignore[no-untyped-def]
+        planned.append(kwargs["largest_source"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(workers, "plan_workers", seen)
+    report = prepare(src, tmp_path / "store", 1.0, progress=False, jobs=2)
+    assert planned and max(planned) < 1 << 30
+    assert report.expanded == 3 and sum(report.skipped.values()) == 1, report
