@@ -46,6 +46,12 @@ PNG_USER_LIMIT: Final = 1_000_000
 #: The most chunks a PNG is walked for: a file of 12-byte chunks held ~17 times its size in the walk's lists
 #: (a 1 GB one would take 17 GB). A million is 60 times the IDATs of a 100 Mpx image in libpng's 8 KB chunks.
 MAX_CHUNKS: Final = 1 << 20
+#: Bytes of ancillary chunks (each counted with ``_CHUNK_KEPT`` besides its body) past which a PNG is refused
+#: as too large: Pillow keeps a copy of every one it does not know (``private_chunks``) and of an eXIf, on top
+#: of the source the worker's memory is planned for (twice its size), and a 1-pixel PNG of a 40 MB eXIf took
+#: five times its size. Real ones hold a few KB of text, EXIF and XMP.
+MAX_ANCILLARY_BYTES: Final = 16 << 20
+_CHUNK_KEPT: Final = 128  # what Pillow keeps of a chunk besides its body (a tuple, a bytes object)
 
 
 def png_header_size(data: bytes) -> tuple[int, int]:
@@ -84,6 +90,7 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
     chunks: dict[bytes, list[bytes]] = {}
     idat = _ImageData(view, array("q"), 0)  # the IDATs' spans: 16 bytes each, not a memoryview's 180
     last, seen_plte = b"", False
+    ancillary = 0
     pos, n = 8, len(data)
     for _ in range(MAX_CHUNKS):
         if pos + 12 > n:
@@ -112,6 +119,10 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         if name[:1].isupper() and name not in (b"IHDR", b"PLTE", b"IDAT"):
             # An unknown critical chunk is a hard error for libpng.
             raise Refuse("corrupt", f"unknown critical chunk {name!r}")
+        if name[:1].islower():
+            ancillary += length + _CHUNK_KEPT
+            if ancillary > MAX_ANCILLARY_BYTES:
+                raise Refuse("too-large", f"more than {MAX_ANCILLARY_BYTES} bytes of ancillary chunks")
         if name == b"IDAT":
             if idat.spans and last != b"IDAT":  # libpng reads one run of IDATs
                 raise Refuse("corrupt", "IDAT chunks not consecutive")

@@ -975,3 +975,15 @@ def test_a_png_with_a_chunk_type_libpng_refuses_is_refused(name: bytes) -> None:
     fine = _rebuilt([*chunks[:-1], (b"abCd", b"x"), chunks[-1]])  # an ancillary chunk libpng skips
     assert cv2.imdecode(np.frombuffer(fine, np.uint8), cv2.IMREAD_UNCHANGED) is not None
     assert expand(fine).reason is None
+
+
+@pytest.mark.parametrize("chunks", ["one-large", "many-empty"])
+def test_a_png_whose_ancillary_chunks_outweigh_its_image_is_refused(chunks: str) -> None:
+    """Pillow keeps a copy of every chunk it does not know, and of an eXIf, beyond the source the worker's memory
+    is planned for: a 1-pixel PNG of a 40 MB eXIf took five times its size, 200,000 empty chunks eight times.
+    Past a bound (real ones hold a few KB), such a PNG is served as its original."""
+    parts = _chunks_of(save(Image.fromarray(_RGB)))
+    extra = [(b"abCd", b"x" * (png_format.MAX_ANCILLARY_BYTES + 1))] if chunks == "one-large" else \
+        [(b"abCd", b"")] * (png_format.MAX_ANCILLARY_BYTES // 128 + 1)
+    assert expand(_rebuilt([*parts[:-1], *extra, parts[-1]])).reason == "too-large"
+    assert expand(_rebuilt([*parts[:-1], (b"abCd", b"x" * 4096), parts[-1]])).reason is None
