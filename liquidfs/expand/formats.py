@@ -199,6 +199,11 @@ def expand(data: bytes, *, max_pixels: int = MAX_PIXELS, to: str = DEFAULT.name)
         log.debug("not expanding %s: %s %s", fmt, r.reason, r.detail)
         return Expansion(None, fmt, r.reason, to)
     except Exception as e:  # noqa: BLE001 - any decoder failure means "corrupt", never a crash
+        if isinstance(e, OSError) and "out of memory" in str(e):
+            # A codec's own allocation that failed (Pillow's "out of memory error", -9): not the file's fault,
+            # and not remembered as corrupt for good; the next run tries it again.
+            log.debug("not expanding %s: no memory (%s)", fmt, e)
+            return Expansion(None, fmt, "no-memory", to)
         log.debug("not expanding %s: corrupt (%s: %s)", fmt, type(e).__name__, e)
         return Expansion(None, fmt, "corrupt", to)
     return Expansion(raw, fmt, None, to)

@@ -23,12 +23,16 @@ def to_j2k(im: ImageFile.ImageFile, mode: str, size: tuple[int, int], raw: bytes
     if mode not in J2K.modes:
         raise Refuse(J2K.refusal(f"unsupported-mode:{mode}"))
     out = io.BytesIO()
-    # A copy detached from the source file: saving the opened plugin object would re-read the source
-    Image.frombytes(mode, size, raw).save(out, "JPEG2000", irreversible=False, mct=1 if mode != "L" else 0,
-                                          no_jp2=False)
-    j2k = out.getvalue()
-    check = Jpeg2KImagePlugin.Jpeg2KImageFile(io.BytesIO(j2k))
-    check.load()
+    try:
+        # A copy detached from the source file: saving the opened plugin object would re-read the source
+        Image.frombytes(mode, size, raw).save(out, "JPEG2000", irreversible=False, mct=1 if mode != "L" else 0,
+                                              no_jp2=False)
+        j2k = out.getvalue()
+        check = Jpeg2KImagePlugin.Jpeg2KImageFile(io.BytesIO(j2k))
+        check.load()
+    except (OSError, ValueError) as exc:  # OpenJPEG's failure, not the image's: a BMP may still hold it
+        log.debug("JPEG 2000 encode or its check failed: %s", exc)
+        raise Refuse(J2K.refusal("encode-failed")) from None
     if not same_image(im, check, raw):
         log.warning("JPEG 2000 round trip differs for a %s %dx%d image", mode, *size)
         raise Refuse(J2K.refusal("round-trip-mismatch"))  # its own: a BMP may still hold it

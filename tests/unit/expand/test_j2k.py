@@ -63,6 +63,32 @@ def test_modes_j2k_cannot_hold_are_refused_for_j2k_only(mode: str) -> None:
     assert formats.expand(source, to="bmp").accepted  # the BMP holds it
 
 
+def test_an_openjpeg_failure_is_j2ks_own_refusal_and_a_bmp_holds_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenJPEG failing to encode (or to decode its own output) is no fault of the image: refused for J2K alone
+    (``--formats j2k,bmp`` then makes a BMP), where it was "corrupt", for good, in every format."""
+    from liquidfs.expand.expansion import expand_bytes
+
+    source = _encoded(_photo("RGB"))
+
+    def failing(self, fp, format=None, **params):  # type: ignore[no-untyped-def]
+        raise OSError("encoder error -2 when writing image file")
+
+    monkeypatch.setattr(Image.Image, "save", failing)
+    assert formats.expand(source, to="j2k").reason == "j2k-encode-failed"
+    refusal, raw, _ = expand_bytes(b"a.png", len(source), 1, source, raw_formats=("j2k", "bmp"))
+    assert refusal is None and raw is not None and raw[:2] == b"BM"
+
+
+def test_a_codec_out_of_memory_is_no_memory_not_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pillow's decoders say a failed allocation as an OSError ("out of memory error"): remembered as corrupt, the
+    image was never tried again; as no-memory, the next run tries it (with more memory, maybe)."""
+    def out_of_memory(data, max_pixels, to):  # type: ignore[no-untyped-def]
+        raise OSError("out of memory error when reading image file")
+
+    monkeypatch.setattr(formats, "expand_png", out_of_memory)
+    assert formats.expand(_encoded(_photo("RGB"))).reason == "no-memory"  # (a PNG: its decoder failed)
+
+
 def test_sources_refused_for_every_format_stay_refused() -> None:
     la = _encoded(_photo("RGB").convert("LA"))
     assert formats.expand(la, to="j2k").reason == formats.expand(la, to="bmp").reason == "unsupported-mode:LA"
