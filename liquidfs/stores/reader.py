@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from ..catalog.identity import LEGACY_REASON, checksum, digest_refusal, same_version
+from ..catalog.identity import LEGACY_REASON, checksum, digest_refusal, object_key, same_version
 from ..catalog.nodes import Node
 from ..expand.rawformats import MAX_OBJECT_BYTES, SUFFIX_PATTERN
 from ..sysio.directio import POOL, read_span
@@ -191,13 +191,21 @@ def same_file(node: Node, st: os.stat_result) -> bool:
 
 def unfit_raw_row(node: Node) -> str | None:
     """Why ``node``'s row names no raw object to read whole: no object or no size (a damaged or foreign row: an
-    object store's GET without a size is one of any length), or a size larger than any ``prepare`` writes (a
-    catalog row's claim, which a store writer chooses; a sparse object of that size costs them nothing); else
-    None. Its original is served instead."""
+    object store's GET without a size is one of any length), a size larger than any ``prepare`` writes (a
+    catalog row's claim, which a store writer chooses; a sparse object of that size costs them nothing), or an
+    object that is not the one named after this file's source; else None. Its original is served instead."""
     if node.object is None or not isinstance(node.served_size, int):
         return "no raw object recorded in the catalog's row"
     if node.served_size > MAX_OBJECT_BYTES:
         return f"raw object of {node.served_size} bytes, more than any prepare writes ({MAX_OBJECT_BYTES})"
+    name = OBJECT_NAME.fullmatch(node.object)
+    if name is None:
+        return "not an object name prepare gives"
+    key = object_key(node)
+    if name.group(2) != key or not name.group(1).startswith(key[:2] + "/"):
+        # A catalog writer pointing this row at another image's object (its size and checksum copied along)
+        # would have it served as this file: only the object named after this file's source is read.
+        return "not the object of this file's source"
     return None
 
 

@@ -27,7 +27,7 @@ from PIL import Image
 from liquidfs.catalog.identity import checksum
 from liquidfs.catalog.schema import CatalogError
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, REPR_RAW, Node
-from liquidfs.expand.expansion import Outcome
+from liquidfs.expand.expansion import Outcome, object_name
 from liquidfs.stores.s3 import reader as s3reader
 from liquidfs.stores.s3 import store as bucket_store
 from liquidfs.stores.s3.client import AnswerMismatch, S3Url, as_oserror, error_code, get
@@ -211,17 +211,19 @@ SOURCE, STORE = S3Url(BUCKET, "src"), S3Url(BUCKET, "store")
 
 
 def _node(rel: bytes, data: bytes, *, raw: bytes | None = None) -> Node:
-    return Node(id=7, parent=1, name=rel, path=rel, kind=KIND_FILE, mode=0o100444, size=len(data), mtime_ns=1,
+    node = Node(id=7, parent=1, name=rel, path=rel, kind=KIND_FILE, mode=0o100444, size=len(data), mtime_ns=1,
                 nsubdirs=0, target=None, representation=REPR_RAW if raw is not None else REPR_ORIGINAL,
-                served_size=len(raw) if raw is not None else None, object="objects/ab/x.bmp" if raw else None,
+                served_size=len(raw) if raw is not None else None, object=None,
                 checksum=checksum(raw) if raw is not None else None, etag=_etag(data))
+    return dataclasses.replace(node, object=object_name(node)) if raw is not None else node
 
 
 def _reader(s3: FakeS3, data: bytes, raw: bytes | None = None) -> tuple[s3reader.S3Reader, Node]:
     s3.objects[SOURCE.key("f.bin")] = data
+    node = _node(b"f.bin", data, raw=raw)
     if raw is not None:
-        s3.objects[STORE.key("objects/ab/x.bmp")] = raw
-    return s3reader.S3Reader(s3, SOURCE, STORE), _node(b"f.bin", data, raw=raw)
+        s3.objects[STORE.key(str(node.object))] = raw
+    return s3reader.S3Reader(s3, SOURCE, STORE), node
 
 
 def test_a_source_whose_etag_a_store_quotes_otherwise_is_no_changed_source(s3: FakeS3) -> None:
@@ -231,7 +233,10 @@ def test_a_source_whose_etag_a_store_quotes_otherwise_is_no_changed_source(s3: F
     raw = bytes(range(256)) * 8
     reader, node = _reader(s3, data, raw=raw)
     for etag in (node.etag.strip('"'), f'"{node.etag.strip(chr(34))}"', f' "{node.etag.strip(chr(34))}" '):
-        content = reader.open(dataclasses.replace(node, etag=etag))
+        listed = dataclasses.replace(node, etag=etag)  # as the catalog has it: its object named so at prepare
+        listed = dataclasses.replace(listed, object=object_name(listed))
+        s3.objects[STORE.key(str(listed.object))] = raw
+        content = reader.open(listed)
         assert content.raw and bytes(content.data or b"") == raw, (etag, content.fallback)
 
 
@@ -270,7 +275,7 @@ def test_reader_read_span_is_eio(s3: FakeS3, spoil: Callable[[Answer, bytes, int
     """Pages read again after the kernel let them go (``read_span``), of the original or of the raw object."""
     data = bytes(range(256)) * 4
     reader, node = _reader(s3, data, raw=data[::-1] + b"!" if raw else None)
-    whole = s3.objects[STORE.key("objects/ab/x.bmp")] if raw else data
+    whole = s3.objects[STORE.key(str(node.object))] if raw else data
     assert bytes(reader.read_span(node, raw, 256, 512)) == whole[256:512]
     s3.spoil = spoil
     with pytest.raises(OSError) as err:
@@ -306,7 +311,7 @@ def test_a_body_larger_than_the_object_is_read_no_further_than_its_size(s3: Fake
     expected = node.served_size if raw else node.size
     assert expected is not None
     bodies: list[EndlessBody] = []
-    target = STORE.key("objects/ab/x.bmp") if raw else SOURCE.key("f.bin")
+    target = STORE.key(str(node.object)) if raw else SOURCE.key("f.bin")
 
     def huge(answer: Answer, whole: bytes, first: int) -> Answer:
         if whole != s3.objects[target]:
@@ -397,7 +402,7 @@ def test_a_raw_object_rewritten_to_the_same_xxh3_is_refused_and_the_original_ser
     recorded, forged = xxh3_twins(bytes(range(256)) * 8)
     reader, node = _reader(s3, data, raw=recorded)
     assert bytes(reader.open(node).data or b"") == recorded  # sound: served raw
-    s3.objects[STORE.key("objects/ab/x.bmp")] = forged
+    s3.objects[STORE.key(str(node.object))] = forged
     content = reader.open(node)
     assert not content.raw and bytes(content.data or b"") == data, "the forged object was served"
     assert content.fallback == "raw object fails its checksum"
@@ -420,6 +425,22 @@ def test_a_catalog_row_with_an_xxh3_digest_vouches_for_no_object(s3: FakeS3, cap
     assert len(said) == 1, [r.getMessage() for r in caplog.records]
 
 
+def test_a_row_naming_another_images_object_serves_the_original(s3: FakeS3) -> None:
+    """A catalog row pointing at another image's object, its size and digest copied along: the S3 reader read
+    any object a row named, and served image B as file A. Only the object named after this file's source is."""
+    data = b"the original image " * 64
+    other = b"another image's bytes " * 64
+    reader, node = _reader(s3, data, raw=bytes(range(256)) * 8)
+    theirs = _node(b"other.bin", other, raw=bytes(range(255, -1, -1)) * 8)
+    s3.objects[STORE.key(str(theirs.object))] = bytes(range(255, -1, -1)) * 8
+    pointed = dataclasses.replace(node, object=theirs.object, served_size=theirs.served_size,
+                                  checksum=theirs.checksum)
+    content = reader.open(pointed)
+    assert not content.raw and bytes(content.data or b"") == data
+    assert content.fallback is not None and "not the object of this file's source" in content.fallback
+    assert STORE.key(str(theirs.object)) not in s3.gets
+
+
 @pytest.mark.parametrize("column", ["object", "served_size"])
 def test_a_raw_row_without_its_object_or_its_size_gets_no_get_and_serves_the_original(s3: FakeS3, column: str) -> None:
     """A GET without a size reads a body of any length: a row that names no size (whoever writes the store's
@@ -430,7 +451,7 @@ def test_a_raw_row_without_its_object_or_its_size_gets_no_get_and_serves_the_ori
     content = reader.open(dataclasses.replace(node, **{column: None}))
     assert not content.raw and bytes(content.data or b"") == data
     assert content.fallback is not None and "no raw object recorded" in content.fallback
-    assert STORE.key("objects/ab/x.bmp") not in s3.gets
+    assert STORE.key(str(node.object)) not in s3.gets
 
 
 @pytest.mark.parametrize("digest", ["xxh3", "none", "garbage"])
