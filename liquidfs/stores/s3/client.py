@@ -108,11 +108,19 @@ def work_dir(store: S3Url, client: Any) -> Path:
     Keyed by the client's endpoint and the store, so two stores never share one; several mounts of one store on a
     node do (the catalog is replaced atomically and only read by mounts).
     """
+    from ...catalog.store_dir import check_store_dir
     from ...sysio.home import cache_home
 
     key = hashlib.sha256(f"{client.meta.endpoint_url}\0{store}".encode()).hexdigest()[:16]
     path = cache_home() / f"s3-{key}"
-    path.mkdir(parents=True, exist_ok=True)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    # Its catalog is the bucket's whole listing (a private bucket's names), written under a umask's modes by
+    # the SDK: the directory is this user's alone (one an older liquidfs made 0755 too). And root writes there
+    # by name: refused where another user could make names in it or above it (a HOME that sudo kept).
+    check_store_dir(path, writing=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        path.chmod(0o700)
     return path
 
 

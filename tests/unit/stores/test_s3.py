@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import errno
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +128,27 @@ def test_a_profile_sample_that_fails_midway_deletes_the_objects_it_put(
     with pytest.raises(OSError, match="connection reset"):
         store.profile_sample(6, jobs=1)
     assert bucket.uploads == 3 and bucket.objects == images  # the three it put are gone, the dataset is not
+
+
+def test_a_stores_work_directory_is_this_users_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """It holds the bucket's whole listing (the catalog, written by the SDK under a umask's modes): made 0700,
+    one an older liquidfs made 0755 narrowed, and one another user may make names in refused (root writes
+    there by name)."""
+    from types import SimpleNamespace
+
+    from liquidfs.catalog.schema import CatalogError
+    from liquidfs.stores.s3.client import S3Url, work_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    client = SimpleNamespace(meta=SimpleNamespace(endpoint_url="http://s3.example"))
+    previous = os.umask(0o022)
+    try:
+        made = work_dir(S3Url("b", "store"), client)
+        assert oct(made.stat().st_mode & 0o777) == "0o700"
+        made.chmod(0o755)
+        assert work_dir(S3Url("b", "store"), client) == made and oct(made.stat().st_mode & 0o777) == "0o700"
+        made.chmod(0o777)
+        with pytest.raises(CatalogError, match="group or others may write it"):
+            work_dir(S3Url("b", "store"), client)
+    finally:
+        os.umask(previous)
