@@ -70,6 +70,10 @@ class S3Url:
         return not self.prefix or other.prefix == self.prefix or other.prefix.startswith(self.prefix + "/")
 
 
+#: The retry modes botocore knows (``AWS_RETRY_MODE``).
+RETRY_MODES = ("legacy", "standard", "adaptive")
+
+
 def make_client(max_connections: int = 10, *, connect_timeout: float = CONNECT_TIMEOUT,
                 read_timeout: float = READ_TIMEOUT) -> Any:
     """An S3 client configured from the standard AWS chain, with bounded retries and per-attempt timeouts.
@@ -77,13 +81,18 @@ def make_client(max_connections: int = 10, *, connect_timeout: float = CONNECT_T
     ``AWS_MAX_ATTEMPTS`` and ``AWS_RETRY_MODE`` are honoured as the SDKs do (a value given in code would
     otherwise override them); liquidfs's defaults are the standard mode with MAX_ATTEMPTS.
     """
+    given = os.environ.get("AWS_MAX_ATTEMPTS") or str(MAX_ATTEMPTS)
     try:
-        max_attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or MAX_ATTEMPTS)
-    except ValueError:  # a typo in an environment: said, never a traceback out of every command and mount
-        log.warning("AWS_MAX_ATTEMPTS=%r is no number: %d used", os.environ.get("AWS_MAX_ATTEMPTS", "")[:40],
-                    MAX_ATTEMPTS)
+        max_attempts = int(given)
+    except ValueError:
+        max_attempts = 0
+    if max_attempts < 1:  # a typo in an environment: said, never a traceback out of every command and mount
+        log.warning("AWS_MAX_ATTEMPTS=%r is no number of tries: %d used", given[:40], MAX_ATTEMPTS)
         max_attempts = MAX_ATTEMPTS
     mode = os.environ.get("AWS_RETRY_MODE") or "standard"
+    if mode not in RETRY_MODES:  # botocore's InvalidRetryModeError, out of every command, else
+        log.warning("AWS_RETRY_MODE=%r is none of %s: standard used", mode[:40], ", ".join(RETRY_MODES))
+        mode = "standard"
     try:
         import boto3
         from botocore.config import Config

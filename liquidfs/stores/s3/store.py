@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 #: The file in the work directory that names the ETag of the store's catalog the local copy came from.
 CATALOG_ETAG = "catalog.etag"
+#: Bytes a catalog's download leaves free on the work directory's filesystem (its journal, the mount's log).
+CATALOG_SPARE_BYTES = 256 << 20
 _META_ETAG = "liquidfs-source-etag"
 _META_CHECKSUM = "liquidfs-checksum"
 _META_FORMAT = "liquidfs-format"
@@ -87,10 +90,23 @@ def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
     found = head(client, store.bucket, store.key(CATALOG_NAME))
     if found is None:
         return None
-    return _fetch_catalog(client, store, dest, str(found["ETag"]))
+    return _fetch_catalog(client, store, dest, found)
 
 
-def _fetch_catalog(client: Any, store: S3Url, dest: Path, etag: str) -> str:
+def _room_for(store: S3Url, answer: dict[str, Any], where: Path) -> None:
+    """CatalogError where the catalog a HEAD describes (``answer``) would not fit in ``where``'s filesystem with
+    room to spare: whatever size a store's object says (a broken or hostile store's), never a download that fills
+    the node's disk, at every mount."""
+    size = answer.get("ContentLength")
+    if not isinstance(size, int) or size < 0:
+        raise CatalogError(f"the catalog of {store} has no size an object can have ({size!r})")
+    free = shutil.disk_usage(where).free
+    if size + CATALOG_SPARE_BYTES > free:
+        raise CatalogError(f"the catalog of {store} is {size} bytes, and {where} has {free} bytes free: not "
+                           "downloaded (free some space there, or check the store)")
+
+
+def _fetch_catalog(client: Any, store: S3Url, dest: Path, found: dict[str, Any]) -> str:
     """The store's catalog, whose ETag a HEAD said was ``etag``, into ``dest``; the ETag of what was downloaded.
     A catalog over 8 MB comes in ranged GETs, which an older s3transfer sends without If-Match: one published
     meanwhile would give a copy of old and new pages, then taken for ``etag``'s until the next publish. So the
@@ -98,7 +114,9 @@ def _fetch_catalog(client: Any, store: S3Url, dest: Path, etag: str) -> str:
     made again (twice at most)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     key = store.key(CATALOG_NAME)
+    etag = str(found["ETag"])
     for _ in range(3):
+        _room_for(store, found, dest.parent)
         tmp = dest.with_name(f"{dest.name}.{unique('part-')}")
         try:
             client.download_file(store.bucket, key, str(tmp))
@@ -111,7 +129,7 @@ def _fetch_catalog(client: Any, store: S3Url, dest: Path, etag: str) -> str:
         if after is None:
             break  # deleted meanwhile: no catalog to download
         log.info("the catalog of %s changed while it was downloaded: again", store)
-        etag = str(after["ETag"])
+        found, etag = after, str(after["ETag"])
     raise CatalogError(f"the catalog of {store} changed during each of three downloads (prepare publishing?): "
                        "mount again once it is published")
 
@@ -128,7 +146,7 @@ def local_catalog(source: str, store: str | None, *, refresh: bool = False, prog
     if refresh or current != have or not (local / CATALOG_NAME).exists():
         if found is not None:
             log.info("downloading the catalog of %s", dst)
-            current = _fetch_catalog(client, dst, local / CATALOG_NAME, current)
+            current = _fetch_catalog(client, dst, local / CATALOG_NAME, found)
         if refresh or found is None:
             if found is None:
                 log.warning("%s has no catalog (prepare has not run): every image is served as stored", dst)

@@ -16,6 +16,7 @@ import io
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -615,19 +616,25 @@ def test_a_catalog_published_during_its_download_is_downloaded_again(tmp_path: P
     assert dest.read_bytes() == now and etag == _etag(now) and s3.downloads == times + 1
 
 
-def test_a_retry_count_that_is_no_number_is_said_and_the_default_used(monkeypatch: pytest.MonkeyPatch,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """AWS_MAX_ATTEMPTS=three raised ValueError out of every command and mount of an object store; and the tries are
-    counted as AWS_MAX_ATTEMPTS counts them, the first included (botocore's max_attempts made one more)."""
+@pytest.mark.parametrize(("attempts", "mode"), [("three", ""), ("0", ""), ("-3", ""), ("", "bogus")])
+def test_a_retry_setting_botocore_refuses_is_said_and_the_default_used(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture,
+                                                                       attempts: str, mode: str) -> None:
+    """AWS_MAX_ATTEMPTS=three raised ValueError out of every command and mount of an object store, 0 or -3 and
+    AWS_RETRY_MODE=bogus botocore's errors; and the tries are counted as AWS_MAX_ATTEMPTS counts them, the first
+    included (botocore's max_attempts made one more)."""
     from liquidfs.stores.s3 import client as client_module
 
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "three")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", attempts)
+    monkeypatch.setenv("AWS_RETRY_MODE", mode)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     made = client_module.make_client()
-    assert made.meta.config.retries["total_max_attempts"] == client_module.MAX_ATTEMPTS  # every try, counted so
-    assert "AWS_MAX_ATTEMPTS='three' is no number" in caplog.text
+    retries = made.meta.config.retries
+    assert retries["total_max_attempts"] == client_module.MAX_ATTEMPTS and retries["mode"] == "standard"
+    said = f"AWS_MAX_ATTEMPTS={attempts!r} is no number of tries" if attempts else "AWS_RETRY_MODE='bogus' is none"
+    assert said in caplog.text
 
 
 def test_an_answer_that_is_not_what_was_asked_is_one_line_of_the_cli(monkeypatch: pytest.MonkeyPatch,
@@ -644,3 +651,19 @@ def test_an_answer_that_is_not_what_was_asked_is_one_line_of_the_cli(monkeypatch
     monkeypatch.setattr(prepare_module, "verify", mismatched)
     assert cli.main(["verify", "--store", "/nonexistent", "--no-progress"]) == 1
     assert "object store: an answer of 7 bytes where 9 were asked" in capsys.readouterr().err
+
+
+def test_a_catalog_larger_than_the_room_left_is_not_downloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store's catalog of any size its HEAD says (a broken or hostile store): downloaded, it filled the node's
+    disk at every mount. Refused where it would not fit with room to spare; one that fits is downloaded."""
+    s3 = _Publishing(0)
+    store = S3Url.parse(f"s3://{BUCKET}/store")
+    s3.objects[store.key("catalog.sqlite")] = bytes(range(200))
+    dest = tmp_path / "catalog.sqlite"
+    monkeypatch.setattr(bucket_store.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    monkeypatch.setattr(bucket_store, "CATALOG_SPARE_BYTES", 801)  # 200 bytes and that: one more than is free
+    with pytest.raises(CatalogError, match="1000 bytes free: not downloaded"):
+        bucket_store.download_catalog(s3, store, dest)
+    assert s3.downloads == 0 and not dest.exists()
+    monkeypatch.setattr(bucket_store, "CATALOG_SPARE_BYTES", 800)
+    assert bucket_store.download_catalog(s3, store, dest) and dest.read_bytes() == bytes(range(200))
