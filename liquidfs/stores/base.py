@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 Job = tuple[Callable[..., Any], tuple[object, ...]]
 
 
+def refused_unread(why: str) -> str:
+    """A verify job's verdict, given before anything is read (a function a worker process can be sent): a row a
+    mount would not serve raw, whatever its object holds."""
+    return why
+
+
 @dataclass
 class Preparation:
     """The catalog a prepare writes its selection into, how the selection becomes the one mounts read, and what

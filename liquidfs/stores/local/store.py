@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
-from ...catalog.identity import file_version, object_key, stored_ns
+from ...catalog.identity import file_version, stored_ns
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
 from ...catalog.store_dir import check_store_dir
@@ -39,8 +39,8 @@ from ...sysio.locks import (MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, PrivateDi
 from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer,
                             stat_below)
 from ...sysio.safefiles import replace_file
-from ..base import Job, Preparation
-from ..reader import OBJECT_NAME, Reader, same_file
+from ..base import Job, Preparation, refused_unread
+from ..reader import OBJECT_NAME, Reader, same_file, unfit_raw_row
 from ..sample import Below, ProfileError, Sample, measure_load, sample_full
 from .reader import StoreReader
 
@@ -99,11 +99,6 @@ def _check_readable(path: Path) -> None:
     another user is owner-only): SQLite says only "unable to open database file", as if it were no catalog."""
     if os.path.lexists(path) and not os.access(path, os.R_OK, effective_ids=True):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-
-
-def _refused(why: str) -> str:
-    """A verify job's verdict, given before any file is opened (a function a worker process can be sent)."""
-    return why
 
 
 def _object_entry(obj: str) -> tuple[str, str] | None:
@@ -369,11 +364,10 @@ class LocalStore:
 
         def job(n: Node) -> Job:
             # The names the mount opens (``StoreReader._object_below``), nothing else below the store.
+            unfit = unfit_raw_row(n)
             name = OBJECT_NAME.fullmatch(str(n.object))
-            if name is None:
-                return _refused, ("not an object name prepare gives: a mount serves the original",)
-            if name.group(2) != object_key(n):
-                return _refused, ("not the object of this file's source: a mount serves the original",)
+            if unfit is not None or name is None:
+                return refused_unread, (f"{unfit}: a mount serves the original",)
             return verify_one, (root, n.path, str(self.store_dir / OBJECTS / name.group(1)), str(n.checksum),
                                 n.size, n.mtime_ns, n.etag)
 

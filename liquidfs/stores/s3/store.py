@@ -31,8 +31,8 @@ from ...expand.expansion import IMAGE_SUFFIXES, OBJECTS, Outcome, expand_bytes, 
 from ...expand.rawformats import BMP, DEFAULT, RAW_FORMATS
 from ...sysio.locks import PrivateDir, unique
 from ...sysio.progress import Progress
-from ..base import Job, Preparation
-from ..reader import Reader
+from ..base import Job, Preparation, refused_unread
+from ..reader import Reader, unfit_raw_row
 from ..sample import ProfileError, Sample, measure_get, sample_full
 from .client import (
     READ_TIMEOUT,
@@ -408,6 +408,11 @@ class BucketStore:
         src, dst = self.source, self.store
 
         def job(n: Node) -> Job:
+            # The rows a mount would read the object of (``unfit_raw_row``): a row without its object's size had
+            # a GET of any length read into the worker, one naming another image's object checked that one.
+            unfit = unfit_raw_row(n)
+            if unfit is not None:
+                return refused_unread, (f"{unfit}: a mount serves the original",)
             return verify_one_s3, (src.bucket, src.key(n.path), str(n.etag), n.size, dst.bucket,
                                    dst.key(str(n.object)), str(n.checksum), n.served_size)
 

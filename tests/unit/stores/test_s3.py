@@ -152,3 +152,39 @@ def test_a_stores_work_directory_is_this_users_alone(monkeypatch: pytest.MonkeyP
             work_dir(S3Url("b", "store"), client)
     finally:
         os.umask(previous)
+
+
+def test_verify_checks_only_rows_a_mount_would_read_the_object_of(tmp_path: Path) -> None:
+    """A row without its object's size had a GET of any length read into a verify worker; one naming another
+    image's object had that object checked. Each is its verdict unread: a mount serves the original."""
+    import sqlite3
+
+    from liquidfs.catalog.build import build_from_objects
+    from liquidfs.catalog.catalog import CATALOG_NAME, Catalog
+    from liquidfs.catalog.nodes import REPR_RAW
+    from liquidfs.expand.expansion import object_name
+    from liquidfs.stores.base import refused_unread
+    from liquidfs.stores.s3 import store as s3store
+
+    build_from_objects(iter([("a.png", 10, '"e1"', 1), ("b.png", 10, '"e2"', 1), ("c.png", 10, '"e3"', 1)]),
+                       tmp_path, "s3://b/data")
+    catalog = Catalog.open(tmp_path, readonly=True)
+    nodes = {n.path: n for n in catalog.files()}
+    catalog.close()
+    rows = {b"a.png": (object_name(nodes[b"a.png"]), 100), b"b.png": (object_name(nodes[b"b.png"]), None),
+            b"c.png": (object_name(nodes[b"a.png"]), 100)}  # c's row names a's object
+    db = sqlite3.connect(tmp_path / CATALOG_NAME)
+    with db:
+        for path, (obj, size) in rows.items():
+            db.execute("UPDATE nodes SET repr=?, object=?, served_size=?, checksum=? WHERE path=?",
+                       (REPR_RAW, obj, size, "0" * 64, path))
+    db.close()
+    store = s3store.BucketStore.given("s3://b/data", "s3://b/store")
+    store._verify_dir = tmp_path
+    found, job = store.verify_jobs()
+    verdicts = {n.path: job(n) for n in found}
+    assert verdicts[b"a.png"][0] is s3store.verify_one_s3
+    assert verdicts[b"b.png"] == (refused_unread, ("no raw object recorded in the catalog's row: a mount serves "
+                                                  "the original",))
+    assert verdicts[b"c.png"] == (refused_unread, ("not the object of this file's source: a mount serves the "
+                                                  "original",))
