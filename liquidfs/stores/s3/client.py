@@ -150,9 +150,26 @@ def list_objects(client: Any, url: S3Url) -> Iterator[ObjectInfo]:
             if not str(item["Key"]).startswith(prefix):  # the answer is the endpoint's: not taken on its word
                 log.warning("the listing of %s named %r, outside it; left out", url, item["Key"])
                 continue
-            modified = item["LastModified"]
-            yield ObjectInfo(item["Key"], int(item["Size"]), item["ETag"],
-                             int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000)
+            info = _listed(item)
+            if info is None:
+                log.warning("the listing of %s named %r without an ETag, a size or a time an object has; left out",
+                            url, item.get("Key"))
+                continue
+            yield info
+
+
+def _listed(item: dict[str, Any]) -> ObjectInfo | None:
+    """One entry of a listing as an object, or None where it lacks what one has: an ETag (an empty one turned
+    off every check of the object's identity: no If-Match, no ETag compared), a size, a time. The answer is the
+    endpoint's: a key missing was a KeyError out of prepare and mount."""
+    try:
+        key, size, etag, modified = item["Key"], item["Size"], item["ETag"], item["LastModified"]
+        if not isinstance(key, str) or not isinstance(etag, str) or not _bare(etag):
+            return None
+        return ObjectInfo(key, int(size), etag,
+                          int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, OSError):
+        return None
 
 
 class AnswerMismatch(Exception):
@@ -216,7 +233,9 @@ def get(client: Any, bucket: str, key: str, *, if_match: str | None = None,
     whole before checking its length let them fill every node's memory. Every caller in liquidfs gives one.
     """
     args: dict[str, Any] = {"Bucket": bucket, "Key": key}
-    if if_match:
+    if if_match is not None:
+        if not _bare(if_match):  # no ETag to match: every check of the object's identity would be off
+            raise AnswerMismatch("PreconditionFailed", f"{key}: no ETag recorded to ask for")
         args["IfMatch"] = if_match
     if start is not None:
         end = "" if length is None else str(start + length - 1)
@@ -227,7 +246,7 @@ def get(client: Any, bucket: str, key: str, *, if_match: str | None = None,
         data = _read_body(body, _most_bytes(start, length, size), f"{bucket}/{key}")
     finally:
         body.close()
-    if if_match and not same_etag(answer.get("ETag", ""), if_match):
+    if if_match is not None and not same_etag(answer.get("ETag", ""), if_match):
         raise AnswerMismatch("PreconditionFailed", "the object store answered with ETag "
                              f"{answer.get('ETag')}, not the {if_match} asked for (If-Match ignored on the way?)")
     if start is None:  # S3 sends no Content-Range for a whole GET; if anything does, it must be the whole

@@ -53,6 +53,12 @@ def test_a_listing_that_names_keys_outside_its_prefix_is_not_taken_on_its_word()
     when = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     page = {"Contents": [{"Key": key, "Size": 3, "ETag": '"e"', "LastModified": when}
                          for key in ("cs/a.png", "other/secret.png", "cs.liquid/catalog.sqlite", "cs/d/b.png")]}
+    # and entries without what an object has: an empty ETag turned off every identity check of the object, a
+    # missing key was a KeyError out of prepare and mount
+    page["Contents"] += [{"Key": "cs/noetag.png", "Size": 3, "ETag": '""', "LastModified": when},
+                         {"Key": "cs/nosize.png", "ETag": '"e"', "LastModified": when},
+                         {"Key": "cs/notime.png", "Size": 3, "ETag": '"e"'},
+                         {"Key": "cs/badsize.png", "Size": "x", "ETag": '"e"', "LastModified": when}]
 
     class _Client:
         def get_paginator(self, name: str) -> _Client:

@@ -241,6 +241,15 @@ def test_a_source_whose_etag_a_store_quotes_otherwise_is_no_changed_source(s3: F
         assert content.raw and bytes(content.data or b"") == raw, (etag, content.fallback)
 
 
+def test_a_get_asked_to_match_no_etag_is_refused(s3: FakeS3) -> None:
+    """An empty ETag to match (a row that records none) sent no If-Match and compared no ETag: every check of
+    the object's identity off. Refused as a changed object is."""
+    s3.objects[SOURCE.key("f.bin")] = b"data"
+    with pytest.raises(AnswerMismatch) as refused:
+        get(s3, BUCKET, SOURCE.key("f.bin"), if_match=' "" ', size=4)
+    assert error_code(refused.value) == "PreconditionFailed"
+
+
 def test_reader_open_of_a_changed_object_is_eio(s3: FakeS3) -> None:
     data = b"0123456789" * 50
     reader, node = _reader(s3, data)
