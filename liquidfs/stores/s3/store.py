@@ -242,7 +242,14 @@ def delete_keys(client: Any, bucket: str, keys: list[str]) -> None:
     for start in range(0, len(keys), 1000):
         batch = keys[start:start + 1000]
         try:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            answer = client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch],
+                                                                  "Quiet": True})
+            # Answered 200 all the same where some keys could not be deleted (AccessDenied): said, not dropped.
+            failed = answer.get("Errors") if isinstance(answer, dict) else None
+            if failed:
+                first = failed[0] if isinstance(failed[0], dict) else {}
+                log.warning("%d of %d objects in %s were not deleted (the first, %r: %s)", len(failed), len(batch),
+                            bucket, first.get("Key"), first.get("Code") or first.get("Message"))
         except Exception as exc:
             if error_code(exc) not in ("InvalidRequest", "NotImplemented", "MissingContentMD5", "InvalidDigest"):
                 raise

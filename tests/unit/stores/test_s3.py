@@ -194,3 +194,16 @@ def test_verify_checks_only_rows_a_mount_would_read_the_object_of(tmp_path: Path
                                                   "the original",))
     assert verdicts[b"c.png"] == (refused_unread, ("not the object of this file's source: a mount serves the "
                                                   "original",))
+
+
+def test_keys_a_store_would_not_delete_are_said(caplog: pytest.LogCaptureFixture) -> None:
+    """DeleteObjects answers 200 where some keys could not be deleted, and lists them: dropped, a profile's
+    sample or a prepare's surplus stayed in the bucket unsaid."""
+    from liquidfs.stores.s3.store import delete_keys
+
+    class _Refusing:
+        def delete_objects(self, Bucket: str, Delete: dict[str, Any]) -> dict[str, Any]:
+            return {"Errors": [{"Key": each["Key"], "Code": "AccessDenied"} for each in Delete["Objects"]]}
+
+    delete_keys(_Refusing(), "b", ["s/one", "s/two"])
+    assert "2 of 2 objects in b were not deleted (the first, 's/one': AccessDenied)" in caplog.text
