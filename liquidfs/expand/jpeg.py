@@ -37,6 +37,7 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
     n = len(data)
     pos = 2
     sof: tuple[int, int, int] | None = None
+    first_app1 = True
     for _ in range(MAX_SEGMENTS):
         # Junk, fill bytes, FF 00 (junk libjpeg and Pillow skip: a length read there steered past ICC) and
         # standalone markers passed over as libjpeg passes them.
@@ -62,7 +63,9 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
             if width * height > max_pixels:
                 raise Refuse("too-large", f"{width}x{height}")
             sof = (width, height, precision)
-        elif marker == 0xE1 and seg.startswith(b"Exif\0\0"):
+        elif marker == 0xE1 and (seg.startswith(b"Exif\0\0") or (first_app1 and seg[6:8] in (b"II", b"MM"))):
+            # (torchvision's apply_exif_orientation reads the first APP1 at offset 6 whatever it says it is: one
+            # of another name holding a TIFF header there would turn the original, and never its raw object)
             check_exif(seg[6:])
         elif marker == 0xE1 and seg.startswith(b"http://ns.adobe.com/xap/1.0/\0"):
             check_xmp(seg)
@@ -83,6 +86,7 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
             if scans > MAX_SCANS:
                 raise Refuse("too-many-scans", f"{scans} scans")
             return sof
+        first_app1 = first_app1 and marker != 0xE1
         pos += length
     raise Refuse("corrupt", f"more than {MAX_SEGMENTS} segments before the first scan")
 

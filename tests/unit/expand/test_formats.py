@@ -314,6 +314,16 @@ def _jpeg_with_xmp_orientation() -> bytes:
     return save(Image.fromarray(_RGB), "JPEG", xmp=xmp)
 
 
+def _jpeg_with_orientation_in_an_app1_of_another_name() -> bytes:
+    """A first APP1 named "Exif\\0\\1" holding a TIFF header with Orientation 6 at offset 6, where
+    torchvision's apply_exif_orientation reads it (whatever the segment's name): it turns the original."""
+    real = save(Image.fromarray(_RGB), "JPEG")
+    tiff = _exif(6).tobytes()  # "Exif\0\0" + TIFF
+    assert tiff[6:8] in (b"II", b"MM")
+    body = b"Exif\0\1" + tiff[6:]
+    return real[:2] + b"\xff\xe1" + struct.pack(">H", len(body) + 2) + body + real[2:]
+
+
 def _png_with_oob_palette_index() -> bytes:
     return png(_IDX, 3, plte=_PAL6[:2])
 
@@ -464,6 +474,8 @@ REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "png-past-libpngs-width-limit": (_png_past_libpngs_limit, "too-large", "png"),
     "jpeg-exif-orientation-6": (lambda: save(Image.fromarray(_RGB), "JPEG", exif=_exif(6)), "exif-orientation", "jpeg"),
     "jpeg-xmp-orientation-3": (_jpeg_with_xmp_orientation, "exif-orientation", "jpeg"),
+    "jpeg-orientation-in-an-app1-of-another-name": (_jpeg_with_orientation_in_an_app1_of_another_name,
+                                                    "exif-orientation", "jpeg"),
     "jpeg-icc": (lambda: save(Image.fromarray(_RGB), "JPEG", icc_profile=_icc_srgb()), "icc-profile", "jpeg"),
     "jpeg-icc-behind-junk": (_jpeg_icc_behind_junk, "icc-profile", "jpeg"),
     "jpeg-real-rocket-icc": (lambda: skimage_file("rocket.jpg"), "icc-profile", "jpeg"),
