@@ -573,8 +573,8 @@ class PassthroughPath:
         if self._copies_stuck >= COPY_THREADS:
             raise OSError(errno.EIO, f"{self._copies_stuck} copies into memory are stuck: the storage does not "
                                      "answer")
-        fd = os.dup(backing.fd)
         copying = _Copying()
+        fd = -1
 
         def copy() -> tuple[int, int | None]:
             try:
@@ -590,12 +590,17 @@ class PassthroughPath:
                         self._copies_stuck -= 1
 
         async with self._copies:
-            with trio.move_on_after(self.calls.io_timeout):
-                return await in_thread(copy, discard=_close_copy)
-        with self._copies_lock:
-            if not copying.done:
-                copying.abandoned = True
-                self._copies_stuck += 1
+            # Taken with no checkpoint before the thread starts (``in_thread`` starts it before its first wait):
+            # from here the thread owns it, however this call ends.
+            fd = os.dup(backing.fd)
+            try:
+                with trio.move_on_after(self.calls.io_timeout):
+                    return await in_thread(copy, discard=_close_copy)
+            finally:
+                with self._copies_lock:  # timed out or cancelled with its thread still running: counted stuck
+                    if not copying.done:
+                        copying.abandoned = True
+                        self._copies_stuck += 1
         raise OSError(errno.EIO, f"copying a file into memory took more than {self.calls.io_timeout:g} s")
 
     async def warm_one(self, node: Node) -> int | None:

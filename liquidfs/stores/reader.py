@@ -196,6 +196,12 @@ def unfit_raw_row(node: Node) -> str | None:
     object that is not the one named after this file's source; else None. Its original is served instead."""
     if node.object is None or not isinstance(node.served_size, int):
         return "no raw object recorded in the catalog's row"
+    # SQLite keeps what a writer put in a column, a BLOB in a TEXT one (whoever writes the store wrote it): the
+    # types the names below are made of, whatever the row's annotations say.
+    shapes: tuple[tuple[object, type | tuple[type, ...]], ...] = (
+        (node.object, str), (node.path, bytes), (node.size, int), (node.mtime_ns, int), (node.etag, (str, type(None))))
+    if not all(isinstance(value, kind) for value, kind in shapes):
+        return "a catalog row of the wrong types"
     if node.served_size > MAX_OBJECT_BYTES:
         return f"raw object of {node.served_size} bytes, more than any prepare writes ({MAX_OBJECT_BYTES})"
     name = OBJECT_NAME.fullmatch(node.object)

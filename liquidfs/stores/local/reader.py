@@ -115,19 +115,15 @@ class StoreReader:
                                cached_only=cached_only)
 
     def _object_below(self, node: Node) -> bytes:
-        """The path of ``node``'s raw object below the objects directory: a name prepare gives, this file's own."""
-        if node.object is None:  # a raw row without its object's name: ``unfit_raw_row`` refuses it before
-            raise OSError(errno.EIO, "no raw object recorded in the catalog's row", os.fsdecode(node.path))
-        name = OBJECT_NAME.fullmatch(node.object)
-        if name is None:
-            raise OSError(errno.EIO, "not an object name prepare gives: refused", node.object)
-        if name.group(2) != object_key(node):
-            # A catalog writer pointing this row at another image's object (its size and checksum copied along)
-            # would have it served as this file: only the object named after this file's source is opened.
-            raise OSError(errno.EIO, "not the object of this file's source: refused", node.object)
+        """The path of ``node``'s raw object below the objects directory: a name prepare gives, this file's own
+        (``unfit_raw_row``: a catalog writer pointing a row at another image's object, its size and checksum
+        copied along, would have it served as this file)."""
+        unfit = unfit_raw_row(node)
+        if unfit is not None:
+            raise OSError(errno.EIO, f"{unfit}: refused", os.fsdecode(node.path))
         if self.objects_fd < 0:
             raise FileNotFoundError(errno.ENOENT, "the store had no objects directory at mount", node.object)
-        return os.fsencode(name.group(1))
+        return os.fsencode(str(node.object)[len("objects/"):])
 
     def warm(self, node: Node) -> None:
         """Bring the dentries and inodes an open of ``node`` walks into the kernel's caches (the source's, and
@@ -313,11 +309,8 @@ class StoreReader:
         ``sealed``: its stamp vouched for it before the read, and must still after it (``check_raw``: nobody wrote
         it in between). One of another size is refused unread, and no more than the size recorded is read: an
         object a store writer grew (a sparse file of 100 GB) never fills the daemon's memory."""
-        if st.st_size != node.served_size:
+        if st.st_size != node.served_size:  # (its row checked by the choice: ``unfit_raw_row``)
             return f"raw object has {st.st_size} bytes, expected {node.served_size}", None
-        unfit = unfit_raw_row(node)
-        if unfit is not None:
-            return unfit, None
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:

@@ -122,14 +122,18 @@ def work_dir(store: S3Url, client: Any) -> Path:
 
     key = hashlib.sha256(f"{client.meta.endpoint_url}\0{store}".encode()).hexdigest()[:16]
     path = cache_home() / f"s3-{key}"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     # Its catalog is the bucket's whole listing (a private bucket's names), written under a umask's modes by
-    # the SDK: the directory is this user's alone (one an older liquidfs made 0755 too). And root writes there
-    # by name: refused where another user could make names in it or above it (a HOME that sudo kept).
-    check_store_dir(path, writing=True)
+    # the SDK: the directory is this user's alone (one an older liquidfs made 0755 or 0775 too), and so is each
+    # it makes above it (``mkdir -p`` makes them under the umask: 0775 under Debian's 002 for users, which the
+    # check below refuses). And root writes there by name: refused where another user could make names in it
+    # or above it (a HOME that sudo kept).
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    for each in reversed(missing):
+        each.mkdir(mode=0o700, exist_ok=True)
     st = path.stat()
     if st.st_uid == os.geteuid() and st.st_mode & 0o077:
         path.chmod(0o700)
+    check_store_dir(path, writing=True)
     return path
 
 

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 #: The file in the work directory that names the ETag of the store's catalog the local copy came from.
 CATALOG_ETAG = "catalog.etag"
 #: Bytes a catalog's download leaves free on the work directory's filesystem (its journal, the mount's log).
-CATALOG_SPARE_BYTES = 256 << 20
+CATALOG_SPARE_BYTES = 64 << 20
 _META_ETAG = "liquidfs-source-etag"
 _META_CHECKSUM = "liquidfs-checksum"
 _META_FORMAT = "liquidfs-format"
@@ -93,6 +93,10 @@ def download_catalog(client: Any, store: S3Url, dest: Path) -> str | None:
     return _fetch_catalog(client, store, dest, found)
 
 
+class NoRoomForCatalog(CatalogError):
+    """The store's catalog would not fit where this node keeps its copy."""
+
+
 def _room_for(store: S3Url, answer: dict[str, Any], where: Path) -> None:
     """CatalogError where the catalog a HEAD describes (``answer``) would not fit in ``where``'s filesystem with
     room to spare: whatever size a store's object says (a broken or hostile store's), never a download that fills
@@ -102,7 +106,7 @@ def _room_for(store: S3Url, answer: dict[str, Any], where: Path) -> None:
         raise CatalogError(f"the catalog of {store} has no size an object can have ({size!r})")
     free = shutil.disk_usage(where).free
     if size + CATALOG_SPARE_BYTES > free:
-        raise CatalogError(f"the catalog of {store} is {size} bytes, and {where} has {free} bytes free: not "
+        raise NoRoomForCatalog(f"the catalog of {store} is {size} bytes, and {where} has {free} bytes free: not "
                            "downloaded (free some space there, or check the store)")
 
 
@@ -146,7 +150,15 @@ def local_catalog(source: str, store: str | None, *, refresh: bool = False, prog
     if refresh or current != have or not (local / CATALOG_NAME).exists():
         if found is not None:
             log.info("downloading the catalog of %s", dst)
-            current = _fetch_catalog(client, dst, local / CATALOG_NAME, found)
+            try:
+                current = _fetch_catalog(client, dst, local / CATALOG_NAME, found)
+            except NoRoomForCatalog as exc:
+                if refresh or not (local / CATALOG_NAME).exists():
+                    raise
+                # The copy this node has serves as it stands (behind the store's: a new selection is not seen):
+                # a mount that worked before does not stop for a disk that filled since.
+                log.warning("%s; the copy this node has is used as it stands", exc)
+                current = have or "none"
         if refresh or found is None:
             if found is None:
                 log.warning("%s has no catalog (prepare has not run): every image is served as stored", dst)

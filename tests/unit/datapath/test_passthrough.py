@@ -994,6 +994,34 @@ def test_a_release_whose_copy_into_memory_is_stuck_gives_up_past_the_io_timeout(
     assert path._copies_stuck == 0
 
 
+def test_a_copy_cancelled_before_its_thread_starts_keeps_no_descriptor(prepared) -> None:
+    """Its own descriptor of the file was taken before its turn at the copies' limiter: a copy cancelled while
+    it waited for one (its reader interrupted) left that descriptor open for good."""
+    from liquidfs.datapath import passthrough
+
+    src, store = prepared
+    ops, kernel = _ops(store)
+    path = ops.data_path
+    node = _images(ops)[0]
+
+    async def main() -> None:
+        backing = await path.calls.run(node, path._resolve, node)
+        holders = [object() for _ in range(passthrough.COPY_THREADS)]
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            for holder in holders:  # every slot taken
+                await path._copies.acquire_on_behalf_of(holder)
+            with trio.move_on_after(0.1):
+                await path.blocking_copy(backing)
+            assert len(os.listdir("/proc/self/fd")) == before and path._copies_stuck == 0
+        finally:
+            for holder in holders:
+                path._copies.release_on_behalf_of(holder)
+            backing.close()
+
+    trio.run(main)
+
+
 def _two_loops(store: Path, kernel: FakeKernel, verify_reads: tuple[bool, bool] = (True, True)
                ) -> tuple[list[Operations], list]:
     """Two loops of one mount (``mount --loops 2``) over ``store``, files read whole (--verify-reads; each loop's

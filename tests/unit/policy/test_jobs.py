@@ -268,6 +268,8 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
 
         def __init__(self) -> None:
             self._copies = trio.CapacityLimiter(4)
+            self._copies_stuck, self._copies_lock = 0, threading.Lock()
+            self.calls = SimpleNamespace(io_timeout=60.0)
 
     source = memfd_with(b"held bytes")
     copied: list[bytes] = []

@@ -137,9 +137,9 @@ def test_a_profile_sample_that_fails_midway_deletes_the_objects_it_put(
 
 
 def test_a_stores_work_directory_is_this_users_alone(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """It holds the bucket's whole listing (the catalog, written by the SDK under a umask's modes): made 0700,
-    one an older liquidfs made 0755 narrowed, and one another user may make names in refused (root writes
-    there by name)."""
+    """It holds the bucket's whole listing (the catalog, written by the SDK under a umask's modes): made 0700 with
+    the levels it makes above it, one an older liquidfs made 0775 narrowed, and one below a directory another
+    user may make names in refused (root writes there by name)."""
     from types import SimpleNamespace
 
     from liquidfs.catalog.schema import CatalogError
@@ -147,14 +147,14 @@ def test_a_stores_work_directory_is_this_users_alone(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     client = SimpleNamespace(meta=SimpleNamespace(endpoint_url="http://s3.example"))
-    previous = os.umask(0o022)
+    previous = os.umask(0o002)  # Debian's for users: mkdir -p made the levels above 0775, and refused them
     try:
         made = work_dir(S3Url("b", "store"), client)
-        assert oct(made.stat().st_mode & 0o777) == "0o700"
-        made.chmod(0o755)
+        assert {oct(p.stat().st_mode & 0o777) for p in (made, made.parent, made.parent.parent)} == {"0o700"}
+        made.chmod(0o775)
         assert work_dir(S3Url("b", "store"), client) == made and oct(made.stat().st_mode & 0o777) == "0o700"
-        made.chmod(0o777)
-        with pytest.raises(CatalogError, match="group or others may write it"):
+        made.parent.chmod(0o777)  # another user may move it away and put theirs at its name
+        with pytest.raises(CatalogError, match=str(made.parent)):
             work_dir(S3Url("b", "store"), client)
     finally:
         os.umask(previous)

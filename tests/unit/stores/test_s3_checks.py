@@ -451,6 +451,18 @@ def test_a_row_naming_another_images_object_serves_the_original(s3: FakeS3) -> N
     assert STORE.key(str(theirs.object)) not in s3.gets
 
 
+def test_a_row_of_the_wrong_types_serves_the_original(s3: FakeS3) -> None:
+    """SQLite keeps a BLOB in a TEXT column: a row whose object or ETag is bytes (whoever writes the bucket wrote
+    its catalog) raised out of the check of its object's name (EIO and a traceback), and out of verify."""
+    from liquidfs.stores.reader import unfit_raw_row
+
+    data = b"the original image " * 64
+    reader, node = _reader(s3, data, raw=bytes(range(256)) * 8)
+    content = reader.open(dataclasses.replace(node, object=str(node.object).encode()))
+    assert not content.raw and content.fallback == "a catalog row of the wrong types"
+    assert unfit_raw_row(dataclasses.replace(node, etag=str(node.etag).encode())) == content.fallback
+
+
 @pytest.mark.parametrize("column", ["object", "served_size"])
 def test_a_raw_row_without_its_object_or_its_size_gets_no_get_and_serves_the_original(s3: FakeS3, column: str) -> None:
     """A GET without a size reads a body of any length: a row that names no size (whoever writes the store's
@@ -676,3 +688,27 @@ def test_a_catalog_larger_than_the_room_left_is_not_downloaded(tmp_path: Path, m
     assert s3.downloads == 0 and not dest.exists()
     monkeypatch.setattr(bucket_store, "CATALOG_SPARE_BYTES", 800)
     assert bucket_store.download_catalog(s3, store, dest) and dest.read_bytes() == bytes(range(200))
+
+
+def test_a_mount_whose_new_catalog_has_no_room_uses_the_copy_it_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """The store published a catalog that no longer fits beside this node's copy: the mount that worked before
+    goes on with the copy it has (said), rather than stop; with no copy at all it stops, naming the room."""
+    from liquidfs.catalog.build import build_from_objects
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    s3 = _Publishing(0)
+    s3.meta = SimpleNamespace(endpoint_url="http://s3.example")  # type: ignore[attr-defined]
+    monkeypatch.setattr(bucket_store, "make_client", lambda *a, **kw: s3)
+    made = tmp_path / "made"
+    build_from_objects(iter([("a.png", 10, '"e1"', 1)]), made, f"s3://{BUCKET}/src")
+    s3.objects[STORE.key("catalog.sqlite")] = (made / "catalog.sqlite").read_bytes()
+    local = bucket_store.local_catalog(f"s3://{BUCKET}/src", f"s3://{BUCKET}/store", progress=False)
+    kept = (local / "catalog.sqlite").read_bytes()
+    s3.objects[STORE.key("catalog.sqlite")] = kept + b"\0" * 4096  # published anew: another ETag
+    monkeypatch.setattr(bucket_store.shutil, "disk_usage", lambda path: SimpleNamespace(free=1000))
+    assert bucket_store.local_catalog(f"s3://{BUCKET}/src", f"s3://{BUCKET}/store", progress=False) == local
+    assert (local / "catalog.sqlite").read_bytes() == kept and "the copy this node has is used" in caplog.text
+    (local / "catalog.sqlite").unlink()
+    with pytest.raises(CatalogError, match="bytes free: not downloaded"):
+        bucket_store.local_catalog(f"s3://{BUCKET}/src", f"s3://{BUCKET}/store", progress=False)
