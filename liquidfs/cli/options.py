@@ -17,7 +17,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..daemon.config import Amount, MountConfig, Share
+from ..daemon.config import (MAX_READAHEAD_KB, MAX_THREADS, MIN_SECONDS, OWN_FUSE_OPTIONS, Amount, MountConfig,
+                             Share)
 from ..mix.modes import MIX_MODES
 
 if TYPE_CHECKING:
@@ -144,8 +145,6 @@ def mix(text: str) -> str | float:
                   unreadable=f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}")
 
 
-#: Mount options liquidfs sets itself: the mount is read-only, and umount and stats know it by its type.
-OWN_FUSE_OPTIONS = ("rw", "subtype")
 
 
 def _fuse_options(given: list[str]) -> tuple[str, ...]:
@@ -217,11 +216,6 @@ def _positive_seconds(flag: str, value: float) -> float:
     return value
 
 
-#: Bounds of the mount's numeric tuning flags: past them a value is a typo, never a setting (a thread per
-#: storage read by the hundred million; a readahead the kernel refuses, said only at info level).
-MAX_THREADS = 4096
-MAX_READAHEAD_KB = 1 << 20
-MIN_SECONDS = 0.01
 
 
 def ignored_flags(args: argparse.Namespace) -> list[str]:

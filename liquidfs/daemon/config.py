@@ -52,6 +52,13 @@ READAHEAD_KB = 1024
 METRICS_ADDRESS = "127.0.0.1"
 #: ``mount --pressure-dir``: the node's pressure stall information.
 PRESSURE_DIR = Path("/proc/pressure")
+#: Mount options liquidfs sets itself: the mount is read-only, and umount and stats know it by its type.
+OWN_FUSE_OPTIONS = ("rw", "subtype")
+#: Bounds of the mount's numeric tuning flags: past them a value is a typo, never a setting (a thread per
+#: storage read by the hundred million; a readahead the kernel refuses, said only at info level).
+MAX_THREADS = 4096
+MAX_READAHEAD_KB = 1 << 20
+MIN_SECONDS = 0.01
 
 
 @dataclass(frozen=True)
@@ -109,7 +116,36 @@ class MountConfig:
         values = json.loads(text)
         if not isinstance(values, dict) or set(values) != {f.name for f in fields(cls)}:
             raise ValueError("a mount config names every field of MountConfig and nothing else")
-        return cls(**{name: _DECODE[name](value) for name, value in values.items()})
+        config = cls(**{name: _DECODE[name](value) for name, value in values.items()})
+        config.check()
+        return config
+
+    def check(self) -> None:
+        """ValueError where a value breaks what ``liquidfs mount`` checks (``cli.options.mount_config``): a config
+        written by hand for the daemon (``--daemon-config``, which a sudo rule for ``liquidfs mount`` lets through)
+        gets no mount the command would refuse. ``allow_other`` given as a FUSE option, say, opened the mount to
+        every user without the check of each one's open against the source."""
+        from ..datapath.shared_inodes import MAX_LOOPS
+
+        given = {option.split("=", 1)[0] for option in self.fuse_options}
+        if given & {"allow_other", "allow_root", *OWN_FUSE_OPTIONS}:
+            raise ValueError(f"FUSE options {sorted(given & {'allow_other', 'allow_root', *OWN_FUSE_OPTIONS})} are "
+                             "liquidfs's own to set (allow_other is the allow_other field)")
+        for name, value, low, high in (("loops", self.loops, 1, MAX_LOOPS), ("threads", self.threads, 1, MAX_THREADS),
+                                       ("open_threads", self.open_threads, 1, MAX_THREADS),
+                                       ("readahead_kb", self.readahead_kb, 0, MAX_READAHEAD_KB),
+                                       ("metrics_port", 0 if self.metrics_port is None else self.metrics_port, 0,
+                                        65535)):
+            if not low <= value <= high:
+                raise ValueError(f"a mount config {name} of {value}, outside {low}..{high}")
+        if self.io_timeout < MIN_SECONDS or self.mix_interval < MIN_SECONDS:
+            raise ValueError("a mount config io_timeout or mix_interval under the shortest a mount takes")
+        if not self.mountpoint.is_absolute():
+            raise ValueError("a mount config whose mount point is not absolute")
+        if self.loops > 1 and (self.cache_size is not None or self.disk_cache is not None or self.cluster is not None
+                               or self.mix == "adaptive" or self.warmup or self.data_path == "daemon"
+                               or self.page_cache == "direct" or self.verify_reads):
+            raise ValueError("a mount config of several loops with what one loop must hold or decide")
 
 
 def _encode(value: object) -> Any:

@@ -81,6 +81,11 @@ def test_every_value_survives_the_trip_to_the_daemon(key_file: Path) -> None:
     {"cache_size": -1}, {"page_cache": "some"}, {"data_path": "kernel"}, {"mix": 2.0}, {"mix": "most"},
     {"io_timeout": "60"}, {"cluster": [["h"]]}, {"fuse_options": "ro"}, {"unknown": 1}, {"metrics_port": 1.5},
     {"mountpoint_seen": [1]}, {"mountpoint_seen": ["1", "2"]}, {"mountpoint_seen": 12},
+    # values of the right kind the command refuses: allow_other as a FUSE option skipped the check of every other
+    # user's open; loops past what the shared table holds, or with what one loop must hold
+    {"fuse_options": ["allow_other"]}, {"fuse_options": ["subtype=x"]}, {"loops": 0}, {"loops": 33},
+    {"loops": 2, "cache_size": 5}, {"loops": 2, "verify_reads": True}, {"threads": 0}, {"open_threads": 0},
+    {"readahead_kb": -1}, {"metrics_port": 70000}, {"io_timeout": 0.0}, {"mountpoint": "mnt"},
 ], ids=str)
 def test_the_daemon_takes_no_config_but_one_of_values_of_the_right_kind(change: dict[str, object]) -> None:
     values = json.loads(MountConfig(source="/data", mountpoint=Path("/mnt"), store="/s").to_json())
