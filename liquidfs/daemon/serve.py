@@ -162,17 +162,28 @@ async def _main(config: MountConfig, ops: Operations, built: build.Parts, ready_
         if more is not None:
             nursery.start_soon(more.peers.serve, ops)
             nursery.start_soon(loops.watch, more, ops)
-        if config.metrics_port is not None:
-            await nursery.start(serve_metrics, config.metrics_port, ops.mount_statistics,
-                                config.metrics_address)
-            if more is not None:
-                nursery.start_soon(ops.gather_loops, METRICS_LOOPS_INTERVAL)
+        if config.metrics_port is not None and await _metrics_started(nursery, config, ops) and more is not None:
+            nursery.start_soon(ops.gather_loops, METRICS_LOOPS_INTERVAL)
         if ops.mix is not None and ops.mix.mode == "adaptive":
             nursery.start_soon(_steer_mix, ops, config)
         nursery.start_soon(_signal_ready, config, ops, built, ready_fd)
         await loops.answer(ops)
         # main() returns once the kernel says the filesystem was unmounted (fusermount3 -u) or terminate().
         nursery.cancel_scope.cancel()
+
+
+async def _metrics_started(nursery: trio.Nursery, config: MountConfig, ops: Operations) -> bool:
+    """The metrics endpoint started in ``nursery``; False where it cannot be (its port taken since the command
+    checked it, threads refused by a pids limit): said, and the mount serves without it, as it does when the
+    endpoint fails later. It took the mount down, which a loader would have seen as its files gone."""
+    assert config.metrics_port is not None
+    try:
+        await nursery.start(serve_metrics, config.metrics_port, ops.mount_statistics, config.metrics_address)
+    except Exception as exc:  # (trio.Cancelled and KeyboardInterrupt are BaseExceptions: they go on)
+        log.error("the metrics endpoint on %s port %d could not start (%s): the mount serves without it",
+                  config.metrics_address, config.metrics_port, exc)
+        return False
+    return True
 
 
 async def _stop_on_signals() -> None:
