@@ -77,28 +77,37 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
     pairs = Peers.made(config.loops)
     device = pyfuse3.device_fd()  # type: ignore[attr-defined]
     pids = []
+    # Held back across each fork: a stop signal that reached a child before it set its own handlers ran the first
+    # loop's (``serve._note_stop``), which only notes it, and the child went on serving until SIGKILL.
+    stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     for index in range(1, config.loops):
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         pid = os.fork()
         if pid == 0:  # pragma: no cover (a child: its coverage dies with it)
             status = 1
             try:
-                status = _child(index, device, config, store, mount, shared, pairs)
+                status = _child(index, device, config, store, mount, shared, pairs, held)
             except BaseException:
                 log.exception("loop %d failed", index)
             finally:
                 os._exit(status)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         pids.append(pid)
     log.info("%d loops answer the mount (pids %d, %s)", config.loops, os.getpid(), ", ".join(map(str, pids)))
     return Loops(Peers.mine(pairs, 0), shared, pids)
 
 
 def _child(index: int, device: int, config: MountConfig, store: Store, first: build.Mount,
-           shared: SharedInodes, pairs: list[tuple[socket.socket, socket.socket]]) -> int:
+           shared: SharedInodes, pairs: list[tuple[socket.socket, socket.socket]],
+           mask: set[int | signal.Signals]) -> int:
     _name_the_loop(index)
-    # The first loop's own handlers (``serve._note_stop``) are not this one's: ``stop`` ends it with SIGTERM.
+    # The first loop's own handlers (``serve._note_stop``) are not this one's: ``stop`` ends it with SIGTERM. A
+    # terminal's Ctrl-C or hangup reaches the whole process group: the first loop decides (it unmounts and stops
+    # the others), and a child that died of it first logged a traceback for a loop that had not failed.
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)

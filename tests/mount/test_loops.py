@@ -201,6 +201,23 @@ def test_a_loop_killed_leaves_the_others_serving(prepared, mounter: Mount, signu
     assert stats(mnt)["errors"] == 0
 
 
+def test_a_terminals_ctrl_c_or_hangup_is_the_first_loops_to_decide(prepared, mounter: Mount) -> None:
+    """Ctrl-C and a hangup reach a terminal's whole process group: a loop other than the first died of it with a
+    traceback ("loop N failed") while the first went on serving. They leave it to the first, which unmounts and
+    stops them."""
+    src, store = prepared
+    want = expected_bytes(src, store)
+    mnt = mount_loops(mounter, src, store, loops=3)
+    child = stats(mnt)["loops"][1]["pid"]
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        os.kill(child, signum)
+    for name, data in want.items():  # (a signal's default action ends a process at once: long before these)
+        assert (mnt / name).read_bytes() == data, name
+    state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state != "Z" and [loop["pid"] for loop in stats(mnt)["loops"]][1] == child
+    assert "failed" not in (store / "mount.log").read_text()
+
+
 def test_metrics_count_every_loops_opens(prepared, mounter: Mount) -> None:
     src, store = prepared
     want = expected_bytes(src, store)
