@@ -546,10 +546,19 @@ class Operations(pyfuse3.Operations):
         return values if self.peers is None else merged([values, *self.other_loops])
 
     async def gather_loops(self, interval: float) -> None:
-        """Until cancelled: the other loops' statistics gathered every ``interval`` seconds."""
+        """Until cancelled: the other loops' statistics gathered every ``interval`` seconds. A loop that does not
+        answer in time (busy) keeps its last ones: left out, it took its share out of every counter's total, and
+        the scraper took that dip for a reset (a jump of each rate). A loop gone is left out for good."""
         assert self.peers is not None
+        last: dict[int, dict[str, Any]] = {}
         while True:
-            self.other_loops = await self.peers.statistics()
+            for values in await self.peers.statistics():
+                loop = values.get("loop")
+                if isinstance(loop, int):
+                    last[loop] = values
+            for loop in self.peers.gone_loops:
+                last.pop(loop, None)
+            self.other_loops = [last[loop] for loop in sorted(last)]
             await trio.sleep(interval)
 
     async def _control_bytes(self) -> bytes:

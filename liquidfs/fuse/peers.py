@@ -239,6 +239,11 @@ class Peers:
         self.forwarded += 1
         return True
 
+    @property
+    def gone_loops(self) -> frozenset[int]:
+        """The loops that ended (``gone``)."""
+        return frozenset(self._gone)
+
     def gone(self, loop: int) -> None:
         """``loop`` ended: what waits for it fails, and nothing is sent to it again."""
         self._gone.add(loop)
