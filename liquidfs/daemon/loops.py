@@ -82,7 +82,13 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
     stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     for index in range(1, config.loops):
         held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # a pids limit, no memory: the loops forked so far serve (they hold the pairs)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            log.warning("--loops %d: loop %d could not be started (%s): %d loops answer", config.loops, index,
+                        exc.strerror or exc, index)
+            break
         if pid == 0:  # pragma: no cover (a child: its coverage dies with it)
             status = 1
             try:
@@ -93,8 +99,11 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
                 os._exit(status)
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
         pids.append(pid)
-    log.info("%d loops answer the mount (pids %d, %s)", config.loops, os.getpid(), ", ".join(map(str, pids)))
-    return Loops(Peers.mine(pairs, 0), shared, pids)
+    log.info("%d loops answer the mount (pids %d, %s)", len(pids) + 1, os.getpid(), ", ".join(map(str, pids)))
+    peers = Peers.mine(pairs, 0)
+    for never in range(len(pids) + 1, config.loops):  # asked nothing, as a loop that ended
+        peers.gone(never)
+    return Loops(peers, shared, pids)
 
 
 def _child(index: int, device: int, config: MountConfig, store: Store, first: build.Mount,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,3 +64,30 @@ def test_each_loop_serves_through_passthrough_once_the_fork_found_it_engaged(tmp
         monkeypatch.setattr(passthrough, "FuseKernel", FakeKernel)
         assert serve.choose_data_path(config(), ops, parts)
         assert isinstance(ops.data_path, PassthroughPath)
+
+
+def test_a_loop_that_cannot_be_forked_leaves_the_others_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork refused (a pids limit, no memory) left ``fork`` with the loops started so far never stopped and the
+    mount failed; the loops that could be started serve, the rest asked nothing, as loops that ended."""
+    import errno
+    import os
+
+    from liquidfs.daemon.config import MountConfig
+    from liquidfs.datapath import passthrough
+
+    monkeypatch.setattr(loops, "handle_init_here", lambda: True)
+    monkeypatch.setattr(passthrough, "engaged", lambda: None)
+    monkeypatch.setattr(pyfuse3, "device_fd", lambda: 0, raising=False)
+
+    def refused() -> int:
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(os, "fork", refused)
+    config = MountConfig(source="/data", mountpoint=Path("/mnt"), store="/s", loops=3)
+    found = loops.fork(config, None, None)  # type: ignore[arg-type]
+    assert found is not None
+    try:
+        assert found.pids == [] and found.peers.gone_loops == {1, 2}
+    finally:
+        for sock in (*found.peers._send, found.peers._receive):
+            sock.close()
