@@ -145,8 +145,6 @@ def mix(text: str) -> str | float:
                   unreadable=f"--mix takes 'prepared', 'adaptive' or a share in [0, 1], not {text!r}")
 
 
-
-
 def _fuse_options(given: list[str]) -> tuple[str, ...]:
     """``-o`` options, one each. ``allow_other`` is ``--allow-other`` (with the check of every other user's open
     that it turns on: as an option passed through, others read by the modes the scan saw); one that overrides
@@ -214,8 +212,6 @@ def _positive_seconds(flag: str, value: float) -> float:
     if value < MIN_SECONDS:  # 1e-9: every read EIO, or a mix that steers without a pause
         raise OptionError(f"{flag} must be at least {MIN_SECONDS:g} s, not {value:g}")
     return value
-
-
 
 
 def ignored_flags(args: argparse.Namespace) -> list[str]:
@@ -325,7 +321,7 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     given_options = _fuse_options(args.options)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise OptionError(f"--metrics-port must be a TCP port (0 to 65535), not {args.metrics_port}")
-    return MountConfig(
+    config = MountConfig(
         # As mountinfo will show it (links resolved): what the watchdog and umount find the mount by.
         source=storage.source_label, mountpoint=mount_point_named(Path(args.mountpoint)), store=storage.label,
         allow_other=args.allow_other or "allow_other" in given_options,
@@ -339,3 +335,8 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
         data_path=args.data_path, verify_reads=args.verify_reads, time_requests=args.time_requests,
         lookahead=args.lookahead, mix=args.mix, mix_interval=_positive_seconds("--mix-interval", args.mix_interval),
         pressure_dir=Path(args.pressure_dir).absolute())
+    try:  # what the daemon checks its config by (``MountConfig.check``): the command and it never disagree
+        config.check()
+    except ValueError as exc:
+        raise OptionError(str(exc)) from None
+    return config

@@ -127,10 +127,10 @@ class MountConfig:
         every user without the check of each one's open against the source."""
         from ..datapath.shared_inodes import MAX_LOOPS
 
-        given = {option.split("=", 1)[0] for option in self.fuse_options}
-        if given & {"allow_other", "allow_root", *OWN_FUSE_OPTIONS}:
-            raise ValueError(f"FUSE options {sorted(given & {'allow_other', 'allow_root', *OWN_FUSE_OPTIONS})} are "
-                             "liquidfs's own to set (allow_other is the allow_other field)")
+        given = {option.split("=", 1)[0] for option in self.fuse_options} & {"allow_other", *OWN_FUSE_OPTIONS}
+        if given:
+            raise ValueError(f"FUSE options {sorted(given)} are liquidfs's own to set (allow_other is the "
+                             "allow_other field)")
         for name, value, low, high in (("loops", self.loops, 1, MAX_LOOPS), ("threads", self.threads, 1, MAX_THREADS),
                                        ("open_threads", self.open_threads, 1, MAX_THREADS),
                                        ("readahead_kb", self.readahead_kb, 0, MAX_READAHEAD_KB),

@@ -596,6 +596,13 @@ class PassthroughPath:
             try:
                 with trio.move_on_after(self.calls.io_timeout):
                     return await in_thread(copy, discard=_close_copy)
+            except RuntimeError:  # no thread could be started (a pids limit): nobody else closes it, nor ends
+                with self._copies_lock:
+                    started = copying.done
+                    copying.done = True
+                if not started:
+                    os.close(fd)
+                raise
             finally:
                 with self._copies_lock:  # timed out or cancelled with its thread still running: counted stuck
                     if not copying.done:

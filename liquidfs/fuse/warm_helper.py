@@ -18,6 +18,7 @@ its input does (the daemon closed it, or died).
 from __future__ import annotations
 
 import logging
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -145,6 +146,10 @@ def batches(lines: IO[bytes], allowed: frozenset[int]) -> Iterator[list[Walks | 
 
 
 def main(argv: list[str]) -> int:
+    # A loop other than the first ignores Ctrl-C and hangups (the first decides), and its helper inherited that
+    # through exec: this one ends at SIGINT and SIGHUP as any process does.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     threads, *descriptors = (int(arg) for arg in argv)
     allowed = frozenset(descriptors)
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer

@@ -78,7 +78,7 @@ def in_share(node: Node, share: float) -> bool:
     """Whether ``node``'s raw object is the cluster's: its checksum, prepare's, hashed below ``share`` (the same
     answer on every node of the job, from its catalog alone). Only an object with a BLAKE2b digest: one of a
     catalog from before them (xxh3) would be stored by every node and refused by every fetch (``check_raw``)."""
-    if not (node.served_raw and is_digest(node.checksum) and node.size_served) or unfit_raw_row(node) is not None:
+    if not node.served_raw or unfit_raw_row(node) is not None or not (is_digest(node.checksum) and node.size_served):
         return False
     try:
         point = int(node.checksum[:8], 16) / 0x1_0000_0000

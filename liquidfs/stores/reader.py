@@ -199,7 +199,8 @@ def unfit_raw_row(node: Node) -> str | None:
     # SQLite keeps what a writer put in a column, a BLOB in a TEXT one (whoever writes the store wrote it): the
     # types the names below are made of, whatever the row's annotations say.
     shapes: tuple[tuple[object, type | tuple[type, ...]], ...] = (
-        (node.object, str), (node.path, bytes), (node.size, int), (node.mtime_ns, int), (node.etag, (str, type(None))))
+        (node.object, str), (node.path, bytes), (node.size, int), (node.mtime_ns, int), (node.etag, (str, type(None))),
+        (node.checksum, (str, type(None))), (node.object_stamp, (str, type(None))))
     if not all(isinstance(value, kind) for value, kind in shapes):
         return "a catalog row of the wrong types"
     if node.served_size > MAX_OBJECT_BYTES:

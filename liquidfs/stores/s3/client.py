@@ -130,10 +130,12 @@ def work_dir(store: S3Url, client: Any) -> Path:
     missing = [p for p in (path, *path.parents) if not p.exists()]
     for each in reversed(missing):
         each.mkdir(mode=0o700, exist_ok=True)
-    st = path.stat()
-    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
-        path.chmod(0o700)
-    check_store_dir(path, writing=True)
+    for own in (path, path.parent):  # this store's directory, and liquidfs's (an older one's, the local store's)
+        st = own.stat()
+        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+            own.chmod(0o700)
+    if os.geteuid() == 0:  # (a user's own cache under a group-writable ~/.cache is theirs to keep so)
+        check_store_dir(path, writing=True)
     return path
 
 

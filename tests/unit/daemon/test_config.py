@@ -96,6 +96,14 @@ def test_the_daemon_takes_no_config_but_one_of_values_of_the_right_kind(change: 
             MountConfig.from_json(json.dumps({k: v for k, v in values.items() if k != name}))
 
 
+def test_fuse_options_the_command_passes_through_reach_the_daemon() -> None:
+    """allow_root (root may enter; no other user), fsname=, default_permissions: the command passes them on, and
+    the daemon's check of its config takes them (the check refused allow_root: every such daemon failed)."""
+    config = MountConfig(source="/data", mountpoint=Path("/mnt"), store="/s",
+                         fuse_options=("allow_root", "fsname=x", "default_permissions"))
+    assert MountConfig.from_json(config.to_json()) == config
+
+
 def test_loops_reach_the_config_and_refuse_what_one_loop_must_hold(key_file: Path) -> None:
     config = options.mount_config(_parse(["--loops", "3", "--threads", "5"]), STORAGE)
     assert config.loops == 3 and MountConfig.from_json(config.to_json()) == config

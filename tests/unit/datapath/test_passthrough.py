@@ -994,6 +994,33 @@ def test_a_release_whose_copy_into_memory_is_stuck_gives_up_past_the_io_timeout(
     assert path._copies_stuck == 0
 
 
+def test_a_copy_whose_thread_cannot_start_keeps_no_descriptor_and_is_not_stuck(prepared, monkeypatch) -> None:
+    """No thread to copy in (a pids limit): its descriptor stayed open and the copy counted stuck for good, and
+    four of them failed every later copy of the mount."""
+    src, store = prepared
+    ops, kernel = _ops(store)
+    path = ops.data_path
+    node = _images(ops)[0]
+
+    def no_thread(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async def main() -> None:
+        backing = await path.calls.run(node, path._resolve, node)
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            monkeypatch.setattr(trio.lowlevel, "start_thread_soon", no_thread)
+            for _ in range(5):
+                with pytest.raises(RuntimeError):
+                    await path.blocking_copy(backing)
+            monkeypatch.undo()
+            assert len(os.listdir("/proc/self/fd")) == before and path._copies_stuck == 0
+        finally:
+            backing.close()
+
+    trio.run(main)
+
+
 def test_a_copy_cancelled_before_its_thread_starts_keeps_no_descriptor(prepared) -> None:
     """Its own descriptor of the file was taken before its turn at the copies' limiter: a copy cancelled while
     it waited for one (its reader interrupted) left that descriptor open for good."""

@@ -460,7 +460,8 @@ def test_a_row_of_the_wrong_types_serves_the_original(s3: FakeS3) -> None:
     reader, node = _reader(s3, data, raw=bytes(range(256)) * 8)
     content = reader.open(dataclasses.replace(node, object=str(node.object).encode()))
     assert not content.raw and content.fallback == "a catalog row of the wrong types"
-    assert unfit_raw_row(dataclasses.replace(node, etag=str(node.etag).encode())) == content.fallback
+    for field in ("etag", "checksum", "object_stamp"):
+        assert unfit_raw_row(dataclasses.replace(node, **{field: b"bytes"})) == content.fallback, field
 
 
 @pytest.mark.parametrize("column", ["object", "served_size"])
