@@ -304,19 +304,17 @@ class PassthroughPath:
         share that backing where they are the same; only other bytes are refused (``Conflict``)."""
         try:
             return backing, self._register(node, backing)
-        except Conflict as conflict:
-            try:
-                other = await self._other_kind(node, backing, conflict.held_in_memory)
-            except BaseException:
-                self._close_served(backing)
-                raise
-            if other is None:
-                self._close_served(backing)
-                raise
+        except Conflict as exc:
+            conflict = exc
         except BaseException:
             self._close_served(backing)
             raise
-        self._close_served(backing)
+        try:
+            other = await self._other_kind(node, backing, conflict.held_in_memory)
+        finally:
+            self._close_served(backing)  # replaced, or refused: it serves no open
+        if other is None:
+            raise conflict
         try:
             backing_id = self._register(node, other)
         except BaseException:
@@ -574,41 +572,42 @@ class PassthroughPath:
             raise OSError(errno.EIO, f"{self._copies_stuck} copies into memory are stuck: the storage does not "
                                      "answer")
         copying = _Copying()
-        fd = -1
 
         def copy() -> tuple[int, int | None]:
             try:
-                return _copy_of(fd, backing.size, digest)
-            finally:
+                # A descriptor of its own, taken as it starts (its caller waits meanwhile, the backing open): the
+                # caller's may be closed, and its number reused, once it gave up (what the copy then made is
+                # discarded); and the close of a FUSE or NFS file, which waits on its server, is this thread's.
+                fd = os.dup(backing.fd)
                 try:
-                    os.close(fd)
-                except OSError as exc:  # freed all the same (a flush error of a FUSE or NFS source)
-                    log.debug("closing a copied file's descriptor: %s", exc)
+                    return _copy_of(fd, backing.size, digest)
+                finally:
+                    try:
+                        os.close(fd)
+                    except OSError as exc:  # freed all the same (a flush error of a FUSE or NFS source)
+                        log.debug("closing a copied file's descriptor: %s", exc)
+            finally:
                 with self._copies_lock:
                     copying.done = True
                     if copying.abandoned:
                         self._copies_stuck -= 1
 
         async with self._copies:
-            # Taken with no checkpoint before the thread starts (``in_thread`` starts it before its first wait):
-            # from here the thread owns it, however this call ends.
-            fd = os.dup(backing.fd)
             try:
                 with trio.move_on_after(self.calls.io_timeout):
                     return await in_thread(copy, discard=_close_copy)
-            except RuntimeError:  # no thread could be started (a pids limit): nobody else closes it, nor ends
-                with self._copies_lock:
-                    started = copying.done
-                    copying.done = True
-                if not started:
-                    os.close(fd)
+            except trio.Cancelled:
+                self._left_running(copying)
                 raise
-            finally:
-                with self._copies_lock:  # timed out or cancelled with its thread still running: counted stuck
-                    if not copying.done:
-                        copying.abandoned = True
-                        self._copies_stuck += 1
+        self._left_running(copying)
         raise OSError(errno.EIO, f"copying a file into memory took more than {self.calls.io_timeout:g} s")
+
+    def _left_running(self, copying: _Copying) -> None:
+        """A copy given up on (timed out, cancelled): counted stuck while its thread runs on."""
+        with self._copies_lock:
+            if not copying.done:
+                copying.abandoned = True
+                self._copies_stuck += 1
 
     async def warm_one(self, node: Node) -> int | None:
         assert self.held is not None
