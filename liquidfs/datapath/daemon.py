@@ -72,11 +72,6 @@ class DaemonPath:
 
     async def open(self, node: Node, record: Inode, fh: int, job: int = 0) -> Handle:
         inode = node.id
-        pushes = record.pushes
-        if pushes is not None:
-            # The kernel drops the file's pages when this open is answered (no keep_cache): a store still
-            # queued from an earlier open must land before that, or it could outlive a change of the source.
-            await pushes.done.wait()
         decision = self._decide(node, record, job)
         held = self.held.get(inode) if self.held is not None and decision.hit else None
         if held is not None and self.held is not None and self.held.held_raw(node) != node.served_raw:
@@ -119,8 +114,7 @@ class DaemonPath:
             direct_io = True
             for other in superseded:
                 other.superseded = True
-        if others:  # (superseded by this open or by one before it, whose stores may still be queued)
-            await self._stores_landed(node, record, decision, content)
+        await self._stores_landed(node, record, decision, content)
         if not (content.deferred and decision.hold):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)
         # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
@@ -143,11 +137,13 @@ class DaemonPath:
             self.held.drop(node.id)
 
     async def _stores_landed(self, node: Node, record: Inode, decision: Decision, content: Content) -> None:
-        """Wait for the stores still queued for ``record``'s pages before an open beside others of other bytes is
-        answered: one such open queued while this one waited for storage (a read of it came meanwhile) would
-        land after the answer, and this open's reads through the page cache (a private mapping's too, direct_io
-        or not) would find the other bytes' pages; so would those of an open that waited beside the one that
-        superseded it. None is queued after this: superseded opens' reads fail before they push."""
+        """Wait for the stores still queued for ``record``'s pages before an open is answered. The kernel drops
+        the file's pages when an open without keep_cache is answered: a store landing after that could outlive a
+        change of the source. And one an open of other bytes queued while this one waited for storage (a read of
+        it came meanwhile) would land after the answer, where this open's reads through the page cache (a private
+        mapping's too, direct_io or not) would find the other bytes' pages; so would those of an open that waited
+        beside the one that superseded it. None of other bytes is queued after this: superseded opens' reads fail
+        before they push."""
         pushes = record.pushes
         if pushes is None:
             return
