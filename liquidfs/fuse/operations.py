@@ -575,13 +575,13 @@ class Operations(pyfuse3.Operations):
     setattr = mknod = mkdir = unlink = rmdir = symlink = rename = link = _read_only
     write = create = setxattr = removexattr = _read_only
 
-    async def _nothing_to_sync(self, *args: Any, **kwargs: Any) -> None:
-        # As a read-only mount of a disk answers fsync of a file open for reading: done, nothing was written (EROFS
-        # failed a tool that syncs what it read, and its copy with it). ENOSYS tells the kernel so for good: it
-        # answers every later fsync itself.
+    async def _nothing_written(self, *args: Any, **kwargs: Any) -> None:
+        # Nothing is ever written: ENOSYS tells the kernel so, for good. It sends no FLUSH at any later close (one
+        # request fewer per file opened), and answers every later fsync itself, done, as a read-only disk answers
+        # that of a file open for reading (EROFS failed a tool that syncs what it read, and its copy with it).
         raise FUSEError(errno.ENOSYS)
 
-    fsync = fsyncdir = _nothing_to_sync
+    flush = fsync = fsyncdir = _nothing_written
 
     async def getxattr(self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT,
                        ctx: pyfuse3.RequestContext) -> bytes:
@@ -589,11 +589,6 @@ class Operations(pyfuse3.Operations):
 
     async def listxattr(self, inode: pyfuse3.InodeT, ctx: pyfuse3.RequestContext) -> list[bytes]:
         return []
-
-    async def flush(self, fh: pyfuse3.FileHandleT) -> None:
-        # Nothing is ever written: ENOSYS tells the kernel so, and it sends no FLUSH at any later close (one
-        # request fewer per file opened).
-        raise FUSEError(errno.ENOSYS)
 
 
 #: The request types ``Operations`` counts and times (its handlers).

@@ -34,8 +34,7 @@ from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
 from ...sysio.directio import read_span
-from ...sysio.locks import (MOUNTS_LOCK, PREPARE_LOCK, exclusive_lock, PrivateDir,
-                            shared_lock)
+from ...sysio.locks import MOUNTS_LOCK, PREPARE_LOCK, PrivateDir, exclusive_lock, shared_lock
 from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, renamed_only_by_its_writer,
                             stat_below)
 from ...sysio.safefiles import replace_file
