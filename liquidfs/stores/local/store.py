@@ -467,10 +467,13 @@ class LocalStore:
                 chosen = json.loads(f.read(1 << 20))["chosen"]
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.warning("%s: unreadable (%s); the adaptive mix starts in the middle of the prepared range", path, exc)
+        # (RecursionError: JSON nested past the interpreter's stack, which whoever owns the store may write)
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            log.warning("%s: unreadable (%s); the adaptive mix starts in the middle of the prepared range", path,
+                        type(exc).__name__ if isinstance(exc, RecursionError) else exc)
             return None
-        if not isinstance(chosen, (int, float)) or not 0 <= chosen <= 1:
+        # (a bool is an int to isinstance: ``true`` is no share)
+        if isinstance(chosen, bool) or not isinstance(chosen, (int, float)) or not 0 <= chosen <= 1:
             log.warning("%s: 'chosen' is not a share in [0, 1]; ignored", path)
             return None
         return float(chosen)

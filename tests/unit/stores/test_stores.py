@@ -61,7 +61,10 @@ def test_the_adaptive_mix_starts_at_the_share_the_kept_profile_chose(tmp_path: P
     assert store.profile_choice() is None  # none kept: the mix starts mid-range
     store.keep_profile('{"chosen": 0.93, "table": []}')
     assert store.profile_choice() == 0.93
-    for bad in ('{"chosen": 1.5}', '{"chosen": "0.9"}', '{"other": 1}', "not json"):
+    # Whoever owns the store writes it: JSON nested past the interpreter's stack, or a bool (an int to Python),
+    # starts the mix mid-range too, never fails the mount with a traceback.
+    for bad in ('{"chosen": 1.5}', '{"chosen": "0.9"}', '{"other": 1}', "not json", '{"chosen": true}',
+                '{"chosen": ' + "[" * 100_000 + "]" * 100_000 + "}"):
         store.keep_profile(bad)
         assert store.profile_choice() is None, bad
     assert open_store("s3://src/data", "s3://dst/data.liquid").profile_choice() is None
