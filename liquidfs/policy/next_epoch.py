@@ -474,17 +474,21 @@ class NextEpochCache:
         order = array("q", range(len(files)))  # positions, 8 bytes each, not a tuple per file
         random.Random(self.seed).shuffle(order)
         chosen = []
-        total = 0
+        # What the chosen files cost the budget (whole pages and a memfd each) and what they hold of the dataset:
+        # the share is of the files' bytes, the budget of their costs (small files cost many times their size).
+        cost_total = held = 0
         least = self.charge(0)
+        wanted = self.share * self.dataset_bytes
         for at in order:
             size = sizes[at]
             cost = self.charge(size)
-            if total + cost > self.budget or total + size / 2 > self.share * self.dataset_bytes:
-                if total + least > self.budget or total > self.share * self.dataset_bytes:
+            if cost_total + cost > self.budget or held + size / 2 > wanted:
+                if cost_total + least > self.budget or held > wanted:
                     break  # full: no file, however small, fits any more
                 continue
             chosen.append(files[at])
-            total += cost
+            cost_total += cost
+            held += size
         return chosen
 
     def hold(self, file: int, size: int) -> bool:

@@ -8,6 +8,7 @@ import statistics
 
 import pytest
 
+from liquidfs.policy.budget import DatasetCost, ShareOfCost
 from liquidfs.policy.next_epoch import WINDOW, NextEpochCache
 
 
@@ -190,6 +191,21 @@ def test_warmup_fills_the_budget_for_epoch_one() -> None:
     for events in epochs:
         ratio = sum(s for h, s in events if h) / sum(s for _, s in events)
         assert abs(ratio - 0.3) <= 0.03
+
+
+def test_warmup_holds_the_share_of_small_files_that_cost_many_times_their_size() -> None:
+    """Files of 512 bytes cost a whole page and a memfd's overhead each: the warm-up holds 30 % of them (30 % of
+    the dataset's bytes, 30 % of its cost), not 30 % of the bytes counted in costs (a few % of the files)."""
+    sizes = {i + 2: 512 for i in range(10_000)}
+    total = sum(sizes.values())
+    cache = NextEpochCache(ShareOfCost(0.3), total, len(sizes), max_id=max(sizes),
+                           cost=DatasetCost(len(sizes), {1: total, 4096: 4096 * len(sizes)}))  # (the catalog's)
+    cache.charge_files(page=4096, overhead=1024)
+    chosen = cache.warmup_choice(list(sizes), list(sizes.values()))
+    assert 0.29 * len(sizes) <= len(chosen) <= 0.3 * len(sizes)
+    for f in chosen:
+        assert cache.hold(f, sizes[f])
+    assert cache.held_bytes <= cache.budget
 
 
 # -- several jobs on one budget ------------------------------------------------------------------------------
