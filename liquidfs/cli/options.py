@@ -174,6 +174,16 @@ def positive_int(text: str) -> int:
     return value
 
 
+def workers(text: str) -> int:
+    """A count of threads, processes or readers (``profile --threads``/``--readers``, ``prepare --jobs``): past
+    ``MAX_THREADS`` it is a typo, never a setting (each is a thread or a process started, and the profile's
+    sample holds four images a reader in memory)."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise ValueError(f"at most {MAX_THREADS}, not {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)

@@ -45,7 +45,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     p.add_argument("--seed", type=int, default=0, help="seed of the random choice (default 0)")
     p.add_argument("--formats", type=argument(options.formats), default=DEFAULT_FORMATS, metavar=FORMATS_METAVAR,
                    help=_formats_help())
-    p.add_argument("--jobs", "-j", type=argument(options.positive_int),
+    p.add_argument("--jobs", "-j", type=argument(options.workers),
                    help="worker processes (default: the cores this process may use, fewer where memory is short: "
                    "each worker gets room for the largest image expanded, 100 Mpx, about 2.5 GB). A larger "
                    "value is lowered to what fits in the memory left (cgroup limit, MemAvailable), with a warning")
@@ -65,7 +65,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     v.add_argument("--store", required=True, help="the store directory, or the s3:// store prepare wrote to")
     v.add_argument("--sample", type=argument(options.positive_int), metavar="N",
                    help="check only N random objects (at least one)")
-    v.add_argument("--jobs", "-j", type=argument(options.positive_int),
+    v.add_argument("--jobs", "-j", type=argument(options.workers),
                    help="worker processes (default: the cores, fewer where memory is short; lowered to what fits)")
     v.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     add_common(v)

@@ -46,7 +46,7 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
 def add_loader_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
     """What the profile's model knows of the loader and the GPU beyond its decoder, for ``profile`` and
     ``prepare --ratio auto``."""
-    p.add_argument("--readers", type=argument(options.positive_int), metavar="N",
+    p.add_argument("--readers", type=argument(options.workers), metavar="N",
                    help=prefix + "files the loader reads at once, as its workers do (default: --threads, "
                    "one per decoder thread): storage is timed with as many readers")
     p.add_argument("--gpu-train-rate", type=argument(options.positive_float), metavar="IMG_PER_S",
@@ -73,7 +73,7 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     p.add_argument("source")
     p.add_argument("--store", required=True, help="the store (the sample is expanded on its device)")
     p.add_argument("--decoder", choices=["dali", "pil"], help="the loader's decoder (default: dali if installed)")
-    p.add_argument("--threads", type=argument(options.positive_int), metavar="N",
+    p.add_argument("--threads", type=argument(options.workers), metavar="N",
                    help="decoder threads (default: the cores this process may use: its CPU affinity, or fewer "
                    "where a container's CPU limit allows less)")
     p.add_argument("--sample", type=argument(options.positive_int), metavar="N",

@@ -350,6 +350,21 @@ def test_profile_refuses_counts_and_times_out_of_range_with_a_message(tmp_path: 
     assert "Traceback" not in done.stderr and not (tmp_path / "st").exists()
 
 
+@pytest.mark.parametrize("argv", [["profile", "--threads=5000"], ["profile", "--readers=100000"],
+                                  ["prepare", "--jobs=100000"], ["verify", "--jobs=100000"]])
+def test_a_thread_reader_or_job_count_past_the_bound_is_a_typo_refused_at_once(tmp_path: Path,
+                                                                                argv: list[str]) -> None:
+    """Each is a thread or a process started, and the profile's sample holds four images a reader in memory:
+    ``--jobs 100000`` is a typo, refused before anything starts."""
+    command = [argv[0], str(tmp_path / "data"), "--store", str(tmp_path / "st")] if argv[0] != "verify" \
+        else [argv[0], str(tmp_path / "st")]
+    done = subprocess.run([sys.executable, "-m", "liquidfs", *command, argv[1]], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and argv[1].split("=")[0] in done.stderr and "at most 4096" in done.stderr, \
+        done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "st").exists()
+
+
 def test_profiles_threads_are_the_cores_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not os.cpu_count(): in a pod limited to 4 of 64 cores, 64 readers and 64 cores of decoding chose too much
     raw. The default is ``sysio.cgroups.usable_cores`` (affinity, then the cgroup's cpu.max)."""
