@@ -45,6 +45,8 @@ dpkg -s libfuse3-dev >/dev/null 2>&1 || need+=(libfuse3-dev)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 command -v gcc >/dev/null || need+=(gcc)
 [ -e "$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ] || need+=(python3-dev)
+# Debian's python3 leaves out ensurepip, without which `python3 -m venv` makes a venv with no pip in it.
+"$PY" -c 'import ensurepip' >/dev/null 2>&1 || need+=(python3-venv)
 if [ "$passthrough" != 0 ]; then
     command -v patch >/dev/null || need+=(patch)
 fi
@@ -52,6 +54,11 @@ if [ ${#need[@]} -gt 0 ]; then
     apt_install "build dependencies" "${need[@]}"
 fi
 
+# A venv an earlier run left without pip (made before python3-venv was there) is made again.
+if [ -x .venv/bin/python ] && ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+    echo "liquidfs: .venv has no pip (an interrupted install?): making it again" >&2
+    rm -rf .venv
+fi
 if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 BASH = shutil.which("bash") or "/bin/bash"
 #: The real tools the scripts use besides the stubs (their paths taken from this machine's PATH).
-REAL_TOOLS = ["bash", "sh", "env", "grep", "tail", "sed", "df", "cat", "dirname", "basename", "mkdir", "rm", "mktemp"]
+REAL_TOOLS = ["bash", "sh", "env", "grep", "tail", "sed", "df", "cat", "dirname", "basename", "mkdir", "rm", "mktemp",
+              "chmod"]
 
 
 def _stub(path: Path, body: str) -> None:
@@ -75,7 +76,13 @@ def _install_sandbox(tmp_path: Path, uid: int, *, missing: tuple[str, ...] = ())
     include = tmp_path / "include"
     include.mkdir()
     (include / "Python.h").touch()
-    _stub(box.bin / "python3", f'echo "{include}"')  # install.sh asks it where Python.h is
+    # install.sh asks it where Python.h is, whether ensurepip is there (python3-venv), and to make the venv
+    venv = "\n".join(["mkdir -p .venv/bin",
+                       f"printf '#!/bin/sh\\necho \"python $*\" >> {box.log}\\n' > .venv/bin/python",
+                       "chmod +x .venv/bin/python"])
+    _stub(box.bin / "python3", f'echo "python3 $*" >> "{box.log}"\n'
+          f'case "$*" in *ensurepip*) exit {int("python3-venv" in missing)};; "-m venv .venv") {venv}; exit 0;; esac\n'
+          f'echo "{include}"')
     _stub(box.root / "scripts" / "passthrough" / "build.sh", f'echo "build.sh $*" >> "{box.log}"\necho built')
     return box
 
@@ -120,6 +127,18 @@ def test_install_without_root_uses_sudo_when_there_is_one(tmp_path: Path) -> Non
     assert done.returncode == 0, done.stderr
     calls = box.calls()
     assert "sudo apt-get update -qq" in calls and "apt-get install -y -qq libfuse3-dev" in calls, calls
+
+
+def test_install_without_ensurepip_installs_python3_venv_and_remakes_a_venv_left_without_pip(tmp_path: Path) -> None:
+    """Debian's python3 has no ensurepip: ``python3 -m venv`` failed on a fresh machine, and the venv it left
+    behind (no pip in it) made every later run fail at "pip could not install"."""
+    box = _install_sandbox(tmp_path, 0, missing=("python3-venv",))
+    _stub(box.root / ".venv" / "bin" / "python", 'case "$*" in "-m pip --version") exit 1;; esac')
+    done = box.run("install.sh", LIQUIDFS_PASSTHROUGH="0")
+    assert done.returncode == 0, done.stderr
+    calls = box.calls()
+    assert "apt-get install -y -qq python3-venv" in calls and "python3 -m venv .venv" in calls, calls
+    assert any(c.startswith("python -m pip install") for c in calls) and "no pip" in done.stderr, calls
 
 
 def _test_sh_sandbox(tmp_path: Path, uid: int) -> Sandbox:
