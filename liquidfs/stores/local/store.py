@@ -183,6 +183,13 @@ class LocalStore:
             if self.source.exists():
                 raise NotADirectoryError(f"source {self.source}: not a directory")
             raise FileNotFoundError(f"source {self.source}: no such directory")
+        # A store in its source shows in the source's listing (its catalog, its objects, a catalog in the making),
+        # and changes it at every write: each scan found the source changed. A source in its store is among the
+        # files a prepare removes as no longer used. Compared where the links lead, as the scan and the writes go.
+        source, store = os.path.realpath(self.source), os.path.realpath(self.store_dir)
+        if os.path.commonpath((source, store)) in (source, store):
+            raise CatalogError(f"the store {self.store_dir} and the source {self.source} must not contain each "
+                               "other: give a --store outside the source")
 
     def source_root(self, catalog: Catalog) -> bytes:
         """The source root to open what ``catalog`` names below: this store's source, which the catalog must name

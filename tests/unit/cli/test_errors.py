@@ -216,6 +216,25 @@ def test_a_missing_source_is_named_plainly(run: Run, tmp_path: Path, command: st
     assert not (tmp_path / "st").exists()  # a typo makes no store
 
 
+@pytest.mark.parametrize("command", ["prepare", "mount"])
+@pytest.mark.parametrize("inside", ["store-in-source", "source-in-store", "same"])
+def test_a_store_and_a_source_that_contain_each_other_are_refused(run: Run, tmp_path: Path, command: str,
+                                                                   inside: str) -> None:
+    """A store in its source showed in the mount and made every scan find the source changed; a source in its
+    store was among what a prepare removes as unused."""
+    top = tmp_path / "top"
+    (top / "inner").mkdir(parents=True)
+    source, store = {"store-in-source": (top, top / "inner"), "source-in-store": (top / "inner", top),
+                     "same": (top, top)}[inside]
+    (tmp_path / "link").symlink_to(store)  # named through a link: compared where it leads
+    argv = ["prepare", str(source), "--store", str(tmp_path / "link"), "--ratio", "0.5", "--no-progress"] \
+        if command == "prepare" else ["mount", str(source), str(tmp_path / "mnt"), "--store", str(tmp_path / "link")]
+    (tmp_path / "mnt").mkdir()
+    err = _one_line(*run(*argv))
+    assert "must not contain each other" in err, err
+    assert sorted(p.name for p in top.rglob("*")) == ["inner"]  # nothing written in either
+
+
 def test_umount_of_a_path_that_does_not_exist_says_so(run: Run, tmp_path: Path) -> None:
     err = _one_line(*run("umount", str(tmp_path / "nope")))
     assert f"{tmp_path / 'nope'} does not exist" in err
