@@ -106,8 +106,8 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                    "bytes; the share of the raw objects they hold follows (default: what they say they hold, "
                    "the sum of their -m less ~5 %%, at most the raw objects' bytes)")
     m.add_argument("--warmup", action="store_true",
-                   help="fill the cache right after the mount is ready, in the background, so the first epoch hits "
-                   "too (progress: `liquidfs stats`, warmup)")
+                   help="with --cache-size: fill the cache right after the mount is ready, in the background, so the "
+                   "first epoch hits too (progress: `liquidfs stats`, warmup)")
     tuning.add_argument("--readahead-kb", type=int, default=MOUNT_DEFAULTS["readahead_kb"], metavar="KB",
                    help="readahead of the mount, so the kernel sends larger reads "
                    f"(default {MOUNT_DEFAULTS['readahead_kb']}; 0 leaves the "
@@ -177,12 +177,23 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                        "hidden control file).")
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print JSON")
-    s.add_argument("--watch", type=argument(options.positive_float), nargs="?", const=2.0, metavar="SECONDS",
-                   help="repeat every SECONDS (default 2) until Ctrl-C")
+    s.add_argument("--watch", type=argument(_watch_seconds), nargs="?", const=2.0, metavar="SECONDS",
+                   help="repeat every SECONDS (default 2, at most a day) until Ctrl-C")
     s.add_argument("--probe", action="store_true",
                    help="print nothing; exit 0 only if the mount answers (for readiness probes)")
     add_common(s)
     s.set_defaults(func=cmd_stats)
+
+
+#: ``stats --watch``'s longest interval: past it a value is a typo (``1e10`` overflowed the sleep, a traceback).
+MAX_WATCH_SECONDS = 86400.0
+
+
+def _watch_seconds(text: str) -> float:
+    seconds = options.positive_float(text)
+    if seconds > MAX_WATCH_SECONDS:
+        raise ValueError(f"at most {MAX_WATCH_SECONDS:g} seconds (a day), not {text}")
+    return seconds
 
 
 def cmd_mount(args: argparse.Namespace) -> int:

@@ -235,6 +235,8 @@ def ignored_flags(args: argparse.Namespace) -> list[str]:
                                      ("--pressure-dir", args.pressure_dir, str(MOUNT_DEFAULTS["pressure_dir"]))):
             if value != default:
                 said.append(f"{flag} does nothing without --mix adaptive")
+    if args.warmup and args.cache_size is None:
+        said.append("--warmup does nothing without --cache-size (it fills that cache)")
     if args.verify_reads and args.data_path == "daemon":
         said.append("--verify-reads is the passthrough path's: the daemon path reads every file whole and checks "
                     "it already")
@@ -279,7 +281,8 @@ def _loops(args: argparse.Namespace) -> int:
         "--cache-size (from $LIQUIDFS_CACHE_SIZE)"  # a flag the user never typed is named by where it came from
     clashes = [flag for flag, given in ((cache_flag, args.cache_size), ("--disk-cache", args.disk_cache),
                                         ("--cluster", args.cluster), ("--mix adaptive", args.mix == "adaptive"),
-                                        ("--warmup", args.warmup), ("--data-path daemon", args.data_path == "daemon"),
+                                        ("--warmup", args.warmup and args.cache_size is not None),
+                                        ("--data-path daemon", args.data_path == "daemon"),
                                         ("--page-cache direct", args.page_cache == "direct"),
                                         ("--verify-reads", args.verify_reads)) if given]
     if args.loops == "auto":
@@ -337,7 +340,7 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
         allow_other=args.allow_other or "allow_other" in given_options,
         fuse_options=tuple(o for o in given_options if o != "allow_other"),
         threads=threads, open_threads=args.open_threads, loops=loop_count, metrics_port=args.metrics_port, metrics_address=args.metrics_address,
-        cache_size=cache_size, warmup=args.warmup, readahead_kb=args.readahead_kb,
+        cache_size=cache_size, warmup=args.warmup and cache_size is not None, readahead_kb=args.readahead_kb,
         io_timeout=_positive_seconds("--io-timeout", args.io_timeout), page_cache=args.page_cache,
         open_bytes=MOUNT_DEFAULTS["open_bytes"] if open_bytes is None else open_bytes,
         push_pages=args.push_pages, disk_cache=Path(args.disk_cache).absolute() if args.disk_cache else None,

@@ -67,6 +67,7 @@ def test_mix_and_ratio_are_shares_too() -> None:
     (["prepare", "/d", "--store", "/s", "--ratio", "1", "--jobs", "0"], "--jobs"),
     (["umount", "/m", "--timeout", "-1"], "--timeout"),
     (["stats", "/m", "--watch", "nan"], "--watch"),
+    (["stats", "/m", "--watch", "1e10"], "--watch"),  # overflowed the sleep: a traceback
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_a_value_argparse_refuses_names_its_flag(argv: list[str], flag: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -199,10 +200,24 @@ def test_a_cache_size_from_the_environment_is_named_by_where_it_came_from(monkey
     (["--mix", "50%", "--pressure-dir", "/sys/fs/cgroup/x"], "--pressure-dir does nothing without --mix adaptive"),
     (["--verify-reads", "--data-path", "daemon"], "--verify-reads is the passthrough path's"),
     (["--readahead-kb", "2048", "--data-path", "passthrough"], "--readahead-kb does nothing on the passthrough"),
+    (["--warmup"], "--warmup does nothing without --cache-size"),
 ])
 def test_a_mount_flag_that_does_nothing_with_the_others_is_said(flags: list[str], said: str) -> None:
     """Given and silently dropped, a value reads to its user as a setting that holds."""
     assert any(said in line for line in options.ignored_flags(_mount_args(*flags)))
+
+
+def test_warmup_without_a_cache_is_dropped_and_keeps_the_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It fills the memory cache: with none it did nothing, silently, and still took ``--loops auto`` to one."""
+    monkeypatch.delenv("LIQUIDFS_CACHE_SIZE", raising=False)
+    config = options.mount_config(_mount_args("--warmup", "--loops", "2"), STORAGE)
+    assert not config.warmup and config.loops == 2
+    assert options.mount_config(_mount_args("--warmup", "--cache-size", "10%"), STORAGE).warmup
+
+
+def test_the_log_level_is_taken_in_any_case() -> None:
+    """As ``LIQUIDFS_LOG_LEVEL`` is: an fstab's ``log_level=INFO`` made the mount exit 2."""
+    assert cli.build_parser().parse_args(["umount", "/mnt", "--log-level", "INFO"]).log_level == "info"
 
 
 def test_flags_that_go_together_say_nothing() -> None:
