@@ -97,7 +97,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     # argparse checks a flag's value against its choices, never a default: the environment's is checked in _run.
+    # (str.lower: INFO as the environment's is taken, an fstab's log_level=INFO or a ConfigMap's)
     p.add_argument("--log-level", default=os.environ.get("LIQUIDFS_LOG_LEVEL", "warning"), choices=LOG_LEVELS,
+                   type=str.lower,
                    help="logging verbosity (default: warning, or $LIQUIDFS_LOG_LEVEL)")
     p.add_argument("--log-file", help="log to this file instead of stderr")
 
