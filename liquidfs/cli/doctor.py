@@ -125,7 +125,11 @@ def capability_check(status: str | None = None, uid_map: str | None = None) -> C
 def store_check(store: Path) -> Check:
     fstype = filesystem_type(str(store)) or "unknown"
     stacked = fstype in _STACKED
-    return Check("store filesystem", fstype != "unknown", f"{fstype} ({store})" + (
+    # A store not made yet is made by prepare on the filesystem of the directory above it that is there: said as
+    # that, never as a store found on it.
+    there = next((p for p in (store, *store.absolute().parents) if p.exists()), None)
+    where = str(store) if there == store else f"{store} is not there yet: made on {there}'s"
+    return Check("store filesystem", fstype != "unknown", f"{fstype} ({where})" + (
         ", stacked: depth 1, allowed" if stacked else ""), "a local filesystem; stack depth <= 1")
 
 

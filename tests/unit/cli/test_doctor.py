@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import run_cli
-from liquidfs.cli.doctor import capability_check, checks, kernel_check, kernel_config_check, verdict, verity_check
+from liquidfs.cli.doctor import (capability_check, checks, kernel_check, kernel_config_check, store_check, verdict,
+                                 verity_check)
 
 ROOT_STATUS = "Name:\tx\nCapEff:\t000001ffffffffff\n"
 NO_ADMIN = "Name:\tx\nCapEff:\t0000000000000000\n"
@@ -86,3 +87,10 @@ def test_doctor_reports_what_it_cannot_load_or_read(monkeypatch: pytest.MonkeyPa
     paths = iter([torn, latin])
     monkeypatch.setattr(doctor, "Path", lambda *a: next(paths))
     assert "CONFIG_FUSE_PASSTHROUGH=y" in (doctor._kernel_config() or "")
+
+
+def test_a_store_not_made_yet_is_said_so_with_the_filesystem_it_would_be_made_on(tmp_path: Path) -> None:
+    """It read as a store found on that filesystem: ``doctor --store /typo`` approved a store that is not there."""
+    check = store_check(tmp_path / "not" / "yet")
+    assert f"{tmp_path / 'not' / 'yet'} is not there yet: made on {tmp_path}'s" in check.found, check
+    assert "not there" not in store_check(tmp_path).found
