@@ -225,10 +225,22 @@ class Catalog:
         if self._totals is not None:
             return self._totals
         # One scan of every row: the files' sums, and the ids' range and count beside them.
-        files, served, source, rows, min_id, max_id = self.db.execute(
-            f"SELECT coalesce(sum(kind=0), 0), coalesce(sum(CASE WHEN kind=0 THEN {_SERVED} END), 0), "
-            "coalesce(sum(CASE WHEN kind=0 THEN size END), 0), count(*), coalesce(min(id), 1), coalesce(max(id), 1) "
-            "FROM nodes").fetchone()
+        try:
+            totals = self.db.execute(
+                f"SELECT coalesce(sum(kind=0), 0), coalesce(sum(CASE WHEN kind=0 THEN {_SERVED} END), 0), "
+                "coalesce(sum(CASE WHEN kind=0 THEN size END), 0), count(*), coalesce(min(id), 1), "
+                "coalesce(max(id), 1) FROM nodes").fetchone()
+        except sqlite3.OperationalError as exc:  # (integer overflow: sizes no build writes)
+            raise CatalogError(f"{self.path}: {exc} in its files' sizes (a damaged or foreign catalog); remove it "
+                               "and mount or prepare again") from None
+        # A catalog someone else wrote, its table defined by them, may hold an id or a size that is text or a
+        # float: it shows in the sums (a float) or the ids' range (text sorts past every number), and is refused
+        # here, at the mount's start, never met as a TypeError in what the totals size. (A negative size the
+        # kernel refuses itself: EIO at its lookup.)
+        if not all(type(value) is int for value in totals):
+            raise CatalogError(f"{self.path}: ids or sizes that are not whole numbers (a damaged or foreign "
+                               "catalog); remove it and mount or prepare again")
+        files, served, source, rows, min_id, max_id = totals
         # Ids index the mount's per-file arrays (``datapath.inodes``, the cache policy's): a build numbers its rows
         # from the root on, so an id far past their count is a row someone else wrote, not an array to map.
         if min_id < ROOT_ID or max_id > 2 * rows + _ID_SLACK or max_id >= CONTROL_ID:
@@ -323,9 +335,10 @@ class Catalog:
                             (node.size, node.mtime_ns, node.etag, node.id, KIND_FILE))
 
     def surplus_objects(self) -> list[tuple[bytes, str]]:
-        """(path, object) of the expansions no node serves any more."""
+        """(path, object) of the expansions no node serves any more (a served row without an object, which no
+        build writes, must not make every one look served: ``x NOT IN (..., NULL)`` is never true)."""
         return self.db.execute("SELECT path, object FROM expansions WHERE object IS NOT NULL "
-                               "AND object NOT IN (SELECT object FROM nodes WHERE repr=1)").fetchall()
+                               "AND object NOT IN (SELECT object FROM nodes WHERE repr=1 AND object IS NOT NULL)").fetchall()
 
     def forget_expansions(self, paths: Iterable[bytes]) -> None:
         with self.transaction():

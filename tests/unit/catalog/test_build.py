@@ -513,6 +513,29 @@ def test_a_row_whose_id_no_build_gives_is_refused_with_a_message(tmp_path: Path,
     catalog.close()
 
 
+@pytest.mark.parametrize("change", ["size='abc'", "size=2.5", "size=1<<62, id=id", "id='x'"])
+def test_a_row_whose_size_or_id_no_build_writes_is_refused_with_a_message(tmp_path: Path, change: str) -> None:
+    """A catalog someone else wrote: a text id, or a size that is text, a float or past any sum, made the mount's
+    start a TypeError or an "integer overflow" traceback."""
+    _, store = _fresh_catalog(tmp_path)
+    catalog = Catalog.open(store)
+    with catalog.transaction():
+        if change == "id='x'":  # a table whose id takes any type, as someone else may define it
+            catalog.db.execute("ALTER TABLE nodes RENAME TO typed")
+            catalog.db.execute("CREATE TABLE nodes AS SELECT * FROM typed")
+            catalog.db.execute("UPDATE nodes SET id='x' WHERE path=?", (b"d/e/a.png",))
+        elif change == "size=1<<62, id=id":  # two of them: their sum overflows
+            catalog.db.execute("UPDATE nodes SET size=1<<62 WHERE kind=0")
+            catalog.db.execute("INSERT INTO nodes SELECT id + 1, parent, name || 'x', path || 'x', kind, mode, size,"
+                               " mtime_ns, nsubdirs, target, repr, served_size, object, checksum, etag, object_stamp"
+                               " FROM nodes WHERE kind=0")
+        else:
+            catalog.db.execute(f"UPDATE nodes SET {change} WHERE path=?", (b"d/e/a.png",))
+    with pytest.raises(CatalogError, match="a damaged or foreign catalog"):
+        catalog.file_totals()
+    catalog.close()
+
+
 def test_a_rescan_never_puts_one_sources_catalog_in_place_of_anothers(tmp_path: Path) -> None:
     """`mount B --store A's --rescan` is refused as a mount without it is: B's catalog in A's store would make a
     later prepare of B take A's objects for surplus and remove them. A catalog no one can read is scanned anew."""

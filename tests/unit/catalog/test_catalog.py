@@ -93,3 +93,19 @@ def test_the_selection_is_written_in_work_linear_in_the_files(tmp_path: Path) ->
     prepare of 20,000 images spent 23 s there; a million, days). Twice the files: about twice the work."""
     small, large = _select_raw_steps(tmp_path, 2000), _select_raw_steps(tmp_path, 4000)
     assert large < 3 * max(small, 1), (small, large)
+
+
+def test_a_served_row_without_an_object_leaves_the_unused_objects_surplus(tmp_path: Path) -> None:
+    """``x NOT IN (..., NULL)`` is never true: one served row with no object (none a build writes) made every
+    object look served, and prepare removed none of them again, its store growing for good."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"x" * 10)
+    build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store")
+    with catalog.transaction():
+        catalog.db.execute("INSERT INTO expansions(path, src_size, src_mtime_ns, object) VALUES (?, 1, 1, 'ab/unused')",
+                           (b"gone",))
+        catalog.db.execute("UPDATE nodes SET repr=1, object=NULL WHERE path=?", (b"a",))
+    assert catalog.surplus_objects() == [(b"gone", "ab/unused")]
+    catalog.close()
