@@ -151,7 +151,14 @@ class LocalStore:
     def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
         """Local directories as the user gave them (the store defaulting to this user's cache directory for the
         source)."""
-        return cls(Path(source).absolute(), None if store is None else Path(store).absolute())
+        store_dir = None if store is None else Path(store).absolute()
+        if store_dir is not None:
+            try:
+                str(store_dir).encode()
+            except UnicodeEncodeError:  # SQLite takes a catalog's name as UTF-8 text: a traceback at its open
+                raise CatalogError(f"{store!r}: the store's path is not UTF-8, which SQLite cannot open; give it "
+                                   "through a link of a UTF-8 name") from None
+        return cls(Path(source).absolute(), store_dir)
 
     @classmethod
     def prepared(cls, store: str | os.PathLike[str]) -> LocalStore:

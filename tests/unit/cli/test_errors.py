@@ -235,6 +235,16 @@ def test_a_store_and_a_source_that_contain_each_other_are_refused(run: Run, tmp_
     assert sorted(p.name for p in top.rglob("*")) == ["inner"]  # nothing written in either
 
 
+def test_a_store_path_that_is_not_utf8_is_refused_in_one_line(run: Run, tmp_path: Path) -> None:
+    """SQLite takes a catalog's name as UTF-8: a store named in other bytes built once, then every open of it
+    (every mount, every later prepare) ended in a UnicodeEncodeError traceback."""
+    (tmp_path / "src").mkdir()
+    store = os.fsdecode(os.fsencode(str(tmp_path)) + b"/st\xff")
+    err = _one_line(*run("prepare", str(tmp_path / "src"), "--store", store, "--ratio", "0", "--no-progress"))
+    assert "the store's path is not UTF-8" in err and "Traceback" not in err, err
+    assert not os.path.lexists(store)
+
+
 def test_umount_of_a_path_that_does_not_exist_says_so(run: Run, tmp_path: Path) -> None:
     err = _one_line(*run("umount", str(tmp_path / "nope")))
     assert f"{tmp_path / 'nope'} does not exist" in err
