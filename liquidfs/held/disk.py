@@ -40,6 +40,9 @@ from .base import Level
 log = logging.getLogger(__name__)
 
 _PREFIX = "liquidfs-"
+#: Seconds ``statistics`` waits for the level's lock on the loop (held for microseconds, or across a disk's
+#: rename or unlink: as long as the disk takes).
+STATISTICS_WAIT = 0.05
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -96,6 +99,8 @@ class DiskLevel(Level[_Entry], InFront):
         self.hit_bytes = 0
         self.lost = 0
         self.write_errors = 0
+        self._unremoved = 0  # evicted files the disk would not remove (EIO, EROFS)
+        self._told = self._counted()  # what ``statistics`` tells while the lock is held long
 
     # -- the reader interface (the rest: ``InFront``'s) ------------------------------------------------------
 
@@ -264,8 +269,12 @@ class DiskLevel(Level[_Entry], InFront):
         # Under the lock that popped the entry: ``_write``'s rename (under it too) is before both or after both,
         # so a file another open re-admitted is never removed with the entry of the copy it replaced. (Under
         # it, the descriptor is not closed meanwhile: ``_close_if_unused``.)
-        if self._dir_fd >= 0:
-            _unlink(f"{file}", self._dir_fd)
+        if self._dir_fd >= 0 and not _unlink(f"{file}", self._dir_fd):
+            # Its bytes stay on the disk, past the budget the policy now counts free: said, the first at warning.
+            self._unremoved += 1
+            log.log(logging.WARNING if self._unremoved == 1 else logging.DEBUG,
+                    "disk cache: cannot remove %s (%d so far): the disk holds more than --disk-cache-size says",
+                    self._path(file), self._unremoved)
 
     # -- lifecycle and statistics ------------------------------------------------------------------------
 
@@ -289,18 +298,34 @@ class DiskLevel(Level[_Entry], InFront):
             self._alive.release()
 
     def statistics(self) -> DiskStatistics:
-        with self._lock:
-            return DiskStatistics(budget=self.policy.budget, held_bytes=self.policy.held_bytes,
-                                  held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
-                                  lost=self.lost, write_errors=self.write_errors,
-                                  epochs=self.policy.summary()["epochs"])
+        """The level's counters; asked on the trio loop (``/metrics``, the control file), so never waiting long
+        for ``_lock``, which a worker holds across the disk's renames and unlinks: on a disk that hangs, the
+        last figures told, not a loop stopped and every request of the mount with it."""
+        if not self._lock.acquire(timeout=STATISTICS_WAIT):
+            log.debug("disk cache: its lock is held (the disk is slow): the last statistics told")
+            return self._told
+        try:
+            self._told = self._counted()
+        finally:
+            self._lock.release()
+        return self._told
+
+    def _counted(self) -> DiskStatistics:
+        """The counters as they are (under ``_lock``, but at the start)."""
+        return DiskStatistics(budget=self.policy.budget, held_bytes=self.policy.held_bytes,
+                              held_files=len(self.policy.held), hits=self.hits, hit_bytes=self.hit_bytes,
+                              lost=self.lost, write_errors=self.write_errors, epochs=self.policy.summary()["epochs"])
 
 
-def _unlink(name: str, dir_fd: int) -> None:
+def _unlink(name: str, dir_fd: int) -> bool:
+    """Whether ``name`` is gone (or was never there)."""
     try:
         os.unlink(name, dir_fd=dir_fd)
-    except OSError:
+    except FileNotFoundError:
         pass
+    except OSError:
+        return False
+    return True
 
 
 def _own_directory(path: Path) -> int:

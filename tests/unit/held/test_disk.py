@@ -6,6 +6,7 @@ import dataclasses
 import errno
 import os
 import random
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -345,3 +346,54 @@ def test_a_write_under_way_when_the_level_closes_keeps_nothing(tmp_path: Path) -
         assert not kept and "3" not in os.listdir(dir_fd) and 3 not in level.held_items()
     finally:
         writing.__exit__(None, None, None)
+
+
+def test_statistics_never_wait_for_a_worker_stuck_on_the_disk(tmp_path: Path) -> None:
+    """They are asked on the trio loop (``/metrics``, the control file), and a worker holds the level's lock across
+    the disk's renames and unlinks: on a disk that hangs the loop stopped, and every request of the mount with it.
+    The last figures are told instead."""
+    level, _ = _level(tmp_path, 1.0)
+    level.open(_node(2))
+    told = level.statistics()
+    assert told.held_files == 1
+    stuck, release = threading.Event(), threading.Event()
+
+    def worker_on_a_hung_disk() -> None:
+        with level._lock:
+            level.hits += 1  # counted under the lock: told once it is let go
+            stuck.set()
+            release.wait(10)  # (past it, the statistics waited for the lock: they tell the new hit)
+
+    worker = threading.Thread(target=worker_on_a_hung_disk)
+    worker.start()
+    try:
+        assert stuck.wait(10)
+        assert level.statistics() == told  # not waiting for the worker: it still holds the lock
+    finally:
+        release.set()
+        worker.join()
+    level.open(_node(3))
+    assert level.statistics().held_files == 2 and level.statistics().hits == 1
+    level.close()
+
+
+def test_an_evicted_file_the_disk_will_not_remove_is_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """Every unlink error was swallowed: on a disk that fails them (EIO, EROFS) the files the policy let go stayed,
+    past --disk-cache-size, and nothing said so."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        (tmp_path / "a-directory").mkdir()
+        assert not disk_module._unlink("a-directory", fd)  # EISDIR: not removed
+        assert disk_module._unlink("never-there", fd)  # gone already: nothing to say
+    finally:
+        os.close(fd)
+    level, _ = _level(tmp_path / "cache", 0.1)
+    monkeypatch.setattr(disk_module, "_unlink", lambda name, dir_fd: False)
+    with caplog.at_level("DEBUG", logger="liquidfs.held.disk"):
+        rng = random.Random(4)
+        for _ in range(3):  # files held for an epoch that passed are let go for the next ones
+            _epoch(level, rng)
+    said = [r for r in caplog.records if "cannot remove" in r.getMessage()]
+    assert said and [r.levelname for r in said].count("WARNING") == 1, said
+    level.close()
