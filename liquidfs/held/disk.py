@@ -88,7 +88,7 @@ class DiskLevel(Level[_Entry], InFront):
         except BaseException:
             self._alive.release()
             raise
-        self._lock = threading.Lock()
+        self._lock: threading.Lock = threading.Lock()  # (a Lock: ``statistics`` waits for it with a timeout)
         #: Worker threads using ``_dir_fd`` now (``_directory``), and whether ``close`` has run: the descriptor is
         #: closed by whichever ends last. A storage call abandoned at its timeout may still be writing when the
         #: mount closes; closed under it, its number could name another directory by then, where root would
