@@ -161,10 +161,15 @@ class Stalls:
     def __call__(self, kind: str) -> float | None:
         text = _pressure_text(kind, self.root)
         if text is None:
-            if kind in self._last and kind not in self._lost:  # it was there: a group removed, or moved
+            if kind not in self._lost:  # said once, whether it was there (a group removed, or moved) or never was
                 self._lost.add(kind)
-                log.warning("mix: %s shows no %s pressure any more (its cgroup removed or moved?): the share holds "
-                            "until it does", self.root, kind)
+                if kind in self._last:
+                    log.warning("mix: %s shows no %s pressure any more (its cgroup removed or moved?): the share "
+                                "holds until it does", self.root, kind)
+                else:  # never there: a mount that decides nothing must not look like one whose share fits
+                    log.warning("mix: %s shows no %s pressure (a kernel without PSI: psi=1 on its command line; or a "
+                                "--pressure-dir that is no cgroup v2 directory): the adaptive mix holds its share "
+                                "until it does", self.root, kind)
             log.debug("no %s pressure file in %s", kind, self.root)
             return None
         self._lost.discard(kind)

@@ -36,6 +36,17 @@ def test_a_pressure_file_out_of_range_is_no_reading(tmp_path: Path, fields: str)
     assert Stalls(tmp_path)("cpu") is None
 
 
+def test_pressure_never_there_is_said_once_as_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel without PSI, or a --pressure-dir mistyped: the adaptive mix held its start share for the whole
+    mount, said only at debug level, while the mount looked like one whose share fits."""
+    stalls = Stalls(tmp_path / "no-such-group")
+    with caplog.at_level("WARNING", logger="liquidfs.mix.pressure"):
+        for _ in range(3):
+            assert stalls("cpu") is None and stalls("io") is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("the adaptive mix holds its share" in m and "psi=1" in m for m in said), said
+
+
 def test_pressure_files_of_the_node_and_of_a_cgroup(tmp_path: Path) -> None:
     line = "some avg10={} avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
     (tmp_path / "cpu").write_text(line.format("42.00"))
