@@ -210,9 +210,6 @@ class ClusterLevel(InFront):
             self._count("private", f"cluster: {node.path!r} is not readable by everyone: without "
                         "--cluster-key-file such objects never go to the cluster (counted as cluster_private)")
             return self.inner.open(node)
-        if self._too_large(node):
-            self._count("refused")
-            return self.inner.open(node)
         # Asked of storage itself: a value any node stored is every node's hit, so no miss would check it again
         # (an object store's check_source asks nothing).
         if source_changed_now(self.inner, node) is None:
@@ -224,7 +221,12 @@ class ClusterLevel(InFront):
         else:
             content = self.inner.open(node)
         if content.raw and content.data is not None and not content.fallback and content.size == node.size_served:
-            self._store(node, content.data)
+            # A size a memcached refused lately is not offered again for a while; it is still asked for above: one
+            # memcached's refusal (its -I, or one that lies) must not keep every node from the others' values.
+            if self._too_large(node):
+                self._count("refused")
+            else:
+                self._store(node, content.data)
         return content
 
     def vouch(self, node: Node, *, cached_only: bool = False) -> bool | None:
@@ -324,7 +326,7 @@ class ClusterLevel(InFront):
                         len(value), REFUSED_FOR)
 
     def _too_large(self, node: Node) -> bool:
-        """Whether ``node``'s value is as large as one a memcached refused lately (never asked, never stored)."""
+        """Whether ``node``'s value is as large as one a memcached refused lately (not stored again meanwhile)."""
         with self._lock:
             refused_from, until = self._refused_from, self._refused_until
         if refused_from is None:

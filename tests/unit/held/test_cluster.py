@@ -134,8 +134,9 @@ def test_a_memcached_that_does_not_answer_costs_hits_never_a_read(store: tuple[P
 
 def test_values_past_what_a_memcached_stores_are_kept_out_for_a_while(store: tuple[Path, Path]) -> None:
     """A memcached with a smaller -I than the raw objects (memcached's default 1 MB, Cityscapes' 6 MB): each miss
-    sealed and sent a value to be refused, at every node. Once refused, values that large are neither asked nor
-    sent, counted as refused (not as unanswered), until REFUSED_FOR has passed."""
+    sealed and sent a value to be refused, at every node. Once refused, values that large are not sent, counted as
+    refused (not as unanswered), until REFUSED_FOR has passed; they are still asked for: one memcached's refusal
+    (a smaller -I than the others', or one that lies) kept every node from the values the others hold."""
     from liquidfs.held.cluster import REFUSED_FOR
 
     _, path = store
@@ -146,8 +147,11 @@ def test_values_past_what_a_memcached_stores_are_kept_out_for_a_while(store: tup
     for n in raw:
         assert bytes(level.open(n).data or b"") == (path / str(n.object)).read_bytes()
     st = level.statistics().values()
-    assert (client.gets, client.sets) == (1, 1) and st["cluster_refused"] == len(raw)
-    assert st["cluster_unanswered"] == 0 and st["cluster_misses"] == 1
+    assert (client.gets, client.sets) == (len(raw), 1) and st["cluster_refused"] == len(raw)
+    assert st["cluster_unanswered"] == 0 and st["cluster_misses"] == len(raw)
+    client.values[key_of(raw[1])] = (path / str(raw[1].object)).read_bytes()  # another node's memcached has it
+    assert level.open(raw[1]).level == "cluster"
+    client.values.clear()
     client.largest = None  # restarted with a larger -I
     now[0] += REFUSED_FOR
     for n in raw:
