@@ -299,6 +299,7 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     """``mount``'s options as a ``MountConfig``, every value checked; an OptionError names the flag refused."""
     from ..daemon.control import mount_point_named
     from ..held.cluster_peers import CLUSTER_NEEDS_KEY, ClusterError, parse_cluster
+    from ..held.disk import root_refusal as disk_root_refusal
     from ..held.sealing import KeyFileError, read_key_file
 
     threads = _within("--threads", storage.default_threads if args.threads is None else args.threads, 1, MAX_THREADS)
@@ -310,6 +311,8 @@ def mount_config(args: argparse.Namespace, storage: Store) -> MountConfig:
     if bool(args.disk_cache) != bool(args.disk_cache_size):
         raise OptionError("--disk-cache and --disk-cache-size go together")
     disk_cache_size = size_option("--disk-cache-size", args.disk_cache_size)
+    if args.disk_cache and (why := disk_root_refusal(Path(args.disk_cache).absolute())) is not None:
+        raise OptionError(why)
     if args.cluster_size and not args.cluster:
         raise OptionError("--cluster-size needs --cluster")
     cluster_size = size_option("--cluster-size", args.cluster_size)

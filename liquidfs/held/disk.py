@@ -328,6 +328,30 @@ def _unlink(name: str, dir_fd: int) -> bool:
     return True
 
 
+def root_refusal(root: Path) -> str | None:
+    """Why ``--disk-cache`` may not be ``root``, or None. The mount (as root) makes its directory there, and
+    removes every ``liquidfs-*`` directory there whose lock nobody holds: someone else than root and this user who
+    owns the directory, or may remove entries from it (a lock among them: a live mount's directory then swept
+    by the next), would choose what root removes and where it writes. Sticky (/tmp) keeps others from root's
+    entries. Nothing to check where it is not there yet (this process makes it, under liquidfs's umask)."""
+    try:
+        st = os.stat(root)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        return f"--disk-cache {root}: {exc.strerror}"
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"--disk-cache {root}: not a directory"
+    if st.st_uid not in (0, os.geteuid()):
+        return (f"--disk-cache {root}: owned by uid {st.st_uid}, who could choose what this mount removes and "
+                "writes there: give a directory of root's or yours")
+    if mode & 0o022 and not mode & stat.S_ISVTX:
+        return (f"--disk-cache {root}: group or others may remove what a mount keeps there (mode {mode:o}, not "
+                "sticky): chmod go-w it, or give another")
+    return None
+
+
 def _own_directory(path: Path) -> int:
     """A descriptor of the directory this mount has just made at ``path``: no link, this user's, owner-only and
     empty (another mount's directory, or another user's, renamed to its name is refused)."""

@@ -120,6 +120,31 @@ def test_mount_options_become_values_the_daemon_never_parses(tmp_path: Path) -> 
     assert config.source == "/data" and config.store == "/srv/store" and config.threads == 4
 
 
+@pytest.mark.parametrize("mode, owner, said", [
+    (0o777, 0, "group or others may remove what a mount keeps there"),
+    (0o700, 65534, "owned by uid 65534"),
+    (0o1777, 0, None),  # sticky, as /tmp: others cannot remove root's entries
+    (0o700, 0, None),
+])
+def test_a_disk_cache_directory_others_may_change_is_refused(tmp_path: Path, mode: int, owner: int,
+                                                             said: str | None) -> None:
+    """The mount (root) makes its directory there and sweeps every ``liquidfs-*`` one whose lock nobody holds:
+    whoever else owns the directory, or may remove a live mount's lock from it, chose what root removes."""
+    if os.geteuid() != 0:
+        pytest.fail("the disk cache's owner is checked as root runs it") if os.environ.get("CI") else \
+            pytest.skip("needs root to give the directory away")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    os.chown(cache, owner, owner)
+    cache.chmod(mode)
+    args = _mount_args("--disk-cache", str(cache), "--disk-cache-size", "1G")
+    if said is None:
+        assert options.mount_config(args, STORAGE).disk_cache == cache
+    else:
+        with pytest.raises(OptionError, match=said):
+            options.mount_config(args, STORAGE)
+
+
 def test_the_mount_parser_defaults_are_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LIQUIDFS_CACHE_SIZE", raising=False)
     config = options.mount_config(_mount_args(), STORAGE)
