@@ -26,13 +26,20 @@ die() {
 if [ -z "${LIQUIDFS_BIN:-}" ]; then
     LIQUIDFS_BIN=$(command -v liquidfs) || die "liquidfs not found on PATH; pip install it first or set LIQUIDFS_BIN"
 fi
-case $LIQUIDFS_BIN in
-    /*) ;;
-    *) die "LIQUIDFS_BIN must be an absolute path (systemd and mount(8) do not use your PATH): $LIQUIDFS_BIN" ;;
-esac
-case $LIQUIDFS_BIN in
-    *[\'\\\&\|]*) die "LIQUIDFS_BIN may not contain ' \\ & or |: $LIQUIDFS_BIN" ;;
-esac
+# plain_path NAME VALUE: an absolute path (systemd and mount(8) do not use your PATH or directory) that the
+# helper and the unit take as one word: a blank split it (ExecStart= ran the path's first word), % is a systemd
+# specifier, $ a variable to both, and ' \ & | would break the sed that writes it in.
+plain_path() {
+    case $2 in
+        /*) ;;
+        *) die "$1 must be an absolute path (systemd and mount(8) do not use your PATH): $2" ;;
+    esac
+    case $2 in
+        *[\'\\\&\|%\$\ \	]*) die "$1 may not contain blanks, ' \\ & | % or \$: $2" ;;
+    esac
+}
+plain_path LIQUIDFS_BIN "$LIQUIDFS_BIN"
+plain_path CONFDIR "$CONFDIR"
 if [ -z "${FUSERMOUNT:-}" ]; then
     FUSERMOUNT=$(command -v fusermount3) || FUSERMOUNT=/usr/bin/fusermount3
 fi
@@ -54,14 +61,16 @@ sed "s|^LIQUIDFS_DEFAULT=.*|LIQUIDFS_DEFAULT='$LIQUIDFS_BIN'|" "$here/mount.fuse
 grep -q "^LIQUIDFS_DEFAULT='$LIQUIDFS_BIN'\$" "$tmp" || die "could not set the liquidfs command in the helper"
 install -m 0755 "$tmp" "$helper"
 
-sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" \
+# The unit and the drop-in read their configuration from CONFDIR: where it is installed, not /etc/liquidfs
+# whatever CONFDIR said (the unit's ConditionPathExists then skipped it, silently).
+sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" -e "s|/etc/liquidfs/|$CONFDIR/|g" \
     "$here/systemd/liquidfs@.service" > "$tmp"
 grep -q "^ExecStart=$LIQUIDFS_BIN mount --foreground " "$tmp" || die "could not set the liquidfs command in the unit"
 install -m 0644 "$tmp" "$unit"
 
 # The --cluster drop-in repeats the unit's command (with the key's flag): the same liquidfs, or a venv's install
 # ran /usr/local/bin/liquidfs there and the unit restarted for good (203/EXEC). Copied from here by the admin.
-sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" \
+sed -e "s|^ExecStart=/usr/local/bin/liquidfs |ExecStart=$LIQUIDFS_BIN |" -e "s|/etc/liquidfs/|$CONFDIR/|g" \
     "$here/systemd/liquidfs-cluster.conf" > "$tmp"
 grep -q "^ExecStart=$LIQUIDFS_BIN mount --foreground " "$tmp" || die "could not set the liquidfs command in the drop-in"
 install -m 0644 "$tmp" "$dropin"

@@ -159,6 +159,29 @@ def test_install_host_destdir(tmp_path: Path):
     # systemd and mount(8) do not search the user's PATH
     proc = run(["sh", str(INSTALL_HOST)], env=dict(env, LIQUIDFS_BIN="liquidfs"))
     assert proc.returncode != 0 and "absolute" in proc.stderr
+    # a blank split the command where the helper and ExecStart= run it (the path's first word ran), % is systemd's
+    for bad in ("/opt/my venv/bin/liquidfs", "/opt/%i/liquidfs", "/opt/$HOME/liquidfs"):
+        proc = run(["sh", str(INSTALL_HOST)], env=dict(env, LIQUIDFS_BIN=bad))
+        assert proc.returncode != 0 and "may not contain" in proc.stderr, (bad, proc.stderr)
+
+
+def test_install_host_writes_its_confdir_where_the_unit_reads_it(tmp_path: Path):
+    """CONFDIR chose where the example and the drop-in went, while the unit read /etc/liquidfs/NAME.env (and its
+    ConditionPathExists skipped it, silently) and the drop-in /etc/liquidfs/cluster.key."""
+    dest = tmp_path / "root"
+    env = dict(os.environ, DESTDIR=str(dest), LIQUIDFS_BIN="/opt/liquidfs/bin/liquidfs",
+               CONFDIR="/usr/local/etc/liquidfs")
+    proc = run(["sh", str(INSTALL_HOST)], env=env)
+    assert proc.returncode == 0, proc.stderr
+    unit = (dest / "etc" / "systemd" / "system" / "liquidfs@.service").read_text()
+    dropin = (dest / "usr" / "local" / "etc" / "liquidfs" / "liquidfs-cluster.conf").read_text()
+    assert "ConditionPathExists=/usr/local/etc/liquidfs/%i.env" in unit
+    assert "EnvironmentFile=/usr/local/etc/liquidfs/%i.env" in unit
+    assert "LoadCredential=cluster-key:/usr/local/etc/liquidfs/cluster.key" in dropin
+    assert "/etc/liquidfs/" not in unit.replace("/usr/local/etc/liquidfs/", "")
+    assert (dest / "usr" / "local" / "etc" / "liquidfs" / "example.env").exists()
+    proc = run(["sh", str(INSTALL_HOST)], env=dict(env, CONFDIR="etc/liquidfs"))
+    assert proc.returncode != 0 and "CONFDIR must be an absolute path" in proc.stderr
 
 
 # ------------------------------------------------------------------------------------------------------
