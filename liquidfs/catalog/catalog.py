@@ -66,6 +66,9 @@ def connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Conn
     # A catalog is written by whoever can write the store: its schema must not run functions (views,
     # triggers, defaults) as the root daemon that reads it.
     db.execute("PRAGMA trusted_schema=OFF")
+    # And its pages may be damaged or made to mislead: each cell's size checked as it is read, as SQLite advises
+    # for files from others (0.2 us of a lookup's 7, measured: /tmp/s41/cellcheck.py in BENCHMARKS.md).
+    db.execute("PRAGMA cell_size_check=ON")
     db.execute("PRAGMA cache_size=-16000")  # 16 MB page cache: lookups of hot directories stay in memory
     return db
 
@@ -112,7 +115,8 @@ class Catalog:
         """``immutable`` (with ``readonly``): the file is never written in place while open (a mount's). A catalog
         read in a store this process may not write (another user's: ``store_dir``) is always read so: SQLite then
         neither rolls back a journal it finds beside it nor makes a WAL's files there, as this process."""
-        if readonly and not immutable and store_dir_refusal(path.parent, writing=True) is not None:
+        # (whether the caller asked for immutable or not: a mount asks, and read the rows a write left half-done)
+        if readonly and store_dir_refusal(path.parent, writing=True) is not None:
             immutable = True
             # Read as it is, a catalog with a write of its owner's left beside it (a journal to roll back, a WAL
             # not yet folded in) would show rows never committed, or old ones: refused until its owner opens it.

@@ -109,3 +109,17 @@ def test_a_served_row_without_an_object_leaves_the_unused_objects_surplus(tmp_pa
         catalog.db.execute("UPDATE nodes SET repr=1, object=NULL WHERE path=?", (b"a",))
     assert catalog.surplus_objects() == [(b"gone", "ab/unused")]
     catalog.close()
+
+
+@pytest.mark.parametrize("readonly", [True, False])
+def test_every_catalog_connection_checks_its_cells_and_runs_nothing_of_the_schema(tmp_path: Path,
+                                                                                 readonly: bool) -> None:
+    """A catalog is written by whoever can write the store: SQLite's advice for files from others."""
+    src = tmp_path / "src"
+    src.mkdir()
+    build(src, tmp_path / "store")
+    catalog = Catalog.open(tmp_path / "store", readonly=readonly)
+    pragmas = {name: catalog.db.execute(f"PRAGMA {name}").fetchone()[0] for name in ("cell_size_check",
+                                                                                      "trusted_schema")}
+    assert pragmas == {"cell_size_check": 1, "trusted_schema": 0}
+    catalog.close()

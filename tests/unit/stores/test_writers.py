@@ -419,6 +419,8 @@ def test_a_store_another_user_owns_is_read_by_root_and_never_written(tmp_path: P
     journal.write_bytes(b"\xd9\xd5\x05\xf9\x20\xa1\x63\xd7" + bytes(504))
     with pytest.raises(CatalogError, match="a write of its owner's is left beside it"):
         LocalStore.given(src, store).mount_catalog(rescan=False, progress=False)
+    with pytest.raises(CatalogError, match="a write of its owner's is left beside it"):  # as the daemon opens it
+        Catalog.open(store, readonly=True, immutable=True)
     journal.unlink()
     with pytest.raises(CatalogError, match=named):
         LocalStore.given(src, store).mount_catalog(rescan=True, progress=False)
