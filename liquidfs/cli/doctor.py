@@ -122,12 +122,25 @@ def capability_check(status: str | None = None, uid_map: str | None = None) -> C
                  "container)")
 
 
+def _there(path: Path) -> bool:
+    """Whether ``path`` is there, or cannot be told (a directory above it this user may not search)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def store_check(store: Path) -> Check:
     fstype = filesystem_type(str(store)) or "unknown"
     stacked = fstype in _STACKED
     # A store not made yet is made by prepare on the filesystem of the directory above it that is there: said as
     # that, never as a store found on it.
-    there = next((p for p in (store, *store.absolute().parents) if p.exists()), None)
+    # (a directory above that this user may not search: taken as there, never a PermissionError ending every
+    # check)
+    there = next((p for p in (store, *store.absolute().parents) if _there(p)), None)
     where = str(store) if there == store else f"{store} is not there yet: made on {there}'s"
     return Check("store filesystem", fstype != "unknown", f"{fstype} ({where})" + (
         ", stacked: depth 1, allowed" if stacked else ""), "a local filesystem; stack depth <= 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -94,3 +95,20 @@ def test_a_store_not_made_yet_is_said_so_with_the_filesystem_it_would_be_made_on
     check = store_check(tmp_path / "not" / "yet")
     assert f"{tmp_path / 'not' / 'yet'} is not there yet: made on {tmp_path}'s" in check.found, check
     assert "not there" not in store_check(tmp_path).found
+
+
+@pytest.mark.needs_root("a directory nobody may search")
+def test_a_store_below_a_directory_the_user_may_not_search_is_no_traceback(tmp_path: Path) -> None:
+    """``Path.exists`` raised PermissionError there, and ``doctor`` ended in one error line, none of its checks."""
+    private = tmp_path / "private"
+    (private / "store").mkdir(parents=True)
+    private.chmod(0o700)
+    tmp_path.chmod(0o755)
+    os.setegid(65534)
+    os.seteuid(65534)
+    try:
+        check = store_check(private / "store")
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+    assert "not there yet" not in check.found and str(private / "store") in check.found, check
