@@ -397,3 +397,20 @@ def test_an_evicted_file_the_disk_will_not_remove_is_said(tmp_path: Path, monkey
     said = [r for r in caplog.records if "cannot remove" in r.getMessage()]
     assert said and [r.levelname for r in said].count("WARNING") == 1, said
     level.close()
+
+
+def test_the_daemon_checks_the_directory_it_sweeps_as_it_makes_its_own(tmp_path: Path) -> None:
+    """The command checks --disk-cache before a scan that may take minutes, and a directory not there yet was not
+    checked: made by someone else meanwhile (others may write it, not sticky), root swept it all the same."""
+    root = tmp_path / "cache"
+    root.mkdir()
+    root.chmod(0o777)
+    stale = root / "liquidfs-dead"
+    stale.mkdir()
+    with pytest.raises(OSError, match="group or others may remove what a mount keeps there"):
+        _level(root, 0.3)
+    assert stale.is_dir()  # nothing swept
+    root.chmod(0o1777)  # sticky, as /tmp
+    level, _ = _level(root, 0.3)
+    assert not stale.exists()
+    level.close()
