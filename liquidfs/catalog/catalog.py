@@ -53,6 +53,11 @@ def default_store_dir(source: str | os.PathLike[str]) -> Path:
 
 
 def connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Connection:
+    try:
+        os.fsdecode(os.path.abspath(path)).encode()
+    except UnicodeEncodeError:  # SQLite takes a file's name as UTF-8 text: a traceback from the quoting below
+        raise CatalogError(f"{os.fsdecode(path)!r}: the path is not UTF-8, which SQLite cannot open; give the "
+                           "store through a link of a UTF-8 name") from None
     if readonly:
         # The path is quoted into the URI: a '#', '?' or '%' in --store would otherwise name another file.
         # immutable: SQLite takes no lock and reads no change counter per query (half a lookup's 14 us, and a read
@@ -234,7 +239,9 @@ class Catalog:
                 f"SELECT coalesce(sum(kind=0), 0), coalesce(sum(CASE WHEN kind=0 THEN {_SERVED} END), 0), "
                 "coalesce(sum(CASE WHEN kind=0 THEN size END), 0), count(*), coalesce(min(id), 1), "
                 "coalesce(max(id), 1) FROM nodes").fetchone()
-        except sqlite3.OperationalError as exc:  # (integer overflow: sizes no build writes)
+        except sqlite3.OperationalError as exc:
+            if "integer overflow" not in str(exc):  # (a disk's error says nothing of the catalog's rows)
+                raise
             raise CatalogError(f"{self.path}: {exc} in its files' sizes (a damaged or foreign catalog); remove it "
                                "and mount or prepare again") from None
         # A catalog someone else wrote, its table defined by them, may hold an id or a size that is text or a

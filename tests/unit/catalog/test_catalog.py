@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 from liquidfs.catalog.build import build, build_from_objects
 from liquidfs.catalog.catalog import Catalog
 from liquidfs.catalog.nodes import ExpansionRow
+from liquidfs.catalog.schema import CatalogError
 
 
 def test_an_immutable_catalogs_totals_are_computed_once(tmp_path: Path) -> None:
@@ -123,3 +125,16 @@ def test_every_catalog_connection_checks_its_cells_and_runs_nothing_of_the_schem
                                                                                       "trusted_schema")}
     assert pragmas == {"cell_size_check": 1, "trusted_schema": 0}
     catalog.close()
+
+
+@pytest.mark.parametrize("readonly", [True, False])
+def test_a_catalog_whose_path_is_not_utf8_is_refused_with_a_message(tmp_path: Path, readonly: bool) -> None:
+    """SQLite takes a file's name as UTF-8: a store named in other bytes (``verify --store``, a default store
+    under a cache directory of such a name) ended in a UnicodeEncodeError traceback."""
+    src = tmp_path / "src"
+    src.mkdir()
+    build(src, tmp_path / "store")
+    named = os.fsdecode(os.fsencode(str(tmp_path)) + b"/st\xff")
+    os.rename(tmp_path / "store", named)
+    with pytest.raises(CatalogError, match="the path is not UTF-8"):
+        Catalog.open(named, readonly=readonly)
