@@ -322,8 +322,8 @@ class ClusterLevel(InFront):
         if done is None and "refused" not in self._warned:
             self._warned.add("refused")
             log.warning("cluster: a memcached refused a value of %d bytes as too large (past its -I, the largest "
-                        "item): values that large go to storage for %g s at a time (counted as cluster_refused)",
-                        len(value), REFUSED_FOR)
+                        "item): values that large are not stored for %g s at a time, only asked for (counted as "
+                        "cluster_refused)", len(value), REFUSED_FOR)
 
     def _too_large(self, node: Node) -> bool:
         """Whether ``node``'s value is as large as one a memcached refused lately (not stored again meanwhile)."""

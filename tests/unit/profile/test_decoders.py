@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -20,19 +19,20 @@ def test_pillow_is_timed_with_every_thread_busy_however_few_images_the_sample_ha
     cores) decoded two at a time, timing decoding at a quarter of what the loader's 8 threads reach."""
     buf = io.BytesIO()
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(buf, "PNG")
-    lock = threading.Lock()
-    busy = [0, 0]  # now, most at once
+    # Every decode waits for 7 others to be under way beside it, once: only 8 at once pass (2 at once never do)
+    together = threading.Barrier(8, timeout=10)
+    met = []
     real_open = Image.open
 
-    def open_counted(*args: Any, **kwargs: Any) -> Any:
-        with lock:
-            busy[0] += 1
-            busy[1] = max(busy)
-        time.sleep(0.01)  # (a decode long enough for the others to start beside it)
-        with lock:
-            busy[0] -= 1
+    def open_together(*args: Any, **kwargs: Any) -> Any:
+        if not met:
+            try:
+                together.wait()
+                met.append(True)
+            except threading.BrokenBarrierError:
+                met.append(False)
         return real_open(*args, **kwargs)
 
-    monkeypatch.setattr(Image, "open", open_counted)
+    monkeypatch.setattr(Image, "open", open_together)
     rate = decoders.measure_pil([buf.getvalue()] * 2, threads=8, seconds=0.3)
-    assert busy[1] == 8 and rate.images_per_s > 0
+    assert met and met[0] and rate.images_per_s > 0, met
