@@ -178,21 +178,24 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true", help="print JSON")
     s.add_argument("--watch", type=argument(_watch_seconds), nargs="?", const=2.0, metavar="SECONDS",
-                   help="repeat every SECONDS (default 2, at most a day) until Ctrl-C")
+                   help="repeat every SECONDS (default 2; 0.1 to a day) until Ctrl-C (after the mount point, or as "
+                   "--watch=SECONDS before it)")
     s.add_argument("--probe", action="store_true",
                    help="print nothing; exit 0 only if the mount answers (for readiness probes)")
     add_common(s)
     s.set_defaults(func=cmd_stats)
 
 
-#: ``stats --watch``'s longest interval: past it a value is a typo (``1e10`` overflowed the sleep, a traceback).
+#: ``stats --watch``'s interval: past a day a value is a typo (``1e10`` overflowed the sleep, a traceback); below
+#: a tenth of a second, each read of the control file (statistics built on the mount's loop) in a tight loop.
 MAX_WATCH_SECONDS = 86400.0
+MIN_WATCH_SECONDS = 0.1
 
 
 def _watch_seconds(text: str) -> float:
     seconds = options.positive_float(text)
-    if seconds > MAX_WATCH_SECONDS:
-        raise ValueError(f"at most {MAX_WATCH_SECONDS:g} seconds (a day), not {text}")
+    if not MIN_WATCH_SECONDS <= seconds <= MAX_WATCH_SECONDS:
+        raise ValueError(f"from {MIN_WATCH_SECONDS:g} seconds to {MAX_WATCH_SECONDS:g} (a day), not {text}")
     return seconds
 
 
@@ -293,7 +296,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
             values = read_control_within(mountpoint)
         except TimeoutError as exc:
             print(f"liquidfs stats: {mountpoint}: {exc.strerror} (stuck?)", file=sys.stderr)
-            return 1
+            if not args.watch:
+                return 1
+            time.sleep(args.watch)  # a mount busy for a while: watched on, as a watch is for
+            continue
         except FileNotFoundError:
             print(f"liquidfs stats: {mountpoint} is not a liquidfs mount", file=sys.stderr)
             return 1
@@ -320,15 +326,23 @@ def _table(values: dict[str, Any]) -> str:
     from ..sysio.safefiles import escape_controls
 
     jobs = values.pop("jobs", None)
-    width = max((len(k) for k in values), default=0)
-    lines = [f"{key:<{width}}  {values[key]}" for key in sorted(values)]
+    # Keys padded to the longest of ours, at most: one key of 400 kB padded each of 50,000 lines to it (20 GB of
+    # output from a 1 MB control file); and each line cut to what a terminal shows.
+    width = min(max((len(k) for k in values), default=0), _KEY_WIDTH)
+    lines = [f"{key:<{width}}  {values[key]}"[:_LINE_CHARS] for key in sorted(values)]
     if isinstance(jobs, dict):
         for job, entry in sorted(jobs.items(), key=lambda item: str(item[0]).zfill(20)):
             try:
-                lines.append(_job_line(job, entry))
-            except (AttributeError, TypeError, ValueError):  # not the entry a mount writes: shown as it is
-                lines.append(f"job {job}: {entry}")
+                lines.append(_job_line(job, entry)[:_LINE_CHARS])
+            # (ArithmeticError: a count too large for a float, in a control file someone else's mount answers)
+            except (AttributeError, TypeError, ValueError, ArithmeticError):  # shown as it is
+                lines.append(f"job {job}: {entry}"[:_LINE_CHARS])
     return "\n".join(escape_controls(line) for line in lines)
+
+
+#: ``stats``' table: the widest key column, and the longest line shown.
+_KEY_WIDTH = 40
+_LINE_CHARS = 400
 
 
 def _job_line(job: str, entry: dict[str, Any]) -> str:

@@ -4,6 +4,8 @@ refused in a message that names its flag."""
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -68,6 +70,7 @@ def test_mix_and_ratio_are_shares_too() -> None:
     (["umount", "/m", "--timeout", "-1"], "--timeout"),
     (["stats", "/m", "--watch", "nan"], "--watch"),
     (["stats", "/m", "--watch", "1e10"], "--watch"),  # overflowed the sleep: a traceback
+    (["stats", "/m", "--watch", "1e-9"], "--watch"),  # the control file read in a tight loop
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else v)
 def test_a_value_argparse_refuses_names_its_flag(argv: list[str], flag: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,6 +191,40 @@ def test_stats_prints_what_a_mount_wrote_escaped_and_jobs_it_cannot_read_as_they
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\\x1b]0;owned\\x07" in out, out
     assert "job x: 1" in out and "job 2: {" in out, out
+
+
+def test_stats_of_a_crafted_control_file_is_bounded_lines_never_a_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A count past a float's range raised OverflowError (a traceback in root's terminal), and one long key padded
+    every line to its width: 50,000 short keys and one of 400 kB made ~20 GB of output from 1 MB."""
+    values: dict[str, object] = {f"k{i}": i for i in range(2000)}
+    values["x" * 100_000] = 1
+    values["jobs"] = {"1": {"storage_bytes": 10 ** 400, "epoch": 1}}
+    (tmp_path / ".__liquidfs__").write_text(json.dumps(values))
+    assert cli.main(["stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "job 1: " in out and max(len(line) for line in out.splitlines()) <= 400
+    assert len(out) < 2002 * 402, len(out)
+
+
+def test_stats_watch_goes_on_past_a_read_that_timed_out(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A mount busy for a moment ended the watch, which is there to watch such moments."""
+    from liquidfs.daemon import control
+
+    answers: list[object] = [TimeoutError(errno.ETIMEDOUT, "no answer in 10 s"), {"opens": 7},
+                             FileNotFoundError()]
+
+    def read(mountpoint: Path) -> dict[str, object]:
+        answer = answers.pop(0)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer  # type: ignore[return-value]
+
+    monkeypatch.setattr(control, "read_control_within", read)
+    assert cli.main(["stats", "/mnt", "--watch", "0.1"]) == 1  # ended by the mount gone, not by the time-out
+    captured = capsys.readouterr()
+    assert "stuck?" in captured.err and "opens" in captured.out and not answers
 
 
 def test_allow_other_given_as_a_fuse_option_is_allow_other() -> None:
