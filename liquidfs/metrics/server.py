@@ -1,7 +1,8 @@
 """A minimal Prometheus text endpoint (``--metrics-port``), served off the mount's trio loop.
 
 A full HTTP stack would be a dependency for one GET; this answers ``/`` and ``/metrics`` with the current values
-(anything else with 404) and closes the connection, which is all a Prometheus scraper needs. What the values are
+(anything else with 404; a HEAD with the head alone, a method other than GET and HEAD with 405) and closes the
+connection, which is all a Prometheus scraper needs. What the values are
 called, their kinds and units, is ``metrics.defs``' table; this module only serves its text.
 
 The mount's trio loop answers FUSE requests: whatever the endpoint costs there is time a read waits for. So it
@@ -28,6 +29,9 @@ The threads share the GIL with the loop, so everything they may cost is still bo
   never itself: on the default loopback address every local user is one peer, and a scraper (which sends its
   request as soon as it is connected) must not be turned away because another user holds such connections. Only
   where all of the peer's connections are being answered is the new one closed as it is accepted;
+- with every slot taken (idle clients from several addresses, each under its own cap) and a connection waiting
+  to be accepted, the oldest connection that has not sent its request head, whoever's, is closed for it after
+  ``_SLOT_WAIT``; and accepts are at most one per ``_ACCEPT_SPACING``, each being Python beside the loop;
 - accept failing for want of descriptors or memory (EMFILE, ENFILE, ENOMEM, ENOBUFS) is waited out (100 ms),
   not fatal.
 
@@ -42,6 +46,7 @@ import errno
 import ipaddress
 import logging
 import queue
+import select
 import selectors
 import socket
 import threading
@@ -70,6 +75,15 @@ _MAX_REQUEST = 8192   # bytes of a request read at most (its head, up to the bla
 _STOP_TIMEOUT = 1.0   # seconds serve_metrics waits for its threads to end when cancelled
 
 _NOT_FOUND = b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+_NOT_ALLOWED = (b"HTTP/1.0 405 Method Not Allowed\r\nAllow: GET, HEAD\r\nContent-Length: 0\r\n"
+                b"Connection: close\r\n\r\n")
+#: The least time between two accepts (at most 200 a second): each is Python that takes the interpreter's lock
+#: from the loop, and a client connecting and closing in a loop took a third of the loop's time (its worst stall
+#: 0.2 -> 16 ms); the rest wait in the kernel's listen queue, which drops what it cannot hold.
+_ACCEPT_SPACING = 0.005
+#: With every slot taken and a connection waiting to be accepted: how long the accept thread waits for a slot
+#: before it closes the oldest connection that has not sent its request (whoever's) to make one.
+_SLOT_WAIT = 0.1
 _FAILED = b"HTTP/1.0 500 Internal Server Error\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 _UNAVAILABLE = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
 
@@ -82,7 +96,7 @@ class MetricsStatistics:
     max_per_peer: int
     connections: int        # open now
     peak_connections: int   # the most ever open at once
-    requests: int           # requests answered (200, 404, 500 or 503)
+    requests: int           # requests answered (200, 404, 405, 500 or 503)
     snapshots: int          # calls of values(): at most one per max_age
     turned_away: int        # connections closed at their peer's max_per_peer: its oldest silent one, else the new
 
@@ -239,13 +253,22 @@ class MetricsServer:
             for listener in self._listeners:
                 selector.register(listener, selectors.EVENT_READ)
             selector.register(self._wakeup[0], selectors.EVENT_READ)
+            accepted_at = float("-inf")
             while True:
                 with self._changed:
+                    self._changed.wait_for(lambda: self._stopping,
+                                           max(0.0, accepted_at + _ACCEPT_SPACING - time.monotonic()))
                     while self._slots_taken >= self._max_connections and not self._stopping:
-                        self._changed.wait()
+                        # Every slot taken by clients from several addresses (pods, 127.0.0.2 and on), each under
+                        # its own cap, while a scrape waits to be accepted: the oldest connection that has not
+                        # sent its request makes room, whoever's (they made every scrape wait for their time
+                        # limits, again and again). Never one being answered.
+                        if not self._changed.wait(_SLOT_WAIT) and self._someone_waits():
+                            self._close_oldest_silent(None)
                     if self._stopping:
                         return
                     self._slots_taken += 1
+                    accepted_at = time.monotonic()
                 try:
                     accepted = self._accept_one(selector)
                 except OSError as exc:
@@ -311,10 +334,19 @@ class MetricsServer:
                 return conn, _peer(address)
         return None
 
-    def _close_oldest_silent(self, peer: str) -> bool:
-        """Shut ``peer``'s oldest connection that has not sent its whole request head (its worker then closes it
-        and gives its slot back); False where it has none. Under the lock, so its worker has not closed it yet."""
-        oldest = next((conn for conn, owner in self._silent.items() if owner == peer), None)
+    def _someone_waits(self) -> bool:
+        """Whether a connection waits in a listener's queue (a poll, never a wait)."""
+        try:
+            readable, _, _ = select.select(self._listeners, [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return bool(readable)
+
+    def _close_oldest_silent(self, peer: str | None) -> bool:
+        """Shut ``peer``'s (None: anyone's) oldest connection that has not sent its whole request head (its worker
+        then closes it and gives its slot back); False where it has none. Under the lock, so its worker has not
+        closed it yet."""
+        oldest = next((conn for conn, owner in self._silent.items() if peer is None or owner == peer), None)
         if oldest is None:
             return False
         del self._silent[oldest]
@@ -323,7 +355,7 @@ class MetricsServer:
             oldest.shutdown(socket.SHUT_RDWR)  # its worker's recv (or its first one, if still queued) sees EOF
         except OSError:
             pass
-        log.debug("metrics: %s holds its %d connections; closed its oldest idle one", peer, self._max_per_peer)
+        log.debug("metrics: closed the oldest idle connection (%s) for a new one", peer or "every slot taken")
         return True
 
     def _stopped(self) -> bool:
@@ -364,7 +396,7 @@ class MetricsServer:
 
     def _serve(self, conn: socket.socket, deadline: float, request_deadline: float) -> None:
         request = b""
-        while b"\r\n\r\n" not in request and len(request) < _MAX_REQUEST:
+        while b"\r\n\r\n" not in request and b"\n\n" not in request and len(request) < _MAX_REQUEST:
             remaining = min(deadline, request_deadline) - time.monotonic()
             if remaining <= 0:
                 return  # the request deadline (or the time limit): closed without an answer
@@ -377,11 +409,16 @@ class MetricsServer:
         # is, as one that sends none).
         with self._lock:
             self._silent.pop(conn, None)
-        path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b"/"
+        method, path = request.split(b" ", 2)[:2] if request.count(b" ") >= 2 else (b"GET", b"/")
         found = path.split(b"?")[0] in (b"/", b"/metrics")
         with self._lock:
             self._requests += 1
-        reply = self.answer(deadline) if found else _NOT_FOUND
+        if method not in (b"GET", b"HEAD"):
+            reply = _NOT_ALLOWED
+        else:
+            reply = self.answer(deadline) if found else _NOT_FOUND
+            if method == b"HEAD":  # its head only: what a GET would answer, without the body
+                reply = reply.partition(b"\r\n\r\n")[0] + b"\r\n\r\n"
         # What is left of the time limit; none left (a 503 at the limit): only what the socket takes at once.
         conn.settimeout(max(0.0, deadline - time.monotonic()))
         conn.sendall(reply)

@@ -555,6 +555,53 @@ def test_connections_that_trickle_their_request_are_closed_for_a_scrape_of_their
     _with_server(client, CountingValues(), time_limit=60, request_timeout=30)
 
 
+def test_idle_clients_from_several_addresses_each_under_its_cap_cannot_starve_a_scrape() -> None:
+    """Two peers with two idle connections each held every slot of 4, each under its own cap (two pods, or a local
+    user binding 127.0.0.2 and .3): every scrape waited for their time limits, and they reconnected. With every
+    slot taken and a scrape waiting, the oldest silent connection, whoever's, is closed for it."""
+    def client(server: MetricsServer) -> None:
+        port = _stats(server).port
+        idle: list[socket.socket] = []
+        try:
+            _idle_from("127.0.0.2", port, 2, idle)
+            _idle_from("127.0.0.3", port, 2, idle)
+            _wait_for(lambda: _stats(server).connections == 4)
+            reply = _get_from("127.0.0.4", port, timeout=30)  # the idle ones' time limit is 600 s
+            assert reply.startswith(b"HTTP/1.0 200") and b"liquidfs_opens" in reply
+            assert idle[0].recv(1) == b""  # the oldest made room
+            assert _stats(server).peak_connections <= 4
+        finally:
+            for sock in idle:
+                sock.close()
+
+    _with_server(client, CountingValues(), max_connections=4, time_limit=600, request_timeout=600)
+
+
+@pytest.mark.parametrize("request_head, answered", [
+    (b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"HTTP/1.0 200"),
+    (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"HTTP/1.0 405"),
+    (b"GET /metrics HTTP/1.0\n\n", b"HTTP/1.0 200"),  # bare newlines, as some clients end a head
+])
+def test_a_head_is_its_head_other_methods_are_not_allowed(request_head: bytes, answered: bytes) -> None:
+    """A HEAD was sent the whole body, a POST answered 200, and a head ended by bare newlines waited out the
+    request time limit and was closed unanswered."""
+    def client(server: MetricsServer) -> bytes:
+        with socket.create_connection(("127.0.0.1", _stats(server).port), timeout=30) as conn:
+            conn.sendall(request_head)
+            reply = b""
+            while chunk := conn.recv(65536):
+                reply += chunk
+        return reply
+
+    reply = _with_server(client, CountingValues(), request_timeout=30)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(answered), reply
+    if request_head.startswith(b"HEAD"):
+        assert body == b"" and b"Content-Length: 0" not in head, reply
+    elif request_head.startswith(b"GET"):
+        assert b"liquidfs_opens" in body
+
+
 def test_a_connection_that_does_not_send_its_request_in_time_is_dropped() -> None:
     """The request line and headers have a deadline of their own, shorter than the connection's time limit:
     idle connections, and ones that trickle a byte at a time, give their slot back at it."""
