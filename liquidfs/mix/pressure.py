@@ -19,16 +19,18 @@ log = logging.getLogger(__name__)
 
 class CpuBusy:
     """The share of CPU time that was busy since the previous call: a cgroup v2 group's (its ``cpu.stat``
-    ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's (``/proc/stat``; time
-    waiting for IO counts as idle). None where it cannot be read, or where the two samples are not of one
-    source (the group's file gone since: a group's seconds over the node's ticks mean nothing)."""
+    ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's CPUs this process may
+    run on (``/proc/stat``, ``_node_sample``). None where it cannot be read, or where the two samples are not of
+    one source (the group's file gone since: a group's seconds over the node's ticks mean nothing)."""
 
     def __init__(self, where: Path = Path("/proc/pressure"), proc_stat: Path = Path("/proc/stat"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0)) -> None:
         self.where = where
         self.group_stat = where / "cpu.stat"
         self.proc_stat = proc_stat
         self.clock = clock
+        self.affinity = affinity
         self.cores = self._group_cores()
         self._last = self._sample()
 
@@ -52,12 +54,10 @@ class CpuBusy:
             if group is not None:
                 fields = dict(line.split() for line in group.splitlines() if line.strip())
                 return "group", parse_counter(fields["usage_usec"]) / 1e6, self.clock()
-            ticks = [parse_counter(v) for v in self.proc_stat.read_text().split("\n", 1)[0].split()[1:9]]
+            return _node_sample(self.proc_stat.read_text(), self.affinity())
         except (OSError, ValueError, KeyError) as exc:
             log.debug("cpu busy: %s", exc)
             return None
-        idle = ticks[3] + ticks[4]  # idle, iowait
-        return "node", float(sum(ticks) - idle), float(sum(ticks))
 
     def __call__(self) -> float | None:
         now, last = self._sample(), self._last
@@ -69,6 +69,26 @@ class CpuBusy:
             self.cores = self._group_cores()
             span *= self.cores
         return min(1.0, max(0.0, (now[1] - last[1]) / span))
+
+
+def _node_sample(text: str, cpus: set[int]) -> tuple[str, float, float]:
+    """``CpuBusy``'s sample of the node from ``/proc/stat``'s ``text``: the CPUs of ``cpus`` (this process's
+    affinity: a container's cpuset, a pinned daemon) where they are some of the node's, else every CPU (the
+    ``cpu`` line). A loader saturating the 8 cores of its cpuset on a 64-core node was 12 % busy over the node's,
+    under the floor that says decoding binds (``controller.BUSY_FLOOR``). Time waiting for IO counts as idle."""
+    lines = {fields[0]: fields[1:9] for fields in map(str.split, text.splitlines()) if fields and
+             fields[0].startswith("cpu")}
+    listed = {int(name[3:]) for name in lines if name[3:].isascii() and name[3:].isdigit()}
+    mine = sorted(cpus) if cpus and cpus < listed else None
+    rows = [lines[f"cpu{cpu}"] for cpu in mine] if mine else [lines["cpu"]]
+    busy = total = 0
+    for row in rows:
+        ticks = [parse_counter(v) for v in row]
+        if len(ticks) < 5:
+            raise ValueError(f"a /proc/stat line of {len(ticks)} counters")
+        total += sum(ticks)
+        busy += sum(ticks) - ticks[3] - ticks[4]  # less idle and iowait
+    return ("cpus " + ",".join(map(str, mine)) if mine else "node"), float(busy), float(total)
 
 
 def _cpuset_size(text: str | None) -> int:

@@ -96,6 +96,25 @@ def test_cpu_busy_from_the_node_and_from_a_cgroup(tmp_path: Path) -> None:
     assert CpuBusy(group, proc_stat=tmp_path / "missing")() is None
 
 
+def test_cpu_busy_of_the_node_is_over_the_cpus_this_process_may_run_on(tmp_path: Path) -> None:
+    """A loader saturating the 2 cores of its cpuset (the daemon's affinity too) on a node of 8 was 25 % busy over
+    the node's ``cpu`` line, under the floor that says decoding binds: the affinity's own lines are summed."""
+    def stat_of(ticks: int) -> str:  # ``ticks`` of each CPU's time: its two busy throughout, the other six idle
+        lines = [f"cpu  {ticks * 2} 0 0 {ticks * 6} 0 0 0 0 0 0"]
+        lines += [f"cpu{cpu} {ticks if cpu in (2, 5) else 0} 0 0 {0 if cpu in (2, 5) else ticks} 0 0 0 0 0 0"
+                  for cpu in range(8)]
+        return "\n".join(lines) + "\n"
+
+    stat = tmp_path / "stat"
+    stat.write_text(stat_of(100))
+    mine = CpuBusy(tmp_path / "none", proc_stat=stat, affinity=lambda: {2, 5})
+    every = CpuBusy(tmp_path / "none", proc_stat=stat, affinity=lambda: set(range(8)))
+    stat.write_text(stat_of(1100))
+    assert mine() == pytest.approx(1.0) and every() == pytest.approx(0.25)
+    stat.write_text("cpu  1 2 3\n")  # a line short of its counters: no reading, never an IndexError
+    assert CpuBusy(tmp_path / "none", proc_stat=stat)() is None
+
+
 def test_cpu_busy_of_a_group_is_over_the_cores_its_cpu_max_allows(tmp_path: Path) -> None:
     """A pod limited to half a core (its cpu.max, or its parent's) on a node of many: its usage over that much
     time, not over every core of the affinity (then it never passed 1/cores, and "decode binds" never showed)."""
