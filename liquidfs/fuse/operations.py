@@ -34,6 +34,7 @@ from ..datapath.inodes import Handle, Inode, Inodes, note_fallback
 from ..datapath.notifier import Notifier
 from ..datapath.shared_inodes import SharedInodes
 from ..datapath.storage_calls import StorageCalls
+from ..metrics.defs import counters
 from ..metrics.stats import HasStatistics, MountStats, Statistics
 from ..mix.share import Mix
 from ..policy.jobs import JobLookups
@@ -41,7 +42,7 @@ from ..stores.reader import Content
 from .listing import Listings, list_bare, list_plus
 from .lookahead import WARM_CLAIM, MetadataAhead
 from .open_budget import OpenBudget
-from .peers import Peers, fh_of, merged
+from .peers import Peers, fh_of, merged, plus
 from .request_times import RequestTimes, on_loop_cpu
 
 if TYPE_CHECKING:
@@ -171,6 +172,7 @@ class Operations(pyfuse3.Operations):
         #: ``mount --loops``: the other loops (None: this is the only one).
         self.peers: Peers | None = None
         self.other_loops: list[dict[str, Any]] = []  # their statistics as last gathered (``gather_loops``)
+        self.ended_loops: dict[str, Any] = {}  # the counters of the loops that ended, summed (``gather_loops``)
         self.data_path = data_path
         self._data_chosen = trio.Event()
         if data_path is not None:
@@ -543,12 +545,13 @@ class Operations(pyfuse3.Operations):
         """Every loop's counters as one (``/metrics``): this loop's now, the others' as ``gather_loops`` last
         found them."""
         values = self.statistics()
-        return values if self.peers is None else merged([values, *self.other_loops])
+        return values if self.peers is None else plus(merged([values, *self.other_loops]), self.ended_loops)
 
     async def gather_loops(self, interval: float) -> None:
         """Until cancelled: the other loops' statistics gathered every ``interval`` seconds. A loop that does not
         answer in time (busy) keeps its last ones: left out, it took its share out of every counter's total, and
-        the scraper took that dip for a reset (a jump of each rate). A loop gone is left out for good."""
+        the scraper took that dip for a reset (a jump of each rate). A loop gone leaves its last counters in the
+        totals (``ended_loops``), its gauges with it."""
         assert self.peers is not None
         last: dict[int, dict[str, Any]] = {}
         while True:
@@ -557,14 +560,17 @@ class Operations(pyfuse3.Operations):
                 if isinstance(loop, int):
                     last[loop] = values
             for loop in self.peers.gone_loops:
-                last.pop(loop, None)
+                ended = last.pop(loop, None)
+                if ended is not None:
+                    ended_counts = counters(ended)
+                    self.ended_loops = plus(self.ended_loops, ended_counts) if self.ended_loops else ended_counts
             self.other_loops = [last[loop] for loop in sorted(last)]
             await trio.sleep(interval)
 
     async def _control_bytes(self) -> bytes:
         values = self.statistics()
         if self.peers is not None:
-            values = merged([values, *await self.peers.statistics()])
+            values = plus(merged([values, *await self.peers.statistics()]), self.ended_loops)
         return (json.dumps(values, indent=1, sort_keys=True) + "\n").encode()
 
     # -- everything that would write -----------------------------------------------------------------

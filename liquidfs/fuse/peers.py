@@ -354,6 +354,15 @@ _NOT_SUMMED = frozenset({"pid", "started_at", "files", "dataset_bytes", "loops",
                          "prepared"})
 
 
+def plus(values: dict[str, Any], counts: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with ``counts`` added to the counters it has (the loops that ended: ``metrics.defs.counters``)."""
+    if not counts:
+        return values
+    total = dict(values)
+    _add(total, counts)
+    return total
+
+
 def _add(into: dict[str, Any], other: dict[str, Any]) -> None:
     for key, value in other.items():
         mine = into.get(key)

@@ -344,6 +344,27 @@ def prometheus_text(values: Mapping[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def counters(values: Mapping[str, object]) -> dict[str, object]:
+    """What the exported counters read of ``values`` (one loop's statistics), nested as there: what a loop that
+    ended leaves in the mount's totals, so that no counter goes down (a scraper takes a drop for a reset: a jump
+    of each rate); its gauges (files open now) end with it."""
+    kept: dict[str, object] = {}
+    for metric in METRICS:
+        if metric.kind != COUNTER:
+            continue
+        for _, key in metric.sources():
+            value = _lookup(values, key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                *path, last = key.split(".")
+                into = kept
+                for part in path:
+                    nested = into.setdefault(part, {})
+                    assert isinstance(nested, dict)
+                    into = nested
+                into[last] = value
+    return kept
+
+
 def _lookup(values: Mapping[str, object], key: str) -> object:
     """``values[key]``, a nested one by its path (``mix.share``); None where absent."""
     value: object = values

@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from liquidfs.fuse.peers import PeerError, Peers, fh_of, loop_of, merged
+from liquidfs.fuse.peers import PeerError, Peers, fh_of, loop_of, merged, plus
 
 
 class Loop:
@@ -213,14 +213,15 @@ def test_a_loop_slow_to_answer_keeps_its_share_of_the_metrics() -> None:
 
     from liquidfs.fuse.operations import Operations
 
-    answers = [[{"loop": 1, "opens": 5}, {"loop": 2, "opens": 7}], [{"loop": 2, "opens": 8}], []]
+    answers = [[{"loop": 1, "opens": 5, "open_files": 3}, {"loop": 2, "opens": 7}], [{"loop": 2, "opens": 8}], []]
     gone: set[int] = set()
     seen: list[list[dict[str, Any]]] = []
 
     async def statistics() -> list[dict[str, Any]]:
         return answers.pop(0) if answers else []
 
-    ops = SimpleNamespace(peers=SimpleNamespace(statistics=statistics, gone_loops=gone), other_loops=[])
+    ops = SimpleNamespace(peers=SimpleNamespace(statistics=statistics, gone_loops=gone), other_loops=[],
+                          ended_loops={})
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -238,3 +239,7 @@ def test_a_loop_slow_to_answer_keeps_its_share_of_the_metrics() -> None:
 
     trio.run(main)
     assert [[v["loop"] for v in each] for each in seen] == [[1, 2], [1, 2]]
+    # The loop gone leaves its counters in the totals (no exported counter goes down), not its gauges
+    assert ops.ended_loops == {"opens": 5}
+    totals = plus(merged([{"loop": 0, "opens": 1, "open_files": 1}, *ops.other_loops]), ops.ended_loops)
+    assert totals["opens"] == 1 + 8 + 5 and totals["open_files"] == 1
