@@ -348,8 +348,8 @@ class Catalog:
     def surplus_objects(self) -> list[tuple[bytes, str]]:
         """(path, object) of the expansions no node serves any more (a served row without an object, which no
         build writes, must not make every one look served: ``x NOT IN (..., NULL)`` is never true)."""
-        return self.db.execute("SELECT path, object FROM expansions WHERE object IS NOT NULL "
-                               "AND object NOT IN (SELECT object FROM nodes WHERE repr=1 AND object IS NOT NULL)").fetchall()
+        return self.db.execute("SELECT path, object FROM expansions WHERE object IS NOT NULL AND object NOT IN "
+                               "(SELECT object FROM nodes WHERE repr=1 AND object IS NOT NULL)").fetchall()
 
     def forget_expansions(self, paths: Iterable[bytes]) -> None:
         with self.transaction():
