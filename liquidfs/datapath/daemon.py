@@ -103,18 +103,19 @@ class DaemonPath:
             # The kernel was told another size (fallback, or a source changed in place). It clamps cached reads
             # to that size, so this handle bypasses the page cache (the caller corrects the attributes).
             direct_io = True
-        others = self._serving_other_bytes(record, content)
-        superseded = [other for other in others if not other.superseded]
-        if superseded:
-            # The kernel keeps one page cache per inode, whatever each open serves: an older open still serving
-            # the other representation (or a size from before a change) would fill it, through its readahead,
-            # a fault of its mapping or a push, with bytes this open must never see. This open bypasses it, and
-            # those opens fail their further reads (their file changed since they opened it, as a passthrough
-            # open that finds its backing changed is refused): never a page of one version under the other.
-            direct_io = True
-            for other in superseded:
-                other.superseded = True
+        # The kernel keeps one page cache per inode, whatever each open serves: an older open still serving
+        # the other representation (or a size from before a change) would fill it, through its readahead,
+        # a fault of its mapping or a push, with bytes this open must never see. This open bypasses it, and
+        # those opens fail their further reads (their file changed since they opened it, as a passthrough
+        # open that finds its backing changed is refused): never a page of one version under the other.
+        direct_io = self._supersede_others(record, content) or direct_io
         await self._stores_landed(node, record, decision, content)
+        # Opens that came while this one waited for the stores (they waited for the same ones, and were not
+        # registered when it looked) are seen now, before it is, and superseded as well: the last to register
+        # sees every other, so no two opens of other bytes both go on reading.
+        while self._supersede_others(record, content):
+            direct_io = True
+            await self._stores_landed(node, record, decision, content)
         if not (content.deferred and decision.hold):  # else at its first read, once the bytes are there
             self._hold_or_drop(node, decision, content)
         # A file the daemon holds may also stay in the kernel's page cache: its reads then never reach the
@@ -123,11 +124,21 @@ class DaemonPath:
         keep_cache = held is not None and not direct_io
         handle = Handle(content, node, decision, fh=fh, direct_io=direct_io, keep_cache=keep_cache, inode=record)
         self._count_open(handle)
-        if not direct_io:
-            if record.page_cached is None:
-                record.page_cached = {}
-            record.page_cached[fh] = handle
+        # Every open, direct_io too: a private mapping of a direct_io file still faults through the inode's page
+        # cache (``fuse_file_mmap``: ``generic_file_mmap`` for MAP_PRIVATE), with that open's bytes; DALI maps files
+        # privately. Unrecorded, such an open was never superseded and filled the pages another open read.
+        if record.open_handles is None:
+            record.open_handles = {}
+        record.open_handles[fh] = handle
         return handle
+
+    def _supersede_others(self, record: Inode, content: Content) -> bool:
+        """Whether this open, serving ``content``, superseded any open of ``record`` not superseded yet that
+        serves other bytes (``_serving_other_bytes``): those fail their further reads."""
+        superseded = [other for other in self._serving_other_bytes(record, content) if not other.superseded]
+        for other in superseded:
+            other.superseded = True
+        return bool(superseded)
 
     def _unheld(self, node: Node, decision: Decision) -> None:
         """An open that failed: the room the policy gave it, with no bytes to fill it (a failed read), or a hit's
@@ -156,13 +167,13 @@ class DaemonPath:
 
     @staticmethod
     def _serving_other_bytes(record: Inode, content: Content) -> list[Handle]:
-        """The open handles of the inode that read through the page cache and serve other bytes than
-        ``content``: the other representation, another size, or another version of the source (one rewritten
-        in place keeps its size, and older opens serve what it was); superseded already or not."""
-        if not record.page_cached:
+        """The open handles of the inode that serve other bytes than ``content``: the other representation,
+        another size, or another version of the source (one rewritten in place keeps its size, and older opens
+        serve what it was); superseded already or not."""
+        if not record.open_handles:
             return []
         serves = (content.raw, content.size, content.version)
-        return [h for h in record.page_cached.values()
+        return [h for h in record.open_handles.values()
                 if (h.content.raw, h.content.size, h.content.version) != serves]
 
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
@@ -203,10 +214,10 @@ class DaemonPath:
         handle.released = True
         self._uncount_open(fh)
         record = handle.inode
-        if record is not None and record.page_cached is not None:
-            record.page_cached.pop(fh, None)
-            if not record.page_cached:
-                record.page_cached = None
+        if record is not None and record.open_handles is not None:
+            record.open_handles.pop(fh, None)
+            if not record.open_handles:
+                record.open_handles = None
         if handle.content.deferred and handle.decision.hold:  # never read: the policy cannot keep it
             assert handle.node is not None
             self._hold_or_drop(handle.node, handle.decision, handle.content)

@@ -53,8 +53,8 @@ class Inode:
     fell_back: bool = False  # its raw object was not served once: read at open from now on, not mixed
     #: Passthrough: the backing every open of it shares while any is open (the kernel allows one per inode).
     shared: SharedBacking | None = None
-    #: Daemon path: its opens that read through the kernel's page cache, by fh (``DaemonPath._serving_other_bytes``).
-    page_cached: dict[int, Handle] | None = None
+    #: Daemon path: its opens, by fh, page-cached or direct_io (``DaemonPath._serving_other_bytes``).
+    open_handles: dict[int, Handle] | None = None
     pushes: Pushes | None = None  # daemon path: page stores not yet taken by the kernel
     #: Its opens under way or open (``Operations._open_file`` to its release): the record stays while any is, or
     #: an open would fill one nobody finds (a later open could not see its page-cached handle to supersede it,
@@ -66,7 +66,7 @@ class Inode:
 
     def idle(self) -> bool:
         return not (self.size is not None or self.fell_back or self.shared is not None
-                    or self.page_cached or self.pushes is not None or self.opens)
+                    or self.open_handles or self.pushes is not None or self.opens)
 
 
 def note_fallback(record: Inode, stats: MountStats) -> None:

@@ -402,6 +402,47 @@ def test_an_open_that_supersedes_another_waits_for_the_store_it_queued_meanwhile
     trio.run(scenario)
 
 
+def test_opens_that_waited_for_the_same_stores_see_each_other_before_they_are_answered(tmp_path: Path) -> None:
+    """B (the old bytes) and C (the source rewritten in place since, same size) both waited for A's store to
+    land; C looked for opens of other bytes before B had registered, and B after C had not: both went on
+    reading, B through the page cache, C direct_io, whose private mapping faults through the same pages (found by
+    review). The last to register now looks again after its wait, and supersedes the other."""
+    ops, kernel = _push_ops(tmp_path, {"x": b"A" * 3_000_000})
+    ino = run(ops.lookup, ROOT_ID, b"x", CTX).st_ino
+    (tmp_path / "src" / "x").write_bytes(b"B" * 3_000_000)  # changed since the scan, same size
+
+    async def scenario() -> None:
+        first = await ops.open(ino, os.O_RDONLY, CTX)
+        await ops.read(first.fh, 0, 4096)  # queues a store of its bytes
+        assert kernel.pending
+        opened: dict[str, pyfuse3.FileInfo] = {}
+
+        async def open_as(name: str) -> None:
+            opened[name] = await ops.open(ino, os.O_RDONLY, CTX)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(open_as, "b")  # the same bytes as the first: waits for its store
+            pushes = ops.inodes[ino].pushes
+            while pushes.done.statistics().tasks_waiting < 1:
+                await trio.sleep(0.01)
+            (tmp_path / "src" / "x").write_bytes(b"C" * 3_000_000)  # rewritten in place, same size
+            nursery.start_soon(open_as, "c")
+            while pushes.done.statistics().tasks_waiting < 2:
+                await trio.sleep(0.01)
+            kernel.deliver()
+        readable = []
+        for name in ("b", "c"):
+            try:
+                readable.append((name, bytes(await ops.read(opened[name].fh, 8192, 4))))
+            except pyfuse3.FUSEError as exc:
+                assert exc.errno == errno.EIO
+        assert len(readable) == 1, readable  # one of the two is superseded: never both read on
+        for info in (first, *opened.values()):
+            await ops.release(info.fh)
+
+    trio.run(scenario)
+
+
 def test_held_files_are_checked_inline_only_on_a_local_source(tmp_path: Path) -> None:
     ops = ops_over(tmp_path, FILES, 1.0)
     for name, data in FILES.items():  # the cache now holds every file
@@ -633,6 +674,35 @@ def test_an_open_of_other_bytes_beside_a_page_cached_open_never_shares_its_pages
     run(ops.release, a3.fh)
 
 
+def test_a_direct_io_open_of_other_bytes_is_superseded_too(tmp_path: Path) -> None:
+    """A private mapping of a direct_io file faults through the inode's one page cache with that open's bytes (the
+    kernel's ``fuse_file_mmap``; DALI maps files privately): an open that fell back to the original (its object
+    away a moment, direct_io for its other size) was never recorded, never superseded by the raw open that came
+    next, and went on answering reads, the original's pages under the raw one's (found by review)."""
+    ops, raw, store = _raw_ops(tmp_path)
+    node = raw[0]
+    obj = store / str(node.object)
+    os.rename(obj, f"{obj}.away")
+    original = run(ops.open, node.id, os.O_RDONLY, CTX)
+    os.rename(f"{obj}.away", obj)
+    served_raw = run(ops.open, node.id, os.O_RDONLY, CTX)
+    assert original.direct_io and not ops.open_files[original.fh].content.raw
+    _only_the_newer_reads(ops, original.fh, served_raw.fh, obj.read_bytes())
+
+
+def _only_the_newer_reads(ops: Operations, older: int, newer: int, expected: bytes, at: int = 0) -> None:
+    """The newer open reads ``expected``; the older one, which it superseded, fails its read at ``at`` with EIO.
+    Both released."""
+    try:
+        assert bytes(run(ops.read, newer, 0, len(expected))) == expected
+        with pytest.raises(pyfuse3.FUSEError) as refused:
+            run(ops.read, older, at, 4)
+        assert refused.value.errno == errno.EIO
+    finally:
+        run(ops.release, older)
+        run(ops.release, newer)
+
+
 def test_a_file_the_policy_let_go_while_it_was_read_is_not_held(tmp_path: Path) -> None:
     """Between an open's decision to hold its file and the storage read's end, another job's read may take the
     file's room (the policy lets it go): its bytes must not be held then, outside the budget."""
@@ -771,15 +841,8 @@ def test_an_open_of_a_source_rewritten_in_place_at_its_size_supersedes_the_older
     with open(path, "r+b") as f:
         f.write(b"Z" * size)
     second = run(ops.open, a.st_ino, os.O_RDONLY, CTX)
-    try:
-        assert second.direct_io and bytes(run(ops.read, second.fh, 0, size)) == b"Z" * size
-        assert before != b"Z" * 4096
-        with pytest.raises(pyfuse3.FUSEError) as refused:
-            run(ops.read, first.fh, 4096, 904)
-        assert refused.value.errno == errno.EIO
-    finally:
-        run(ops.release, first.fh)
-        run(ops.release, second.fh)
+    assert second.direct_io and before != b"Z" * 4096
+    _only_the_newer_reads(ops, first.fh, second.fh, b"Z" * size, at=4096)
 
 
 def test_a_read_of_a_superseded_open_in_flight_answers_no_bytes_and_pushes_none(tmp_path: Path) -> None:
