@@ -33,7 +33,7 @@ _SEGMENT_MARKER: Final = re.compile(rb"\xff[^\x00\x01\xd0-\xd8\xff]")
 def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
     """Walk the marker segments up to the first SOS: frame size and precision
     from SOF (refused at once if too large), and the metadata refusals.
-    Mirrors Pillow/libjpeg in skipping junk bytes between segments."""
+    Junk between segments, which Pillow and libjpeg skip, is refused: DALI's parser is stricter."""
     n = len(data)
     pos = 2
     sof: tuple[int, int, int] | None = None
@@ -44,6 +44,11 @@ def scan_jpeg(data: bytes, max_pixels: int) -> tuple[int, int, int]:
         found = _SEGMENT_MARKER.search(data, pos)
         if found is None:
             raise Refuse("truncated", "no SOS")
+        if data[pos:found.start()].strip(b"\xff"):
+            # DALI's parser (nvImageCodec's) takes only fill bytes before a marker: junk, or a standalone marker
+            # (RSTn), fails its decode ("nvImageCodec failure '#3'") where libjpeg and Pillow skip them. The raw
+            # object of such a file would hand DALI pixels where the original is an error.
+            raise Refuse("corrupt", "bytes other than fill between segments before the first scan")
         marker = data[found.start() + 1]
         pos = found.end()
         if marker == 0xD9:

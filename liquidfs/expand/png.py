@@ -52,6 +52,10 @@ MAX_CHUNKS: Final = 1 << 20
 #: five times its size. Real ones hold a few KB of text, EXIF and XMP.
 MAX_ANCILLARY_BYTES: Final = 16 << 20
 _CHUNK_KEPT: Final = 128  # what Pillow keeps of a chunk besides its body (a tuple, a bytes object)
+#: OpenCV's limit on a chunk before the image data (``PngDecoder::read_chunk``: its length and 12), and the chunks
+#: it lets past it.
+OPENCV_CHUNK_LIMIT: Final = 8_000_000
+_OPENCV_LARGE_CHUNKS: Final = frozenset({b"IDAT", b"IEND", b"PLTE", b"tEXt", b"tRNS", b"fdAT"})
 
 
 def png_header_size(data: bytes) -> tuple[int, int]:
@@ -119,6 +123,15 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
         if name[:1].isupper() and name not in (b"IHDR", b"PLTE", b"IDAT"):
             # An unknown critical chunk is a hard error for libpng.
             raise Refuse("corrupt", f"unknown critical chunk {name!r}")
+        if not idat.spans:
+            # OpenCV's PNG reader (DALI's CPU decoder fails alike) walks the chunks before the first IDAT itself,
+            # and refuses the whole file for a chunk past 8,000,000 bytes (C2PA, XMP, a private one) but a few,
+            # or a bKGD of another length than its colour types': Pillow decodes them, and their raw object
+            # would hand those loaders pixels where the original is an error.
+            if length + 12 > OPENCV_CHUNK_LIMIT and name not in _OPENCV_LARGE_CHUNKS:
+                raise Refuse("corrupt", f"{name!r} of {length} bytes before the image data: past OpenCV's limit")
+            if name == b"bKGD" and length not in (1, 2, 6):
+                raise Refuse("corrupt", f"bKGD of {length} bytes")
         if name[:1].islower():
             ancillary += length + _CHUNK_KEPT
             if ancillary > MAX_ANCILLARY_BYTES:

@@ -477,7 +477,8 @@ REFUSED: dict[str, tuple[Callable[[], bytes], str, str | None]] = {
     "jpeg-orientation-in-an-app1-of-another-name": (_jpeg_with_orientation_in_an_app1_of_another_name,
                                                     "exif-orientation", "jpeg"),
     "jpeg-icc": (lambda: save(Image.fromarray(_RGB), "JPEG", icc_profile=_icc_srgb()), "icc-profile", "jpeg"),
-    "jpeg-icc-behind-junk": (_jpeg_icc_behind_junk, "icc-profile", "jpeg"),
+    # (the junk alone refuses it now: DALI's parser fails it; the ICC profile behind is never read past)
+    "jpeg-icc-behind-junk": (_jpeg_icc_behind_junk, "corrupt", "jpeg"),
     "jpeg-real-rocket-icc": (lambda: skimage_file("rocket.jpg"), "icc-profile", "jpeg"),
     "jpeg-cmyk": (lambda: save(Image.frombytes("CMYK", (31, 21), _RGBA.tobytes()), "JPEG"), "unsupported-mode:CMYK", "jpeg"),
     "jpeg-mpo": (_mpo, "multi-picture", "jpeg"),
@@ -942,18 +943,23 @@ def test_comparing_an_image_past_pillows_bomb_warning_warns_nothing(monkeypatch:
 
 @pytest.mark.parametrize("padding", ["fill", "stuffed", "restarts"])
 def test_a_jpeg_padded_with_bytes_libjpeg_passes_over_is_walked_as_libjpeg_walks_it(padding: str) -> None:
-    """Fill bytes, FF 00 pairs and restart markers between segments (and before the EOI) are passed over as
-    libjpeg passes them: the walk finds the frame, counts the scans, and the image is expanded to Pillow's
-    pixels. (Stepped a byte at a time in Python, 5 MB of them held a worker for seconds.)"""
+    """Fill bytes, FF 00 pairs and restart markers between the scans and before the EOI are passed over as
+    libjpeg passes them: the walk counts the scans, and the image is expanded to Pillow's pixels. Before the
+    first scan only fill bytes are: DALI's parser fails the original at the others, so it is refused at once,
+    its original served. (Stepped a byte at a time in Python, 5 MB of them held a worker for seconds.)"""
     real = save(Image.fromarray(_RGB), "JPEG", progressive=True)
     pad = {"fill": b"\xff" * 300_000, "stuffed": b"\xff\x00" * 150_000, "restarts": b"\xff\xd0" * 150_000}[padding]
     sos = real.index(b"\xff\xda")
     eoi = real.rindex(b"\xff\xd9")
-    padded = real[:sos] + pad + real[sos:eoi] + pad + real[eoi:]
+    padded = real[:sos] + (pad if padding == "fill" else b"") + real[sos:eoi] + pad + real[eoi:]
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(padded))), np.asarray(Image.open(io.BytesIO(real))))
     assert jpeg.scan_jpeg(padded, 10**8) == jpeg.scan_jpeg(real, 10**8)
     e = expand(padded)
     assert e.reason is None and e.data is not None and same_pixels(padded, e.data)
+    if padding != "fill":
+        with pytest.raises(Refuse) as before_the_scan:
+            jpeg.scan_jpeg(real[:sos] + pad + real[sos:], 10**8)
+        assert before_the_scan.value.reason == "corrupt"
 
 
 def test_a_jpeg_of_more_segments_than_any_image_has_is_refused() -> None:
@@ -999,3 +1005,44 @@ def test_a_png_whose_ancillary_chunks_outweigh_its_image_is_refused(chunks: str)
         [(b"abCd", b"")] * (png_format.MAX_ANCILLARY_BYTES // 128 + 1)
     assert expand(_rebuilt([*parts[:-1], *extra, parts[-1]])).reason == "too-large"
     assert expand(_rebuilt([*parts[:-1], (b"abCd", b"x" * 4096), parts[-1]])).reason is None
+
+
+@pytest.mark.parametrize("chunk, refused", [
+    ((b"prVt", bytes(png_format.OPENCV_CHUNK_LIMIT - 11)), True),  # a private chunk past OpenCV's limit
+    ((b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + bytes(png_format.OPENCV_CHUNK_LIMIT)), True),
+    ((b"prVt", bytes(png_format.OPENCV_CHUNK_LIMIT - 12)), False),  # at it
+    ((b"bKGD", bytes(3)), True),  # of no colour type's length
+    ((b"bKGD", bytes(6)), False),
+], ids=["private-past", "xmp-past", "private-at", "bkgd-3", "bkgd-6"])
+def test_a_png_chunk_before_its_image_data_that_opencv_refuses_is_refused(chunk: tuple[bytes, bytes],
+                                                                          refused: bool) -> None:
+    """OpenCV's PNG reader (and DALI's CPU decoder) walks the chunks before the first IDAT itself and refuses the
+    whole file at one past 8,000,000 bytes (C2PA, XMP) or a bKGD of another length; Pillow decodes it, and its raw
+    object handed those loaders pixels where the original is an error (found by review)."""
+    import cv2
+
+    parts = _chunks_of(save(Image.fromarray(_RGB)))
+    idat = next(i for i, (name, _) in enumerate(parts) if name == b"IDAT")
+    data = _rebuilt([*parts[:idat], chunk, *parts[idat:]])
+    assert (cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_UNCHANGED) is None) == refused
+    assert expand(data).reason == ("corrupt" if refused else None)
+
+
+@pytest.mark.parametrize("between, refused", [
+    (b"\x00\x11\x22", True),  # junk libjpeg and Pillow skip
+    (b"\xff\xd0", True),      # a restart marker before the first scan
+    (b"\xff\xff\xff", False),  # fill bytes before a marker: every parser takes them
+], ids=["junk", "rst0", "fill"])
+def test_a_jpeg_with_junk_between_its_segments_is_refused(dali: Dali, between: bytes, refused: bool) -> None:
+    """DALI's JPEG parser takes only fill bytes before a marker: junk or a restart marker between the segments,
+    which libjpeg and Pillow skip, fails its decode of the original, while the raw object decoded (found by
+    review)."""
+    real = save(Image.fromarray(_RGB), "JPEG")
+    dqt = real.find(b"\xff\xdb")
+    data = real[:dqt] + between + real[dqt:]
+    if refused:
+        with pytest.raises(Exception):
+            dali(data)
+    else:
+        assert dali(data)[0].shape[:2] == _RGB.shape[:2]
+    assert expand(data).reason == ("corrupt" if refused else None)
