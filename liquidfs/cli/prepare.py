@@ -109,7 +109,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(line)
     written = [RAW_FORMATS[f] for f in raw_formats]
     for fmt in written:
-        print(f"{fmt.name} objects decode to the source's pixels under: {', '.join(fmt.exact_for)}")
+        # (a JPEG's pixels are its decoder's: the object holds Pillow's, which DALI's or OpenCV's decode of the
+        # original may differ from by a level, docs/guarantees.md)
+        print(f"{fmt.name} objects decode to the source's pixels under: {', '.join(fmt.exact_for)} (those of JPEG "
+              "sources: Pillow's decode)")
     for fmt in written:
         if fmt.gpu_decoder is not None and fmt.gpu_decoder not in fmt.exact_for:
             print(f"liquidfs prepare: {fmt.label} objects are for DALI's 'mixed' decoder (nvJPEG2000), which this "
