@@ -133,7 +133,9 @@ class Content:
         if self.fetch is not None:
             return self.fetch(offset, min(length, self.size - offset)) if offset < self.size else b""
         assert self.fd is not None
-        return os.pread(self.fd, length, offset)
+        # No further than the size the open told (a file that grew since is not served past it, as the other
+        # two are not)
+        return os.pread(self.fd, max(0, min(length, self.size - offset)), offset) if offset < self.size else b""
 
     def close(self) -> None:
         try:

@@ -172,3 +172,22 @@ def test_a_reader_that_cannot_be_made_keeps_no_directory_open(tmp_path: Path, ob
     with pytest.raises(OSError):
         StoreReader(os.fsencode(tmp_path / "src"), tmp_path / "store")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_streamed_file_that_grew_since_its_open_is_read_no_further_than_its_size(tmp_path: Path) -> None:
+    """A file too large to read whole is streamed from its descriptor: its reads went past the size the open told
+    the kernel once it grew (a direct_io open answers what the daemon gives), where a fetched or an in-memory
+    one's stop there."""
+    from liquidfs.stores.reader import Content
+
+    path = tmp_path / "big"
+    path.write_bytes(b"a" * 100)
+    fd = os.open(path, os.O_RDONLY)
+    content = Content(size=100, raw=False, fd=fd)
+    try:
+        with open(path, "ab") as grow:
+            grow.write(b"b" * 50)
+        assert bytes(content.read(90, 40)) == b"a" * 10
+        assert bytes(content.read(100, 10)) == b"" and bytes(content.read(120, 10)) == b""
+    finally:
+        content.close()
