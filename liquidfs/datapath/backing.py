@@ -171,15 +171,16 @@ def only_we_write(st: os.stat_result) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def still_sound(backing: Backing) -> str | None:
+def still_sound(backing: Backing, fd: int | None = None) -> str | None:
     """None while a backing shared by the opens of one inode still is the file its first open checked; else
     what changed.  The kernel reads a source or object backing live: a later open must not be handed bytes
     changed since (it gets EIO until every open of the file is closed and the next first open decides again).
-    Memfds are sealed and carry no stamp: nothing to re-check."""
+    Memfds are sealed and carry no stamp: nothing to re-check. ``fd``: a descriptor of the backing's file to
+    look at (a copy's own), instead of the backing's."""
     if backing.stamp is None:
         return None
     try:
-        now = stamp(os.fstat(backing.fd))
+        now = stamp(os.fstat(backing.fd if fd is None else fd))
     except OSError as exc:
         return f"backing unreadable ({exc.strerror})"
     return None if now == backing.stamp else f"{'raw object' if backing.raw else 'source'} changed while open"

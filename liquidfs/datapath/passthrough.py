@@ -580,7 +580,14 @@ class PassthroughPath:
                 # discarded); and the close of a FUSE or NFS file, which waits on its server, is this thread's.
                 fd = os.dup(backing.fd)
                 try:
-                    return _copy_of(fd, backing.size, digest)
+                    made = _copy_of(fd, backing.size, digest)
+                    # The file as its open checked it, still: a copy of one rewritten meanwhile (torn) would be
+                    # held, and served at later hits, as those bytes (a hit checks the source, not this copy).
+                    changed = still_sound(backing, fd)
+                    if changed is not None:
+                        os.close(made[0])
+                        raise OSError(errno.EIO, f"{changed} while it was copied into memory")
+                    return made
                 finally:
                     try:
                         os.close(fd)

@@ -1021,6 +1021,37 @@ def test_a_copy_whose_thread_cannot_start_keeps_no_descriptor_and_is_not_stuck(p
     trio.run(main)
 
 
+def test_a_file_rewritten_while_it_is_copied_into_memory_is_not_kept(tmp_path: Path, monkeypatch) -> None:
+    """The copy a level keeps (and serves at later hits, which check the source, not the copy) was taken with no
+    look at the file after it: one rewritten while it was read was held torn (found by review)."""
+    from liquidfs.datapath import passthrough
+
+    src, store = _prepared(tmp_path, count=2)  # its own: a file's stamp is moved here
+    ops, kernel = _ops(store)
+    path = ops.data_path
+    node = _images(ops)[0]
+    real_copy = passthrough._copy_of
+
+    def copy_while_rewritten(fd: int, size: int, digest: bool) -> tuple[int, int | None]:
+        made = real_copy(fd, size, digest)
+        os.utime(fd, ns=(1, 1))  # its stamp moved: as a writer's would, mid-copy
+        return made
+
+    async def main() -> None:
+        backing = await path.calls.run(node, path._resolve, node)
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            monkeypatch.setattr(passthrough, "_copy_of", copy_while_rewritten)
+            with pytest.raises(OSError) as refused:
+                await path.blocking_copy(backing)
+            assert refused.value.errno == errno.EIO and "while it was copied" in str(refused.value)
+            assert len(os.listdir("/proc/self/fd")) == before  # the torn copy closed
+        finally:
+            backing.close()
+
+    trio.run(main)
+
+
 def test_a_copy_cancelled_before_its_thread_starts_keeps_no_descriptor(prepared) -> None:
     """Its own descriptor of the file was taken before its turn at the copies' limiter: a copy cancelled while
     it waited for one (its reader interrupted) left that descriptor open for good."""
