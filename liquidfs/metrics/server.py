@@ -335,12 +335,15 @@ class MetricsServer:
         return None
 
     def _someone_waits(self) -> bool:
-        """Whether a connection waits in a listener's queue (a poll, never a wait)."""
+        """Whether a connection waits in a listener's queue (a poll, never a wait; ``poll``, not ``select``: a
+        daemon holding many files has its listener's descriptor past 1024, which ``select`` refuses)."""
+        poller = select.poll()
+        for listener in self._listeners:
+            poller.register(listener, select.POLLIN)
         try:
-            readable, _, _ = select.select(self._listeners, [], [], 0)
-        except (OSError, ValueError):
+            return bool(poller.poll(0))
+        except OSError:
             return False
-        return bool(readable)
 
     def _close_oldest_silent(self, peer: str | None) -> bool:
         """Shut ``peer``'s (None: anyone's) oldest connection that has not sent its whole request head (its worker
@@ -409,6 +412,7 @@ class MetricsServer:
         # is, as one that sends none).
         with self._lock:
             self._silent.pop(conn, None)
+        request = request.lstrip(b"\r\n")  # (an empty line before the request line is ignored, RFC 9112 2.2)
         method, path = request.split(b" ", 2)[:2] if request.count(b" ") >= 2 else (b"GET", b"/")
         found = path.split(b"?")[0] in (b"/", b"/metrics")
         with self._lock:

@@ -581,6 +581,7 @@ def test_idle_clients_from_several_addresses_each_under_its_cap_cannot_starve_a_
     (b"HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"HTTP/1.0 200"),
     (b"POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", b"HTTP/1.0 405"),
     (b"GET /metrics HTTP/1.0\n\n", b"HTTP/1.0 200"),  # bare newlines, as some clients end a head
+    (b"\r\nGET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"HTTP/1.0 200"),  # an empty line first: ignored
 ])
 def test_a_head_is_its_head_other_methods_are_not_allowed(request_head: bytes, answered: bytes) -> None:
     """A HEAD was sent the whole body, a POST answered 200, and a head ended by bare newlines waited out the
