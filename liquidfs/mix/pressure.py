@@ -73,9 +73,11 @@ class CpuBusy:
 
 def _node_sample(text: str, cpus: set[int]) -> tuple[str, float, float]:
     """``CpuBusy``'s sample of the node from ``/proc/stat``'s ``text``: the CPUs of ``cpus`` (this process's
-    affinity: a container's cpuset, a pinned daemon) where they are some of the node's, else every CPU (the
-    ``cpu`` line). A loader saturating the 8 cores of its cpuset on a 64-core node was 12 % busy over the node's,
-    under the floor that says decoding binds (``controller.BUSY_FLOOR``). Time waiting for IO counts as idle."""
+    affinity) where they are some of the node's, else every CPU (the ``cpu`` line). They stand for the loader's
+    where the two share them (a container's cpuset, a daemon pinned with its loader): a loader saturating the 8
+    cores of its cpuset on a 64-core node was 12 % busy over the node's, under the floor that says decoding binds
+    (``controller.BUSY_FLOOR``). A daemon given cores of its own (a sidecar's exclusive CPUs) measures those:
+    there ``--pressure-dir`` names the loader's group. Time waiting for IO counts as idle."""
     lines = {fields[0]: fields[1:9] for fields in map(str.split, text.splitlines()) if fields and
              fields[0].startswith("cpu")}
     listed = {int(name[3:]) for name in lines if name[3:].isascii() and name[3:].isdigit()}
