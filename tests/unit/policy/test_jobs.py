@@ -281,7 +281,7 @@ def test_lookups_stuck_on_proc_hold_up_no_memfd_copy_or_attribute_drop(monkeypat
                 for pid in host.procs:
                     nursery.start_soon(lookups.job, pid)
                 await trio.sleep(0.3)  # every lookup has given up; their threads are still stuck
-                fd, _ = await Copier().blocking_copy(SimpleNamespace(fd=source, size=10))  # type: ignore[arg-type]
+                fd, _ = await Copier().blocking_copy(SimpleNamespace(fd=source, size=10, stamp=None))  # type: ignore[arg-type]
                 copied.append(os.pread(fd, 100, 0))
                 os.close(fd)
                 await Notifier().new_size(5)
