@@ -132,10 +132,14 @@ class DaemonPath:
         record.open_handles[fh] = handle
         return handle
 
-    def _supersede_others(self, record: Inode, content: Content) -> bool:
+    @staticmethod
+    def _supersede_others(record: Inode, content: Content) -> bool:
         """Whether this open, serving ``content``, superseded any open of ``record`` not superseded yet that
-        serves other bytes (``_serving_other_bytes``): those fail their further reads."""
-        superseded = [other for other in self._serving_other_bytes(record, content) if not other.superseded]
+        serves other bytes: the other representation, another size, or another version of the source (one
+        rewritten in place keeps its size, and older opens serve what it was). Those fail their further reads."""
+        serves = (content.raw, content.size, content.version)
+        superseded = [h for h in (record.open_handles or {}).values()
+                      if not h.superseded and (h.content.raw, h.content.size, h.content.version) != serves]
         for other in superseded:
             other.superseded = True
         return bool(superseded)
@@ -164,17 +168,6 @@ class DaemonPath:
             content.close()
             self._unheld(node, decision)
             raise
-
-    @staticmethod
-    def _serving_other_bytes(record: Inode, content: Content) -> list[Handle]:
-        """The open handles of the inode that serve other bytes than ``content``: the other representation,
-        another size, or another version of the source (one rewritten in place keeps its size, and older opens
-        serve what it was); superseded already or not."""
-        if not record.open_handles:
-            return []
-        serves = (content.raw, content.size, content.version)
-        return [h for h in record.open_handles.values()
-                if (h.content.raw, h.content.size, h.content.version) != serves]
 
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
         fh = handle.fh

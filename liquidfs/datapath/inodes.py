@@ -53,7 +53,7 @@ class Inode:
     fell_back: bool = False  # its raw object was not served once: read at open from now on, not mixed
     #: Passthrough: the backing every open of it shares while any is open (the kernel allows one per inode).
     shared: SharedBacking | None = None
-    #: Daemon path: its opens, by fh, page-cached or direct_io (``DaemonPath._serving_other_bytes``).
+    #: Daemon path: its opens, by fh, page-cached or direct_io (``DaemonPath._supersede_others``).
     open_handles: dict[int, Handle] | None = None
     pushes: Pushes | None = None  # daemon path: page stores not yet taken by the kernel
     #: Its opens under way or open (``Operations._open_file`` to its release): the record stays while any is, or
