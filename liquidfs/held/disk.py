@@ -79,7 +79,7 @@ class DiskLevel(Level[_Entry], InFront):
         root.mkdir(parents=True, exist_ok=True)
         # Checked again here, where the daemon sweeps it: the command checked it before a scan that may take
         # minutes, and a directory not there then (made here, or by someone else meanwhile) was not checked.
-        why = _refusal(root, os.stat(root))
+        why = root_refusal(root)
         if why is not None:
             raise OSError(errno.EPERM, why)
         _remove_stale(root)
@@ -345,11 +345,6 @@ def root_refusal(root: Path) -> str | None:
         return None
     except OSError as exc:
         return f"--disk-cache {root}: {exc.strerror}"
-    return _refusal(root, st)
-
-
-def _refusal(root: Path, st: os.stat_result) -> str | None:
-    """``root_refusal`` of the directory ``st`` describes."""
     mode = stat.S_IMODE(st.st_mode)
     if not stat.S_ISDIR(st.st_mode):
         return f"--disk-cache {root}: not a directory"
