@@ -52,12 +52,18 @@ def default_store_dir(source: str | os.PathLike[str]) -> Path:
     return cache_home() / key
 
 
-def connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Connection:
+def check_utf8(path: str | os.PathLike[str], what: str = "the path") -> None:
+    """CatalogError where ``path`` (``what`` it is, for the message) is not UTF-8: SQLite takes a file's name as
+    UTF-8 text, and one of other bytes ended in a UnicodeEncodeError traceback."""
     try:
         os.fsdecode(os.path.abspath(path)).encode()
-    except UnicodeEncodeError:  # SQLite takes a file's name as UTF-8 text: a traceback from the quoting below
-        raise CatalogError(f"{os.fsdecode(path)!r}: the path is not UTF-8, which SQLite cannot open; give the "
-                           "store through a link of a UTF-8 name") from None
+    except UnicodeEncodeError:
+        raise CatalogError(f"{os.fsdecode(path)!r}: {what} is not UTF-8, which SQLite cannot open; give the store "
+                           "through a link of a UTF-8 name") from None
+
+
+def connect(path: Path, readonly: bool, immutable: bool = False) -> sqlite3.Connection:
+    check_utf8(path)
     if readonly:
         # The path is quoted into the URI: a '#', '?' or '%' in --store would otherwise name another file.
         # immutable: SQLite takes no lock and reads no change counter per query (half a lookup's 14 us, and a read

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
-from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, default_store_dir
+from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, check_utf8, default_store_dir
 from ...catalog.identity import file_version, stored_ns
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
@@ -151,14 +151,9 @@ class LocalStore:
     def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
         """Local directories as the user gave them (the store defaulting to this user's cache directory for the
         source)."""
-        store_dir = None if store is None else Path(store).absolute()
-        if store_dir is not None:
-            try:
-                str(store_dir).encode()
-            except UnicodeEncodeError:  # SQLite takes a catalog's name as UTF-8 text: a traceback at its open
-                raise CatalogError(f"{store!r}: the store's path is not UTF-8, which SQLite cannot open; give it "
-                                   "through a link of a UTF-8 name") from None
-        return cls(Path(source).absolute(), store_dir)
+        if store is not None:
+            check_utf8(store, "the store's path")  # before anything is made there (``connect`` checks it again)
+        return cls(Path(source).absolute(), None if store is None else Path(store).absolute())
 
     @classmethod
     def prepared(cls, store: str | os.PathLike[str]) -> LocalStore:
