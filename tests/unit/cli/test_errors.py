@@ -26,6 +26,7 @@ from liquidfs.daemon import control
 from liquidfs.daemon.config import MountConfig, MountError
 from liquidfs.daemon.spawn import spawn_daemon
 from liquidfs.catalog.catalog import CATALOG_NAME, default_store_dir
+from deployhelpers import force_unmount
 from sample import make_sample
 
 NOBODY = 65534
@@ -230,7 +231,10 @@ def test_a_store_and_a_source_that_contain_each_other_are_refused(run: Run, tmp_
     argv = ["prepare", str(source), "--store", str(tmp_path / "link"), "--ratio", "0.5", "--no-progress"] \
         if command == "prepare" else ["mount", str(source), str(tmp_path / "mnt"), "--store", str(tmp_path / "link")]
     (tmp_path / "mnt").mkdir()
-    err = _one_line(*run(*argv))
+    try:
+        err = _one_line(*run(*argv))
+    finally:
+        force_unmount(tmp_path / "mnt")  # (a mount made where it should have been refused: not left behind)
     assert "must not contain each other" in err, err
     assert sorted(p.name for p in top.rglob("*")) == ["inner"]  # nothing written in either
 
