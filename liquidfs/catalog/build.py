@@ -22,6 +22,7 @@ from ..sysio.cgroups import usable_cores
 from ..sysio.locks import HeldLock, abandoned, unique
 from ..sysio.paths import MountsBelow, open_dir_below
 from ..sysio.progress import Progress
+from ..sysio.short import SHORT_OF_RESOURCES
 from . import listings
 from .catalog import CATALOG_NAME, Catalog, connect
 from .identity import INT64_MAX, file_version, stored_ns
@@ -417,8 +418,7 @@ def _mounts_below(root: bytes, closing: contextlib.ExitStack) -> MountsBelow | N
 #: Errors of a directory's listing that may pass (a flaky disk or server, descriptors or memory short, a directory
 #: replaced while scanned): a catalog with one is scanned again at its next use. Others (EACCES, EXDEV for another
 #: filesystem inside the source, ELOOP) would fail every scan the same way: each would be a whole rescan for none.
-_PASSING = frozenset({errno.EIO, errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR, errno.EAGAIN, errno.ESTALE,
-                      errno.ETIMEDOUT})
+_PASSING = SHORT_OF_RESOURCES | {errno.EIO, errno.EINTR, errno.EAGAIN, errno.ESTALE, errno.ETIMEDOUT}
 
 
 def _listing(root: bytes, root_fd: int, rel_dir: bytes,

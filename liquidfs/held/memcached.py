@@ -17,7 +17,6 @@ so mounts of two versions agree on where each object is.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -30,6 +29,8 @@ from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from pymemcache.client.rendezvous import RendezvousHash
+
+from ..sysio.short import short_of_resources
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +345,7 @@ class MemcachedWire:
                     # stores out, so nothing would overwrite them). Nor does it clear the peer's failures: calls
                     # that time out between such values still leave it out. Its connection goes: the body unread.
                     raise
-                if isinstance(exc, OSError) and exc.errno in _THIS_NODE_SHORT:
+                if short_of_resources(exc):
                     raise PeerError(f"{peer.name}: {exc}") from exc  # this node's want, not the peer's fault
                 peer.failed(self.clock(), str(exc))
                 if isinstance(exc, PeerError):
@@ -366,10 +367,6 @@ class MemcachedWire:
                 peer.answered()
                 peer.give_back(sock)
             return result
-
-
-#: Errors of a call that say this node is short (descriptors, memory), not that the memcached failed.
-_THIS_NODE_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 #: Every wire of this process, for ``_close_inherited``.

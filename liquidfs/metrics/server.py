@@ -57,13 +57,12 @@ from typing import Any
 
 import trio
 
+from ..sysio.short import short_of_resources
 from ..sysio.thread_names import METRICS, name_this_thread
 from .defs import prometheus_text
 
 log = logging.getLogger(__name__)
 
-# What accept() fails with when the process or the system is out of descriptors or memory: wait, then go on.
-_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 # What it fails with for the one connection it was accepting (reset, refused by a firewall): go on at once.
 # trio's SocketListener, which served this before, ignored the same ones.
 _ACCEPT_IGNORED_ERRNOS = {getattr(errno, name) for name in (
@@ -273,7 +272,7 @@ class MetricsServer:
                     accepted = self._accept_one(selector)
                 except OSError as exc:
                     self._give_back_slot()
-                    if exc.errno not in _ACCEPT_CAPACITY_ERRNOS:
+                    if not short_of_resources(exc):  # out of descriptors or memory: wait, then go on
                         raise
                     log.warning("metrics: accept failed (%s); trying again in 100 ms", exc)
                     with self._changed:

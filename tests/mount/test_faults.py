@@ -202,6 +202,41 @@ def test_raw_object_vanishes_or_shrinks_after_being_served(faulty: Faulty, tmp_p
     assert len(log_lines(s.store, os.fsdecode(shrunk.path), "serving the original")) == 1
 
 
+@pytest.mark.parametrize("data_path", ["passthrough", "daemon"])
+def test_raw_object_open_out_of_files_fails_that_open_only(faulty: Faulty, tmp_path: Path, mounter: Mount,
+                                                           data_path: str) -> None:
+    """An open of a raw object that fails for want of descriptors (ENFILE, EMFILE) says nothing about the object:
+    that open fails with the errno, the file is not served as its original (no fallback counted, no warning), and
+    an open still reading the object goes on reading it (served as the original, the failed open would have
+    superseded it: its further reads failing)."""
+    s = serve_through(faulty, tmp_path, mounter, "--data-path", data_path)
+    held, cold = s.raw[0], s.raw[1]
+    raws = {n.id: s.expected(n)[1] for n in (held, cold)}
+    fd = os.open(s.mnt / os.fsdecode(held.path), os.O_RDONLY)
+    try:
+        head = os.pread(fd, 1000, 0)
+        faulty.set(fail_open=[os.fsdecode(n.object) for n in (held, cold)], open_errno="ENFILE")
+        # (passthrough: the open file's backing serves its inode's further opens, storage is not asked again)
+        failing = [cold, cold] + ([held] if data_path == "daemon" else [])
+        for node in failing:
+            with pytest.raises(OSError) as info:
+                (s.mnt / os.fsdecode(node.path)).read_bytes()
+            assert info.value.errno == errno.ENFILE, node.path
+        rest = b""
+        while chunk := os.pread(fd, 1 << 16, len(head) + len(rest)):
+            rest += chunk
+        assert head + rest == raws[held.id]
+    finally:
+        os.close(fd)
+    faulty.set()
+    for node in (held, cold):
+        assert (s.mnt / os.fsdecode(node.path)).read_bytes() == raws[node.id]
+    values = stats(s.mnt)
+    assert values["fallbacks"] == 0 and values["errors"] == len(failing) and values["data_path"] == data_path
+    for node in (held, cold):
+        assert not log_lines(s.store, os.fsdecode(node.path), "serving the original")
+
+
 def test_source_eio_or_deleted_fails_that_file_only(faulty: Faulty, tmp_path: Path, mounter: Mount) -> None:
     s = serve_through(faulty, tmp_path, mounter)
     pid = daemon_pid(s.mnt)

@@ -13,6 +13,8 @@ faults on and off while the mount runs:
 * ``hang``: reads block until the rule is removed: a server that stopped answering (the request stays in the
   kernel, so the reading thread cannot be interrupted, exactly like NFS hard mounts).
 * ``hang_open``: opens block the same way: a cold open of a file whose server stopped answering.
+* ``fail_open``: opens fail with ``open_errno`` (a name, ``"ENFILE"``: the system out of open files; EIO unless
+  given).
 
 Device-mapper (a linear + error table over a loop device) would be the classic way to get EIO, but it is not in
 every kernel (not in this CI's), and it cannot hang. This is a test helper, not part of liquidfs.
@@ -128,6 +130,8 @@ class FaultFS(pyfuse3.Operations):
             raise FUSEError(errno.EROFS)
         while self._matches("hang_open", self.paths.get(inode, b"")):
             await trio.sleep(0.05)
+        if self._matches("fail_open", self.paths.get(inode, b"")):
+            raise FUSEError(getattr(errno, str(self.rules().get("open_errno", "EIO"))))
         try:
             fd = os.open(self._real(inode), os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:

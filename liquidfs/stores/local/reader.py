@@ -25,6 +25,7 @@ from ...sysio.paths import (
     renamed_only_by_its_writer,
     stat_below,
 )
+from ...sysio.short import short_of_resources
 from ..reader import (
     OBJECT_NAME,
     UNTRUSTED_REASON,
@@ -223,6 +224,11 @@ class StoreReader:
         except FileNotFoundError:
             return "raw object missing"
         except OSError as exc:
+            if short_of_resources(exc):
+                # The daemon or the node out of descriptors or memory: the object may be sound. Served as its
+                # original, the open would supersede every open still reading the object (``datapath.daemon``)
+                # and count a fallback for a file nothing is wrong with: this open fails with that errno instead.
+                raise
             return f"raw object unreadable ({exc.strerror})"
         if not self.may_serve(node, ost):
             os.close(obj)
@@ -314,6 +320,8 @@ class StoreReader:
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:
+            if short_of_resources(exc):  # (no buffer for it: as at its open, ``_raw_choice``)
+                raise
             return f"raw object unreadable ({exc.strerror})", None
         try:
             problem = check_raw(node, data, sealed=sealed and self.object_sealed(node, os.fstat(fd)))

@@ -119,6 +119,30 @@ def test_a_raw_object_larger_than_any_prepare_writes_is_never_read(tmp_path: Pat
     assert asked and max(asked) < WHOLE_FILE_LIMIT
 
 
+@pytest.mark.parametrize("code", [errno.EIO, errno.ENOMEM])
+def test_a_raw_object_read_failing_for_want_of_memory_fails_the_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   code: int) -> None:
+    """A medium error (EIO) reading the object serves the original; one that says the daemon is short (ENOMEM,
+    ``sysio.short``) says nothing about the object: the open fails with it, never a fallback for a sound file."""
+    src, store, node = _prepared(tmp_path, 9)
+    real = local_reader_module.read_span
+
+    def failing(fd: int, start: int, end: int, **kwargs: object) -> memoryview:
+        if end - start == node.served_size:  # the object's read
+            raise OSError(code, os.strerror(code))
+        return real(fd, start, end, **kwargs)
+
+    monkeypatch.setattr(local_reader_module, "read_span", failing)
+    if code == errno.EIO:
+        raw, fallback, data = _opened(store, node.id)
+        assert not raw and "raw object unreadable" in str(fallback)
+        assert data == (src / os.fsdecode(node.path)).read_bytes()
+    else:
+        with pytest.raises(OSError) as failed:
+            _opened(store, node.id)
+        assert failed.value.errno == code
+
+
 @pytest.mark.parametrize("column", ["object", "served_size"])
 def test_a_raw_row_without_its_object_or_its_size_serves_the_original(tmp_path: Path, column: str) -> None:
     """A damaged or foreign row: an assertion made it an EIO (and a traceback in the log); the original is served."""
