@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..daemon.config import (MAX_READAHEAD_KB, MAX_THREADS, MIN_SECONDS, OWN_FUSE_OPTIONS, Amount, MountConfig,
-                             Share)
+                             Share, one_loop_only)
 from ..mix.modes import MIX_MODES
 
 if TYPE_CHECKING:
@@ -277,14 +277,10 @@ def _loops(args: argparse.Namespace) -> int:
     from ..datapath.shared_inodes import MAX_LOOPS
     from ..sysio.cgroups import usable_cores
 
-    cache_flag = "--cache-size" if os.environ.get("LIQUIDFS_CACHE_SIZE") != args.cache_size else \
-        "--cache-size (from $LIQUIDFS_CACHE_SIZE)"  # a flag the user never typed is named by where it came from
-    clashes = [flag for flag, given in ((cache_flag, args.cache_size), ("--disk-cache", args.disk_cache),
-                                        ("--cluster", args.cluster), ("--mix adaptive", args.mix == "adaptive"),
-                                        ("--warmup", args.warmup and args.cache_size is not None),
-                                        ("--data-path daemon", args.data_path == "daemon"),
-                                        ("--page-cache direct", args.page_cache == "direct"),
-                                        ("--verify-reads", args.verify_reads)) if given]
+    clashes = one_loop_only(args)
+    if os.environ.get("LIQUIDFS_CACHE_SIZE") == args.cache_size and "--cache-size" in clashes:
+        # a flag the user never typed is named by where it came from
+        clashes[clashes.index("--cache-size")] = "--cache-size (from $LIQUIDFS_CACHE_SIZE)"
     if args.loops == "auto":
         return 1 if clashes else max(1, min(AUTO_LOOPS, usable_cores() // CORES_PER_LOOP))
     if not 1 <= args.loops <= MAX_LOOPS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,27 @@ from ..mix.modes import MIX_MODES, STEER_INTERVAL
 
 class MountError(Exception):
     """A mount that cannot be made; the message is for the user."""
+
+
+#: What only one loop can hold or decide across opens (``mount --loops``: each loop has its own memory), as
+#: ``mount``'s flag, and whether a mount's settings ask for it: the command's parsed arguments or a
+#: ``MountConfig``, whose fields have the same names. The command refuses several loops with any of them, and the
+#: daemon a config that has them (``MountConfig.check``); "auto" picks one loop.
+ONE_LOOP_ONLY: tuple[tuple[str, Callable[[Any], bool]], ...] = (
+    ("--cache-size", lambda s: s.cache_size is not None),
+    ("--disk-cache", lambda s: s.disk_cache is not None),
+    ("--cluster", lambda s: s.cluster is not None),
+    ("--mix adaptive", lambda s: s.mix == "adaptive"),
+    ("--warmup", lambda s: bool(s.warmup) and s.cache_size is not None),  # (dropped without a cache to warm)
+    ("--data-path daemon", lambda s: s.data_path == "daemon"),
+    ("--page-cache direct", lambda s: s.page_cache == "direct"),
+    ("--verify-reads", lambda s: bool(s.verify_reads)),
+)
+
+
+def one_loop_only(settings: Any) -> list[str]:
+    """The flags of ``ONE_LOOP_ONLY`` that ``settings`` ask for."""
+    return [flag for flag, asks in ONE_LOOP_ONLY if asks(settings)]
 
 
 @dataclass(frozen=True)
@@ -142,10 +164,9 @@ class MountConfig:
             raise ValueError("a mount config io_timeout or mix_interval under the shortest a mount takes")
         if not self.mountpoint.is_absolute():
             raise ValueError("a mount config whose mount point is not absolute")
-        if self.loops > 1 and (self.cache_size is not None or self.disk_cache is not None or self.cluster is not None
-                               or self.mix == "adaptive" or self.warmup or self.data_path == "daemon"
-                               or self.page_cache == "direct" or self.verify_reads):
-            raise ValueError("a mount config of several loops with what one loop must hold or decide")
+        if self.loops > 1 and one_loop_only(self):
+            raise ValueError(f"a mount config of several loops with what one loop must hold or decide "
+                             f"({', '.join(one_loop_only(self))})")
 
 
 def _encode(value: object) -> Any:

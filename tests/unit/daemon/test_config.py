@@ -109,9 +109,13 @@ def test_loops_reach_the_config_and_refuse_what_one_loop_must_hold(key_file: Pat
     assert config.loops == 3 and MountConfig.from_json(config.to_json()) == config
     with pytest.raises(options.OptionError) as refused:
         options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file), "--loops", "3"]), STORAGE)
+    # the daemon refuses the same in a config written by hand, and names them alike
+    one = options.mount_config(_parse([*NON_DEFAULT, "--cluster-key-file", str(key_file), "--loops", "1"]), STORAGE)
+    with pytest.raises(ValueError) as refused_config:
+        MountConfig.from_json(json.dumps({**json.loads(one.to_json()), "loops": 3}))
     for flag in ("--cache-size", "--disk-cache", "--cluster", "--warmup", "--data-path daemon",
                  "--verify-reads"):
-        assert flag in str(refused.value)
+        assert flag in str(refused.value) and flag in str(refused_config.value)
     assert "--mix" not in str(refused.value)  # a fixed share (NON_DEFAULT's 0.25) is the same in every loop
     with pytest.raises(options.OptionError, match="--mix adaptive"):
         options.mount_config(_parse(["--mix", "adaptive", "--loops", "3"]), STORAGE)
