@@ -72,7 +72,10 @@ def test_helper_is_executable_posix_sh():
      ["--mix", "adaptive", "--loops", "4", "--data-path", "passthrough", "--page-cache", "keep", "--disk-cache",
       "/d", "--disk-cache-size", "10G"]),
     (["-o", "cluster=memcached://h:11211,cluster_size=5G,verify_reads,no_lookahead"],
-     ["--cluster", "memcached://h:11211", "--cluster-size", "5G", "--verify-reads", "--no-lookahead"]),
+     ["--cluster-size", "5G", "--verify-reads", "--no-lookahead", "--cluster", "memcached://h:11211"]),
+    # several memcacheds: a comma ends an fstab option, so one cluster= each, gathered into one --cluster
+    (["-o", "cluster=memcached://a:11211,cluster=memcached://[fd00::2]:11212", "-o", "cluster=memcached://c"],
+     ["--cluster", "memcached://a:11211,[fd00::2]:11212,c"]),
     (["-o", "time_requests"], ["--time-requests"]),
     (["-ostore=/with space/x,,ro"], ["--store", "/with space/x"]),                       # attached -oOPTS
     (["-s", "-n", "-t", "fuse.liquidfs", "-o", "allow_other"], ["--allow-other"]),        # flags mount(8) passes
@@ -117,6 +120,8 @@ def test_helper_fake_and_verbose(fake_liquidfs):
     (["/src", "/mnt/x", "/extra"], "unexpected argument"),
     (["/src", "/mnt/x", "-N", "/proc/1/ns/mnt"], "not supported"),
     (["/src", "/mnt/x", "-o", "store="], "needs a value"),
+    (["/src", "/mnt/x", "-o", "cluster=a:11211"], "one memcached per cluster= option"),
+    (["/src", "/mnt/x", "-o", "cluster=memcached://"], "one memcached per cluster= option"),
     (["/src", "/mnt/x", "-q"], "unknown flag"),
     (["/src", "/mnt/x", "-o"], "usage"),
 ])
