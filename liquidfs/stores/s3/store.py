@@ -67,11 +67,19 @@ def bucket_pair(source: str, store: str | None) -> tuple[S3Url, S3Url]:
     if not store or not is_url(store):
         raise CatalogError(f"an s3:// source needs --store s3://BUCKET/PREFIX for its catalog and raw objects "
                            f"(got {store or 'none'})")
-    src, dst = S3Url.parse(source), S3Url.parse(store)
+    src, dst = _parsed(source), _parsed(store)
     if dst in src or src in dst:
         raise CatalogError(f"the store {dst} and the source {src} must not contain each other "
                            "(a store's objects would show in the source's listing)")
     return src, dst
+
+
+def _parsed(text: str) -> S3Url:
+    """``text`` as an s3:// URL; CatalogError (a message, not a traceback) where it is none (``s3:///x``)."""
+    try:
+        return S3Url.parse(text)
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
 
 
 #: The private directory of a prepare under the node's work directory (``BucketStore.preparing``).
@@ -97,43 +105,72 @@ class NoRoomForCatalog(CatalogError):
     """The store's catalog would not fit where this node keeps its copy."""
 
 
-def _room_for(store: S3Url, answer: dict[str, Any], where: Path) -> None:
-    """CatalogError where the catalog a HEAD describes (``answer``) would not fit in ``where``'s filesystem with
-    room to spare: whatever size a store's object says (a broken or hostile store's), never a download that fills
-    the node's disk, at every mount."""
+def _room_for(store: S3Url, answer: dict[str, Any], where: Path) -> int:
+    """The size of the catalog a HEAD describes (``answer``); CatalogError where it would not fit in ``where``'s
+    filesystem with room to spare: whatever size a store's object says (a broken or hostile store's), never a
+    download that fills the node's disk, at every mount."""
     size = answer.get("ContentLength")
-    if not isinstance(size, int) or size < 0:
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise CatalogError(f"the catalog of {store} has no size an object can have ({size!r})")
     free = shutil.disk_usage(where).free
     if size + CATALOG_SPARE_BYTES > free:
         raise NoRoomForCatalog(f"the catalog of {store} is {size} bytes, and {where} has {free} bytes free: not "
                            "downloaded (free some space there, or check the store)")
+    return size
+
+
+def _catalog_etag(store: S3Url, answer: dict[str, Any]) -> str:
+    """The ETag of the store's catalog as a HEAD answered it; CatalogError where it has none (an endpoint or a
+    proxy that drops the header: a KeyError's traceback, at every mount). Without one, nothing tells a copy of
+    this catalog from one of the next."""
+    etag = answer.get("ETag")
+    if not isinstance(etag, str) or not etag.strip().strip('"'):
+        raise CatalogError(f"the object store answered no ETag for the catalog of {store} ({etag!r}): its copy "
+                           "cannot be told from another (check the endpoint, or a proxy before it)")
+    return etag
+
+
+#: The catalog is downloaded in ranged GETs of this many bytes, one in memory at a time.
+CATALOG_PART = 32 << 20
+
+
+def _download(client: Any, bucket: str, key: str, etag: str, size: int, dest: Path) -> None:
+    """The object ``key`` of ``size`` bytes and ETag ``etag`` into the new file ``dest`` (this user's alone), in
+    parts (``CATALOG_PART``), each checked against its question: the ETag (If-Match: 412 where the object
+    changed), the range, the total and the body's length (``client.get``). No byte past ``size`` is written:
+    the SDK's download wrote whatever body came (a store or a proxy that sends more than its HEAD said filled
+    the node's disk), and its ranged GETs went without If-Match."""
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        for start in range(0, size, CATALOG_PART):
+            out.write(get(client, bucket, key, if_match=etag, start=start, length=min(CATALOG_PART, size - start),
+                          size=size))
 
 
 def _fetch_catalog(client: Any, store: S3Url, dest: Path, found: dict[str, Any]) -> str:
-    """The store's catalog, whose ETag a HEAD said was ``etag``, into ``dest``; the ETag of what was downloaded.
-    A catalog over 8 MB comes in ranged GETs, which an older s3transfer sends without If-Match: one published
-    meanwhile would give a copy of old and new pages, then taken for ``etag``'s until the next publish. So the
-    ETag is asked again once the copy is whole: another means the catalog changed during the download, which is
-    made again (twice at most)."""
+    """The store's catalog, which a HEAD described (``found``: its ETag and size), into ``dest``; the ETag of
+    what was downloaded. Every part of it is asked for with that ETag: one published meanwhile fails the part
+    (a copy of old and new pages would be taken for the first's), and is downloaded again (twice at most)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     key = store.key(CATALOG_NAME)
-    etag = str(found["ETag"])
     for _ in range(3):
-        _room_for(store, found, dest.parent)
+        etag = _catalog_etag(store, found)
+        size = _room_for(store, found, dest.parent)
         tmp = dest.with_name(f"{dest.name}.{unique('part-')}")
         try:
-            client.download_file(store.bucket, key, str(tmp))
-            after = head(client, store.bucket, key)
-            if after is not None and str(after["ETag"]) == etag:
-                os.replace(tmp, dest)
-                return etag
+            _download(client, store.bucket, key, etag, size, tmp)
+            os.replace(tmp, dest)
+            return etag
+        except Exception as exc:
+            if error_code(exc) not in ("PreconditionFailed", "412"):
+                raise
         finally:
             tmp.unlink(missing_ok=True)
+        after = head(client, store.bucket, key)
         if after is None:
             break  # deleted meanwhile: no catalog to download
         log.info("the catalog of %s changed while it was downloaded: again", store)
-        found, etag = after, str(after["ETag"])
+        found = after
     raise CatalogError(f"the catalog of {store} changed during each of three downloads (prepare publishing?): "
                        "mount again once it is published")
 
@@ -146,7 +183,7 @@ def local_catalog(source: str, store: str | None, *, refresh: bool = False, prog
     local = work_dir(dst, client)
     have = (local / CATALOG_ETAG).read_text().strip() if (local / CATALOG_ETAG).exists() else None
     found = head(client, dst.bucket, dst.key(CATALOG_NAME))
-    current = str(found["ETag"]) if found else "none"
+    current = _catalog_etag(dst, found) if found else "none"
     if refresh or current != have or not (local / CATALOG_NAME).exists():
         if found is not None:
             log.info("downloading the catalog of %s", dst)
@@ -178,7 +215,7 @@ def publish_catalog(client: Any, store: S3Url, local: Path) -> None:
     """Upload the local catalog as the store's: the moment every node's next mount sees the new selection."""
     upload_file(client, local / CATALOG_NAME, store.bucket, store.key(CATALOG_NAME))
     found = head(client, store.bucket, store.key(CATALOG_NAME))
-    (local / CATALOG_ETAG).write_text(f"{found['ETag'] if found else 'none'}\n")
+    (local / CATALOG_ETAG).write_text(f"{_catalog_etag(store, found) if found else 'none'}\n")
 
 
 # -- prepare into a bucket ---------------------------------------------------------------------------------
@@ -296,13 +333,18 @@ class BucketStore:
     @classmethod
     def prepared(cls, store: str | os.PathLike[str]) -> BucketStore:
         """The store at ``store``, its source read from the catalog prepare left there."""
-        found = cls(S3Url.parse(str(store)), S3Url.parse(str(store)))
+        given = _parsed(str(store))
+        found = cls(given, given)
         verify_dir = found._verify_copy()
         catalog = Catalog.open(verify_dir, readonly=True)
         try:
-            found.source = S3Url.parse(str(catalog.meta("source")))
+            source = catalog.meta("source")
         finally:
             catalog.close()
+        # Whoever may write the store wrote what its catalog says the source is: checked as the user's would be.
+        if not isinstance(source, str) or not is_url(source):
+            raise CatalogError(f"the catalog of {given} names no s3:// source ({str(source)[:200]!r})")
+        found.source = bucket_pair(source, str(given))[0]
         found._verify_dir = verify_dir
         return found
 

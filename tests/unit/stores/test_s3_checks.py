@@ -605,25 +605,29 @@ def test_a_cluster_miss_asks_the_bucket_once(s3: FakeS3, tmp_path: Any, disk: bo
 
 class _Publishing(FakeS3):
     """A store whose catalog is published anew during the first ``times`` downloads of it (a prepare finishing
-    while a mount downloads): what each download gets is torn, old pages and new."""
+    while a mount downloads): right after the first part of each is answered."""
 
     def __init__(self, times: int) -> None:
         super().__init__()
         self.times = times
         self.downloads = 0
 
-    def download_file(self, bucket: str, key: str, path: str) -> None:
-        self.downloads += 1
-        old = self.objects[key]
-        if self.downloads <= self.times:
-            self.objects[key] = bytes(reversed(old))  # published meanwhile
-        Path(path).write_bytes(old[: len(old) // 2] + self.objects[key][len(old) // 2:])
+    def get_object(self, **kwargs: Any) -> Answer:
+        answer = super().get_object(**kwargs)
+        key = kwargs["Key"]
+        if key.endswith("catalog.sqlite") and str(kwargs.get("Range", "")).startswith("bytes=0-"):
+            self.downloads += 1
+            if self.downloads <= self.times:
+                self.objects[key] = bytes(reversed(self.objects[key]))  # published meanwhile
+        return answer
 
 
 @pytest.mark.parametrize("times", [0, 1, 3])
-def test_a_catalog_published_during_its_download_is_downloaded_again(tmp_path: Path, times: int) -> None:
-    """The copy is kept only where the store's catalog is the same once the copy is whole, and its ETag is the
-    copy's; one that changed during every download is an error, not a torn copy taken for the store's."""
+def test_a_catalog_published_during_its_download_is_downloaded_again(tmp_path: Path, times: int,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is kept only where every part of it is the catalog the HEAD named, and its ETag is the copy's;
+    one that changed during every download is an error, not a torn copy taken for the store's."""
+    monkeypatch.setattr(bucket_store, "CATALOG_PART", 64)  # 200 bytes: four parts
     s3 = _Publishing(times)
     store = S3Url.parse(f"s3://{BUCKET}/store")
     s3.objects[store.key("catalog.sqlite")] = bytes(range(200))
@@ -689,6 +693,59 @@ def test_a_catalog_larger_than_the_room_left_is_not_downloaded(tmp_path: Path, m
     assert s3.downloads == 0 and not dest.exists()
     monkeypatch.setattr(bucket_store, "CATALOG_SPARE_BYTES", 800)
     assert bucket_store.download_catalog(s3, store, dest) and dest.read_bytes() == bytes(range(200))
+
+
+class _Lying(FakeS3):
+    """A store (or a proxy before it) whose HEAD of the catalog says another size than its GETs do (taken as a
+    catalog published meanwhile, every time), or no ETag."""
+
+    def __init__(self, said: int | None, etag: bool = True) -> None:
+        super().__init__()
+        self.said, self.etag = said, etag
+
+    def head_object(self, **kwargs: Any) -> Answer:
+        answer = super().head_object(**kwargs)
+        if self.said is not None:
+            answer["ContentLength"] = self.said
+        if not self.etag:
+            del answer["ETag"]
+        return answer
+
+
+def test_a_catalog_longer_than_its_head_said_or_without_an_etag_is_not_downloaded(tmp_path: Path) -> None:
+    """The SDK's download wrote whatever body came (50 MB where the HEAD said 1,000 bytes filled the node's disk
+    at every mount), and an answer without an ETag was a KeyError's traceback. Neither leaves a file behind."""
+    store = S3Url.parse(f"s3://{BUCKET}/store")
+    dest = tmp_path / "catalog.sqlite"
+    longer = _Lying(None)
+    longer.spoil = lambda answer, whole, first: _body(answer, answer["Body"].read() + b"x" * (50 << 20))
+    for s3, error in ((longer, AnswerMismatch), (_Lying(100), CatalogError), (_Lying(None, etag=False), CatalogError)):
+        s3.objects[store.key("catalog.sqlite")] = bytes(range(200))
+        with pytest.raises(error):
+            bucket_store.download_catalog(s3, store, dest)
+        assert list(tmp_path.iterdir()) == []
+    honest = _Lying(None)
+    honest.objects[store.key("catalog.sqlite")] = bytes(range(200))
+    assert bucket_store.download_catalog(honest, store, dest) and dest.read_bytes() == bytes(range(200))
+    assert dest.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("source", ["s3:///nobucket", "/data/local", None, "s3://b/store/inside"])
+def test_a_url_or_a_catalog_source_that_is_no_bucket_is_a_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 source: str | None) -> None:
+    """``s3:///x`` as the user's source, or a bucket catalog whose source is none or inside its store: a
+    ValueError's traceback out of prepare, mount and verify."""
+    if source == "s3:///nobucket":
+        with pytest.raises(CatalogError, match="no bucket"):
+            bucket_store.BucketStore.given(source, "s3://b/store")
+        return
+    from liquidfs.catalog.build import build_from_objects
+
+    made = tmp_path / "made"
+    build_from_objects(iter([("a.png", 3, '"e"', 0)]), made, str(source))
+    monkeypatch.setattr(bucket_store.BucketStore, "_verify_copy", lambda self: made)
+    with pytest.raises(CatalogError, match="names no s3:// source|must not contain each other"):
+        bucket_store.BucketStore.prepared("s3://b/store")
 
 
 def test_a_mount_whose_new_catalog_has_no_room_uses_the_copy_it_has(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
