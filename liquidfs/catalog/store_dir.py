@@ -52,6 +52,28 @@ def refusal(store: Path, *, writing: bool) -> str | None:
     return _above_refusal(store, st) if writing else None
 
 
+def making_refusal(path: Path) -> str | None:
+    """Why this process may not make ``path`` (missing) and the levels missing above it, or None: the deepest
+    level there is belongs to someone else than root and this user, or they may write it (unless it is sticky:
+    what this process makes there stays its own), or may move it or one above it (``_above_refusal``). Asked
+    before anything is made: where it leads through a link that someone else may point elsewhere, root would
+    make directories, and change modes, where they chose."""
+    existing = next(p for p in Path(os.path.abspath(path)).parents if os.path.lexists(p))
+    try:
+        st = os.stat(existing)
+    except OSError as exc:
+        return f"{path}: {existing}: {exc.strerror}: cannot tell who may make names in it"
+    mode = stat.S_IMODE(st.st_mode)
+    if st.st_uid not in (0, os.geteuid()):
+        why = f"{existing} is owned by uid {st.st_uid}"
+    elif mode & 0o022 and not mode & stat.S_ISVTX:
+        why = f"group or others may write {existing} (mode {mode:o})"
+    else:
+        return _above_refusal(existing, st)
+    return (f"{path}: {why}, who may put a link where this process (uid {os.geteuid()}) would make it: not made; "
+            "put it where only root and this user may write (XDG_CACHE_HOME)")
+
+
 def _above_refusal(store: Path, st: os.stat_result) -> str | None:
     """Why the directories above ``store`` (``st``) let someone else than root and this user move it away and
     put a directory of theirs at its name, between a check of it and the names SQLite opens there: one that

@@ -16,6 +16,7 @@ import io
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,7 +118,8 @@ def work_dir(store: S3Url, client: Any) -> Path:
     Keyed by the client's endpoint and the store, so two stores never share one; several mounts of one store on a
     node do (the catalog is replaced atomically and only read by mounts).
     """
-    from ...catalog.store_dir import check_store_dir
+    from ...catalog.schema import CatalogError
+    from ...catalog.store_dir import check_store_dir, making_refusal
     from ...sysio.home import cache_home
 
     key = hashlib.sha256(f"{client.meta.endpoint_url}\0{store}".encode()).hexdigest()[:16]
@@ -128,11 +130,18 @@ def work_dir(store: S3Url, client: Any) -> Path:
     # check below refuses). And root writes there by name: refused where another user could make names in it
     # or above it (a HOME that sudo kept).
     missing = [p for p in (path, *path.parents) if not p.exists()]
+    if os.geteuid() == 0 and missing:
+        # Before anything is made: where the levels there are (a HOME that sudo kept, an XDG_CACHE_HOME) are
+        # another user's to move or point elsewhere (~/.cache/liquidfs a link to /etc), root made its directories
+        # where they chose, and narrowed the mode of the directory they pointed at, before the check refused.
+        refused = making_refusal(path)
+        if refused is not None:
+            raise CatalogError(refused)
     for each in reversed(missing):
         each.mkdir(mode=0o700, exist_ok=True)
     for own in (path, path.parent):  # this store's directory, and liquidfs's (an older one's, the local store's)
-        st = own.stat()
-        if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        st = own.lstat()  # never a mode changed through a link: where it leads is not this directory
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
             own.chmod(0o700)
     if os.geteuid() == 0:  # (a user's own cache under a group-writable ~/.cache is theirs to keep so)
         check_store_dir(path, writing=True)

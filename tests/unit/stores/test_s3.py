@@ -163,6 +163,39 @@ def test_a_stores_work_directory_is_this_users_alone(monkeypatch: pytest.MonkeyP
         os.umask(previous)
 
 
+def test_root_makes_and_changes_nothing_through_another_users_link(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """A HOME that sudo kept, whose ~/.cache/liquidfs its user made a link to a directory of root's (/etc):
+    root narrowed that directory to 0700 (every other user locked out of it) and made s3-* in it before its
+    check refused. Now refused before anything is made; a cache below a sticky directory is still root's."""
+    if os.geteuid() != 0:
+        pytest.fail("root's checks are tested as root runs them") if os.environ.get("CI") else \
+            pytest.skip("needs root to give a directory away")
+    from types import SimpleNamespace
+
+    from liquidfs.catalog.schema import CatalogError
+    from liquidfs.stores.s3.client import S3Url, work_dir
+
+    client = SimpleNamespace(meta=SimpleNamespace(endpoint_url="http://s3.example"))
+    victim = tmp_path / "etc"
+    victim.mkdir()
+    victim.chmod(0o755)
+    cache = tmp_path / "home" / ".cache"
+    cache.mkdir(parents=True)
+    os.chown(cache, 1000, 1000)
+    (cache / "liquidfs").symlink_to(victim)
+    os.lchown(cache / "liquidfs", 1000, 1000)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    with pytest.raises(CatalogError, match="uid 1000"):
+        work_dir(S3Url("b", "store"), client)
+    assert victim.stat().st_mode & 0o777 == 0o755 and list(victim.iterdir()) == []
+    sticky = tmp_path / "tmp"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(sticky / "cache"))
+    assert work_dir(S3Url("b", "store"), client).parent == sticky / "cache" / "liquidfs"
+
+
 def test_verify_checks_only_rows_a_mount_would_read_the_object_of(tmp_path: Path) -> None:
     """A row without its object's size had a GET of any length read into a verify worker; one naming another
     image's object had that object checked. Each is its verdict unread: a mount serves the original."""
