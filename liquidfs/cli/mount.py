@@ -235,8 +235,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
             "--log-level", args.log_level if args.log_level != "warning" else "info",
             "--daemon-config", config.to_json()]
     spawn_daemon(argv, log_file, mountpoint=config.mountpoint)
-    print(f"liquidfs: {config.source} mounted on {config.mountpoint} ({time.monotonic() - started:.1f} s; "
-          f"log {log_file}); " + _data_path_said(config.mountpoint))
+    took = time.monotonic() - started
+    try:
+        said = _data_path_said(config.mountpoint)
+    except KeyboardInterrupt:  # (SIGTERM's too): the mount is made and serves; a script must not mount it again
+        said = "data path: see `liquidfs stats`"
+    print(f"liquidfs: {config.source} mounted on {config.mountpoint} ({took:.1f} s; log {log_file}); {said}")
     return 0
 
 

@@ -154,6 +154,8 @@ def _fuse_options(given: list[str]) -> tuple[str, ...]:
     for option in (o.strip() for opts in given for o in opts.split(",")):
         if not option or option in options:
             continue
+        if "\\" in option:  # libfuse's escape of a comma: what it would make of it is not what is checked here
+            raise OptionError(f"-o {option}: a FUSE option with a backslash is not taken")
         name = option.split("=", 1)[0]
         if name in OWN_FUSE_OPTIONS:
             raise OptionError(f"-o {option}: liquidfs sets it (a read-only mount of type fuse.liquidfs, which "

@@ -149,6 +149,10 @@ class MountConfig:
         every user without the check of each one's open against the source."""
         from ..datapath.shared_inodes import MAX_LOOPS
 
+        if any("," in option or "\\" in option for option in self.fuse_options):
+            # libfuse splits each on its commas (a backslash escapes one): "fsname=x,allow_other" opened the mount
+            # to every user past the check below. The command gives one option each.
+            raise ValueError("a mount config FUSE option holding a comma or a backslash: one option each")
         given = {option.split("=", 1)[0] for option in self.fuse_options} & {"allow_other", *OWN_FUSE_OPTIONS}
         if given:
             raise ValueError(f"FUSE options {sorted(given)} are liquidfs's own to set (allow_other is the "

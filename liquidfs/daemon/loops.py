@@ -80,6 +80,7 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
     # Held back across each fork: a stop signal that reached a child before it set its own handlers ran the first
     # loop's (``serve._note_stop``), which only notes it, and the child went on serving until SIGKILL.
     stops = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    first_loop = os.getpid()  # taken before the fork: in the child, getppid() is 1 already if it died meanwhile
     for index in range(1, config.loops):
         held = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
         try:
@@ -92,7 +93,7 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
         if pid == 0:  # pragma: no cover (a child: its coverage dies with it)
             status = 1
             try:
-                status = _child(index, device, config, store, mount, shared, pairs, held)
+                status = _child(index, device, config, store, mount, shared, pairs, held, first_loop)
             except BaseException:
                 log.exception("loop %d failed", index)
             finally:
@@ -108,7 +109,7 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
 
 def _child(index: int, device: int, config: MountConfig, store: Store, first: build.Mount,
            shared: SharedInodes, pairs: list[tuple[socket.socket, socket.socket]],
-           mask: set[int | signal.Signals]) -> int:
+           mask: set[int | signal.Signals], parent: int) -> int:
     _name_the_loop(index)
     # The first loop's own handlers (``serve._note_stop``) are not this one's: ``stop`` ends it with SIGTERM. A
     # terminal's Ctrl-C or hangup reaches the whole process group: the first loop decides (it unmounts and stops
@@ -117,7 +118,6 @@ def _child(index: int, device: int, config: MountConfig, store: Store, first: bu
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:

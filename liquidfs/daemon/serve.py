@@ -65,6 +65,10 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
     """Mount ``config`` over ``store`` (its catalog in ``store_dir``) and serve in this process until unmounted
     or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if ready_fd is not None:
+        # The mount command's pipe: not handed on to the other loops (--loops) or anything libfuse runs, which
+        # would hold it open past this daemon's word.
+        os.set_inheritable(ready_fd, False)
     with ExitStack() as stack:
         stack.callback(log.info, "unmounted %s", config.mountpoint)
         mount = build.mount(config, store, store_dir, stack)
@@ -128,7 +132,11 @@ def start_session(config: MountConfig, ops: Operations, stack: ExitStack) -> Non
         raise MountError(f"cannot mount {config.mountpoint}: {exc}") from exc
     stack.callback(pyfuse3.close, unmount=True)
     log.info("mounted %s on %s (pid %d)", config.source, config.mountpoint, os.getpid())
-    process = watchdog.start(os.getpid(), config.mountpoint, before)
+    try:
+        process = watchdog.start(os.getpid(), config.mountpoint, before)
+    except OSError as exc:  # (no mount(8) for fusectl, a pids limit): a helper, never a reason to unmount
+        log.warning("no watchdog for %s: it could not start (%s)", config.mountpoint, exc)
+        process = None
     if process is not None:
         stack.callback(process.wait)
         stack.callback(process.terminate)
@@ -200,7 +208,9 @@ async def _stop_on_signals() -> None:
 async def _signal_ready(config: MountConfig, ops: Operations, built: build.Parts,
                         ready_fd: int | None) -> None:
     # A stat of the control entry goes through the kernel to this very loop: once it answers, so does the mount.
-    await trio.to_thread.run_sync(os.stat, config.mountpoint / os.fsdecode(CONTROL_NAME))
+    # Abandoned where the loop ends first (a stop signal while it started): its request then waits in the kernel
+    # until the session closes, and a thread trio waited for held up the daemon's end, and the mount, for good.
+    await trio.to_thread.run_sync(os.stat, config.mountpoint / os.fsdecode(CONTROL_NAME), abandon_on_cancel=True)
     if not choose_data_path(config, ops, built):
         pyfuse3.terminate()
         return
@@ -208,8 +218,13 @@ async def _signal_ready(config: MountConfig, ops: Operations, built: build.Parts
         set_readahead(config.mountpoint, config.readahead_kb)
     log.info("mount answers")
     if ready_fd is not None:
-        os.write(ready_fd, b"ready\n")
-        os.close(ready_fd)
+        try:
+            os.write(ready_fd, b"ready\n")
+        except OSError as exc:  # the mount command is gone (killed): nobody to tell, and the mount serves on
+            log.warning("the mount command did not hear that the mount answers (%s): serving all the same",
+                        exc.strerror)
+        finally:
+            os.close(ready_fd)
     # After ready, not before: a dataset that takes longer to warm than the mount command waits (or a probe
     # allows) must not make a dead mount. Its progress is in stats (warmup, warmup_files, warmup_bytes).
     if config.warmup and ops.policy is not None:

@@ -96,11 +96,19 @@ def _wait_ready(proc: subprocess.Popen[bytes], read_end: int, log_fd: int, log_f
         raise MountError(f"the daemon {what}: stopped" + shown + left)
     # Killed outright once it had mounted (the OOM killer, a crash): its mount left dead, ENOTCONN to every reader.
     left = _said(_detach_left, mountpoint)
-    ended = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+    ended = (f"was killed by {_signal_name(-proc.returncode)}" if proc.returncode < 0
              else f"exited with status {proc.returncode}")
     status = f"the daemon {ended} before the mount answered" + shown + left
     reason = failure_reason(lines)
     raise MountError(f"{reason}\n{status}" if reason else status)
+
+
+def _signal_name(signum: int) -> str:
+    """SIGKILL, or "signal 40" for one Python has no name for (the real-time signals: a ValueError's traceback)."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def _said(clean_up: Callable[..., None], *args: object) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -475,3 +476,29 @@ def test_sigterm_ends_a_command_as_ctrl_c_does_and_nohup_keeps_sighup_ignored() 
         signal.signal(signal.SIGHUP, signal.SIG_DFL)
     with _terminated_raises("mount", daemon=True):  # a mount's daemon: its own handlers, none of these
         assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("signal_name", ["KeyboardInterrupt", "Terminated"])
+def test_a_mount_interrupted_once_its_daemon_said_ready_exits_0(restore_logging: None, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str],
+                                                              signal_name: str) -> None:
+    """Ctrl-C or SIGTERM while the command asked the new mount which data path it serves through (up to 10 s):
+    it exited 130 or 143 with the mount made and serving, and a script that mounted again got 'already mounted'."""
+    from liquidfs.cli.main import Terminated
+
+    src = make_sample(tmp_path / "data", count=2, width=32, height=16, seed=3)
+    (tmp_path / "mnt").mkdir()
+    spawned: list[list[str]] = []
+    from liquidfs.daemon import spawn
+
+    monkeypatch.setattr(spawn, "spawn_daemon", lambda argv, log_file, mountpoint: spawned.append(argv))
+
+    def interrupted(mountpoint: Path) -> str:
+        raise Terminated(signal.SIGTERM) if signal_name == "Terminated" else KeyboardInterrupt()
+
+    monkeypatch.setattr(cli_mount, "_data_path_said", interrupted)
+    status = cli.main(["mount", str(src), str(tmp_path / "mnt"), "--store", str(tmp_path / "store")])
+    out = capsys.readouterr()
+    assert status == 0 and len(spawned) == 1, out.err
+    assert f"mounted on {tmp_path / 'mnt'}" in out.out and "data path: see `liquidfs stats`" in out.out

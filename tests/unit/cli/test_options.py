@@ -106,6 +106,7 @@ def _mount_args(*flags: str) -> argparse.Namespace:
     (["--cache-size", "1" + "0" * 400], "more bytes than any machine holds"),  # inf, not an OverflowError
     (["-o", "noexec,subtype=sshfs"], "-o subtype=sshfs: liquidfs sets it"),
     (["-o", "rw"], "-o rw: liquidfs sets it"),
+    (["-o", "fsname=a\\,allow_other"], "with a backslash is not taken"),
     (["--cluster-key-file", "/nonexistent"], "--cluster-key-file goes with --cluster"),
     (["--cluster", "memcached://h:1", "--cluster-key-file", "/nonexistent/key"], "--cluster-key-file"),
 ])

@@ -83,7 +83,8 @@ def test_every_value_survives_the_trip_to_the_daemon(key_file: Path) -> None:
     {"mountpoint_seen": [1]}, {"mountpoint_seen": ["1", "2"]}, {"mountpoint_seen": 12},
     # values of the right kind the command refuses: allow_other as a FUSE option skipped the check of every other
     # user's open; loops past what the shared table holds, or with what one loop must hold
-    {"fuse_options": ["allow_other"]}, {"fuse_options": ["subtype=x"]}, {"loops": 0}, {"loops": 33},
+    {"fuse_options": ["allow_other"]}, {"fuse_options": ["subtype=x"]}, {"fuse_options": ["fsname=x,allow_other"]},
+    {"fuse_options": ["fsname=x\\,allow_other"]}, {"loops": 0}, {"loops": 33},
     {"loops": 2, "cache_size": 5}, {"loops": 2, "verify_reads": True}, {"threads": 0}, {"open_threads": 0},
     {"readahead_kb": -1}, {"metrics_port": 70000}, {"io_timeout": 0.0}, {"mountpoint": "mnt"},
 ], ids=str)

@@ -4,6 +4,7 @@ unmounts what it mounted, not killed at once."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,14 @@ def test_a_daemon_killed_outright_before_ready_has_its_dead_mount_detached_and_t
     _, refused, _ = _waited_for(tmp_path, KILLED, 30.0, mnt)
     assert refused.match("the daemon was killed by SIGKILL before the mount answered")
     assert ran == [["fusermount3", "-u", "-z", str(mnt)]]
+
+
+def test_a_daemon_killed_by_a_signal_python_has_no_name_for_is_said(tmp_path: Path) -> None:
+    """A real-time signal (34-64): ``signal.Signals(40)`` raised ValueError, a traceback on the user's terminal
+    in place of the daemon's lines."""
+    rt = signal.SIGRTMIN + 6
+    _, refused, _ = _waited_for(tmp_path, f"import os\nos.kill(os.getpid(), {int(rt)})", 30.0)
+    assert refused.match(f"the daemon was killed by signal {int(rt)} before the mount answered")
 
 
 def test_an_interrupted_mount_stops_the_daemon_it_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
