@@ -217,10 +217,11 @@ class Catalog:
         except sqlite3.DatabaseError:
             return False
 
-    def listing_chunks(self, parent: int, after_id: int = 0) -> Iterator[bytes | None]:
-        """The packed chunks of ``parent`` that hold entries after the id ``after_id``, one query each as the
-        listing takes them (``has_listings`` catalogs only). None for a chunk that is not one (longer than a build
-        writes, not a blob, a key that is not an integer): the listing is to go on another way."""
+    def listing_chunks(self, parent: int, after_id: int = 0) -> Iterator[tuple[int, bytes | None]]:
+        """The packed chunks of ``parent`` that hold entries after the id ``after_id``, each with the id of its
+        last entry (its key), one query each as the listing takes them (``has_listings`` catalogs only). None for
+        a chunk that is not one (longer than a build writes, not a blob, a key that is not an integer): the
+        listing is to go on another way."""
         while True:
             row = self.db.execute(
                 "SELECT last, CASE WHEN length(entries) <= ? THEN entries END FROM listings "
@@ -229,10 +230,10 @@ class Catalog:
             if row is None:
                 return
             if not isinstance(row[0], int) or not isinstance(row[1], bytes):
-                yield None
+                yield after_id, None
                 return
             after_id = row[0]
-            yield row[1]
+            yield after_id, row[1]
 
     def file_totals(self) -> tuple[int, int, int, int]:
         """(regular files, bytes served over them, bytes of their sources, highest id in the catalog). A scan of

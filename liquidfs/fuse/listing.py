@@ -69,6 +69,10 @@ _WARNED: set[tuple[str, int]] = set()
 _WARNED_AT_MOST = 100
 
 Row = TypeVar("Row")
+#: The types a row's entry may be listed as (a mode naming a device would show one in a plain listing), and the
+#: modes a ``mode_t`` holds.
+_LISTED_TYPES = frozenset({stat.S_IFREG, stat.S_IFDIR, stat.S_IFLNK})
+_MODE_LIMIT = 1 << 32
 
 
 class Listings:
@@ -155,7 +159,7 @@ def _bare_from_packed(catalog: Catalog, parent: int, after: int, token: pyfuse3.
     plus = token.plus  # type: ignore[attr-defined]  # our patch's (PACKED)
     reply = pyfuse3.readdir_reply_packed  # type: ignore[attr-defined]
     with_attrs = bare = 0
-    for chunk in catalog.listing_chunks(parent, after):
+    for last, chunk in catalog.listing_chunks(parent, after):
         if chunk is None:
             _malformed(catalog, parent, 0)
             return with_attrs, bare, after
@@ -164,6 +168,11 @@ def _bare_from_packed(catalog: Catalog, parent: int, after: int, token: pyfuse3.
             listed, pos, after, why = reply(token, chunk, pos, after, plus)
             bare += listed
             if why == _END_OF_CHUNK:
+                if after != last:
+                    # A chunk that ends before the id it is keyed by: the entries up to it would be in no
+                    # listing (the next chunk holds those after it). The rows have them.
+                    _malformed(catalog, parent, pos)
+                    return with_attrs, bare, after
                 break
             if why == _REPLY_FULL:
                 return with_attrs, bare, None
@@ -196,7 +205,7 @@ def _listable(catalog: Catalog, parent: int, name: bytes) -> bool:
     """Whether a row of ``parent`` named ``name`` is listed: never one whose name no directory entry can have
     (``listings.fit_name``), nor an entry of the root named as the mount's control file, which a lookup never
     reaches (a READDIRPLUS that carried its attributes would have the kernel take it for the control file)."""
-    if not listings.fit_name(name):
+    if not isinstance(name, bytes) or not listings.fit_name(name):  # (a TEXT name: the column takes any type)
         _unfit(catalog, parent, name)
         return False
     return not (parent == ROOT_ID and name == CONTROL_NAME)
@@ -219,18 +228,22 @@ def _attributes(catalog: Catalog, parent: int, node: Node, attrs: Callable[[Node
     try:
         return attrs(node)
     except Exception as exc:
-        if _first_time("unanswerable", parent):
-            log.warning("directory %d in %s has an entry (%r) whose row cannot be answered (%r); it is left out of "
-                        "the listing", parent, catalog.path, node.name[:300], exc)
+        _unanswerable(catalog, parent, node.name, repr(exc))
         return None
 
 
-def _unfit(catalog: Catalog, parent: int, name: bytes) -> None:
+def _unanswerable(catalog: Catalog, parent: int, name: bytes, why: str) -> None:
+    if _first_time("unanswerable", parent):
+        log.warning("directory %d in %s has an entry (%r) whose row cannot be answered (%s); it is left out of "
+                    "the listing", parent, catalog.path, name[:300], why)
+
+
+def _unfit(catalog: Catalog, parent: int, name: object) -> None:
     """A row whose name no directory entry can have (``listings.fit_name``): left out of the listing, said once a
     directory (for so many)."""
     if _first_time("unfit", parent):
         log.warning("directory %d in %s has an entry named %r, which no file can be named; it is left out of the "
-                    "listing", parent, catalog.path, name[:300])
+                    "listing", parent, catalog.path, name[:300] if isinstance(name, (bytes, str)) else name)
 
 
 def _bare_from_rows(catalog: Catalog, parent: int, after: int, token: pyfuse3.ReaddirToken,
@@ -243,6 +256,10 @@ def _bare_from_rows(catalog: Catalog, parent: int, after: int, token: pyfuse3.Re
     first = FIRST_ROWS_PLUS if plus else FIRST_ROWS_PLAIN
     for ident, name, mode in child_rows(catalog.child_entries, parent, after, first, lambda row: row[0]):
         if not _listable(catalog, parent, name):
+            continue
+        if not isinstance(mode, int) or not 0 <= mode < _MODE_LIMIT or stat.S_IFMT(mode) not in _LISTED_TYPES:
+            # (whoever writes the store wrote it: -1 or 2**32 raised OverflowError at this row of every listing)
+            _unanswerable(catalog, parent, name, f"mode {mode!r}")
             continue
         node = None if not plus or stat.S_ISREG(mode) else catalog.get(ident)
         if node is None:

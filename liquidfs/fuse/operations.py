@@ -325,15 +325,24 @@ class Operations(pyfuse3.Operations):
     async def readdir(self, fh: pyfuse3.FileHandleT, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         # A plain READDIR (the kernel's READDIRPLUS_AUTO) can carry no attributes, whatever the directory wants;
         # a stock pyfuse3's token has no ``plus`` (it asks for READDIRPLUS only).
+        # The lookups the reply's entries carry are counted once it is whole: a reply that fails on the way (a
+        # catalog page that cannot be read) is never sent, and the kernel never forgets what it never got.
+        taken: list[Node] = []
         if self.listings.with_attributes(fh) and getattr(token, "plus", True):
             self.stats.listed_with_attributes += list_plus(self.catalog, fh, start_id, token, self._attrs,
-                                                           self.inodes.looked_up)
+                                                           taken.append)
+            self._looked_up(taken)
             return
-        with_attrs, bare, packed = list_bare(self.catalog, fh, start_id, token, self._attrs, self.inodes.looked_up)
+        with_attrs, bare, packed = list_bare(self.catalog, fh, start_id, token, self._attrs, taken.append)
+        self._looked_up(taken)
         self.stats.listed_with_attributes += with_attrs
         self.stats.listed_bare += bare
         self.stats.listed_packed += packed
         self.listings.listed_bare(fh, bare)
+
+    def _looked_up(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            self.inodes.looked_up(node)
 
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:
         return None

@@ -19,7 +19,7 @@ def rows_of(catalog: Catalog, parent: int) -> list[tuple[int, bytes, int]]:
 
 
 def packed_of(catalog: Catalog, parent: int, after: int = 0) -> list[tuple[int, bytes, int]]:
-    return [(ident, name, mode) for chunk in catalog.listing_chunks(parent, after)
+    return [(ident, name, mode) for _, chunk in catalog.listing_chunks(parent, after)
             for ident, mode, name, _, _ in listings.read(chunk, 0, after)]
 
 

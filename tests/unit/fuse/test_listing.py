@@ -215,17 +215,20 @@ def tamper(ops: Operations, change: Callable[[bytes], bytes | str], nth: int = -
 
 
 @pytest.mark.parametrize("plus", [True, False])
-@pytest.mark.parametrize("change", ["head", "name", "ascending", "long", "text"])
+@pytest.mark.parametrize("change", ["head", "name", "ascending", "long", "text", "last"])
 def test_a_malformed_packed_listing_goes_on_from_the_rows(ops: Operations, caplog: pytest.LogCaptureFixture,
                                                           plus: bool, change: str) -> None:
-    """A chunk amid the listing cut short (in a record's head, in its name), with a record twice (its id not
-    ascending), longer than a build writes, or not a blob: every entry is still listed once, in order."""
+    """A chunk amid the listing cut short (in a record's head, in its name, or after a whole record, before the
+    id it is keyed by: those entries were in no listing), with a record twice (its id not ascending), longer
+    than a build writes, or not a blob: every entry is still listed once, in order."""
     assert ops.catalog.has_listings
 
     def changed(chunk: bytes) -> bytes | str:
         first = listings.RECORD.size + listings.RECORD.unpack_from(chunk)[2]
+        last_start = list(listings.read(chunk))[-1][3]
         return {"head": chunk[:first + 5], "name": chunk[:-3], "ascending": chunk[:first] + chunk,
-                "long": chunk + b"x" * listings.longest_chunk(), "text": "not a blob"}[change]
+                "long": chunk + b"x" * listings.longest_chunk(), "text": "not a blob",
+                "last": chunk[:last_start]}[change]
 
     tamper(ops, changed, nth=3)
     entries = listed(ops, plus=plus, room=40)
@@ -315,3 +318,48 @@ def test_a_row_that_cannot_be_answered_is_left_out_and_counts_no_lookup(ops: Ope
     looked_up = {node.name for node in ops.catalog.children(ROOT_ID, 0, FILES + 1) if ops.inodes.lookups(node.id)}
     assert b"sub" not in looked_up and looked_up <= set(names)
     assert ("cannot be answered" in caplog.text) is plus
+
+
+@pytest.mark.parametrize("plus", [True, False])
+@pytest.mark.parametrize("wanted", [False, True], ids=["bare", "with-attributes"])
+def test_a_row_of_a_text_name_or_a_mode_no_file_has_is_left_out(ops: Operations, plus: bool, wanted: bool,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The name column takes any type and the mode any integer: a TEXT name raised TypeError, a mode of -1 or
+    2**32 OverflowError, at that row of every listing of the directory (EIO, the entries after it never
+    listed); a device's mode showed a device. Left out, the rest listed (a row whose kind says a file is
+    listed with its attributes by its kind)."""
+    monkeypatch.setattr(listing, "PACKED", False)
+    db = sqlite3.connect(ops.catalog.path)
+    with db:
+        db.execute("UPDATE nodes SET name=? WHERE parent=? AND name=?", ("text.bin", ROOT_ID, b"f0001.bin"))
+        for name, mode in ((b"f0002.bin", -1), (b"f0003.bin", 1 << 32), (b"f0004.bin", stat.S_IFCHR | 0o644)):
+            db.execute("UPDATE nodes SET mode=? WHERE parent=? AND name=?", (mode, ROOT_ID, name))
+    db.close()
+    if wanted:
+        ops.listings._wanting.add(ROOT_ID)
+    names = _root_names(ops, plus)
+    left_out = {b"f0001.bin", b"text.bin"} | (set() if wanted and plus else {b"f0002.bin", b"f0003.bin", b"f0004.bin"})
+    assert set(names) == {n.name for n in ops.catalog.children(ROOT_ID, 0, FILES + 1)
+                          if isinstance(n.name, bytes)} - left_out
+    assert len(names) == len(set(names))
+
+
+def test_a_reply_that_fails_on_the_way_counts_no_lookup(ops: Operations, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A catalog page that cannot be read amid a READDIRPLUS reply with attributes: the reply is never sent, and
+    the lookups of the entries it had taken were counted all the same (never forgotten by the kernel)."""
+    ops.listings._wanting.add(ROOT_ID)
+    pages = ops.catalog.children
+    calls: list[int] = []
+
+    def failing(*args: object) -> object:
+        calls.append(1)
+        if len(calls) == 2:
+            raise sqlite3.OperationalError("disk I/O error")
+        return pages(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops.catalog, "children", failing)
+    known = ops.inodes.known
+    with pytest.raises(pyfuse3.FUSEError):
+        trio.run(ops.readdir, ROOT_ID, 0, Reply(True, 5000))
+    assert len(calls) == 2 and ops.inodes.known == known
