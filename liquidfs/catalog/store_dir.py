@@ -74,11 +74,14 @@ def making_refusal(path: Path) -> str | None:
             "put it where only root and this user may write (XDG_CACHE_HOME)")
 
 
-def _above_refusal(store: Path, st: os.stat_result) -> str | None:
+def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
+                   then: str = "it writes no catalog there; put the store where only root and this user may "
+                               "rename it") -> str | None:
     """Why the directories above ``store`` (``st``) let someone else than root and this user move it away and
     put a directory of theirs at its name, between a check of it and the names SQLite opens there: one that
     owns one of them, or may write one that is not sticky (a sticky one keeps others from renaming what root or
-    this user owns in it: /tmp). None where no one else can."""
+    this user owns in it: /tmp). None where no one else can. ``what`` and ``then``: how the message names the
+    directory, and what this process does not do there."""
     trusted = (0, os.geteuid())
     # The directories above the path as named too (a link on the way: whoever may rename it in its directory
     # may point it elsewhere), each with what is below it there, and those above where it leads.
@@ -98,7 +101,12 @@ def _above_refusal(store: Path, st: os.stat_result) -> str | None:
             else:
                 below = os.lstat(above)
                 continue
-            return (f"{store}: {why}, who may move the store away and put a directory of theirs at its name, "
-                    f"which this process (uid {os.geteuid()}) would write through: it writes no catalog there; put "
-                    "the store where only root and this user may rename it")
+            return (f"{store}: {why}, who may move {what} away and put a directory of theirs at its name, "
+                    f"which this process (uid {os.geteuid()}) would write through: {then}")
     return None
+
+
+def moved_refusal(path: Path, st: os.stat_result, what: str, then: str) -> str | None:
+    """Why someone else than root and this user may move ``path`` (``st``: its stat) or a directory above it
+    away and put one of theirs at its name (``_above_refusal``), or None."""
+    return _above_refusal(path, st, what, then)

@@ -252,7 +252,10 @@ class DiskLevel(Level[_Entry], InFront):
     def _write_in(self, dir_fd: int, node_id: int, name: str, tmp: str, content: Content) -> bool:
         """``_write``'s file, written as ``tmp`` and renamed to ``name`` where the policy still holds it."""
         assert content.data is not None
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+        with self._lock:  # made before the close lists the directory (which removes it), or not at all
+            if self._closed:
+                return False
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
         with open(fd, "wb") as f:
             f.write(content.data)
             f.flush()
@@ -286,8 +289,14 @@ class DiskLevel(Level[_Entry], InFront):
     def close(self) -> None:
         """Its files removed through its descriptor, then the directory, if its name still names it; the
         descriptor closed once no worker thread uses it any more (one abandoned at its timeout may)."""
+        with self._lock:
+            # Closed before the listing: a worker abandoned at its timeout that renamed its file in after it (it
+            # asked ``_closed`` first) left the directory, with a cached file, behind the unmount (ENOTEMPTY).
+            self._closed = True
+            self._users += 1  # this use of the descriptor (``_directory`` lends none once closed)
+            dir_fd = self._dir_fd
         try:
-            with self._directory() as dir_fd:
+            if dir_fd >= 0:
                 for name in os.listdir(dir_fd):
                     _unlink(name, dir_fd)
                 mine = os.fstat(dir_fd)
@@ -298,7 +307,7 @@ class DiskLevel(Level[_Entry], InFront):
             log.warning("disk cache: removing %s: %s", self.dir, exc.strerror)
         finally:
             with self._lock:
-                self._closed = True
+                self._users -= 1
                 self._close_if_unused()
             self._alive.release()
 
@@ -354,7 +363,13 @@ def root_refusal(root: Path) -> str | None:
     if mode & 0o022 and not mode & stat.S_ISVTX:
         return (f"--disk-cache {root}: group or others may remove what a mount keeps there (mode {mode:o}, not "
                 "sticky): chmod go-w it, or give another")
-    return None
+    # Named through a link, or below a directory, that someone else may point or move elsewhere after this
+    # check: they would choose where root writes and what it sweeps.
+    from ..catalog.store_dir import moved_refusal
+
+    moved = moved_refusal(root, st, "it", "the mount would write and remove where they chose; give a "
+                          "directory only root and you may rename")
+    return None if moved is None else f"--disk-cache {moved}"
 
 
 def _own_directory(path: Path) -> int:

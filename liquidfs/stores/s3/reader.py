@@ -28,6 +28,13 @@ from .client import AnswerMismatch, S3Url, as_oserror, error_code, get, head, sa
 log = logging.getLogger(__name__)
 
 
+def _source_etag(node: Node) -> str:
+    """The ETag a GET of ``node``'s source asks for (If-Match): '' for a row with none (a damaged or foreign
+    catalog's; a listing never makes one), which ``client.get`` refuses unasked. Asked for with none, a source
+    rewritten at the same size was served as the version the catalog describes."""
+    return node.etag if isinstance(node.etag, str) else ""
+
+
 class S3Reader:
     def __init__(self, client: Any, source: S3Url, store: S3Url) -> None:
         self.client = client
@@ -54,10 +61,10 @@ class S3Reader:
             self._warn_once(node, fallback)
         key = self.source.key(node.path)
         if node.size > WHOLE_FILE_LIMIT:
-            fetch = functools.partial(self._range, key, node.etag, node.size, self._where(node))
+            fetch = functools.partial(self._range, key, _source_etag(node), node.size, self._where(node))
             return Content(size=node.size, raw=False, fetch=fetch, fallback=fallback)
         try:
-            data = get(self.client, self.source.bucket, key, if_match=node.etag, size=node.size)
+            data = get(self.client, self.source.bucket, key, if_match=_source_etag(node), size=node.size)
         except Exception as exc:
             raise as_oserror(exc, self._where(node)) from exc
         return Content(size=len(data), raw=False, data=memoryview(data), fallback=fallback)
@@ -117,7 +124,7 @@ class S3Reader:
             bucket, key, etag, size = self.store.bucket, self.store.key(node.object), None, node.served_size
             where = str(node.object)
         else:
-            bucket, key, etag, size = self.source.bucket, self.source.key(node.path), node.etag, node.size
+            bucket, key, etag, size = self.source.bucket, self.source.key(node.path), _source_etag(node), node.size
             where = self._where(node)
         try:
             return memoryview(get(self.client, bucket, key, if_match=etag, start=start, length=end - start,

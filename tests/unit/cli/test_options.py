@@ -149,6 +149,30 @@ def test_a_disk_cache_directory_others_may_change_is_refused(tmp_path: Path, mod
             options.mount_config(args, STORAGE)
 
 
+@pytest.mark.parametrize("through", ["link", "parent"])
+def test_a_disk_cache_another_user_may_point_elsewhere_is_refused(tmp_path: Path, through: str) -> None:
+    """A link to a directory of root's (its check followed it), or a directory below one of another user's: they
+    may point it elsewhere after the check, choosing where root writes and which liquidfs-* directories it
+    sweeps."""
+    if os.geteuid() != 0:
+        pytest.fail("the disk cache's owner is checked as root runs it") if os.environ.get("CI") else \
+            pytest.skip("needs root to give the directory away")
+    theirs = tmp_path / "home"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    target = tmp_path / "usr"
+    target.mkdir()
+    cache = theirs / "cache"
+    if through == "link":
+        cache.symlink_to(target)
+        os.lchown(cache, 65534, 65534)
+    else:
+        cache.mkdir()
+    args = _mount_args("--disk-cache", str(cache), "--disk-cache-size", "1G")
+    with pytest.raises(OptionError, match="owned by uid 65534, who may move it away"):
+        options.mount_config(args, STORAGE)
+
+
 def test_the_mount_parser_defaults_are_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LIQUIDFS_CACHE_SIZE", raising=False)
     config = options.mount_config(_mount_args(), STORAGE)

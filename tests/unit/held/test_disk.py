@@ -348,6 +348,34 @@ def test_a_write_under_way_when_the_level_closes_keeps_nothing(tmp_path: Path) -
         writing.__exit__(None, None, None)
 
 
+def test_a_write_that_renames_while_the_close_empties_the_directory_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker abandoned at its timeout renamed its file in after the close had listed the directory (the close
+    said it was closed only at its end): the rmdir failed (ENOTEMPTY), and the directory, with cached bytes,
+    outlived the unmount."""
+    level, _ = _level(tmp_path, 1.0)
+    level.decide(3, SIZE)  # held by the policy
+    writing = level._directory()
+    dir_fd = writing.__enter__()
+    real_listdir = os.listdir
+    kept: list[bool] = []
+
+    def listed_then_written(path: object) -> list[str]:
+        names = real_listdir(path)  # type: ignore[call-overload]
+        if path == dir_fd and not kept:  # the close's listing: the worker renames its file right after it
+            kept.append(level._write_in(dir_fd, 3, "3", "3.tmp-x", Content(size=SIZE, raw=False,
+                                                                         data=memoryview(b"x" * SIZE))))
+        return names  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(os, "listdir", listed_then_written)
+    try:
+        level.close()
+    finally:
+        writing.__exit__(None, None, None)
+        monkeypatch.undo()
+    assert kept == [False] and not level.dir.exists()
+
+
 def test_statistics_never_wait_for_a_worker_stuck_on_the_disk(tmp_path: Path) -> None:
     """They are asked on the trio loop (``/metrics``, the control file), and a worker holds the level's lock across
     the disk's renames and unlinks: on a disk that hangs the loop stopped, and every request of the mount with it.
