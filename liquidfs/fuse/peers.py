@@ -186,14 +186,15 @@ class Peers:
         return found
 
     async def _request(self, loop: int, message: Callable[[int], bytes], timeout: float) -> bytes:
-        """``message`` (made for its ask id) sent to ``loop``, and its answer within ``timeout``. Waited for from
-        before the send (an answer may come before the send returns), and no longer once it fails or is answered:
-        a send that failed (a stuck loop's full socket) left its entry for good."""
+        """``message`` (made for its ask id) sent to ``loop``, and its answer, within ``timeout`` in all (the send's
+        wait for room too: a stuck loop's full socket held the statistics of every control-file open for the
+        send's own 30 s on top of their 2). Waited for from before the send (an answer may come before the send
+        returns), and no longer once it fails or is answered: a send that failed left its entry for good."""
         ask_id, waiting = next(self._ids), _Waiting()
         self._waiting[ask_id] = (loop, waiting)
         try:
-            await self._put(loop, message(ask_id))
             with trio.move_on_after(timeout):
+                await self._put(loop, message(ask_id))
                 await waiting.done.wait()
         finally:
             self._waiting.pop(ask_id, None)

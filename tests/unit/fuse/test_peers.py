@@ -243,3 +243,26 @@ def test_a_loop_slow_to_answer_keeps_its_share_of_the_metrics() -> None:
     assert ops.ended_loops == {"opens": 5}
     totals = plus(merged([{"loop": 0, "opens": 1, "open_files": 1}, *ops.other_loops]), ops.ended_loops)
     assert totals["opens"] == 1 + 8 + 5 and totals["open_files"] == 1
+
+
+def test_statistics_of_a_loop_whose_socket_stays_full_wait_only_their_own_timeout() -> None:
+    """A stuck loop's full socket: the send waited its own 30 s before the 2 s of the answer's wait began, so
+    every control-file open (``liquidfs stats``, ``umount``'s pid lookup) and every gathering waited ~32 s. The
+    statistics' timeout bounds the send too (trio's clock, jumped: no wall-clock time)."""
+    from liquidfs.fuse import peers as peers_module
+
+    pairs = Peers.made(2)
+    peers = Peers(pairs, 0)
+    _filled(pairs[1][0])
+
+    async def main() -> float:
+        started = trio.current_time()
+        assert await peers.statistics() == []
+        return trio.current_time() - started
+
+    try:
+        took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        Peers.close_pairs(pairs)
+    assert took == pytest.approx(peers_module.STATS_TIMEOUT) and took < peers_module.ANSWER_TIMEOUT
+    assert peers._waiting == {}
