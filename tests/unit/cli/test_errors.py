@@ -502,3 +502,21 @@ def test_a_mount_interrupted_once_its_daemon_said_ready_exits_0(restore_logging:
     out = capsys.readouterr()
     assert status == 0 and len(spawned) == 1, out.err
     assert f"mounted on {tmp_path / 'mnt'}" in out.out and "data path: see `liquidfs stats`" in out.out
+
+
+def test_prepare_and_verify_import_nothing_from_the_directory_they_run_in(tmp_path: Path) -> None:
+    """multiprocessing's forkserver and resource tracker run as ``python -c``, whose import path starts with the
+    working directory: root's prepare run in a directory a dataset's writer may write (the source, /tmp) ran
+    their ``multiprocessing/__init__.py`` as root."""
+    src = make_sample(tmp_path / "data", count=3, width=32, height=16, seed=4)
+    planted = tmp_path / "planted"
+    (planted / "multiprocessing").mkdir(parents=True)
+    marker = tmp_path / "ran"
+    (planted / "multiprocessing" / "__init__.py").write_text(
+        f"open({str(marker)!r}, 'a').write('planted code ran\\n')\nraise ImportError('planted')\n")
+    command = Path(sys.executable).parent / "liquidfs"  # the console script, as a user runs it
+    for argv in (["prepare", str(src), "--store", str(tmp_path / "store"), "--ratio", "1", "--no-progress"],
+                 ["verify", "--store", str(tmp_path / "store"), "--no-progress"]):
+        done = subprocess.run([str(command), *argv], cwd=planted, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    assert not marker.exists(), marker.read_text()
