@@ -52,7 +52,7 @@ def refusal(store: Path, *, writing: bool) -> str | None:
     return _above_refusal(store, st) if writing else None
 
 
-def making_refusal(path: Path) -> str | None:
+def making_refusal(path: Path, advice: str = "put it where only root and this user may write") -> str | None:
     """Why this process may not make ``path`` (missing) and the levels missing above it, or None: the deepest
     level there is belongs to someone else than root and this user, or they may write it (unless it is sticky:
     what this process makes there stays its own), or may move it or one above it (``_above_refusal``). Asked
@@ -71,7 +71,7 @@ def making_refusal(path: Path) -> str | None:
     else:
         return _above_refusal(existing, st)
     return (f"{path}: {why}, who may put a link where this process (uid {os.geteuid()}) would make it: not made; "
-            "put it where only root and this user may write (XDG_CACHE_HOME)")
+            f"{advice}")
 
 
 def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",

@@ -76,10 +76,12 @@ class DiskLevel(Level[_Entry], InFront):
         Level.__init__(self, policy)
         InFront.__init__(self, inner)
         self.memory_holds = memory_holds
-        root.mkdir(parents=True, exist_ok=True)
-        # Checked again here, where the daemon sweeps it: the command checked it before a scan that may take
-        # minutes, and a directory not there then (made here, or by someone else meanwhile) was not checked.
+        # Checked again here, where the daemon makes and sweeps it: the command checked it before a scan that may
+        # take minutes. Before it is made (where it would be made), and once it is there.
         why = root_refusal(root)
+        if why is None:
+            root.mkdir(parents=True, exist_ok=True)
+            why = root_refusal(root)
         if why is not None:
             raise OSError(errno.EPERM, why)
         _remove_stale(root)
@@ -348,10 +350,14 @@ def root_refusal(root: Path) -> str | None:
     owns the directory, or may remove entries from it (a lock among them: a live mount's directory then swept
     by the next), would choose what root removes and where it writes. Sticky (/tmp) keeps others from root's
     entries. Nothing to check where it is not there yet (this process makes it, under liquidfs's umask)."""
+    from ..catalog.store_dir import making_refusal, moved_refusal
+
     try:
         st = os.stat(root)
     except (FileNotFoundError, NotADirectoryError):
-        return None
+        # Made by the mount: not through a link, nor below a directory, that someone else may point elsewhere.
+        missing = making_refusal(root, "give a directory only root and you may write")
+        return None if missing is None else f"--disk-cache {missing}"
     except OSError as exc:
         return f"--disk-cache {root}: {exc.strerror}"
     mode = stat.S_IMODE(st.st_mode)
@@ -365,8 +371,6 @@ def root_refusal(root: Path) -> str | None:
                 "sticky): chmod go-w it, or give another")
     # Named through a link, or below a directory, that someone else may point or move elsewhere after this
     # check: they would choose where root writes and what it sweeps.
-    from ..catalog.store_dir import moved_refusal
-
     moved = moved_refusal(root, st, "it", "the mount would write and remove where they chose; give a "
                           "directory only root and you may rename")
     return None if moved is None else f"--disk-cache {moved}"

@@ -69,7 +69,12 @@ class Store(Protocol):
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         """The worker call that expands ``node`` into ``obj`` and returns its ``Outcome``."""
 
-    def exists(self, obj: str) -> bool: ...
+    def exists(self, obj: str, size: int | None = None, stamp: str | None = None) -> bool:
+        """Whether ``obj`` is there to be reused unread: at its name, of ``size`` bytes and (a store that stamps
+        its objects) with the ``stamp`` recorded when it was written or last checked. One changed since (a byte
+        overwritten, a copy of the store: another inode) is made again by a worker, which keeps it where it
+        holds exactly the expansion's bytes, and records its stamp anew."""
+        ...
 
     def since_scan(self, node: Node) -> Node | None:
         """``node`` as its source is now, where the file was changed in place since the catalog's scan (a write,

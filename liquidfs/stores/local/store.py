@@ -26,10 +26,10 @@ from pathlib import Path
 
 from ...catalog.build import WorkingCopy, current_catalog, open_or_build
 from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, check_utf8, default_store_dir
-from ...catalog.identity import file_version, stored_ns
+from ...catalog.identity import file_version, object_stamp, stored_ns
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...catalog.store_dir import check_store_dir
+from ...catalog.store_dir import check_store_dir, making_refusal
 from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
@@ -216,6 +216,12 @@ class LocalStore:
     @contextmanager
     def preparing(self, progress: bool) -> Iterator[Preparation]:
         self._check_source()
+        if not self.store_dir.exists():
+            # Before anything is made: through a link someone else may point elsewhere, root made the store's
+            # directories where they chose, then refused.
+            refused = making_refusal(self.store_dir, "give a --store where only root and this user may write")
+            if refused is not None:
+                raise CatalogError(refused)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         check_store_dir(self.store_dir, writing=True)  # before its lock is made there
         held = exclusive_lock(self.store_dir / PREPARE_LOCK, wait=False)
@@ -262,7 +268,7 @@ class LocalStore:
         return expand_one, (root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,
                             raw_formats)
 
-    def exists(self, obj: str) -> bool:
+    def exists(self, obj: str, size: int | None = None, stamp: str | None = None) -> bool:
         # A catalog row names it: only a name prepare gives counts, never a path anywhere else. And only where a
         # mount would serve it (``StoreReader.may_serve``): else a worker writes it anew, and says why it cannot.
         if OBJECT_NAME.fullmatch(obj) is None:
@@ -274,7 +280,8 @@ class LocalStore:
                 self._subdirs[sub] = os.stat(self.store_dir / sub, follow_symlinks=False)
         except OSError:
             return False
-        return stat.S_ISREG(st.st_mode) and renamed_only_by_its_writer(self._subdirs[sub], st.st_uid)
+        return (stat.S_ISREG(st.st_mode) and renamed_only_by_its_writer(self._subdirs[sub], st.st_uid)
+                and (size is None or st.st_size == size) and (stamp is None or object_stamp(st) == stamp))
 
     def delete(self, objs: list[str]) -> None:
         """Remove these objects (or leftovers of killed runs) from the objects directory, and nothing else.

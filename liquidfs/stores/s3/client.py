@@ -134,7 +134,7 @@ def work_dir(store: S3Url, client: Any) -> Path:
         # Before anything is made: where the levels there are (a HOME that sudo kept, an XDG_CACHE_HOME) are
         # another user's to move or point elsewhere (~/.cache/liquidfs a link to /etc), root made its directories
         # where they chose, and narrowed the mode of the directory they pointed at, before the check refused.
-        refused = making_refusal(path)
+        refused = making_refusal(path, "put it where only root and this user may write (XDG_CACHE_HOME)")
         if refused is not None:
             raise CatalogError(refused)
     for each in reversed(missing):

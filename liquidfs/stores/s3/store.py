@@ -410,7 +410,8 @@ class BucketStore:
             self._listed = {f"{OBJECTS}/{objects.rel(info.key)}" for info in list_objects(self.client, objects)}
         return self._listed
 
-    def exists(self, obj: str) -> bool:
+    def exists(self, obj: str, size: int | None = None, stamp: str | None = None) -> bool:
+        # (a listing's names: its objects are checked by their digest at every mount's read)
         return obj in self._objects()
 
     def since_scan(self, node: Node) -> Node | None:

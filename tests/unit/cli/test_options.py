@@ -149,7 +149,7 @@ def test_a_disk_cache_directory_others_may_change_is_refused(tmp_path: Path, mod
             options.mount_config(args, STORAGE)
 
 
-@pytest.mark.parametrize("through", ["link", "parent"])
+@pytest.mark.parametrize("through", ["link", "parent", "link, not there yet"])
 def test_a_disk_cache_another_user_may_point_elsewhere_is_refused(tmp_path: Path, through: str) -> None:
     """A link to a directory of root's (its check followed it), or a directory below one of another user's: they
     may point it elsewhere after the check, choosing where root writes and which liquidfs-* directories it
@@ -163,14 +163,16 @@ def test_a_disk_cache_another_user_may_point_elsewhere_is_refused(tmp_path: Path
     target = tmp_path / "usr"
     target.mkdir()
     cache = theirs / "cache"
-    if through == "link":
+    if through.startswith("link"):
         cache.symlink_to(target)
         os.lchown(cache, 65534, 65534)
     else:
         cache.mkdir()
-    args = _mount_args("--disk-cache", str(cache), "--disk-cache-size", "1G")
-    with pytest.raises(OptionError, match="owned by uid 65534, who may move it away"):
+    given = cache / "new" if through.endswith("not there yet") else cache  # made by the mount, through the link
+    args = _mount_args("--disk-cache", str(given), "--disk-cache-size", "1G")
+    with pytest.raises(OptionError, match="owned by uid 65534, who may"):
         options.mount_config(args, STORAGE)
+    assert list(target.iterdir()) == []
 
 
 def test_the_mount_parser_defaults_are_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:

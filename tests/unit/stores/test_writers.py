@@ -371,6 +371,31 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
         prepare(src, store, 1.0, progress=False)
 
 
+def test_a_store_made_through_another_users_link_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """``--store ~bob/stores/new/ds`` as root, ``stores`` a link of bob's to a directory of root's: prepare made
+    ``new/ds`` there, root's, then refused; so did a mount's disk cache not there yet, in the daemon."""
+    if os.geteuid() != 0:
+        pytest.fail("root's checks are tested as root runs them") if os.environ.get("CI") else \
+            pytest.skip("needs root to give a directory away")
+    from liquidfs.held.disk import DiskLevel
+    from liquidfs.policy.next_epoch import NextEpochCache
+
+    src = make_sample(tmp_path / "data", count=2, width=64, height=32, seed=4)
+    bob = tmp_path / "bob"
+    bob.mkdir()
+    os.chown(bob, 65534, 65534)
+    target = tmp_path / "target"
+    target.mkdir()
+    (bob / "stores").symlink_to(target)
+    os.lchown(bob / "stores", 65534, 65534)
+    with pytest.raises(CatalogError, match="owned by uid 65534"):
+        prepare(src, bob / "stores" / "new" / "ds", 1.0, progress=False)
+    with pytest.raises(OSError, match="owned by uid 65534"):
+        DiskLevel(StoreReader(os.fsencode(src), tmp_path / "none"), bob / "stores" / "cache",
+                  NextEpochCache(0, 10**6, 10, max_id=10))
+    assert list(target.iterdir()) == []
+
+
 def test_a_store_directory_others_may_write_gets_no_catalog_and_gives_none(tmp_path: Path) -> None:
     """Whoever may make names in the store directory could put a link at the name of the catalog in the making
     (or of SQLite's journal) once they see it, and root would write where it pointed; and a catalog there is
@@ -542,6 +567,42 @@ def test_an_image_rewritten_in_place_is_expanded_again_by_the_next_prepare(tmp_p
     assert now is not None and now.served_raw and now.size == len(other.getvalue()) and now.etag != node.etag
     assert formats.same_pixels(path.read_bytes(), (store / str(now.object)).read_bytes())
     assert verify(store, progress=False) == []
+
+
+@pytest.mark.parametrize("how", ["damaged", "copied"])
+def test_an_object_changed_since_it_was_recorded_is_made_again_not_reused(tmp_path: Path, how: str) -> None:
+    """Reuse asked only whether the name was there: an object with four bytes overwritten was reused by every
+    later prepare (verify failing it, the mount falling back for good), and a store copied with `cp -a` (other
+    inodes) kept stamps that vouch for none of its objects. Each is made again by a worker: the damaged one
+    rewritten, the copy's adopted with a fresh stamp, so verify passes and a stat vouches again."""
+    import shutil
+
+    src = make_sample(tmp_path / "src", count=4, width=64, height=32, seed=6)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    if how == "copied":
+        shutil.copytree(store, tmp_path / "copy", symlinks=True)
+        shutil.rmtree(store)
+        (tmp_path / "copy").rename(store)
+    catalog = Catalog.open(store, readonly=True)
+    node = next(n for n in catalog.files() if n.served_raw)
+    catalog.close()
+    if how == "damaged":
+        with open(store / str(node.object), "r+b") as f:
+            f.seek(200)
+            f.write(b"\xff\x00\xff\x00")
+        assert verify(store, progress=False) != []
+    report = prepare(src, store, 1.0, progress=False)
+    # (an object a worker finds holding exactly the expansion's bytes is adopted: counted reused, not written)
+    assert (report.expanded, report.reused) == ((1, 3) if how == "damaged" else (0, 4))
+    assert verify(store, progress=False) == []
+    catalog = Catalog.open(store, readonly=True)
+    reader = StoreReader(catalog.source, store)
+    try:
+        assert all(reader.object_sealed(n, os.stat(store / str(n.object))) for n in catalog.files() if n.served_raw)
+    finally:
+        reader.close()
+        catalog.close()
 
 
 def test_verify_names_a_file_of_any_bytes_on_one_line_without_a_traceback(tmp_path: Path) -> None:
