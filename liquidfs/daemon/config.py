@@ -28,8 +28,8 @@ class MountError(Exception):
 #: daemon a config that has them (``MountConfig.check``); "auto" picks one loop.
 ONE_LOOP_ONLY: tuple[tuple[str, Callable[[Any], bool]], ...] = (
     ("--cache-size", lambda s: s.cache_size is not None),
-    ("--disk-cache", lambda s: s.disk_cache is not None),
-    ("--cluster", lambda s: s.cluster is not None),
+    ("--disk-cache", lambda s: bool(s.disk_cache)),  # (an empty --cluster "$CLUSTER" is none, as the command takes it)
+    ("--cluster", lambda s: bool(s.cluster)),
     ("--mix adaptive", lambda s: s.mix == "adaptive"),
     ("--warmup", lambda s: bool(s.warmup) and s.cache_size is not None),  # (dropped without a cache to warm)
     ("--data-path daemon", lambda s: s.data_path == "daemon"),

@@ -128,7 +128,9 @@ def test_loops_reach_the_config_and_refuse_what_one_loop_must_hold(key_file: Pat
 
 @pytest.mark.parametrize(("cores", "flags", "chosen"), [(16, [], 4), (64, [], 8), (7, [], 1), (2, [], 1),
                                                          (16, ["--cache-size", "10%"], 1), (16, ["--mix", "adaptive"], 1),
-                                                         (16, ["--mix", "0.5"], 4)])
+                                                         (16, ["--mix", "0.5"], 4),
+                                                         # an empty value (a template's "$CLUSTER") is none
+                                                         (16, ["--cluster", ""], 4), (16, ["--disk-cache", ""], 4)])
 def test_loops_auto_follow_the_cores_and_the_options(monkeypatch: pytest.MonkeyPatch, cores: int, flags: list[str],
                                                       chosen: int) -> None:
     from liquidfs.sysio import cgroups
