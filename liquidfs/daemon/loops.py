@@ -12,6 +12,7 @@ mount serves is logged, its backings are let go, and the other loops go on.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import logging
@@ -62,9 +63,12 @@ def handle_init_here() -> bool:
     return True
 
 
-def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
+def fork(config: MountConfig, store: Store, mount: build.Mount, first_loops_own: tuple[int, ...] = ()
+         ) -> Loops | None:
     """The other ``config.loops - 1`` loops, forked after INIT (which this answers); None where one loop serves
-    (the reason logged): a pyfuse3 without our clone patch, or no passthrough granted."""
+    (the reason logged): a pyfuse3 without our clone patch, or no passthrough granted. ``first_loops_own``:
+    descriptors the forked loops close at once (the mount command's ready pipe: a fork keeps every descriptor,
+    and a loop holding it kept the command from seeing the daemon end)."""
     if not handle_init_here():
         log.info("--loops %d: one loop serves, as this pyfuse3 cannot answer INIT before its loop "
                  "(scripts/passthrough/build.sh builds one that can)", config.loops)
@@ -92,6 +96,9 @@ def fork(config: MountConfig, store: Store, mount: build.Mount) -> Loops | None:
             break
         if pid == 0:  # pragma: no cover (a child: its coverage dies with it)
             status = 1
+            for fd in first_loops_own:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
             try:
                 status = _child(index, device, config, store, mount, shared, pairs, held, first_loop)
             except BaseException:

@@ -66,8 +66,8 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
     or signalled; returns the exit status."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     if ready_fd is not None:
-        # The mount command's pipe: not handed on to the other loops (--loops) or anything libfuse runs, which
-        # would hold it open past this daemon's word.
+        # The mount command's pipe: not handed on to anything libfuse runs (nor to the other loops: ``loops.fork``
+        # closes it there), which would hold it open past this daemon's word.
         os.set_inheritable(ready_fd, False)
     with ExitStack() as stack:
         stack.callback(log.info, "unmounted %s", config.mountpoint)
@@ -76,7 +76,8 @@ def serve(config: MountConfig, store: Store, store_dir: Path, *, ready_fd: int |
             signal.signal(signum, _note_stop)  # to the process's end: it serves this mount alone
         start_session(config, mount.ops, stack)
         stack.callback(_ignore_stops)  # (before the session closes: where the loop never ran, too)
-        more = loops.fork(config, store, mount) if config.loops > 1 else None
+        more = loops.fork(config, store, mount, () if ready_fd is None else (ready_fd,)) \
+            if config.loops > 1 else None
         if more is not None:
             stack.callback(loops.stop, more)
             mount.ops.join_loops(more.peers, more.shared)

@@ -259,3 +259,38 @@ def test_options_one_loop_needs_are_refused(prepared, tmp_path: Path, flags: lis
     assert done.returncode != 0
     assert "--loops" in done.stderr and (flags[0] in done.stderr), done.stderr
     assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_no_other_loop_holds_the_mount_commands_ready_pipe(prepared, mounter: Mount) -> None:
+    """A fork keeps every descriptor: each loop held the pipe on which the first tells the mount command it is
+    ready, for as long as the mount lived (the command, waiting on it, saw no end where the daemon died)."""
+    src, store = prepared
+    mnt = mounter.mountpoint()
+    read_end, write_end = os.pipe()
+    pipe = os.fstat(read_end).st_ino
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "liquidfs", "mount", str(src), str(mnt), "--store", str(store), "--foreground",
+             "--ready-fd", str(write_end), "--loops", str(LOOPS), "--data-path", "passthrough"],
+            pass_fds=(write_end,), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        mounter.mountpoints.append(mnt)
+        mounter.procs.append(proc)
+        os.close(write_end)
+        write_end = -1
+        with os.fdopen(read_end, "rb") as ready:
+            read_end = -1
+            assert ready.readline().startswith(b"ready")
+    finally:
+        for fd in (read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+    wait_for(lambda: len(stats(mnt)["loops"]) == LOOPS, 30, what="every loop to answer")
+    held = []
+    for loop in stats(mnt)["loops"]:
+        for fd in os.listdir(f"/proc/{loop['pid']}/fd"):
+            try:
+                if os.readlink(f"/proc/{loop['pid']}/fd/{fd}") == f"pipe:[{pipe}]":
+                    held.append((loop["loop"], fd))
+            except FileNotFoundError:
+                continue
+    assert held == []
