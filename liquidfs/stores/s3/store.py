@@ -44,6 +44,7 @@ from .client import (
     list_objects,
     make_client,
     put,
+    same_etag,
     upload_file,
     work_dir,
 )
@@ -142,6 +143,9 @@ def _download(client: Any, bucket: str, key: str, etag: str, size: int, dest: Pa
     the node's disk), and its ranged GETs went without If-Match."""
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as out:
+        if size <= CATALOG_PART:  # one GET, no Range: as the SDK asked (some endpoints answer a range whole)
+            out.write(get(client, bucket, key, if_match=etag, size=size))
+            return
         for start in range(0, size, CATALOG_PART):
             out.write(get(client, bucket, key, if_match=etag, start=start, length=min(CATALOG_PART, size - start),
                           size=size))
@@ -169,6 +173,11 @@ def _fetch_catalog(client: Any, store: S3Url, dest: Path, found: dict[str, Any])
         after = head(client, store.bucket, key)
         if after is None:
             break  # deleted meanwhile: no catalog to download
+        if same_etag(after.get("ETag"), etag) and after.get("ContentLength") == size:
+            # Unchanged, by its HEAD: its GETs answered another object (a weak or rewritten ETag, another size),
+            # which no download again mends.
+            raise CatalogError(f"the object store's answers to GETs of the catalog of {store} disagree with its "
+                               "HEAD (ETag or size): check the endpoint, or a proxy before it")
         log.info("the catalog of %s changed while it was downloaded: again", store)
         found = after
     raise CatalogError(f"the catalog of {store} changed during each of three downloads (prepare publishing?): "

@@ -715,8 +715,7 @@ def test_a_catalog_larger_than_the_room_left_is_not_downloaded(tmp_path: Path, m
 
 
 class _Lying(FakeS3):
-    """A store (or a proxy before it) whose HEAD of the catalog says another size than its GETs do (taken as a
-    catalog published meanwhile, every time), or no ETag."""
+    """A store (or a proxy before it) whose HEAD of the catalog says another size than its GETs do, or no ETag."""
 
     def __init__(self, said: int | None, etag: bool = True) -> None:
         super().__init__()
@@ -738,11 +737,16 @@ def test_a_catalog_longer_than_its_head_said_or_without_an_etag_is_not_downloade
     dest = tmp_path / "catalog.sqlite"
     longer = _Lying(None)
     longer.spoil = lambda answer, whole, first: _body(answer, answer["Body"].read() + b"x" * (50 << 20))
-    for s3, error in ((longer, AnswerMismatch), (_Lying(100), CatalogError), (_Lying(None, etag=False), CatalogError)):
+    weak = _Lying(None)  # a proxy that answers GETs with a weak ETag: If-Match fails, and its HEAD says unchanged
+    weak.spoil = lambda answer, whole, first: {**answer, "ETag": "W/" + answer["ETag"]}
+    for s3, error, said in ((longer, AnswerMismatch, "more than"), (_Lying(100), AnswerMismatch, "more than the 100"),
+                            (weak, CatalogError, "disagree with its HEAD"),
+                            (_Lying(None, etag=False), CatalogError, "answered no ETag")):
         s3.objects[store.key("catalog.sqlite")] = bytes(range(200))
-        with pytest.raises(error):
+        with pytest.raises(error, match=said):
             bucket_store.download_catalog(s3, store, dest)
         assert list(tmp_path.iterdir()) == []
+    assert len(weak.gets) == 1  # said at once, not downloaded three times as a catalog being published
     honest = _Lying(None)
     honest.objects[store.key("catalog.sqlite")] = bytes(range(200))
     assert bucket_store.download_catalog(honest, store, dest) and dest.read_bytes() == bytes(range(200))
