@@ -224,10 +224,12 @@ class StoreReader:
         except FileNotFoundError:
             return "raw object missing"
         except OSError as exc:
-            if short_of_resources(exc):
+            if short_of_resources(exc) and self.stamps_vouch:
                 # The daemon or the node out of descriptors or memory: the object may be sound. Served as its
                 # original, the open would supersede every open still reading the object (``datapath.daemon``)
                 # and count a fallback for a file nothing is wrong with: this open fails with that errno instead.
+                # (Only where the objects are local: a network or FUSE filesystem's server may answer with one
+                # itself, and then the original is served.)
                 raise
             return f"raw object unreadable ({exc.strerror})"
         if not self.may_serve(node, ost):
@@ -320,7 +322,7 @@ class StoreReader:
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:
-            if short_of_resources(exc):  # (no buffer for it: as at its open, ``_raw_choice``)
+            if short_of_resources(exc) and self.stamps_vouch:  # (as at its open, ``_raw_choice``)
                 raise
             return f"raw object unreadable ({exc.strerror})", None
         try:

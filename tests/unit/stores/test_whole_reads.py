@@ -119,11 +119,14 @@ def test_a_raw_object_larger_than_any_prepare_writes_is_never_read(tmp_path: Pat
     assert asked and max(asked) < WHOLE_FILE_LIMIT
 
 
-@pytest.mark.parametrize("code", [errno.EIO, errno.ENOMEM])
+@pytest.mark.parametrize(("code", "local"), [(errno.EIO, True), (errno.ENOMEM, True), (errno.ENOMEM, False)])
 def test_a_raw_object_read_failing_for_want_of_memory_fails_the_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                   code: int) -> None:
+                                                                   code: int, local: bool) -> None:
     """A medium error (EIO) reading the object serves the original; one that says the daemon is short (ENOMEM,
-    ``sysio.short``) says nothing about the object: the open fails with it, never a fallback for a sound file."""
+    ``sysio.short``) says nothing about the object: the open fails with it, never a fallback for a sound file.
+    Where the objects are not local (NFS, FUSE), their server may answer so itself: the original is served."""
+    if not local:
+        monkeypatch.setattr(local_reader_module, "LOCAL_FILESYSTEMS", frozenset())
     src, store, node = _prepared(tmp_path, 9)
     real = local_reader_module.read_span
 
@@ -133,7 +136,7 @@ def test_a_raw_object_read_failing_for_want_of_memory_fails_the_open(tmp_path: P
         return real(fd, start, end, **kwargs)
 
     monkeypatch.setattr(local_reader_module, "read_span", failing)
-    if code == errno.EIO:
+    if code == errno.EIO or not local:
         raw, fallback, data = _opened(store, node.id)
         assert not raw and "raw object unreadable" in str(fallback)
         assert data == (src / os.fsdecode(node.path)).read_bytes()
@@ -141,6 +144,34 @@ def test_a_raw_object_read_failing_for_want_of_memory_fails_the_open(tmp_path: P
         with pytest.raises(OSError) as failed:
             _opened(store, node.id)
         assert failed.value.errno == code
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_raw_object_open_failing_for_want_of_descriptors_fails_the_open(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        local: bool) -> None:
+    """EMFILE at the object's open (the source's check found it unchanged): served as the original, it counted a
+    fallback for a sound file and superseded every open still reading the object. The open fails with it, where
+    the objects are local; elsewhere (NFS, FUSE) their server may answer so itself, and the original is served."""
+    if not local:
+        monkeypatch.setattr(local_reader_module, "LOCAL_FILESYSTEMS", frozenset())
+    src, store, node = _prepared(tmp_path, 10)
+    real = local_reader_module.open_below_stat
+
+    def short(dir_fd: int, rel: bytes, *args: object, **kwargs: object) -> tuple[int, os.stat_result]:
+        if rel.endswith(b".bmp"):  # the object's open, not the source's
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real(dir_fd, rel, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(local_reader_module, "open_below_stat", short)
+    if local:
+        with pytest.raises(OSError) as failed:
+            _opened(store, node.id)
+        assert failed.value.errno == errno.EMFILE
+    else:
+        raw, fallback, data = _opened(store, node.id)
+        assert not raw and "raw object unreadable" in str(fallback)
+        assert data == (src / os.fsdecode(node.path)).read_bytes()
 
 
 @pytest.mark.parametrize("column", ["object", "served_size"])
