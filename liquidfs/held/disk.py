@@ -254,10 +254,11 @@ class DiskLevel(Level[_Entry], InFront):
     def _write_in(self, dir_fd: int, node_id: int, name: str, tmp: str, content: Content) -> bool:
         """``_write``'s file, written as ``tmp`` and renamed to ``name`` where the policy still holds it."""
         assert content.data is not None
-        with self._lock:  # made before the close lists the directory (which removes it), or not at all
-            if self._closed:
+        with self._lock:
+            if self._closed:  # (one made once the close listed the directory: its second listing removes it)
                 return False
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
+        # Made outside the lock: a disk that stalls the create must not stall every open's ``decide`` with it.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _FILE_FLAGS, 0o600, dir_fd=dir_fd)
         with open(fd, "wb") as f:
             f.write(content.data)
             f.flush()
@@ -299,12 +300,21 @@ class DiskLevel(Level[_Entry], InFront):
             dir_fd = self._dir_fd
         try:
             if dir_fd >= 0:
-                for name in os.listdir(dir_fd):
-                    _unlink(name, dir_fd)
                 mine = os.fstat(dir_fd)
-                there = os.stat(self.dir, follow_symlinks=False)
-                if (there.st_dev, there.st_ino) == (mine.st_dev, mine.st_ino):
-                    os.rmdir(self.dir)
+                for again in (False, True):
+                    for name in os.listdir(dir_fd):
+                        _unlink(name, dir_fd)
+                    there = os.stat(self.dir, follow_symlinks=False)
+                    if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
+                        break
+                    try:
+                        os.rmdir(self.dir)
+                        break
+                    except OSError as exc:
+                        # A worker that asked ``_closed`` just before the close made its file after the listing:
+                        # listed and removed again (its rename finds the level closed).
+                        if exc.errno != errno.ENOTEMPTY or again:
+                            raise
         except OSError as exc:
             log.warning("disk cache: removing %s: %s", self.dir, exc.strerror)
         finally:

@@ -348,11 +348,12 @@ def test_a_write_under_way_when_the_level_closes_keeps_nothing(tmp_path: Path) -
         writing.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("worker", ["renames", "creates"])
 def test_a_write_that_renames_while_the_close_empties_the_directory_leaves_nothing(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: str) -> None:
     """A worker abandoned at its timeout renamed its file in after the close had listed the directory (the close
-    said it was closed only at its end): the rmdir failed (ENOTEMPTY), and the directory, with cached bytes,
-    outlived the unmount."""
+    said it was closed only at its end), or one that asked just before the close made its temporary file after
+    the listing: the rmdir failed (ENOTEMPTY), and the directory, with cached bytes, outlived the unmount."""
     level, _ = _level(tmp_path, 1.0)
     level.decide(3, SIZE)  # held by the policy
     writing = level._directory()
@@ -362,9 +363,13 @@ def test_a_write_that_renames_while_the_close_empties_the_directory_leaves_nothi
 
     def listed_then_written(path: object) -> list[str]:
         names = real_listdir(path)  # type: ignore[call-overload]
-        if path == dir_fd and not kept:  # the close's listing: the worker renames its file right after it
-            kept.append(level._write_in(dir_fd, 3, "3", "3.tmp-x", Content(size=SIZE, raw=False,
-                                                                         data=memoryview(b"x" * SIZE))))
+        if path == dir_fd and not kept:  # the close's listing: the worker writes right after it
+            if worker == "renames":
+                kept.append(level._write_in(dir_fd, 3, "3", "3.tmp-x", Content(size=SIZE, raw=False,
+                                                                             data=memoryview(b"x" * SIZE))))
+            else:
+                os.close(os.open("3.tmp-y", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=dir_fd))
+                kept.append(False)
         return names  # type: ignore[no-any-return]
 
     monkeypatch.setattr(os, "listdir", listed_then_written)
