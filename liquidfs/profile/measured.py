@@ -267,13 +267,10 @@ def sample_paths(source: Path, count: int, seed: int = 0) -> list[Path]:
                 continue
             below = []
             for entry in entries:
-                try:
-                    if entry.is_dir(follow_symlinks=False):
-                        below.append(rel / entry.name)
-                        continue
-                    if not entry.is_file(follow_symlinks=False) or not is_image(os.fsencode(entry.name)):
-                        continue
-                except OSError:
+                if entry.is_dir:
+                    below.append(rel / entry.name)
+                    continue
+                if not entry.is_file or not is_image(os.fsencode(entry.name)):
                     continue
                 seen += 1
                 if len(chosen) < count:

@@ -9,10 +9,12 @@ taken.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -128,10 +130,11 @@ def shared_lock(path: Path) -> int:
     """A shared flock on ``path`` (created 0600 if it can be), waiting for an exclusive holder; the descriptor
     holds it. A read-only volume that lacks the file raises OSError."""
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)  # flock needs no write access
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError:  # (flock needs no write access)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
+        _regular(fd, path)
         fcntl.flock(fd, fcntl.LOCK_SH)
     except BaseException:
         os.close(fd)
@@ -139,10 +142,18 @@ def shared_lock(path: Path) -> int:
     return fd
 
 
+def _regular(fd: int, path: Path) -> None:
+    """OSError unless ``fd`` is a regular file. A lock file is opened without blocking (O_NONBLOCK): a FIFO put
+    at its name by whoever writes the store blocked a read-only open for good (the mount hung at its start)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file (a lock file is one)", str(path))
+
+
 def exclusive_lock(path: Path, *, wait: bool = True) -> int | None:
     """An exclusive flock on ``path`` (created 0600); None when ``wait`` is false and someone holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     try:
+        _regular(fd, path)
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
     except BlockingIOError:
         os.close(fd)

@@ -26,8 +26,11 @@ class Mount(NamedTuple):
 def parse(table: bytes) -> list[Mount]:
     """Every well-formed line of ``table``, in its order (later lines are mounted over earlier ones at one point)."""
     found = []
-    for line in table.splitlines():
-        fields = line.split()
+    # Split where the kernel does only: it escapes a space, a tab, a newline and a backslash in a path, not a
+    # carriage return or a form feed, which splitlines() and split() take for breaks (a mount on a directory
+    # named "a\x0bb" read as one on "a", and one on "x\ry" lost).
+    for line in table.split(b"\n"):
+        fields = line.split(b" ")
         try:
             dash = fields.index(b"-", 6)
             major, minor = map(int, fields[2].split(b":"))

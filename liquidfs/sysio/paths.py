@@ -11,6 +11,7 @@ import fcntl
 import os
 import select
 import stat
+from dataclasses import dataclass
 
 from . import mountinfo
 
@@ -217,15 +218,35 @@ def open_dir_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> int:
     return _walk(dir_fd, rel, where, flags, False) if rel else os.dup(dir_fd)
 
 
-def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[os.DirEntry[str]]:
+@dataclass(frozen=True, slots=True)
+class Listed:
+    """An entry of a directory ``list_below`` listed: its name, and whether it is a directory or a regular file
+    (no link followed), decided while the directory was open."""
+
+    name: str
+    is_dir: bool
+    is_file: bool
+
+
+def list_below(dir_fd: int, rel: bytes, where: bytes | str = b"") -> list[Listed]:
     """The entries of the directory ``rel`` below the one held at ``dir_fd`` (``open_dir_below``). Each entry's
-    type is the listing's (d_type)."""
+    type is the listing's (d_type), or, where the filesystem gives none (DT_UNKNOWN: XFS without ftype, some
+    FUSE, NFS and CIFS), a stat relative to the directory: taken here, while it is open. A ``DirEntry`` kept for
+    later stat-ed through a descriptor closed by then (EBADF), or another directory's that took its number.
+    An entry that cannot be told is neither."""
     fd = open_dir_below(dir_fd, rel, where)
     try:
         with os.scandir(fd) as listing:
-            return list(listing)
+            return [Listed(entry.name, *_kind(entry)) for entry in listing]
     finally:
         os.close(fd)
+
+
+def _kind(entry: os.DirEntry[str]) -> tuple[bool, bool]:
+    try:
+        return entry.is_dir(follow_symlinks=False), entry.is_file(follow_symlinks=False)
+    except OSError:
+        return False, False
 
 
 def _named(where: bytes | str, rel: bytes) -> str:
@@ -244,7 +265,9 @@ def _walk(dir_fd: int, rel: bytes, where: bytes | str, flags: int, cached_only: 
             return _openat2(dir_fd, rel, flags, _RESOLVE_BELOW | (_RESOLVE_CACHED if cached_only else 0))
         except OSError as exc:
             if exc.errno == errno.EAGAIN:
-                raise BlockingIOError(errno.EAGAIN, "not in the kernel's caches", _named(where, rel)) from None
+                # (without RESOLVE_CACHED: an O_NONBLOCK open that met a lease another process holds on the file)
+                why = "not in the kernel's caches" if cached_only else "the file is leased by another process"
+                raise BlockingIOError(errno.EAGAIN, why, _named(where, rel)) from None
             raise OSError(exc.errno, exc.strerror, _named(where, rel)) from None
     device = os.fstat(dir_fd).st_dev
     fd = dir_fd

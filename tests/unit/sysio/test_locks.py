@@ -60,3 +60,36 @@ def test_a_private_directory_is_swept_only_once_its_run_has_died(tmp_path: Path)
                                                                   "other-x"])
     after.remove()
     assert not after.path.exists() and not locks.abandoned_dirs(tmp_path, "run-")
+
+
+@pytest.mark.parametrize("take", ["shared", "exclusive", "shared, read-only"])
+def test_a_fifo_at_a_locks_name_is_refused_never_waited_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          take: str) -> None:
+    """Whoever writes the store may put a FIFO at ``mounts.lock``: a read-only open of it (a store on a read-only
+    volume, where the lock cannot be made) waited for a writer for good, and the mount hung at its start."""
+    import threading
+
+    fifo = tmp_path / "mounts.lock"
+    os.mkfifo(fifo, 0o600)
+    if take == "shared, read-only":
+        real_open = os.open
+
+        def read_only_volume(path: object, flags: int, *args: object, **kwargs: object) -> int:
+            if flags & os.O_CREAT:
+                raise OSError(30, "Read-only file system")  # EROFS
+            return real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(locks.os, "open", read_only_volume)
+    outcome: list[BaseException | int | None] = []
+
+    def taking() -> None:
+        try:
+            outcome.append(locks.exclusive_lock(fifo) if take == "exclusive" else locks.shared_lock(fifo))
+        except OSError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=taking, daemon=True)
+    thread.start()
+    thread.join(10)  # (a bound on a hang, not a measure: it answers at once)
+    assert not thread.is_alive(), "the lock waited on the FIFO"
+    assert len(outcome) == 1 and isinstance(outcome[0], OSError) and "not a regular file" in str(outcome[0])

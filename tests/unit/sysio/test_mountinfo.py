@@ -33,3 +33,15 @@ def test_a_mount_point_that_is_no_utf8_stops_no_reader_of_the_table() -> None:
     text = TABLE.decode("utf-8", "surrogateescape")
     assert paths.mounted_below(b"/data", text) == frozenset({b"\xff\xfe"})
     assert paths.filesystem_type(b"/mnt/a b/x", text) == "fuse.liquidfs"
+
+
+def test_a_mount_point_with_a_carriage_return_or_a_form_feed_is_read_whole() -> None:
+    """The kernel escapes a space, a tab, a newline and a backslash in a path, nothing else: splitlines() and
+    split() broke a line at a carriage return, a vertical tab or a form feed too. A user's FUSE mount on a
+    directory of the source so named was lost, or read as one on a shorter name, and the scan stat-ed into it."""
+    table = (b"40 25 0:301 / /data/bob/x\ry rw - fuse.sshfs bob@host: rw\n"
+             b"41 25 0:302 / /data/bob/a\x0bb\x0cc rw - fuse.sshfs bob@host: rw\n")
+    assert mountinfo.parse(table) == [Mount(40, 0, 301, b"/data/bob/x\ry", b"fuse.sshfs"),
+                                      Mount(41, 0, 302, b"/data/bob/a\x0bb\x0cc", b"fuse.sshfs")]
+    text = table.decode("utf-8", "surrogateescape")
+    assert paths.mounted_below(b"/data", text) == frozenset({b"bob/x\ry", b"bob/a\x0bb\x0cc"})

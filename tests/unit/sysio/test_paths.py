@@ -111,3 +111,20 @@ def test_a_mount_table_watch_that_cannot_be_made_keeps_no_descriptor(monkeypatch
     with pytest.raises(KeyboardInterrupt):
         paths.MountsBelow(b"/")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_listing_tells_each_entrys_kind_while_its_directory_is_open(tmp_path: Path) -> None:
+    """``DirEntry``s outlived the descriptor they were listed from: where the filesystem gives no type
+    (DT_UNKNOWN: XFS without ftype, some FUSE and NFS), their is_dir() stat-ed through a closed descriptor
+    (EBADF), or through another directory's that took its number. The kinds are decided at the listing."""
+    from liquidfs.sysio.paths import list_below
+
+    (tmp_path / "d" / "sub").mkdir(parents=True)
+    (tmp_path / "d" / "f.png").write_bytes(b"x")
+    (tmp_path / "d" / "link").symlink_to("sub")
+    root = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        listed = {e.name: (e.is_dir, e.is_file) for e in list_below(root, b"d")}
+    finally:
+        os.close(root)
+    assert listed == {"sub": (True, False), "f.png": (False, True), "link": (False, False)}
