@@ -68,7 +68,8 @@ def can_switch() -> bool:
 
 
 def may_read(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int] | None) -> bool:
-    """Whether ``uid``/``gid`` (with supplementary ``groups``, None where unknown: none) may open ``rel`` below
+    """Whether ``uid``/``gid`` (with supplementary ``groups``; None where unknown: judged as in none, and refused
+    where some group is shut out of what that gives, ``_no_group_shuts_out``) may open ``rel`` below
     ``root_fd`` for reading now: every directory on the way searchable and the file readable, as the kernel
     decides for that caller. Blocks: run it in a worker thread. Links and other filesystems are never crossed."""
     return uid == 0 or readable_inode(root_fd, rel, uid, gid, groups) is not None
@@ -93,8 +94,77 @@ def readable_inode(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[in
             _said_modes_only = True
             log.warning("other users' opens are judged by the modes alone, ACLs not read: this daemon does not know "
                         "setgroups(2)'s number on %s", platform.machine())
-        return _modes_permit(root_fd, rel, uid, gid, groups or [])
-    return _open_as(root_fd, rel, uid, gid, groups or [])
+        found = _modes_permit(root_fd, rel, uid, gid, groups or [])
+    else:
+        found = _open_as(root_fd, rel, uid, gid, groups or [])
+    if found is not None and groups is None and not _no_group_shuts_out(root_fd, rel, uid, gid, found):
+        _say_groups_unknown(uid)
+        return None
+    return found
+
+
+_said_groups_unknown = False
+
+
+def _say_groups_unknown(uid: int) -> None:
+    global _said_groups_unknown
+    if not _said_groups_unknown:
+        _said_groups_unknown = True
+        log.warning("an open by uid %d was refused: its process's groups cannot be read (another PID namespace: "
+                    "share the pod's process namespace with the mount's), and a group it may be in is shut out "
+                    "of the file or a directory on its way (said once)", uid)
+
+
+def _no_group_shuts_out(root_fd: int, rel: bytes, uid: int, gid: int, inode: int) -> bool:
+    """For a caller whose supplementary groups are unknown (its process is in a PID namespace the daemon does not
+    see, or gone: the request names pid 0), judged as in none: whether being in some group could take away what
+    that judgement gave, at any step (each directory's search, the file's read, the file being ``inode``). Judged
+    as in none, they were given what others get where a chmod or ACL since the scan shuts a group out (0604,
+    ``group:interns:---``), which the kernel, knowing their groups, refuses its members."""
+    parts = catalog_parts(rel)
+    try:
+        with contextlib.closing(_each_step(root_fd, parts)) as steps:
+            for depth, fd in enumerate(steps):
+                if depth < len(parts):
+                    if not _groups_cannot_deny(fd, uid, gid, stat.S_IXOTH):
+                        return False
+                else:
+                    return os.fstat(fd).st_ino == inode and _groups_cannot_deny(fd, uid, gid, stat.S_IROTH)
+    except OSError:
+        pass
+    return False
+
+
+def _groups_cannot_deny(fd: int, uid: int, gid: int, bit: int) -> bool:
+    """Whether, for ``uid`` with primary group ``gid``, being in further groups cannot refuse ``bit`` (S_IROTH or
+    S_IXOTH) of the file held at ``fd`` where being in none grants it. The kernel judges the owner by the owner's
+    bits, a named user by that entry; anyone else in the owning group or a named group by those entries alone
+    (one of them granting grants: more groups only add), and only the rest by others' bits. So only a caller
+    who would be judged as others can lose by a group: where others are granted and some group is not."""
+    st = os.fstat(fd)
+    if st.st_uid == uid:
+        return True
+    try:
+        value: bytes | None = os.getxattr(f"/proc/self/fd/{fd}", _ACL_XATTR)
+    except OSError as exc:
+        if exc.errno not in (errno.ENODATA, errno.EOPNOTSUPP):
+            return False
+        value = None  # the mode's bits say it all (ACLs of another kind, NFSv4's: the modes only)
+    if value is None:
+        group_grants, other_grants = bool(st.st_mode & bit << 3), bool(st.st_mode & bit)
+        return st.st_gid == gid or group_grants or not other_grants
+    entries = _acl_entries(value)
+    if entries is None:
+        return False
+    if any(tag == _USER and ident == uid for tag, _, ident in entries):
+        return True
+    mask = next((perm for tag, perm, _ in entries if tag == _MASK), 7)
+    groups = [(perm & mask, st.st_gid if tag == _GROUP_OBJ else ident) for tag, perm, ident in entries
+              if tag in (_GROUP_OBJ, _GROUP)]
+    if any(ident == gid for _, ident in groups):
+        return True  # judged by a group's entries already: more groups only add
+    other = next((perm for tag, perm, _ in entries if tag == _OTHER), 0)
+    return not other & bit or all(perm & bit for perm, _ in groups)
 
 
 def _open_as(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> int | None:
@@ -275,10 +345,9 @@ def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
         value = os.getxattr(f"/proc/self/fd/{fd}", _ACL_XATTR)
     except OSError as exc:
         return exc.errno == errno.ENODATA or (exc.errno == errno.EOPNOTSUPP and posix_acls_only)
-    if len(value) < _ACL_VERSION.size or (len(value) - _ACL_VERSION.size) % _ACL_ENTRY.size \
-            or _ACL_VERSION.unpack_from(value)[0] != 2:
+    entries = _acl_entries(value)
+    if entries is None:
         return False
-    entries = list(_ACL_ENTRY.iter_unpack(value[_ACL_VERSION.size:]))
     tags = [tag for tag, _, _ in entries]
     masks, named = tags.count(_MASK), tags.count(_USER) + tags.count(_GROUP)
     if (not set(tags) <= {_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER}
@@ -286,6 +355,15 @@ def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
             or masks > 1 or (named and not masks)):
         return False
     return all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
+
+
+def _acl_entries(value: bytes) -> list[tuple[int, int, int]] | None:
+    """The (tag, permission bits, id) entries of an access ACL's value in the kernel's format; None where it is
+    not one (its length, its version)."""
+    if len(value) < _ACL_VERSION.size or (len(value) - _ACL_VERSION.size) % _ACL_ENTRY.size \
+            or _ACL_VERSION.unpack_from(value)[0] != 2:
+        return None
+    return list(_ACL_ENTRY.iter_unpack(value[_ACL_VERSION.size:]))
 
 
 def _modes_permit(root_fd: int, rel: bytes, uid: int, gid: int, groups: list[int]) -> int | None:

@@ -357,3 +357,44 @@ def test_a_root_daemon_that_cannot_take_ids_says_the_modes_alone_decide(
     finally:
         os.close(root_fd)
     assert caplog.text.count("judged by the modes alone") == 1
+
+
+@pytest.mark.needs_root("a check as another user")
+@pytest.mark.parametrize("switch", [True, False], ids=["kernel", "modes"])
+def test_a_caller_whose_groups_are_unknown_gets_nothing_a_group_is_shut_out_of(tmp_path: Path, switch: bool,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """pid 0 (a caller in a PID namespace the daemon does not see: a sidecar's trainer) or a process gone: its
+    groups were taken as none, so it got what others get where a chmod or an ACL since the scan shuts a group
+    out (0604, group:5555:---), which the kernel refuses that group's members. Refused where some group is shut
+    out of what others get; what no group can lose (others' bits shared by every group, the caller's own
+    file, its primary group's, a named user's entry) is still granted."""
+    if not switch:
+        monkeypatch.setattr(access, "can_switch", lambda: False)
+    user_obj, user, group_obj, group, mask, other = 0x01, 0x02, 0x04, 0x08, 0x10, 0x20
+    source, file = _readable_by_all(tmp_path)
+    os.chown(file, 0, 5555)
+    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)  # 0644: every group may read
+        file.chmod(0o604)
+        assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, [])  # in no group: others' read
+        assert not access.may_read(root, b"d/f.png", NOBODY, NOBODY, [5555])  # the kernel's word for a member
+        assert not access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)  # unknown: it may be one
+        assert not access.may_read(root, b"d/f.png", NOBODY, 5555, None)  # its primary group: the kernel's no
+        os.chown(file, NOBODY, 5555)
+        assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)  # the owner: by the owner's bits
+        os.chown(file, 0, 5555)
+        file.chmod(0o644)
+        (source / "d").chmod(0o745)  # a directory on the way the group may not search
+        assert not access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)
+        (source / "d").chmod(0o755)
+        if switch:  # ACLs are read where the kernel judges (the modes alone read none)
+            _set_acl(file, [(user_obj, 6, None), (group_obj, 4, None), (group, 0, 7777), (mask, 4, None),
+                            (other, 4, None)])
+            assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, [])
+            assert not access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)
+            _set_acl(file, [(user_obj, 6, None), (user, 4, NOBODY), (group_obj, 4, None), (group, 0, 7777),
+                            (mask, 4, None), (other, 4, None)])
+            assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)  # its own entry decides
+    finally:
+        os.close(root)
