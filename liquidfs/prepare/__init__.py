@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import random
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -114,6 +115,14 @@ def prepare_store(store: Store, ratio: float, *, seed: int = 0, jobs: int | None
             # kill a worker) is committed as it goes, and the selection changes in one transaction; thrown away,
             # hours of work were done again by the next run, and a worker lost to the same image again.
             prep.keep_after_failure()
+            raise
+        except (sqlite3.Error, OSError):
+            # A catalog write that failed (a full disk: "disk I/O error"), a store that refused a write: what was
+            # committed before it is kept as well, where it can be (the failure may stop that too).
+            try:
+                prep.keep_after_failure()
+            except Exception as exc:
+                log.warning("what this prepare learnt could not be kept either: %s", exc)
             raise
     return report
 
@@ -225,6 +234,15 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                     _record(catalog, pending)
                     pending.clear()
                     last_commit = time.monotonic()
+        except KeyboardInterrupt:
+            # Ctrl-C, SIGTERM: what finished is recorded before the run stops (the last second's results, and
+            # the jobs the pool's shutdown lets finish), else the next run decodes and encodes them again.
+            pool.shutdown(wait=True, cancel_futures=True)
+            for future in in_flight:
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    take(future.result())
+            _record(catalog, pending)
+            raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
     _record(catalog, pending)

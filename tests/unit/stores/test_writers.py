@@ -767,6 +767,55 @@ def test_an_interrupted_prepare_keeps_what_it_learnt_for_the_next_run(tmp_path: 
     catalog.close()
 
 
+def test_a_catalog_write_that_fails_keeps_what_was_committed_before_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under the catalog ("disk I/O error") at the selection's write: the run's record was thrown
+    away with it (1473 objects on disk, none in the catalog), and the next run made every one again."""
+    src = make_sample(tmp_path / "data", count=4, width=64, height=32, seed=4)
+    store = tmp_path / "store"
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Catalog, "select_raw", disk_full)
+        with pytest.raises(sqlite3.OperationalError):
+            prepare(src, store, 1.0, progress=False)
+    jobs: list[object] = []
+    job = LocalStore.expansion_job
+    monkeypatch.setattr(LocalStore, "expansion_job", lambda self, *a: jobs.append(a) or job(self, *a))
+    again = prepare(src, store, 1.0, progress=False)
+    assert again.reused == 4 and jobs == []  # known: not one decoded again (adopting one decodes it)
+
+
+def test_an_interrupt_records_the_results_it_had_not_recorded_yet(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results are recorded once a second: an interrupt (Ctrl-C, SIGTERM) lost those of the last second, and
+    those of the jobs the pool's shutdown let finish; the next run decoded and encoded them again."""
+    from liquidfs import prepare as prepare_module
+
+    src = make_sample(tmp_path / "data", count=6, width=64, height=32, seed=5)
+    store = tmp_path / "store"
+    settled = prepare_module._settled
+    calls: list[int] = []
+
+    def interrupted_at_the_second(in_flight: dict) -> tuple:  # type: ignore[type-arg]
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return settled(in_flight)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(prepare_module, "_settled", interrupted_at_the_second)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(src, store, 1.0, jobs=1, progress=False)
+    jobs: list[object] = []
+    job = LocalStore.expansion_job
+    monkeypatch.setattr(LocalStore, "expansion_job", lambda self, *a: jobs.append(a) or job(self, *a))
+    again = prepare(src, store, 1.0, progress=False)
+    assert len(jobs) <= 6 - 2  # the first result and those in flight: not decoded again
+
+
 def test_a_terabyte_named_png_leaves_prepare_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse file of a terabyte named *.png (it costs whoever writes the dataset nothing): planned for as the
     largest image, it cut the run to one worker. Planned for are the images; it is refused, the rest expanded."""
