@@ -20,6 +20,7 @@ from ..catalog.identity import checksum, digest_refusal, object_key, object_stam
 from ..catalog.nodes import ExpansionRow, Node
 from ..sysio.directio import read_span
 from ..sysio.locks import unique
+from ..sysio.orphans import exit_with
 from ..sysio.paths import open_below, open_dir, open_regular, open_to_others, open_under, renamed_only_by_its_writer
 from . import workers as resources
 from .rawformats import DEFAULT, DEFAULT_FORMATS, MAX_OBJECT_BYTES, RAW_FORMATS
@@ -83,10 +84,13 @@ class Outcome:
 _budget: int | None = None
 
 
-def set_budget(budget: int | None) -> None:
-    """The worker pool's initializer."""
+def set_budget(budget: int | None, command: int | None = None) -> None:
+    """The worker pool's initializer: the memory a worker may take, and the command's pid (it exits with it,
+    ``sysio.orphans``)."""
     global _budget
     _budget = budget
+    if command is not None:
+        exit_with(command)
 
 
 def _too_large_for_memory(pixels: int, source_size: int, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> bool:

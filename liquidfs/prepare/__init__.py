@@ -33,6 +33,7 @@ from ..expand import workers as resources
 from ..expand.expansion import Outcome, is_image, object_name, rank, set_budget
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS, of_object, own_refusal
 from ..stores import Store, open_prepared, open_store
+from ..sysio.orphans import exit_with
 from ..sysio.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,7 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
 
     def new_pool(workers: int) -> cf.ProcessPoolExecutor:
         return cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=set_budget,
-                                      initargs=(plan.budget,))
+                                      initargs=(plan.budget, os.getpid()))
 
     def take(outcome: Outcome) -> None:
         nonlocal fatal, refused
@@ -394,7 +395,8 @@ def verify_store(store: Store, *, sample: int | None = None, jobs: int | None = 
     workers = resources.plan_workers(jobs, max_pixels=formats.MAX_PIXELS, refusing=False, raw_formats=held,
                                      largest_source=resources.largest_planned(n.size for n in nodes)).workers
     def new_pool(count: int) -> cf.ProcessPoolExecutor:
-        return cf.ProcessPoolExecutor(max_workers=count, mp_context=ctx)
+        return cf.ProcessPoolExecutor(max_workers=count, mp_context=ctx, initializer=exit_with,
+                                      initargs=(os.getpid(),))
 
     def check(node: Node, problem: object) -> None:
         if problem:
