@@ -243,7 +243,11 @@ class LocalStore:
                 self._root_fd = open_dir(self.source_root(work.catalog))
                 # After a failure the catalog is published all the same: the selection is unchanged, and what was
                 # expanded is known to the next run.
-                yield Preparation(work.catalog, work.publish, keep_after_failure=work.publish)
+                def publish() -> None:
+                    self._objects_durable()
+                    work.publish()
+
+                yield Preparation(work.catalog, publish, keep_after_failure=publish)
             finally:
                 if self._root_fd is not None:
                     os.close(self._root_fd)
@@ -348,6 +352,27 @@ class LocalStore:
                 finally:
                     os.close(sub_fd)
         return found
+
+    def _objects_durable(self) -> None:
+        """Every subdirectory of the objects directory synced, before the catalog naming their new objects is
+        published: each object is fsynced before its rename, but the rename is the directory's, and after a power
+        cut a published catalog could name an object that never reached the disk (served as its original, at
+        another size than its lookup said). Once per run, not per object: 256 directories at most."""
+        with self._objects_dir() as objects_fd:
+            if objects_fd is None:
+                return
+            for name in os.listdir(objects_fd):
+                if _SUBDIR.fullmatch(name) is None:
+                    continue
+                try:
+                    sub = os.open(name, _DIRECTORY_FLAGS, dir_fd=objects_fd)
+                except OSError:  # (a link a store writer put there: nothing of this run's is in it)
+                    continue
+                try:
+                    os.fsync(sub)
+                finally:
+                    os.close(sub)
+            os.fsync(objects_fd)
 
     @contextmanager
     def _objects_dir(self) -> Iterator[int | None]:

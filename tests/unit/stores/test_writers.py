@@ -816,6 +816,55 @@ def test_an_interrupt_records_the_results_it_had_not_recorded_yet(tmp_path: Path
     assert len(jobs) <= 6 - 2  # the first result and those in flight: not decoded again
 
 
+def test_surplus_objects_are_deleted_in_batches_a_progress_bar_counts(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lower ratio that drops a million objects took minutes (on NFS, from a bucket) with nothing shown after
+    the expansion bar: the deletion is shown as it goes, batch by batch."""
+    from liquidfs import prepare as prepare_module
+
+    src = make_sample(tmp_path / "data", count=5, width=64, height=32, seed=7)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    monkeypatch.setattr(prepare_module, "_DELETED_AT_ONCE", 2)
+    shown: dict[str, list[int]] = {}
+    real = prepare_module.Progress
+
+    class Counted(real):  # type: ignore[misc, valid-type]
+        def __init__(self, desc: str, *args: object, **kwargs: object) -> None:
+            super().__init__(desc, *args, **kwargs)  # type: ignore[arg-type]
+            self.counts = shown.setdefault(desc, [])
+
+        def update(self, n: int) -> None:
+            self.counts.append(n)
+            super().update(n)
+
+    monkeypatch.setattr(prepare_module, "Progress", Counted)
+    report = prepare(src, store, 0.0, progress=True)
+    assert report.deleted == 5 and not list((store / "objects").rglob("*.bmp"))
+    assert shown["deleting surplus objects"] == [2, 2, 1]
+
+
+def test_the_objects_directories_are_synced_before_the_catalog_naming_them_is_published(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each object was fsynced before its rename, never the rename itself (its directory's): after a power cut a
+    published catalog could name an object that never reached the disk."""
+    from liquidfs.stores.local import store as store_module
+
+    src = make_sample(tmp_path / "data", count=6, width=64, height=32, seed=8)
+    store = tmp_path / "store"
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recorded(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(store_module.os, "fsync", recorded)
+    prepare(src, store, 1.0, progress=False)
+    subdirs = {str(sub) for sub in (store / "objects").iterdir()}
+    assert subdirs and subdirs <= set(synced) and str(store / "objects") in synced
+
+
 def test_a_terabyte_named_png_leaves_prepare_its_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A sparse file of a terabyte named *.png (it costs whoever writes the dataset nothing): planned for as the
     largest image, it cut the run to one worker. Planned for are the images; it is refused, the rest expanded."""
