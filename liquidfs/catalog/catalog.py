@@ -346,11 +346,12 @@ class Catalog:
             self.set_meta("ratio", repr(ratio))
 
     def refresh_file(self, node: Node) -> None:
-        """Record a file's size, mtime and version as ``node`` says them now (a file changed in place since the
-        scan, which its directory's mtime does not show: ``Store.since_scan``)."""
+        """Record a file's size, mtime, version and mode as ``node`` says them now (a file changed in place since
+        the scan, which its directory's mtime does not show: ``Store.since_scan``). The mode too: a row whose
+        version is the file's as it is now, after a chmod, showed the scan's mode, and nothing said it changed."""
         with self.transaction():
-            self.db.execute("UPDATE nodes SET size=?, mtime_ns=?, etag=? WHERE id=? AND kind=?",
-                            (node.size, node.mtime_ns, node.etag, node.id, KIND_FILE))
+            self.db.execute("UPDATE nodes SET size=?, mtime_ns=?, etag=?, mode=? WHERE id=? AND kind=?",
+                            (node.size, node.mtime_ns, node.etag, node.mode, node.id, KIND_FILE))
 
     def surplus_objects(self) -> list[tuple[bytes, str]]:
         """(path, object) of the expansions no node serves any more (a served row without an object, which no

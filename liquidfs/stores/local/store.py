@@ -266,7 +266,8 @@ class LocalStore:
             return None  # gone, or a directory on the way replaced: its directory changed, a scan will say
         if not stat.S_ISREG(st.st_mode) or same_file(node, st):
             return None
-        return dataclasses.replace(node, size=st.st_size, mtime_ns=stored_ns(st.st_mtime_ns), etag=file_version(st))
+        return dataclasses.replace(node, size=st.st_size, mtime_ns=stored_ns(st.st_mtime_ns), etag=file_version(st),
+                                   mode=st.st_mode)
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         return expand_one, (root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,

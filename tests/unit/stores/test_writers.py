@@ -605,6 +605,26 @@ def test_an_object_changed_since_it_was_recorded_is_made_again_not_reused(tmp_pa
         catalog.close()
 
 
+def test_a_file_chmod_since_the_scan_has_its_mode_recorded_with_its_version(tmp_path: Path) -> None:
+    """prepare refreshed a changed file's size, mtime and version, not its mode: after a chmod 600 the row's
+    version matched the file as it is while it still showed the scan's 0644, and nothing said it changed."""
+    src = make_sample(tmp_path / "src", count=3, width=64, height=32, seed=9)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    node = next(n for n in catalog.files() if n.served_raw)
+    catalog.close()
+    path = src / os.fsdecode(node.path)
+    folder = path.parent.stat().st_mtime_ns
+    path.chmod(0o600)
+    assert path.parent.stat().st_mtime_ns == folder  # nothing a scan's freshness check sees
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    now = catalog.get(node.id)
+    catalog.close()
+    assert now is not None and stat.S_IMODE(now.mode) == 0o600
+
+
 def test_verify_names_a_file_of_any_bytes_on_one_line_without_a_traceback(tmp_path: Path) -> None:
     """A name that is no UTF-8 made the line that names it raise UnicodeEncodeError on a strict stdout (the
     verify, or a mount made, ended in a traceback with status 1); control characters a writer put in a name
