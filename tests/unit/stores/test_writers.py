@@ -532,6 +532,17 @@ def test_the_catalog_copies_of_killed_prepares_are_removed_by_the_next(tmp_path:
         held.release()
 
 
+def _prepared_raw(tmp_path: Path, count: int, seed: int) -> tuple[Path, Path, Node, Path]:
+    """A sample prepared whole: (source, store, one of its raw files' row, that file's source path)."""
+    src = make_sample(tmp_path / "src", count=count, width=64, height=32, seed=seed)
+    store = tmp_path / "store"
+    prepare(src, store, 1.0, progress=False)
+    catalog = Catalog.open(store, readonly=True)
+    node = next(n for n in catalog.files() if n.served_raw)
+    catalog.close()
+    return src, store, node, src / os.fsdecode(node.path)
+
+
 def test_an_image_rewritten_in_place_is_expanded_again_by_the_next_prepare(tmp_path: Path) -> None:
     """A write in place (its mtime put back, as `cp -p` or `rsync -t` does) changes nothing its directory shows:
     the catalog stayed fresh, the next prepare reused the row and the stale object of what the file held at the
@@ -543,13 +554,7 @@ def test_an_image_rewritten_in_place_is_expanded_again_by_the_next_prepare(tmp_p
 
     from liquidfs.expand import formats
 
-    src = make_sample(tmp_path / "src", count=4, width=64, height=32, seed=4)
-    store = tmp_path / "store"
-    prepare(src, store, 1.0, progress=False)
-    catalog = Catalog.open(store, readonly=True)
-    node = next(n for n in catalog.files() if n.served_raw)
-    catalog.close()
-    path = src / os.fsdecode(node.path)
+    src, store, node, path = _prepared_raw(tmp_path, count=4, seed=4)
     folder = path.parent.stat().st_mtime_ns
     st = path.stat()
     other = io.BytesIO()
@@ -608,13 +613,7 @@ def test_an_object_changed_since_it_was_recorded_is_made_again_not_reused(tmp_pa
 def test_a_file_chmod_since_the_scan_has_its_mode_recorded_with_its_version(tmp_path: Path) -> None:
     """prepare refreshed a changed file's size, mtime and version, not its mode: after a chmod 600 the row's
     version matched the file as it is while it still showed the scan's 0644, and nothing said it changed."""
-    src = make_sample(tmp_path / "src", count=3, width=64, height=32, seed=9)
-    store = tmp_path / "store"
-    prepare(src, store, 1.0, progress=False)
-    catalog = Catalog.open(store, readonly=True)
-    node = next(n for n in catalog.files() if n.served_raw)
-    catalog.close()
-    path = src / os.fsdecode(node.path)
+    src, store, node, path = _prepared_raw(tmp_path, count=3, seed=9)
     folder = path.parent.stat().st_mtime_ns
     path.chmod(0o600)
     assert path.parent.stat().st_mtime_ns == folder  # nothing a scan's freshness check sees
