@@ -122,6 +122,24 @@ def restore_umask() -> Iterator[None]:
         os.umask(umask)
 
 
+@pytest.fixture(autouse=True)
+def restore_python_safepath() -> Iterator[None]:
+    """``cli.main`` sets PYTHONSAFEPATH for its process (``sysio.reexec.helpers_off_cwd``): a test that calls it
+    in-process would hand it to every later test's subprocesses (a `python rank.py` that imports a module beside
+    it among them)."""
+    from liquidfs.sysio import reexec
+
+    before, users = os.environ.get("PYTHONSAFEPATH"), reexec._USERS_SAFEPATH
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONSAFEPATH", None)
+        else:
+            os.environ["PYTHONSAFEPATH"] = before
+        reexec._USERS_SAFEPATH = users
+
+
 def run_cli(*args: str, check: bool = True, timeout: float = 120, **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "liquidfs", *args], capture_output=True, text=True,
                           check=check, timeout=timeout, **kw)  # type: ignore[call-overload]

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .. import __version__
+from ..sysio import reexec
 from . import doctor, mount, prepare, profile
 from .options import CommandParser, OptionError
 
@@ -149,11 +150,9 @@ def _run(argv: Sequence[str] | None) -> int:
     # Everything liquidfs writes (catalogs, raw objects, the disk cache, logs) is its owner's only: a raw object
     # of a 0600 image, or the names of a 0700 directory, must not become readable by every local user.
     os.umask(0o077)
-    # The Python helpers multiprocessing starts (prepare's and verify's forkserver, its resource tracker) run as
-    # ``python -c ...``, which puts the working directory first on their import path: run by root in a directory
-    # a dataset's writer may write (the source, /tmp), their ``import multiprocessing`` took that writer's.
-    # Children inherit this; liquidfs's own re-executions run isolated (-I) already.
-    os.environ["PYTHONSAFEPATH"] = "1"
+    # The Python helpers multiprocessing starts run as ``python -c ...``, with the working directory first on
+    # their import path: root's prepare in a directory a dataset's writer may write imported theirs.
+    reexec.helpers_off_cwd()
     args = build_parser().parse_args(argv)
     args.log_level = args.log_level.lower()  # LIQUIDFS_LOG_LEVEL=INFO as well (argparse checks flags only)
     if args.log_level not in LOG_LEVELS:  # a typo in a sidecar's environment: said, never every command broken

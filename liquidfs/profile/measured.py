@@ -474,7 +474,7 @@ class ScratchMounts:
         run waited for it to the timeout, then failed as one that never finished."""
         try:
             proc = subprocess.Popen(words, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True, env=reexec.users_env())
         except OSError as exc:
             raise ProfileError(f"--run: cannot start {words[0]!r}: {exc.strerror}") from None
         assert proc.stdout is not None

@@ -17,7 +17,35 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["isolated_env", "python_words", "popen", "run"]
+__all__ = ["helpers_off_cwd", "isolated_env", "python_words", "popen", "run", "users_env"]
+
+#: ``PYTHONSAFEPATH`` as the user set it, once ``helpers_off_cwd`` changed it (``(None,)``: unset); None before.
+_USERS_SAFEPATH: tuple[str | None] | None = None
+
+
+def helpers_off_cwd() -> None:
+    """The Python helpers that multiprocessing starts for this process (prepare's and verify's forkserver, its
+    resource tracker) kept from importing from the working directory: they run as ``python -c ...``, whose
+    import path starts with it, so root's prepare run in a directory a dataset's writer may write (the source,
+    /tmp) took their ``multiprocessing`` from there. They inherit this process's environment, with
+    ``PYTHONSAFEPATH`` set; a user's own command (``profile --run``) gets the user's (``users_env``)."""
+    global _USERS_SAFEPATH
+    if _USERS_SAFEPATH is None:
+        _USERS_SAFEPATH = (os.environ.get("PYTHONSAFEPATH"),)
+    os.environ["PYTHONSAFEPATH"] = "1"
+
+
+def users_env() -> dict[str, str]:
+    """This process's environment as the user gave it, for a command of the user's own (``profile --run``: a
+    ``python train.py`` imports its own modules from its directory, which ``PYTHONSAFEPATH`` would hide)."""
+    env = dict(os.environ)
+    if _USERS_SAFEPATH is not None:
+        users = _USERS_SAFEPATH[0]
+        if users is None:
+            env.pop("PYTHONSAFEPATH", None)
+        else:
+            env["PYTHONSAFEPATH"] = users
+    return env
 
 
 def python_words(module: str, *args: str) -> list[str]:

@@ -118,7 +118,9 @@ def test_an_object_damaged_in_place_and_prepared_again_is_never_served(tmp_path:
     """A store-wide seal time vouched for every object whose ctime was older, and every prepare moved it, objects
     it reused unread included: an object damaged in place, then a prepare (the Kubernetes init container runs
     one at every pod start), was passed through with no fallback. What vouches for an object is now its own
-    stamp, taken when it was written or read and checked, which a reuse leaves as it was."""
+    stamp, taken when it was written or read and checked, which a reuse leaves as it was; and a prepare reuses
+    an object unread only where that stamp is its own still (this one is made again, sound), so the damage that
+    reaches a mount is one done after the last prepare."""
     src = tmp_path / "src"
     make_sample(src, count=3, width=256, height=128, seed=21)
     store = tmp_path / "store"
@@ -127,13 +129,20 @@ def test_an_object_damaged_in_place_and_prepared_again_is_never_served(tmp_path:
     node = next(n for n in catalog.files() if n.served_raw)
     catalog.close()
     obj = store / str(node.object)
-    damaged = bytearray(obj.read_bytes())
+    sound = obj.read_bytes()
+    damaged = bytearray(sound)
     damaged[-100] ^= 0xFF
-    with open(obj, "r+b") as f:  # in place: the same inode, the same size
-        f.seek(len(damaged) - 100)
-        f.write(bytes([damaged[-100]]))
+
+    def damage() -> None:
+        with open(obj, "r+b") as f:  # in place: the same inode, the same size
+            f.seek(len(damaged) - 100)
+            f.write(bytes([damaged[-100]]))
+
+    damage()
     time.sleep(0.05)
-    prepare(src, store, ratio=1.0, progress=False)  # reuses the object unread
+    prepare(src, store, ratio=1.0, progress=False)  # its stamp is not the object's: made again
+    assert obj.read_bytes() == sound
+    damage()  # after the prepare, the object it sealed
     mnt = mounter.mount(src, "--data-path", data_path, store=store)
     rel = os.fsdecode(node.path)
     original = (src / rel).read_bytes()

@@ -280,3 +280,24 @@ def test_the_pil_loader_opens_the_formats_liquidfs_decodes_and_lists_only_their_
 
     assert loaders.PIL_FORMATS == PILLOW_FORMATS
     assert set(loaders.SUFFIXES) == {".png", ".jpg", ".jpeg", ".bmp", ".jp2"}
+
+
+@pytest.mark.parametrize("users", [None, ""])
+def test_a_users_run_command_gets_the_users_python_path_rules(monkeypatch: pytest.MonkeyPatch,
+                                                               users: str | None) -> None:
+    """The commands keep their multiprocessing helpers off the working directory with PYTHONSAFEPATH, which a
+    `--run 'python train.py'` inherited: the script's own directory left its import path (`import model`
+    failed). The user's command runs with the user's value, or none."""
+    from liquidfs.profile.measured import ScratchMounts
+    from liquidfs.sysio import reexec
+
+    reexec._USERS_SAFEPATH = None  # (put back by conftest's restore_python_safepath, as the variable is)
+    if users is None:
+        monkeypatch.delenv("PYTHONSAFEPATH", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONSAFEPATH", users)
+    reexec.helpers_off_cwd()
+    assert os.environ["PYTHONSAFEPATH"] == "1"
+    words = ["sh", "-c", "echo \"${PYTHONSAFEPATH-unset}\""]
+    status, output, _ = ScratchMounts._run(object(), words, 0.5, timeout=20)  # type: ignore[arg-type]
+    assert status == 0 and output.splitlines()[0] == ("unset" if users is None else users)
