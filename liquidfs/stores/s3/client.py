@@ -207,12 +207,16 @@ _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 
 def same_etag(one: object, other: object) -> bool:
     """Whether two ETags are the same: S3 quotes them, and a proxy or another store may quote one and not the
-    other (compared as given, every raw object of such a store was served as its original)."""
-    return _bare(one) == _bare(other)
+    other (compared as given, every raw object of such a store was served as its original). Never where either
+    is none: a row without one and a HEAD whose answer lost it were the same, and the raw object was served with
+    no check of its source."""
+    bare = _bare(one)
+    return bool(bare) and bare == _bare(other)
 
 
 def _bare(etag: object) -> str:
-    return str(etag).strip().strip('"')
+    """An ETag without its quotes; '' for none (None, not text)."""
+    return etag.strip().strip('"') if isinstance(etag, str) else ""
 
 
 def error_code(exc: BaseException) -> str:
