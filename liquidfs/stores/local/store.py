@@ -243,11 +243,20 @@ class LocalStore:
                 self._root_fd = open_dir(self.source_root(work.catalog))
                 # After a failure the catalog is published all the same: the selection is unchanged, and what was
                 # expanded is known to the next run.
+                publishing: list[bool] = []  # a publish begun (and, ended, by whom)
+
                 def publish() -> None:
+                    publishing.append(True)
                     self._objects_durable()
                     work.publish()
 
-                yield Preparation(work.catalog, publish, keep_after_failure=publish)
+                def keep_after_failure() -> None:
+                    # Never a publish that failed tried again: a second fsync after a writeback error says 0 on
+                    # Linux, and the catalog would be published after its objects failed to reach the disk.
+                    if not publishing:
+                        publish()
+
+                yield Preparation(work.catalog, publish, keep_after_failure=keep_after_failure)
             finally:
                 if self._root_fd is not None:
                     os.close(self._root_fd)

@@ -807,6 +807,28 @@ def test_a_catalog_write_that_fails_keeps_what_was_committed_before_it(tmp_path:
     assert again.reused == 4 and jobs == []  # known: not one decoded again (adopting one decodes it)
 
 
+def test_a_publish_that_failed_is_not_tried_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The objects' sync failing (EIO: a writeback error) failed the publish, and the failure's handler published
+    again, where a second fsync says 0: the catalog was published after its objects failed to reach the disk."""
+    from liquidfs.stores.local import store as store_module
+
+    src = make_sample(tmp_path / "data", count=3, width=64, height=32, seed=3)
+    store = tmp_path / "store"
+    synced: list[int] = []
+
+    def writeback_error(self: object) -> None:
+        synced.append(1)
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(store_module.LocalStore, "_objects_durable", writeback_error)
+    with pytest.raises(OSError, match="Input/output error"):
+        prepare(src, store, 1.0, progress=False)
+    assert synced == [1]
+    catalog = Catalog.open(store, readonly=True)
+    assert not any(n.served_raw for n in catalog.files())  # the catalog in place is the one from before
+    catalog.close()
+
+
 def test_an_interrupt_records_the_results_it_had_not_recorded_yet(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Results are recorded once a second: an interrupt (Ctrl-C, SIGTERM) lost those of the last second, and
