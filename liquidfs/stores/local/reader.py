@@ -75,8 +75,13 @@ class StoreReader:
         # attributes a network or FUSE filesystem may have cached for seconds. Of the directories held, not of
         # their paths, which may name others by now (by path only where mountinfo shows no mount of the device
         # held: a btrfs subvolume's).
-        self.stamps_vouch = self.objects_fd >= 0 and (
-            filesystem_type_of(self.objects_fd) or filesystem_type(str(self.store_dir / "objects"))) in LOCAL_FILESYSTEMS
+        objects_type = (filesystem_type_of(self.objects_fd) or filesystem_type(str(self.store_dir / "objects"))
+                        ) if self.objects_fd >= 0 else None
+        self.stamps_vouch = objects_type in LOCAL_FILESYSTEMS
+        # Whether an error at an object may be its filesystem's server's own answer rather than this kernel's:
+        # a FUSE server answers any errno it likes (EMFILE too); an NFS client's descriptors and memory are
+        # this node's. Unknown: taken as a server's.
+        self._server_errnos = objects_type is None or objects_type.startswith("fuse")
         self._fallbacks = FallbackLog(log)
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache
@@ -224,12 +229,11 @@ class StoreReader:
         except FileNotFoundError:
             return "raw object missing"
         except OSError as exc:
-            if short_of_resources(exc) and self.stamps_vouch:
+            if short_of_resources(exc) and not self._server_errnos:
                 # The daemon or the node out of descriptors or memory: the object may be sound. Served as its
                 # original, the open would supersede every open still reading the object (``datapath.daemon``)
                 # and count a fallback for a file nothing is wrong with: this open fails with that errno instead.
-                # (Only where the objects are local: a network or FUSE filesystem's server may answer with one
-                # itself, and then the original is served.)
+                # (Not where a FUSE filesystem's server may answer so itself: then the original is served.)
                 raise
             return f"raw object unreadable ({exc.strerror})"
         if not self.may_serve(node, ost):
@@ -322,7 +326,7 @@ class StoreReader:
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:
-            if short_of_resources(exc) and self.stamps_vouch:  # (as at its open, ``_raw_choice``)
+            if short_of_resources(exc) and not self._server_errnos:  # (as at its open, ``_raw_choice``)
                 raise
             return f"raw object unreadable ({exc.strerror})", None
         try:

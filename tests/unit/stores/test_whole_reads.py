@@ -124,9 +124,9 @@ def test_a_raw_object_read_failing_for_want_of_memory_fails_the_open(tmp_path: P
                                                                    code: int, local: bool) -> None:
     """A medium error (EIO) reading the object serves the original; one that says the daemon is short (ENOMEM,
     ``sysio.short``) says nothing about the object: the open fails with it, never a fallback for a sound file.
-    Where the objects are not local (NFS, FUSE), their server may answer so itself: the original is served."""
+    Where the objects are on FUSE, its server may answer so itself: the original is served."""
     if not local:
-        monkeypatch.setattr(local_reader_module, "LOCAL_FILESYSTEMS", frozenset())
+        monkeypatch.setattr(local_reader_module, "filesystem_type_of", lambda fd: "fuse.sshfs")
     src, store, node = _prepared(tmp_path, 9)
     real = local_reader_module.read_span
 
@@ -146,15 +146,16 @@ def test_a_raw_object_read_failing_for_want_of_memory_fails_the_open(tmp_path: P
         assert failed.value.errno == code
 
 
-@pytest.mark.parametrize("local", [True, False])
+@pytest.mark.parametrize("objects_on", [None, "nfs4", "fuse.sshfs"])
 def test_a_raw_object_open_failing_for_want_of_descriptors_fails_the_open(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch,
-                                                                        local: bool) -> None:
+                                                                        objects_on: str | None) -> None:
     """EMFILE at the object's open (the source's check found it unchanged): served as the original, it counted a
     fallback for a sound file and superseded every open still reading the object. The open fails with it, where
-    the objects are local; elsewhere (NFS, FUSE) their server may answer so itself, and the original is served."""
-    if not local:
-        monkeypatch.setattr(local_reader_module, "LOCAL_FILESYSTEMS", frozenset())
+    the objects are local or on NFS (the client's shortage is this node's); on FUSE its server may answer so
+    itself, and the original is served."""
+    if objects_on is not None:  # (None: this machine's own filesystem)
+        monkeypatch.setattr(local_reader_module, "filesystem_type_of", lambda fd: objects_on)
     src, store, node = _prepared(tmp_path, 10)
     real = local_reader_module.open_below_stat
 
@@ -164,7 +165,7 @@ def test_a_raw_object_open_failing_for_want_of_descriptors_fails_the_open(tmp_pa
         return real(dir_fd, rel, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(local_reader_module, "open_below_stat", short)
-    if local:
+    if objects_on != "fuse.sshfs":
         with pytest.raises(OSError) as failed:
             _opened(store, node.id)
         assert failed.value.errno == errno.EMFILE
