@@ -52,12 +52,14 @@ def refusal(store: Path, *, writing: bool) -> str | None:
     return _above_refusal(store, st) if writing else None
 
 
-def making_refusal(path: Path, advice: str = "put it where only root and this user may write") -> str | None:
+def making_refusal(path: Path, advice: str = "put it where only root and this user may write", *,
+                   modes: bool = True) -> str | None:
     """Why this process may not make ``path`` (missing) and the levels missing above it, or None: the deepest
     level there is belongs to someone else than root and this user, or they may write it (unless it is sticky:
     what this process makes there stays its own), or may move it or one above it (``_above_refusal``). Asked
     before anything is made: where it leads through a link that someone else may point elsewhere, root would
-    make directories, and change modes, where they chose."""
+    make directories, and change modes, where they chose. ``modes`` False: only who owns them counts (a
+    directory of root's that others may write, a pod's emptyDir, is taken)."""
     existing = next(p for p in Path(os.path.abspath(path)).parents if os.path.lexists(p))
     try:
         st = os.stat(existing)
@@ -66,22 +68,22 @@ def making_refusal(path: Path, advice: str = "put it where only root and this us
     mode = stat.S_IMODE(st.st_mode)
     if st.st_uid not in (0, os.geteuid()):
         why = f"{existing} is owned by uid {st.st_uid}"
-    elif mode & 0o022 and not mode & stat.S_ISVTX:
+    elif modes and mode & 0o022 and not mode & stat.S_ISVTX:
         why = f"group or others may write {existing} (mode {mode:o})"
     else:
-        return _above_refusal(existing, st)
+        return _above_refusal(existing, st, modes=modes)
     return (f"{path}: {why}, who may put a link where this process (uid {os.geteuid()}) would make it: not made; "
             f"{advice}")
 
 
 def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
                    then: str = "it writes no catalog there; put the store where only root and this user may "
-                               "rename it") -> str | None:
+                               "rename it", *, modes: bool = True) -> str | None:
     """Why the directories above ``store`` (``st``) let someone else than root and this user move it away and
     put a directory of theirs at its name, between a check of it and the names SQLite opens there: one that
     owns one of them, or may write one that is not sticky (a sticky one keeps others from renaming what root or
     this user owns in it: /tmp). None where no one else can. ``what`` and ``then``: how the message names the
-    directory, and what this process does not do there."""
+    directory, and what this process does not do there. ``modes`` False: only who owns them counts."""
     trusted = (0, os.geteuid())
     # The directories above the path as named too (a link on the way: whoever may rename it in its directory
     # may point it elsewhere), each with what is below it there, and those above where it leads.
@@ -96,7 +98,7 @@ def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
             mode = stat.S_IMODE(up.st_mode)
             if up.st_uid not in trusted:
                 why = f"{above} is owned by uid {up.st_uid}"
-            elif mode & 0o022 and not (mode & stat.S_ISVTX and below.st_uid in trusted):
+            elif modes and mode & 0o022 and not (mode & stat.S_ISVTX and below.st_uid in trusted):
                 why = f"group or others may write {above} (mode {mode:o})"
             else:
                 below = os.lstat(above)
@@ -106,7 +108,7 @@ def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
     return None
 
 
-def moved_refusal(path: Path, st: os.stat_result, what: str, then: str) -> str | None:
+def moved_refusal(path: Path, st: os.stat_result, what: str, then: str, *, modes: bool = True) -> str | None:
     """Why someone else than root and this user may move ``path`` (``st``: its stat) or a directory above it
     away and put one of theirs at its name (``_above_refusal``), or None."""
-    return _above_refusal(path, st, what, then)
+    return _above_refusal(path, st, what, then, modes=modes)

@@ -366,7 +366,7 @@ def root_refusal(root: Path) -> str | None:
         st = os.stat(root)
     except (FileNotFoundError, NotADirectoryError):
         # Made by the mount: not through a link, nor below a directory, that someone else may point elsewhere.
-        missing = making_refusal(root, "give a directory only root and you may write")
+        missing = making_refusal(root, "give a directory only root and you may write", modes=False)
         return None if missing is None else f"--disk-cache {missing}"
     except OSError as exc:
         return f"--disk-cache {root}: {exc.strerror}"
@@ -379,10 +379,12 @@ def root_refusal(root: Path) -> str | None:
     if mode & 0o022 and not mode & stat.S_ISVTX:
         return (f"--disk-cache {root}: group or others may remove what a mount keeps there (mode {mode:o}, not "
                 "sticky): chmod go-w it, or give another")
-    # Named through a link, or below a directory, that someone else may point or move elsewhere after this
-    # check: they would choose where root writes and what it sweeps.
+    # Named through a link, or below a directory, of someone else's, who may point or move it elsewhere after
+    # this check: they would choose where root writes and what it sweeps. By owner only, not mode: a directory
+    # of root's that others may write above it (a pod's emptyDir, 0777, with the cache the mount makes below
+    # it, as mount/README.md sets it up) lets its writers rename the cache, not choose where root's files go.
     moved = moved_refusal(root, st, "it", "the mount would write and remove where they chose; give a "
-                          "directory only root and you may rename")
+                          "directory only root and you may rename", modes=False)
     return None if moved is None else f"--disk-cache {moved}"
 
 

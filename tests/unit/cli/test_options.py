@@ -149,6 +149,24 @@ def test_a_disk_cache_directory_others_may_change_is_refused(tmp_path: Path, mod
             options.mount_config(args, STORAGE)
 
 
+@pytest.mark.parametrize("made", [True, False])
+def test_a_disk_cache_below_a_directory_of_roots_others_may_write_is_taken(tmp_path: Path, made: bool) -> None:
+    """mount/README.md's setup: an emptyDir (root's, 0777) at /nvme/liquidfs and `--disk-cache
+    /nvme/liquidfs/cache`, which the mount makes (or made at an earlier start). Refused by the check of who may
+    move it, which counts owners only here."""
+    if os.geteuid() != 0:
+        pytest.fail("the disk cache's owner is checked as root runs it") if os.environ.get("CI") else \
+            pytest.skip("needs root")
+    volume = tmp_path / "nvme" / "liquidfs"
+    volume.mkdir(parents=True)
+    volume.chmod(0o777)
+    cache = volume / "cache"
+    if made:
+        cache.mkdir(mode=0o700)
+    args = _mount_args("--disk-cache", str(cache), "--disk-cache-size", "1G")
+    assert options.mount_config(args, STORAGE).disk_cache == cache
+
+
 @pytest.mark.parametrize("through", ["link", "parent", "link, not there yet"])
 def test_a_disk_cache_another_user_may_point_elsewhere_is_refused(tmp_path: Path, through: str) -> None:
     """A link to a directory of root's (its check followed it), or a directory below one of another user's: they
