@@ -31,7 +31,7 @@ from .scan import START_AFTER, Warmer
 from .schema import (FILE_IDENTITY, IDENTITY_INO_CTIME, INDEXES, SCANNED_COLUMNS, SCHEMA_VERSION, TABLES,
                      UNLISTED, CatalogError, schema_version)
 from .sink import LocalSink, ProcessSink, Sink
-from .store_dir import check_store_dir
+from .store_dir import check_store_dir, make_store_dir
 from .store_dir import refusal as store_dir_refusal
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class _Writer:
 
     def __init__(self, store_dir: str | os.PathLike[str]) -> None:
         self.store = Path(store_dir)
-        self.store.mkdir(parents=True, exist_ok=True)
+        make_store_dir(self.store)
         check_store_dir(self.store, writing=True)  # before a leftover is looked at
         self.final = self.store / CATALOG_NAME
         _remove_abandoned(self.store)

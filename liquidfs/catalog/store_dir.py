@@ -52,6 +52,16 @@ def refusal(store: Path, *, writing: bool) -> str | None:
     return _above_refusal(store, st) if writing else None
 
 
+def make_store_dir(path: Path, advice: str = "give a --store where only root and this user may write") -> None:
+    """``path`` made, with the levels missing above it, where ``making_refusal`` has nothing against making them
+    (CatalogError saying why otherwise); nothing where it is there (its own check is ``check_store_dir``'s)."""
+    if not path.exists():
+        refused = making_refusal(path, advice)
+        if refused is not None:
+            raise CatalogError(refused)
+    path.mkdir(parents=True, exist_ok=True)
+
+
 def making_refusal(path: Path, advice: str = "put it where only root and this user may write", *,
                    modes: bool = True) -> str | None:
     """Why this process may not make ``path`` (missing) and the levels missing above it, or None: the deepest

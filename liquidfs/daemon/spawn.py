@@ -20,6 +20,12 @@ from .config import MountError
 def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0, mountpoint: Path | None = None) -> None:
     """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers. ``mountpoint``
     (as mountinfo shows it): where a daemon stopped for not answering may have left a mount."""
+    if not log_file.parent.exists():
+        from ..catalog.store_dir import making_refusal
+
+        refused = making_refusal(log_file.parent, "give a --log-file where only root and you may write")
+        if refused is not None:
+            raise MountError(refused)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     try:
         # STORE/mount.log is in a directory a store writer may write: a link there to a root-owned startup file

@@ -29,7 +29,7 @@ from ...catalog.catalog import CATALOG_NAME, CHANGED, Catalog, check_utf8, defau
 from ...catalog.identity import file_version, object_stamp, stored_ns
 from ...catalog.nodes import Node
 from ...catalog.schema import CatalogError
-from ...catalog.store_dir import check_store_dir, making_refusal
+from ...catalog.store_dir import check_store_dir, make_store_dir
 from ...catalog.store_dir import refusal as store_dir_refusal
 from ...expand.expansion import OBJECTS, OBJECTS_OPEN_TO_OTHERS, expand_one, is_image, verify_one
 from ...expand.rawformats import DEFAULT, NAMES, RAW_FORMATS, SUFFIX_PATTERN
@@ -216,13 +216,9 @@ class LocalStore:
     @contextmanager
     def preparing(self, progress: bool) -> Iterator[Preparation]:
         self._check_source()
-        if not self.store_dir.exists():
-            # Before anything is made: through a link someone else may point elsewhere, root made the store's
-            # directories where they chose, then refused.
-            refused = making_refusal(self.store_dir, "give a --store where only root and this user may write")
-            if refused is not None:
-                raise CatalogError(refused)
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        # Checked before anything is made: through a link someone else may point elsewhere, root made the
+        # store's directories where they chose, then refused.
+        make_store_dir(self.store_dir)
         check_store_dir(self.store_dir, writing=True)  # before its lock is made there
         held = exclusive_lock(self.store_dir / PREPARE_LOCK, wait=False)
         if held is None:  # prepares of one store run one after another: the next reuses what the first did
@@ -431,7 +427,7 @@ class LocalStore:
         from ...expand import formats  # NumPy and Pillow: the profile's, not every mount's that opens a store
 
         self._check_source()
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        make_store_dir(self.store_dir)
         check_store_dir(self.store_dir, writing=True)  # the sample is expanded there
         _check_readable(self.store_dir / CATALOG_NAME)
         self._catalog_ready(rescan=False, progress=False)
@@ -559,7 +555,7 @@ class LocalStore:
             log.warning("%s: its catalog is behind the source and is used as it stands (what changed since its "
                         "last scan shows after a scan by the store's owner): %s", self.store_dir, why)
             return
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        make_store_dir(self.store_dir)
         with self._one_writer(state, rescan=rescan) as scan:
             if scan:
                 open_or_build(self.source, self.store_dir, rescan=rescan, progress=progress).close()

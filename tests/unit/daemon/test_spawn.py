@@ -171,3 +171,20 @@ def test_a_failed_daemon_never_detaches_a_live_mount_another_mount_made_there(
     _, refused, _ = _waited_for(tmp_path, "import sys; print('no longer the directory mount checked'); sys.exit(1)",
                                 30.0, mnt)
     assert refused.match("exited with status 1") and ran == []
+
+
+def test_a_log_directory_made_through_another_users_link_is_refused_before_it_is_made(tmp_path: Path) -> None:
+    """``--log-file ~bob/logs/new/mount.log`` as root, ``logs`` a link of bob's to a directory of root's: the
+    command made ``new`` there, root's, before anything was checked."""
+    if os.geteuid() != 0:
+        pytest.fail("root's checks are tested as root runs them") if os.environ.get("CI") else \
+            pytest.skip("needs root to give a directory away")
+    bob, target = tmp_path / "bob", tmp_path / "target"
+    bob.mkdir()
+    target.mkdir()
+    os.chown(bob, 65534, 65534)
+    (bob / "logs").symlink_to(target)
+    os.lchown(bob / "logs", 65534, 65534)
+    with pytest.raises(MountError, match="owned by uid 65534"):
+        spawn.spawn_daemon(["mount", "x", "y"], bob / "logs" / "new" / "mount.log")
+    assert list(target.iterdir()) == []

@@ -373,7 +373,8 @@ def test_prepare_writes_no_object_where_another_user_may_rename_it(tmp_path: Pat
 
 def test_a_store_made_through_another_users_link_is_refused_before_anything_is_made(tmp_path: Path) -> None:
     """``--store ~bob/stores/new/ds`` as root, ``stores`` a link of bob's to a directory of root's: prepare made
-    ``new/ds`` there, root's, then refused; so did a mount's disk cache not there yet, in the daemon."""
+    ``new/ds`` there, root's, then refused (a mount's scan made its lock there too); so did a mount's disk cache
+    not there yet, in the daemon."""
     if os.geteuid() != 0:
         pytest.fail("root's checks are tested as root runs them") if os.environ.get("CI") else \
             pytest.skip("needs root to give a directory away")
@@ -388,8 +389,12 @@ def test_a_store_made_through_another_users_link_is_refused_before_anything_is_m
     target.mkdir()
     (bob / "stores").symlink_to(target)
     os.lchown(bob / "stores", 65534, 65534)
+    from liquidfs.stores import open_store
+
     with pytest.raises(CatalogError, match="owned by uid 65534"):
         prepare(src, bob / "stores" / "new" / "ds", 1.0, progress=False)
+    with pytest.raises(CatalogError, match="owned by uid 65534"):  # a mount's scan, a profile's sample too
+        open_store(src, bob / "stores" / "mount" / "ds").mount_catalog(rescan=False)
     with pytest.raises(OSError, match="owned by uid 65534"):
         DiskLevel(StoreReader(os.fsencode(src), tmp_path / "none"), bob / "stores" / "cache",
                   NextEpochCache(0, 10**6, 10, max_id=10))
