@@ -133,6 +133,9 @@ class MixController:
         self._pending = 0          # the verdict seen last (+1 more raw, -1 fewer raw, 0 hold)
         self._streak = 0           # how many times in a row
         self._last_move = 0        # direction of the last move (0: none, or started afresh)
+        # Whether the last move was asked for strongly: a strong verdict that reverses a strong move swings across
+        # a balance the pressures part steeply about, and does not put the halved step back (``_follow_pressure``).
+        self._last_strong = False
         self._quiet = 0            # intervals since the last move
         # (share, mean images/s, its noise) before the last move; noise None: too little seen to judge it
         self._before_move: tuple[float, float, float | None] | None = None
@@ -165,7 +168,8 @@ class MixController:
         probed = False
         if decision is None:
             verdict, strong, why = self._verdict(seen)
-            if strong:
+            backfired = self._probe is not None and strong and verdict == -self._probe.way
+            if strong and not backfired:
                 # The machine changed: what probes learned of it is stale, and the next probe may come soon.
                 self._worse.clear()
                 self._probe_wait = self.probe_after
@@ -242,22 +246,27 @@ class MixController:
         if fresh:
             # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step,
             # nor with a regret of an old phase's (which kept every move that way from being undone).
-            self.step, self._last_move, self._regretted = self.initial_step, 0, 0
+            self.step, self._last_move, self._regretted, self._last_strong = self.initial_step, 0, 0, False
         at_the_bound = self.share >= self.high if verdict > 0 else self.share <= self.low
         if at_the_bound:
             return ShareDecision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
                                         f"range ({why})")
         if verdict != self._regretted:
             self._regretted = 0  # a move the other way: a later regret may undo again
+        reversed_strong = bool(self._last_move) and verdict != self._last_move and self._last_strong
         if self._last_move and verdict != self._last_move:
             self._reverse()
         elif self._last_move == verdict and self._quiet <= self.patience:
             # On the way, move after move: go faster, within a bound. (After a hold, the same way again is the
             # balance's wobble, not a way to go.)
             self.step = min(self.step * 1.5, self.max_step)
-        if strong and self.step < self.initial_step:
+        if strong and self.step < self.initial_step and not reversed_strong:
             # Far from the balance (the pressures far apart): steps halved to settle near it would crawl here.
+            # Not where it undoes a strong move the other way: where the pressures part steeply about the
+            # balance every move near it is strong, and putting the step back at each swung the share across it
+            # for good (0.475 <-> 0.575 every two intervals, the balance at 0.53).
             self.step = self.initial_step
+        self._last_strong = strong
         target = min(self.high, max(self.low, self.share + verdict * self.step))
         self._last_move = verdict
         # the noise of the rate, once enough intervals were seen to tell it (fewer undid a sound first move)
@@ -277,6 +286,13 @@ class MixController:
         pressures high (both sides bind: the balance itself, where a probe only loses)."""
         probe = self._probe
         if probe is not None:
+            if strong and verdict == -probe.way:
+                # The pressure the probe raised says back to where it came from: the probe share is worse, as a
+                # fall of the rate would have shown (taken for a changed machine, the probe was tried again
+                # every few intervals for good, a quarter of the time off the balance).
+                self._end_probe(kept=False, worse=True)
+                return ShareDecision(probe.base, f"probe undone: the pressure it raised says back to "
+                                                 f"{probe.base:.2f}")
             if strong:
                 # The machine changed under the probe: the pressure rule takes it from here, at the probe share.
                 self._end_probe(kept=None)
