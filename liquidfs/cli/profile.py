@@ -7,6 +7,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 from . import options
@@ -98,11 +99,32 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
     p.set_defaults(func=cmd_profile)
 
 
+def _checked_before(args: argparse.Namespace) -> None:
+    """What can be refused before minutes of measuring: a decoder that is not installed (DALI's import failed
+    with a traceback once the sample was expanded and storage timed), and a --json or --plot path that cannot be
+    written (said at the end, naming a temporary file of its own)."""
+    from ..profile.decoders import dali_available
+    from ..stores.sample import ProfileError
+
+    if args.decoder == "dali" and not dali_available():
+        raise ProfileError("--decoder dali: DALI is not installed here (pip install nvidia-dali-cuda120); "
+                           "--decoder pil measures Pillow")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is None:
+            continue
+        target = Path(path)
+        if target.is_dir():
+            raise ProfileError(f"{flag} {path}: a directory (give a file's path)")
+        if not target.parent.is_dir():
+            raise ProfileError(f"{flag} {path}: no directory {target.parent} to write it in")
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from ..profile.choose import plot, profile_store, render, to_json
     from ..stores import open_store
     from ..sysio.safefiles import replace_file
 
+    _checked_before(args)
     profile = profile_store(open_store(args.source, args.store), decoder=args.decoder, threads=args.threads,
                             sample=args.sample, quick=args.quick,
                             target_rate=args.target_rate, formats=args.formats,

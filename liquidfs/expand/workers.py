@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from ..sysio.cgroups import CGROUP_ROOT, cpu_count, levels, parse_cgroup_paths, read_text
+from ..sysio.cgroups import CGROUP_ROOT, levels, parse_cgroup_paths, read_text, usable_cores
 from .rawformats import DEFAULT_FORMATS, MAX_PIXELS, RAW_FORMATS
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ def plan_workers(requested: int | None, *, max_pixels: int, largest_source: int,
     the workers make (``--formats``), each at its own need (``RawFormat.bytes_per_pixel``).
     """
     available = available_memory()
-    cpus = cpu_count()
+    cpus = usable_cores()  # (a container's CPU limit too: 64 workers in a pod of 4 cores took 64 images' memory)
     per_worker = WORKER_BASE_BYTES + expansion_need(max_pixels, largest_source, raw_formats)
     fits = None if available is None else max(1, available // per_worker)
     workers = max(1, requested or cpus)

@@ -229,18 +229,29 @@ def run_dali(files: Sequence[str], *, threads: int, batch: int, epochs: int, see
         yield n
 
 
+def _positive(text: str) -> int:
+    """A whole number of at least one (a batch of 0 waited for good, 0 threads raised ValueError)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is no whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m liquidfs.profile.loaders", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("loader", choices=["dali", "pil"])
     parser.add_argument("root", type=Path, help="the directory to read (a liquidfs mount)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--threads", type=_positive, default=os.cpu_count() or 1)
+    parser.add_argument("--batch", type=_positive, default=16)
+    parser.add_argument("--epochs", type=_positive, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-augment", dest="augment", action="store_false",
                         help="decode only (no random resized crop, flip, normalisation)")
-    parser.add_argument("--shuffle-buffer", type=int, default=1024,
+    parser.add_argument("--shuffle-buffer", type=_positive, default=1024,
                         help="dali: the reader's initial_fill, the files it opens ahead to shuffle among (default "
                         "1024, DALI's own). With fewer images than this, an epoch's files are all opened before "
                         "its first batch, and reading and decoding no longer overlap")

@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 def fake_machine(monkeypatch: pytest.MonkeyPatch, available: int | None, cpus: int = 8) -> None:
     monkeypatch.setattr(resources, "available_memory", lambda *a, **k: available)
-    monkeypatch.setattr(resources, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(resources, "usable_cores", lambda: cpus)
 
 
 def photo_png(width: int, height: int, seed: int) -> bytes:

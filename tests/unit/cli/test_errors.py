@@ -520,3 +520,22 @@ def test_prepare_and_verify_import_nothing_from_the_directory_they_run_in(tmp_pa
         done = subprocess.run([str(command), *argv], cwd=planted, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
     assert not marker.exists(), marker.read_text()
+
+
+@pytest.mark.parametrize("case", ["dali", "json-dir", "plot-nowhere"])
+def test_profile_refuses_what_would_fail_after_its_measurements_before_them(run: Run, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch,
+                                                                            case: str) -> None:
+    """--decoder dali without DALI ended in an ImportError's traceback once the sample was expanded and storage
+    timed; a --json naming a directory, or a --plot in no directory, failed at the end (naming a temporary file
+    of its own). Each is one line at once, and nothing is made."""
+    from liquidfs.profile import decoders
+
+    src = make_sample(tmp_path / "data", count=3, width=32, height=16, seed=2)
+    monkeypatch.setattr(decoders, "dali_available", lambda: False)
+    args = {"dali": ["--decoder", "dali"], "json-dir": ["--decoder", "pil", "--json", str(tmp_path)],
+            "plot-nowhere": ["--decoder", "pil", "--plot", str(tmp_path / "none" / "p.png")]}[case]
+    status, err = run("profile", str(src), "--store", str(tmp_path / "store"), *args)
+    said = {"dali": "DALI is not installed", "json-dir": "a directory", "plot-nowhere": "no directory"}[case]
+    assert status == 1 and said in err and "Traceback" not in err, err
+    assert not (tmp_path / "store").exists()

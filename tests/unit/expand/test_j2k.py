@@ -181,7 +181,7 @@ def test_each_format_is_budgeted_at_what_its_expansion_takes(tmp_path: Path, mon
     assert j2k - bmp >= (70 - BMP.bytes_per_pixel) * pixels
     assert resources.expansion_need(pixels, size, ("j2k", "bmp")) == j2k  # a worker may try both in turn
     # A machine of 8 cores and 32 GiB: each J2K worker is given room for the largest image, so fewer fit.
-    monkeypatch.setattr(resources, "cpu_count", lambda: 8)
+    monkeypatch.setattr(resources, "usable_cores", lambda: 8)
     monkeypatch.setattr(resources, "available_memory", lambda *a, **k: 32 << 30)
     plans = {f: resources.plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=size, raw_formats=(f,))
              for f in ("bmp", "j2k")}

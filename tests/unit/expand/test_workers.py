@@ -272,3 +272,19 @@ def test_a_source_larger_than_any_image_expand_accepts_is_not_planned_for() -> N
 
     assert largest_planned([5 * MiB, 1 << 40, 7 * MiB]) == 7 * MiB
     assert largest_planned([MAX_PLANNED_SOURCE]) == MAX_PLANNED_SOURCE and largest_planned([]) == 0
+
+
+def test_the_default_workers_follow_a_containers_cpu_limit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The default took the CPU affinity alone: in a pod limited to 4 of 64 cores, 64 workers, each with room for
+    the largest image. The cores a cgroup's cpu.max allows count (``cgroups.usable_cores``)."""
+    from liquidfs.sysio import cgroups
+
+    monkeypatch.setattr(resources, "available_memory", lambda *a, **k: None)
+    monkeypatch.setattr(cgroups, "cpu_count", lambda: 64)
+    (tmp_path / "cgroup" / "pod").mkdir(parents=True)
+    (tmp_path / "cgroup" / "pod" / "cpu.max").write_text("400000 100000\n")
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/pod\n")
+    real = cgroups.usable_cores
+    monkeypatch.setattr(resources, "usable_cores", lambda: real(str(tmp_path / "cgroup"), str(tmp_path / "proc")))
+    assert plan_workers(None, max_pixels=formats.MAX_PIXELS, largest_source=0).workers == 4

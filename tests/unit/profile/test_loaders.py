@@ -172,3 +172,13 @@ except ImportError as e:
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["6", "no dali: nvidia is not installed"], done.stdout
+
+
+@pytest.mark.parametrize("flag", ["--batch=0", "--batch=-3", "--threads=0", "--epochs=0", "--shuffle-buffer=-1"])
+def test_a_count_below_one_is_refused_at_once(tmp_path: Path, flag: str) -> None:
+    """``--batch 0`` waited for good (no batch ever fills), ``--threads 0`` raised ValueError's traceback."""
+    from liquidfs.profile import loaders
+
+    with pytest.raises(SystemExit) as refused:
+        loaders.main(["pil", str(tmp_path), flag])
+    assert refused.value.code == 2
