@@ -84,8 +84,11 @@ class DaemonPath:
                 content = await self._open_held(node, held)
                 if content.data is not held:
                     # The source changed since the bytes were held: the kernel must not keep the pages of the old
-                    # bytes (keep_cache) beside the new ones it reads from this open on.
+                    # bytes (keep_cache) beside the new ones it reads from this open on. Read from storage: no
+                    # hit, as the window's ratio must say.
                     held = None
+                    assert self.held is not None
+                    self.held.lost_hit(decision, content.size)
             else:
                 if await self._read_later(node, record, decision):
                     self.stats.deferred += 1

@@ -413,6 +413,7 @@ class PassthroughPath:
                     return served
                 served.close()
                 self.held.drop(node.id)  # stale: the source changed after the bytes were taken
+                self.held.lost_hit(decision, node.size_served)  # (read from storage: no hit, as the stats tell)
             else:  # counted as a hit, but the bytes are gone (a copy that failed)
                 self.held.lost_hit(decision, node.size_served)
         backing = None
@@ -543,6 +544,9 @@ class PassthroughPath:
             log.warning("cannot keep inode %d for the next epoch: %s", inode, exc)
             self.held.could_not_keep(inode)
             return
+        except BaseException:  # cancelled (an unmount) or a fault: its room given back all the same
+            self.held.could_not_keep(inode)
+            raise
         finally:
             if self._keeping.get(inode) is keeping:
                 del self._keeping[inode]

@@ -117,11 +117,13 @@ class _Table:
         return freed
 
     def remove(self, at: int) -> None:
-        """Free slot ``at``, moving back each later entry of the run whose home lies at or before the gap."""
+        """Free slot ``at``, moving back each later entry of the run whose home lies at or before the gap. Each
+        other slot is looked at once at most: in a full table the run never meets an empty slot, and the search
+        for one went round for good, under the lock every loop of the mount takes (all of them hung)."""
         memory, size = self.memory, self.record.size
         gap = at
         nxt = at
-        while True:
+        for _ in range(self.slots - 1):
             nxt = (nxt + 1) % self.slots
             held = self.inode_at(nxt)
             if held == _EMPTY:
@@ -200,7 +202,9 @@ class SharedInodes:
             if mine is None:
                 return None
             if free is None:
-                raise TableFull(errno.EMFILE, "too many files open across the mount's loops")
+                # (ENFILE, as the mount's own budget of open files answers: EMFILE would tell the reader that its
+                # own process is out of descriptors)
+                raise TableFull(errno.ENFILE, "too many files open across the mount's loops")
             # The whole slot made first (a value that does not fit raises here, nothing written), then written
             # at once: a freed slot keeps its last entry's users, and a loop killed between two writes must not
             # leave them in a slot of this inode.

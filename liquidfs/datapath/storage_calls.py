@@ -19,6 +19,7 @@ from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Reader
 from ..sysio.paths import CACHED_WALKS
+from ..sysio.thread_names import DISCARD
 from .limits import IO_TIMEOUT, OPEN_THREADS
 
 log = logging.getLogger(__name__)
@@ -211,12 +212,24 @@ async def in_thread(fn: Callable[[], R], discard: Callable[[R], None] | None = N
     task = trio.lowlevel.current_task()
     abandoned = False
 
+    # What an abandoned call returned is discarded off the loop: closing a source's descriptor waits for its
+    # filesystem (a FUSE or NFS server that stopped answering: the very reason the call was abandoned), and
+    # every request of the mount would wait with it.
+    def discard_off_loop(result: Any) -> None:
+        if discard is not None and isinstance(result, outcome.Value):
+            threading.Thread(target=discard, args=(result.value,), name=DISCARD, daemon=True).start()
+
     def deliver(result: Any) -> None:  # an outcome.Outcome of fn(), handed back to the task
+        if abandoned:  # (read in this thread: given up on before the call returned, discarded here)
+            if discard is not None and isinstance(result, outcome.Value):
+                discard(result.value)
+            return
+
         def wake() -> None:
             if not abandoned:
                 trio.lowlevel.reschedule(task, result)
-            elif discard is not None and isinstance(result, outcome.Value):
-                discard(result.value)
+            else:  # given up on while the answer was on its way to the loop
+                discard_off_loop(result)
         try:
             token.run_sync_soon(wake)
         except trio.RunFinishedError:  # the loop ended while the call ran: nobody waits for it

@@ -12,8 +12,8 @@ import logging
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CLOSER", "CLUSTER_DNS", "METRICS", "NAME_MAX", "NOTIFIER", "ORPHAN_WATCH", "READ_AHEAD", "WARMER",
-           "name_this_thread"]
+__all__ = ["CLOSER", "CLUSTER_DNS", "DISCARD", "METRICS", "NAME_MAX", "NOTIFIER", "ORPHAN_WATCH", "READ_AHEAD",
+           "WARMER", "name_this_thread"]
 
 #: Bytes of a thread's name the kernel keeps (TASK_COMM_LEN, 16, less the NUL); longer names are cut.
 NAME_MAX = 15
@@ -28,6 +28,8 @@ NOTIFIER = "liquidfs-notify"
 READ_AHEAD = "liquidfs-ahead"
 #: The threads that warm inodes: the read-ahead's helper process (its main thread too), else the daemon's own.
 WARMER = "liquidfs-warm"
+#: Closes what a storage call returned after its caller gave up on it (``datapath.storage_calls.in_thread``).
+DISCARD = "liquidfs-discard"
 #: A pool worker's watch of the command it works for (``sysio.orphans``).
 ORPHAN_WATCH = "liquidfs-orphan"
 #: The ``/metrics`` endpoint's threads (``metrics.server``).

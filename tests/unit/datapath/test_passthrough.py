@@ -1582,3 +1582,47 @@ def test_a_source_whose_inode_number_passes_2_63_is_served_with_several_loops(
     monkeypatch.setattr(os, "fstat", real_fstat)
     assert kernel.read(info.backing_id) == (src / os.fsdecode(node.path)).read_bytes()
     trio.run(ops.release, info.fh)
+
+
+def test_a_hit_whose_source_changed_since_it_was_held_counts_as_a_lost_hit(tmp_path: Path) -> None:
+    """The copy the policy held is stale (its source rewritten since): the open reads storage, and counted as a
+    hit it overstated the window's hit ratio (cache_hits 4 with one served from storage, no lost hit)."""
+    src, store = _prepared(tmp_path, count=3)  # its own: a source is rewritten here
+    ops, kernel = _ops(store, cache=True)
+    nodes = _images(ops)
+
+    async def main() -> None:
+        for node in nodes:  # epoch 1: each held for the next
+            info = await ops.open(node.id, os.O_RDONLY, CTX)
+            await ops.release(info.fh)
+        path = src / os.fsdecode(nodes[0].path)
+        path.write_bytes(path.read_bytes())  # rewritten: another version of the same bytes
+        info = await ops.open(nodes[0].id, os.O_RDONLY, CTX)  # epoch 2: the policy's hit
+        await ops.release(info.fh)
+
+    trio.run(main)
+    summary = ops.data_path.held.statistics().values()
+    assert summary["cache_lost_hits"] == 1, summary
+
+
+def test_a_keep_that_fails_other_than_by_an_oserror_gives_the_room_back(prepared) -> None:
+    """The copy at a release ended by a cancel (an unmount) or a fault: the policy still counted the file held,
+    its room charged, and its next open was a lost hit. The room is given back whatever ended the copy."""
+    src, store = prepared
+    ops, kernel = _ops(store, cache=True)
+    node = _images(ops)[0]
+    level = ops.data_path.held
+
+    async def broken_copy(backing: object, digest: bool = False) -> tuple[int, int]:
+        raise RuntimeError("a fault in the copy")
+
+    ops.data_path.blocking_copy = broken_copy  # type: ignore[method-assign]
+
+    async def main() -> None:
+        info = await ops.open(node.id, os.O_RDONLY, CTX)
+        assert node.id in level.policy.held
+        with pytest.raises(Exception):
+            await ops.release(info.fh)
+
+    trio.run(main)
+    assert node.id not in level.policy.held and level.get(node.id) is None

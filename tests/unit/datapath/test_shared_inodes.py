@@ -79,12 +79,31 @@ def test_entries_stay_found_through_many_removals() -> None:
     assert kernel.open == set(model.values()) and shared.backings() == len(model)
 
 
-def test_a_full_table_refuses() -> None:
+def test_a_full_table_refuses_and_lets_go_again(seed: int = 5) -> None:
+    """ENFILE past its slots (EMFILE told the reader its own process was out of descriptors); and a detach from a
+    full table, whose run never meets an empty slot, looped for good under the lock every loop takes."""
+    import errno
+
     shared, kernel = SharedInodes(1, backing_slots=4), Kernel()
     for inode in range(1, 5):
         shared.attach(inode, 0, (1, inode), kernel.register, kernel.unregister)
-    with pytest.raises(TableFull):
+    with pytest.raises(TableFull) as refused:
         shared.attach(9, 0, (1, 9), kernel.register, kernel.unregister)
+    assert refused.value.errno == errno.ENFILE
+    rng = random.Random(seed)
+    held = list(range(1, 5))
+    for _ in range(200):  # churn through a table kept full: every entry found, every removal ends
+        gone = held.pop(rng.randrange(len(held)))
+        shared.detach(gone, 0, kernel.unregister)
+        new = rng.randrange(10, 1000)
+        while new in held:
+            new = rng.randrange(10, 1000)
+        shared.attach(new, 0, (1, new), kernel.register, kernel.unregister)
+        held.append(new)
+        for inode in held:
+            assert shared.attach(inode, 0, (1, inode), kernel.register, kernel.unregister) > 0
+            shared.detach(inode, 0, kernel.unregister)
+    assert shared.backings() == 4
 
 
 def test_sizes_told_are_seen_by_every_process() -> None:

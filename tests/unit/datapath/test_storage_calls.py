@@ -161,6 +161,35 @@ def test_what_a_call_returns_after_its_timeout_is_closed_not_leaked(prepared: Pa
     assert late.closed.is_set()
 
 
+def test_what_an_abandoned_call_returns_is_closed_off_the_loop() -> None:
+    """The close of a late answer (a source's descriptor on a FUSE or NFS server that stopped answering, the
+    reason it was abandoned) ran on the loop: every request of the mount waited for it."""
+    loop_thread = threading.get_ident()
+    closed_in: list[int] = []
+
+    class Late:
+        def close(self) -> None:
+            closed_in.append(threading.get_ident())
+
+    release = threading.Event()
+
+    def stalled() -> Late:
+        release.wait(10)
+        return Late()
+
+    async def main() -> None:
+        with trio.move_on_after(0.05):
+            await in_thread(stalled, lambda value: value.close())
+        release.set()
+        for _ in range(500):  # (a bound, not a measure)
+            if closed_in:
+                break
+            await trio.sleep(0.01)
+
+    trio.run(main)
+    assert closed_in and closed_in[0] != loop_thread
+
+
 def test_calls_queued_behind_stuck_ones_never_park_threads_past_max_stuck(prepared: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Storage hangs with many more calls in flight than threads: the queued ones passed the stuck checks before
