@@ -25,7 +25,7 @@ import stat
 import struct
 from collections.abc import Callable, Generator
 
-from .paths import catalog_parts, open_below, path_below, stat_below
+from .paths import catalog_parts, filesystem_type_of, open_below, path_below, stat_below
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,12 @@ def _groups_cannot_deny(fd: int, uid: int, gid: int, bit: int) -> bool:
     try:
         value: bytes | None = os.getxattr(f"/proc/self/fd/{fd}", _ACL_XATTR)
     except OSError as exc:
-        if exc.errno not in (errno.ENODATA, errno.EOPNOTSUPP):
+        # No ACL: the mode's bits say it all. No POSIX ACLs at all: the same only where the filesystem has no
+        # other kind (an NFSv4 or SMB mount has ACLs of its own, which a group may be denied by and these calls
+        # do not read: refused there, as ``everyone_may_read`` refuses them).
+        if exc.errno != errno.ENODATA and not (exc.errno == errno.EOPNOTSUPP and _posix_acls_only(st.st_dev, fd)):
             return False
-        value = None  # the mode's bits say it all (ACLs of another kind, NFSv4's: the modes only)
+        value = None
     if value is None:
         group_grants, other_grants = bool(st.st_mode & bit << 3), bool(st.st_mode & bit)
         return st.st_gid == gid or group_grants or not other_grants
@@ -355,6 +358,21 @@ def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
             or masks > 1 or (named and not masks)):
         return False
     return all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
+
+
+#: ``_posix_acls_only`` by device: the mount table read once a device, not at every step of every open.
+_POSIX_ONLY: dict[int, bool] = {}
+
+
+def _posix_acls_only(device: int, fd: int) -> bool:
+    """Whether the filesystem of device ``device`` (the file held at ``fd`` is on it) has no ACLs but POSIX ones
+    (``POSIX_ACLS_ONLY``)."""
+    known = _POSIX_ONLY.get(device)
+    if known is None:
+        if len(_POSIX_ONLY) > 1024:  # (devices come and go: bounded)
+            _POSIX_ONLY.clear()
+        known = _POSIX_ONLY[device] = filesystem_type_of(fd) in POSIX_ACLS_ONLY
+    return known
 
 
 def _acl_entries(value: bytes) -> list[tuple[int, int, int]] | None:

@@ -398,3 +398,29 @@ def test_a_caller_whose_groups_are_unknown_gets_nothing_a_group_is_shut_out_of(t
             assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, None)  # its own entry decides
     finally:
         os.close(root)
+
+
+@pytest.mark.needs_root("a check as another user")
+@pytest.mark.parametrize("fstype", ["nfs4", "ext4"])
+def test_a_caller_whose_groups_are_unknown_is_judged_by_modes_only_where_no_other_acls_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fstype: str) -> None:
+    """A filesystem without POSIX ACLs (EOPNOTSUPP) may have ACLs of its own (NFSv4, SMB), a group's deny among
+    them, which no call here reads: there a caller whose groups are unknown is refused, as ``everyone_may_read``
+    refuses; on one with no ACLs but POSIX ones, the modes say all."""
+    source, _ = _readable_by_all(tmp_path)
+    real = os.getxattr
+
+    def no_posix_acls(path: object, name: str, *args: object, **kwargs: object) -> bytes:
+        if name == "system.posix_acl_access":
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real(path, name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(access.os, "getxattr", no_posix_acls)
+    monkeypatch.setattr(access, "filesystem_type_of", lambda fd: fstype)
+    monkeypatch.setattr(access, "_POSIX_ONLY", {})
+    root = os.open(source, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, [])
+        assert access.may_read(root, b"d/f.png", NOBODY, NOBODY, None) is (fstype == "ext4")
+    finally:
+        os.close(root)
