@@ -191,7 +191,7 @@ def positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"a positive number, not {text!r}") from None
-    if not 0 < value < math.inf:
+    if not 0 < value < math.inf or not 1 / value < math.inf:  # (a rate of 1e-320 is a time of inf)
         raise ValueError(f"a positive number, not {text}")
     return value
 

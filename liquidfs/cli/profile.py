@@ -27,10 +27,12 @@ def add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    "normalise)")
     p.add_argument("--run-images", type=argument(options.positive_int), metavar="N",
                    help=prefix + "images in the mounted sample (default 256, --quick 64)")
-    p.add_argument("--repeats", type=argument(options.positive_int), default=3, metavar="N",
-                   help=prefix + "runs per share at most, where two shares' rates are within noise (default 3)")
-    p.add_argument("--run-timeout", type=argument(options.positive_float), default=600.0, metavar="SECONDS",
-                   help=prefix + "the longest one run of the command may take (default 600)")
+    # (defaults given by ``run_options``: None here tells a flag given from one left out, ``search_flags``)
+    p.add_argument("--repeats", type=argument(options.positive_int), metavar="N",
+                   help=prefix + f"runs per share at most, where two shares' rates are within noise (default "
+                   f"{REPEATS})")
+    p.add_argument("--run-timeout", type=argument(options.positive_float), metavar="SECONDS",
+                   help=prefix + f"the longest one run of the command may take (default {RUN_TIMEOUT:g})")
     p.add_argument("--model-only", action="store_true",
                    help=prefix + "no measured search: choose by the cost model alone (no mount; seconds)")
     p.add_argument("--cache-size", type=argument(options.cache_share), default=0.0, metavar="PERCENT",
@@ -39,9 +41,24 @@ def add_run_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
                    "measured runs have it and are timed from their second epoch")
 
 
+#: ``--repeats`` and ``--run-timeout`` where not given.
+REPEATS = 3
+RUN_TIMEOUT = 600.0
+
+
 def run_options(args: argparse.Namespace) -> dict[str, object]:
     return {"run": args.run, "measured": not args.model_only, "run_images": args.run_images,
-            "repeats": args.repeats, "run_timeout": args.run_timeout, "cache_share": args.cache_size}
+            "repeats": REPEATS if args.repeats is None else args.repeats,
+            "run_timeout": RUN_TIMEOUT if args.run_timeout is None else args.run_timeout,
+            "cache_share": args.cache_size}
+
+
+def search_flags(args: argparse.Namespace) -> list[str]:
+    """The measured search's flags given (``--run``, ``--run-images``, ``--repeats``, ``--run-timeout``): with
+    ``--model-only`` there is no search, and they were dropped without a word."""
+    return [flag for flag, given in (("--run", args.run is not None), ("--run-images", args.run_images is not None),
+                                     ("--repeats", args.repeats is not None),
+                                     ("--run-timeout", args.run_timeout is not None)) if given]
 
 
 def add_loader_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -106,6 +123,8 @@ def _checked_before(args: argparse.Namespace) -> None:
     from ..profile.decoders import dali_available
     from ..stores.sample import ProfileError
 
+    if args.model_only and search_flags(args):
+        raise ProfileError(f"{', '.join(search_flags(args))}: the measured search's, which --model-only skips")
     if args.decoder == "dali" and not dali_available():
         raise ProfileError("--decoder dali: DALI is not installed here (pip install nvidia-dali-cuda120); "
                            "--decoder pil measures Pillow")

@@ -130,7 +130,7 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
               for f in map(RAW_FORMATS.__getitem__, formats) if f.gpu_decoder}
     if BMP.name not in formats and all(measure is None for measure, _ in on_gpu.values()):
         raise ProfileError("; ".join(f"{f.label} cannot be weighed: {where}" for f, (_, where) in on_gpu.items())
-                           + f"; give --ratio, or add {BMP.name} to --formats")
+                           + f"; add {BMP.name} to --formats (or give prepare a --ratio)")
     # The BMP sample always: it measures the originals (and the published search runs over PNG:BMP mixes).
     costs, search_r, steps = _measure_bmp(store, count, max_bytes, decoder, threads, readers, step, cache_share,
                                           gpu_train, progress, search=BMP.name in formats)

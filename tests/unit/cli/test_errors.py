@@ -375,7 +375,8 @@ def test_profile_and_prepare_take_a_cache_share_from_0_to_100_percent_only(tmp_p
 
 
 @pytest.mark.parametrize("flag", ["--threads=-1", "--threads=0", "--sample=0", "--run-timeout=nan",
-                                  "--run-timeout=inf", "--target-rate=-3"])
+                                  "--run-timeout=inf", "--target-rate=-3",
+                                  "--gpu-train-rate=1e-320"])  # (its time, 1/rate, is inf: JSON's Infinity)
 def test_profile_refuses_counts_and_times_out_of_range_with_a_message(tmp_path: Path, flag: str) -> None:
     """A thread count below one, a NaN time-out: a message at once, never a traceback from deep in the run."""
     done = subprocess.run([sys.executable, "-m", "liquidfs", "profile", str(tmp_path / "data"), "--store",

@@ -55,12 +55,29 @@ def test_a_daemon_config_that_is_none_is_one_line_never_a_traceback(given: str) 
     assert "--daemon-config: not a mount's config" in result.stderr
 
 
-@pytest.mark.parametrize("flag", [["--quick"], ["--model-only"], ["--run-images", "32"]])
+@pytest.mark.parametrize("flag", [["--quick"], ["--model-only"], ["--run-images", "32"], ["--repeats", "3"],
+                                  ["--run-timeout", "600"], ["--readers", "4"], ["--gpu-train-rate", "900"]])
 def test_prepare_with_a_given_ratio_refuses_the_flags_of_its_profile(tmp_path, flag: list[str]) -> None:  # type: ignore[no-untyped-def]
-    """--quick, --model-only and --run-images shape the profile of --ratio auto: with a given ratio they did
+    """--quick, --model-only, --run-images (and the search's --repeats and --run-timeout, the model's --readers
+    and --gpu-train-rate, even at their defaults) shape the profile of --ratio auto: with a given ratio they did
     nothing, and said nothing."""
     (tmp_path / "src").mkdir()
     result = subprocess.run([sys.executable, "-m", "liquidfs", "prepare", str(tmp_path / "src"), "--store",
                              str(tmp_path / "store"), "--ratio", "0.5", *flag], capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "shape the profile of --ratio auto" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("command", ["profile", "prepare"])
+@pytest.mark.parametrize("flag", [["--run", "true {mount}"], ["--run-images", "32"], ["--repeats", "2"],
+                                  ["--run-timeout", "60"]])
+def test_model_only_refuses_the_flags_of_the_search_it_skips(tmp_path, command: str, flag: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """--model-only chooses by the cost model alone: the measured search's flags beside it were dropped without a
+    word (the user's --run never ran)."""
+    (tmp_path / "src").mkdir()
+    result = subprocess.run([sys.executable, "-m", "liquidfs", command, str(tmp_path / "src"), "--store",
+                             str(tmp_path / "store"), "--model-only", *flag]
+                            + (["--ratio", "auto"] if command == "prepare" else []),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode in (1, 2) and "which --model-only skips" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "store").exists()

@@ -160,7 +160,7 @@ def test_prepare_refuses_j2k_alone_without_a_gpu_and_bad_formats(tmp_path) -> No
     auto = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "auto",
                    "--formats", "png,j2k", check=False, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert auto.returncode == 1 and "J2K cannot be weighed: no GPU to decode it" in auto.stderr
-    assert "give --ratio, or add bmp to --formats" in auto.stderr and "Traceback" not in auto.stderr
+    assert "add bmp to --formats (or give prepare a --ratio)" in auto.stderr and "Traceback" not in auto.stderr
     assert not (tmp_path / "store" / "objects").exists()
     bad = run_cli("prepare", str(tmp_path / "data"), "--store", str(tmp_path / "store"), "--ratio", "1",
                   "--formats", "png,webp", check=False)
