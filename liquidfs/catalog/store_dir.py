@@ -81,7 +81,7 @@ def making_refusal(path: Path, advice: str = "put it where only root and this us
     elif modes and mode & 0o022 and not mode & stat.S_ISVTX:
         why = f"group or others may write {existing} (mode {mode:o})"
     else:
-        return _above_refusal(existing, st, modes=modes)
+        return _above_refusal(existing, st, "it", f"{path} is not made; {advice}", modes=modes)
     return (f"{path}: {why}, who may put a link where this process (uid {os.geteuid()}) would make it: not made; "
             f"{advice}")
 
@@ -106,7 +106,11 @@ def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
             except OSError as exc:
                 return f"{store}: {above}: {exc.strerror}: cannot tell who may move the store"
             mode = stat.S_IMODE(up.st_mode)
-            if up.st_uid not in trusted:
+            if stat.S_ISLNK(below.st_mode) and below.st_uid not in trusted:
+                # A link of someone else's on the way: wherever it lies, it is theirs to have put there (in a
+                # directory they may write, or a sticky one, whatever ``modes`` says of it).
+                why = f"a link of uid {below.st_uid}'s is on the way, below {above}"
+            elif up.st_uid not in trusted:
                 why = f"{above} is owned by uid {up.st_uid}"
             elif modes and mode & 0o022 and not (mode & stat.S_ISVTX and below.st_uid in trusted):
                 why = f"group or others may write {above} (mode {mode:o})"

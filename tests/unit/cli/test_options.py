@@ -165,6 +165,17 @@ def test_a_disk_cache_below_a_directory_of_roots_others_may_write_is_taken(tmp_p
         cache.mkdir(mode=0o700)
     args = _mount_args("--disk-cache", str(cache), "--disk-cache-size", "1G")
     assert options.mount_config(args, STORAGE).disk_cache == cache
+    # ... but not a link a writer of the volume put at the cache's name (the trainer's: owners are what count)
+    target = tmp_path / "target"
+    target.mkdir()
+    if made:
+        cache.rmdir()
+    cache.symlink_to(target)
+    os.lchown(cache, 1000, 1000)
+    for given in (cache, cache / "below"):
+        with pytest.raises(OptionError, match="a link of uid 1000's"):
+            options.mount_config(_mount_args("--disk-cache", str(given), "--disk-cache-size", "1G"), STORAGE)
+    assert list(target.iterdir()) == []
 
 
 @pytest.mark.parametrize("through", ["link", "parent", "link, not there yet"])
@@ -188,7 +199,7 @@ def test_a_disk_cache_another_user_may_point_elsewhere_is_refused(tmp_path: Path
         cache.mkdir()
     given = cache / "new" if through.endswith("not there yet") else cache  # made by the mount, through the link
     args = _mount_args("--disk-cache", str(given), "--disk-cache-size", "1G")
-    with pytest.raises(OptionError, match="owned by uid 65534, who may"):
+    with pytest.raises(OptionError, match="(owned by|a link of) uid 65534(, who may|'s)"):
         options.mount_config(args, STORAGE)
     assert list(target.iterdir()) == []
 

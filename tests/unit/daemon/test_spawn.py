@@ -185,6 +185,6 @@ def test_a_log_directory_made_through_another_users_link_is_refused_before_it_is
     os.chown(bob, 65534, 65534)
     (bob / "logs").symlink_to(target)
     os.lchown(bob / "logs", 65534, 65534)
-    with pytest.raises(MountError, match="owned by uid 65534"):
+    with pytest.raises(MountError, match="uid 65534"):
         spawn.spawn_daemon(["mount", "x", "y"], bob / "logs" / "new" / "mount.log")
     assert list(target.iterdir()) == []

@@ -391,11 +391,11 @@ def test_a_store_made_through_another_users_link_is_refused_before_anything_is_m
     os.lchown(bob / "stores", 65534, 65534)
     from liquidfs.stores import open_store
 
-    with pytest.raises(CatalogError, match="owned by uid 65534"):
+    with pytest.raises(CatalogError, match="uid 65534"):
         prepare(src, bob / "stores" / "new" / "ds", 1.0, progress=False)
-    with pytest.raises(CatalogError, match="owned by uid 65534"):  # a mount's scan, a profile's sample too
+    with pytest.raises(CatalogError, match="uid 65534"):  # a mount's scan, a profile's sample too
         open_store(src, bob / "stores" / "mount" / "ds").mount_catalog(rescan=False)
-    with pytest.raises(OSError, match="owned by uid 65534"):
+    with pytest.raises(OSError, match="uid 65534"):
         DiskLevel(StoreReader(os.fsencode(src), tmp_path / "none"), bob / "stores" / "cache",
                   NextEpochCache(0, 10**6, 10, max_id=10))
     assert list(target.iterdir()) == []
