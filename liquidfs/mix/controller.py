@@ -133,9 +133,11 @@ class MixController:
         self._pending = 0          # the verdict seen last (+1 more raw, -1 fewer raw, 0 hold)
         self._streak = 0           # how many times in a row
         self._last_move = 0        # direction of the last move (0: none, or started afresh)
-        # Whether the last move was asked for strongly: a strong verdict that reverses a strong move swings across
-        # a balance the pressures part steeply about, and does not put the halved step back (``_follow_pressure``).
+        # Whether the last move was asked for strongly, and whether a strong verdict has reversed a strong move
+        # since the start (or the last fresh one): the balance lies between two shares the pressures part
+        # steeply about, and the step is no longer put back to the initial one there (``_follow_pressure``).
         self._last_strong = False
+        self._crossed_strong = False
         self._quiet = 0            # intervals since the last move
         # (share, mean images/s, its noise) before the last move; noise None: too little seen to judge it
         self._before_move: tuple[float, float, float | None] | None = None
@@ -246,25 +248,27 @@ class MixController:
         if fresh:
             # Settled for a while: the machine changed. Start as at first, not with the last oscillation's step,
             # nor with a regret of an old phase's (which kept every move that way from being undone).
-            self.step, self._last_move, self._regretted, self._last_strong = self.initial_step, 0, 0, False
+            self.step, self._last_move, self._regretted = self.initial_step, 0, 0
+            self._last_strong = self._crossed_strong = False
         at_the_bound = self.share >= self.high if verdict > 0 else self.share <= self.low
         if at_the_bound:
             return ShareDecision(self.share, f"hold: at the {'top' if verdict > 0 else 'bottom'} of the prepared "
                                         f"range ({why})")
         if verdict != self._regretted:
             self._regretted = 0  # a move the other way: a later regret may undo again
-        reversed_strong = bool(self._last_move) and verdict != self._last_move and self._last_strong
         if self._last_move and verdict != self._last_move:
             self._reverse()
+            self._crossed_strong = self._crossed_strong or (strong and self._last_strong)
         elif self._last_move == verdict and self._quiet <= self.patience:
             # On the way, move after move: go faster, within a bound. (After a hold, the same way again is the
             # balance's wobble, not a way to go.)
             self.step = min(self.step * 1.5, self.max_step)
-        if strong and self.step < self.initial_step and not reversed_strong:
+        if strong and self.step < self.initial_step and not self._crossed_strong:
             # Far from the balance (the pressures far apart): steps halved to settle near it would crawl here.
-            # Not where it undoes a strong move the other way: where the pressures part steeply about the
-            # balance every move near it is strong, and putting the step back at each swung the share across it
-            # for good (0.475 <-> 0.575 every two intervals, the balance at 0.53).
+            # Not once strong verdicts crossed it both ways: where the pressures part steeply about the balance
+            # every move near it is strong, and putting the step back swung the share across it for good
+            # (0.475 <-> 0.575 every two intervals, the balance at 0.53). Moves on one way grow the step by half
+            # each (up to max_step), so a machine that changed is not crawled after either.
             self.step = self.initial_step
         self._last_strong = strong
         target = min(self.high, max(self.low, self.share + verdict * self.step))
