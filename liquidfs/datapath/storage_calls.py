@@ -7,6 +7,7 @@ import errno
 import functools
 import logging
 import os
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -202,6 +203,45 @@ def close_abandoned(value: object) -> None:
         log.warning("closing what an abandoned storage call returned: %s", exc)
 
 
+class _Discards:
+    """What abandoned calls returned and reached the loop late, discarded in turn by one thread of its own: closing
+    a source's descriptor waits for its filesystem (a FUSE or NFS server that stopped answering, the very reason
+    the call was abandoned), and on the loop every request of the mount waited with it. One thread, not one each:
+    behind a close that hangs, the rest wait in its queue rather than pile up threads. ``put`` never raises (it
+    runs in a callback of trio's, where an exception ends the whole loop): where no thread can be started (a pids
+    limit), the next ``put`` tries again."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def put(self, discard: Callable[[Any], None], value: Any) -> None:
+        self._queue.put((discard, value))
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            thread = threading.Thread(target=self._run, name=DISCARD, daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # ("can't start new thread")
+                log.warning("cannot start a thread to close what an abandoned storage call returned (%s): "
+                            "tried again at the next", exc)
+                return
+            self._thread = thread
+
+    def _run(self) -> None:
+        while True:
+            discard, value = self._queue.get()
+            try:
+                discard(value)
+            except Exception as exc:  # (a thread of its own: nothing above it to catch it)
+                log.warning("discarding what an abandoned storage call returned: %r", exc)
+
+
+_DISCARDS = _Discards()
+
+
 async def in_thread(fn: Callable[[], R], discard: Callable[[R], None] | None = None) -> R:
     """``fn()`` in one of trio's cached worker threads, abandoned (left to finish on its own) if the caller is
     cancelled; ``discard`` is given what an abandoned call returns, on the loop. What
@@ -212,12 +252,9 @@ async def in_thread(fn: Callable[[], R], discard: Callable[[R], None] | None = N
     task = trio.lowlevel.current_task()
     abandoned = False
 
-    # What an abandoned call returned is discarded off the loop: closing a source's descriptor waits for its
-    # filesystem (a FUSE or NFS server that stopped answering: the very reason the call was abandoned), and
-    # every request of the mount would wait with it.
     def discard_off_loop(result: Any) -> None:
         if discard is not None and isinstance(result, outcome.Value):
-            threading.Thread(target=discard, args=(result.value,), name=DISCARD, daemon=True).start()
+            _DISCARDS.put(discard, result.value)
 
     def deliver(result: Any) -> None:  # an outcome.Outcome of fn(), handed back to the task
         if abandoned:  # (read in this thread: given up on before the call returned, discarded here)

@@ -111,8 +111,9 @@ def _say_groups_unknown(uid: int) -> None:
     if not _said_groups_unknown:
         _said_groups_unknown = True
         log.warning("an open by uid %d was refused: its process's groups cannot be read (another PID namespace: "
-                    "share the pod's process namespace with the mount's), and a group it may be in is shut out "
-                    "of the file or a directory on its way (said once)", uid)
+                    "share the pod's process namespace with the mount's), and a group it may be in may be shut "
+                    "out of the file or a directory on its way (its modes or POSIX ACL say so, or the filesystem "
+                    "has ACLs of its own, NFSv4's or SMB's, which are not read; said once)", uid)
 
 
 def _no_group_shuts_out(root_fd: int, rel: bytes, uid: int, gid: int, inode: int) -> bool:

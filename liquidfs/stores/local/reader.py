@@ -79,9 +79,9 @@ class StoreReader:
                         ) if self.objects_fd >= 0 else None
         self.stamps_vouch = objects_type in LOCAL_FILESYSTEMS
         # Whether an error at an object may be its filesystem's server's own answer rather than this kernel's:
-        # a FUSE server answers any errno it likes (EMFILE too); an NFS client's descriptors and memory are
-        # this node's. Unknown: taken as a server's.
-        self._server_errnos = objects_type is None or objects_type.startswith("fuse")
+        # a FUSE server answers any errno it likes (EMFILE too), and so do virtiofs's and 9p's host daemons; an
+        # NFS client's descriptors and memory are this node's. Unknown: taken as a server's.
+        self._server_errnos = objects_type is None or objects_type.startswith(("fuse", "virtiofs", "9p"))
         self._fallbacks = FallbackLog(log)
         # check_source is one stat of a path looked up at the previous open: on a local filesystem it is
         # answered from the dentry cache, and a worker thread would cost more than the stat (~1/4 of a cache

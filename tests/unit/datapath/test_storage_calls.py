@@ -228,3 +228,24 @@ def test_calls_queued_behind_stuck_ones_never_park_threads_past_max_stuck(prepar
         release.set()
     assert entered[0] == calls.stuck == 4  # two slots: two rounds of two, then every other call refused
     assert sum("storage reads are stuck" in f for f in failures) == len(nodes) - 4
+
+
+def test_a_discard_whose_thread_cannot_start_raises_nothing_and_runs_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The late answer's discard is handed over in a callback of trio's, where an exception ends the whole loop
+    (TrioInternalError: a dead mount): a thread that cannot be started (a pids limit) raised there. Nothing is
+    raised; the discard waits for the next that can start a thread, which runs both, in one thread."""
+    from liquidfs.datapath import storage_calls
+
+    discards = storage_calls._Discards()
+    done: list[int] = []
+    real_start = threading.Thread.start
+
+    def refused(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refused)
+    discards.put(done.append, 1)  # raises nothing
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    finished = threading.Event()
+    discards.put(lambda value: (done.append(value), finished.set()), 2)
+    assert finished.wait(10) and done == [1, 2]
