@@ -188,12 +188,14 @@ def profile(s: Shape, src: Path, args: argparse.Namespace, machine: Machine, *ex
     """``liquidfs profile SRC --run CMD`` (or with ``extra``; the command reading ``epochs``, by default the
     shape's) in the shape's state: its JSON."""
     out = args.work / f"profile-{s.name}{label}.json"
+    searched = "--model-only" not in extra  # (the search's flags: profile refuses them beside --model-only)
     cmd = [sys.executable, "-m", "liquidfs", "profile", str(src), "--store", str(args.work / "store-profile"),
            "--decoder", "dali", "--threads", str(s.threads_of(args)), "--json", str(out), *s.mount_args,
-           "--run", s.command(s.threads_of(args), epochs=epochs or s.epochs), "--run-images", str(args.images),
+           *(["--run", s.command(s.threads_of(args), epochs=epochs or s.epochs), "--run-images", str(args.images)]
+             if searched else []),
            *extra]
     if args.smoke:
-        cmd += ["--quick", "--repeats", "1"]
+        cmd += ["--quick", *(["--repeats", "1"] if searched else [])]
     started = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, preexec_fn=machine.preexec())
     if proc.returncode != 0:
