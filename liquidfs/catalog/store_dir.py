@@ -49,7 +49,7 @@ def refusal(store: Path, *, writing: bool) -> str | None:
         return (f"{store}: owned by uid {st.st_uid}, who may make names in it that this process (uid "
                 f"{os.geteuid()}) would write through: it writes no catalog there (a mount without --rescan uses one "
                 "only behind the source as it stands); run this as that user, or chown -R the store to this one")
-    return _above_refusal(store, st) if writing else None
+    return moved_refusal(store, st) if writing else None
 
 
 def make_store_dir(path: Path, advice: str = "give a --store where only root and this user may write") -> None:
@@ -66,7 +66,7 @@ def making_refusal(path: Path, advice: str = "put it where only root and this us
                    modes: bool = True) -> str | None:
     """Why this process may not make ``path`` (missing) and the levels missing above it, or None: the deepest
     level there is belongs to someone else than root and this user, or they may write it (unless it is sticky:
-    what this process makes there stays its own), or may move it or one above it (``_above_refusal``). Asked
+    what this process makes there stays its own), or may move it or one above it (``moved_refusal``). Asked
     before anything is made: where it leads through a link that someone else may point elsewhere, root would
     make directories, and change modes, where they chose. ``modes`` False: only who owns them counts (a
     directory of root's that others may write, a pod's emptyDir, is taken)."""
@@ -81,14 +81,14 @@ def making_refusal(path: Path, advice: str = "put it where only root and this us
     elif modes and mode & 0o022 and not mode & stat.S_ISVTX:
         why = f"group or others may write {existing} (mode {mode:o})"
     else:
-        return _above_refusal(existing, st, "it", f"{path} is not made; {advice}", modes=modes)
+        return moved_refusal(existing, st, "it", f"{path} is not made; {advice}", modes=modes)
     return (f"{path}: {why}, who may put a link where this process (uid {os.geteuid()}) would make it: not made; "
             f"{advice}")
 
 
-def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
-                   then: str = "it writes no catalog there; put the store where only root and this user may "
-                               "rename it", *, modes: bool = True) -> str | None:
+def moved_refusal(store: Path, st: os.stat_result, what: str = "the store",
+                  then: str = "it writes no catalog there; put the store where only root and this user may "
+                              "rename it", *, modes: bool = True) -> str | None:
     """Why the directories above ``store`` (``st``) let someone else than root and this user move it away and
     put a directory of theirs at its name, between a check of it and the names SQLite opens there: one that
     owns one of them, or may write one that is not sticky (a sticky one keeps others from renaming what root or
@@ -120,9 +120,3 @@ def _above_refusal(store: Path, st: os.stat_result, what: str = "the store",
             return (f"{store}: {why}, who may move {what} away and put a directory of theirs at its name, "
                     f"which this process (uid {os.geteuid()}) would write through: {then}")
     return None
-
-
-def moved_refusal(path: Path, st: os.stat_result, what: str, then: str, *, modes: bool = True) -> str | None:
-    """Why someone else than root and this user may move ``path`` (``st``: its stat) or a directory above it
-    away and put one of theirs at its name (``_above_refusal``), or None."""
-    return _above_refusal(path, st, what, then, modes=modes)
