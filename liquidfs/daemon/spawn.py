@@ -20,13 +20,13 @@ from .config import MountError
 def spawn_daemon(argv: list[str], log_file: Path, timeout: float = 120.0, mountpoint: Path | None = None) -> None:
     """Start ``liquidfs mount --foreground`` detached and wait until it reports the mount answers. ``mountpoint``
     (as mountinfo shows it): where a daemon stopped for not answering may have left a mount."""
-    if not log_file.parent.exists():
-        from ..catalog.store_dir import making_refusal
+    from ..catalog.schema import CatalogError
+    from ..catalog.store_dir import make_store_dir
 
-        refused = making_refusal(log_file.parent, "give a --log-file where only root and you may write")
-        if refused is not None:
-            raise MountError(refused)
-    log_file.parent.mkdir(parents=True, exist_ok=True)
+    try:  # (checked before it is made, as a store's directory is)
+        make_store_dir(log_file.parent, "give a --log-file where only root and you may write")
+    except CatalogError as exc:
+        raise MountError(str(exc)) from None
     try:
         # STORE/mount.log is in a directory a store writer may write: a link there to a root-owned startup file
         # is refused, never appended to. Held open to read the daemon's last words from, whatever is at the
