@@ -239,17 +239,18 @@ class LocalStore:
                 self._root_fd = open_dir(self.source_root(work.catalog))
                 # After a failure the catalog is published all the same: the selection is unchanged, and what was
                 # expanded is known to the next run.
-                publishing: list[bool] = []  # a publish begun (and, ended, by whom)
+                published = False  # a publish begun
 
                 def publish() -> None:
-                    publishing.append(True)
+                    nonlocal published
+                    published = True
                     self._objects_durable()
                     work.publish()
 
                 def keep_after_failure() -> None:
                     # Never a publish that failed tried again: a second fsync after a writeback error says 0 on
                     # Linux, and the catalog would be published after its objects failed to reach the disk.
-                    if not publishing:
+                    if not published:
                         publish()
 
                 yield Preparation(work.catalog, publish, keep_after_failure=keep_after_failure)
