@@ -229,17 +229,21 @@ class StoreReader:
         except FileNotFoundError:
             return "raw object missing"
         except OSError as exc:
-            if short_of_resources(exc) and not self._server_errnos:
-                # The daemon or the node out of descriptors or memory: the object may be sound. Served as its
-                # original, the open would supersede every open still reading the object (``datapath.daemon``)
-                # and count a fallback for a file nothing is wrong with: this open fails with that errno instead.
-                # (Not where a FUSE filesystem's server may answer so itself: then the original is served.)
+            if self._short_here(exc):
                 raise
             return f"raw object unreadable ({exc.strerror})"
         if not self.may_serve(node, ost):
             os.close(obj)
             return UNTRUSTED_REASON
         return Choice(obj, ost, raw=True, sealed=self.object_sealed(node, ost))
+
+    def _short_here(self, exc: OSError) -> bool:
+        """Whether ``exc`` at a raw object's open or read says this daemon or node is out of descriptors or memory
+        (``sysio.short``): the object may be sound. Served as its original, the open would supersede every open
+        still reading the object (``datapath.daemon``) and count a fallback for a file nothing is wrong with: the
+        open fails with that errno instead. Not where the objects' server may answer so itself (FUSE, virtiofs,
+        9p): there the original is served."""
+        return short_of_resources(exc) and not self._server_errnos
 
     def may_serve(self, node: Node, st: os.stat_result) -> bool:
         """Whether the raw object of ``node`` (``st``: its stat) can only have been put at its name by whoever
@@ -326,7 +330,7 @@ class StoreReader:
         try:
             data = read_span(fd, 0, node.served_size)
         except OSError as exc:
-            if short_of_resources(exc) and not self._server_errnos:  # (as at its open, ``_raw_choice``)
+            if self._short_here(exc):
                 raise
             return f"raw object unreadable ({exc.strerror})", None
         try:
