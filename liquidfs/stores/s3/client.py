@@ -179,7 +179,7 @@ def _listed(item: dict[str, Any]) -> ObjectInfo | None:
     endpoint's: a key missing was a KeyError out of prepare and mount."""
     try:
         key, size, etag, modified = item["Key"], item["Size"], item["ETag"], item["LastModified"]
-        if not isinstance(key, str) or not isinstance(etag, str) or not _bare(etag):
+        if not isinstance(key, str) or not isinstance(etag, str) or not bare_etag(etag):
             return None
         return ObjectInfo(key, int(size), etag,
                           int(modified.timestamp()) * 1_000_000_000 + modified.microsecond * 1000)
@@ -210,11 +210,11 @@ def same_etag(one: object, other: object) -> bool:
     other (compared as given, every raw object of such a store was served as its original). Never where either
     is none: a row without one and a HEAD whose answer lost it were the same, and the raw object was served with
     no check of its source."""
-    bare = _bare(one)
-    return bool(bare) and bare == _bare(other)
+    bare = bare_etag(one)
+    return bool(bare) and bare == bare_etag(other)
 
 
-def _bare(etag: object) -> str:
+def bare_etag(etag: object) -> str:
     """An ETag without its quotes; '' for none (None, not text)."""
     return etag.strip().strip('"') if isinstance(etag, str) else ""
 
@@ -253,7 +253,7 @@ def get(client: Any, bucket: str, key: str, *, if_match: str | None = None,
     """
     args: dict[str, Any] = {"Bucket": bucket, "Key": key}
     if if_match is not None:
-        if not _bare(if_match):  # no ETag to match: every check of the object's identity would be off
+        if not bare_etag(if_match):  # no ETag to match: every check of the object's identity would be off
             raise AnswerMismatch("PreconditionFailed", f"{key}: no ETag recorded to ask for")
         args["IfMatch"] = if_match
     if start is not None:

@@ -37,6 +37,7 @@ from ..sample import ProfileError, Sample, measure_get, sample_full
 from .client import (
     READ_TIMEOUT,
     S3Url,
+    bare_etag,
     error_code,
     get,
     head,
@@ -125,7 +126,7 @@ def _catalog_etag(store: S3Url, answer: dict[str, Any]) -> str:
     proxy that drops the header: a KeyError's traceback, at every mount). Without one, nothing tells a copy of
     this catalog from one of the next."""
     etag = answer.get("ETag")
-    if not isinstance(etag, str) or not etag.strip().strip('"'):
+    if not isinstance(etag, str) or not bare_etag(etag):
         raise CatalogError(f"the object store answered no ETag for the catalog of {store} ({etag!r}): its copy "
                            "cannot be told from another (check the endpoint, or a proxy before it)")
     return etag
