@@ -20,7 +20,7 @@ from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..stores.reader import Reader
 from ..sysio.paths import CACHED_WALKS
-from ..sysio.thread_names import DISCARD
+from ..sysio.thread_names import DISCARD, name_this_thread
 from .limits import IO_TIMEOUT, OPEN_THREADS
 
 log = logging.getLogger(__name__)
@@ -231,6 +231,7 @@ class _Discards:
             self._thread = thread
 
     def _run(self) -> None:
+        name_this_thread(DISCARD)
         while True:
             discard, value = self._queue.get()
             try:
@@ -244,7 +245,7 @@ _DISCARDS = _Discards()
 
 async def in_thread(fn: Callable[[], R], discard: Callable[[R], None] | None = None) -> R:
     """``fn()`` in one of trio's cached worker threads, abandoned (left to finish on its own) if the caller is
-    cancelled; ``discard`` is given what an abandoned call returns, on the loop. What
+    cancelled; ``discard`` is given what an abandoned call returns, off the loop (``_DISCARDS``). What
     ``trio.to_thread.run_sync(fn, abandon_on_cancel=True)`` does, without what a storage call needs none of (a
     limiter of its own, a context copy, the way back into trio from the thread): 75 against 127 us of CPU per
     call on this kind of machine (issue 40), paid by every cold open."""
@@ -252,21 +253,20 @@ async def in_thread(fn: Callable[[], R], discard: Callable[[R], None] | None = N
     task = trio.lowlevel.current_task()
     abandoned = False
 
-    def discard_off_loop(result: Any) -> None:
+    def discarded(result: Any) -> None:  # what an abandoned call returned
         if discard is not None and isinstance(result, outcome.Value):
             _DISCARDS.put(discard, result.value)
 
     def deliver(result: Any) -> None:  # an outcome.Outcome of fn(), handed back to the task
-        if abandoned:  # (read in this thread: given up on before the call returned, discarded here)
-            if discard is not None and isinstance(result, outcome.Value):
-                discard(result.value)
+        if abandoned:  # (given up on before the call returned: no need to go by the loop)
+            discarded(result)
             return
 
         def wake() -> None:
             if not abandoned:
                 trio.lowlevel.reschedule(task, result)
             else:  # given up on while the answer was on its way to the loop
-                discard_off_loop(result)
+                discarded(result)
         try:
             token.run_sync_soon(wake)
         except trio.RunFinishedError:  # the loop ended while the call ran: nobody waits for it
