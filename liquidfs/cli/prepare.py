@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from ..expand.rawformats import DEFAULT, DEFAULT_FORMATS, RAW_FORMATS
 from . import options
 from .options import CommandParser, argument
-from .profile import (FORMATS_METAVAR, add_loader_arguments, add_run_arguments, loader_options, run_options,
-                      search_flags)
+from .profile import (FORMATS_METAVAR, add_loader_arguments, add_run_arguments, loader_options, model_only_refusal,
+                      run_options, search_flags)
 
 if TYPE_CHECKING:
     from ..stores import Store
@@ -88,18 +88,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     profiled = [flag for flag, given in (("--quick", args.quick), ("--model-only", args.model_only),
-                                         ("--run-images", args.run_images is not None),
-                                         ("--repeats", args.repeats is not None),
-                                         ("--run-timeout", args.run_timeout is not None),
                                          ("--readers", args.readers is not None),
                                          ("--gpu-train-rate", args.gpu_train_rate is not None)) if given]
+    profiled += search_flags(args)  # (--run, with a given ratio, is said above)
     if ratio != "auto" and profiled:
         print(f"liquidfs prepare: {', '.join(profiled)} shape the profile of --ratio auto; with a given ratio "
               "there is no profile", file=sys.stderr)
         return 2
-    if ratio == "auto" and args.model_only and search_flags(args):
-        print(f"liquidfs prepare: {', '.join(search_flags(args))}: the measured search's, which --model-only "
-              "skips", file=sys.stderr)
+    refused = model_only_refusal(args) if ratio == "auto" else None
+    if refused is not None:
+        print(f"liquidfs prepare: {refused}", file=sys.stderr)
         return 2
     if ratio == "auto":
         ratio, chosen_format = _auto_ratio(store, quick=args.quick, formats=raw_formats,

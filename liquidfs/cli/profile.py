@@ -54,11 +54,17 @@ def run_options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def search_flags(args: argparse.Namespace) -> list[str]:
-    """The measured search's flags given (``--run``, ``--run-images``, ``--repeats``, ``--run-timeout``): with
-    ``--model-only`` there is no search, and they were dropped without a word."""
+    """The measured search's flags given (``--run``, ``--run-images``, ``--repeats``, ``--run-timeout``)."""
     return [flag for flag, given in (("--run", args.run is not None), ("--run-images", args.run_images is not None),
                                      ("--repeats", args.repeats is not None),
                                      ("--run-timeout", args.run_timeout is not None)) if given]
+
+
+def model_only_refusal(args: argparse.Namespace) -> str | None:
+    """Why ``args`` cannot be taken, for ``profile`` and ``prepare --ratio auto``: the search's flags beside
+    ``--model-only``, which has no search (they were dropped without a word)."""
+    given = search_flags(args) if args.model_only else []
+    return f"{', '.join(given)}: the measured search's, which --model-only skips" if given else None
 
 
 def add_loader_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
@@ -123,8 +129,9 @@ def _checked_before(args: argparse.Namespace) -> None:
     from ..profile.decoders import dali_available
     from ..stores.sample import ProfileError
 
-    if args.model_only and search_flags(args):
-        raise ProfileError(f"{', '.join(search_flags(args))}: the measured search's, which --model-only skips")
+    refused = model_only_refusal(args)
+    if refused is not None:
+        raise ProfileError(refused)
     if args.decoder == "dali" and not dali_available():
         raise ProfileError("--decoder dali: DALI is not installed here (pip install nvidia-dali-cuda120); "
                            "--decoder pil measures Pillow")
