@@ -199,9 +199,10 @@ def run(catalog: Catalog, store: Store, ratio: float, seed: int, jobs: int | Non
                         # the first may now hold it (the worker adopts the same bytes if not). Reused unread, an
                         # object keeps the stamp it had: what vouches for it is evidence about it, never this
                         # run's say-so; and only one as it was then (its size, its stamp): one damaged since, or
-                        # a copy of the store's (other inodes), was reused for good, the mount falling back. One without a stamp (an older store), or with an xxh3 digest (recorded
-                        # before BLAKE2b: it is never carried forward), is made again by a worker, who adopts the
-                        # object only if it holds exactly the expansion's bytes, and records their digest.
+                        # a copy of the store's (other inodes), was reused for good, the mount falling back. One
+                        # without a stamp (an older store), or with an xxh3 digest (recorded before BLAKE2b: it is
+                        # never carried forward), is made again by a worker, who adopts the object only if it
+                        # holds exactly the expansion's bytes, and records their digest.
                         if (prior.object and of_object(prior.object) is RAW_FORMATS[raw_formats[0]]
                                 and (prior.object_stamp is not None or not store.stamps_objects)
                                 and is_digest(prior.checksum)
