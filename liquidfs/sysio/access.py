@@ -145,21 +145,12 @@ def _groups_cannot_deny(fd: int, uid: int, gid: int, bit: int) -> bool:
     st = os.fstat(fd)
     if st.st_uid == uid:
         return True
-    try:
-        value: bytes | None = os.getxattr(f"/proc/self/fd/{fd}", _ACL_XATTR)
-    except OSError as exc:
-        # No ACL: the mode's bits say it all. No POSIX ACLs at all: the same only where the filesystem has no
-        # other kind (an NFSv4 or SMB mount has ACLs of its own, which a group may be denied by and these calls
-        # do not read: refused there, as ``everyone_may_read`` refuses them).
-        if exc.errno != errno.ENODATA and not (exc.errno == errno.EOPNOTSUPP and _posix_acls_only(st.st_dev, fd)):
-            return False
-        value = None
-    if value is None:
-        group_grants, other_grants = bool(st.st_mode & bit << 3), bool(st.st_mode & bit)
-        return st.st_gid == gid or group_grants or not other_grants
-    entries = _acl_entries(value)
+    entries = _access_acl(fd, _posix_acls_only(st.st_dev, fd))
     if entries is None:
         return False
+    if not entries:  # no ACL: the mode's bits say it all
+        group_grants, other_grants = bool(st.st_mode & bit << 3), bool(st.st_mode & bit)
+        return st.st_gid == gid or group_grants or not other_grants
     if any(tag == _USER and ident == uid for tag, _, ident in entries):
         return True
     mask = next((perm for tag, perm, _ in entries if tag == _MASK), 7)
@@ -339,26 +330,34 @@ _ACL_DECIDING = frozenset({_USER, _GROUP_OBJ, _GROUP})
 
 
 def _acl_grants_all(fd: int, bit: int, posix_acls_only: bool) -> bool:
-    """Whether the extended ACL of the file held at ``fd`` (O_PATH: read through /proc, as fgetxattr refuses
-    one) gives ``bit`` in each of its named users' and groups' and its owning group's entries; True where it has
-    none. A user named with ``---`` cannot read a file others may: an ACL that shuts anyone out is not
-    everyone's. An ACL that cannot be read, or is not one the kernel would have made (an unknown tag, an entry
-    of the owner, the owning group or others missing or twice, named entries without a mask), counts as
-    shutting someone out."""
+    """Whether the extended ACL of the file held at ``fd`` gives ``bit`` in each of its named users' and groups'
+    and its owning group's entries; True where it has none. A user named with ``---`` cannot read a file others
+    may: an ACL that shuts anyone out is not everyone's, nor one that cannot be judged (``_access_acl``)."""
+    entries = _access_acl(fd, posix_acls_only)
+    return entries is not None and all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
+
+
+def _access_acl(fd: int, posix_acls_only: bool) -> list[tuple[int, int, int]] | None:
+    """The (tag, permission bits, id) entries of the extended access ACL of the file held at ``fd`` (O_PATH: read
+    through /proc, as fgetxattr refuses one); [] where it has none, so its mode says all. None where it cannot be
+    judged, which every caller takes as shutting someone out: an ACL that cannot be read; no POSIX ACL on a
+    filesystem that has ACLs of another kind (``posix_acls_only`` False: an NFSv4 or SMB mount's, which these
+    calls do not read); one the kernel would not have made (an unknown tag, an entry of the owner, the owning
+    group or others missing or twice, named entries without a mask)."""
     try:
         value = os.getxattr(f"/proc/self/fd/{fd}", _ACL_XATTR)
     except OSError as exc:
-        return exc.errno == errno.ENODATA or (exc.errno == errno.EOPNOTSUPP and posix_acls_only)
+        return [] if exc.errno == errno.ENODATA or (exc.errno == errno.EOPNOTSUPP and posix_acls_only) else None
     entries = _acl_entries(value)
     if entries is None:
-        return False
+        return None
     tags = [tag for tag, _, _ in entries]
     masks, named = tags.count(_MASK), tags.count(_USER) + tags.count(_GROUP)
     if (not set(tags) <= {_USER_OBJ, _USER, _GROUP_OBJ, _GROUP, _MASK, _OTHER}
             or any(tags.count(tag) != 1 for tag in (_USER_OBJ, _GROUP_OBJ, _OTHER))
             or masks > 1 or (named and not masks)):
-        return False
-    return all(perm & bit for tag, perm, _ in entries if tag in _ACL_DECIDING)
+        return None
+    return entries
 
 
 #: ``_posix_acls_only`` by device: the mount table read once a device, not at every step of every open.

@@ -126,7 +126,7 @@ def test_an_acl_that_cannot_be_read_or_parsed_shuts_someone_out(tmp_path: Path,
     """What a filesystem's xattr says is its word: a value not in the kernel's format, or not an ACL the kernel
     would make, counts as one that shuts someone out. A file without one (ENODATA) is judged by its bits; so is
     one whose filesystem supports no POSIX ACL (EOPNOTSUPP) only where it has no ACLs of another kind (an NFSv4
-    mount's are not read)."""
+    mount's are not read). The check of a caller whose groups are unknown reads ACLs alike."""
     file = tmp_path / "f.png"
     file.write_bytes(b"x")
     file.chmod(0o644)
@@ -165,6 +165,10 @@ def test_an_acl_that_cannot_be_read_or_parsed_shuts_someone_out(tmp_path: Path,
                 (acl(owner, (0x04, 0, 0), mask, other), False, True)):  # the owning group shut out
             answers[:] = [answer]
             assert access.everyone_may_read(root, b"f.png", posix_acls_only=posix_only) is everyone, answer
+            # A caller whose groups are unknown is judged by the same reading: nothing it cannot judge grants.
+            monkeypatch.setattr(access, "_posix_acls_only", lambda device, fd, only=posix_only: only)
+            assert access._no_group_shuts_out(root, b"f.png", NOBODY, NOBODY, file.stat().st_ino) is everyone, \
+                answer
         assert not access.everyone_may_read(root, b"../f.png", posix_acls_only=True)  # not a catalog's path
     finally:
         os.close(root)
