@@ -16,8 +16,10 @@ finds its source's inode cold (the kernel dropped what the last warm brought in:
 between epochs) warms its directory again (``went_cold``). Bounded: a LOOKUP warms a directory at most once per
 ``AGAIN_AFTER`` seconds, a cold open at most once per ``AGAIN_DROPPED`` after the last warm ended where that warm
 warmed every file (twice that after each re-warm asked for within twice ``AGAIN_COLD`` of the last, up to it), and
-``AGAIN_COLD`` where it left some cold (their opens go cold whatever is warmed), a directory is never queued twice,
-and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued without end. These bounds are
+``AGAIN_COLD`` where it left some cold (their opens go cold whatever is warmed), and never sooner than ``RESTS``
+times as long as its last warm took after that warm (a flat directory of a million files is no minute's warm each
+minute); a directory is never queued twice, and at most ``MAX_QUEUED`` wait; the rest are skipped, never queued
+without end. These bounds are
 each loop's (``mount --loops``); across the loops, the one that claims a directory warms its inodes (the kernel's
 caches serve every loop) and the others read only its rows (``join_loops``).
 """
@@ -59,6 +61,13 @@ AGAIN_COLD = 1.0
 #: last warm's end doubles the bound, up to ``AGAIN_COLD`` (four warms in the first 1.5 s, then no more than before:
 #: one a second, however the opens are spaced), and one asked for later starts it anew.
 AGAIN_DROPPED = 0.1
+#: A directory's next warm, whatever asks for it, waits at least this many times as long as its last warm took, from
+#: that warm's end: the read-ahead spends a fifth of its time on one directory at most. The bounds above are sized
+#: for directories of hundreds or thousands of files, warmed in milliseconds; a flat directory of a million (a
+#: dataset in one directory) takes 10-100 s a warm, and its first epoch's LOOKUPs (each file's first reaches the
+#: daemon) warmed all of it every AGAIN_AFTER, its cold opens every AGAIN_COLD once its inodes outgrew the kernel's
+#: caches: a core and the disk kept busy for nothing the opens could use.
+RESTS = 4.0
 #: ``mount --loops``: seconds a loop's claim to warm a directory holds the others off while its warm runs, at most
 #: (a loop that died warming lets go then); its end is recorded when it ends (``MetadataAhead.join_loops``).
 WARM_CLAIM = 30.0
@@ -126,6 +135,8 @@ class MetadataAhead:
         self._whole: set[int] = set()             # directories whose last warm here warmed every file (under _lock)
         self._again: dict[int, float] = {}        # the bound of a whole directory's next re-warm, where not
                                                   # AGAIN_DROPPED (under _lock)
+        self._rest_until: dict[int, float] = {}   # directories whose last warm took long: the earliest the next
+                                                  # may be queued (``RESTS``; under _lock)
         self._warmed_prune_at = self._done_prune_at = REMEMBERED_DIRECTORIES
         self._thread: threading.Thread | None = None
         self._warmers: ThreadPoolExecutor | None = None  # the warming thread's own, made at its first directory
@@ -188,6 +199,8 @@ class MetadataAhead:
         with self._lock:
             if self._stopped or len(self._busy) >= MAX_QUEUED or parent in self._busy:
                 return False
+            if self._rest_until and time.monotonic() < self._rest_until.get(parent, -math.inf):
+                return False
             self._busy.add(parent)
         if self._thread is None:
             thread = threading.Thread(target=self._run, name=READ_AHEAD, daemon=True)
@@ -225,6 +238,7 @@ class MetadataAhead:
             while (queued := self._queue.get()) is not None:
                 parent, within = queued
                 whole = False
+                started = time.monotonic()
                 try:
                     whole = self._take(catalog, parent, within, keep)
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
@@ -232,7 +246,8 @@ class MetadataAhead:
                 finally:
                     with self._lock:
                         self._busy.discard(parent)
-                        self._done_at[parent] = time.monotonic()
+                        self._done_at[parent] = ended = time.monotonic()
+                        self._rest(parent, started, ended)
                         if whole:
                             self._whole.add(parent)
                         else:
@@ -244,6 +259,17 @@ class MetadataAhead:
         finally:
             catalog.close()
             self._close_helper()
+
+    def _rest(self, parent: int, started: float, ended: float) -> None:
+        """``parent``'s next warm held off ``RESTS`` times as long as the one that ran from ``started`` to
+        ``ended`` took, where that is longer than the other bounds hold it off anyway (under _lock)."""
+        rest = RESTS * (ended - started)
+        if rest > AGAIN_COLD:
+            if len(self._rest_until) >= REMEMBERED_DIRECTORIES:
+                _forget_past(self._rest_until, ended)
+            self._rest_until[parent] = ended + rest
+        else:
+            self._rest_until.pop(parent, None)
 
     def _take(self, catalog: Catalog, parent: int, within: float, keep_rows: bool) -> bool:
         """A directory dequeued: warmed here (its end told the other loops), or, where another loop claimed it

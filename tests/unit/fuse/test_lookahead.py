@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -380,6 +381,51 @@ def test_re_warms_asked_for_soon_after_one_another_back_off_and_start_anew_after
         assert len(warms) - warmed_before == len(rewarmed)
         assert len(rewarmed) <= 20 + 4, rewarmed  # one a second, and the bound's growth at first
         assert all(later - earlier >= 0.99 for earlier, later in itertools.pairwise(rewarmed[4:])), rewarmed
+    ahead.stop()
+
+
+def test_a_directory_whose_warm_took_long_rests_four_times_as_long_before_the_next(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat directory of a million files takes a long while to warm: neither its LOOKUPs (each file's first
+    reaches the daemon in the first epoch) nor its opens gone cold warm it again before ``RESTS`` times as long
+    as the last warm took has passed since it ended. A short warm is held only to the other bounds."""
+    from types import SimpleNamespace
+
+    catalog = _tree(tmp_path, dirs=1, files=2)
+    clock = [100.0]
+    monkeypatch.setattr(lookahead, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(lookahead, "AGAIN_AFTER", 0.0)
+    monkeypatch.setattr(lookahead, "AGAIN_DROPPED", 0.0)
+    monkeypatch.setattr(lookahead, "AGAIN_COLD", 0.5)
+    step = [1.5]  # the clock's seconds a file's warm takes
+    warms: list[float] = []  # when each warm of the directory began (its first file)
+
+    def warm(node) -> None:
+        if node.name == b"f0.bin":
+            warms.append(clock[0])
+        clock[0] += step[0]
+
+    ahead = MetadataAhead(catalog.path, warm)
+    d0 = _dir(catalog, b"d0")
+    f0 = catalog.lookup(d0, b"f0.bin")
+    assert f0 is not None
+
+    def asked_at(moment: float, ask: Callable[[], None]) -> bool:
+        """Whether ``ask`` at ``moment`` warms the directory again."""
+        clock[0] = moment
+        before = len(warms)
+        ask()
+        if ahead._thread is not None:
+            _settle(ahead)
+        return len(warms) > before
+
+    lookup, cold = (lambda: ahead.looked_up(d0)), (lambda: ahead.went_cold(f0))
+    assert asked_at(100.0, lookup)  # 3 s a warm (two files, 1.5 s each): ended at 103, rests 12 s
+    assert not asked_at(104.0, lookup) and not asked_at(114.9, cold) and not asked_at(114.9, lookup)
+    step[0] = 0.01
+    assert asked_at(115.1, cold)  # 0.02 s a warm: no rest past the other bounds
+    assert asked_at(115.2, lookup) and asked_at(115.3, cold)
+    assert len(warms) == 4
     ahead.stop()
 
 
