@@ -151,8 +151,9 @@ def add_arguments(sub: argparse._SubParsersAction[CommandParser],
                    f"over the last interval (default {MOUNT_DEFAULTS['mix_interval']:g})")
     tuning.add_argument("--pressure-dir", default=str(MOUNT_DEFAULTS["pressure_dir"]), metavar="DIR",
                    help="--mix adaptive: where the CPU and IO pressure are read: the node's (default "
-                   f"{MOUNT_DEFAULTS['pressure_dir']}) or a cgroup v2 group's directory (its cpu.pressure and "
-                   "io.pressure)")
+                   f"{MOUNT_DEFAULTS['pressure_dir']}; the CPU use that of a cgroup limiting the daemon to fewer "
+                   "cores than it may run on, if one does) or a cgroup v2 group's directory (its cpu.pressure, "
+                   "io.pressure and cpu.stat: the loader's, where the daemon runs apart from it)")
     tuning.add_argument("--rescan", action="store_true", help="rebuild the catalog even if the source looks unchanged")
     tuning.add_argument("--refresh", action="store_true",
                    help="s3:// sources: list the source bucket again on this node instead of using the store's "

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ..sysio.cgroups import cpu_count, least_cpu_max, parse_counter
+from ..sysio.cgroups import cpu_count, least_cpu_max, limiting_group, parse_counter
 from ..sysio.paths import open_regular
 
 log = logging.getLogger(__name__)
@@ -21,11 +21,25 @@ class CpuBusy:
     """The share of CPU time that was busy since the previous call: a cgroup v2 group's (its ``cpu.stat``
     ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's CPUs this process may
     run on (``/proc/stat``, ``_node_sample``). None where it cannot be read, or where the two samples are not of
-    one source (the group's file gone since: a group's seconds over the node's ticks mean nothing)."""
+    one source (the group's file gone since: a group's seconds over the node's ticks mean nothing).
+
+    Where ``where`` holds no group (the node's /proc/pressure) but a cgroup above this process allows it fewer
+    cores than it may run on (``own_limit``: a container's CPU limit, ``docker run --cpus 4``), that group's is
+    read: the node's busy time over its 64 cores never showed a loader saturating its 4 ("decode binds",
+    ``controller.BUSY_FLOOR``), and the node's over the group's 4 would count every other tenant of the node."""
 
     def __init__(self, where: Path = Path("/proc/pressure"), proc_stat: Path = Path("/proc/stat"),
                  clock: Callable[[], float] = time.monotonic,
-                 affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0)) -> None:
+                 affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0),
+                 own_limit: Callable[[], tuple[str, float] | None] = limiting_group) -> None:
+        cores = len(affinity()) or cpu_count()
+        if _read_regular(where / "cpu.stat") is None and (limit := own_limit()) is not None and limit[1] < cores:
+            # A daemon limited apart from its loader (a sidecar given a CPU limit of its own) reads its own use
+            # here: said, so its user can name the loader's group instead.
+            log.info("mix: CPU use read from this process's cgroup %s (its cpu.max allows %.2g of %d cores); a "
+                     "daemon limited apart from its loader wants --pressure-dir naming the loader's cgroup",
+                     limit[0], limit[1], cores)
+            where = Path(limit[0])
         self.where = where
         self.group_stat = where / "cpu.stat"
         self.proc_stat = proc_stat

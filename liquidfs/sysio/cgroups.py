@@ -97,12 +97,21 @@ def least_cpu_max(groups: Iterable[str], read: Callable[[str], str | None] = rea
     return least
 
 
+def limiting_group(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> tuple[str, float] | None:
+    """The cgroup v2 directory above this process (its own or an ancestor) whose ``cpu.max`` allows the fewest
+    cores' worth of CPU time, and that many; None where none limits it (or no v2 hierarchy can be read)."""
+    v2, _ = parse_cgroup_paths(read_text(posixpath.join(proc, "self/cgroup")) or "")
+    least: tuple[str, float] | None = None
+    for group in levels(cgroup_root, v2) if v2 is not None else ():
+        allowed = least_cpu_max([group])
+        if allowed is not None and (least is None or allowed < least[1]):
+            least = (group, allowed)
+    return least
+
+
 def usable_cores(cgroup_root: str = CGROUP_ROOT, proc: str = "/proc") -> int:
     """The cores this process can keep busy: its affinity, or fewer where a cgroup (v2) above it allows less CPU
     time (``cpu.max``, what a container's CPU limit sets; affinity alone shows the host's cores there)."""
     cores = cpu_count()
-    v2, _ = parse_cgroup_paths(read_text(posixpath.join(proc, "self/cgroup")) or "")
-    if v2 is None:
-        return cores
-    allowed = least_cpu_max(levels(cgroup_root, v2))
-    return cores if allowed is None else min(cores, max(1, math.ceil(allowed)))
+    limit = limiting_group(cgroup_root, proc)
+    return cores if limit is None else min(cores, max(1, math.ceil(limit[1])))

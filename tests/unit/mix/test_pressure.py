@@ -3,6 +3,7 @@ stalls over each interval, the CPU's busy share, and only regular files read (ne
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +14,7 @@ from typing import TypeVar
 import pytest
 
 from liquidfs.mix.pressure import CpuBusy, Stalls, read_pressure
+from liquidfs.sysio import cgroups
 from liquidfs.sysio.cgroups import cpu_count
 
 T = TypeVar("T")
@@ -132,6 +134,40 @@ def test_cpu_busy_of_a_group_is_over_the_cores_its_cpu_max_allows(tmp_path: Path
     now[0] += 10.0
     (container / "cpu.stat").write_text("usage_usec 5000000\n")  # all it may use, throughout
     assert busy() == pytest.approx(1.0)
+
+
+def test_cpu_busy_without_a_group_reads_the_cgroup_that_limits_this_process(tmp_path: Path) -> None:
+    """A container limited to 2 of the node's 8 cores (``docker run --cpus 2``, cpu.max on its own cgroup) and
+    no --pressure-dir: the node's busy time over 8 cores read 0.25 with the loader saturating its 2, under the
+    floor that says decoding binds. The cgroup that limits it is read instead, over what it allows; without a
+    limit below the cores (or none at all), the node's as before."""
+    root = tmp_path / "cgroup"
+    container = root / "docker" / "abc"
+    container.mkdir(parents=True)
+    for level in (root, root / "docker", container):
+        (level / "cgroup.controllers").write_text("cpu io memory\n")
+    (container / "cpu.max").write_text("200000 100000\n")
+    (container / "cpu.stat").write_text("usage_usec 0\n")
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("0::/docker/abc\n")
+    own_limit = functools.partial(cgroups.limiting_group, str(root), str(proc))
+    assert own_limit() == (str(container), 2.0)
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  0 0 0 800 0 0 0 0 0 0\n")
+    now = [100.0]
+    busy = CpuBusy(tmp_path / "none", proc_stat=stat, clock=lambda: now[0], affinity=lambda: set(range(8)),
+                   own_limit=own_limit)
+    assert busy.where == container and busy.cores == 2.0
+    now[0] += 10.0
+    (container / "cpu.stat").write_text("usage_usec 20000000\n")  # both its cores, throughout
+    stat.write_text("cpu  200 0 0 1400 0 0 0 0 0 0\n")  # the node's 8: a quarter busy
+    assert busy() == pytest.approx(1.0)
+    node = CpuBusy(tmp_path / "none", proc_stat=stat, affinity=lambda: {0, 1}, own_limit=own_limit)
+    assert node.where == tmp_path / "none"  # allowed all the cores it may run on: the node's
+    assert CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=lambda: None).where == tmp_path / "none"
+    (container / "cpu.max").write_text("max 100000\n")
+    assert own_limit() is None
 
 
 def test_counters_past_a_u64_are_no_reading(tmp_path: Path) -> None:
