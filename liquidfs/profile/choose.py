@@ -64,7 +64,8 @@ RATIOS = [i / 10 for i in range(11)]
 #: is measured on an idle GPU, and decoding beside training costs more than the sum of the two alone.
 GPU_MARGIN = 1.1
 #: The sample, where ``--sample`` does not set it: this many images, fewer where their raw expansions reach
-#: ``SAMPLE_BYTES`` first, but never fewer than ``sample.FILES_PER_READER`` a reader (``sample.sample_full``).
+#: ``SAMPLE_BYTES`` first, but never fewer than ``sample.FILES_PER_READER`` a reader unless the memory they may hold
+#: runs out first (``sample.Sample.full``).
 SAMPLE_IMAGES, QUICK_SAMPLE_IMAGES = 64, 16
 SAMPLE_BYTES, QUICK_SAMPLE_BYTES = 512 << 20, 128 << 20
 

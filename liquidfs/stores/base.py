@@ -102,7 +102,8 @@ class Store(Protocol):
     def profile_sample(self, count: int, jobs: int, seed: int = 0, raw_format: str = DEFAULT.name,
                        max_bytes: int | None = None) -> Sample:
         """``count`` random images expanded (to ``raw_format``, one of ``raw_formats``) where the mount will read
-        them, fewer where their expansions reach ``max_bytes`` first (``sample.sample_full``), with the function
+        them, fewer where their expansions reach ``max_bytes`` first, or the images the memory they may hold
+        (``sample.Sample.full``), with the function
         that times reads of them, ``jobs`` at once; raises ``ProfileError`` when none can be."""
 
     def local_dirs(self) -> tuple[Path, Path] | None:

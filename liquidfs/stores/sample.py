@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 #: Files each reader gets at least, before a sample may stop at its bytes (``sample_full``): with fewer, a
 #: reader's rate is its first few files' (their open, a cold start of the device's queue).
 FILES_PER_READER = 4
+#: Of the memory this process may still use when a sample begins (``expand.workers.available_memory``), the share
+#: its images may hold (each original and its raw expansion, kept for the decode timings): past it a sample stops,
+#: short of ``FILES_PER_READER`` a reader or of ``--sample N`` even. 128 readers of 100-megapixel images (300 MB
+#: raw) had the floor alone hold 512 of them, 150 GB: an out-of-memory kill, not a profile.
+HELD_SHARE = 0.5
 #: A direct read's lengths are multiples of this (the largest logical block size in use; the buffer is page-aligned).
 _BLOCK = 4096
 
@@ -63,6 +68,30 @@ class Sample:
     cleanup: Callable[[], None] = lambda: None
     original_data: list[bytes] = field(default_factory=list)
     raw_data: list[bytes] = field(default_factory=list)
+    #: Bytes its images may hold (``HELD_SHARE``); None: no bound (the memory available cannot be read).
+    held_limit: int | None = field(default_factory=lambda: _held_limit())
+
+    def full(self, count: int, readers: int, max_bytes: int | None) -> bool:
+        """Whether the sample is complete (``sample_full``), or holds all the memory it may (said: its rates come
+        from fewer files than asked for)."""
+        raw_bytes = sum(map(len, self.raw_data))
+        if sample_full(len(self.raws), raw_bytes, count, readers, max_bytes):
+            return True
+        held = raw_bytes + sum(map(len, self.original_data))
+        if self.held_limit is None or held < self.held_limit:
+            return False
+        log.warning("profile: the sample stops at %d images, which hold %.1f GB of the %.1f GB it may (half the "
+                    "memory available): fewer than the %d asked for, or %d a reader for %d readers; its rates are "
+                    "measured on fewer files", len(self.raws), held / 1e9, self.held_limit / 1e9, count,
+                    FILES_PER_READER, readers)
+        return True
+
+
+def _held_limit() -> int | None:
+    from ..expand.workers import available_memory  # (the profile's: not every mount's that opens a store)
+
+    available = available_memory()
+    return None if available is None else int(available * HELD_SHARE)
 
 
 def sample_full(images: int, raw_bytes: int, count: int, readers: int, max_bytes: int | None) -> bool:

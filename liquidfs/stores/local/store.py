@@ -40,7 +40,7 @@ from ...sysio.paths import (open_below, open_dir, open_regular, open_to_others, 
 from ...sysio.safefiles import replace_file
 from ..base import Job, Preparation, refused_unread
 from ..reader import OBJECT_NAME, Reader, same_file, unfit_raw_row
-from ..sample import Below, ProfileError, Sample, measure_load, sample_full
+from ..sample import Below, ProfileError, Sample, measure_load
 from .reader import StoreReader
 
 log = logging.getLogger(__name__)
@@ -465,7 +465,7 @@ class LocalStore:
                         cleanup=cleanup)
         try:
             for node in nodes:
-                if sample_full(len(sample.raws), sum(map(len, sample.raw_data)), count, jobs, max_bytes):
+                if sample.full(count, jobs, max_bytes):
                     break
                 try:  # read as the mount reads: below the root, no link followed, the file the catalog recorded
                     fd = open_below(root_fd, node.path, root)

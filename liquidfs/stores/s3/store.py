@@ -33,7 +33,7 @@ from ...sysio.locks import PrivateDir, unique
 from ...sysio.progress import Progress
 from ..base import Job, Preparation, refused_unread
 from ..reader import Reader, unfit_raw_row
-from ..sample import ProfileError, Sample, measure_get, sample_full
+from ..sample import ProfileError, Sample, measure_get
 from .client import (
     READ_TIMEOUT,
     S3Url,
@@ -521,7 +521,7 @@ class BucketStore:
         sample.cleanup = cleanup
         try:
             for key in keys:
-                if sample_full(len(sample.raws), sum(map(len, sample.raw_data)), count, jobs, max_bytes):
+                if sample.full(count, jobs, max_bytes):
                     break
                 data = get(client, src.bucket, key, size=sizes[(src.bucket, key)])
                 result = formats.expand(data, to=raw_format)

@@ -36,6 +36,29 @@ def test_a_sample_stops_at_its_bytes_only_once_each_reader_has_its_files() -> No
     assert not sample_full(40, 10 * big, count=64, readers=8, max_bytes=None)  # --sample N: N images
 
 
+def test_a_sample_stops_where_its_images_hold_the_memory_they_may(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """128 readers of 100-megapixel images had the floor of ``FILES_PER_READER`` a reader hold 150 GB: the
+    sample stops once its originals and expansions hold ``HELD_SHARE`` of the memory available at its start,
+    short of the floor (or of ``--sample N``) if it must, and says so."""
+    from liquidfs.stores import sample as sample_module
+
+    monkeypatch.setattr("liquidfs.expand.workers.available_memory", lambda: 1000)
+    smp = sample_module.Sample([], [], tmp_path)
+    assert smp.held_limit == 500
+    for _ in range(3):
+        smp.raws.append(None)
+        smp.raw_data.append(b"r" * 100)
+        smp.original_data.append(b"o" * 50)
+    assert not smp.full(64, readers=128, max_bytes=10)  # 450 held: the floor still wants more
+    smp.raws.append(None)
+    smp.raw_data.append(b"r" * 100)
+    smp.original_data.append(b"o" * 50)
+    assert smp.full(64, readers=128, max_bytes=10) and smp.full(64, readers=128, max_bytes=None)
+    monkeypatch.setattr("liquidfs.expand.workers.available_memory", lambda: None)
+    assert sample_module.Sample([], [], tmp_path).held_limit is None  # unknown: bounded by count and bytes only
+
+
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # on the root disk (not tmpfs), so read throttling applies to it
@@ -220,6 +243,16 @@ def test_the_timed_reads_run_their_readers_at_once(small: Path, tmp_path: Path) 
         finally:
             timedreads._read_direct = real  # type: ignore[assignment]
         assert len(first) == 4 and rate > 0
+    finally:
+        smp.cleanup()
+
+
+def test_a_stores_sample_stops_at_the_memory_its_images_may_hold(small: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("liquidfs.expand.workers.available_memory", lambda: 2)  # a byte may be held: one image
+    smp = open_store(small, tmp_path / "store").profile_sample(12, jobs=4)
+    try:
+        assert len(smp.raws) == len(smp.originals) == 1
     finally:
         smp.cleanup()
 
