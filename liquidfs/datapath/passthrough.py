@@ -457,9 +457,9 @@ class PassthroughPath:
             self._detach(record, entry)
             backing = entry.backing
             if backing is not None and entry.backing_id:
-                self._unregister(record.id, entry.backing_id)
+                last = self._unregister(record.id, entry.backing_id)
                 entry.backing, entry.backing_id = None, 0
-                self._close_served(backing)
+                self._close_served(backing, drop=last)
                 if entry.keep and self.held is not None:  # not kept: the room the policy gave it goes back
                     self.held.could_not_keep(record.id)
 
@@ -469,15 +469,16 @@ class PassthroughPath:
             record.shared = None
             self._open_inodes -= 1
 
-    def _unregister(self, inode: int, backing_id: int) -> None:
-        """This loop lets go of the inode's backing id (with several loops, the last loop's user closes it)."""
+    def _unregister(self, inode: int, backing_id: int) -> bool:
+        """This loop lets go of the inode's backing id (with several loops, the last loop's user closes it).
+        Whether no loop serves the inode now (another loop's reader still reads its file's pages)."""
         if self.shared is not None:
-            self.shared.detach(inode, self.loop, self.kernel.unregister)
-            return
+            return self.shared.detach(inode, self.loop, self.kernel.unregister)
         try:
             self.kernel.unregister(backing_id)
         except OSError as exc:
             log.warning("closing backing %d of inode %d: %s", backing_id, inode, exc)
+        return True
 
     async def read(self, handle: Handle, off: int, size: int) -> bytes | memoryview:
         if not handle.backing_id:
@@ -510,29 +511,33 @@ class PassthroughPath:
         inode = record.id
         backing = entry.backing
         assert backing is not None
-        self._unregister(inode, entry.backing_id)
+        last = self._unregister(inode, entry.backing_id)
         # Kept only if the policy still holds it: another job's read may have taken its room meanwhile.
         keep = entry.keep and self.held is not None and inode in self.held.policy.held
         if not keep:
-            self._close_served(backing)
+            self._close_served(backing, drop=last)
             return
         try:
             await self._keep(inode, backing)
         finally:
-            self._close_served(backing)  # off the loop: the close of a FUSE or NFS source waits on its server
+            # off the loop: the close of a FUSE or NFS source waits on its server
+            self._close_served(backing, drop=last)
 
-    def _close_served(self, backing: Backing) -> None:
-        """A backing no open serves any more, not kept. A file of the source or the store: its pages dropped and
-        it closed off the loop, a large one at once, small ones in batches. A memfd is closed here: the memory it
-        holds is counted, and must be given back by the time the next open is answered."""
+    def _close_served(self, backing: Backing, drop: bool = True) -> None:
+        """A backing no open of this loop serves any more, not kept. A file of the source or the store: closed
+        off the loop, a large one at once, small ones in batches, and its pages dropped (``drop``: unless another
+        loop still serves the file, ``mount --loops``: the pages are the file's, and its reader's would go with
+        them). A memfd is closed here: the memory it holds is counted, and must be given back by the time the
+        next open is answered."""
         if backing.kind not in ("source", "object"):
             backing.close()
             return
         fd, backing.fd = backing.fd, -1
+        drop = drop and self.drop_served_pages
         if backing.size >= CLOSE_OFF_LOOP:
-            self._closer.close(fd, drop=self.drop_served_pages)
+            self._closer.close(fd, drop=drop)
         else:
-            self._closer.close_soon(fd, drop=self.drop_served_pages)
+            self._closer.close_soon(fd, drop=drop)
 
     async def _keep(self, inode: int, backing: Backing) -> None:
         """Copy ``backing`` into a memfd the level keeps for ``inode`` (the caller saw the policy still holds it)."""

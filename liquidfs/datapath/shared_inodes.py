@@ -215,10 +215,11 @@ class SharedInodes:
             self._map[offset:offset + _BACKING.size] = record
             return mine
 
-    def detach(self, inode: int, loop: int, unregister: Callable[[int], None]) -> None:
+    def detach(self, inode: int, loop: int, unregister: Callable[[int], None]) -> bool:
         """One user fewer in ``loop``; the last of every loop's unregisters the backing (outside the lock: the
         kernel let go of the inode's backing when its last file closed, before this RELEASE was sent, so another
-        loop may register a new one for it at once)."""
+        loop may register a new one for it at once). Whether no loop uses it now (False: another still serves
+        the file, whose pages are not to be dropped under its reader)."""
         table = self._backings
         with self._lock:
             at, _ = table.find(inode)
@@ -229,13 +230,14 @@ class SharedInodes:
                 if users:
                     _USERS.pack_into(self._map, at_users, users - 1)
                 if self._map[offset + _USERS_AT:offset + _BACKING.size] != _NO_USERS:
-                    return
+                    return False
                 backing_id = int(struct.unpack_from("<i", self._map, offset + _ID_AT)[0])
                 table.remove(at)
         if at < 0:  # said outside the lock every loop takes: a log write that waits must not stall them all
             log.warning("inode %d: no shared backing to let go (loop %d)", inode, loop)
-            return
+            return True
         _unregister(unregister, backing_id)
+        return True
 
     def reap(self, loop: int, unregister: Callable[[int], None]) -> int:
         """``loop`` is gone: its users are taken out of every backing, and those no loop uses any more are

@@ -1135,6 +1135,38 @@ def test_two_loops_share_one_backing_of_a_file_read_whole(prepared: tuple[Path, 
     _shared_across_loops(loops, pairs, kernel, node, src)
 
 
+def test_a_release_drops_a_files_pages_only_where_no_other_loop_serves_it(prepared: tuple[Path, Path]) -> None:
+    """mount --loops: the pages of a served file are the file's, whichever loop's descriptor reads them; loop 0's
+    release while loop 1's reader is still reading the file dropped them under that reader (read again from the
+    disk). The last release across the loops drops them."""
+    from liquidfs.fuse.peers import Peers
+
+    _, store = prepared
+    kernel = FakeKernel()
+    loops, pairs = _two_loops(store, kernel, (False, False))
+    node = next(n for n in _images(loops[0]) if n.object)  # a raw object: the store's file, served as it is
+    drops: list[tuple[int, bool]] = []  # (loop, drop) of each served file let go
+    for index, ops in enumerate(loops):
+        closer = ops.data_path._closer  # type: ignore[union-attr]
+        for name in ("close", "close_soon"):
+            real = getattr(closer, name)
+            setattr(closer, name, lambda fd, *, drop, real=real, index=index: drops.append((index, drop)) or
+                    real(fd, drop=drop))
+
+    async def main() -> None:
+        first = await loops[0].open(node.id, os.O_RDONLY, CTX)
+        second = await loops[1].open(node.id, os.O_RDONLY, CTX)
+        assert second.backing_id == first.backing_id
+        await loops[0].release(first.fh)
+        await loops[1].release(second.fh)
+
+    try:
+        trio.run(main)
+    finally:
+        Peers.close_pairs(pairs)
+    assert drops == [(0, False), (1, True)]
+
+
 @pytest.mark.parametrize("memfd_first", [True, False], ids=["memfd-then-file", "file-then-memfd"])
 def test_two_loops_share_one_backing_of_the_same_bytes_in_a_memfd_and_the_file(prepared: tuple[Path, Path],
                                                                               memfd_first: bool) -> None:

@@ -32,10 +32,10 @@ def test_loops_share_one_backing_per_inode_and_the_last_user_closes_it() -> None
     assert shared.attach(7, 2, (1, 70), kernel.register, kernel.unregister) == first  # the same file: its id, not a new one
     assert shared.attach(7, 2, (1, 70), kernel.register, kernel.unregister) == first
     assert kernel.open == {first} and shared.backings() == 1
-    shared.detach(7, 0, kernel.unregister)
-    shared.detach(7, 2, kernel.unregister)
+    assert not shared.detach(7, 0, kernel.unregister)
+    assert not shared.detach(7, 2, kernel.unregister)
     assert kernel.open == {first}  # loop 2 still has one user
-    shared.detach(7, 2, kernel.unregister)
+    assert shared.detach(7, 2, kernel.unregister)  # the last: no loop serves the file now
     assert kernel.open == set() and shared.backings() == 0
     assert shared.attach(7, 1, (1, 71), kernel.register, kernel.unregister) != first  # a new file after the last release: new id
 
