@@ -400,12 +400,29 @@ def _own_directory(path: Path) -> int:
 
 
 def _remove_stale(root: Path) -> None:
-    """Directories of mounts that died without unmounting: nobody holds their lock any more."""
-    if not root.is_dir():
+    """Directories of mounts that died without unmounting: nobody holds their lock any more. Only this daemon's
+    user's own (0700, on the root's filesystem, no link), reached and removed below the root's descriptor: in a
+    root others may write in (a sticky /tmp, an emptyDir of 0777), another user's ``liquidfs-notes`` directory is
+    theirs, and a name swapped for a link meanwhile leads nowhere."""
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
         return
-    for entry in root.iterdir():
-        if entry.name.startswith(_PREFIX) and entry.is_dir() and not entry.is_symlink():
-            lock = root / f"{entry.name}.lock"
+    try:
+        device = os.fstat(root_fd).st_dev
+        with os.scandir(root_fd) as entries:
+            names = [entry.name for entry in entries if entry.name.startswith(_PREFIX)]
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
+                    or st.st_dev != device):
+                continue
+            lock = root / f"{name}.lock"
             if abandoned(lock):
-                shutil.rmtree(entry, ignore_errors=True)
+                shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
                 lock.unlink(missing_ok=True)
+    finally:
+        os.close(root_fd)

@@ -98,10 +98,30 @@ def test_files_the_memory_level_keeps_are_not_kept_twice(tmp_path: Path) -> None
 
 def test_stale_directories_of_dead_mounts_are_removed(tmp_path: Path) -> None:
     dead = tmp_path / "liquidfs-999999999"
-    dead.mkdir()
+    dead.mkdir(mode=0o700)
     (dead / "3").write_bytes(b"x")
     level, _ = _level(tmp_path, 0.1)
     assert not dead.exists() and level.dir.exists()
+
+
+@pytest.mark.needs_root("a directory of another user")
+def test_the_sweep_removes_only_the_daemons_own_directories(tmp_path: Path) -> None:
+    """In a cache root others may write in (a sticky /tmp, a 0777 emptyDir), a ``liquidfs-*`` directory of
+    another user, one others may enter (never one a mount made: 0700) or a link to one is not a dead mount's."""
+    tmp_path.chmod(0o1777)
+    theirs = tmp_path / "liquidfs-alices-notes"
+    theirs.mkdir(mode=0o700)
+    (theirs / "todo.txt").write_text("mine")
+    os.chown(theirs, 65534, 65534)
+    public = tmp_path / "liquidfs-public"
+    public.mkdir(mode=0o755)
+    (public / "f").write_bytes(b"x")
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (target / "f").write_bytes(b"x")
+    (tmp_path / "liquidfs-link").symlink_to(target)
+    disk_module._remove_stale(tmp_path)
+    assert (theirs / "todo.txt").exists() and (public / "f").exists() and (target / "f").exists()
 
 
 def test_a_levels_directory_never_exists_without_its_held_lock(tmp_path: Path,
@@ -439,7 +459,7 @@ def test_the_daemon_checks_the_directory_it_sweeps_as_it_makes_its_own(tmp_path:
     root.mkdir()
     root.chmod(0o777)
     stale = root / "liquidfs-dead"
-    stale.mkdir()
+    stale.mkdir(mode=0o700)  # as a mount makes its own
     with pytest.raises(OSError, match="group or others may remove what a mount keeps there"):
         _level(root, 0.3)
     assert stale.is_dir()  # nothing swept
