@@ -32,7 +32,7 @@ from pathlib import Path
 from ..catalog.nodes import Node
 from ..metrics.stats import Statistics
 from ..policy.next_epoch import Decision, NextEpochCache
-from ..stores.reader import Content, InFront, Reader, private_digest
+from ..stores.reader import Content, InFront, Reader, private_digest, source_changed_now
 from ..sysio.directio import POOL, read_span
 from ..sysio.locks import HeldLock, abandoned, unique
 from .base import Level
@@ -134,9 +134,9 @@ class DiskLevel(Level[_Entry], InFront):
             self._forget(node.id)
             entry = None
             self.lost_hit(decision, node.size_served)
-        if entry is not None and self.inner.check_source(node) is not None:
+        if entry is not None and (changed := self._source_changed(node)) is not None:
             # the source changed after this level stored its bytes: they are stale, never served
-            log.info("disk cache: %s changed since it was stored; reading it again", os.fsdecode(node.path))
+            log.info("disk cache: %s: %s; reading it again", os.fsdecode(node.path), changed)
             self._forget(node.id)
             entry = None
             self.lost_hit(decision, node.size_served)
@@ -157,6 +157,20 @@ class DiskLevel(Level[_Entry], InFront):
         else:
             self._forget_unless_held(node.id)
         return content
+
+    def _source_changed(self, node: Node) -> str | None:
+        """Whether ``node``'s source changed since the catalog's row, asked of storage itself at each hit
+        (``stores.reader.source_changed_now``: a local stat; an object store's HEAD): a copy on this disk
+        outlives the epoch it was read in, and is held again at its hits, so an object store's "the next miss
+        checks" never came, and an overwritten object was served as its old bytes for epochs. A HEAD is a
+        fraction of the GET the hit saves. A source gone fails the open (FileNotFoundError); one that cannot be
+        asked is a change: read from the store, which answers for itself, never served unchecked."""
+        try:
+            return source_changed_now(self.inner, node)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            return f"its source cannot be checked ({exc})"
 
     def _forget_unless_held(self, file: int) -> None:
         """Let go of ``file``'s copy, which this open's decision did not hold, unless the policy holds it again

@@ -77,9 +77,10 @@ class S3Reader:
     def check_source(self, node: Node, st: object = None, *, cached_only: bool = False,
                      version: tuple[int, int, int, int] | None = None) -> str | None:
         """Bytes held in memory were checked when they were read; an object store is not asked again per hit
-        (a request per hit would cost more than the hit saves). A changed object is caught at the next miss.
-        What every node's misses may find in the cluster asks ``source_changed_now``. (``version`` is a local
-        file's stamp: no object-store read makes one.)"""
+        of memory (a request per hit would cost more than the hit saves). A changed object is caught at the next
+        miss. What outlives an epoch on a disk (``held.disk``) or what every node's misses may find in the
+        cluster asks ``source_changed_now``. (``version`` is a local file's stamp: no object-store read makes
+        one.)"""
         return None
 
     def source_changed_now(self, node: Node) -> str | None:

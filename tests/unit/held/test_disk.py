@@ -96,6 +96,42 @@ def test_files_the_memory_level_keeps_are_not_kept_twice(tmp_path: Path) -> None
     assert kept and not kept & memory
 
 
+def test_a_hit_of_an_object_stores_file_asks_the_bucket_whether_its_source_changed(tmp_path: Path) -> None:
+    """An object store's ``check_source`` asks nothing (a memory hit's request would cost more than the hit);
+    a copy on the disk outlives its epoch and is held again at its hits, so "the next miss checks" never came:
+    an overwritten object was served as its old bytes for epochs. Each disk hit asks (``source_changed_now``:
+    one HEAD); a change, or a bucket that cannot say, is a lost hit read from the store."""
+
+    class Bucket(FakeStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.asked = 0
+            self.changed: set[int] = set()
+            self.unreachable = False
+
+        def source_changed_now(self, node: Node) -> str | None:
+            self.asked += 1
+            if self.unreachable:
+                raise OSError(errno.EIO, "the bucket does not answer")
+            return "source object changed since prepare" if node.id in self.changed else None
+
+    bucket = Bucket()
+    policy = NextEpochCache(SIZE * FILES, SIZE * FILES, FILES, max_id=FILES + 1)
+    level = DiskLevel(bucket, tmp_path, policy)
+    rng = random.Random(5)
+    _epoch(level, rng)
+    assert bucket.asked == 0 and bucket.opens == FILES  # misses: the store's open checks
+    bucket.changed = {7, 9}
+    _epoch(level, rng)
+    assert bucket.asked == FILES and level.hits == FILES - 2 and bucket.opens == FILES + 2
+    bucket.changed.clear()
+    bucket.unreachable = True
+    before = bucket.opens
+    _epoch(level, rng)
+    assert bucket.opens - before == FILES  # nothing served unchecked
+    level.close()
+
+
 def test_stale_directories_of_dead_mounts_are_removed(tmp_path: Path) -> None:
     dead = tmp_path / "liquidfs-999999999"
     dead.mkdir(mode=0o700)
