@@ -148,7 +148,9 @@ class DiskLevel(Level[_Entry], InFront):
                 return content
             self.lost_hit(decision, node.size_served)
         content = self.inner.open(node)
-        wanted = decision.hold and not self.memory_holds(node.id)
+        # Not a source changed since the scan (``content.version``): the next hit's check finds it changed, so its
+        # copy would be written every epoch, never served, and push out copies that would.
+        wanted = decision.hold and not self.memory_holds(node.id) and content.version is None
         if wanted and content.data is not None and not content.fallback and content.size == node.size_served:
             if self._write(node, content):
                 return content

@@ -132,6 +132,23 @@ def test_a_hit_of_an_object_stores_file_asks_the_bucket_whether_its_source_chang
     level.close()
 
 
+def test_a_source_changed_since_the_scan_is_never_written(tmp_path: Path) -> None:
+    """An original rewritten in place at its size is served at its new version (``Content.version``); the next
+    hit's check of the source finds it changed since the catalog's row, so a copy of it was written every epoch,
+    never served, and pushed out copies that would have been."""
+
+    class Rewritten(FakeStore):
+        def open(self, node: Node) -> Content:
+            return dataclasses.replace(super().open(node), version=(1, 2, 3, 4))
+
+    store = Rewritten()
+    policy = NextEpochCache(SIZE * FILES, SIZE * FILES, FILES, max_id=FILES + 1)
+    level = DiskLevel(store, tmp_path, policy)
+    _epoch(level, random.Random(6))
+    assert not list(level.dir.iterdir()) and level.write_errors == 0
+    level.close()
+
+
 def test_stale_directories_of_dead_mounts_are_removed(tmp_path: Path) -> None:
     dead = tmp_path / "liquidfs-999999999"
     dead.mkdir(mode=0o700)
