@@ -359,8 +359,14 @@ def _untrusted_directory(directory: os.stat_result, owner: int, where: str) -> s
 
 
 def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
-    """None when ``raw`` is the recorded object (its BLAKE2b digest) and decodes to the pixels of ``original``;
-    else what is wrong. An xxh3 digest (a prepare before BLAKE2b) vouches for nothing here either."""
+    """None when ``raw`` is the recorded object (its BLAKE2b digest), decodes to the pixels of ``original``, and
+    is what prepare would make of it now; else what is wrong. An xxh3 digest (a prepare before BLAKE2b) vouches
+    for nothing here either.
+
+    Pillow's decodes agreeing is not enough: a prepare reuses the objects of runs before it, and a liquidfs that
+    refused less (a 16-bit PNG, an EXIF orientation, a damaged chunk OpenCV fails on) made objects whose pixels
+    other decoders of the original do not give. The original is expanded again to the object's format: refused
+    now, the object is not sound."""
     refused = digest_refusal(want_checksum)
     if refused is not None:
         return refused
@@ -373,4 +379,13 @@ def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
         same = formats.same_pixels(original, raw)
     except Exception as exc:  # a decoder failure is a verdict here, not a crash
         return f"cannot decode: {exc}"
-    return None if same else "pixels differ"
+    if not same:
+        return "pixels differ"
+    raw_format = formats.sniff(raw[:32])
+    if raw_format is None or raw_format not in RAW_FORMATS:
+        return f"not a raw object ({raw_format or 'unknown format'}): a mount serves the original"
+    again = formats.expand(original, to=raw_format)
+    if again.data is None:
+        return (f"prepare refuses its source now ({again.reason}): other decoders of the original may not give "
+                "the object's pixels; run prepare again")
+    return None

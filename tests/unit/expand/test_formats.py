@@ -1046,3 +1046,21 @@ def test_a_jpeg_with_junk_between_its_segments_is_refused(dali: Dali, between: b
     else:
         assert dali(data)[0].shape[:2] == _RGB.shape[:2]
     assert expand(data).reason == ("corrupt" if refused else None)
+
+
+def test_verify_finds_an_object_prepare_would_refuse_now_unsound() -> None:
+    """``expansion.judge`` (verify's verdict) compared Pillow's decodes alone: an object a laxer liquidfs made
+    (prepare reuses the objects of runs before it) passed where Pillow agrees with it and other decoders of the
+    original do not: an unrotated BMP of a PNG with an EXIF orientation (OpenCV and torchvision turn the
+    original), or the source itself named as its object."""
+    from liquidfs.catalog.identity import checksum
+    from liquidfs.expand.expansion import judge
+
+    plain = save(Image.fromarray(_RGB))
+    sound = expand(plain).data
+    assert sound is not None and judge(plain, sound, checksum(sound)) is None
+    turned = save(Image.fromarray(_RGB), exif=_exif(6))
+    unrotated = save(Image.fromarray(_RGB), "BMP")
+    assert same_pixels(turned, unrotated)  # Pillow's decodes agree: the old verdict, "sound"
+    assert str(judge(turned, unrotated, checksum(unrotated))).startswith("prepare refuses its source now")
+    assert str(judge(plain, plain, checksum(plain))).startswith("not a raw object (png)")
