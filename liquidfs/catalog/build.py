@@ -614,7 +614,13 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
         log.warning("could not carry over prepare's state from %s: %s", previous, exc)
         return False
     finally:
-        db.execute("DETACH DATABASE old")
+        # An interrupt (Ctrl-C, a stop signal's exception) inside the transaction leaves it open, where a DETACH
+        # fails ("database old is locked"): that error replaced the interrupt, reported as a catalog that
+        # cannot be written.
+        with contextlib.suppress(sqlite3.Error):
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            db.execute("DETACH DATABASE old")
 
 
 #: ``current_catalog``: the catalog describes the source as it is now.

@@ -777,6 +777,33 @@ def test_a_full_disk_while_carrying_over_what_prepare_learnt_keeps_the_catalog_t
     cat.close()
 
 
+def test_an_interrupt_while_carrying_over_what_prepare_learnt_stays_an_interrupt(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or a stop signal's exception) inside the carry-over's transaction: the DETACH after it failed
+    ("database old is locked"), and that error replaced the interrupt, reported as a catalog write failure."""
+    listing = [("a.png", 10, '"e1"', 1)]
+    build_from_objects(iter(listing), tmp_path, "s3://b/x")
+    carry = build_module._carry_over_expansions
+
+    class Interrupted:
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        @property
+        def in_transaction(self) -> bool:
+            return self.db.in_transaction
+
+        def execute(self, sql: str, *args: object) -> sqlite3.Cursor:
+            if sql.lstrip().startswith("UPDATE nodes"):
+                raise KeyboardInterrupt
+            return self.db.execute(sql, *args)
+
+    monkeypatch.setattr(build_module, "_carry_over_expansions",
+                        lambda db, previous: carry(Interrupted(db), previous))  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):
+        build_from_objects(iter(listing), tmp_path, "s3://b/x")
+
+
 def test_a_directory_past_path_max_is_shown_empty_and_does_not_make_every_use_a_rescan(tmp_path: Path) -> None:
     """A path of the source longer than PATH_MAX (4,096 bytes: 17 directories of 250-byte names) cannot be opened
     below the root in one call: shown empty, and the catalog stays fresh (each use scanned it again, in vain)."""
