@@ -21,7 +21,8 @@ from ..catalog.nodes import ExpansionRow, Node
 from ..sysio.directio import read_span
 from ..sysio.locks import unique
 from ..sysio.orphans import exit_with
-from ..sysio.paths import open_below, open_dir, open_regular, open_to_others, open_under, renamed_only_by_its_writer
+from ..sysio.paths import (RootReplaced, open_below, open_dir, open_regular, open_to_others, open_under,
+                           renamed_only_by_its_writer)
 from . import workers as resources
 from .rawformats import DEFAULT, DEFAULT_FORMATS, MAX_OBJECT_BYTES, RAW_FORMATS
 
@@ -133,10 +134,12 @@ def expand_bytes(rel: bytes, size: int, mtime_ns: int, source: bytes, etag: str 
 
 
 def expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
-               want_version: str | None, raw_formats: tuple[str, ...] = DEFAULT_FORMATS) -> Outcome:
-    """Runs in a worker process: expand one image into the store, or say why not. Never raises."""
+               want_version: str | None, raw_formats: tuple[str, ...] = DEFAULT_FORMATS,
+               root_id: tuple[int, int] | None = None) -> Outcome:
+    """Runs in a worker process: expand one image into the store, or say why not. Never raises. ``root_id``: the
+    root's (st_dev, st_ino) as the coordinator holds it (``sysio.paths.open_under``)."""
     return never_raising(lambda: _expand_one(root, rel, store, obj, want_size, want_mtime, want_version,
-                                             raw_formats), rel, want_size, want_mtime, want_version)
+                                             raw_formats, root_id), rel, want_size, want_mtime, want_version)
 
 
 def never_raising(work: Callable[[], Outcome], rel: bytes, size: int, mtime_ns: int, etag: str | None) -> Outcome:
@@ -155,7 +158,8 @@ def never_raising(work: Callable[[], Outcome], rel: bytes, size: int, mtime_ns: 
 
 
 def _expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, want_mtime: int,
-                want_version: str | None, raw_formats: tuple[str, ...]) -> Outcome:
+                want_version: str | None, raw_formats: tuple[str, ...],
+                root_id: tuple[int, int] | None = None) -> Outcome:
     """``expand_one``'s work.
 
     The source is opened below its root without following any link (as the mount opens it) and must be the
@@ -176,7 +180,11 @@ def _expand_one(root: bytes, rel: bytes, store: str, obj: str, want_size: int, w
         return same_version(st, want_size, want_mtime, want_version)
 
     try:
-        fd = open_under(root, rel)
+        fd = open_under(root, rel, root_id)
+    except RootReplaced as exc:
+        # Every image after it would be read from another tree (or refused, and a smaller selection published):
+        # the run stops, and says why.
+        return outcome("root-replaced", fatal=f"{exc.filename}: {exc.strerror}")
     except OSError as exc:
         return outcome(f"unreadable: {exc.strerror}")
     try:

@@ -291,10 +291,22 @@ def _walk(dir_fd: int, rel: bytes, where: bytes | str, flags: int, cached_only: 
             os.close(fd)
 
 
-def open_under(root: bytes, rel: bytes) -> int:
-    """``open_below`` a root given by path, resolved once for this one open (prepare's and verify's workers)."""
+class RootReplaced(OSError):
+    """The directory a root's path names is not the one it named when the caller's run began."""
+
+
+def open_under(root: bytes, rel: bytes, identity: tuple[int, int] | None = None) -> int:
+    """``open_below`` a root given by path, resolved once for this one open (prepare's and verify's workers).
+    ``identity``: the root's (st_dev, st_ino) as the run's coordinator holds it open; another directory at the
+    path now (a link repointed, a parent renamed by whoever may write it) raises ``RootReplaced``, never a
+    file of that other tree read as the catalog's."""
     root_fd = open_dir(root)
     try:
+        if identity is not None:
+            st = os.fstat(root_fd)
+            if (st.st_dev, st.st_ino) != identity:
+                raise RootReplaced(errno.ESTALE, "the source's root is not the directory this run began with "
+                                   "(replaced, or a link on the way repointed, since)", os.fsdecode(root))
         return open_below(root_fd, rel, root)
     finally:
         os.close(root_fd)

@@ -276,8 +276,13 @@ class LocalStore:
                                    mode=st.st_mode)
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
+        # The workers reach the root by its path: they check it is still the directory this run holds open.
+        root_id = None
+        if self._root_fd is not None:
+            st = os.fstat(self._root_fd)
+            root_id = (st.st_dev, st.st_ino)
         return expand_one, (root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,
-                            raw_formats)
+                            raw_formats, root_id)
 
     def exists(self, obj: str, size: int | None = None, stamp: str | None = None) -> bool:
         # A catalog row names it: only a name prepare gives counts, never a path anywhere else. And only where a

@@ -930,3 +930,30 @@ def test_a_terabyte_named_png_leaves_prepare_its_workers(tmp_path: Path, monkeyp
     report = prepare(src, tmp_path / "store", 1.0, progress=False, jobs=2)
     assert planned and max(planned) < 1 << 30
     assert report.expanded == 3 and sum(report.skipped.values()) == 1, report
+
+
+def test_a_source_root_replaced_while_prepare_runs_stops_it(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """prepare's workers reach the source's root by its path, for every image: a parent renamed meanwhile (by
+    whoever may write it) and another tree put at the path had them read that tree's files as the catalog's (its
+    owner may fake every identity the catalog checks through a FUSE mount of theirs), or refuse each image and
+    publish a smaller selection. The root must be the directory the run holds open: the run stops, and says so."""
+    import shutil
+
+    parent = tmp_path / "datasets"
+    src = make_sample(parent / "data", count=4, width=64, height=32, seed=8)
+    store = tmp_path / "store"
+    job = LocalStore.expansion_job
+    swapped: list[bool] = []
+
+    def swap_then_job(self: LocalStore, *args: object) -> object:
+        if not swapped:
+            parent.rename(tmp_path / "datasets-old")
+            shutil.copytree(tmp_path / "datasets-old", parent)  # the same names, sizes and times: another tree
+            swapped.append(True)
+        return job(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(LocalStore, "expansion_job", swap_then_job)
+    with pytest.raises(PrepareError, match="not the directory this run began with"):
+        prepare(src, store, 1.0, progress=False)
+    assert swapped
