@@ -76,6 +76,9 @@ class Job:
     id: int
     size: int  # files' ids are below this
     owner: int = 0  # the uid whose job it is (``jobs.JobOf.owner``)
+    #: This record's own number: a job id read again after its job retired is a new record, and the files held
+    #: for the one before (handed over a slice per read, ``NextEpochCache._reown_some``) are told from its own.
+    serial: int = 0
     epoch_of: memoryview = field(init=False)  # int32s
     read_at: memoryview = field(init=False)   # int64s: file -> value of ``reads`` at its last epoch read
     reads: int = 0

@@ -34,6 +34,7 @@ level of held bytes, ``held``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import math
 import os
@@ -102,6 +103,7 @@ class Held:
     #: Each job's epoch of the file when it was chosen, (job, epoch) pairs: whether a job still has to read it in
     #: the epoch it is in, which decides how soon it is wanted again (``shared_budget.wanted_in``).
     read_in: ReadIn = ()
+    serial: int = 0  # the ``Job.serial`` of that job's record (its id may be a later record's by now)
 
 
 class NextEpochCache:
@@ -146,8 +148,9 @@ class NextEpochCache:
         # The held files by the epoch they are held for (of the one job reading), each in the order held.
         self._by_epoch: dict[int, dict[int, None]] = {}
         # The held files by the job whose read chose them: a retired job's are handed over without a walk of all.
-        self._by_job: dict[int, dict[int, None]] = {}
-        # (files, heir, retired job): a retired job's held files, still to be handed over to its heir
+        self._by_job: dict[int, dict[int, None]] = {}  # (by ``Job.serial``)
+        self._serials = itertools.count(1)  # ``Job.serial``s: 0 is the first job's
+        # (files, heir, retired job's serial): a retired job's held files, still to be handed over to its heir
         self._reowning: deque[tuple[dict[int, None], int, int]] = deque()
         self.files_reowned = 0  # held files handed from a retired job to its heir (work done, for tests)
         self._all_reads = 0
@@ -223,7 +226,8 @@ class NextEpochCache:
             keep, pushed_out = self._wanted_sooner(file, size)
             evicted += pushed_out
         if keep:
-            self._hold(file, Held(size, self.charge(size), epoch + 1, job, read_in(file, list(self.jobs.values()))))
+            self._hold(file, Held(size, self.charge(size), epoch + 1, job, read_in(file, list(self.jobs.values())),
+                                  state.serial))
             state.kept_for[epoch + 1] = state.kept_for.get(epoch + 1, 0) + size
         state.count(epoch, hit, size)
         return Decision(hit=hit, hold=keep, epoch=epoch, evicted=evicted, job=job)
@@ -244,8 +248,9 @@ class NextEpochCache:
             if not self._admit(owner, now):
                 self.jobs_refused += 1
                 return None
-            self._finish_reown(job)  # its files of a run before, retired: handed over before the id is reused
-            state = self.jobs[job] = Job(job, self._size, owner=owner)
+            # (A record of its own: files still held for a record of this id before, retired, go on being handed
+            # over a slice per read, told from this one's by their serial.)
+            state = self.jobs[job] = Job(job, self._size, owner=owner, serial=next(self._serials))
             state.pace_since = (now, 0)
             for waiting in [j for j in self.jobs.values() if not j.reads and j is not state]:
                 # a job that never read (job 0 before the first open: the warm-up's): the new one takes its place
@@ -292,7 +297,7 @@ class NextEpochCache:
         add_stats(self.retired, state.stats)
         log.info("cache: job %d stopped reading (%d reads); %d jobs now", state.id, state.reads, len(self.jobs))
         if not self.jobs:
-            self.jobs[state.id] = Job(state.id, self._size)  # a fresh start for whoever reads next
+            self.jobs[state.id] = Job(state.id, self._size, serial=next(self._serials))  # for whoever reads next
         heir = next(iter(self.jobs.values()))
         self._reown(state, heir)
 
@@ -300,9 +305,9 @@ class NextEpochCache:
         """The files held for ``old``'s next reads are ``heir``'s now, held for its current epoch (unread in it,
         they are the first let go when room is wanted, as any file held for a passed epoch is). Only ``old``'s
         files are touched, REOWN_SLICE per read (``_reown_some``), never all at once."""
-        files = self._by_job.pop(old.id, None)
+        files = self._by_job.pop(old.serial, None)
         if files:
-            self._reowning.append((files, heir.id, old.id))
+            self._reowning.append((files, heir.id, old.serial))
 
     def _reown_some(self, limit: int = REOWN_SLICE) -> None:
         """Hand over at most ``limit`` files of the retired jobs to their heirs (the oldest retirement first)."""
@@ -314,21 +319,14 @@ class NextEpochCache:
                 limit -= 1
                 self.files_reowned += 1
                 entry = self.held.get(file)
-                if entry is None or entry.job != old:  # let go since (or held again by another job)
+                if entry is None or entry.serial != old:  # let go since (or held again by another record)
                     continue
                 self._release(file)
-                self._hold(file, dataclasses.replace(entry, job=heir.id, for_epoch=heir.newest_epoch))
+                self._hold(file, dataclasses.replace(entry, job=heir.id, serial=heir.serial,
+                                                     for_epoch=heir.newest_epoch))
                 heir.kept_for[heir.newest_epoch] = heir.kept_for.get(heir.newest_epoch, 0) + entry.size
             if not files:
                 self._reowning.popleft()
-
-    def _finish_reown(self, job: int) -> None:
-        """``job``'s id is about to read again (a job retired that resumed): its old files go to their heir
-        first, or they would pass for the new record's own."""
-        for pending in [p for p in self._reowning if p[2] == job]:
-            self._reowning.remove(pending)
-            self._reowning.appendleft(pending)
-            self._reown_some(limit=len(pending[0]))
 
     def _gap_needed(self, state: Job, epoch: int) -> int:
         # A retry or header probe comes within a few reads of the first (other workers' reads in between);
@@ -413,7 +411,7 @@ class NextEpochCache:
         self.held_bytes += entry.charge
         self._soonest.add(file, entry.read_in)
         self._by_epoch.setdefault(entry.for_epoch, {})[file] = None
-        self._by_job.setdefault(entry.job, {})[file] = None
+        self._by_job.setdefault(entry.serial, {})[file] = None
 
     def _release(self, file: int, *, read: bool = False) -> None:
         """``file`` is held no longer: ``read`` by the read it was held for, or let go unread (its place in
@@ -421,7 +419,7 @@ class NextEpochCache:
         entry = self.held.pop(file)
         self.held_bytes -= entry.charge
         state = self.jobs.get(entry.job)
-        if state is not None and not read:
+        if state is not None and state.serial == entry.serial and not read:
             # A read keeps its file's place: the quota counts what was kept for an epoch, not what is left of it,
             # or the first reads of an epoch, while the last of the one before still come (other ranks, a
             # loader's read-ahead), would make room in the quota for more than C/D of it.
@@ -432,11 +430,11 @@ class NextEpochCache:
             bucket.pop(file, None)
             if not bucket:
                 del self._by_epoch[entry.for_epoch]
-        mine = self._by_job.get(entry.job)
+        mine = self._by_job.get(entry.serial)
         if mine is not None:
             mine.pop(file, None)
             if not mine:
-                del self._by_job[entry.job]
+                del self._by_job[entry.serial]
 
     def _room_from_passed(self, state: Job, size: int) -> tuple[bool, tuple[int, ...]]:
         """Room for ``size`` more bytes, made by letting go of files held for an epoch that has passed without
@@ -498,7 +496,7 @@ class NextEpochCache:
             return False
         state = next(iter(self.jobs.values()))
         for_epoch = int(state.epoch_of[file]) + 1
-        self._hold(file, Held(size, cost, for_epoch, state.id, read_in(file, list(self.jobs.values()))))
+        self._hold(file, Held(size, cost, for_epoch, state.id, read_in(file, list(self.jobs.values())), state.serial))
         state.kept_for[for_epoch] = state.kept_for.get(for_epoch, 0) + size
         return True
 

@@ -435,6 +435,37 @@ def test_retiring_a_job_touches_only_its_own_held_files_a_slice_per_read() -> No
     assert not any(entry.job == 2 for entry in cache.held.values())
 
 
+def test_a_retired_job_that_reads_again_takes_its_files_back_a_slice_per_read() -> None:
+    """A training paused past JOB_IDLE (a long evaluation), retired by a `cat` from a shell: a slice of its held
+    files went to the heir at that read. When it read again, its first read handed all the rest over at once,
+    on the FUSE loop (400,000 files: 1.45 s every request waited). The record that resumes is a new one: the
+    old one's files go on a slice per read, told from the new record's own, whose counts they never touch."""
+    from liquidfs.policy.next_epoch import JOB_IDLE, REOWN_SLICE
+
+    clock = _Clock()
+    many = 2000
+    files = many + 10
+    cache = NextEpochCache(files * 100, files * 100, files, max_id=files + 1, clock=clock)
+    for f in range(1, many + 1):  # job 1 holds 2,000 files for its epoch 2
+        cache.read(f, 100, 1)
+    old = cache.jobs[1].serial
+    clock.now = JOB_IDLE + 1
+    cache.read(many + 1, 100, 2)  # a `cat`: job 2 begins, job 1 (idle) is retired
+    assert 1 not in cache.jobs and cache.files_reowned <= REOWN_SLICE
+    before = cache.files_reowned
+    cache.read(many + 2, 100, 1)  # the training reads again
+    assert cache.files_reowned - before <= REOWN_SLICE
+    for f in range(1, 40):  # its epoch 2 begins: hits of what the old record held, now job 2's or not yet
+        cache.read(f, 100, 1)
+    for f in range(many + 3, files + 1):
+        cache.read(f, 100, 2)
+    for _ in range(many // REOWN_SLICE + 2):
+        cache.read(many + 1, 100, 2)
+    assert not cache._reowning and cache.files_reowned <= many  # each of the old record's files once at most
+    assert cache.jobs[1].serial != old and not any(entry.serial == old for entry in cache.held.values())
+    assert all(count >= 0 for job in cache.jobs.values() for count in job.kept_for.values())
+
+
 def test_a_job_whose_owner_the_table_forgot_takes_no_privileged_slot() -> None:
     """uid 1000 pushes its own job out of the job table (256 `setsid cat`s) while its pid still names it: the job
     is nobody's, never the daemon's root's, and displaces none of root's jobs that read."""
