@@ -42,7 +42,7 @@ import random
 import statistics
 import time
 from array import array
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -71,6 +71,8 @@ NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 #: Jobs tracked at once (12 bytes a file each): past them a new job takes the place of one of its own user's, or
 #: of one idle past DISPLACE_IDLE (``_admit``).
 MAX_JOBS = 8
+#: Jobs refused a slot remembered, so each is counted once in ``jobs_refused`` (a job's every read had been).
+REMEMBERED_REFUSALS = 1024
 #: Job slots only root and the mount's own user may take (as the open-file budget keeps its last eighth for them,
 #: ``fuse.open_budget.OpenBudget``): whatever the other users run, the mount's owner can begin a job.
 JOBS_KEPT_BACK = max(1, MAX_JOBS // 8)
@@ -164,6 +166,7 @@ class NextEpochCache:
         self._resolve_budget()
         self.uncounted_reads = 0  # reads counted in no job (``_admit``)
         self.jobs_refused = 0     # new jobs that found no slot they could take
+        self._refused: OrderedDict[int, None] = OrderedDict()  # the latest of them (REMEMBERED_REFUSALS)
 
     @property
     def stats(self) -> CacheStats:
@@ -246,7 +249,11 @@ class NextEpochCache:
                 owner = UNKNOWN_OWNER if known is None else known
             self._retire_idle(now)
             if not self._admit(owner, now):
-                self.jobs_refused += 1
+                if job not in self._refused:  # counted once a job, not once a read of it
+                    self.jobs_refused += 1
+                    self._refused[job] = None
+                    if len(self._refused) > REMEMBERED_REFUSALS:
+                        self._refused.popitem(last=False)
                 return None
             # (A record of its own: files still held for a record of this id before, retired, go on being handed
             # over a slice per read, told from this one's by their serial.)

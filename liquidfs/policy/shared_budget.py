@@ -54,9 +54,14 @@ class WantedSoonest:
         self._groups: dict[ReadIn, dict[int, None]] = {}
         self._ranked: list[tuple[float, ReadIn]] = []
         self._rank_at = 0
+        self._new_group = False  # a group appeared since the last ranking
 
     def add(self, file: int, key: ReadIn) -> None:
-        self._groups.setdefault(key, {})[file] = None
+        group = self._groups.get(key)
+        if group is None:
+            group = self._groups[key] = {}
+            self._new_group = True
+        group[file] = None
 
     def remove(self, file: int, key: ReadIn) -> None:
         group = self._groups.get(key)
@@ -83,8 +88,11 @@ class WantedSoonest:
         return chosen if room >= size else None
 
     def _ranking(self, jobs: Sequence[Job], reads: int) -> list[tuple[float, ReadIn]]:
-        """The groups, soonest wanted first; ranked again every RANK_EVERY reads or when a group has appeared."""
-        if reads >= self._rank_at or len(self._ranked) != len(self._groups):
+        """The groups, soonest wanted first; ranked again every RANK_EVERY reads or when a group has appeared (its
+        count alone missed one that appeared as another emptied: its files no victim for up to RANK_EVERY
+        reads). A group emptied since is passed over (``victims`` finds no file of it)."""
+        if reads >= self._rank_at or self._new_group:
             self._ranked = sorted((wanted_in(key, jobs, self.dataset_files), key) for key in self._groups)
             self._rank_at = reads + RANK_EVERY
+            self._new_group = False
         return self._ranked

@@ -401,6 +401,8 @@ def test_a_new_job_with_no_slot_it_may_take_is_counted_in_none_until_one_is_idle
     refused = cache.read(held, 100, late)
     assert late not in cache.jobs and refused.epoch == 0 and refused.hit and refused.hold
     assert cache.summary()["jobs_refused"] == 1 and cache.summary()["jobs_uncounted_reads"] == 1
+    cache.read(held, 100, late)  # the same job's next read: a read more, no job more
+    assert cache.summary()["jobs_refused"] == 1 and cache.summary()["jobs_uncounted_reads"] == 2
     assert held in cache.held
     clock.now = DISPLACE_IDLE / 2
     for job in range(2, late):  # all read again but the first
@@ -505,3 +507,19 @@ def test_hits_corrected_to_misses_leave_the_windows_and_the_fair_share() -> None
     assert list(st.window_ratios) == list(st.window_byte_ratios) == [0.0, 0.0]
     assert job.window == [(False, 100)] * (100 - WINDOW)
     assert job.recent_hits == 0.0
+
+
+def test_a_group_that_appears_as_another_empties_is_ranked_at_once() -> None:
+    """The held files' groups were ranked again only when their count changed: a group that appeared as another
+    emptied (the count the same) was in no ranking, its files no victim for up to RANK_EVERY reads."""
+    from liquidfs.policy.epochs import Job
+    from liquidfs.policy.shared_budget import WantedSoonest
+
+    job = Job(1, 10)
+    soonest = WantedSoonest(10)
+    later, also_later, mine = ((1, 1),), ((1, 1), (2, 0)), ((1, 0),)  # job 2's pair: another group, as late
+    soonest.add(1, later)
+    assert soonest.victims(mine, 100, 0, lambda file: 100, [job], reads=0) == [1]  # ranked: file 1 a victim
+    soonest.remove(1, later)
+    soonest.add(2, also_later)
+    assert soonest.victims(mine, 100, 0, lambda file: 100, [job], reads=1) == [2]
