@@ -106,6 +106,7 @@ class DiskLevel(Level[_Entry], InFront):
         self.hit_bytes = 0
         self.lost = 0
         self.write_errors = 0
+        self._said: set[str] = set()  # the kinds of failure said at warning (``_say``)
         self._unremoved = 0  # evicted files the disk would not remove (EIO, EROFS)
         self._told = self._counted()  # what ``statistics`` tells while the lock is held long
 
@@ -174,6 +175,15 @@ class DiskLevel(Level[_Entry], InFront):
         except OSError as exc:
             return f"its source cannot be checked ({exc})"
 
+    def _say(self, kind: str, message: str, *args: object) -> None:
+        """``message`` at warning the first time a failure of its ``kind`` is met, at debug after: a full or
+        failing disk fails every write or read, and a warning each time filled the log (``liquidfs stats``
+        counts them: ``write_errors``, ``lost``)."""
+        with self._lock:
+            first = kind not in self._said
+            self._said.add(kind)
+        log.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
     def _forget_unless_held(self, file: int) -> None:
         """Let go of ``file``'s copy, which this open's decision did not hold, unless the policy holds it again
         (another open re-admitted and wrote it while this one read: its copy is the new one)."""
@@ -221,7 +231,7 @@ class DiskLevel(Level[_Entry], InFront):
             with self._directory() as dir_fd:
                 fd = os.open(f"{node.id}", os.O_RDONLY | _FILE_FLAGS, dir_fd=dir_fd)
         except OSError as exc:
-            log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
+            self._say(f"read {exc.errno}", "disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
             return None
         try:
             if os.fstat(fd).st_size != entry.size:
@@ -229,14 +239,14 @@ class DiskLevel(Level[_Entry], InFront):
             else:
                 data = read_span(fd, 0, entry.size)  # no further than what was written
         except OSError as exc:
-            log.warning("disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
+            self._say(f"read {exc.errno}", "disk cache: %s: %s; reading the store", self._path(node.id), exc.strerror)
             return None
         finally:
             os.close(fd)
         if data is None or len(data) != entry.size or private_digest(data) != entry.digest:
             if data is not None:
                 POOL.give(data)  # never served: the buffer may take the next file
-            log.warning("disk cache: %s changed on disk; reading the store", self._path(node.id))
+            self._say("damaged", "disk cache: %s changed on disk; reading the store", self._path(node.id))
             return None
         with self._lock:
             self.hits += 1
@@ -262,8 +272,7 @@ class DiskLevel(Level[_Entry], InFront):
         except OSError as exc:
             with self._lock:
                 self.write_errors += 1
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT) or self.write_errors == 1:
-                log.warning("disk cache: cannot write %s: %s", self._path(node.id), exc.strerror)
+            self._say(f"write {exc.errno}", "disk cache: cannot write %s: %s", self._path(node.id), exc.strerror)
             return False
         return True
 

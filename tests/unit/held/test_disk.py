@@ -520,3 +520,22 @@ def test_the_daemon_checks_the_directory_it_sweeps_as_it_makes_its_own(tmp_path:
     level, _ = _level(root, 0.3)
     assert not stale.exists()
     level.close()
+
+
+def test_a_full_disk_is_said_once_at_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A full cache disk fails every write: each was a warning (1,000 opens, 1,000 records); the first of a kind
+    is, the rest are counted (``write_errors``) and said at debug."""
+    import logging
+
+    level, _ = _level(tmp_path, 1.0)
+
+    def full(*args: object) -> bool:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(level, "_write_in", full)
+    caplog.set_level(logging.DEBUG, logger="liquidfs.held.disk")
+    _epoch(level, random.Random(7))
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and "cannot write" in r.getMessage()]
+    assert len(warned) == 1 and level.write_errors == FILES
+    level.close()
