@@ -79,21 +79,29 @@ class DiskLevel(Level[_Entry], InFront):
         # Checked again here, where the daemon makes and sweeps it: the command checked it before a scan that may
         # take minutes. Before it is made (where it would be made), and once it is there.
         why = root_refusal(root)
-        if why is None:
-            root.mkdir(parents=True, exist_ok=True)
-            why = root_refusal(root)
         if why is not None:
             raise OSError(errno.EPERM, why)
-        _remove_stale(root)
-        self.dir = root / unique(_PREFIX)
-        # Held while this mount lives, and from before its directory is made: another mount starting at the
-        # same moment sweeps (``_remove_stale``) no directory whose lock is not yet there.
-        self._alive = HeldLock(root / f"{self.dir.name}.lock")
+        root.mkdir(parents=True, exist_ok=True)
+        self._root_fd = _held_root(root)
         try:
-            self.dir.mkdir(mode=0o700, exist_ok=False)
-            self._dir_fd = _own_directory(self.dir)
+            _remove_stale(self._root_fd, _through(self._root_fd))
+            name = unique(_PREFIX)
+            self.dir = root / name  # what messages name
+            # Everything below the root is reached through its descriptor (``_through``): a writer of the
+            # directory above it (README's 0777 emptyDir) who renames the root and puts a link at its name
+            # meanwhile chose where root made its directory, its lock and every file it cached.
+            self._held_dir = _through(self._root_fd) / name
+            # Held while this mount lives, and from before its directory is made: another mount starting at the
+            # same moment sweeps (``_remove_stale``) no directory whose lock is not yet there.
+            self._alive = HeldLock(_through(self._root_fd) / f"{name}.lock")
+            try:
+                self._held_dir.mkdir(mode=0o700, exist_ok=False)
+                self._dir_fd = _own_directory(self._held_dir)
+            except BaseException:
+                self._alive.release()
+                raise
         except BaseException:
-            self._alive.release()
+            os.close(self._root_fd)
             raise
         self._lock: threading.Lock = threading.Lock()  # (a Lock: ``statistics`` waits for it with a timeout)
         #: Worker threads using ``_dir_fd`` now (``_directory``), and whether ``close`` has run: the descriptor is
@@ -329,11 +337,11 @@ class DiskLevel(Level[_Entry], InFront):
                 for again in (False, True):
                     for name in os.listdir(dir_fd):
                         _unlink(name, dir_fd)
-                    there = os.stat(self.dir, follow_symlinks=False)
+                    there = os.stat(self._held_dir, follow_symlinks=False)
                     if (there.st_dev, there.st_ino) != (mine.st_dev, mine.st_ino):
                         break
                     try:
-                        os.rmdir(self.dir)
+                        os.rmdir(self._held_dir)
                         break
                     except OSError as exc:
                         # A worker that asked ``_closed`` just before the close made its file after the listing:
@@ -347,6 +355,9 @@ class DiskLevel(Level[_Entry], InFront):
                 self._users -= 1
                 self._close_if_unused()
             self._alive.release()
+            if self._root_fd >= 0:
+                os.close(self._root_fd)
+                self._root_fd = -1
 
     def statistics(self) -> DiskStatistics:
         """The level's counters; asked on the trio loop (``/metrics``, the control file), so never waiting long
@@ -424,15 +435,36 @@ def _own_directory(path: Path) -> int:
     return fd
 
 
-def _remove_stale(root: Path) -> None:
-    """Directories of mounts that died without unmounting: nobody holds their lock any more. Only this daemon's
-    user's own (0700, on the root's filesystem, no link), reached and removed below the root's descriptor: in a
-    root others may write in (a sticky /tmp, an emptyDir of 0777), another user's ``liquidfs-notes`` directory is
-    theirs, and a name swapped for a link meanwhile leads nowhere."""
+def _held_root(root: Path) -> int:
+    """A descriptor of the directory ``root`` names, judged by ``root_refusal`` while held (no link at its name;
+    the name still the directory held once judged); OSError (EPERM: why) where it may not be the cache's root."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return
+        why = root_refusal(root)
+        if why is None:
+            named, held = os.stat(root, follow_symlinks=False), os.fstat(root_fd)
+            if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
+                why = f"--disk-cache {root}: replaced while it was checked"
+        if why is not None:
+            raise OSError(errno.EPERM, why)
+    except BaseException:
+        os.close(root_fd)
+        raise
+    return root_fd
+
+
+def _through(fd: int) -> Path:
+    """A path that reaches what ``fd`` holds whatever its name names now (``/proc/self/fd``'s link), for the calls
+    that take paths (``HeldLock``, ``abandoned``): the components below it are walked from the descriptor."""
+    return Path(f"/proc/self/fd/{fd}")
+
+
+def _remove_stale(root_fd: int, root: Path) -> None:
+    """Directories of mounts that died without unmounting: nobody holds their lock any more. Only this daemon's
+    user's own (0700, on the root's filesystem, no link), reached and removed below the root's descriptor
+    ``root_fd`` (``root``: a path through it, for the locks): in a root others may write in (a sticky /tmp, an
+    emptyDir of 0777), another user's ``liquidfs-notes`` directory is theirs, and a name swapped for a link
+    meanwhile leads nowhere."""
     try:
         device = os.fstat(root_fd).st_dev
         with os.scandir(root_fd) as entries:
@@ -449,5 +481,5 @@ def _remove_stale(root: Path) -> None:
             if abandoned(lock):
                 shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
                 lock.unlink(missing_ok=True)
-    finally:
-        os.close(root_fd)
+    except OSError as exc:  # a sweep is housekeeping: the mount goes on
+        log.debug("disk cache: sweeping %s: %s", root, exc)

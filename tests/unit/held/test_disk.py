@@ -52,6 +52,15 @@ def _level(tmp_path: Path, share: float, memory: set[int] | None = None) -> tupl
     return DiskLevel(store, tmp_path, policy, memory_holds=held.__contains__), store
 
 
+def _sweep(root: Path) -> None:
+    """What another mount's start sweeps in ``root``."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        disk_module._remove_stale(fd, disk_module._through(fd))
+    finally:
+        os.close(fd)
+
+
 def _epoch(level: DiskLevel, rng: random.Random) -> None:
     order = list(range(2, FILES + 2))
     rng.shuffle(order)
@@ -173,7 +182,7 @@ def test_the_sweep_removes_only_the_daemons_own_directories(tmp_path: Path) -> N
     target.mkdir(mode=0o700)
     (target / "f").write_bytes(b"x")
     (tmp_path / "liquidfs-link").symlink_to(target)
-    disk_module._remove_stale(tmp_path)
+    _sweep(tmp_path)
     assert (theirs / "todo.txt").exists() and (public / "f").exists() and (target / "f").exists()
 
 
@@ -191,7 +200,7 @@ def test_a_levels_directory_never_exists_without_its_held_lock(tmp_path: Path,
     monkeypatch.setattr(disk_module, "HeldLock", SeeingLock)
     level, _ = _level(tmp_path, 0.1)
     assert seen == [False] and level.dir.is_dir()
-    disk_module._remove_stale(tmp_path)  # a second mount's sweep
+    _sweep(tmp_path)  # a second mount's sweep
     assert level.dir.is_dir()
 
 
@@ -539,3 +548,31 @@ def test_a_full_disk_is_said_once_at_warning(tmp_path: Path, monkeypatch: pytest
     warned = [r for r in caplog.records if r.levelno == logging.WARNING and "cannot write" in r.getMessage()]
     assert len(warned) == 1 and level.write_errors == FILES
     level.close()
+
+
+def test_a_root_renamed_and_replaced_by_a_link_while_the_level_starts_changes_nothing_of_where_it_writes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """README's emptyDir (0777) lets its writers rename the cache's root: renamed, and a link to their directory
+    put at its name between the check and the making, root made its directory, its lock and every cached file
+    where the link pointed. Everything below the root is reached through the descriptor held when it was
+    judged."""
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    volume.chmod(0o777)
+    root, moved, theirs = volume / "cache", volume / "cache-moved", tmp_path / "theirs"
+    theirs.mkdir()
+    sweep = disk_module._remove_stale
+
+    def swap_then_sweep(*args: object) -> None:
+        root.rename(moved)
+        root.symlink_to(theirs)
+        sweep(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_module, "_remove_stale", swap_then_sweep)
+    level, _ = _level(root, 1.0)
+    _epoch(level, random.Random(8))
+    assert not list(theirs.iterdir())
+    made = [p for p in moved.iterdir() if p.is_dir()]
+    assert len(made) == 1 and len(list(made[0].iterdir())) == FILES
+    level.close()
+    assert not list(theirs.iterdir()) and not list(moved.iterdir())  # its directory and lock gone
