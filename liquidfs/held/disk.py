@@ -76,6 +76,20 @@ class DiskLevel(Level[_Entry], InFront):
         Level.__init__(self, policy)
         InFront.__init__(self, inner)
         self.memory_holds = memory_holds
+        self._lock: threading.Lock = threading.Lock()  # (a Lock: ``statistics`` waits for it with a timeout)
+        #: Worker threads using ``_dir_fd`` now (``_directory``), and whether ``close`` has run: the descriptor is
+        #: closed by whichever ends last. A storage call abandoned at its timeout may still be writing when the
+        #: mount closes; closed under it, its number could name another directory by then, where root would
+        #: make or remove files.
+        self._users = 0
+        self._closed = False
+        self.hits = 0
+        self.hit_bytes = 0
+        self.lost = 0
+        self.write_errors = 0
+        self._said: set[str] = set()  # the kinds of failure said at warning (``_say``)
+        self._unremoved = 0  # evicted files the disk would not remove (EIO, EROFS)
+        self._told = self._counted()  # what ``statistics`` tells while the lock is held long
         # Checked again here, where the daemon makes and sweeps it: the command checked it before a scan that may
         # take minutes. Before it is made (where it would be made), and once it is there.
         why = root_refusal(root)
@@ -84,7 +98,7 @@ class DiskLevel(Level[_Entry], InFront):
         root.mkdir(parents=True, exist_ok=True)
         self._root_fd = _held_root(root)
         try:
-            _remove_stale(self._root_fd, _through(self._root_fd))
+            _remove_stale(self._root_fd)
             name = unique(_PREFIX)
             self.dir = root / name  # what messages name
             # Everything below the root is reached through its descriptor (``_through``): a writer of the
@@ -103,20 +117,6 @@ class DiskLevel(Level[_Entry], InFront):
         except BaseException:
             os.close(self._root_fd)
             raise
-        self._lock: threading.Lock = threading.Lock()  # (a Lock: ``statistics`` waits for it with a timeout)
-        #: Worker threads using ``_dir_fd`` now (``_directory``), and whether ``close`` has run: the descriptor is
-        #: closed by whichever ends last. A storage call abandoned at its timeout may still be writing when the
-        #: mount closes; closed under it, its number could name another directory by then, where root would
-        #: make or remove files.
-        self._users = 0
-        self._closed = False
-        self.hits = 0
-        self.hit_bytes = 0
-        self.lost = 0
-        self.write_errors = 0
-        self._said: set[str] = set()  # the kinds of failure said at warning (``_say``)
-        self._unremoved = 0  # evicted files the disk would not remove (EIO, EROFS)
-        self._told = self._counted()  # what ``statistics`` tells while the lock is held long
 
     # -- the reader interface (the rest: ``InFront``'s) ------------------------------------------------------
 
@@ -354,10 +354,12 @@ class DiskLevel(Level[_Entry], InFront):
             with self._lock:
                 self._users -= 1
                 self._close_if_unused()
-            self._alive.release()
-            if self._root_fd >= 0:
-                os.close(self._root_fd)
-                self._root_fd = -1
+            try:
+                self._alive.release()  # (its name unlinked through the root's descriptor: before it is closed)
+            finally:
+                if self._root_fd >= 0:
+                    os.close(self._root_fd)
+                    self._root_fd = -1
 
     def statistics(self) -> DiskStatistics:
         """The level's counters; asked on the trio loop (``/metrics``, the control file), so never waiting long
@@ -436,13 +438,14 @@ def _own_directory(path: Path) -> int:
 
 
 def _held_root(root: Path) -> int:
-    """A descriptor of the directory ``root`` names, judged by ``root_refusal`` while held (no link at its name;
-    the name still the directory held once judged); OSError (EPERM: why) where it may not be the cache's root."""
-    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """A descriptor of the directory ``root`` names, judged by ``root_refusal`` while held (the name, through any
+    link ``root_refusal`` judged the way to, still the directory held once judged); OSError (EPERM: why) where
+    it may not be the cache's root."""
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         why = root_refusal(root)
         if why is None:
-            named, held = os.stat(root, follow_symlinks=False), os.fstat(root_fd)
+            named, held = os.stat(root), os.fstat(root_fd)
             if (named.st_dev, named.st_ino) != (held.st_dev, held.st_ino):
                 why = f"--disk-cache {root}: replaced while it was checked"
         if why is not None:
@@ -455,16 +458,16 @@ def _held_root(root: Path) -> int:
 
 def _through(fd: int) -> Path:
     """A path that reaches what ``fd`` holds whatever its name names now (``/proc/self/fd``'s link), for the calls
-    that take paths (``HeldLock``, ``abandoned``): the components below it are walked from the descriptor."""
+    that take paths (``HeldLock``, ``mkdir``): the components below it are walked from the descriptor. (Without
+    /proc, the calls through it fail: the mount says so, never works elsewhere.)"""
     return Path(f"/proc/self/fd/{fd}")
 
 
-def _remove_stale(root_fd: int, root: Path) -> None:
+def _remove_stale(root_fd: int) -> None:
     """Directories of mounts that died without unmounting: nobody holds their lock any more. Only this daemon's
-    user's own (0700, on the root's filesystem, no link), reached and removed below the root's descriptor
-    ``root_fd`` (``root``: a path through it, for the locks): in a root others may write in (a sticky /tmp, an
-    emptyDir of 0777), another user's ``liquidfs-notes`` directory is theirs, and a name swapped for a link
-    meanwhile leads nowhere."""
+    user's own (0700, on the root's filesystem, no link), their locks looked at and everything removed below the
+    root's descriptor ``root_fd``: in a root others may write in (a sticky /tmp, an emptyDir of 0777), another
+    user's ``liquidfs-notes`` directory is theirs, and a name swapped for a link meanwhile leads nowhere."""
     try:
         device = os.fstat(root_fd).st_dev
         with os.scandir(root_fd) as entries:
@@ -477,9 +480,9 @@ def _remove_stale(root_fd: int, root: Path) -> None:
             if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) & 0o077
                     or st.st_dev != device):
                 continue
-            lock = root / f"{name}.lock"
-            if abandoned(lock):
+            lock = f"{name}.lock"
+            if abandoned(lock, dir_fd=root_fd):
                 shutil.rmtree(name, dir_fd=root_fd, ignore_errors=True)
-                lock.unlink(missing_ok=True)
+                _unlink(lock, root_fd)
     except OSError as exc:  # a sweep is housekeeping: the mount goes on
-        log.debug("disk cache: sweeping %s: %s", root, exc)
+        log.debug("disk cache: sweeping: %s", exc)

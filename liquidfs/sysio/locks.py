@@ -51,16 +51,19 @@ class HeldLock:
     def release(self, *, remove: bool = True) -> None:
         if self.fd < 0:
             return
-        if remove:
-            self.path.unlink(missing_ok=True)
-        os.close(self.fd)
-        self.fd = -1
+        try:
+            if remove:
+                self.path.unlink(missing_ok=True)
+        finally:  # (a disk that fails the unlink must not keep the lock, and its descriptor, for good)
+            os.close(self.fd)
+            self.fd = -1
 
 
-def abandoned(lock_path: Path) -> bool:
-    """True when nobody holds ``lock_path`` (its owner died or finished): what it guards may be removed."""
+def abandoned(lock_path: Path | str, *, dir_fd: int | None = None) -> bool:
+    """True when nobody holds ``lock_path`` (below ``dir_fd`` where given; its owner died or finished): what it
+    guards may be removed."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dir_fd)
     except FileNotFoundError:
         return True
     except OSError:

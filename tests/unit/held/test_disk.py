@@ -56,7 +56,7 @@ def _sweep(root: Path) -> None:
     """What another mount's start sweeps in ``root``."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        disk_module._remove_stale(fd, disk_module._through(fd))
+        disk_module._remove_stale(fd)
     finally:
         os.close(fd)
 
@@ -576,3 +576,17 @@ def test_a_root_renamed_and_replaced_by_a_link_while_the_level_starts_changes_no
     assert len(made) == 1 and len(list(made[0].iterdir())) == FILES
     level.close()
     assert not list(theirs.iterdir()) and not list(moved.iterdir())  # its directory and lock gone
+
+
+def test_a_cache_root_named_through_a_link_is_the_directory_it_leads_to(tmp_path: Path) -> None:
+    """``--disk-cache`` named through a link (to a directory root_refusal judges): the directory it leads to, as
+    the command's check took it; never a mount that fails after its scan with "Not a directory"."""
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    level, _ = _level(tmp_path / "link", 1.0)
+    _epoch(level, random.Random(9))
+    made = [p for p in real.iterdir() if p.is_dir()]
+    assert len(made) == 1 and len(list(made[0].iterdir())) == FILES
+    level.close()
+    assert not list(real.iterdir())

@@ -3,6 +3,7 @@ name, so a sweeper never takes a live writer's for a dead one's."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -93,3 +94,28 @@ def test_a_fifo_at_a_locks_name_is_refused_never_waited_on(tmp_path: Path, monke
     thread.join(10)  # (a bound on a hang, not a measure: it answers at once)
     assert not thread.is_alive(), "the lock waited on the FIFO"
     assert len(outcome) == 1 and isinstance(outcome[0], OSError) and "not a regular file" in str(outcome[0])
+
+
+def test_a_lock_whose_name_cannot_be_removed_is_let_go_all_the_same(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fails the unlink (EIO, EROFS) at a release: the error is said, and the lock and its
+    descriptor are let go all the same, never held for good."""
+    held = HeldLock(tmp_path / "x.lock")
+    fd = held.fd
+
+    def failing(self: Path, missing_ok: bool = False) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(Path, "unlink", failing)
+    with pytest.raises(OSError):
+        held.release()
+    assert held.fd == -1
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed
+    monkeypatch.undo()
+    assert abandoned(tmp_path / "x.lock")
+    directory = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert abandoned("x.lock", dir_fd=directory)
+    finally:
+        os.close(directory)
