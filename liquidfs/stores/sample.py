@@ -78,7 +78,9 @@ class Sample:
         if sample_full(len(self.raws), raw_bytes, count, readers, max_bytes):
             return True
         held = raw_bytes + sum(map(len, self.original_data))
-        if self.held_limit is None or held < self.held_limit:
+        # (Never none: a pod at its memory limit, its page cache counted as used, reads no headroom at all, and a
+        # sample of none said "none of the sampled images can be expanded losslessly".)
+        if self.held_limit is None or held < self.held_limit or not self.raws:
             return False
         log.warning("profile: the sample stops at %d images, which hold %.1f GB of the %.1f GB it may (half the "
                     "memory available): fewer than the %d asked for, or %d a reader for %d readers; its rates are "

@@ -57,6 +57,7 @@ def test_a_sample_stops_where_its_images_hold_the_memory_they_may(tmp_path: Path
     assert smp.full(64, readers=128, max_bytes=10) and smp.full(64, readers=128, max_bytes=None)
     monkeypatch.setattr("liquidfs.expand.workers.available_memory", lambda: None)
     assert sample_module.Sample([], [], tmp_path).held_limit is None  # unknown: bounded by count and bytes only
+    assert not sample_module.Sample([], [], tmp_path, held_limit=0).full(64, readers=4, max_bytes=None)  # one, always
 
 
 @pytest.fixture(scope="module")
