@@ -373,8 +373,8 @@ def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
 
     Pillow's decodes agreeing is not enough: a prepare reuses the objects of runs before it, and a liquidfs that
     refused less (a 16-bit PNG, an EXIF orientation, a damaged chunk OpenCV fails on) made objects whose pixels
-    other decoders of the original do not give. The original is expanded again to the object's format: refused
-    now, the object is not sound."""
+    other decoders of the original do not give. The original is expanded again (to BMP, whatever the object's
+    format): refused now, the object is not sound."""
     refused = digest_refusal(want_checksum)
     if refused is not None:
         return refused
@@ -392,7 +392,9 @@ def judge(original: bytes, raw: bytes, want_checksum: str) -> str | None:
     raw_format = formats.sniff(raw[:32])
     if raw_format is None or raw_format not in RAW_FORMATS:
         return f"not a raw object ({raw_format or 'unknown format'}): a mount serves the original"
-    again = formats.expand(original, to=raw_format)
+    # Expanded to BMP whatever the object's format: the source's refusals are the same for each, and a J2K
+    # encode (seconds an image) to learn only whether it is refused would make verify of a J2K store crawl.
+    again = formats.expand(original, to=DEFAULT.name)
     if again.data is None:
         return (f"prepare refuses its source now ({again.reason}): other decoders of the original may not give "
                 "the object's pixels; run prepare again")
