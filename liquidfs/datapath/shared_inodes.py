@@ -283,7 +283,8 @@ class SharedInodes:
             return True
 
     def directory_warmed(self, inode: int, now: float) -> None:
-        """The warm of directory ``inode`` this loop claimed ended ``now``: the others' windows count from it."""
+        """The warm of directory ``inode`` this loop claimed ended ``now`` (or later: one that took long rests for
+        a while after, ``lookahead.RESTS``): the others' windows count from it."""
         offset = self._claim_offset(inode)
         with self._lock:
             if _DIRECTORY_CLAIM.unpack_from(self._map, offset)[0] == inode:

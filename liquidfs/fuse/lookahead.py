@@ -126,7 +126,7 @@ class MetadataAhead:
         #: ``mount --loops``: whether this loop warms a directory's inodes, or another loop does, and the end of
         #: a warm this loop claimed (``join_loops``)
         self._claim: Callable[[int, float], bool] | None = None
-        self._warmed: Callable[[int], None] = lambda directory: None
+        self._warmed: Callable[[int, float], None] = lambda directory, rest: None
         self.left_to_others = 0
         self._lock = threading.Lock()
         self._warmed_at: dict[int, float] = {}  # when a LOOKUP last queued each directory (the loop's)
@@ -187,10 +187,11 @@ class MetadataAhead:
                 self._again.pop(parent, None)
         self._queue_directory(parent, wait)
 
-    def join_loops(self, claim: Callable[[int, float], bool], warmed: Callable[[int], None]) -> None:
+    def join_loops(self, claim: Callable[[int, float], bool], warmed: Callable[[int, float], None]) -> None:
         """One of several loops: ``claim(directory, within)`` says whether this loop warms a directory's inodes
         (no loop claimed it in the last ``within`` seconds, nor is warming it: ``SharedInodes.claim_directory``,
-        held for ``WARM_CLAIM`` seconds at most), and ``warmed(directory)`` that such a warm ended. Every loop
+        held for ``WARM_CLAIM`` seconds at most), and ``warmed(directory, rest)`` that such a warm ended, and
+        that no loop is to warm it again within ``rest`` seconds (``RESTS``) on top of their own bound. Every loop
         still reads the rows of the directories its lookups reach, for the lookups that follow there, but one
         reads the inodes from the disk, where each loop had queued its own warm of a cold directory at once."""
         self._claim, self._warmed = claim, warmed
@@ -263,8 +264,8 @@ class MetadataAhead:
     def _rest(self, parent: int, started: float, ended: float) -> None:
         """``parent``'s next warm held off ``RESTS`` times as long as the one that ran from ``started`` to
         ``ended`` took, where that is longer than the other bounds hold it off anyway (under _lock)."""
-        rest = RESTS * (ended - started)
-        if rest > AGAIN_COLD:
+        rest = _rest_after(ended - started)
+        if rest:
             if len(self._rest_until) >= REMEMBERED_DIRECTORIES:
                 _forget_past(self._rest_until, ended)
             self._rest_until[parent] = ended + rest
@@ -279,10 +280,12 @@ class MetadataAhead:
             if keep_rows:
                 self._warm_directory(catalog, parent, keep_rows, warm=False)
             return False
+        started = time.monotonic()
         try:
             return self._warm_directory(catalog, parent, keep_rows)
         finally:
-            self._warmed(parent)  # a no-op with one loop
+            # (a no-op with one loop; with several, the others' claims wait out the rest too)
+            self._warmed(parent, _rest_after(time.monotonic() - started))
 
     def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool, warm: bool = True) -> bool:
         """``parent``'s files' rows kept (``keep_rows``) and their inodes warmed (``warm``; else another loop's).
@@ -395,6 +398,13 @@ class MetadataAhead:
         if self._warmers is not None:
             self._warmers.shutdown(wait=True)
             self._warmers = None
+
+
+def _rest_after(took: float) -> float:
+    """The seconds a directory whose warm took ``took`` rests after it (``RESTS``), where that is longer than the
+    other bounds hold it off anyway; else 0."""
+    rest = RESTS * took
+    return rest if rest > AGAIN_COLD else 0.0
 
 
 def _forget_past(when: dict[int, float], before: float) -> int:

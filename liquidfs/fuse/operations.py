@@ -208,7 +208,7 @@ class Operations(pyfuse3.Operations):
         if self.lookahead is not None:  # one loop reads a directory's inodes from the disk, not every one at once
             self.lookahead.join_loops(
                 lambda directory, within: shared.claim_directory(directory, time.monotonic(), within, WARM_CLAIM),
-                lambda directory: shared.directory_warmed(directory, time.monotonic()))
+                lambda directory, rest: shared.directory_warmed(directory, time.monotonic() + rest))
 
     def serve_with(self, path: DataPath) -> None:
         """The data path every open is served by from now on: given at construction, or chosen once after INIT

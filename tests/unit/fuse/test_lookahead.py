@@ -14,7 +14,8 @@ import pytest
 from liquidfs.fuse import lookahead
 from liquidfs.catalog.build import build
 from liquidfs.catalog.catalog import Catalog
-from liquidfs.catalog.nodes import ROOT_ID
+from liquidfs.catalog.nodes import ROOT_ID, Node
+from liquidfs.datapath.shared_inodes import SharedInodes
 from liquidfs.fuse.lookahead import MetadataAhead
 from liquidfs.stores.local.reader import StoreReader
 
@@ -276,13 +277,21 @@ def test_rows_of_a_catalog_replaced_since_the_mount_opened_its_own_answer_no_loo
     assert newer.file_id != catalog.file_id
 
 
+def _one_of_loops(catalog: Catalog, shared: SharedInodes, clock: list[float],
+                  warm: Callable[[Node], None]) -> MetadataAhead:
+    """A loop's read-ahead (``mount --loops``) joined to the others through ``shared``, on the clock ``clock``."""
+    ahead = MetadataAhead(catalog.path, warm, catalog_id=catalog.file_id)
+    ahead.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within,
+                                                                       lookahead.WARM_CLAIM),
+                     lambda directory, rest: shared.directory_warmed(directory, clock[0] + rest))
+    return ahead
+
+
 def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> None:
     """mount --loops: the lookups of one directory reach every loop; one loop reads its inodes from the disk
     (each had, at once, with its helper's threads contending for the same inode blocks), and every loop keeps the
     rows for its own lookups that follow there. An open gone cold in another loop re-warms it only once that
     warm has ended, ``AGAIN_COLD`` after it."""
-    from liquidfs.datapath.shared_inodes import SharedInodes
-
     catalog = _tree(tmp_path, dirs=1, files=5)
     shared = SharedInodes(2)
     clock = [100.0]
@@ -296,11 +305,7 @@ def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> 
         warmed.append((index, node.path))
 
     def loop(index: int) -> MetadataAhead:
-        ahead = MetadataAhead(catalog.path, lambda node: warm(index, node), catalog_id=catalog.file_id)
-        ahead.join_loops(lambda directory, within: shared.claim_directory(directory, clock[0], within,
-                                                                           lookahead.WARM_CLAIM),
-                         lambda directory: shared.directory_warmed(directory, clock[0]))
-        return ahead
+        return _one_of_loops(catalog, shared, clock, lambda node: warm(index, node))
 
     d0 = _dir(catalog, b"d0")
     f0 = catalog.lookup(d0, b"f0.bin")
@@ -330,6 +335,44 @@ def test_loops_warm_a_directory_once_and_each_keeps_its_rows(tmp_path: Path) -> 
     again.went_cold(f0)
     again.stop()
     assert len([1 for index, _ in warmed if index == 1]) == 5
+
+
+def test_loops_wait_out_the_rest_after_a_warm_another_loop_took_long_over(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """mount --loops: a directory whose warm took long rests ``RESTS`` times as long after it in every loop, not
+    only in the one that warmed it: another loop's cold open a second after it ended had warmed it again."""
+    from types import SimpleNamespace
+
+    catalog = _tree(tmp_path, dirs=1, files=2)
+    shared = SharedInodes(2)
+    clock = [100.0]
+    monkeypatch.setattr(lookahead, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    warmed: list[int] = []
+
+    def warm(index: int) -> None:
+        warmed.append(index)
+        clock[0] += 1.5  # 3 s a warm of its two files: it rests 12 s
+
+    def loop(index: int) -> MetadataAhead:
+        return _one_of_loops(catalog, shared, clock, lambda node: warm(index))
+
+    d0 = _dir(catalog, b"d0")
+    f0 = catalog.lookup(d0, b"f0.bin")
+    assert f0 is not None
+    first = loop(0)
+    first.looked_up(d0)
+    first.stop()
+    assert warmed == [0, 0]
+    clock[0] = 105.0  # past AGAIN_COLD after its end, within its rest
+    other = loop(1)
+    other.went_cold(f0)
+    other.stop()
+    assert warmed == [0, 0] and other.statistics().values()["lookahead_left_to_others"] == 1
+    clock[0] = 116.5
+    later = loop(1)
+    later.went_cold(f0)
+    later.stop()
+    assert warmed.count(1) == 2
 
 
 def test_re_warms_asked_for_soon_after_one_another_back_off_and_start_anew_after_a_quiet_while(
