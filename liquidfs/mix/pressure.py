@@ -17,6 +17,11 @@ from ..sysio.paths import open_regular
 log = logging.getLogger(__name__)
 
 
+#: Of the cores' worth of CPU time a cgroup limiting the daemon allows, what processes besides the daemon must
+#: use of it over an interval for its reading to stand for the loader's (``CpuBusy``).
+OTHERS_SHARE = 0.1
+
+
 class CpuBusy:
     """The share of CPU time that was busy since the previous call: a cgroup v2 group's (its ``cpu.stat``
     ``usage_usec`` over the cores it may use) when ``where`` holds one, else the node's CPUs this process may
@@ -24,40 +29,34 @@ class CpuBusy:
     one source (the group's file gone since: a group's seconds over the node's ticks mean nothing).
 
     Where ``where`` holds no group (the node's /proc/pressure) but a cgroup above this process allows it fewer
-    cores than it may run on (``own_limit``: a container's CPU limit, ``docker run --cpus 4``), that group's is
-    read: the node's busy time over its 64 cores never showed a loader saturating its 4 ("decode binds",
-    ``controller.BUSY_FLOOR``), and the node's over the group's 4 would count every other tenant of the node."""
+    cores than it may run on (``own_limit``: a container's CPU limit), that group's reading is taken over the
+    node's in each interval where processes besides the daemon (``own_cpu``: its CPU seconds) used at least
+    ``OTHERS_SHARE`` of what the group allows: a container of loader and daemon (``docker run --cpus 4``), where
+    the node's busy time over its 64 cores never showed the loader saturating its 4 ("decode binds",
+    ``controller.BUSY_FLOOR``). A sidecar limited apart from its loader finds its group holds only itself,
+    and reads the node's, as before."""
 
     def __init__(self, where: Path = Path("/proc/pressure"), proc_stat: Path = Path("/proc/stat"),
                  clock: Callable[[], float] = time.monotonic,
                  affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0),
-                 own_limit: Callable[[], tuple[str, float] | None] = limiting_group) -> None:
-        cores = len(affinity()) or cpu_count()
-        if _read_regular(where / "cpu.stat") is None and (limit := own_limit()) is not None and limit[1] < cores:
-            # A daemon limited apart from its loader (a sidecar given a CPU limit of its own) reads its own use
-            # here: said, so its user can name the loader's group instead.
-            log.info("mix: CPU use read from this process's cgroup %s (its cpu.max allows %.2g of %d cores); a "
-                     "daemon limited apart from its loader wants --pressure-dir naming the loader's cgroup",
-                     limit[0], limit[1], cores)
-            where = Path(limit[0])
+                 own_limit: Callable[[], tuple[str, float] | None] = limiting_group,
+                 own_cpu: Callable[[], float] = time.process_time) -> None:
         self.where = where
         self.group_stat = where / "cpu.stat"
         self.proc_stat = proc_stat
         self.clock = clock
         self.affinity = affinity
-        self.cores = self._group_cores()
+        self.cores = _cores_of(where)
         self._last = self._sample()
-
-    def _group_cores(self) -> float:
-        """The cores' worth of time the group may use: the CPUs its cpuset gives it (``cpuset.cpus.effective``;
-        where it has none, this process's affinity), within the least ``cpu.max`` of it and the groups above.
-        Asked at each interval: a pod resized, or moved to another cpuset, is seen at the next."""
-        cpus = _cpuset_size(_read_regular(self.where / "cpuset.cpus.effective")) or cpu_count()
-        allowed = _group_allowance(self.where)
-        # A group's usage over the cores' worth of time it may use: in a pod limited to 4 of 64 cores, over the
-        # affinity's 64 it could never pass 0.06, and "decode binds" (``controller.BUSY_FLOOR``) never showed;
-        # over the daemon's own affinity (pinned to 2 cores), a loader of 8 busy at half was "saturated".
-        return min(cpus, allowed) if allowed is not None and allowed > 0 else cpus
+        self._limiting: _LimitingGroup | None = None
+        cores = len(affinity()) or cpu_count()
+        if self._last is not None and self._last[0] != "group" and (limit := own_limit()) is not None \
+                and limit[1] < cores:
+            self._limiting = _LimitingGroup(Path(limit[0]), clock, own_cpu)
+            log.info("mix: this process's cgroup %s allows %.2g of its %d cores: its CPU use is read where processes "
+                     "besides the daemon use it (a container of loader and daemon), else the node's; a daemon "
+                     "limited apart from its loader wants --pressure-dir naming the loader's cgroup", limit[0],
+                     limit[1], cores)
 
     def _sample(self) -> tuple[str, float, float] | None:
         """(source, busy, total) so far, as counters: the group's seconds of CPU and of the clock, or the
@@ -66,23 +65,75 @@ class CpuBusy:
             # Read as the pressure files are: only a regular file is the group's (--pressure-dir may be its user's).
             group = _read_regular(self.group_stat)
             if group is not None:
-                fields = dict(line.split() for line in group.splitlines() if line.strip())
-                return "group", parse_counter(fields["usage_usec"]) / 1e6, self.clock()
+                return "group", _usage_seconds(group), self.clock()
             return _node_sample(self.proc_stat.read_text(), self.affinity())
         except (OSError, ValueError, KeyError) as exc:
             log.debug("cpu busy: %s", exc)
             return None
 
     def __call__(self) -> float | None:
+        limited = self._limiting() if self._limiting is not None else None
         now, last = self._sample(), self._last
         self._last = now
+        if limited is not None:
+            return limited
         if now is None or last is None or now[0] != last[0] or now[2] <= last[2]:
             return None
         span = now[2] - last[2]
         if now[0] == "group":
-            self.cores = self._group_cores()
+            self.cores = _cores_of(self.where)
             span *= self.cores
         return min(1.0, max(0.0, (now[1] - last[1]) / span))
+
+
+class _LimitingGroup:
+    """``CpuBusy``'s reading of the cgroup that limits the daemon: its busy share over an interval, where
+    processes besides the daemon used ``OTHERS_SHARE`` of what it allows; else None."""
+
+    def __init__(self, group: Path, clock: Callable[[], float], own_cpu: Callable[[], float]) -> None:
+        self.group = group
+        self.clock = clock
+        self.own_cpu = own_cpu
+        self._last = self._sample()
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        """(the group's CPU seconds, the daemon's, the clock) so far."""
+        text = _read_regular(self.group / "cpu.stat")
+        try:
+            return None if text is None else (_usage_seconds(text), self.own_cpu(), self.clock())
+        except (ValueError, KeyError) as exc:
+            log.debug("cpu busy of %s: %s", self.group, exc)
+            return None
+
+    def __call__(self) -> float | None:
+        now, last = self._sample(), self._last
+        self._last = now
+        if now is None or last is None or now[2] <= last[2]:
+            return None
+        span = (now[2] - last[2]) * _cores_of(self.group)
+        used, mine = now[0] - last[0], now[1] - last[1]
+        if used - mine < OTHERS_SHARE * span:
+            return None  # the daemon's own use, or nearly all of it: the node's says more of the loader
+        return min(1.0, max(0.0, used / span))
+
+
+def _usage_seconds(text: str) -> float:
+    """A ``cpu.stat``'s ``usage_usec``, in seconds (ValueError, KeyError where it has none that is a number)."""
+    fields = dict(line.split() for line in text.splitlines() if line.strip())
+    return parse_counter(fields["usage_usec"]) / 1e6
+
+
+def _cores_of(group: Path) -> float:
+    """The cores' worth of time the cgroup ``group`` may use: the CPUs its cpuset gives it
+    (``cpuset.cpus.effective``; where it has none, this process's affinity), within the least ``cpu.max`` of it
+    and the groups above. Asked at each interval: a pod resized, or moved to another cpuset, is seen at the
+    next."""
+    cpus = _cpuset_size(_read_regular(group / "cpuset.cpus.effective")) or cpu_count()
+    allowed = _group_allowance(group)
+    # A group's usage over the cores' worth of time it may use: in a pod limited to 4 of 64 cores, over the
+    # affinity's 64 it could never pass 0.06, and "decode binds" (``controller.BUSY_FLOOR``) never showed;
+    # over the daemon's own affinity (pinned to 2 cores), a loader of 8 busy at half was "saturated".
+    return min(cpus, allowed) if allowed is not None and allowed > 0 else cpus
 
 
 def _node_sample(text: str, cpus: set[int]) -> tuple[str, float, float]:

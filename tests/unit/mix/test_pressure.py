@@ -19,6 +19,9 @@ from liquidfs.sysio.cgroups import cpu_count
 
 T = TypeVar("T")
 
+#: No cgroup limits the test's process: the node's reading, whatever limits the machine running the suite.
+_NO_LIMIT: Callable[[], tuple[str, float] | None] = lambda: None
+
 
 def test_pressure_files_are_read_as_shares() -> None:
     text = "some avg10=12.50 avg60=3.00 avg300=1.00 total=123\nfull avg10=1.00 avg60=0.00 avg300=0.00 total=4\n"
@@ -83,7 +86,7 @@ def test_stalls_are_measured_over_the_interval_not_the_kernels_10_s_average(tmp_
 def test_cpu_busy_from_the_node_and_from_a_cgroup(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3\n")
-    busy = CpuBusy(tmp_path / "none", proc_stat=stat)
+    busy = CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=_NO_LIMIT)
     stat.write_text("cpu  250 0 150 800 100 0 0 0 0 0\n")  # +200 busy, +100 idle
     assert busy() == pytest.approx(200 / 300)
     group = tmp_path / "group"
@@ -109,12 +112,12 @@ def test_cpu_busy_of_the_node_is_over_the_cpus_this_process_may_run_on(tmp_path:
 
     stat = tmp_path / "stat"
     stat.write_text(stat_of(100))
-    mine = CpuBusy(tmp_path / "none", proc_stat=stat, affinity=lambda: {2, 5})
-    every = CpuBusy(tmp_path / "none", proc_stat=stat, affinity=lambda: set(range(8)))
+    mine = CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=_NO_LIMIT, affinity=lambda: {2, 5})
+    every = CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=_NO_LIMIT, affinity=lambda: set(range(8)))
     stat.write_text(stat_of(1100))
     assert mine() == pytest.approx(1.0) and every() == pytest.approx(0.25)
     stat.write_text("cpu  1 2 3\n")  # a line short of its counters: no reading, never an IndexError
-    assert CpuBusy(tmp_path / "none", proc_stat=stat)() is None
+    assert CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=_NO_LIMIT)() is None
 
 
 def test_cpu_busy_of_a_group_is_over_the_cores_its_cpu_max_allows(tmp_path: Path) -> None:
@@ -139,8 +142,9 @@ def test_cpu_busy_of_a_group_is_over_the_cores_its_cpu_max_allows(tmp_path: Path
 def test_cpu_busy_without_a_group_reads_the_cgroup_that_limits_this_process(tmp_path: Path) -> None:
     """A container limited to 2 of the node's 8 cores (``docker run --cpus 2``, cpu.max on its own cgroup) and
     no --pressure-dir: the node's busy time over 8 cores read 0.25 with the loader saturating its 2, under the
-    floor that says decoding binds. The cgroup that limits it is read instead, over what it allows; without a
-    limit below the cores (or none at all), the node's as before."""
+    floor that says decoding binds. The cgroup that limits it is read instead, over what it allows, in each
+    interval where processes besides the daemon use it; where the daemon alone does (a sidecar given a limit of
+    its own), and without a limit below the cores (or none at all), the node's as before."""
     root = tmp_path / "cgroup"
     container = root / "docker" / "abc"
     container.mkdir(parents=True)
@@ -155,17 +159,25 @@ def test_cpu_busy_without_a_group_reads_the_cgroup_that_limits_this_process(tmp_
     assert own_limit() == (str(container), 2.0)
     stat = tmp_path / "stat"
     stat.write_text("cpu  0 0 0 800 0 0 0 0 0 0\n")
-    now = [100.0]
+    now, mine = [100.0], [0.0]
     busy = CpuBusy(tmp_path / "none", proc_stat=stat, clock=lambda: now[0], affinity=lambda: set(range(8)),
-                   own_limit=own_limit)
-    assert busy.where == container and busy.cores == 2.0
-    now[0] += 10.0
-    (container / "cpu.stat").write_text("usage_usec 20000000\n")  # both its cores, throughout
-    stat.write_text("cpu  200 0 0 1400 0 0 0 0 0 0\n")  # the node's 8: a quarter busy
-    assert busy() == pytest.approx(1.0)
+                   own_limit=own_limit, own_cpu=lambda: mine[0])
+
+    def interval(group_seconds: float, daemon_seconds: float, node_busy_ticks: int) -> float | None:
+        """10 s in which the container used ``group_seconds`` of CPU, the daemon ``daemon_seconds`` of them."""
+        now[0] += 10.0
+        mine[0] += daemon_seconds
+        used = int((container / "cpu.stat").read_text().split()[1]) + int(group_seconds * 1e6)
+        (container / "cpu.stat").write_text(f"usage_usec {used}\n")
+        busy_ticks, idle = map(int, stat.read_text().split()[1:5:3])
+        stat.write_text(f"cpu  {busy_ticks + node_busy_ticks} 0 0 {idle + 8000 - node_busy_ticks} 0 0 0 0 0 0\n")
+        return busy()
+
+    assert interval(20.0, 2.0, 2000) == pytest.approx(1.0)  # a loader saturates both cores: the group's
+    assert interval(3.0, 2.9, 2000) == pytest.approx(0.25)  # the daemon alone: the node's, a quarter busy
     node = CpuBusy(tmp_path / "none", proc_stat=stat, affinity=lambda: {0, 1}, own_limit=own_limit)
-    assert node.where == tmp_path / "none"  # allowed all the cores it may run on: the node's
-    assert CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=lambda: None).where == tmp_path / "none"
+    assert node._limiting is None  # allowed all the cores it may run on: the node's
+    assert CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=_NO_LIMIT)._limiting is None
     (container / "cpu.max").write_text("max 100000\n")
     assert own_limit() is None
 
@@ -183,7 +195,7 @@ def test_counters_past_a_u64_are_no_reading(tmp_path: Path) -> None:
     assert busy() is None
     stat = tmp_path / "stat"
     stat.write_text(f"cpu  1{'0' * 400} 0 100 700 100 0 0 0 0 0\n")
-    assert CpuBusy(tmp_path / "none", proc_stat=stat)() is None
+    assert CpuBusy(tmp_path / "none", proc_stat=stat, own_limit=_NO_LIMIT)() is None
 
 
 def _in_thread_with_deadline(call: Callable[[], T], seconds: float = 30.0) -> T:
