@@ -255,6 +255,7 @@ class NextEpochCache:
                     if len(self._refused) > REMEMBERED_REFUSALS:
                         self._refused.popitem(last=False)
                 return None
+            self._refused.pop(job, None)  # (refused again later: counted again)
             # (A record of its own: files still held for a record of this id before, retired, go on being handed
             # over a slice per read, told from this one's by their serial.)
             state = self.jobs[job] = Job(job, self._size, owner=owner, serial=next(self._serials))
