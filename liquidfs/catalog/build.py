@@ -71,7 +71,9 @@ class _Writer:
         make_store_dir(self.store)
         check_store_dir(self.store, writing=True)  # before a leftover is looked at
         self.final = self.store / CATALOG_NAME
-        _remove_abandoned(self.store)
+        # Copies of runs that died: what their prepares learnt is merged into this catalog at its finish, then
+        # they go (an abort leaves them to the next writer).
+        self.abandoned = _abandoned(self.store)
         self.tmp, self.lock = _in_the_making(self.store)
         self.sink: Sink | None = None  # made at the first flush, once the build's size says which
         self.rows: list[tuple[object, ...]] = []
@@ -149,10 +151,12 @@ class _Writer:
             db.execute("PRAGMA journal_mode=MEMORY")
             db.execute("PRAGMA synchronous=OFF")
             carried = _carry_over_expansions(db, previous or self.final)
+            carried = _rescue_expansions(db, self.abandoned) or carried
         finally:
             db.close()
         # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
         _replace(self.tmp, self.final, durable=carried)
+        _remove_copies(self.abandoned)
         self.lock.release()
 
     def abort(self) -> None:
@@ -187,21 +191,28 @@ class WorkingCopy:
         # Copies of killed prepares (as large as the catalog each: gigabytes at ten million files), which only a
         # scan's writer removed, and a fresh catalog is not scanned again.
         check_store_dir(store_dir, writing=True)  # before a leftover is looked at, as _Writer's
-        _remove_abandoned(store_dir)
+        abandoned = _abandoned(store_dir)
         self.path, self.lock = _in_the_making(store_dir)
         try:
             source = connect(self.final, readonly=True)
             try:
-                copy = sqlite3.connect(self.path)
-                with copy:
+                copy = sqlite3.connect(self.path, isolation_level=None)
+                try:
                     source.backup(copy)
-                copy.close()
+                    # A prepare killed outright (SIGKILL, the OOM killer, a power cut) recorded what it learnt in
+                    # its copy alone: taken over here, or every image it expanded was decoded again to adopt its
+                    # object, and an image that kills workers was tried again.
+                    copy.execute("PRAGMA trusted_schema=OFF")
+                    _rescue_expansions(copy, abandoned)
+                finally:
+                    copy.close()
             finally:
                 source.close()
             self.catalog = Catalog.open_path(self.path)
         except BaseException:
             self.discard()
             raise
+        _remove_copies(abandoned)
 
     def publish(self) -> None:
         """The copy in the store's catalog's place; once (a second call, after a failure that came after the
@@ -242,7 +253,7 @@ def _fsync(path: Path, flags: int) -> None:
 def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
     """A name of its own for a catalog being written, and a lock held while it is: two writers on one store (two
     prepares, a prepare and a mount's rescan), even in other PID namespaces, never touch each other's catalog in
-    the making, and one whose writer died is found by its free lock (``_remove_abandoned``).
+    the making, and one whose writer died is found by its free lock (``_abandoned``).
 
     The file is made here, empty, owner-only, where no file or link was (``O_EXCL | O_NOFOLLOW``): SQLite opens
     a name and follows a link there, and in a store whose directory others may write, a link planted at the name
@@ -259,13 +270,54 @@ def _in_the_making(store: Path) -> tuple[Path, HeldLock]:
         raise
 
 
-def _remove_abandoned(store: Path) -> None:
-    """Catalogs in the making whose writer died (their lock is free), with SQLite's side files."""
-    for lock in store.glob(f"{CATALOG_NAME}.new-*.lock"):
-        if abandoned(lock):
-            tmp = Path(str(lock)[:-len(".lock")])
-            for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm"), Path(f"{tmp}-journal"), lock):
-                leftover.unlink(missing_ok=True)
+def _abandoned(store: Path) -> list[Path]:
+    """Catalogs in the making whose writer died (their lock is free). Looked at by a writer of the store (which
+    holds its writers' lock): none of them is another's live copy, nor becomes one."""
+    return [Path(str(lock)[:-len(".lock")]) for lock in store.glob(f"{CATALOG_NAME}.new-*.lock") if abandoned(lock)]
+
+
+def _remove_copies(copies: Sequence[Path]) -> None:
+    """Catalogs in the making of ``_abandoned``, with SQLite's side files and their locks."""
+    for tmp in copies:
+        for leftover in (tmp, Path(f"{tmp}-wal"), Path(f"{tmp}-shm"), Path(f"{tmp}-journal"), Path(f"{tmp}.lock")):
+            leftover.unlink(missing_ok=True)
+
+
+#: The expansions table's columns (``schema``), named: a copy's are taken by name, never by their order.
+_EXPANSION_COLUMNS = ("path, src_size, src_mtime_ns, format, object, raw_size, checksum, reason, src_etag, "
+                      "object_stamp")
+
+
+def _rescue_expansions(db: sqlite3.Connection, copies: Sequence[Path]) -> bool:
+    """What the prepares that wrote ``copies`` (catalogs in the making of runs that died) learnt, put in ``db``'s
+    expansions over what it holds (theirs is newer: every copy older than the last writer's start went then);
+    whether any was. A copy that cannot be read (torn by the death: SQLite rolls back what its journal says
+    first) or is of another schema is passed over. Each row is checked again where it is used (prepare reuses
+    an expansion only of the same source, with its object there as recorded), as the catalog's own are."""
+    rescued = False
+    for copy in copies:
+        try:
+            db.execute("ATTACH DATABASE ? AS dead", (str(copy),))
+        except sqlite3.DatabaseError as exc:
+            log.warning("cannot read %s, left by a run that died: %s", copy, exc)
+            continue
+        try:
+            row = db.execute("SELECT value FROM dead.meta WHERE key='schema_version'").fetchone()
+            if row is None or schema_version(row[0]) != SCHEMA_VERSION:
+                continue
+            count = db.execute(f"INSERT OR REPLACE INTO main.expansions({_EXPANSION_COLUMNS}) "
+                               f"SELECT {_EXPANSION_COLUMNS} FROM dead.expansions").rowcount
+            if count > 0:
+                log.info("took over %d images' expansions from %s, left by a run that died", count, copy.name)
+                rescued = True
+        except sqlite3.DatabaseError as exc:
+            log.warning("cannot read %s, left by a run that died: %s", copy, exc)
+        finally:
+            with contextlib.suppress(sqlite3.Error):
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                db.execute("DETACH DATABASE dead")
+    return rescued
 
 
 def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, progress: bool = False) -> ScanReport:

@@ -6,7 +6,7 @@ on one core before).
 The helper is a script of the standard library alone (never an import of liquidfs, whatever the interpreter's
 path), run as ``scan``'s: it opens the file it is told, runs the statements it is sent in order and commits only
 when told to. A helper that dies, or a builder that does, leaves a catalog in the making that is never renamed
-into place (``build._remove_abandoned`` removes it later); the builder says why the helper failed.
+into place (the next writer of the store removes it: ``build._abandoned``); the builder says why the helper failed.
 """
 
 from __future__ import annotations

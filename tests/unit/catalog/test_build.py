@@ -117,6 +117,39 @@ def test_an_abandoned_catalog_in_the_making_is_removed_a_live_one_is_not(tmp_pat
     alive.finish({})
 
 
+def test_what_a_prepare_that_died_learnt_is_taken_over_by_the_next_writer(tmp_path: Path) -> None:
+    """A prepare killed outright (SIGKILL, the OOM killer, a power cut) recorded what it learnt in its working
+    copy alone, which the next writer deleted: every image it expanded was decoded again to adopt its object.
+    The next working copy, and the next scan's catalog, take over its expansions before the copy goes."""
+    from liquidfs.catalog.nodes import ExpansionRow
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(b"x")
+    store = tmp_path / "store"
+    open_or_build(src, store).close()
+    learnt = ExpansionRow(1, 1, "png", "objects/ab/" + "a" * 32 + ".bmp", 9, "c" * 64, None, "v", "s")
+
+    def a_prepare_dies() -> None:
+        dying = WorkingCopy(store)
+        dying.catalog.record_expansions([(b"a.png", learnt)])
+        dying.catalog.close()
+        dying.lock.release(remove=False)  # killed: its copy and lock file stay, nobody holds the lock
+
+    a_prepare_dies()
+    copy = WorkingCopy(store)
+    assert copy.catalog.expansions()[b"a.png"] == learnt
+    assert not [p for p in store.iterdir() if p.name.startswith("catalog.sqlite.new-") and p != copy.path
+                and not p.name.startswith(copy.path.name)]  # the dead copy gone once taken over
+    copy.discard()
+    a_prepare_dies()
+    build(src, store)  # a mount's rescan before the next prepare
+    catalog = Catalog.open(store, readonly=True)
+    assert catalog.expansions()[b"a.png"] == learnt
+    catalog.close()
+    assert sorted(p.name for p in store.iterdir()) == ["catalog.sqlite"]
+
+
 @pytest.mark.needs_root("a chown of the store to another user")
 def test_a_working_copy_touches_nothing_in_a_store_it_may_not_write(tmp_path: Path) -> None:
     """Another user's store (theirs to make names in): refused before any of its lock files is opened or any
