@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 
 from liquidfs.held import disk as disk_module
+from liquidfs.policy.budget import DatasetCost
 from liquidfs.policy.next_epoch import Decision, NextEpochCache
 from liquidfs.catalog.nodes import KIND_FILE, REPR_ORIGINAL, Node
 from liquidfs.held.disk import DiskLevel
 from liquidfs.stores.reader import Content
 from liquidfs.sysio.locks import HeldLock
 
-SIZE = 1000
+SIZE = 4096  # a block: each file charged its bytes, as the disk takes them
 FILES = 100
 
 
@@ -45,9 +46,15 @@ def _node(i: int) -> Node:
     return Node(i, 1, b"f%d" % i, b"f%d" % i, KIND_FILE, 0o100444, SIZE, 0, 0, None, REPR_ORIGINAL, None, None, None)
 
 
+def _policy(budget: int) -> NextEpochCache:
+    """A disk level's policy of ``budget`` bytes, the dataset's cost in blocks known as the catalog gives it."""
+    return NextEpochCache(budget, SIZE * FILES, FILES, max_id=FILES + 1,
+                          cost=DatasetCost(FILES, {1: SIZE * FILES, SIZE: SIZE * FILES}))
+
+
 def _level(tmp_path: Path, share: float, memory: set[int] | None = None) -> tuple[DiskLevel, FakeStore]:
     store = FakeStore()
-    policy = NextEpochCache(int(share * SIZE * FILES), SIZE * FILES, FILES, max_id=FILES + 1)
+    policy = _policy(int(share * SIZE * FILES))
     held = memory if memory is not None else set()
     return DiskLevel(store, tmp_path, policy, memory_holds=held.__contains__), store
 
@@ -125,7 +132,7 @@ def test_a_hit_of_an_object_stores_file_asks_the_bucket_whether_its_source_chang
             return "source object changed since prepare" if node.id in self.changed else None
 
     bucket = Bucket()
-    policy = NextEpochCache(SIZE * FILES, SIZE * FILES, FILES, max_id=FILES + 1)
+    policy = _policy(SIZE * FILES)
     level = DiskLevel(bucket, tmp_path, policy)
     rng = random.Random(5)
     _epoch(level, rng)
@@ -151,7 +158,7 @@ def test_a_source_changed_since_the_scan_is_never_written(tmp_path: Path) -> Non
             return dataclasses.replace(super().open(node), version=(1, 2, 3, 4))
 
     store = Rewritten()
-    policy = NextEpochCache(SIZE * FILES, SIZE * FILES, FILES, max_id=FILES + 1)
+    policy = _policy(SIZE * FILES)
     level = DiskLevel(store, tmp_path, policy)
     _epoch(level, random.Random(6))
     assert not list(level.dir.iterdir()) and level.write_errors == 0
@@ -590,3 +597,22 @@ def test_a_cache_root_named_through_a_link_is_the_directory_it_leads_to(tmp_path
     assert len(made) == 1 and len(list(made[0].iterdir())) == FILES
     level.close()
     assert not list(real.iterdir())
+
+
+def test_a_held_file_is_charged_the_disk_blocks_it_takes(tmp_path: Path) -> None:
+    """A 100-byte file takes a 4 KiB block of the disk: charged its bytes, a budget of 40 blocks held all 100
+    such files (400 KiB on the disk, ten times what --disk-cache-size said). Charged whole blocks, 40 at most."""
+    small = 100
+
+    class SmallFiles(FakeStore):
+        def open(self, node: Node) -> Content:
+            return Content(size=small, raw=False, data=memoryview(bytes([node.id % 251]) * small))
+
+    policy = NextEpochCache(40 * 4096, small * FILES, FILES, max_id=FILES + 1,
+                            cost=DatasetCost(FILES, {1: small * FILES, 4096: 4096 * FILES}))
+    level = DiskLevel(SmallFiles(), tmp_path, policy)
+    for i in range(2, FILES + 2):
+        level.open(dataclasses.replace(_node(i), size=small))
+    kept = list(level.dir.iterdir())
+    assert 0 < len(kept) <= 40 and sum(-(-f.stat().st_size // 4096) * 4096 for f in kept) <= 40 * 4096
+    level.close()
