@@ -228,10 +228,12 @@ METRICS: tuple[Metric, ...] = (
     Metric("liquidfs_cache_epoch_progress_ratio", GAUGE, "ratio", {_MEM: "epoch_progress"},
            "Share of the dataset's files read in the newest epoch so far.", label=_LEVEL),
     Metric("liquidfs_cache_window_hit_mean_ratio", GAUGE, "ratio", {_MEM: "window_hit_ratio_mean"},
-           "Mean hit ratio of the windows of reads since epoch 2 (absent before the first window).",
+           "Mean hit ratio of the windows of reads since epoch 2, the latest 4,096 windows at most (absent before "
+           "the first window).",
            label=_LEVEL),
     Metric("liquidfs_cache_window_hit_sd_ratio", GAUGE, "ratio", {_MEM: "window_hit_ratio_sd"},
-           "Standard deviation of the windows' hit ratios since epoch 2 (absent before the second window).",
+           "Standard deviation of the windows' hit ratios since epoch 2, the latest 4,096 windows at most (absent "
+           "before the second window).",
            label=_LEVEL),
     Metric("liquidfs_cache_window_sd_bound_ratio", GAUGE, "ratio", {_MEM: "window_sd_bound"},
            "The standard deviation of the windows' hit ratios a random choice of the budget's share would show.",
