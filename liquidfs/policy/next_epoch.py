@@ -170,12 +170,18 @@ class NextEpochCache:
 
     @property
     def stats(self) -> CacheStats:
-        """The first job's counters (the only job's, usually; there is always one: ``_retire``)."""
-        return next(iter(self.jobs.values())).stats
+        """The leading job's counters (the only job's, usually; there is always one: ``_retire``)."""
+        return self._leading().stats
 
     @property
     def newest_epoch(self) -> int:
-        return next(iter(self.jobs.values())).newest_epoch
+        return self._leading().newest_epoch
+
+    def _leading(self) -> Job:
+        """The job the mount's own figures describe (its epoch, its windows): the one that read last, so a
+        training, not a `cat` from a shell that read one file before it began (the first job, which the figures
+        described until it retired, minutes later); the first where none has read yet."""
+        return max(self.jobs.values(), key=lambda job: job.last_read)
 
     # -- the policy ----------------------------------------------------------------------------------
 
@@ -553,7 +559,7 @@ class NextEpochCache:
                      "byte_hit_ratio": round(v.hit_bytes / v.bytes, 4) if v.bytes else 0.0}
             for e, v in sorted(st.epochs.items())
         }
-        state = next(iter(self.jobs.values()))
+        state = self._leading()
         current = state.newest_epoch
         return {
             "cache_budget": self.budget,

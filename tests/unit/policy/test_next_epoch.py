@@ -523,3 +523,18 @@ def test_a_group_that_appears_as_another_empties_is_ranked_at_once() -> None:
     soonest.remove(1, later)
     soonest.add(2, also_later)
     assert soonest.victims(mine, 100, 0, lambda file: 100, [job], reads=1) == [2]
+
+
+def test_the_mounts_own_figures_describe_the_job_that_reads_not_the_first() -> None:
+    """A `cat` of one image before the training began was the first job: the mount's epoch, progress and
+    window gauges described it (epoch 1, no window) for minutes, until it retired, while the training was in
+    its third epoch. They describe the job that read last."""
+    clock = _Clock()
+    cache = NextEpochCache(5_000, 10_000, 100, max_id=101, clock=clock)
+    cache.read(1, 100, 7)  # the `cat`
+    for epoch in range(3):
+        for f in range(1, 101):
+            clock.now += 0.01
+            cache.read(f, 100, 8)
+    assert cache.newest_epoch == 3 and cache.summary()["epoch"] == 3
+    assert cache.stats is cache.jobs[8].stats
