@@ -1007,6 +1007,17 @@ def test_a_png_whose_ancillary_chunks_outweigh_its_image_is_refused(chunks: str)
     assert expand(_rebuilt([*parts[:-1], (b"abCd", b"x" * 4096), parts[-1]])).reason is None
 
 
+def test_a_png_of_many_compressed_text_chunks_is_refused() -> None:
+    """Pillow decompresses zTXt (and compressed iTXt) up to a megabyte each and 64 MB in all: a 63 KB PNG of 60
+    of them took 61 MB of a worker's memory planned for its size. Each counts as what it may decompress to; a
+    few (real files' text and XMP) are as before."""
+    parts = _chunks_of(save(Image.fromarray(_RGB)))
+    bomb = b"Comment\0\0" + zlib.compress(b" " * (1 << 20), 9)  # a megabyte of text in about a kilobyte
+    many = [(b"zTXt", bomb)] * 60
+    assert expand(_rebuilt([*parts[:-1], *many, parts[-1]])).reason == "too-large"
+    assert expand(_rebuilt([*parts[:-1], *many[:4], parts[-1]])).reason is None
+
+
 @pytest.mark.parametrize("chunk, refused", [
     ((b"prVt", bytes(png_format.OPENCV_CHUNK_LIMIT - 11)), True),  # a private chunk past OpenCV's limit
     ((b"iTXt", b"XML:com.adobe.xmp\0\0\0\0\0" + bytes(png_format.OPENCV_CHUNK_LIMIT)), True),
