@@ -421,14 +421,23 @@ def test_the_levels_directory_stays_open_until_a_write_under_way_ends(tmp_path: 
     assert not level._write(_node(3), Content(size=SIZE, raw=False, data=memoryview(b"x" * SIZE)))
 
 
-def test_a_write_under_way_when_the_level_closes_keeps_nothing(tmp_path: Path) -> None:
+def test_a_write_under_way_when_the_level_closes_keeps_nothing(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A write that took the directory before the close, and renamed its file after it, left a file in the
     directory the close had emptied (and its entry)."""
     level, _ = _level(tmp_path, 1.0)
     level.decide(3, SIZE)  # held by the policy
     writing = level._directory()
     dir_fd = writing.__enter__()
-    level._closed = True  # as the close sets it meanwhile (it waits for this write to end to close the fd)
+    digest = disk_module.private_digest
+
+    def closed_meanwhile(data: object) -> object:
+        # The close comes once the file is written, before its rename (it waits for this write to end to
+        # close the descriptor): only the check at the rename can keep it out.
+        level._closed = True
+        return digest(data)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk_module, "private_digest", closed_meanwhile)
     try:
         kept = level._write_in(dir_fd, 3, "3", "3.tmp-x", Content(size=SIZE, raw=False,
                                                                   data=memoryview(b"x" * SIZE)))
