@@ -514,11 +514,19 @@ def test_a_directory_swapped_for_a_link_since_the_scan_is_a_change_never_followe
 @pytest.mark.parametrize("path", [b"../src/d", b"/etc", b"d/../d", b"d\0x", "d"], ids=repr)
 def test_a_directory_row_no_walk_below_the_root_takes_is_a_change(tmp_path: Path, path: object) -> None:
     """Whoever writes the store writes the rows: a directory's path that leaves the source root, holds a NUL or is
-    no bytes is a change (a rescan), never a stat outside the source or a traceback."""
-    _, store = _fresh_catalog(tmp_path)
+    no bytes is a change (a rescan), never a stat outside the source or a traceback. The row's mtime is the one
+    a stat that followed the path would find: only a check that never goes there says "changed"."""
+    from liquidfs.catalog.identity import file_version, stored_ns
+
+    src, store = _fresh_catalog(tmp_path)
     catalog = Catalog.open(store)
+    reached = os.path.join(os.fsencode(src), path) if isinstance(path, bytes) and b"\0" not in path else \
+        os.path.join(src, path) if isinstance(path, str) else None
+    st = os.stat(reached) if reached is not None else None
+    mtime, version = (stored_ns(st.st_mtime_ns), file_version(st)) if st is not None else (None, None)
     with catalog.transaction():
-        catalog.db.execute("UPDATE nodes SET path=? WHERE path=?", (path, b"d/e"))
+        catalog.db.execute("UPDATE nodes SET path=?, mtime_ns=coalesce(?, mtime_ns), etag=coalesce(?, etag) "
+                           "WHERE path=?", (path, mtime, version, b"d/e"))
     assert catalog.staleness() == "changed"
     catalog.close()
 
