@@ -29,7 +29,6 @@ simulated pipelines.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -61,6 +60,8 @@ POLL = 0.05
 #: Seconds the scratch mount may take to answer a read of its control file once the command ended (past them its
 #: daemon is stuck: the profile stops, never waits in the kernel for good).
 STUCK_WAIT = 10.0
+#: Bytes of a --run command's output kept (its tail): its last lines and its last JSON line are all that is read.
+OUTPUT_KEPT = 1 << 20
 #: Fewer opens than this in a run cannot give a pace.
 MIN_OPENS = 20
 SHARES = [i / 10 for i in range(11)]
@@ -478,10 +479,22 @@ class ScratchMounts:
         except OSError as exc:
             raise ProfileError(f"--run: cannot start {words[0]!r}: {exc.strerror}") from None
         assert proc.stdout is not None
+        # Its output's tail only (its last lines and its last JSON line are all that is read of it): a training
+        # script that logs every step for the run's minutes had the profile, as root often, hold all of it three
+        # times over (300 MB of output: 1.5 GB).
         chunks: list[bytes] = []
+        kept = threading.Lock()  # (the reader may still run when the tail is read: its writer left the pipe open)
+
         fd = proc.stdout.fileno()
-        reader = threading.Thread(target=lambda: chunks.extend(iter(functools.partial(os.read, fd, 1 << 16), b"")),
-                                  name="profile-output", daemon=True)
+
+        def read_tail() -> None:
+            while chunk := os.read(fd, 1 << 16):
+                with kept:
+                    chunks.append(chunk)
+                    if len(chunks) > 2 * OUTPUT_KEPT // (1 << 16) + 2:
+                        chunks[:] = [b"".join(chunks)[-OUTPUT_KEPT:]]
+
+        reader = threading.Thread(target=read_tail, name="profile-output", daemon=True)
         reader.start()
         try:
             proc.wait(timeout=timeout)
@@ -496,8 +509,8 @@ class ScratchMounts:
             reader.join(STUCK_WAIT)  # its session gone, the pipe ends (a writer that left it keeps it open)
             if not reader.is_alive():
                 proc.stdout.close()
-        out = b"".join(chunks)
-        text = out.decode(errors="replace")
+        with kept:
+            text = b"".join(chunks)[-OUTPUT_KEPT:].decode(errors="replace")
         said = None
         lines = text.strip().splitlines()
         if lines:

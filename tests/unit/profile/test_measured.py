@@ -263,6 +263,20 @@ def test_a_run_ends_at_the_commands_exit_not_when_a_worker_it_left_lets_go_of_it
     assert not _running(worker)
 
 
+def test_a_run_keeps_only_the_tail_of_a_commands_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training script logging every step for the run's minutes: the profile kept all of its output, three
+    times over (300 MB of it: 1.5 GB of the profile's memory). Its tail is kept, as much as its last lines and
+    its last JSON line need."""
+    from liquidfs.profile import measured
+    from liquidfs.profile.measured import ScratchMounts
+
+    monkeypatch.setattr(measured, "OUTPUT_KEPT", 4096)
+    words = ["sh", "-c", "i=0; while [ $i -lt 20000 ]; do echo line $i; i=$((i+1)); done; echo '{\"steps\": 7}'"]
+    status, output, said = ScratchMounts._run(object(), words, 0.5, timeout=60)  # type: ignore[arg-type]
+    assert status == 0 and said == {"steps": 7} and len(output) <= 4096
+    assert output.splitlines()[-2] == "line 19999"
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie that no init reaped, in a container, does not)."""
     try:
