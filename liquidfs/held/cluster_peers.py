@@ -212,6 +212,8 @@ class ResolvingClient:
             except Exception as exc:  # the old set keeps serving; the next round tries again
                 log.warning("cluster: a client over %d memcacheds: %s", len(wanted), exc)
                 return False
+            if isinstance(client, MemcachedWire) and isinstance(self._client, MemcachedWire):
+                client.take_peers_of(self._client)  # the memcacheds that stayed keep their records
             old, self._client, self._servers = self._client, client, wanted
             log.info("cluster: %d memcacheds%s%s", len(wanted),
                      "; joined " + ", ".join(f"{h}:{p}" for h, p in joined) if joined else "",

@@ -233,7 +233,19 @@ class MemcachedWire:
             peer = Peer(host, port)
             self.clients[peer.name] = peer
         self.hasher = RendezvousHash(nodes=list(self.clients))
+        self._handed_over: set[str] = set()  # peers a later client took over (``take_peers_of``): not closed here
         _WIRES.add(self)
+
+    def take_peers_of(self, old: MemcachedWire) -> None:
+        """The peers this client shares with ``old`` (the memcacheds that stayed when a name resolved anew), taken
+        over with their record of failures, their skip and their idle connections: one memcached joining or
+        leaving gave every other a clean record (a dead one straight back in service) and new connections.
+        ``old`` goes on using them for its calls in flight, and its close leaves them open."""
+        for name in self.clients:
+            peer = old.clients.get(name)
+            if peer is not None and not peer.closed:
+                self.clients[name] = peer
+                old._handed_over.add(name)
 
     def limits(self) -> dict[str, int | None]:
         """Each memcached's ``limit_maxbytes`` (what its ``-m`` lets it hold, from ``stats``), None for one that
@@ -310,8 +322,9 @@ class MemcachedWire:
         return self._call(key, exchange)
 
     def close(self) -> None:
-        for peer in self.clients.values():
-            peer.close()
+        for name, peer in self.clients.items():
+            if name not in self._handed_over:
+                peer.close()
 
     def _call(self, key: str, exchange: Callable[[_Stream], T]) -> T:
         peer = self.peer_of(key)

@@ -190,9 +190,11 @@ class FakeDNS:
     def __init__(self, answer: Any) -> None:
         self.answer = answer
         self.asked: list[tuple[str, int]] = []
+        self.threads: list[str] = []  # the thread of each question
 
     def __call__(self, host: str, port: int) -> list[str]:
         self.asked.append((host, port))
+        self.threads.append(threading.current_thread().name)
         if isinstance(self.answer, BaseException):
             raise self.answer
         return self.answer  # type: ignore[no-any-return]
@@ -258,6 +260,27 @@ def test_a_memcached_that_joins_or_leaves_moves_only_its_own_keys() -> None:
     client.close()
 
 
+def test_the_memcacheds_that_stay_when_a_name_resolves_anew_keep_their_record() -> None:
+    """A memcached left out for its failures (skipped) came straight back into service, with a clean record, as
+    soon as another joined or left (a new client over the new set made every peer anew); and the idle
+    connections of every one that stayed were closed. The peers that stay are carried over; the old client's
+    close leaves them open, and closes the ones that left."""
+    dns, made = FakeDNS(["10.0.0.1", "10.0.0.2"]), Made()
+    client = ResolvingClient([("memcached", 11211)], resolve=dns, make=made, background=False)
+    first = made.clients[-1]
+    dead, gone = first.clients["10.0.0.1:11211"], first.clients["10.0.0.2:11211"]
+    for _ in range(3):
+        dead.failed(time.monotonic(), "refused")
+    assert dead.skipped(time.monotonic())
+    dns.answer = ["10.0.0.1", "10.0.0.3"]  # one joins, one leaves
+    assert client.refresh()
+    now = made.clients[-1]
+    assert now.clients["10.0.0.1:11211"] is dead and dead.skipped(time.monotonic()) and not dead.closed
+    assert gone.closed and "10.0.0.3:11211" in now.clients
+    client.close()
+    assert dead.closed
+
+
 @pytest.mark.parametrize("failure", [socket.gaierror(socket.EAI_NONAME, "Name or service not known"), [],
                                      ["not-an-address", None], "10.0.0.9", RuntimeError("a resolver's bug")])
 def test_a_name_that_resolves_to_nothing_usable_keeps_its_last_good_set_and_logs_once(
@@ -315,7 +338,8 @@ def test_the_name_is_resolved_again_in_a_thread_of_its_own_until_closed() -> Non
         while len(client.servers()) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211)]
-        assert threading.current_thread().name != CLUSTER_DNS
+        # the first answer at the mount's start (before it serves), every later one in the resolver's thread
+        assert dns.threads[0] == threading.current_thread().name and set(dns.threads[1:]) == {CLUSTER_DNS}
     finally:
         client.close()
     assert not any(t.name == CLUSTER_DNS for t in threading.enumerate())
