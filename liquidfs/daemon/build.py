@@ -109,7 +109,8 @@ def over_catalog(config: MountConfig, store: Store, catalog: Catalog, stack: Exi
     very file the first loop serves, where opening the path again could find a catalog a prepare put there
     since)."""
     stats = MountStats(source=config.source, store=store.label)
-    base_reader = store.reader(catalog, config.threads, config.io_timeout)
+    # (asked by the opens' own pool and by --threads' reads at once: an object store keeps a connection for each)
+    base_reader = store.reader(catalog, config.threads + config.open_threads, config.io_timeout)
     stack.callback(base_reader.close)
     totals = catalog.file_totals()  # one scan of the catalog serves every level
     policy = make_policy(catalog, totals, config.cache_size)

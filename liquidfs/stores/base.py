@@ -129,7 +129,8 @@ class Store(Protocol):
         """Called once by a mount before it opens the catalog: keeps prepare from deleting objects it names."""
 
     def reader(self, catalog: Catalog, threads: int, io_timeout: float) -> Reader:
-        """The mount's reader of originals and objects (``stores.local.reader``, ``stores.s3.reader``)."""
+        """The mount's reader of originals and objects (``stores.local.reader``, ``stores.s3.reader``); ``threads``:
+        the storage calls it may be asked at once (the open pool's and --threads' together)."""
 
 
 class Backend(Protocol):

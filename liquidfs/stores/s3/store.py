@@ -573,7 +573,10 @@ class BucketStore:
         if catalog.meta("source") != str(self.source):
             raise CatalogError(f"the catalog in {self.store} describes {catalog.meta('source')}, not "
                                f"{self.source}: another mount of this store rewrote this node's copy; mount again")
-        # One connection per storage read in flight (--threads), and no single HTTP wait longer than --io-timeout.
+        # A connection kept for each request that may be in flight (``threads``: the reads of open files and the
+        # opens' own, each a HEAD and a GET): a pool of --threads + 2 made 110 connections for 128 requests of 64
+        # opens at once (a new TLS handshake each, and urllib3's "pool is full" warning each). No single HTTP wait
+        # longer than --io-timeout.
         client = make_client(threads + 2, read_timeout=min(READ_TIMEOUT, io_timeout))
         return S3Reader(client, self.source, self.store)
 

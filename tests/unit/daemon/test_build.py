@@ -140,3 +140,20 @@ def test_one_memcached_telling_a_huge_size_counts_as_the_others_do() -> None:
         int((64 + 4 * 64) * mib * CLUSTER_USABLE)
     assert cluster_size_from_limits({"a": 64 * mib, "b": 32 * mib, "c": 100 * mib, "d": None}, 10**15) == \
         int(196 * mib * CLUSTER_USABLE)  # honest sizes of a spread unchanged
+
+
+def test_the_reader_is_told_every_storage_call_that_may_be_asked_at_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The opens' own pool and --threads' reads ask the reader at once: an object store's reader sized its
+    connections for --threads alone (110 connections made for 128 requests of 64 opens, a TLS handshake each)."""
+    from liquidfs.datapath.limits import OPEN_THREADS
+    from liquidfs.stores.local.store import LocalStore
+
+    asked: list[int] = []
+    reader = LocalStore.reader
+    monkeypatch.setattr(LocalStore, "reader",
+                        lambda self, catalog, threads, io_timeout: asked.append(threads) or reader(
+                            self, catalog, threads, io_timeout))
+    with ExitStack() as stack:
+        _prepared(tmp_path)(stack)
+    assert asked == [MountConfig.threads + OPEN_THREADS]
