@@ -60,6 +60,8 @@ POLL = 0.05
 #: Seconds the scratch mount may take to answer a read of its control file once the command ended (past them its
 #: daemon is stuck: the profile stops, never waits in the kernel for good).
 STUCK_WAIT = 10.0
+#: Seconds a mount or unmount of the profile's sample may take.
+LIQUIDFS_WAIT = 300.0
 #: Bytes of a --run command's output kept (its tail): its last lines and its last JSON line are all that is read.
 OUTPUT_KEPT = 1 << 20
 #: Fewer opens than this in a run cannot give a pace.
@@ -520,8 +522,14 @@ class ScratchMounts:
         return proc.returncode, text, said
 
     def _liquidfs(self, *args: str) -> None:
-        proc = reexec.run("liquidfs", args, capture_output=True, text=True, check=False, timeout=300,
-                          stdin=subprocess.DEVNULL)
+        try:
+            proc = reexec.run("liquidfs", args, capture_output=True, text=True, check=False, timeout=LIQUIDFS_WAIT,
+                              stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:  # a message, never a traceback (nor one that hides the run's failure)
+            raise ProfileError(f"liquidfs {args[0]} of the profile's sample did not end within {LIQUIDFS_WAIT:.0f} "
+                               "s") from None
+        except OSError as exc:
+            raise ProfileError(f"liquidfs {args[0]} of the profile's sample: {exc.strerror}") from None
         if proc.returncode != 0:
             raise ProfileError(f"liquidfs {args[0]} of the profile's sample failed: "
                                f"{(proc.stderr or proc.stdout).strip()[-1500:]}")

@@ -315,3 +315,20 @@ def test_a_users_run_command_gets_the_users_python_path_rules(monkeypatch: pytes
     words = ["sh", "-c", "echo \"${PYTHONSAFEPATH-unset}\""]
     status, output, _ = ScratchMounts._run(object(), words, 0.5, timeout=20)  # type: ignore[arg-type]
     assert status == 0 and output.splitlines()[0] == ("unset" if users is None else users)
+
+
+def test_a_mount_of_the_sample_that_never_ends_is_a_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``liquidfs mount`` of the profile's sample past its time: subprocess's TimeoutExpired came out of the
+    command as a traceback (and, at the clean-up's unmount, hid the run's own failure)."""
+    import subprocess
+
+    from liquidfs.profile import measured
+    from liquidfs.profile.measured import ScratchMounts
+    from liquidfs.stores.sample import ProfileError
+
+    def never_ends(*args: object, **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired("liquidfs", 300)
+
+    monkeypatch.setattr(measured.reexec, "run", never_ends)
+    with pytest.raises(ProfileError, match="did not end within"):
+        ScratchMounts._liquidfs(object(), "umount", "/x")  # type: ignore[arg-type]
