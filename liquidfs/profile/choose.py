@@ -111,7 +111,12 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
     ``measured``: then time the loader (``run``, a command with ``{mount}``, else the built-in pipeline of
     ``decoder``) through a mount of a sample of ``run_images`` images at the shares a binary search asks for, and
     choose by what the mount counted (``measured``). Where that cannot run, the model's choice stands with a
-    note; with ``run`` given, that is an error instead."""
+    note; with ``run`` given, that is an error instead, said before anything is measured where it can be."""
+    if run is not None and measured:
+        runprofile.command_for(run, Path("/mnt"))  # a command without {mount}
+        why_not = _why_no_search(store, target_rate)
+        if why_not is not None:  # (said after minutes of measuring, before: only the chosen format waits)
+            raise ProfileError(f"--run: {why_not}")
     started = time.monotonic()
     # The cores this process may use (its affinity, a container's CPU limit), not the host's: the sample, the
     # readers and the CPU's share of the costs are sized by it (os.cpu_count() in a pod limited to 4 of 64
@@ -242,10 +247,16 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
 
 def _why_not_measured(store: Store, raw_format: str, target_rate: float | None) -> str | None:
     """Why the measured search cannot run here, or None."""
+    why_not = _why_no_search(store, target_rate)
+    if why_not is None and raw_format != BMP.name:
+        return f"{RAW_FORMATS[raw_format].label} decoded on the GPU is weighed by the model alone"
+    return why_not
+
+
+def _why_no_search(store: Store, target_rate: float | None) -> str | None:
+    """Why the measured search cannot run here whatever format is chosen, or None: known before measuring."""
     if store.local_dirs() is None:
         return f"it mounts a sample of a local dataset; {store.label} is not a local store"
-    if raw_format != BMP.name:
-        return f"{RAW_FORMATS[raw_format].label} decoded on the GPU is weighed by the model alone"
     if target_rate is not None:
         return "--target-rate chooses by the model"
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):

@@ -378,3 +378,20 @@ def test_prepare_ratio_auto_stores_what_the_profile_chose(small: Path, tmp_path:
     # How many are raw is the model's call on this machine's measured rates (on a loaded 2-core VM it has found
     # decoding the bound even with every image original: ratio 0); whatever it chose is BMP.
     assert bool(objects) == (kept["chosen"] > 0) and all(p.suffix == ".bmp" for p in objects)
+
+
+@pytest.mark.parametrize("case", ["target-rate", "no-mount-token"])
+def test_a_run_that_cannot_be_made_is_refused_before_anything_is_measured(small: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          case: str) -> None:
+    """`--run` beside `--target-rate` (which chooses by the model), or a command that never names the mount:
+    refused after the sample, storage and decode timings had run (minutes of measuring first)."""
+    store = open_store(small, tmp_path / "store")
+
+    def measured_first(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before the refusal")
+
+    monkeypatch.setattr(type(store), "profile_sample", measured_first)
+    run = "python train.py --data /data" if case == "no-mount-token" else "python train.py --data {mount}"
+    with pytest.raises(ProfileError, match="--run: --target-rate" if case == "target-rate" else r"\{mount\}"):
+        profile_store(store, decoder="pil", run=run, target_rate=100.0 if case == "target-rate" else None)
