@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
@@ -395,3 +396,42 @@ def test_a_run_that_cannot_be_made_is_refused_before_anything_is_measured(small:
     run = "python train.py --data /data" if case == "no-mount-token" else "python train.py --data {mount}"
     with pytest.raises(ProfileError, match="--run: --target-rate" if case == "target-rate" else r"\{mount\}"):
         profile_store(store, decoder="pil", run=run, target_rate=100.0 if case == "target-rate" else None)
+
+
+def test_the_builtin_pipelines_shuffle_buffer_is_of_the_images_the_sample_holds(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """A dataset of 40 images, 256 asked for: the built-in loader's shuffle buffer was 256 // 8 = 32, nearly the
+    whole epoch (its reads then all come before its first batch: no overlap, the choice pushed to an end). Of
+    the images copied: 5."""
+    from types import SimpleNamespace
+
+    from liquidfs.profile import choose
+    from liquidfs.profile.measured import builtin_command
+
+    class Scratch:
+        images = 40
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> "Scratch":
+            return self
+
+        def __exit__(self, *args: object) -> None:
+            pass
+
+    class Stop(Exception):
+        pass
+
+    def search(*args: object, **kwargs: object) -> None:
+        raise Stop
+
+    monkeypatch.setattr(choose.runprofile, "ScratchMounts", Scratch)
+    monkeypatch.setattr(choose.runprofile, "search", search)
+    said: list[str] = []
+    store: Any = SimpleNamespace(local_dirs=lambda: (tmp_path, tmp_path))
+    with pytest.raises(Stop):
+        choose._measured_search(store, lambda copied: builtin_command("pil", 4, copied), first=0.5, images=256,
+                                repeats=1, timeout=10, cache_share=0.0, timed_epoch=1, progress=said.append)
+    assert "--shuffle-buffer 5" in said[-1]
