@@ -52,10 +52,10 @@ MAX_CHUNKS: Final = 1 << 20
 #: five times its size. Real ones hold a few KB of text, EXIF and XMP.
 MAX_ANCILLARY_BYTES: Final = 16 << 20
 _CHUNK_KEPT: Final = 128  # what Pillow keeps of a chunk besides its body (a tuple, a bytes object)
-#: A compressed text chunk (zTXt; iTXt, which may be) counted as what Pillow may keep of it decompressed: a 63 KB
-#: PNG of 60 compressed text chunks took 61 MB of a worker's memory planned for 127 KB.
+#: A compressed text chunk (zTXt, or an iTXt whose compression flag is set) counted as what Pillow may keep of it
+#: decompressed: a 63 KB PNG of 60 compressed text chunks took 61 MB of a worker's memory planned for 127 KB.
+#: Uncompressed ones (XMP, a tool's keys: one iTXt each) count as what they are.
 _TEXT_KEPT: Final = PngImagePlugin.MAX_TEXT_CHUNK
-_COMPRESSED_TEXT: Final = frozenset({b"zTXt", b"iTXt"})
 #: OpenCV's limit on a chunk before the image data (``PngDecoder::read_chunk``: its length and 12), and the chunks
 #: it lets past it.
 OPENCV_CHUNK_LIMIT: Final = 8_000_000
@@ -74,6 +74,17 @@ def png_header_size(data: bytes) -> tuple[int, int]:
 
 #: The largest chunk length libpng takes (``png_get_uint_31``).
 _PNG_UINT_MAX = 0x7FFFFFFF
+
+
+def _compressed_text(name: bytes, body: memoryview) -> bool:
+    """Whether the chunk ``name`` of ``body`` holds compressed text: a zTXt, or an iTXt whose compression flag
+    (the byte after its keyword's NUL) is set."""
+    if name == b"zTXt":
+        return True
+    if name != b"iTXt":
+        return False
+    end = bytes(body[:81]).find(b"\0")  # a keyword is 1-79 bytes
+    return 0 <= end < len(body) - 1 and body[end + 1] != 0
 
 
 def _chunk_name_valid(name: bytes) -> bool:
@@ -137,7 +148,7 @@ def _scan_png(data: bytes) -> tuple[int, int, int, int, dict[bytes, list[bytes]]
             if name == b"bKGD" and length not in (1, 2, 6):
                 raise Refuse("corrupt", f"bKGD of {length} bytes")
         if name[:1].islower():
-            ancillary += length + (_TEXT_KEPT if name in _COMPRESSED_TEXT else _CHUNK_KEPT)
+            ancillary += length + (_TEXT_KEPT if _compressed_text(name, view[pos + 8 : end - 4]) else _CHUNK_KEPT)
             if ancillary > MAX_ANCILLARY_BYTES:
                 raise Refuse("too-large", f"more than {MAX_ANCILLARY_BYTES} bytes of ancillary chunks")
         if name == b"IDAT":

@@ -1016,6 +1016,11 @@ def test_a_png_of_many_compressed_text_chunks_is_refused() -> None:
     many = [(b"zTXt", bomb)] * 60
     assert expand(_rebuilt([*parts[:-1], *many, parts[-1]])).reason == "too-large"
     assert expand(_rebuilt([*parts[:-1], *many[:4], parts[-1]])).reason is None
+    compressed_itxt = [(b"iTXt", b"Comment\0\1\0en\0\0" + zlib.compress(b" " * (1 << 20), 9))] * 60
+    assert expand(_rebuilt([*parts[:-1], *compressed_itxt, parts[-1]])).reason == "too-large"
+    # Uncompressed ones (XMP, a tool's keys: an iTXt each) count as what they are.
+    plain_itxt = [(b"iTXt", b"Key%d\0\0\0en\0\0" % i + b"v" * 50) for i in range(60)]
+    assert expand(_rebuilt([*parts[:-1], *plain_itxt, parts[-1]])).reason is None
 
 
 @pytest.mark.parametrize("chunk, refused", [
