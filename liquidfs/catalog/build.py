@@ -66,14 +66,15 @@ _LISTING_BYTES = 1 << 20
 class _Writer:
     """A new catalog being written next to the current one; ``finish`` swaps it in atomically."""
 
-    def __init__(self, store_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, store_dir: str | os.PathLike[str], *, rescue: bool = True) -> None:
         self.store = Path(store_dir)
         make_store_dir(self.store)
         check_store_dir(self.store, writing=True)  # before a leftover is looked at
         self.final = self.store / CATALOG_NAME
         # Copies of runs that died: what their prepares learnt is merged into this catalog at its finish, then
-        # they go (an abort leaves them to the next writer).
-        self.abandoned = _abandoned(self.store)
+        # they go (an abort leaves them to the next writer). Not where the store's writers take no lock (an
+        # object store's node copy, refreshed by each mount): another's copy there is no dead prepare's.
+        self.abandoned = _abandoned(self.store) if rescue else []
         self.tmp, self.lock = _in_the_making(self.store)
         self.sink: Sink | None = None  # made at the first flush, once the build's size says which
         self.rows: list[tuple[object, ...]] = []
@@ -151,12 +152,12 @@ class _Writer:
             db.execute("PRAGMA journal_mode=MEMORY")
             db.execute("PRAGMA synchronous=OFF")
             carried = _carry_over_expansions(db, previous or self.final)
-            carried = _rescue_expansions(db, self.abandoned) or carried
+            rescued = _rescue_expansions(db, self.abandoned)
         finally:
             db.close()
         # The rename is the commit point: a mount that has the old catalog open keeps reading the old file.
-        _replace(self.tmp, self.final, durable=carried)
-        _remove_copies(self.abandoned)
+        _replace(self.tmp, self.final, durable=carried or bool(rescued))
+        _remove_copies(rescued)
         self.lock.release()
 
     def abort(self) -> None:
@@ -188,6 +189,7 @@ class WorkingCopy:
     def __init__(self, store_dir: Path) -> None:
         self.final = store_dir / CATALOG_NAME
         self.published = False
+        self._rescued: list[Path] = []  # the dead runs' copies taken over, removed once this one is published
         # Copies of killed prepares (as large as the catalog each: gigabytes at ten million files), which only a
         # scan's writer removed, and a fresh catalog is not scanned again.
         check_store_dir(store_dir, writing=True)  # before a leftover is looked at, as _Writer's
@@ -203,7 +205,7 @@ class WorkingCopy:
                     # its copy alone: taken over here, or every image it expanded was decoded again to adopt its
                     # object, and an image that kills workers was tried again.
                     copy.execute("PRAGMA trusted_schema=OFF")
-                    _rescue_expansions(copy, abandoned)
+                    self._rescued = _rescue_expansions(copy, abandoned)
                 finally:
                     copy.close()
             finally:
@@ -212,7 +214,6 @@ class WorkingCopy:
         except BaseException:
             self.discard()
             raise
-        _remove_copies(abandoned)
 
     def publish(self) -> None:
         """The copy in the store's catalog's place; once (a second call, after a failure that came after the
@@ -223,6 +224,7 @@ class WorkingCopy:
         _replace(self.path, self.final, durable=True)  # what a prepare learnt: hours of work, its only record
         self.published = True
         self.lock.release()
+        _remove_copies(self._rescued)  # (a copy discarded instead leaves them to the next writer)
 
     def discard(self) -> None:
         if hasattr(self, "catalog"):
@@ -288,36 +290,45 @@ _EXPANSION_COLUMNS = ("path, src_size, src_mtime_ns, format, object, raw_size, c
                       "object_stamp")
 
 
-def _rescue_expansions(db: sqlite3.Connection, copies: Sequence[Path]) -> bool:
+#: SQLite's result codes for a file that is no database, or a damaged one: a copy left so is passed over (and
+#: removed); any other failure (a full disk, an I/O error) keeps it for the next writer, and is raised.
+_UNREADABLE = frozenset({11, 26})  # SQLITE_CORRUPT, SQLITE_NOTADB
+
+
+def _rescue_expansions(db: sqlite3.Connection, copies: Sequence[Path]) -> list[Path]:
     """What the prepares that wrote ``copies`` (catalogs in the making of runs that died) learnt, put in ``db``'s
-    expansions over what it holds (theirs is newer: every copy older than the last writer's start went then);
-    whether any was. A copy that cannot be read (torn by the death: SQLite rolls back what its journal says
-    first) or is of another schema is passed over. Each row is checked again where it is used (prepare reuses
-    an expansion only of the same source, with its object there as recorded), as the catalog's own are."""
-    rescued = False
+    expansions where it differs from what it holds (theirs is newer: every copy older than the last writer's
+    start went then); the copies done with, to be removed once ``db`` is in place: each merged, or passed over
+    where it cannot be read (torn by the death; SQLite rolls back what its journal says first) or is of another
+    schema. Each row is checked again where it is used (prepare reuses an expansion only of the same source, with
+    its object there as recorded), as the catalog's own are."""
+    done: list[Path] = []
     for copy in copies:
-        try:
-            db.execute("ATTACH DATABASE ? AS dead", (str(copy),))
-        except sqlite3.DatabaseError as exc:
-            log.warning("cannot read %s, left by a run that died: %s", copy, exc)
+        if not copy.exists():  # (gone meanwhile: an ATTACH would make an empty file at its name)
             continue
         try:
-            row = db.execute("SELECT value FROM dead.meta WHERE key='schema_version'").fetchone()
-            if row is None or schema_version(row[0]) != SCHEMA_VERSION:
-                continue
-            count = db.execute(f"INSERT OR REPLACE INTO main.expansions({_EXPANSION_COLUMNS}) "
-                               f"SELECT {_EXPANSION_COLUMNS} FROM dead.expansions").rowcount
-            if count > 0:
-                log.info("took over %d images' expansions from %s, left by a run that died", count, copy.name)
-                rescued = True
+            db.execute("ATTACH DATABASE ? AS dead", (str(copy),))
+            try:
+                row = db.execute("SELECT value FROM dead.meta WHERE key='schema_version'").fetchone()
+                if row is not None and schema_version(row[0]) == SCHEMA_VERSION:
+                    # Only what differs: a prepare's copy is a whole catalog, its rows the same as these but a few.
+                    count = db.execute(f"INSERT OR REPLACE INTO main.expansions({_EXPANSION_COLUMNS}) "
+                                       f"SELECT {_EXPANSION_COLUMNS} FROM dead.expansions EXCEPT "
+                                       f"SELECT {_EXPANSION_COLUMNS} FROM main.expansions").rowcount
+                    if count > 0:
+                        log.info("took over %d images' expansions from %s, left by a run that died", count,
+                                 copy.name)
+            finally:
+                with contextlib.suppress(sqlite3.Error):
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
+                    db.execute("DETACH DATABASE dead")
         except sqlite3.DatabaseError as exc:
+            if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in _UNREADABLE:
+                raise  # kept: the only record of what that run learnt
             log.warning("cannot read %s, left by a run that died: %s", copy, exc)
-        finally:
-            with contextlib.suppress(sqlite3.Error):
-                if db.in_transaction:
-                    db.execute("ROLLBACK")
-                db.execute("DETACH DATABASE dead")
-    return rescued
+        done.append(copy)
+    return done
 
 
 def build(source: str | os.PathLike[str], store_dir: str | os.PathLike[str], *, progress: bool = False) -> ScanReport:
@@ -518,7 +529,7 @@ def build_from_objects(objects: Iterable[tuple[str, int, str, int]], store_dir: 
     components, a name that is also a directory, over 255 bytes) are left out with a warning, never renamed.
     """
     started = time.monotonic()
-    with _Writer(store_dir) as writer:
+    with _Writer(store_dir, rescue=False) as writer:
         report = _objects_into(objects, writer, source, previous)
     report.seconds = time.monotonic() - started
     log.info("catalog of %s: %d objects, %d directories in %.2f s", source, report.files, report.directories,

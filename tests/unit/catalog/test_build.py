@@ -18,7 +18,7 @@ from catalogs import written
 from liquidfs.catalog import build as build_module
 from liquidfs.catalog.build import (OBJECT_FILE_MODE, WorkingCopy, _Writer, build, build_from_objects,
                                     open_or_build)
-from liquidfs.catalog.catalog import Catalog, CatalogError
+from liquidfs.catalog.catalog import CATALOG_NAME, Catalog, CatalogError
 from liquidfs.catalog.identity import file_version, same_version
 from liquidfs.catalog.nodes import KIND_DIR, KIND_FILE, KIND_SYMLINK, REPR_ORIGINAL, ROOT_ID
 from liquidfs.catalog.scan import Warmer
@@ -136,18 +136,55 @@ def test_what_a_prepare_that_died_learnt_is_taken_over_by_the_next_writer(tmp_pa
         dying.catalog.close()
         dying.lock.release(remove=False)  # killed: its copy and lock file stay, nobody holds the lock
 
+    def dead_copies(*mine: Path) -> list[Path]:
+        return [p for p in store.iterdir() if p.name.startswith("catalog.sqlite.new-")
+                and not any(p.name.startswith(m.name) for m in mine)]
+
     a_prepare_dies()
     copy = WorkingCopy(store)
     assert copy.catalog.expansions()[b"a.png"] == learnt
-    assert not [p for p in store.iterdir() if p.name.startswith("catalog.sqlite.new-") and p != copy.path
-                and not p.name.startswith(copy.path.name)]  # the dead copy gone once taken over
-    copy.discard()
+    copy.discard()  # a prepare that fails before it publishes: the dead copy stays for the next
+    assert dead_copies()
+    copy = WorkingCopy(store)
+    assert copy.catalog.expansions()[b"a.png"] == learnt and dead_copies(copy.path)
+    copy.publish()
+    assert not dead_copies() and Catalog.open(store, readonly=True).expansions()[b"a.png"] == learnt
     a_prepare_dies()
     build(src, store)  # a mount's rescan before the next prepare
     catalog = Catalog.open(store, readonly=True)
     assert catalog.expansions()[b"a.png"] == learnt
     catalog.close()
     assert sorted(p.name for p in store.iterdir()) == ["catalog.sqlite"]
+
+
+def test_a_dead_runs_copy_that_cannot_be_taken_over_for_want_of_room_is_kept(tmp_path: Path) -> None:
+    """A copy whose rows cannot be merged for want of room (a full disk) is kept for the next writer, the
+    failure raised: it is the only record of what that run learnt. One that is no database is passed over."""
+    from liquidfs.catalog.build import _rescue_expansions
+    from liquidfs.catalog.nodes import ExpansionRow
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.png").write_bytes(b"x")
+    store = tmp_path / "store"
+    open_or_build(src, store).close()
+    dying = WorkingCopy(store)
+    dying.catalog.record_expansions([(b"%d.png" % i, ExpansionRow(1, 1, "png", "o/%d" % i + "x" * 3000, 9,
+                                                                  "c" * 64, None, "v", "s")) for i in range(400)])
+    dying.catalog.close()
+    dying.lock.release(remove=False)
+    garbage = store / "catalog.sqlite.new-garbage"
+    garbage.write_bytes(b"not a database" * 100)
+    db = sqlite3.connect(store / CATALOG_NAME, isolation_level=None)
+    try:
+        pages = db.execute("PRAGMA page_count").fetchone()[0]
+        db.execute(f"PRAGMA max_page_count={pages}")  # full: no page more
+        with pytest.raises(sqlite3.OperationalError, match="full"):
+            _rescue_expansions(db, [dying.path])
+        assert _rescue_expansions(db, [garbage]) == [garbage]  # passed over, to be removed
+    finally:
+        db.close()
+    assert dying.path.exists()
 
 
 @pytest.mark.needs_root("a chown of the store to another user")
