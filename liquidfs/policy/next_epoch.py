@@ -71,6 +71,9 @@ NO_CACHE = Decision(hit=False, hold=False, epoch=0)
 #: Jobs tracked at once (12 bytes a file each): past them a new job takes the place of one of its own user's, or
 #: of one idle past DISPLACE_IDLE (``_admit``).
 MAX_JOBS = 8
+#: Seconds before the latest read within which a job still counts as reading for the mount's own figures
+#: (``NextEpochCache._leading``).
+LEADING_WINDOW = 60.0
 #: Jobs refused a slot remembered, so each is counted once in ``jobs_refused`` (a job's every read had been).
 REMEMBERED_REFUSALS = 1024
 #: Job slots only root and the mount's own user may take (as the open-file budget keeps its last eighth for them,
@@ -178,10 +181,13 @@ class NextEpochCache:
         return self._leading().newest_epoch
 
     def _leading(self) -> Job:
-        """The job the mount's own figures describe (its epoch, its windows): the one that read last, so a
-        training, not a `cat` from a shell that read one file before it began (the first job, which the figures
-        described until it retired, minutes later); the first where none has read yet."""
-        return max(self.jobs.values(), key=lambda job: job.last_read)
+        """The job the mount's own figures describe (its epoch, its windows): of those that read in the last
+        LEADING_WINDOW seconds of the latest read, the one that read most, so a training, not a `cat` from a shell
+        that read one file before it began (the first job, which the figures described until it retired,
+        minutes later), nor, of two trainings at once, each in turn at every read; the first where none has."""
+        newest = max(job.last_read for job in self.jobs.values())
+        return max((job for job in self.jobs.values() if newest - job.last_read <= LEADING_WINDOW),
+                   key=lambda job: job.reads)
 
     # -- the policy ----------------------------------------------------------------------------------
 
@@ -551,7 +557,8 @@ class NextEpochCache:
         return {str(state.id): state.summary() for state in self.jobs.values()}
 
     def summary(self) -> dict[str, object]:
-        st = self.stats
+        state = self._leading()  # (once: every figure of one summary of one job)
+        st = state.stats
         total = self.totals()
         windows = [r for r, e in zip(st.window_ratios, st.window_epochs) if e >= 2]
         epochs = {
@@ -559,7 +566,6 @@ class NextEpochCache:
                      "byte_hit_ratio": round(v.hit_bytes / v.bytes, 4) if v.bytes else 0.0}
             for e, v in sorted(st.epochs.items())
         }
-        state = self._leading()
         current = state.newest_epoch
         return {
             "cache_budget": self.budget,

@@ -538,3 +538,24 @@ def test_the_mounts_own_figures_describe_the_job_that_reads_not_the_first() -> N
             cache.read(f, 100, 8)
     assert cache.newest_epoch == 3 and cache.summary()["epoch"] == 3
     assert cache.stats is cache.jobs[8].stats
+
+
+def test_of_two_jobs_reading_at_once_the_figures_keep_to_the_one_that_read_most() -> None:
+    """Two trainings reading at once: the mount's figures jumped between them at each read; they keep to the one
+    that read most among those that read lately, and a job that stopped a while ago leaves them."""
+    from liquidfs.policy.next_epoch import LEADING_WINDOW
+
+    clock = _Clock()
+    cache = NextEpochCache(5_000, 10_000, 100, max_id=101, clock=clock)
+    for f in range(1, 101):  # job 8 a whole epoch first
+        clock.now += 0.01
+        cache.read(f, 100, 8)
+    for f in range(1, 21):  # then both, in turn
+        clock.now += 0.01
+        cache.read(f, 100, 9)
+        assert cache.stats is cache.jobs[8].stats
+        cache.read(f, 100, 8)
+        assert cache.stats is cache.jobs[8].stats
+    clock.now += LEADING_WINDOW + 1
+    cache.read(50, 100, 9)  # job 8 stopped a while ago
+    assert cache.stats is cache.jobs[9].stats and cache.summary()["epoch"] == cache.jobs[9].newest_epoch
