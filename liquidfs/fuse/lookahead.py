@@ -68,6 +68,9 @@ AGAIN_DROPPED = 0.1
 #: daemon) warmed all of it every AGAIN_AFTER, its cold opens every AGAIN_COLD once its inodes outgrew the kernel's
 #: caches: a core and the disk kept busy for nothing the opens could use.
 RESTS = 4.0
+#: The longest a directory rests (``RESTS``): a warm that stalled on storage for an hour must not hold the
+#: directory's warms off for four.
+MAX_REST = 600.0
 #: ``mount --loops``: seconds a loop's claim to warm a directory holds the others off while its warm runs, at most
 #: (a loop that died warming lets go then); its end is recorded when it ends (``MetadataAhead.join_loops``).
 WARM_CLAIM = 30.0
@@ -239,16 +242,17 @@ class MetadataAhead:
             while (queued := self._queue.get()) is not None:
                 parent, within = queued
                 whole = False
-                started = time.monotonic()
+                started, warmed = time.monotonic(), False
                 try:
                     whole = self._take(catalog, parent, within, keep)
+                    warmed = True
                 except Exception:  # a read-ahead is a hint: its failure costs only the hint
                     log.debug("metadata read-ahead of directory %d failed", parent, exc_info=True)
                 finally:
                     with self._lock:
                         self._busy.discard(parent)
                         self._done_at[parent] = ended = time.monotonic()
-                        self._rest(parent, started, ended)
+                        self._rest(parent, started, ended if warmed else started)  # (a failure: no rest)
                         if whole:
                             self._whole.add(parent)
                         else:
@@ -280,12 +284,14 @@ class MetadataAhead:
             if keep_rows:
                 self._warm_directory(catalog, parent, keep_rows, warm=False)
             return False
-        started = time.monotonic()
+        started, rest = time.monotonic(), 0.0
         try:
-            return self._warm_directory(catalog, parent, keep_rows)
+            whole = self._warm_directory(catalog, parent, keep_rows)
+            rest = _rest_after(time.monotonic() - started)  # (a warm that failed rests nothing)
+            return whole
         finally:
             # (a no-op with one loop; with several, the others' claims wait out the rest too)
-            self._warmed(parent, _rest_after(time.monotonic() - started))
+            self._warmed(parent, rest)
 
     def _warm_directory(self, catalog: Catalog, parent: int, keep_rows: bool, warm: bool = True) -> bool:
         """``parent``'s files' rows kept (``keep_rows``) and their inodes warmed (``warm``; else another loop's).
@@ -401,9 +407,9 @@ class MetadataAhead:
 
 
 def _rest_after(took: float) -> float:
-    """The seconds a directory whose warm took ``took`` rests after it (``RESTS``), where that is longer than the
-    other bounds hold it off anyway; else 0."""
-    rest = RESTS * took
+    """The seconds a directory whose warm took ``took`` rests after it (``RESTS``, at most ``MAX_REST``), where
+    that is longer than the other bounds hold it off anyway; else 0."""
+    rest = min(RESTS * took, MAX_REST)
     return rest if rest > AGAIN_COLD else 0.0
 
 

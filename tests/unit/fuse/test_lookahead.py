@@ -523,3 +523,30 @@ def test_directories_that_no_longer_decide_anything_are_forgotten(tmp_path: Path
     ahead.stop()
     assert set(ahead._warmed_at) == set(dirs) and set(ahead._done_at) == set(dirs)
     assert not ahead._whole & set(old) and not ahead._again.keys() & set(old)
+
+
+def test_a_warm_that_failed_rests_nothing_and_no_rest_is_past_max_rest(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm that stalled on storage, then failed, held the directory off four times as long (in every loop);
+    and an hour's stall held it off four hours. A failure rests nothing; no rest is past ``MAX_REST``."""
+    from types import SimpleNamespace
+
+    assert lookahead._rest_after(3600.0) == lookahead.MAX_REST and lookahead._rest_after(0.1) == 0.0
+    catalog = _tree(tmp_path, dirs=1, files=2)
+    clock = [100.0]
+    monkeypatch.setattr(lookahead, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(lookahead, "AGAIN_AFTER", 0.0)
+    rests: list[float] = []
+
+    def stalls_then_fails(node: object) -> None:
+        clock[0] += 100.0
+        raise RuntimeError("a helper's bug")  # (not an OSError: the warm of the directory fails)
+
+    ahead = MetadataAhead(catalog.path, stalls_then_fails)
+    ahead.join_loops(lambda directory, within: True, lambda directory, rest: rests.append(rest))
+    monkeypatch.setattr(ahead, "_warm_directory", lambda *args, **kwargs: stalls_then_fails(None))
+    d0 = _dir(catalog, b"d0")
+    ahead.looked_up(d0)
+    _settle(ahead)
+    assert rests == [0.0] and not ahead._rest_until  # another warm may come at once
+    ahead.stop()
