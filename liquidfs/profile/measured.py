@@ -490,11 +490,14 @@ class ScratchMounts:
         fd = proc.stdout.fileno()
 
         def read_tail() -> None:
+            held = 0  # (trimmed by bytes: by count, a command of many short lines was joined every few reads)
             while chunk := os.read(fd, 1 << 16):
                 with kept:
                     chunks.append(chunk)
-                    if len(chunks) > 2 * OUTPUT_KEPT // (1 << 16) + 2:
+                    held += len(chunk)
+                    if held > 2 * OUTPUT_KEPT:
                         chunks[:] = [b"".join(chunks)[-OUTPUT_KEPT:]]
+                        held = len(chunks[0])
 
         reader = threading.Thread(target=read_tail, name="profile-output", daemon=True)
         reader.start()
