@@ -30,7 +30,8 @@ class CpuBusy:
 
     Where ``where`` holds no group (the node's /proc/pressure) but a cgroup above this process allows it fewer
     cores than it may run on (``own_limit``: a container's CPU limit), that group's reading is taken over the
-    node's in each interval where processes besides the daemon (``own_cpu``: its CPU seconds) used at least
+    node's in each interval where processes besides the daemon (``own_cpu``: the CPU seconds of its process and
+    its descendants, its loops and their helpers: ``_tree_cpu``) used at least
     ``OTHERS_SHARE`` of what the group allows: a container of loader and daemon (``docker run --cpus 4``), where
     the node's busy time over its 64 cores never showed the loader saturating its 4 ("decode binds",
     ``controller.BUSY_FLOOR``). A sidecar limited apart from its loader finds its group holds only itself,
@@ -40,7 +41,7 @@ class CpuBusy:
                  clock: Callable[[], float] = time.monotonic,
                  affinity: Callable[[], set[int]] = lambda: os.sched_getaffinity(0),
                  own_limit: Callable[[], tuple[str, float] | None] = limiting_group,
-                 own_cpu: Callable[[], float] = time.process_time) -> None:
+                 own_cpu: Callable[[], float] | None = None) -> None:
         self.where = where
         self.group_stat = where / "cpu.stat"
         self.proc_stat = proc_stat
@@ -52,7 +53,7 @@ class CpuBusy:
         cores = len(affinity()) or cpu_count()
         if self._last is not None and self._last[0] != "group" and (limit := own_limit()) is not None \
                 and limit[1] < cores:
-            self._limiting = _LimitingGroup(Path(limit[0]), clock, own_cpu)
+            self._limiting = _LimitingGroup(Path(limit[0]), clock, own_cpu or _tree_cpu(os.getpid()))
             log.info("mix: this process's cgroup %s allows %.2g of its %d cores: its CPU use is read where processes "
                      "besides the daemon use it (a container of loader and daemon), else the node's; a daemon "
                      "limited apart from its loader wants --pressure-dir naming the loader's cgroup", limit[0],
@@ -115,6 +116,33 @@ class _LimitingGroup:
         if used - mine < OTHERS_SHARE * span:
             return None  # the daemon's own use, or nearly all of it: the node's says more of the loader
         return min(1.0, max(0.0, used / span))
+
+
+#: Processes of the daemon's tree looked at (``_tree_cpu``): its loops and their helpers, a few dozen at most.
+_MOST_PROCESSES = 256
+
+
+def _tree_cpu(root: int, proc: Path = Path("/proc")) -> Callable[[], float]:
+    """The CPU seconds of process ``root`` and its descendants so far (its ``--loops`` and each loop's warm
+    helper: in its cgroup too, and no process besides the daemon), from /proc's stat and children lists; of
+    ``root`` alone where the kernel keeps no children lists."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds() -> float:
+        total, todo, seen = 0.0, [root], 0
+        while todo and seen < _MOST_PROCESSES:
+            pid = todo.pop()
+            seen += 1
+            try:
+                fields = (proc / str(pid) / "stat").read_text().rpartition(")")[2].split()
+                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (stat's 14th and 15th)
+                for task in os.listdir(proc / str(pid) / "task"):
+                    todo += map(int, (proc / str(pid) / "task" / task / "children").read_text().split())
+            except (OSError, ValueError, IndexError):
+                continue  # gone meanwhile, or no children lists: what was read counts
+        return total
+
+    return seconds
 
 
 def _usage_seconds(text: str) -> float:

@@ -293,3 +293,25 @@ def test_a_pressure_file_that_goes_away_is_said_once_and_named_in_the_reason(
     assert mix.reason == f"hold: no pressure stall information in {tmp_path}"
     (tmp_path / "cpu.pressure").write_text(line)
     assert stalls("cpu") is not None
+
+
+def test_the_daemons_own_cpu_counts_its_loops_and_helpers(tmp_path: Path) -> None:
+    """In a cgroup limiting a sidecar apart from its loader, the daemon's --loops and their warm helpers were
+    counted as processes besides the daemon (time.process_time is the first loop's alone): the sidecar's own use
+    read as the loader's. Its process and every descendant count."""
+    from liquidfs.mix.pressure import _tree_cpu
+
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def process(pid: int, ticks: int, children: list[int]) -> None:
+        (tmp_path / str(pid) / "task" / str(pid)).mkdir(parents=True)
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (liquid fs) S 1 1 1 0 -1 0 0 0 0 0 {ticks} {ticks} 0 0\n")
+        (tmp_path / str(pid) / "task" / str(pid) / "children").write_text(" ".join(map(str, children)))
+
+    process(10, 100, [11, 12])  # the daemon: two loops more
+    process(11, 50, [13])       # a loop and its helper
+    process(12, 50, [])
+    process(13, 25, [])
+    assert _tree_cpu(10, tmp_path)() == pytest.approx(2 * (100 + 50 + 50 + 25) / tick)
+    (tmp_path / "13" / "stat").unlink()  # a helper gone meanwhile: the rest still count
+    assert _tree_cpu(10, tmp_path)() == pytest.approx(2 * (100 + 50 + 50) / tick)
