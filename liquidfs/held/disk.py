@@ -99,8 +99,10 @@ class DiskLevel(Level[_Entry], InFront):
         self._root_fd = _held_root(root)
         try:
             # A file takes the disk's whole blocks (a 100-byte file 4 KiB): charged so, a budget of bytes held
-            # files worth 40 times more of the disk than --disk-cache-size said. Before anything is held.
-            policy.charge_files(page=max(_MIN_BLOCK, os.fstat(self._root_fd).st_blksize), overhead=0)
+            # files worth 40 times more of the disk than --disk-cache-size said. Before anything is held. The
+            # filesystem's fragment size (st_blksize is the preferred I/O size: an NFS mount's wsize, a MiB).
+            block = os.fstatvfs(self._root_fd).f_frsize
+            policy.charge_files(page=min(max(_MIN_BLOCK, block), _MAX_BLOCK), overhead=0)
             _remove_stale(self._root_fd)
             name = unique(_PREFIX)
             self.dir = root / name  # what messages name
@@ -440,8 +442,9 @@ def _own_directory(path: Path) -> int:
     return fd
 
 
-#: The least a cached file is charged: a block of the common filesystems.
-_MIN_BLOCK = 4096
+#: The least a cached file is charged: a block of the common filesystems; and the most (a filesystem saying more
+#: is taken to pack small files).
+_MIN_BLOCK, _MAX_BLOCK = 4096, 65536
 
 
 def _held_root(root: Path) -> int:
