@@ -120,8 +120,9 @@ def resolve_addresses(host: str, port: int) -> list[str]:
 
 
 def usable_addresses(answer: object) -> tuple[list[str], int]:
-    """Of a resolver's ``answer``, the unicast IP addresses, canonical, sorted and at most ``MAX_SERVERS`` (the
-    same cut on every node that got the same answer); and how many items were dropped."""
+    """Of a resolver's ``answer``, the unicast IP addresses, canonical, of one family (IPv4 where it has any),
+    sorted and at most ``MAX_SERVERS`` (the same cut on every node that got the same answer); and how many items
+    were dropped (not addresses, or past the cut)."""
     items = list(answer) if isinstance(answer, (list, tuple)) else []
     found: dict[str, ipaddress.IPv4Address | ipaddress.IPv6Address] = {}
     dropped = 0
@@ -132,6 +133,11 @@ def usable_addresses(answer: object) -> tuple[list[str], int]:
             dropped += 1
         else:
             found[address] = ip  # the same address twice (one per socket type, say) is one memcached
+    if any(ip.version == 4 for ip in found.values()):
+        # A dual-stack name (a Kubernetes headless Service of both families) answers each memcached's IPv4 and
+        # IPv6 address: one family only, or each was counted twice (their sizes summed twice over, and on a node
+        # without an IPv6 route half the keys placed on addresses it cannot reach).
+        found = {address: ip for address, ip in found.items() if ip.version == 4}
     ordered = sorted(found, key=lambda a: (found[a].version, found[a]))
     return ordered[:MAX_SERVERS], dropped + max(0, len(ordered) - MAX_SERVERS)
 

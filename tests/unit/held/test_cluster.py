@@ -230,10 +230,20 @@ def test_a_name_stands_for_every_address_it_resolves_to_and_nothing_else() -> No
     try:
         assert isinstance(client, ResolvingClient)
         assert dns.asked == [("memcached.ns.svc.cluster.local", 11211)]  # the literal one is not asked about
-        assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211), ("192.168.1.9", 11212),
-                                    ("fd00::7", 11211)]
+        # fd00::7 too, but of the IPv4 addresses the name answers with: one family (a dual-stack Service's)
+        assert client.servers() == [("10.0.0.1", 11211), ("10.0.0.2", 11211), ("192.168.1.9", 11212)]
     finally:
         client.close()
+
+
+def test_a_dual_stack_name_counts_each_memcached_once() -> None:
+    """A headless Service of both families answers each memcached's IPv4 and IPv6 address: each was a memcached
+    of its own (their sizes summed twice over; half the keys on addresses a node without an IPv6 route cannot
+    reach). IPv4 where the answer has any; an IPv6-only answer is as it is."""
+    from liquidfs.held.cluster_peers import usable_addresses
+
+    assert usable_addresses(["10.0.0.1", "fd00::1", "10.0.0.2", "fd00::2"]) == (["10.0.0.1", "10.0.0.2"], 0)
+    assert usable_addresses(["fd00::2", "fd00::1"]) == (["fd00::1", "fd00::2"], 0)
 
 
 def test_a_memcached_that_joins_or_leaves_moves_only_its_own_keys() -> None:
