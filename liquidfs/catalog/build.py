@@ -319,10 +319,7 @@ def _rescue_expansions(db: sqlite3.Connection, copies: Sequence[Path]) -> list[P
                         log.info("took over %d images' expansions from %s, left by a run that died", count,
                                  copy.name)
             finally:
-                with contextlib.suppress(sqlite3.Error):
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    db.execute("DETACH DATABASE dead")
+                _detach(db, "dead")
         except sqlite3.DatabaseError as exc:
             if getattr(exc, "sqlite_errorcode", 0) & 0xFF not in _UNREADABLE:
                 raise  # kept: the only record of what that run learnt
@@ -677,13 +674,18 @@ def _carry_over_expansions(db: sqlite3.Connection, previous: Path) -> bool:
         log.warning("could not carry over prepare's state from %s: %s", previous, exc)
         return False
     finally:
-        # An interrupt (Ctrl-C, a stop signal's exception) inside the transaction leaves it open, where a DETACH
-        # fails ("database old is locked"): that error replaced the interrupt, reported as a catalog that
-        # cannot be written.
-        with contextlib.suppress(sqlite3.Error):
-            if db.in_transaction:
-                db.execute("ROLLBACK")
-            db.execute("DETACH DATABASE old")
+        _detach(db, "old")
+
+
+def _detach(db: sqlite3.Connection, name: str) -> None:
+    """The database ``name`` ATTACHed to ``db`` let go, after the transaction left open, if any. An interrupt
+    (Ctrl-C, a stop signal's exception) inside it leaves it open, where a DETACH fails ("database old is
+    locked"): that error replaced the interrupt, reported as a catalog that cannot be written. No error of this
+    clean-up replaces what is raised."""
+    with contextlib.suppress(sqlite3.Error):
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        db.execute(f"DETACH DATABASE {name}")
 
 
 #: ``current_catalog``: the catalog describes the source as it is now.
