@@ -212,7 +212,8 @@ def profile_store(store: Store, *, decoder: str | None = None, threads: int | No
             try:
                 timed, search_result, runs = _measured_search(
                     store, command_of, first=chosen, images=images, repeats=repeats, timeout=run_timeout,
-                    cache_share=cache_share, timed_epoch=timed_epoch, progress=progress)
+                    cache_share=cache_share, timed_epoch=timed_epoch, progress=progress,
+                    max_bytes=None if run_images else runprofile.COPY_BYTES)  # (--run-images N: N images)
             except ProfileError as exc:
                 if run is not None:
                     raise
@@ -268,10 +269,12 @@ def _why_no_search(store: Store, target_rate: float | None) -> str | None:
 
 
 def _measured_search(store: Store, command_of: Callable[[int], str], *, first: float, images: int, repeats: int,
-                     timeout: float, cache_share: float, timed_epoch: int, progress: Callable[[str], None]
+                     timeout: float, cache_share: float, timed_epoch: int, progress: Callable[[str], None],
+                     max_bytes: int | None = runprofile.COPY_BYTES
                      ) -> tuple[str, runprofile.SearchResult, list[runprofile.RunRate]]:
     """The binary search over the shares, each run timed through a mount of a scratch sample of ``images``
-    images at most; ``command_of``: the command, given how many the sample holds."""
+    images at most (fewer past ``max_bytes`` of originals); ``command_of``: the command, given how many the
+    sample holds."""
     runprofile.command_for(command_of(images), Path("/mnt"))  # a command without {mount}: before any copying
     dirs = store.local_dirs()
     assert dirs is not None  # _why_not_measured said so
@@ -279,7 +282,7 @@ def _measured_search(store: Store, command_of: Callable[[int], str], *, first: f
     mount_args = ["--cache-size", f"{cache_share * 100:g}%"] if cache_share else []
     runs: list[runprofile.RunRate] = []
     with runprofile.ScratchMounts(source, parent, images, mount_args=mount_args, progress=progress,
-                                  timed_from_epoch=timed_epoch) as scratch:
+                                  timed_from_epoch=timed_epoch, max_bytes=max_bytes) as scratch:
         command = command_of(scratch.images)
 
         def measure(share: float) -> float:

@@ -29,6 +29,7 @@ simulated pipelines.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -66,6 +67,11 @@ LIQUIDFS_WAIT = 300.0
 OUTPUT_KEPT = 1 << 20
 #: Fewer opens than this in a run cannot give a pace.
 MIN_OPENS = 20
+#: The measured search's copy of the dataset stops past this many bytes of originals (its raw objects take about
+#: three times as much beside them), once it holds ``COPY_FLOOR`` images: 256 images of 100 megapixels had it
+#: copy and prepare ~100 GB on the store's device. Cityscapes' 256 (2.5 MB each) fit.
+COPY_BYTES = 1 << 30
+COPY_FLOOR = 2 * MIN_OPENS
 SHARES = [i / 10 for i in range(11)]
 
 
@@ -332,9 +338,13 @@ class ScratchMounts:
     share at a time."""
 
     def __init__(self, source: Path, parent: Path, count: int, *, seed: int = 0, mount_args: Sequence[str] = (),
-                 timed_from_epoch: int = 1, progress: Callable[[str], None] = lambda s: None) -> None:
+                 timed_from_epoch: int = 1, progress: Callable[[str], None] = lambda s: None,
+                 max_bytes: int | None = COPY_BYTES) -> None:
         """``timed_from_epoch``: each run's pace from that epoch's first open on, as the mount's cache counts
-        epochs (mount_args must give it a ``--cache-size``), where the command reads that far."""
+        epochs (mount_args must give it a ``--cache-size``), where the command reads that far. ``max_bytes``:
+        the copy stops past that many bytes of originals, once it holds ``COPY_FLOOR`` images (None: ``count``
+        images, as ``--run-images N`` asks)."""
+        self.max_bytes = max_bytes
         self.source = source
         self.mount_args = list(mount_args)
         self.timed_from_epoch = timed_from_epoch
@@ -359,8 +369,11 @@ class ScratchMounts:
             raise ProfileError(f"{self.source}: {len(paths)} images; the measured search needs at least "
                                f"{MIN_OPENS}")
         self.progress(f"copying a sample of {len(paths)} images in the dataset's layout")
-        copied = 0
+        copied = copied_bytes = 0
         for rel in paths:
+            if self.max_bytes is not None and copied_bytes >= self.max_bytes and copied >= COPY_FLOOR:
+                self.progress(f"the sample stops at {copied} images, {copied_bytes / 1e9:.1f} GB of originals")
+                break
             target = self.src / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -370,10 +383,14 @@ class ScratchMounts:
                 source = open_under(os.fsencode(self.source), os.fsencode(rel))
                 with open(source, "rb") as fin, open(target, "xb") as fout:
                     shutil.copyfileobj(fin, fout, 1 << 20)
+                    copied_bytes += fout.tell()
                 copied += 1
             except OSError as exc:
-                log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
                 target.unlink(missing_ok=True)
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):  # every copy after it fails alike: said as it is
+                    raise ProfileError(f"no room under {self.root} for the measured search's sample (after "
+                                       f"{copied} images): free some, or give --run-images fewer") from None
+                log.info("profile sample: %s left out: %s", rel, exc.strerror or exc)
         if copied < MIN_OPENS:
             raise ProfileError(f"{self.source}: only {copied} images could be read for the measured search")
         return copied

@@ -332,3 +332,36 @@ def test_a_mount_of_the_sample_that_never_ends_is_a_message(monkeypatch: pytest.
     monkeypatch.setattr(measured.reexec, "run", never_ends)
     with pytest.raises(ProfileError, match="did not end within"):
         ScratchMounts._liquidfs(object(), "umount", "/x")  # type: ignore[arg-type]
+
+
+def test_the_measured_searchs_copy_stops_past_its_bytes_and_says_a_full_disk(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 images of 100 megapixels had the measured search copy (and prepare raw) ~100 GB on the store's device:
+    the copy stops past ``COPY_BYTES`` of originals once it holds ``COPY_FLOOR`` images (``--run-images N``: N).
+    A full disk was one image left out after another ("only N images could be read"): said as it is."""
+    import errno
+    import shutil
+
+    from liquidfs.profile import measured
+    from liquidfs.stores.sample import ProfileError
+
+    source = tmp_path / "data"
+    for i in range(60):
+        (source / f"d{i % 3}").mkdir(parents=True, exist_ok=True)
+        (source / f"d{i % 3}" / f"{i}.png").write_bytes(bytes(1000))
+
+    def scratch(name: str, max_bytes: int | None) -> measured.ScratchMounts:
+        made = object.__new__(measured.ScratchMounts)
+        made.source, made.root, made.progress, made.max_bytes = source, tmp_path / name, lambda s: None, max_bytes
+        made.src = made.root / "data"
+        return made
+
+    assert scratch("bounded", 10_000)._copy(60, 0) == measured.COPY_FLOOR
+    assert scratch("asked", None)._copy(60, 0) == 60
+
+    def full(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(shutil, "copyfileobj", full)
+    with pytest.raises(ProfileError, match="no room under"):
+        scratch("full", None)._copy(60, 0)
