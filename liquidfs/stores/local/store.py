@@ -146,6 +146,7 @@ class LocalStore:
         self._subdirs: dict[str, os.stat_result] = {}  # objects/<sub>, stat-ed once by ``exists``
         self._held: tuple[int, int] | None = None  # the first reader's directories (``reader``), for the process
         self._root_fd: int | None = None  # the source root, held while a prepare runs (``since_scan``)
+        self._root_id: tuple[int, int] | None = None  # its (st_dev, st_ino), which the workers check
 
     @classmethod
     def given(cls, source: str | os.PathLike[str], store: str | os.PathLike[str] | None) -> LocalStore:
@@ -237,6 +238,8 @@ class LocalStore:
                 # The copy prepare reads its source root from (``catalog.source``) must name this source: the
                 # catalog may have been replaced since open_or_build checked it.
                 self._root_fd = open_dir(self.source_root(work.catalog))
+                root_st = os.fstat(self._root_fd)
+                self._root_id = (root_st.st_dev, root_st.st_ino)
                 # After a failure the catalog is published all the same: the selection is unchanged, and what was
                 # expanded is known to the next run.
                 published = False  # a publish begun
@@ -257,7 +260,7 @@ class LocalStore:
             finally:
                 if self._root_fd is not None:
                     os.close(self._root_fd)
-                    self._root_fd = None
+                    self._root_fd = self._root_id = None
                 work.discard()  # after a publish: nothing left to do
         finally:
             os.close(held)
@@ -277,12 +280,8 @@ class LocalStore:
 
     def expansion_job(self, root: bytes, node: Node, obj: str, raw_formats: tuple[str, ...]) -> Job:
         # The workers reach the root by its path: they check it is still the directory this run holds open.
-        root_id = None
-        if self._root_fd is not None:
-            st = os.fstat(self._root_fd)
-            root_id = (st.st_dev, st.st_ino)
         return expand_one, (root, node.path, str(self.store_dir), obj, node.size, node.mtime_ns, node.etag,
-                            raw_formats, root_id)
+                            raw_formats, self._root_id)
 
     def exists(self, obj: str, size: int | None = None, stamp: str | None = None) -> bool:
         # A catalog row names it: only a name prepare gives counts, never a path anywhere else. And only where a
